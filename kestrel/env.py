@@ -1,0 +1,38 @@
+"""Every KESTREL_* environment variable, typed, with its default. Nothing else reads os.environ."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def _str(name: str, default: str, choices: tuple[str, ...] | None = None) -> str:
+    value = os.environ.get(name, default).strip().lower()
+    if choices is not None and value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def _bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Env:
+    kda_backend: str
+    """KESTREL_KDA_BACKEND: auto (fla-core on CUDA, reference elsewhere) | naive | fla."""
+    log_level: str
+    """KESTREL_LOG_LEVEL: debug | info | warning | error."""
+    debug_naive_loop: bool
+    """KESTREL_NAIVE_LOOP: run the engine's simple non-overlapped loop (the debugging oracle)."""
+
+
+def read_env() -> Env:
+    return Env(
+        kda_backend=_str("KESTREL_KDA_BACKEND", "auto", ("auto", "naive", "fla")),
+        log_level=_str("KESTREL_LOG_LEVEL", "info", ("debug", "info", "warning", "error")),
+        debug_naive_loop=_bool("KESTREL_NAIVE_LOOP", False),
+    )

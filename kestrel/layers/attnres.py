@@ -1,0 +1,24 @@
+"""AttnRes mixing (model-spec 4). Each consumer (a layer's attention side, its MLP side, the output) owns a
+pseudo-query `*_res_proj.weight [1, D]` and a source-norm weight `*_res_norm.weight [D]`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kestrel.layers.linear import set_loader
+from kestrel.layers.norm import RMSNorm
+from kestrel.ops.attnres import attnres_mix
+
+
+class ResProj(nn.Module):
+    def __init__(self, dim: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight = set_loader(nn.Parameter(torch.zeros(1, dim, dtype=dtype)))  # zero init: uniform mixing
+
+
+def mix(sources: list[torch.Tensor], proj: ResProj, norm: RMSNorm) -> torch.Tensor:
+    """Softmax-mix the raw sources [T, D] with this consumer's pseudo-query; the pre-norm comes after."""
+    if len(sources) == 1:
+        return sources[0]  # softmax over one source is 1
+    return attnres_mix(torch.stack(sources), proj.weight.view(-1), norm.weight, norm.eps)

@@ -1,0 +1,106 @@
+"""Per-batch metadata that reaches the layers without passing through forward signatures.
+
+The runner (or the reference `generate()`) builds one `ForwardContext` per forward pass and enters
+`forward_context(ctx)`; layers read it with `get_forward_context()`. Tokens of all sequences are packed
+into one varlen batch: sequence i owns tokens cu_seqlens[i]:cu_seqlens[i+1], at absolute positions
+prefix_lens[i] .. prefix_lens[i] + new_lens[i] - 1.
+
+`cache` is the per-step view of whatever holds the per-request state (the dense reference cache of
+`kestrel.models.cache`, or the engine's paged pools). It implements `CacheView`. With `cache=None` the
+forward is stateless: every sequence starts from position 0 with zero KDA state (training, full forward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+class CacheView(Protocol):
+    """The per-request state of the sequences in one batch, in batch order."""
+
+    def kda_state(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(recurrent state [N, H, K, V] fp32, conv window [N, C, W - 1]) entering this batch."""
+        ...
+
+    def set_kda_state(self, layer_id: int, ssm: torch.Tensor, conv: torch.Tensor) -> None:
+        """Store the states after this batch (same shapes as `kda_state`)."""
+        ...
+
+    def write_kv(self, layer_id: int, kv: torch.Tensor, index_k: torch.Tensor | None) -> None:
+        """Store the latent KV [T, R + P] (and indexer keys [T, DI]) of this batch's new tokens."""
+        ...
+
+    def read_kv(self, layer_id: int, seq: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Latent KV [L, R + P] and indexer keys [L, DI] of sequence `seq`, positions 0..L-1, new tokens
+        included (L = prefix_lens[seq] + new_lens[seq])."""
+        ...
+
+
+@dataclass
+class ForwardContext:
+    positions: torch.Tensor  # [T] int64 absolute positions
+    cu_seqlens: torch.Tensor  # [N + 1] int64, new tokens per sequence, packed
+    new_lens: list[int]  # [N] new tokens per sequence (host copy)
+    prefix_lens: list[int]  # [N] tokens already cached per sequence (host copy)
+    cache: CacheView | None = None
+    # Filled by MoE layers when set to a dict: layer_id -> expert ids [T, A] (routing replay, RL).
+    routing_capture: dict | None = None
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.new_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence brings exactly one new token and has history (the recurrent/absorbed path)."""
+        return all(n == 1 for n in self.new_lens)
+
+    def seq_slice(self, i: int) -> slice:
+        start = sum(self.new_lens[:i])
+        return slice(start, start + self.new_lens[i])
+
+    @staticmethod
+    def build(
+        new_lens: list[int],
+        prefix_lens: list[int] | None = None,
+        cache: CacheView | None = None,
+        device: torch.device | str = "cpu",
+    ) -> ForwardContext:
+        prefix_lens = list(prefix_lens) if prefix_lens is not None else [0] * len(new_lens)
+        if len(prefix_lens) != len(new_lens) or any(n < 1 for n in new_lens):
+            raise ValueError(f"bad batch layout: new_lens={new_lens} prefix_lens={prefix_lens}")
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, new_lens)])
+        cu = torch.zeros(len(new_lens) + 1, dtype=torch.int64)
+        cu[1:] = torch.tensor(new_lens).cumsum(0)
+        return ForwardContext(positions.to(device), cu.to(device), list(new_lens), prefix_lens, cache)
+
+
+_ACTIVE: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _ACTIVE
+    if _ACTIVE is not None:
+        raise RuntimeError("forward_context does not nest: a forward pass is already in progress")
+    _ACTIVE = ctx
+    try:
+        yield ctx
+    finally:
+        _ACTIVE = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _ACTIVE is None:
+        raise RuntimeError("no forward context: run the model inside `with forward_context(ctx):`")
+    return _ACTIVE
+
+
+def has_forward_context() -> bool:
+    return _ACTIVE is not None

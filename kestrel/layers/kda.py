@@ -1,0 +1,122 @@
+"""Kimi Delta Attention layer (model-spec 1): projections, short conv, channel-wise gate, delta rule, norm-gate.
+
+Legend: T packed tokens, N sequences, H heads (local to this rank), K = V head dim, P = H * K, W conv width.
+The recurrence runs through the KDA backend registry: fla-core on CUDA, the plain-torch reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kestrel.config import ModelConfig
+from kestrel.layers.context import get_forward_context
+from kestrel.layers.linear import ColumnLinear, Linear, RowLinear, ShapeMismatch, copy_checked, set_loader
+from kestrel.layers.norm import RMSNorm
+from kestrel.ops.kda import gated_rms_norm, get_kda_backend, kda_gate, short_conv
+from kestrel.utils.dist import parallel_state
+
+QKV = ("q", "k", "v")
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        ps = parallel_state()
+        if config.kda_num_heads % ps.tp_size:
+            raise ValueError(f"KDA heads {config.kda_num_heads} not divisible by tp_size={ps.tp_size}")
+        self.layer_id = layer_id
+        self.num_heads = config.kda_num_heads // ps.tp_size
+        self.head_dim = config.kda_head_dim
+        self.proj_dim = self.num_heads * self.head_dim  # local P
+        self.conv_size = config.kda_conv_size
+        self.lower_bound = config.kda_gate_lower_bound
+        self.eps = config.rms_norm_eps
+        D, P, K = config.hidden_size, config.kda_proj_dim, config.kda_head_dim
+
+        self.qkv_proj = ColumnLinear(D, dtype=dtype, output_sizes=[P, P, P], shard_names=QKV)
+        # Depthwise conv over q|k|v channels, [3P_local, W]; checkpoints store [P, 1, W] per q, k, v.
+        self.conv_weight = set_loader(
+            nn.Parameter(torch.empty(3 * self.proj_dim, self.conv_size, dtype=dtype)), self._load_conv, QKV
+        )
+        self.f_a_proj = Linear(D, K, dtype=dtype)
+        self.f_b_proj = ColumnLinear(K, P, dtype=dtype)
+        self.b_proj = ColumnLinear(D, config.kda_num_heads, dtype=dtype)
+        if config.kda_full_rank_gate:
+            self.g_proj = ColumnLinear(D, P, dtype=dtype)
+        else:
+            self.g_a_proj = Linear(D, K, dtype=dtype)
+            self.g_b_proj = ColumnLinear(K, P, dtype=dtype)
+        self.A_log = set_loader(
+            nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32)), self._load_a_log
+        )
+        self.dt_bias = set_loader(
+            nn.Parameter(torch.empty(self.proj_dim, dtype=torch.float32)), self._load_head_sharded
+        )
+        self.o_norm = RMSNorm(K, config.rms_norm_eps, dtype=dtype)  # shared by all heads
+        self.o_proj = RowLinear(P, D, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, D]
+        ctx = get_forward_context()
+        T, H, K = x.shape[0], self.num_heads, self.head_dim
+        cache = ctx.cache
+        ssm, conv = cache.kda_state(self.layer_id) if cache is not None else (None, None)
+
+        qkv = self.qkv_proj(x)  # [T, 3P]
+        qkv, conv_out = short_conv(qkv, self.conv_weight, conv, ctx.cu_seqlens)  # [T, 3P], [N, 3P, W-1]
+        q, k, v = (t.reshape(1, T, H, K) for t in qkv.split(self.proj_dim, dim=-1))  # [1, T, H, K] each
+        g = kda_gate(
+            self.f_b_proj(self.f_a_proj(x)).view(1, T, H, K), self.A_log, self.dt_bias, self.lower_bound
+        )
+        beta = torch.sigmoid(self.b_proj(x).float()).view(1, T, H)  # [1, T, H]
+
+        backend = get_kda_backend(x.device)
+        run = backend.recurrent if (cache is not None and ctx.is_decode) else backend.chunk
+        o, ssm_out = run(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=ssm,
+            output_final_state=cache is not None,
+            use_qk_l2norm=True,
+            cu_seqlens=ctx.cu_seqlens,
+        )  # o [1, T, H, V]
+        if cache is not None:
+            cache.set_kda_state(self.layer_id, ssm_out, conv_out)
+
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))  # [T, P]
+        o = gated_rms_norm(o.view(T, H, K), gate.view(T, H, K), self.o_norm.weight, self.eps)  # [T, H, V]
+        return self.o_proj(o.reshape(T, self.proj_dim))
+
+    # -- weight loading ---------------------------------------------------------------------------------
+    def _load_conv(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str) -> None:
+        ps, P = parallel_state(), self.proj_dim
+        loaded = loaded.reshape(loaded.shape[0], -1)  # [P_full, W]
+        if loaded.shape != (P * ps.tp_size, self.conv_size):
+            raise ShapeMismatch(
+                f"{shard_id}_conv1d: checkpoint has {tuple(loaded.shape)}, "
+                f"model expects ({P * ps.tp_size}, 1, {self.conv_size})"
+            )
+        offset = QKV.index(shard_id) * P
+        copy_checked(
+            param.data[offset : offset + P], loaded.narrow(0, ps.tp_rank * P, P), f"{shard_id}_conv1d"
+        )
+
+    def _load_a_log(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        # Kimi-Linear stores [1, 1, H, 1]; K3 stores [>= H] and uses the first H entries (model-spec 1.2).
+        flat = loaded.reshape(-1)
+        heads = self.num_heads * parallel_state().tp_size
+        if flat.numel() < heads:
+            raise ShapeMismatch(f"A_log: checkpoint has {tuple(loaded.shape)}, model expects ({heads},)")
+        start = parallel_state().tp_rank * self.num_heads
+        copy_checked(param.data, flat[start : start + self.num_heads], "A_log")
+
+    def _load_head_sharded(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        ps, n = parallel_state(), param.shape[0]
+        if loaded.shape != (n * ps.tp_size,):
+            raise ShapeMismatch(
+                f"dt_bias: checkpoint has {tuple(loaded.shape)}, model expects ({n * ps.tp_size},)"
+            )
+        copy_checked(param.data, loaded.narrow(0, ps.tp_rank * n, n), "dt_bias")

@@ -1,0 +1,127 @@
+"""Gated multi-head latent attention (NoPE, as in Kimi) with an optional DSA lightning indexer.
+
+Legend: T packed tokens, H heads (local), R kv_lora_rank, Pr rope dims (scored, never rotated), Dn nope dims,
+Dv value dims, HI/DI indexer heads/dim, L cached tokens of one sequence.
+Per token the cache keeps the latent row [c_kv (R) | k_pe (Pr)] and, with DSA, one indexer key [DI].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kestrel.config import ModelConfig
+from kestrel.layers.context import get_forward_context
+from kestrel.layers.linear import ColumnLinear, Linear, RowLinear
+from kestrel.layers.norm import LayerNorm, RMSNorm
+from kestrel.ops.dsa import indexer_scores, topk_select
+from kestrel.ops.mla import mla_attention_absorbed, split_kv_b
+from kestrel.utils.dist import parallel_state
+
+# DeepSeek's MLA and indexer norms use a fixed eps (transformers and the reference code agree).
+LATENT_NORM_EPS = 1e-6
+
+
+class Indexer(nn.Module):
+    """DSA lightning indexer (model-spec 2.3), NoPE: I[t, s] = sum_j w[t, j] relu(q[t, j] . k[s]) / sqrt(DI)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = (
+            config.index_n_heads,
+            config.index_head_dim,
+            config.index_topk,
+        )
+        q_in = config.q_lora_rank or config.hidden_size  # reads the MLA q latent when there is one
+        q_out = self.n_heads * self.head_dim
+        if config.q_lora_rank:
+            self.wq_b = Linear(q_in, q_out, dtype=dtype)
+        else:
+            self.wq = Linear(q_in, q_out, dtype=dtype)
+        self.wk = Linear(config.hidden_size, self.head_dim, dtype=dtype)
+        self.k_norm = LayerNorm(self.head_dim, LATENT_NORM_EPS, dtype=dtype)
+        self.weights_proj = Linear(config.hidden_size, self.n_heads, dtype=dtype)
+
+    def keys(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, DI]
+        return self.k_norm(self.wk(x))
+
+    def queries(self, x: torch.Tensor, c_q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        q = self.wq_b(c_q) if hasattr(self, "wq_b") else self.wq(x)
+        q = q.view(x.shape[0], self.n_heads, self.head_dim)  # [T, HI, DI]
+        w = self.weights_proj(x).float() * self.n_heads**-0.5  # [T, HI]
+        return q, w
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        ps = parallel_state()
+        if config.num_attention_heads % ps.tp_size:
+            raise ValueError(f"MLA heads {config.num_attention_heads} not divisible by tp_size={ps.tp_size}")
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads // ps.tp_size
+        self.nope_dim, self.rope_dim, self.v_dim = (
+            config.qk_nope_head_dim,
+            config.qk_rope_head_dim,
+            config.v_head_dim,
+        )
+        self.kv_lora_rank = config.kv_lora_rank
+        self.scale = config.qk_head_dim**-0.5
+        D, Hf = config.hidden_size, config.num_attention_heads
+
+        if config.q_lora_rank:
+            self.q_a_proj = Linear(D, config.q_lora_rank, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS, dtype=dtype)
+            self.q_b_proj = ColumnLinear(config.q_lora_rank, Hf * config.qk_head_dim, dtype=dtype)
+        else:
+            self.q_proj = ColumnLinear(D, Hf * config.qk_head_dim, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(D, config.kv_cache_dim, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LATENT_NORM_EPS, dtype=dtype)
+        self.kv_b_proj = ColumnLinear(config.kv_lora_rank, Hf * (self.nope_dim + self.v_dim), dtype=dtype)
+        if config.mla_output_gate:
+            self.g_proj = ColumnLinear(D, Hf * self.v_dim, dtype=dtype)
+        self.o_proj = RowLinear(Hf * self.v_dim, D, dtype=dtype)
+        self.indexer = Indexer(config, dtype) if config.use_dsa else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, D]
+        ctx = get_forward_context()
+        T, H = x.shape[0], self.num_heads
+        c_q = None
+        if hasattr(self, "q_a_proj"):
+            c_q = self.q_a_layernorm(self.q_a_proj(x))  # [T, Rq]
+            q = self.q_b_proj(c_q)
+        else:
+            q = self.q_proj(x)
+        q_nope, q_pe = q.view(T, H, -1).split(
+            [self.nope_dim, self.rope_dim], dim=-1
+        )  # [T, H, Dn], [T, H, Pr]
+
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv_new = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)  # [T, R + Pr]
+        idx_k_new = self.indexer.keys(x) if self.indexer is not None else None  # [T, DI]
+        if ctx.cache is not None:
+            ctx.cache.write_kv(self.layer_id, kv_new, idx_k_new)
+        if self.indexer is not None:
+            idx_q, idx_w = self.indexer.queries(x, c_q)  # [T, HI, DI], [T, HI]
+
+        w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, H, self.nope_dim, self.v_dim)  # [H, Dn, R], [H, Dv, R]
+        outs = []
+        for i in range(ctx.num_seqs):
+            sl = ctx.seq_slice(i)
+            if ctx.cache is not None:
+                kv, idx_k = ctx.cache.read_kv(self.layer_id, i)  # [L, R + Pr], [L, DI]
+            else:
+                kv, idx_k = kv_new[sl], idx_k_new[sl] if idx_k_new is not None else None
+            q_pos = ctx.positions[sl]
+            indices = None
+            if self.indexer is not None:
+                scores = indexer_scores(idx_q[sl], idx_k, idx_w[sl], self.indexer.head_dim**-0.5)  # [t, L]
+                indices = topk_select(scores, q_pos, self.indexer.topk)  # [t, topk]
+            outs.append(
+                mla_attention_absorbed(q_nope[sl], q_pe[sl], kv, w_uk, w_uv, q_pos, self.scale, indices)
+            )
+        out = torch.cat(outs)  # [T, H, Dv]
+
+        if hasattr(self, "g_proj"):
+            out = out * torch.sigmoid(self.g_proj(x).float()).view(T, H, self.v_dim).to(out.dtype)
+        return self.o_proj(out.reshape(T, H * self.v_dim))

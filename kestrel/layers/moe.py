@@ -1,0 +1,150 @@
+"""Dense GLU MLP and the MoE block: sigmoid router with correction bias, routed experts (optionally latent),
+shared experts (model-spec 3).
+
+Legend: T tokens, D hidden, E experts (local to this rank under EP), A experts per token, I expert width,
+Din the experts' input width (D, or the latent width of K3's latent MoE).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kestrel.config import ModelConfig
+from kestrel.layers.context import get_forward_context, has_forward_context
+from kestrel.layers.linear import ColumnLinear, Linear, RowLinear, ShapeMismatch, copy_checked, set_loader
+from kestrel.layers.norm import RMSNorm
+from kestrel.ops.activation import glu_act
+from kestrel.ops.moe import moe_experts, route
+from kestrel.ops.norm import rms_norm
+from kestrel.utils.dist import parallel_state
+
+ALL_EXPERTS = "all"  # shard id of a checkpoint tensor that holds every expert stacked (transformers layout)
+
+
+class DenseMLP(nn.Module):
+    """down(act(gate(x), up(x))); gate and up are one merged projection."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.act, self.beta, self.linear_beta = config.hidden_act, config.situ_beta, config.situ_linear_beta
+        I = intermediate_size
+        self.gate_up_proj = ColumnLinear(
+            config.hidden_size, dtype=dtype, output_sizes=[I, I], shard_names=("gate", "up")
+        )
+        self.down_proj = RowLinear(I, config.hidden_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(glu_act(self.gate_up_proj(x), self.act, self.beta, self.linear_beta))
+
+
+class Router(nn.Module):
+    """Router weight [E, D] and correction bias [E], both fp32 (the bias steers selection only)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.weight = set_loader(nn.Parameter(torch.empty(config.num_experts, config.hidden_size)))
+        self.e_score_correction_bias = set_loader(
+            nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() @ self.weight.float().t()  # [T, E] fp32 logits
+
+
+class Experts(nn.Module):
+    """Routed experts stacked: w13 [E, 2I, Din] (gate rows, then up rows), w2 [E, Din, I]."""
+
+    def __init__(self, num_experts: int, in_size: int, inter_size: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        ps = parallel_state()
+        if num_experts % ps.ep_size:
+            raise ValueError(f"{num_experts} experts not divisible by ep_size={ps.ep_size}")
+        self.num_local = num_experts // ps.ep_size
+        self.first = ps.ep_rank * self.num_local
+        self.in_size, self.inter_size = in_size, inter_size
+        local = range(self.first, self.first + self.num_local)
+        self.w13 = set_loader(
+            nn.Parameter(torch.empty(self.num_local, 2 * inter_size, in_size, dtype=dtype)),
+            self._load,
+            [(e, p) for e in local for p in ("w1", "w3")],
+        )
+        self.w2 = set_loader(
+            nn.Parameter(torch.empty(self.num_local, in_size, inter_size, dtype=dtype)),
+            self._load,
+            [(e, "w2") for e in local],
+        )
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id) -> None:
+        expert, part = shard_id
+        I = self.inter_size
+        if expert == ALL_EXPERTS:  # [E, 2I, Din] or [E, Din, I], every expert at once
+            n = self.num_local
+            full = (n * parallel_state().ep_size, *param.shape[1:])
+            if tuple(loaded.shape) != full:
+                raise ShapeMismatch(
+                    f"experts.{part}: checkpoint has {tuple(loaded.shape)}, model expects {full}"
+                )
+            copy_checked(param.data, loaded.narrow(0, self.first, n), f"experts.{part}")
+            return
+        local = expert - self.first
+        if not 0 <= local < self.num_local:
+            return  # another rank's expert
+        rows = {"w1": slice(0, I), "w3": slice(I, 2 * I), "w2": slice(None)}[part]
+        copy_checked(param.data[local, rows], loaded, f"experts.{expert}.{part}")
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.layer_id = layer_id
+        self.top_k, self.renormalize = config.num_experts_per_token, config.moe_renormalize
+        self.scaling, self.groups, self.topk_groups = (
+            config.routed_scaling_factor,
+            config.num_expert_group,
+            config.topk_group,
+        )
+        self.act, self.beta, self.linear_beta = config.hidden_act, config.situ_beta, config.situ_linear_beta
+        self.eps = config.rms_norm_eps
+        self.gate = Router(config)
+        self.experts = Experts(
+            config.num_experts, config.expert_input_size, config.moe_intermediate_size, dtype
+        )
+        if config.routed_expert_hidden_size is not None:
+            lat = config.routed_expert_hidden_size
+            self.routed_expert_down_proj = Linear(config.hidden_size, lat, dtype=dtype)
+            self.routed_expert_up_proj = Linear(lat, config.hidden_size, dtype=dtype)
+            self.routed_expert_norm = (
+                RMSNorm(lat, self.eps, dtype=dtype) if config.latent_moe_use_norm else None
+            )
+        self.shared_experts = (
+            DenseMLP(config, config.moe_intermediate_size * config.num_shared_experts, dtype)
+            if config.num_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D]
+        weights, ids = route(
+            self.gate(x),
+            self.gate.e_score_correction_bias,
+            self.top_k,
+            self.renormalize,
+            self.scaling,
+            self.groups,
+            self.topk_groups,
+        )  # [T, A] fp32, [T, A]
+        if has_forward_context() and get_forward_context().routing_capture is not None:
+            get_forward_context().routing_capture[self.layer_id] = ids
+        ids = ids - self.experts.first  # global -> local ids (single rank: unchanged)
+        latent = hasattr(self, "routed_expert_down_proj")
+        h = self.routed_expert_down_proj(x) if latent else x  # [T, Din]
+        routed = moe_experts(
+            h, self.experts.w13, self.experts.w2, weights, ids, self.act, self.beta, self.linear_beta
+        )
+        if latent:
+            if self.routed_expert_norm is not None:
+                routed = rms_norm(routed, self.routed_expert_norm.weight, self.eps)
+            routed = self.routed_expert_up_proj(routed)  # [T, D]
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(x)
+        return routed

@@ -1,0 +1,111 @@
+"""The Kimi hybrid model, declared from its config: KDA | gated MLA (+DSA) token mixers, dense | MoE MLPs,
+and either a pre-norm residual stream or AttnRes block mixing (model-spec 4-5).
+
+No scheduling, allocation or graph code here: per-batch layout and caches arrive through the
+ForwardContext (kestrel.layers.context). Inputs are packed varlen token ids [T].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kestrel.config import KDA, MOE, ModelConfig
+from kestrel.layers.attnres import ResProj, mix
+from kestrel.layers.context import ForwardContext, forward_context, has_forward_context
+from kestrel.layers.kda import KimiDeltaAttention
+from kestrel.layers.linear import Linear, set_loader
+from kestrel.layers.mla import MLAttention
+from kestrel.layers.moe import DenseMLP, MoE
+from kestrel.layers.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        D, eps = config.hidden_size, config.rms_norm_eps
+        kda = config.layer_types[layer_id] == KDA
+        self.self_attn = (
+            KimiDeltaAttention(config, layer_id, dtype) if kda else MLAttention(config, layer_id, dtype)
+        )
+        moe = config.mlp_types[layer_id] == MOE
+        self.mlp = MoE(config, layer_id, dtype) if moe else DenseMLP(config, config.intermediate_size, dtype)
+        self.input_layernorm = RMSNorm(D, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(D, eps, dtype)
+        if config.attn_res_block_size is not None:
+            self.self_attention_res_proj, self.self_attention_res_norm = (
+                ResProj(D, dtype),
+                RMSNorm(D, eps, dtype),
+            )
+            self.mlp_res_proj, self.mlp_res_norm = ResProj(D, dtype), RMSNorm(D, eps, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Pre-norm residual form: x + attn(norm(x)), then + mlp(norm(.))."""
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class KimiModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.config = config
+        D = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, D, dtype=dtype)
+        set_loader(self.embed_tokens.weight)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(D, config.rms_norm_eps, dtype)
+        if config.attn_res_block_size is not None:
+            self.output_attn_res_proj = ResProj(D, dtype)
+            self.output_attn_res_norm = RMSNorm(D, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> final normed hidden [T, D]
+        x = self.embed_tokens(input_ids)
+        if self.config.attn_res_block_size is None:
+            for layer in self.layers:
+                x = layer(x)
+            return self.norm(x)
+        return self._forward_attn_res(x)
+
+    def _forward_attn_res(self, x0: torch.Tensor) -> torch.Tensor:
+        """K3 block schedule (model-spec 4.2): a bank of completed block sums, plus the running partial sum.
+        A layer whose index is a multiple of the block size closes the previous block into the bank."""
+        block = self.config.attn_res_block_size
+        bank: list[torch.Tensor] = []
+        partial = x0
+        for i, layer in enumerate(self.layers):
+            if i % block == 0:
+                bank.append(partial)
+                sources = bank
+            else:
+                sources = bank + [partial]
+            h = layer.input_layernorm(
+                mix(sources, layer.self_attention_res_proj, layer.self_attention_res_norm)
+            )
+            a = layer.self_attn(h)
+            partial = a if i % block == 0 else partial + a
+            h = layer.post_attention_layernorm(mix(bank + [partial], layer.mlp_res_proj, layer.mlp_res_norm))
+            partial = partial + layer.mlp(h)
+        return self.norm(mix(bank + [partial], self.output_attn_res_proj, self.output_attn_res_norm))
+
+
+class KimiForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.config = config
+        self.model = KimiModel(config, dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T] packed -> logits [T, V] (or [len(logits_indices), V]).
+
+        Runs inside the active ForwardContext; without one, `input_ids` is one sequence with no cache.
+        """
+        if not has_forward_context():
+            with forward_context(ForwardContext.build([input_ids.shape[0]], device=input_ids.device)):
+                return self.forward(input_ids, logits_indices)
+        h = self.model(input_ids)  # [T, D]
+        if logits_indices is not None:
+            h = h[logits_indices]
+        return self.lm_head(h)

@@ -1,0 +1,83 @@
+"""Build a model: random weights from a config (presets, tests, `init-random`) or weights from a checkpoint."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kestrel.config import ModelConfig
+from kestrel.layers.attnres import ResProj
+from kestrel.layers.kda import KimiDeltaAttention
+from kestrel.layers.moe import Experts, Router
+from kestrel.layers.norm import LayerNorm, RMSNorm
+from kestrel.models.kimi import KimiForCausalLM
+from kestrel.models.weights import load_weights
+from kestrel.presets import PRESETS, preset_config
+from kestrel.utils.errors import CheckpointError
+
+
+@torch.no_grad()
+def init_random_weights(model: KimiForCausalLM, seed: int = 0, std: float = 0.02) -> KimiForCausalLM:
+    """Deterministic random weights in the spirit of fla/transformers init: normal(0, std) matrices, unit norms,
+    zero AttnRes queries, KDA A_log = log U(1, 16) and dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 0.1]."""
+    g = torch.Generator().manual_seed(seed)
+
+    def normal_(t: torch.Tensor, scale: float = std):
+        t.copy_(torch.randn(t.shape, generator=g) * scale)
+
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, LayerNorm)):
+            module.weight.fill_(1.0)
+            if isinstance(module, LayerNorm):
+                module.bias.zero_()
+        elif isinstance(module, ResProj):
+            module.weight.zero_()
+        elif isinstance(module, KimiDeltaAttention):
+            module.A_log.copy_(torch.empty(module.A_log.shape).uniform_(1, 16, generator=g).log())
+            dt = torch.empty(module.dt_bias.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=g).exp()
+            module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            bound = module.conv_size**-0.5
+            module.conv_weight.copy_(
+                torch.empty(module.conv_weight.shape).uniform_(-bound, bound, generator=g)
+            )
+        elif isinstance(module, Router):
+            normal_(module.weight)
+            module.e_score_correction_bias.zero_()
+        elif isinstance(module, Experts):
+            normal_(module.w13)
+            normal_(module.w2)
+        elif isinstance(module, (nn.Embedding,)):
+            normal_(module.weight)
+    for name, param in model.named_parameters():
+        if name.endswith(".weight") and param.dim() == 2 and not _initialized(name):
+            normal_(param)
+    return model
+
+
+def _initialized(name: str) -> bool:
+    return name.endswith(("res_proj.weight", "embed_tokens.weight", "mlp.gate.weight"))
+
+
+def build_model(
+    model: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0
+) -> KimiForCausalLM:
+    """A preset name (random weights, seeded) or a checkpoint folder (config.json + safetensors)."""
+    path = Path(model)
+    if not path.exists() and model in PRESETS:
+        config = preset_config(model)
+        with torch.device(device):
+            return init_random_weights(KimiForCausalLM(config, dtype), seed).to(device)
+    if not path.exists():
+        raise CheckpointError(
+            f"model {model!r}: no such checkpoint folder (or preset: {', '.join(sorted(PRESETS))})"
+        )
+    if not path.is_dir():
+        raise CheckpointError(f"model {model!r}: expected a checkpoint folder, got a file")
+    config = ModelConfig.from_hf(path)
+    with torch.device(device):
+        net = KimiForCausalLM(config, dtype)  # uninitialized storage: the loader fills every parameter
+    load_weights(net, path)
+    return net

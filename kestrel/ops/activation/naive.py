@@ -1,0 +1,32 @@
+"""Gated activations of the GLU MLPs (model-spec section 3.2), computed in fp32."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up."""
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """SiTU (Kimi K3): beta*tanh(gate/beta)*sigmoid(gate) * linear_beta*tanh(up/linear_beta).
+
+    A soft-capped SiLU on the gate branch times a soft-capped linear up branch.
+    """
+    a, b = gate.float(), up.float()
+    capped_gate = beta * torch.tanh(a / beta) * torch.sigmoid(a)
+    capped_up = linear_beta * torch.tanh(b / linear_beta)
+    return (capped_gate * capped_up).to(gate.dtype)
+
+
+def glu_act(gate_up: torch.Tensor, act: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+    """Split `[..., 2I]` into gate and up halves and apply `act` ('silu' or 'situ')."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if act == "silu":
+        return swiglu(gate, up)
+    if act == "situ":
+        return situ(gate, up, situ_beta, situ_linear_beta)
+    raise ValueError(f"unknown activation {act!r}")

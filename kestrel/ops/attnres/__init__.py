@@ -1,0 +1,3 @@
+from kestrel.ops.attnres.naive import attnres_mix
+
+__all__ = ["attnres_mix"]

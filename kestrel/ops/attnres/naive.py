@@ -1,0 +1,26 @@
+"""Attention Residuals (AttnRes) mixing (model-spec 4.1).
+
+Legend: S sources, T tokens, D hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def attnres_mix(
+    sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Softmax-weighted sum of the raw sources, in fp32.
+
+    sources [S, T, D]; query [D] (`*_res_proj.weight` flattened); norm_weight [D] (`*_res_norm.weight`).
+    e_j = (norm_weight * query) . (r_j / sqrt(mean(r_j^2) + eps)); p = softmax_j(e); mix = sum_j p_j r_j.
+    Returns mix [T, D] in sources.dtype (the caller applies the sublayer's output RMSNorm).
+    """
+    r = sources.float()  # [S, T, D]
+    keys = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps)  # [S, T, D]
+    # the norm weight folds into the query: (w * k) . q == k . (w * q)
+    q = (norm_weight.float() * query.float()).flatten()  # [D]
+    p = torch.softmax(keys @ q, dim=0)  # [S, T]
+    mix = (p[..., None] * r).sum(0)  # [T, D]
+    return mix.to(sources.dtype)

@@ -1,0 +1,62 @@
+"""DeepSeek sparse attention (DSA) lightning indexer and exact top-k references (model-spec 2.3, 2.5).
+
+Legend: T queries of one sequence, L cached tokens, HI indexer heads, DI indexer head dim, k = index_topk.
+The single tie rule used everywhere in Kestrel: higher score first; equal scores -> lower position first.
+Candidates of the query at position p are positions 0..p (causal, itself included); when fewer than k are
+visible, all visible positions are selected. NaN scores count as invalid (never selected).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def indexer_scores(
+    q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """I[t, s] = sum_j weights[t, j] * relu(q_idx[t, j] . k_idx[s]) * scale, in fp32.
+
+    q_idx [T, HI, DI], k_idx [L, DI], weights [T, HI] (the layer folds HI ** -0.5 into them),
+    scale = DI ** -0.5. Returns [T, L] fp32 (no causal mask applied).
+    """
+    logits = torch.einsum("tjd,sd->tjs", q_idx.float(), k_idx.float())  # [T, HI, L]
+    scores = torch.einsum("tj,tjs->ts", weights.float(), torch.relu(logits))  # [T, L]
+    return scores * scale
+
+
+def topk_select(scores: torch.Tensor, q_pos: torch.Tensor, k: int) -> torch.Tensor:
+    """Exact causal top-k with the tie rule above.
+
+    scores [T, L] fp32, q_pos [T] int64 (query t sees positions 0..q_pos[t]).
+    Returns indices [T, k] int64: the selected positions in rank order (best first), -1 in unused slots.
+
+    Only NaN and the causal mask make a position invalid. An infinite score is a real score: +inf ranks
+    above every finite one and -inf below every finite one, but a valid -inf still beats any invalid position.
+    Equal scores compare by IEEE equality (so -0.0 ties with +0.0) and fall back to the lower position.
+    """
+    T, L = scores.shape
+    pos = torch.arange(L, device=scores.device)  # [L]
+    valid = (pos[None, :] <= q_pos[:, None]) & ~torch.isnan(scores)  # [T, L]
+    key = scores.masked_fill(~valid, float("-inf"))  # [T, L]
+    # A stable sort keeps position order inside every group of equal scores: the tie rule.
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices  # [T, L]
+    # Invalid entries share -inf with valid -inf scores; a second stable sort moves every valid entry first
+    # while keeping the (score desc, position asc) order among valid entries.
+    regroup = torch.sort(valid.gather(1, order).to(torch.int8), dim=-1, descending=True, stable=True).indices
+    order = order.gather(1, regroup)  # [T, L] valid entries first, best first
+    n = min(k, L)
+    top = order[:, :n]  # [T, n]
+    top = torch.where(valid.gather(1, top), top, -1)  # [T, n]
+    if k > n:
+        top = torch.cat([top, top.new_full((T, k - n), -1)], dim=1)  # [T, k]
+    return top
+
+
+def selection_mask(indices: torch.Tensor, length: int) -> torch.Tensor:
+    """indices [T, k] (-1 = unused) -> bool mask [T, length], True at selected positions."""
+    assert bool(((indices >= -1) & (indices < length)).all()), "selection index out of range"
+    T = indices.shape[0]
+    mask = torch.zeros(T, length + 1, dtype=torch.bool, device=indices.device)  # [T, length + 1]
+    # The extra column `length` soaks up the -1 padding.
+    mask.scatter_(1, torch.where(indices < 0, length, indices).long(), True)
+    return mask[:, :length]  # [T, length]

@@ -1,0 +1,69 @@
+"""KDA ops: plain-torch references and a small backend registry (naive everywhere, fla-core on CUDA).
+
+A backend provides `chunk` (prefill) and `recurrent` (decode) with the signatures of `naive.chunk_kda`
+(minus chunk_size) and `naive.recurrent_kda`. KESTREL_KDA_BACKEND picks one (see kestrel.env).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kestrel.env import read_env
+from kestrel.ops.kda.naive import chunk_kda, gated_rms_norm, kda_gate, l2norm, recurrent_kda, short_conv
+
+__all__ = [
+    "KDABackend",
+    "chunk_kda",
+    "gated_rms_norm",
+    "get_kda_backend",
+    "kda_gate",
+    "l2norm",
+    "recurrent_kda",
+    "short_conv",
+]
+
+
+@dataclass(frozen=True)
+class KDABackend:
+    name: str
+    chunk: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    recurrent: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+NAIVE = KDABackend("naive", chunk_kda, recurrent_kda)
+
+
+def _fla_backend() -> KDABackend:
+    from kestrel.ops.kda import fla  # imports fla-core and triton
+
+    return KDABackend("fla", fla.chunk, fla.recurrent)
+
+
+def get_kda_backend(device: torch.device) -> KDABackend:
+    """The KDA backend for tensors on `device`, as KESTREL_KDA_BACKEND (auto | naive | fla) asks."""
+    device = torch.device(device)
+    choice = read_env().kda_backend
+    if choice == "naive":
+        return NAIVE
+    if choice == "fla":
+        if device.type != "cuda":
+            raise RuntimeError(
+                f"KESTREL_KDA_BACKEND=fla needs a CUDA device, but the model is on {device}; "
+                "use KESTREL_KDA_BACKEND=naive or auto"
+            )
+        try:
+            return _fla_backend()
+        except ImportError as e:
+            raise RuntimeError(
+                f"KESTREL_KDA_BACKEND=fla but fla-core / triton cannot be imported ({e}); "
+                "install fla-core>=0.6.0 and triton, or use KESTREL_KDA_BACKEND=naive"
+            ) from e
+    if device.type == "cuda":
+        try:
+            return _fla_backend()
+        except ImportError:
+            pass
+    return NAIVE

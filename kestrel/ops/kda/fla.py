@@ -1,0 +1,74 @@
+"""KDA on CUDA through fla-core 0.6.0's Triton kernels (model-spec 1.6).
+
+Same signatures and results as the references in `naive.py` (`chunk` = `chunk_kda` without chunk_size,
+`recurrent` = `recurrent_kda`). Imported only when the fla backend is selected. We hand fla a precomputed
+log-space g and a post-sigmoid beta, and keep its default K-first state layout [N, H, K, V].
+"""
+
+from __future__ import annotations
+
+import torch
+from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+
+def chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked prefill (fla `chunk_kda`, chunk size 64).
+    Returns (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None)."""
+    if initial_state is not None:
+        initial_state = initial_state.float()  # chunk_kda asserts an fp32 initial state
+    o, final_state = chunk_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+        cu_seqlens=cu_seqlens,
+    )
+    return o.to(v.dtype), final_state  # fla returns o in q.dtype
+
+
+def recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token decode (fla `fused_recurrent_kda`, forward only). Same results as `chunk`.
+
+    The kernel reads any initial-state dtype (as fp32) and writes a fresh fp32 final state; it never
+    updates initial_state in place.
+    """
+    o, final_state = fused_recurrent_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+        cu_seqlens=cu_seqlens,
+    )
+    return o.to(v.dtype), final_state

@@ -1,0 +1,3 @@
+from kestrel.ops.mla.naive import mla_attention_absorbed, mla_attention_expanded, split_kv_b
+
+__all__ = ["mla_attention_absorbed", "mla_attention_expanded", "split_kv_b"]

@@ -1,0 +1,103 @@
+"""Multi-head latent attention (MLA) references over a latent cache (model-spec 2.1-2.2), NoPE as in Kimi.
+
+Legend: T query tokens of one sequence, L cached tokens of that sequence (the new ones included), H heads,
+R kv_lora_rank, P qk_rope_head_dim, Dn qk_nope_head_dim, Dv v_head_dim, k selected tokens per query.
+Latent cache row of a token: [c_kv (R, already RMS-normed) | k_pe (P)].
+kv_b_proj weight [H * (Dn + Dv), R]; per head rows [0:Dn] give W_UK^h, rows [Dn:Dn+Dv] give W_UV^h.
+A query at position `q_pos[t]` sees cache rows 0..q_pos[t] (causal, itself included). With `indices`
+[T, k] (-1 = unused) it sees only those rows (the DSA selection); the softmax is over the visible rows only.
+Selected rows past q_pos[t] stay hidden (the selection is intersected with the causal set).
+"fp32 inside" means at least fp32: fp64 inputs are computed in fp64, so tests can compare tightly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kestrel.ops.dsa.naive import selection_mask
+
+
+def split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, nope_dim: int, v_dim: int):
+    """kv_b_proj weight [H*(Dn+Dv), R] -> (w_uk [H, Dn, R], w_uv [H, Dv, R])."""
+    w = kv_b_weight.unflatten(0, (num_heads, nope_dim + v_dim))  # [H, Dn + Dv, R]
+    w_uk, w_uv = w.split([nope_dim, v_dim], dim=1)  # [H, Dn, R], [H, Dv, R]
+    return w_uk, w_uv
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _visible(q_pos: torch.Tensor, length: int, indices: torch.Tensor | None) -> torch.Tensor:
+    """bool [T, L]: the cache rows each query attends to."""
+    pos = torch.arange(length, device=q_pos.device)  # [L]
+    visible = pos[None, :] <= q_pos[:, None]  # [T, L]
+    if indices is not None:
+        visible = visible & selection_mask(indices, length)  # [T, L]
+    assert bool(visible.any(dim=1).all()), "a query sees no cache row"
+    return visible
+
+
+def _probs(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """scores [T, H, L], visible [T, L] -> softmax over the visible rows [T, H, L]."""
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))  # [T, H, L]
+    return torch.softmax(scores, dim=-1)
+
+
+def mla_attention_expanded(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    v_dim: int,
+    indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """MHA form: expand every cached latent into per-head k_nope, v with kv_b_proj, then attend.
+
+    q_nope [T, H, Dn], q_pe [T, H, P], kv_cache [L, R + P], q_pos [T] int64 positions in [0, L).
+    score[t, h, s] = (q_nope . k_nope[s, h] + q_pe . k_pe[s]) * scale.
+    Returns o [T, H, Dv] in q_nope.dtype, fp32 inside.
+    """
+    dt = _compute_dtype(q_nope)
+    T, H, Dn = q_nope.shape
+    P = q_pe.shape[-1]
+    L, RP = kv_cache.shape
+    c_kv, k_pe = kv_cache.to(dt).split([RP - P, P], dim=-1)  # [L, R], [L, P]
+    w_uk, w_uv = split_kv_b(kv_b_weight.to(dt), H, Dn, v_dim)  # [H, Dn, R], [H, Dv, R]
+    k_nope = torch.einsum("hdr,lr->lhd", w_uk, c_kv)  # [L, H, Dn]
+    v = torch.einsum("hdr,lr->lhd", w_uv, c_kv)  # [L, H, Dv]
+    scores = torch.einsum("thd,lhd->thl", q_nope.to(dt), k_nope)  # [T, H, L]
+    scores = (scores + torch.einsum("thp,lp->thl", q_pe.to(dt), k_pe)) * scale  # [T, H, L]
+    p = _probs(scores, _visible(q_pos, L, indices))  # [T, H, L]
+    o = torch.einsum("thl,lhd->thd", p, v)  # [T, H, Dv]
+    return o.to(q_nope.dtype)
+
+
+def mla_attention_absorbed(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Absorbed (decode) form, same result as `mla_attention_expanded`:
+    q_lat^h = W_UK^h^T q_nope^h [R]; score = (q_lat . c_kv + q_pe . k_pe) * scale; o_lat = softmax @ c_kv;
+    o^h = W_UV^h o_lat^h.  w_uk [H, Dn, R], w_uv [H, Dv, R].
+    Returns o [T, H, Dv] in q_nope.dtype, fp32 inside.
+    """
+    dt = _compute_dtype(q_nope)
+    P = q_pe.shape[-1]
+    L, RP = kv_cache.shape
+    c_kv, k_pe = kv_cache.to(dt).split([RP - P, P], dim=-1)  # [L, R], [L, P]
+    q_lat = torch.einsum("thd,hdr->thr", q_nope.to(dt), w_uk.to(dt))  # [T, H, R]
+    scores = torch.einsum("thr,lr->thl", q_lat, c_kv)  # [T, H, L]
+    scores = (scores + torch.einsum("thp,lp->thl", q_pe.to(dt), k_pe)) * scale  # [T, H, L]
+    p = _probs(scores, _visible(q_pos, L, indices))  # [T, H, L]
+    o_lat = torch.einsum("thl,lr->thr", p, c_kv)  # [T, H, R]
+    o = torch.einsum("thr,hdr->thd", o_lat, w_uv.to(dt))  # [T, H, Dv]
+    return o.to(q_nope.dtype)

@@ -1,0 +1,377 @@
+"""Tokenizers: the `Tokenizer` interface, a checkpoint's HF tokenizer, a built-in byte tokenizer for tests,
+and the streaming helpers (incremental detokenization and stop strings)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from abc import ABC, abstractmethod
+
+from kestrel.utils.errors import CheckpointError
+
+BYTE_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")  # ids 256..260
+BYTE_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class Tokenizer(ABC):
+    """What the rest of Kestrel needs from a tokenizer."""
+
+    vocab_size: int  # including special tokens
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    pad_token_id: int | None
+
+    @abstractmethod
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Special-token strings in `text` become their ids; `add_special_tokens` adds e.g. a leading BOS."""
+
+    @abstractmethod
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Ids outside the vocabulary are skipped; invalid UTF-8 becomes U+FFFD."""
+
+    @abstractmethod
+    def id_to_token(self, i: int) -> str | None:
+        """The vocabulary entry for id `i` (byte-level tokens are printable stand-ins), None if unknown."""
+
+    @abstractmethod
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render OpenAI-style messages; list content has its text parts joined with newlines."""
+        return self._render_chat([_normalize_message(m) for m in messages], add_generation_prompt)
+
+
+def _normalize_message(message: dict) -> dict:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(f"each message must be a dict with a string 'role', got {message!r}")
+    content = message.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(f"unsupported message content part type {kind!r}; only 'text' is supported")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"a 'text' content part needs a string 'text', got {part!r}")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif not isinstance(content, str):
+        raise ValueError(f"message content must be a string or a list of parts, got {type(content).__name__}")
+    return {**message, "content": content}
+
+
+def _byte_level_alphabet() -> list[str]:
+    """The printable character the ByteLevel pre-tokenizer uses for each byte value (index = byte).
+
+    Printable Latin-1 bytes stand for themselves; the others get 256, 257, ... in byte order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    alphabet, shifted = [], 256
+    for b in range(256):
+        if b in printable:
+            alphabet.append(chr(b))
+        else:
+            alphabet.append(chr(shifted))
+            shifted += 1
+    return alphabet
+
+
+class ByteTokenizer(Tokenizer):
+    """Ids 0..255 are raw UTF-8 bytes, then five special tokens. For tests and tiny models."""
+
+    def __init__(self):
+        self.vocab_size = 256 + len(BYTE_SPECIAL_TOKENS)
+        self.bos_token_id, self.pad_token_id = 256, 258
+        self.eos_token_ids = (257, 260)
+        self._special_ids = {s: 256 + i for i, s in enumerate(BYTE_SPECIAL_TOKENS)}
+        self._special_pattern = re.compile("(" + "|".join(map(re.escape, BYTE_SPECIAL_TOKENS)) + ")")
+        self._alphabet = _byte_level_alphabet()
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = [self.bos_token_id] if add_special_tokens else []
+        for i, piece in enumerate(self._special_pattern.split(text)):
+            if i % 2:  # odd pieces are the captured special tokens
+                ids.append(self._special_ids[piece])
+            else:
+                ids.extend(_utf8(piece))
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        out, pending = [], bytearray()
+        for i in ids:
+            i = int(i)
+            if 0 <= i < 256:
+                pending.append(i)
+            elif 256 <= i < self.vocab_size and not skip_special_tokens:
+                out.append(pending.decode("utf-8", errors="replace") + BYTE_SPECIAL_TOKENS[i - 256])
+                pending.clear()
+        return "".join(out) + pending.decode("utf-8", errors="replace")
+
+    def id_to_token(self, i: int) -> str | None:
+        if 0 <= i < 256:
+            return self._alphabet[i]
+        return BYTE_SPECIAL_TOKENS[i - 256] if 256 <= i < self.vocab_size else None
+
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def _utf8(text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text is not valid Unicode (lone surrogate at position {e.start})") from None
+
+
+class HFTokenizer(Tokenizer):
+    """A checkpoint folder's tokenizer.json, tokenizer_config.json and (optional) generation_config.json."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as RustTokenizer
+
+        if not os.path.isdir(path):
+            raise CheckpointError(f"tokenizer folder not found: {path}")
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            raise CheckpointError(f"tokenizer.json not found in {path}")
+        try:
+            self._tok = RustTokenizer.from_file(file)
+        except Exception as e:
+            raise CheckpointError(f"cannot load {file}: {str(e).splitlines()[0]}") from None
+        config = _read_json(os.path.join(path, "tokenizer_config.json"))
+        self._check_added_tokens(config.get("added_tokens_decoder", {}), path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.bos_token, self.bos_token_id = self._special(config, "bos_token", path)
+        self.eos_token, eos_id = self._special(config, "eos_token", path)
+        _, self.pad_token_id = self._special(config, "pad_token", path)
+        extra_eos = _read_json(os.path.join(path, "generation_config.json")).get("eos_token_id", [])
+        extra_eos = [extra_eos] if isinstance(extra_eos, int) else extra_eos
+        self.eos_token_ids = tuple(dict.fromkeys(([] if eos_id is None else [eos_id]) + list(extra_eos)))
+        self._path = path
+        self._template = _compile_template(_pick_template(config, path), path)
+
+    def _special(self, config: dict, key: str, path: str) -> tuple[str | None, int | None]:
+        token = config.get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        if token is None:
+            return None, None
+        token_id = self._tok.token_to_id(token)
+        if token_id is None:
+            raise CheckpointError(f"{key} {token!r} in {path}/tokenizer_config.json is not in the vocabulary")
+        return token, token_id
+
+    def _check_added_tokens(self, added: dict, path: str) -> None:
+        """Add tokens that only tokenizer_config.json declares; every declared id must match."""
+        from tokenizers import AddedToken
+
+        for declared, entry in sorted(added.items(), key=lambda kv: int(kv[0])):
+            content = entry["content"]
+            if self._tok.token_to_id(content) is None:
+                token = AddedToken(content, special=entry.get("special", False), normalized=False)
+                (self._tok.add_special_tokens if token.special else self._tok.add_tokens)([token])
+            if self._tok.token_to_id(content) != int(declared):
+                raise CheckpointError(f"{path}: token {content!r} is not id {declared} in tokenizer.json")
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            _utf8(text)  # raises a clear ValueError for lone surrogates
+            raise
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._tok.id_to_token(i)
+
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        if self._template is None:
+            raise CheckpointError(f"the tokenizer in {self._path} has no chat template")
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as e:
+            raise ValueError(f"chat template error: {e}") from None
+
+
+def _read_json(file: str) -> dict:
+    """A JSON object from `file`, {} when the file does not exist."""
+    if not os.path.isfile(file):
+        return {}
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"malformed JSON in {file}: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"malformed JSON in {file}: expected an object")
+    return data
+
+
+def _pick_template(config: dict, path: str) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template}
+        if "default" not in named:
+            raise CheckpointError(f"{path}: no chat template named 'default' among {sorted(named)}")
+        return named["default"]
+    if template is None and os.path.isfile(os.path.join(path, "chat_template.jinja")):
+        with open(os.path.join(path, "chat_template.jinja"), encoding="utf-8") as f:
+            return f.read()
+    return template
+
+
+def _compile_template(source: str | None, path: str):
+    if source is None:
+        return None
+    from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(value, indent=None):  # jinja's own tojson escapes HTML, which a prompt must not
+        return json.dumps(value, ensure_ascii=False, indent=indent)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = tojson
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise CheckpointError(f"{path}: chat template does not compile: {e}") from None
+
+
+def save_byte_tokenizer(directory: str) -> None:
+    """Write tokenizer files that `HFTokenizer` and transformers load as an exact twin of `ByteTokenizer`."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as RustTokenizer
+
+    # No merges, so every byte stays its own token; the vocabulary maps each byte's stand-in to the byte.
+    vocab = {char: b for b, char in enumerate(_byte_level_alphabet())}
+    tok = RustTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in BYTE_SPECIAL_TOKENS])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", pair="<|bos|> $A $B", special_tokens=[("<|bos|>", 256)]
+    )
+    os.makedirs(directory, exist_ok=True)
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|bos|>",
+        "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>",
+        "clean_up_tokenization_spaces": False,
+        "chat_template": BYTE_CHAT_TEMPLATE,
+        "added_tokens_decoder": {str(256 + i): _added_entry(s) for i, s in enumerate(BYTE_SPECIAL_TOKENS)},
+    }
+    _write_json(os.path.join(directory, "tokenizer_config.json"), config)
+    # <|im_end|> ends a turn too; HF keeps extra EOS ids in generation_config.json (other keys are kept).
+    gen_file = os.path.join(directory, "generation_config.json")
+    _write_json(gen_file, {**_read_json(gen_file), "eos_token_id": list(ByteTokenizer().eos_token_ids)})
+
+
+def _added_entry(content: str) -> dict:
+    return {"content": content, "special": True, "normalized": False, "lstrip": False, "rstrip": False}
+
+
+def _write_json(file: str, data: dict) -> None:
+    with open(file, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, ensure_ascii=False)
+
+
+def load_tokenizer(path: str | None) -> Tokenizer:
+    """None or "byte" gives the built-in `ByteTokenizer`; anything else is a checkpoint folder."""
+    if path is None or path == "byte":
+        return ByteTokenizer()
+    return HFTokenizer(path)
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text pieces for streaming, never splitting a UTF-8 character.
+
+    Each step decodes a short window (the previous step's ids plus the new ones) and emits what the new ids
+    added to the window's text; with that left context, tokenizers whose decode is not concatenative still
+    produce the right spacing. Text ending in U+FFFD is held back until later ids complete the character.
+    """
+
+    _PROMPT_CONTEXT = 5  # prompt ids decoded as left context for the first generated ids
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids=None, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids = [int(i) for i in (prompt_ids or [])][-self._PROMPT_CONTEXT :]
+        self._prefix_offset = 0  # window start: ids already emitted, decoded only as context
+        self._read_offset = len(self._ids)  # ids from here on have not been emitted
+
+    def add(self, token_ids: list[int]) -> str:
+        self._ids.extend(int(i) for i in token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Whatever is still held back (e.g. an incomplete character at the very end)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset])
+        text = decode(self._ids[self._prefix_offset :])
+        if len(text) <= len(prefix_text) or (text.endswith("\ufffd") and not final):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return text[len(prefix_text) :]
+
+
+class StopStringMatcher:
+    """Cuts streamed text at the first stop string, holding back any tail that may begin one."""
+
+    def __init__(self, stop_strings: list[str]):
+        if any(not s for s in stop_strings):
+            raise ValueError("stop strings must be non-empty")
+        self.stop_strings = list(stop_strings)
+        self.stopped = False
+        self._held = ""
+
+    def feed(self, new_text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit now, whether a stop string has been reached)."""
+        if self.stopped:
+            return "", True
+        text = self._held + new_text
+        hits = [i for i in (text.find(s) for s in self.stop_strings) if i >= 0]
+        if hits:
+            self.stopped, self._held = True, ""
+            return text[: min(hits)], True
+        keep = max((self._partial_match(text, s) for s in self.stop_strings), default=0)
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep], False
+
+    def flush(self) -> str:
+        """At the end of generation, the held-back tail was not a stop string after all."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
+
+    @staticmethod
+    def _partial_match(text: str, stop: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                return k
+        return 0

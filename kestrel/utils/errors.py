@@ -1,0 +1,13 @@
+"""Errors a user can cause. The CLI prints them as one line and exits non-zero; the server maps them to 4xx."""
+
+
+class KestrelError(Exception):
+    """Base of every user-facing error."""
+
+
+class ConfigError(KestrelError):
+    """A config.json or CLI value is missing, unknown or inconsistent."""
+
+
+class CheckpointError(KestrelError):
+    """A checkpoint folder or file is missing, malformed, or does not match the model."""

@@ -1,0 +1,1 @@
+KESTREL_VERSION = "0.1.0"

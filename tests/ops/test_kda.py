@@ -1,0 +1,258 @@
+"""KDA references: chunked == recurrent (fp64, odd lengths, varlen, initial states), agreement with fla-core's
+own torch references, the conv / gate / norm helpers, the fla fast path on CUDA, and the backend registry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kestrel.ops.kda import (
+    chunk_kda,
+    gated_rms_norm,
+    get_kda_backend,
+    kda_gate,
+    l2norm,
+    recurrent_kda,
+    short_conv,
+)
+
+H, K, V = 2, 16, 32
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def make_inputs(
+    T, B=1, N=None, lower_bound=None, dtype=torch.float64, device="cpu", heads=H, k_dim=K, v_dim=V
+):
+    """Random KDA inputs [B, T, ...], a gate from `kda_gate`, an initial state for N sequences (default B).
+    k is scaled to unit-ish norm so the delta rule stays stable even without in-kernel l2norm."""
+    gen = torch.Generator().manual_seed(1234 + T)
+
+    def randn(*shape, std=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * std).to(device=device, dtype=dtype)
+
+    q = randn(B, T, heads, k_dim)
+    k = randn(B, T, heads, k_dim, std=k_dim**-0.5)
+    v = randn(B, T, heads, v_dim)
+    f = randn(B, T, heads, k_dim)
+    A_log = (
+        torch.rand(heads, generator=gen, dtype=torch.float64).mul(15).add(1).log().to(device)
+    )  # log U(1, 16)
+    dt_bias = randn(heads * k_dim, std=0.5).to(torch.float32)
+    g = kda_gate(f, A_log, dt_bias, lower_bound).to(dtype)
+    beta = torch.rand(B, T, heads, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+    h0 = randn(N or B, heads, k_dim, v_dim, std=0.5).to(torch.float32 if dtype != torch.float64 else dtype)
+    return q, k, v, g, beta, h0
+
+
+# ---------------------------------------------------------------- chunked form == recurrence (fp64)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("use_qk_l2norm", [True, False])
+def test_chunk_equals_recurrent_fp64(lower_bound, use_qk_l2norm):
+    q, k, v, g, beta, h0 = make_inputs(T=37, B=2, lower_bound=lower_bound)
+    kwargs = dict(initial_state=h0, output_final_state=True, use_qk_l2norm=use_qk_l2norm)
+    o_ref, s_ref = recurrent_kda(q, k, v, g, beta, **kwargs)
+    o, s = chunk_kda(q, k, v, g, beta, chunk_size=16, **kwargs)
+    assert o.dtype == torch.float64 and s.dtype == torch.float64
+    assert o.shape == v.shape and s.shape == h0.shape
+    assert rel_err(o, o_ref) < 1e-10
+    assert rel_err(s, s_ref) < 1e-10
+
+
+@pytest.mark.parametrize("use_qk_l2norm", [True, False])
+def test_varlen_equals_per_sequence(use_qk_l2norm):
+    lens = [7, 16, 0, 29, 1]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    q, k, v, g, beta, h0 = make_inputs(T=sum(lens), N=len(lens), lower_bound=-5.0)
+    kwargs = dict(output_final_state=True, use_qk_l2norm=use_qk_l2norm)
+
+    o_ref, s_ref = torch.empty_like(v), torch.empty_like(h0)
+    for n, (bos, eos) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        tokens = slice(bos, eos)
+        o_ref[:, tokens], s_ref[n : n + 1] = recurrent_kda(
+            q[:, tokens], k[:, tokens], v[:, tokens], g[:, tokens], beta[:, tokens],
+            initial_state=h0[n : n + 1], **kwargs,
+        )  # fmt: skip
+
+    o_rec, s_rec = recurrent_kda(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu_seqlens, **kwargs)
+    o_chk, s_chk = chunk_kda(
+        q, k, v, g, beta, initial_state=h0, cu_seqlens=cu_seqlens, chunk_size=16, **kwargs
+    )
+    assert rel_err(o_rec, o_ref) < 1e-12 and rel_err(s_rec, s_ref) < 1e-12
+    assert rel_err(o_chk, o_ref) < 1e-10 and rel_err(s_chk, s_ref) < 1e-10
+    torch.testing.assert_close(s_chk[2], h0[2], rtol=0, atol=0)  # an empty sequence keeps its state
+
+
+def test_state_dtype_and_no_final_state():
+    q, k, v, g, beta, h0 = make_inputs(T=9, B=2, dtype=torch.bfloat16)
+    for op in (recurrent_kda, chunk_kda):
+        o, s = op(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
+        assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+        _, none = op(q, k, v, g, beta, initial_state=h0, use_qk_l2norm=True)
+        assert none is None
+
+
+def test_prefill_then_decode_continues_the_state():
+    q, k, v, g, beta, h0 = make_inputs(T=40, lower_bound=-5.0)
+    kwargs = dict(output_final_state=True, use_qk_l2norm=True)
+    o_full, s_full = recurrent_kda(q, k, v, g, beta, initial_state=h0, **kwargs)
+    o1, s1 = chunk_kda(*(x[:, :33] for x in (q, k, v, g, beta)), initial_state=h0, chunk_size=16, **kwargs)
+    o2, s2 = recurrent_kda(*(x[:, 33:] for x in (q, k, v, g, beta)), initial_state=s1, **kwargs)
+    assert rel_err(torch.cat([o1, o2], 1), o_full) < 1e-10
+    assert rel_err(s2, s_full) < 1e-10
+
+
+# ---------------------------------------------------------------- fla-core's torch references
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_matches_fla_naive_references(lower_bound):
+    fla_naive = pytest.importorskip("fla.ops.kda.naive")
+    # fla's references compute in fp32 and need T % chunk_size == 0 for the chunked one.
+    q, k, v, g, beta, h0 = make_inputs(T=48, B=2, lower_bound=lower_bound, dtype=torch.float32)
+    kwargs = dict(initial_state=h0, output_final_state=True)
+
+    o_ref, s_ref = fla_naive.naive_recurrent_kda(q, k, v, g, beta, **kwargs)
+    o, s = recurrent_kda(q, k, v, g, beta, **kwargs)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+
+    o_ref, s_ref = fla_naive.naive_chunk_kda(q, k, v, g, beta, chunk_size=16, **kwargs)
+    o, s = chunk_kda(q, k, v, g, beta, chunk_size=16, **kwargs)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+
+    # fla's references take q, k already normalized; ours normalize with + eps inside the square root.
+    def normalize(x):
+        return x / torch.sqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+
+    o_ref, s_ref = fla_naive.naive_recurrent_kda(normalize(q), normalize(k), v, g, beta, **kwargs)
+    o, s = chunk_kda(q, k, v, g, beta, chunk_size=16, use_qk_l2norm=True, **kwargs)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+
+
+def test_kda_gate_matches_fla():
+    fla_gate = pytest.importorskip("fla.ops.kda.gate")
+    f = torch.randn(3, 5, H, K) * 3
+    A_log = torch.rand(H).mul(15).add(1).log()
+    dt_bias = torch.randn(H * K)
+
+    ref = fla_gate.naive_kda_gate(f, A_log, dt_bias)
+    assert rel_err(kda_gate(f, A_log, dt_bias), ref) < 1e-6
+    assert rel_err(kda_gate(f, A_log.view(1, 1, H, 1), dt_bias), ref) < 1e-6  # Kimi-Linear's A_log layout
+
+    ref = fla_gate.naive_kda_lowerbound_gate(f, A_log, dt_bias, lower_bound=-5.0)
+    g = kda_gate(f, A_log, dt_bias, lower_bound=-5.0)
+    assert g.dtype == torch.float32 and rel_err(g, ref) < 1e-6
+    assert g.min() >= -5.0 and g.max() <= 0  # the sigmoid saturates to exactly lb or 0 in fp32
+
+
+# ---------------------------------------------------------------- helpers: conv, l2norm, output norm
+
+
+def conv1d_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fla's ShortConvolution: Conv1d(groups=C, padding=W-1) truncated to T outputs, then SiLU."""
+    T, C = x.shape
+    W = weight.shape[-1]
+    y = F.conv1d(x.T[None], weight[:, None, :], groups=C, padding=W - 1)[0, :, :T]  # [C, T]
+    return F.silu(y).T
+
+
+def test_short_conv_matches_conv1d():
+    x, weight = torch.randn(11, 6, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    y, state = short_conv(x, weight)
+    assert rel_err(y, conv1d_silu(x, weight)) < 1e-12
+    torch.testing.assert_close(state, x[-3:].T[None], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 7])
+def test_short_conv_split_with_carried_state(split):
+    x, weight = torch.randn(11, 6, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    y_full, state_full = short_conv(x, weight)
+    y1, state = short_conv(x[:split], weight)
+    y2, state = short_conv(x[split:], weight, state)
+    assert rel_err(torch.cat([y1, y2]), y_full) < 1e-12
+    torch.testing.assert_close(state, state_full, rtol=0, atol=0)
+
+
+def test_short_conv_varlen_with_initial_states():
+    lens, C, W = [5, 1, 0, 8], 6, 4
+    cu_seqlens = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    x, weight = torch.randn(sum(lens), C, dtype=torch.float64), torch.randn(C, W, dtype=torch.float64)
+    state0 = torch.randn(len(lens), C, W - 1, dtype=torch.float64)
+    y, state = short_conv(x, weight, state0, cu_seqlens)
+    for n, (bos, eos) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        history = torch.cat([state0[n].T, x[bos:eos]])  # [W - 1 + L, C]
+        if eos > bos:
+            assert rel_err(y[bos:eos], conv1d_silu(history, weight)[W - 1 :]) < 1e-12
+        torch.testing.assert_close(state[n], history[-(W - 1) :].T, rtol=0, atol=0)
+
+
+def test_l2norm_and_gated_rms_norm():
+    x = torch.randn(4, 3, V, dtype=torch.bfloat16)
+    xf = x.float()
+    torch.testing.assert_close(l2norm(x), xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + 1e-6))
+
+    gate, weight = torch.randn(4, 3, V, dtype=torch.bfloat16), torch.randn(V)
+    ref = weight * xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * torch.sigmoid(gate.float())
+    out = gated_rms_norm(x, gate, weight, eps=1e-5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref.to(torch.bfloat16))
+
+
+# ---------------------------------------------------------------- fla fast path on CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("op", ["chunk", "recurrent"])
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("lens", [[1, 63, 64, 130, 300], [1] * 8], ids=["prefill", "decode"])
+def test_fla_backend_matches_naive(op, lower_bound, lens):
+    pytest.importorskip("fla.ops.kda")
+    from kestrel.ops.kda import fla
+
+    cu_seqlens = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
+    q, k, v, g, beta, h0 = make_inputs(
+        T=sum(lens), N=len(lens), lower_bound=lower_bound, dtype=torch.bfloat16, device="cuda",
+        heads=4, k_dim=128, v_dim=128,
+    )  # fmt: skip
+    g = g.float()  # the gate stays fp32, as the model produces it
+    kwargs = dict(initial_state=h0, output_final_state=True, use_qk_l2norm=True, cu_seqlens=cu_seqlens)
+    o_ref, s_ref = recurrent_kda(q, k, v, g, beta, **kwargs)
+    o, s = getattr(fla, op)(q, k, v, g, beta, **kwargs)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32 and s.shape == h0.shape
+    assert rel_err(o, o_ref) <= 2e-2
+    assert rel_err(s, s_ref) <= 2e-2
+
+
+# ---------------------------------------------------------------- backend registry
+
+
+def test_backend_registry_on_cpu(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("KESTREL_KDA_BACKEND", "auto")
+    assert get_kda_backend(cpu).name == "naive"
+    monkeypatch.setenv("KESTREL_KDA_BACKEND", "naive")
+    backend = get_kda_backend(cpu)
+    assert backend.name == "naive" and backend.chunk is chunk_kda and backend.recurrent is recurrent_kda
+    monkeypatch.setenv("KESTREL_KDA_BACKEND", "fla")
+    with pytest.raises(RuntimeError, match="KESTREL_KDA_BACKEND=fla needs a CUDA device"):
+        get_kda_backend(cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_backend_registry_on_cuda(monkeypatch):
+    pytest.importorskip("fla.ops.kda")
+    monkeypatch.setenv("KESTREL_KDA_BACKEND", "auto")
+    assert get_kda_backend(torch.device("cuda")).name == "fla"

@@ -1,0 +1,268 @@
+"""MoE router, experts, dense GLU MLP and latent MoE against transformers and plain loops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.ops.moe import glu_mlp, latent_moe, moe_experts, route
+
+
+def _sorted_by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ids_sorted, order = ids.sort(dim=-1)
+    return weights.gather(1, order), ids_sorted
+
+
+def _kimi_config(num_experts: int, top_k: int, n_group: int, topk_group: int, hidden: int, inter: int = 8):
+    kimi = pytest.importorskip("transformers.models.kimi_linear.configuration_kimi_linear")
+    return kimi.KimiLinearConfig(
+        vocab_size=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        hidden_size=hidden,
+        moe_intermediate_size=inter,
+        num_experts=num_experts,
+        num_experts_per_token=top_k,
+        num_expert_group=n_group,
+        topk_group=topk_group,
+        moe_renormalize=True,
+        routed_scaling_factor=2.446,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        hidden_act="silu",
+    )
+
+
+ROUTER_CASES = [  # (experts, top_k, groups, kept groups)
+    (16, 4, 1, 1),
+    (8, 3, 4, 2),
+    (12, 4, 3, 2),
+]
+
+
+@pytest.mark.parametrize("num_experts,top_k,n_group,topk_group", ROUTER_CASES)
+def test_route_matches_kimi_linear_router(num_experts, top_k, n_group, topk_group):
+    modeling = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    torch.manual_seed(0)
+    hidden = 24
+    cfg = _kimi_config(num_experts, top_k, n_group, topk_group, hidden)
+    router = modeling.KimiLinearTopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.normal_()
+        router.e_score_correction_bias.copy_(0.3 * torch.randn(num_experts))
+    x = torch.randn(37, hidden)
+    with torch.no_grad():
+        logits, ref_w, ref_ids = router(x)
+    w, ids = route(
+        logits, router.e_score_correction_bias, top_k, True, cfg.routed_scaling_factor, n_group, topk_group
+    )
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and w.shape == (37, top_k)
+    ref_w, ref_ids = _sorted_by_id(ref_w, ref_ids)
+    w, ids = _sorted_by_id(w, ids)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-6)
+    if n_group > 1:  # every selected expert lies in one of the kept groups
+        groups_used = ids // (num_experts // n_group)  # [T, A]
+        assert all(len(set(row.tolist())) <= topk_group for row in groups_used)
+
+
+def test_route_matches_deepseek_v3_router():
+    ds_cfg = pytest.importorskip("transformers.models.deepseek_v3.configuration_deepseek_v3")
+    ds = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    torch.manual_seed(1)
+    cfg = ds_cfg.DeepseekV3Config(
+        vocab_size=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        hidden_size=16,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+    )
+    router = ds.DeepseekV3TopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.normal_()
+        router.e_score_correction_bias.copy_(0.3 * torch.randn(16))
+    x = torch.randn(29, 16)
+    with torch.no_grad():
+        out = router(x)
+    logits, ref_w, ref_ids = out
+    w, ids = route(logits, router.e_score_correction_bias, 4, True, 2.5, 4, 2)
+    ref_w, ref_ids = _sorted_by_id(ref_w, ref_ids)
+    w, ids = _sorted_by_id(w, ids)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-6)
+
+
+def test_route_formula_and_order():
+    torch.manual_seed(2)
+    logits = torch.randn(11, 10, dtype=torch.bfloat16)
+    w, ids = route(logits, None, 3, False, 1.7)
+    s = torch.sigmoid(logits.float())
+    top = s.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(ids, top.indices[:, :3])
+    torch.testing.assert_close(w, 1.7 * top.values[:, :3], rtol=0, atol=0)
+    w_norm, ids_norm = route(logits, None, 3, True, 1.0)
+    assert torch.equal(ids_norm, ids)
+    torch.testing.assert_close(w_norm.sum(-1), torch.ones(11), rtol=1e-6, atol=1e-6)
+    assert (w_norm[:, :-1] >= w_norm[:, 1:]).all()  # best first
+
+
+def test_correction_bias_selects_but_does_not_weight():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 5.0])
+    w0, ids0 = route(logits, None, 2, False, 1.0)
+    assert ids0.tolist() == [[0, 1]]
+    w, ids = route(logits, bias, 2, False, 1.0)
+    assert ids.tolist() == [[3, 0]]  # the bias pulls expert 3 in first ...
+    s = torch.sigmoid(logits)[0]
+    torch.testing.assert_close(w[0], torch.stack([s[3], s[0]]), rtol=0, atol=0)  # ... but weighs it unbiased
+    wn, _ = route(logits, bias, 2, True, 2.0)
+    torch.testing.assert_close(wn[0], 2.0 * torch.stack([s[3], s[0]]) / (s[3] + s[0]), rtol=1e-6, atol=0)
+
+
+def test_route_ties_pick_lower_expert_ids():
+    logits = torch.zeros(3, 8)
+    logits[1, 5] = 1.0
+    _, ids = route(logits, None, 3, True, 1.0)
+    assert ids.tolist() == [[0, 1, 2], [5, 0, 1], [0, 1, 2]]
+    # equal groups: the lower group wins, then lower ids inside it
+    _, ids = route(torch.zeros(1, 8), None, 2, True, 1.0, num_groups=4, topk_groups=1)
+    assert ids.tolist() == [[0, 1]]
+    # a bias that ties two experts after shifting
+    _, ids = route(torch.tensor([[0.0, 0.0, 0.0, 0.0]]), torch.tensor([0.0, 0.1, 0.0, 0.1]), 2, True, 1.0)
+    assert ids.tolist() == [[1, 3]]
+
+
+def test_route_group_limit_excludes_other_groups():
+    # group 0 = {0,1}, group 1 = {2,3}: expert 2 has the single best score but group 0 has the best top-2 sum
+    logits = torch.tensor([[1.0, 1.0, 3.0, -3.0]])
+    _, ids_free = route(logits, None, 2, False, 1.0)
+    _, ids_grouped = route(logits, None, 2, False, 1.0, num_groups=2, topk_groups=1)
+    assert ids_free.tolist() == [[2, 0]]
+    assert ids_grouped.tolist() == [[0, 1]]
+
+
+def _act(gate_up, act, beta=4.0, linear_beta=25.0):
+    gate, up = gate_up.chunk(2, dim=-1)
+    if act == "silu":
+        return gate * torch.sigmoid(gate) * up
+    return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * linear_beta * torch.tanh(up / linear_beta)
+
+
+def _loop_experts(x, w13, w2, weights, ids, act):
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for a in range(ids.shape[1]):
+            e = ids[t, a]
+            out[t] += weights[t, a] * (w2[e] @ _act(w13[e] @ x[t], act))
+    return out
+
+
+def _random_moe(T=13, D=20, I=6, E=7, A=3, seed=3, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g, dtype=dtype)
+    w13 = torch.randn(E, 2 * I, D, generator=g, dtype=dtype) / D**0.5
+    w2 = torch.randn(E, D, I, generator=g, dtype=dtype) / I**0.5
+    weights, ids = route(torch.randn(T, E, generator=g), None, A, True, 2.0)
+    return x, w13, w2, weights.to(dtype), ids
+
+
+@pytest.mark.parametrize("act", ["silu", "situ"])
+def test_moe_experts_matches_loop_fp64(act):
+    x, w13, w2, weights, ids = _random_moe()
+    out = moe_experts(x, w13, w2, weights, ids, act)
+    ref = _loop_experts(x, w13, w2, weights, ids, act)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)  # fp32 activation and accumulation
+
+
+def test_moe_experts_bf16_close_to_fp64():
+    x, w13, w2, weights, ids = _random_moe(seed=4)
+    ref = _loop_experts(x, w13, w2, weights, ids, "silu")
+    out = moe_experts(x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights.float(), ids, "silu")
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2)
+
+
+def test_moe_experts_unused_experts_and_repeated_tokens():
+    x, w13, w2, _, _ = _random_moe(T=4, E=5, A=2, seed=5)
+    ids = torch.tensor([[4, 2], [2, 4], [4, 2], [2, 4]])  # experts 0, 1, 3 get nothing
+    weights = torch.rand(4, 2, dtype=x.dtype)
+    torch.testing.assert_close(
+        moe_experts(x, w13, w2, weights, ids, "silu"), _loop_experts(x, w13, w2, weights, ids, "silu")
+    )
+
+
+def test_moe_experts_matches_kimi_linear_experts():
+    modeling = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    cfg = _kimi_config(num_experts=7, top_k=3, n_group=1, topk_group=1, hidden=20, inter=6)
+    cfg._experts_implementation = "eager"  # the plain per-expert loop, not a dispatched kernel
+    experts = modeling.KimiLinearExperts(cfg)
+    x, w13, w2, weights, ids = _random_moe(dtype=torch.float32)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(w13)  # same layout: [E, 2I, D], gate rows first
+        experts.down_proj.copy_(w2)  # [E, D, I]
+        ref = experts(x, ids, weights)
+    out = moe_experts(x, w13, w2, weights, ids, "silu")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # layout check: swapping the gate and up halves must change the result
+    I = w13.shape[1] // 2
+    swapped = torch.cat((w13[:, I:], w13[:, :I]), dim=1)
+    assert not torch.allclose(moe_experts(x, swapped, w2, weights, ids, "silu"), ref, atol=1e-3)
+
+
+def test_situ_differs_from_silu():
+    x, w13, w2, weights, ids = _random_moe(seed=6)
+    x = 4 * x  # large enough that the soft caps bite
+    silu = moe_experts(x, w13, w2, weights, ids, "silu")
+    situ = moe_experts(x, w13, w2, weights, ids, "situ")
+    assert torch.isfinite(situ).all()
+    assert (silu - situ).abs().max() > 1e-2
+    # with huge betas SiTU reduces to SwiGLU
+    wide = moe_experts(x, w13, w2, weights, ids, "situ", situ_beta=1e6, situ_linear_beta=1e6)
+    torch.testing.assert_close(wide, silu, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError):
+        moe_experts(x, w13, w2, weights, ids, "gelu")
+
+
+@pytest.mark.parametrize("act", ["silu", "situ"])
+def test_glu_mlp_matches_formula(act):
+    g = torch.Generator().manual_seed(7)
+    D, I = 12, 10
+    x = torch.randn(2, 5, D, generator=g, dtype=torch.float64)
+    w13 = torch.randn(2 * I, D, generator=g, dtype=torch.float64)
+    w2 = torch.randn(D, I, generator=g, dtype=torch.float64)
+    h = _act(torch.cat((x @ w13[:I].T, x @ w13[I:].T), dim=-1), act)
+    torch.testing.assert_close(glu_mlp(x, w13, w2, act), h @ w2.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("use_norm", [True, False])
+def test_latent_moe_matches_formula(use_norm):
+    g = torch.Generator().manual_seed(8)
+    T, D, Lat, I, E, A = 9, 24, 16, 6, 5, 2
+    x = torch.randn(T, D, generator=g, dtype=torch.float64)
+    down = torch.randn(Lat, D, generator=g, dtype=torch.float64) / D**0.5
+    up = torch.randn(D, Lat, generator=g, dtype=torch.float64) / Lat**0.5
+    norm_w = 1 + 0.1 * torch.randn(Lat, generator=g, dtype=torch.float64) if use_norm else None
+    w13 = torch.randn(E, 2 * I, Lat, generator=g, dtype=torch.float64) / Lat**0.5
+    w2 = torch.randn(E, Lat, I, generator=g, dtype=torch.float64) / I**0.5
+    router_w = torch.randn(E, D, generator=g, dtype=torch.float64)
+    weights, ids = route(x @ router_w.T, None, A, True, 1.5)  # the router sees the full-width x
+    out = latent_moe(x, down, up, norm_w, 1e-5, w13, w2, weights.double(), ids, "situ")
+
+    ref = torch.zeros(T, D, dtype=torch.float64)
+    for t in range(T):
+        z = down @ x[t]
+        s = sum(weights[t, a].double() * (w2[ids[t, a]] @ _act(w13[ids[t, a]] @ z, "situ")) for a in range(A))
+        if use_norm:
+            s = norm_w * s / torch.sqrt(s.pow(2).mean() + 1e-5)
+        ref[t] = up @ s
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

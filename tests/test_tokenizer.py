@@ -1,0 +1,326 @@
+"""Tokenizer tests: byte tokenizer, its HF twin, chat templates, streaming detokenization, stop strings."""
+
+import json
+import os
+
+import pytest
+
+from kestrel.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    load_tokenizer,
+    save_byte_tokenizer,
+)
+from kestrel.utils.errors import CheckpointError
+
+TEXTS = [
+    "",
+    "hello world",
+    "  leading and trailing  ",
+    "tabs\tnewlines\n\r\nnull\x00del\x7f",
+    "héllo wörld, ça va? ß",
+    "中文字符和日本語のテキスト",
+    "emoji 😀👍🏽 family 👨‍👩‍👧 flag 🇫🇷",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "not special: <|bos| <|unknown|> <|eos|x",
+    "<|bos|><|eos|><|pad|><|im_start|><|im_end|>",
+]
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi 😀"},
+    {"role": "assistant", "content": "Hello!"},
+]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("byte_tok"))
+    save_byte_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def hf_tok(hf_dir):
+    return HFTokenizer(hf_dir)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_byte_round_trip(text):
+    tok = ByteTokenizer()
+    ids = tok.encode(text)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    if "<|" not in text:
+        assert ids == list(text.encode("utf-8"))
+        assert tok.decode(ids) == text
+
+
+def test_byte_special_tokens():
+    tok = ByteTokenizer()
+    assert tok.vocab_size == 261
+    assert (tok.bos_token_id, tok.pad_token_id, tok.eos_token_ids) == (256, 258, (257, 260))
+    assert tok.encode("a<|eos|>b") == [97, 257, 98]
+    assert tok.encode("a", add_special_tokens=True) == [256, 97]
+    assert tok.decode([256, 104, 105, 257, 260]) == "hi"
+    assert tok.decode([104, 260], skip_special_tokens=False) == "h<|im_end|>"
+    assert tok.decode([104, 999, 105]) == "hi"  # ids past the vocabulary (padded embeddings) are skipped
+    assert tok.decode([0xF0, 0x9F]) == "\ufffd"
+    assert [tok.id_to_token(i) for i in (97, 32, 259, 261)] == ["a", "Ġ", "<|im_start|>", None]
+
+
+def test_load_tokenizer(hf_dir):
+    assert isinstance(load_tokenizer(None), ByteTokenizer)
+    assert isinstance(load_tokenizer("byte"), ByteTokenizer)
+    assert isinstance(load_tokenizer(hf_dir), HFTokenizer)
+
+
+def test_hf_twin_matches_byte_tokenizer(hf_tok):
+    byte = ByteTokenizer()
+    assert hf_tok.vocab_size == byte.vocab_size
+    assert (hf_tok.bos_token_id, hf_tok.pad_token_id) == (byte.bos_token_id, byte.pad_token_id)
+    assert hf_tok.eos_token_ids == byte.eos_token_ids
+    for text in TEXTS:
+        for add in (False, True):
+            assert hf_tok.encode(text, add_special_tokens=add) == byte.encode(text, add_special_tokens=add)
+        ids = byte.encode(text)
+        for skip in (False, True):
+            assert hf_tok.decode(ids, skip_special_tokens=skip) == byte.decode(ids, skip_special_tokens=skip)
+    for broken in (b"\xe2\x82", b"\xf0\x80", b"\xff\xfe a \xc0\xaf", b"\xed\xa0\x80", b"\xe2<|eos|>"):
+        ids = byte.encode(broken.decode("latin-1")) if b"<|" in broken else list(broken)
+        assert hf_tok.decode(ids, skip_special_tokens=False) == byte.decode(ids, skip_special_tokens=False)
+    assert [hf_tok.id_to_token(i) for i in range(262)] == [byte.id_to_token(i) for i in range(262)]
+
+
+def test_chat_template(hf_tok):
+    byte = ByteTokenizer()
+    expected = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi 😀<|im_end|>\n"
+        "<|im_start|>assistant\nHello!<|im_end|>\n"
+    )
+    assert byte.apply_chat_template(CONVERSATION, add_generation_prompt=False) == expected
+    assert byte.apply_chat_template(CONVERSATION) == expected + "<|im_start|>assistant\n"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert byte.apply_chat_template(parts) == "<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n"
+    for messages in (CONVERSATION, parts):
+        for gen in (False, True):
+            assert hf_tok.apply_chat_template(messages, gen) == byte.apply_chat_template(messages, gen)
+    ids = byte.encode(byte.apply_chat_template(CONVERSATION))
+    assert ids[0] == 259 and ids.count(260) == 3
+
+
+@pytest.mark.parametrize("tok", [ByteTokenizer(), "hf"])
+def test_chat_template_rejects_bad_messages(tok, hf_tok):
+    tok = hf_tok if tok == "hf" else tok
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(ValueError, match="image_url"):
+        tok.apply_chat_template(image)
+    with pytest.raises(ValueError, match="role"):
+        tok.apply_chat_template([{"content": "no role"}])
+    with pytest.raises(ValueError, match="int"):
+        tok.apply_chat_template([{"role": "user", "content": 3}])
+    with pytest.raises(ValueError, match="string 'text'"):
+        tok.apply_chat_template([{"role": "user", "content": [{"type": "text"}]}])
+    with pytest.raises(ValueError, match="lone surrogate"):
+        tok.encode("bad \ud800 text")
+
+
+def test_hf_template_features(tmp_path, hf_dir):
+    for name in ("tokenizer.json", "generation_config.json"):
+        (tmp_path / name).write_bytes(open(os.path.join(hf_dir, name), "rb").read())
+    template = (
+        "{% for m in messages %}\n"
+        "  {% if m['role'] == 'tool' %}\n"
+        "{{ raise_exception('no tools here') }}\n"
+        "  {% endif %}\n"
+        "{{ bos_token }}{{ m['content'] | tojson }}{{ eos_token }}\n"
+        "{% endfor %}"
+    )
+    config = {
+        "bos_token": {"content": "<|bos|>"},
+        "eos_token": "<|im_end|>",
+        "chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default", "template": template}],
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = HFTokenizer(str(tmp_path))
+    assert tok.eos_token_ids == (260, 257)
+    assert tok.apply_chat_template([{"role": "user", "content": "<é>"}]) == '<|bos|>"<é>"<|im_end|>\n'
+    with pytest.raises(ValueError, match="no tools here"):
+        tok.apply_chat_template([{"role": "tool", "content": ""}])
+
+
+def test_transformers_agrees(hf_dir, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    byte = ByteTokenizer()
+    for text in TEXTS:
+        assert hf.encode(text, add_special_tokens=False) == byte.encode(text)
+        assert hf.decode(byte.encode(text), skip_special_tokens=True) == byte.decode(byte.encode(text))
+    assert hf.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True) == (
+        byte.apply_chat_template(CONVERSATION)
+    )
+
+
+def test_checkpoint_errors(tmp_path, hf_dir):
+    with pytest.raises(CheckpointError, match="not found"):
+        load_tokenizer(str(tmp_path / "missing"))
+    with pytest.raises(CheckpointError, match="tokenizer.json not found"):
+        HFTokenizer(str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        HFTokenizer(str(tmp_path))
+    (tmp_path / "tokenizer.json").write_bytes(open(os.path.join(hf_dir, "tokenizer.json"), "rb").read())
+    for bad in ("{oops", "[1, 2]"):
+        (tmp_path / "tokenizer_config.json").write_text(bad)
+        with pytest.raises(CheckpointError, match="tokenizer_config.json"):
+            HFTokenizer(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|nope|>"}))
+    with pytest.raises(CheckpointError, match="not in the vocabulary"):
+        HFTokenizer(str(tmp_path))
+    mismatch = {"added_tokens_decoder": {"300": {"content": "<|eos|>", "special": True}}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(mismatch))
+    with pytest.raises(CheckpointError, match="not id 300"):
+        HFTokenizer(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="no chat template"):
+        HFTokenizer(str(tmp_path)).apply_chat_template(CONVERSATION)
+
+
+def test_config_only_tokens_and_int_eos(tmp_path, hf_dir):
+    (tmp_path / "tokenizer.json").write_bytes(open(os.path.join(hf_dir, "tokenizer.json"), "rb").read())
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 260}))
+    added = {"261": {"content": "<|tool|>", "special": True}, "262": {"content": "<think>", "special": False}}
+    config = {"eos_token": "<|eos|>", "added_tokens_decoder": added}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = HFTokenizer(str(tmp_path))
+    assert tok.vocab_size == 263 and tok.eos_token_ids == (257, 260)
+    assert tok.bos_token_id is None and tok.pad_token_id is None
+    assert tok.encode("a<|tool|><think>") == [97, 261, 262]
+    assert tok.decode([97, 261, 262]) == "a<think>"
+
+
+def _stream(tok, ids, chunk=1, prompt_ids=None, skip_special_tokens=True):
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens)
+    pieces = [detok.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    return pieces, detok.flush()
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_detokenizer_bytes(text, chunk, hf_tok):
+    for tok in (ByteTokenizer(), hf_tok):
+        ids = tok.encode(text)
+        for skip in (True, False):
+            prompt_ids = tok.encode("prompt ")
+            pieces, rest = _stream(tok, ids, chunk, prompt_ids=prompt_ids, skip_special_tokens=skip)
+            assert "".join(pieces) + rest == tok.decode(ids, skip_special_tokens=skip)
+            assert not any("\ufffd" in p for p in pieces)
+
+
+def test_incremental_detokenizer_emoji_split_across_bytes():
+    tok = ByteTokenizer()
+    ids = tok.encode("a😀b")  # the emoji is four byte tokens
+    pieces, rest = _stream(tok, ids)
+    assert pieces == ["a", "", "", "", "😀", "b"] and rest == ""
+
+
+def test_incremental_detokenizer_invalid_tail_is_flushed():
+    tok = ByteTokenizer()
+    pieces, rest = _stream(tok, [104, 105, 0xF0, 0x9F])
+    assert pieces == ["h", "i", "", ""] and rest == "\ufffd"
+
+
+def test_incremental_detokenizer_trained_bpe():
+    """Merged byte-level tokens that end mid-character, as in real BPE vocabularies."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXTS * 3, trainer)
+    text = "中文 and 😀👍🏽 with wörld"
+    ids = tok.encode(text).ids
+    assert len(ids) < len(text.encode("utf-8"))  # merges happened
+    pieces = []
+    detok = IncrementalDetokenizer(tok, prompt_ids=tok.encode("hello ").ids)
+    for i in ids:
+        pieces.append(detok.add([i]))
+    assert "".join(pieces) + detok.flush() == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_incremental_detokenizer_non_concatenative_decode():
+    """A Metaspace decoder drops a sequence's leading space: decode(a + b) != decode(a) + decode(b)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "▁Hello": 1, "▁world": 2, "!": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    assert tok.decode([1]) + tok.decode([2]) != tok.decode([1, 2])
+    pieces, rest = _stream(tok, [1, 2, 3])
+    assert pieces == ["Hello", " world", "!"] and rest == ""
+
+
+def _stop_reference(chunks, stops):
+    """What streaming must emit: stop at the first chunk whose cumulative text holds a stop string."""
+    text = ""
+    for chunk in chunks:
+        text += chunk
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if hits:
+            return text[: min(hits)], True
+    return text, False
+
+
+def _stop_stream(chunks, stops):
+    matcher = StopStringMatcher(stops)
+    out, stopped = "", False
+    for chunk in chunks:
+        emitted, stopped = matcher.feed(chunk)
+        out += emitted
+        if stopped:
+            break
+    return out + matcher.flush(), stopped
+
+
+@pytest.mark.parametrize(
+    "chunks, stops, expected",
+    [
+        (["Hello wor", "ld, STO", "P here"], ["STOP"], "Hello world, "),  # split across feeds
+        (["abc", "</s", ">tail"], ["</s>", "\n\n"], "abc"),  # multiple stop strings
+        (["one\n", "\ntwo</s>"], ["</s>", "\n\n"], "one"),  # the earliest one wins
+        (["no stop ", "at all", " <"], ["</s>"], "no stop at all <"),  # held tail flushed at the end
+        (["STOP", "after"], ["STOP"], ""),  # stop at the very start
+        (["S", "T", "O", "P"], ["STOP"], ""),
+        (["aaab"], ["aab"], "a"),
+        (["x", "y"], [], "xy"),
+    ],
+)
+def test_stop_string_matcher(chunks, stops, expected):
+    assert _stop_stream(chunks, stops)[0] == expected
+    assert _stop_stream(chunks, stops) == _stop_reference(chunks, stops)
+
+
+def test_stop_string_matcher_withholds_only_possible_starts():
+    matcher = StopStringMatcher(["</end>"])
+    assert matcher.feed("text </e") == ("text ", False)
+    assert matcher.feed("x") == ("</ex", False)
+    assert matcher.feed("</end>more") == ("", True)
+    assert matcher.feed("ignored") == ("", True)
+    with pytest.raises(ValueError, match="non-empty"):
+        StopStringMatcher([""])
+
+
+def test_stop_string_matcher_random_splits():
+    import random
+
+    rng = random.Random(0)
+    text = "the quick brown fox <|x|> jumps over\n\nthe lazy dog </s> end"
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 12)))
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        stops = rng.sample(["</s>", "\n\n", "lazy", "<|x|>", "zzz", "o"], rng.randint(1, 3))
+        assert _stop_stream(chunks, stops) == _stop_reference(chunks, stops)
