@@ -437,6 +437,8 @@ def _parse_text(raw: dict, model_type: str, quant: dict | None, where: str) -> M
     latent = r.opt_int("routed_expert_hidden_size")
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    if any(isinstance(e, bool) or not isinstance(e, int) for e in eos_ids):
+        raise ConfigError(f"{where}eos_token_id={eos!r}: expected an integer or a list of integers")
 
     cfg = ModelConfig(
         model_type=model_type,
@@ -446,23 +448,25 @@ def _parse_text(raw: dict, model_type: str, quant: dict | None, where: str) -> M
         layer_types=layer_types,
         mlp_types=mlp_types,
         rms_norm_eps=r.float("rms_norm_eps"),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(raw.get("model_max_length", raw.get("max_position_embeddings", 1 << 20))),
-        bos_token_id=raw.get("bos_token_id"),
+        tie_word_embeddings=r.bool("tie_word_embeddings", False),
+        max_position_embeddings=r.int(
+            "model_max_length" if "model_max_length" in raw else "max_position_embeddings", 1 << 20
+        ),
+        bos_token_id=r.opt_int("bos_token_id", minimum=0),
         eos_token_ids=eos_ids,
-        pad_token_id=raw.get("pad_token_id"),
+        pad_token_id=r.opt_int("pad_token_id", minimum=0),
         kda_num_heads=la.int("num_heads"),
         kda_head_dim=la.int("head_dim"),
         kda_conv_size=la.int("short_conv_kernel_size", 4),
         kda_gate_lower_bound=lower_bound,
-        kda_full_rank_gate=bool(lac.get("use_full_rank_gate", False)),
+        kda_full_rank_gate=la.bool("use_full_rank_gate", False),
         num_attention_heads=heads,
         q_lora_rank=r.opt_int("q_lora_rank"),
         kv_lora_rank=r.int("kv_lora_rank"),
         qk_nope_head_dim=r.int("qk_nope_head_dim"),
         qk_rope_head_dim=r.int("qk_rope_head_dim", minimum=0),
         v_head_dim=r.int("v_head_dim"),
-        mla_output_gate=bool(raw.get("mla_use_output_gate", False)),
+        mla_output_gate=r.bool("mla_use_output_gate", False),
         index_n_heads=r.int("index_n_heads") if use_dsa else None,
         index_head_dim=r.int("index_head_dim") if use_dsa else None,
         index_topk=r.int("index_topk") if use_dsa else None,
@@ -481,11 +485,11 @@ def _parse_text(raw: dict, model_type: str, quant: dict | None, where: str) -> M
         else r.int("moe_intermediate_size", 0, 0),
         num_shared_experts=r.int("num_shared_experts", 0, minimum=0),
         routed_scaling_factor=r.float("routed_scaling_factor", 1.0),
-        moe_renormalize=bool(raw.get("moe_renormalize", True)),
+        moe_renormalize=r.bool("moe_renormalize", True),
         num_expert_group=r.int("num_expert_group", 1),
         topk_group=r.int("topk_group", 1),
         routed_expert_hidden_size=latent,
-        latent_moe_use_norm=bool(raw.get("latent_moe_use_norm", False)),
+        latent_moe_use_norm=r.bool("latent_moe_use_norm", False),
         attn_res_block_size=r.opt_int("attn_res_block_size"),
         experts_mxfp4=_parse_quant(quant, where),
     )
@@ -504,7 +508,7 @@ def _layer_types(raw: dict, lac: dict, n: int, where: str) -> tuple[str, ...]:
         types = [None] * n
         for name, ids, kind in (("kda_layers", kda, KDA), ("full_attn_layers", full, MLA)):
             for i in ids:
-                if not isinstance(i, int) or not 1 <= i <= n:
+                if isinstance(i, bool) or not isinstance(i, int) or not 1 <= i <= n:
                     raise ConfigError(
                         f"{where}linear_attn_config.{name}: {i!r} is not a layer in 1..{n} (1-based)"
                     )
@@ -521,7 +525,11 @@ def _layer_types(raw: dict, lac: dict, n: int, where: str) -> tuple[str, ...]:
     hf = raw.get("layer_types")
     if hf is not None:
         mapping = {"linear_attention": KDA, "full_attention": MLA}
-        if not isinstance(hf, list) or len(hf) != n or any(t not in mapping for t in hf):
+        if (
+            not isinstance(hf, list)
+            or len(hf) != n
+            or any(not isinstance(t, str) or t not in mapping for t in hf)
+        ):
             raise ConfigError(f"{where}layer_types: expected {n} entries of linear_attention/full_attention")
         hf_types = [mapping[t] for t in hf]
         if types is not None and hf_types != types:
@@ -540,14 +548,18 @@ def _mlp_types(raw: dict, n: int, where: str) -> tuple[str, ...]:
     hf = raw.get("mlp_layer_types")
     types = None
     if first is not None:
-        if not isinstance(first, int) or first < 0:
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise ConfigError(f"{where}first_k_dense_replace must be a non-negative integer")
-        if not isinstance(freq, int) or freq < 1:
+        if isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
             raise ConfigError(f"{where}moe_layer_freq must be a positive integer")
         types = [MOE if i >= first and i % freq == 0 else DENSE for i in range(n)]
     if hf is not None:
         mapping = {"dense": DENSE, "sparse": MOE}
-        if not isinstance(hf, list) or len(hf) != n or any(t not in mapping for t in hf):
+        if (
+            not isinstance(hf, list)
+            or len(hf) != n
+            or any(not isinstance(t, str) or t not in mapping for t in hf)
+        ):
             raise ConfigError(f"{where}mlp_layer_types: expected {n} entries of dense/sparse")
         hf_types = [mapping[t] for t in hf]
         if types is not None and hf_types != types:
@@ -589,11 +601,14 @@ def _check(c: ModelConfig, where: str) -> None:
             fail(f"topk_group={c.topk_group} exceeds num_expert_group={c.num_expert_group}")
         per_group = c.num_experts // c.num_expert_group
         if c.num_expert_group > 1 and per_group < 2:
-            fail("grouped routing needs at least 2 experts per group (group score = sum of top-2)")
+            fail(f"num_expert_group={c.num_expert_group}: grouped routing needs at least 2 experts per group")
         if c.num_experts_per_token > c.topk_group * per_group:
             fail(f"num_experts_per_token={c.num_experts_per_token} exceeds the experts in topk_group groups")
     if c.experts_mxfp4 and (c.expert_input_size % 32 or c.moe_intermediate_size % 32):
-        fail("MXFP4 experts need expert input and intermediate sizes that are multiples of 32 (the MX block)")
+        fail(
+            f"moe_intermediate_size={c.moe_intermediate_size}, expert input size={c.expert_input_size} "
+            "(routed_expert_hidden_size or hidden_size): MXFP4 experts need multiples of 32 (the MX block)"
+        )
     if c.routed_expert_hidden_size is None and c.latent_moe_use_norm:
         fail("latent_moe_use_norm needs routed_expert_hidden_size")
     if c.use_dsa and MLA not in c.layer_types:
@@ -628,8 +643,14 @@ class _Reader:
             raise ConfigError(f"{self.where}{key}={value!r}: expected an integer >= {minimum}")
         return value
 
-    def opt_int(self, key: str) -> int | None:
-        return None if self.raw.get(key) is None else self.int(key)
+    def opt_int(self, key: str, minimum: int = 1) -> int | None:
+        return None if self.raw.get(key) is None else self.int(key, minimum=minimum)
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.where}{key}={value!r}: expected true or false")
+        return value
 
     def float(self, key: str, default=None) -> float:
         value = self._get(key, _NO_DEFAULT if default is None else default)

@@ -48,8 +48,14 @@ class ForwardContext:
     new_lens: list[int]  # [N] new tokens per sequence (host copy)
     prefix_lens: list[int]  # [N] tokens already cached per sequence (host copy)
     cache: CacheView | None = None
-    # Filled by MoE layers when set to a dict: layer_id -> expert ids [T, A] (routing replay, RL).
+    # Routing capture/replay (RL, and fast-vs-reference checks): MoE layers record their expert ids [T, A]
+    # into `routing_capture` (layer_id -> ids) when it is a dict, and use `routing_replay` ids instead of
+    # selecting when it is one.
     routing_capture: dict | None = None
+    routing_replay: dict | None = None
+    # The same for DSA selections: layer_id -> [indices [t_i, k] of each sequence, in batch order].
+    selection_capture: dict | None = None
+    selection_replay: dict | None = None
     extras: dict = field(default_factory=dict)
 
     @property

@@ -114,9 +114,13 @@ class MLAttention(nn.Module):
                 kv, idx_k = kv_new[sl], idx_k_new[sl] if idx_k_new is not None else None
             q_pos = ctx.positions[sl]
             indices = None
-            if self.indexer is not None:
+            if self.indexer is not None and ctx.selection_replay is not None:
+                indices = ctx.selection_replay[self.layer_id][i]  # [t, topk], chosen in an earlier pass
+            elif self.indexer is not None:
                 scores = indexer_scores(idx_q[sl], idx_k, idx_w[sl], self.indexer.head_dim**-0.5)  # [t, L]
                 indices = topk_select(scores, q_pos, self.indexer.topk)  # [t, topk]
+            if indices is not None and ctx.selection_capture is not None:
+                ctx.selection_capture.setdefault(self.layer_id, []).append(indices)
             outs.append(
                 mla_attention_absorbed(q_nope[sl], q_pe[sl], kv, w_uk, w_uv, q_pos, self.scale, indices)
             )

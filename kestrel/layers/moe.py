@@ -15,7 +15,7 @@ from kestrel.layers.context import get_forward_context, has_forward_context
 from kestrel.layers.linear import ColumnLinear, Linear, RowLinear, ShapeMismatch, copy_checked, set_loader
 from kestrel.layers.norm import RMSNorm
 from kestrel.ops.activation import glu_act
-from kestrel.ops.moe import moe_experts, route
+from kestrel.ops.moe import moe_experts, replay_route, route
 from kestrel.ops.norm import rms_norm
 from kestrel.utils.dist import parallel_state
 
@@ -124,17 +124,23 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D]
-        weights, ids = route(
-            self.gate(x),
-            self.gate.e_score_correction_bias,
-            self.top_k,
-            self.renormalize,
-            self.scaling,
-            self.groups,
-            self.topk_groups,
-        )  # [T, A] fp32, [T, A]
-        if has_forward_context() and get_forward_context().routing_capture is not None:
-            get_forward_context().routing_capture[self.layer_id] = ids
+        ctx = get_forward_context() if has_forward_context() else None
+        logits = self.gate(x)  # [T, E] fp32
+        if ctx is not None and ctx.routing_replay is not None:  # the experts chosen in an earlier pass
+            ids = ctx.routing_replay[self.layer_id]  # [T, A]
+            weights = replay_route(logits, ids, self.renormalize, self.scaling)
+        else:
+            weights, ids = route(
+                logits,
+                self.gate.e_score_correction_bias,
+                self.top_k,
+                self.renormalize,
+                self.scaling,
+                self.groups,
+                self.topk_groups,
+            )  # [T, A] fp32, [T, A]
+        if ctx is not None and ctx.routing_capture is not None:
+            ctx.routing_capture[self.layer_id] = ids
         ids = ids - self.experts.first  # global -> local ids (single rank: unchanged)
         latent = hasattr(self, "routed_expert_down_proj")
         h = self.routed_expert_down_proj(x) if latent else x  # [T, Din]

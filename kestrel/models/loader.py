@@ -26,7 +26,7 @@ def init_random_weights(model: KimiForCausalLM, seed: int = 0, std: float = 0.02
     g = torch.Generator().manual_seed(seed)
 
     def normal_(t: torch.Tensor, scale: float = std):
-        t.copy_(torch.randn(t.shape, generator=g) * scale)
+        t.copy_(torch.randn(t.shape, generator=g, device="cpu") * scale)
 
     for module in model.modules():
         if isinstance(module, (RMSNorm, LayerNorm)):
@@ -36,12 +36,18 @@ def init_random_weights(model: KimiForCausalLM, seed: int = 0, std: float = 0.02
         elif isinstance(module, ResProj):
             module.weight.zero_()
         elif isinstance(module, KimiDeltaAttention):
-            module.A_log.copy_(torch.empty(module.A_log.shape).uniform_(1, 16, generator=g).log())
-            dt = torch.empty(module.dt_bias.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=g).exp()
+            module.A_log.copy_(
+                torch.empty(module.A_log.shape, device="cpu").uniform_(1, 16, generator=g).log()
+            )
+            dt = (
+                torch.empty(module.dt_bias.shape, device="cpu")
+                .uniform_(math.log(1e-3), math.log(1e-1), generator=g)
+                .exp()
+            )
             module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
             bound = module.conv_size**-0.5
             module.conv_weight.copy_(
-                torch.empty(module.conv_weight.shape).uniform_(-bound, bound, generator=g)
+                torch.empty(module.conv_weight.shape, device="cpu").uniform_(-bound, bound, generator=g)
             )
         elif isinstance(module, Router):
             normal_(module.weight)

@@ -77,6 +77,8 @@ def _targets(config: ModelConfig, name: str, tensor_fn):
         return [(prefix + f"mlp.{mm.group(1) or ''}gate_up_proj.weight", _GLU[mm.group(2)], tensor_fn)]
     if mm := _EXPERT.fullmatch(rest):
         part, kind = _EXPERT_PART[mm.group(2)], mm.group(3)
+        if int(mm.group(1)) >= config.num_experts:
+            return [(name, None, tensor_fn)]  # no such expert: reported as unexpected
         param = prefix + ("mlp.experts.w2" if part == "w2" else "mlp.experts.w13")
         return [(param, (int(mm.group(1)), part), tensor_fn, kind)]
     if rest == "mlp.experts.gate_up_proj":
@@ -92,10 +94,10 @@ def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: malformed index ({e})") from None
-        files = [path / f for f in sorted(set(weight_map.values()))]
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = [path / f for f in names]
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: malformed index ({e!r})") from None
         absent = [f.name for f in files if not f.exists()]
         if absent:
             raise CheckpointError(f"{path}: shard(s) listed in the index are missing: {', '.join(absent)}")
@@ -125,12 +127,15 @@ def load_weights(model: KimiForCausalLM, path: str | Path) -> None:
     loaded: dict[str, set] = defaultdict(set)
     unexpected: list[str] = []
     mismatched: list[str] = []
-    packed_halves: dict[tuple[str, tuple], dict[str, torch.Tensor]] = {}
+    packed_halves: dict[tuple[str, tuple], tuple[str, dict[str, torch.Tensor]]] = {}
 
     def put(pname: str, shard, tensor: torch.Tensor, source: str):
         param = params.get(pname)
         if param is None:
             unexpected.append(source)
+            return
+        if tensor.dim() == 0:
+            mismatched.append(f"{source}: checkpoint has a scalar, model expects {tuple(param.shape)}")
             return
         try:
             param.weight_loader(param, tensor, shard)
@@ -158,7 +163,7 @@ def load_weights(model: KimiForCausalLM, path: str | Path) -> None:
                 if kind == "weight":
                     put(pname, shard, get(), name)
                     continue
-                halves = packed_halves.setdefault((pname, shard), {})
+                base, halves = packed_halves.setdefault((pname, shard), (name.rsplit(".", 1)[0], {}))
                 halves[kind] = get()
                 if len(halves) == 2:  # MXFP4: both the packed nibbles and the E8M0 scales have arrived
                     del packed_halves[(pname, shard)]
@@ -167,9 +172,11 @@ def load_weights(model: KimiForCausalLM, path: str | Path) -> None:
                     except (ValueError, RuntimeError) as e:
                         mismatched.append(f"{name}: bad MXFP4 tensors ({e})")
                         continue
-                    put(pname, shard, w, name.rsplit(".", 1)[0])
-    for (pname, shard), halves in packed_halves.items():
-        mismatched.append(f"{pname} {shard}: MXFP4 tensor without its pair (has only {', '.join(halves)})")
+                    put(pname, shard, w, base)
+    for base, halves in packed_halves.values():
+        (have,) = halves
+        lacks = "weight_scale" if have == "weight_packed" else "weight_packed"
+        mismatched.append(f"{base}.{have}: MXFP4 tensor without its {base}.{lacks}")
 
     missing = []
     for pname, param in params.items():

@@ -59,8 +59,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of random preset weights and of sampling")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line, like every other user error (subcommand parsers inherit this class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kestrel", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="kestrel", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     g = sub.add_parser("generate", help="complete one prompt with the reference generate()")
@@ -99,8 +106,12 @@ def resolve_device(name: str):
         device = torch.device(name)
     except RuntimeError:
         raise KestrelError(f"--device {name!r}: not a device (use auto, cpu, cuda or cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise KestrelError(f"--device {name!r}: not supported (use auto, cpu, cuda or cuda:N)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise KestrelError(f"--device {name}: CUDA is not available on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise KestrelError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
@@ -200,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except KestrelError as e:
+    except (KestrelError, OSError) as e:  # OSError: an unreadable or unwritable path the user gave
         print(f"kestrel: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

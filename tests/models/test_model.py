@@ -139,3 +139,38 @@ def test_gradients_reach_every_trained_parameter():
             continue
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
         assert p.grad.abs().sum() > 0, f"zero gradient: {name}"
+
+
+def test_routing_and_selection_replay(tiny):
+    """Replaying the captured expert ids and DSA selections reproduces the forward exactly; replaying other
+    ids changes it (so replay really drives the MoE and the sparse attention)."""
+    from kestrel.layers.context import ForwardContext
+
+    ids = _ids(40, seed=9)
+    with torch.no_grad():
+        ctx = ForwardContext.build([40])
+        ctx.routing_capture, ctx.selection_capture = {}, {}
+        with forward_context(ctx):
+            free = tiny(ids)
+        assert set(ctx.routing_capture) == {i for i, t in enumerate(tiny.config.mlp_types) if t == "moe"}
+        assert set(ctx.selection_capture) == set(tiny.config.mla_layer_ids)
+
+        replay = ForwardContext.build([40])
+        replay.routing_replay, replay.selection_replay = ctx.routing_capture, ctx.selection_capture
+        with forward_context(replay):
+            assert torch.equal(tiny(ids), free)
+
+        shifted = ForwardContext.build([40])
+        shifted.routing_replay = {
+            k: (v + 1) % tiny.config.num_experts for k, v in ctx.routing_capture.items()
+        }
+        with forward_context(shifted):
+            assert _rel(free, tiny(ids)) > 1e-3
+
+        causal = ForwardContext.build([40])  # select the most recent tokens instead of the indexer's choice
+        k = tiny.config.index_topk
+        recent = torch.stack([torch.arange(t - k + 1, t + 1).clamp(min=-1) for t in range(40)])
+        recent = torch.where(recent < 0, torch.full_like(recent, -1), recent)
+        causal.selection_replay = {layer: [recent] for layer in tiny.config.mla_layer_ids}
+        with forward_context(causal):
+            assert _rel(free, tiny(ids)) > 1e-3

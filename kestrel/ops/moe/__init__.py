@@ -1,3 +1,3 @@
-from kestrel.ops.moe.naive import glu_mlp, latent_moe, moe_experts, route
+from kestrel.ops.moe.naive import glu_mlp, latent_moe, moe_experts, replay_route, route
 
-__all__ = ["glu_mlp", "latent_moe", "moe_experts", "route"]
+__all__ = ["glu_mlp", "latent_moe", "moe_experts", "replay_route", "route"]

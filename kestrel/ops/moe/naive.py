@@ -55,6 +55,17 @@ def route(
     return weights * scaling_factor, ids
 
 
+def replay_route(
+    logits: torch.Tensor, ids: torch.Tensor, renormalize: bool, scaling_factor: float
+) -> torch.Tensor:
+    """Routing replay: the weights `route` would give if it had selected `ids` [T, A] (e.g. the experts the
+    engine chose during a rollout). logits [T, E]. Returns weights [T, A] fp32."""
+    weights = torch.sigmoid(logits.float()).gather(1, ids)  # [T, A]
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling_factor
+
+
 def moe_experts(
     x: torch.Tensor,
     w13: torch.Tensor,

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Download the cp312 / manylinux wheels the H200 image lacks into .whl/ (git-ignored), to be carried to the
+# device machine. Usage: scripts/fetch_wheels.sh  (then: device run with carry=[".whl"]).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .whl
+PLAT=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_34_x86_64)
+# name==version pairs; pure-python wheels match any platform.
+WHEELS=(
+    fla-core==0.6.0
+    fastapi==0.115.12 starlette==0.46.2 uvicorn==0.34.2 pydantic==2.11.4 pydantic-core==2.33.2
+    typing-inspection==0.4.0 annotated-types==0.7.0 openai==1.78.1 distro==1.9.0 jiter==0.9.0 sniffio==1.3.1
+)
+for w in "${WHEELS[@]}"; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        "${PLAT[@]}" -d .whl "$w"
+done
+ls -la .whl

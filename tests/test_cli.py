@@ -1,0 +1,311 @@
+"""`kestrel` command line: the happy paths, and every bad input exiting non-zero with one line on stderr and no
+traceback. Run in-process through `main` (fast), and a few cases through a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kestrel.models.generate import generate
+from kestrel.models.loader import build_model
+from kestrel.serve.cli import main
+from kestrel.tokenizer import ByteTokenizer
+
+STATS = re.compile(r"^\[kestrel\] model=\S+ layers=[LSA]+ .* generated=\d+ tokens in ")
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    """Exit status, stdout, stderr of `kestrel argv...` run in this process."""
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse usage errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_subprocess(*argv: str, cwd: Path) -> tuple[int, str, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kestrel.serve.cli", *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def assert_one_line_error(code: int, err: str, expected_code: int, *words: str):
+    assert code == expected_code, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert re.match(r"^kestrel( [a-z-]+)?: error: ", lines[0]), lines[0]
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny kimi_k3 checkpoint written by `kestrel init-random` (with its byte tokenizer)."""
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    assert main(["init-random", "--preset", "tiny", "--out", str(path)]) == 0
+    return path
+
+
+@pytest.fixture
+def broken(checkpoint, tmp_path) -> Path:
+    shutil.copytree(checkpoint, tmp_path / "model")
+    return tmp_path / "model"
+
+
+# -- happy paths -------------------------------------------------------------------------------------------
+
+
+def test_generate_builtin_tiny(capsys):
+    code, out, err = run(capsys, "generate", "--prompt", "Hello", "--max-new-tokens", "5", "--device", "cpu")
+    assert code == 0, err
+    model = build_model("tiny")
+    tokenizer = ByteTokenizer()
+    ids = generate(model, tokenizer.encode("Hello"), 5, eos_token_ids=model.config.eos_token_ids)
+    assert out == tokenizer.decode(ids) + "\n"  # greedy by default: the reference generate()'s text
+    assert STATS.match(err.strip()) and "prompt=5 tokens" in err and "Traceback" not in err
+
+
+def test_generate_with_sampling_options(capsys):
+    argv = ["generate", "--prompt", "Hi", "--max-new-tokens", "4", "--temperature", "0.8", "--top-p", "0.9"]
+    code, out, err = run(capsys, *argv, "--top-k", "20", "--seed", "3", "--dtype", "bfloat16")
+    assert code == 0, err
+    assert STATS.match(err.strip()) and "dtype=torch.bfloat16" in err
+    assert run(capsys, *argv, "--top-k", "20", "--seed", "3", "--dtype", "bfloat16")[1] == out  # seeded
+
+
+def test_init_random_then_generate_chat(checkpoint, capsys):
+    names = sorted(p.name for p in checkpoint.iterdir())
+    assert "config.json" in names and "model.safetensors" in names and "tokenizer.json" in names
+    assert json.loads((checkpoint / "config.json").read_text())["model_type"] == "kimi_k3"
+    code, out, err = run(
+        capsys, "generate", "--model", str(checkpoint), "--chat", "--prompt", "hi", "--max-new-tokens", "3"
+    )
+    assert code == 0, err
+    assert STATS.match(err.strip())
+    prompt_tokens = int(re.search(r"prompt=(\d+) tokens", err).group(1))
+    assert prompt_tokens > len("hi") + 2  # the chat template wrapped the prompt
+
+
+def test_init_random_kimi_linear_format(tmp_path, capsys):
+    code, _, err = run(
+        capsys, "init-random", "--preset", "tiny", "--out", str(tmp_path), "--format", "kimi_linear"
+    )
+    assert code == 0, err
+    assert "kimi_linear" in err and "Traceback" not in err
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "kimi_linear"
+    model = build_model(str(tmp_path), dtype=torch.bfloat16)
+    assert model.config.layer_pattern == "LLALLA" and model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_init_random_mxfp4_on_tiny_is_refused(tmp_path, capsys):
+    """tiny's latent expert width (48) is not a multiple of the MX block (32): a clear error, no folder."""
+    code, _, err = run(capsys, "init-random", "--preset", "tiny", "--out", str(tmp_path / "m"), "--mxfp4")
+    assert_one_line_error(code, err, 1, "routed_expert_hidden_size", "multiples of 32")
+    assert not (tmp_path / "m").exists()
+
+
+# -- bad input: exit non-zero, one line on stderr, no traceback --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--max-new-tokens", "0"], ["--max-new-tokens", "0"]),
+        (["--max-new-tokens", "-1"], ["--max-new-tokens", "-1"]),
+        (["--max-new-tokens", "abc"], ["--max-new-tokens", "abc"]),
+        (["--temperature", "-1"], ["--temperature"]),
+        (["--temperature", "hot"], ["--temperature", "hot"]),
+        (["--top-p", "2"], ["--top-p"]),
+        (["--top-p", "-0.5"], ["--top-p"]),
+        (["--dtype", "int8"], ["--dtype", "int8"]),
+        (["--bogus"], ["--bogus"]),
+    ],
+    ids=[
+        "tokens-0",
+        "tokens-neg",
+        "tokens-abc",
+        "temp-neg",
+        "temp-str",
+        "top-p-2",
+        "top-p-neg",
+        "dtype",
+        "flag",
+    ],
+)
+def test_bad_generate_arguments(capsys, argv, words):
+    code, out, err = run(capsys, "generate", "--prompt", "hi", *argv)
+    assert_one_line_error(code, err, 2, *words)
+    assert out == ""
+
+
+def test_usage_errors_are_one_line(capsys):
+    assert_one_line_error(*run(capsys)[::2], 2, "COMMAND")
+    assert_one_line_error(*run(capsys, "generate")[::2], 2, "--prompt")
+    assert_one_line_error(*run(capsys, "serve-all")[::2], 2, "serve-all")
+    assert_one_line_error(*run(capsys, "init-random", "--preset", "tiny")[::2], 2, "--out")
+
+
+def test_nonexistent_model(capsys, tmp_path):
+    code, _, err = run(capsys, "generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi")
+    assert_one_line_error(code, err, 1, "nowhere", "no such checkpoint folder")
+
+
+def test_model_is_a_file(capsys, checkpoint):
+    code, _, err = run(capsys, "generate", "--model", str(checkpoint / "config.json"), "--prompt", "hi")
+    assert_one_line_error(code, err, 1, "got a file")
+
+
+def test_malformed_config_json(capsys, broken):
+    (broken / "config.json").write_text('{"model_type": "kimi_k3", ')
+    code, _, err = run(capsys, "generate", "--model", str(broken), "--prompt", "hi")
+    assert_one_line_error(code, err, 1, "config.json", "not valid JSON")
+
+
+def test_config_with_a_bad_field(capsys, broken):
+    config = json.loads((broken / "config.json").read_text())
+    config["text_config"]["num_experts_per_token"] = 99
+    (broken / "config.json").write_text(json.dumps(config))
+    code, _, err = run(capsys, "generate", "--model", str(broken), "--prompt", "hi")
+    assert_one_line_error(code, err, 1, "num_experts_per_token=99")
+
+
+def test_truncated_weights(capsys, broken):
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    code, _, err = run(capsys, "generate", "--model", str(broken), "--prompt", "hi")
+    assert_one_line_error(code, err, 1, "model.safetensors", "truncated")
+
+
+def test_missing_tensor(capsys, broken):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["language_model.model.norm.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    code, _, err = run(capsys, "generate", "--model", str(broken), "--prompt", "hi")
+    assert_one_line_error(code, err, 1, "missing (1): model.norm.weight")
+
+
+def test_unknown_model_or_preset_name(capsys, tmp_path):
+    code, _, err = run(capsys, "generate", "--model", "huge", "--prompt", "hi")
+    assert_one_line_error(code, err, 1, "'huge'", "tiny")
+    code, _, err = run(capsys, "init-random", "--preset", "huge", "--out", str(tmp_path / "m"))
+    assert_one_line_error(code, err, 1, "unknown preset 'huge'")
+    assert not (tmp_path / "m").exists()
+
+
+def test_mxfp4_needs_k3_format(capsys, tmp_path):
+    code, _, err = run(
+        capsys,
+        "init-random",
+        "--preset",
+        "tiny",
+        "--out",
+        str(tmp_path / "m"),
+        "--mxfp4",
+        "--format",
+        "kimi_linear",
+    )
+    assert_one_line_error(code, err, 1, "--mxfp4")
+    assert not (tmp_path / "m").exists()
+
+
+def test_init_random_bad_out(capsys, tmp_path):
+    file = tmp_path / "a_file"
+    file.write_text("")
+    code, _, err = run(capsys, "init-random", "--preset", "tiny", "--out", str(file))
+    assert_one_line_error(code, err, 1, "--out", "not a folder")
+    code, _, err = run(capsys, "init-random", "--preset", "tiny", "--out", str(file / "below"))
+    assert_one_line_error(code, err, 1, "a_file")
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "meta", ""])
+def test_unknown_device(capsys, device):
+    code, _, err = run(capsys, "generate", "--prompt", "hi", "--device", device)
+    assert_one_line_error(code, err, 1, "--device")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_cuda_without_cuda(capsys, device):
+    code, _, err = run(capsys, "generate", "--prompt", "hi", "--device", device)
+    assert_one_line_error(code, err, 1, "CUDA is not available")
+
+
+def test_empty_prompt_and_too_long_request(capsys):
+    assert_one_line_error(*run(capsys, "generate", "--prompt", "")[::2], 1, "--prompt")
+    code, _, err = run(capsys, "generate", "--prompt", "hi", "--max-new-tokens", "5000")
+    assert_one_line_error(code, err, 1, "--max-new-tokens", "4096")
+
+
+# -- the same through a real process ----------------------------------------------------------------------
+
+
+def test_subprocess_generate_and_chat(checkpoint, tmp_path):
+    code, out, err = run_subprocess("generate", "--prompt", "Hello", "--max-new-tokens", "3", cwd=tmp_path)
+    assert code == 0, err
+    assert out.endswith("\n") and STATS.match(err.strip().splitlines()[-1])
+    code, out, err = run_subprocess(
+        "generate",
+        "--model",
+        str(checkpoint),
+        "--chat",
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "2",
+        cwd=tmp_path,
+    )
+    assert code == 0, err
+    assert STATS.match(err.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "argv, expected_code, word",
+    [
+        (["generate", "--model", "nowhere", "--prompt", "hi"], 1, "no such checkpoint folder"),
+        (["generate", "--prompt", "hi", "--max-new-tokens", "abc"], 2, "--max-new-tokens"),
+        (["generate", "--prompt", "hi", "--device", "tpu"], 1, "--device"),
+        (
+            ["init-random", "--preset", "tiny", "--out", "m", "--mxfp4", "--format", "kimi_linear"],
+            1,
+            "--mxfp4",
+        ),
+    ],
+    ids=["no-model", "bad-tokens", "bad-device", "mxfp4-format"],
+)
+def test_subprocess_errors(tmp_path, argv, expected_code, word):
+    code, out, err = run_subprocess(*argv, cwd=tmp_path)
+    assert_one_line_error(code, err, expected_code, word)
+    assert out == ""
+
+
+def test_subprocess_truncated_weights(broken, tmp_path):
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    code, _, err = run_subprocess("generate", "--model", str(broken), "--prompt", "hi", cwd=tmp_path)
+    assert_one_line_error(code, err, 1, "truncated")
+
+
+def test_console_script(tmp_path):
+    script = Path(sys.executable).parent / "kestrel"
+    if not script.exists():
+        pytest.skip("the kestrel console script is not installed next to this python")
+    proc = subprocess.run(
+        [str(script), "generate", "--prompt", "hi", "--top-p", "2"], capture_output=True, text=True
+    )
+    assert_one_line_error(proc.returncode, proc.stderr, 2, "--top-p")
