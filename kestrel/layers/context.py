@@ -40,6 +40,11 @@ class CacheView(Protocol):
         included (L = prefix_lens[seq] + new_lens[seq])."""
         ...
 
+    def read_kv_batched(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Every sequence at once, padded: (kv [N, Lmax, R + P], index keys [N, Lmax, DI] or None,
+        lens [N] device int64). Rows at or past lens[i] are padding. Used by the decode path (no host syncs)."""
+        ...
+
 
 @dataclass
 class ForwardContext:
@@ -48,6 +53,9 @@ class ForwardContext:
     new_lens: list[int]  # [N] new tokens per sequence (host copy)
     prefix_lens: list[int]  # [N] tokens already cached per sequence (host copy)
     cache: CacheView | None = None
+    # One new token per sequence, read through `cache.read_kv_batched`: the batched, host-sync-free path
+    # that decode steps (and their CUDA graphs) take. Set by whoever builds the context.
+    decode: bool = False
     # Routing capture/replay (RL, and fast-vs-reference checks): MoE layers record their expert ids [T, A]
     # into `routing_capture` (layer_id -> ids) when it is a dict, and use `routing_replay` ids instead of
     # selecting when it is one.
@@ -61,11 +69,6 @@ class ForwardContext:
     @property
     def num_seqs(self) -> int:
         return len(self.new_lens)
-
-    @property
-    def is_decode(self) -> bool:
-        """Every sequence brings exactly one new token and has history (the recurrent/absorbed path)."""
-        return all(n == 1 for n in self.new_lens)
 
     def seq_slice(self, i: int) -> slice:
         start = sum(self.new_lens[:i])
@@ -84,7 +87,8 @@ class ForwardContext:
         positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, new_lens)])
         cu = torch.zeros(len(new_lens) + 1, dtype=torch.int64)
         cu[1:] = torch.tensor(new_lens).cumsum(0)
-        return ForwardContext(positions.to(device), cu.to(device), list(new_lens), prefix_lens, cache)
+        decode = cache is not None and all(n == 1 for n in new_lens)
+        return ForwardContext(positions.to(device), cu.to(device), list(new_lens), prefix_lens, cache, decode)
 
 
 _ACTIVE: ForwardContext | None = None

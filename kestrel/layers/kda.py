@@ -13,7 +13,7 @@ from kestrel.config import ModelConfig
 from kestrel.layers.context import get_forward_context
 from kestrel.layers.linear import ColumnLinear, Linear, RowLinear, ShapeMismatch, copy_checked, set_loader
 from kestrel.layers.norm import RMSNorm
-from kestrel.ops.kda import gated_rms_norm, get_kda_backend, kda_gate, short_conv
+from kestrel.ops.kda import gated_rms_norm, get_kda_backend, kda_gate, short_conv, short_conv_step
 from kestrel.utils.dist import parallel_state
 
 QKV = ("q", "k", "v")
@@ -62,16 +62,21 @@ class KimiDeltaAttention(nn.Module):
         cache = ctx.cache
         ssm, conv = cache.kda_state(self.layer_id) if cache is not None else (None, None)
 
+        # Decode: one token per sequence, laid out as N sequences of length 1 (no varlen metadata, no host
+        # syncs: this path is captured in CUDA graphs). Otherwise packed varlen sequences (B = 1).
+        decode = cache is not None and ctx.decode
+        shape = (T, 1, H, K) if decode else (1, T, H, K)
         qkv = self.qkv_proj(x)  # [T, 3P]
-        qkv, conv_out = short_conv(qkv, self.conv_weight, conv, ctx.cu_seqlens)  # [T, 3P], [N, 3P, W-1]
-        q, k, v = (t.reshape(1, T, H, K) for t in qkv.split(self.proj_dim, dim=-1))  # [1, T, H, K] each
-        g = kda_gate(
-            self.f_b_proj(self.f_a_proj(x)).view(1, T, H, K), self.A_log, self.dt_bias, self.lower_bound
-        )
-        beta = torch.sigmoid(self.b_proj(x).float()).view(1, T, H)  # [1, T, H]
+        if decode:
+            qkv, conv_out = short_conv_step(qkv, self.conv_weight, conv)  # [N, 3P], [N, 3P, W-1]
+        else:
+            qkv, conv_out = short_conv(qkv, self.conv_weight, conv, ctx.cu_seqlens)  # [T, 3P], [N, 3P, W-1]
+        q, k, v = (t.reshape(shape) for t in qkv.split(self.proj_dim, dim=-1))
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(shape), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float()).view(shape[:3])
 
         backend = get_kda_backend(x.device)
-        run = backend.recurrent if (cache is not None and ctx.is_decode) else backend.chunk
+        run = backend.recurrent if decode else backend.chunk
         o, ssm_out = run(
             q,
             k,
@@ -81,8 +86,8 @@ class KimiDeltaAttention(nn.Module):
             initial_state=ssm,
             output_final_state=cache is not None,
             use_qk_l2norm=True,
-            cu_seqlens=ctx.cu_seqlens,
-        )  # o [1, T, H, V]
+            cu_seqlens=None if decode else ctx.cu_seqlens,
+        )  # o [1, T, H, V] or [N, 1, H, V]
         if cache is not None:
             cache.set_kda_state(self.layer_id, ssm_out, conv_out)
 

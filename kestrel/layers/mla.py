@@ -7,6 +7,8 @@ Per token the cache keeps the latent row [c_kv (R) | k_pe (Pr)] and, with DSA, o
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -14,8 +16,8 @@ from kestrel.config import ModelConfig
 from kestrel.layers.context import get_forward_context
 from kestrel.layers.linear import ColumnLinear, Linear, RowLinear
 from kestrel.layers.norm import LayerNorm, RMSNorm
-from kestrel.ops.dsa import indexer_scores, topk_select
-from kestrel.ops.mla import mla_attention_absorbed, split_kv_b
+from kestrel.ops.dsa import indexer_scores, indexer_scores_batched, topk_select
+from kestrel.ops.mla import mla_attention_absorbed, mla_decode_batched, split_kv_b
 from kestrel.utils.dist import parallel_state
 
 # DeepSeek's MLA and indexer norms use a fixed eps (transformers and the reference code agree).
@@ -101,31 +103,60 @@ class MLAttention(nn.Module):
         idx_k_new = self.indexer.keys(x) if self.indexer is not None else None  # [T, DI]
         if ctx.cache is not None:
             ctx.cache.write_kv(self.layer_id, kv_new, idx_k_new)
-        if self.indexer is not None:
-            idx_q, idx_w = self.indexer.queries(x, c_q)  # [T, HI, DI], [T, HI]
+        idx_q, idx_w = (
+            self.indexer.queries(x, c_q) if self.indexer is not None else (None, None)
+        )  # [T, HI, DI]
 
         w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, H, self.nope_dim, self.v_dim)  # [H, Dn, R], [H, Dv, R]
+        idx = (idx_q, idx_w, idx_k_new) if self.indexer is not None else None
+        if ctx.cache is not None and ctx.decode:
+            out = self._attend_decode(ctx, q_nope, q_pe, w_uk, w_uv, idx)
+        else:
+            out = self._attend_per_sequence(ctx, q_nope, q_pe, kv_new, w_uk, w_uv, idx)
+
+        if hasattr(self, "g_proj"):
+            out = out * torch.sigmoid(self.g_proj(x).float()).view(T, H, self.v_dim).to(out.dtype)
+        return self.o_proj(out.reshape(T, H * self.v_dim))
+
+    def _select(self, ctx, i: int, scores_fn, q_pos: torch.Tensor) -> torch.Tensor:
+        """DSA selection of sequence i (or of the whole decode batch, i = -1): replayed or computed."""
+        if ctx.selection_replay is not None:
+            chosen = ctx.selection_replay[self.layer_id]
+            return torch.cat(chosen) if i < 0 else chosen[i]  # [t, topk], chosen in an earlier pass
+        indices = topk_select(scores_fn(), q_pos, self.indexer.topk)  # [t, topk]
+        if ctx.selection_capture is not None:
+            parts = list(indices.split(1)) if i < 0 else [indices]
+            ctx.selection_capture.setdefault(self.layer_id, []).extend(parts)
+        return indices
+
+    def _attend_per_sequence(self, ctx, q_nope, q_pe, kv_new, w_uk, w_uv, idx) -> torch.Tensor:
+        """Reference path: one sequence at a time over its whole cached history."""
         outs = []
         for i in range(ctx.num_seqs):
             sl = ctx.seq_slice(i)
             if ctx.cache is not None:
                 kv, idx_k = ctx.cache.read_kv(self.layer_id, i)  # [L, R + Pr], [L, DI]
             else:
-                kv, idx_k = kv_new[sl], idx_k_new[sl] if idx_k_new is not None else None
+                kv, idx_k = kv_new[sl], (idx[2][sl] if idx is not None else None)
             q_pos = ctx.positions[sl]
             indices = None
-            if self.indexer is not None and ctx.selection_replay is not None:
-                indices = ctx.selection_replay[self.layer_id][i]  # [t, topk], chosen in an earlier pass
-            elif self.indexer is not None:
-                scores = indexer_scores(idx_q[sl], idx_k, idx_w[sl], self.indexer.head_dim**-0.5)  # [t, L]
-                indices = topk_select(scores, q_pos, self.indexer.topk)  # [t, topk]
-            if indices is not None and ctx.selection_capture is not None:
-                ctx.selection_capture.setdefault(self.layer_id, []).append(indices)
+            if idx is not None:
+                scale = self.indexer.head_dim**-0.5
+                indices = self._select(
+                    ctx, i, partial(indexer_scores, idx[0][sl], idx_k, idx[1][sl], scale), q_pos
+                )
             outs.append(
                 mla_attention_absorbed(q_nope[sl], q_pe[sl], kv, w_uk, w_uv, q_pos, self.scale, indices)
             )
-        out = torch.cat(outs)  # [T, H, Dv]
+        return torch.cat(outs)  # [T, H, Dv]
 
-        if hasattr(self, "g_proj"):
-            out = out * torch.sigmoid(self.g_proj(x).float()).view(T, H, self.v_dim).to(out.dtype)
-        return self.o_proj(out.reshape(T, H * self.v_dim))
+    def _attend_decode(self, ctx, q_nope, q_pe, w_uk, w_uv, idx) -> torch.Tensor:
+        """Decode: one query per sequence, every sequence at once over its padded history, no host syncs."""
+        kv, idx_k, lens = ctx.cache.read_kv_batched(self.layer_id)  # [N, Lmax, R + Pr], [N, Lmax, DI], [N]
+        indices = None
+        if idx is not None:
+            scale = self.indexer.head_dim**-0.5
+            indices = self._select(
+                ctx, -1, lambda: indexer_scores_batched(idx[0], idx_k, idx[1], scale), lens - 1
+            )
+        return mla_decode_batched(q_nope, q_pe, kv, lens, w_uk, w_uv, self.scale, indices)  # [N, H, Dv]

@@ -86,6 +86,11 @@ class _DenseView:
                 self.cache.index_k[layer_id][r, p : p + n] = index_k[start : start + n]
             start += n
 
+    def read_kv_batched(self, layer_id: int):
+        lens = torch.tensor([p + n for p, n in zip(self.prefix, self.new)], device=self.rows.device)
+        index_k = self.cache.index_k[layer_id][self.rows] if self.cache.index_k else None
+        return self.cache.kv[layer_id][self.rows], index_k, lens
+
     def read_kv(self, layer_id: int, seq: int):
         r, length = self.requests[seq], self.prefix[seq] + self.new[seq]
         index_k = self.cache.index_k[layer_id][r, :length] if self.cache.index_k else None

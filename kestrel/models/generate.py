@@ -43,9 +43,13 @@ def generate(
         if step < len(pieces) - 1:
             continue  # more prompt to prefill
         if temperature == 0:
-            token = greedy(logits)
+            token = int(greedy(logits))
         else:
-            token = sample(process_logits(logits, temperature, top_k, top_p, min_p), seed, len(out))
+            row = lambda v, dt=torch.float32: torch.tensor([v], dtype=dt, device=device)  # noqa: E731
+            probs = process_logits(
+                logits[None], row(temperature), row(top_k, torch.int64), row(top_p), row(min_p)
+            )
+            token = int(sample(probs, row(seed, torch.int64), row(len(out), torch.int64))[0])
         out.append(token)
         if token in eos_token_ids:
             break

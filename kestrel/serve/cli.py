@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from kestrel.utils.device import resolve_device, resolve_dtype
 from kestrel.utils.errors import KestrelError
 
 BUILTIN_MODEL = "tiny"
@@ -95,32 +96,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-shard-mb", type=_positive_int, default=None, help="split weights into shards")
     r.set_defaults(func=cmd_init_random)
     return parser
-
-
-def resolve_device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise KestrelError(f"--device {name!r}: not a device (use auto, cpu, cuda or cuda:N)") from None
-    if device.type not in ("cpu", "cuda"):
-        raise KestrelError(f"--device {name!r}: not supported (use auto, cpu, cuda or cuda:N)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise KestrelError(f"--device {name}: CUDA is not available on this machine")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise KestrelError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
-
-
-def resolve_dtype(name: str, device):
-    import torch
-
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 def load_tokenizer_for(model: str):

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from kestrel.ops.dsa import indexer_scores, selection_mask, topk_select
+from kestrel.ops.dsa import indexer_scores, indexer_scores_batched, selection_mask, topk_select
+from tests.ops.graph_check import assert_replay_matches_eager
 
 NAN, INF = float("nan"), float("inf")
 
@@ -208,3 +209,69 @@ def test_matches_transformers_deepseek_v32_indexer():
     # Its topk fills early rows with masked (-inf) future positions; only the causal ones count.
     assert row_sets(ours) == row_sets(ref, limit=list(range(T)))
     assert all(len(s) == min(TOPK, t + 1) for t, s in enumerate(row_sets(ours)))
+
+
+# ---------------------------------------------------------------- batched decode (one query per sequence)
+
+
+def make_batched(lens, Lmax, HI=4, DI=16, seed=20, device="cpu"):
+    """Indexer inputs for B = len(lens) sequences; keys at positions >= lens[b] are garbage (NaN, +inf)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    q = torch.randn(B, HI, DI, generator=g)  # [B, HI, DI]
+    k = torch.randn(B, Lmax, DI, generator=g)  # [B, Lmax, DI]
+    w = torch.randn(B, HI, generator=g)  # [B, HI]
+    lens = torch.tensor(lens, dtype=torch.int64)
+    padded = torch.arange(Lmax)[None, :] >= lens[:, None]  # [B, Lmax]
+    k[padded] = torch.where(torch.rand(int(padded.sum()), 1, generator=g) < 0.5, NAN, INF)
+    return q.to(device), k.to(device), w.to(device), lens.to(device)
+
+
+@pytest.mark.parametrize("k", [1, 5, 40])
+def test_batched_indexer_and_topk_equal_per_row(k):
+    Lmax = 30
+    lens = [1, 17, Lmax, 5, 29, 2]
+    q, k_idx, w, lens_t = make_batched(lens, Lmax)
+    scale = k_idx.shape[-1] ** -0.5
+    scores = indexer_scores_batched(q, k_idx, w, scale)  # [B, Lmax]
+    assert scores.dtype == torch.float32 and scores.shape == (len(lens), Lmax)
+    idx = topk_select(scores, lens_t - 1, k)  # [B, k]
+    for b, n in enumerate(lens):
+        ref = indexer_scores(q[b : b + 1], k_idx[b, :n], w[b : b + 1], scale)  # [1, n]
+        torch.testing.assert_close(scores[b : b + 1, :n], ref, rtol=1e-6, atol=1e-6)
+        assert torch.equal(idx[b : b + 1], topk_select(ref, pos(n - 1), k))
+
+
+def test_topk_ignores_garbage_past_q_pos():
+    g = torch.Generator().manual_seed(21)
+    Lmax, lens = 25, pos(1, 9, 25, 14)
+    scores = torch.randn(4, Lmax, generator=g)
+    padded = torch.arange(Lmax)[None, :] >= lens[:, None]
+    expected = topk_select(scores, lens - 1, 8)
+    for garbage in (NAN, INF, -INF, 1e30):
+        assert torch.equal(topk_select(scores.masked_fill(padded, garbage), lens - 1, 8), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batched_indexer_and_topk_cuda_graph():
+    Lmax, topk = 300, 64
+    lens = [1, 17, Lmax, 64, 299, 2, 150, 65]
+
+    def bf16_inputs(lens, seed):
+        q, k_idx, w, lens_t = make_batched(lens, Lmax, HI=8, DI=64, seed=seed, device="cuda")
+        return q.bfloat16(), k_idx.bfloat16(), w.bfloat16(), lens_t
+
+    first, fresh = bf16_inputs(lens, 22), bf16_inputs(lens[::-1], 23)
+    q, k_idx, w, lens_t = first
+    scale = 64**-0.5
+    scores = indexer_scores_batched(q, k_idx, w, scale)
+    for b, n in enumerate(lens):  # bf16 inputs are scored in fp32 either way
+        ref = indexer_scores(q[b : b + 1], k_idx[b, :n], w[b : b + 1], scale)
+        torch.testing.assert_close(scores[b : b + 1, :n], ref, rtol=1e-5, atol=1e-5)
+
+    def step(q, k_idx, w, lens):
+        scores = indexer_scores_batched(q, k_idx, w, scale)  # [B, Lmax]
+        return scores.nan_to_num(), topk_select(scores, lens - 1, topk)
+
+    assert_replay_matches_eager(step, first, fresh)

@@ -15,7 +15,9 @@ from kestrel.ops.kda import (
     l2norm,
     recurrent_kda,
     short_conv,
+    short_conv_step,
 )
+from tests.ops.graph_check import assert_replay_matches_eager
 
 H, K, V = 2, 16, 32
 
@@ -256,3 +258,54 @@ def test_backend_registry_on_cuda(monkeypatch):
     pytest.importorskip("fla.ops.kda")
     monkeypatch.setenv("KESTREL_KDA_BACKEND", "auto")
     assert get_kda_backend(torch.device("cuda")).name == "fla"
+
+
+# ---------------------------------------------------------------- batched decode conv step
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("W", [4, 2, 1])
+def test_short_conv_step_equals_short_conv(W, dtype):
+    N, C = 5, 6
+    x, weight = torch.randn(N, C, dtype=dtype), torch.randn(C, W, dtype=dtype)
+    state0 = torch.randn(N, C, W - 1, dtype=dtype)
+    y_ref, state_ref = short_conv(x, weight, state0, torch.arange(N + 1))  # N sequences of one token
+    y, state = short_conv_step(x, weight, state0)
+    assert y.shape == (N, C) and state.shape == (N, C, W - 1) and y.dtype == state.dtype == dtype
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    torch.testing.assert_close(state, state_ref, rtol=0, atol=0)
+
+
+def test_short_conv_step_decodes_a_sequence_and_keeps_state_dtype():
+    # Token-by-token steps from a prefill state == one short_conv over everything; an fp32 state stays fp32.
+    N, C, W, T = 3, 8, 4, 6
+    x, weight = torch.randn(T, N, C, dtype=torch.bfloat16), torch.randn(C, W)
+    state0 = torch.randn(N, C, W - 1).bfloat16().float()  # bf16-representable, so no rounding on entry
+    state = state0
+    steps = []
+    for t in range(T):
+        y, state = short_conv_step(x[t], weight, state)
+        steps.append(y)
+    assert state.dtype == torch.float32 and steps[0].dtype == torch.bfloat16
+    cu_seqlens = torch.arange(0, N * T + 1, T)
+    y_ref, state_ref = short_conv(x.transpose(0, 1).reshape(N * T, C), weight, state0, cu_seqlens)
+    torch.testing.assert_close(torch.stack(steps, 1).reshape(N * T, C), y_ref, rtol=0, atol=0)
+    torch.testing.assert_close(state, state_ref.float(), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_short_conv_step_cuda_graph():
+    N, C, W = 8, 64, 4
+
+    def inputs():
+        return torch.randn(N, C, device="cuda", dtype=torch.bfloat16), torch.randn(N, C, W - 1, device="cuda")
+
+    weight = torch.randn(C, W, device="cuda")
+    x, state0 = inputs()
+    y, state = short_conv_step(x, weight, state0)
+    y_ref, state_ref = short_conv(x, weight, state0, torch.arange(N + 1, device="cuda"))
+    assert y.dtype == torch.bfloat16 and state.dtype == torch.float32
+    torch.testing.assert_close(y, y_ref)  # bf16 tolerance: CUDA may sum the window in another order
+    torch.testing.assert_close(state, state_ref.float(), rtol=0, atol=0)
+    assert_replay_matches_eager(lambda x, s: short_conv_step(x, weight, s), inputs(), inputs())

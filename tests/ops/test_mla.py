@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kestrel.ops.dsa import selection_mask, topk_select
-from kestrel.ops.mla import mla_attention_absorbed, mla_attention_expanded, split_kv_b
+from kestrel.ops.mla import mla_attention_absorbed, mla_attention_expanded, mla_decode_batched, split_kv_b
+from tests.ops.graph_check import assert_replay_matches_eager
 
 H, R, P, DN, DV = 4, 32, 8, 16, 12
 SCALE = (DN + P) ** -0.5
@@ -142,3 +143,101 @@ def test_low_precision_inputs(dtype):
     for o in (o_exp, o_abs):
         assert o.dtype == dtype
         torch.testing.assert_close(o.double(), ref, rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------- batched decode (one query per sequence)
+
+LMAX = 13
+LENS = [1, 7, LMAX, 4, 1, 10, LMAX, 2]  # 1 and Lmax included
+
+
+def make_batched(lens, dtype=torch.float64, seed=10, device="cpu"):
+    """Decode inputs for B = len(lens) sequences; cache rows at positions >= lens[b] are NaN."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    q_nope = torch.randn(B, H, DN, generator=g, dtype=torch.float64)  # [B, H, Dn]
+    q_pe = torch.randn(B, H, P, generator=g, dtype=torch.float64)  # [B, H, P]
+    kv = torch.randn(B, LMAX, R + P, generator=g, dtype=torch.float64)  # [B, Lmax, R + P]
+    kv_b = torch.randn(H * (DN + DV), R, generator=g, dtype=torch.float64) * R**-0.5
+    lens = torch.tensor(lens, dtype=torch.int64)
+    kv[torch.arange(LMAX)[None, :] >= lens[:, None]] = float("nan")
+    w_uk, w_uv = split_kv_b(kv_b, H, DN, DV)
+    tensors = (q_nope, q_pe, kv, w_uk, w_uv)
+    return (*(t.to(device=device, dtype=dtype) for t in tensors), lens.to(device))
+
+
+def per_row_reference(q_nope, q_pe, kv, lens, w_uk, w_uv, indices=None):
+    rows = []
+    for b, n in enumerate(lens.tolist()):
+        idx = None if indices is None else indices[b : b + 1]
+        q_pos = torch.tensor([n - 1], device=kv.device)
+        rows.append(
+            mla_attention_absorbed(
+                q_nope[b : b + 1], q_pe[b : b + 1], kv[b, :n], w_uk, w_uv, q_pos, SCALE, idx
+            )
+        )
+    return torch.cat(rows)  # [B, H, Dv]
+
+
+def batched_selection(lens, k, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(len(lens), LMAX, generator=g)  # [B, Lmax]; past lens[b] is not selectable
+    return topk_select(scores, lens - 1, k)  # [B, k], -1 padded where lens[b] < k
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_decode_batched_equals_per_row(sparse, dtype):
+    q_nope, q_pe, kv, w_uk, w_uv, lens = make_batched(LENS, dtype)
+    indices = batched_selection(lens, k=5) if sparse else None
+    out = mla_decode_batched(q_nope, q_pe, kv, lens, w_uk, w_uv, SCALE, indices)
+    ref = per_row_reference(q_nope, q_pe, kv, lens, w_uk, w_uv, indices)
+    assert out.shape == (len(LENS), H, DV) and out.dtype == dtype and not out.isnan().any()
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+def test_decode_batched_ignores_hidden_selections_and_empty_rows():
+    q_nope, q_pe, kv, w_uk, w_uv, lens = make_batched(LENS, seed=12)
+    indices = batched_selection(lens, k=4, seed=13)  # [B, 4]
+    beyond = torch.stack([lens, torch.full_like(lens, LMAX + 5)], dim=1)  # past the query, past the cache
+    a = mla_decode_batched(q_nope, q_pe, kv, lens, w_uk, w_uv, SCALE, indices)
+    b = mla_decode_batched(q_nope, q_pe, kv, lens, w_uk, w_uv, SCALE, torch.cat([beyond, indices], dim=1))
+    assert torch.equal(a, b)
+    # A padding row of a captured batch (lens 0) yields zeros and leaves the other rows alone.
+    empty = lens.clone()
+    empty[2] = 0
+    c = mla_decode_batched(q_nope, q_pe, kv, empty, w_uk, w_uv, SCALE, indices)
+    assert torch.equal(c[2], torch.zeros_like(c[2]))
+    assert torch.equal(torch.cat([c[:2], c[3:]]), torch.cat([a[:2], a[3:]]))
+
+
+def test_decode_batched_bf16():
+    q_nope, q_pe, kv, w_uk, w_uv, lens = make_batched(LENS, torch.bfloat16, seed=14)
+    indices = batched_selection(lens, k=5, seed=15)
+    out = mla_decode_batched(q_nope, q_pe, kv, lens, w_uk, w_uv, SCALE, indices)
+    ref = per_row_reference(q_nope, q_pe, kv, lens, w_uk, w_uv, indices)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref)  # both fp32 inside: at most a rounding flip apart
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_batched_cuda_graph():
+    first = make_batched(LENS, torch.bfloat16, seed=16, device="cuda")
+    fresh = make_batched(LENS[::-1], torch.bfloat16, seed=17, device="cuda")  # other lens after capture
+    q_nope, q_pe, kv, w_uk, w_uv, lens = first
+    indices = batched_selection(lens.cpu(), k=5).cuda()
+    fresh_indices = batched_selection(fresh[-1].cpu(), k=5, seed=18).cuda()
+    out = mla_decode_batched(q_nope, q_pe, kv, lens, w_uk, w_uv, SCALE, indices)
+    ref = per_row_reference(q_nope, q_pe, kv, lens, w_uk, w_uv, indices)
+    torch.testing.assert_close(out, ref)
+
+    def step(q_nope, q_pe, kv, lens, indices):
+        return mla_decode_batched(q_nope, q_pe, kv, lens, w_uk, w_uv, SCALE, indices)
+
+    assert_replay_matches_eager(
+        step,
+        (q_nope, q_pe, kv, lens, indices),
+        (fresh[0], fresh[1], fresh[2], fresh[5], fresh_indices),
+    )

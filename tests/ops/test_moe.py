@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel.ops.moe import glu_mlp, latent_moe, moe_experts, route
+from kestrel.ops.moe import glu_mlp, latent_moe, moe_experts, moe_experts_grouped, route
+from kestrel.ops.moe.grouped import _use_grouped_mm
+from tests.ops.graph_check import assert_replay_matches_eager
 
 
 def _sorted_by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,3 +268,80 @@ def test_latent_moe_matches_formula(use_norm):
             s = norm_w * s / torch.sqrt(s.pow(2).mean() + 1e-5)
         ref[t] = up @ s
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- grouped (host-sync-free) experts
+
+GROUPED_CASES = {  # (T, E, A)
+    "prefill": (13, 7, 3),
+    "one_token": (1, 5, 2),
+    "top1": (6, 4, 1),
+}
+
+
+def _grouped_paths():
+    """The fallback always; torch._grouped_mm forced on too where this torch runs it on CPU."""
+    paths = [False]
+    if hasattr(torch, "_grouped_mm"):
+        try:
+            torch._grouped_mm(
+                torch.ones(2, 8), torch.ones(1, 8, 8), offs=torch.tensor([2], dtype=torch.int32)
+            )
+            paths.append(True)
+        except (RuntimeError, NotImplementedError):
+            pass
+    return paths
+
+
+@pytest.mark.parametrize("use_grouped_mm", _grouped_paths())
+@pytest.mark.parametrize("case", list(GROUPED_CASES))
+@pytest.mark.parametrize("act", ["silu", "situ"])
+def test_grouped_equals_naive_fp32(act, case, use_grouped_mm):
+    T, E, A = GROUPED_CASES[case]
+    x, w13, w2, weights, ids = _random_moe(T=T, D=16, I=8, E=E, A=A, seed=9, dtype=torch.float32)
+    ref = moe_experts(x, w13, w2, weights, ids, act)
+    out = moe_experts_grouped(x, w13, w2, weights, ids, act, use_grouped_mm=use_grouped_mm)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_grouped_mm", _grouped_paths())
+def test_grouped_unused_experts_and_bf16(use_grouped_mm):
+    x, w13, w2, _, _ = _random_moe(T=4, D=16, I=8, E=6, A=2, seed=10)
+    ids = torch.tensor([[4, 2], [2, 4], [4, 2], [5, 4]])  # experts 0, 1, 3 get nothing; the last one row
+    weights = torch.rand(4, 2, dtype=torch.float32)
+    x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
+    ref = moe_experts(x, w13, w2, weights, ids, "situ")
+    out = moe_experts_grouped(x, w13, w2, weights, ids, "situ", use_grouped_mm=use_grouped_mm)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def _cuda_moe(T, seed):
+    x, w13, w2, weights, ids = _random_moe(T=T, D=64, I=32, E=8, A=2, seed=seed, dtype=torch.float32)
+    return x.cuda().bfloat16(), w13.cuda().bfloat16(), w2.cuda().bfloat16(), weights.cuda(), ids.cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_mm_path_matches_naive_on_cuda():
+    x, w13, w2, weights, ids = _cuda_moe(T=37, seed=11)
+    assert _use_grouped_mm(x, w2)
+    for act in ("silu", "situ"):
+        out = moe_experts_grouped(x, w13, w2, weights, ids, act)
+        ref = moe_experts(x, w13, w2, weights, ids, act)
+        assert out.dtype == torch.bfloat16
+        assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("use_grouped_mm", [True, False])
+def test_grouped_cuda_graph(use_grouped_mm):
+    x, w13, w2, weights, ids = _cuda_moe(T=8, seed=12)
+    _, _, _, fresh_weights, fresh_ids = _cuda_moe(T=8, seed=13)  # other routing after capture
+
+    def step(x, weights, ids):
+        return moe_experts_grouped(x, w13, w2, weights, ids, "silu", use_grouped_mm=use_grouped_mm)
+
+    assert_replay_matches_eager(step, (x, weights, ids), (torch.randn_like(x), fresh_weights, fresh_ids))

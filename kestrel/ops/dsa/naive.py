@@ -1,6 +1,7 @@
 """DeepSeek sparse attention (DSA) lightning indexer and exact top-k references (model-spec 2.3, 2.5).
 
-Legend: T queries of one sequence, L cached tokens, HI indexer heads, DI indexer head dim, k = index_topk.
+Legend: T queries of one sequence, L cached tokens, HI indexer heads, DI indexer head dim, k = index_topk;
+B sequences with caches padded to Lmax tokens in the batched decode form.
 The single tie rule used everywhere in Kestrel: higher score first; equal scores -> lower position first.
 Candidates of the query at position p are positions 0..p (causal, itself included); when fewer than k are
 visible, all visible positions are selected. NaN scores count as invalid (never selected).
@@ -24,6 +25,19 @@ def indexer_scores(
     return scores * scale
 
 
+def indexer_scores_batched(
+    q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`indexer_scores` for one query per sequence over B padded key caches (decode).
+
+    q_idx [B, HI, DI], k_idx [B, Lmax, DI], weights [B, HI]. Returns [B, Lmax] fp32. Padded positions get
+    whatever their garbage keys give; `topk_select` with q_pos = lens - 1 never selects them.
+    """
+    logits = torch.einsum("bjd,bsd->bjs", q_idx.float(), k_idx.float())  # [B, HI, Lmax]
+    scores = torch.einsum("bj,bjs->bs", weights.float(), torch.relu(logits))  # [B, Lmax]
+    return scores * scale
+
+
 def topk_select(scores: torch.Tensor, q_pos: torch.Tensor, k: int) -> torch.Tensor:
     """Exact causal top-k with the tie rule above.
 
@@ -33,6 +47,7 @@ def topk_select(scores: torch.Tensor, q_pos: torch.Tensor, k: int) -> torch.Tens
     Only NaN and the causal mask make a position invalid. An infinite score is a real score: +inf ranks
     above every finite one and -inf below every finite one, but a valid -inf still beats any invalid position.
     Equal scores compare by IEEE equality (so -0.0 ties with +0.0) and fall back to the lower position.
+    Row-wise and free of host syncs, so it also serves batched decode: rows = sequences, q_pos = lens - 1.
     """
     T, L = scores.shape
     pos = torch.arange(L, device=scores.device)  # [L]

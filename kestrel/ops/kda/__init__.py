@@ -12,7 +12,15 @@ from dataclasses import dataclass
 import torch
 
 from kestrel.env import read_env
-from kestrel.ops.kda.naive import chunk_kda, gated_rms_norm, kda_gate, l2norm, recurrent_kda, short_conv
+from kestrel.ops.kda.naive import (
+    chunk_kda,
+    gated_rms_norm,
+    kda_gate,
+    l2norm,
+    recurrent_kda,
+    short_conv,
+    short_conv_step,
+)
 
 __all__ = [
     "KDABackend",
@@ -23,6 +31,7 @@ __all__ = [
     "l2norm",
     "recurrent_kda",
     "short_conv",
+    "short_conv_step",
 ]
 
 

@@ -82,6 +82,21 @@ def short_conv(
     return y, new_state
 
 
+def short_conv_step(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`short_conv` for one new token per sequence (decode), batched and free of host syncs.
+
+    x [N, C] (token n belongs to sequence n), weight [C, W], conv_state [N, C, W - 1].
+    Returns (y [N, C] in x.dtype, new_state [N, C, W - 1] in conv_state.dtype). Same rounding as
+    `short_conv`: the state enters the window in x.dtype.
+    """
+    window = torch.cat([conv_state.to(x.dtype), x[:, :, None]], dim=-1)  # [N, C, W]
+    dtype = _compute_dtype(x)
+    y = F.silu((window.to(dtype) * weight.to(dtype)).sum(-1))  # [N, C]
+    return y.to(x.dtype), window[:, :, 1:].to(conv_state.dtype)
+
+
 def _prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm):
     """Everything in the compute dtype; q, k l2-normalized (optionally) and q scaled."""
     dtype = _compute_dtype(v)

@@ -1,3 +1,8 @@
-from kestrel.ops.mla.naive import mla_attention_absorbed, mla_attention_expanded, split_kv_b
+from kestrel.ops.mla.naive import (
+    mla_attention_absorbed,
+    mla_attention_expanded,
+    mla_decode_batched,
+    split_kv_b,
+)
 
-__all__ = ["mla_attention_absorbed", "mla_attention_expanded", "split_kv_b"]
+__all__ = ["mla_attention_absorbed", "mla_attention_expanded", "mla_decode_batched", "split_kv_b"]

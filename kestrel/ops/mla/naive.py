@@ -1,7 +1,8 @@
 """Multi-head latent attention (MLA) references over a latent cache (model-spec 2.1-2.2), NoPE as in Kimi.
 
 Legend: T query tokens of one sequence, L cached tokens of that sequence (the new ones included), H heads,
-R kv_lora_rank, P qk_rope_head_dim, Dn qk_nope_head_dim, Dv v_head_dim, k selected tokens per query.
+R kv_lora_rank, P qk_rope_head_dim, Dn qk_nope_head_dim, Dv v_head_dim, k selected tokens per query;
+B sequences with caches padded to Lmax tokens in the batched decode form.
 Latent cache row of a token: [c_kv (R, already RMS-normed) | k_pe (P)].
 kv_b_proj weight [H * (Dn + Dv), R]; per head rows [0:Dn] give W_UK^h, rows [Dn:Dn+Dv] give W_UV^h.
 A query at position `q_pos[t]` sees cache rows 0..q_pos[t] (causal, itself included). With `indices`
@@ -100,4 +101,47 @@ def mla_attention_absorbed(
     p = _probs(scores, _visible(q_pos, L, indices))  # [T, H, L]
     o_lat = torch.einsum("thl,lr->thr", p, c_kv)  # [T, H, R]
     o = torch.einsum("thr,hdr->thd", o_lat, w_uv.to(dt))  # [T, H, Dv]
+    return o.to(q_nope.dtype)
+
+
+def mla_decode_batched(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv: torch.Tensor,
+    lens: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+    indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`mla_attention_absorbed` for one query per sequence over B padded caches, free of host syncs (the
+    decode step runs as one CUDA graph).
+
+    q_nope [B, H, Dn], q_pe [B, H, P], kv [B, Lmax, R + P] (row b holds sequence b's cache; positions
+    >= lens[b] may hold anything, NaN included), lens [B] int64 (the query sits at position lens[b] - 1),
+    w_uk [H, Dn, R], w_uv [H, Dv, R], indices [B, k] (-1 = unused; entries past the query are ignored).
+    A row that sees nothing (lens[b] = 0, e.g. graph padding) gives zeros instead of the reference's
+    assertion. Returns o [B, H, Dv] in q_nope.dtype, fp32 inside.
+    """
+    dt = _compute_dtype(q_nope)
+    B, Lmax, RP = kv.shape
+    P = q_pe.shape[-1]
+    pos = torch.arange(Lmax, device=kv.device)  # [Lmax]
+    visible = pos[None, :] < lens[:, None]  # [B, Lmax]
+    if indices is not None:
+        # selection_mask without its range assertion (a host sync); the extra column soaks up -1 padding.
+        slot = torch.where((indices < 0) | (indices >= Lmax), Lmax, indices).long()  # [B, k]
+        chosen = torch.zeros(B, Lmax + 1, dtype=torch.bool, device=kv.device).scatter_(1, slot, True)
+        visible = visible & chosen[:, :Lmax]  # [B, Lmax]
+    # Zero the hidden rows: masked scores alone would still let 0 * NaN reach o_lat.
+    kv = torch.where(visible[:, :, None], kv.to(dt), 0)  # [B, Lmax, R + P]
+    c_kv, k_pe = kv.split([RP - P, P], dim=-1)  # [B, Lmax, R], [B, Lmax, P]
+    q_lat = torch.einsum("bhd,hdr->bhr", q_nope.to(dt), w_uk.to(dt))  # [B, H, R]
+    scores = torch.einsum("bhr,blr->bhl", q_lat, c_kv)  # [B, H, Lmax]
+    scores = (scores + torch.einsum("bhp,blp->bhl", q_pe.to(dt), k_pe)) * scale  # [B, H, Lmax]
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))  # [B, H, Lmax]
+    # A row with nothing visible softmaxes to NaN; the where turns it into zeros.
+    p = torch.where(visible[:, None, :], torch.softmax(scores, dim=-1), 0)  # [B, H, Lmax]
+    o_lat = torch.einsum("bhl,blr->bhr", p, c_kv)  # [B, H, R]
+    o = torch.einsum("bhr,hdr->bhd", o_lat, w_uv.to(dt))  # [B, H, Dv]
     return o.to(q_nope.dtype)

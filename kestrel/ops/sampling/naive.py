@@ -1,53 +1,96 @@
-"""Sampling reference: logits processing and seeded sampling that does not depend on the batch.
+"""Sampling: logits processing (penalties, temperature, top-k, top-p, min-p) and seeded sampling that does not
+depend on the batch. Batched over rows, each row with its own parameters; no host syncs.
 
-A request with seed s draws its token at output step j from `noise(s, j)`, a vector of Exp(1) variates from a
-generator seeded by (s, j) alone; the token is argmax(p / noise) (the exponential race, an exact sample of p).
-So the same seed gives the same tokens whatever else is in the batch, on any engine path that uses this noise.
+Legend: B rows (requests), V vocabulary.
+
+A request with seed s draws its token at output step j as argmax(p / E), E[v] ~ Exp(1) (the exponential race,
+an exact sample of p). E is a pure function of (s, j, v): a counter-based integer hash, computed on the device,
+so the same seed gives the same tokens whatever else is in the batch, on any path, CPU or GPU.
 """
 
 from __future__ import annotations
 
 import torch
 
-_SEED_STRIDE = 1_000_003
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche hash (xorshift-multiply), on int64 tensors holding 32-bit values (no overflow)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """E [B, V] fp32, Exp(1) variates that depend only on (seeds[b], steps[b], v). seeds, steps: [B] int64."""
+    device = seeds.device
+    s = seeds.long()
+    key = _mix32((s & _MASK32) ^ _mix32((s >> 32) & _MASK32))  # [B]
+    key = _mix32(key ^ _mix32(steps.long() & _MASK32))  # [B]
+    v = torch.arange(vocab, device=device, dtype=torch.int64)  # [V]
+    bits = _mix32(_mix32(key[:, None] ^ v[None, :]) ^ (key[:, None] >> 7))  # [B, V]
+    u = (bits.double() + 0.5) / 2.0**32  # (0, 1)
+    return (-torch.log(u)).float()
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    output_counts: torch.Tensor,
+    seen: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
+    """Penalties on fp32 logits [B, V].
+
+    output_counts [B, V]: occurrences of each token in the output so far; seen [B, V] bool: in prompt or output.
+    repetition [B] (HF/vLLM): seen tokens' logits are divided by it when positive, multiplied when negative.
+    frequency, presence [B] (OpenAI): logit -= frequency * count + presence * (count > 0).
+    """
+    x = logits.float()
+    rep = repetition[:, None]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    counts = output_counts.float()
+    return x - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
 
 
 def process_logits(
-    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
 ) -> torch.Tensor:
-    """logits [V] or [B, V] -> probabilities (fp32) after temperature, top-k, top-p and min-p filtering.
+    """fp32 logits [B, V] -> probabilities [B, V] after temperature, top-k, top-p and min-p, per row.
 
-    top_k <= 0 and top_p >= 1 and min_p <= 0 disable their filter. temperature must be > 0 here.
+    temperature [B] > 0 (greedy rows are the caller's business: give them 1.0); top_k [B] int (0 = off);
+    top_p [B] (1 = off); min_p [B] (0 = off). Ties at the top-k / top-p cut keep every tied token.
     """
-    if temperature <= 0:
-        raise ValueError("process_logits needs temperature > 0 (temperature 0 is greedy argmax)")
-    x = logits.float() / temperature
-    if top_k > 0 and top_k < x.shape[-1]:
-        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]  # [.., 1]
-        x = x.masked_fill(x < kth, float("-inf"))
+    x = logits.float() / temperature[:, None]
+    V = x.shape[-1]
+    sorted_x, _ = x.sort(dim=-1, descending=True)  # [B, V]
+    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))  # [B]
+    kth = sorted_x.gather(1, (k - 1).long()[:, None])  # [B, 1]
+    x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
-        drop_sorted = before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-    if min_p > 0.0:
-        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    sorted_p = torch.softmax(sorted_x.masked_fill(sorted_x < kth, float("-inf")), dim=-1)  # [B, V] descending
+    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each sorted entry
+    keep_sorted = before < top_p[:, None]  # the smallest prefix whose mass reaches top_p
+    n_keep = keep_sorted.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+    cut = sorted_p.gather(1, n_keep - 1)  # [B, 1] probability of the last kept entry
+    probs = probs.masked_fill(probs < cut, 0.0)
+    probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs / probs.sum(-1, keepdim=True)
 
 
-def noise(seed: int, step: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Exp(1) noise [V] of request seed `seed` at output step `step` (drawn on the CPU, then moved)."""
-    g = torch.Generator().manual_seed((seed * _SEED_STRIDE + step) % (2**63))
-    return torch.empty(vocab).exponential_(generator=g).to(device)
+def sample(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Token ids [B] drawn from probs [B, V] with each row's (seed, step) noise."""
+    return torch.argmax(probs / exponential_noise(seeds, steps, probs.shape[-1]), dim=-1)
 
 
-def sample(probs: torch.Tensor, seed: int, step: int) -> int:
-    """One token from probs [V] with the request's (seed, step) noise."""
-    return int(torch.argmax(probs / noise(seed, step, probs.shape[-1], probs.device)))
-
-
-def greedy(logits: torch.Tensor) -> int:
-    """argmax; ties go to the lowest token id."""
-    return int(torch.argmax(logits))
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim; ties go to the lowest token id."""
+    return torch.argmax(logits, dim=-1)

@@ -1,0 +1,60 @@
+"""The engine's per-step `CacheView` over the paged KV pool and the state slots (see
+kestrel.layers.context.CacheView). Built by the runner from device tensors only, so that a decode step
+through it can be captured in a CUDA graph: the runner refills the same tensors before each replay."""
+
+from __future__ import annotations
+
+import torch
+
+from kestrel.cache.kv_pool import KVPool
+from kestrel.cache.state_pool import StatePool
+
+
+class PagedCacheView:
+    """slots [N] state slots; write_rows [T] pool rows of the new tokens (packed order);
+    page_table [N, maxp] (padded with page 0) and lens [N] (tokens cached after this step) for batched
+    reads; read_rows: per-sequence rows of positions 0..L-1 for the per-sequence (reference) reads."""
+
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        state_pool: StatePool,
+        slots: torch.Tensor,
+        write_rows: torch.Tensor,
+        page_table: torch.Tensor | None = None,
+        lens: torch.Tensor | None = None,
+        read_rows: list[torch.Tensor] | None = None,
+    ):
+        self.kv_pool, self.state_pool = kv_pool, state_pool
+        self.slots, self.write_rows = slots, write_rows
+        self.page_table, self.lens, self.read_rows = page_table, lens, read_rows
+
+    def kda_state(self, layer_id: int):
+        return self.state_pool.ssm[layer_id][self.slots], self.state_pool.conv[layer_id][self.slots]
+
+    def set_kda_state(self, layer_id: int, ssm: torch.Tensor, conv: torch.Tensor) -> None:
+        self.state_pool.ssm[layer_id][self.slots] = ssm.float()
+        self.state_pool.conv[layer_id][self.slots] = conv.to(self.state_pool.conv[layer_id].dtype)
+
+    def write_kv(self, layer_id: int, kv: torch.Tensor, index_k: torch.Tensor | None) -> None:
+        self.kv_pool.kv[layer_id][self.write_rows] = kv.to(self.kv_pool.kv[layer_id].dtype)
+        if index_k is not None:
+            self.kv_pool.index_k[layer_id][self.write_rows] = index_k.to(self.kv_pool.index_k[layer_id].dtype)
+
+    def read_kv(self, layer_id: int, seq: int):
+        rows = self.read_rows[seq]
+        index_k = self.kv_pool.index_k[layer_id][rows] if self.kv_pool.index_k else None
+        return self.kv_pool.kv[layer_id][rows], index_k
+
+    def read_kv_batched(self, layer_id: int):
+        """(kv [N, maxp * page, R + P], index keys [N, maxp * page, DI] or None, lens [N]); rows past lens[i]
+        are padding (another sequence's or the dummy page's data) that the attention masks out."""
+        N, maxp = self.page_table.shape
+        ps = self.kv_pool.page_size
+
+        def gather(pool: torch.Tensor) -> torch.Tensor:
+            paged = pool.view(-1, ps, pool.shape[-1])  # [pages + 1, page, W]
+            return paged[self.page_table].reshape(N, maxp * ps, pool.shape[-1])  # [N, maxp * page, W]
+
+        index_k = gather(self.kv_pool.index_k[layer_id]) if self.kv_pool.index_k else None
+        return gather(self.kv_pool.kv[layer_id]), index_k, self.lens

@@ -1,0 +1,255 @@
+"""The engine: requests in, tokens out, one step at a time (schedule, forward, sample, postprocess).
+
+Single-threaded; `kestrel.engine.async_engine.AsyncEngine` runs it in its own thread for the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from kestrel.cache.kv_pool import KVPool
+from kestrel.cache.state_pool import StatePool
+from kestrel.config import EngineConfig, ModelConfig
+from kestrel.engine.outputs import StepOutput
+from kestrel.engine.request import Request, Status
+from kestrel.engine.runner import ModelRunner
+from kestrel.engine.sampler import Sampler
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.engine.scheduler import Batch, Scheduler
+from kestrel.models.kimi import KimiForCausalLM
+from kestrel.models.loader import build_model
+from kestrel.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
+from kestrel.utils.device import resolve_device, resolve_dtype
+from kestrel.utils.errors import KestrelError
+
+log = logging.getLogger("kestrel.engine")
+_CPU_KV_BYTES = 256 * 2**20
+
+
+class RequestError(KestrelError):
+    """A request the engine cannot take (too long, bad token ids, bad parameters): a 400 for the server."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    num_slots: int
+    num_pages: int
+    page_size: int
+    kv_bytes_per_token: int
+    state_bytes_per_slot: int
+    max_model_len: int
+
+    def describe(self) -> str:
+        gib = 2**30
+        return (
+            f"memory plan: {self.num_slots} state slots x {self.state_bytes_per_slot / 2**20:.2f} MiB "
+            f"= {self.num_slots * self.state_bytes_per_slot / gib:.3f} GiB; {self.num_pages} KV pages x "
+            f"{self.page_size} tokens = {self.num_pages * self.page_size} tokens x {self.kv_bytes_per_token} B "
+            f"= {self.num_pages * self.page_size * self.kv_bytes_per_token / gib:.3f} GiB; "
+            f"bytes per request = {self.state_bytes_per_slot} + {self.kv_bytes_per_token} per token; "
+            f"max context {self.max_model_len} tokens"
+        )
+
+
+def plan_memory(
+    model: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device
+) -> MemoryPlan:
+    """Slots first (one per running request), then KV pages from the remaining budget."""
+    per_token = max(KVPool.bytes_per_token(model, dtype), 1)
+    per_slot = StatePool.bytes_per_slot(model, dtype)
+    state = cfg.max_running_requests * per_slot
+    if cfg.kv_cache_bytes is not None:
+        kv_bytes = cfg.kv_cache_bytes
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        # Room for activations: a prefill chunk's hidden states and its logits, with a generous margin.
+        reserve = 2 * 2**30 + 8 * cfg.chunked_prefill_size * (model.hidden_size + model.vocab_size) * 4
+        kv_bytes = int((free - state - reserve) * cfg.mem_fraction)
+    else:
+        kv_bytes = _CPU_KV_BYTES
+    num_pages = kv_bytes // (cfg.page_size * per_token)
+    if num_pages < 1:
+        raise KestrelError(
+            f"no memory left for KV pages after {cfg.max_running_requests} state slots "
+            f"({state / 2**30:.2f} GiB): lower --max-running-requests or raise --mem-fraction"
+        )
+    limit = min(model.max_position_embeddings, num_pages * cfg.page_size)
+    if cfg.max_model_len is not None:
+        limit = min(limit, cfg.max_model_len)
+    return MemoryPlan(cfg.max_running_requests, num_pages, cfg.page_size, per_token, per_slot, limit)
+
+
+class Engine:
+    def __init__(
+        self, config: EngineConfig, model: KimiForCausalLM | None = None, tokenizer: Tokenizer | None = None
+    ):
+        self.config = config
+        self.device = resolve_device(config.device) if model is None else model.lm_head.weight.device
+        dtype = resolve_dtype(config.dtype, self.device) if model is None else model.lm_head.weight.dtype
+        self.model = model or build_model(config.model, dtype=dtype, device=self.device, seed=config.seed)
+        self.model.eval()
+        self.tokenizer = tokenizer or _tokenizer_for(config)
+        mc = self.model.config
+        self.plan = plan_memory(mc, config, dtype, self.device)
+        log.info(self.plan.describe())
+        self.kv_pool = KVPool(mc, self.plan.num_pages, config.page_size, dtype, self.device)
+        self.state_pool = StatePool(mc, self.plan.num_slots, dtype, self.device)
+        self.scheduler = Scheduler(
+            self.kv_pool, self.state_pool, config.chunked_prefill_size, self.plan.num_slots
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_pool,
+            self.state_pool,
+            self.plan.max_model_len,
+            use_cuda_graph=not config.disable_cuda_graph,
+            max_batch=min(config.cuda_graph_max_bs, self.plan.num_slots),
+        )
+        self.eos_token_ids = tuple(dict.fromkeys((*mc.eos_token_ids, *self.tokenizer.eos_token_ids)))
+        self.sampler = Sampler(self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._aborted: list[Request] = []
+        self.runner.capture_graphs()
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        limit, vocab = self.plan.max_model_len, self.model.config.vocab_size
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt_ids) >= limit:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens, but the context limit is {limit} (prompt + output)"
+            )
+        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > limit:
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"limit of {limit} tokens"
+            )
+        total = limit if params.max_tokens is None else len(prompt_ids) + params.max_tokens
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        request = Request(request_id, list(prompt_ids), params, seed, total)
+        self.requests[request_id] = request
+        if params.stop:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        self.scheduler.abort(request)
+        self._aborted.append(request)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._aborted)
+
+    # -- one step ---------------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return self._finish_outputs([])
+        logits = self.runner.forward(batch)
+        tokens, logprobs = self.sampler(logits, batch.sampled)
+        return self._postprocess(batch, tokens, logprobs)
+
+    def _postprocess(self, batch: Batch, tokens: list[int], logprobs) -> list[StepOutput]:
+        for req in batch.decode:
+            req.num_computed += 1
+        for chunk in batch.prefill:
+            chunk.request.num_computed = chunk.end
+        outputs = []
+        for req, token, lp in zip(batch.sampled, tokens, logprobs):
+            req.output_ids.append(token)
+            if lp is not None:
+                req.logprobs.append(lp)
+            self._check_stop(req, token)
+            outputs.append(self._output(req, [token], [lp] if lp is not None else None))
+        return self._finish_outputs(outputs)
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        p = req.params
+        if len(req.output_ids) >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return self._finish(req, "stop", token)
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return self._finish(req, "stop", None)
+            if p.stop:
+                detok = self._detok[req.request_id]
+                text = req.detok_text + detok.add([token])
+                req.detok_text = text
+                tail = text[-(max(len(s) for s in p.stop) + 32) :]
+                hit = next((s for s in p.stop if s in tail), None)
+                if hit is not None:
+                    return self._finish(req, "stop", hit)
+        if req.num_tokens >= req.max_total_tokens:
+            self._finish(req, "length", None)
+
+    def _finish(self, req: Request, reason: str, stop_reason) -> None:
+        self.scheduler.finish(req, reason, stop_reason)
+        self._detok.pop(req.request_id, None)
+
+    def _output(self, req: Request, new_ids: list[int], new_lp) -> StepOutput:
+        return StepOutput(
+            req.request_id,
+            new_ids,
+            new_lp,
+            req.is_finished,
+            req.finish_reason,
+            req.stop_reason,
+            len(req.prompt_ids),
+            len(req.output_ids),
+        )
+
+    def _finish_outputs(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        for req in self._aborted:
+            outputs.append(self._output(req, [], None))
+        self._aborted.clear()
+        for out in outputs:
+            if out.finished:
+                self.requests.pop(out.request_id, None)
+        return outputs
+
+    # -- introspection ----------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "num_free_pages": self.kv_pool.num_free_pages,
+            "num_pages": self.kv_pool.num_pages,
+            "num_free_slots": self.state_pool.num_free_slots,
+            "num_slots": self.state_pool.num_slots,
+            "num_preemptions": s.num_preemptions,
+            "page_size": self.kv_pool.page_size,
+            "max_model_len": self.plan.max_model_len,
+        }
+
+    def status_of(self, request_id: str) -> Status | None:
+        r = self.requests.get(request_id)
+        return None if r is None else r.status
+
+
+def _tokenizer_for(config: EngineConfig) -> Tokenizer:
+    from pathlib import Path
+
+    source = config.tokenizer or config.model
+    if Path(source).is_dir() and (Path(source) / "tokenizer.json").exists():
+        return load_tokenizer(source)
+    if config.tokenizer is not None:
+        return load_tokenizer(config.tokenizer)
+    return ByteTokenizer()

@@ -1,0 +1,118 @@
+"""Offline API: `LLM(model).generate(prompts, SamplingParams(...))`, call-compatible with vLLM's `LLM.generate`
+for the common arguments (and accepting SGLang-style sampling dicts such as {"max_new_tokens": 32})."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from kestrel.config import EngineConfig
+from kestrel.engine.engine import Engine
+from kestrel.engine.outputs import CompletionOutput, RequestOutput
+from kestrel.engine.sampling_params import SamplingParams
+
+_SGLANG_NAMES = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop_token_ids"}
+
+
+def as_sampling_params(value) -> SamplingParams:
+    if value is None:
+        return SamplingParams()
+    if isinstance(value, SamplingParams):
+        return value
+    if isinstance(value, dict):
+        fields = {f.name for f in dataclasses.fields(SamplingParams)}
+        kwargs = {_SGLANG_NAMES.get(k, k): v for k, v in value.items()}
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return SamplingParams(**kwargs)
+    raise TypeError(f"sampling_params must be SamplingParams or a dict, got {type(value).__name__}")
+
+
+class LLM:
+    def __init__(self, model: str = "tiny", **engine_args):
+        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, a list of token ids, a list of token-id lists, or dicts
+        with "prompt" / "prompt_token_ids". sampling_params: one for all, or one per prompt."""
+        items = _normalize_prompts(prompts)
+        params = (
+            sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(items)
+        )
+        if len(params) != len(items):
+            raise ValueError(f"{len(params)} sampling_params for {len(items)} prompts")
+        params = [as_sampling_params(p) for p in params]
+        results, children = [], {}
+        for i, ((text, ids), p) in enumerate(zip(items, params)):
+            if ids is None:
+                ids = self.tokenizer.encode(text)
+            results.append(RequestOutput(str(i), text, ids, [None] * p.n))
+            base = p.seed
+            for j in range(p.n):
+                child = dataclasses.replace(p, n=1, seed=None if base is None else base + j)
+                rid = self.engine.add_request(ids, child, f"{i}-{j}")
+                children[rid] = (i, j, child)
+        tokens = {rid: [] for rid in children}
+        logprobs = {rid: [] for rid in children}
+        bar = tqdm(total=len(children), desc="generate", disable=not use_tqdm, unit="req")
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                tokens[out.request_id] += out.new_token_ids
+                logprobs[out.request_id] += out.new_logprobs or []
+                if out.finished:
+                    i, j, p = children[out.request_id]
+                    results[i].outputs[j] = self._completion(
+                        j, tokens[out.request_id], logprobs[out.request_id], out, p
+                    )
+                    bar.update(1)
+        bar.close()
+        return results
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _completion(self, index, ids, lps, out, p: SamplingParams) -> CompletionOutput:
+        text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+        if isinstance(out.stop_reason, str):
+            text = truncate_at_stop(text, p.stop, p.include_stop_str_in_output)
+        return CompletionOutput(
+            index, text, ids, out.finish_reason, out.stop_reason, lps if p.logprobs is not None else None
+        )
+
+
+def _normalize_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
+    if isinstance(prompts, str):
+        return [(prompts, None)]
+    if isinstance(prompts, dict):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a string, token ids, or a non-empty list of them")
+    if all(isinstance(t, int) for t in prompts):
+        return [(None, list(prompts))]
+    items = []
+    for p in prompts:
+        if isinstance(p, str):
+            items.append((p, None))
+        elif isinstance(p, dict):
+            items.append((p.get("prompt"), p.get("prompt_token_ids")))
+        elif isinstance(p, Sequence) and all(isinstance(t, int) for t in p):
+            items.append((None, list(p)))
+        else:
+            raise ValueError(f"cannot read prompt {p!r}")
+    return items
+
+
+def truncate_at_stop(text: str, stops: list[str], include: bool) -> str:
+    """Cut `text` at the earliest stop string (keeping the stop string itself when `include`)."""
+    hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    if not hits:
+        return text
+    i, s = min(hits)
+    return text[: i + (len(s) if include else 0)]

@@ -1,0 +1,47 @@
+"""What the engine reports: per step, the new tokens of each request (`StepOutput`); at the end of the offline
+API, vLLM-shaped `RequestOutput` / `CompletionOutput`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-k alternatives (token id, logprob), best first
+
+
+@dataclass
+class StepOutput:
+    """New tokens of one request in one engine step. `finished` with `finish_reason` in
+    {'stop', 'length', 'abort'}; `stop_reason` is the matched stop string or stop token id (None for EOS)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True

@@ -1,0 +1,61 @@
+"""One request's life in the engine: tokens, resources (a state slot and KV pages), progress and outcome."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kestrel.engine.outputs import TokenLogprob
+from kestrel.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_total_tokens: int  # prompt + output may not exceed this (max_tokens and the context limit)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    status: Status = Status.WAITING
+    slot: int | None = None  # KDA state slot
+    pages: list[int] = field(default_factory=list)  # KV pages, in position order
+    num_computed: int = 0  # tokens whose KV and state are in the cache
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    detok_text: str = ""  # decoded output, kept only for requests with stop strings
+    detok_ids: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def in_decode(self) -> bool:
+        """All tokens but the last sampled one are cached: the next step computes exactly one token."""
+        return (
+            self.status is Status.RUNNING
+            and self.num_computed == self.num_tokens - 1
+            and bool(self.output_ids)
+        )
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

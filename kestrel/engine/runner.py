@@ -1,0 +1,135 @@
+"""Runs the model on a scheduled batch: builds the ForwardContext (positions, cu_seqlens, page rows, state slots)
+and returns the logits of the requests that sample this step.
+
+Prefill chunks run packed (varlen, no padding) through the per-sequence path. Decode runs every request at
+once through the batched path, which has no host syncs; on CUDA it is captured in graphs per batch-size
+bucket and replayed (`use_cuda_graph=False`, or `--disable-cuda-graph`, runs it eagerly).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from kestrel.cache.kv_pool import KVPool
+from kestrel.cache.state_pool import StatePool
+from kestrel.cache.view import PagedCacheView
+from kestrel.engine.request import Request
+from kestrel.engine.scheduler import Batch, PrefillChunk
+from kestrel.layers.context import ForwardContext, forward_context
+from kestrel.models.kimi import KimiForCausalLM
+
+DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: KimiForCausalLM,
+        kv_pool: KVPool,
+        state_pool: StatePool,
+        max_context: int,
+        use_cuda_graph: bool = True,
+        graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES,
+        max_batch: int = 256,
+    ):
+        self.model, self.kv_pool, self.state_pool = model, kv_pool, state_pool
+        self.device = model.lm_head.weight.device
+        self.max_pages = kv_pool.pages_for(max_context)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_sizes = tuple(sorted(s for s in graph_batch_sizes if s <= max_batch))
+        self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda" and bool(self.graph_sizes)
+
+    @torch.no_grad()
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Logits [len(batch.sampled), V] fp32, rows in `batch.sampled` order."""
+        rows = []
+        if batch.decode:
+            rows.append(self._decode(batch.decode))
+        sampling = [c for c in batch.prefill if c.samples]
+        if batch.prefill:
+            logits = self._prefill(batch.prefill)
+            if sampling:
+                rows.append(logits)
+        return torch.cat(rows).float() if rows else torch.empty(0)
+
+    # -- prefill ----------------------------------------------------------------------------------------
+    def _prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        dev, kv = self.device, self.kv_pool
+        ids = [t for c in chunks for t in c.request.all_ids[c.start : c.end]]
+        new_lens = [c.end - c.start for c in chunks]
+        write_rows = [r for c in chunks for r in kv.token_rows(c.request.pages, c.start, c.end)]
+        view = PagedCacheView(
+            kv,
+            self.state_pool,
+            slots=torch.tensor([c.request.slot for c in chunks], device=dev),
+            write_rows=torch.tensor(write_rows, device=dev),
+            read_rows=[torch.tensor(kv.token_rows(c.request.pages, 0, c.end), device=dev) for c in chunks],
+        )
+        ctx = ForwardContext.build(new_lens, [c.start for c in chunks], view, dev)
+        ctx.decode = False  # prefill chunks read per sequence, even when each is one token long
+        ends = torch.tensor(new_lens).cumsum(0) - 1
+        keep = torch.tensor([c.samples for c in chunks])
+        with forward_context(ctx):
+            return self.model(torch.tensor(ids, device=dev), logits_indices=ends[keep].to(dev))
+
+    # -- decode -----------------------------------------------------------------------------------------
+    def _decode_inputs(self, reqs: list[Request], width: int, size: int):
+        """ids, positions, slots, page table [size, width], lens and write rows; rows past len(reqs) are
+        padding: dummy slot 0, dummy page 0, length 1."""
+        ps = self.kv_pool.page_size
+        ids = torch.zeros(size, dtype=torch.int64)
+        pos = torch.zeros(size, dtype=torch.int64)
+        slots = torch.zeros(size, dtype=torch.int64)
+        table = torch.zeros(size, width, dtype=torch.int64)
+        for i, r in enumerate(reqs):
+            ids[i], pos[i], slots[i] = r.all_ids[-1], r.num_tokens - 1, r.slot
+            table[i, : len(r.pages)] = torch.tensor(r.pages)
+        lens = pos + 1
+        rows = table.gather(1, (pos // ps)[:, None])[:, 0] * ps + pos % ps
+        return ids, pos, slots, table, lens, rows
+
+    def _decode(self, reqs: list[Request]) -> torch.Tensor:
+        n = len(reqs)
+        if self.use_cuda_graph and n <= self.graph_sizes[-1]:
+            return self._replay(reqs)[:n]
+        width = max(len(r.pages) for r in reqs)
+        tensors = [t.to(self.device) for t in self._decode_inputs(reqs, width, n)]
+        return self._decode_forward(*tensors)
+
+    def _decode_forward(self, ids, pos, slots, table, lens, rows) -> torch.Tensor:
+        n = ids.shape[0]
+        view = PagedCacheView(self.kv_pool, self.state_pool, slots, rows, page_table=table, lens=lens)
+        ctx = ForwardContext(pos, torch.arange(n + 1, device=ids.device), [1] * n, [0] * n, view, decode=True)
+        with forward_context(ctx):
+            return self.model(ids)
+
+    # -- CUDA graphs ------------------------------------------------------------------------------------
+    def capture_graphs(self) -> None:
+        """Capture one decode graph per batch-size bucket (largest first, sharing one memory pool)."""
+        if not self.use_cuda_graph:
+            return
+        size = self.graph_sizes[-1]
+        self.static = [t.to(self.device) for t in self._decode_inputs([], self.max_pages, size)]
+        self.static_out: dict[int, torch.Tensor] = {}
+        pool = None
+        for bs in reversed(self.graph_sizes):
+            args = [t[:bs] for t in self.static]
+            for _ in range(2):  # warm up (Triton autotuning, lazy init) outside the capture
+                self._decode_forward(*args)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.static_out[bs] = self._decode_forward(*args)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def _replay(self, reqs: list[Request]) -> torch.Tensor:
+        bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, len(reqs))]
+        fresh = self._decode_inputs(reqs, self.max_pages, bs)
+        for dst, src in zip(self.static, fresh):
+            dst[:bs].copy_(src, non_blocking=True)
+        self.graphs[bs].replay()
+        return self.static_out[bs]

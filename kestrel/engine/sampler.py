@@ -1,0 +1,100 @@
+"""Turns the logits rows of a step into tokens (and logprobs), each row with its request's parameters.
+
+Legend: B sampled requests, V vocabulary. Penalties, temperature, top-k/top-p/min-p and the seeded noise are
+batched ops (kestrel.ops.sampling); greedy rows take the argmax of the penalized logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kestrel.engine.outputs import TokenLogprob
+from kestrel.engine.request import Request
+from kestrel.ops.sampling.naive import apply_penalties, greedy, process_logits, sample
+
+
+def _needs_penalties(r: Request) -> bool:
+    p = r.params
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: tuple[int, ...]):
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def __call__(
+        self, logits: torch.Tensor, reqs: list[Request]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        if not reqs:
+            return [], []
+        dev = logits.device
+        raw = logits.float()  # [B, V]
+        x = raw
+        if any(_needs_penalties(r) for r in reqs):
+            x = self._penalize(x, reqs)
+        x = self._suppress_early_stops(x, reqs)
+        f = lambda vals, dt=torch.float32: torch.tensor(vals, dtype=dt, device=dev)  # noqa: E731
+        greedy_rows = f([r.params.greedy for r in reqs], torch.bool)
+        probs = process_logits(
+            x,
+            f([r.params.temperature if not r.params.greedy else 1.0 for r in reqs]),
+            f([r.params.top_k for r in reqs], torch.int64),
+            f([r.params.top_p for r in reqs]),
+            f([r.params.min_p for r in reqs]),
+        )
+        drawn = sample(
+            probs, f([r.seed for r in reqs], torch.int64), f([len(r.output_ids) for r in reqs], torch.int64)
+        )
+        tokens = torch.where(greedy_rows, greedy(x), drawn)  # [B]
+        token_list = tokens.tolist()
+        return token_list, self._logprobs(raw, token_list, reqs)
+
+    def _penalize(self, x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        B, V = x.shape
+        counts = torch.zeros(B, V, device=x.device)
+        seen = torch.zeros(B, V, dtype=torch.bool, device=x.device)
+        for i, r in enumerate(reqs):
+            if r.output_ids:
+                out = torch.tensor(r.output_ids, device=x.device)
+                counts[i].index_add_(0, out, torch.ones(len(out), device=x.device))
+            seen[i, torch.tensor(r.all_ids, device=x.device)] = True
+        f = lambda vals: torch.tensor(vals, dtype=torch.float32, device=x.device)  # noqa: E731
+        return apply_penalties(
+            x,
+            counts,
+            seen,
+            f([r.params.repetition_penalty for r in reqs]),
+            f([r.params.frequency_penalty for r in reqs]),
+            f([r.params.presence_penalty for r in reqs]),
+        )
+
+    def _suppress_early_stops(self, x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Before min_tokens outputs, EOS and stop token ids cannot be sampled (vLLM semantics)."""
+        rows = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_tokens]
+        if not rows:
+            return x
+        x = x.clone()
+        for i in rows:
+            r = reqs[i]
+            banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(self.eos_token_ids))
+            if banned:
+                x[i, torch.tensor(banned, device=x.device)] = float("-inf")
+        return x
+
+    def _logprobs(
+        self, raw: torch.Tensor, tokens: list[int], reqs: list[Request]
+    ) -> list[TokenLogprob | None]:
+        """Logprobs of the model's distribution (before penalties and temperature), like vLLM's default."""
+        rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(reqs)
+        if not rows:
+            return out
+        lp = torch.log_softmax(raw[rows], dim=-1)  # [b, V]
+        k = max(reqs[i].params.logprobs for i in rows)
+        top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+        chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=lp.device)[:, None])[:, 0]
+        chosen, top_v, top_i = chosen.tolist(), top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(rows):
+            n = reqs[i].params.logprobs
+            out[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_i[j][:n], top_v[j][:n])))
+        return out

@@ -1,0 +1,143 @@
+"""Which tokens run in the next step. Pure Python over two capacity limits: KDA state slots and KV pages.
+
+Policy (FCFS, decode first):
+1. every running request in decode gets one token; one whose next token needs a page it cannot get preempts
+   the most recently admitted running request (LIFO), which frees its pages and slot and goes back to the
+   front of the queue to be recomputed later (prompt + output so far): retraction instead of a crash;
+2. the rest of the step's token budget (`chunked_prefill_size`) goes to prefill chunks: first the requests
+   already prefilling, then new ones, admitted in arrival order only when a slot and the pages for all their
+   tokens are free (the head of the queue blocks the rest: no overtaking).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kestrel.engine.request import Request, Status
+
+
+@dataclass
+class PrefillChunk:
+    request: Request
+    start: int  # first position computed in this step
+    end: int  # one past the last
+
+    @property
+    def samples(self) -> bool:
+        """The chunk finishes the request's prefill, so the step samples its next token."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class Batch:
+    decode: list[Request] = field(default_factory=list)
+    prefill: list[PrefillChunk] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def sampled(self) -> list[Request]:
+        """Requests that get a new token from this step, in the order of the runner's logits rows."""
+        return self.decode + [c.request for c in self.prefill if c.samples]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(c.end - c.start for c in self.prefill)
+
+
+class Scheduler:
+    def __init__(self, kv_pool, state_pool, chunked_prefill_size: int, max_running: int):
+        self.kv_pool, self.state_pool = kv_pool, state_pool
+        self.chunked_prefill_size, self.max_running = chunked_prefill_size, max_running
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
+
+    # -- queue ------------------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request: Request) -> None:
+        if request.status is Status.WAITING:
+            self.waiting.remove(request)
+        self.finish(request, "abort", None)
+
+    def finish(self, request: Request, reason: str, stop_reason) -> None:
+        """Mark finished and give back its slot and pages."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+            self._release(request)
+        request.status = Status.FINISHED
+        request.finish_reason, request.stop_reason = reason, stop_reason
+
+    # -- one step ---------------------------------------------------------------------------------------
+    def schedule(self) -> Batch:
+        batch = Batch()
+        for req in list(self.running):
+            if req.status is Status.RUNNING and req.in_decode and self._ensure_pages(req):
+                batch.decode.append(req)
+        budget = self.chunked_prefill_size - len(batch.decode)
+        for req in self.running:
+            if budget <= 0:
+                return batch
+            if not req.in_decode and req.num_computed < req.num_tokens:
+                budget -= self._add_chunk(batch, req, budget)
+        while budget > 0 and self.waiting and self._admit(self.waiting[0]):
+            budget -= self._add_chunk(batch, self.waiting.popleft(), budget)
+        return batch
+
+    def _add_chunk(self, batch: Batch, req: Request, budget: int) -> int:
+        end = min(req.num_tokens, req.num_computed + budget)
+        batch.prefill.append(PrefillChunk(req, req.num_computed, end))
+        return end - req.num_computed
+
+    def _admit(self, req: Request) -> bool:
+        if len(self.running) >= self.max_running or self.state_pool.num_free_slots == 0:
+            return False
+        need = self.kv_pool.pages_for(req.num_tokens)
+        if self.kv_pool.num_free_pages < need:
+            return False
+        req.slot = self.state_pool.alloc()
+        req.pages = self.kv_pool.alloc(need)
+        req.num_computed = 0
+        req.status = Status.RUNNING
+        self.running.append(req)
+        return True
+
+    def _ensure_pages(self, req: Request) -> bool:
+        """Pages for every token up to the one this step computes; preempt (LIFO) to get them.
+        False when `req` itself had to be preempted."""
+        while len(req.pages) < self.kv_pool.pages_for(req.num_tokens):
+            page = self.kv_pool.alloc(1)
+            if page is not None:
+                req.pages += page
+                continue
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Free the request's slot and pages and queue it first; it will recompute prompt + output."""
+        self.running.remove(req)
+        self._release(req)
+        req.status = Status.WAITING
+        req.num_computed = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        if req.slot is not None:
+            self.state_pool.free(req.slot)
+            req.slot = None
+        if req.pages:
+            self.kv_pool.free(req.pages)
+            req.pages = []
