@@ -3,6 +3,7 @@ and the streaming helpers (incremental detokenization and stop strings)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -41,6 +42,17 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str: ...
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes id `i` stands for: byte-level entries mapped back to raw bytes (a token may hold part of
+        a UTF-8 character), other entries (special tokens, non-byte-level vocabularies) as their UTF-8 text."""
+        token = self.id_to_token(i)
+        if token is None:
+            return b""
+        inverse = _byte_level_inverse()
+        if all(c in inverse for c in token):
+            return bytes(inverse[c] for c in token)
+        return self.decode([i], skip_special_tokens=False).encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render OpenAI-style messages; list content has its text parts joined with newlines."""
@@ -81,6 +93,11 @@ def _byte_level_alphabet() -> list[str]:
             alphabet.append(chr(shifted))
             shifted += 1
     return alphabet
+
+
+@functools.cache
+def _byte_level_inverse() -> dict[str, int]:
+    return {c: b for b, c in enumerate(_byte_level_alphabet())}
 
 
 class ByteTokenizer(Tokenizer):

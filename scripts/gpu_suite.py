@@ -8,6 +8,7 @@ Sections:
   foundation  fla-core fast path vs the reference path (tiny, mini), `generate` on mini (API and CLI)
   kda_layers  each KDA layer, fast vs reference on the same input (the kernels' error, no compounding)
   gpu_tests   the pytest tests marked `gpu`
+  engine_decode  engine decode tokens/s on mini at batch 256/64/8/1, CUDA graphs on and off
 """
 
 from __future__ import annotations
@@ -216,19 +217,153 @@ def kda_layers() -> dict:
     return result
 
 
+def _mini_engine(fmt: str, max_running: int, max_len: int, graphs: bool = True):
+    from kestrel.config import EngineConfig
+    from kestrel.engine.engine import Engine
+    from kestrel.models.kimi import KimiForCausalLM
+    from kestrel.models.loader import init_random_weights
+    from kestrel.presets import preset_config
+
+    os.environ["KESTREL_KDA_BACKEND"] = "fla"
+    with torch.device("cuda"):
+        model = KimiForCausalLM(preset_config("mini", fmt), torch.bfloat16)
+    init_random_weights(model, seed=0, rng_device="cuda")
+    cfg = EngineConfig(
+        model="mini",
+        max_running_requests=max_running,
+        max_model_len=max_len,
+        disable_cuda_graph=not graphs,
+        cuda_graph_max_bs=max_running,
+        chunked_prefill_size=4096,
+    )
+    start = time.perf_counter()
+    engine = Engine(cfg, model=model)
+    return engine, time.perf_counter() - start
+
+
+def _fill(engine, n: int, prompt_len: int, max_tokens: int, seed: int = 0) -> None:
+    from kestrel.engine.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    for i in range(n):
+        ids = torch.randint(3, 30000, (prompt_len,), generator=g).tolist()
+        engine.add_request(
+            ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), f"r{seed}-{i}"
+        )
+
+
+def _timed_steps(engine, steps: int) -> tuple[float, int]:
+    torch.cuda.synchronize()
+    start, tokens = time.perf_counter(), 0
+    for _ in range(steps):
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, tokens
+
+
+def _probe_grouped_mm() -> str:
+    """Use torch._grouped_mm only if it runs and agrees with the reference here."""
+    from kestrel.ops.moe import moe_experts, moe_experts_grouped
+
+    try:
+        x = torch.randn(40, 256, device="cuda", dtype=torch.bfloat16)
+        w13 = torch.randn(8, 128, 256, device="cuda", dtype=torch.bfloat16) * 0.05
+        w2 = torch.randn(8, 256, 64, device="cuda", dtype=torch.bfloat16) * 0.05
+        ids = torch.randint(0, 8, (40, 2), device="cuda")
+        w = torch.rand(40, 2, device="cuda")
+        a = moe_experts_grouped(x, w13, w2, w, ids, "silu", use_grouped_mm=True)
+        b = moe_experts(x, w13, w2, w, ids, "silu")
+        torch.cuda.synchronize()
+        ok = float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2
+        return "auto" if ok else "off"
+    except Exception as e:  # noqa: BLE001
+        print("grouped_mm probe failed:", repr(e)[:300], flush=True)
+        return "off"
+
+
+def engine_decode() -> dict:
+    """Decode tokens/s of the engine on mini (random bf16 weights, DSA on) at batch 64, 8, 1, CUDA graphs
+    on and off, prompts of 512 tokens; plus a graph-vs-eager token check."""
+    os.environ["KESTREL_MOE_GROUPED_MM"] = _probe_grouped_mm()
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    engine, setup_s = _mini_engine("kimi_k3", 64, 1024)
+    result: dict = {
+        "moe_grouped_mm": os.environ["KESTREL_MOE_GROUPED_MM"],
+        "setup_s_including_graph_capture": setup_s,
+        "plan": engine.plan.describe(),
+        "batches": {},
+    }
+    _fill(engine, 64, 512, 400)
+    start = time.perf_counter()
+    while any(not r.in_decode for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    torch.cuda.synchronize()
+    result["prefill_64x512_s"] = time.perf_counter() - start
+    for batch in (64, 8, 1):
+        for r in list(engine.scheduler.running)[batch:]:
+            engine.abort(r.request_id)
+        engine.step()  # drain aborts (and one step of the new batch)
+        entry = {}
+        for graphs in (True, False):
+            engine.runner.use_cuda_graph = graphs
+            _timed_steps(engine, 3)  # warm up
+            seconds, tokens = _timed_steps(engine, 24)
+            entry["graphs_on" if graphs else "graphs_off"] = {
+                "step_ms": 1000 * seconds / 24,
+                "tokens_per_s": tokens / seconds,
+            }
+        engine.runner.use_cuda_graph = True
+        result["batches"][batch] = entry
+        print("decode batch", batch, json.dumps(entry), flush=True)
+    # graphs and eager must produce the same tokens
+    for r in list(engine.scheduler.running):
+        engine.abort(r.request_id)
+    engine.step()
+    outs = {}
+    for graphs in (True, False):
+        engine.runner.use_cuda_graph = graphs
+        _fill(engine, 4, 300, 16, seed=5)
+        tokens: dict = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        outs[graphs] = tokens
+    result["graph_tokens_equal_eager"] = outs[True] == outs[False]
+    print("graph == eager:", result["graph_tokens_equal_eager"], flush=True)
+    return result
+
+
 def gpu_tests() -> dict:
     """The pytest tests marked `gpu` (each kernel against its reference on the device)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/ops", "-p", "no:cacheprovider"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-m",
+            "gpu",
+            "tests/ops",
+            "-p",
+            "no:cacheprovider",
+            "--tb=short",
+        ],
         capture_output=True,
         text=True,
     )
+    (Path(os.environ.get("OUT", ".")) / "gpu_tests.log").write_text(proc.stdout + proc.stderr)
     tail = proc.stdout.strip().splitlines()[-3:]
     print("gpu tests:", proc.returncode, tail, flush=True)
     return {"returncode": proc.returncode, "summary": tail}
 
 
-SECTIONS = {"ceilings": ceilings, "foundation": foundation, "kda_layers": kda_layers, "gpu_tests": gpu_tests}
+SECTIONS = {
+    "ceilings": ceilings,
+    "foundation": foundation,
+    "kda_layers": kda_layers,
+    "gpu_tests": gpu_tests,
+    "engine_decode": engine_decode,
+}
 
 
 def main() -> None:

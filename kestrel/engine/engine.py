@@ -32,7 +32,12 @@ _CPU_KV_BYTES = 256 * 2**20
 
 
 class RequestError(KestrelError):
-    """A request the engine cannot take (too long, bad token ids, bad parameters): a 400 for the server."""
+    """A request the engine cannot take (too long, bad token ids, bad parameters): a 400 for the server,
+    which reports `param` (the request field at fault) and `code` in its error body."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,15 @@ def plan_memory(
         kv_bytes = int((free - state - reserve) * cfg.mem_fraction)
     else:
         kv_bytes = _CPU_KV_BYTES
-    num_pages = kv_bytes // (cfg.page_size * per_token)
+    max_len = min(model.max_position_embeddings, cfg.max_model_len or model.max_position_embeddings)
+    if device.type == "cuda":
+        # The batched decode path gathers every running request's padded history (fp32 copies included):
+        # keep room for it, and never take more pages than the running requests can fill.
+        kv_bytes -= (
+            6 * cfg.max_running_requests * max_len * (model.kv_cache_dim + (model.index_head_dim or 0)) * 4
+        )
+    useful = cfg.max_running_requests * -(-max_len // cfg.page_size) + 1
+    num_pages = min(kv_bytes // (cfg.page_size * per_token), useful)
     if num_pages < 1:
         raise KestrelError(
             f"no memory left for KV pages after {cfg.max_running_requests} state slots "
@@ -118,26 +131,36 @@ class Engine:
         self.runner.capture_graphs()
 
     # -- requests ---------------------------------------------------------------------------------------
+    def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError if the engine cannot take this prompt. Reads only immutable state (the plan and
+        the vocabulary), so another thread may call it (the server validates before queueing)."""
+        limit, vocab = self.plan.max_model_len, self.model.config.vocab_size
+        if not prompt_ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        if len(prompt_ids) >= limit:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens, but the context limit is {limit} (prompt + output)",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > limit:
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"limit of {limit} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        limit, vocab = self.plan.max_model_len, self.model.config.vocab_size
-        if not prompt_ids:
-            raise RequestError("the prompt is empty")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(prompt_ids) >= limit:
-            raise RequestError(
-                f"the prompt has {len(prompt_ids)} tokens, but the context limit is {limit} (prompt + output)"
-            )
-        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > limit:
-            raise RequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"limit of {limit} tokens"
-            )
+        self.validate_request(prompt_ids, params)
+        limit = self.plan.max_model_len
         total = limit if params.max_tokens is None else len(prompt_ids) + params.max_tokens
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(request_id, list(prompt_ids), params, seed, total)

@@ -20,13 +20,18 @@ from kestrel.utils.errors import CheckpointError
 
 
 @torch.no_grad()
-def init_random_weights(model: KimiForCausalLM, seed: int = 0, std: float = 0.02) -> KimiForCausalLM:
+def init_random_weights(
+    model: KimiForCausalLM, seed: int = 0, std: float = 0.02, rng_device: str | torch.device = "cpu"
+) -> KimiForCausalLM:
     """Deterministic random weights in the spirit of fla/transformers init: normal(0, std) matrices, unit norms,
-    zero AttnRes queries, KDA A_log = log U(1, 16) and dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 0.1]."""
-    g = torch.Generator().manual_seed(seed)
+    zero AttnRes queries, KDA A_log = log U(1, 16) and dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 0.1].
+
+    The draws come from a generator on `rng_device`: the CPU (default) gives the same weights on every
+    machine; the model's own GPU is much faster for billion-parameter benchmark models."""
+    g = torch.Generator(rng_device).manual_seed(seed)
 
     def normal_(t: torch.Tensor, scale: float = std):
-        t.copy_(torch.randn(t.shape, generator=g, device="cpu") * scale)
+        t.copy_(torch.randn(t.shape, generator=g, device=g.device) * scale)
 
     for module in model.modules():
         if isinstance(module, (RMSNorm, LayerNorm)):
@@ -37,17 +42,17 @@ def init_random_weights(model: KimiForCausalLM, seed: int = 0, std: float = 0.02
             module.weight.zero_()
         elif isinstance(module, KimiDeltaAttention):
             module.A_log.copy_(
-                torch.empty(module.A_log.shape, device="cpu").uniform_(1, 16, generator=g).log()
+                torch.empty(module.A_log.shape, device=g.device).uniform_(1, 16, generator=g).log()
             )
             dt = (
-                torch.empty(module.dt_bias.shape, device="cpu")
+                torch.empty(module.dt_bias.shape, device=g.device)
                 .uniform_(math.log(1e-3), math.log(1e-1), generator=g)
                 .exp()
             )
             module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
             bound = module.conv_size**-0.5
             module.conv_weight.copy_(
-                torch.empty(module.conv_weight.shape, device="cpu").uniform_(-bound, bound, generator=g)
+                torch.empty(module.conv_weight.shape, device=g.device).uniform_(-bound, bound, generator=g)
             )
         elif isinstance(module, Router):
             normal_(module.weight)
@@ -68,14 +73,20 @@ def _initialized(name: str) -> bool:
 
 
 def build_model(
-    model: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0
+    model: str,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    init_on_device: bool = False,
 ) -> KimiForCausalLM:
-    """A preset name (random weights, seeded) or a checkpoint folder (config.json + safetensors)."""
+    """A preset name (random weights, seeded; drawn on `device` when `init_on_device`) or a checkpoint folder
+    (config.json + safetensors)."""
     path = Path(model)
     if not path.exists() and model in PRESETS:
         config = preset_config(model)
         with torch.device(device):
-            return init_random_weights(KimiForCausalLM(config, dtype), seed).to(device)
+            rng = device if init_on_device else "cpu"
+            return init_random_weights(KimiForCausalLM(config, dtype), seed, rng_device=rng).to(device)
     if not path.exists():
         raise CheckpointError(
             f"model {model!r}: no such checkpoint folder (or preset: {', '.join(sorted(PRESETS))})"

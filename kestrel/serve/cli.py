@@ -95,7 +95,85 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--mxfp4", action="store_true", help="store routed experts as MXFP4 (kimi_k3 format)")
     r.add_argument("--max-shard-mb", type=_positive_int, default=None, help="split weights into shards")
     r.set_defaults(func=cmd_init_random)
+
+    s = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible and native /generate)")
+    _add_model_args(s)
+    _add_engine_args(s)
+    s.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)"
+    )
+    s.add_argument("--port", type=_port, default=8000)
+    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    s.add_argument(
+        "--api-key", default=None, help="require Authorization: Bearer KEY (not on /health, /metrics)"
+    )
+    s.add_argument(
+        "--max-queued-requests",
+        type=_positive_int,
+        default=4096,
+        help="answer 503 (Retry-After) past this many requests waiting for a slot",
+    )
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("chat", help="chat with a model in the terminal (through the engine)")
+    _add_model_args(c)
+    _add_engine_args(c)
+    c.add_argument("--system", default=None, help="a system message to start the conversation with")
+    c.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    c.add_argument("--temperature", type=_non_negative_float, default=0.7, help="0 = greedy")
+    c.add_argument("--top-p", type=_probability, default=1.0)
+    c.set_defaults(func=cmd_chat)
     return parser
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number in [1, 65535], got {value}")
+    return value
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", default=None, help="folder with tokenizer.json (default: the model folder)")
+    p.add_argument("--max-running-requests", type=_positive_int, default=64, help="= KDA state slots")
+    p.add_argument("--page-size", type=_positive_int, default=64, help="tokens per KV page")
+    p.add_argument(
+        "--mem-fraction", type=_probability, default=0.85, help="of the free GPU memory, for KV pages"
+    )
+    p.add_argument(
+        "--kv-cache-gb",
+        type=_non_negative_float,
+        default=None,
+        help="KV cache size (overrides --mem-fraction)",
+    )
+    p.add_argument(
+        "--max-model-len", type=_positive_int, default=None, help="context limit (prompt + output)"
+    )
+    p.add_argument("--chunked-prefill-size", type=_positive_int, default=2048, help="tokens per step")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+
+
+def _engine_config(args):
+    from kestrel.config import EngineConfig
+
+    if args.kv_cache_gb is not None and args.kv_cache_gb * 2**30 < 1:
+        raise KestrelError("--kv-cache-gb must be > 0")
+    return EngineConfig(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        max_running_requests=args.max_running_requests,
+        page_size=args.page_size,
+        mem_fraction=args.mem_fraction,
+        kv_cache_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30),
+        max_model_len=args.max_model_len,
+        chunked_prefill_size=args.chunked_prefill_size,
+        disable_cuda_graph=args.disable_cuda_graph,
+        max_queued_requests=getattr(args, "max_queued_requests", 4096),
+    )
 
 
 def load_tokenizer_for(model: str):
@@ -179,6 +257,84 @@ def cmd_init_random(args) -> int:
         f"layers {config.layer_pattern}) to {args.out}",
         file=sys.stderr,
     )
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import logging
+
+    import uvicorn
+
+    from kestrel.engine.async_engine import AsyncEngine
+    from kestrel.engine.engine import Engine
+    from kestrel.serve.api import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="[kestrel] %(levelname)s %(name)s: %(message)s")
+    engine = Engine(_engine_config(args))
+    name = args.served_model_name or args.model
+    async_engine = AsyncEngine(engine)
+    app = build_app(async_engine, name, api_key=args.api_key)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"[kestrel] {engine.plan.describe()}", file=sys.stderr)
+    print(
+        f"[kestrel] serving {name!r} (layers {engine.model.config.layer_pattern}, device {engine.device}) "
+        f"at http://{host}:{args.port}/v1{' (API key required)' if args.api_key else ''}",
+        file=sys.stderr,
+    )
+    try:
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        )
+    finally:
+        async_engine.shutdown()
+    return 0
+
+
+def cmd_chat(args) -> int:
+    """A terminal chat through the engine: one turn at a time, streamed. /reset clears the history; an empty
+    line or EOF ends the chat."""
+    from kestrel.engine.engine import Engine
+    from kestrel.engine.sampling_params import SamplingParams
+    from kestrel.tokenizer import IncrementalDetokenizer
+
+    engine = Engine(_engine_config(args))
+    tokenizer = engine.tokenizer
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    start = list(history)
+    print(f"[kestrel] chatting with {args.model} (empty line to quit, /reset to start over)", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        if line == "/reset":
+            history = list(start)
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = tokenizer.encode(tokenizer.apply_chat_template(history, add_generation_prompt=True))
+        room = engine.plan.max_model_len - len(prompt)
+        if room < 1:
+            print("[kestrel] the conversation no longer fits the context; /reset", file=sys.stderr)
+            history.pop()
+            continue
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=min(args.max_new_tokens, room),
+            seed=args.seed + len(history),
+        )
+        rid = engine.add_request(prompt, params)
+        detok, reply = IncrementalDetokenizer(tokenizer, prompt), []
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == rid:
+                    piece = detok.add(out.new_token_ids) + (detok.flush() if out.finished else "")
+                    reply.append(piece)
+                    print(piece, end="", flush=True)
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
     return 0
 
 

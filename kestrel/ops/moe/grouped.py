@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kestrel.env import read_env
 from kestrel.ops.activation import glu_act
 
 
@@ -67,7 +68,7 @@ def moe_experts_grouped(
     T, A = ids.shape
     E = w13.shape[0]
     if use_grouped_mm is None:
-        use_grouped_mm = _use_grouped_mm(x, w2)
+        use_grouped_mm = _use_grouped_mm(x, w2) and read_env().moe_grouped_mm == "auto"
     flat_ids = ids.reshape(-1)  # [M]
     order = torch.argsort(flat_ids, stable=True)  # [M]  expert-major, then token order
     token = order // A  # [M]

@@ -1,0 +1,100 @@
+"""One choice of a response, built up from the engine's StepOutputs on the event loop: incremental
+detokenization, stop-string truncation, token ids, logprobs and timing. Also the logprob formats of the
+OpenAI APIs (chat: `logprobs.content[...]`; completions: `tokens`, `token_logprobs`, `top_logprobs`,
+`text_offset`).
+
+The engine stops a request at a stop string on its own; here the text is cut before the stop string, holding
+back any tail that may begin one so that a stream never shows part of it. Should the text here reach a stop
+string before the engine does (other `skip_special_tokens`), the choice ends here and the caller aborts the
+engine request.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kestrel.engine.outputs import StepOutput, TokenLogprob
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+class ChoiceState:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams, prefix: str = ""):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self.matcher = StopStringMatcher(params.stop) if params.stop else None
+        self.min_tokens = params.min_tokens
+        self.text = prefix  # what the client has been sent (echo puts the prompt first)
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.text_offsets: list[int] = []  # where each token's text starts in `text`
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+
+    def update(self, out: StepOutput) -> str:
+        """Take one output; returns the text it adds."""
+        if self.finished:  # ended here first; the engine's last words for it are not shown
+            return ""
+        offset = len(self.text)
+        self.token_ids += out.new_token_ids
+        self.text_offsets += [offset] * len(out.new_token_ids)
+        self.logprobs += out.new_logprobs or []
+        if out.new_token_ids:
+            self.first_token_time = self.first_token_time or time.monotonic()
+            self.last_token_time = time.monotonic()
+        piece = self.detokenizer.add(out.new_token_ids)
+        if out.finished:
+            piece += self.detokenizer.flush()
+        stopped = False
+        # Stop strings count only once min_tokens are out (as in the engine).
+        if self.matcher is not None and len(self.token_ids) >= self.min_tokens:
+            piece, stopped = self.matcher.feed(piece)
+        if out.finished and self.matcher is not None and not stopped:
+            piece += self.matcher.flush()
+        self.text += piece
+        if stopped:
+            self.finished, self.finish_reason = True, "stop"
+            self.stop_reason = out.stop_reason if isinstance(out.stop_reason, str) else None
+        elif out.finished:
+            self.finished, self.finish_reason, self.stop_reason = True, out.finish_reason, out.stop_reason
+        return piece
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    """A token as text; bytes that are part of a UTF-8 character show as `\\xNN`."""
+    return tokenizer.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
+
+
+def _lp(value: float) -> float:
+    return max(float(value), _MIN_LOGPROB)
+
+
+def chat_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob]) -> list[dict]:
+    """Entries of a chat choice's `logprobs.content`."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        b = tokenizer.token_bytes(token_id)
+        return {
+            "token": b.decode("utf-8", errors="backslashreplace"),
+            "logprob": _lp(logprob),
+            "bytes": list(b),
+        }
+
+    return [
+        {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+        for lp in logprobs
+    ]
+
+
+def completion_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob], offsets: list[int]) -> dict:
+    """A completions choice's `logprobs` object."""
+    return {
+        "tokens": [token_text(tokenizer, lp.token_id) for lp in logprobs],
+        "token_logprobs": [_lp(lp.logprob) for lp in logprobs],
+        "top_logprobs": [{token_text(tokenizer, t): _lp(v) for t, v in lp.top} for lp in logprobs],
+        "text_offset": list(offsets),
+    }

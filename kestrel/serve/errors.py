@@ -1,0 +1,87 @@
+"""Errors the HTTP layer answers with, as OpenAI error bodies: {"error": {"message", "type", "param", "code"}}.
+
+Status codes: 400 for anything wrong in the request (invalid JSON, wrong types, unknown or unsupported fields,
+out-of-range values, a prompt or max_tokens beyond the context), like OpenAI's own API; 401 bad or missing API
+key; 404 unknown model or route; 405 wrong method; 503 overloaded (with Retry-After) or engine dead; 500 a bug.
+"""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+_TYPE_BY_STATUS = {401: "authentication_error", 404: "not_found_error"}
+
+# How a field that accepts several JSON shapes is described when none of them matches.
+_UNION_SHAPES = {
+    "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts",
+    "text": "a string or a list of strings",
+    "input_ids": "a list of token ids or a list of token-id lists",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = (
+            type
+            or _TYPE_BY_STATUS.get(status)
+            or ("invalid_request_error" if status < 500 else "server_error")
+        )
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_validation_error(e: ValidationError) -> APIError:
+    """The first problem pydantic found, named by its field path (e.g. `messages.0.content`)."""
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return bad_request(f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
+    if first["type"] == "model_type" and not first["loc"]:
+        return bad_request("the request body must be a JSON object", code="invalid_json")
+    # A content part of another type (image_url, ...) is clearer reported as itself than as a type mismatch.
+    first = next((err for err in errors if err["type"] == "literal_error"), first)
+    path = _field_path(first["loc"])
+    param = ".".join(map(str, path)) or None
+    if first["type"] == "extra_forbidden":
+        return bad_request(f"unknown field {param!r}", param=param, code="unknown_parameter")
+    if first["type"] == "missing":
+        return bad_request(f"missing required field {param!r}", param=param, code="missing_parameter")
+    # A value that matches none of a union's shapes: pydantic reports every branch; name the field once.
+    union = [err for err in errors if _field_path(err["loc"])[: len(path)] == path]
+    name = next((p for p in reversed(path) if isinstance(p, str)), None)
+    if len(union) > 1 and name in _UNION_SHAPES:
+        return bad_request(f"{param}: expected {_UNION_SHAPES[name]}", param=param, code="invalid_type")
+    return bad_request(f"{param}: {first['msg']}", param=param, code="invalid_type")
+
+
+def _field_path(loc: tuple) -> tuple:
+    """Drop pydantic's union-branch tags ('str', 'list[int]', 'TextPart', ...) from an error location."""
+    return tuple(
+        p for p in loc if not (isinstance(p, str) and ("[" in p or p[:1].isupper() or p in _BRANCH_TAGS))
+    )
+
+
+_BRANCH_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "literal", "function-after"}

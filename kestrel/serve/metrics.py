@@ -1,0 +1,219 @@
+"""Prometheus metrics in the text exposition format (version 0.0.4), without a client library.
+
+A `Registry` holds counters, gauges and histograms and renders them for `GET /metrics`. Gauges (and counters
+the engine already counts) may read their value from a callback at scrape time. `ServerMetrics` declares the
+kestrel_* families and is fed by the HTTP layer as outputs reach each request.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Callable
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_RATE_WINDOW_S = 10.0
+
+
+def _format_value(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if math.isnan(value):
+        return "NaN"
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _format_labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
+    if not names:
+        return ""
+    escape = lambda v: str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return "{" + ",".join(f'{n}="{escape(v)}"' for n, v in zip(names, values)) + "}"
+
+
+class _Metric:
+    kind = ""
+
+    def __init__(self, name: str, help: str, labelnames: tuple[str, ...] = (), fn: Callable | None = None):
+        self.name, self.help, self.labelnames, self.fn = name, help, tuple(labelnames), fn
+
+    def _key(self, labels: dict) -> tuple[str, ...]:
+        if set(labels) != set(self.labelnames):
+            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {tuple(labels)}")
+        return tuple(str(labels[n]) for n in self.labelnames)
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+        return lines + self._samples()
+
+    def _samples(self) -> list[str]:
+        raise NotImplementedError
+
+
+class Counter(_Metric):
+    """A count that only goes up (or, with `fn`, a count kept elsewhere and read at scrape time)."""
+
+    kind = "counter"
+
+    def __init__(self, name, help, labelnames=(), fn=None):
+        super().__init__(name, help, labelnames, fn)
+        self._values: dict[tuple[str, ...], float] = {} if labelnames else {(): 0.0}
+
+    def inc(self, amount: float = 1.0, **labels) -> None:
+        if amount < 0:
+            raise ValueError("a counter cannot go down")
+        key = self._key(labels)
+        self._values[key] = self._values.get(key, 0.0) + amount
+
+    def value(self, **labels) -> float:
+        return self.fn() if self.fn else self._values.get(self._key(labels), 0.0)
+
+    def _samples(self) -> list[str]:
+        values = {(): self.fn()} if self.fn else self._values
+        return [
+            f"{self.name}{_format_labels(self.labelnames, k)} {_format_value(v)}" for k, v in values.items()
+        ]
+
+
+class Gauge(_Metric):
+    kind = "gauge"
+
+    def __init__(self, name, help, fn=None):
+        super().__init__(name, help, (), fn)
+        self._value = 0.0
+
+    def set(self, value: float) -> None:
+        self._value = float(value)
+
+    def value(self) -> float:
+        return float(self.fn()) if self.fn else self._value
+
+    def _samples(self) -> list[str]:
+        return [f"{self.name} {_format_value(self.value())}"]
+
+
+class Histogram(_Metric):
+    kind = "histogram"
+
+    def __init__(self, name, help, buckets=LATENCY_BUCKETS):
+        super().__init__(name, help)
+        self.buckets = tuple(sorted(buckets))
+        self._counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def _samples(self) -> list[str]:
+        lines, cumulative = [], 0
+        for bound, n in zip((*self.buckets, math.inf), self._counts):
+            cumulative += n
+            lines.append(f'{self.name}_bucket{{le="{_format_value(bound)}"}} {cumulative}')
+        lines.append(f"{self.name}_sum {_format_value(self.sum)}")
+        lines.append(f"{self.name}_count {self.count}")
+        return lines
+
+
+class Registry:
+    def __init__(self):
+        self._metrics: dict[str, _Metric] = {}
+
+    def add(self, metric: _Metric):
+        if metric.name in self._metrics:
+            raise ValueError(f"metric {metric.name} is already registered")
+        self._metrics[metric.name] = metric
+        return metric
+
+    def render(self) -> str:
+        return "".join(line + "\n" for m in self._metrics.values() for line in m.render())
+
+
+class ServerMetrics:
+    """The kestrel_* families. `stats` returns the engine's latest counters (`AsyncEngine.stats()`)."""
+
+    def __init__(self, stats: Callable[[], dict]):
+        self.registry = r = Registry()
+        self._stats = stats
+        stat = lambda key: lambda: stats()[key]
+        r.add(Gauge("kestrel_num_requests_running", "Requests holding a state slot.", stat("num_running")))
+        r.add(Gauge("kestrel_num_requests_waiting", "Requests queued for a slot.", stat("num_queued")))
+        r.add(Gauge("kestrel_kv_pages_used", "KV cache pages in use.", self._pages_used))
+        r.add(Gauge("kestrel_kv_pages_total", "KV cache pages in the pool.", stat("num_pages")))
+        r.add(Gauge("kestrel_state_slots_used", "KDA state slots in use.", self._slots_used))
+        r.add(Gauge("kestrel_state_slots_total", "KDA state slots in the pool.", stat("num_slots")))
+        self.ttft = r.add(
+            Histogram("kestrel_time_to_first_token_seconds", "Time from arrival to the first output token.")
+        )
+        self.itl = r.add(
+            Histogram("kestrel_inter_token_latency_seconds", "Time between consecutive output tokens.")
+        )
+        self.e2e = r.add(
+            Histogram("kestrel_e2e_request_latency_seconds", "Time from arrival to the last output token.")
+        )
+        self.prompt_tokens = r.add(
+            Counter("kestrel_prompt_tokens_total", "Prompt tokens of finished requests.")
+        )
+        self.generation_tokens = r.add(Counter("kestrel_generation_tokens_total", "Generated tokens."))
+        self.requests = r.add(
+            Counter("kestrel_requests_total", "Finished requests by finish reason.", ("finish_reason",))
+        )
+        r.add(
+            Gauge(
+                "kestrel_generation_tokens_per_second",
+                f"Generated tokens per second over the last {TOKEN_RATE_WINDOW_S:g} s.",
+                self._token_rate,
+            )
+        )
+        r.add(
+            Counter(
+                "kestrel_num_preemptions_total",
+                "Running requests retracted to free KV pages.",
+                fn=stat("num_preemptions"),
+            )
+        )
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) within the rate window
+
+    def render(self) -> str:
+        return self.registry.render()
+
+    # -- fed by the HTTP layer, on the event loop ------------------------------------------------------
+    def on_tokens(self, arrival: float, first_time: float | None, last_time: float | None, num: int) -> None:
+        """`num` new tokens of one request arrived now; `first_time`/`last_time`: its earlier tokens, if any."""
+        if num <= 0:
+            return
+        now = time.monotonic()
+        if first_time is None:
+            self.ttft.observe(now - arrival)
+        elif last_time is not None:
+            for _ in range(num):
+                self.itl.observe((now - last_time) / num)
+        self.generation_tokens.inc(num)
+        self._recent.append((now, num))
+        self._prune(now)
+
+    def on_finished(self, arrival: float, num_prompt_tokens: int, finish_reason: str | None) -> None:
+        self.e2e.observe(time.monotonic() - arrival)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.requests.inc(finish_reason=finish_reason or "unknown")
+
+    # -- read at scrape time -----------------------------------------------------------------------------------
+    def _pages_used(self) -> int:
+        s = self._stats()
+        return s["num_pages"] - s["num_free_pages"]
+
+    def _slots_used(self) -> int:
+        s = self._stats()
+        return s["num_slots"] - s["num_free_slots"]
+
+    def _prune(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - TOKEN_RATE_WINDOW_S:
+            self._recent.popleft()
+
+    def _token_rate(self) -> float:
+        self._prune(time.monotonic())
+        return sum(n for _, n in self._recent) / TOKEN_RATE_WINDOW_S

@@ -1,0 +1,326 @@
+"""Request bodies: OpenAI chat and text completions, and the native `/generate` (SGLang-style sampling dict).
+
+Parsing is strict: unknown fields, wrong JSON types (a string for a number, true for an integer) and fields
+this server does not implement are refused with a 400 that names the field, never silently ignored. Value
+ranges are checked once, by `SamplingParams`. Optional OpenAI fields accept null as "not given".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.serve.errors import bad_request, from_validation_error
+
+MAX_N = 128
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    # "developer" is OpenAI's newer name for "system" and is rendered as one.
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart] | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class _SamplingFields(_Strict):
+    """Sampling fields shared by chat and text completions (OpenAI names, then Kestrel/vLLM extensions)."""
+
+    model: str | None = None  # None: the served model
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None  # accepted for compatibility; an opaque end-user id that the server does not use
+    # extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    # OpenAI fields this server does not implement: refused unless given their neutral value
+    logit_bias: Any = None
+    service_tier: Any = None
+    metadata: Any = None
+    store: Any = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        given = {
+            "n": self.n,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "min_tokens": self.min_tokens,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "seed": self.seed,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        kwargs = {k: v for k, v in given.items() if v is not None}
+        return make_sampling_params(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+
+    def check_common(self) -> None:
+        _refuse_unsupported(self, _NEUTRAL_COMMON)
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        if self.n is not None and self.n > MAX_N:
+            raise bad_request(f"n must be <= {MAX_N}", param="n")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # None: up to the context limit
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+    def check(self) -> None:
+        self.check_common()
+        _refuse_unsupported(self, _NEUTRAL_CHAT)
+        if not self.messages:
+            raise bad_request("messages must not be empty", param="messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
+            raise bad_request(
+                "max_tokens and max_completion_tokens disagree; give one", param="max_completion_tokens"
+            )
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        try:
+            return self.sampling_params(max_tokens, logprobs)
+        except _FieldError as e:
+            param = {"logprobs": "top_logprobs", "max_tokens": _max_tokens_name(self)}.get(e.param, e.param)
+            raise bad_request(str(e), param=param) from None
+
+    def chat_messages(self) -> list[dict]:
+        return [
+            {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.content
+                if not isinstance(m.content, list)
+                else [p.model_dump() for p in m.content],
+            }
+            for m in self.messages
+        ]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: Any = None
+
+    def check(self) -> None:
+        self.check_common()
+        _refuse_unsupported(self, _NEUTRAL_COMPLETION)
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise bad_request(
+                "best_of other than n is not supported", param="best_of", code="unsupported_value"
+            )
+        if self.echo and self.logprobs is not None:
+            raise bad_request(
+                "echo with logprobs is not supported (prompt logprobs are not computed)",
+                param="echo",
+                code="unsupported_value",
+            )
+
+    def to_sampling_params(self) -> SamplingParams:
+        try:
+            return self.sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        except _FieldError as e:
+            raise bad_request(str(e), param=e.param) from None
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt as text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(t, int) for t in p):
+            return [list(p)]
+        if not p:
+            raise bad_request("prompt must not be empty", param="prompt")
+        return list(p)
+
+
+class NativeSamplingParams(_Strict):
+    """SGLang's sampling dict: `max_new_tokens`, `min_new_tokens`, and vLLM-style names for the rest."""
+
+    max_new_tokens: int | None = 128  # None: up to the context limit
+    min_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    n: int | None = None
+    seed: int | None = None
+
+
+class GenerateRequest(_Strict):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: NativeSamplingParams | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+    def check(self) -> None:
+        if (self.text is None) == (self.input_ids is None):
+            raise bad_request("give exactly one of text and input_ids", param="text")
+        if self.top_logprobs_num and not self.return_logprob:
+            raise bad_request("top_logprobs_num needs return_logprob", param="top_logprobs_num")
+        n = (self.sampling_params.n if self.sampling_params else None) or 1
+        if n > MAX_N:
+            raise bad_request(f"n must be <= {MAX_N}", param="sampling_params.n")
+
+    def prompts(self) -> list[str | list[int]]:
+        if self.text is not None:
+            prompts = [self.text] if isinstance(self.text, str) else list(self.text)
+        elif self.input_ids and all(isinstance(t, int) for t in self.input_ids):
+            prompts = [list(self.input_ids)]
+        else:
+            prompts = list(self.input_ids or [])
+        if not prompts:
+            raise bad_request("no prompt given", param="text" if self.text is not None else "input_ids")
+        return prompts
+
+    @property
+    def batched(self) -> bool:
+        return isinstance(self.text, list) or bool(self.input_ids and isinstance(self.input_ids[0], list))
+
+    def to_sampling_params(self) -> SamplingParams:
+        sp = self.sampling_params or NativeSamplingParams()
+        given = sp.model_dump(exclude={"max_new_tokens", "min_new_tokens"}, exclude_none=True)
+        if sp.min_new_tokens is not None:
+            given["min_tokens"] = sp.min_new_tokens
+        logprobs = self.top_logprobs_num if self.return_logprob else None
+        try:
+            return make_sampling_params(max_tokens=sp.max_new_tokens, logprobs=logprobs, **given)
+        except _FieldError as e:
+            native = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}.get(e.param, e.param)
+            param = "top_logprobs_num" if e.param == "logprobs" else f"sampling_params.{native}"
+            raise bad_request(str(e).replace(e.param, native, 1), param=param) from None
+
+
+def parse(model: type[BaseModel], body: bytes):
+    """The request body as `model`, checked; APIError (400) naming the first bad field otherwise."""
+    try:
+        request = model.model_validate_json(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+    request.check()
+    return request
+
+
+class _FieldError(ValueError):
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.param = message.split(" ", 1)[0]
+
+
+def make_sampling_params(**kwargs) -> SamplingParams:
+    """SamplingParams, with its ValueError (which starts with the field name) as a _FieldError."""
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise _FieldError(str(e)) from None
+
+
+def child_params(params: SamplingParams) -> list[SamplingParams]:
+    """n independent samples as n engine requests; seeds seed, seed+1, ... keep them reproducible."""
+    base = params.seed
+    return [
+        dataclasses.replace(params, n=1, seed=None if base is None else base + j) for j in range(params.n)
+    ]
+
+
+def _max_tokens_name(request: ChatCompletionRequest) -> str:
+    return "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+
+
+# Unsupported fields and the values that ask for nothing (so they may be sent).
+_NEUTRAL_COMMON: dict[str, tuple] = {
+    "logit_bias": (None, {}),
+    "service_tier": (None, "auto", "default"),
+    "metadata": (None,),
+    "store": (None, False),
+}
+_NEUTRAL_CHAT: dict[str, tuple] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "response_format": (None, {"type": "text"}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
+_NEUTRAL_COMPLETION: dict[str, tuple] = {"suffix": (None, "")}
+
+
+def _refuse_unsupported(request: BaseModel, neutral: dict[str, tuple]) -> None:
+    for name, allowed in neutral.items():
+        value = getattr(request, name)
+        if not any(value == a and type(value) is type(a) for a in allowed):
+            raise bad_request(
+                f"{name} is not supported by this server", param=name, code="unsupported_parameter"
+            )
