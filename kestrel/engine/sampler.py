@@ -33,19 +33,22 @@ class Sampler:
         if any(_needs_penalties(r) for r in reqs):
             x = self._penalize(x, reqs)
         x = self._suppress_early_stops(x, reqs)
-        f = lambda vals, dt=torch.float32: torch.tensor(vals, dtype=dt, device=dev)  # noqa: E731
-        greedy_rows = f([r.params.greedy for r in reqs], torch.bool)
-        probs = process_logits(
-            x,
-            f([r.params.temperature if not r.params.greedy else 1.0 for r in reqs]),
-            f([r.params.top_k for r in reqs], torch.int64),
-            f([r.params.top_p for r in reqs]),
-            f([r.params.min_p for r in reqs]),
-        )
-        drawn = sample(
-            probs, f([r.seed for r in reqs], torch.int64), f([len(r.output_ids) for r in reqs], torch.int64)
-        )
-        tokens = torch.where(greedy_rows, greedy(x), drawn)  # [B]
+        tokens = greedy(x)  # [B]; sampled rows are overwritten below
+        rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if rows:  # the full-vocabulary sort and noise only for the rows that sample
+            f = lambda vals, dt=torch.float32: torch.tensor(vals, dtype=dt, device=dev)  # noqa: E731
+            sub = [reqs[i] for i in rows]
+            probs = process_logits(
+                x[rows],
+                f([r.params.temperature for r in sub]),
+                f([r.params.top_k for r in sub], torch.int64),
+                f([r.params.top_p for r in sub]),
+                f([r.params.min_p for r in sub]),
+            )
+            drawn = sample(
+                probs, f([r.seed for r in sub], torch.int64), f([len(r.output_ids) for r in sub], torch.int64)
+            )
+            tokens[rows] = drawn
         token_list = tokens.tolist()
         return token_list, self._logprobs(raw, token_list, reqs)
 

@@ -1,0 +1,78 @@
+"""A real uvicorn server on a free loopback port, in a background thread, serving the tiny preset."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from kestrel.config import EngineConfig
+from kestrel.engine.async_engine import AsyncEngine
+from kestrel.engine.engine import Engine
+from kestrel.serve.api import build_app
+
+MODEL = "tiny"
+
+
+class RunningServer:
+    def __init__(self, api_key: str | None = None, **engine_kw):
+        engine_kw.setdefault("page_size", 16)
+        engine_kw.setdefault("max_running_requests", 64)
+        self.engine = Engine(EngineConfig(model=MODEL, **engine_kw))
+        self.async_engine = AsyncEngine(self.engine)
+        app = build_app(self.async_engine, MODEL, api_key=api_key)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+
+    def info(self, headers=None) -> dict:
+        return httpx.get(f"{self.url}/get_server_info", headers=headers, timeout=10).json()
+
+    def pools(self, headers=None) -> tuple[int, int, int, int]:
+        """Free KV pages, free state slots, running and queued requests."""
+        s = self.info(headers)["stats"]
+        return s["num_free_pages"], s["num_free_slots"], s["num_running"], s["num_queued"]
+
+    def wait_for_pools(self, want, headers=None, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (got := self.pools(headers)) != want:
+            assert time.monotonic() < deadline, f"pools {got} did not return to {want}"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.async_engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server():
+    s = RunningServer()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def make_server():
+    started = []
+
+    def make(**kw) -> RunningServer:
+        started.append(RunningServer(**kw))
+        return started[-1]
+
+    yield make
+    for s in started:
+        s.close()
