@@ -56,6 +56,9 @@ class ForwardContext:
     # One new token per sequence, read through `cache.read_kv_batched`: the batched, host-sync-free path
     # that decode steps (and their CUDA graphs) take. Set by whoever builds the context.
     decode: bool = False
+    # Training layout: the T tokens are T / row_len rows of equal length and no document crosses a row, so
+    # attention runs per row with a document-causal mask (kestrel.layers.mla._attend_rows).
+    row_len: int | None = None
     # Routing capture/replay (RL, and fast-vs-reference checks): MoE layers record their expert ids [T, A]
     # into `routing_capture` (layer_id -> ids) when it is a dict, and use `routing_replay` ids instead of
     # selecting when it is one.

@@ -16,8 +16,8 @@ from kestrel.config import ModelConfig
 from kestrel.layers.context import get_forward_context
 from kestrel.layers.linear import ColumnLinear, Linear, RowLinear
 from kestrel.layers.norm import LayerNorm, RMSNorm
-from kestrel.ops.dsa import indexer_scores, indexer_scores_batched, topk_select
-from kestrel.ops.mla import mla_attention_absorbed, mla_decode_batched, split_kv_b
+from kestrel.ops.dsa import indexer_kl, indexer_scores, indexer_scores_batched, selection_mask, topk_select
+from kestrel.ops.mla import mla_attention_absorbed, mla_attention_rows, mla_decode_batched, split_kv_b
 from kestrel.utils.dist import parallel_state
 
 # DeepSeek's MLA and indexer norms use a fixed eps (transformers and the reference code agree).
@@ -100,17 +100,21 @@ class MLAttention(nn.Module):
 
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv_new = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)  # [T, R + Pr]
-        idx_k_new = self.indexer.keys(x) if self.indexer is not None else None  # [T, DI]
+        # The indexer learns only from its own KL loss (model-spec 2.3): its inputs are cut from the graph.
+        x_idx, c_q_idx = x.detach(), (c_q.detach() if c_q is not None else None)
+        idx_k_new = self.indexer.keys(x_idx) if self.indexer is not None else None  # [T, DI]
         if ctx.cache is not None:
             ctx.cache.write_kv(self.layer_id, kv_new, idx_k_new)
         idx_q, idx_w = (
-            self.indexer.queries(x, c_q) if self.indexer is not None else (None, None)
+            self.indexer.queries(x_idx, c_q_idx) if self.indexer is not None else (None, None)
         )  # [T, HI, DI]
 
         w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, H, self.nope_dim, self.v_dim)  # [H, Dn, R], [H, Dv, R]
         idx = (idx_q, idx_w, idx_k_new) if self.indexer is not None else None
         if ctx.cache is not None and ctx.decode:
             out = self._attend_decode(ctx, q_nope, q_pe, w_uk, w_uv, idx)
+        elif ctx.cache is None and ctx.row_len is not None:
+            out = self._attend_rows(ctx, q_nope, q_pe, kv_new, idx)
         else:
             out = self._attend_per_sequence(ctx, q_nope, q_pe, kv_new, w_uk, w_uv, idx)
 
@@ -160,3 +164,63 @@ class MLAttention(nn.Module):
                 ctx, -1, lambda: indexer_scores_batched(idx[0], idx_k, idx[1], scale), lens - 1
             )
         return mla_decode_batched(q_nope, q_pe, kv, lens, w_uk, w_uv, self.scale, indices)  # [N, H, Dv]
+
+    def _attend_rows(self, ctx, q_nope, q_pe, kv_new, idx) -> torch.Tensor:
+        """Training: B rows of R tokens, documents never crossing rows (ctx.row_len). Each token sees the earlier
+        tokens of its own document (and, in sparse mode, only the DSA selection among them). With
+        ctx.extras["indexer_kl"] a list, the indexer's KL loss against this attention is appended to it."""
+        T, H = q_nope.shape[:2]
+        R = ctx.row_len
+        B = T // R
+        allowed = _document_causal(ctx, B, R)  # [B, R, R]
+        if idx is not None:
+            q_i, w_i, k_i = (t.view(B, R, *t.shape[1:]) for t in idx)
+            scores = torch.einsum("btjd,bsd->btjs", q_i.float(), k_i.float()).relu()  # [B, R, HI, R]
+            scores = (
+                torch.einsum("btjs,btj->bts", scores, w_i.float()) * self.indexer.head_dim**-0.5
+            )  # [B, R, R]
+            if not ctx.extras.get("dsa_dense", False):
+                local = torch.arange(R, device=scores.device).repeat(B)  # query positions within their row
+                masked = scores.masked_fill(~allowed, float("nan")).view(B * R, R)
+                chosen = selection_mask(topk_select(masked, local, self.indexer.topk), R).view(B, R, R)
+                allowed = allowed & chosen
+            if ctx.extras.get("indexer_kl") is not None:
+                ctx.extras["indexer_kl"].append(self._indexer_kl(q_nope, q_pe, kv_new, scores, allowed, B, R))
+        q_nope, q_pe = q_nope.view(B, R, H, -1), q_pe.view(B, R, H, -1)
+        out = mla_attention_rows(
+            q_nope, q_pe, kv_new.view(B, R, -1), self.kv_b_proj.weight, allowed, self.scale, self.v_dim
+        )  # [B, R, H, Dv]
+        return out.reshape(T, H, self.v_dim)
+
+    def _indexer_kl(self, q_nope, q_pe, kv_new, scores, allowed, B, R, samples: int = 64) -> torch.Tensor:
+        """KL of the indexer against the attention of a strided sample of queries per row (targets detached)."""
+        H = q_nope.shape[1]
+        picks = torch.arange(
+            R - 1, -1, -max(R // samples, 1), device=scores.device
+        )  # [Q], the last token first
+        with torch.no_grad():
+            c_kv, k_pe = kv_new.view(B, R, -1).float().split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            w_uk, _ = split_kv_b(self.kv_b_proj.weight.float(), H, self.nope_dim, self.v_dim)
+            q_lat = torch.einsum(
+                "bqhd,hdr->bqhr", q_nope.view(B, R, H, -1)[:, picks].float(), w_uk
+            )  # [B, Q, H, Rk]
+            att = torch.einsum("bqhr,bsr->bhqs", q_lat, c_kv)
+            att = att + torch.einsum("bqhp,bsp->bhqs", q_pe.view(B, R, H, -1)[:, picks].float(), k_pe)
+            mask = allowed[:, picks]  # [B, Q, R]
+            probs = torch.softmax((att * self.scale).masked_fill(~mask[:, None], float("-inf")), dim=-1)
+        Q = picks.numel()
+        return indexer_kl(
+            probs.permute(0, 2, 1, 3).reshape(B * Q, H, R),
+            scores[:, picks].reshape(B * Q, R),
+            mask.reshape(B * Q, R),
+        ) / (B * Q)
+
+
+def _document_causal(ctx, B: int, R: int) -> torch.Tensor:
+    """[B, R, R] bool: key s is visible to query t when both are in the same document and s <= t."""
+    doc = torch.repeat_interleave(
+        torch.arange(ctx.num_seqs, device=ctx.positions.device),
+        torch.tensor(ctx.new_lens, device=ctx.positions.device),
+    ).view(B, R)  # [B, R] document id of every token
+    causal = torch.ones(R, R, dtype=torch.bool, device=doc.device).tril()
+    return (doc[:, :, None] == doc[:, None, :]) & causal

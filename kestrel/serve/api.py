@@ -56,12 +56,20 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class Job:
     """The engine requests behind one HTTP request: prompts x n choices, choice index = prompt * n + sample."""
 
-    def __init__(self, server: Server, prompts: list[list[int]], params: SamplingParams, prefixes=None):
+    def __init__(
+        self,
+        server: Server,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        prefixes: list[str] | None = None,
+        field_names: dict[str, str] | None = None,
+    ):
+        """`field_names`: the request's names for the engine's `prompt` and `max_tokens`, for error bodies."""
         children = child_params(params)
         self.server, self.prompts = server, prompts
         self.id = uuid.uuid4().hex
         items = [(prompt, child) for prompt in prompts for child in children]
-        self.group: RequestGroup = server.submit(items, self.id)
+        self.group: RequestGroup = server.submit(items, self.id, field_names or {})
         prefixes = prefixes or [""] * len(prompts)
         self.choices = [
             ChoiceState(server.tokenizer, prompt, child, prefix)
@@ -127,11 +135,11 @@ class Server:
         except ValueError as e:
             raise bad_request(str(e), param=param) from None
 
-    def submit(self, items, request_id: str) -> RequestGroup:
+    def submit(self, items, request_id: str, field_names: dict[str, str]) -> RequestGroup:
         try:
             return self.engine.submit(items, request_id)
         except RequestError as e:
-            raise bad_request(str(e), param=e.param, code=e.code) from None
+            raise bad_request(str(e), param=field_names.get(e.param, e.param), code=e.code) from None
         except Overloaded as e:
             raise APIError(
                 503, str(e), code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}
@@ -167,7 +175,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
             text = server.tokenizer.apply_chat_template(req.chat_messages(), add_generation_prompt=True)
         except (ValueError, KestrelError) as e:
             raise bad_request(str(e), param="messages") from None
-        job = Job(server, [server.encode(text, "messages")], params)
+        names = {"prompt": "messages", "max_tokens": req.max_tokens_field}
+        job = Job(server, [server.encode(text, "messages")], params, field_names=names)
         if req.stream:
             return _sse(_chat_stream(server, job, req))
         if not await _finish_unless_disconnected(request, job):
@@ -224,7 +233,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         params = req.to_sampling_params()
         param = "text" if req.text is not None else "input_ids"
         prompts = [server.encode(p, param) if isinstance(p, str) else p for p in req.prompts()]
-        job = Job(server, prompts, params)
+        names = {"prompt": param, "max_tokens": "sampling_params.max_new_tokens", "n": "sampling_params.n"}
+        job = Job(server, prompts, params, field_names=names)
         if req.stream:
             return _sse(_generate_stream(server, job, req))
         if not await _finish_unless_disconnected(request, job):

@@ -137,8 +137,12 @@ class ChatCompletionRequest(_SamplingFields):
         try:
             return self.sampling_params(max_tokens, logprobs)
         except _FieldError as e:
-            param = {"logprobs": "top_logprobs", "max_tokens": _max_tokens_name(self)}.get(e.param, e.param)
+            param = {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_field}.get(e.param, e.param)
             raise bad_request(str(e), param=param) from None
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def chat_messages(self) -> list[dict]:
         return [
@@ -154,7 +158,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # null: 16 as well
     logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
@@ -288,10 +292,6 @@ def child_params(params: SamplingParams) -> list[SamplingParams]:
     return [
         dataclasses.replace(params, n=1, seed=None if base is None else base + j) for j in range(params.n)
     ]
-
-
-def _max_tokens_name(request: ChatCompletionRequest) -> str:
-    return "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
 
 
 # Unsupported fields and the values that ask for nothing (so they may be sent).

@@ -1,3 +1,9 @@
-from kestrel.ops.dsa.naive import indexer_scores, indexer_scores_batched, selection_mask, topk_select
+from kestrel.ops.dsa.naive import (
+    indexer_kl,
+    indexer_scores,
+    indexer_scores_batched,
+    selection_mask,
+    topk_select,
+)
 
-__all__ = ["indexer_scores", "indexer_scores_batched", "selection_mask", "topk_select"]
+__all__ = ["indexer_kl", "indexer_scores", "indexer_scores_batched", "selection_mask", "topk_select"]

@@ -75,3 +75,17 @@ def selection_mask(indices: torch.Tensor, length: int) -> torch.Tensor:
     # The extra column `length` soaks up the -1 padding.
     mask.scatter_(1, torch.where(indices < 0, length, indices).long(), True)
     return mask[:, :length]  # [T, length]
+
+
+def indexer_kl(attn_probs: torch.Tensor, index_scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """The DSA indexer's training loss (DeepSeek-V3.2): KL(p || softmax(I)) per query, summed over queries.
+
+    attn_probs [Q, H, L]: the main attention's probabilities of Q queries (rows sum to 1 over allowed keys);
+    the target p is their head-sum, L1-normalized. index_scores [Q, L] (fp32), allowed [Q, L] bool: the keys
+    both distributions range over (visible keys in the dense warm-up, the selected ones in sparse training).
+    """
+    p = attn_probs.float().sum(1).masked_fill(~allowed, 0.0)  # [Q, L]
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-20)
+    log_q = torch.log_softmax(index_scores.float().masked_fill(~allowed, float("-inf")), dim=-1)  # [Q, L]
+    terms = torch.where(allowed & (p > 0), p * (torch.log(p.clamp_min(1e-20)) - log_q), torch.zeros_like(p))
+    return terms.sum()

@@ -145,3 +145,34 @@ def mla_decode_batched(
     o_lat = torch.einsum("bhl,blr->bhr", p, c_kv)  # [B, H, R]
     o = torch.einsum("bhr,hdr->bhd", o_lat, w_uv.to(dt))  # [B, H, Dv]
     return o.to(q_nope.dtype)
+
+
+def mla_attention_rows(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+    v_dim: int,
+) -> torch.Tensor:
+    """Training/prefill form over B rows of R tokens with an explicit visibility mask, MHA-expanded, through
+    scaled_dot_product_attention (a fused kernel on CUDA, the math path on CPU).
+
+    q_nope [B, R, H, Dn], q_pe [B, R, H, P], kv [B, R, Rk + P] (the rows' own latent rows, [c_kv | k_pe]),
+    kv_b_weight [H * (Dn + Dv), Rk], allowed [B, R, R] bool (query t may attend key s; every query must allow
+    at least itself). Returns o [B, R, H, Dv] in q_nope.dtype.
+    """
+    B, R, H, Dn = q_nope.shape
+    P = q_pe.shape[-1]
+    c_kv, k_pe = kv.split([kv.shape[-1] - P, P], dim=-1)  # [B, R, Rk], [B, R, P]
+    kvb = torch.nn.functional.linear(c_kv, kv_b_weight.to(c_kv.dtype)).view(B, R, H, Dn + v_dim)
+    k_nope, v = kvb.split([Dn, v_dim], dim=-1)  # [B, R, H, Dn], [B, R, H, Dv]
+    q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, H, R, Dn + P]
+    k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, R, H, P)], dim=-1).transpose(
+        1, 2
+    )  # [B, H, R, Dn + P]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.transpose(1, 2).to(q.dtype), attn_mask=allowed[:, None], scale=scale
+    )  # [B, H, R, Dv]
+    return o.transpose(1, 2).to(q_nope.dtype)

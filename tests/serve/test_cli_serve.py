@@ -1,0 +1,73 @@
+"""`kestrel serve` as a real process (prints the memory plan and the URL, answers, stops on Ctrl-C), its bad
+arguments as one-line errors, and `kestrel chat` fed from stdin."""
+
+from __future__ import annotations
+
+import io
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from kestrel.serve.cli import main
+from tests.test_cli import assert_one_line_error, run
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_starts_answers_and_stops(tmp_path):
+    port = _free_port()
+    argv = ["--model", "tiny", "--port", str(port), "--max-running-requests", "4", "--page-size", "16"]
+    argv += ["--kv-cache-gb", "0.01", "--served-model-name", "kimi-tiny", "--log-level", "warning"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kestrel.serve.cli", "serve", *argv],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["kimi-tiny"]
+        body = {"model": "kimi-tiny", "prompt": "hi", "max_tokens": 3}
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "memory plan: 4 state slots" in err and f"http://127.0.0.1:{port}/v1" in err
+    assert "Traceback" not in err
+
+
+def test_serve_bad_arguments_are_one_line_errors(capsys, tmp_path):
+    code, _, err = run(capsys, "serve", "--model", str(tmp_path / "missing"))
+    assert_one_line_error(code, err, 1, "missing")
+    code, _, err = run(capsys, "serve", "--port", "70000")
+    assert_one_line_error(code, err, 2, "--port")
+    code, _, err = run(capsys, "serve", "--max-running-requests", "0")
+    assert_one_line_error(code, err, 2, "--max-running-requests")
+    code, _, err = run(capsys, "serve", "--kv-cache-gb", "0")
+    assert_one_line_error(code, err, 1, "--kv-cache-gb")
+
+
+def test_chat_from_stdin(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/reset\nagain\n"))
+    assert main(["chat", "--max-new-tokens", "3", "--temperature", "0", "--page-size", "16"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("> ") == 4 and "chatting with tiny" in err

@@ -1,0 +1,205 @@
+"""Every bad input gets an OpenAI error body {"error": {"message", "type", "param", "code"}} with the right status
+and no traceback: 400 for anything wrong in the request, 401 without the API key, 404 for an unknown model or
+route, 503 (with Retry-After) when overloaded."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.serve.conftest import MODEL
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _chat(**fields) -> dict:
+    return {"model": MODEL, "messages": USER, "max_tokens": 2, **fields}
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    assert "Traceback" not in r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+CHAT_CASES = {
+    "invalid json": ("{not json", None, "invalid_json"),
+    "not an object": ("[1, 2]", None, "invalid_json"),
+    "messages missing": ({"model": MODEL}, "messages", "missing_parameter"),
+    "messages empty": (_chat(messages=[]), "messages", None),
+    "unknown field": (_chat(frobnicate=1), "frobnicate", "unknown_parameter"),
+    "unknown message field": (
+        _chat(messages=[{"role": "user", "content": "x", "nme": "a"}]),
+        "messages.0.nme",
+        "unknown_parameter",
+    ),
+    "temperature as string": (_chat(temperature="hot"), "temperature", "invalid_type"),
+    "max_tokens as float": (_chat(max_tokens=2.5), "max_tokens", "invalid_type"),
+    "stream as int": (_chat(stream=1), "stream", "invalid_type"),
+    "content as number": (
+        _chat(messages=[{"role": "user", "content": 5}]),
+        "messages.0.content",
+        "invalid_type",
+    ),
+    "image part": (
+        _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        "messages.0.content.0.type",
+        None,
+    ),
+    "tool role": (_chat(messages=[{"role": "tool", "content": "x"}]), "messages.0.role", None),
+    "negative temperature": (_chat(temperature=-0.5), "temperature", None),
+    "top_p zero": (_chat(top_p=0), "top_p", None),
+    "n zero": (_chat(n=0), "n", None),
+    "n too large": (_chat(n=1000), "n", None),
+    "max_tokens zero": (_chat(max_tokens=0), "max_tokens", None),
+    "presence_penalty": (_chat(presence_penalty=3), "presence_penalty", None),
+    "top_logprobs too many": (_chat(logprobs=True, top_logprobs=21), "top_logprobs", None),
+    "top_logprobs without logprobs": (_chat(top_logprobs=2), "top_logprobs", None),
+    "empty stop string": (_chat(stop=[""]), "stop", None),
+    "stream_options without stream": (_chat(stream_options={"include_usage": True}), "stream_options", None),
+    "max_tokens beyond the context": (_chat(max_tokens=100_000), "max_tokens", "context_length_exceeded"),
+    "max_completion_tokens beyond the context": (
+        _chat(max_tokens=None, max_completion_tokens=100_000),
+        "max_completion_tokens",
+        "context_length_exceeded",
+    ),
+    "prompt beyond the context": (
+        _chat(messages=[{"role": "user", "content": "x" * 5000}]),
+        "messages",
+        "context_length_exceeded",
+    ),
+    "tools": (
+        _chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        "tools",
+        "unsupported_parameter",
+    ),
+    "json response_format": (_chat(response_format={"type": "json_object"}), "response_format", None),
+    "logit_bias": (_chat(logit_bias={"65": 10}), "logit_bias", "unsupported_parameter"),
+}
+
+
+@pytest.mark.parametrize("case", list(CHAT_CASES))
+def test_bad_chat_requests_are_400(server, case):
+    body, param, code = CHAT_CASES[case]
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=content, timeout=30)
+    err = assert_error(r, 400, param, code)
+    assert err["type"] == "invalid_request_error"
+
+
+COMPLETION_CASES = {
+    "prompt missing": ({"model": MODEL}, "prompt"),
+    "prompt mixed types": ({"prompt": [1, "a"]}, "prompt"),
+    "prompt of bools": ({"prompt": [True, False]}, "prompt"),
+    "token id out of range": ({"prompt": [1, 99999]}, "prompt"),
+    "empty prompt": ({"prompt": ""}, "prompt"),
+    "too long prompt": ({"prompt": "y" * 5000}, "prompt"),
+    "suffix": ({"prompt": "a", "suffix": "b"}, "suffix"),
+    "best_of": ({"prompt": "a", "best_of": 3}, "best_of"),
+    "echo with logprobs": ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+    "logprobs too many": ({"prompt": "a", "logprobs": 50}, "logprobs"),
+    "negative seed type": ({"prompt": "a", "seed": "1"}, "seed"),
+}
+
+
+@pytest.mark.parametrize("case", list(COMPLETION_CASES))
+def test_bad_completion_requests_are_400(server, case):
+    body, param = COMPLETION_CASES[case]
+    r = httpx.post(f"{server.url}/v1/completions", json={"max_tokens": 2, **body}, timeout=30)
+    assert_error(r, 400, param)
+
+
+GENERATE_CASES = {
+    "neither text nor ids": ({"sampling_params": {}}, "text"),
+    "both text and ids": ({"text": "a", "input_ids": [1]}, "text"),
+    "unknown sampling param": (
+        {"text": "a", "sampling_params": {"max_tokens": 3}},
+        "sampling_params.max_tokens",
+    ),
+    "bad max_new_tokens": (
+        {"text": "a", "sampling_params": {"max_new_tokens": 0}},
+        "sampling_params.max_new_tokens",
+    ),
+    "too long": (
+        {"text": "a", "sampling_params": {"max_new_tokens": 10_000}},
+        "sampling_params.max_new_tokens",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(GENERATE_CASES))
+def test_bad_generate_requests_are_400(server, case):
+    body, param = GENERATE_CASES[case]
+    assert_error(httpx.post(f"{server.url}/generate", json=body, timeout=30), 400, param)
+
+
+def test_unknown_model_is_404(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=_chat(model="gpt-5"), timeout=30)
+    assert_error(r, 404, "model", "model_not_found")
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "nope", "prompt": "a"}, timeout=30)
+    assert_error(r, 404, "model", "model_not_found")
+
+
+def test_unknown_route_and_wrong_method(server):
+    assert_error(httpx.get(f"{server.url}/v1/nothing-here"), 404)
+    assert_error(httpx.get(f"{server.url}/v1/chat/completions"), 405)
+
+
+def test_api_key(make_server):
+    s = make_server(api_key="sekret", max_running_requests=4)
+    url = f"{s.url}/v1/chat/completions"
+    assert_error(httpx.post(url, json=_chat(), timeout=30), 401, code="invalid_api_key")
+    bad = {"Authorization": "Bearer wrong"}
+    assert_error(httpx.post(url, json=_chat(), headers=bad, timeout=30), 401, code="invalid_api_key")
+    assert_error(httpx.get(f"{s.url}/v1/models", headers={"Authorization": "sekret"}), 401)
+    assert_error(httpx.get(f"{s.url}/get_server_info"), 401)
+    assert_error(httpx.post(f"{s.url}/generate", json={"text": "a"}), 401)
+    good = {"Authorization": "Bearer sekret"}
+    assert httpx.post(url, json=_chat(), headers=good, timeout=30).status_code == 200
+    assert httpx.get(f"{s.url}/v1/models", headers=good).status_code == 200
+    # open without a key: health checks and Prometheus scrapes
+    assert httpx.get(f"{s.url}/health").status_code == 200
+    assert httpx.get(f"{s.url}/metrics").status_code == 200
+
+
+def _stats(server) -> dict:
+    return server.info()["stats"]
+
+
+def _wait(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_overload_is_503_with_retry_after(make_server):
+    s = make_server(max_running_requests=1, max_queued_requests=1)
+    base = s.pools()
+    long = {"stream": True, "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+    url = f"{s.url}/v1/chat/completions"
+    with httpx.Client(timeout=30) as a, httpx.Client(timeout=30) as b:
+        with a.stream("POST", url, json=_chat(**long)) as held:
+            assert held.status_code == 200
+            _wait(lambda: _stats(s)["num_running"] == 1)  # holds the only slot
+            with b.stream("POST", url, json=_chat(**long)) as queued:
+                assert queued.status_code == 200
+                _wait(lambda: _stats(s)["num_queued"] == 1)  # waits for it
+                r = httpx.post(url, json=_chat(), timeout=30)
+                err = assert_error(r, 503, code="overloaded")
+                assert r.headers["retry-after"] == "1" and "overloaded" in err["message"]
+                r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=30)
+                assert_error(r, 503, code="overloaded")
+    # both streams closed: their requests are aborted and the server takes requests again
+    s.wait_for_pools(base)
+    assert httpx.post(url, json=_chat(), timeout=30).status_code == 200

@@ -1,0 +1,115 @@
+"""Requests end cleanly whatever the client does: a client that disconnects (mid-stream, or while waiting for a
+non-streamed answer) has its request aborted and its KV pages and state slot freed; 200 concurrent streams all
+complete; a failing engine ends open streams with an error event and turns /health to 503."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.conftest import MODEL
+
+LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+
+
+def test_disconnect_mid_stream_frees_pages_and_slot(server):
+    base = server.pools()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "stream": True, **LONG}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        data = [line for line in (next(lines) for _ in range(12)) if line.startswith("data: ")]
+        assert len(data) >= 4
+        assert server.pools()[2] == 1  # running
+    server.wait_for_pools(base)
+    # the same with n=2 on /v1/completions and on /generate
+    body = {"model": MODEL, "prompt": "go on", "stream": True, "n": 2, **LONG}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+        next(r.iter_lines())
+    server.wait_for_pools(base)
+    body = {"text": "go", "stream": True, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=30) as r:
+        next(r.iter_lines())
+    server.wait_for_pools(base)
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_frees_pages_and_slot(server):
+    base = server.pools()
+    body = {"model": MODEL, "prompt": "patience", **LONG}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+    server.wait_for_pools(base)
+
+
+def test_200_concurrent_streams_all_complete(server):
+    base = server.pools()
+    num = 200
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str, str | None, int]:
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"request {i}"}],
+            max_tokens=3 + i % 4,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        text, reason, tokens = "", None, 0
+        async for chunk in stream:
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                reason = c.finish_reason or reason
+        return i, text, reason, tokens
+
+    async def main():
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120
+        ) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(num)))
+
+    results = asyncio.run(main())
+    assert sorted(i for i, *_ in results) == list(range(num))
+    for i, _, reason, tokens in results:
+        assert reason == "length" and tokens == 3 + i % 4, (i, reason, tokens)
+    server.wait_for_pools(base)
+    metrics = httpx.get(f"{server.url}/metrics").text
+    done = next(
+        line
+        for line in metrics.splitlines()
+        if line.startswith('kestrel_requests_total{finish_reason="length"}')
+    )
+    assert float(done.split()[-1]) >= num
+
+
+def test_engine_failure_ends_streams_and_fails_health(make_server):
+    s = make_server(max_running_requests=4)
+    real_step, calls = s.engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) > 5:
+            raise RuntimeError("simulated device error")
+        return real_step()
+
+    s.engine.step = failing_step
+    body = {"model": MODEL, "prompt": "doomed", "stream": True, **LONG}
+    with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=30) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "simulated device error" in error["message"] and error["code"] == "engine_unavailable"
+    health = httpx.get(f"{s.url}/health")
+    assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
+    r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    # the openai client sees the failure as an error, not as a silently short answer
+    client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIError):
+        client.completions.create(model=MODEL, prompt="a", max_tokens=2)

@@ -1,0 +1,272 @@
+"""The OpenAI-compatible endpoints through the real `openai` client, and the native and operations endpoints,
+against a live server on the tiny model (byte tokenizer, random weights: the text is noise, the mechanics are
+what is checked)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.conftest import MODEL
+
+CHAT = [{"role": "user", "content": "Hello there"}]
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_chat_completion(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, **GREEDY)
+    assert r.object == "chat.completion" and r.model == MODEL and r.id.startswith("chatcmpl-")
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert isinstance(choice.message.content, str) and choice.logprobs is None
+    assert r.usage.completion_tokens == 6
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 6 and r.usage.prompt_tokens > len("Hello there")
+
+
+def test_chat_accepts_text_parts_and_max_completion_tokens(client):
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]},
+    ]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=3, **GREEDY)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+def test_completion_single_and_batched_prompts(client):
+    r = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, **GREEDY)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert len(r.choices) == 1 and r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    assert r.usage.prompt_tokens == len(b"The sky is")
+    # Two prompts (one as token ids) x n=2: choice index = prompt * n + sample.
+    r2 = client.completions.create(
+        model=MODEL, prompt=[[84, 104, 101], [65, 66]], max_tokens=4, n=2, seed=5, temperature=1.0
+    )
+    assert [c.index for c in r2.choices] == [0, 1, 2, 3]
+    assert r2.usage.prompt_tokens == 5 and r2.usage.completion_tokens == 16
+
+
+def test_greedy_is_the_same_streamed_or_not(client):
+    kw = dict(model=MODEL, prompt="stream me", max_tokens=12, **GREEDY)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_chat_stream_with_usage(client):
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert all(c.usage is None for c in chunks[:-1])
+    assert [c.choices[0].finish_reason for c in chunks[:-1] if c.choices[0].finish_reason] == ["length"]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, **GREEDY)
+    assert text == full.choices[0].message.content
+
+
+def test_n_choices_in_a_stream_carry_their_index(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, n=2, seed=11, temperature=1.0, stream=True
+    )
+    text, reasons = {0: "", 1: ""}, {}
+    for chunk in stream:
+        (c,) = chunk.choices
+        text[c.index] += c.delta.content or ""
+        if c.finish_reason:
+            reasons[c.index] = c.finish_reason
+    assert set(reasons) == {0, 1}
+    full = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, n=2, seed=11, temperature=1.0
+    )
+    assert [c.message.content for c in full.choices] == [text[0], text[1]]
+
+
+def test_seed_makes_sampling_reproducible(client):
+    kw = dict(model=MODEL, prompt="roll the dice", max_tokens=10, temperature=1.0)
+    a = client.completions.create(seed=42, **kw).choices[0].text
+    b = client.completions.create(seed=42, **kw).choices[0].text
+    c = client.completions.create(seed=43, **kw).choices[0].text
+    assert a == b and a != c
+    two = client.completions.create(seed=42, n=2, **kw).choices
+    assert two[0].text == a and two[1].text == client.completions.create(seed=43, **kw).choices[0].text
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, logprobs=True, top_logprobs=3, **GREEDY
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 4
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert bytes(entry.bytes).decode("utf-8", "backslashreplace") == entry.token
+        # greedy: the sampled token is the most likely one
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+    # logprobs without alternatives
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, logprobs=True, **GREEDY)
+    assert all(e.top_logprobs == [] for e in r.choices[0].logprobs.content)
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=5, logprobs=2, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert all(v <= 0 for v in lp.token_logprobs)
+    streamed = list(
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=5, logprobs=2, stream=True, **GREEDY)
+    )
+    tokens = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+
+
+def _stop_for(text: str) -> str:
+    """A printable ASCII character a few characters into `text`."""
+    return next(ch for ch in text[3:] if "!" <= ch <= "~")
+
+
+def test_stop_strings_cut_the_text(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", **GREEDY)
+    free = client.completions.create(max_tokens=48, **kw).choices[0].text
+    stop = _stop_for(free)
+    want = free[: free.index(stop)]
+    r = client.completions.create(max_tokens=48, stop=[stop, "never-appears"], **kw)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(max_tokens=48, stop=stop, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in streamed) == want
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_stop_string(client):
+    free = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=48, **GREEDY)
+    text = free.choices[0].message.content
+    stop = _stop_for(text)
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=48, stop=stop, **GREEDY)
+    assert r.choices[0].message.content == text[: text.index(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_echo_puts_the_prompt_first(client):
+    plain = client.completions.create(model=MODEL, prompt="echo this", max_tokens=4, **GREEDY)
+    echoed = client.completions.create(model=MODEL, prompt="echo this", max_tokens=4, echo=True, **GREEDY)
+    assert echoed.choices[0].text == "echo this" + plain.choices[0].text
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="echo this", max_tokens=4, echo=True, stream=True, **GREEDY
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+
+
+def test_models(client):
+    (card,) = client.models.list().data
+    assert card.id == MODEL and card.object == "model"
+
+
+def test_native_generate(server):
+    body = {"text": "abc", "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+    r = httpx.post(f"{server.url}/generate", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert len(out["output_ids"]) == 5 and out["meta_info"]["completion_tokens"] == 5
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    assert out["meta_info"]["prompt_tokens"] == 3
+    # the same from token ids, with logprobs
+    body = {
+        "input_ids": [97, 98, 99],
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+    }
+    out2 = httpx.post(f"{server.url}/generate", json=body, timeout=30).json()
+    assert out2["output_ids"] == out["output_ids"] and out2["text"] == out["text"]
+    assert [t for _, t in out2["meta_info"]["output_token_logprobs"]] == out["output_ids"]
+    assert all(len(top) == 2 for top in out2["meta_info"]["output_top_logprobs"])
+    # batch
+    batch = httpx.post(
+        f"{server.url}/generate",
+        json={"text": ["a", "b"], "sampling_params": {"max_new_tokens": 2}},
+        timeout=30,
+    ).json()
+    assert isinstance(batch, list) and len(batch) == 2
+
+
+def test_native_generate_stream(server):
+    body = {"text": "abc", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+    full = httpx.post(f"{server.url}/generate", json=body, timeout=30).json()
+    events = []
+    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["text"] == full["text"] and last["output_ids"] == full["output_ids"] and last["index"] == 0
+
+
+def test_health_and_server_info(server):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    info = server.info()
+    assert info["served_model_name"] == MODEL and info["healthy"]
+    assert info["memory_plan"]["num_pages"] == info["stats"]["num_pages"]
+    assert info["engine_config"]["page_size"] == 16 and info["model"]["layer_pattern"]
+    for key in ("num_running", "num_waiting", "num_free_pages", "num_free_slots", "num_queued"):
+        assert key in info["stats"]
+
+
+FAMILIES = [
+    ("kestrel_num_requests_running", "gauge"),
+    ("kestrel_num_requests_waiting", "gauge"),
+    ("kestrel_kv_pages_used", "gauge"),
+    ("kestrel_kv_pages_total", "gauge"),
+    ("kestrel_state_slots_used", "gauge"),
+    ("kestrel_state_slots_total", "gauge"),
+    ("kestrel_time_to_first_token_seconds", "histogram"),
+    ("kestrel_inter_token_latency_seconds", "histogram"),
+    ("kestrel_e2e_request_latency_seconds", "histogram"),
+    ("kestrel_prompt_tokens_total", "counter"),
+    ("kestrel_generation_tokens_total", "counter"),
+    ("kestrel_requests_total", "counter"),
+    ("kestrel_generation_tokens_per_second", "gauge"),
+    ("kestrel_num_preemptions_total", "counter"),
+]
+SAMPLE = re.compile(r'^[a-z_][a-z0-9_]*(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? [-+0-9.eE]+(Inf)?$')
+
+
+def test_metrics(server, client):
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=3, **GREEDY)
+    r = httpx.get(f"{server.url}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for name, kind in FAMILIES:
+        assert f"# TYPE {name} {kind}\n" in text, name
+    for line in text.splitlines():
+        assert line.startswith("#") or SAMPLE.match(line), line
+    values = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[0] != "#"
+    }
+    assert values['kestrel_requests_total{finish_reason="length"}'] >= 1
+    assert values["kestrel_generation_tokens_total"] >= 3
+    assert values["kestrel_time_to_first_token_seconds_count"] >= 1
+    assert values['kestrel_e2e_request_latency_seconds_bucket{le="+Inf"}'] >= 1
+    assert values["kestrel_kv_pages_total"] == server.info()["stats"]["num_pages"]
