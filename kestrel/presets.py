@@ -116,7 +116,57 @@ _MINI = {
     "attn_res_block_size": 6,
 }
 
-PRESETS = {"tiny": _TINY, "mini": _MINI}
+# The shipped demo model (issue 5): trained by `kestrel train` on procedural reasoning and long-context
+# retrieval. ~23M parameters (46 MB in bf16), every K3.1 feature on, DSA top-256 so that 2K+ is really sparse.
+_DEMO = {
+    "model_type": "kimi_linear",
+    "vocab_size": 8192,
+    "hidden_size": 384,
+    "num_hidden_layers": 8,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "model_max_length": 32768 + 1024,
+    "bos_token_id": 0,
+    "eos_token_id": [1, 4],
+    "pad_token_id": 2,
+    "linear_attn_config": {
+        "head_dim": 64,
+        "num_heads": 6,
+        "short_conv_kernel_size": 4,
+        "kda_layers": [1, 2, 3, 5, 6, 7],
+        "full_attn_layers": [4, 8],
+        "gate_lower_bound": -5.0,
+        "use_full_rank_gate": True,
+    },
+    "num_attention_heads": 6,
+    "q_lora_rank": 192,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 64,
+    "mla_use_nope": True,
+    "mla_use_output_gate": True,
+    "index_n_heads": 4,
+    "index_head_dim": 64,
+    "index_topk": 256,
+    "hidden_act": "situ",
+    "activation_situ_beta": 4.0,
+    "activation_situ_linear_beta": 25.0,
+    "intermediate_size": 1024,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "num_experts": 8,
+    "num_experts_per_token": 2,
+    "moe_intermediate_size": 128,
+    "num_shared_experts": 1,
+    "routed_scaling_factor": 1.0,
+    "moe_renormalize": True,
+    "num_expert_group": 1,
+    "topk_group": 1,
+    "attn_res_block_size": 4,
+}
+
+PRESETS = {"tiny": _TINY, "mini": _MINI, "demo": _DEMO}
 _K3_ONLY = (
     "mla_use_output_gate",
     "index_n_heads",

@@ -108,14 +108,14 @@ class AsyncEngine:
         self, requests: Sequence[tuple[list[int], SamplingParams]], request_id: str | None = None
     ) -> RequestGroup:
         """Queue a group of requests, all or none. Raises RequestError (bad request), Overloaded or EngineDead
-        here, in the caller, before anything is queued. Members are named `request_id` when there is one,
-        else `request_id-i`."""
+        here, in the caller, before anything is queued. A lone request is named `request_id`; the members of
+        a larger group `request_id-0`, `request_id-1`, ..."""
         loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
-        for prompt_ids, params in requests:
-            self.engine.validate_request(prompt_ids, params)
         if not requests:
             raise RequestError("no prompts to complete", param="prompt")
+        for prompt_ids, params in requests:
+            self.engine.validate_request(prompt_ids, params)
         if len(requests) > self.max_queued:
             raise RequestError(
                 f"this request needs {len(requests)} sequences (prompts x n), more than the server queues at "

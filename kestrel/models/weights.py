@@ -278,12 +278,25 @@ def _export_experts(prefix: str, rest: str, t: torch.Tensor, config: ModelConfig
                 yield prefix + f"{e}.{part}.weight", w
 
 
-def save_checkpoint(model: KimiForCausalLM, path: str | Path, max_shard_bytes: int | None = None) -> None:
-    """Write config.json and the weights (one file, or shards + index when over `max_shard_bytes`)."""
+_KEEP_FP32 = ("A_log", "dt_bias", "gate.weight", "e_score_correction_bias")
+
+
+def save_checkpoint(
+    model: KimiForCausalLM,
+    path: str | Path,
+    max_shard_bytes: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write config.json and the weights (one file, or shards + index when over `max_shard_bytes`).
+    With `dtype`, floating tensors are stored in it, except the few that the model keeps in fp32."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
-    tensors = {name: t.contiguous().cpu() for name, t in export_tensors(model)}
+    tensors = {}
+    for name, t in export_tensors(model):
+        if dtype is not None and t.is_floating_point() and not name.endswith(_KEEP_FP32):
+            t = t.to(dtype)
+        tensors[name] = t.contiguous().cpu()
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():

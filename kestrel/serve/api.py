@@ -94,15 +94,22 @@ class Job:
                     if not out.finished:  # a stop string found here first
                         self.group.abort(index)
                 yield index, piece, out, choice
+        except EngineDead:
+            self._count_unfinished("error")
+            raise
         finally:
+            self._count_unfinished("abort")  # the client went away
             self.group.close()
+
+    def _count_unfinished(self, reason: str) -> None:
+        for index, choice in enumerate(self.choices):
+            if not choice.finished:
+                choice.finished, choice.finish_reason = True, reason
+                self.server.metrics.on_finished(self.group.arrival_time, self.prompt_len(index), reason)
 
     async def drain(self) -> None:
         async for _ in self.events():
             pass
-
-    def close(self) -> None:
-        self.group.close()
 
     def prompt_len(self, index: int) -> int:
         return len(self.prompts[self._prompt_of[index]])
@@ -147,7 +154,7 @@ class Server:
         except EngineDead as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
 
-    def check_key(self, request: Request) -> None:
+    async def check_key(self, request: Request) -> None:  # async: FastAPI runs sync dependencies in threads
         if self.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -155,7 +162,10 @@ class Server:
             token.strip().encode(), self.api_key.encode()
         ):
             raise APIError(
-                401, "missing or invalid API key (send Authorization: Bearer <key>)", code="invalid_api_key"
+                401,
+                "missing or invalid API key (send Authorization: Bearer <key>)",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
             )
 
 

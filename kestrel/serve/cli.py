@@ -269,8 +269,9 @@ def cmd_serve(args) -> int:
     from kestrel.engine.engine import Engine
     from kestrel.serve.api import build_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="[kestrel] %(levelname)s %(name)s: %(message)s")
     engine = Engine(_engine_config(args))
+    # Configured after the engine is built, whose memory plan is printed below rather than logged twice.
+    logging.basicConfig(level=args.log_level.upper(), format="[kestrel] %(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or args.model
     async_engine = AsyncEngine(engine)
     app = build_app(async_engine, name, api_key=args.api_key)

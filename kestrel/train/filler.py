@@ -32,7 +32,7 @@ _INTRANSITIVE = (
     "rested", "waited", "slept", "wandered", "listened", "laughed", "worked", "paused", "lingered",
     "returned", "sang", "shivered", "hurried", "stayed", "drifted", "glowed",
 )  # fmt: skip
-_PREPOSITIONS = ("near", "behind", "beside", "under", "above", "across", "around", "beyond", "inside", "along")
+_PREPOSITIONS = ("near", "behind", "beside", "under", "above", "across", "around", "beyond", "inside")
 _ADVERBS = (
     "slowly", "quietly", "often", "rarely", "gladly", "softly", "early", "later", "briefly", "again",
     "carefully", "happily", "calmly", "suddenly", "patiently",
@@ -77,7 +77,7 @@ def sentence(rng: random.Random) -> str:
         subject = _with_article(a()).capitalize()
         return f"{subject} {n()} {rng.choice(_INTRANSITIVE)} {rng.choice(_PREPOSITIONS)} the {a()} {n()}."
     if form == 3:
-        return f"Nobody {rng.choice(_VERBS)} the {n()} {rng.choice(_ADVERBS)}, because it was {a()} and {a()}."
+        return f"Nobody {rng.choice(_VERBS)} the {n()} {rng.choice(_ADVERBS)}, as it was {a()} and {a()}."
     if form == 4:
         return f"The {n()} {rng.choice(_PREPOSITIONS)} the {n()} was {a()}, and the {n()} was {a()}."
     return f"{rng.choice(_TIMES)}, {_with_article(a())} {n()} {rng.choice(_VERBS)} the {n()} {rng.choice(_ADVERBS)}."

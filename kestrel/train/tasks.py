@@ -39,6 +39,7 @@ from kestrel.train.filler import FillerStream, person_name
 HELDOUT_SEED_OFFSET = 10**9
 HELDOUT_BUCKETS = 8
 _MAX_ATTEMPTS = 1000
+_LONG_DECIMAL = re.compile(r"\d\.\d{4,}")
 _ANSWER_LINE = re.compile(r"^\s*Answer:[ \t]*(.*?)\s*$", re.MULTILINE)
 
 
@@ -65,13 +66,14 @@ def is_heldout_seed(seed: int) -> bool:
     return seed >= HELDOUT_SEED_OFFSET
 
 
-def _hash64(*parts) -> int:
+def derive_seed(*parts) -> int:
+    """A 64-bit seed from any reprable parts, stable across processes (unlike `hash`)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 
 def _in_heldout_bucket(key: str) -> bool:
-    return _hash64("split", key) % HELDOUT_BUCKETS == 0
+    return derive_seed("split", key) % HELDOUT_BUCKETS == 0
 
 
 class Family:
@@ -91,7 +93,7 @@ class Family:
     def generate(self, seed: int, index: int, **kwargs) -> Example:
         heldout = is_heldout_seed(seed)
         for attempt in range(_MAX_ATTEMPTS):
-            draft = self._draw(_hash64(self.name, seed, index, attempt))
+            draft = self._draw(derive_seed(self.name, seed, index, attempt))
             if draft is not None and _in_heldout_bucket(draft.key) == heldout:
                 return self._finish(draft, **kwargs)
         raise RuntimeError(f"{self.name}: no problem found for seed {seed}, index {index}")
@@ -232,7 +234,7 @@ class BasicArithmetic(_ReasoningGymFamily):
             a, op, b = int(terms[i - 1]), terms[i], int(terms[i + 1])
             value = a * b if op == "*" else a + b if op == "+" else a - b
             terms[i - 1 : i + 2] = [str(value)]
-            rest = f": {' '.join(terms)}" if len(terms) > 1 else ""
+            rest = f" -> {' '.join(terms)}" if len(terms) > 1 else ""
             steps.append(f"{a} {op} {b} = {value}{rest}")
         answer = terms[0]
         return self._example(draft.data["question"], "\n".join(steps), answer, expression=draft.key)
@@ -243,7 +245,8 @@ class BasicArithmetic(_ReasoningGymFamily):
 
 class GsmSymbolic(_ReasoningGymFamily):
     """Grade-school word problems from templates; steps are the template's own solution text (`answer_cot`)
-    without its `#### n` line. Scored by reasoning-gym (first number in the answer equals the result)."""
+    without its `#### n` line. Problems with a non-integer answer or float noise in the text are skipped.
+    Scored by reasoning-gym (first number in the answer equals the result)."""
 
     name = rg_name = "gsm_symbolic"
     LEVELS = {"easy": dict(max_steps=2), "medium": dict(max_steps=3), "hard": dict(max_steps=None)}
@@ -258,6 +261,8 @@ class GsmSymbolic(_ReasoningGymFamily):
         max_steps = self.settings["max_steps"]
         if max_steps is not None and len(steps) > max_steps:
             return None
+        if _int_answer(entry["answer"]) is None or _LONG_DECIMAL.search(entry["question"] + "\n".join(steps)):
+            return None  # a few templates print float noise such as 27.916666666666668
         return _Draft(entry["question"], {**entry, "steps": steps})
 
     def _finish(self, draft):
@@ -274,9 +279,9 @@ class Countdown(_ReasoningGymFamily):
 
     name = rg_name = "countdown"
     LEVELS = {
-        "easy": dict(min_numbers=3, max_numbers=3, min_value=1, max_value=20, min_target=1, max_target=50),
-        "medium": dict(min_numbers=3, max_numbers=4, min_value=1, max_value=50, min_target=10, max_target=200),
-        "hard": dict(min_numbers=4, max_numbers=4, min_value=1, max_value=100, min_target=100, max_target=999),
+        "easy": dict(min_numbers=3, max_numbers=3, max_value=20, min_target=1, max_target=50),
+        "medium": dict(min_numbers=3, max_numbers=4, max_value=50, min_target=10, max_target=200),
+        "hard": dict(min_numbers=4, max_numbers=4, max_value=100, min_target=100, max_target=999),
     }
     DEFAULT_LEVEL = "medium"
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -34,6 +37,9 @@ def test_disconnect_mid_stream_frees_pages_and_slot(server):
     with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=30) as r:
         next(r.iter_lines())
     server.wait_for_pools(base)
+    metrics = httpx.get(f"{server.url}/metrics").text
+    aborted = next(line for line in metrics.splitlines() if 'finish_reason="abort"' in line)
+    assert float(aborted.split()[-1]) >= 4  # 1 + 2 + 1 requests
 
 
 def test_disconnect_while_waiting_for_a_whole_answer_frees_pages_and_slot(server):
@@ -90,21 +96,29 @@ def test_200_concurrent_streams_all_complete(server):
 
 def test_engine_failure_ends_streams_and_fails_health(make_server):
     s = make_server(max_running_requests=4)
-    real_step, calls = s.engine.step, []
+    real_step, fail = s.engine.step, threading.Event()
 
     def failing_step():
-        calls.append(1)
-        if len(calls) > 5:
+        if fail.is_set():
             raise RuntimeError("simulated device error")
         return real_step()
 
     s.engine.step = failing_step
-    body = {"model": MODEL, "prompt": "doomed", "stream": True, **LONG}
-    with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=30) as r:
-        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    error = json.loads(events[-2])["error"]
-    assert "simulated device error" in error["message"] and error["code"] == "engine_unavailable"
+    body = {"model": MODEL, "prompt": "doomed", **LONG}
+    with ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(httpx.post, f"{s.url}/v1/completions", json=body, timeout=30)
+        with httpx.stream("POST", f"{s.url}/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            while s.pools()[2] < 2:  # both running
+                time.sleep(0.01)
+            fail.set()
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert "simulated device error" in error["message"] and error["code"] == "engine_unavailable"
+        r = whole.result()
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
     health = httpx.get(f"{s.url}/health")
     assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
     r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=30)

@@ -1,0 +1,295 @@
+"""The training stream: a seeded mixture of task families, rendered as chat documents and packed into rows.
+
+Dimension letters: B rows per batch, T tokens per row, N documents (plus one padding segment per row) in a batch.
+
+- `Mixture.example(seed, index)` is a pure function of (seed, index): the family is picked by a hash of both,
+  then the family generates from the same pair. Train uses seeds `[0, HELDOUT_SEED_OFFSET)`, held-out the same
+  seeds shifted by `HELDOUT_SEED_OFFSET`; see `kestrel.train.tasks` for why their prompts never overlap.
+- `PackedBatches` packs documents first-fit from a small look-ahead buffer into rows of exactly T tokens; a
+  document never crosses rows, the rest of a row is padding with loss mask 0. Documents longer than T are
+  skipped (`num_skipped` counts them). Its state (next index, buffered indices) resumes the exact stream.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from kestrel.tokenizer import Tokenizer, load_tokenizer
+from kestrel.train.chat_format import assistant_text, render
+from kestrel.train.tasks import HELDOUT_SEED_OFFSET, Example, Family, Retrieval, derive_seed, make_family
+
+# Per document; a 2K-token retrieval document weighs about 20 arithmetic ones in tokens.
+DEFAULT_WEIGHTS = dict(chain_sum=1.0, basic_arithmetic=1.0, gsm_symbolic=1.0, countdown=1.0, retrieval=0.1)
+SPLITS = ("train", "heldout")
+
+
+def split_seed(seed: int, split: str) -> int:
+    """The family seed for `seed` in a split: held-out lives in its own seed namespace."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose from {SPLITS}")
+    if not 0 <= seed < HELDOUT_SEED_OFFSET:
+        raise ValueError(f"seed must be in [0, {HELDOUT_SEED_OFFSET}), got {seed}")
+    return seed + (HELDOUT_SEED_OFFSET if split == "heldout" else 0)
+
+
+@dataclass(frozen=True)
+class MixtureConfig:
+    weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
+    levels: dict[str, str] = field(default_factory=dict)  # family -> level; a family's default otherwise
+    retrieval_context_tokens: tuple[int, ...] = (2048,)  # one is picked per retrieval example
+    system: str | None = None  # an optional system message in every conversation
+
+
+class Mixture:
+    def __init__(self, config: MixtureConfig | None = None, tokenizer: Tokenizer | None = None):
+        self.config = config or MixtureConfig()
+        weights = {name: w for name, w in self.config.weights.items() if w > 0}
+        if not weights:
+            raise ValueError("the mixture needs at least one family with a positive weight")
+        self.families: dict[str, Family] = {}
+        for name in weights:
+            extra = {"tokenizer": tokenizer} if name == "retrieval" else {}
+            self.families[name] = make_family(name, self.config.levels.get(name), **extra)
+        total, acc = sum(weights.values()), 0.0
+        self._cumulative = []
+        for name, w in weights.items():
+            acc += w / total
+            self._cumulative.append((acc, name))
+
+    def example(self, seed: int, index: int) -> Example:
+        """Example `index` of the stream for a family seed (already shifted for held-out)."""
+        u = derive_seed("mixture", seed, index) / 2**64
+        name = next((n for acc, n in self._cumulative if u < acc), self._cumulative[-1][1])
+        kwargs = {}
+        if name == "retrieval":
+            lengths = self.config.retrieval_context_tokens
+            kwargs["context_tokens"] = lengths[derive_seed("length", seed, index) % len(lengths)]
+        return self.families[name].generate(seed, index, **kwargs)
+
+    def examples(self, seed: int, split: str = "train", start: int = 0, stop: int | None = None):
+        s = split_seed(seed, split)
+        index = start
+        while stop is None or index < stop:
+            yield self.example(s, index)
+            index += 1
+
+
+def heldout_examples(
+    family: str, n: int, seed: int = 0, level: str | None = None, tokenizer: Tokenizer | None = None, **kwargs
+) -> list[Example]:
+    """The first `n` held-out problems of one family; `tokenizer` sizes retrieval prompts, `kwargs` go to
+    `generate` (e.g. `context_tokens=8192`)."""
+    fam = make_family(family, level, **({"tokenizer": tokenizer} if family == "retrieval" else {}))
+    return [fam.generate(split_seed(seed, "heldout"), i, **kwargs) for i in range(n)]
+
+
+def write_corpus(path: str, n: int, seed: int = 0, config: MixtureConfig | None = None) -> None:
+    """Dump `n` conversations of the train stream as plain text (roles as words, no special tokens), one
+    document after another separated by a blank line, for tokenizer training."""
+    with open(path, "w", encoding="utf-8") as f:
+        for text in corpus_texts(n, seed, config):
+            f.write(text + "\n\n")
+
+
+def corpus_texts(n: int, seed: int = 0, config: MixtureConfig | None = None) -> Iterator[str]:
+    """Retrieval documents are kept short here (about 256 tokens, counted in characters): the filler
+    vocabulary is small, and long documents would only slow tokenizer training down."""
+    config = config or MixtureConfig()
+    config = MixtureConfig(config.weights, config.levels, (256,), config.system)
+    for ex in Mixture(config).examples(seed, "train", 0, n):
+        system = f"system\n{config.system}\n" if config.system else ""
+        yield f"{system}user\n{ex.prompt}\nassistant\n{assistant_text(ex)}"
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T] int64
+    target_ids: torch.Tensor  # [B, T] int64: the next token of the same document; pad id where loss_mask is 0
+    loss_mask: torch.Tensor  # [B, T] bool: the target is an assistant token (end of turn included)
+    valid_mask: torch.Tensor  # [B, T] bool: the target is any token of the same document (prompt included)
+    position_ids: torch.Tensor  # [B, T] int64: position inside its document (padding counts from 0)
+    cu_seqlens: torch.Tensor  # [N+1] int32: segment starts in the flattened B*T tokens; padding is a segment
+    max_seqlen: int
+    num_documents: int  # real documents, padding segments excluded
+    num_loss_tokens: int
+
+
+@dataclass
+class Document:
+    """One tokenized conversation of the stream."""
+
+    index: int
+    ids: list[int]
+    mask: list[int]
+
+
+class _Renderer:
+    """Stream index -> tokenized conversation."""
+
+    def __init__(self, tokenizer: Tokenizer, config: MixtureConfig, family_seed: int):
+        self.tokenizer, self.config, self.family_seed = tokenizer, config, family_seed
+        self.mixture = Mixture(config, tokenizer)
+
+    def __call__(self, index: int) -> Document:
+        r = render(self.tokenizer, self.mixture.example(self.family_seed, index), self.config.system)
+        return Document(index, r.ids, r.loss_mask)
+
+
+class PackedBatches:
+    """An endless iterator of `Batch` over the mixture for one split and seed.
+
+    `tokenizer` is a Tokenizer, or a path / "byte" given to `load_tokenizer`; `num_workers > 0` renders
+    documents in that many spawned processes (which need the path form), in the same order."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | str,
+        batch_size: int,
+        seq_len: int,
+        config: MixtureConfig | None = None,
+        seed: int = 0,
+        split: str = "train",
+        lookahead: int = 64,
+        num_workers: int = 0,
+    ):
+        if num_workers and not isinstance(tokenizer, str):
+            raise ValueError("num_workers > 0 needs the tokenizer as a path (each worker loads its own)")
+        self._tokenizer_source = tokenizer if isinstance(tokenizer, str) else None
+        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.config = config or MixtureConfig()
+        if self.config.weights.get("retrieval", 0) > 0:  # a prompt of n tokens, plus template and answer
+            longest = max(self.config.retrieval_context_tokens)
+            need = int(longest * (1 + Retrieval.TOLERANCE)) + 64
+            if need > seq_len:
+                raise ValueError(
+                    f"retrieval prompts of {longest} tokens need rows of at least {need} tokens, not {seq_len}: "
+                    "raise the row length or lower the retrieval context lengths"
+                )
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self._render = _Renderer(self.tokenizer, self.config, split_seed(seed, split))
+        self.lookahead, self.num_workers = lookahead, num_workers
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            raise ValueError("packing needs a tokenizer with a pad token")
+        self.num_skipped = 0
+        self._next_index = 0  # the next stream index to enter the buffer
+        self._buffer: list[Document] = []
+        self._source: Iterator[Document] | None = None
+        self._pool = None
+
+    # ---- document source ----------------------------------------------------------------------------------
+
+    def _documents(self, start: int) -> Iterator[Document]:
+        if not self.num_workers:
+            index = start
+            while True:
+                yield self._render(index)
+                index += 1
+        chunk = 32
+        if self._pool is None:
+            spec = (self._tokenizer_source, self.config, self._render.family_seed)
+            ctx = multiprocessing.get_context("spawn")
+            self._pool = ctx.Pool(self.num_workers, initializer=_worker_init, initargs=(spec,))
+        block = chunk * self.num_workers * 2
+        tasks = lambda first: [(i, chunk) for i in range(first, first + block, chunk)]
+        submit = lambda first: self._pool.map_async(_worker_render, tasks(first))
+        pending, start = submit(start), start + block
+        while True:
+            results, pending, start = pending.get(), submit(start), start + block
+            for docs in results:
+                yield from (Document(*d) for d in docs)
+
+    def _fill_buffer(self) -> None:
+        if self._source is None:
+            self._source = self._documents(self._next_index)
+        while len(self._buffer) < self.lookahead:
+            doc = next(self._source)
+            self._next_index = doc.index + 1
+            if len(doc.ids) > self.seq_len:
+                self.num_skipped += 1
+                continue
+            self._buffer.append(doc)
+
+    # ---- packing ------------------------------------------------------------------------------------------
+
+    def _next_row(self) -> list[Document]:
+        row, space = [], self.seq_len
+        while space:
+            self._fill_buffer()
+            pick = next((k for k, d in enumerate(self._buffer) if len(d.ids) <= space), None)
+            if pick is None:
+                break
+            doc = self._buffer.pop(pick)
+            row.append(doc)
+            space -= len(doc.ids)
+        return row
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        return pack_rows([self._next_row() for _ in range(self.batch_size)], self.seq_len, self.pad_id)
+
+    def state_dict(self) -> dict:
+        return {"next_index": self._next_index, "buffer": [d.index for d in self._buffer]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._buffer = [self._render(i) for i in state["buffer"]]
+        self._next_index = state["next_index"]
+        self._source = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool = None
+
+
+def pack_rows(rows: list[list[Document]], seq_len: int, pad_id: int) -> Batch:
+    B, T = len(rows), seq_len
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    target_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(B, T, dtype=torch.bool)
+    valid_mask = torch.zeros(B, T, dtype=torch.bool)
+    position_ids = torch.zeros(B, T, dtype=torch.long)
+    seqlens, num_docs = [], 0
+    for b, row in enumerate(rows):
+        offset = 0
+        for doc in row:
+            L = len(doc.ids)
+            ids = torch.tensor(doc.ids, dtype=torch.long)  # [L]
+            input_ids[b, offset : offset + L] = ids
+            target_ids[b, offset : offset + L - 1] = ids[1:]
+            loss_mask[b, offset : offset + L - 1] = torch.tensor(doc.mask[1:], dtype=torch.bool)
+            valid_mask[b, offset : offset + L - 1] = True
+            position_ids[b, offset : offset + L] = torch.arange(L)
+            seqlens.append(L)
+            offset += L
+            num_docs += 1
+        if offset < T:
+            position_ids[b, offset:] = torch.arange(T - offset)
+            seqlens.append(T - offset)
+    cu_seqlens = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(torch.tensor(seqlens, dtype=torch.int32), 0)
+    stats = dict(max_seqlen=max(seqlens), num_documents=num_docs, num_loss_tokens=int(loss_mask.sum()))
+    return Batch(input_ids, target_ids, loss_mask, valid_mask, position_ids, cu_seqlens, **stats)
+
+
+# ---- worker processes -------------------------------------------------------------------------------------
+
+_WORKER: _Renderer | None = None
+
+
+def _worker_init(spec) -> None:
+    global _WORKER
+    torch.set_num_threads(1)
+    tokenizer_source, config, family_seed = spec
+    _WORKER = _Renderer(load_tokenizer(tokenizer_source), config, family_seed)
+
+
+def _worker_render(task: tuple[int, int]) -> list[tuple[int, list[int], list[int]]]:
+    start, count = task
+    return [(d.index, d.ids, d.mask) for d in map(_WORKER, range(start, start + count))]

@@ -1,0 +1,268 @@
+"""`kestrel train`: pretraining / SFT of the Kimi hybrid model on the procedural task mixture.
+
+The loop reads top to bottom: batch -> forward (bf16 autocast over fp32 master weights) -> loss (masked
+next-token cross-entropy + the DSA indexer's KL) -> backward -> clip -> AdamW step -> cosine LR -> MoE bias
+update -> log -> checkpoint. DSA is trained the DeepSeek-V3.2 way: a dense warm-up in which attention sees every
+visible token and the indexer learns to match it by KL, then sparse training over the indexer's top-k.
+
+Deliberately left out: gradient accumulation, data parallelism (one device), mixed-length curriculum beyond the
+retrieval lengths of TrainConfig, and activation checkpointing (the demo model is small).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from kestrel.config import MOE, TrainConfig
+from kestrel.layers.context import ForwardContext, forward_context
+from kestrel.models.kimi import KimiForCausalLM
+from kestrel.models.loader import build_model
+from kestrel.models.weights import save_checkpoint
+from kestrel.tokenizer import load_tokenizer
+from kestrel.train.bpe import build_tokenizer
+from kestrel.train.data import MixtureConfig, PackedBatches
+from kestrel.utils.device import resolve_device
+
+STATE_FILE = "trainer_state.pt"
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def flops_per_token(model: KimiForCausalLM, row_len: int) -> float:
+    """Training FLOPs per token: 6 x active matmul parameters (routed experts counted at top-k, the embedding
+    lookup not at all) plus attention: 6 x (QK^T + PV) over an average causal context of row_len / 2."""
+    c = model.config
+    active = 0
+    for name, p in model.named_parameters():
+        if name == "model.embed_tokens.weight" or p.dim() < 2:
+            continue
+        if ".experts." in name:
+            active += p.numel() * c.num_experts_per_token / c.num_experts
+        else:
+            active += p.numel()
+    heads_dim = c.num_attention_heads * (c.qk_head_dim + c.v_head_dim)
+    attention = len(c.mla_layer_ids) * 2 * heads_dim * row_len / 2
+    return 6 * active + 3 * attention
+
+
+def masked_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the masked positions. logits [T, V], targets [T], mask [T] bool."""
+    losses = F.cross_entropy(logits.float(), targets, reduction="none")  # [T]
+    return (losses * mask).sum() / mask.sum().clamp(min=1)
+
+
+@torch.no_grad()
+def update_expert_biases(model: KimiForCausalLM, routing: dict[int, torch.Tensor], rate: float) -> float:
+    """Aux-loss-free balancing (DeepSeek-V3): raise the selection bias of under-loaded experts, lower the
+    over-loaded ones, by `rate` each step. Returns the worst max-load / mean-load ratio over the layers."""
+    worst = 1.0
+    for layer_id, ids in routing.items():
+        gate = model.model.layers[layer_id].mlp.gate
+        E = gate.e_score_correction_bias.numel()
+        load = torch.zeros(E, device=ids.device).index_add_(
+            0, ids.flatten(), torch.ones(ids.numel(), device=ids.device)
+        )
+        gate.e_score_correction_bias.add_(rate * torch.sign(load.mean() - load))
+        worst = max(worst, float(load.max() / load.mean().clamp(min=1e-9)))
+    return worst
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.out = Path(cfg.out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.device = resolve_device(cfg.device)
+        self.tokenizer_dir = self._tokenizer_dir()
+        self.tokenizer = load_tokenizer(str(self.tokenizer_dir))
+        torch.manual_seed(cfg.seed)
+        self.model = build_model(
+            cfg.model,
+            dtype=torch.float32,
+            device=self.device,
+            seed=cfg.seed,
+            init_on_device=self.device.type == "cuda",
+        )
+        if self.model.config.vocab_size < self.tokenizer.vocab_size:
+            raise ValueError(
+                f"tokenizer has {self.tokenizer.vocab_size} tokens, the model only "
+                f"{self.model.config.vocab_size}"
+            )
+        decay = [p for n, p in self.model.named_parameters() if p.requires_grad and p.dim() >= 2]
+        rest = [p for n, p in self.model.named_parameters() if p.requires_grad and p.dim() < 2]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            fused=self.device.type == "cuda",
+        )
+        mixture = MixtureConfig(retrieval_context_tokens=tuple(cfg.retrieval_lengths))
+        self.data = PackedBatches(
+            str(self.tokenizer_dir) if cfg.data_workers else self.tokenizer,
+            cfg.batch_rows,
+            cfg.row_len,
+            mixture,
+            seed=cfg.seed,
+            num_workers=cfg.data_workers,
+        )
+        self.step, self.history = 0, []
+        self.flops_per_token = flops_per_token(self.model, cfg.row_len)
+        self._maybe_resume()
+
+    def _tokenizer_dir(self) -> Path:
+        if self.cfg.tokenizer:
+            return Path(self.cfg.tokenizer)
+        path = self.out / "tokenizer"
+        if not (path / "tokenizer.json").exists():
+            build_tokenizer(str(path), vocab_size=8192, seed=self.cfg.seed)
+        return path
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg, model = self.cfg, self.model
+        model.train()
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        start, tokens_done = time.perf_counter(), 0
+        while self.step < cfg.steps:
+            batch = next(self.data)
+            lm, kl, imbalance = self.train_step(batch)
+            tokens_done += batch.input_ids.numel()
+            elapsed = time.perf_counter() - start
+            record = {
+                "step": self.step,
+                "loss": lm,
+                "indexer_kl": kl,
+                "lr": lr_at(self.step, cfg),
+                "max_expert_load": imbalance,
+                "tokens": tokens_done,
+                "seconds": elapsed,
+            }
+            self.history.append(record)
+            self.step += 1
+            bar.update(1)
+            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                tps = tokens_done / max(elapsed, 1e-9)
+                bar.set_postfix(
+                    loss=f"{lm:.3f}",
+                    kl=f"{kl:.3f}",
+                    tok_s=f"{tps:,.0f}",
+                    mfu=f"{self.mfu(tps):.1%}" if self.device.type == "cuda" else "-",
+                )
+            out_of_time = cfg.time_budget_s is not None and elapsed > cfg.time_budget_s
+            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps or out_of_time:
+                self.save()
+            if out_of_time:
+                break
+        bar.close()
+        return self.summary(time.perf_counter() - start, tokens_done)
+
+    def train_step(self, batch) -> tuple[float, float, float]:
+        cfg, model, dev = self.cfg, self.model, self.device
+        ids = batch.input_ids.to(dev).flatten()  # [B*R]
+        seg = batch.cu_seqlens.tolist()
+        ctx = ForwardContext.build([b - a for a, b in zip(seg, seg[1:])], device=dev)
+        ctx.row_len = batch.input_ids.shape[1]
+        ctx.routing_capture = {}
+        kl_terms: list = []
+        ctx.extras.update(dsa_dense=self.step < cfg.dsa_dense_steps, indexer_kl=kl_terms)
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(self.step, cfg)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"), forward_context(ctx):
+            logits = model(ids)  # [B*R, V]
+        lm = masked_loss(logits, batch.target_ids.to(dev).flatten(), batch.loss_mask.to(dev).flatten())
+        kl = sum(kl_terms) / max(len(kl_terms), 1) if kl_terms else torch.zeros((), device=dev)
+        (lm + cfg.indexer_kl_weight * kl).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        moe = {k: v for k, v in ctx.routing_capture.items() if model.config.mlp_types[k] == MOE}
+        imbalance = update_expert_biases(model, moe, cfg.bias_update_rate)
+        return float(lm), float(kl), imbalance
+
+    def mfu(self, tokens_per_s: float, peak_tflops: float = 989.0) -> float:
+        """Model FLOP utilization against the H200's dense bf16 peak (the run's measured matmul rate is
+        reported beside it by the benchmark script)."""
+        return tokens_per_s * self.flops_per_token / (peak_tflops * 1e12)
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    def save(self) -> Path:
+        """HF checkpoint (bf16, what the engine loads) + tokenizer + trainer state (fp32 master, optimizer)."""
+        ckpt = self.out / "checkpoint"
+        save_checkpoint(self.model, ckpt, dtype=torch.bfloat16)
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            src = self.tokenizer_dir / name
+            if src.exists() and src.parent != ckpt:
+                (ckpt / name).write_text(src.read_text())
+        state = {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "data": self.data.state_dict(),
+            "history": self.history,
+            "config": asdict(self.cfg),
+        }
+        torch.save(state, self.out / STATE_FILE)
+        (self.out / "history.json").write_text(json.dumps(self.history))
+        plot_loss(self.history, self.out / "loss.png")
+        return ckpt
+
+    def _maybe_resume(self) -> None:
+        path = self.out / STATE_FILE
+        if not path.exists():
+            return
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.data.load_state_dict(state["data"])
+        self.step, self.history = state["step"], state["history"]
+
+    def summary(self, seconds: float, tokens: int) -> dict:
+        tps = tokens / max(seconds, 1e-9)
+        last = self.history[-20:] if self.history else []
+        return {
+            "steps": self.step,
+            "seconds": seconds,
+            "tokens": tokens,
+            "tokens_per_s": tps,
+            "flops_per_token": self.flops_per_token,
+            "mfu_vs_989_tflops": self.mfu(tps),
+            "final_loss": sum(r["loss"] for r in last) / max(len(last), 1),
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+        }
+
+
+def plot_loss(history: list[dict], path: Path) -> None:
+    """A PNG of the LM loss and the indexer KL against the step."""
+    if not history:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in history]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["loss"] for r in history], label="LM loss (answer tokens)")
+    ax.plot(steps, [r["indexer_kl"] for r in history], label="DSA indexer KL", alpha=0.7)
+    ax.set_xlabel("step")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

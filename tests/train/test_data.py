@@ -1,0 +1,377 @@
+"""Training data: task generators, verifiers, held-out split, chat rendering, packing and the BPE tokenizer."""
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from kestrel.tokenizer import ByteTokenizer, HFTokenizer
+from kestrel.train.bpe import SPECIAL_TOKENS, build_tokenizer, save_tokenizer, train_bpe
+from kestrel.train.chat_format import assistant_text, end_of_turn_id, prompt_ids, render
+from kestrel.train.data import (
+    Mixture,
+    MixtureConfig,
+    PackedBatches,
+    corpus_texts,
+    heldout_examples,
+    split_seed,
+    write_corpus,
+)
+from kestrel.train.tasks import FAMILIES, HELDOUT_SEED_OFFSET, Example, extract_answer, make_family, verify
+
+ARITHMETIC = ["chain_sum", "basic_arithmetic", "gsm_symbolic", "countdown"]
+SMALL_RETRIEVAL = dict(context_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("bpe"))
+    build_tokenizer(directory, vocab_size=1024, seed=0, num_docs=300)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def bpe(bpe_dir):
+    return HFTokenizer(bpe_dir)
+
+
+def _generate(name, seed, index, level=None):
+    return make_family(name, level).generate(seed, index, **(SMALL_RETRIEVAL if name == "retrieval" else {}))
+
+
+def _wrong(ex: Example) -> str:
+    if ex.family == "countdown":
+        return ex.answer + " + 1"  # uses a number that is not given
+    return f"{float(ex.answer) + 1:g}"
+
+
+# ---- generators and verifiers -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_generators_are_deterministic(name):
+    first = [_generate(name, 3, i) for i in range(6)]
+    assert first == [_generate(name, 3, i) for i in range(6)]  # fresh family objects, same examples
+    assert len({e.prompt for e in first}) > 1  # another index gives another problem
+    other_seed = [_generate(name, 4, i) for i in range(6)]
+    assert [e.prompt for e in first] != [e.prompt for e in other_seed]
+    assert all(e.family == name and e.meta["family"] == name and e.meta["answer"] == e.answer for e in first)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_reference_answers_pass_their_verifier(name):
+    fam = make_family(name)
+    for i in range(50):
+        ex = fam.generate(0, i, **(SMALL_RETRIEVAL if name == "retrieval" else {}))
+        completion = f"{ex.reasoning}\nAnswer: {ex.answer}"
+        assert verify(ex, completion), (ex.prompt, completion)
+        assert verify(json.loads(json.dumps(ex.meta)), completion)  # meta alone suffices, after a JSON trip
+        assert not verify(ex, f"{ex.reasoning}\nAnswer: {_wrong(ex)}"), ex
+        assert not verify(ex, ex.reasoning)  # no answer line
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_level_generates_and_verifies(name):
+    for level in FAMILIES[name].LEVELS:
+        for i in range(5):
+            ex = _generate(name, 1, i, level)
+            assert ex.meta["level"] == level
+            assert verify(ex, f"{ex.reasoning}\nAnswer: {ex.answer}")
+
+
+def test_unknown_family_and_level():
+    with pytest.raises(ValueError, match="unknown task family"):
+        make_family("sudoku")
+    with pytest.raises(ValueError, match="unknown level"):
+        make_family("chain_sum", "medium")
+
+
+def test_answer_extraction():
+    assert extract_answer("steps\nAnswer: 12\nmore\nAnswer:  -7  \n") == "-7"
+    assert extract_answer("The Answer: 3") is None  # must start a line
+    assert extract_answer("no answer") is None
+    ex = _generate("chain_sum", 0, 0)
+    assert verify(ex, f"Answer: {_wrong(ex)}\n{ex.reasoning}\nAnswer: {ex.answer}")  # the last one counts
+    assert not verify(ex, "Answer:")
+
+
+def test_chain_sum_steps_are_running_sums():
+    for i in range(20):
+        ex = _generate("chain_sum", 0, i)
+        lines = ex.reasoning.splitlines()
+        terms = ex.meta["expression"].split()
+        assert len(lines) == len(terms) // 2
+        for line, prev in zip(lines[1:], lines):
+            assert line.split(" ")[0] == prev.split(" = ")[1]
+        assert lines[-1].split(" = ")[1] == ex.answer
+
+
+def test_basic_arithmetic_uses_operator_precedence():
+    seen_precedence = False
+    for i in range(100):
+        ex = _generate("basic_arithmetic", 0, i, "medium")
+        assert int(ex.answer) == eval(ex.meta["expression"])
+        terms = ex.meta["expression"].split()
+        seen_precedence |= "*" in terms[3:] and terms[1] != "*"
+        assert ex.reasoning.splitlines()[-1].endswith(f"= {ex.answer}")
+    assert seen_precedence
+
+
+def test_gsm_symbolic_numbers_are_clean():
+    for i in range(100):
+        ex = _generate("gsm_symbolic", 0, i)
+        assert not re.search(r"\d\.\d{4,}", ex.prompt + ex.reasoning), ex
+        assert str(int(ex.answer)) == ex.answer and "####" not in ex.reasoning
+
+
+def test_countdown_steps_reach_the_target():
+    for i in range(20):
+        ex = _generate("countdown", 0, i)
+        assert ex.reasoning.splitlines()[-1].endswith(f"= {ex.meta['target']}")
+        assert "Final answer format" not in ex.prompt
+
+
+# ---- retrieval ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("context_tokens", [512, 2048, 8192, 32768])
+def test_retrieval_length_and_key_fact(bpe, context_tokens):
+    fam = make_family("retrieval", tokenizer=bpe)
+    for i in range(3 if context_tokens < 8192 else 1):
+        ex = fam.generate(0, i, context_tokens=context_tokens)
+        n = len(bpe.encode(ex.prompt))
+        assert abs(n - context_tokens) <= 0.05 * context_tokens, (n, context_tokens)
+        name = ex.meta["name"]
+        assert ex.prompt.count(f"The code of {name} is ") == 1
+        assert f"The code of {name} is {ex.answer}." in ex.prompt
+        assert ex.prompt.endswith(f"Question: What is the code of {name}?")
+        assert 2 <= ex.prompt.count("The code of ") <= 4  # the key fact and 1-3 distractors
+        assert len(ex.answer) == 5 and ex.answer.isdigit()
+
+
+def test_retrieval_without_tokenizer_counts_characters():
+    fam = make_family("retrieval")
+    ex = fam.generate(0, 0, context_tokens=2048)
+    assert abs(len(ex.prompt) / fam.CHARS_PER_TOKEN - 2048) < 0.05 * 2048
+
+
+def test_retrieval_hard_distractors_share_a_name_part():
+    for i in range(10):
+        ex = _generate("retrieval", 0, i, "hard")
+        first, last = ex.meta["name"].split()
+        facts = [s for s in ex.prompt.replace("\n", " ").split(". ") if "The code of " in s]
+        others = [f.split("The code of ")[1].split(" is ")[0] for f in facts if ex.meta["name"] not in f]
+        assert len(others) == 3
+        assert all((o.split()[0] == first) != (o.split()[1] == last) for o in others)
+
+
+def test_retrieval_filler_differs_between_examples():
+    a, b = _generate("retrieval", 0, 0), _generate("retrieval", 0, 1)
+    assert a.prompt.split("\n\n")[1][:80] != b.prompt.split("\n\n")[1][:80]
+
+
+# ---- held-out split ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ARITHMETIC)
+def test_heldout_prompts_never_appear_in_train(name):
+    level = "easy"  # the smallest problem spaces, where repeats are likeliest
+    fam = make_family(name, level)
+    n = 300
+    train = {fam.generate(split_seed(0, "train"), i).prompt for i in range(n)}
+    heldout = [e.prompt for e in heldout_examples(name, n, seed=0, level=level)]
+    assert not train & set(heldout)
+    assert len(set(heldout)) > n // 4  # a real sample, not one repeated problem
+
+
+def test_mixture_heldout_disjoint_from_train():
+    mixture = Mixture(MixtureConfig(retrieval_context_tokens=(256,)))
+    n = 300
+    train = list(mixture.examples(0, "train", 0, n))
+    heldout = {e.prompt for e in mixture.examples(0, "heldout", 0, n)}
+    assert not {e.prompt for e in train} & heldout
+    assert {e.family for e in train} == set(FAMILIES)
+
+
+def test_split_seed_bounds():
+    assert split_seed(5, "heldout") == 5 + HELDOUT_SEED_OFFSET
+    with pytest.raises(ValueError):
+        split_seed(HELDOUT_SEED_OFFSET, "train")
+    with pytest.raises(ValueError):
+        split_seed(0, "test")
+
+
+# ---- chat rendering ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("system", [None, "Be brief."])
+def test_render_masks_the_assistant_turn(bpe, system):
+    tok_eot = end_of_turn_id(bpe)
+    for name in sorted(FAMILIES):
+        ex = _generate(name, 0, 0)
+        r = render(bpe, ex, system)
+        prompt = prompt_ids(bpe, ex, system)
+        assert r.ids[: len(prompt)] == prompt and r.num_prompt_tokens == len(prompt)
+        assert r.loss_mask == [0] * len(prompt) + [1] * (len(r.ids) - len(prompt))
+        assert r.ids[-1] == tok_eot
+        reply = [i for i, m in zip(r.ids, r.loss_mask) if m]
+        assert bpe.decode(reply, skip_special_tokens=False) == assistant_text(ex) + "<|im_end|>"
+        assert assistant_text(ex).endswith(f"\nAnswer: {ex.answer}")
+        # the same ids as tokenizing the whole conversation at once
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": ex.prompt},
+            {"role": "assistant", "content": assistant_text(ex)},
+        ]
+        full = bpe.apply_chat_template(messages, add_generation_prompt=False)
+        assert bpe.encode(full) == r.ids + bpe.encode("\n")
+
+
+def test_render_with_byte_tokenizer():
+    tok = ByteTokenizer()
+    ex = _generate("chain_sum", 0, 0)
+    r = render(tok, ex)
+    assert tok.decode(r.ids, skip_special_tokens=False).startswith("<|im_start|>user\n")
+    assert sum(r.loss_mask) == len((assistant_text(ex)).encode()) + 1
+
+
+# ---- packing ----------------------------------------------------------------------------------------------------
+
+
+def _packer(tok, **kwargs):
+    config = MixtureConfig(retrieval_context_tokens=(200, 300))
+    return PackedBatches(tok, batch_size=3, seq_len=512, config=config, **kwargs)
+
+
+def _segments(batch):
+    cu = batch.cu_seqlens.tolist()
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def test_packed_batches_shapes_masks_and_boundaries(bpe):
+    eot, pad = end_of_turn_id(bpe), bpe.pad_token_id
+    packer = _packer(bpe)
+    for _ in range(3):
+        b = next(packer)
+        B, T = 3, 512
+        for t in (b.input_ids, b.target_ids, b.loss_mask, b.valid_mask, b.position_ids):
+            assert t.shape == (B, T)
+        assert b.input_ids.dtype == torch.long and b.loss_mask.dtype == torch.bool
+        assert b.cu_seqlens.dtype == torch.int32 and b.cu_seqlens[-1] == B * T
+        cu = set(b.cu_seqlens.tolist())
+        assert all(r * T in cu for r in range(B))  # no segment crosses a row
+        keys = ("input_ids", "target_ids", "loss_mask", "valid_mask", "position_ids")
+        flat = {k: getattr(b, k).flatten() for k in keys}
+        docs = 0
+        for s, e in _segments(b):
+            assert (s // T) == ((e - 1) // T)
+            assert flat["position_ids"][s:e].tolist() == list(range(e - s))
+            ids, mask = flat["input_ids"][s:e], flat["loss_mask"][s:e]
+            valid = flat["valid_mask"][s:e]
+            assert not mask[-1] and not valid[-1]  # nothing is predicted across a document's end
+            if ids[0] == pad:  # a row's padding tail
+                assert (ids == pad).all() and not mask.any() and not valid.any()
+                continue
+            assert valid[:-1].all() and (mask <= valid).all()
+            docs += 1
+            assert ids[-1] == eot
+            assert flat["target_ids"][s : e - 1].tolist() == ids[1:].tolist()
+            text = bpe.decode(ids.tolist(), skip_special_tokens=False)
+            assert text.startswith("<|im_start|>user\n")
+            head, reply = text.split("<|im_start|>assistant\n")
+            targets = flat["target_ids"][s:e][mask].tolist()
+            assert bpe.decode(targets, skip_special_tokens=False) == reply  # masks cover the assistant only
+            assert "\nAnswer: " in reply and reply.endswith("<|im_end|>")
+        assert docs == b.num_documents and b.num_loss_tokens == int(b.loss_mask.sum())
+        assert b.max_seqlen == max(e - s for s, e in _segments(b))
+    assert packer.num_skipped == 0
+
+
+def test_packed_batches_are_deterministic_and_resume(bpe):
+    a = _packer(bpe)
+    first = [next(a) for _ in range(2)]
+    state = a.state_dict()
+    following = next(a)
+    b = _packer(bpe)
+    assert all(torch.equal(x.input_ids, next(b).input_ids) for x in first)
+    c = _packer(bpe)
+    c.load_state_dict(state)
+    assert torch.equal(next(c).input_ids, following.input_ids)
+    held = _packer(bpe, split="heldout")
+    assert not torch.equal(next(held).input_ids, first[0].input_ids)
+
+
+def test_packing_rejects_rows_too_short_for_retrieval(bpe):
+    with pytest.raises(ValueError, match="need rows of at least 2173 tokens"):
+        PackedBatches(bpe, batch_size=1, seq_len=2048, config=MixtureConfig(retrieval_context_tokens=(2048,)))
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------------------------
+
+
+def test_bpe_loads_through_hf_tokenizer(bpe, bpe_dir):
+    assert set(os.listdir(bpe_dir)) >= {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+    ids = {s: bpe.encode(s)[0] for s in SPECIAL_TOKENS}
+    assert set(bpe.eos_token_ids) == {ids["<|im_end|>"], ids["<|eos|>"]}
+    assert bpe.bos_token_id == ids["<|bos|>"] and bpe.pad_token_id == ids["<|pad|>"]
+    assert 300 < bpe.vocab_size <= 1024
+    assert bpe.encode("hi", add_special_tokens=True)[0] == bpe.bos_token_id
+    text = bpe.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}])
+    assert text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+    assert bpe.encode(text).count(ids["<|im_start|>"]) == 3
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "State the final answer: 73 - 10 - 71 = -8",
+        "  two  spaces\n\nand\ttabs ",
+        "héllo wörld 😀 中文",
+        "x=12345",
+    ],
+)
+def test_bpe_round_trips(bpe, text):
+    assert bpe.decode(bpe.encode(text)) == text
+
+
+def test_bpe_splits_digits_one_per_token(bpe):
+    ids = bpe.encode("The code of Anna Kolberg is 48213; 19 + 72 = 91, year 2024.")
+    for i in ids:
+        token = bpe.token_bytes(i).decode("utf-8", errors="replace")
+        if any(c.isdigit() for c in token):
+            assert len(token) == 1, token
+    assert "".join(bpe.token_bytes(i).decode() for i in bpe.encode("48213")) == "48213"
+    assert len(bpe.encode("48213")) == 5
+
+
+def test_bpe_training_is_deterministic(tmp_path):
+    texts = list(corpus_texts(120, seed=1))
+    a, b = train_bpe(texts, vocab_size=600), train_bpe(texts, vocab_size=600)
+    assert a.to_str() == b.to_str()
+    save_tokenizer(a, str(tmp_path))
+    assert (
+        HFTokenizer(str(tmp_path)).encode("Answer: 42")
+        == a.encode("Answer: 42", add_special_tokens=False).ids
+    )
+
+
+def test_write_corpus(tmp_path):
+    path = str(tmp_path / "corpus.txt")
+    write_corpus(path, 20, seed=0)
+    text = open(path, encoding="utf-8").read()
+    assert text.count("\nassistant\n") == 20 and text.count("\nAnswer: ") == 20
+    assert "<|im_start|>" not in text
+
+
+def test_worker_processes_give_the_same_stream(bpe, bpe_dir):
+    serial = _packer(bpe)
+    parallel = _packer(bpe_dir, num_workers=2)
+    try:
+        for _ in range(2):
+            assert torch.equal(next(serial).input_ids, next(parallel).input_ids)
+    finally:
+        parallel.close()
+    with pytest.raises(ValueError, match="path"):
+        _packer(bpe, num_workers=2)
