@@ -127,6 +127,8 @@ class MLAttention(nn.Module):
         if ctx.selection_replay is not None:
             chosen = ctx.selection_replay[self.layer_id]
             return torch.cat(chosen) if i < 0 else chosen[i]  # [t, topk], chosen in an earlier pass
+        if self.indexer.topk is None:  # dense attention requested (evaluation contrast)
+            return None
         indices = topk_select(scores_fn(), q_pos, self.indexer.topk)  # [t, topk]
         if ctx.selection_capture is not None:
             parts = list(indices.split(1)) if i < 0 else [indices]
@@ -179,7 +181,7 @@ class MLAttention(nn.Module):
             scores = (
                 torch.einsum("btjs,btj->bts", scores, w_i.float()) * self.indexer.head_dim**-0.5
             )  # [B, R, R]
-            if not ctx.extras.get("dsa_dense", False):
+            if not ctx.extras.get("dsa_dense", False) and self.indexer.topk is not None:
                 local = torch.arange(R, device=scores.device).repeat(B)  # query positions within their row
                 masked = scores.masked_fill(~allowed, float("nan")).view(B * R, R)
                 chosen = selection_mask(topk_select(masked, local, self.indexer.topk), R).view(B, R, R)

@@ -124,7 +124,111 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--temperature", type=_non_negative_float, default=0.7, help="0 = greedy")
     c.add_argument("--top-p", type=_probability, default=1.0)
     c.set_defaults(func=cmd_chat)
+
+    t = sub.add_parser("train", help="train a model on the procedural task mixture (resumes from --out)")
+    t.add_argument(
+        "--out", required=True, type=Path, help="run folder: checkpoint/, loss.png, trainer_state.pt"
+    )
+    t.add_argument(
+        "--model", default="demo", help="preset to start from (random init) or a checkpoint folder"
+    )
+    t.add_argument(
+        "--tokenizer", default=None, help="tokenizer folder (default: train a BPE into <out>/tokenizer)"
+    )
+    t.add_argument("--steps", type=_positive_int, default=1000)
+    t.add_argument("--batch-rows", type=_positive_int, default=16)
+    t.add_argument("--row-len", type=_positive_int, default=4096)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--warmup-steps", type=int, default=100)
+    t.add_argument("--dsa-dense-steps", type=int, default=200, help="dense warm-up steps before sparse DSA")
+    t.add_argument(
+        "--retrieval-lengths", default="2048", help="comma-separated context lengths of retrieval docs"
+    )
+    t.add_argument("--checkpoint-every", type=_positive_int, default=500)
+    t.add_argument("--time-budget-s", type=float, default=None, help="stop and checkpoint after this long")
+    t.add_argument("--data-workers", type=int, default=0)
+    t.add_argument("--device", default="auto")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="held-out accuracy per task family and retrieval by context length")
+    e.add_argument("--model", required=True, help="checkpoint folder")
+    e.add_argument("--num", type=_positive_int, default=200, help="problems per family")
+    e.add_argument("--num-retrieval", type=_positive_int, default=50)
+    e.add_argument("--retrieval-lengths", default="2048,8192,32768")
+    e.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    e.add_argument("--no-dense-contrast", action="store_true", help="skip the dense-attention retrieval runs")
+    e.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    e.add_argument("--device", default="auto")
+    e.set_defaults(func=cmd_eval)
     return parser
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise KestrelError(f"expected comma-separated token counts, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise KestrelError(f"token counts must be positive, got {text!r}")
+    return values
+
+
+def cmd_train(args) -> int:
+    import json
+
+    from kestrel.config import TrainConfig
+    from kestrel.train.trainer import Trainer
+
+    cfg = TrainConfig(
+        out_dir=str(args.out),
+        model=args.model,
+        tokenizer=args.tokenizer,
+        seed=args.seed,
+        steps=args.steps,
+        batch_rows=args.batch_rows,
+        row_len=args.row_len,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        dsa_dense_steps=args.dsa_dense_steps,
+        retrieval_lengths=_lengths(args.retrieval_lengths),
+        checkpoint_every=args.checkpoint_every,
+        time_budget_s=args.time_budget_s,
+        device=args.device,
+        data_workers=args.data_workers,
+    )
+    try:
+        trainer = Trainer(cfg)
+    except ValueError as e:
+        raise KestrelError(str(e)) from None
+    summary = trainer.train()
+    (Path(args.out) / "train_summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    print(
+        f"[kestrel] checkpoint in {args.out}/checkpoint, loss curve in {args.out}/loss.png", file=sys.stderr
+    )
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import json
+
+    from kestrel.train.evaluate import EvalConfig, evaluate, format_table
+
+    cfg = EvalConfig(
+        model=args.model,
+        num_per_family=args.num,
+        num_retrieval=args.num_retrieval,
+        retrieval_lengths=_lengths(args.retrieval_lengths),
+        max_new_tokens=args.max_new_tokens,
+        device=args.device,
+        dense_contrast=not args.no_dense_contrast,
+    )
+    result = evaluate(cfg)
+    print(format_table(result))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
 
 
 def _port(text: str) -> int:

@@ -192,7 +192,7 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         moe = {k: v for k, v in ctx.routing_capture.items() if model.config.mlp_types[k] == MOE}
         imbalance = update_expert_biases(model, moe, cfg.bias_update_rate)
-        return float(lm), float(kl), imbalance
+        return float(lm.detach()), float(kl.detach()), imbalance
 
     def mfu(self, tokens_per_s: float, peak_tflops: float = 989.0) -> float:
         """Model FLOP utilization against the H200's dense bf16 peak (the run's measured matmul rate is

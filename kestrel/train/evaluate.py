@@ -1,0 +1,120 @@
+"""`kestrel eval`: accuracy of a checkpoint on the held-out split of every task family, scored by the family's
+verifier, with greedy decoding through the serving engine; retrieval accuracy by context length with DSA on
+and, for contrast, with dense attention (the indexer's top-k raised past the context)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from kestrel.config import EngineConfig
+from kestrel.engine.engine import Engine
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.layers.mla import MLAttention
+from kestrel.train.chat_format import prompt_ids
+from kestrel.train.data import heldout_examples
+from kestrel.train.tasks import verify
+
+ARITHMETIC = ("chain_sum", "basic_arithmetic", "gsm_symbolic", "countdown")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    model: str
+    num_per_family: int = 200
+    num_retrieval: int = 50
+    retrieval_lengths: tuple[int, ...] = (2048, 8192, 32768)
+    families: tuple[str, ...] = ARITHMETIC
+    max_new_tokens: int = 256
+    seed: int = 0
+    device: str = "auto"
+    max_running_requests: int = 64
+    dense_contrast: bool = True
+
+
+def set_dense_attention(engine: Engine, dense: bool, topk: int) -> None:
+    """DSA on (the model's index_topk) or dense (every visible token), on the loaded model, in place."""
+    for module in engine.model.modules():
+        if isinstance(module, MLAttention) and module.indexer is not None:
+            module.indexer.topk = None if dense else topk
+
+
+def _accuracy(engine: Engine, examples, max_new_tokens: int, desc: str) -> dict:
+    tok = engine.tokenizer
+    params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
+    prompts = {f"{desc}-{i}": prompt_ids(tok, ex) for i, ex in enumerate(examples)}
+    limit = engine.plan.max_model_len
+    outputs: dict[str, list[int]] = {}
+    pending = list(prompts.items())
+    bar = tqdm(total=len(prompts), desc=desc, unit="q", leave=False)
+    start = time.perf_counter()
+    while pending or engine.has_unfinished():
+        while pending and len(engine.scheduler.waiting) < 256:
+            rid, ids = pending.pop(0)
+            room = min(max_new_tokens, limit - len(ids))
+            if room < 1:
+                outputs[rid] = []
+                bar.update(1)
+                continue
+            engine.add_request(
+                ids, SamplingParams(temperature=0, max_tokens=room) if room < max_new_tokens else params, rid
+            )
+            outputs[rid] = []
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+            if out.finished:
+                bar.update(1)
+    bar.close()
+    correct = [verify(ex, tok.decode(outputs[rid])) for (rid, _), ex in zip(prompts.items(), examples)]
+    return {
+        "n": len(examples),
+        "accuracy": sum(correct) / max(len(examples), 1),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def evaluate(cfg: EvalConfig) -> dict:
+    longest = max(cfg.retrieval_lengths, default=0)
+    engine = Engine(
+        EngineConfig(
+            model=cfg.model,
+            device=cfg.device,
+            max_running_requests=cfg.max_running_requests,
+            max_model_len=max(longest + cfg.max_new_tokens + 512, 4096),
+        )
+    )
+    topk = engine.model.config.index_topk
+    result: dict = {"model": cfg.model, "families": {}, "retrieval": {}}
+    for family in cfg.families:
+        examples = heldout_examples(family, cfg.num_per_family, seed=cfg.seed)
+        result["families"][family] = _accuracy(engine, examples, cfg.max_new_tokens, family)
+    for length in cfg.retrieval_lengths:
+        if length + cfg.max_new_tokens > engine.plan.max_model_len:
+            result["retrieval"][length] = {"skipped": f"context limit {engine.plan.max_model_len}"}
+            continue
+        examples = heldout_examples(
+            "retrieval", cfg.num_retrieval, seed=cfg.seed, tokenizer=engine.tokenizer, context_tokens=length
+        )
+        entry = {}
+        modes = [("dsa", False)] + ([("dense", True)] if cfg.dense_contrast and topk else [])
+        for name, dense in modes:
+            set_dense_attention(engine, dense, topk)
+            entry[name] = _accuracy(engine, examples, 32, f"retrieval@{length}-{name}")
+        set_dense_attention(engine, False, topk)
+        result["retrieval"][length] = entry
+    return result
+
+
+def format_table(result: dict) -> str:
+    lines = ["| family | n | accuracy |", "|---|---|---|"]
+    for family, r in result["families"].items():
+        lines.append(f"| {family} | {r['n']} | {r['accuracy']:.1%} |")
+    for length, entry in result["retrieval"].items():
+        if "skipped" in entry:
+            lines.append(f"| retrieval @{length} | - | skipped ({entry['skipped']}) |")
+            continue
+        for mode, r in entry.items():
+            lines.append(f"| retrieval @{length} ({mode}) | {r['n']} | {r['accuracy']:.1%} |")
+    return "\n".join(lines)
