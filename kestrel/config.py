@@ -685,6 +685,11 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
     max_queued_requests: int = 4096  # server: past this many waiting requests, answer 503
+    enable_prefix_cache: bool = True  # radix tree over KV pages + KDA state checkpoints
+    checkpoint_interval: int = (
+        1024  # save a KDA checkpoint every this many prefill tokens (multiple of pages)
+    )
+    num_checkpoints: int | None = None  # checkpoint slots (default: 2 per running request, at least 16)
 
     def __post_init__(self):
         problems = []
@@ -702,6 +707,12 @@ class EngineConfig:
             problems.append("chunked_prefill_size must be >= 1")
         if self.max_queued_requests < 1:
             problems.append("max_queued_requests must be >= 1")
+        if self.checkpoint_interval < 0 or (
+            self.checkpoint_interval and self.checkpoint_interval % self.page_size
+        ):
+            problems.append("checkpoint_interval must be a multiple of page_size (0 = off)")
+        if self.num_checkpoints is not None and self.num_checkpoints < 1:
+            problems.append("num_checkpoints must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             problems.append(f"dtype {self.dtype!r} must be auto, float32, bfloat16 or float16")
         if problems:

@@ -10,7 +10,9 @@ from kestrel.config import ModelConfig
 
 
 class StatePool:
-    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device):
+    def __init__(
+        self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device, zero_on_alloc: bool = True
+    ):
         if num_slots < 1:
             raise ValueError(f"state pool needs >= 1 slot, got {num_slots}")
         self.num_slots = num_slots
@@ -24,6 +26,7 @@ class StatePool:
         }
         self._free = list(range(num_slots, 0, -1))
         self._used: set[int] = set()
+        self.zero_on_alloc = zero_on_alloc  # checkpoint pools are always overwritten by a copy: no need
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -40,11 +43,19 @@ class StatePool:
             return None
         slot = self._free.pop()
         self._used.add(slot)
-        for t in (*self.ssm.values(), *self.conv.values()):
-            t[slot].zero_()
+        if self.zero_on_alloc:
+            for t in (*self.ssm.values(), *self.conv.values()):
+                t[slot].zero_()
         return slot
 
     def free(self, slot: int) -> None:
         assert slot in self._used, f"double free of state slot {slot}"
         self._used.remove(slot)
         self._free.append(slot)
+
+
+def copy_state(src: StatePool, src_slot: int, dst: StatePool, dst_slot: int) -> None:
+    """Copy one slot's KDA state (every layer's recurrent state and conv window) into another pool's slot."""
+    for layer, t in src.ssm.items():
+        dst.ssm[layer][dst_slot].copy_(t[src_slot])
+        dst.conv[layer][dst_slot].copy_(src.conv[layer][src_slot])

@@ -12,6 +12,7 @@ share a queue). If a step raises, every open stream fails with `EngineDead` and 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -165,6 +166,17 @@ class AsyncEngine:
                 self._commands.append(("abort", rid))
             self._cond.notify()
 
+    def flush_cache(self) -> concurrent.futures.Future:
+        """Ask the engine thread to drop every cached prefix no running request uses; the future's result is
+        the number of pages freed (await it with asyncio.wrap_future)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self.error is not None or self._stopping:
+                raise EngineDead(self._dead_message())
+            self._commands.append(("flush", None, future))
+            self._cond.notify()
+        return future
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (after its current step); open streams fail with EngineDead."""
         with self._cond:
@@ -206,7 +218,9 @@ class AsyncEngine:
 
     def _apply(self, command: tuple) -> None:
         kind, rid = command[0], command[1]
-        if kind == "add":
+        if kind == "flush":
+            command[2].set_result(self.engine.flush_cache())
+        elif kind == "add":
             self._num_pending_adds -= 1
             if rid not in self._groups:  # aborted and failed before it got here
                 return
@@ -245,6 +259,9 @@ class AsyncEngine:
         with self._cond:
             groups = list(dict.fromkeys(self._groups.values()))
             self._groups.clear()
+            for command in self._commands:
+                if command[0] == "flush":
+                    command[2].set_exception(EngineDead(message))
             self._commands.clear()
             self._num_pending_adds = 0
         self._deliver([(g, EngineDead(message)) for g in groups])

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from kestrel.cache.kv_pool import KVPool
-from kestrel.cache.state_pool import StatePool
+from kestrel.cache.radix import RadixCache
+from kestrel.cache.state_pool import StatePool, copy_state
 from kestrel.config import EngineConfig, ModelConfig
 from kestrel.engine.outputs import StepOutput
 from kestrel.engine.request import Request, Status
@@ -112,8 +113,18 @@ class Engine:
         log.info(self.plan.describe())
         self.kv_pool = KVPool(mc, self.plan.num_pages, config.page_size, dtype, self.device)
         self.state_pool = StatePool(mc, self.plan.num_slots, dtype, self.device)
+        self.cache = None
+        if config.enable_prefix_cache:
+            n_ckpt = config.num_checkpoints or max(16, 2 * self.plan.num_slots)
+            self.checkpoint_pool = StatePool(mc, n_ckpt, dtype, self.device, zero_on_alloc=False)
+            self.cache = RadixCache(self.kv_pool, self.checkpoint_pool, config.page_size)
         self.scheduler = Scheduler(
-            self.kv_pool, self.state_pool, config.chunked_prefill_size, self.plan.num_slots
+            self.kv_pool,
+            self.state_pool,
+            config.chunked_prefill_size,
+            self.plan.num_slots,
+            self.cache,
+            config.checkpoint_interval,
         )
         self.runner = ModelRunner(
             self.model,
@@ -186,6 +197,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.empty:
             return self._finish_outputs([])
+        self._restore_checkpoints(batch)
         logits = self.runner.forward(batch)
         tokens, logprobs = self.sampler(logits, batch.sampled)
         return self._postprocess(batch, tokens, logprobs)
@@ -195,6 +207,7 @@ class Engine:
             req.num_computed += 1
         for chunk in batch.prefill:
             chunk.request.num_computed = chunk.end
+        self._save_checkpoints(batch)
         outputs = []
         for req, token, lp in zip(batch.sampled, tokens, logprobs):
             req.output_ids.append(token)
@@ -203,6 +216,50 @@ class Engine:
             self._check_stop(req, token)
             outputs.append(self._output(req, [token], [lp] if lp is not None else None))
         return self._finish_outputs(outputs)
+
+    # -- prefix cache: KDA checkpoints ---------------------------------------------------------------------
+    def _restore_checkpoints(self, batch: Batch) -> None:
+        """A request resuming from a cached prefix starts from a copy of the checkpoint's state."""
+        for chunk in batch.prefill:
+            req = chunk.request
+            if req.restore_from is not None:
+                copy_state(self.checkpoint_pool, req.restore_from, self.state_pool, req.slot)
+                req.restore_from = None
+
+    def _checkpoint_slot(self) -> int | None:
+        slot = self.checkpoint_pool.alloc()
+        if slot is None and self.cache.evict_checkpoints(1):
+            slot = self.checkpoint_pool.alloc()
+        return slot
+
+    def _save_checkpoints(self, batch: Batch) -> None:
+        """After the step: prefill chunks that ended at a planned position save their state into the tree with
+        their KV; decode steps that completed a page keep the state in the request's tracking slot."""
+        if self.cache is None:
+            return
+        for chunk in batch.prefill:
+            req = chunk.request
+            if chunk.end in req.checkpoint_at and (slot := self._checkpoint_slot()) is not None:
+                copy_state(self.state_pool, req.slot, self.checkpoint_pool, slot)
+                node = self.cache.insert(req.all_ids[: chunk.end], req.pages)
+                if not self.cache.attach_checkpoint(node, slot):
+                    self.checkpoint_pool.free(slot)
+        ps = self.kv_pool.page_size
+        for req in batch.decode:
+            if req.num_computed % ps == 0:
+                if req.track_slot is None:
+                    req.track_slot = self._checkpoint_slot()
+                if req.track_slot is not None:
+                    copy_state(self.state_pool, req.slot, self.checkpoint_pool, req.track_slot)
+                    req.track_len = req.num_computed
+
+    def flush_cache(self) -> int:
+        """Drop every cached prefix no running request uses; returns the pages freed."""
+        if self.cache is None:
+            return 0
+        before = self.kv_pool.num_free_pages
+        self.cache.flush()
+        return self.kv_pool.num_free_pages - before
 
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params
@@ -260,6 +317,21 @@ class Engine:
             "num_preemptions": s.num_preemptions,
             "page_size": self.kv_pool.page_size,
             "max_model_len": self.plan.max_model_len,
+            **self.cache_stats(),
+        }
+
+    def cache_stats(self) -> dict:
+        if self.cache is None:
+            return {"prefix_cache": False}
+        c = self.cache
+        return {
+            "prefix_cache": True,
+            "num_cached_pages": c.num_pages,
+            "num_checkpoints_used": self.checkpoint_pool.num_slots - self.checkpoint_pool.num_free_slots,
+            "num_checkpoints": self.checkpoint_pool.num_slots,
+            "cache_query_tokens": c.query_tokens,
+            "cache_hit_tokens": c.hit_tokens,
+            "cache_hit_rate": c.hit_tokens / c.query_tokens if c.query_tokens else 0.0,
         }
 
     def status_of(self, request_id: str) -> Status | None:

@@ -49,8 +49,17 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, kv_pool, state_pool, chunked_prefill_size: int, max_running: int):
+    def __init__(
+        self,
+        kv_pool,
+        state_pool,
+        chunked_prefill_size: int,
+        max_running: int,
+        cache=None,
+        checkpoint_interval: int = 0,
+    ):
         self.kv_pool, self.state_pool = kv_pool, state_pool
+        self.cache, self.checkpoint_interval = cache, checkpoint_interval
         self.chunked_prefill_size, self.max_running = chunked_prefill_size, max_running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
@@ -69,9 +78,11 @@ class Scheduler:
         self.finish(request, "abort", None)
 
     def finish(self, request: Request, reason: str, stop_reason) -> None:
-        """Mark finished and give back its slot and pages."""
+        """Mark finished, hand its cacheable prefix to the prefix cache, give back its slot and pages."""
         if request.status is Status.RUNNING:
             self.running.remove(request)
+            if self.cache is not None and reason != "abort":
+                self._cache_finished(request)
             self._release(request)
         request.status = Status.FINISHED
         request.finish_reason, request.stop_reason = reason, stop_reason
@@ -94,27 +105,65 @@ class Scheduler:
 
     def _add_chunk(self, batch: Batch, req: Request, budget: int) -> int:
         end = min(req.num_tokens, req.num_computed + budget)
+        # a chunk ends at the next planned checkpoint, so that the KDA state there can be saved
+        end = min([end] + [p for p in req.checkpoint_at if req.num_computed < p < end])
         batch.prefill.append(PrefillChunk(req, req.num_computed, end))
         return end - req.num_computed
 
     def _admit(self, req: Request) -> bool:
         if len(self.running) >= self.max_running or self.state_pool.num_free_slots == 0:
             return False
-        need = self.kv_pool.pages_for(req.num_tokens)
+        reuse, node, branch, shared = 0, None, 0, []
+        if self.cache is not None:
+            match = self.cache.match(req.all_ids)
+            reuse, node, branch = match.resume_len, match.resume_node, match.kv_len
+            shared = match.pages(reuse)
+            self.cache.lock(node)
+        need = self.kv_pool.pages_for(req.num_tokens) - len(shared)
+        if self.kv_pool.num_free_pages < need and self.cache is not None:
+            self.cache.evict_pages(need - self.kv_pool.num_free_pages)
         if self.kv_pool.num_free_pages < need:
+            if self.cache is not None:
+                self.cache.unlock(node)
             return False
+        if self.cache is not None:
+            self.kv_pool.incref(shared)
+            self.cache.record(req.num_tokens, reuse)
         req.slot = self.state_pool.alloc()
-        req.pages = self.kv_pool.alloc(need)
-        req.num_computed = 0
+        req.pages = shared + self.kv_pool.alloc(need)
+        req.num_computed = reuse
+        req.num_cached_tokens = reuse
+        req.cache_node, req.restore_from = node, (node.checkpoint if node is not None else None)
+        req.checkpoint_at = self._plan_checkpoints(req, reuse, branch) if self.cache is not None else []
         req.status = Status.RUNNING
         self.running.append(req)
         return True
+
+    def _plan_checkpoints(self, req: Request, reuse: int, branch: int) -> list[int]:
+        """Where this request's prefill saves KDA checkpoints: every `checkpoint_interval` tokens, at the branch
+        point where it leaves the cached tree, and at the last page boundary before its last token."""
+        ps, n = self.kv_pool.page_size, req.num_tokens
+        points = {((n - 1) // ps) * ps, branch}
+        if self.checkpoint_interval:
+            points.update(range(self.checkpoint_interval, n, self.checkpoint_interval))
+        return sorted(p for p in points if reuse < p < n and p % ps == 0)
+
+    def _cache_finished(self, req: Request) -> None:
+        """Insert the finished request's KV up to its decode-time checkpoint, with that checkpoint."""
+        ps = self.kv_pool.page_size
+        end = (req.num_computed // ps) * ps
+        if req.track_slot is not None and req.track_len == end and end > 0:
+            node = self.cache.insert(req.all_ids[:end], req.pages)
+            if self.cache.attach_checkpoint(node, req.track_slot):
+                req.track_slot = None  # now the tree's
 
     def _ensure_pages(self, req: Request) -> bool:
         """Pages for every token up to the one this step computes; preempt (LIFO) to get them.
         False when `req` itself had to be preempted."""
         while len(req.pages) < self.kv_pool.pages_for(req.num_tokens):
             page = self.kv_pool.alloc(1)
+            if page is None and self.cache is not None and self.cache.evict_pages(1):
+                page = self.kv_pool.alloc(1)
             if page is not None:
                 req.pages += page
                 continue
@@ -135,6 +184,11 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
+        if self.cache is not None:
+            self.cache.unlock(req.cache_node)
+            if req.track_slot is not None:
+                self.cache.checkpoint_pool.free(req.track_slot)
+        req.cache_node, req.restore_from, req.track_slot, req.track_len = None, None, None, 0
         if req.slot is not None:
             self.state_pool.free(req.slot)
             req.slot = None

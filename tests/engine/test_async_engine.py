@@ -39,7 +39,11 @@ def running(engine: Engine, **kw):
 
 
 def _pools(stats: dict) -> tuple[int, int, int]:
-    return stats["num_free_pages"], stats["num_free_slots"], stats["num_running"]
+    return (
+        stats["num_free_pages"] + stats.get("num_cached_pages", 0),
+        stats["num_free_slots"],
+        stats["num_running"],
+    )
 
 
 async def _wait_for(predicate, timeout: float = 10.0) -> None:

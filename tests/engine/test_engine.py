@@ -55,7 +55,11 @@ def _run(
 
 
 def _baseline(engine: Engine) -> tuple[int, int]:
-    return engine.kv_pool.num_free_pages, engine.state_pool.num_free_slots
+    """Free pages (counting those only the prefix cache holds, which it gives back on demand) and free slots."""
+    cached = engine.cache.num_pages if engine.cache is not None else 0
+    if engine.cache is not None:
+        engine.cache.check()
+    return engine.kv_pool.num_free_pages + cached, engine.state_pool.num_free_slots
 
 
 def _reference(model, prompt, n, **kw):

@@ -44,7 +44,12 @@ class RunningServer:
     def pools(self, headers=None) -> tuple[int, int, int, int]:
         """Free KV pages, free state slots, running and queued requests."""
         s = self.info(headers)["stats"]
-        return s["num_free_pages"], s["num_free_slots"], s["num_running"], s["num_queued"]
+        return (
+            s["num_free_pages"] + s.get("num_cached_pages", 0),
+            s["num_free_slots"],
+            s["num_running"],
+            s["num_queued"],
+        )
 
     def wait_for_pools(self, want, headers=None, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout

@@ -1,0 +1,202 @@
+"""The hybrid prefix cache: tree operations, checkpoint placement, and outputs identical with the cache on and
+off (temperature 0, tiny model) for shared prefixes, multi-turn continuations, eviction under pressure and
+sessions that diverge mid-page; a long random interleaving ends with the pools at baseline."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kestrel.cache.kv_pool import KVPool
+from kestrel.cache.radix import RadixCache
+from kestrel.cache.state_pool import StatePool
+from kestrel.config import EngineConfig
+from kestrel.engine.engine import Engine
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.models.loader import build_model
+from kestrel.presets import preset_config
+
+PS = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("tiny", seed=13)
+
+
+def _engine(model, cache: bool, **kw) -> Engine:
+    kw.setdefault("page_size", PS)
+    kw.setdefault("max_running_requests", 6)
+    kw.setdefault("checkpoint_interval", 16)
+    return Engine(EngineConfig(model="tiny", enable_prefix_cache=cache, **kw), model=model)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _generate(engine: Engine, prompt: list[int], n: int = 8, rid: str | None = None) -> list[int]:
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), rid)
+    out: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid:
+                out += o.new_token_ids
+    return out
+
+
+def _idle_pools(engine: Engine) -> tuple[int, int]:
+    engine.cache.check()
+    return engine.kv_pool.num_free_pages + engine.cache.num_pages, engine.state_pool.num_free_slots
+
+
+# -- the tree alone -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tree():
+    config = preset_config("tiny")
+    kv = KVPool(config, 40, PS, torch.float32, "cpu")
+    ckpt = StatePool(config, 6, torch.float32, "cpu", zero_on_alloc=False)
+    return RadixCache(kv, ckpt, PS), kv, ckpt
+
+
+def test_insert_match_split_and_refcounts(tree):
+    cache, kv, ckpt = tree
+    a = list(range(100, 116))  # 4 pages
+    pages = kv.alloc(4)
+    node = cache.insert(a, pages)
+    assert node.depth == 16 and cache.num_pages == 4 and all(kv.refcount[p] == 2 for p in pages)
+    assert cache.attach_checkpoint(node, ckpt.alloc())
+    # same first 2 pages, then different: the match splits the edge at the page boundary
+    b = a[:8] + [7, 7, 7, 7, 9]
+    m = cache.match(b)
+    assert m.kv_len == 8 and m.resume_len == 0  # no checkpoint at 8 yet
+    assert len(cache.root.children) == 1 and next(iter(cache.root.children.values())).depth == 8
+    m = cache.match(a + [1])
+    assert m.resume_len == 16 and m.resume_node is node and m.pages(16) == pages
+    assert cache.match(a).resume_len == 0  # a resume point must leave one token to compute
+    cache.check()
+    kv.free(pages)  # the request lets go; the tree keeps its own reference
+    assert all(kv.refcount[p] == 1 for p in pages)
+
+
+def test_eviction_is_lru_and_respects_locks(tree):
+    cache, kv, ckpt = tree
+    nodes = []
+    for i in range(3):
+        toks = [i] * 8
+        pages = kv.alloc(2)
+        node = cache.insert(toks, pages)
+        kv.free(pages)
+        cache.attach_checkpoint(node, ckpt.alloc())
+        nodes.append(node)
+    cache.match([1] * 8 + [0])  # touch node 1
+    cache.lock(nodes[0])
+    free = kv.num_free_pages
+    assert cache.evict_pages(2) == 2  # node 2: the least recent unlocked leaf (node 0 is locked)
+    assert [0] * 4 in [list(n.tokens[:4]) for n in cache.root.children.values()]
+    assert kv.num_free_pages == free + 2 and ckpt.num_free_slots == 4
+    assert cache.evict_checkpoints(5) == 1  # only node 1's is unlocked
+    cache.unlock(nodes[0])
+    cache.flush()
+    assert cache.num_pages == 0 and kv.num_free_pages == 40 and ckpt.num_free_slots == 6
+    cache.check()
+
+
+# -- checkpoint placement ----------------------------------------------------------------------------------------
+
+
+def test_checkpoints_at_intervals_prompt_end_and_completion_end(model):
+    engine = _engine(model, True, checkpoint_interval=16)
+    prompt = _ids(45, 1)  # checkpoints at 16, 32 (interval) and 44 (last page boundary before token 45)
+    _generate(engine, prompt, 10)  # 45 + 10 = 55 tokens; 54 computed -> decode checkpoint at 52
+    depths = sorted(n.depth for n in engine.cache._nodes() if n.checkpoint is not None)
+    assert depths == [16, 32, 44, 52]
+
+
+# -- identity: cache on == cache off -----------------------------------------------------------------------------
+
+
+def test_shared_prefix_identity_and_hits(model):
+    on, off = _engine(model, True), _engine(model, False)
+    system = _ids(37, 2)
+    for i in range(4):
+        prompt = system + _ids(5 + 3 * i, 10 + i)
+        assert _generate(on, prompt) == _generate(off, prompt), i
+    stats = on.cache_stats()
+    # request 1 resumes at the interval checkpoint (32) and saves one at its branch point (36, the shared
+    # prefix rounded down to a page); requests 2 and 3 resume there
+    assert stats["cache_hit_tokens"] == 32 + 36 + 36
+    assert _idle_pools(on)[1] == on.state_pool.num_slots
+
+
+def test_multi_turn_continuation_identity(model):
+    on, off = _engine(model, True), _engine(model, False)
+    history = _ids(30, 3)
+    for turn in range(4):
+        out_on, out_off = _generate(on, history, 9), _generate(off, history, 9)
+        assert out_on == out_off, turn
+        history = history + out_on + _ids(6, 100 + turn)  # the reply, then the next user message
+    assert on.cache_stats()["cache_hit_tokens"] > 0
+
+
+def test_sessions_diverging_mid_page(model):
+    on, off = _engine(model, True), _engine(model, False)
+    base = _ids(26, 4)  # diverge at token 26, inside page 6 (tokens 24..27)
+    a, b = base + _ids(9, 5), base + _ids(11, 6)
+    for prompt in (a, b, a + [3, 4], b[:-1]):
+        assert _generate(on, prompt) == _generate(off, prompt)
+    depths = {n.depth for n in on.cache._nodes() if n.checkpoint is not None}
+    assert 24 in depths  # the branch point, page-aligned, got its own checkpoint
+
+
+def test_eviction_under_pressure_identity(model):
+    # 30 pages of 4 tokens and 4 checkpoint slots: sessions of ~50 tokens keep evicting each other
+    on = _engine(model, True, kv_cache_bytes=30 * PS * 448, num_checkpoints=4, max_running_requests=3)
+    off = _engine(model, False, max_running_requests=3)
+    sessions = [_ids(30 + 3 * s, 20 + s) for s in range(4)]
+    for round_ in range(3):
+        for s, prompt in enumerate(sessions):
+            out_on, out_off = _generate(on, prompt, 6), _generate(off, prompt, 6)
+            assert out_on == out_off, (round_, s)
+            sessions[s] = prompt + out_on + [s, round_]
+    assert on.cache.num_pages <= 30
+    assert _idle_pools(on) == (on.kv_pool.num_pages, on.state_pool.num_slots)
+
+
+def test_random_interleaving_returns_to_baseline(model):
+    engine = _engine(
+        model,
+        True,
+        kv_cache_bytes=40 * PS * 448,
+        num_checkpoints=5,
+        max_running_requests=4,
+        chunked_prefill_size=12,
+    )
+    rng = random.Random(0)
+    prefixes = [_ids(20, 40 + i) for i in range(3)]
+    live: list[str] = []
+    for step in range(150):
+        r = rng.random()
+        if r < 0.35:
+            prompt = rng.choice(prefixes) + _ids(rng.randint(1, 9), step)
+            live.append(
+                engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=rng.randint(1, 12)))
+            )
+        elif r < 0.45 and live:
+            engine.abort(live.pop(rng.randrange(len(live))))
+        elif r < 0.5:
+            engine.flush_cache()
+        for o in engine.step():
+            if o.finished and o.request_id in live:
+                live.remove(o.request_id)
+        engine.cache.check()
+    while engine.has_unfinished():
+        engine.step()
+    assert _idle_pools(engine) == (engine.kv_pool.num_pages, engine.state_pool.num_slots)
+    engine.flush_cache()
+    assert engine.kv_pool.num_free_pages == engine.kv_pool.num_pages
+    assert engine.checkpoint_pool.num_free_slots == engine.checkpoint_pool.num_slots
