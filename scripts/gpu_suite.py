@@ -8,7 +8,9 @@ Sections:
   foundation  fla-core fast path vs the reference path (tiny, mini), `generate` on mini (API and CLI)
   kda_layers  each KDA layer, fast vs reference on the same input (the kernels' error, no compounding)
   gpu_tests   the pytest tests marked `gpu`
-  engine_decode  engine decode tokens/s on mini at batch 256/64/8/1, CUDA graphs on and off
+  engine_decode  engine decode tokens/s on mini at batch 64/8/1, CUDA graphs on and off
+  profile_decode where a decode step's GPU time goes (torch.profiler, top kernels)
+  engine_bench   offline throughput (512 x 1K/256) and the transformers peer at batch 64
 """
 
 from __future__ import annotations
@@ -343,6 +345,162 @@ def engine_decode() -> dict:
     return result
 
 
+def _hf_mini(path: Path):
+    """transformers' KimiLinearForCausalLM (fla-core kernels) on the mini preset's kimi_linear config, random
+    bf16 weights, saved to `path` so that Kestrel loads the very same checkpoint."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    from kestrel.presets import preset_hf_config
+
+    raw = preset_hf_config("mini", "kimi_linear")
+    raw.pop("model_type", None)
+    cfg = KimiLinearConfig(**raw)
+    with torch.device("cuda"):
+        model = KimiLinearForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def _hf_generate_throughput(model, prompts: list[list[int]], new_tokens: int) -> dict:
+    ids = torch.tensor(prompts, device="cuda")
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=2)
+    with torch.no_grad():
+        model.generate(ids[:2, :64], max_new_tokens=4, do_sample=False, pad_token_id=2)  # warm-up / compile
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(ids)  # prefill alone, to split prefill from decode
+        torch.cuda.synchronize()
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        out = model.generate(ids, **gen)
+        torch.cuda.synchronize()
+        total_s = time.perf_counter() - start
+    produced = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    decode_s = max(total_s - prefill_s, 1e-9)
+    return {
+        "requests": len(prompts),
+        "output_tokens": produced,
+        "seconds": total_s,
+        "prefill_s": prefill_s,
+        "output_tokens_per_s": produced / total_s,
+        "decode_tokens_per_s": produced / decode_s,
+    }
+
+
+def _kestrel_throughput(engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    from kestrel.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    torch.cuda.synchronize()
+    start, produced, first_decode = time.perf_counter(), 0, None
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, f"t{i}-{time.perf_counter_ns()}")
+    while engine.has_unfinished():
+        outs = engine.step()
+        produced += sum(len(o.new_token_ids) for o in outs)
+        if (
+            first_decode is None
+            and engine.scheduler.running
+            and all(r.in_decode for r in engine.scheduler.running)
+            and not engine.scheduler.waiting
+        ):
+            torch.cuda.synchronize()
+            first_decode = (time.perf_counter(), produced)
+    torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    entry = {
+        "requests": len(prompts),
+        "output_tokens": produced,
+        "seconds": total,
+        "output_tokens_per_s": produced / total,
+    }
+    if first_decode is not None:
+        t0, n0 = first_decode
+        entry["decode_tokens_per_s"] = (produced - n0) / max(time.perf_counter() - t0, 1e-9)
+    return entry
+
+
+def engine_bench() -> dict:
+    """Issue 3's benchmark: offline throughput (512 requests, 1K in / 256 out) and the transformers peer on
+    the same kimi_linear checkpoint at batch 64, plus Kestrel on the full mini (DSA)."""
+    import shutil
+
+    from kestrel.config import EngineConfig
+    from kestrel.engine.engine import Engine
+
+    os.environ["KESTREL_MOE_GROUPED_MM"] = _probe_grouped_mm()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 30000, (1024,), generator=g).tolist() for _ in range(512)]
+    path = Path("/tmp/mini-kimi-linear")
+    hf = _hf_mini(path)
+    result: dict = {"workload": "1024 prompt tokens, 256 new tokens, greedy, ignore EOS"}
+    result["transformers_batch64"] = _hf_generate_throughput(hf, prompts[:64], 256)
+    print("transformers b64", json.dumps(result["transformers_batch64"]), flush=True)
+    del hf
+    torch.cuda.empty_cache()
+    os.environ["KESTREL_KDA_BACKEND"] = "fla"
+    cfg = EngineConfig(
+        model=str(path),
+        max_running_requests=64,
+        max_model_len=1024 + 256 + 64,
+        cuda_graph_max_bs=64,
+        chunked_prefill_size=8192,
+        enable_prefix_cache=False,
+    )
+    engine = Engine(cfg)
+    _kestrel_throughput(engine, prompts[:4], 8)  # warm-up
+    result["kestrel_kimi_linear_batch64"] = _kestrel_throughput(engine, prompts[:64], 256)
+    print("kestrel kimi_linear b64", json.dumps(result["kestrel_kimi_linear_batch64"]), flush=True)
+    ratio = (
+        result["kestrel_kimi_linear_batch64"]["output_tokens_per_s"]
+        / result["transformers_batch64"]["output_tokens_per_s"]
+    )
+    result["ratio_kestrel_over_transformers_batch64"] = ratio
+    print("ratio", ratio, flush=True)
+    del engine
+    shutil.rmtree(path, ignore_errors=True)
+    torch.cuda.empty_cache()
+    engine, _ = _mini_engine("kimi_k3", 256, 1024 + 256 + 64)
+    _kestrel_throughput(engine, prompts[:4], 8)
+    result["kestrel_mini_dsa_512_requests"] = _kestrel_throughput(engine, prompts, 256)
+    print("kestrel mini+DSA 512", json.dumps(result["kestrel_mini_dsa_512_requests"]), flush=True)
+    return result
+
+
+def profile_decode() -> dict:
+    """Where a decode step's GPU time goes: torch.profiler over eager decode steps of mini at batch 64 (no
+    graphs, so that kernels are attributed), top kernels by CUDA time, and the per-step totals."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ["KESTREL_MOE_GROUPED_MM"] = _probe_grouped_mm()
+    engine, _ = _mini_engine("kimi_k3", 64, 1024, graphs=False)
+    _fill(engine, 64, 512, 400)
+    while any(not r.in_decode for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    _timed_steps(engine, 3)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        seconds, _ = _timed_steps(engine, 5)
+    events = prof.key_averages()
+    cuda_total = sum(e.self_device_time_total for e in events) / 5 / 1000  # ms per step
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:25]
+    table = [
+        {
+            "name": e.key[:90],
+            "ms_per_step": e.self_device_time_total / 5 / 1000,
+            "calls_per_step": e.count / 5,
+        }
+        for e in top
+    ]
+    (Path(os.environ.get("OUT", ".")) / "profile_decode.txt").write_text(
+        prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60)
+    )
+    result = {"wall_ms_per_step": 1000 * seconds / 5, "cuda_ms_per_step": cuda_total, "top_kernels": table}
+    print("profile:", json.dumps({k: v for k, v in result.items() if k != "top_kernels"}), flush=True)
+    for row in table[:12]:
+        print(f"  {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:6.0f}  {row['name']}", flush=True)
+    return result
+
+
 def gpu_tests() -> dict:
     """The pytest tests marked `gpu` (each kernel against its reference on the device)."""
     proc = subprocess.run(
@@ -373,6 +531,8 @@ SECTIONS = {
     "kda_layers": kda_layers,
     "gpu_tests": gpu_tests,
     "engine_decode": engine_decode,
+    "profile_decode": profile_decode,
+    "engine_bench": engine_bench,
 }
 
 
