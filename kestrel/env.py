@@ -28,6 +28,8 @@ class Env:
     """KESTREL_LOG_LEVEL: debug | info | warning | error."""
     debug_naive_loop: bool
     """KESTREL_NAIVE_LOOP: run the engine's simple non-overlapped loop (the debugging oracle)."""
+    attn_backend: str
+    """KESTREL_ATTN_BACKEND: MLA/DSA decode over the paged cache: auto (Triton kernels on CUDA) | torch | triton."""
     moe_grouped_mm: str
     """KESTREL_MOE_GROUPED_MM: auto (torch._grouped_mm on CUDA bf16 where it applies) | off (per-expert loop)."""
 
@@ -37,5 +39,6 @@ def read_env() -> Env:
         kda_backend=_str("KESTREL_KDA_BACKEND", "auto", ("auto", "naive", "fla")),
         log_level=_str("KESTREL_LOG_LEVEL", "info", ("debug", "info", "warning", "error")),
         debug_naive_loop=_bool("KESTREL_NAIVE_LOOP", False),
+        attn_backend=_str("KESTREL_ATTN_BACKEND", "auto", ("auto", "torch", "triton")),
         moe_grouped_mm=_str("KESTREL_MOE_GROUPED_MM", "auto", ("auto", "off")),
     )

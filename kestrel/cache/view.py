@@ -58,3 +58,9 @@ class PagedCacheView:
 
         index_k = gather(self.kv_pool.index_k[layer_id]) if self.kv_pool.index_k else None
         return gather(self.kv_pool.kv[layer_id]), index_k, self.lens
+
+    def paged(self, layer_id: int):
+        """The pool tensors and page table themselves, for kernels that read the pages directly:
+        (kv pool [rows, R + P], indexer-key pool [rows, DI] or None, page_table [N, maxp], lens [N], page_size)."""
+        index_k = self.kv_pool.index_k.get(layer_id) if self.kv_pool.index_k else None
+        return self.kv_pool.kv[layer_id], index_k, self.page_table, self.lens, self.kv_pool.page_size

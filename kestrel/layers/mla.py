@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kestrel.config import ModelConfig
+from kestrel.env import read_env
 from kestrel.layers.context import get_forward_context
 from kestrel.layers.linear import ColumnLinear, Linear, RowLinear
 from kestrel.layers.norm import LayerNorm, RMSNorm
@@ -157,7 +158,39 @@ class MLAttention(nn.Module):
         return torch.cat(outs)  # [T, H, Dv]
 
     def _attend_decode(self, ctx, q_nope, q_pe, w_uk, w_uv, idx) -> torch.Tensor:
-        """Decode: one query per sequence, every sequence at once over its padded history, no host syncs."""
+        """Decode: one query per sequence, every sequence at once, no host syncs (CUDA-graph safe)."""
+        if hasattr(ctx.cache, "paged") and _use_triton(q_nope.device):
+            return self._attend_decode_paged(ctx, q_nope, q_pe, w_uk, w_uv, idx)
+        return self._attend_decode_gathered(ctx, q_nope, q_pe, w_uk, w_uv, idx)
+
+    def _attend_decode_paged(self, ctx, q_nope, q_pe, w_uk, w_uv, idx) -> torch.Tensor:
+        """Fast path: Triton kernels read the paged pools through the page table (indexer scores, exact
+        top-k, sparse MLA over the selection). With no more context than top-k tokens, attention is dense."""
+        from kestrel.ops.dsa.triton_scores import indexer_scores_paged_triton
+        from kestrel.ops.dsa.triton_topk import topk_triton
+        from kestrel.ops.mla.triton_decode import mla_decode_paged
+
+        kv_pool, idx_pool, table, lens, ps = ctx.cache.paged(self.layer_id)
+        indices = None
+        sparse = idx is not None and self.indexer.topk is not None and self.indexer.topk < table.shape[1] * ps
+        if idx is not None and (
+            sparse or ctx.selection_replay is not None or ctx.selection_capture is not None
+        ):
+            scale = self.indexer.head_dim**-0.5
+
+            def scores():
+                return indexer_scores_paged_triton(idx[0], idx_pool, table, lens, idx[1], scale, page_size=ps)
+
+            if ctx.selection_replay is not None:
+                indices = torch.cat(ctx.selection_replay[self.layer_id])
+            elif self.indexer.topk is not None:
+                indices = topk_triton(scores(), lens, self.indexer.topk)  # [N, topk]
+                if ctx.selection_capture is not None:
+                    ctx.selection_capture.setdefault(self.layer_id, []).extend(indices.split(1))
+        return mla_decode_paged(q_nope, q_pe, kv_pool, table, ps, lens, w_uk, w_uv, self.scale, indices)
+
+    def _attend_decode_gathered(self, ctx, q_nope, q_pe, w_uk, w_uv, idx) -> torch.Tensor:
+        """Reference-grade batched path: every sequence's padded history gathered, then plain torch ops."""
         kv, idx_k, lens = ctx.cache.read_kv_batched(self.layer_id)  # [N, Lmax, R + Pr], [N, Lmax, DI], [N]
         indices = None
         if idx is not None:
@@ -216,6 +249,15 @@ class MLAttention(nn.Module):
             scores[:, picks].reshape(B * Q, R),
             mask.reshape(B * Q, R),
         ) / (B * Q)
+
+
+def _use_triton(device: torch.device) -> bool:
+    choice = read_env().attn_backend
+    if choice == "torch":
+        return False
+    if choice == "triton":
+        return True  # on CPU this needs TRITON_INTERPRET=1 (the tests use it)
+    return device.type == "cuda"
 
 
 def _document_causal(ctx, B: int, R: int) -> torch.Tensor:

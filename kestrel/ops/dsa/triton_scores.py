@@ -1,0 +1,198 @@
+"""DSA lightning-indexer scores for decode (one query per sequence) in Triton, dense or through the page table.
+
+Legend: B sequences, HI indexer heads, DI indexer head dim, L = Lmax padded key positions, BS = BLOCK_S key
+positions per tile, HP / DP = HI / DI padded to powers of two (at least 16, the smallest tl.dot tile).
+
+    I[b, s] = scale * sum_j w[b, j] * relu(q[b, j] . k[b, s])        for s < lens[b]
+    I[b, s] = NaN                                                     for lens[b] <= s < L
+
+The equality with `naive.indexer_scores_batched` holds on the valid positions (same fp32 math, a different
+summation order inside the dot, so close rather than bit-equal). Padded positions are NaN, the tie rule's
+"invalid" (naive.py): `topk_select(scores, lens - 1, k)` and a top-k that ignores lens pick the same set, and
+the keys behind padded positions (another sequence's pages or the dummy page 0) are never read.
+
+Program layout: grid (cdiv(L, BS * tiles_per_prog), B). A program loads q [HP, DP] and w [HP] once and walks
+`tiles_per_prog` key tiles: gather keys [BS, DP] (one 2*DI-byte row per position: paged rows are
+page_table[b, s // page_size] * page_size + s % page_size, kestrel.cache.kv_pool), logits = q @ k^T
+[HP, BS] on the tensor cores (bf16 in, fp32 accumulate), relu, weight, sum over heads, store BS fp32 scores.
+Bytes per sequence: lens[b] * (2 * DI + 4) plus L * 4 for the padded stores; at HI = 64, DI = 128 the dot is
+64 FLOP per key byte, under the H200 ridge (~184), so the kernel is bandwidth-bound on the key reads:
+B = 64 rows of 131072 keys are 2.2 GB, ~0.51 ms at the 4.25 TB/s copy ceiling; one row of 4096 keys is
+1 MB, launch-bound. The sm_90 build (BS = 64, 4 warps) uses 76 registers and 49 KB of shared memory, and
+the key gathers are pipelined with cp.async across the tile loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_S = 64  # key positions per tile
+TARGET_PROGRAMS = 1024  # enough programs to fill 132 SMs several times over before tiles are merged
+
+
+@triton.jit
+def _indexer_scores_kernel(
+    q_ptr,  # [B, HI, DI]
+    w_ptr,  # [B, HI]
+    k_ptr,  # paged: [rows, DI]; dense: [B, L, DI]
+    page_table_ptr,  # paged: [B, maxp]
+    lens_ptr,  # [B] int64
+    out_ptr,  # [B, L] fp32
+    scale,
+    L,
+    page_size,
+    tiles_per_prog,
+    stride_qb,
+    stride_qh,
+    stride_wb,
+    stride_kb,
+    stride_kr,
+    stride_ptb,
+    stride_ob,
+    HI: tl.constexpr,
+    DI: tl.constexpr,
+    HP: tl.constexpr,
+    DP: tl.constexpr,
+    BS: tl.constexpr,
+    PAGED: tl.constexpr,
+    UPCAST: tl.constexpr,  # compute the dot in fp32
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    n = tl.minimum(tl.load(lens_ptr + b), L)  # valid positions of this sequence
+
+    h = tl.arange(0, HP)
+    d = tl.arange(0, DP)
+    q = tl.load(
+        q_ptr + b * stride_qb + h[:, None] * stride_qh + d[None, :],
+        mask=(h[:, None] < HI) & (d[None, :] < DI),
+        other=0.0,
+    )  # [HP, DP]
+    w = tl.load(w_ptr + b * stride_wb + h, mask=h < HI, other=0.0).to(tl.float32)  # [HP]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    for t in range(tiles_per_prog):
+        s = (pid * tiles_per_prog + t) * BS + tl.arange(0, BS)  # [BS]
+        valid = s < n
+        if PAGED:
+            page = tl.load(page_table_ptr + b * stride_ptb + s // page_size, mask=valid, other=0)
+            rows = page.to(tl.int64) * page_size + s % page_size  # [BS]
+            k_rows = k_ptr + rows * stride_kr
+        else:
+            k_rows = k_ptr + b * stride_kb + s.to(tl.int64) * stride_kr
+        k = tl.load(
+            k_rows[:, None] + d[None, :], mask=valid[:, None] & (d[None, :] < DI), other=0.0
+        )  # [BS, DP]
+        if UPCAST:
+            k = k.to(tl.float32)
+        logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [HP, BS] fp32
+        score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0) * scale  # [BS]
+        score = tl.where(valid, score, float("nan"))
+        tl.store(out_ptr + b * stride_ob + s, score, mask=s < L)
+
+
+def _launch(q_idx, weights, keys, page_table, lens, scale, L, page_size, paged, stride_kb, stride_kr, out):
+    B, HI, DI = q_idx.shape
+    assert weights.shape == (B, HI), f"weights {tuple(weights.shape)} != {(B, HI)}"
+    assert lens.shape == (B,), f"lens {tuple(lens.shape)} != {(B,)}"
+    assert q_idx.stride(-1) == 1 and weights.stride(-1) == 1 and keys.stride(-1) == 1
+    if out is None:
+        out = torch.empty(B, L, dtype=torch.float32, device=q_idx.device)  # [B, L]
+    assert out.shape == (B, L) and out.dtype == torch.float32 and out.stride(-1) == 1
+    if B == 0 or L == 0:
+        return out
+    lens = lens.to(torch.int64)
+    tiles = triton.cdiv(L, BLOCK_S)
+    tiles_per_prog = max(1, min(8, tiles * B // TARGET_PROGRAMS))
+    grid = (triton.cdiv(tiles, tiles_per_prog), B)
+    # The CPU interpreter's tl.dot reads bf16 as raw bits, and mixed input dtypes need one type: fp32 then.
+    upcast = q_idx.device.type == "cpu" or q_idx.dtype != keys.dtype
+    fp32 = upcast or q_idx.dtype == torch.float32
+    _indexer_scores_kernel[grid](
+        q_idx,
+        weights,
+        keys,
+        page_table,
+        lens,
+        out,
+        float(scale),
+        L,
+        page_size,
+        tiles_per_prog,
+        q_idx.stride(0),
+        q_idx.stride(1),
+        weights.stride(0),
+        stride_kb,
+        stride_kr,
+        page_table.stride(0),
+        out.stride(0),
+        HI=HI,
+        DI=DI,
+        HP=max(16, triton.next_power_of_2(HI)),
+        DP=max(16, triton.next_power_of_2(DI)),
+        BS=BLOCK_S,
+        PAGED=paged,
+        UPCAST=upcast,
+        DOT_PRECISION="ieee" if fp32 else "tf32",
+    )
+    return out
+
+
+def indexer_scores_triton(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    weights: torch.Tensor,
+    scale: float,
+    lens: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode indexer scores over padded per-sequence keys.
+
+    q_idx [B, HI, DI], k_idx [B, L, DI], weights [B, HI] (bf16 or fp32), lens [B] (default: all L).
+    Returns [B, L] fp32 (written into `out` when given): `naive.indexer_scores_batched` on s < lens[b],
+    NaN beyond.
+    """
+    B, L, DI = k_idx.shape
+    assert q_idx.shape[0] == B and q_idx.shape[2] == DI, (
+        f"q_idx {tuple(q_idx.shape)} vs k_idx {tuple(k_idx.shape)}"
+    )
+    if lens is None:
+        lens = torch.full((B,), L, dtype=torch.int64, device=k_idx.device)
+    if k_idx.stride(-1) != 1:
+        k_idx = k_idx.contiguous()
+    return _launch(
+        q_idx, weights, k_idx, lens, lens, scale, L, 1, False, k_idx.stride(0), k_idx.stride(1), out
+    )
+
+
+def indexer_scores_paged_triton(
+    q_idx: torch.Tensor,
+    k_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    lens: torch.Tensor,
+    weights: torch.Tensor,
+    scale: float,
+    *,
+    page_size: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode indexer scores reading the keys through the page table (the layout of kestrel.cache.kv_pool).
+
+    q_idx [B, HI, DI], k_pool [rows, DI] (one layer's `KVPool.index_k`), page_table [B, maxp] (int32 or
+    int64; position p of sequence b is row page_table[b, p // page_size] * page_size + p % page_size),
+    lens [B], weights [B, HI]. Returns [B, maxp * page_size] fp32 (written into `out` when given), the width
+    `read_kv_batched` gives: the scores on s < lens[b], NaN beyond.
+    """
+    B, maxp = page_table.shape
+    assert k_pool.dim() == 2 and k_pool.shape[1] == q_idx.shape[2], f"k_pool {tuple(k_pool.shape)}"
+    assert q_idx.shape[0] == B, f"q_idx {tuple(q_idx.shape)} vs page_table {tuple(page_table.shape)}"
+    if page_table.stride(-1) != 1:
+        page_table = page_table.contiguous()
+    L = maxp * page_size
+    return _launch(
+        q_idx, weights, k_pool, page_table, lens, scale, L, page_size, True, 0, k_pool.stride(0), out
+    )

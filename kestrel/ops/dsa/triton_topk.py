@@ -1,0 +1,316 @@
+"""Exact row-wise top-k for DSA in Triton: `topk_triton(scores, lens, k) == naive.topk_select(scores, lens - 1, k)`.
+
+Legend: B rows, L scores per row, k = index_topk, S = cdiv(L, SEG) segments per row, C candidates of a row
+(positions that survive the first radix pass), KP = k padded to a power of two.
+
+The order. Each score maps to a 32-bit key whose unsigned order is the float order (-0.0 is first made +0.0,
+so the two tie as IEEE equality says); a NaN or a position >= lens[b] gets key 0, below every valid key
+(a valid -inf is 0x007FFFFF). (key desc, position asc) is then a strict total order, the tie rule of
+naive.py, and the selection is its first min(k, valid) elements, in that order, then -1.
+
+Radix select on the key, 11 + 11 + 10 bits, in three kernels (no host syncs, so CUDA-graph safe):
+
+1. `_histogram_kernel`, grid (S, B): each program histograms the top 11 key bits of its SEG scores
+   (valid ones only), adds the histogram into the row's [2048] bins (atomics, integer so deterministic) and
+   stores its own suffix counts (how many of its keys fall in bins >= i) for step 2's offsets.
+2. `_compact_kernel`, grid (S, B): every program finds the threshold bin b1 from the row histogram (the
+   largest bin with >= k valid keys at or above it; all valid keys when the row has <= k) and copies the
+   (key, position) of its keys in bins >= b1 to a per-row candidate list, in position order: its offset
+   is the sum of the earlier segments' suffix counts at b1, and a cumsum orders the block.
+3. `_select_kernel`, grid (B,): refines the threshold inside bin b1 over the candidates only (bits 20..10,
+   then 9..0), giving the exact k-th key T and how many keys equal to T are needed; takes every candidate
+   above T and the first `need` ties at T (the candidates are in position order, so these are the lowest
+   positions: the tie rule), and bitonic-sorts the k selected composites (key << 32 | ~position) in-kernel.
+
+Memory traffic per row of L = 131072 (512 KiB of scores), k = 2048: steps 1 and 2 each read the valid
+prefix of the row once (2 x 512 KiB; the second mostly from L2 when the batch fits in it); step 1 writes
+S x 8 KiB of suffix counts (64 KiB with SEG = 16384); step 2 writes 8 B per candidate (C is k plus one
+quarter-octave bin, typically 3-6 K positions: ~40 KiB); step 3 reads the candidates at most three times
+and writes 16 KiB of indices. About 1.2 MiB per row.
+
+For 64 rows that is ~80 MB, ~19 us at the 4.25 TB/s copy ceiling, plus four launches (a memset and three
+kernels) and step 3's serial latency (a few dependent passes and one 2048-wide bitonic sort per row).
+Loads of scores and candidates are 16-byte vectors when L % 16 == 0 (any page-multiple width).
+
+Scratch: 8 B per score for the candidate list (its worst case, all scores equal, keeps the whole row),
+S x 8 KiB of suffix counts and 8 KiB of histogram per row, KP x 8 B of selected composites per row.
+
+Fusion left for later: step 1 can run in the epilogue of the indexer-scores kernel (it sees every score
+once), which removes one full read of the row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+NBINS = 2048  # 11-bit digits; the last pass uses 1024 bins for the remaining 10 bits
+SEG = 16384  # scores per program in steps 1 and 2
+BLOCK = 4096  # scores per loop iteration in steps 1 and 2
+CBLOCK = 4096  # candidates per loop iteration in step 3
+NUM_WARPS = 8  # sm_90 build at these sizes: 60 / 156 / 143 registers for steps 1 / 2 / 3, no spills
+
+
+@triton.jit
+def _sort_key(x, valid):
+    """fp32 scores -> uint32 keys ordered as the floats; invalid (masked or NaN) -> 0."""
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 == +0.0: one key for both
+    u = x.to(tl.uint32, bitcast=True)
+    key = tl.where((u >> 31) != 0, ~u, u | 0x80000000)
+    return tl.where(valid & (x == x), key, 0)
+
+
+@triton.jit
+def _threshold_bin(hist, need, NB: tl.constexpr):
+    """The bin of the need-th largest key: the largest i with count(bins >= i) >= need (0 when no bin
+    qualifies), and the count of keys in bins above it."""
+    i = tl.arange(0, NB)
+    at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # [NB]
+    bin_ = tl.max(tl.where(at_or_above >= need, i, 0), 0)
+    above = tl.sum(tl.where(i > bin_, hist, 0), 0)
+    return bin_, above
+
+
+@triton.jit
+def _histogram_kernel(
+    scores_ptr,  # [B, L] fp32
+    lens_ptr,  # [B] int64
+    row_hist_ptr,  # [B, NB] int32, zeroed
+    seg_count_ptr,  # [B, S, NB] int32
+    L,
+    num_segs,
+    stride_sb,
+    SEG: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NB: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    n = tl.minimum(tl.load(lens_ptr + b), L)
+    start = seg * SEG
+    end = tl.minimum(start + SEG, n)  # only the valid prefix is read
+    hist = tl.zeros([NB], dtype=tl.int32)
+    for off in range(start, end, BLOCK):
+        p = off + tl.arange(0, BLOCK)  # [BLOCK]
+        # Masking the load by the row width rather than by lens keeps it vectorized when L % 16 == 0.
+        x = tl.load(scores_ptr + b * stride_sb + p, mask=p < L, other=float("nan"))
+        key = _sort_key(x, p < end)
+        hist += tl.histogram((key >> 21).to(tl.int32), NB, mask=key != 0)
+    bins = tl.arange(0, NB)
+    at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # [NB]
+    tl.store(seg_count_ptr + (b * num_segs + seg) * NB + bins, at_or_above)
+    tl.atomic_add(row_hist_ptr + b * NB + bins, hist, mask=hist > 0, sem="relaxed")
+
+
+@triton.jit
+def _compact_kernel(
+    scores_ptr,  # [B, L] fp32
+    lens_ptr,  # [B] int64
+    row_hist_ptr,  # [B, NB] int32
+    seg_count_ptr,  # [B, S, NB] int32
+    cand_key_ptr,  # [B, LC] int32 (uint32 keys)
+    cand_pos_ptr,  # [B, LC] int32
+    L,
+    LC,
+    num_segs,
+    k,
+    stride_sb,
+    SEG: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NB: tl.constexpr,
+    SP: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    n = tl.minimum(tl.load(lens_ptr + b), L)
+    hist = tl.load(row_hist_ptr + b * NB + tl.arange(0, NB))  # [NB]
+    b1, _ = _threshold_bin(hist, k, NB)
+    s = tl.arange(0, SP)
+    counts = tl.load(seg_count_ptr + (b * num_segs + s) * NB + b1, mask=s <= seg, other=0)  # [SP]
+    base = tl.sum(tl.where(s < seg, counts, 0), 0)  # candidates of the earlier segments
+    mine = tl.sum(tl.where(s == seg, counts, 0), 0)
+    start = seg * SEG
+    end = tl.where(mine > 0, tl.minimum(start + SEG, n), start)  # a segment without candidates reads nothing
+    for off in range(start, end, BLOCK):
+        p = off + tl.arange(0, BLOCK)  # [BLOCK]
+        x = tl.load(scores_ptr + b * stride_sb + p, mask=p < L, other=float("nan"))
+        key = _sort_key(x, p < end)
+        take = (key != 0) & ((key >> 21).to(tl.int32) >= b1)
+        take_i = take.to(tl.int32)
+        slot = b * LC + base + tl.cumsum(take_i, 0) - 1  # position order within the row's list
+        tl.store(cand_key_ptr + slot, key.to(tl.int32, bitcast=True), mask=take)
+        tl.store(cand_pos_ptr + slot, p, mask=take)
+        base += tl.sum(take_i, 0)
+
+
+@triton.jit
+def _select_kernel(
+    row_hist_ptr,  # [B, NB] int32
+    seg_count_ptr,  # [B, S, NB] int32
+    cand_key_ptr,  # [B, LC] int32
+    cand_pos_ptr,  # [B, LC] int32
+    sel_ptr,  # [B, KP] int64 scratch
+    out_ptr,  # [B, k] int64
+    LC,
+    num_segs,
+    k,
+    stride_ob,
+    NB: tl.constexpr,
+    SP: tl.constexpr,
+    CBLOCK: tl.constexpr,
+    KP: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    hist = tl.load(row_hist_ptr + b * NB + tl.arange(0, NB))  # [NB]
+    total = tl.sum(hist, 0)  # valid positions of the row
+    b1, above1 = _threshold_bin(hist, k, NB)
+    s = tl.arange(0, SP)
+    n_cand = tl.sum(tl.load(seg_count_ptr + (b * num_segs + s) * NB + b1, mask=s < num_segs, other=0), 0)
+    cand_key_ptr += b * LC
+    cand_pos_ptr += b * LC
+    # Loads masked at a multiple of 16 stay vectorized (the rows are padded to LC); `i < n_cand` masks the rest.
+    n_load = (n_cand + 15) // 16 * 16
+
+    # Refine the threshold inside bin b1; with <= k valid positions all are taken and the passes are skipped.
+    refine = total > k
+    n_scan = tl.where(refine, n_load, 0)
+    need = k - above1
+    h2 = tl.zeros([NB], dtype=tl.int32)
+    for off in range(0, n_scan, CBLOCK):
+        i = off + tl.arange(0, CBLOCK)
+        m = i < n_cand
+        key = tl.load(cand_key_ptr + i, mask=i < n_scan, other=0).to(tl.uint32, bitcast=True)
+        h2 += tl.histogram(((key >> 10) & 0x7FF).to(tl.int32), NB, mask=m & ((key >> 21).to(tl.int32) == b1))
+    b2, above2 = _threshold_bin(h2, need, NB)
+    need -= above2
+    prefix = b1 * NB + b2  # the top 22 key bits of T
+    h3 = tl.zeros([1024], dtype=tl.int32)
+    for off in range(0, n_scan, CBLOCK):
+        i = off + tl.arange(0, CBLOCK)
+        m = i < n_cand
+        key = tl.load(cand_key_ptr + i, mask=i < n_scan, other=0).to(tl.uint32, bitcast=True)
+        h3 += tl.histogram((key & 0x3FF).to(tl.int32), 1024, mask=m & ((key >> 10).to(tl.int32) == prefix))
+    b3, above3 = _threshold_bin(h3, need, 1024)
+    need -= above3
+    thresh = (prefix.to(tl.uint32) << 10) | b3.to(tl.uint32)  # T, the k-th largest key
+    thresh = tl.where(refine, thresh, 0)  # T = 0: every valid key is above it
+    need = tl.where(refine, need, 0)  # how many keys equal to T are taken, lowest positions first
+
+    n_sel = tl.zeros([], dtype=tl.int32)
+    n_tie = tl.zeros([], dtype=tl.int32)
+    for off in range(0, n_load, CBLOCK):
+        i = off + tl.arange(0, CBLOCK)
+        m = i < n_cand
+        key = tl.load(cand_key_ptr + i, mask=i < n_load, other=0).to(tl.uint32, bitcast=True)
+        pos = tl.load(cand_pos_ptr + i, mask=i < n_load, other=0)
+        tie = (m & (key == thresh)).to(tl.int32)
+        tie_rank = n_tie + tl.cumsum(tie, 0) - 1
+        take = (m & (key > thresh)) | ((tie != 0) & (tie_rank < need))
+        take_i = take.to(tl.int32)
+        slot = n_sel + tl.cumsum(take_i, 0) - 1
+        comp = (key.to(tl.uint64) << 32) | (0xFFFFFFFF - pos.to(tl.uint32)).to(tl.uint64)
+        tl.store(sel_ptr + b * KP + slot, comp.to(tl.int64, bitcast=True), mask=take)
+        n_sel += tl.sum(take_i, 0)
+        n_tie += tl.sum(tie, 0)
+    tl.debug_barrier()  # the composites stored by every thread are read back by others
+
+    j = tl.arange(0, KP)
+    comp = tl.load(sel_ptr + b * KP + j, mask=j < n_sel, other=0).to(tl.uint64, bitcast=True)  # [KP]
+    comp = tl.sort(comp, descending=True)  # key desc, then position asc; empty slots (0) last
+    pos = (0xFFFFFFFF - (comp & 0xFFFFFFFF)).to(tl.int64)
+    tl.store(out_ptr + b * stride_ob + j, tl.where(comp == 0, -1, pos), mask=j < k)
+
+
+def topk_triton(
+    scores: torch.Tensor,
+    lens: torch.Tensor,
+    k: int,
+    *,
+    seg: int = SEG,
+    block: int = BLOCK,
+    cblock: int = CBLOCK,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact top-k of each row of scores [B, L] fp32 over its first lens[b] positions (lens [B]).
+
+    Returns indices [B, k] int64, equal element for element to `naive.topk_select(scores, lens - 1, k)`:
+    rank order (score desc, position asc), NaN invalid, every valid position when fewer than k, -1 after.
+    `seg`, `block`, `cblock` (powers of two, block <= seg) are tile sizes; tests shrink them. `out` [B, k]
+    int64, when given, receives the result.
+    """
+    B, L = scores.shape
+    assert scores.dtype == torch.float32, f"scores must be fp32, got {scores.dtype}"
+    assert lens.shape == (B,), f"lens {tuple(lens.shape)} != {(B,)}"
+    assert k >= 1 and L < 2**31
+    assert block <= seg and seg % block == 0
+    device = scores.device
+    if out is None:
+        out = torch.empty(B, k, dtype=torch.int64, device=device)  # [B, k]
+    assert out.shape == (B, k) and out.dtype == torch.int64 and out.stride(-1) == 1
+    if B == 0:
+        return out
+    if L == 0:
+        return out.fill_(-1)
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    lens = lens.to(torch.int64)
+    num_segs = triton.cdiv(L, seg)
+    SP = max(2, triton.next_power_of_2(num_segs))
+    KP = max(16, triton.next_power_of_2(k))
+    row_hist = torch.zeros(B, NBINS, dtype=torch.int32, device=device)  # [B, NB]
+    seg_count = torch.empty(B, num_segs, NBINS, dtype=torch.int32, device=device)  # [B, S, NB]
+    LC = triton.cdiv(L, 16) * 16  # candidate rows padded for vectorized loads
+    cand_key = torch.empty(B, LC, dtype=torch.int32, device=device)  # [B, LC], the first C used
+    cand_pos = torch.empty(B, LC, dtype=torch.int32, device=device)  # [B, LC]
+    sel = torch.empty(B, KP, dtype=torch.int64, device=device)  # [B, KP]
+
+    _histogram_kernel[(num_segs, B)](
+        scores,
+        lens,
+        row_hist,
+        seg_count,
+        L,
+        num_segs,
+        scores.stride(0),
+        SEG=seg,
+        BLOCK=block,
+        NB=NBINS,
+        num_warps=NUM_WARPS,
+    )
+    _compact_kernel[(num_segs, B)](
+        scores,
+        lens,
+        row_hist,
+        seg_count,
+        cand_key,
+        cand_pos,
+        L,
+        LC,
+        num_segs,
+        k,
+        scores.stride(0),
+        SEG=seg,
+        BLOCK=block,
+        NB=NBINS,
+        SP=SP,
+        num_warps=NUM_WARPS,
+    )
+    _select_kernel[(B,)](
+        row_hist,
+        seg_count,
+        cand_key,
+        cand_pos,
+        sel,
+        out,
+        LC,
+        num_segs,
+        k,
+        out.stride(0),
+        NB=NBINS,
+        SP=SP,
+        CBLOCK=cblock,
+        KP=KP,
+        num_warps=NUM_WARPS,
+    )
+    return out

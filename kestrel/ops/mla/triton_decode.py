@@ -1,0 +1,441 @@
+"""Sparse (DSA) and dense MLA decode in absorbed form over the paged latent cache, in Triton.
+
+Legend: B sequences (one query each), H heads, R kv_lora_rank, P rope dims (never rotated in Kimi), Dn nope
+dims, Dv v dims, k selected positions per sequence, S splits of the position list, maxp pages per sequence.
+
+The math is `mla_decode_batched` (kestrel.ops.mla.naive), absorbed (model-spec 2.2):
+    q_lat^h = W_UK^h^T q_nope^h                       [R]       torch bmm, outside the kernel
+    s_j^h   = (q_lat^h . c_kv_j + q_pe^h . k_pe_j) * scale      over the selected positions j
+    o_lat^h = sum_j softmax_j(s^h) c_kv_j             [R]       this kernel
+    o^h     = W_UV^h o_lat^h                          [Dv]      torch bmm, outside the kernel
+All heads read the same latent rows, so one program takes one sequence and a block of heads and loads each
+selected row [c_kv | k_pe] once for all of them: the scores are a [heads, BLOCK_N] matmul and the output a
+[heads, R] one, both on tensor cores. Position -> pool row goes through the page table
+(row = page_table[b, pos // page_size] * page_size + pos % page_size, kestrel.cache.kv_pool). An index of -1
+(or any negative), or a position >= lens[b], is skipped: its row is never read, so whatever it holds (NaN
+included) cannot reach the output. Valid indices must be distinct within a row (top-k gives that); a repeated
+one would count twice, where the reference counts it once. With indices=None the program runs over positions
+0..lens[b]-1: the dense path for contexts shorter than the top-k, where the selection would be everything.
+
+Softmax is online (running max and sum in fp32, base 2), accumulation in fp32. With S > 1 splits, program
+(head block, b, s) covers a contiguous chunk of the position list and writes its normalized partial output and
+log-sum-exp; a second kernel merges the S partials of each (b, h) by log-sum-exp weights. S is chosen from the
+static shapes only (B, heads, k or maxp * page_size), so a CUDA graph captures a fixed launch; batch 1 needs
+it to put more than one SM to work. A sequence with lens[b] = 0 (CUDA-graph padding) gets zeros.
+
+Bytes per decode step per DSA layer, `mini` (H=16, R=512, P=64, Dn=Dv=128, k=2048, bf16 cache, page 64,
+int64 indices and page table), from `decode_bytes` below; "kernel" = latent rows + indices + page-table
+entries + q_lat/q_pe read + o_lat written; "+W" adds W_UK and W_UV (4 MiB) and the bmm activations:
+
+    sparse, top-2048      kernel bytes   floor @4.25 TB/s   with W_UK/W_UV   floor
+    B=1,   c=4K           2.41 MB          0.57 us          6.65 MB          1.56 us
+    B=1,   c=128K         2.43 MB          0.57 us          6.66 MB          1.57 us
+    B=64,  c=4K           154.3 MB        36.3 us           161.1 MB        37.9 us
+    B=64,  c=128K         155.3 MB        36.5 us           162.1 MB        38.1 us
+    B=256, c=4K           617.2 MB       145.2 us           631.9 MB       148.7 us
+    B=256, c=128K         621.3 MB       146.2 us           636.0 MB       149.6 us
+    dense (contrast)
+    B=1,   c=4K           4.75 MB          1.12 us
+    B=1,   c=128K         151.0 MB        35.5 us
+    B=64,  c=4K           304.3 MB        71.6 us
+    B=64,  c=128K         9.67 GB          2.27 ms
+    B=256, c=4K           1.22 GB        286.4 us
+    B=256, c=128K         38.7 GB          9.10 ms
+
+Per token and row the latent row is 576 x 2 B = 1152 B, and a top-2048 read is 2.36 MB per sequence whatever
+the context (the page-table entries are the only part that grows: 512 B at 4K, <= 16 KB at 128K), so the
+sparse kernel's floor at 128K is within 1 % of its floor at 4K; the context-dependent DSA cost is the indexer.
+Multiply by 6 DSA layers for a step (B=64: 6 x 37.9 us = 227 us of attention bytes). At B=1 the floor (under
+2 us a layer) is below the launch cost of the 3-4 kernels (absorb bmm, decode, combine, W_UV bmm), so batch-1
+speed is set by launches and CUDA graphs, not bytes. Splitting adds S x H x R x 4 B x 2 (write + read) per
+sequence of partials: 1 MB at B=1 (S=16), 0.26 MB (11 %) at B=64 (S=4), none above B=132 (the SM count); the
+partials are written and read back at once, so they mostly stay in the 50 MB L2.
+FLOPs: 2 x H x k x (2R + P) = 71 MFLOP per sequence, 30 FLOP/byte at H=16, far below the H200's ~184 ridge:
+the kernel is bandwidth-bound at every batch. K3 (H=96 or its TP share) only changes the head blocks: each
+block of 32 heads re-reads the rows, neighbouring blocks of one sequence run side by side for L2 hits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+MIN_POSITIONS_PER_SPLIT = 128  # below this a split's fixed cost (partials, merge) outweighs the parallelism
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_kernel(
+    q_lat_ptr,
+    q_pe_ptr,
+    kv_ptr,
+    page_table_ptr,
+    lens_ptr,
+    indices_ptr,
+    out_ptr,
+    lse_ptr,
+    H,
+    R,
+    P,
+    num_positions,
+    chunk,
+    page_size,
+    qk_scale,  # scale * log2(e): scores in base 2
+    stride_qb,
+    stride_qh,
+    stride_pb,
+    stride_ph,
+    stride_kv,
+    stride_ptb,
+    stride_ib,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_lb,
+    stride_ls,
+    HAS_INDICES: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    hb = tl.program_id(0)
+    b = tl.program_id(1)
+    s = tl.program_id(2)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+    offs_r = tl.arange(0, BLOCK_R)  # [BR]
+    offs_p = tl.arange(0, BLOCK_P)  # [BP]
+    h_ok = heads < H
+    r_ok = offs_r < R
+    p_ok = offs_p < P
+    if DOT_F32:
+        dot_dtype = tl.float32
+    else:
+        dot_dtype = kv_ptr.dtype.element_ty
+
+    q_lat = tl.load(
+        q_lat_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_r[None, :],
+        mask=h_ok[:, None] & r_ok[None, :],
+        other=0.0,
+    ).to(dot_dtype)  # [BH, BR]
+    q_pe = tl.load(
+        q_pe_ptr + b * stride_pb + heads[:, None] * stride_ph + offs_p[None, :],
+        mask=h_ok[:, None] & p_ok[None, :],
+        other=0.0,
+    ).to(dot_dtype)  # [BH, BP]
+
+    seq_len = tl.load(lens_ptr + b)
+    start = s * chunk
+    end = tl.minimum(start + chunk, num_positions)
+    if not HAS_INDICES:
+        end = tl.minimum(end, seq_len)  # dense: stop at the sequence's own length
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max (base 2)
+    l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)  # [BN] slots of the position list
+        in_chunk = j < end
+        if HAS_INDICES:
+            pos = tl.load(indices_ptr + b * stride_ib + j, mask=in_chunk, other=-1)
+        else:
+            pos = j
+        valid = in_chunk & (pos >= 0) & (pos < seq_len)
+        pos = tl.where(valid, pos, 0)
+        page = tl.load(page_table_ptr + b * stride_ptb + pos // page_size, mask=valid, other=0)
+        row = page.to(tl.int64) * page_size + pos % page_size  # [BN] pool rows (int64: pools pass 2**31 B)
+        row_ptr = kv_ptr + row[:, None] * stride_kv
+        c_kv = tl.load(row_ptr + offs_r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
+        c_kv = c_kv.to(dot_dtype)  # [BN, BR]
+        k_pe = tl.load(row_ptr + R + offs_p[None, :], mask=valid[:, None] & p_ok[None, :], other=0.0)
+        k_pe = k_pe.to(dot_dtype)  # [BN, BP]
+
+        qk = tl.dot(q_lat, tl.trans(c_kv), input_precision=DOT_PRECISION)  # [BH, BN]
+        qk = tl.dot(q_pe, tl.trans(k_pe), acc=qk, input_precision=DOT_PRECISION)
+        qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # [BH]
+        # While nothing has been seen m stays -inf; shift by 0 then so that exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)  # [BH]
+        p = tl.exp2(qk - m_shift[:, None])  # [BH, BN]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), c_kv, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]  # [BH, BR]; zeros where nothing was seen
+    out_ptrs = out_ptr + b * stride_ob + s * stride_os + heads[:, None] * stride_oh + offs_r[None, :]
+    tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+    if SPLIT:
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))  # [BH]
+        tl.store(lse_ptr + b * stride_lb + s * stride_ls + heads, lse, mask=h_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    R,
+    num_splits,
+    stride_pb,
+    stride_ps,
+    stride_ph,
+    stride_lb,
+    stride_ls,
+    stride_ob,
+    stride_oh,
+    BLOCK_R: tl.constexpr,
+):
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    lse_base = lse_ptr + b * stride_lb + h
+    m = tl.full([], float("-inf"), tl.float32)
+    for s in range(0, num_splits):
+        m = tl.maximum(m, tl.load(lse_base + s * stride_ls))
+    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for s in range(0, num_splits):
+        w = tl.exp2(tl.load(lse_base + s * stride_ls) - m_shift)  # 0 for an empty split
+        part = tl.load(
+            part_ptr + b * stride_pb + s * stride_ps + h * stride_ph + offs_r, mask=r_ok, other=0.0
+        )
+        # An empty split stores zeros, but test w so that a split's output never matters at weight 0.
+        acc += tl.where(w > 0.0, w * part, 0.0)
+        total += w
+    o = acc / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_r, o.to(out_ptr.dtype.element_ty), mask=r_ok)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the H200's count; only the interpreter gets here, where it just picks a split count
+
+
+def head_block(num_heads: int) -> int:
+    """Heads per program: 16 (the smallest tensor-core M) up to 32 (a [32, 512] fp32 accumulator in 8 warps)."""
+    return 16 if num_heads <= 16 else 32
+
+
+def choose_num_splits(batch: int, num_heads: int, num_positions: int, num_sms: int) -> int:
+    """Splits of the position list: enough programs for about two per SM, but no split shorter than
+    MIN_POSITIONS_PER_SPLIT positions. Depends on static shapes only (CUDA graphs)."""
+    programs = batch * triton.cdiv(num_heads, head_block(num_heads))
+    want = max(1, (2 * num_sms) // max(programs, 1))
+    most = max(1, num_positions // MIN_POSITIONS_PER_SPLIT)
+    return min(want, most, MAX_SPLITS)
+
+
+def _partials(
+    batch: int, num_splits: int, num_heads: int, rank: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split workspace: normalized partial outputs [B, S, H, R] fp32 and their base-2 log-sum-exp [B, S, H]."""
+    part = torch.empty(batch, num_splits, num_heads, rank, dtype=torch.float32, device=device)
+    lse = torch.empty(batch, num_splits, num_heads, dtype=torch.float32, device=device)
+    return part, lse
+
+
+def sparse_mla_decode(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    lens: torch.Tensor,
+    indices: torch.Tensor | None,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    num_splits: int | None = None,
+    block_n: int = 32,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Latent-space attention of one query per sequence over its selected cache rows; no host syncs.
+
+    q_lat [B, H, R] (absorbed query W_UK^T q_nope, any strides with unit last stride), q_pe [B, H, P],
+    kv_pool [rows, R + P] (one layer's pool, [c_kv | k_pe] per row), page_table [B, maxp] (padded with page 0),
+    lens [B] (the query sits at position lens[b] - 1), indices [B, k] positions (-1 = unused; entries
+    >= lens[b] are ignored) or None for dense over 0..lens[b]-1. Returns o_lat [B, H, R] in out_dtype
+    (default q_lat.dtype), or into `out`; the caller applies W_UV (o^h = W_UV^h o_lat^h).
+    num_splits None = choose_num_splits; block_n positions per tile.
+    """
+    B, H, R = q_lat.shape
+    P = q_pe.shape[-1]
+    assert q_pe.shape[:2] == (B, H) and kv_pool.shape[-1] == R + P, "q_lat/q_pe/kv_pool shapes disagree"
+    assert page_table.shape[0] == B and lens.shape == (B,), "page_table/lens need one row per sequence"
+    assert q_lat.stride(-1) == 1 and q_pe.stride(-1) == 1 and kv_pool.stride(-1) == 1, "unit last stride"
+    if out is None:
+        out = torch.empty(B, H, R, dtype=out_dtype or q_lat.dtype, device=q_lat.device)
+    assert out.shape == (B, H, R) and out.stride(-1) == 1
+    if indices is not None:
+        assert indices.shape[0] == B and indices.stride(-1) == 1
+        num_positions = indices.shape[1]
+    else:
+        num_positions = page_table.shape[1] * page_size
+    if B == 0 or H == 0:
+        return out
+
+    block_h = head_block(H)
+    warps = num_warps or (4 if block_h == 16 else 8)
+    if num_splits is None:
+        num_splits = choose_num_splits(B, H, num_positions, _num_sms(kv_pool.device))
+    num_splits = max(1, min(num_splits, triton.cdiv(max(num_positions, 1), block_n)))
+    chunk = triton.cdiv(triton.cdiv(max(num_positions, 1), num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max(num_positions, 1), chunk)  # rounding the chunk up can leave fewer
+    split = num_splits > 1
+    if split:
+        part, lse = _partials(B, num_splits, H, R, q_lat.device)
+        dest, (o_b, o_s, o_h) = part, part.stride()[:3]
+        lse_b, lse_s = lse.stride(0), lse.stride(1)
+    else:
+        dest, (o_b, o_h), o_s = out, out.stride()[:2], 0
+        lse, lse_b, lse_s = out, 0, 0  # unused
+    idx = indices if indices is not None else lens  # a placeholder pointer when dense
+    block_r = max(16, triton.next_power_of_2(R))
+    # The CPU interpreter (triton 3.9) returns garbage for a bf16 tl.dot (a 16x16 case is off by 1e10): upcast.
+    dot_f32 = kv_pool.dtype == torch.float32 or not kv_pool.is_cuda
+    precision = "ieee" if dot_f32 else "tf32"  # exact fp32 products; ignored for 16-bit operands
+
+    grid = (triton.cdiv(H, block_h), B, num_splits)
+    _decode_kernel[grid](
+        q_lat,
+        q_pe,
+        kv_pool,
+        page_table,
+        lens,
+        idx,
+        dest,
+        lse,
+        H,
+        R,
+        P,
+        num_positions,
+        chunk,
+        page_size,
+        scale * math.log2(math.e),
+        q_lat.stride(0),
+        q_lat.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        kv_pool.stride(0),
+        page_table.stride(0),
+        idx.stride(0),
+        o_b,
+        o_s,
+        o_h,
+        lse_b,
+        lse_s,
+        HAS_INDICES=indices is not None,
+        SPLIT=split,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        BLOCK_P=max(16, triton.next_power_of_2(P)),
+        DOT_F32=dot_f32,
+        DOT_PRECISION=precision,
+        num_warps=warps,
+        num_stages=num_stages,
+    )
+    if split:
+        _combine_kernel[(H, B)](
+            part,
+            lse,
+            out,
+            R,
+            num_splits,
+            part.stride(0),
+            part.stride(1),
+            part.stride(2),
+            lse.stride(0),
+            lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            BLOCK_R=block_r,
+            num_warps=4,
+        )
+    return out
+
+
+def mla_decode_paged(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    lens: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+    indices: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """`mla_decode_batched` over the paged pool instead of a padded gather: absorb (bmm), latent attention
+    (`sparse_mla_decode`), W_UV (bmm). q_nope [B, H, Dn], q_pe [B, H, P], kv_pool [rows, R + P],
+    page_table [B, maxp], lens [B], w_uk [H, Dn, R], w_uv [H, Dv, R], indices [B, k] or None (dense).
+    Returns o [B, H, Dv] in q_nope.dtype (16-bit inputs give 16-bit q_lat and o_lat, fp32 inside each op)."""
+    B, H, _ = q_nope.shape
+    dt = q_nope.dtype
+    R = w_uk.shape[-1]
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(dt))  # [H, B, R]
+    o_lat = torch.empty(H, B, R, dtype=dt, device=q_nope.device)  # [H, B, R]: the layout the next bmm wants
+    sparse_mla_decode(
+        q_lat.transpose(0, 1),
+        q_pe,
+        kv_pool,
+        page_table,
+        page_size,
+        lens,
+        indices,
+        scale,
+        out=o_lat.transpose(0, 1),
+        num_splits=num_splits,
+    )  # [B, H, R]
+    o = torch.bmm(o_lat, w_uv.to(dt).transpose(1, 2))  # [H, B, Dv]
+    return o.transpose(0, 1).contiguous()  # [B, H, Dv]
+
+
+def decode_bytes(
+    batch: int,
+    context: int,
+    topk: int | None,
+    *,
+    num_heads: int = 16,
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+    nope_dim: int = 128,
+    v_dim: int = 128,
+    page_size: int = 64,
+    elem_bytes: int = 2,
+    index_bytes: int = 8,
+    weights: bool = False,
+) -> int:
+    """HBM bytes of one decode step of one layer (defaults: `mini`, bf16): selected latent rows, indices,
+    page-table entries (an upper bound: one per selected token, at most one per page), q_lat and q_pe read,
+    o_lat written; weights=True adds W_UK, W_UV and the bmm activations (q_nope, q_lat, o_lat, o).
+    topk None = dense over the whole context."""
+    H, R, P = num_heads, kv_lora_rank, rope_dim
+    n = context if topk is None else min(context, topk)
+    pages = min(n, -(-context // page_size))
+    per_seq = n * (R + P) * elem_bytes + pages * index_bytes
+    per_seq += 0 if topk is None else topk * index_bytes
+    per_seq += (2 * H * R + H * P) * elem_bytes
+    total = batch * per_seq
+    if weights:
+        total += H * (nope_dim + v_dim) * R * elem_bytes  # W_UK, W_UV
+        total += batch * H * (nope_dim + 2 * R + v_dim) * elem_bytes  # q_nope, q_lat written, o_lat read, o
+    return total

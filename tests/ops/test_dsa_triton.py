@@ -1,0 +1,314 @@
+"""Triton DSA kernels (indexer scores, exact top-k) against naive.py.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 on CPU at tiny sizes (set here, before triton is first
+imported); with CUDA the same tiny cases run compiled on the GPU, and the `gpu` tests add the real sizes.
+Outputs are poisoned before every run so that an element the kernel never writes fails the comparison.
+
+Legend: B sequences, L score positions (Lmax), HI indexer heads, DI indexer head dim, k = index_topk.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+from kestrel.ops.dsa import indexer_scores_batched, topk_select
+from tests.ops.graph_check import assert_replay_matches_eager
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is decorated: before the first import
+triton = pytest.importorskip("triton")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRET:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(triton.language.sort, InterpretedFunction):
+        pytest.skip(
+            "triton was imported before TRITON_INTERPRET=1 was set; run this file alone or export it",
+            allow_module_level=True,
+        )
+
+
+def _load(name):
+    """The kernel module, decorated in the mode chosen above even when something imported it earlier."""
+    fresh = name not in sys.modules
+    module = importlib.import_module(name)
+    return module if fresh else importlib.reload(module)
+
+
+_scores = _load("kestrel.ops.dsa.triton_scores")
+indexer_scores_triton, indexer_scores_paged_triton = (
+    _scores.indexer_scores_triton,
+    _scores.indexer_scores_paged_triton,
+)
+topk_triton = _load("kestrel.ops.dsa.triton_topk").topk_triton
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+NAN, INF = float("nan"), float("inf")
+SMALL_TILES = dict(seg=32, block=16, cblock=16)  # several segments and loop trips even at L = 37
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (compiled Triton)"
+)
+
+
+def poisoned(shape, dtype, value):
+    return torch.full(shape, value, dtype=dtype, device=DEVICE)
+
+
+def run_topk(scores, lens, k, **tiles):
+    """topk_triton into a poisoned output, checked against topk_select element for element."""
+    scores, lens = scores.to(DEVICE), lens.to(DEVICE)
+    out = poisoned((scores.shape[0], k), torch.int64, -7)
+    got = topk_triton(scores, lens, k, out=out, **tiles)
+    assert got.data_ptr() == out.data_ptr()
+    assert not (got == -7).any(), "unwritten output"
+    want = topk_select(scores, lens - 1, k)
+    assert torch.equal(got, want), f"k={k} lens={lens.tolist()}\n{got}\n{want}"
+
+
+# ---------------------------------------------------------------- indexer scores
+
+
+def scores_inputs(B, L, HI, DI, lens, seed, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HI, DI, generator=g).to(dtype)  # [B, HI, DI]
+    k = torch.randn(B, L, DI, generator=g).to(dtype)  # [B, L, DI]
+    w = torch.randn(B, HI, generator=g).to(dtype)  # [B, HI]
+    lens = torch.tensor(lens, dtype=torch.int64)
+    return q, k, w, lens
+
+
+def check_scores(got, q, k, w, lens, scale):
+    """Valid positions equal the reference (on the same bf16 values, fp32 math); padding is NaN."""
+    assert got.dtype == torch.float32
+    ref = indexer_scores_batched(q.float(), k.float(), w.float(), scale).cpu()  # [B, L]
+    got = got.cpu()
+    valid = torch.arange(got.shape[1])[None, :] < lens[:, None].cpu()  # [B, L]
+    torch.testing.assert_close(got[valid], ref[valid], rtol=1e-5, atol=1e-5)
+    assert got[~valid].isnan().all()
+
+
+@pytest.mark.parametrize(
+    "B,L,HI,DI,lens",
+    [(3, 37, 3, 24, [1, 37, 20]), (2, 100, 16, 16, [100, 64]), (4, 257, 5, 40, [257, 0, 129, 1])],
+)
+def test_scores_dense_match_reference(B, L, HI, DI, lens):
+    q, k, w, lens = scores_inputs(B, L, HI, DI, lens, seed=L)
+    padded = torch.arange(L)[None, :] >= lens[:, None]  # [B, L]
+    k[padded] = torch.tensor([NAN, INF] * DI, dtype=k.dtype)[:DI]  # garbage past lens is never read
+    out = poisoned((B, L), torch.float32, 12345.0)
+    got = indexer_scores_triton(q.to(DEVICE), k.to(DEVICE), w.to(DEVICE), DI**-0.5, lens.to(DEVICE), out=out)
+    assert got.data_ptr() == out.data_ptr() and not (got == 12345.0).any()
+    check_scores(got, q, k.masked_fill(padded[..., None], 0.0), w, lens, DI**-0.5)
+
+
+def test_scores_fp32_and_mixed_inputs_default_lens():
+    q, k, w, _ = scores_inputs(2, 19, 4, 16, [19, 19], seed=7, dtype=torch.float32)
+    got = indexer_scores_triton(q.to(DEVICE), k.to(DEVICE), w.to(DEVICE), 0.25)
+    check_scores(got, q, k, w, torch.tensor([19, 19]), 0.25)
+    k = k.bfloat16()  # fp32 queries over bf16 keys
+    got = indexer_scores_triton(
+        q.to(DEVICE), k.to(DEVICE), w.to(DEVICE), 0.25, torch.tensor([3, 19], device=DEVICE)
+    )
+    check_scores(got, q, k, w, torch.tensor([3, 19]), 0.25)
+
+
+def paged_inputs(lens, page_size, maxp, HI, DI, seed, dtype=torch.bfloat16):
+    """A KVPool-shaped key pool (page 0 the dummy) and shuffled page tables padded with page 0."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    num_pages = B * maxp
+    pool = torch.randn((num_pages + 1) * page_size, DI, generator=g).to(dtype)  # [rows, DI]
+    perm = torch.randperm(num_pages, generator=g) + 1
+    page_table = perm.view(B, maxp).clone()  # [B, maxp]
+    lens = torch.tensor(lens, dtype=torch.int64)
+    used = -(-lens // page_size)  # pages in use per sequence
+    page_table[torch.arange(maxp)[None, :] >= used[:, None]] = 0
+    q = torch.randn(B, HI, DI, generator=g).to(dtype)
+    w = torch.randn(B, HI, generator=g).to(dtype)
+    return q, pool, page_table.to(torch.int32), lens, w
+
+
+def gather_pages(pool, page_table, page_size):
+    """The keys as `PagedCacheView.read_kv_batched` gathers them: [B, maxp * page_size, DI]."""
+    B, maxp = page_table.shape
+    paged = pool.view(-1, page_size, pool.shape[-1])  # [pages + 1, page, DI]
+    return paged[page_table.long()].reshape(B, maxp * page_size, pool.shape[-1])
+
+
+@pytest.mark.parametrize(
+    "page_size,maxp,lens", [(4, 10, [1, 40, 37, 13]), (16, 3, [48, 17, 0]), (7, 5, [35, 1])]
+)
+def test_scores_paged_match_gathered_reference(page_size, maxp, lens):
+    HI, DI = 6, 32
+    q, pool, page_table, lens, w = paged_inputs(lens, page_size, maxp, HI, DI, seed=page_size)
+    L = maxp * page_size
+    out = poisoned((len(lens), L), torch.float32, 12345.0)
+    got = indexer_scores_paged_triton(
+        q.to(DEVICE),
+        pool.to(DEVICE),
+        page_table.to(DEVICE),
+        lens.to(DEVICE),
+        w.to(DEVICE),
+        DI**-0.5,
+        page_size=page_size,
+        out=out,
+    )
+    assert got.shape == (len(lens), L) and not (got == 12345.0).any()
+    check_scores(got, q, gather_pages(pool, page_table, page_size), w, lens, DI**-0.5)
+
+
+def test_paged_scores_then_topk_equal_the_naive_pipeline():
+    page_size, maxp, HI, DI, topk = 8, 6, 4, 16, 10
+    q, pool, page_table, lens, w = paged_inputs([48, 3, 25, 10], page_size, maxp, HI, DI, seed=3)
+    scores = indexer_scores_paged_triton(
+        q.to(DEVICE),
+        pool.to(DEVICE),
+        page_table.to(DEVICE),
+        lens.to(DEVICE),
+        w.to(DEVICE),
+        0.25,
+        page_size=page_size,
+    )
+    check_scores(scores, q, gather_pages(pool, page_table, page_size), w, lens, 0.25)
+    # The selection is exact on the kernel's own scores (which may differ from the reference's in the last bit).
+    run_topk(scores, lens, topk, **SMALL_TILES)
+
+
+# ---------------------------------------------------------------- exact top-k
+
+
+@pytest.mark.parametrize("L", [37, 100, 257])
+def test_topk_random_scores(L):
+    g = torch.Generator().manual_seed(L)
+    scores = torch.randn(4, L, generator=g)  # [B, L]
+    lens = torch.tensor([1, L, L // 2 + 3, 0])
+    tiles = SMALL_TILES if L < 200 else dict(seg=64, block=32, cblock=32)
+    for k in (1, 16, L // 3) + ((L,) if L < 64 else ()):  # the interpreter's sort is slow past a few dozen
+        run_topk(scores, lens, k, **tiles)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_topk_heavy_ties_and_nan(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, L = 5, 100
+    scores = torch.randint(-3, 4, (B, L), generator=g).float()  # 7 distinct values: ties everywhere
+    scores[torch.rand(B, L, generator=g) < 0.1] = NAN
+    lens = torch.tensor([L, 1, 57, 99, 64])
+    for k in (1, 7, 33, 64):
+        run_topk(scores, lens, k, **SMALL_TILES)
+
+
+def test_topk_ties_decided_in_the_last_radix_pass():
+    # Scores a few ulps apart share the top 22 key bits: the threshold is found by the third pass, with ties.
+    g = torch.Generator().manual_seed(5)
+    ulps = torch.randint(0, 6, (3, 80), generator=g).to(torch.int32)
+    scores = (torch.tensor(1.5).view(torch.int32) + ulps).view(torch.float32)  # [B, L]
+    lens = torch.tensor([80, 41, 77])
+    for k in (1, 9, 30):
+        run_topk(scores, lens, k, **SMALL_TILES)
+
+
+def test_topk_special_values():
+    mixed = [-INF, 2.0, NAN, -INF, INF, 0.0, -0.0, 0.0, NAN, -1e-45, 1e-45, -0.0, 3e38, -3e38, INF, 2.0, -INF]
+    scores = torch.tensor([mixed, [NAN] * 17, [0.0, -0.0] * 8 + [NAN]])
+    lens = torch.tensor([17, 17, 16])
+    for k in (1, 5, 16, 17, 40):
+        run_topk(scores, lens, k, **SMALL_TILES)
+
+
+def test_topk_ignores_garbage_past_lens():
+    g = torch.Generator().manual_seed(21)
+    L, lens = 50, torch.tensor([1, 9, 50, 14])
+    scores = torch.randn(4, L, generator=g)
+    padded = torch.arange(L)[None, :] >= lens[:, None]
+    for garbage in (NAN, INF, 1e30):
+        run_topk(scores.masked_fill(padded, garbage), lens, 8, **SMALL_TILES)
+
+
+def test_topk_k_beyond_length_and_lens_beyond_width():
+    g = torch.Generator().manual_seed(8)
+    scores = torch.randn(3, 37, generator=g)
+    run_topk(scores, torch.tensor([37, 5, 100]), 45, **SMALL_TILES)  # k > L; lens > L means all of the row
+
+
+def test_topk_default_tiles():
+    g = torch.Generator().manual_seed(9)
+    scores = torch.randint(0, 20, (3, 257), generator=g).float()
+    run_topk(scores, torch.tensor([257, 100, 1]), 64)
+
+
+def test_topk_non_contiguous_rows():
+    g = torch.Generator().manual_seed(10)
+    wide = torch.randn(3, 120, generator=g)
+    run_topk(wide[:, 10:110], torch.tensor([100, 3, 77]), 12, **SMALL_TILES)
+
+
+# ---------------------------------------------------------------- real sizes on CUDA
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("kind", ["randn", "ties"])
+@pytest.mark.parametrize("B,L,topk", [(64, 131072, 2048), (16, 32768, 2048), (3, 5000, 2048), (4, 70000, 64)])
+def test_topk_cuda_real_sizes(B, L, topk, kind):
+    g = torch.Generator(device="cuda").manual_seed(B + L)
+    if kind == "randn":
+        scores = torch.randn(B, L, generator=g, device="cuda")  # [B, L]
+    else:  # a few hundred values: the threshold bin holds a large share of the row
+        scores = torch.randint(0, 300, (B, L), generator=g, device="cuda").float()
+    scores[torch.rand(B, L, generator=g, device="cuda") < 0.01] = NAN
+    lens = torch.randint(1, L + 1, (B,), generator=g, device="cuda")
+    lens[0], lens[-1] = L, 1
+    run_topk(scores, lens, topk)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_topk_cuda_all_equal_row_keeps_every_candidate():
+    # The worst case of the candidate list: one value everywhere, so the whole row survives the first pass.
+    scores = torch.full((2, 131072), 0.5, device="cuda")
+    run_topk(scores, torch.tensor([131072, 90001], device="cuda"), 2048)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_paged_scores_cuda_real_size():
+    page_size, maxp, HI, DI = 64, 2048, 64, 128  # 131072 positions
+    q, pool, page_table, lens, w = paged_inputs([131072, 1, 70000, 4097], page_size, maxp, HI, DI, seed=11)
+    q, pool, page_table, lens, w = (t.cuda() for t in (q, pool, page_table, lens, w))
+    L = maxp * page_size
+    out = torch.full((4, L), 12345.0, device="cuda")
+    got = indexer_scores_paged_triton(q, pool, page_table, lens, w, DI**-0.5, page_size=page_size, out=out)
+    assert not (got == 12345.0).any()
+    keys = gather_pages(pool, page_table, page_size)  # [B, L, DI]
+    ref = indexer_scores_batched(q.float(), keys.float(), w.float(), DI**-0.5)  # [B, L]
+    valid = torch.arange(L, device="cuda")[None, :] < lens[:, None]
+    torch.testing.assert_close(got[valid], ref[valid], rtol=1e-4, atol=1e-4)
+    assert got[~valid].isnan().all()
+    idx = topk_triton(got, lens, 2048)
+    assert torch.equal(idx, topk_select(got, lens - 1, 2048))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_paged_scores_and_topk_cuda_graph():
+    page_size, maxp, HI, DI, topk = 64, 40, 16, 64, 256
+
+    def inputs(lens, seed):
+        q, pool, page_table, lens, w = paged_inputs(lens, page_size, maxp, HI, DI, seed=seed)
+        return tuple(t.cuda() for t in (q, pool, page_table, lens, w))
+
+    first = inputs([2560, 1, 300, 1000], seed=30)
+    fresh = inputs([7, 2560, 2000, 64], seed=31)
+
+    def step(q, pool, page_table, lens, w):
+        scores = indexer_scores_paged_triton(q, pool, page_table, lens, w, DI**-0.5, page_size=page_size)
+        return scores.nan_to_num(nan=-1.0), topk_triton(scores, lens, topk)
+
+    assert_replay_matches_eager(step, first, fresh)
