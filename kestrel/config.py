@@ -690,6 +690,10 @@ class EngineConfig:
         1024  # save a KDA checkpoint every this many prefill tokens (multiple of pages)
     )
     num_checkpoints: int | None = None  # checkpoint slots (default: 2 per running request, at least 16)
+    # HiCache: what the GPU evicts from the prefix cache goes to host memory, and from there to disk.
+    hicache_host_bytes: int = 0  # host tier size (pinned with CUDA); 0 = off
+    hicache_disk_dir: str | None = None  # disk tier folder (below the host tier); None = no disk tier
+    hicache_disk_bytes: int = 0  # disk tier size cap
 
     def __post_init__(self):
         problems = []
@@ -715,6 +719,14 @@ class EngineConfig:
             problems.append("num_checkpoints must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             problems.append(f"dtype {self.dtype!r} must be auto, float32, bfloat16 or float16")
+        if self.hicache_host_bytes < 0 or self.hicache_disk_bytes < 0:
+            problems.append("hicache_host_bytes and hicache_disk_bytes must be >= 0")
+        if self.hicache_host_bytes and not self.enable_prefix_cache:
+            problems.append("the hicache tiers extend the prefix cache: enable_prefix_cache must be on")
+        if (self.hicache_disk_dir is None) != (self.hicache_disk_bytes == 0):
+            problems.append("hicache_disk_dir and hicache_disk_bytes go together (both set, or neither)")
+        if self.hicache_disk_dir is not None and not self.hicache_host_bytes:
+            problems.append("the hicache disk tier sits below the host tier: set hicache_host_bytes too")
         if problems:
             raise ConfigError("; ".join(problems))
 

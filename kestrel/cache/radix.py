@@ -9,6 +9,14 @@ request can only resume where a checkpoint exists, so `match` returns the deepes
 Ownership: the tree holds one reference on each page of its nodes (kv_pool refcounts) and owns its checkpoint
 slots. A request that reuses a prefix takes its own page references and locks the path, so eviction never
 drops a node under a running request. Eviction is LRU, separately for leaves (KV pages) and for checkpoints.
+
+Lower tiers (HiCache, `tiers`): eviction then moves a node's KV and checkpoint down to host memory instead of
+dropping them, a full host tier moves its LRU entries to disk, and a full disk tier deletes its LRU entries. A
+node keeps its place and its edge whatever tier holds its data (`Node.tier`), so `match` still finds it; tiers
+only get lower going down the tree, so each tier evicts from its own frontier. A hit whose resume path is partly
+in a lower tier is `load`ed back into fresh pages and a fresh checkpoint slot before the request may use it;
+the load locks the path until it is done, and marks its nodes `loading` meanwhile. A checkpoint can also go
+down alone (`evict_checkpoints`) while the node's KV stays on the GPU.
 """
 
 from __future__ import annotations
@@ -16,7 +24,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from kestrel.cache.hicache import LOWER_TIERS, Entry, HiCache, Load
 from kestrel.cache.kv_pool import KVPool
+
+TIER_RANK = {"gpu": 0, "host": 1, "disk": 2}
 
 
 @dataclass(eq=False)
@@ -26,12 +37,30 @@ class Node:
     pages: list[int] = field(default_factory=list)
     depth: int = 0
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
-    checkpoint: int | None = None
+    checkpoint: int | None = None  # a slot of the (GPU) checkpoint pool
     lock: int = 0
     last_access: int = 0
+    kv_entry: Entry | None = None  # the KV in a lower tier (then `pages` is empty)
+    state_entry: Entry | None = None  # the checkpoint in a lower tier (then `checkpoint` is None)
+    loading: Load | None = None  # the load that fills its pages or checkpoint
 
     def is_leaf(self) -> bool:
         return not self.children
+
+    @property
+    def tier(self) -> str:
+        """Where the node's KV lives."""
+        return "gpu" if self.kv_entry is None else self.kv_entry.tier
+
+    @property
+    def has_checkpoint(self) -> bool:
+        return self.checkpoint is not None or self.state_entry is not None
+
+    def in_flight(self) -> bool:
+        """A load is still writing this node's pages or checkpoint."""
+        if self.loading is not None and self.loading.done:
+            self.loading = None
+        return self.loading is not None
 
 
 @dataclass
@@ -53,15 +82,34 @@ class Match:
 
     page_size: int = 1
 
+    def resume_path(self) -> list[Node]:
+        return [n for n in self.path if n.depth <= self.resume_len]
+
+    @property
+    def needs_load(self) -> bool:
+        """Part of what resuming needs (the path's KV, the checkpoint) is in a lower tier."""
+        node = self.resume_node
+        if node is None:
+            return False
+        return node.checkpoint is None or any(n.tier != "gpu" for n in self.resume_path())
+
+    @property
+    def in_flight(self) -> bool:
+        """A load is still bringing part of the resume path to the GPU."""
+        return any(n.in_flight() for n in self.resume_path())
+
 
 class RadixCache:
-    def __init__(self, kv_pool: KVPool, checkpoint_pool, page_size: int):
+    def __init__(self, kv_pool: KVPool, checkpoint_pool, page_size: int, tiers: HiCache | None = None):
         self.kv_pool, self.checkpoint_pool, self.page_size = kv_pool, checkpoint_pool, page_size
+        self.tiers = tiers
         self.root = Node(parent=None)
         self._clock = itertools.count(1)
         self.num_pages = 0  # pages the tree holds a reference on
         self.hit_tokens = 0
         self.query_tokens = 0
+        self.tier_hit_tokens = {"gpu": 0, "host": 0, "disk": 0}  # by where the hit's KV was at lookup
+        self.loads: list[tuple[Load, Node]] = []  # in flight, with the node each one locks
 
     # -- lookup -----------------------------------------------------------------------------------------------
     def match(self, tokens: list[int], limit: int | None = None) -> Match:
@@ -83,15 +131,22 @@ class RadixCache:
             node.last_access = now
             path.append(node)
             pos += len(node.tokens)
-            if node.checkpoint is not None and node.depth < limit:
+            if node.has_checkpoint and node.depth < limit:
                 resume = node
         resume_len = resume.depth if resume is not None else 0
         return Match(path, pos, resume, resume_len, page_size=ps)
 
-    def record(self, query_tokens: int, hit_tokens: int) -> None:
-        """Count one admitted request's lookup (the hit-rate metrics)."""
+    def record(self, query_tokens: int, hit_tokens: int, load: Load | None = None) -> None:
+        """Count one admitted request's lookup (the hit-rate metrics); `load`: the load that brought part of its
+        prefix up from a lower tier."""
         self.query_tokens += query_tokens
         self.hit_tokens += hit_tokens
+        rest = hit_tokens
+        for tier in LOWER_TIERS:
+            n = min(load.tokens[tier], rest) if load is not None else 0
+            self.tier_hit_tokens[tier] += n
+            rest -= n
+        self.tier_hit_tokens["gpu"] += rest
 
     def _common_pages(self, edge: tuple[int, ...], tokens: list[int], pos: int) -> int:
         """Tokens of `edge` that match `tokens[pos:]`, in whole pages."""
@@ -114,7 +169,10 @@ class RadixCache:
             node.depth - len(node.tokens) + at,
             lock=node.lock,
             last_access=node.last_access,
+            loading=node.loading,
         )
+        if node.kv_entry is not None:
+            top.kv_entry = self.tiers.split(node.kv_entry, at // ps)
         node.parent.children[node.tokens[:ps]] = top
         node.tokens, node.pages, node.parent = node.tokens[at:], node.pages[at // ps :], top
         top.children[node.tokens[:ps]] = node
@@ -123,7 +181,8 @@ class RadixCache:
     # -- insertion --------------------------------------------------------------------------------------------
     def insert(self, tokens: list[int], pages: list[int]) -> Node:
         """Add the prefix `tokens` (a multiple of the page size) whose KV lives in `pages`. The tree takes its
-        own reference on pages it did not hold; returns the node at depth len(tokens)."""
+        own reference on pages it did not hold (nodes whose KV was in a lower tier take these pages instead);
+        returns the node at depth len(tokens)."""
         ps = self.page_size
         assert len(tokens) % ps == 0 and len(pages) >= len(tokens) // ps, "insert needs whole pages"
         node, pos = self.root, 0
@@ -142,15 +201,28 @@ class RadixCache:
             common = self._common_pages(child.tokens, tokens, pos)
             if common < len(child.tokens):
                 child = self._split(child, common)
+            if child.kv_entry is not None:
+                self._adopt(child, pages[pos // ps : (pos + len(child.tokens)) // ps])
             child.last_access = now
             node, pos = child, pos + len(child.tokens)
         return node
 
+    def _adopt(self, node: Node, pages: list[int]) -> None:
+        """A node whose KV is in a lower tier takes a request's pages holding the same KV."""
+        self.kv_pool.incref(pages)
+        self.num_pages += len(pages)
+        self.tiers.drop(node.kv_entry)
+        node.kv_entry, node.pages = None, list(pages)
+
     def attach_checkpoint(self, node: Node, slot: int) -> bool:
         """Give `node` the checkpoint in `slot` (ownership passes to the tree). False (and the caller keeps the
-        slot) when the node already has one."""
+        slot) when the node already has one on the GPU; a copy in a lower tier is replaced."""
         if node is self.root or node.checkpoint is not None:
             return False
+        assert node.tier == "gpu", "a checkpoint on a node whose KV is not on the GPU"
+        if node.state_entry is not None:
+            self.tiers.drop(node.state_entry)
+            node.state_entry = None
         node.checkpoint = slot
         return True
 
@@ -166,6 +238,57 @@ class RadixCache:
             node.lock -= 1
             node = node.parent
 
+    # -- loads from the lower tiers ---------------------------------------------------------------------------
+    def load(self, match: Match) -> Load | None:
+        """Start bringing the lower-tier part of the match's resume path up: the KV of its nodes into fresh
+        pages, the resume node's checkpoint into a fresh slot. The path is locked until the load is done
+        (`poll_loads`). None, with nothing moved, when the GPU has no room for it."""
+        node, ps = match.resume_node, self.page_size
+        lower = [n for n in match.resume_path() if n.tier != "gpu"]
+        need = sum(len(n.tokens) for n in lower) // ps
+        self.lock(node)  # our own evictions below must leave the path alone
+        if self.kv_pool.num_free_pages < need:
+            self.evict_pages(need - self.kv_pool.num_free_pages)
+        slot = None
+        if self.kv_pool.num_free_pages >= need and node.checkpoint is None:
+            slot = self.checkpoint_pool.alloc()
+            if slot is None and self.evict_checkpoints(1):
+                slot = self.checkpoint_pool.alloc()
+        if self.kv_pool.num_free_pages < need or (node.checkpoint is None and slot is None):
+            self.unlock(node)
+            return None
+        pages = self.kv_pool.alloc(need)
+        items: list[tuple[Entry, object]] = []
+        tokens = {tier: 0 for tier in LOWER_TIERS}
+        for n in lower:
+            n.pages, pages = pages[: len(n.tokens) // ps], pages[len(n.tokens) // ps :]
+            items.append((n.kv_entry, n.pages))
+            tokens[n.kv_entry.tier] += len(n.tokens)
+            n.kv_entry = None
+            self.num_pages += len(n.pages)
+        if slot is not None:
+            items.append((node.state_entry, slot))
+            node.checkpoint, node.state_entry = slot, None
+        load = self.tiers.load(items)
+        load.tokens = tokens
+        for n in lower + [node]:
+            n.loading = load
+        self.loads.append((load, node))
+        self.poll_loads()
+        return load
+
+    def poll_loads(self) -> None:
+        """Finish the loads whose copies have landed: their paths are unlocked."""
+        for load, node in list(self.loads):
+            if load.poll():
+                self.loads.remove((load, node))
+                self.unlock(node)
+
+    def wait_for_loads(self, timeout: float = 0.005) -> None:
+        """Nothing else to do: block until the oldest load may have progressed."""
+        if self.loads:
+            self.loads[0][0].wait(timeout)
+
     # -- eviction ---------------------------------------------------------------------------------------------
     def _nodes(self) -> list[Node]:
         out, stack = [], [self.root]
@@ -176,38 +299,133 @@ class RadixCache:
         return out[1:]
 
     def evict_pages(self, needed: int) -> int:
-        """Drop least recently used unlocked leaves until `needed` pages are back in the free list (or nothing
-        more can go). Returns the number of pages freed."""
+        """Evict least recently used unlocked nodes of the GPU tier's frontier (no child on the GPU) until `needed`
+        pages are back in the free list (or nothing more can go): down to the host tier, or dropped without one.
+        Nodes whose pages a running request shares free nothing, so they stay. Returns the pages freed."""
         before = self.kv_pool.num_free_pages
         while self.kv_pool.num_free_pages - before < needed:
-            leaves = [n for n in self._nodes() if n.is_leaf() and n.lock == 0]
-            if not leaves:
+            victims = [
+                n
+                for n in self._nodes()
+                if n.tier == "gpu"
+                and n.lock == 0
+                and not any(c.tier == "gpu" for c in n.children.values())
+                and all(self.kv_pool.refcount[p] == 1 for p in n.pages)
+            ]
+            if not victims:
                 break
-            self._remove(min(leaves, key=lambda n: n.last_access))
+            self._demote(min(victims, key=lambda n: n.last_access))
         return self.kv_pool.num_free_pages - before
 
     def evict_checkpoints(self, needed: int) -> int:
-        """Free `needed` checkpoint slots, least recently used first, skipping locked nodes."""
+        """Free `needed` checkpoint slots, least recently used first, skipping locked nodes; the checkpoints go
+        down to a lower tier where there is one."""
         freed = 0
         while freed < needed:
             holders = [n for n in self._nodes() if n.checkpoint is not None and n.lock == 0]
             if not holders:
                 break
             node = min(holders, key=lambda n: n.last_access)
+            if self.tiers is not None:
+                node.state_entry = self._save("state", node.checkpoint)
             self.checkpoint_pool.free(node.checkpoint)
             node.checkpoint = None
             freed += 1
         return freed
 
-    def _remove(self, node: Node) -> None:
+    def _demote(self, node: Node) -> None:
+        """Move a GPU-frontier node's KV (and checkpoint) to a lower tier, or drop it (with its subtree)."""
+        kv = self._save("kv", node.pages) if self.tiers is not None else None
+        if kv is None:
+            return self._remove_subtree(node)
         if node.checkpoint is not None:
+            node.state_entry = self._save("state", node.checkpoint)
             self.checkpoint_pool.free(node.checkpoint)
+            node.checkpoint = None
         self.kv_pool.free(node.pages)
         self.num_pages -= len(node.pages)
+        node.pages, node.kv_entry = [], kv
+
+    def _save(self, kind: str, src) -> Entry | None:
+        """Copy GPU data down: to the host tier, or straight to disk when the host cannot take it."""
+        n = self.tiers.blocks_for(kind, len(src) if kind == "kv" else 0)
+        if self._host_room(n):
+            return self.tiers.save(kind, src, "host")
+        if self.tiers.disk is not None and self._disk_room(n * self.tiers.block_bytes):
+            return self.tiers.save(kind, src, "disk")
+        return None
+
+    def _lru_entry(self, tier: str) -> tuple[Node, str] | None:
+        """The least recently used entry of a lower tier that may leave it: a checkpoint, or the KV of a node
+        with no child in this tier (none at all for disk), unlocked."""
+        best: tuple[Node, str] | None = None
+        for n in self._nodes():
+            if n.lock:
+                continue
+            if n.state_entry is not None and n.state_entry.tier == tier:
+                kind = "state"
+            elif n.tier == tier and all(TIER_RANK[c.tier] > TIER_RANK[tier] for c in n.children.values()):
+                kind = "kv"
+            else:
+                continue
+            if best is None or n.last_access < best[0].last_access:
+                best = (n, kind)
+        return best
+
+    def _host_room(self, blocks: int) -> bool:
+        host = self.tiers.host
+        if blocks > host.num_blocks:
+            return False
+        while host.num_free_blocks < blocks:
+            victim = self._lru_entry("host")
+            if victim is None:
+                return False
+            node, kind = victim
+            entry = node.kv_entry if kind == "kv" else node.state_entry
+            if self.tiers.disk is not None and self._disk_room(self.tiers.nbytes(entry)):
+                self.tiers.spill(entry)
+            else:
+                self._drop(node, kind)
+        return True
+
+    def _disk_room(self, nbytes: int) -> bool:
+        disk = self.tiers.disk
+        if nbytes > disk.capacity_bytes:
+            return False
+        while disk.bytes_free < nbytes:
+            victim = self._lru_entry("disk")
+            if victim is None:
+                return False
+            self._drop(*victim)
+        return True
+
+    def _drop(self, node: Node, kind: str) -> None:
+        if kind == "state":
+            self.tiers.drop(node.state_entry)
+            node.state_entry = None
+        else:
+            self._remove_subtree(node)
+
+    def _remove_subtree(self, node: Node) -> None:
+        for child in list(node.children.values()):
+            self._remove_subtree(child)
+        self._remove(node)
+
+    def _remove(self, node: Node) -> None:
+        assert node.is_leaf() and node.lock == 0
+        if node.checkpoint is not None:
+            self.checkpoint_pool.free(node.checkpoint)
+        if node.state_entry is not None:
+            self.tiers.drop(node.state_entry)
+        if node.kv_entry is not None:
+            self.tiers.drop(node.kv_entry)
+        else:
+            self.kv_pool.free(node.pages)
+            self.num_pages -= len(node.pages)
         del node.parent.children[node.tokens[: self.page_size]]
 
     def flush(self) -> None:
-        """Drop every unlocked node (all of them when no request runs)."""
+        """Drop every unlocked node (all of them when no request runs), in every tier."""
         while True:
             leaves = [n for n in self._nodes() if n.is_leaf() and n.lock == 0]
             if not leaves:
@@ -217,14 +435,27 @@ class RadixCache:
 
     # -- invariants (tests) -----------------------------------------------------------------------------------
     def check(self) -> None:
-        total = 0
+        total, entries = 0, []
         for node in self._nodes():
             assert len(node.tokens) % self.page_size == 0 and len(node.tokens) > 0
-            assert len(node.pages) == len(node.tokens) // self.page_size
             assert node.depth == node.parent.depth + len(node.tokens)
             assert node.parent.children[node.tokens[: self.page_size]] is node
             assert node.lock >= 0 and all(c.lock <= node.lock for c in node.children.values())
-            for p in node.pages:
-                assert self.kv_pool.refcount[p] >= 1
-            total += len(node.pages)
+            assert TIER_RANK[node.parent.tier] <= TIER_RANK[node.tier], "tiers only get lower down the tree"
+            assert node.checkpoint is None or (node.tier == "gpu" and node.state_entry is None)
+            assert not node.in_flight() or node.lock > 0, "a node under a load must be locked"
+            if node.kv_entry is None:
+                assert len(node.pages) == len(node.tokens) // self.page_size
+                for p in node.pages:
+                    assert self.kv_pool.refcount[p] >= 1
+                total += len(node.pages)
+            else:
+                assert not node.pages and node.kv_entry.kind == "kv"
+                assert node.kv_entry.num_blocks == len(node.tokens) // self.page_size
+                entries.append(node.kv_entry)
+            if node.state_entry is not None:
+                assert node.state_entry.kind == "state"
+                entries.append(node.state_entry)
         assert total == self.num_pages
+        if self.tiers is not None:
+            self.tiers.check(entries + [e for load, _ in self.loads for e in load.entries()])

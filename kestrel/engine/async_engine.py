@@ -167,8 +167,8 @@ class AsyncEngine:
             self._cond.notify()
 
     def flush_cache(self) -> concurrent.futures.Future:
-        """Ask the engine thread to drop every cached prefix no running request uses; the future's result is
-        the number of pages freed (await it with asyncio.wrap_future)."""
+        """Ask the engine thread to drop every cached prefix no running request uses, in every tier; the future's
+        result is `Engine.flush_cache()`'s dict of what was freed (await it with asyncio.wrap_future)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self.error is not None or self._stopping:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kestrel.cache.hicache import HiCache
 from kestrel.cache.kv_pool import KVPool
 from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import StatePool, copy_state
@@ -117,7 +118,22 @@ class Engine:
         if config.enable_prefix_cache:
             n_ckpt = config.num_checkpoints or max(16, 2 * self.plan.num_slots)
             self.checkpoint_pool = StatePool(mc, n_ckpt, dtype, self.device, zero_on_alloc=False)
-            self.cache = RadixCache(self.kv_pool, self.checkpoint_pool, config.page_size)
+            tiers = None
+            if config.hicache_host_bytes:
+                tiers = HiCache(
+                    self.kv_pool,
+                    self.checkpoint_pool,
+                    config.hicache_host_bytes,
+                    config.hicache_disk_dir,
+                    config.hicache_disk_bytes,
+                )
+                log.info(
+                    "hicache: %d host blocks of %d B%s",
+                    tiers.host.num_blocks,
+                    tiers.block_bytes,
+                    f", disk tier in {tiers.disk.dir} ({config.hicache_disk_bytes} B)" if tiers.disk else "",
+                )
+            self.cache = RadixCache(self.kv_pool, self.checkpoint_pool, config.page_size, tiers)
         self.scheduler = Scheduler(
             self.kv_pool,
             self.state_pool,
@@ -190,12 +206,17 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._aborted)
+        """Requests to run, or outputs to deliver, or loads from the lower cache tiers still to land (whose
+        paths stay locked until a step sees them done)."""
+        loads = self.cache is not None and bool(self.cache.loads)
+        return self.scheduler.has_work() or bool(self._aborted) or loads
 
     # -- one step ---------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
         if batch.empty:
+            if self.cache is not None:
+                self.cache.wait_for_loads()  # a queued request may be waiting for its prefix to come up
             return self._finish_outputs([])
         self._restore_checkpoints(batch)
         logits = self.runner.forward(batch)
@@ -253,13 +274,29 @@ class Engine:
                     copy_state(self.state_pool, req.slot, self.checkpoint_pool, req.track_slot)
                     req.track_len = req.num_computed
 
-    def flush_cache(self) -> int:
-        """Drop every cached prefix no running request uses; returns the pages freed."""
+    def flush_cache(self) -> dict:
+        """Drop every cached prefix no running request uses, in every tier; returns what was freed:
+        flushed_pages (GPU KV pages), flushed_checkpoints (GPU checkpoint slots), flushed_host_bytes and
+        flushed_disk_bytes."""
+        keys = ("flushed_pages", "flushed_checkpoints", "flushed_host_bytes", "flushed_disk_bytes")
         if self.cache is None:
-            return 0
-        before = self.kv_pool.num_free_pages
+            return dict.fromkeys(keys, 0)
+
+        def free() -> tuple[int, ...]:
+            t = self._tier_stats()
+            return (
+                self.kv_pool.num_free_pages,
+                self.checkpoint_pool.num_free_slots,
+                -t.get("host_bytes_used", 0),
+                -t.get("disk_bytes_used", 0),
+            )
+
+        before = free()
         self.cache.flush()
-        return self.kv_pool.num_free_pages - before
+        return {key: after - b for key, after, b in zip(keys, free(), before)}
+
+    def _tier_stats(self) -> dict:
+        return self.cache.tiers.stats() if self.cache is not None and self.cache.tiers is not None else {}
 
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params
@@ -323,16 +360,35 @@ class Engine:
     def cache_stats(self) -> dict:
         if self.cache is None:
             return {"prefix_cache": False}
-        c = self.cache
-        return {
+        c, ckpt = self.cache, self.checkpoint_pool
+        rate = lambda hits: hits / c.query_tokens if c.query_tokens else 0.0
+        used_ckpt = ckpt.num_slots - ckpt.num_free_slots
+        state_bytes = self.plan.state_bytes_per_slot
+        page_bytes = self.plan.kv_bytes_per_token * self.kv_pool.page_size
+        t = self._tier_stats()
+        stats = {
             "prefix_cache": True,
+            "hicache": bool(t),
             "num_cached_pages": c.num_pages,
-            "num_checkpoints_used": self.checkpoint_pool.num_slots - self.checkpoint_pool.num_free_slots,
-            "num_checkpoints": self.checkpoint_pool.num_slots,
+            "num_checkpoints_used": used_ckpt,
+            "num_checkpoints": ckpt.num_slots,
+            "num_host_checkpoints": t.get("host_checkpoints", 0),
+            "num_disk_checkpoints": t.get("disk_checkpoints", 0),
             "cache_query_tokens": c.query_tokens,
             "cache_hit_tokens": c.hit_tokens,
-            "cache_hit_rate": c.hit_tokens / c.query_tokens if c.query_tokens else 0.0,
+            "cache_hit_rate": rate(c.hit_tokens),
+            "cache_gpu_bytes_used": c.num_pages * page_bytes + used_ckpt * state_bytes,
+            "cache_gpu_bytes": self.kv_pool.num_pages * page_bytes + ckpt.num_slots * state_bytes,
+            "cache_host_bytes_used": t.get("host_bytes_used", 0),
+            "cache_host_bytes": t.get("host_bytes", 0),
+            "cache_disk_bytes_used": t.get("disk_bytes_used", 0),
+            "cache_disk_bytes": t.get("disk_bytes", 0),
+            "cache_num_loads": t.get("num_loads", 0),
         }
+        for tier, hits in c.tier_hit_tokens.items():
+            stats[f"cache_{tier}_hit_tokens"] = hits
+            stats[f"cache_{tier}_hit_rate"] = rate(hits)
+        return stats
 
     def status_of(self, request_id: str) -> Status | None:
         r = self.requests.get(request_id)

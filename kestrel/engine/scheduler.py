@@ -7,6 +7,12 @@ Policy (FCFS, decode first):
 2. the rest of the step's token budget (`chunked_prefill_size`) goes to prefill chunks: first the requests
    already prefilling, then new ones, admitted in arrival order only when a slot and the pages for all their
    tokens are free (the head of the queue blocks the rest: no overtaking).
+
+With lower cache tiers (HiCache), a request whose cached prefix is partly in host memory or on disk first has it
+loaded back to the GPU; it stays in the queue meanwhile and the requests behind it may overtake it. The load, and
+the hold that keeps its prefix on the GPU until the request is admitted, are the cache's: no tensors here. At most
+`LOADS_AHEAD` requests (and the head of the queue) hold loaded prefixes at once; if nothing can run because of
+them, they let go.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kestrel.engine.request import Request, Status
+
+LOADS_AHEAD = 8
+ADMITTED, LOADING, BLOCKED = "admitted", "loading", "blocked"
 
 
 @dataclass
@@ -64,6 +73,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        # Waiting requests whose prefix was loaded from a lower tier: the node they keep locked, and the load.
+        self.holds: dict[Request, tuple[object, object]] = {}
 
     # -- queue ------------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -75,6 +86,7 @@ class Scheduler:
     def abort(self, request: Request) -> None:
         if request.status is Status.WAITING:
             self.waiting.remove(request)
+            self._let_go(request)
         self.finish(request, "abort", None)
 
     def finish(self, request: Request, reason: str, stop_reason) -> None:
@@ -89,6 +101,8 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------------------------
     def schedule(self) -> Batch:
+        if self.cache is not None:
+            self.cache.poll_loads()
         batch = Batch()
         for req in list(self.running):
             if req.status is Status.RUNNING and req.in_decode and self._ensure_pages(req):
@@ -99,8 +113,22 @@ class Scheduler:
                 return batch
             if not req.in_decode and req.num_computed < req.num_tokens:
                 budget -= self._add_chunk(batch, req, budget)
-        while budget > 0 and self.waiting and self._admit(self.waiting[0]):
-            budget -= self._add_chunk(batch, self.waiting.popleft(), budget)
+        i = 0
+        while budget > 0 and i < len(self.waiting):
+            verdict = self._admit(self.waiting[i], head=i == 0)
+            if verdict == BLOCKED:
+                break
+            if verdict == LOADING:  # the next ones may overtake it
+                i += 1
+                continue
+            req = self.waiting[i]
+            del self.waiting[i]
+            budget -= self._add_chunk(batch, req, budget)
+        if batch.empty and not self.running and self.holds and not self.cache.loads:
+            # Nothing runs and nothing is on its way: held prefixes may be what keeps the head out.
+            head = self.waiting[0] if self.waiting else None
+            for req in [r for r in self.holds if r is not head]:
+                self._let_go(req)
         return batch
 
     def _add_chunk(self, batch: Batch, req: Request, budget: int) -> int:
@@ -110,12 +138,29 @@ class Scheduler:
         batch.prefill.append(PrefillChunk(req, req.num_computed, end))
         return end - req.num_computed
 
-    def _admit(self, req: Request) -> bool:
-        if len(self.running) >= self.max_running or self.state_pool.num_free_slots == 0:
-            return False
+    def _admit(self, req: Request, head: bool = True) -> str:
+        full = len(self.running) >= self.max_running or self.state_pool.num_free_slots == 0
+        tiers = self.cache is not None and self.cache.tiers is not None
+        if full and not tiers:  # (with lower tiers, a load may start before a slot frees)
+            return BLOCKED
         reuse, node, branch, shared = 0, None, 0, []
         if self.cache is not None:
             match = self.cache.match(req.all_ids)
+            if match.in_flight:
+                return LOADING
+            if match.needs_load:
+                if len(self.holds) >= LOADS_AHEAD and not head and req not in self.holds:
+                    return BLOCKED
+                load = self.cache.load(match)
+                if load is None:
+                    return BLOCKED
+                self._let_go(req)
+                self.cache.lock(match.resume_node)
+                self.holds[req] = (match.resume_node, load)
+                if match.in_flight:
+                    return LOADING
+            if full:
+                return BLOCKED
             reuse, node, branch = match.resume_len, match.resume_node, match.kv_len
             shared = match.pages(reuse)
             self.cache.lock(node)
@@ -125,10 +170,12 @@ class Scheduler:
         if self.kv_pool.num_free_pages < need:
             if self.cache is not None:
                 self.cache.unlock(node)
-            return False
+            return BLOCKED
         if self.cache is not None:
             self.kv_pool.incref(shared)
-            self.cache.record(req.num_tokens, reuse)
+            hold = self.holds.get(req)
+            self.cache.record(req.num_tokens, reuse, hold[1] if hold is not None else None)
+            self._let_go(req)
         req.slot = self.state_pool.alloc()
         req.pages = shared + self.kv_pool.alloc(need)
         req.num_computed = reuse
@@ -137,7 +184,13 @@ class Scheduler:
         req.checkpoint_at = self._plan_checkpoints(req, reuse, branch) if self.cache is not None else []
         req.status = Status.RUNNING
         self.running.append(req)
-        return True
+        return ADMITTED
+
+    def _let_go(self, req: Request) -> None:
+        """Drop the request's hold on a loaded prefix (the prefix stays cached, now evictable)."""
+        hold = self.holds.pop(req, None)
+        if hold is not None:
+            self.cache.unlock(hold[0])
 
     def _plan_checkpoints(self, req: Request, reuse: int, branch: int) -> list[int]:
         """Where this request's prefill saves KDA checkpoints: every `checkpoint_interval` tokens, at the branch

@@ -7,7 +7,9 @@ Endpoints
 - POST /generate: native, SGLang-style (`text` or `input_ids`, a `sampling_params` dict with
   `max_new_tokens`); a stream sends each choice's whole text so far in every event (SGLang's default).
 - GET /v1/models, GET /health (503 once the engine thread has failed), GET /get_server_info (engine config,
-  memory plan, pool stats), GET /metrics (Prometheus text).
+  memory plan, pool and prefix-cache stats), GET /metrics (Prometheus text).
+- POST /flush_cache: drop every cached prefix no running request uses, in every tier (GPU, host, disk); answers
+  what was freed.
 
 With an API key, every endpoint but /health and /metrics needs `Authorization: Bearer <key>` (401 otherwise):
 load balancers and Prometheus scrape those two without credentials, and neither reveals request data.
@@ -296,6 +298,13 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
             },
             "stats": async_engine.stats(),
         }
+
+    @app.post("/flush_cache", dependencies=auth)
+    async def flush_cache():
+        try:
+            return await asyncio.wrap_future(async_engine.flush_cache())
+        except EngineDead as e:
+            raise APIError(503, str(e), code="engine_unavailable") from None
 
     @app.get("/metrics")
     async def metrics():

@@ -161,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     e.add_argument("--device", default="auto")
     e.set_defaults(func=cmd_eval)
+
+    from kestrel.bench import agent  # stdlib-only at import; httpx and matplotlib load when it runs
+
+    bench = sub.add_parser("bench", help="benchmarks against a running server (agent)")
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    a = benchmarks.add_parser("agent", help="multi-turn agentic sweep against any OpenAI-compatible server")
+    agent.add_arguments(a)
+    a.set_defaults(func=agent.cmd_bench_agent)
     return parser
 
 
@@ -256,6 +264,24 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--chunked-prefill-size", type=_positive_int, default=2048, help="tokens per step")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--disable-prefix-cache", action="store_true", help="no radix prefix cache")
+    p.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=1024,
+        help="save a KDA checkpoint every this many prefill tokens (a multiple of --page-size; 0 = off)",
+    )
+    p.add_argument(
+        "--num-checkpoints", type=_positive_int, default=None, help="KDA checkpoint slots on the GPU"
+    )
+    p.add_argument(
+        "--hicache-host-gb",
+        type=_non_negative_float,
+        default=0.0,
+        help="host memory for prefixes evicted from the GPU (pinned with CUDA; 0 = off)",
+    )
+    p.add_argument("--hicache-disk-dir", default=None, help="folder for prefixes evicted from host memory")
+    p.add_argument("--hicache-disk-gb", type=_non_negative_float, default=0.0, help="size cap of that folder")
 
 
 def _engine_config(args):
@@ -277,6 +303,12 @@ def _engine_config(args):
         chunked_prefill_size=args.chunked_prefill_size,
         disable_cuda_graph=args.disable_cuda_graph,
         max_queued_requests=getattr(args, "max_queued_requests", 4096),
+        enable_prefix_cache=not args.disable_prefix_cache,
+        checkpoint_interval=args.checkpoint_interval,
+        num_checkpoints=args.num_checkpoints,
+        hicache_host_bytes=int(args.hicache_host_gb * 2**30),
+        hicache_disk_dir=args.hicache_disk_dir,
+        hicache_disk_bytes=int(args.hicache_disk_gb * 2**30),
     )
 
 

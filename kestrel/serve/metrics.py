@@ -1,8 +1,9 @@
 """Prometheus metrics in the text exposition format (version 0.0.4), without a client library.
 
 A `Registry` holds counters, gauges and histograms and renders them for `GET /metrics`. Gauges (and counters
-the engine already counts) may read their value from a callback at scrape time. `ServerMetrics` declares the
-kestrel_* families and is fed by the HTTP layer as outputs reach each request.
+the engine already counts) may read their value from a callback at scrape time; with label names, the callback
+returns {label values: value}. `ServerMetrics` declares the kestrel_* families and is fed by the HTTP layer as
+outputs reach each request.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_RATE_WINDOW_S = 10.0
+TIERS = ("gpu", "host", "disk")
 
 
 def _format_value(value: float) -> str:
@@ -69,20 +71,26 @@ class Counter(_Metric):
         self._values[key] = self._values.get(key, 0.0) + amount
 
     def value(self, **labels) -> float:
-        return self.fn() if self.fn else self._values.get(self._key(labels), 0.0)
+        return self._read().get(self._key(labels), 0.0)
+
+    def _read(self) -> dict[tuple[str, ...], float]:
+        if self.fn is None:
+            return self._values
+        return self.fn() if self.labelnames else {(): self.fn()}
 
     def _samples(self) -> list[str]:
-        values = {(): self.fn()} if self.fn else self._values
         return [
-            f"{self.name}{_format_labels(self.labelnames, k)} {_format_value(v)}" for k, v in values.items()
+            f"{self.name}{_format_labels(self.labelnames, k)} {_format_value(v)}"
+            for k, v in self._read().items()
         ]
 
 
 class Gauge(_Metric):
     kind = "gauge"
 
-    def __init__(self, name, help, fn=None):
-        super().__init__(name, help, (), fn)
+    def __init__(self, name, help, fn=None, labelnames=()):
+        assert fn is not None or not labelnames, "a labelled gauge reads its values from `fn`"
+        super().__init__(name, help, labelnames, fn)
         self._value = 0.0
 
     def set(self, value: float) -> None:
@@ -92,6 +100,9 @@ class Gauge(_Metric):
         return float(self.fn()) if self.fn else self._value
 
     def _samples(self) -> list[str]:
+        if self.labelnames:
+            values = self.fn().items()
+            return [f"{self.name}{_format_labels(self.labelnames, k)} {_format_value(v)}" for k, v in values]
         return [f"{self.name} {_format_value(self.value())}"]
 
 
@@ -176,7 +187,76 @@ class ServerMetrics:
                 fn=stat("num_preemptions"),
             )
         )
+        self._add_prefix_cache_metrics()
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) within the rate window
+
+    def _add_prefix_cache_metrics(self) -> None:
+        """Per tier (gpu, host, disk): where cache hits came from, and what each tier holds. Zero without the
+        prefix cache (or without the lower tiers)."""
+        r = self.registry
+
+        def by_tier(key: str) -> Callable[[], dict]:
+            return lambda: {(tier,): self._stats().get(key.format(tier), 0) for tier in TIERS}
+
+        r.add(
+            Counter(
+                "kestrel_prefix_cache_query_tokens_total",
+                "Prompt tokens looked up in the prefix cache.",
+                fn=lambda: self._stats().get("cache_query_tokens", 0),
+            )
+        )
+        r.add(
+            Counter(
+                "kestrel_prefix_cache_hit_tokens_total",
+                "Prompt tokens served from the prefix cache, by the tier their KV was in.",
+                ("tier",),
+                fn=by_tier("cache_{}_hit_tokens"),
+            )
+        )
+        r.add(
+            Gauge(
+                "kestrel_prefix_cache_hit_rate",
+                "Hit tokens over query tokens since start, by tier.",
+                by_tier("cache_{}_hit_rate"),
+                ("tier",),
+            )
+        )
+        r.add(
+            Gauge(
+                "kestrel_prefix_cache_bytes_used",
+                "Bytes the cache holds, by tier.",
+                by_tier("cache_{}_bytes_used"),
+                ("tier",),
+            )
+        )
+        r.add(
+            Gauge(
+                "kestrel_prefix_cache_bytes",
+                "Bytes each tier may hold.",
+                by_tier("cache_{}_bytes"),
+                ("tier",),
+            )
+        )
+        r.add(
+            Counter(
+                "kestrel_prefix_cache_loads_total",
+                "Loads of cached prefixes from a lower tier back to the GPU.",
+                fn=lambda: self._stats().get("cache_num_loads", 0),
+            )
+        )
+        checkpoints = {
+            "gpu": "num_checkpoints_used",
+            "host": "num_host_checkpoints",
+            "disk": "num_disk_checkpoints",
+        }
+        r.add(
+            Gauge(
+                "kestrel_prefix_cache_checkpoints",
+                "KDA checkpoints held, by tier (GPU: including the running requests' tracking slots).",
+                lambda: {(tier,): self._stats().get(key, 0) for tier, key in checkpoints.items()},
+                ("tier",),
+            )
+        )
 
     def render(self) -> str:
         return self.registry.render()
