@@ -210,28 +210,46 @@ class MLAttention(nn.Module):
         allowed = _document_causal(ctx, B, R)  # [B, R, R]
         if idx is not None:
             q_i, w_i, k_i = (t.view(B, R, *t.shape[1:]) for t in idx)
-            scores = torch.einsum("btjd,bsd->btjs", q_i.float(), k_i.float()).relu()  # [B, R, HI, R]
-            scores = (
-                torch.einsum("btjs,btj->bts", scores, w_i.float()) * self.indexer.head_dim**-0.5
-            )  # [B, R, R]
             if not ctx.extras.get("dsa_dense", False) and self.indexer.topk is not None:
-                local = torch.arange(R, device=scores.device).repeat(B)  # query positions within their row
-                masked = scores.masked_fill(~allowed, float("nan")).view(B * R, R)
-                chosen = selection_mask(topk_select(masked, local, self.indexer.topk), R).view(B, R, R)
+                with (
+                    torch.no_grad()
+                ):  # the selection is not differentiable: no graph for the full score matrix
+                    scores = self._row_index_scores(q_i, w_i, k_i)  # [B, R, R]
+                    local = torch.arange(R, device=scores.device).repeat(
+                        B
+                    )  # query positions within their row
+                    masked = scores.masked_fill(~allowed, float("nan")).view(B * R, R)
+                    chosen = selection_mask(topk_select(masked, local, self.indexer.topk), R).view(B, R, R)
+                    del scores, masked
                 allowed = allowed & chosen
             if ctx.extras.get("indexer_kl") is not None:
-                ctx.extras["indexer_kl"].append(self._indexer_kl(q_nope, q_pe, kv_new, scores, allowed, B, R))
+                ctx.extras["indexer_kl"].append(
+                    self._indexer_kl(q_nope, q_pe, kv_new, (q_i, w_i, k_i), allowed, B, R)
+                )
         q_nope, q_pe = q_nope.view(B, R, H, -1), q_pe.view(B, R, H, -1)
         out = mla_attention_rows(
             q_nope, q_pe, kv_new.view(B, R, -1), self.kv_b_proj.weight, allowed, self.scale, self.v_dim
         )  # [B, R, H, Dv]
         return out.reshape(T, H, self.v_dim)
 
-    def _indexer_kl(self, q_nope, q_pe, kv_new, scores, allowed, B, R, samples: int = 64) -> torch.Tensor:
-        """KL of the indexer against the attention of a strided sample of queries per row (targets detached)."""
+    def _row_index_scores(self, q_i, w_i, k_i, picks: torch.Tensor | None = None) -> torch.Tensor:
+        """Indexer scores of row-packed tokens, one head at a time (no [B, R, HI, R] intermediate):
+        q_i [B, R, HI, DI], w_i [B, R, HI], k_i [B, R, DI] -> [B, Q, R] fp32 for the queries `picks` (all: Q = R)."""
+        if picks is not None:
+            q_i, w_i = q_i[:, picks], w_i[:, picks]
+        k = k_i.float().transpose(1, 2)  # [B, DI, R]
+        out = None
+        for j in range(q_i.shape[2]):
+            term = torch.bmm(q_i[:, :, j].float(), k).relu() * w_i[:, :, j, None].float()  # [B, Q, R]
+            out = term if out is None else out + term
+        return out * self.indexer.head_dim**-0.5
+
+    def _indexer_kl(self, q_nope, q_pe, kv_new, idx_rows, allowed, B, R, samples: int = 64) -> torch.Tensor:
+        """KL of the indexer against the attention of a strided sample of queries per row (targets detached);
+        the indexer's scores are computed, with their graph, for those queries only."""
         H = q_nope.shape[1]
         picks = torch.arange(
-            R - 1, -1, -max(R // samples, 1), device=scores.device
+            R - 1, -1, -max(R // samples, 1), device=q_nope.device
         )  # [Q], the last token first
         with torch.no_grad():
             c_kv, k_pe = kv_new.view(B, R, -1).float().split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -243,11 +261,10 @@ class MLAttention(nn.Module):
             att = att + torch.einsum("bqhp,bsp->bhqs", q_pe.view(B, R, H, -1)[:, picks].float(), k_pe)
             mask = allowed[:, picks]  # [B, Q, R]
             probs = torch.softmax((att * self.scale).masked_fill(~mask[:, None], float("-inf")), dim=-1)
+        scores = self._row_index_scores(*idx_rows, picks=picks)  # [B, Q, R]
         Q = picks.numel()
         return indexer_kl(
-            probs.permute(0, 2, 1, 3).reshape(B * Q, H, R),
-            scores[:, picks].reshape(B * Q, R),
-            mask.reshape(B * Q, R),
+            probs.permute(0, 2, 1, 3).reshape(B * Q, H, R), scores.reshape(B * Q, R), mask.reshape(B * Q, R)
         ) / (B * Q)
 
 
