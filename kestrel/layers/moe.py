@@ -15,7 +15,7 @@ from kestrel.layers.context import get_forward_context, has_forward_context
 from kestrel.layers.linear import ColumnLinear, Linear, RowLinear, ShapeMismatch, copy_checked, set_loader
 from kestrel.layers.norm import RMSNorm
 from kestrel.ops.activation import glu_act
-from kestrel.ops.moe import moe_experts, moe_experts_grouped, replay_route, route
+from kestrel.ops.moe import grouped_mm_trains, moe_experts, moe_experts_grouped, replay_route, route
 from kestrel.ops.norm import rms_norm
 from kestrel.utils.dist import parallel_state
 
@@ -144,7 +144,11 @@ class MoE(nn.Module):
         ids = ids - self.experts.first  # global -> local ids (single rank: unchanged)
         latent = hasattr(self, "routed_expert_down_proj")
         h = self.routed_expert_down_proj(x) if latent else x  # [T, Din]
-        experts = moe_experts_grouped if x.is_cuda else moe_experts  # the grouped path has no host syncs
+        if torch.is_autocast_enabled(h.device.type):  # training: the experts run in the autocast dtype too
+            h = h.to(torch.get_autocast_dtype(h.device.type))
+        # the grouped path has no host syncs (CUDA graphs); training uses it where its backward works
+        grouped = x.is_cuda and (not torch.is_grad_enabled() or grouped_mm_trains(x.device.type))
+        experts = moe_experts_grouped if grouped else moe_experts
         routed = experts(
             h, self.experts.w13, self.experts.w2, weights, ids, self.act, self.beta, self.linear_beta
         )

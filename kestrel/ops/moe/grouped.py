@@ -11,6 +11,8 @@ and keeps its own rows, which is wasteful but has no data-dependent shapes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -82,3 +84,19 @@ def moe_experts_grouped(
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, Din]
     out.index_add_(0, token, y)
     return out.to(x.dtype)
+
+
+@functools.cache
+def grouped_mm_trains(device_type: str) -> bool:
+    """Whether torch._grouped_mm has a working backward here (probed once on a tiny problem): the training
+    path uses the grouped experts only then, the per-expert loop otherwise."""
+    if device_type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(2, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        offs = torch.tensor([16, 32], device="cuda", dtype=torch.int32)
+        torch._grouped_mm(a, w.transpose(-2, -1), offs=offs).float().sum().backward()
+        return a.grad is not None and w.grad is not None
+    except (RuntimeError, NotImplementedError):
+        return False
