@@ -117,10 +117,10 @@ _MINI = {
 }
 
 # The shipped demo model (issue 5): trained by `kestrel train` on procedural reasoning and long-context
-# retrieval. ~23M parameters (46 MB in bf16), every K3.1 feature on, DSA top-256 so that 2K+ is really sparse.
+# retrieval. ~18M parameters (35 MiB in bf16), every K3.1 feature on, DSA top-256 so that 2K+ is really sparse.
 _DEMO = {
     "model_type": "kimi_linear",
-    "vocab_size": 8192,
+    "vocab_size": 5120,
     "hidden_size": 384,
     "num_hidden_layers": 8,
     "rms_norm_eps": 1e-5,
@@ -157,7 +157,7 @@ _DEMO = {
     "moe_layer_freq": 1,
     "num_experts": 8,
     "num_experts_per_token": 2,
-    "moe_intermediate_size": 128,
+    "moe_intermediate_size": 96,
     "num_shared_experts": 1,
     "routed_scaling_factor": 1.0,
     "moe_renormalize": True,

@@ -88,8 +88,6 @@ class Trainer:
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.device = resolve_device(cfg.device)
-        self.tokenizer_dir = self._tokenizer_dir()
-        self.tokenizer = load_tokenizer(str(self.tokenizer_dir))
         torch.manual_seed(cfg.seed)
         self.model = build_model(
             cfg.model,
@@ -98,6 +96,8 @@ class Trainer:
             seed=cfg.seed,
             init_on_device=self.device.type == "cuda",
         )
+        self.tokenizer_dir = self._tokenizer_dir()  # trained to the model's vocabulary size when missing
+        self.tokenizer = load_tokenizer(str(self.tokenizer_dir))
         if self.model.config.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(
                 f"tokenizer has {self.tokenizer.vocab_size} tokens, the model only "
@@ -129,7 +129,7 @@ class Trainer:
             return Path(self.cfg.tokenizer)
         path = self.out / "tokenizer"
         if not (path / "tokenizer.json").exists():
-            build_tokenizer(str(path), vocab_size=8192, seed=self.cfg.seed)
+            build_tokenizer(str(path), vocab_size=self.model.config.vocab_size, seed=self.cfg.seed)
         return path
 
     # -- the loop -----------------------------------------------------------------------------------------
@@ -203,7 +203,8 @@ class Trainer:
     def save(self) -> Path:
         """HF checkpoint (bf16, what the engine loads) + tokenizer + trainer state (fp32 master, optimizer)."""
         ckpt = self.out / "checkpoint"
-        save_checkpoint(self.model, ckpt, dtype=torch.bfloat16)
+        # shards of at most 15 MiB: small enough to move between machines file by file
+        save_checkpoint(self.model, ckpt, dtype=torch.bfloat16, max_shard_bytes=15 * 2**20)
         for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
             src = self.tokenizer_dir / name
             if src.exists() and src.parent != ckpt:

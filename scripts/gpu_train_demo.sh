@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Train the demo model on the device machine, across several `device run` calls (each at most 10 minutes):
+#   scripts/gpu_train_demo.sh start   install wheels, train the tokenizer, launch `kestrel train` detached
+#   scripts/gpu_train_demo.sh wait N  wait up to N seconds for it (a call that keeps the machine busy)
+#   scripts/gpu_train_demo.sh finish  evaluate and copy the run (checkpoint shards, eval, loss PNG) to $OUT
+# Carry `.whl` (scripts/fetch_wheels.sh). The run lives in /tmp/demo-run on the machine, which keeps it
+# only while the machine stays held: call again within the idle window.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RUN=/tmp/demo-run
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KESTREL_KDA_BACKEND=fla
+case "$1" in
+start)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    mkdir -p $RUN
+    setsid nohup python3 -m kestrel.serve.cli train --out $RUN --model demo --steps "${STEPS:-4000}" \
+        --batch-rows "${ROWS:-16}" --row-len "${ROW_LEN:-8704}" --retrieval-lengths "${RLEN:-2048,8192}" \
+        --lr "${LR:-3e-3}" --warmup-steps 100 --dsa-dense-steps "${DENSE:-600}" --checkpoint-every 250 \
+        --time-budget-s "${BUDGET:-840}" --data-workers "${WORKERS:-12}" > $RUN/train.log 2>&1 < /dev/null &
+    sleep 60; tail -c 2000 $RUN/train.log
+    ;;
+wait)
+    for _ in $(seq 1 $(( ${2:-540} / 10 ))); do
+        pgrep -f "kestrel.serve.cli train" > /dev/null || break
+        sleep 10
+    done
+    tail -c 1500 $RUN/train.log
+    ;;
+finish)
+    python3 -m kestrel.serve.cli eval --model $RUN/checkpoint --num 200 --num-retrieval 50 \
+        --retrieval-lengths 2048,8192,32768 --out $RUN/eval.json 2>&1 | tail -20
+    mkdir -p "$OUT/checkpoint"
+    cp $RUN/checkpoint/* "$OUT/checkpoint/"
+    cp $RUN/eval.json $RUN/loss.png $RUN/train_summary.json $RUN/history.json "$OUT/" 2>/dev/null
+    ls -la "$OUT" "$OUT/checkpoint"
+    ;;
+esac
