@@ -29,9 +29,10 @@ wait)
 finish)
     python3 -m kestrel.serve.cli eval --model $RUN/checkpoint --num 200 --num-retrieval 50 \
         --retrieval-lengths 2048,8192,32768 --out $RUN/eval.json 2>&1 | tail -20
-    mkdir -p "$OUT/checkpoint"
-    cp $RUN/checkpoint/* "$OUT/checkpoint/"
-    cp $RUN/eval.json $RUN/loss.png $RUN/train_summary.json $RUN/history.json "$OUT/" 2>/dev/null
-    ls -la "$OUT" "$OUT/checkpoint"
+    # $OUT takes at most 8 files of 16 MiB: the weight shards as they are, everything else in one archive
+    cp $RUN/checkpoint/model*.safetensors "$OUT/"
+    (cd $RUN && tar czf "$OUT/run-meta.tgz" --exclude='*.safetensors' checkpoint tokenizer eval.json loss.png \
+        train_summary.json history.json train.log)
+    ls -la "$OUT"
     ;;
 esac
