@@ -31,6 +31,9 @@ class Env:
     attn_backend: str
     """KESTREL_ATTN_BACKEND: MLA/DSA decode over the paged cache: auto (Triton kernels on CUDA) | torch | triton."""
     moe_grouped_mm: str
+    triton_interpret: bool
+    """TRITON_INTERPRET (Triton's own switch): kernels run in Triton's interpreter, so the CUDA-only fast paths
+    can be exercised on a CPU (tests)."""
     """KESTREL_MOE_GROUPED_MM: auto (torch._grouped_mm on CUDA bf16 where it applies) | off (per-expert loop)."""
 
 
@@ -40,5 +43,6 @@ def read_env() -> Env:
         log_level=_str("KESTREL_LOG_LEVEL", "info", ("debug", "info", "warning", "error")),
         debug_naive_loop=_bool("KESTREL_NAIVE_LOOP", False),
         attn_backend=_str("KESTREL_ATTN_BACKEND", "auto", ("auto", "torch", "triton")),
+        triton_interpret=_bool("TRITON_INTERPRET", False),
         moe_grouped_mm=_str("KESTREL_MOE_GROUPED_MM", "auto", ("auto", "off")),
     )

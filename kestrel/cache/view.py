@@ -29,6 +29,11 @@ class PagedCacheView:
         self.slots, self.write_rows = slots, write_rows
         self.page_table, self.lens, self.read_rows = page_table, lens, read_rows
 
+    def kda_pools(self, layer_id: int):
+        """(recurrent-state pool [S, H, K, V], conv-window pool [S, C, W - 1], slots [N]): decode updates the
+        slots in place instead of gathering and scattering whole states."""
+        return self.state_pool.ssm[layer_id], self.state_pool.conv[layer_id], self.slots
+
     def kda_state(self, layer_id: int):
         return self.state_pool.ssm[layer_id][self.slots], self.state_pool.conv[layer_id][self.slots]
 

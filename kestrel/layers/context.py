@@ -31,6 +31,11 @@ class CacheView(Protocol):
         """Store the states after this batch (same shapes as `kda_state`)."""
         ...
 
+    def kda_pools(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(recurrent-state pool [S, H, K, V], conv-window pool [S, C, W - 1], slots [N] of this batch's
+        sequences): the decode path advances the states in place."""
+        ...
+
     def write_kv(self, layer_id: int, kv: torch.Tensor, index_k: torch.Tensor | None) -> None:
         """Store the latent KV [T, R + P] (and indexer keys [T, DI]) of this batch's new tokens."""
         ...

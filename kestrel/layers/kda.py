@@ -13,7 +13,7 @@ from kestrel.config import ModelConfig
 from kestrel.layers.context import get_forward_context
 from kestrel.layers.linear import ColumnLinear, Linear, RowLinear, ShapeMismatch, copy_checked, set_loader
 from kestrel.layers.norm import RMSNorm
-from kestrel.ops.kda import gated_rms_norm, get_kda_backend, kda_gate, short_conv, short_conv_step
+from kestrel.ops.kda import gated_rms_norm, get_kda_backend, kda_gate, short_conv
 from kestrel.utils.dist import parallel_state
 
 QKV = ("q", "k", "v")
@@ -59,37 +59,38 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, D]
         ctx = get_forward_context()
         T, H, K = x.shape[0], self.num_heads, self.head_dim
-        cache = ctx.cache
-        ssm, conv = cache.kda_state(self.layer_id) if cache is not None else (None, None)
-
-        # Decode: one token per sequence, laid out as N sequences of length 1 (no varlen metadata, no host
-        # syncs: this path is captured in CUDA graphs). Otherwise packed varlen sequences (B = 1).
-        decode = cache is not None and ctx.decode
-        shape = (T, 1, H, K) if decode else (1, T, H, K)
+        cache, backend = ctx.cache, get_kda_backend(x.device)
         qkv = self.qkv_proj(x)  # [T, 3P]
-        if decode:
-            qkv, conv_out = short_conv_step(qkv, self.conv_weight, conv)  # [N, 3P], [N, 3P, W-1]
-        else:
-            qkv, conv_out = short_conv(qkv, self.conv_weight, conv, ctx.cu_seqlens)  # [T, 3P], [N, 3P, W-1]
-        q, k, v = (t.reshape(shape) for t in qkv.split(self.proj_dim, dim=-1))
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(shape), self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float()).view(shape[:3])
+        f = self.f_b_proj(self.f_a_proj(x))  # [T, P]
+        beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
 
-        backend = get_kda_backend(x.device)
-        run = backend.recurrent if decode else backend.chunk
-        o, ssm_out = run(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            initial_state=ssm,
-            output_final_state=cache is not None,
-            use_qk_l2norm=True,
-            cu_seqlens=None if decode else ctx.cu_seqlens,
-        )  # o [1, T, H, V] or [N, 1, H, V]
-        if cache is not None:
-            cache.set_kda_state(self.layer_id, ssm_out, conv_out)
+        if cache is not None and ctx.decode:
+            # Decode: one token per sequence, laid out as N sequences of length 1; the conv windows and the
+            # recurrent states advance in their slots (no gather/scatter, no host syncs: CUDA-graph safe).
+            ssm_pool, conv_pool, slots = cache.kda_pools(self.layer_id)
+            qkv = backend.conv_step_inplace(qkv, self.conv_weight, conv_pool, slots)  # [N, 3P]
+            q, k, v = (t.reshape(T, 1, H, K) for t in qkv.split(self.proj_dim, dim=-1))
+            g = kda_gate(f.view(T, 1, H, K), self.A_log, self.dt_bias, self.lower_bound)
+            o = backend.recurrent_inplace(q, k, v, g, beta.view(T, 1, H), ssm_pool, slots, use_qk_l2norm=True)
+        else:
+            # Prefill / training: packed varlen sequences (B = 1), states read from and written to the cache.
+            ssm, conv = cache.kda_state(self.layer_id) if cache is not None else (None, None)
+            qkv, conv_out = short_conv(qkv, self.conv_weight, conv, ctx.cu_seqlens)  # [T, 3P], [N, 3P, W-1]
+            q, k, v = (t.reshape(1, T, H, K) for t in qkv.split(self.proj_dim, dim=-1))
+            g = kda_gate(f.view(1, T, H, K), self.A_log, self.dt_bias, self.lower_bound)
+            o, ssm_out = backend.chunk(
+                q,
+                k,
+                v,
+                g,
+                beta.view(1, T, H),
+                initial_state=ssm,
+                output_final_state=cache is not None,
+                use_qk_l2norm=True,
+                cu_seqlens=ctx.cu_seqlens,
+            )  # [1, T, H, V]
+            if cache is not None:
+                cache.set_kda_state(self.layer_id, ssm_out, conv_out)
 
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))  # [T, P]
         o = gated_rms_norm(o.view(T, H, K), gate.view(T, H, K), self.o_norm.weight, self.eps)  # [T, H, V]

@@ -71,6 +71,9 @@ class _DenseView:
         self.cache, self.requests, self.prefix, self.new = cache, requests, prefix, new
         self.rows = torch.tensor(requests, device=cache.conv_device)
 
+    def kda_pools(self, layer_id: int):
+        return self.cache.ssm[layer_id], self.cache.conv[layer_id], self.rows
+
     def kda_state(self, layer_id: int):
         return self.cache.ssm[layer_id][self.rows], self.cache.conv[layer_id][self.rows]
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kestrel.env import read_env
+from kestrel.ops.kda import naive
 from kestrel.ops.kda.naive import (
     chunk_kda,
     gated_rms_norm,
@@ -40,25 +41,28 @@ class KDABackend:
     name: str
     chunk: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
     recurrent: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    recurrent_inplace: Callable[..., torch.Tensor]  # decode on the state slots themselves
+    conv_step_inplace: Callable[..., torch.Tensor]
 
 
-NAIVE = KDABackend("naive", chunk_kda, recurrent_kda)
+NAIVE = KDABackend("naive", chunk_kda, recurrent_kda, naive.recurrent_inplace, naive.conv_step_inplace)
 
 
 def _fla_backend() -> KDABackend:
     from kestrel.ops.kda import fla  # imports fla-core and triton
 
-    return KDABackend("fla", fla.chunk, fla.recurrent)
+    return KDABackend("fla", fla.chunk, fla.recurrent, fla.recurrent_inplace, fla.conv_step_inplace)
 
 
 def get_kda_backend(device: torch.device) -> KDABackend:
     """The KDA backend for tensors on `device`, as KESTREL_KDA_BACKEND (auto | naive | fla) asks."""
     device = torch.device(device)
-    choice = read_env().kda_backend
+    env = read_env()
+    choice = env.kda_backend
     if choice == "naive":
         return NAIVE
     if choice == "fla":
-        if device.type != "cuda":
+        if device.type != "cuda" and not env.triton_interpret:
             raise RuntimeError(
                 f"KESTREL_KDA_BACKEND=fla needs a CUDA device, but the model is on {device}; "
                 "use KESTREL_KDA_BACKEND=naive or auto"

@@ -72,3 +72,42 @@ def recurrent(
         cu_seqlens=cu_seqlens,
     )
     return o.to(v.dtype), final_state
+
+
+def recurrent_inplace(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> torch.Tensor:
+    """Decode on the state slots themselves: q, k [N, 1, H, K], v [N, 1, H, V], g [N, 1, H, K], beta [N, 1, H];
+    state_pool [S, H, K, V] fp32; the state of sequence n is read from and written back to slot slots[n]
+    (fla's continuous-batching mode). Returns o [N, 1, H, V] in v.dtype."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    # the internal entry point indexes raw pointers: it needs contiguous inputs (the public one copies)
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    o, _ = fused_recurrent_kda_fwd(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=state_pool,
+        scale=scale,
+        inplace_final_state=True,
+        ssm_state_indices=slots,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+    )
+    return o.to(v.dtype)
+
+
+def conv_step_inplace(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor):
+    from kestrel.ops.kda.triton_conv import conv_step_inplace as kernel
+
+    return kernel(x, weight, conv_pool, slots)

@@ -252,3 +252,38 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     x = o.to(dtype)  # [..., V]
     x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
     return (weight.to(dtype) * x * torch.sigmoid(gate.to(dtype))).to(o.dtype)
+
+
+def recurrent_inplace(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> torch.Tensor:
+    """`recurrent_kda` for one token per sequence on the slots of `state_pool` [S, H, K, V]: gather, step,
+    scatter back. The contract of the fast backend's in-place kernel. Returns o [N, 1, H, V]."""
+    o, state = recurrent_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=state_pool[slots],
+        output_final_state=True,
+        use_qk_l2norm=use_qk_l2norm,
+    )
+    state_pool[slots] = state.to(state_pool.dtype)
+    return o
+
+
+def conv_step_inplace(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor):
+    """`short_conv_step` on the windows of `conv_pool` [S, C, W - 1] at `slots`, advancing them in place."""
+    y, window = short_conv_step(x, weight, conv_pool[slots])
+    conv_pool[slots] = window.to(conv_pool.dtype)
+    return y

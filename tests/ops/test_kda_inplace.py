@@ -1,0 +1,48 @@
+"""KDA decode on the state slots themselves: the Triton conv-window step and fla-core's in-place recurrence
+equal the gather / step / scatter references; slots not in the batch are untouched. The Triton kernels run
+in Triton's interpreter on CPU (tests/conftest.py switches it on)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.ops.kda import naive
+
+triton = pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("W,C", [(4, 48), (2, 300), (4, 513)])
+def test_conv_step_inplace_kernel(W, C):
+    from kestrel.ops.kda.triton_conv import conv_step_inplace
+
+    g = torch.Generator().manual_seed(W + C)
+    N, S = 3, 7
+    x = torch.randn(N, C, generator=g).to(DEVICE)
+    weight = torch.randn(C, W, generator=g).to(DEVICE)
+    pool = torch.randn(S, C, W - 1, generator=g).to(DEVICE)
+    slots = torch.tensor([5, 0, 2], device=DEVICE)
+    ref_pool = pool.clone()
+    ref = naive.conv_step_inplace(x, weight, ref_pool, slots)
+    got = conv_step_inplace(x, weight, pool, slots, block=128)
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool, ref_pool)  # the windows advanced exactly like the reference's, others untouched
+
+
+def test_fla_recurrent_inplace_matches_reference():
+    fla = pytest.importorskip("kestrel.ops.kda.fla")
+    g = torch.Generator().manual_seed(0)
+    N, H, K, S = 3, 2, 16, 6
+    qkv = torch.randn(N, 3 * H * K, generator=g).to(DEVICE)  # split views are not contiguous, as in the layer
+    q, k, v = (t.reshape(N, 1, H, K) for t in qkv.split(H * K, dim=-1))
+    gate = -torch.rand(N, 1, H, K, generator=g).to(DEVICE)
+    beta = torch.rand(N, 1, H, generator=g).to(DEVICE)
+    pool = torch.randn(S, H, K, K, generator=g).to(DEVICE)
+    slots = torch.tensor([4, 1, 2], device=DEVICE)
+    ref_pool = pool.clone()
+    ref = naive.recurrent_inplace(q, k, v, gate, beta, ref_pool, slots, use_qk_l2norm=True)
+    got = fla.recurrent_inplace(q, k, v, gate, beta, pool, slots, use_qk_l2norm=True)
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(pool, ref_pool, atol=1e-4, rtol=1e-4)
+    assert torch.equal(pool[[0, 3, 5]], ref_pool[[0, 3, 5]])
