@@ -11,6 +11,8 @@ Sections:
   engine_decode  engine decode tokens/s on mini at batch 64/8/1, CUDA graphs on and off
   profile_decode where a decode step's GPU time goes (torch.profiler, top kernels)
   engine_bench   offline throughput (512 x 1K/256) and the transformers peer at batch 64
+  bench_kernels  `kestrel bench kernels`: each kernel vs the ceilings of the run
+  bench_decode   `kestrel bench decode`: MBU at batch 1/8/64/256, 4K and 128K contexts, DSA vs dense
 """
 
 from __future__ import annotations
@@ -525,6 +527,21 @@ def gpu_tests() -> dict:
     return {"returncode": proc.returncode, "summary": tail}
 
 
+def bench_kernels() -> dict:
+    from kestrel.bench.kernels import kernels_bench
+
+    return kernels_bench()
+
+
+def bench_decode() -> dict:
+    """Issue 4's decode targets: MBU at batch 1 and 256 (4K context), and the DSA step at 128K against 4K
+    (batch 1 and 8), with dense MLA beside it."""
+    from kestrel.bench.decode import decode_bench
+
+    os.environ["KESTREL_MOE_GROUPED_MM"] = _probe_grouped_mm()
+    return decode_bench("mini", batches=(1, 8, 64, 256), contexts=(4096, 131072))
+
+
 SECTIONS = {
     "ceilings": ceilings,
     "foundation": foundation,
@@ -533,6 +550,8 @@ SECTIONS = {
     "engine_decode": engine_decode,
     "profile_decode": profile_decode,
     "engine_bench": engine_bench,
+    "bench_kernels": bench_kernels,
+    "bench_decode": bench_decode,
 }
 
 

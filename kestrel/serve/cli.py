@@ -164,12 +164,50 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kestrel.bench import agent  # stdlib-only at import; httpx and matplotlib load when it runs
 
-    bench = sub.add_parser("bench", help="benchmarks against a running server (agent)")
+    bench = sub.add_parser(
+        "bench", help="benchmarks: agent (against a server), decode and kernels (on a GPU)"
+    )
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     a = benchmarks.add_parser("agent", help="multi-turn agentic sweep against any OpenAI-compatible server")
     agent.add_arguments(a)
     a.set_defaults(func=agent.cmd_bench_agent)
+    d = benchmarks.add_parser("decode", help="engine decode step vs the HBM roofline (GPU)")
+    d.add_argument("--model", default="mini", help="preset or checkpoint folder (default: mini)")
+    d.add_argument("--batches", type=_int_list, default=[1, 64, 256], help="comma-separated batch sizes")
+    d.add_argument("--contexts", type=_int_list, default=[4096], help="comma-separated context lengths")
+    d.add_argument("--steps", type=_positive_int, default=24)
+    d.add_argument("--no-dense", action="store_true", help="skip the dense-MLA contrast")
+    d.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    d.set_defaults(func=_bench("decode"))
+    k = benchmarks.add_parser(
+        "kernels", help="each fast-path kernel vs the ceilings measured in the run (GPU)"
+    )
+    k.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    k.set_defaults(func=_bench("kernels"))
     return parser
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _bench(name: str):
+    def run(args) -> int:
+        if name == "decode":
+            from kestrel.bench.decode import cmd_bench_decode
+
+            return cmd_bench_decode(args)
+        from kestrel.bench.kernels import cmd_bench_kernels
+
+        return cmd_bench_kernels(args)
+
+    return run
 
 
 def _lengths(text: str) -> tuple[int, ...]:

@@ -1,0 +1,191 @@
+"""`kestrel bench decode`: the engine's decode step on a GPU, against the HBM roofline of the same run.
+
+Requests are placed directly in decode at a given context (slots and pages allocated, the pools filled with
+random values: a decode step's time does not depend on them), so 128K contexts need no prefill. Per batch
+size the step is timed through `Engine.step()` (what a user gets: scheduling, sampling and Python included)
+and as the bare CUDA-graph replay. MBU = bytes a step must move / step time / measured copy bandwidth, with
+bytes = weights touched (every dense weight, the experts the batch hits, the LM head) + KDA state read and
+written + the MLA/DSA cache read (indexer keys of every position, latent rows of the selected ones).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from kestrel.bench.roofline import gpu_time_ms, measure_ceilings, require_cuda
+from kestrel.config import MOE, EngineConfig
+from kestrel.engine.engine import Engine
+from kestrel.engine.request import Request, Status
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.layers.mla import MLAttention
+from kestrel.models.kimi import KimiForCausalLM
+from kestrel.models.loader import build_model
+
+
+def step_bytes(model: KimiForCausalLM, batch: int, context: int, dense: bool = False) -> dict:
+    """Bytes one decode step must move, by part (model-spec sizes, bf16 weights and cache, fp32 KDA state)."""
+    c = model.config
+    elt = model.lm_head.weight.element_size()
+    weights = experts = 0
+    for name, p in model.named_parameters():
+        if name == "model.embed_tokens.weight":
+            weights += batch * p.shape[1] * p.element_size()  # only the rows looked up
+        elif ".experts." in name:
+            experts += p.numel() * p.element_size()
+        else:
+            weights += p.numel() * p.element_size()
+    moe_layers = sum(t == MOE for t in c.mlp_types)
+    if moe_layers:
+        hit = c.num_experts * (1 - (1 - c.num_experts_per_token / c.num_experts) ** batch)
+        experts = experts * hit / c.num_experts
+    state = (
+        len(c.kda_layer_ids)
+        * batch
+        * 2
+        * (c.kda_num_heads * c.kda_head_dim**2 * 4 + 3 * c.kda_proj_dim * (c.kda_conv_size - 1) * elt)
+    )
+    read = context if dense or not c.use_dsa else min(context, c.index_topk)
+    kv = len(c.mla_layer_ids) * batch * read * c.kv_cache_dim * elt
+    index = 0 if dense or not c.use_dsa else len(c.mla_layer_ids) * batch * context * c.index_head_dim * elt
+    parts = {"weights": weights, "experts": experts, "kda_state": state, "mla_kv": kv, "indexer_keys": index}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def place_in_decode(engine: Engine, batch: int, context: int, steps: int, seed: int = 0) -> list[Request]:
+    """`batch` requests that have `context` tokens cached and are ready to decode `steps` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.model.config.vocab_size
+    reqs = []
+    for i in range(batch):
+        prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
+        req = Request(
+            f"bench-{seed}-{i}",
+            prompt,
+            SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True),
+            seed,
+            context + steps + 8,
+        )
+        req.slot = engine.state_pool.alloc()
+        req.pages = engine.kv_pool.alloc(engine.kv_pool.pages_for(context + steps + 8))
+        if req.slot is None or req.pages is None:
+            raise RuntimeError(f"the pools cannot hold {batch} requests of {context} tokens")
+        req.output_ids = [int(prompt[-1])]
+        req.num_computed = context
+        req.status = Status.RUNNING
+        engine.requests[req.request_id] = req
+        engine.scheduler.running.append(req)
+        reqs.append(req)
+    return reqs
+
+
+@torch.no_grad()
+def fill_pools(engine: Engine) -> None:
+    for t in (*engine.kv_pool.kv.values(), *engine.kv_pool.index_k.values()):
+        t.normal_(0, 0.5)
+    for t in engine.state_pool.ssm.values():
+        t.normal_(0, 0.05)
+
+
+def _set_dense(engine: Engine, dense: bool) -> None:
+    for m in engine.model.modules():
+        if isinstance(m, MLAttention) and m.indexer is not None:
+            m.indexer.topk = None if dense else engine.model.config.index_topk
+
+
+def decode_bench(
+    model: str = "mini",
+    batches: tuple[int, ...] = (1, 64, 256),
+    contexts: tuple[int, ...] = (4096,),
+    steps: int = 24,
+    dense_contrast: bool = True,
+) -> dict:
+    require_cuda("kestrel bench decode")
+    ceilings = measure_ceilings()
+    net = build_model(model, dtype=torch.bfloat16, device="cuda", seed=0, init_on_device=True)
+    max_ctx = max(contexts) + steps + 64
+    max_batch = max(batches)
+    runs = []
+    for context in contexts:
+        batch_sizes = [b for b in batches if b * (context + steps + 64) <= 4 * 1024 * 1024] or [1]
+        cfg = EngineConfig(
+            model=model,
+            max_running_requests=max(batch_sizes),
+            max_model_len=max_ctx,
+            enable_prefix_cache=False,
+            cuda_graph_max_bs=max(batch_sizes),
+        )
+        engine = Engine(cfg, model=net)
+        fill_pools(engine)
+        modes = [False, True] if dense_contrast and net.config.use_dsa else [False]
+        for b in batch_sizes:
+            for dense in modes:
+                _set_dense(engine, dense)
+                reqs = place_in_decode(engine, b, context, steps + 4)
+                for _ in range(3):
+                    engine.step()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    engine.step()
+                torch.cuda.synchronize()
+                step_ms = 1000 * (time.perf_counter() - start) / steps
+                replay_ms = (
+                    gpu_time_ms(
+                        lambda reqs=reqs, runner=engine.runner: runner._replay(reqs), warmup=2, iters=10
+                    )
+                    if engine.runner.use_cuda_graph and b <= engine.runner.graph_sizes[-1]
+                    else None
+                )
+                parts = step_bytes(net, b, context, dense)
+                mbu = parts["total"] / (step_ms * 1e-3) / (ceilings["copy_TBps"] * 1e12)
+                run = {
+                    "batch": b,
+                    "context": context,
+                    "attention": "dense MLA" if dense else "DSA",
+                    "step_ms": step_ms,
+                    "graph_replay_ms": replay_ms,
+                    "tokens_per_s": b / (step_ms * 1e-3),
+                    "bytes": parts,
+                    "mbu": mbu,
+                    "mbu_graph_replay": parts["total"] / (replay_ms * 1e-3) / (ceilings["copy_TBps"] * 1e12)
+                    if replay_ms
+                    else None,
+                }
+                runs.append(run)
+                print(
+                    f"decode b={b:4d} ctx={context:6d} {run['attention']:9s} step {step_ms:7.2f} ms "
+                    f"(replay {replay_ms or float('nan'):6.2f} ms)  {run['tokens_per_s']:9.0f} tok/s  "
+                    f"MBU {mbu:5.1%}",
+                    flush=True,
+                )
+                for r in reqs:
+                    engine.abort(r.request_id)
+                engine.step()
+        _set_dense(engine, False)
+        engine = None  # noqa: F841 - free its pools before the next context
+        torch.cuda.empty_cache()
+    return {
+        "benchmark": "decode",
+        "model": model,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "ceilings": ceilings,
+        "max_batch": max_batch,
+        "steps": steps,
+        "runs": runs,
+    }
+
+
+def cmd_bench_decode(args) -> int:
+    result = decode_bench(
+        args.model, tuple(args.batches), tuple(args.contexts), args.steps, not args.no_dense
+    )
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0

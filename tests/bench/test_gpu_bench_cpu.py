@@ -1,0 +1,33 @@
+"""The GPU benchmarks' CPU-side parts: the byte model of a decode step, and clear errors without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.bench.decode import step_bytes
+from kestrel.models.loader import build_model
+from kestrel.serve.cli import main
+
+
+def test_decode_step_bytes_model():
+    model = build_model("tiny", seed=0)
+    c = model.config
+    one = step_bytes(model, batch=1, context=4096)
+    many = step_bytes(model, batch=64, context=4096)
+    dense = step_bytes(model, batch=1, context=4096, dense=True)
+    assert one["total"] == sum(v for k, v in one.items() if k != "total")
+    # DSA reads index_topk latent rows but scores every position's indexer key; dense reads every row
+    assert one["mla_kv"] == len(c.mla_layer_ids) * c.index_topk * c.kv_cache_dim * 4
+    assert one["indexer_keys"] == len(c.mla_layer_ids) * 4096 * c.index_head_dim * 4
+    assert dense["mla_kv"] == len(c.mla_layer_ids) * 4096 * c.kv_cache_dim * 4 and dense["indexer_keys"] == 0
+    assert many["kda_state"] == 64 * one["kda_state"] and many["experts"] > one["experts"]
+    assert many["experts"] <= sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n) + 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a CPU-only machine gives")
+@pytest.mark.parametrize("bench", ["decode", "kernels"])
+def test_gpu_benchmarks_need_cuda(bench, capsys):
+    assert main(["bench", bench]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs a CUDA device" in err[0]
