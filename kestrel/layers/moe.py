@@ -130,15 +130,24 @@ class MoE(nn.Module):
             ids = ctx.routing_replay[self.layer_id]  # [T, A]
             weights = replay_route(logits, ids, self.renormalize, self.scaling)
         else:
-            weights, ids = route(
-                logits,
-                self.gate.e_score_correction_bias,
-                self.top_k,
-                self.renormalize,
-                self.scaling,
-                self.groups,
-                self.topk_groups,
-            )  # [T, A] fp32, [T, A]
+            if (
+                logits.is_cuda and self.groups == 1 and not torch.is_grad_enabled()
+            ):  # one fused kernel, no autograd
+                from kestrel.ops.moe.triton_router import route_triton
+
+                weights, ids = route_triton(
+                    logits, self.gate.e_score_correction_bias, self.top_k, self.renormalize, self.scaling
+                )
+            else:
+                weights, ids = route(
+                    logits,
+                    self.gate.e_score_correction_bias,
+                    self.top_k,
+                    self.renormalize,
+                    self.scaling,
+                    self.groups,
+                    self.topk_groups,
+                )  # [T, A] fp32, [T, A]
         if ctx is not None and ctx.routing_capture is not None:
             ctx.routing_capture[self.layer_id] = ids
         ids = ids - self.experts.first  # global -> local ids (single rank: unchanged)
