@@ -13,6 +13,7 @@ Sections:
   engine_bench   offline throughput (512 x 1K/256) and the transformers peer at batch 64
   bench_kernels  `kestrel bench kernels`: each kernel vs the ceilings of the run
   bench_decode   `kestrel bench decode`: MBU at batch 1/8/64/256, 4K and 128K contexts, DSA vs dense
+  cache_targets  issue 6: TTFT with a 32K cached history, agent reuse, host tier at a 25% GPU pool
 """
 
 from __future__ import annotations
@@ -527,6 +528,119 @@ def gpu_tests() -> dict:
     return {"returncode": proc.returncode, "summary": tail}
 
 
+def _ttft_ms(engine, prompt: list[int]) -> float:
+    """Time from submitting one request to its first token, the engine otherwise idle."""
+    from kestrel.engine.sampling_params import SamplingParams
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while True:
+        outs = [o for o in engine.step() if o.request_id == rid and o.new_token_ids]
+        if outs:
+            break
+    torch.cuda.synchronize()
+    ms = 1000 * (time.perf_counter() - start)
+    while engine.has_unfinished():
+        engine.step()
+    return ms
+
+
+def _serve(args: list[str], port: int):
+    """`kestrel serve` on this machine, in the background; returns the process once /health answers."""
+    import urllib.request
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kestrel.serve.cli", "serve", "--port", str(port), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=open(f"/tmp/serve-{port}.log", "w"),
+    )
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return proc
+        except Exception:  # noqa: BLE001 - still starting
+            if proc.poll() is not None:
+                raise RuntimeError(open(f"/tmp/serve-{port}.log").read()[-2000:]) from None
+            time.sleep(1)
+    raise RuntimeError("the server did not come up")
+
+
+def cache_targets() -> dict:
+    """Issue 6's targets on mini: (1) TTFT of a turn with a 32K cached history and a 500-token append vs the
+    same turn with the cache off; (2) reuse of reusable tokens in the agent workload with enough memory;
+    (3) agent throughput with the GPU pool at 25% of the working set, host tier on vs off."""
+    from kestrel.bench.agent import AgentBenchConfig, Spread, run_sweep
+    from kestrel.config import EngineConfig
+    from kestrel.engine.engine import Engine
+    from kestrel.models.loader import build_model
+
+    os.environ["KESTREL_MOE_GROUPED_MM"] = _probe_grouped_mm()
+    result: dict = {}
+    net = build_model("mini", dtype=torch.bfloat16, device="cuda", seed=0, init_on_device=True)
+    g = torch.Generator().manual_seed(0)
+    history = torch.randint(3, 30000, (32768,), generator=g).tolist()
+    turn = history + torch.randint(3, 30000, (500,), generator=g).tolist()
+    for cache in (False, True):
+        engine = Engine(
+            EngineConfig(
+                model="mini",
+                max_running_requests=4,
+                max_model_len=40000,
+                enable_prefix_cache=cache,
+                chunked_prefill_size=8192,
+            ),
+            model=net,
+        )
+        _ttft_ms(engine, history[:1000])  # warm-up (compilation)
+        if cache:
+            _ttft_ms(
+                engine, history + [5]
+            )  # the previous turn: leaves a checkpoint at the end of the history
+        result[f"ttft_ms_cache_{'on' if cache else 'off'}"] = _ttft_ms(engine, turn)
+        engine = None  # noqa: F841
+        torch.cuda.empty_cache()
+    result["ttft_ratio"] = result["ttft_ms_cache_on"] / result["ttft_ms_cache_off"]
+    print("ttft", json.dumps(result), flush=True)
+    del net
+    torch.cuda.empty_cache()
+
+    workload = dict(
+        concurrency=(8,),
+        turns=4,
+        history_tokens=8192,
+        append_tokens=Spread("uniform", 100, 2000),
+        reply_tokens=Spread("uniform", 50, 200),
+        think_time_s=Spread("uniform", 0, 0.5),
+        chars_per_token=1.0,
+    )
+    base = ["--model", "mini", "--max-running-requests", "16", "--max-model-len", "20000"]
+    for name, extra in (
+        ("enough_memory", []),
+        ("gpu_25pct_no_host", ["--kv-cache-gb", "0.4"]),
+        ("gpu_25pct_host", ["--kv-cache-gb", "0.4", "--hicache-host-gb", "16"]),
+    ):
+        proc = _serve(base + extra, 8123)
+        try:
+            sweep = run_sweep(
+                AgentBenchConfig(base_url="http://127.0.0.1:8123/v1", **workload), progress=False
+            )
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        level = sweep["levels"][0]["summary"]
+        result[name] = {
+            "output_tokens_per_s": level["output_tokens_per_s"],
+            "server_cache": level["server_cache"],
+            "ttft_s": level["ttft_s"],
+        }
+        print(name, json.dumps(result[name])[:400], flush=True)
+    result["host_tier_speedup"] = (
+        result["gpu_25pct_host"]["output_tokens_per_s"] / result["gpu_25pct_no_host"]["output_tokens_per_s"]
+    )
+    return result
+
+
 def bench_kernels() -> dict:
     from kestrel.bench.kernels import kernels_bench
 
@@ -552,6 +666,7 @@ SECTIONS = {
     "engine_bench": engine_bench,
     "bench_kernels": bench_kernels,
     "bench_decode": bench_decode,
+    "cache_targets": cache_targets,
 }
 
 

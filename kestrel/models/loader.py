@@ -77,14 +77,18 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
-    init_on_device: bool = False,
+    init_on_device: bool | None = None,
 ) -> KimiForCausalLM:
-    """A preset name (random weights, seeded; drawn on `device` when `init_on_device`) or a checkpoint folder
-    (config.json + safetensors)."""
+    """A preset name (random weights, seeded) or a checkpoint folder (config.json + safetensors).
+
+    Random weights are drawn on `device` when `init_on_device` (default: on CUDA, where billions of CPU draws
+    would take a minute); the same seed then gives the same weights on every GPU, and others on the CPU."""
     path = Path(model)
     if not path.exists() and model in PRESETS:
         config = preset_config(model)
         with torch.device(device):
+            if init_on_device is None:
+                init_on_device = torch.device(device).type == "cuda"
             rng = device if init_on_device else "cpu"
             return init_random_weights(KimiForCausalLM(config, dtype), seed, rng_device=rng).to(device)
     if not path.exists():
