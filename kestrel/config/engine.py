@@ -1,0 +1,73 @@
+"""`EngineConfig`: how the serving engine runs a model (the CLI and `LLM(...)` build one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kestrel.utils.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to run a model: the serving engine's settings (the CLI and `LLM(...)` build one)."""
+
+    model: str = "tiny"  # checkpoint folder or preset name (random weights)
+    tokenizer: str | None = (
+        None  # folder with tokenizer.json; default: the model folder, else the byte tokenizer
+    )
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA, fp32 on CPU)
+    device: str = "auto"
+    seed: int = 0  # random-weight presets
+    max_running_requests: int = 64  # = KDA state slots
+    page_size: int = 64
+    mem_fraction: float = 0.85  # of the GPU memory free after weights and state slots, for KV pages
+    kv_cache_bytes: int | None = None  # explicit KV budget (default on CPU: 256 MiB)
+    max_model_len: int | None = None  # context limit (default: the model's, capped by the KV pool)
+    chunked_prefill_size: int = 2048  # tokens per step (prefill chunks + decode tokens)
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
+    max_queued_requests: int = 4096  # server: past this many waiting requests, answer 503
+    enable_prefix_cache: bool = True  # radix tree over KV pages + KDA state checkpoints
+    checkpoint_interval: int = (
+        1024  # save a KDA checkpoint every this many prefill tokens (multiple of pages)
+    )
+    num_checkpoints: int | None = None  # checkpoint slots (default: 2 per running request, at least 16)
+    # HiCache: what the GPU evicts from the prefix cache goes to host memory, and from there to disk.
+    hicache_host_bytes: int = 0  # host tier size (pinned with CUDA); 0 = off
+    hicache_disk_dir: str | None = None  # disk tier folder (below the host tier); None = no disk tier
+    hicache_disk_bytes: int = 0  # disk tier size cap
+
+    def __post_init__(self):
+        problems = []
+        if self.max_running_requests < 1:
+            problems.append("max_running_requests must be >= 1")
+        if self.page_size < 1:
+            problems.append("page_size must be >= 1")
+        if not 0 < self.mem_fraction <= 1:
+            problems.append("mem_fraction must be in (0, 1]")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            problems.append("kv_cache_bytes must be > 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            problems.append("max_model_len must be >= 2")
+        if self.chunked_prefill_size < 1:
+            problems.append("chunked_prefill_size must be >= 1")
+        if self.max_queued_requests < 1:
+            problems.append("max_queued_requests must be >= 1")
+        if self.checkpoint_interval < 0 or (
+            self.checkpoint_interval and self.checkpoint_interval % self.page_size
+        ):
+            problems.append("checkpoint_interval must be a multiple of page_size (0 = off)")
+        if self.num_checkpoints is not None and self.num_checkpoints < 1:
+            problems.append("num_checkpoints must be >= 1")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            problems.append(f"dtype {self.dtype!r} must be auto, float32, bfloat16 or float16")
+        if self.hicache_host_bytes < 0 or self.hicache_disk_bytes < 0:
+            problems.append("hicache_host_bytes and hicache_disk_bytes must be >= 0")
+        if self.hicache_host_bytes and not self.enable_prefix_cache:
+            problems.append("the hicache tiers extend the prefix cache: enable_prefix_cache must be on")
+        if (self.hicache_disk_dir is None) != (self.hicache_disk_bytes == 0):
+            problems.append("hicache_disk_dir and hicache_disk_bytes go together (both set, or neither)")
+        if self.hicache_disk_dir is not None and not self.hicache_host_bytes:
+            problems.append("the hicache disk tier sits below the host tier: set hicache_host_bytes too")
+        if problems:
+            raise ConfigError("; ".join(problems))

@@ -1,0 +1,57 @@
+"""`TrainConfig`: the settings of `kestrel train`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kestrel.utils.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """`kestrel train`: pretraining / SFT of a preset (or a checkpoint) on the procedural task mixture."""
+
+    out_dir: str
+    model: str = "demo"  # preset name (random init) or checkpoint folder to continue from
+    tokenizer: str | None = (
+        None  # folder with tokenizer.json; default: <out_dir>/tokenizer, trained if missing
+    )
+    seed: int = 0
+    steps: int = 1000
+    batch_rows: int = 16  # B: rows per step
+    row_len: int = 4096  # R: tokens per row (documents never cross rows)
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    dsa_dense_steps: int = 200  # dense warm-up: attention over all visible tokens, the indexer learns by KL
+    indexer_kl_weight: float = 1.0
+    bias_update_rate: float = 1e-3  # aux-loss-free MoE balancing: bias += rate * sign(mean load - load)
+    checkpoint_every: int = 500
+    log_every: int = 10
+    time_budget_s: float | None = None  # stop (and checkpoint) after this much training time
+    device: str = "auto"
+    data_workers: int = 0
+    retrieval_lengths: tuple[int, ...] = (
+        2048,
+    )  # context lengths of the retrieval family's training documents
+
+    def __post_init__(self):
+        checks = [
+            (self.steps >= 1, "steps must be >= 1"),
+            (self.batch_rows >= 1 and self.row_len >= 16, "batch_rows >= 1 and row_len >= 16"),
+            (self.lr > 0 and 0 <= self.min_lr_ratio <= 1, "lr > 0 and min_lr_ratio in [0, 1]"),
+            (self.warmup_steps >= 0 and self.dsa_dense_steps >= 0, "warmup and dsa_dense steps must be >= 0"),
+            (self.grad_clip > 0, "grad_clip must be > 0"),
+            (
+                self.checkpoint_every >= 1 and self.log_every >= 1,
+                "checkpoint_every and log_every must be >= 1",
+            ),
+            (all(n < self.row_len for n in self.retrieval_lengths), "retrieval_lengths must fit in row_len"),
+        ]
+        bad = [msg for ok, msg in checks if not ok]
+        if bad:
+            raise ConfigError("; ".join(bad))

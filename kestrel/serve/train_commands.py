@@ -1,0 +1,76 @@
+"""The bodies of `kestrel train` and `kestrel eval` (the parser is in `kestrel.serve.cli`); the trainer and
+the evaluator are imported when the command runs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from kestrel.utils.errors import KestrelError
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise KestrelError(f"expected comma-separated token counts, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise KestrelError(f"token counts must be positive, got {text!r}")
+    return values
+
+
+def cmd_train(args) -> int:
+    import json
+
+    from kestrel.config import TrainConfig
+    from kestrel.train.trainer import Trainer
+
+    cfg = TrainConfig(
+        out_dir=str(args.out),
+        model=args.model,
+        tokenizer=args.tokenizer,
+        seed=args.seed,
+        steps=args.steps,
+        batch_rows=args.batch_rows,
+        row_len=args.row_len,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        dsa_dense_steps=args.dsa_dense_steps,
+        retrieval_lengths=_lengths(args.retrieval_lengths),
+        checkpoint_every=args.checkpoint_every,
+        time_budget_s=args.time_budget_s,
+        device=args.device,
+        data_workers=args.data_workers,
+    )
+    try:
+        trainer = Trainer(cfg)
+    except ValueError as e:
+        raise KestrelError(str(e)) from None
+    summary = trainer.train()
+    (Path(args.out) / "train_summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    print(
+        f"[kestrel] checkpoint in {args.out}/checkpoint, loss curve in {args.out}/loss.png", file=sys.stderr
+    )
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import json
+
+    from kestrel.train.evaluate import EvalConfig, evaluate, format_table
+
+    cfg = EvalConfig(
+        model=args.model,
+        num_per_family=args.num,
+        num_retrieval=args.num_retrieval,
+        retrieval_lengths=_lengths(args.retrieval_lengths),
+        max_new_tokens=args.max_new_tokens,
+        device=args.device,
+        dense_contrast=not args.no_dense_contrast,
+    )
+    result = evaluate(cfg)
+    print(format_table(result))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
