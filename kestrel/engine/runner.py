@@ -78,14 +78,11 @@ class ModelRunner:
     def _decode_inputs(self, reqs: list[Request], width: int, size: int):
         """ids, positions, slots, page table [size, width], lens and write rows; rows past len(reqs) are
         padding: dummy slot 0, dummy page 0, length 1."""
-        ps = self.kv_pool.page_size
-        ids = torch.zeros(size, dtype=torch.int64)
-        pos = torch.zeros(size, dtype=torch.int64)
-        slots = torch.zeros(size, dtype=torch.int64)
-        table = torch.zeros(size, width, dtype=torch.int64)
-        for i, r in enumerate(reqs):
-            ids[i], pos[i], slots[i] = r.all_ids[-1], r.num_tokens - 1, r.slot
-            table[i, : len(r.pages)] = torch.tensor(r.pages)
+        ps, pad = self.kv_pool.page_size, size - len(reqs)
+        ids = torch.tensor([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs] + [0] * pad)
+        pos = torch.tensor([r.num_tokens - 1 for r in reqs] + [0] * pad)
+        slots = torch.tensor([r.slot for r in reqs] + [0] * pad)
+        table = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in reqs] + [[0] * width] * pad)
         lens = pos + 1
         rows = table.gather(1, (pos // ps)[:, None])[:, 0] * ps + pos % ps
         return ids, pos, slots, table, lens, rows
