@@ -26,8 +26,6 @@ class Env:
     """KESTREL_KDA_BACKEND: auto (fla-core on CUDA, reference elsewhere) | naive | fla."""
     log_level: str
     """KESTREL_LOG_LEVEL: debug | info | warning | error."""
-    debug_naive_loop: bool
-    """KESTREL_NAIVE_LOOP: run the engine's simple non-overlapped loop (the debugging oracle)."""
     attn_backend: str
     """KESTREL_ATTN_BACKEND: MLA/DSA decode over the paged cache: auto (Triton kernels on CUDA) | torch | triton."""
     moe_grouped_mm: str
@@ -41,7 +39,6 @@ def read_env() -> Env:
     return Env(
         kda_backend=_str("KESTREL_KDA_BACKEND", "auto", ("auto", "naive", "fla")),
         log_level=_str("KESTREL_LOG_LEVEL", "info", ("debug", "info", "warning", "error")),
-        debug_naive_loop=_bool("KESTREL_NAIVE_LOOP", False),
         attn_backend=_str("KESTREL_ATTN_BACKEND", "auto", ("auto", "torch", "triton")),
         triton_interpret=_bool("TRITON_INTERPRET", False),
         moe_grouped_mm=_str("KESTREL_MOE_GROUPED_MM", "auto", ("auto", "off")),

@@ -22,7 +22,7 @@ from kestrel.config import MOE, EngineConfig
 from kestrel.engine.engine import Engine
 from kestrel.engine.request import Request, Status
 from kestrel.engine.sampling_params import SamplingParams
-from kestrel.layers.mla import MLAttention
+from kestrel.layers.mla import set_dense_attention
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
 
@@ -92,12 +92,6 @@ def fill_pools(engine: Engine) -> None:
         t.normal_(0, 0.05)
 
 
-def _set_dense(engine: Engine, dense: bool) -> None:
-    for m in engine.model.modules():
-        if isinstance(m, MLAttention) and m.indexer is not None:
-            m.indexer.topk = None if dense else engine.model.config.index_topk
-
-
 def decode_bench(
     model: str = "mini",
     batches: tuple[int, ...] = (1, 64, 256),
@@ -125,7 +119,7 @@ def decode_bench(
         modes = [False, True] if dense_contrast and net.config.use_dsa else [False]
         for b in batch_sizes:
             for dense in modes:
-                _set_dense(engine, dense)
+                set_dense_attention(engine.model, dense)
                 reqs = place_in_decode(engine, b, context, steps + 4)
                 for _ in range(3):
                     engine.step()
@@ -167,7 +161,7 @@ def decode_bench(
                 for r in reqs:
                     engine.abort(r.request_id)
                 engine.step()
-        _set_dense(engine, False)
+        set_dense_attention(engine.model, False)
         engine = None  # noqa: F841 - free its pools before the next context
         torch.cuda.empty_cache()
     return {

@@ -18,7 +18,7 @@ from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import StatePool, copy_state
 from kestrel.config import EngineConfig, ModelConfig
 from kestrel.engine.outputs import StepOutput
-from kestrel.engine.request import Request, Status
+from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner
 from kestrel.engine.sampler import Sampler
 from kestrel.engine.sampling_params import SamplingParams
@@ -389,10 +389,6 @@ class Engine:
             stats[f"cache_{tier}_hit_tokens"] = hits
             stats[f"cache_{tier}_hit_rate"] = rate(hits)
         return stats
-
-    def status_of(self, request_id: str) -> Status | None:
-        r = self.requests.get(request_id)
-        return None if r is None else r.status
 
 
 def _tokenizer_for(config: EngineConfig) -> Tokenizer:

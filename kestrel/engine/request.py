@@ -37,7 +37,6 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     detok_text: str = ""  # decoded output, kept only for requests with stop strings
-    detok_ids: int = 0
     # Prefix cache: the locked tree node this request resumed from, the checkpoint slot to restore before its
     # first chunk, the positions where a chunk must end so that its KDA state is saved, and the decode-time
     # tracking slot holding the state at the last page boundary (`track_len` tokens).
@@ -46,7 +45,6 @@ class Request:
     checkpoint_at: list[int] = field(default_factory=list)
     track_slot: int | None = None
     track_len: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
 
     @property
     def num_tokens(self) -> int:

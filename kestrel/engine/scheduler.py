@@ -179,7 +179,6 @@ class Scheduler:
         req.slot = self.state_pool.alloc()
         req.pages = shared + self.kv_pool.alloc(need)
         req.num_computed = reuse
-        req.num_cached_tokens = reuse
         req.cache_node, req.restore_from = node, (node.checkpoint if node is not None else None)
         req.checkpoint_at = self._plan_checkpoints(req, reuse, branch) if self.cache is not None else []
         req.status = Status.RUNNING

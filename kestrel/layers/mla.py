@@ -35,6 +35,8 @@ class Indexer(nn.Module):
             config.index_head_dim,
             config.index_topk,
         )
+        self.scale = self.head_dim**-0.5  # of the q . k dot products
+        self.config_topk = config.index_topk  # `topk` may be switched off (None = dense) and back
         q_in = config.q_lora_rank or config.hidden_size  # reads the MLA q latent when there is one
         q_out = self.n_heads * self.head_dim
         if config.q_lora_rank:
@@ -123,14 +125,15 @@ class MLAttention(nn.Module):
             out = out * torch.sigmoid(self.g_proj(x).float()).view(T, H, self.v_dim).to(out.dtype)
         return self.o_proj(out.reshape(T, H * self.v_dim))
 
-    def _select(self, ctx, i: int, scores_fn, q_pos: torch.Tensor) -> torch.Tensor:
-        """DSA selection of sequence i (or of the whole decode batch, i = -1): replayed or computed."""
+    def _select(self, ctx, i: int, scores_fn, q_pos: torch.Tensor, topk=topk_select) -> torch.Tensor:
+        """DSA selection of sequence i (or of the whole decode batch, i = -1): replayed, or computed by
+        `topk(scores_fn(), q_pos, k)`; captured when the context asks for it."""
         if ctx.selection_replay is not None:
             chosen = ctx.selection_replay[self.layer_id]
             return torch.cat(chosen) if i < 0 else chosen[i]  # [t, topk], chosen in an earlier pass
         if self.indexer.topk is None:  # dense attention requested (evaluation contrast)
             return None
-        indices = topk_select(scores_fn(), q_pos, self.indexer.topk)  # [t, topk]
+        indices = topk(scores_fn(), q_pos, self.indexer.topk)  # [t, topk]
         if ctx.selection_capture is not None:
             parts = list(indices.split(1)) if i < 0 else [indices]
             ctx.selection_capture.setdefault(self.layer_id, []).extend(parts)
@@ -148,10 +151,8 @@ class MLAttention(nn.Module):
             q_pos = ctx.positions[sl]
             indices = None
             if idx is not None:
-                scale = self.indexer.head_dim**-0.5
-                indices = self._select(
-                    ctx, i, partial(indexer_scores, idx[0][sl], idx_k, idx[1][sl], scale), q_pos
-                )
+                scores = partial(indexer_scores, idx[0][sl], idx_k, idx[1][sl], self.indexer.scale)
+                indices = self._select(ctx, i, scores, q_pos)
             outs.append(
                 mla_attention_absorbed(q_nope[sl], q_pe[sl], kv, w_uk, w_uv, q_pos, self.scale, indices)
             )
@@ -176,17 +177,19 @@ class MLAttention(nn.Module):
         if idx is not None and (
             sparse or ctx.selection_replay is not None or ctx.selection_capture is not None
         ):
-            scale = self.indexer.head_dim**-0.5
-
-            def scores():
-                return indexer_scores_paged_triton(idx[0], idx_pool, table, lens, idx[1], scale, page_size=ps)
-
-            if ctx.selection_replay is not None:
-                indices = torch.cat(ctx.selection_replay[self.layer_id])
-            elif self.indexer.topk is not None:
-                indices = topk_triton(scores(), lens, self.indexer.topk)  # [N, topk]
-                if ctx.selection_capture is not None:
-                    ctx.selection_capture.setdefault(self.layer_id, []).extend(indices.split(1))
+            scores = partial(
+                indexer_scores_paged_triton,
+                idx[0],
+                idx_pool,
+                table,
+                lens,
+                idx[1],
+                self.indexer.scale,
+                page_size=ps,
+            )
+            indices = self._select(
+                ctx, -1, scores, lens - 1, topk=lambda s, q_pos, k: topk_triton(s, q_pos + 1, k)
+            )
         return mla_decode_paged(q_nope, q_pe, kv_pool, table, ps, lens, w_uk, w_uv, self.scale, indices)
 
     def _attend_decode_gathered(self, ctx, q_nope, q_pe, w_uk, w_uv, idx) -> torch.Tensor:
@@ -194,10 +197,8 @@ class MLAttention(nn.Module):
         kv, idx_k, lens = ctx.cache.read_kv_batched(self.layer_id)  # [N, Lmax, R + Pr], [N, Lmax, DI], [N]
         indices = None
         if idx is not None:
-            scale = self.indexer.head_dim**-0.5
-            indices = self._select(
-                ctx, -1, lambda: indexer_scores_batched(idx[0], idx_k, idx[1], scale), lens - 1
-            )
+            scores = partial(indexer_scores_batched, idx[0], idx_k, idx[1], self.indexer.scale)
+            indices = self._select(ctx, -1, scores, lens - 1)
         return mla_decode_batched(q_nope, q_pe, kv, lens, w_uk, w_uv, self.scale, indices)  # [N, H, Dv]
 
     def _attend_rows(self, ctx, q_nope, q_pe, kv_new, idx) -> torch.Tensor:
@@ -242,7 +243,7 @@ class MLAttention(nn.Module):
         for j in range(q_i.shape[2]):
             term = torch.bmm(q_i[:, :, j].float(), k).relu() * w_i[:, :, j, None].float()  # [B, Q, R]
             out = term if out is None else out + term
-        return out * self.indexer.head_dim**-0.5
+        return out * self.indexer.scale
 
     def _indexer_kl(self, q_nope, q_pe, kv_new, idx_rows, allowed, B, R, samples: int = 64) -> torch.Tensor:
         """KL of the indexer against the attention of a strided sample of queries per row (targets detached);
@@ -266,6 +267,14 @@ class MLAttention(nn.Module):
         return indexer_kl(
             probs.permute(0, 2, 1, 3).reshape(B * Q, H, R), scores.reshape(B * Q, R), mask.reshape(B * Q, R)
         ) / (B * Q)
+
+
+def set_dense_attention(model: torch.nn.Module, dense: bool) -> None:
+    """Switch every DSA layer of `model` to dense attention over all visible tokens, or back to the
+    indexer's top-k selection (the config's index_topk), in place: the sparse-vs-dense contrast of evals."""
+    for module in model.modules():
+        if isinstance(module, MLAttention) and module.indexer is not None:
+            module.indexer.topk = None if dense else module.indexer.config_topk
 
 
 def _use_triton(device: torch.device) -> bool:

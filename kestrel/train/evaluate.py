@@ -12,7 +12,7 @@ from tqdm import tqdm
 from kestrel.config import EngineConfig
 from kestrel.engine.engine import Engine
 from kestrel.engine.sampling_params import SamplingParams
-from kestrel.layers.mla import MLAttention
+from kestrel.layers.mla import set_dense_attention
 from kestrel.train.chat_format import prompt_ids
 from kestrel.train.data import heldout_examples
 from kestrel.train.tasks import verify
@@ -32,13 +32,6 @@ class EvalConfig:
     device: str = "auto"
     max_running_requests: int = 64
     dense_contrast: bool = True
-
-
-def set_dense_attention(engine: Engine, dense: bool, topk: int) -> None:
-    """DSA on (the model's index_topk) or dense (every visible token), on the loaded model, in place."""
-    for module in engine.model.modules():
-        if isinstance(module, MLAttention) and module.indexer is not None:
-            module.indexer.topk = None if dense else topk
 
 
 def _accuracy(engine: Engine, examples, max_new_tokens: int, desc: str) -> dict:
@@ -100,9 +93,9 @@ def evaluate(cfg: EvalConfig) -> dict:
         entry = {}
         modes = [("dsa", False)] + ([("dense", True)] if cfg.dense_contrast and topk else [])
         for name, dense in modes:
-            set_dense_attention(engine, dense, topk)
+            set_dense_attention(engine.model, dense)
             entry[name] = _accuracy(engine, examples, 32, f"retrieval@{length}-{name}")
-        set_dense_attention(engine, False, topk)
+        set_dense_attention(engine.model, False)
         result["retrieval"][length] = entry
     return result
 
