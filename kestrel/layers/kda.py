@@ -13,7 +13,7 @@ from kestrel.config import ModelConfig
 from kestrel.layers.context import get_forward_context
 from kestrel.layers.linear import ColumnLinear, Linear, RowLinear, ShapeMismatch, copy_checked, set_loader
 from kestrel.layers.norm import RMSNorm
-from kestrel.ops.kda import gated_rms_norm, get_kda_backend, kda_gate, short_conv
+from kestrel.ops.kda import gated_rms_norm, get_kda_backend, kda_gate
 from kestrel.utils.dist import parallel_state
 
 QKV = ("q", "k", "v")
@@ -75,7 +75,9 @@ class KimiDeltaAttention(nn.Module):
         else:
             # Prefill / training: packed varlen sequences (B = 1), states read from and written to the cache.
             ssm, conv = cache.kda_state(self.layer_id) if cache is not None else (None, None)
-            qkv, conv_out = short_conv(qkv, self.conv_weight, conv, ctx.cu_seqlens)  # [T, 3P], [N, 3P, W-1]
+            qkv, conv_out = backend.short_conv(
+                qkv, self.conv_weight, conv, ctx.cu_seqlens
+            )  # [T, 3P], [N, 3P, W-1]
             q, k, v = (t.reshape(1, T, H, K) for t in qkv.split(self.proj_dim, dim=-1))
             g = kda_gate(f.view(1, T, H, K), self.A_log, self.dt_bias, self.lower_bound)
             o, ssm_out = backend.chunk(

@@ -152,7 +152,7 @@ class MLAttention(nn.Module):
             indices = None
             if idx is not None:
                 scores = partial(indexer_scores, idx[0][sl], idx_k, idx[1][sl], self.indexer.scale)
-                indices = self._select(ctx, i, scores, q_pos)
+                indices = self._select(ctx, i, scores, q_pos, topk=_topk_fn(q_pos.device))
             outs.append(
                 mla_attention_absorbed(q_nope[sl], q_pe[sl], kv, w_uk, w_uv, q_pos, self.scale, indices)
             )
@@ -220,7 +220,8 @@ class MLAttention(nn.Module):
                         B
                     )  # query positions within their row
                     masked = scores.masked_fill(~allowed, float("nan")).view(B * R, R)
-                    chosen = selection_mask(topk_select(masked, local, self.indexer.topk), R).view(B, R, R)
+                    topk = _topk_fn(masked.device)
+                    chosen = selection_mask(topk(masked, local, self.indexer.topk), R).view(B, R, R)
                     del scores, masked
                 allowed = allowed & chosen
             if ctx.extras.get("indexer_kl") is not None:
@@ -284,6 +285,16 @@ def _use_triton(device: torch.device) -> bool:
     if choice == "triton":
         return True  # on CPU this needs TRITON_INTERPRET=1 (the tests use it)
     return device.type == "cuda"
+
+
+def _topk_fn(device: torch.device):
+    """The exact DSA top-k for scores on `device`, with `topk_select`'s signature (scores, q_pos, k): the
+    Triton radix top-k where the attention backend is Triton, else the reference."""
+    if not _use_triton(device):
+        return topk_select
+    from kestrel.ops.dsa.triton_topk import topk_triton
+
+    return lambda scores, q_pos, k: topk_triton(scores, q_pos + 1, k)
 
 
 def _document_causal(ctx, B: int, R: int) -> torch.Tensor:

@@ -34,11 +34,14 @@ from kestrel.utils.device import resolve_device
 STATE_FILE = "trainer_state.pt"
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to min_lr_ratio * lr at the last step."""
+def lr_at(step: int, cfg: TrainConfig, elapsed_s: float = 0.0) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr at the last step, or at the end of the time
+    budget when that comes first (elapsed_s: training time so far), so a run cut by its budget still anneals."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    if cfg.time_budget_s:
+        progress = max(progress, elapsed_s / cfg.time_budget_s)
     cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
@@ -140,14 +143,15 @@ class Trainer:
         start, tokens_done = time.perf_counter(), 0
         while self.step < cfg.steps:
             batch = next(self.data)
-            lm, kl, imbalance = self.train_step(batch)
+            lr = lr_at(self.step, cfg, time.perf_counter() - start)
+            lm, kl, imbalance = self.train_step(batch, lr)
             tokens_done += batch.input_ids.numel()
             elapsed = time.perf_counter() - start
             record = {
                 "step": self.step,
                 "loss": lm,
                 "indexer_kl": kl,
-                "lr": lr_at(self.step, cfg),
+                "lr": lr,
                 "max_expert_load": imbalance,
                 "tokens": tokens_done,
                 "seconds": elapsed,
@@ -171,8 +175,9 @@ class Trainer:
         bar.close()
         return self.summary(time.perf_counter() - start, tokens_done)
 
-    def train_step(self, batch) -> tuple[float, float, float]:
+    def train_step(self, batch, lr: float | None = None) -> tuple[float, float, float]:
         cfg, model, dev = self.cfg, self.model, self.device
+        lr = lr_at(self.step, cfg) if lr is None else lr
         ids = batch.input_ids.to(dev).flatten()  # [B*R]
         seg = batch.cu_seqlens.tolist()
         ctx = ForwardContext.build([b - a for a, b in zip(seg, seg[1:])], device=dev)
@@ -181,7 +186,7 @@ class Trainer:
         kl_terms: list = []
         ctx.extras.update(dsa_dense=self.step < cfg.dsa_dense_steps, indexer_kl=kl_terms)
         for group in self.opt.param_groups:
-            group["lr"] = lr_at(self.step, cfg)
+            group["lr"] = lr
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"), forward_context(ctx):
             logits = model(ids)  # [B*R, V]
         lm = masked_loss(logits, batch.target_ids.to(dev).flatten(), batch.loss_mask.to(dev).flatten())

@@ -217,7 +217,8 @@ def mini_inputs(B, context, sparse, seed=0):
     if sparse:
         scores = torch.rand(B, context, device=dev).masked_fill(pos >= lens[:, None], -1.0)
         indices = scores.topk(k, dim=-1).indices  # [B, k] distinct positions < lens
-        indices[1, -100:] = -1
+        if B > 1:
+            indices[1, -100:] = -1
         readable, keep = indices.clamp_min(0), indices >= 0
     else:
         indices, readable = None, pos.expand(B, context)

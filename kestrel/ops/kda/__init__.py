@@ -43,15 +43,21 @@ class KDABackend:
     recurrent: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
     recurrent_inplace: Callable[..., torch.Tensor]  # decode on the state slots themselves
     conv_step_inplace: Callable[..., torch.Tensor]
+    short_conv: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # prefill conv over packed sequences
 
 
-NAIVE = KDABackend("naive", chunk_kda, recurrent_kda, naive.recurrent_inplace, naive.conv_step_inplace)
+NAIVE = KDABackend(
+    "naive", chunk_kda, recurrent_kda, naive.recurrent_inplace, naive.conv_step_inplace, short_conv
+)
 
 
 def _fla_backend() -> KDABackend:
     from kestrel.ops.kda import fla  # imports fla-core and triton
+    from kestrel.ops.kda.packed_conv import short_conv_packed
 
-    return KDABackend("fla", fla.chunk, fla.recurrent, fla.recurrent_inplace, fla.conv_step_inplace)
+    return KDABackend(
+        "fla", fla.chunk, fla.recurrent, fla.recurrent_inplace, fla.conv_step_inplace, short_conv_packed
+    )
 
 
 def get_kda_backend(device: torch.device) -> KDABackend:

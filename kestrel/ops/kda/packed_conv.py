@@ -1,0 +1,60 @@
+"""The KDA short conv over packed varlen sequences, in a fixed number of batched tensor ops.
+
+The reference `naive.short_conv` loops over the sequences, which costs a few kernels per sequence: thousands
+per training step of short packed documents. Here every sequence is laid out behind its own W - 1 state
+columns in one buffer, and the conv is W shifted multiply-adds over that buffer. No host syncs.
+Legend: T packed tokens, N sequences, C channels, W conv width, S = W - 1 state columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kestrel.ops.kda.naive import _compute_dtype
+
+
+def short_conv_packed(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `naive.short_conv`: x [T, C], weight [C, W], conv_state [N, C, W - 1] or None,
+    cu_seqlens [N + 1] or None (one sequence). Returns (y [T, C] in x.dtype, new_state [N, C, W - 1])."""
+    T, C = x.shape
+    W = weight.shape[-1]
+    S = W - 1
+    device = x.device
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, T], device=device)
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    N = cu.numel() - 1
+    if conv_state is None:
+        conv_state = x.new_zeros(N, C, S)
+    assert conv_state.shape == (N, C, S), f"conv_state {tuple(conv_state.shape)} != {(N, C, S)}"
+    dtype = _compute_dtype(x)
+
+    # Padded layout: sequence n occupies rows [cu[n] + n*S, cu[n+1] + (n+1)*S): its S state rows, then its tokens.
+    tokens = torch.arange(T, device=device)
+    seq = torch.searchsorted(cu[1:], tokens, right=True)  # [T] sequence of every token
+    dest = tokens + (seq + 1) * S  # [T] row of every token in the padded buffer
+    state_rows = (cu[:-1] + torch.arange(N, device=device) * S)[:, None] + torch.arange(
+        S, device=device
+    )  # [N, S]
+    padded = x.new_zeros(T + N * S, C, dtype=dtype)
+    padded = padded.index_copy(0, dest, x.to(dtype))
+    padded = padded.index_copy(
+        0, state_rows.flatten(), conv_state.to(dtype).transpose(1, 2).reshape(N * S, C)
+    )
+
+    w = weight.to(dtype)  # [C, W], column W - 1 multiplies the current token
+    acc = padded.index_select(0, dest) * w[:, S]
+    for j in range(S):  # column j multiplies the input S - j steps back
+        acc = acc + padded.index_select(0, dest - (S - j)) * w[:, j]
+    y = F.silu(acc).to(x.dtype)
+
+    ends = cu[1:] + (torch.arange(N, device=device) + 1) * S  # [N] one past each sequence's last row
+    last = (ends[:, None] - S + torch.arange(S, device=device)).flatten()  # [N * S]
+    new_state = padded.index_select(0, last).view(N, S, C).transpose(1, 2).to(x.dtype)
+    return y, new_state

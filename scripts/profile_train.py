@@ -1,0 +1,100 @@
+"""Where a `kestrel train` step's time goes on the GPU: step times in the dense warm-up and in sparse DSA
+training, the data loader's share, and the top CUDA kernels and CPU ops of each phase (torch.profiler).
+
+    python3 scripts/profile_train.py --batch-rows 16 --row-len 8704 --out $OUT/profile_train.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kestrel.config import TrainConfig  # noqa: E402
+from kestrel.train.trainer import Trainer  # noqa: E402
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
+    trainer.step = 0 if dense else trainer.cfg.dsa_dense_steps
+    trainer.train_step(batches[0])  # warm-up (autotuning, allocator)
+    _sync()
+    times = []
+    for b in batches[1:3]:
+        t0 = time.perf_counter()
+        trainer.train_step(b)
+        _sync()
+        times.append(time.perf_counter() - t0)
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        trainer.train_step(batches[3])
+        _sync()
+    events = prof.key_averages()
+    by_gpu = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:top]
+    by_calls = sorted(events, key=lambda e: e.count, reverse=True)[:top]
+    return {
+        "step_s": times,
+        "tokens_per_s": batches[0].input_ids.numel() / (sum(times) / len(times)),
+        "top_gpu_kernels": [
+            {"name": e.key[:90], "gpu_ms": getattr(e, "self_device_time_total", 0) / 1e3, "calls": e.count}
+            for e in by_gpu
+        ],
+        "most_called_ops": [{"name": e.key[:90], "calls": e.count} for e in by_calls],
+        "kernel_launches": sum(e.count for e in events if getattr(e, "self_device_time_total", 0) > 0),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch-rows", type=int, default=16)
+    ap.add_argument("--row-len", type=int, default=8704)
+    ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = TrainConfig(
+        out_dir=tempfile.mkdtemp(),
+        steps=1000,
+        batch_rows=args.batch_rows,
+        row_len=args.row_len,
+        retrieval_lengths=(2048, 8192) if args.row_len > 8192 else (2048,),
+        dsa_dense_steps=500,
+        data_workers=args.workers,
+    )
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg)
+    setup_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    batches = [next(trainer.data) for _ in range(8)]
+    data_s = (time.perf_counter() - t0) / 8
+    result = {
+        "setup_s": setup_s,
+        "data_s_per_batch": data_s,
+        "docs_per_batch": len(batches[0].cu_seqlens) - 1,
+        "flops_per_token": trainer.flops_per_token,
+        "dense": _phase(trainer, batches[:4], dense=True, top=args.top),
+        "sparse": _phase(trainer, batches[4:], dense=False, top=args.top),
+    }
+    for phase in ("dense", "sparse"):
+        result[phase]["mfu_vs_989"] = trainer.mfu(result[phase]["tokens_per_s"])
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
