@@ -28,8 +28,11 @@ def _sync():
 
 def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
     trainer.step = 0 if dense else trainer.cfg.dsa_dense_steps
-    trainer.train_step(batches[0])  # warm-up (autotuning, allocator)
+    t0 = time.perf_counter()
+    trainer.train_step(batches[0])  # warm-up (compilation, autotuning, allocator)
     _sync()
+    first_s = time.perf_counter() - t0
+    print(f"{'dense' if dense else 'sparse'}: first step {first_s:.1f} s", flush=True)
     times = []
     for b in batches[1:3]:
         t0 = time.perf_counter()
@@ -46,6 +49,7 @@ def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
     by_gpu = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:top]
     by_calls = sorted(events, key=lambda e: e.count, reverse=True)[:top]
     return {
+        "first_step_s": first_s,
         "step_s": times,
         "tokens_per_s": batches[0].input_ids.numel() / (sum(times) / len(times)),
         "top_gpu_kernels": [
@@ -80,6 +84,7 @@ def main() -> None:
     t0 = time.perf_counter()
     batches = [next(trainer.data) for _ in range(8)]
     data_s = (time.perf_counter() - t0) / 8
+    print(f"setup {setup_s:.1f} s, data {data_s:.2f} s/batch", flush=True)
     result = {
         "setup_s": setup_s,
         "data_s_per_batch": data_s,

@@ -193,6 +193,14 @@ def test_topk_random_scores(L):
         run_topk(scores, lens, k, **tiles)
 
 
+def test_topk_rows_in_several_launches():
+    """More rows than one launch takes (the grid limit): blocks of max_rows rows, the last one partial."""
+    g = torch.Generator().manual_seed(7)
+    scores = torch.randn(7, 40, generator=g)  # [B, L]
+    lens = torch.tensor([40, 1, 17, 0, 40, 33, 5])
+    run_topk(scores, lens, 9, max_rows=3, **SMALL_TILES)
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_topk_heavy_ties_and_nan(seed):
     g = torch.Generator().manual_seed(seed)

@@ -49,6 +49,7 @@ NBINS = 2048  # 11-bit digits; the last pass uses 1024 bins for the remaining 10
 SEG = 16384  # scores per program in steps 1 and 2
 BLOCK = 4096  # scores per loop iteration in steps 1 and 2
 CBLOCK = 4096  # candidates per loop iteration in step 3
+MAX_ROWS = 32768  # rows per launch: the grid's second dimension stops at 65535 (and bounds the scratch)
 NUM_WARPS = 8  # sm_90 build at these sizes: 60 / 156 / 143 registers for steps 1 / 2 / 3, no spills
 
 
@@ -231,12 +232,14 @@ def topk_triton(
     block: int = BLOCK,
     cblock: int = CBLOCK,
     out: torch.Tensor | None = None,
+    max_rows: int = MAX_ROWS,
 ) -> torch.Tensor:
     """Exact top-k of each row of scores [B, L] fp32 over its first lens[b] positions (lens [B]).
 
     Returns indices [B, k] int64, equal element for element to `naive.topk_select(scores, lens - 1, k)`:
     rank order (score desc, position asc), NaN invalid, every valid position when fewer than k, -1 after.
-    `seg`, `block`, `cblock` (powers of two, block <= seg) are tile sizes; tests shrink them. `out` [B, k]
+    `seg`, `block`, `cblock` (powers of two, block <= seg) are tile sizes and `max_rows` the rows per launch;
+    tests shrink them. `out` [B, k]
     int64, when given, receives the result.
     """
     B, L = scores.shape
@@ -249,6 +252,11 @@ def topk_triton(
         out = torch.empty(B, k, dtype=torch.int64, device=device)  # [B, k]
     assert out.shape == (B, k) and out.dtype == torch.int64 and out.stride(-1) == 1
     if B == 0:
+        return out
+    if B > max_rows:  # one launch per block of rows (a training step scores ~10^5 query rows)
+        for i in range(0, B, max_rows):
+            j = min(i + max_rows, B)
+            topk_triton(scores[i:j], lens[i:j], k, seg=seg, block=block, cblock=cblock, out=out[i:j])
         return out
     if L == 0:
         return out.fill_(-1)
