@@ -26,6 +26,25 @@ def _sync():
         torch.cuda.synchronize()
 
 
+def _label_modules(model: torch.nn.Module) -> None:
+    """Profiler ranges `fwd::<class>` around each decoder layer and its attention and MLP blocks (forward only:
+    autograd runs the backward outside them). A layer's time minus its blocks' is its norms and AttnRes."""
+    from torch.autograd.profiler import record_function
+
+    def enter(module, args):
+        module._range = record_function(f"fwd::{type(module).__name__}")
+        module._range.__enter__()
+
+    def leave(module, args, out):
+        module._range.__exit__(None, None, None)
+
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if name.startswith("model.layers.") and (len(parts) == 3 or parts[-1] in ("self_attn", "mlp")):
+            module.register_forward_pre_hook(enter)
+            module.register_forward_hook(leave)
+
+
 def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
     trainer.step = 0 if dense else trainer.cfg.dsa_dense_steps
     t0 = time.perf_counter()
@@ -48,6 +67,7 @@ def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
     events = prof.key_averages()
     by_gpu = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:top]
     by_calls = sorted(events, key=lambda e: e.count, reverse=True)[:top]
+    modules = [e for e in events if e.key.startswith("fwd::")]
     return {
         "first_step_s": first_s,
         "step_s": times,
@@ -55,6 +75,14 @@ def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
         "top_gpu_kernels": [
             {"name": e.key[:90], "gpu_ms": getattr(e, "self_device_time_total", 0) / 1e3, "calls": e.count}
             for e in by_gpu
+        ],
+        "forward_by_module": [
+            {
+                "name": e.key,
+                "gpu_ms": getattr(e, "device_time_total", 0) / 1e3,
+                "cpu_ms": e.cpu_time_total / 1e3,
+            }
+            for e in modules
         ],
         "most_called_ops": [{"name": e.key[:90], "calls": e.count} for e in by_calls],
         "kernel_launches": sum(e.count for e in events if getattr(e, "self_device_time_total", 0) > 0),
@@ -80,6 +108,7 @@ def main() -> None:
     )
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
+    _label_modules(trainer.model)
     setup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     batches = [next(trainer.data) for _ in range(8)]

@@ -140,12 +140,18 @@ class Trainer:
         cfg, model = self.cfg, self.model
         model.train()
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
-        start, tokens_done = time.perf_counter(), 0
+        # The first step compiles and autotunes the kernels (minutes on a fresh GPU machine): the clock of the
+        # time budget, the LR schedule and tokens/s starts after it.
+        run_start, start, tokens_done, timed_tokens, first_step_s = time.perf_counter(), None, 0, 0, None
         while self.step < cfg.steps:
             batch = next(self.data)
-            lr = lr_at(self.step, cfg, time.perf_counter() - start)
+            lr = lr_at(self.step, cfg, 0.0 if start is None else time.perf_counter() - start)
             lm, kl, imbalance = self.train_step(batch, lr)
             tokens_done += batch.input_ids.numel()
+            if start is None:
+                start, first_step_s = time.perf_counter(), time.perf_counter() - run_start
+            else:
+                timed_tokens += batch.input_ids.numel()
             elapsed = time.perf_counter() - start
             record = {
                 "step": self.step,
@@ -160,7 +166,7 @@ class Trainer:
             self.step += 1
             bar.update(1)
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                tps = tokens_done / max(elapsed, 1e-9)
+                tps = timed_tokens / max(elapsed, 1e-9)
                 bar.set_postfix(
                     loss=f"{lm:.3f}",
                     kl=f"{kl:.3f}",
@@ -173,7 +179,8 @@ class Trainer:
             if out_of_time:
                 break
         bar.close()
-        return self.summary(time.perf_counter() - start, tokens_done)
+        summary = self.summary(time.perf_counter() - (start or run_start), timed_tokens)
+        return {**summary, "tokens": tokens_done, "first_step_s": first_step_s}
 
     def train_step(self, batch, lr: float | None = None) -> tuple[float, float, float]:
         cfg, model, dev = self.cfg, self.model, self.device
@@ -242,7 +249,7 @@ class Trainer:
         last = self.history[-20:] if self.history else []
         return {
             "steps": self.step,
-            "seconds": seconds,
+            "seconds": seconds,  # after the first step
             "tokens": tokens,
             "tokens_per_s": tps,
             "flops_per_token": self.flops_per_token,

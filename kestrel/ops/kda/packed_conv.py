@@ -2,7 +2,7 @@
 
 The reference `naive.short_conv` loops over the sequences, which costs a few kernels per sequence: thousands
 per training step of short packed documents. Here every sequence is laid out behind its own W - 1 state
-columns in one buffer, and the conv is W shifted multiply-adds over that buffer. No host syncs.
+rows in one buffer, and every token's window is gathered from that buffer at once. No host syncs.
 Legend: T packed tokens, N sequences, C channels, W conv width, S = W - 1 state columns.
 """
 
@@ -48,11 +48,9 @@ def short_conv_packed(
         0, state_rows.flatten(), conv_state.to(dtype).transpose(1, 2).reshape(N * S, C)
     )
 
-    w = weight.to(dtype)  # [C, W], column W - 1 multiplies the current token
-    acc = padded.index_select(0, dest) * w[:, S]
-    for j in range(S):  # column j multiplies the input S - j steps back
-        acc = acc + padded.index_select(0, dest - (S - j)) * w[:, j]
-    y = F.silu(acc).to(x.dtype)
+    # Window j of the buffer covers rows j .. j + S; token t's window ends at its own row: window dest[t] - S.
+    windows = padded.unfold(0, W, 1).index_select(0, dest - S)  # [T, C, W], column W - 1 the token itself
+    y = F.silu((windows * weight.to(dtype)).sum(-1)).to(x.dtype)
 
     ends = cu[1:] + (torch.arange(N, device=device) + 1) * S  # [N] one past each sequence's last row
     last = (ends[:, None] - S + torch.arange(S, device=device)).flatten()  # [N * S]
