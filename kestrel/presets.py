@@ -6,14 +6,20 @@
 - `mini`: benchmark scale on one H200 (about 3B total / 0.5B active; 24 layers = 18 KDA + 6 DSA), sized as
   the E1 model of `shared/reference/performance.md` section 6, with the K3 features on.
 
+The trained demo model (issue 5) ships as a checkpoint folder inside the package, named `kestrel-demo`
+(kestrel/data/kestrel-demo); `builtin_model()` is it when installed, else `tiny`, and `resolve_model()` turns
+that name into the folder.
+
 `fmt="kimi_linear"` gives the variant that transformers' `KimiLinearForCausalLM` loads: no DSA and no
 K3-only features (softplus gate, low-rank output gate, no MLA gate, SwiGLU, no latent MoE, no AttnRes).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kestrel.config import ModelConfig
-from kestrel.utils.errors import ConfigError
+from kestrel.utils.errors import CheckpointError, ConfigError
 
 # The byte tokenizer's ids (kestrel.tokenizer.ByteTokenizer): 256 bytes, then specials.
 _BYTE_VOCAB, _BYTE_BOS, _BYTE_EOS, _BYTE_PAD, _BYTE_IM_END = 261, 256, 257, 258, 260
@@ -204,3 +210,31 @@ def preset_hf_config(name: str, fmt: str = "kimi_k3") -> dict:
 
 def preset_config(name: str, fmt: str = "kimi_k3") -> ModelConfig:
     return ModelConfig.from_dict(preset_hf_config(name, fmt))
+
+
+SHIPPED_MODEL = "kestrel-demo"
+
+
+def shipped_model_dir() -> Path | None:
+    """The folder of the trained demo checkpoint shipped in the package, or None when it is not there."""
+    path = Path(__file__).resolve().parent / "data" / SHIPPED_MODEL
+    return path if (path / "config.json").is_file() else None
+
+
+def builtin_model() -> str:
+    """The model `serve`, `generate` and `chat` use without --model: the shipped demo model, else `tiny`."""
+    return SHIPPED_MODEL if shipped_model_dir() is not None else "tiny"
+
+
+def resolve_model(model: str) -> str:
+    """A --model argument as a checkpoint folder or a preset name: `kestrel-demo` (unless a folder of that name
+    exists here) is the shipped checkpoint's folder."""
+    if model != SHIPPED_MODEL or Path(model).exists():
+        return model
+    path = shipped_model_dir()
+    if path is None:
+        raise CheckpointError(
+            f"model {SHIPPED_MODEL!r} is not in this install (no kestrel/data/{SHIPPED_MODEL}/config.json); "
+            f"give a checkpoint folder or a preset ({', '.join(preset_names())})"
+        )
+    return str(path)

@@ -322,6 +322,21 @@ def load_tokenizer(path: str | None) -> Tokenizer:
     return HFTokenizer(path)
 
 
+def tokenizer_for(model: str, tokenizer: str | None = None) -> Tokenizer:
+    """The tokenizer of a --model argument: `tokenizer` when given, else the checkpoint folder's tokenizer.json,
+    else (presets with random weights) the byte tokenizer."""
+    from pathlib import Path
+
+    from kestrel.presets import resolve_model
+
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    path = Path(resolve_model(model))
+    if path.is_dir() and (path / "tokenizer.json").exists():
+        return load_tokenizer(str(path))
+    return ByteTokenizer()
+
+
 class IncrementalDetokenizer:
     """Turns generated ids into text pieces for streaming, never splitting a UTF-8 character.
 

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kestrel import presets
 from kestrel.models.generate import generate
 from kestrel.models.loader import build_model
+from kestrel.presets import builtin_model
 from kestrel.serve.cli import main
-from kestrel.tokenizer import ByteTokenizer
+from kestrel.tokenizer import tokenizer_for
 
 STATS = re.compile(r"^\[kestrel\] model=\S+ layers=[LSA]+ .* generated=\d+ tokens in ")
 
@@ -69,14 +71,32 @@ def broken(checkpoint, tmp_path) -> Path:
 # -- happy paths -------------------------------------------------------------------------------------------
 
 
-def test_generate_builtin_tiny(capsys):
+def test_generate_builtin_model(capsys):
     code, out, err = run(capsys, "generate", "--prompt", "Hello", "--max-new-tokens", "5", "--device", "cpu")
     assert code == 0, err
-    model = build_model("tiny")
-    tokenizer = ByteTokenizer()
+    model = build_model(builtin_model())  # the shipped demo model when installed, else tiny
+    tokenizer = tokenizer_for(builtin_model())
     ids = generate(model, tokenizer.encode("Hello"), 5, eos_token_ids=model.config.eos_token_ids)
     assert out == tokenizer.decode(ids) + "\n"  # greedy by default: the reference generate()'s text
     assert STATS.match(err.strip()) and "prompt=5 tokens" in err and "Traceback" not in err
+
+
+def test_shipped_model_is_the_default_when_installed(capsys, checkpoint, monkeypatch):
+    monkeypatch.setattr(presets, "shipped_model_dir", lambda: checkpoint)
+    assert builtin_model() == "kestrel-demo"
+    code, out, err = run(capsys, "generate", "--prompt", "Hi", "--max-new-tokens", "4", "--device", "cpu")
+    assert code == 0, err
+    assert "model=kestrel-demo" in err
+    model, tokenizer = build_model(str(checkpoint)), tokenizer_for(str(checkpoint))
+    ids = generate(model, tokenizer.encode("Hi"), 4, eos_token_ids=model.config.eos_token_ids)
+    assert out == tokenizer.decode(ids) + "\n"
+
+
+def test_shipped_model_missing_is_one_clear_line(capsys, monkeypatch):
+    monkeypatch.setattr(presets, "shipped_model_dir", lambda: None)
+    assert builtin_model() == "tiny"
+    code, _, err = run(capsys, "generate", "--model", "kestrel-demo", "--prompt", "x", "--device", "cpu")
+    assert_one_line_error(code, err, 1, "kestrel-demo", "not in this install")
 
 
 def test_generate_with_sampling_options(capsys):

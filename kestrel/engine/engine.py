@@ -25,7 +25,7 @@ from kestrel.engine.sampling_params import SamplingParams
 from kestrel.engine.scheduler import Batch, Scheduler
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
-from kestrel.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
+from kestrel.tokenizer import IncrementalDetokenizer, Tokenizer, tokenizer_for
 from kestrel.utils.device import resolve_device, resolve_dtype
 from kestrel.utils.errors import KestrelError
 
@@ -108,7 +108,7 @@ class Engine:
         dtype = resolve_dtype(config.dtype, self.device) if model is None else model.lm_head.weight.dtype
         self.model = model or build_model(config.model, dtype=dtype, device=self.device, seed=config.seed)
         self.model.eval()
-        self.tokenizer = tokenizer or _tokenizer_for(config)
+        self.tokenizer = tokenizer or tokenizer_for(config.model, config.tokenizer)
         mc = self.model.config
         self.plan = plan_memory(mc, config, dtype, self.device)
         log.info(self.plan.describe())
@@ -389,14 +389,3 @@ class Engine:
             stats[f"cache_{tier}_hit_tokens"] = hits
             stats[f"cache_{tier}_hit_rate"] = rate(hits)
         return stats
-
-
-def _tokenizer_for(config: EngineConfig) -> Tokenizer:
-    from pathlib import Path
-
-    source = config.tokenizer or config.model
-    if Path(source).is_dir() and (Path(source) / "tokenizer.json").exists():
-        return load_tokenizer(source)
-    if config.tokenizer is not None:
-        return load_tokenizer(config.tokenizer)
-    return ByteTokenizer()

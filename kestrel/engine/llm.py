@@ -12,6 +12,7 @@ from kestrel.config import EngineConfig
 from kestrel.engine.engine import Engine
 from kestrel.engine.outputs import CompletionOutput, RequestOutput
 from kestrel.engine.sampling_params import SamplingParams
+from kestrel.presets import builtin_model
 
 _SGLANG_NAMES = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop_token_ids"}
 
@@ -32,8 +33,9 @@ def as_sampling_params(value) -> SamplingParams:
 
 
 class LLM:
-    def __init__(self, model: str = "tiny", **engine_args):
-        self.engine = Engine(EngineConfig(model=model, **engine_args))
+    def __init__(self, model: str | None = None, **engine_args):
+        """model: a checkpoint folder or preset name; None is the built-in model (kestrel-demo when installed)."""
+        self.engine = Engine(EngineConfig(model=model or builtin_model(), **engine_args))
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:

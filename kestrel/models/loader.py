@@ -15,7 +15,7 @@ from kestrel.layers.moe import Experts, Router
 from kestrel.layers.norm import LayerNorm, RMSNorm
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.weights import load_weights
-from kestrel.presets import PRESETS, preset_config
+from kestrel.presets import PRESETS, preset_config, resolve_model
 from kestrel.utils.errors import CheckpointError
 
 
@@ -83,6 +83,7 @@ def build_model(
 
     Random weights are drawn on `device` when `init_on_device` (default: on CUDA, where billions of CPU draws
     would take a minute); the same seed then gives the same weights on every GPU, and others on the CPU."""
+    model = resolve_model(model)
     path = Path(model)
     if not path.exists() and model in PRESETS:
         config = preset_config(model)

@@ -18,8 +18,6 @@ from kestrel.serve.commands import cmd_chat, cmd_generate, cmd_init_random, cmd_
 from kestrel.serve.train_commands import cmd_eval, cmd_train
 from kestrel.utils.errors import KestrelError
 
-BUILTIN_MODEL = "tiny"
-
 
 def _positive_int(text: str) -> int:
     try:
@@ -68,8 +66,9 @@ def _int_list(text: str) -> list[int]:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        default=BUILTIN_MODEL,
-        help=f"checkpoint folder, or a preset name for random weights (default: {BUILTIN_MODEL})",
+        default=None,
+        help="checkpoint folder, `kestrel-demo` (the trained demo model, when installed), or a preset name "
+        "for random weights: tiny, mini, demo (default: kestrel-demo if installed, else tiny)",
     )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     p.add_argument(
@@ -265,6 +264,10 @@ def _bench(name: str):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "model", "") is None:  # serve, generate, chat without --model: the built-in model
+            from kestrel.presets import builtin_model
+
+            args.model = builtin_model()
         return args.func(args)
     except (KestrelError, OSError) as e:  # OSError: an unreadable or unwritable path the user gave
         print(f"kestrel: error: {e}", file=sys.stderr)

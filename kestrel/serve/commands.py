@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 from kestrel.utils.errors import KestrelError
 
@@ -40,23 +39,15 @@ def engine_config(args):
     )
 
 
-def load_tokenizer_for(model: str):
-    from kestrel.tokenizer import ByteTokenizer, load_tokenizer
-
-    path = Path(model)
-    if path.is_dir() and (path / "tokenizer.json").exists():
-        return load_tokenizer(str(path))
-    return ByteTokenizer()
-
-
 def cmd_generate(args) -> int:
     from kestrel.models.generate import generate
     from kestrel.models.loader import build_model
+    from kestrel.tokenizer import tokenizer_for
     from kestrel.utils.device import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    tokenizer = load_tokenizer_for(args.model)
+    tokenizer = tokenizer_for(args.model)
     model = build_model(args.model, dtype=dtype, device=device, seed=args.seed)
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
