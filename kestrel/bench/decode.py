@@ -22,7 +22,6 @@ from kestrel.config import MOE, EngineConfig
 from kestrel.engine.engine import Engine
 from kestrel.engine.request import Request, Status
 from kestrel.engine.sampling_params import SamplingParams
-from kestrel.layers.mla import set_dense_attention
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
 
@@ -119,7 +118,7 @@ def decode_bench(
         modes = [False, True] if dense_contrast and net.config.use_dsa else [False]
         for b in batch_sizes:
             for dense in modes:
-                set_dense_attention(engine.model, dense)
+                engine.set_dense_attention(dense)
                 reqs = place_in_decode(engine, b, context, steps + 4)
                 for _ in range(3):
                     engine.step()
@@ -161,7 +160,7 @@ def decode_bench(
                 for r in reqs:
                     engine.abort(r.request_id)
                 engine.step()
-        set_dense_attention(engine.model, False)
+        engine.set_dense_attention(False)
         engine = None  # noqa: F841 - free its pools before the next context
         torch.cuda.empty_cache()
     return {

@@ -23,6 +23,7 @@ from kestrel.engine.runner import ModelRunner
 from kestrel.engine.sampler import Sampler
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.engine.scheduler import Batch, Scheduler
+from kestrel.layers.mla import set_dense_attention
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
 from kestrel.tokenizer import IncrementalDetokenizer, Tokenizer, tokenizer_for
@@ -156,6 +157,16 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[Request] = []
         self.runner.capture_graphs()
+
+    def set_dense_attention(self, dense: bool) -> None:
+        """Dense attention over every visible token in the DSA layers (True), or the indexer's top-k (False).
+        Call it with no request running. The cached prefixes were computed in the other mode, so they are
+        flushed; the decode graphs captured the other mode's kernels, so they are captured again."""
+        if self.has_unfinished():
+            raise KestrelError("set_dense_attention needs an idle engine (requests are running)")
+        set_dense_attention(self.model, dense)
+        self.flush_cache()
+        self.runner.recapture_graphs()
 
     # -- requests ---------------------------------------------------------------------------------------
     def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -123,6 +123,15 @@ class ModelRunner:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
+    def recapture_graphs(self) -> None:
+        """Drop the decode graphs and capture them again (after a change to what the decode step runs)."""
+        if not self.graphs:
+            return
+        self.graphs.clear()
+        self.static_out.clear()
+        torch.cuda.synchronize()
+        self.capture_graphs()
+
     def _replay(self, reqs: list[Request]) -> torch.Tensor:
         bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, len(reqs))]
         fresh = self._decode_inputs(reqs, self.max_pages, bs)

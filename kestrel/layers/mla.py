@@ -168,7 +168,6 @@ class MLAttention(nn.Module):
         """Fast path: Triton kernels read the paged pools through the page table (indexer scores, exact
         top-k, sparse MLA over the selection). With no more context than top-k tokens, attention is dense."""
         from kestrel.ops.dsa.triton_scores import indexer_scores_paged_triton
-        from kestrel.ops.dsa.triton_topk import topk_triton
         from kestrel.ops.mla.triton_decode import mla_decode_paged
 
         kv_pool, idx_pool, table, lens, ps = ctx.cache.paged(self.layer_id)
@@ -187,9 +186,7 @@ class MLAttention(nn.Module):
                 self.indexer.scale,
                 page_size=ps,
             )
-            indices = self._select(
-                ctx, -1, scores, lens - 1, topk=lambda s, q_pos, k: topk_triton(s, q_pos + 1, k)
-            )
+            indices = self._select(ctx, -1, scores, lens - 1, topk=_topk_fn(q_nope.device))
         return mla_decode_paged(q_nope, q_pe, kv_pool, table, ps, lens, w_uk, w_uv, self.scale, indices)
 
     def _attend_decode_gathered(self, ctx, q_nope, q_pe, w_uk, w_uv, idx) -> torch.Tensor:

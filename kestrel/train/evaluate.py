@@ -12,7 +12,6 @@ from tqdm import tqdm
 from kestrel.config import EngineConfig
 from kestrel.engine.engine import Engine
 from kestrel.engine.sampling_params import SamplingParams
-from kestrel.layers.mla import set_dense_attention
 from kestrel.train.chat_format import prompt_ids
 from kestrel.train.data import heldout_examples
 from kestrel.train.tasks import verify
@@ -93,9 +92,9 @@ def evaluate(cfg: EvalConfig) -> dict:
         entry = {}
         modes = [("dsa", False)] + ([("dense", True)] if cfg.dense_contrast and topk else [])
         for name, dense in modes:
-            set_dense_attention(engine.model, dense)
+            engine.set_dense_attention(dense)
             entry[name] = _accuracy(engine, examples, 32, f"retrieval@{length}-{name}")
-        set_dense_attention(engine.model, False)
+        engine.set_dense_attention(False)
         result["retrieval"][length] = entry
     return result
 

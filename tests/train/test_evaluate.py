@@ -1,0 +1,94 @@
+"""`kestrel eval`: scoring through the verifiers, the retrieval lengths, and the DSA/dense contrast."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kestrel.config import EngineConfig
+from kestrel.engine.engine import Engine
+from kestrel.engine.outputs import StepOutput
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.layers.mla import MLAttention
+from kestrel.tokenizer import ByteTokenizer
+from kestrel.train.chat_format import assistant_text, prompt_ids
+from kestrel.train.data import heldout_examples
+from kestrel.train.evaluate import EvalConfig, _accuracy, evaluate, format_table
+
+
+class ScriptedEngine:
+    """Answers each prompt with a scripted text in one step: the engine surface `_accuracy` uses."""
+
+    def __init__(self, replies: dict[tuple[int, ...], str], max_model_len: int = 4096):
+        self.tokenizer = ByteTokenizer()
+        self.plan = SimpleNamespace(max_model_len=max_model_len)
+        self.scheduler = SimpleNamespace(waiting=[])
+        self.replies, self.queue = replies, []
+
+    def add_request(self, ids, params, rid):
+        self.queue.append((rid, tuple(ids)))
+
+    def has_unfinished(self):
+        return bool(self.queue)
+
+    def step(self):
+        done, self.queue = self.queue, []
+        return [
+            StepOutput(rid, self.tokenizer.encode(self.replies[ids]), None, True, "stop", None, len(ids), 1)
+            for rid, ids in done
+        ]
+
+
+@pytest.mark.parametrize("family", ["chain_sum", "basic_arithmetic"])
+def test_accuracy_is_what_the_verifier_says(family):
+    tok = ByteTokenizer()
+    examples = heldout_examples(family, 4)
+    # right answers for the first two, a wrong one for the third, no answer line for the fourth
+    texts = [assistant_text(ex) for ex in examples[:2]]
+    texts += [f"{examples[2].reasoning}\nAnswer: {examples[2].answer}1", "I do not know"]
+    engine = ScriptedEngine({tuple(prompt_ids(tok, ex)): t for ex, t in zip(examples, texts)})
+    result = _accuracy(engine, examples, 64, family)
+    assert result["n"] == 4 and result["accuracy"] == pytest.approx(0.5)
+
+
+def test_prompt_past_the_context_scores_wrong_without_running():
+    tok = ByteTokenizer()
+    examples = heldout_examples("chain_sum", 2)
+    short = min(len(prompt_ids(tok, ex)) for ex in examples)
+    engine = ScriptedEngine({}, max_model_len=short)  # no room for a single new token
+    assert _accuracy(engine, examples, 64, "chain_sum")["accuracy"] == 0.0
+
+
+def test_evaluate_reports_every_family_and_length_with_the_dense_contrast():
+    cfg = EvalConfig(
+        model="tiny",
+        num_per_family=2,
+        num_retrieval=2,
+        retrieval_lengths=(300,),
+        families=("chain_sum", "countdown"),
+        max_new_tokens=8,
+        device="cpu",
+    )
+    result = evaluate(cfg)
+    assert set(result["families"]) == {"chain_sum", "countdown"}
+    assert set(result["retrieval"][300]) == {"dsa", "dense"}
+    for r in [*result["families"].values(), *result["retrieval"][300].values()]:
+        assert r["n"] == 2 and 0.0 <= r["accuracy"] <= 1.0
+    table = format_table(result)
+    assert "| retrieval @300 (dense) | 2 |" in table and "| countdown | 2 |" in table
+
+
+def test_dense_switch_flushes_the_prefix_cache_and_restores_top_k():
+    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4))
+    indexers = [m.indexer for m in engine.model.modules() if isinstance(m, MLAttention) and m.indexer]
+    topk = [ix.topk for ix in indexers]
+    engine.add_request(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=4), "a")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.cache_stats()["num_cached_pages"] > 0
+    engine.set_dense_attention(True)
+    assert engine.cache_stats()["num_cached_pages"] == 0
+    assert all(ix.topk is None for ix in indexers)
+    engine.set_dense_attention(False)
+    assert [ix.topk for ix in indexers] == topk
