@@ -60,11 +60,16 @@ class ModelRunner:
         ids = [t for c in chunks for t in c.request.all_ids[c.start : c.end]]
         new_lens = [c.end - c.start for c in chunks]
         write_rows = [r for c in chunks for r in kv.token_rows(c.request.pages, c.start, c.end)]
+        width = max(len(c.request.pages) for c in chunks)
         view = PagedCacheView(
             kv,
             self.state_pool,
             slots=torch.tensor([c.request.slot for c in chunks], device=dev),
             write_rows=torch.tensor(write_rows, device=dev),
+            page_table=torch.tensor(
+                [c.request.pages + [0] * (width - len(c.request.pages)) for c in chunks], device=dev
+            ),
+            lens=torch.tensor([c.end for c in chunks], device=dev),
             read_rows=[torch.tensor(kv.token_rows(c.request.pages, 0, c.end), device=dev) for c in chunks],
         )
         ctx = ForwardContext.build(new_lens, [c.start for c in chunks], view, dev)

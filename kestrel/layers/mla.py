@@ -153,10 +153,37 @@ class MLAttention(nn.Module):
             if idx is not None:
                 scores = partial(indexer_scores, idx[0][sl], idx_k, idx[1][sl], self.indexer.scale)
                 indices = self._select(ctx, i, scores, q_pos, topk=_topk_fn(q_pos.device))
+            if (
+                indices is not None
+                and getattr(ctx.cache, "page_table", None) is not None
+                and _use_triton(kv.device)
+            ):
+                outs.append(
+                    self._attend_sparse_paged(ctx, i, q_nope[sl], q_pe[sl], q_pos, w_uk, w_uv, indices)
+                )
+                continue
             outs.append(
                 mla_attention_absorbed(q_nope[sl], q_pe[sl], kv, w_uk, w_uv, q_pos, self.scale, indices)
             )
         return torch.cat(outs)  # [T, H, Dv]
+
+    def _attend_sparse_paged(self, ctx, i, q_nope, q_pe, q_pos, w_uk, w_uv, indices) -> torch.Tensor:
+        """Sparse prefill of sequence i through the paged decode kernel, every prefill token a row of its own:
+        it reads only its selected rows of the pool (no [t, L] scores, no gathered copy of the selection)."""
+        from kestrel.ops.mla.triton_decode import mla_decode_paged
+
+        kv_pool, _, table, _, ps = ctx.cache.paged(self.layer_id)
+        out = []
+        for a in range(0, q_nope.shape[0], _MAX_ROWS):  # the kernel's grid takes at most 65535 rows
+            b = min(a + _MAX_ROWS, q_nope.shape[0])
+            rows = table[i : i + 1].expand(b - a, -1)  # [t, maxp], one page table shared by the rows
+            lens = q_pos[a:b] + 1
+            out.append(
+                mla_decode_paged(
+                    q_nope[a:b], q_pe[a:b], kv_pool, rows, ps, lens, w_uk, w_uv, self.scale, indices[a:b]
+                )
+            )
+        return torch.cat(out)  # [t, H, Dv]
 
     def _attend_decode(self, ctx, q_nope, q_pe, w_uk, w_uv, idx) -> torch.Tensor:
         """Decode: one query per sequence, every sequence at once, no host syncs (CUDA-graph safe)."""
@@ -282,6 +309,9 @@ def _use_triton(device: torch.device) -> bool:
     if choice == "triton":
         return True  # on CPU this needs TRITON_INTERPRET=1 (the tests use it)
     return device.type == "cuda"
+
+
+_MAX_ROWS = 32768  # rows per launch of the decode kernel in prefill
 
 
 def _topk_fn(device: torch.device):
