@@ -236,18 +236,7 @@ class MLAttention(nn.Module):
         if idx is not None:
             q_i, w_i, k_i = (t.view(B, R, *t.shape[1:]) for t in idx)
             if not ctx.extras.get("dsa_dense", False) and self.indexer.topk is not None:
-                with (
-                    torch.no_grad()
-                ):  # the selection is not differentiable: no graph for the full score matrix
-                    scores = self._row_index_scores(q_i, w_i, k_i)  # [B, R, R]
-                    local = torch.arange(R, device=scores.device).repeat(
-                        B
-                    )  # query positions within their row
-                    masked = scores.masked_fill(~allowed, float("nan")).view(B * R, R)
-                    topk = _topk_fn(masked.device)
-                    chosen = selection_mask(topk(masked, local, self.indexer.topk), R).view(B, R, R)
-                    del scores, masked
-                allowed = allowed & chosen
+                self._select_rows(ctx, q_i, w_i, k_i, allowed)
             if ctx.extras.get("indexer_kl") is not None:
                 ctx.extras["indexer_kl"].append(
                     self._indexer_kl(q_nope, q_pe, kv_new, (q_i, w_i, k_i), allowed, B, R)
@@ -257,6 +246,24 @@ class MLAttention(nn.Module):
             q_nope, q_pe, kv_new.view(B, R, -1), self.kv_b_proj.weight, allowed, self.scale, self.v_dim
         )  # [B, R, H, Dv]
         return out.reshape(T, H, self.v_dim)
+
+    @torch.no_grad()  # the selection is not differentiable: no graph for the score matrix
+    def _select_rows(self, ctx, q_i, w_i, k_i, allowed: torch.Tensor) -> None:
+        """Sparse training: narrow `allowed` [B, R, R] in place to each query's DSA top-k. Only queries with
+        more than top-k visible tokens (deep in a long document) can lose any, so only their rows are scored."""
+        B, R, k = allowed.shape[0], allowed.shape[1], self.indexer.topk
+        need = ctx.positions.view(B, R) >= k  # [B, R]: position in the document >= k, i.e. > k visible
+        topk = _topk_fn(allowed.device)
+        for b in range(B):
+            picks = need[b].nonzero().squeeze(1)  # [M] query positions within row b
+            if picks.numel() == 0:
+                continue
+            scores = self._row_index_scores(q_i[b : b + 1], w_i[b : b + 1], k_i[b : b + 1], picks)[
+                0
+            ]  # [M, R]
+            visible = allowed[b, picks]  # [M, R]
+            chosen = selection_mask(topk(scores.masked_fill(~visible, float("nan")), picks, k), R)
+            allowed[b, picks] = visible & chosen
 
     def _row_index_scores(self, q_i, w_i, k_i, picks: torch.Tensor | None = None) -> torch.Tensor:
         """Indexer scores of row-packed tokens, one head at a time (no [B, R, HI, R] intermediate):
