@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 RUN=/tmp/demo-run
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore KESTREL_KDA_BACKEND=fla
 export TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1
-case "$1" in
+case "${1:-}" in
 start)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     scripts/triton_cache.sh restore
@@ -39,7 +39,11 @@ finish)
     cp $RUN/checkpoint/model*.safetensors "$OUT/"
     (cd $RUN && tar czf "$OUT/run-meta.tgz" --exclude='*.safetensors' --exclude='*.pt' checkpoint tokenizer \
         eval.json eval.log loss.png train_summary.json history.json train.log)
-    scripts/triton_cache.sh save
+    scripts/triton_cache.sh save  # only if it fits beside the shards (8 files, 64 MiB)
     ls -la "$OUT"
+    ;;
+*)
+    echo "usage: $0 start|wait N|finish" >&2
+    exit 2
     ;;
 esac

@@ -27,8 +27,9 @@ def _sync():
 
 
 def _label_modules(model: torch.nn.Module) -> None:
-    """Profiler ranges `fwd::<class>` around each decoder layer and its attention and MLP blocks (forward only:
-    autograd runs the backward outside them). A layer's time minus its blocks' is its norms and AttnRes."""
+    """Profiler ranges `fwd::<class>` around the whole stack (KimiModel), each attention and MLP block, and the
+    LM head (forward only: autograd runs the backward outside them). The stack's time minus its blocks' is
+    the norms and the AttnRes mixing."""
     from torch.autograd.profiler import record_function
 
     def enter(module, args):
@@ -40,7 +41,9 @@ def _label_modules(model: torch.nn.Module) -> None:
 
     for name, module in model.named_modules():
         parts = name.split(".")
-        if name.startswith("model.layers.") and (len(parts) == 3 or parts[-1] in ("self_attn", "mlp")):
+        if name in ("model", "lm_head") or (
+            name.startswith("model.layers.") and parts[-1] in ("self_attn", "mlp")
+        ):
             module.register_forward_pre_hook(enter)
             module.register_forward_hook(leave)
 
@@ -64,8 +67,11 @@ def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
     with profile(activities=acts) as prof:
         trainer.train_step(batches[3])
         _sync()
+    from torch.autograd import DeviceType
+
     events = prof.key_averages()
-    by_gpu = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:top]
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]  # not the CPU ops that launched them
+    by_gpu = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:top]
     by_calls = sorted(events, key=lambda e: e.count, reverse=True)[:top]
     modules = [e for e in events if e.key.startswith("fwd::")]
     return {
@@ -73,8 +79,7 @@ def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
         "step_s": times,
         "tokens_per_s": batches[0].input_ids.numel() / (sum(times) / len(times)),
         "top_gpu_kernels": [
-            {"name": e.key[:90], "gpu_ms": getattr(e, "self_device_time_total", 0) / 1e3, "calls": e.count}
-            for e in by_gpu
+            {"name": e.key[:90], "gpu_ms": e.self_device_time_total / 1e3, "calls": e.count} for e in by_gpu
         ],
         "forward_by_module": [
             {
@@ -85,7 +90,8 @@ def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
             for e in modules
         ],
         "most_called_ops": [{"name": e.key[:90], "calls": e.count} for e in by_calls],
-        "kernel_launches": sum(e.count for e in events if getattr(e, "self_device_time_total", 0) > 0),
+        "kernel_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
+        "kernel_launches": sum(e.count for e in kernels),
     }
 
 

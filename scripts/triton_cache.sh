@@ -9,22 +9,36 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CACHE=${TRITON_CACHE_DIR:-/tmp/tc}
-case "$1" in
+case "${1:-}" in
 restore)
     mkdir -p "$CACHE"
-    if ls .triton-cache/part-* > /dev/null 2>&1; then
+    if ls .triton-cache/part-* > /dev/null 2>&1 && cat .triton-cache/part-* | gzip -t 2> /dev/null; then
         cat .triton-cache/part-* | tar xzf - -C "$CACHE" && echo "triton cache: $(du -sh "$CACHE" | cut -f1) restored"
     else
-        echo "triton cache: none carried, starting cold"
+        echo "triton cache: none carried (or incomplete), starting cold"
     fi
     ;;
 save)
-    tar czf - -C "$CACHE" . | split -b 15m - "$OUT/triton-cache.part-"
-    ls -la "$OUT"/triton-cache.part-*
+    # $OUT returns at most 8 files and 64 MiB in all: add the parts only if they fit beside what is there
+    tmp=$(mktemp -d)
+    tar czf - -C "$CACHE" . | split -b 15m - "$tmp/triton-cache.part-"
+    files=$(( $(find "$OUT" -type f | wc -l) + $(ls "$tmp" | wc -l) ))
+    bytes=$(( $(du -sb "$OUT" | cut -f1) + $(du -sb "$tmp" | cut -f1) ))
+    if [ "$files" -le 8 ] && [ "$bytes" -le $(( 64 * 1024 * 1024 - 65536 )) ]; then
+        mv "$tmp"/triton-cache.part-* "$OUT/" && ls -la "$OUT"/triton-cache.part-*
+    else
+        echo "triton cache: not saved ($files files, $bytes bytes would pass \$OUT's 8 files / 64 MiB)"
+    fi
+    rm -rf "$tmp"
     ;;
 keep)
+    [ -n "${2:-}" ] || { echo "usage: $0 keep DIR (the run's files_at)" >&2; exit 2; }
+    shopt -s nullglob
+    parts=("$2"/triton-cache.part-*)
+    [ ${#parts[@]} -gt 0 ] || { echo "no triton-cache parts in $2: .triton-cache left as it was" >&2; exit 1; }
+    cat "${parts[@]}" | gzip -t || { echo "the parts in $2 are incomplete: .triton-cache left as it was" >&2; exit 1; }
     rm -rf .triton-cache && mkdir -p .triton-cache
-    for f in "$2"/triton-cache.part-*; do cp "$f" ".triton-cache/part-${f##*.part-}"; done
+    for f in "${parts[@]}"; do cp "$f" ".triton-cache/part-${f##*.part-}"; done
     ls -la .triton-cache
     ;;
 *)

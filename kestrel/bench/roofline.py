@@ -8,21 +8,12 @@ from collections.abc import Callable
 import torch
 
 
-def gpu_time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
-    """Median milliseconds of `fn` with CUDA events (the work is queued, not host-timed)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+def gpu_time_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds of `fn` on the GPU (triton's do_bench: iterations queued back to back with CUDA
+    events, the L2 cache flushed before each, so a small working set is not read from cache)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
 def measure_ceilings() -> dict:

@@ -23,6 +23,7 @@ from kestrel.engine.runner import ModelRunner
 from kestrel.engine.sampler import Sampler
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.engine.scheduler import Batch, Scheduler
+from kestrel.env import read_env
 from kestrel.layers.mla import set_dense_attention
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
@@ -71,22 +72,27 @@ def plan_memory(
     per_token = max(KVPool.bytes_per_token(model, dtype), 1)
     per_slot = StatePool.bytes_per_slot(model, dtype)
     state = cfg.max_running_requests * per_slot
+    max_len = min(model.max_position_embeddings, cfg.max_model_len or model.max_position_embeddings)
     if cfg.kv_cache_bytes is not None:
         kv_bytes = cfg.kv_cache_bytes
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         # Room for activations: a prefill chunk's hidden states and its logits, with a generous margin.
         reserve = 2 * 2**30 + 8 * cfg.chunked_prefill_size * (model.hidden_size + model.vocab_size) * 4
+        if read_env().attn_backend == "torch":
+            # The torch decode path gathers every running request's padded history (fp32 copies included);
+            # the Triton kernels read the pages in place.
+            reserve += (
+                6
+                * cfg.max_running_requests
+                * max_len
+                * (model.kv_cache_dim + (model.index_head_dim or 0))
+                * 4
+            )
         kv_bytes = int((free - state - reserve) * cfg.mem_fraction)
     else:
         kv_bytes = _CPU_KV_BYTES
-    max_len = min(model.max_position_embeddings, cfg.max_model_len or model.max_position_embeddings)
-    if device.type == "cuda":
-        # The batched decode path gathers every running request's padded history (fp32 copies included):
-        # keep room for it, and never take more pages than the running requests can fill.
-        kv_bytes -= (
-            6 * cfg.max_running_requests * max_len * (model.kv_cache_dim + (model.index_head_dim or 0)) * 4
-        )
+    # never take more pages than the running requests can fill
     useful = cfg.max_running_requests * -(-max_len // cfg.page_size) + 1
     num_pages = min(kv_bytes // (cfg.page_size * per_token), useful)
     if num_pages < 1:
@@ -164,6 +170,11 @@ class Engine:
         flushed; the decode graphs captured the other mode's kernels, so they are captured again."""
         if self.has_unfinished():
             raise KestrelError("set_dense_attention needs an idle engine (requests are running)")
+        modes = {
+            m.indexer.topk is None for m in self.model.modules() if getattr(m, "indexer", None) is not None
+        }
+        if modes == {dense}:
+            return  # already in that mode: keep the cache and the graphs
         set_dense_attention(self.model, dense)
         self.flush_cache()
         self.runner.recapture_graphs()

@@ -108,6 +108,7 @@ class ModelRunner:
             return self.model(ids)
 
     # -- CUDA graphs ------------------------------------------------------------------------------------
+    @torch.no_grad()  # no autograd history on the pools: capture writes KV like any decode step
     def capture_graphs(self) -> None:
         """Capture one decode graph per batch-size bucket (largest first, sharing one memory pool)."""
         if not self.use_cuda_graph:
@@ -128,6 +129,7 @@ class ModelRunner:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
+    @torch.no_grad()
     def recapture_graphs(self) -> None:
         """Drop the decode graphs and capture them again (after a change to what the decode step runs)."""
         if not self.graphs:
