@@ -27,8 +27,11 @@ from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
 
 
-def step_bytes(model: KimiForCausalLM, batch: int, context: int, dense: bool = False) -> dict:
-    """Bytes one decode step must move, by part (model-spec sizes, bf16 weights and cache, fp32 KDA state)."""
+def step_bytes(
+    model: KimiForCausalLM, batch: int, context: int, dense: bool = False, index_fp8: bool = False
+) -> dict:
+    """Bytes one decode step must move, by part (model-spec sizes, bf16 weights and cache, fp32 KDA state;
+    indexer keys of DI bytes + a 4-byte scale each with `index_fp8`)."""
     c = model.config
     elt = model.lm_head.weight.element_size()
     weights = experts = 0
@@ -51,7 +54,8 @@ def step_bytes(model: KimiForCausalLM, batch: int, context: int, dense: bool = F
     )
     read = context if dense or not c.use_dsa else min(context, c.index_topk)
     kv = len(c.mla_layer_ids) * batch * read * c.kv_cache_dim * elt
-    index = 0 if dense or not c.use_dsa else len(c.mla_layer_ids) * batch * context * c.index_head_dim * elt
+    key_bytes = c.index_head_dim + 4 if index_fp8 else c.index_head_dim * elt
+    index = 0 if dense or not c.use_dsa else len(c.mla_layer_ids) * batch * context * key_bytes
     parts = {"weights": weights, "experts": experts, "kda_state": state, "mla_kv": kv, "indexer_keys": index}
     parts["total"] = sum(parts.values())
     return parts
@@ -106,12 +110,13 @@ def _time_decode(engine: Engine, net, b: int, context: int, steps: int, dense: b
         runner._replay(reqs)  # load this batch into the graph's inputs once; then time the replay alone
         graph = runner.graphs[runner.graph_sizes[bisect.bisect_left(runner.graph_sizes, b)]]
         replay_ms = gpu_time_ms(graph.replay, warmup_ms=10, rep_ms=50)
-    parts = step_bytes(net, b, context, dense)
+    parts = step_bytes(net, b, context, dense, engine.kv_pool.index_fp8)
     copy = ceilings["copy_TBps"] * 1e12
     run = {
         "batch": b,
         "context": context,
         "attention": "dense MLA" if dense else "DSA",
+        "index_keys": "fp8" if engine.kv_pool.index_fp8 else "bf16",
         "step_ms": step_ms,
         "graph_replay_ms": replay_ms,
         "tokens_per_s": b / (step_ms * 1e-3),
@@ -144,6 +149,7 @@ def decode_bench(
     contexts: tuple[int, ...] = (4096,),
     steps: int = 24,
     dense_contrast: bool = True,
+    index_key_dtype: str = "auto",
 ) -> dict:
     require_cuda("kestrel bench decode")
     ceilings = measure_ceilings()
@@ -160,6 +166,7 @@ def decode_bench(
             max_model_len=context + steps + 64,
             enable_prefix_cache=False,
             cuda_graph_max_bs=max(batch_sizes),
+            index_key_dtype=index_key_dtype,
         )
         engine = Engine(cfg, model=net)
         fill_pools(engine)
@@ -185,7 +192,12 @@ def decode_bench(
 
 def cmd_bench_decode(args) -> int:
     result = decode_bench(
-        args.model, tuple(args.batches), tuple(args.contexts), args.steps, not args.no_dense
+        args.model,
+        tuple(args.batches),
+        tuple(args.contexts),
+        args.steps,
+        not args.no_dense,
+        args.index_key_dtype,
     )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

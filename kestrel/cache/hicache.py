@@ -178,11 +178,11 @@ class HiCache:
     ):
         self.kv_pool, self.checkpoint_pool = kv_pool, checkpoint_pool
         self.page_size = ps = kv_pool.page_size
-        self._kv = [*kv_pool.kv.values(), *kv_pool.index_k.values()]  # each [rows, W]
+        # every per-token tensor of the KV pool, each [rows, W] of any dtype, moved as raw bytes
+        self._kv = [*kv_pool.kv.values(), *kv_pool.index_k.values(), *kv_pool.index_scale.values()]
         self._state = [
             t for i in checkpoint_pool.ssm for t in (checkpoint_pool.ssm[i], checkpoint_pool.conv[i])
         ]
-        assert len({t.dtype for t in self._kv}) <= 1, "one dtype for every KV tensor"
         self.device = (self._kv or self._state)[0].device
         self.cuda = self.device.type == "cuda"
         self.page_bytes = sum(ps * t.shape[1] * t.element_size() for t in self._kv)
@@ -312,8 +312,8 @@ class HiCache:
     def _gather_kv(self, pages: list[int]) -> torch.Tensor:
         n, ps = len(pages), self.page_size
         idx = self._index(pages)
-        parts = [t.view(-1, ps, t.shape[1])[idx].reshape(n, -1) for t in self._kv]  # each [n, page * W]
-        return torch.cat(parts, dim=1).view(torch.uint8)  # [n, block_bytes]
+        parts = [_bytes(t).view(-1, ps, _bytes(t).shape[1])[idx].reshape(n, -1) for t in self._kv]
+        return torch.cat(parts, dim=1)  # [n, block_bytes]
 
     def _gather_state(self, slot: int) -> torch.Tensor:
         flat = torch.cat([t[slot].reshape(-1).view(torch.uint8) for t in self._state])  # [state_bytes]
@@ -333,10 +333,11 @@ class HiCache:
             return
         n, ps = len(dst), self.page_size
         idx = self._index(dst)
-        flat, off = data.view(self._kv[0].dtype), 0  # [n, page * sum(W)]
+        off = 0
         for t in self._kv:
-            w = ps * t.shape[1]
-            t.view(-1, ps, t.shape[1])[idx] = flat[:, off : off + w].reshape(n, ps, t.shape[1])
+            raw = _bytes(t)  # [rows, W * element size] uint8, a view into the pool
+            w = ps * raw.shape[1]
+            raw.view(-1, ps, raw.shape[1])[idx] = data[:, off : off + w].reshape(n, ps, raw.shape[1])
             off += w
 
     def _copy_to_host(self, data: torch.Tensor, blocks: list[int]) -> None:
@@ -426,3 +427,8 @@ class Load:
 
     def entries(self) -> list[Entry]:
         return [] if self.done else [e for e, _ in self.items]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A [rows, W] pool tensor as its raw bytes [rows, W * element size] (a view)."""
+    return t.view(torch.uint8)

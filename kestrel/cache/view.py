@@ -8,6 +8,7 @@ import torch
 
 from kestrel.cache.kv_pool import KVPool
 from kestrel.cache.state_pool import StatePool
+from kestrel.ops.quant import dequantize_fp8_rows
 
 
 class PagedCacheView:
@@ -44,11 +45,11 @@ class PagedCacheView:
     def write_kv(self, layer_id: int, kv: torch.Tensor, index_k: torch.Tensor | None) -> None:
         self.kv_pool.kv[layer_id][self.write_rows] = kv.to(self.kv_pool.kv[layer_id].dtype)
         if index_k is not None:
-            self.kv_pool.index_k[layer_id][self.write_rows] = index_k.to(self.kv_pool.index_k[layer_id].dtype)
+            self.kv_pool.write_index(layer_id, self.write_rows, index_k)
 
     def read_kv(self, layer_id: int, seq: int):
         rows = self.read_rows[seq]
-        index_k = self.kv_pool.index_k[layer_id][rows] if self.kv_pool.index_k else None
+        index_k = self.kv_pool.read_index(layer_id, rows) if self.kv_pool.index_k else None
         return self.kv_pool.kv[layer_id][rows], index_k
 
     def read_kv_batched(self, layer_id: int):
@@ -61,11 +62,21 @@ class PagedCacheView:
             paged = pool.view(-1, ps, pool.shape[-1])  # [pages + 1, page, W]
             return paged[self.page_table].reshape(N, maxp * ps, pool.shape[-1])  # [N, maxp * page, W]
 
-        index_k = gather(self.kv_pool.index_k[layer_id]) if self.kv_pool.index_k else None
+        index_k = None
+        if self.kv_pool.index_k:
+            index_k = gather(self.kv_pool.index_k[layer_id])
+            if self.kv_pool.index_fp8:
+                scale = gather(self.kv_pool.index_scale[layer_id])
+                index_k = dequantize_fp8_rows(index_k, scale, self.kv_pool.dtype)
         return gather(self.kv_pool.kv[layer_id]), index_k, self.lens
+
+    def index_scales(self, layer_id: int) -> torch.Tensor | None:
+        """The per-token scales [rows, 1] fp32 of FP8 indexer keys, or None when the keys are not FP8."""
+        return self.kv_pool.index_scale.get(layer_id)
 
     def paged(self, layer_id: int):
         """The pool tensors and page table themselves, for kernels that read the pages directly:
-        (kv pool [rows, R + P], indexer-key pool [rows, DI] or None, page_table [N, maxp], lens [N], page_size)."""
+        (kv pool [rows, R + P], indexer-key pool [rows, DI] or None (FP8 with `index_scales`), page_table
+        [N, maxp], lens [N], page_size)."""
         index_k = self.kv_pool.index_k.get(layer_id) if self.kv_pool.index_k else None
         return self.kv_pool.kv[layer_id], index_k, self.page_table, self.lens, self.kv_pool.page_size

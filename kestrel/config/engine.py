@@ -20,6 +20,9 @@ class EngineConfig:
     seed: int = 0  # random-weight presets
     max_running_requests: int = 64  # = KDA state slots
     page_size: int = 64
+    index_key_dtype: str = (
+        "auto"  # DSA indexer keys in the KV pool: auto (the model dtype) | fp8 (E4M3 + scale)
+    )
     mem_fraction: float = 0.85  # of the GPU memory free after weights and state slots, for KV pages
     kv_cache_bytes: int | None = None  # explicit KV budget (default on CPU: 256 MiB)
     max_model_len: int | None = None  # context limit (default: the model's, capped by the KV pool)
@@ -59,6 +62,8 @@ class EngineConfig:
             problems.append("checkpoint_interval must be a multiple of page_size (0 = off)")
         if self.num_checkpoints is not None and self.num_checkpoints < 1:
             problems.append("num_checkpoints must be >= 1")
+        if self.index_key_dtype not in ("auto", "fp8"):
+            problems.append(f"index_key_dtype {self.index_key_dtype!r} must be auto or fp8")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             problems.append(f"dtype {self.dtype!r} must be auto, float32, bfloat16 or float16")
         if self.hicache_host_bytes < 0 or self.hicache_disk_bytes < 0:

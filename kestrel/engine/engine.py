@@ -69,7 +69,7 @@ def plan_memory(
     model: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device
 ) -> MemoryPlan:
     """Slots first (one per running request), then KV pages from the remaining budget."""
-    per_token = max(KVPool.bytes_per_token(model, dtype), 1)
+    per_token = max(KVPool.bytes_per_token(model, dtype, cfg.index_key_dtype == "fp8"), 1)
     per_slot = StatePool.bytes_per_slot(model, dtype)
     state = cfg.max_running_requests * per_slot
     max_len = min(model.max_position_embeddings, cfg.max_model_len or model.max_position_embeddings)
@@ -119,7 +119,9 @@ class Engine:
         mc = self.model.config
         self.plan = plan_memory(mc, config, dtype, self.device)
         log.info(self.plan.describe())
-        self.kv_pool = KVPool(mc, self.plan.num_pages, config.page_size, dtype, self.device)
+        self.kv_pool = KVPool(
+            mc, self.plan.num_pages, config.page_size, dtype, self.device, config.index_key_dtype == "fp8"
+        )
         self.state_pool = StatePool(mc, self.plan.num_slots, dtype, self.device)
         self.cache = None
         if config.enable_prefix_cache:

@@ -212,6 +212,7 @@ class MLAttention(nn.Module):
                 idx[1],
                 self.indexer.scale,
                 page_size=ps,
+                key_scale=ctx.cache.index_scales(self.layer_id),
             )
             indices = self._select(ctx, -1, scores, lens - 1, topk=_topk_fn(q_nope.device))
         return mla_decode_paged(q_nope, q_pe, kv_pool, table, ps, lens, w_uk, w_uv, self.scale, indices)

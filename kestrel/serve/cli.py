@@ -85,6 +85,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running-requests", type=_positive_int, default=64, help="= KDA state slots")
     p.add_argument("--page-size", type=_positive_int, default=64, help="tokens per KV page")
     p.add_argument(
+        "--index-key-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="DSA indexer keys in the KV pool: the model dtype, or FP8 E4M3 with one scale per token",
+    )
+    p.add_argument(
         "--mem-fraction", type=_probability, default=0.85, help="of the free GPU memory, for KV pages"
     )
     p.add_argument(
@@ -238,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--contexts", type=_int_list, default=[4096], help="comma-separated context lengths")
     d.add_argument("--steps", type=_positive_int, default=24)
     d.add_argument("--no-dense", action="store_true", help="skip the dense-MLA contrast")
+    d.add_argument(
+        "--index-key-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="DSA indexer keys: model dtype or FP8",
+    )
     d.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     d.set_defaults(func=_bench("decode"))
     k = benchmarks.add_parser(

@@ -24,6 +24,7 @@ def engine_config(args):
         seed=args.seed,
         max_running_requests=args.max_running_requests,
         page_size=args.page_size,
+        index_key_dtype=args.index_key_dtype,
         mem_fraction=args.mem_fraction,
         kv_cache_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30),
         max_model_len=args.max_model_len,

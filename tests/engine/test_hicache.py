@@ -117,16 +117,25 @@ def _at_baseline(engine: Engine) -> None:
 # -- the tiers alone -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_bytes_survive_host_disk_and_back(tmp_path, device):
-    config = preset_config("tiny")
-    kv = KVPool(config, 20, PS, torch.float32, device)
-    ckpt = StatePool(config, 3, torch.float32, device, zero_on_alloc=False)
-    pools = [*kv.kv.values(), *kv.index_k.values(), *ckpt.ssm.values(), *ckpt.conv.values()]
+def _randomize(pools) -> None:
     for t in pools:
-        t.normal_()
-    host_blocks = 4 + STATE_BLOCKS  # a's KV and checkpoint, no more
-    tiers = HiCache(kv, ckpt, host_blocks * BLOCK, str(tmp_path), 100 * BLOCK)
+        t.copy_(torch.randn(t.shape, device=t.device).to(t.dtype))  # also FP8 keys, which have no normal_()
+
+
+@pytest.mark.parametrize("index_fp8", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
+def test_bytes_survive_host_disk_and_back(tmp_path, device, index_fp8):
+    config = preset_config("tiny")
+    kv = KVPool(config, 20, PS, torch.float32, device, index_fp8=index_fp8)
+    ckpt = StatePool(config, 3, torch.float32, device, zero_on_alloc=False)
+    key_tensors = (*kv.kv.values(), *kv.index_k.values(), *kv.index_scale.values())
+    pools = [*key_tensors, *ckpt.ssm.values(), *ckpt.conv.values()]
+    _randomize(pools)
+    block = PS * KVPool.bytes_per_token(config, torch.float32, index_fp8)
+    assert block == (BLOCK if not index_fp8 else PS * 2 * (40 * 4 + 16 + 4))  # 2 MLA layers, kv 40, DI 16
+    state_blocks = -(-sum(t[0].numel() * t.element_size() for t in pools[len(key_tensors) :]) // block)
+    host_blocks = 4 + state_blocks  # a's KV and checkpoint, no more
+    tiers = HiCache(kv, ckpt, host_blocks * block, str(tmp_path), 100 * block)
     cache = RadixCache(kv, ckpt, PS, tiers)
 
     def add(tokens):
@@ -142,7 +151,7 @@ def test_bytes_survive_host_disk_and_back(tmp_path, device):
         assert m.resume_len == len(tokens) and not m.needs_load
         rows = torch.tensor(kv.token_rows(m.pages(len(tokens)), 0, len(tokens)), device=device)
         slot = m.resume_node.checkpoint
-        return [t[rows].clone() for t in (*kv.kv.values(), *kv.index_k.values())] + [
+        return [t[rows].clone() for t in key_tensors] + [
             t[slot].clone() for t in (*ckpt.ssm.values(), *ckpt.conv.values())
         ]
 
@@ -166,12 +175,11 @@ def test_bytes_survive_host_disk_and_back(tmp_path, device):
     cache.match(a[:4] + [0] * 4)  # and a's after 1 page, on disk
     assert node_a.parent.tier == "disk" and len(node_a.parent.tokens) == PS
     cache.check()
-    for t in pools:
-        t.normal_()  # the GPU copies are gone for good
+    _randomize(pools)  # the GPU copies are gone for good
     bring_back(a)
     bring_back(b)
     for got, want in zip(snapshot(a) + snapshot(b), want_a + want_b):
-        assert torch.equal(got, want)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert tiers.num_loads == 2 and tiers.loaded_bytes["disk"] > 0
     cache.check()
     cache.flush()

@@ -133,8 +133,10 @@ def test_shared_prefix_identity_and_hits(model):
     assert _idle_pools(on)[1] == on.state_pool.num_slots
 
 
-def test_multi_turn_continuation_identity(model):
-    on, off = _engine(model, True), _engine(model, False)
+@pytest.mark.parametrize("index_key_dtype", ["auto", "fp8"])
+def test_multi_turn_continuation_identity(model, index_key_dtype):
+    on = _engine(model, True, index_key_dtype=index_key_dtype)
+    off = _engine(model, False, index_key_dtype=index_key_dtype)
     history = _ids(30, 3)
     for turn in range(4):
         out_on, out_off = _generate(on, history, 9), _generate(off, history, 9)

@@ -163,6 +163,28 @@ def test_scores_paged_match_gathered_reference(page_size, maxp, lens):
     check_scores(got, q, gather_pages(pool, page_table, page_size), w, lens, DI**-0.5)
 
 
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
+def test_scores_paged_fp8_keys_match_the_dequantized_reference(query_dtype):
+    """FP8 keys with one scale per token (KVPool(index_fp8=True)): the kernel's scores equal the reference
+    over the dequantized keys."""
+    from kestrel.ops.quant import dequantize_fp8_rows, quantize_fp8_rows
+
+    page_size, maxp, HI, DI = 4, 10, 6, 32
+    q, pool, page_table, lens, w = paged_inputs(
+        [1, 40, 37, 13], page_size, maxp, HI, DI, seed=5, dtype=query_dtype
+    )
+    pool = pool * torch.linspace(0.01, 30, pool.shape[0])[:, None]  # rows of very different magnitudes
+    keys, scale = quantize_fp8_rows(pool)  # [rows, DI] fp8, [rows, 1]
+    got = indexer_scores_paged_triton(
+        *(t.to(DEVICE) for t in (q, keys, page_table, lens, w)),
+        DI**-0.5,
+        page_size=page_size,
+        key_scale=scale.to(DEVICE),
+    )
+    ref_keys = gather_pages(dequantize_fp8_rows(keys, scale, torch.float32), page_table, page_size)
+    check_scores(got, q.float(), ref_keys, w.float(), lens, DI**-0.5)
+
+
 def test_paged_scores_then_topk_equal_the_naive_pipeline():
     page_size, maxp, HI, DI, topk = 8, 6, 4, 16, 10
     q, pool, page_table, lens, w = paged_inputs([48, 3, 25, 10], page_size, maxp, HI, DI, seed=3)

@@ -39,6 +39,7 @@ def _indexer_scores_kernel(
     k_ptr,  # paged: [rows, DI]; dense: [B, L, DI]
     page_table_ptr,  # paged: [B, maxp]
     lens_ptr,  # [B] int64
+    key_scale_ptr,  # paged FP8 keys: [rows] fp32 per-token scales (else unused)
     out_ptr,  # [B, L] fp32
     scale,
     L,
@@ -58,6 +59,7 @@ def _indexer_scores_kernel(
     BS: tl.constexpr,
     PAGED: tl.constexpr,
     UPCAST: tl.constexpr,  # compute the dot in fp32
+    KEY_SCALE: tl.constexpr,  # FP8 keys with one scale per token (paged only)
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -89,13 +91,31 @@ def _indexer_scores_kernel(
         )  # [BS, DP]
         if UPCAST:
             k = k.to(tl.float32)
+        elif KEY_SCALE:
+            k = k.to(q.dtype)  # FP8 -> the query's 16-bit type: exact
         logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [HP, BS] fp32
         score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0) * scale  # [BS]
+        if KEY_SCALE:  # relu(q . (s k)) = s relu(q . k) for s > 0: the key's scale applies after the sum
+            score = score * tl.load(key_scale_ptr + rows, mask=valid, other=1.0)
         score = tl.where(valid, score, float("nan"))
         tl.store(out_ptr + b * stride_ob + s, score, mask=s < L)
 
 
-def _launch(q_idx, weights, keys, page_table, lens, scale, L, page_size, paged, stride_kb, stride_kr, out):
+def _launch(
+    q_idx,
+    weights,
+    keys,
+    page_table,
+    lens,
+    scale,
+    L,
+    page_size,
+    paged,
+    stride_kb,
+    stride_kr,
+    out,
+    key_scale=None,
+):
     B, HI, DI = q_idx.shape
     assert weights.shape == (B, HI), f"weights {tuple(weights.shape)} != {(B, HI)}"
     assert lens.shape == (B,), f"lens {tuple(lens.shape)} != {(B,)}"
@@ -110,7 +130,10 @@ def _launch(q_idx, weights, keys, page_table, lens, scale, L, page_size, paged, 
     tiles_per_prog = max(1, min(8, tiles * B // TARGET_PROGRAMS))
     grid = (triton.cdiv(tiles, tiles_per_prog), B)
     # The CPU interpreter's tl.dot reads bf16 as raw bits, and mixed input dtypes need one type: fp32 then.
-    upcast = q_idx.device.type == "cpu" or q_idx.dtype != keys.dtype
+    fp8 = key_scale is not None
+    upcast = (
+        q_idx.device.type == "cpu" or q_idx.dtype == torch.float32 or (q_idx.dtype != keys.dtype and not fp8)
+    )
     fp32 = upcast or q_idx.dtype == torch.float32
     _indexer_scores_kernel[grid](
         q_idx,
@@ -118,6 +141,7 @@ def _launch(q_idx, weights, keys, page_table, lens, scale, L, page_size, paged, 
         keys,
         page_table,
         lens,
+        key_scale if fp8 else lens,  # a placeholder pointer without FP8 keys
         out,
         float(scale),
         L,
@@ -137,6 +161,7 @@ def _launch(q_idx, weights, keys, page_table, lens, scale, L, page_size, paged, 
         BS=BLOCK_S,
         PAGED=paged,
         UPCAST=upcast,
+        KEY_SCALE=fp8,
         DOT_PRECISION="ieee" if fp32 else "tf32",
     )
     return out
@@ -178,11 +203,13 @@ def indexer_scores_paged_triton(
     scale: float,
     *,
     page_size: int,
+    key_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode indexer scores reading the keys through the page table (the layout of kestrel.cache.kv_pool).
 
-    q_idx [B, HI, DI], k_pool [rows, DI] (one layer's `KVPool.index_k`), page_table [B, maxp] (int32 or
+    q_idx [B, HI, DI], k_pool [rows, DI] (one layer's `KVPool.index_k`; FP8 E4M3 with `key_scale` [rows, 1]
+    or [rows] fp32, one scale per token, when the pool keeps FP8 keys), page_table [B, maxp] (int32 or
     int64; position p of sequence b is row page_table[b, p // page_size] * page_size + p % page_size),
     lens [B], weights [B, HI]. Returns [B, maxp * page_size] fp32 (written into `out` when given), the width
     `read_kv_batched` gives: the scores on s < lens[b], NaN beyond.
@@ -193,6 +220,23 @@ def indexer_scores_paged_triton(
     if page_table.stride(-1) != 1:
         page_table = page_table.contiguous()
     L = maxp * page_size
+    if key_scale is not None:
+        assert key_scale.shape[0] == k_pool.shape[0] and key_scale.numel() == k_pool.shape[0], (
+            "one scale per row"
+        )
+        key_scale = key_scale.reshape(-1).float()
     return _launch(
-        q_idx, weights, k_pool, page_table, lens, scale, L, page_size, True, 0, k_pool.stride(0), out
+        q_idx,
+        weights,
+        k_pool,
+        page_table,
+        lens,
+        scale,
+        L,
+        page_size,
+        True,
+        0,
+        k_pool.stride(0),
+        out,
+        key_scale,
     )
