@@ -625,11 +625,19 @@ def cache_targets() -> dict:
         think_time_s=Spread("uniform", 0, 0.5),
         chars_per_token=1.0,
     )
+    # The working set: every session's final context (history + 4 turns of mean append and reply) in KV bytes
+    from kestrel.cache.kv_pool import KVPool
+    from kestrel.presets import preset_config
+
+    per_token = KVPool.bytes_per_token(preset_config("mini"), torch.bfloat16)
+    working_set = 8 * (8192 + 4 * (1050 + 125)) * per_token
+    pool_gb = f"{0.25 * working_set / 2**30:.3f}"
+    result["working_set_gib"], result["gpu_pool_gib_at_25pct"] = working_set / 2**30, float(pool_gb)
     base = ["--model", "mini", "--max-running-requests", "16", "--max-model-len", "20000"]
     for name, extra in (
         ("enough_memory", []),
-        ("gpu_25pct_no_host", ["--kv-cache-gb", "0.4"]),
-        ("gpu_25pct_host", ["--kv-cache-gb", "0.4", "--hicache-host-gb", "16"]),
+        ("gpu_25pct_no_host", ["--kv-cache-gb", pool_gb]),
+        ("gpu_25pct_host", ["--kv-cache-gb", pool_gb, "--hicache-host-gb", "16"]),
     ):
         try:  # one configuration failing keeps the figures of the others
             proc = _serve(base + extra, 8123)
