@@ -329,3 +329,16 @@ def test_console_script(tmp_path):
         [str(script), "generate", "--prompt", "hi", "--top-p", "2"], capture_output=True, text=True
     )
     assert_one_line_error(proc.returncode, proc.stderr, 2, "--top-p")
+
+
+def test_builtin_model_default_only_where_a_model_is_loaded():
+    from kestrel.serve.cli import build_parser
+
+    parse = build_parser().parse_args
+    for argv in (["generate", "--prompt", "x"], ["serve"], ["chat"]):
+        args = parse(argv)
+        assert args.model is None and args.builtin_model_default, argv  # main() fills in builtin_model()
+    agent = parse(["bench", "agent", "--base-url", "http://127.0.0.1:1/v1"])
+    assert agent.model is None and not getattr(
+        agent, "builtin_model_default", False
+    )  # the server's first model

@@ -138,7 +138,7 @@ def _time_decode(engine: Engine, net, b: int, context: int, steps: int, dense: b
 @torch.no_grad()
 def fill_pools(engine: Engine) -> None:
     for t in (*engine.kv_pool.kv.values(), *engine.kv_pool.index_k.values()):
-        t.normal_(0, 0.5)
+        t.copy_((torch.randn(t.shape, device=t.device) * 0.5).to(t.dtype))  # FP8 keys have no normal_()
     for t in engine.state_pool.ssm.values():
         t.normal_(0, 0.05)
 

@@ -175,8 +175,8 @@ class Engine:
         modes = {
             m.indexer.topk is None for m in self.model.modules() if getattr(m, "indexer", None) is not None
         }
-        if modes == {dense}:
-            return  # already in that mode: keep the cache and the graphs
+        if not modes or modes == {dense}:
+            return  # no DSA layer, or already in that mode: keep the cache and the graphs
         set_dense_attention(self.model, dense)
         self.flush_cache()
         self.runner.recapture_graphs()

@@ -70,6 +70,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="checkpoint folder, `kestrel-demo` (the trained demo model, when installed), or a preset name "
         "for random weights: tiny, mini, demo (default: kestrel-demo if installed, else tiny)",
     )
+    p.set_defaults(builtin_model_default=True)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     p.add_argument(
         "--dtype",
@@ -276,7 +277,7 @@ def _bench(name: str):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if getattr(args, "model", "") is None:  # serve, generate, chat without --model: the built-in model
+        if getattr(args, "builtin_model_default", False) and args.model is None:  # serve, generate, chat
             from kestrel.presets import builtin_model
 
             args.model = builtin_model()

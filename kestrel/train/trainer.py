@@ -124,6 +124,7 @@ class Trainer:
             num_workers=cfg.data_workers,
         )
         self.step, self.history = 0, []
+        self.train_seconds = 0.0  # timed training so far (the first step of each run left out), over resumes
         self.flops_per_token = flops_per_token(self.model, cfg.row_len)
         self._maybe_resume()
 
@@ -141,18 +142,21 @@ class Trainer:
         model.train()
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
         # The first step compiles and autotunes the kernels (minutes on a fresh GPU machine): the clock of the
-        # time budget, the LR schedule and tokens/s starts after it.
+        # time budget, the LR schedule and tokens/s starts after it. The clock carries over a resume.
+        base = self.train_seconds
         run_start, start, tokens_done, timed_tokens, first_step_s = time.perf_counter(), None, 0, 0, None
         while self.step < cfg.steps:
             batch = next(self.data)
-            lr = lr_at(self.step, cfg, 0.0 if start is None else time.perf_counter() - start)
+            lr = lr_at(self.step, cfg, self.train_seconds)
             lm, kl, imbalance = self.train_step(batch, lr)
             tokens_done += batch.input_ids.numel()
             if start is None:
-                start, first_step_s = time.perf_counter(), time.perf_counter() - run_start
+                start = time.perf_counter()
+                first_step_s = start - run_start
             else:
                 timed_tokens += batch.input_ids.numel()
-            elapsed = time.perf_counter() - start
+                self.train_seconds = base + time.perf_counter() - start
+            elapsed = self.train_seconds - base  # this run's timed seconds
             record = {
                 "step": self.step,
                 "loss": lm,
@@ -160,7 +164,7 @@ class Trainer:
                 "lr": lr,
                 "max_expert_load": imbalance,
                 "tokens": tokens_done,
-                "seconds": elapsed,
+                "seconds": self.train_seconds,
             }
             self.history.append(record)
             self.step += 1
@@ -173,14 +177,19 @@ class Trainer:
                     tok_s=f"{tps:,.0f}",
                     mfu=f"{self.mfu(tps):.1%}" if self.device.type == "cuda" else "-",
                 )
-            out_of_time = cfg.time_budget_s is not None and elapsed > cfg.time_budget_s
+            out_of_time = cfg.time_budget_s is not None and self.train_seconds > cfg.time_budget_s
             if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps or out_of_time:
                 self.save()
             if out_of_time:
                 break
         bar.close()
-        summary = self.summary(time.perf_counter() - (start or run_start), timed_tokens)
-        return {**summary, "tokens": tokens_done, "first_step_s": first_step_s}
+        summary = self.summary(self.train_seconds - base, timed_tokens)  # after this run's first step
+        return {
+            **summary,
+            "tokens_this_run": tokens_done,
+            "first_step_s": first_step_s,
+            "train_seconds_total": self.train_seconds,
+        }
 
     def train_step(self, batch, lr: float | None = None) -> tuple[float, float, float]:
         cfg, model, dev = self.cfg, self.model, self.device
@@ -227,6 +236,7 @@ class Trainer:
             "optimizer": self.opt.state_dict(),
             "data": self.data.state_dict(),
             "history": self.history,
+            "train_seconds": self.train_seconds,
             "config": asdict(self.cfg),
         }
         torch.save(state, self.out / STATE_FILE)
@@ -243,6 +253,7 @@ class Trainer:
         self.opt.load_state_dict(state["optimizer"])
         self.data.load_state_dict(state["data"])
         self.step, self.history = state["step"], state["history"]
+        self.train_seconds = state.get("train_seconds", 0.0)
 
     def summary(self, seconds: float, tokens: int) -> dict:
         tps = tokens / max(seconds, 1e-9)

@@ -96,6 +96,28 @@ def test_resume_reaches_the_same_weights(tmp_path, byte_tok):
     )
 
 
+def test_time_budget_clock_survives_a_resume(tmp_path, byte_tok):
+    """The budget's clock (which also drives the LR cosine) is saved: a resumed run keeps counting from where
+    the first one stopped, and the first step of each run (compilation) is not counted."""
+    first = Trainer(_cfg(tmp_path, byte_tok, steps=3, time_budget_s=1e6))
+    summary = first.train()
+    assert 0 < summary["seconds"] == pytest.approx(first.train_seconds) and summary["first_step_s"] > 0
+    assert first.history[0]["seconds"] == 0.0  # the first step is outside the clock
+    resumed = Trainer(_cfg(tmp_path, byte_tok, steps=5, time_budget_s=1e6))
+    assert resumed.train_seconds == pytest.approx(first.train_seconds)
+    resumed.train()
+    seconds = [r["seconds"] for r in resumed.history]
+    assert seconds == sorted(seconds) and seconds[3] == pytest.approx(first.train_seconds)
+    assert resumed.train_seconds > first.train_seconds
+
+
+def test_lr_follows_the_time_budget_when_it_ends_first(tmp_path, byte_tok):
+    cfg = _cfg(tmp_path, byte_tok, steps=1000, warmup_steps=1, time_budget_s=100.0)
+    assert lr_at(10, cfg, 0.0) > 0.99 * cfg.lr  # early by steps and by time
+    assert lr_at(10, cfg, 50.0) == pytest.approx(cfg.lr * (0.1 + 0.9 * 0.5))  # half the budget: half-way
+    assert lr_at(10, cfg, 100.0) == pytest.approx(cfg.lr * cfg.min_lr_ratio)  # budget spent: the floor
+
+
 def test_lr_schedule_and_bias_balancing(tmp_path, byte_tok):
     cfg = _cfg(tmp_path, byte_tok, steps=100, warmup_steps=10)
     assert lr_at(0, cfg) == pytest.approx(cfg.lr / 10) and lr_at(9, cfg) == pytest.approx(cfg.lr)

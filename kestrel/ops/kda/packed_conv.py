@@ -44,15 +44,37 @@ def short_conv_packed(
     )  # [N, S]
     padded = x.new_zeros(T + N * S, C, dtype=dtype)
     padded = padded.index_copy(0, dest, x.to(dtype))
-    padded = padded.index_copy(
-        0, state_rows.flatten(), conv_state.to(dtype).transpose(1, 2).reshape(N * S, C)
-    )
-
-    # Window j of the buffer covers rows j .. j + S; token t's window ends at its own row: window dest[t] - S.
-    windows = padded.unfold(0, W, 1).index_select(0, dest - S)  # [T, C, W], column W - 1 the token itself
-    y = F.silu((windows * weight.to(dtype)).sum(-1)).to(x.dtype)
+    state = conv_state.to(x.dtype).to(dtype)  # rounded through x.dtype, as the reference does
+    padded = padded.index_copy(0, state_rows.flatten(), state.transpose(1, 2).reshape(N * S, C))
+    y = F.silu(_WindowConv.apply(padded, weight.to(dtype), dest - S)).to(x.dtype)
 
     ends = cu[1:] + (torch.arange(N, device=device) + 1) * S  # [N] one past each sequence's last row
     last = (ends[:, None] - S + torch.arange(S, device=device)).flatten()  # [N * S]
     new_state = padded.index_select(0, last).view(N, S, C).transpose(1, 2).to(x.dtype)
     return y, new_state
+
+
+class _WindowConv(torch.autograd.Function):
+    """pre[t] = sum_j weight[:, j] * padded[start[t] + j]: the conv of each token's window of W buffer rows.
+
+    Autograd through a gathered [T, C, W] copy would keep it for the weight gradient (W times the input);
+    this keeps only the buffer and gathers the windows again in the backward."""
+
+    @staticmethod
+    def forward(ctx, padded: torch.Tensor, weight: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(padded, weight, start)
+        windows = padded.unfold(0, weight.shape[-1], 1).index_select(0, start)  # [T, C, W], transient
+        return (windows * weight).sum(-1)  # [T, C]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        padded, weight, start = ctx.saved_tensors
+        d_padded = d_weight = None
+        if ctx.needs_input_grad[0]:
+            d_padded = torch.zeros_like(padded)
+            for j in range(weight.shape[-1]):
+                d_padded.index_add_(0, start + j, grad * weight[:, j])
+        if ctx.needs_input_grad[1]:
+            windows = padded.unfold(0, weight.shape[-1], 1).index_select(0, start)  # [T, C, W]
+            d_weight = torch.einsum("tc,tcw->cw", grad, windows)
+        return d_padded, d_weight, None
