@@ -29,10 +29,13 @@ class Env:
     attn_backend: str
     """KESTREL_ATTN_BACKEND: MLA/DSA decode over the paged cache: auto (Triton kernels on CUDA) | torch | triton."""
     moe_grouped_mm: str
+    """KESTREL_MOE_GROUPED_MM: auto (torch._grouped_mm on CUDA bf16 where it applies) | off (per-expert loop)."""
+    kda_conv: str
+    """KESTREL_KDA_CONV: the KDA short conv of prefill and training on the fla backend: torch (one batched
+    gather, kestrel.ops.kda.packed_conv) | fla (fla-core's varlen causal_conv1d, Triton forward and backward)."""
     triton_interpret: bool
     """TRITON_INTERPRET (Triton's own switch): kernels run in Triton's interpreter, so the CUDA-only fast paths
     can be exercised on a CPU (tests)."""
-    """KESTREL_MOE_GROUPED_MM: auto (torch._grouped_mm on CUDA bf16 where it applies) | off (per-expert loop)."""
 
 
 def read_env() -> Env:
@@ -42,4 +45,5 @@ def read_env() -> Env:
         attn_backend=_str("KESTREL_ATTN_BACKEND", "auto", ("auto", "torch", "triton")),
         triton_interpret=_bool("TRITON_INTERPRET", False),
         moe_grouped_mm=_str("KESTREL_MOE_GROUPED_MM", "auto", ("auto", "off")),
+        kda_conv=_str("KESTREL_KDA_CONV", "torch", ("torch", "fla")),
     )

@@ -55,9 +55,8 @@ def _fla_backend() -> KDABackend:
     from kestrel.ops.kda import fla  # imports fla-core and triton
     from kestrel.ops.kda.packed_conv import short_conv_packed
 
-    return KDABackend(
-        "fla", fla.chunk, fla.recurrent, fla.recurrent_inplace, fla.conv_step_inplace, short_conv_packed
-    )
+    conv = fla.short_conv if read_env().kda_conv == "fla" else short_conv_packed
+    return KDABackend("fla", fla.chunk, fla.recurrent, fla.recurrent_inplace, fla.conv_step_inplace, conv)
 
 
 def get_kda_backend(device: torch.device) -> KDABackend:

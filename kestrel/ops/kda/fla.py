@@ -111,3 +111,32 @@ def conv_step_inplace(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Te
     from kestrel.ops.kda.triton_conv import conv_step_inplace as kernel
 
     return kernel(x, weight, conv_pool, slots)
+
+
+def short_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`naive.short_conv` through fla-core's varlen `causal_conv1d` (SiLU fused, Triton forward and backward).
+    fla keeps W inputs of state per sequence, the newest last, and reads only the last W - 1 of them: ours
+    [N, C, W - 1] is its [N, C, W] without the first column."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    T, C = x.shape
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, T], device=x.device)
+    N = cu_seqlens.numel() - 1
+    initial = None
+    if conv_state is not None:
+        initial = torch.cat([conv_state.new_zeros(N, C, 1), conv_state], dim=-1).to(x.dtype)  # [N, C, W]
+    y, final = causal_conv1d(
+        x[None],
+        weight=weight,
+        initial_state=initial,
+        output_final_state=True,
+        activation="silu",
+        cu_seqlens=cu_seqlens.to(torch.int64),
+    )
+    return y[0], final[..., 1:].to(x.dtype)
