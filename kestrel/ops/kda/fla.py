@@ -22,9 +22,14 @@ def chunk(
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    disable_recompute: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunked prefill (fla `chunk_kda`, chunk size 64).
+    """Chunked prefill and training (fla `chunk_kda`, chunk size 64).
+    disable_recompute (default: when autograd records) keeps the forward's intermediates for the backward
+    instead of recomputing them, which fla recommends for small models.
     Returns (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None)."""
+    if disable_recompute is None:
+        disable_recompute = torch.is_grad_enabled() and q.requires_grad
     if initial_state is not None:
         initial_state = initial_state.float()  # chunk_kda asserts an fp32 initial state
     o, final_state = chunk_kda(
@@ -38,6 +43,7 @@ def chunk(
         output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm,
         cu_seqlens=cu_seqlens,
+        disable_recompute=disable_recompute,
     )
     return o.to(v.dtype), final_state  # fla returns o in q.dtype
 
