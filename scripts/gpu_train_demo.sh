@@ -21,7 +21,7 @@ start)
     setsid nohup python3 -m kestrel.serve.cli train --out $RUN --model demo --steps "${STEPS:-4000}" \
         --batch-rows "${ROWS:-8}" --row-len "${ROW_LEN:-8704}" --retrieval-lengths "${RLEN:-2048,8192}" \
         --lr "${LR:-3e-3}" --warmup-steps 50 --dsa-dense-steps "${DENSE:-400}" --checkpoint-every 250 \
-        --time-budget-s "${BUDGET:-840}" --data-workers "${WORKERS:-12}" > $RUN/train.log 2>&1 < /dev/null &
+        --time-budget-s "${BUDGET:-720}" --data-workers "${WORKERS:-12}" > $RUN/train.log 2>&1 < /dev/null &
     sleep 60; tail -c 2000 $RUN/train.log
     ;;
 wait)
@@ -32,7 +32,7 @@ wait)
     tail -c 1500 $RUN/train.log
     ;;
 finish)
-    timeout "${EVAL_S:-240}" python3 -m kestrel.serve.cli eval --model $RUN/checkpoint --num 200 \
+    timeout "${EVAL_S:-200}" python3 -m kestrel.serve.cli eval --model $RUN/checkpoint --num 200 \
         --num-retrieval 50 --retrieval-lengths 2048,8192,32768 --out $RUN/eval.json > $RUN/eval.log 2>&1
     tail -c 2500 $RUN/eval.log
     # $OUT takes at most 8 files of 16 MiB: the weight shards as they are, everything else in one archive

@@ -69,8 +69,12 @@ def cmd_eval(args) -> int:
         device=args.device,
         dense_contrast=not args.no_dense_contrast,
     )
-    result = evaluate(cfg)
+
+    def save(result: dict) -> None:  # after each family and length: a run cut short keeps what it measured
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=2))
+
+    result = evaluate(cfg, on_progress=save)
+    save(result)
     print(format_table(result))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
     return 0

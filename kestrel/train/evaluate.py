@@ -67,7 +67,10 @@ def _accuracy(engine: Engine, examples, max_new_tokens: int, desc: str) -> dict:
     }
 
 
-def evaluate(cfg: EvalConfig) -> dict:
+def evaluate(cfg: EvalConfig, on_progress=None) -> dict:
+    """The eval table as a dict; `on_progress(result)` gets the partial result after each family and length
+    (so that a run cut short still leaves what it measured)."""
+    report = on_progress or (lambda result: None)
     longest = max(cfg.retrieval_lengths, default=0)
     engine = Engine(
         EngineConfig(
@@ -82,6 +85,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     for family in cfg.families:
         examples = heldout_examples(family, cfg.num_per_family, seed=cfg.seed)
         result["families"][family] = _accuracy(engine, examples, cfg.max_new_tokens, family)
+        report(result)
     for length in cfg.retrieval_lengths:
         if length + cfg.max_new_tokens > engine.plan.max_model_len:
             result["retrieval"][length] = {"skipped": f"context limit {engine.plan.max_model_len}"}
@@ -94,8 +98,9 @@ def evaluate(cfg: EvalConfig) -> dict:
         for name, dense in modes:
             engine.set_dense_attention(dense)
             entry[name] = _accuracy(engine, examples, 32, f"retrieval@{length}-{name}")
+            result["retrieval"][length] = entry
+            report(result)
         engine.set_dense_attention(False)
-        result["retrieval"][length] = entry
     return result
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -70,7 +71,11 @@ def test_evaluate_reports_every_family_and_length_with_the_dense_contrast():
         max_new_tokens=8,
         device="cpu",
     )
-    result = evaluate(cfg)
+    seen: list = []
+    result = evaluate(cfg, on_progress=lambda r: seen.append(json.dumps(r, sort_keys=True)))
+    # the partial result after each family and each mode of each length, the last one the whole table
+    assert len(seen) == 4 and json.loads(seen[0])["families"].keys() == {"chain_sum"}
+    assert seen[-1] == json.dumps(result, sort_keys=True)
     assert set(result["families"]) == {"chain_sum", "countdown"}
     assert set(result["retrieval"][300]) == {"dsa", "dense"}
     for r in [*result["families"].values(), *result["retrieval"][300].values()]:
