@@ -33,6 +33,9 @@ class Env:
     kda_conv: str
     """KESTREL_KDA_CONV: the KDA short conv of prefill and training on the fla backend: torch (one batched
     gather, kestrel.ops.kda.packed_conv) | fla (fla-core's varlen causal_conv1d, Triton forward and backward)."""
+    kda_no_recompute: bool
+    """KESTREL_KDA_NO_RECOMPUTE: training keeps fla chunk_kda's forward intermediates for the backward instead of
+    recomputing them (fla's advice for small models; off until its GPU gradient test has run)."""
     triton_interpret: bool
     """TRITON_INTERPRET (Triton's own switch): kernels run in Triton's interpreter, so the CUDA-only fast paths
     can be exercised on a CPU (tests)."""
@@ -46,4 +49,5 @@ def read_env() -> Env:
         triton_interpret=_bool("TRITON_INTERPRET", False),
         moe_grouped_mm=_str("KESTREL_MOE_GROUPED_MM", "auto", ("auto", "off")),
         kda_conv=_str("KESTREL_KDA_CONV", "torch", ("torch", "fla")),
+        kda_no_recompute=_bool("KESTREL_KDA_NO_RECOMPUTE", False),
     )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
+from kestrel.env import read_env
+
 
 def chunk(
     q: torch.Tensor,
@@ -25,11 +27,11 @@ def chunk(
     disable_recompute: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked prefill and training (fla `chunk_kda`, chunk size 64).
-    disable_recompute (default: when autograd records) keeps the forward's intermediates for the backward
-    instead of recomputing them, which fla recommends for small models.
+    disable_recompute keeps the forward's intermediates for the backward instead of recomputing them, which
+    fla recommends for small models (default: KESTREL_KDA_NO_RECOMPUTE, when autograd records).
     Returns (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None)."""
     if disable_recompute is None:
-        disable_recompute = torch.is_grad_enabled() and q.requires_grad
+        disable_recompute = read_env().kda_no_recompute and torch.is_grad_enabled() and q.requires_grad
     if initial_state is not None:
         initial_state = initial_state.float()  # chunk_kda asserts an fp32 initial state
     o, final_state = chunk_kda(
