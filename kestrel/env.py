@@ -36,6 +36,9 @@ class Env:
     kda_no_recompute: bool
     """KESTREL_KDA_NO_RECOMPUTE: training keeps fla chunk_kda's forward intermediates for the backward instead of
     recomputing them (fla's advice for small models; off until its GPU gradient test has run)."""
+    kda_safe_gate: bool
+    """KESTREL_KDA_SAFE_GATE: fla chunk_kda's faster path for gates bounded in [-5, 0) (K3's lower-bound gate),
+    used only where the model's gate is bounded (off until its GPU test has run)."""
     triton_interpret: bool
     """TRITON_INTERPRET (Triton's own switch): kernels run in Triton's interpreter, so the CUDA-only fast paths
     can be exercised on a CPU (tests)."""
@@ -50,4 +53,5 @@ def read_env() -> Env:
         moe_grouped_mm=_str("KESTREL_MOE_GROUPED_MM", "auto", ("auto", "off")),
         kda_conv=_str("KESTREL_KDA_CONV", "torch", ("torch", "fla")),
         kda_no_recompute=_bool("KESTREL_KDA_NO_RECOMPUTE", False),
+        kda_safe_gate=_bool("KESTREL_KDA_SAFE_GATE", False),
     )

@@ -239,13 +239,14 @@ def test_fla_backend_matches_naive(op, lower_bound, lens):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("disable_recompute", [False, True])
-def test_fla_chunk_gradients_match_the_reference(disable_recompute):
+@pytest.mark.parametrize("disable_recompute,safe_gate", [(False, False), (True, False), (False, True)])
+def test_fla_chunk_gradients_match_the_reference(disable_recompute, safe_gate, monkeypatch):
     """Training runs fla's chunk_kda backward: its gradients (q, k, v, g, beta, initial state) against autograd
     through the fp32 reference, on packed sequences, with and without fla's recompute."""
     pytest.importorskip("fla.ops.kda")
     from kestrel.ops.kda import fla
 
+    monkeypatch.setenv("KESTREL_KDA_SAFE_GATE", "1" if safe_gate else "0")
     lens = [5, 64, 130, 37]
     cu_seqlens = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
     inputs = make_inputs(
@@ -262,7 +263,13 @@ def test_fla_chunk_gradients_match_the_reference(disable_recompute):
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, g, beta, h0)]
     ref_leaves = [t.detach().float().clone().requires_grad_(True) for t in leaves]
     kwargs = dict(output_final_state=True, use_qk_l2norm=True, cu_seqlens=cu_seqlens)
-    o, s = fla.chunk(*leaves[:5], initial_state=leaves[5], disable_recompute=disable_recompute, **kwargs)
+    o, s = fla.chunk(
+        *leaves[:5],
+        initial_state=leaves[5],
+        disable_recompute=disable_recompute,
+        gate_lower_bound=-5.0,
+        **kwargs,
+    )
     o_ref, s_ref = chunk_kda(*ref_leaves[:5], initial_state=ref_leaves[5], **kwargs)
     probe_o = torch.randn(o.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     probe_s = torch.randn(s.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))

@@ -25,11 +25,15 @@ def chunk(
     use_qk_l2norm: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     disable_recompute: bool | None = None,
+    gate_lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked prefill and training (fla `chunk_kda`, chunk size 64).
     disable_recompute keeps the forward's intermediates for the backward instead of recomputing them, which
     fla recommends for small models (default: KESTREL_KDA_NO_RECOMPUTE, when autograd records).
+    gate_lower_bound: the bound lb < 0 the caller's gates keep to (g in (lb, 0), K3's gate); with lb >= -5 and
+    KESTREL_KDA_SAFE_GATE on, fla's faster kernels for bounded gates run.
     Returns (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None)."""
+    safe_gate = read_env().kda_safe_gate and gate_lower_bound is not None and -5 <= gate_lower_bound < 0
     if disable_recompute is None:
         disable_recompute = read_env().kda_no_recompute and torch.is_grad_enabled() and q.requires_grad
     if initial_state is not None:
@@ -46,6 +50,7 @@ def chunk(
         use_qk_l2norm_in_kernel=use_qk_l2norm,
         cu_seqlens=cu_seqlens,
         disable_recompute=disable_recompute,
+        safe_gate=safe_gate,
     )
     return o.to(v.dtype), final_state  # fla returns o in q.dtype
 
