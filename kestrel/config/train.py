@@ -38,6 +38,10 @@ class TrainConfig:
     retrieval_lengths: tuple[int, ...] = (
         2048,
     )  # context lengths of the retrieval family's training documents
+    # the retrieval family's weight in the draw, against 1.0 for each arithmetic family. Measured at 8 rows of
+    # 8704 with 2K/8K documents: 0.1 gives 8.3 retrieval documents a step (67% of the tokens, 1.8% of the loss
+    # tokens) among 271; 0.2 gives 8.7 among 196 (the rows are full of long documents already)
+    retrieval_weight: float = 0.1
 
     def __post_init__(self):
         checks = [
@@ -51,6 +55,7 @@ class TrainConfig:
                 "checkpoint_every and log_every must be >= 1",
             ),
             (all(n < self.row_len for n in self.retrieval_lengths), "retrieval_lengths must fit in row_len"),
+            (self.retrieval_weight >= 0, "retrieval_weight must be >= 0"),
         ]
         bad = [msg for ok, msg in checks if not ok]
         if bad:

@@ -212,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--retrieval-lengths", default="2048", help="comma-separated context lengths of retrieval docs"
     )
+    t.add_argument(
+        "--retrieval-weight",
+        type=_non_negative_float,
+        default=0.1,
+        help="weight of the retrieval family in the draw, against 1.0 per arithmetic family (default 0.1)",
+    )
     t.add_argument("--checkpoint-every", type=_positive_int, default=500)
     t.add_argument("--time-budget-s", type=float, default=None, help="stop and checkpoint after this long")
     t.add_argument("--data-workers", type=int, default=0)

@@ -37,6 +37,7 @@ def cmd_train(args) -> int:
         warmup_steps=args.warmup_steps,
         dsa_dense_steps=args.dsa_dense_steps,
         retrieval_lengths=_lengths(args.retrieval_lengths),
+        retrieval_weight=args.retrieval_weight,
         checkpoint_every=args.checkpoint_every,
         time_budget_s=args.time_budget_s,
         device=args.device,

@@ -28,7 +28,7 @@ from kestrel.models.loader import build_model
 from kestrel.models.weights import save_checkpoint
 from kestrel.tokenizer import load_tokenizer
 from kestrel.train.bpe import build_tokenizer
-from kestrel.train.data import MixtureConfig, PackedBatches
+from kestrel.train.data import DEFAULT_WEIGHTS, MixtureConfig, PackedBatches
 from kestrel.utils.device import resolve_device
 
 STATE_FILE = "trainer_state.pt"
@@ -114,7 +114,10 @@ class Trainer:
             betas=(cfg.beta1, cfg.beta2),
             fused=self.device.type == "cuda",
         )
-        mixture = MixtureConfig(retrieval_context_tokens=tuple(cfg.retrieval_lengths))
+        mixture = MixtureConfig(
+            weights={**DEFAULT_WEIGHTS, "retrieval": cfg.retrieval_weight},
+            retrieval_context_tokens=tuple(cfg.retrieval_lengths),
+        )
         self.data = PackedBatches(
             str(self.tokenizer_dir) if cfg.data_workers else self.tokenizer,
             cfg.batch_rows,
