@@ -92,6 +92,9 @@ def _decode_logits(model, ids: torch.Tensor, prefill: int, backend: str, replay:
     return torch.cat(outs)
 
 
+PARITY_MODELS = ["tiny", "mini"]  # --parity-models
+
+
 def foundation() -> dict:
     """Fast path (fla-core KDA) against the reference path (plain-torch KDA), same bf16 weights.
 
@@ -104,7 +107,8 @@ def foundation() -> dict:
     from kestrel.models.loader import build_model
 
     result: dict = {"parity": {}}
-    for preset, length, decode_from in (("tiny", 300, 280), ("mini", 512, 496)):
+    cases = [(m, 512, 496) if m == "mini" else (m, 300, 280) for m in PARITY_MODELS]
+    for preset, length, decode_from in cases:  # a preset (seeded random weights) or a checkpoint folder
         fp32 = build_model(preset, dtype=torch.float32, device="cuda", seed=0)
         vocab = fp32.config.vocab_size
         ids = torch.randint(
@@ -706,7 +710,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sections", default="ceilings,foundation,kda_layers,gpu_tests")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument(
+        "--parity-models",
+        default="tiny,mini",
+        help="foundation: presets or checkpoint folders for the fast-vs-reference logits parity",
+    )
     args = parser.parse_args()
+    PARITY_MODELS[:] = args.parity_models.split(",")
     out = Path(args.out) / "gpu_suite.json"
     record = {
         "command": " ".join(sys.argv),
