@@ -39,6 +39,10 @@ class Env:
     kda_safe_gate: bool
     """KESTREL_KDA_SAFE_GATE: fla chunk_kda's faster path for gates bounded in [-5, 0) (K3's lower-bound gate),
     used only where the model's gate is bounded (off until its GPU test has run)."""
+    compile_train: bool
+    """KESTREL_COMPILE_TRAIN: torch.compile the small fp32 elementwise ops (norms, gates, activations, AttnRes
+    mixing) when autograd records, i.e. in training, so that each runs as one fused kernel forward and backward
+    (kestrel.utils.fuse; off by default: its speed on the H200 is still to be measured)."""
     triton_interpret: bool
     """TRITON_INTERPRET (Triton's own switch): kernels run in Triton's interpreter, so the CUDA-only fast paths
     can be exercised on a CPU (tests)."""
@@ -54,4 +58,5 @@ def read_env() -> Env:
         kda_conv=_str("KESTREL_KDA_CONV", "torch", ("torch", "fla")),
         kda_no_recompute=_bool("KESTREL_KDA_NO_RECOMPUTE", False),
         kda_safe_gate=_bool("KESTREL_KDA_SAFE_GATE", False),
+        compile_train=_bool("KESTREL_COMPILE_TRAIN", False),
     )

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from kestrel.utils.fuse import fused_in_training
 
+
+@fused_in_training
 def attnres_mix(
     sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float
 ) -> torch.Tensor:

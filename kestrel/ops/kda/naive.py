@@ -13,12 +13,15 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kestrel.utils.fuse import fused_in_training
+
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """fp32, except that fp64 inputs stay fp64 (tests check chunk == recurrent tightly in fp64)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+@fused_in_training
 def kda_gate(
     f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None = None
 ) -> torch.Tensor:
@@ -245,6 +248,7 @@ def chunk_kda(
     return o.to(v.dtype), (final if output_final_state else None)
 
 
+@fused_in_training
 def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Output norm-gate (model-spec 1.4): RMSNorm_weight(o) * sigmoid(gate) over the last dim (V), in fp32.
     o, gate [..., V]; weight [V]. Returns o.dtype."""

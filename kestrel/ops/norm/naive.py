@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from kestrel.utils.fuse import fused_in_training
 
+
+@fused_in_training
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * x / sqrt(mean(x^2) + eps)` over the last dim, computed in fp32.  x: [..., D], weight: [D]."""
     xf = x.float()
