@@ -7,7 +7,7 @@ Sections:
   ceilings    device-to-device copy bandwidth and 8192^3 bf16 matmul rate (the roofline of this run)
   foundation  fla-core fast path vs the reference path (tiny, mini), `generate` on mini (API and CLI)
   kda_layers  each KDA layer, fast vs reference on the same input (the kernels' error, no compounding)
-  gpu_tests   the pytest tests marked `gpu`
+  gpu_tests   every op test on the device (kernels vs references, fla-core gradients, graphs) and HiCache on CUDA
   engine_decode  engine decode tokens/s on mini at batch 64/8/1, CUDA graphs on and off
   profile_decode where a decode step's GPU time goes (torch.profiler, top kernels)
   engine_bench   offline throughput (512 x 1K/256) and the transformers peer at batch 64
@@ -517,16 +517,17 @@ def profile_decode() -> dict:
 
 
 def gpu_tests() -> dict:
-    """The pytest tests marked `gpu` (each kernel against its reference on the device)."""
+    """Every op test on the device: the `gpu`-marked ones (mini sizes, CUDA graphs, fla-core gradients) and
+    the kernel tests that run their tiny cases compiled when CUDA is there (on CPU they run interpreted);
+    plus HiCache's CUDA path (pinned host tier, copy streams)."""
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
             "pytest",
             "-q",
-            "-m",
-            "gpu",
             "tests/ops",
+            "tests/engine/test_hicache.py",
             "-p",
             "no:cacheprovider",
             "--tb=short",
