@@ -289,6 +289,13 @@ def save_byte_tokenizer(directory: str) -> None:
     tok.post_processor = processors.TemplateProcessing(
         single="<|bos|> $A", pair="<|bos|> $A $B", special_tokens=[("<|bos|>", 256)]
     )
+    save_tokenizer_files(tok, directory, BYTE_CHAT_TEMPLATE, list(ByteTokenizer().eos_token_ids))
+
+
+def save_tokenizer_files(tok, directory: str, chat_template: str, eos_token_ids: list[int]) -> None:
+    """Write a `tokenizers` tokenizer whose special tokens are BYTE_SPECIAL_TOKENS as the files `HFTokenizer` and
+    transformers read: tokenizer.json, tokenizer_config.json (with `chat_template`), and generation_config.json,
+    whose `eos_token_id` becomes `eos_token_ids` (<|im_end|> ends a turn too; other keys of the file are kept)."""
     os.makedirs(directory, exist_ok=True)
     tok.save(os.path.join(directory, "tokenizer.json"))
     config = {
@@ -297,13 +304,12 @@ def save_byte_tokenizer(directory: str) -> None:
         "eos_token": "<|eos|>",
         "pad_token": "<|pad|>",
         "clean_up_tokenization_spaces": False,
-        "chat_template": BYTE_CHAT_TEMPLATE,
-        "added_tokens_decoder": {str(256 + i): _added_entry(s) for i, s in enumerate(BYTE_SPECIAL_TOKENS)},
+        "chat_template": chat_template,
+        "added_tokens_decoder": {str(tok.token_to_id(s)): _added_entry(s) for s in BYTE_SPECIAL_TOKENS},
     }
     _write_json(os.path.join(directory, "tokenizer_config.json"), config)
-    # <|im_end|> ends a turn too; HF keeps extra EOS ids in generation_config.json (other keys are kept).
     gen_file = os.path.join(directory, "generation_config.json")
-    _write_json(gen_file, {**_read_json(gen_file), "eos_token_id": list(ByteTokenizer().eos_token_ids)})
+    _write_json(gen_file, {**_read_json(gen_file), "eos_token_id": eos_token_ids})
 
 
 def _added_entry(content: str) -> dict:

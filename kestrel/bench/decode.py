@@ -93,7 +93,7 @@ def place_in_decode(engine: Engine, batch: int, context: int, steps: int, seed: 
     return reqs
 
 
-def _time_decode(engine: Engine, net, b: int, context: int, steps: int, dense: bool, ceilings: dict) -> dict:
+def _time_decode(engine: Engine, b: int, context: int, steps: int, dense: bool, ceilings: dict) -> dict:
     """One (batch, mode) point: the step through Engine.step() (host-timed, everything a user gets) and the
     bare CUDA-graph replay (GPU-timed)."""
     reqs = place_in_decode(engine, b, context, steps + 4)
@@ -110,7 +110,7 @@ def _time_decode(engine: Engine, net, b: int, context: int, steps: int, dense: b
         runner._replay(reqs)  # load this batch into the graph's inputs once; then time the replay alone
         graph = runner.graphs[runner.graph_sizes[bisect.bisect_left(runner.graph_sizes, b)]]
         replay_ms = gpu_time_ms(graph.replay, warmup_ms=10, rep_ms=50)
-    parts = step_bytes(net, b, context, dense, engine.kv_pool.index_fp8)
+    parts = step_bytes(engine.model, b, context, dense, engine.kv_pool.index_fp8)
     copy = ceilings["copy_TBps"] * 1e12
     run = {
         "batch": b,
@@ -174,7 +174,7 @@ def decode_bench(
         for dense in modes:  # outside: each switch recaptures the decode graphs
             engine.set_dense_attention(dense)
             for b in batch_sizes:
-                runs.append(_time_decode(engine, net, b, context, steps, dense, ceilings))
+                runs.append(_time_decode(engine, b, context, steps, dense, ceilings))
         engine.set_dense_attention(False)
         engine = None  # noqa: F841 - free its pools before the next context
         torch.cuda.empty_cache()

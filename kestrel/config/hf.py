@@ -283,30 +283,41 @@ def _layer_types(raw: dict, lac: dict, n: int, where: str) -> tuple[str, ...]:
             raise ConfigError(
                 f"{where}linear_attn_config: layers {holes} are in neither kda_layers nor full_attn_layers"
             )
-    hf = raw.get("layer_types")
-    if hf is not None:
-        mapping = {"linear_attention": KDA, "full_attention": MLA}
-        if (
-            not isinstance(hf, list)
-            or len(hf) != n
-            or any(not isinstance(t, str) or t not in mapping for t in hf)
-        ):
-            raise ConfigError(f"{where}layer_types: expected {n} entries of linear_attention/full_attention")
-        hf_types = [mapping[t] for t in hf]
-        if types is not None and hf_types != types:
-            raise ConfigError(
-                f"{where}layer_types disagrees with linear_attn_config.kda_layers/full_attn_layers"
-            )
-        types = hf_types
+    types = _hf_type_list(
+        raw,
+        "layer_types",
+        {"linear_attention": KDA, "full_attention": MLA},
+        n,
+        where,
+        types,
+        "linear_attn_config.kda_layers/full_attn_layers",
+    )
     if types is None:
         raise ConfigError(f"missing config field(s): {where}linear_attn_config.kda_layers, full_attn_layers")
     return tuple(types)  # type: ignore[arg-type]
 
 
+def _hf_type_list(raw: dict, key: str, mapping: dict, n: int, where: str, derived: list | None, source: str):
+    """transformers' per-layer list `key` (n entries, each a key of `mapping`) as our layer kinds; it must agree
+    with the kinds `derived` from Moonshot's fields (`source`) when both are given. None when neither is."""
+    listed = raw.get(key)
+    if listed is None:
+        return derived
+    if (
+        not isinstance(listed, list)
+        or len(listed) != n
+        or any(not isinstance(t, str) or t not in mapping for t in listed)
+    ):
+        raise ConfigError(f"{where}{key}: expected {n} entries of {'/'.join(mapping)}")
+    kinds = [mapping[t] for t in listed]
+    if derived is not None and kinds != derived:
+        raise ConfigError(f"{where}{key} disagrees with {source}")
+    return kinds
+
+
 def _mlp_types(raw: dict, n: int, where: str) -> tuple[str, ...]:
     first = raw.get("first_k_dense_replace")
     freq = raw.get("moe_layer_freq", 1)
-    hf = raw.get("mlp_layer_types")
     types = None
     if first is not None:
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
@@ -314,18 +325,15 @@ def _mlp_types(raw: dict, n: int, where: str) -> tuple[str, ...]:
         if isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
             raise ConfigError(f"{where}moe_layer_freq must be a positive integer")
         types = [MOE if i >= first and i % freq == 0 else DENSE for i in range(n)]
-    if hf is not None:
-        mapping = {"dense": DENSE, "sparse": MOE}
-        if (
-            not isinstance(hf, list)
-            or len(hf) != n
-            or any(not isinstance(t, str) or t not in mapping for t in hf)
-        ):
-            raise ConfigError(f"{where}mlp_layer_types: expected {n} entries of dense/sparse")
-        hf_types = [mapping[t] for t in hf]
-        if types is not None and hf_types != types:
-            raise ConfigError(f"{where}mlp_layer_types disagrees with first_k_dense_replace/moe_layer_freq")
-        types = hf_types
+    types = _hf_type_list(
+        raw,
+        "mlp_layer_types",
+        {"dense": DENSE, "sparse": MOE},
+        n,
+        where,
+        types,
+        "first_k_dense_replace/moe_layer_freq",
+    )
     if types is None:
         types = [
             DENSE if i < 1 else MOE for i in range(n)

@@ -134,8 +134,7 @@ class ModelRunner:
         """Drop the decode graphs and capture them again (after a change to what the decode step runs)."""
         if not self.graphs:
             return
-        self.graphs.clear()
-        self.static_out.clear()
+        self.graphs.clear()  # capture_graphs refills it (and its static inputs and outputs)
         torch.cuda.synchronize()
         self.capture_graphs()
 

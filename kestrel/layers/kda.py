@@ -90,7 +90,7 @@ class KimiDeltaAttention(nn.Module):
                 output_final_state=cache is not None,
                 use_qk_l2norm=True,
                 cu_seqlens=ctx.cu_seqlens,
-                **({"gate_lower_bound": self.lower_bound} if backend.name == "fla" else {}),
+                gate_lower_bound=self.lower_bound,
             )  # [1, T, H, V]
             if cache is not None:
                 cache.set_kda_state(self.layer_id, ssm_out, conv_out)

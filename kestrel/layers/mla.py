@@ -173,17 +173,8 @@ class MLAttention(nn.Module):
         from kestrel.ops.mla.triton_decode import mla_decode_paged
 
         kv_pool, _, table, _, ps = ctx.cache.paged(self.layer_id)
-        out = []
-        for a in range(0, q_nope.shape[0], _MAX_ROWS):  # the kernel's grid takes at most 65535 rows
-            b = min(a + _MAX_ROWS, q_nope.shape[0])
-            rows = table[i : i + 1].expand(b - a, -1)  # [t, maxp], one page table shared by the rows
-            lens = q_pos[a:b] + 1
-            out.append(
-                mla_decode_paged(
-                    q_nope[a:b], q_pe[a:b], kv_pool, rows, ps, lens, w_uk, w_uv, self.scale, indices[a:b]
-                )
-            )
-        return torch.cat(out)  # [t, H, Dv]
+        rows = table[i : i + 1].expand(q_nope.shape[0], -1)  # [t, maxp], one page table shared by the rows
+        return mla_decode_paged(q_nope, q_pe, kv_pool, rows, ps, q_pos + 1, w_uk, w_uv, self.scale, indices)
 
     def _attend_decode(self, ctx, q_nope, q_pe, w_uk, w_uv, idx) -> torch.Tensor:
         """Decode: one query per sequence, every sequence at once, no host syncs (CUDA-graph safe)."""
@@ -317,9 +308,6 @@ def _use_triton(device: torch.device) -> bool:
     if choice == "triton":
         return True  # on CPU this needs TRITON_INTERPRET=1 (the tests use it)
     return device.type == "cuda"
-
-
-_MAX_ROWS = 32768  # rows per launch of the decode kernel in prefill
 
 
 def _topk_fn(device: torch.device):

@@ -8,11 +8,9 @@ Training is deterministic for a given corpus (the trainer breaks count ties by t
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterable
 
-from kestrel.tokenizer import BYTE_CHAT_TEMPLATE, BYTE_SPECIAL_TOKENS
+from kestrel.tokenizer import BYTE_CHAT_TEMPLATE, BYTE_SPECIAL_TOKENS, save_tokenizer_files
 
 SPECIAL_TOKENS = BYTE_SPECIAL_TOKENS  # <|bos|> <|eos|> <|pad|> <|im_start|> <|im_end|>
 CHAT_TEMPLATE = BYTE_CHAT_TEMPLATE  # <|im_start|>role\n...<|im_end|>\n per message
@@ -48,34 +46,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 8192, min_frequency: int =
 
 
 def save_tokenizer(tok, directory: str) -> None:
-    """Write the three files `kestrel.tokenizer.HFTokenizer` (and transformers) read."""
-    os.makedirs(directory, exist_ok=True)
-    tok.save(os.path.join(directory, "tokenizer.json"))
-    ids = {s: tok.token_to_id(s) for s in SPECIAL_TOKENS}
-    entry = lambda s: {"content": s, "special": True, "normalized": False, "lstrip": False, "rstrip": False}
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|bos|>",
-        "eos_token": "<|eos|>",
-        "pad_token": "<|pad|>",
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-        "added_tokens_decoder": {str(ids[s]): entry(s) for s in SPECIAL_TOKENS},
-    }
-    _write_json(os.path.join(directory, "tokenizer_config.json"), config)
-    # A reply ends at <|im_end|>; plain text at <|eos|>. Other keys of an existing file are kept.
-    gen_file = os.path.join(directory, "generation_config.json")
-    gen = {}
-    if os.path.isfile(gen_file):
-        with open(gen_file, encoding="utf-8") as f:
-            gen = json.load(f)
-    _write_json(gen_file, {**gen, "eos_token_id": [ids["<|im_end|>"], ids["<|eos|>"]]})
-
-
-def _write_json(file: str, data: dict) -> None:
-    with open(file, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, ensure_ascii=False)
-        f.write("\n")
+    """Write the three files `kestrel.tokenizer.HFTokenizer` (and transformers) read; a reply ends at
+    <|im_end|>, plain text at <|eos|>."""
+    eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|eos|>")]
+    save_tokenizer_files(tok, directory, CHAT_TEMPLATE, eos)
 
 
 def build_tokenizer(out_dir: str, vocab_size: int = 8192, seed: int = 0, num_docs: int = 20000):

@@ -28,7 +28,7 @@ from kestrel.ops.kda.packed_conv import short_conv_packed
 # fla-core's chunked prefill kernels autotune, which Triton's interpreter cannot do: prefill stays on the
 # reference here; the decode step runs fla's in-place recurrence and the Triton conv step.
 hybrid = kda_ops.KDABackend(
-    "hybrid", kda_ops.chunk_kda, kda_ops.recurrent_kda, fla_ops.recurrent_inplace, fla_ops.conv_step_inplace,
+    "fla", kda_ops.chunk_kda, kda_ops.recurrent_kda, fla_ops.recurrent_inplace, fla_ops.conv_step_inplace,
     short_conv_packed,
 )
 kda_ops._fla_backend = lambda: hybrid

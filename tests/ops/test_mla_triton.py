@@ -158,6 +158,15 @@ def test_split_equals_unsplit(sparse, nan_workspace):
     assert rel_err(one, reference_o_lat(q_lat, q_pe, pool, pt, ps, lens, indices)) <= 1e-5
 
 
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
+def test_rows_in_several_launches(sparse):
+    """More query rows than one launch takes (the grid limit): blocks of max_rows, the last one partial."""
+    q_lat, q_pe, pool, pt, ps, lens, indices = make_case(LENS, sparse, seed=5)
+    whole = td.sparse_mla_decode(q_lat, q_pe, pool, pt, ps, lens, indices, SCALE)
+    blocks = td.sparse_mla_decode(q_lat, q_pe, pool, pt, ps, lens, indices, SCALE, max_rows=2)
+    assert torch.equal(blocks, whole)
+
+
 def test_narrow_index_dtypes_and_bf16():
     q_lat, q_pe, pool, pt, ps, lens, indices = make_case(LENS, True, seed=11)
     ref = reference_o_lat(q_lat, q_pe, pool, pt, ps, lens, indices)

@@ -236,9 +236,12 @@ def chunk_kda(
     use_qk_l2norm: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    gate_lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked (WY / parallel) form of the same recurrence (model-spec 1.5); same arguments and results
-    as `recurrent_kda`. T need not be a multiple of chunk_size. Computes in fp32, or fp64 when given fp64."""
+    as `recurrent_kda`. T need not be a multiple of chunk_size. Computes in fp32, or fp64 when given fp64.
+    gate_lower_bound (the bound lb the gates keep to, g in (lb, 0)) is a hint for fast kernels: the
+    reference handles any gate and ignores it."""
     inputs = _prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm)
 
     def run(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,10 +42,11 @@ def short_conv_packed(
     state_rows = (cu[:-1] + torch.arange(N, device=device) * S)[:, None] + torch.arange(
         S, device=device
     )  # [N, S]
-    padded = x.new_zeros(T + N * S, C, dtype=dtype)
-    padded = padded.index_copy(0, dest, x.to(dtype))
     state = conv_state.to(x.dtype).to(dtype)  # rounded through x.dtype, as the reference does
-    padded = padded.index_copy(0, state_rows.flatten(), state.transpose(1, 2).reshape(N * S, C))
+    # the token rows and the state rows together fill the buffer exactly: one scatter builds it
+    rows = torch.cat([dest, state_rows.flatten()])
+    values = torch.cat([x.to(dtype), state.transpose(1, 2).reshape(N * S, C)])
+    padded = values.new_empty(T + N * S, C).index_copy(0, rows, values)
     y = F.silu(_WindowConv.apply(padded, weight.to(dtype), dest - S)).to(x.dtype)
 
     ends = cu[1:] + (torch.arange(N, device=device) + 1) * S  # [N] one past each sequence's last row

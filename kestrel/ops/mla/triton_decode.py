@@ -68,6 +68,9 @@ MIN_POSITIONS_PER_SPLIT = 128  # below this a split's fixed cost (partials, merg
 MAX_SPLITS = 64
 
 
+MAX_ROWS = 32768  # queries per launch: the grid's second dimension stops at 65535
+
+
 @triton.jit
 def _decode_kernel(
     q_lat_ptr,
@@ -263,6 +266,7 @@ def sparse_mla_decode(
     block_n: int = 32,
     num_warps: int | None = None,
     num_stages: int = 2,
+    max_rows: int = MAX_ROWS,
 ) -> torch.Tensor:
     """Latent-space attention of one query per sequence over its selected cache rows; no host syncs.
 
@@ -271,7 +275,8 @@ def sparse_mla_decode(
     lens [B] (the query sits at position lens[b] - 1), indices [B, k] positions (-1 = unused; entries
     >= lens[b] are ignored) or None for dense over 0..lens[b]-1. Returns o_lat [B, H, R] in out_dtype
     (default q_lat.dtype), or into `out`; the caller applies W_UV (o^h = W_UV^h o_lat^h).
-    num_splits None = choose_num_splits; block_n positions per tile.
+    num_splits None = choose_num_splits; block_n positions per tile; max_rows queries per launch (prefill runs
+    every token as a row, and the grid's second dimension stops at 65535).
     """
     B, H, R = q_lat.shape
     P = q_pe.shape[-1]
@@ -287,6 +292,15 @@ def sparse_mla_decode(
     else:
         num_positions = page_table.shape[1] * page_size
     if B == 0 or H == 0:
+        return out
+    if B > max_rows:
+        for a in range(0, B, max_rows):
+            b = min(a + max_rows, B)
+            rows = None if indices is None else indices[a:b]
+            sparse_mla_decode(
+                q_lat[a:b], q_pe[a:b], kv_pool, page_table[a:b], page_size, lens[a:b], rows, scale,
+                out=out[a:b], num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+            )  # fmt: skip
         return out
 
     block_h = head_block(H)
