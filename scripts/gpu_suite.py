@@ -528,9 +528,11 @@ def gpu_tests() -> dict:
             "-q",
             "tests/ops",
             "tests/engine/test_hicache.py",
+            "tests/test_fuse.py",
             "-p",
             "no:cacheprovider",
             "--tb=short",
+            "-rA",  # every test's outcome by name (scripts/gpu_train_demo.sh's callers read them)
         ],
         capture_output=True,
         text=True,

@@ -18,6 +18,7 @@ start)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     scripts/triton_cache.sh restore
     mkdir -p $RUN
+    env | grep '^KESTREL_' | sort > $RUN/env.txt  # the fast-path switches this run trains with
     setsid nohup python3 -m kestrel.serve.cli train --out $RUN --model demo --steps "${STEPS:-4000}" \
         --batch-rows "${ROWS:-8}" --row-len "${ROW_LEN:-8704}" --retrieval-lengths "${RLEN:-2048,8192}" \
         --lr "${LR:-3e-3}" --warmup-steps 50 --dsa-dense-steps "${DENSE:-400}" --checkpoint-every 250 \
@@ -35,10 +36,14 @@ finish)
     timeout "${EVAL_S:-200}" python3 -m kestrel.serve.cli eval --model $RUN/checkpoint --num 200 \
         --num-retrieval 50 --retrieval-lengths 2048,8192,32768 --out $RUN/eval.json > $RUN/eval.log 2>&1
     tail -c 2500 $RUN/eval.log
+    # issue 2's figure on the trained weights: fast path vs reference logits (not timed against anything)
+    timeout "${PARITY_S:-150}" python3 scripts/gpu_suite.py --sections foundation \
+        --parity-models "tiny,$RUN/checkpoint" --out $RUN > $RUN/parity.log 2>&1
+    tail -c 1500 $RUN/parity.log
     # $OUT takes at most 8 files of 16 MiB: the weight shards as they are, everything else in one archive
     cp $RUN/checkpoint/model*.safetensors "$OUT/"
     (cd $RUN && tar czf "$OUT/run-meta.tgz" --exclude='*.safetensors' --exclude='*.pt' checkpoint tokenizer \
-        eval.json eval.log loss.png train_summary.json history.json train.log)
+        eval.json eval.log loss.png train_summary.json history.json train.log env.txt gpu_suite.json parity.log)
     scripts/triton_cache.sh save  # only if it fits beside the shards (8 files, 64 MiB)
     ls -la "$OUT"
     ;;

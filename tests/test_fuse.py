@@ -3,6 +3,7 @@ autograd records."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kestrel.layers.context import ForwardContext, forward_context
@@ -13,7 +14,7 @@ from kestrel.presets import preset_config
 
 
 def _loss_and_grads(model, ids):
-    ctx = ForwardContext.build([20, 12])
+    ctx = ForwardContext.build([20, 12], device=ids.device)
     ctx.row_len = 32
     model.zero_grad(set_to_none=True)
     with forward_context(ctx):
@@ -22,16 +23,24 @@ def _loss_and_grads(model, ids):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_compiled_training_step_equals_eager(monkeypatch):
-    model = init_random_weights(KimiForCausalLM(preset_config("tiny")), seed=2)
-    ids = torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(0))
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])])
+def test_compiled_training_step_equals_eager(device, monkeypatch):
+    model = init_random_weights(KimiForCausalLM(preset_config("tiny")), seed=2).to(device)
+    ids = torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(0)).to(device)
     loss, grads = _loss_and_grads(model, ids)
     monkeypatch.setenv("KESTREL_COMPILE_TRAIN", "1")
     torch._dynamo.reset()
     compiled_loss, compiled_grads = _loss_and_grads(model, ids)
-    assert torch.allclose(compiled_loss, loss, rtol=1e-5)
+    # on CUDA the compiled kernels reduce in another order than eager's: agreement to fp32 rounding, not bits
+    rtol, atol = (1e-5, 1e-6) if device == "cpu" else (1e-4, 1e-5)
+    assert torch.allclose(compiled_loss, loss, rtol=rtol)
     for name, g in grads.items():
-        assert torch.allclose(compiled_grads[name], g, rtol=1e-4, atol=1e-6), name
+        assert torch.allclose(
+            compiled_grads[name], g, rtol=10 * rtol, atol=atol * max(1.0, g.abs().max().item())
+        ), name
     from torch._dynamo.utils import counters
 
     assert counters["stats"]["unique_graphs"] > 0  # the compiled path really ran
