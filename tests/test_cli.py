@@ -78,7 +78,8 @@ def test_generate_builtin_model(capsys):
     tokenizer = tokenizer_for(builtin_model())
     ids = generate(model, tokenizer.encode("Hello"), 5, eos_token_ids=model.config.eos_token_ids)
     assert out == tokenizer.decode(ids) + "\n"  # greedy by default: the reference generate()'s text
-    assert STATS.match(err.strip()) and "prompt=5 tokens" in err and "Traceback" not in err
+    prompt_tokens = len(tokenizer.encode("Hello"))
+    assert STATS.match(err.strip()) and f"prompt={prompt_tokens} tokens" in err and "Traceback" not in err
 
 
 def test_shipped_model_is_the_default_when_installed(capsys, checkpoint, monkeypatch):
@@ -268,8 +269,9 @@ def test_cuda_without_cuda(capsys, device):
 
 def test_empty_prompt_and_too_long_request(capsys):
     assert_one_line_error(*run(capsys, "generate", "--prompt", "")[::2], 1, "--prompt")
-    code, _, err = run(capsys, "generate", "--prompt", "hi", "--max-new-tokens", "5000")
-    assert_one_line_error(code, err, 1, "--max-new-tokens", "4096")
+    limit = build_model(builtin_model()).config.max_position_embeddings
+    code, _, err = run(capsys, "generate", "--prompt", "hi", "--max-new-tokens", str(limit + 1))
+    assert_one_line_error(code, err, 1, "--max-new-tokens", str(limit))
 
 
 # -- the same through a real process ----------------------------------------------------------------------

@@ -12,6 +12,7 @@ import time
 
 import httpx
 
+from kestrel.presets import builtin_model
 from kestrel.serve.cli import main
 from tests.test_cli import assert_one_line_error, run
 
@@ -70,4 +71,4 @@ def test_chat_from_stdin(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/reset\nagain\n"))
     assert main(["chat", "--max-new-tokens", "3", "--temperature", "0", "--page-size", "16"]) == 0
     out, err = capsys.readouterr()
-    assert out.count("> ") == 4 and "chatting with tiny" in err
+    assert out.count("> ") == 4 and f"chatting with {builtin_model()}" in err
