@@ -4,6 +4,10 @@
 #   scripts/triton_cache.sh restore   on the device: unpack .triton-cache/part-* (carried) into $TRITON_CACHE_DIR
 #   scripts/triton_cache.sh save      on the device: pack $TRITON_CACHE_DIR into $OUT/triton-cache.part-* (15 MiB each)
 #   scripts/triton_cache.sh keep DIR  here: copy the parts a run brought back (files_at DIR) into .triton-cache/
+# The whole cache (88 MB compressed after the demo run) may not fit beside a run's other files. The autotuning
+# results alone (*.autotune.json: the timings of every config, a few hundred kB) always travel as
+# triton-autotune.tgz: with them a fresh machine compiles only each kernel's chosen config instead of
+# benchmarking them all.
 # Source this script's environment on the device first: export TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1
 # (carry .triton-cache beside .whl; .triton-cache is git-ignored.)
 set -uo pipefail
@@ -14,12 +18,20 @@ restore)
     mkdir -p "$CACHE"
     if ls .triton-cache/part-* > /dev/null 2>&1 && cat .triton-cache/part-* | gzip -t 2> /dev/null; then
         cat .triton-cache/part-* | tar xzf - -C "$CACHE" && echo "triton cache: $(du -sh "$CACHE" | cut -f1) restored"
+    elif [ -f .triton-cache/autotune.tgz ]; then
+        tar xzf .triton-cache/autotune.tgz -C "$CACHE" \
+            && echo "triton cache: $(find "$CACHE" -name '*.autotune.json' | wc -l) autotuning results restored (no binaries)"
     else
         echo "triton cache: none carried (or incomplete), starting cold"
     fi
     ;;
 save)
-    # $OUT returns at most 8 files and 64 MiB in all: add the parts only if they fit beside what is there
+    # $OUT returns at most 8 files and 64 MiB in all: the autotuning results first (one small file), then the
+    # whole cache's parts only if they fit beside what is there
+    if [ "$(find "$OUT" -type f | wc -l)" -lt 8 ]; then
+        (cd "$CACHE" && find . -name '*.autotune.json' -print0 | tar czf "$OUT/triton-autotune.tgz" --null -T -) \
+            && ls -la "$OUT/triton-autotune.tgz"
+    fi
     tmp=$(mktemp -d)
     tar czf - -C "$CACHE" . | split -b 15m - "$tmp/triton-cache.part-"
     files=$(( $(find "$OUT" -type f | wc -l) + $(ls "$tmp" | wc -l) ))
@@ -35,6 +47,11 @@ keep)
     [ -n "${2:-}" ] || { echo "usage: $0 keep DIR (the run's files_at)" >&2; exit 2; }
     shopt -s nullglob
     parts=("$2"/triton-cache.part-*)
+    if [ ${#parts[@]} -eq 0 ] && [ -f "$2/triton-autotune.tgz" ]; then
+        rm -rf .triton-cache && mkdir -p .triton-cache && cp "$2/triton-autotune.tgz" .triton-cache/autotune.tgz
+        ls -la .triton-cache
+        exit 0
+    fi
     [ ${#parts[@]} -gt 0 ] || { echo "no triton-cache parts in $2: .triton-cache left as it was" >&2; exit 1; }
     cat "${parts[@]}" | gzip -t || { echo "the parts in $2 are incomplete: .triton-cache left as it was" >&2; exit 1; }
     rm -rf .triton-cache && mkdir -p .triton-cache
