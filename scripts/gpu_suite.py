@@ -96,6 +96,26 @@ def _decode_logits(model, ids: torch.Tensor, prefill: int, backend: str, replay:
 PARITY_MODELS = ["tiny", "mini"]  # --parity-models
 
 
+def _parity_prompt(model: str, vocab: int, length: int) -> tuple[torch.Tensor, str]:
+    """A trained model (a checkpoint with its tokenizer) reads held-out chat prompts, the text it knows;
+    a preset's random weights read seeded random ids."""
+    from kestrel.presets import resolve_model
+    from kestrel.tokenizer import tokenizer_for
+    from kestrel.train.data import heldout_examples
+    from kestrel.train.evaluate import prompt_ids
+
+    if not (Path(resolve_model(model)) / "tokenizer.json").is_file():
+        gen = torch.Generator("cuda").manual_seed(0)
+        return torch.randint(0, vocab, (length,), device="cuda", generator=gen), "seeded random ids"
+    tok, ids = tokenizer_for(model), []
+    for index in range(length):  # held-out problems of every arithmetic family, in turn, until long enough
+        family = ("gsm_symbolic", "chain_sum", "countdown", "basic_arithmetic")[index % 4]
+        ids += prompt_ids(tok, heldout_examples(family, index // 4 + 1)[-1])
+        if len(ids) >= length:
+            break
+    return torch.tensor(ids[:length], device="cuda"), "held-out chat prompts, concatenated"
+
+
 def foundation() -> dict:
     """Fast path (fla-core KDA) against the reference path (plain-torch KDA), same bf16 weights.
 
@@ -111,10 +131,7 @@ def foundation() -> dict:
     cases = [(m, 512, 496) if m == "mini" else (m, 300, 280) for m in PARITY_MODELS]
     for preset, length, decode_from in cases:  # a preset (seeded random weights) or a checkpoint folder
         fp32 = build_model(preset, dtype=torch.float32, device="cuda", seed=0)
-        vocab = fp32.config.vocab_size
-        ids = torch.randint(
-            0, vocab, (length,), device="cuda", generator=torch.Generator("cuda").manual_seed(0)
-        )
+        ids, prompt_kind = _parity_prompt(preset, fp32.config.vocab_size, length)
         ref32, choices32 = _forward(fp32, ids, "naive")
         del fp32
         bf16 = build_model(preset, dtype=torch.bfloat16, device="cuda", seed=0)  # same draws, rounded
@@ -124,6 +141,7 @@ def foundation() -> dict:
         decode = _decode_logits(bf16, ids, decode_from, "fla", choices16)
         entry = {
             "prompt_tokens": length,
+            "prompt": prompt_kind,
             "layers": bf16.config.layer_pattern,
             "target": "fla bf16 vs reference bf16 <= 2e-2",
             "fla_bf16_vs_reference_bf16": _rel(ref16, fast16),

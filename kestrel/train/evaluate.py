@@ -33,6 +33,9 @@ class EvalConfig:
     dense_contrast: bool = True
 
 
+WRONG_SAMPLES = 3
+
+
 def _accuracy(engine: Engine, examples, max_new_tokens: int, desc: str) -> dict:
     tok = engine.tokenizer
     params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
@@ -59,11 +62,15 @@ def _accuracy(engine: Engine, examples, max_new_tokens: int, desc: str) -> dict:
             if out.finished:
                 bar.update(1)
     bar.close()
-    correct = [verify(ex, tok.decode(outputs[rid])) for (rid, _), ex in zip(prompts.items(), examples)]
+    texts = [tok.decode(outputs[rid]) for rid in prompts]
+    correct = [verify(ex, text) for ex, text in zip(examples, texts)]
+    wrong = [(ex, text) for ex, text, ok in zip(examples, texts, correct) if not ok]
     return {
         "n": len(examples),
         "accuracy": sum(correct) / max(len(examples), 1),
         "seconds": time.perf_counter() - start,
+        # what a wrong answer looks like: the first few, to read beside the figure
+        "wrong_samples": [{"expected": ex.answer, "got": text} for ex, text in wrong[:WRONG_SAMPLES]],
     }
 
 

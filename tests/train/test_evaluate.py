@@ -51,6 +51,10 @@ def test_accuracy_is_what_the_verifier_says(family):
     engine = ScriptedEngine({tuple(prompt_ids(tok, ex)): t for ex, t in zip(examples, texts)})
     result = _accuracy(engine, examples, 64, family)
     assert result["n"] == 4 and result["accuracy"] == pytest.approx(0.5)
+    # the two wrong answers, beside what was expected
+    assert result["wrong_samples"] == [
+        {"expected": ex.answer, "got": t} for ex, t in zip(examples[2:], texts[2:])
+    ]
 
 
 def test_prompt_past_the_context_scores_wrong_without_running():
