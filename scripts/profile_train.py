@@ -2,6 +2,7 @@
 training, the data loader's share, and the top CUDA kernels and CPU ops of each phase (torch.profiler).
 
     python3 scripts/profile_train.py --batch-rows 16 --row-len 8704 --out $OUT/profile_train.json
+    python3 scripts/profile_train.py --model mini --batch-rows 2 --row-len 8704   # the loop on a larger model
 """
 
 from __future__ import annotations
@@ -102,9 +103,26 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--model", default="demo", help="preset (random init) or checkpoint folder")
+    ap.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer folder (default: the shipped demo model's; a BPE is trained when there is none)",
+    )
     args = ap.parse_args()
+    from kestrel.presets import preset_config, preset_names, shipped_model_dir
+    from kestrel.tokenizer import load_tokenizer
+
+    shipped = shipped_model_dir()
+    if shipped is not None and not (  # a preset the shipped tokenizer fits, else a BPE trained for it
+        args.model in preset_names()
+        and preset_config(args.model).vocab_size >= load_tokenizer(str(shipped)).vocab_size
+    ):
+        shipped = None
     cfg = TrainConfig(
         out_dir=tempfile.mkdtemp(),
+        model=args.model,
+        tokenizer=args.tokenizer or (str(shipped) if shipped is not None else None),
         steps=1000,
         batch_rows=args.batch_rows,
         row_len=args.row_len,
@@ -121,6 +139,9 @@ def main() -> None:
     data_s = (time.perf_counter() - t0) / 8
     print(f"setup {setup_s:.1f} s, data {data_s:.2f} s/batch", flush=True)
     result = {
+        "command": " ".join(sys.argv),
+        "model": args.model,
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
         "setup_s": setup_s,
         "data_s_per_batch": data_s,
         "docs_per_batch": len(batches[0].cu_seqlens) - 1,
