@@ -202,6 +202,9 @@ def preset_hf_config(name: str, fmt: str = "kimi_k3") -> dict:
         text["hidden_act"] = "silu"
         text["linear_attn_config"].pop("gate_lower_bound", None)
         text["linear_attn_config"].pop("use_full_rank_gate", None)
+        # MLA: one KV head per query head. Said explicitly: transformers' KimiLinearConfig defaults it to 32,
+        # and Kestrel refuses a checkpoint whose config says so
+        text["num_key_value_heads"] = text["num_attention_heads"]
         return text
     if fmt == "kimi_k3":
         return ModelConfig.from_dict(text).replace(model_type="kimi_k3").to_hf()
