@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kestrel.bench.roofline import gpu_time_ms, measure_ceilings, require_cuda
+from kestrel.bench.roofline import device_name, measure_ceilings, require_cuda, synchronize, time_ms
 from kestrel.config import MOE, EngineConfig
 from kestrel.engine.engine import Engine
 from kestrel.engine.request import Request, Status
@@ -99,17 +99,17 @@ def _time_decode(engine: Engine, b: int, context: int, steps: int, dense: bool, 
     reqs = place_in_decode(engine, b, context, steps + 4)
     for _ in range(3):
         engine.step()
-    torch.cuda.synchronize()
+    synchronize(engine.device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    torch.cuda.synchronize()
+    synchronize(engine.device)
     step_ms = 1000 * (time.perf_counter() - start) / steps
     runner, replay_ms = engine.runner, None
     if runner.use_cuda_graph and b <= runner.graph_sizes[-1]:
         runner._replay(reqs)  # load this batch into the graph's inputs once; then time the replay alone
         graph = runner.graphs[runner.graph_sizes[bisect.bisect_left(runner.graph_sizes, b)]]
-        replay_ms = gpu_time_ms(graph.replay, warmup_ms=10, rep_ms=50)
+        replay_ms = time_ms(graph.replay, warmup_ms=10, rep_ms=50)
     parts = step_bytes(engine.model, b, context, dense, engine.kv_pool.index_fp8)
     copy = ceilings["copy_TBps"] * 1e12
     run = {
@@ -150,10 +150,13 @@ def decode_bench(
     steps: int = 24,
     dense_contrast: bool = True,
     index_key_dtype: str = "auto",
+    device: str = "cuda",
 ) -> dict:
-    require_cuda("kestrel bench decode")
-    ceilings = measure_ceilings()
-    net = build_model(model, dtype=torch.bfloat16, device="cuda", seed=0, init_on_device=True)
+    """On CUDA, or on the CPU at small sizes (the smoke run of scripts/gpu_suite.py: no graph replay)."""
+    if torch.device(device).type == "cuda":
+        require_cuda("kestrel bench decode")
+    ceilings = measure_ceilings(device)
+    net = build_model(model, dtype=torch.bfloat16, device=device, seed=0, init_on_device=True)
     max_batch = max(batches)
     runs = []
     for asked in contexts:
@@ -182,7 +185,7 @@ def decode_bench(
         "benchmark": "decode",
         "model": model,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": device_name(device),
         "ceilings": ceilings,
         "max_batch": max_batch,
         "steps": steps,

@@ -1,35 +1,63 @@
 """The ceilings every GPU figure is reported against, measured in the same run: device-to-device copy
-bandwidth (bytes read + written) and a large bf16 matmul rate; and a median timer for GPU work."""
+bandwidth (bytes read + written) and a large bf16 matmul rate; and a median timer for GPU work.
+
+Other devices (the CPU smoke run of scripts/gpu_suite.py) get small sizes and a wall-clock timer: the same
+code runs, the figures mean nothing."""
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
 
 
-def gpu_time_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+def time_ms(
+    fn: Callable[[], object], device: str = "cuda", warmup_ms: float = 25, rep_ms: float = 100
+) -> float:
     """Median milliseconds of `fn` on the GPU (triton's do_bench: iterations queued back to back with CUDA
-    events, the L2 cache flushed before each, so a small working set is not read from cache)."""
+    events, the L2 cache flushed before each, so a small working set is not read from cache); on another
+    device, the wall-clock median of three calls after one warm-up."""
+    if torch.device(device).type != "cuda":
+        fn()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return 1000 * statistics.median(times)
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
-def measure_ceilings() -> dict:
-    """{'copy_TBps', 'bf16_matmul_TFLOPs'} on this GPU, now."""
-    n = 2 * 1024**3
-    src = torch.empty(n // 2, dtype=torch.bfloat16, device="cuda").normal_()
+def synchronize(device: str | torch.device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def device_name(device: str | torch.device) -> str:
+    return torch.cuda.get_device_name() if torch.device(device).type == "cuda" else str(device)
+
+
+def measure_ceilings(device: str = "cuda") -> dict:
+    """{'copy_TBps', 'bf16_matmul_TFLOPs'} on this GPU, now (2 GiB copies, 8192^3 matmuls; elsewhere 16 MiB
+    and 256^3)."""
+    cuda = torch.device(device).type == "cuda"
+    n, m = (2 * 1024**3, 8192) if cuda else (16 * 1024**2, 256)
+    src = torch.empty(n // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    copy_ms = gpu_time_ms(lambda: dst.copy_(src))
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_ms = gpu_time_ms(lambda: a @ b)
+    copy_ms = time_ms(lambda: dst.copy_(src), device)
+    a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    b = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    mm_ms = time_ms(lambda: a @ b, device)
     src = dst = a = b = None  # noqa: F841 - give the memory back before the measured work
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return {
         "copy_TBps": 2 * n / (copy_ms * 1e-3) / 1e12,
-        "bf16_matmul_TFLOPs": 2 * 8192**3 / (mm_ms * 1e-3) / 1e12,
+        "bf16_matmul_TFLOPs": 2 * m**3 / (mm_ms * 1e-3) / 1e12,
     }
 
 
