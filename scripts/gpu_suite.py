@@ -3,6 +3,9 @@
 Run on the device machine (wheels from scripts/fetch_wheels.sh carried as .whl):
     python3 scripts/gpu_suite.py --sections foundation --out $OUT
 Each section appends its figures to <out>/gpu_suite.json; the session copies that file to bench/results/.
+Smoke run, anywhere (CI: tests/test_gpu_suite_smoke.py): every section's code on the CPU at tiny sizes, so
+that a Python error shows up before it costs GPU minutes; the figures mean nothing:
+    python3 scripts/gpu_suite.py --smoke --sections all --out /tmp/smoke
 Sections:
   ceilings    device-to-device copy bandwidth and 8192^3 bf16 matmul rate (the roofline of this run)
   foundation  fla-core fast path vs the reference path (tiny, mini), `generate` on mini (API and CLI)
@@ -23,14 +26,175 @@ import datetime
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The device every section runs on, and its sizes: H200 (the figures of the GPU run) or SMOKE (--smoke).
+    Sections read the module's `S`."""
+
+    device: str
+    model: str  # the benchmark model: a preset, random weights
+    fast_kda: str  # the KDA backend measured against the reference ("naive")
+    token_ids: int  # random prompts draw ids from [3, token_ids)
+    # ceilings
+    copy_bytes: int
+    matmul: int  # n of the n^3 bf16 matmul
+    # foundation, kda_layers
+    parity_models: str  # --parity-models default
+    parity_lengths: tuple[tuple[int, int], tuple[int, int]]  # (prompt tokens, decode from): mini, the others
+    generate_tokens: tuple[int, int]  # generate() on `model`: prompt, new tokens
+    cli_tokens: int
+    kda_layer_cases: tuple[tuple[str, int], ...]  # (model, prompt tokens)
+    # engine_decode, profile_decode
+    decode_requests: int  # requests filled, = engine slots
+    decode_batches: tuple[int, ...]
+    decode_prompt: int
+    decode_max_len: int
+    decode_steps: int  # timed steps (also `bench_decode`'s)
+    profile_max_len: int
+    profile_steps: int
+    # engine_bench
+    bench_requests: int  # the DSA run's; the transformers peer and kimi_linear run take bench_batch of them
+    bench_batch: int
+    bench_prompt: int
+    bench_new_tokens: int
+    # bench_kernels (None: kestrel.bench.kernels' own cases), bench_decode
+    kernel_cases: dict | None
+    decode_bench_batches: tuple[int, ...]
+    decode_bench_fp8_batches: tuple[int, ...]
+    decode_bench_contexts: tuple[int, ...]
+    # cache_targets
+    history: int  # cached history tokens before the timed turn
+    append: int  # tokens the timed turn appends
+    ttft_max_len: int
+    agent: dict  # the agent workload (uniform ranges as (lo, hi))
+    serve_args: tuple[str, ...]
+    host_gb: str  # host tier of the last configuration
+    port: int  # 0: a free one
+
+
+H200 = Sizes(
+    device="cuda",
+    model="mini",
+    fast_kda="fla",
+    token_ids=30000,
+    copy_bytes=2 * 1024**3,
+    matmul=8192,
+    parity_models="tiny,mini",
+    parity_lengths=((512, 496), (300, 280)),
+    generate_tokens=(128, 64),
+    cli_tokens=16,
+    kda_layer_cases=(("tiny", 300), ("mini", 512)),
+    decode_requests=64,
+    decode_batches=(64, 8, 1),
+    decode_prompt=512,
+    decode_max_len=4096,  # a page table wider than index_topk (2048): decode runs the indexer and sparse kernels
+    decode_steps=24,
+    profile_max_len=1024,
+    profile_steps=5,
+    bench_requests=512,
+    bench_batch=64,
+    bench_prompt=1024,
+    bench_new_tokens=256,
+    kernel_cases=None,
+    decode_bench_batches=(1, 8, 64, 256),
+    decode_bench_fp8_batches=(1, 8),
+    decode_bench_contexts=(4096, 131072),
+    history=32768,
+    append=500,
+    ttft_max_len=40000,
+    agent={
+        "concurrency": 8,
+        "turns": 4,
+        "history_tokens": 8192,
+        "append_tokens": (100, 2000),
+        "reply_tokens": (50, 200),
+        "think_time_s": (0, 0.5),
+    },
+    serve_args=("--max-running-requests", "16", "--max-model-len", "20000"),
+    host_gb="16",
+    port=8123,
+)
+
+# The same code paths on the CPU: the tiny preset (the trained demo checkpoint for parity: its held-out prompts),
+# reference KDA and torch attention, tiny kernel shapes in Triton's interpreter, a few requests and steps. Left
+# out, with a "skipped" note in the section's JSON: CUDA graphs, and running (not collecting) the op tests.
+SMOKE = Sizes(
+    device="cpu",
+    model="tiny",
+    fast_kda="naive",
+    token_ids=256,
+    copy_bytes=16 * 1024**2,
+    matmul=256,
+    parity_models="tiny,kestrel-demo",
+    parity_lengths=((64, 56), (64, 56)),
+    generate_tokens=(16, 8),
+    cli_tokens=4,
+    kda_layer_cases=(("tiny", 64),),
+    decode_requests=4,
+    decode_batches=(4, 2, 1),
+    decode_prompt=64,
+    decode_max_len=512,
+    decode_steps=4,
+    profile_max_len=512,
+    profile_steps=2,
+    bench_requests=8,
+    bench_batch=4,
+    bench_prompt=64,
+    bench_new_tokens=8,
+    kernel_cases={
+        "topk": [{"rows": 2, "length": 48, "k": 8}],
+        "indexer": [{"batch": 2, "context": 96, "heads": 2, "dim": 16}],
+        "sparse_mla": [
+            {"batch": 2, "context": 96, "k": 16, "heads": 2},
+            {"batch": 1, "context": 96, "k": None, "heads": 2},
+        ],
+        "moe": [{"tokens": 4, "experts": 8, "top_k": 2, "hidden": 64, "inter": 32}],
+        "kda_decode": [{"batch": 2, "heads": 2, "dim": 16}],
+    },
+    decode_bench_batches=(1, 2),
+    decode_bench_fp8_batches=(1,),
+    decode_bench_contexts=(64, 8192),  # past tiny's 4K positions: clamped, as 128K is on mini
+    history=256,
+    append=32,
+    ttft_max_len=512,
+    agent={
+        "concurrency": 8,  # as on the GPU: the pool at 25% of the working set then holds about two sessions
+        "turns": 2,
+        "history_tokens": 256,
+        "append_tokens": (16, 64),
+        "reply_tokens": (2, 4),
+        "think_time_s": (0, 0),
+    },
+    # bf16 as on the GPU: --kv-cache-gb is worked out in bf16 bytes
+    serve_args=("--max-running-requests", "16", "--max-model-len", "1024", "--dtype", "bfloat16"),
+    host_gb="0.01",
+    port=0,
+)
+S = H200  # main() switches to SMOKE under --smoke
+OUT = Path(os.environ.get("OUT", "."))  # --out
+
+
+def _sync() -> None:
+    if S.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _rel(ref: torch.Tensor, got: torch.Tensor) -> dict:
@@ -42,18 +206,18 @@ def _rel(ref: torch.Tensor, got: torch.Tensor) -> dict:
 
 
 def ceilings() -> dict:
-    from triton.testing import do_bench
+    from kestrel.bench.roofline import time_ms
 
-    n = 2 * 1024**3  # 2 GiB buffers
-    src = torch.randn(n // 4, device="cuda")
+    n, m = S.copy_bytes, S.matmul  # 2 GiB buffers, 8192^3
+    src = torch.randn(n // 4, device=S.device)
     dst = torch.empty_like(src)
-    copy_ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    copy_ms = time_ms(lambda: dst.copy_(src), S.device, warmup_ms=50, rep_ms=300)
+    a = torch.randn(m, m, device=S.device, dtype=torch.bfloat16)
+    b = torch.randn(m, m, device=S.device, dtype=torch.bfloat16)
+    mm_ms = time_ms(lambda: a @ b, S.device, warmup_ms=50, rep_ms=300)
     return {
         "copy_TBps": 2 * n / (copy_ms * 1e-3) / 1e12,
-        "bf16_matmul_TFLOPs": 2 * 8192**3 / (mm_ms * 1e-3) / 1e12,
+        "bf16_matmul_TFLOPs": 2 * m**3 / (mm_ms * 1e-3) / 1e12,
     }
 
 
@@ -62,7 +226,7 @@ def _forward(model, ids: torch.Tensor, backend: str, replay: tuple | None = None
     from kestrel.layers.context import ForwardContext, forward_context
 
     os.environ["KESTREL_KDA_BACKEND"] = backend
-    ctx = ForwardContext.build([len(ids)], device="cuda")
+    ctx = ForwardContext.build([len(ids)], device=S.device)
     ctx.routing_capture, ctx.selection_capture = {}, {}
     if replay is not None:
         ctx.routing_replay, ctx.selection_replay = replay
@@ -79,12 +243,12 @@ def _decode_logits(model, ids: torch.Tensor, prefill: int, backend: str, replay:
 
     os.environ["KESTREL_KDA_BACKEND"] = backend
     routing, selection = replay
-    cache = DenseCache(model.config, 1, len(ids), model.lm_head.weight.dtype, "cuda")
+    cache = DenseCache(model.config, 1, len(ids), model.lm_head.weight.dtype, S.device)
     outs = []
     bounds = [(0, prefill)] + [(t, t + 1) for t in range(prefill, len(ids))]
     with torch.no_grad():
         for a, b in bounds:
-            ctx = cache.context([0], [b - a], "cuda")
+            ctx = cache.context([0], [b - a], S.device)
             ctx.routing_replay = {k: v[a:b] for k, v in routing.items()}
             ctx.selection_replay = {k: [v[0][a:b]] for k, v in selection.items()}
             with forward_context(ctx):
@@ -93,7 +257,7 @@ def _decode_logits(model, ids: torch.Tensor, prefill: int, backend: str, replay:
     return torch.cat(outs)
 
 
-PARITY_MODELS = ["tiny", "mini"]  # --parity-models
+PARITY_MODELS = H200.parity_models.split(",")  # --parity-models
 
 
 def _parity_prompt(model: str, vocab: int, length: int) -> tuple[torch.Tensor, str]:
@@ -105,15 +269,15 @@ def _parity_prompt(model: str, vocab: int, length: int) -> tuple[torch.Tensor, s
     from kestrel.train.evaluate import prompt_ids
 
     if not (Path(resolve_model(model)) / "tokenizer.json").is_file():
-        gen = torch.Generator("cuda").manual_seed(0)
-        return torch.randint(0, vocab, (length,), device="cuda", generator=gen), "seeded random ids"
+        gen = torch.Generator(S.device).manual_seed(0)
+        return torch.randint(0, vocab, (length,), device=S.device, generator=gen), "seeded random ids"
     tok, ids = tokenizer_for(model), []
     for index in range(length):  # held-out problems of every arithmetic family, in turn, until long enough
         family = ("gsm_symbolic", "chain_sum", "countdown", "basic_arithmetic")[index % 4]
         ids += prompt_ids(tok, heldout_examples(family, index // 4 + 1)[-1])
         if len(ids) >= length:
             break
-    return torch.tensor(ids[:length], device="cuda"), "held-out chat prompts, concatenated"
+    return torch.tensor(ids[:length], device=S.device), "held-out chat prompts, concatenated"
 
 
 def foundation() -> dict:
@@ -128,17 +292,18 @@ def foundation() -> dict:
     from kestrel.models.loader import build_model
 
     result: dict = {"parity": {}}
-    cases = [(m, 512, 496) if m == "mini" else (m, 300, 280) for m in PARITY_MODELS]
+    mini_lengths, other_lengths = S.parity_lengths
+    cases = [(m, *(mini_lengths if m == "mini" else other_lengths)) for m in PARITY_MODELS]
     for preset, length, decode_from in cases:  # a preset (seeded random weights) or a checkpoint folder
-        fp32 = build_model(preset, dtype=torch.float32, device="cuda", seed=0)
+        fp32 = build_model(preset, dtype=torch.float32, device=S.device, seed=0)
         ids, prompt_kind = _parity_prompt(preset, fp32.config.vocab_size, length)
         ref32, choices32 = _forward(fp32, ids, "naive")
         del fp32
-        bf16 = build_model(preset, dtype=torch.bfloat16, device="cuda", seed=0)  # same draws, rounded
+        bf16 = build_model(preset, dtype=torch.bfloat16, device=S.device, seed=0)  # same draws, rounded
         ref16, choices16 = _forward(bf16, ids, "naive")
-        fast16, _ = _forward(bf16, ids, "fla", replay=choices16)
-        fast16_free, _ = _forward(bf16, ids, "fla")
-        decode = _decode_logits(bf16, ids, decode_from, "fla", choices16)
+        fast16, _ = _forward(bf16, ids, S.fast_kda, replay=choices16)
+        fast16_free, _ = _forward(bf16, ids, S.fast_kda)
+        decode = _decode_logits(bf16, ids, decode_from, S.fast_kda, choices16)
         entry = {
             "prompt_tokens": length,
             "prompt": prompt_kind,
@@ -157,23 +322,24 @@ def foundation() -> dict:
         del bf16
         torch.cuda.empty_cache()
 
-    os.environ["KESTREL_KDA_BACKEND"] = "fla"
-    model = build_model("mini", dtype=torch.bfloat16, device="cuda", seed=0)
-    prompt = list(range(3, 131))
+    os.environ["KESTREL_KDA_BACKEND"] = S.fast_kda
+    model = build_model(S.model, dtype=torch.bfloat16, device=S.device, seed=0)
+    prompt_len, new_tokens = S.generate_tokens
+    prompt = list(range(3, 3 + prompt_len))
     generate(model, prompt, 4)  # warm-up: Triton compilation
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
-    out = generate(model, prompt, 64)
-    torch.cuda.synchronize()
+    out = generate(model, prompt, new_tokens)
+    _sync()
     elapsed = time.perf_counter() - start
-    result["generate_mini"] = {
+    result[f"generate_{S.model}"] = {
         "prompt_tokens": len(prompt),
         "new_tokens": len(out),
         "seconds": elapsed,
         "tokens_per_s": len(out) / elapsed,
         "note": "reference generate(): one request, dense cache, per-sequence Python loops, no CUDA graphs",
     }
-    print("generate_mini", json.dumps(result["generate_mini"]), flush=True)
+    print(f"generate_{S.model}", json.dumps(result[f"generate_{S.model}"]), flush=True)
 
     cli = subprocess.run(
         [
@@ -182,20 +348,20 @@ def foundation() -> dict:
             "kestrel.serve.cli",
             "generate",
             "--model",
-            "mini",
+            S.model,
             "--prompt",
             "Kestrel on an H200",
             "--max-new-tokens",
-            "16",
+            str(S.cli_tokens),
         ],
         capture_output=True,
         text=True,
     )
-    result["cli_generate_mini"] = {
+    result[f"cli_generate_{S.model}"] = {
         "returncode": cli.returncode,
         "stderr_tail": cli.stderr.strip().splitlines()[-1:],
     }
-    print("cli:", result["cli_generate_mini"], flush=True)
+    print("cli:", result[f"cli_generate_{S.model}"], flush=True)
 
     return result
 
@@ -208,14 +374,14 @@ def kda_layers() -> dict:
     from kestrel.models.loader import build_model
 
     result = {}
-    for preset, length in (("tiny", 300), ("mini", 512)):
-        model = build_model(preset, dtype=torch.bfloat16, device="cuda", seed=0)
+    for preset, length in S.kda_layer_cases:
+        model = build_model(preset, dtype=torch.bfloat16, device=S.device, seed=0)
         ids = torch.randint(
             0,
             model.config.vocab_size,
             (length,),
-            device="cuda",
-            generator=torch.Generator("cuda").manual_seed(0),
+            device=S.device,
+            generator=torch.Generator(S.device).manual_seed(0),
         )
         inputs = {}
         hooks = [
@@ -232,11 +398,11 @@ def kda_layers() -> dict:
         for layer_id, x in sorted(inputs.items()):
             layer = model.model.layers[layer_id].self_attn
             outs = {}
-            for backend in ("naive", "fla"):
+            for backend in ("naive", S.fast_kda):
                 os.environ["KESTREL_KDA_BACKEND"] = backend
-                with torch.no_grad(), forward_context(ForwardContext.build([length], device="cuda")):
+                with torch.no_grad(), forward_context(ForwardContext.build([length], device=S.device)):
                     outs[backend] = layer(x).float()
-            errors[layer_id] = _rel(outs["naive"], outs["fla"])
+            errors[layer_id] = _rel(outs["naive"], outs[S.fast_kda])
         worst = max(e["norm_rel"] for e in errors.values())
         result[preset] = {"per_layer": errors, "worst_norm_rel": worst, "target": "<= 2e-2"}
         print(preset, "worst per-layer KDA norm_rel", worst, flush=True)
@@ -252,12 +418,12 @@ def _mini_engine(fmt: str, max_running: int, max_len: int, graphs: bool = True):
     from kestrel.models.loader import init_random_weights
     from kestrel.presets import preset_config
 
-    os.environ["KESTREL_KDA_BACKEND"] = "fla"
-    with torch.device("cuda"):
-        model = KimiForCausalLM(preset_config("mini", fmt), torch.bfloat16)
-    init_random_weights(model, seed=0, rng_device="cuda")
+    os.environ["KESTREL_KDA_BACKEND"] = S.fast_kda
+    with torch.device(S.device):
+        model = KimiForCausalLM(preset_config(S.model, fmt), torch.bfloat16)
+    init_random_weights(model, seed=0, rng_device=S.device)
     cfg = EngineConfig(
-        model="mini",
+        model=S.model,
         max_running_requests=max_running,
         max_model_len=max_len,
         disable_cuda_graph=not graphs,
@@ -274,18 +440,18 @@ def _fill(engine, n: int, prompt_len: int, max_tokens: int, seed: int = 0) -> No
 
     g = torch.Generator().manual_seed(seed)
     for i in range(n):
-        ids = torch.randint(3, 30000, (prompt_len,), generator=g).tolist()
+        ids = torch.randint(3, S.token_ids, (prompt_len,), generator=g).tolist()
         engine.add_request(
             ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), f"r{seed}-{i}"
         )
 
 
 def _timed_steps(engine, steps: int) -> tuple[float, int]:
-    torch.cuda.synchronize()
+    _sync()
     start, tokens = time.perf_counter(), 0
     for _ in range(steps):
         tokens += sum(len(o.new_token_ids) for o in engine.step())
-    torch.cuda.synchronize()
+    _sync()
     return time.perf_counter() - start, tokens
 
 
@@ -294,14 +460,14 @@ def _probe_grouped_mm() -> str:
     from kestrel.ops.moe import moe_experts, moe_experts_grouped
 
     try:
-        x = torch.randn(40, 256, device="cuda", dtype=torch.bfloat16)
-        w13 = torch.randn(8, 128, 256, device="cuda", dtype=torch.bfloat16) * 0.05
-        w2 = torch.randn(8, 256, 64, device="cuda", dtype=torch.bfloat16) * 0.05
-        ids = torch.randint(0, 8, (40, 2), device="cuda")
-        w = torch.rand(40, 2, device="cuda")
+        x = torch.randn(40, 256, device=S.device, dtype=torch.bfloat16)
+        w13 = torch.randn(8, 128, 256, device=S.device, dtype=torch.bfloat16) * 0.05
+        w2 = torch.randn(8, 256, 64, device=S.device, dtype=torch.bfloat16) * 0.05
+        ids = torch.randint(0, 8, (40, 2), device=S.device)
+        w = torch.rand(40, 2, device=S.device)
         a = moe_experts_grouped(x, w13, w2, w, ids, "silu", use_grouped_mm=True)
         b = moe_experts(x, w13, w2, w, ids, "silu")
-        torch.cuda.synchronize()
+        _sync()
         ok = float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2
         return "auto" if ok else "off"
     except Exception as e:  # noqa: BLE001
@@ -336,70 +502,79 @@ def engine_decode() -> dict:
     """Decode tokens/s of the engine on mini (random bf16 weights, DSA on) at batch 64, 8, 1, CUDA graphs
     on and off, prompts of 512 tokens; plus a graph-vs-eager token check."""
     os.environ["KESTREL_MOE_GROUPED_MM"] = _probe_grouped_mm()
-    # a page table wider than index_topk (2048), so that decode runs the indexer and the sparse kernels
-    engine, setup_s = _mini_engine("kimi_k3", 64, 4096)
+    engine, setup_s = _mini_engine("kimi_k3", S.decode_requests, S.decode_max_len)
     result: dict = {
         "moe_grouped_mm": os.environ["KESTREL_MOE_GROUPED_MM"],
         "setup_s_including_graph_capture": setup_s,
         "plan": engine.plan.describe(),
         "batches": {},
     }
-    _fill(engine, 64, 512, 400)
+    _fill(engine, S.decode_requests, S.decode_prompt, 400)
     start = time.perf_counter()
     while any(not r.in_decode for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    torch.cuda.synchronize()
-    result["prefill_64x512_s"] = time.perf_counter() - start
-    for batch in (64, 8, 1):
+    _sync()
+    result[f"prefill_{S.decode_requests}x{S.decode_prompt}_s"] = time.perf_counter() - start
+    graph_modes = (True, False) if engine.runner.use_cuda_graph else (False,)
+    for batch in S.decode_batches:
         for r in list(engine.scheduler.running)[batch:]:
             engine.abort(r.request_id)
         engine.step()  # drain aborts (and one step of the new batch)
         entry = {}
-        for graphs in (True, False):
+        for graphs in graph_modes:
             engine.runner.use_cuda_graph = graphs
             _timed_steps(engine, 3)  # warm up
-            seconds, tokens = _timed_steps(engine, 24)
+            seconds, tokens = _timed_steps(engine, S.decode_steps)
             entry["graphs_on" if graphs else "graphs_off"] = {
-                "step_ms": 1000 * seconds / 24,
+                "step_ms": 1000 * seconds / S.decode_steps,
                 "tokens_per_s": tokens / seconds,
             }
-        engine.runner.use_cuda_graph = True
+        engine.runner.use_cuda_graph = graph_modes[0]
         result["batches"][batch] = entry
         print("decode batch", batch, json.dumps(entry), flush=True)
-    result["graph_replay_equals_eager_bitwise"] = _graph_matches_eager(engine)
-    print("graph replay == eager (bitwise):", result["graph_replay_equals_eager_bitwise"], flush=True)
+    if graph_modes[0]:
+        result["graph_replay_equals_eager_bitwise"] = _graph_matches_eager(engine)
+        print("graph replay == eager (bitwise):", result["graph_replay_equals_eager_bitwise"], flush=True)
+    else:
+        result["skipped"] = f"CUDA graphs (graphs_on, graph replay == eager): the engine runs on {S.device}"
     return result
 
 
 def _hf_mini(path: Path):
     """transformers' KimiLinearForCausalLM (fla-core kernels) on the mini preset's kimi_linear config, random
     bf16 weights, saved to `path` so that Kestrel loads the very same checkpoint."""
-    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    from transformers import KimiLinearConfig
 
     from kestrel.presets import preset_hf_config
 
-    raw = preset_hf_config("mini", "kimi_linear")
+    if S.device == "cuda":
+        from transformers import KimiLinearForCausalLM
+    else:  # fla-core's kernels need CUDA: transformers' own torch paths
+        from tests.hf_reference import torch_only_kimi_linear
+
+        KimiLinearForCausalLM = torch_only_kimi_linear().KimiLinearForCausalLM
+    raw = preset_hf_config(S.model, "kimi_linear")
     raw.pop("model_type", None)
     cfg = KimiLinearConfig(**raw)
-    with torch.device("cuda"):
+    with torch.device(S.device):
         model = KimiLinearForCausalLM(cfg).to(torch.bfloat16).eval()
     model.save_pretrained(path)
     return model
 
 
 def _hf_generate_throughput(model, prompts: list[list[int]], new_tokens: int) -> dict:
-    ids = torch.tensor(prompts, device="cuda")
+    ids = torch.tensor(prompts, device=S.device)
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=2)
     with torch.no_grad():
         model.generate(ids[:2, :64], max_new_tokens=4, do_sample=False, pad_token_id=2)  # warm-up / compile
-        torch.cuda.synchronize()
+        _sync()
         start = time.perf_counter()
         model(ids, logits_to_keep=1)  # prefill alone (last position's logits, as generate), to split it off
-        torch.cuda.synchronize()
+        _sync()
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         out = model.generate(ids, **gen)
-        torch.cuda.synchronize()
+        _sync()
         total_s = time.perf_counter() - start
     produced = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     decode_s = max(total_s - prefill_s, 1e-9)
@@ -417,7 +592,7 @@ def _kestrel_throughput(engine, prompts: list[list[int]], new_tokens: int) -> di
     from kestrel.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    torch.cuda.synchronize()
+    _sync()
     start, produced, first_decode = time.perf_counter(), 0, None
     for i, p in enumerate(prompts):
         engine.add_request(p, params, f"t{i}-{time.perf_counter_ns()}")
@@ -430,9 +605,9 @@ def _kestrel_throughput(engine, prompts: list[list[int]], new_tokens: int) -> di
             and all(r.in_decode for r in engine.scheduler.running)
             and not engine.scheduler.waiting
         ):
-            torch.cuda.synchronize()
+            _sync()
             first_decode = (time.perf_counter(), produced)
-    torch.cuda.synchronize()
+    _sync()
     total = time.perf_counter() - start
     entry = {
         "requests": len(prompts),
@@ -456,40 +631,40 @@ def engine_bench() -> dict:
 
     os.environ["KESTREL_MOE_GROUPED_MM"] = _probe_grouped_mm()
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 30000, (1024,), generator=g).tolist() for _ in range(512)]
-    path = Path("/tmp/mini-kimi-linear")
+    n, batch, prompt_len, new = S.bench_requests, S.bench_batch, S.bench_prompt, S.bench_new_tokens
+    prompts = [torch.randint(3, S.token_ids, (prompt_len,), generator=g).tolist() for _ in range(n)]
+    path = Path(f"/tmp/{S.model}-kimi-linear")
     hf = _hf_mini(path)
-    result: dict = {"workload": "1024 prompt tokens, 256 new tokens, greedy, ignore EOS"}
-    result["transformers_batch64"] = _hf_generate_throughput(hf, prompts[:64], 256)
-    print("transformers b64", json.dumps(result["transformers_batch64"]), flush=True)
+    result: dict = {"workload": f"{prompt_len} prompt tokens, {new} new tokens, greedy, ignore EOS"}
+    peer, ours = f"transformers_batch{batch}", f"kestrel_kimi_linear_batch{batch}"
+    result[peer] = _hf_generate_throughput(hf, prompts[:batch], new)
+    print(f"transformers b{batch}", json.dumps(result[peer]), flush=True)
     del hf
     torch.cuda.empty_cache()
-    os.environ["KESTREL_KDA_BACKEND"] = "fla"
+    os.environ["KESTREL_KDA_BACKEND"] = S.fast_kda
     cfg = EngineConfig(
         model=str(path),
-        max_running_requests=64,
-        max_model_len=1024 + 256 + 64,
-        cuda_graph_max_bs=64,
+        max_running_requests=batch,
+        max_model_len=prompt_len + new + 64,
+        cuda_graph_max_bs=batch,
         chunked_prefill_size=8192,
         enable_prefix_cache=False,
     )
     engine = Engine(cfg)
     _kestrel_throughput(engine, prompts[:4], 8)  # warm-up
-    result["kestrel_kimi_linear_batch64"] = _kestrel_throughput(engine, prompts[:64], 256)
-    print("kestrel kimi_linear b64", json.dumps(result["kestrel_kimi_linear_batch64"]), flush=True)
-    ratio = (
-        result["kestrel_kimi_linear_batch64"]["output_tokens_per_s"]
-        / result["transformers_batch64"]["output_tokens_per_s"]
-    )
-    result["ratio_kestrel_over_transformers_batch64"] = ratio
+    result[ours] = _kestrel_throughput(engine, prompts[:batch], new)
+    print(f"kestrel kimi_linear b{batch}", json.dumps(result[ours]), flush=True)
+    ratio = result[ours]["output_tokens_per_s"] / result[peer]["output_tokens_per_s"]
+    result[f"ratio_kestrel_over_transformers_batch{batch}"] = ratio
     print("ratio", ratio, flush=True)
     del engine
     shutil.rmtree(path, ignore_errors=True)
     torch.cuda.empty_cache()
-    engine, _ = _mini_engine("kimi_k3", 256, 1024 + 256 + 64)
+    engine, _ = _mini_engine("kimi_k3", n // 2, prompt_len + new + 64)  # half of the requests at once
     _kestrel_throughput(engine, prompts[:4], 8)
-    result["kestrel_mini_dsa_512_requests"] = _kestrel_throughput(engine, prompts, 256)
-    print("kestrel mini+DSA 512", json.dumps(result["kestrel_mini_dsa_512_requests"]), flush=True)
+    dsa = f"kestrel_{S.model}_dsa_{n}_requests"
+    result[dsa] = _kestrel_throughput(engine, prompts, new)
+    print(f"kestrel {S.model}+DSA {n}", json.dumps(result[dsa]), flush=True)
     return result
 
 
@@ -499,34 +674,39 @@ def profile_decode() -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     os.environ["KESTREL_MOE_GROUPED_MM"] = _probe_grouped_mm()
-    engine, _ = _mini_engine("kimi_k3", 64, 1024, graphs=False)
-    _fill(engine, 64, 512, 400)
+    engine, _ = _mini_engine("kimi_k3", S.decode_requests, S.profile_max_len, graphs=False)
+    _fill(engine, S.decode_requests, S.decode_prompt, 400)
     while any(not r.in_decode for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     _timed_steps(engine, 3)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        seconds, _ = _timed_steps(engine, 5)
     from torch.autograd import DeviceType
 
+    steps, cuda = S.profile_steps, S.device == "cuda"
+    # on the CPU (the smoke run) the ops stand where the kernels would
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    kind, sort_by = (
+        (DeviceType.CUDA, "self_cuda_time_total") if cuda else (DeviceType.CPU, "self_cpu_time_total")
+    )
+    self_us = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    with profile(activities=activities) as prof:
+        seconds, _ = _timed_steps(engine, steps)
     # the kernels themselves: the CPU ops that launched them carry the same time again
-    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    cuda_total = sum(e.self_device_time_total for e in events) / 5 / 1000  # ms per step
-    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:25]
+    events = [e for e in prof.key_averages() if e.device_type == kind]
+    cuda_total = sum(self_us(e) for e in events) / steps / 1000  # ms per step
+    top = sorted(events, key=self_us, reverse=True)[:25]
     table = [
         {
             "name": e.key[:90],
-            "ms_per_step": e.self_device_time_total / 5 / 1000,
-            "calls_per_step": e.count / 5,
+            "ms_per_step": self_us(e) / steps / 1000,
+            "calls_per_step": e.count / steps,
         }
         for e in top
     ]
-    (Path(os.environ.get("OUT", ".")) / "profile_decode.txt").write_text(
-        prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60)
-    )
+    (OUT / "profile_decode.txt").write_text(prof.key_averages().table(sort_by=sort_by, row_limit=60))
     result = {
-        "wall_ms_per_step": 1000 * seconds / 5,
+        "wall_ms_per_step": 1000 * seconds / steps,
         "cuda_ms_per_step": cuda_total,
-        "kernel_launches_per_step": sum(e.count for e in events) / 5,
+        "kernel_launches_per_step": sum(e.count for e in events) / steps,
         "top_kernels": table,
     }
     print("profile:", json.dumps({k: v for k, v in result.items() if k != "top_kernels"}), flush=True)
@@ -542,8 +722,11 @@ def gpu_tests() -> dict:
 
     The tests that decide the training run's fast-path switches run first, and pytest writes straight into
     $OUT/gpu_tests.log, so a call that runs out of time still returns every outcome so far (the first device
-    run of this section, 2026-11-30, passed the 400 s it was given and returned nothing)."""
-    log_path = Path(os.environ.get("OUT", ".")) / "gpu_tests.log"
+    run of this section, 2026-11-30, passed the 400 s it was given and returned nothing).
+
+    The smoke run only collects them (every target named here exists): on the CPU they are CI's own suite."""
+    collect_only = [] if S.device == "cuda" else ["--collect-only"]
+    log_path = OUT / "gpu_tests.log"
     first = [
         "tests/ops/test_kda.py::test_fla_chunk_gradients_match_the_reference",
         "tests/ops/test_packed_conv.py::test_fla_conv_matches_reference",
@@ -554,6 +737,7 @@ def gpu_tests() -> dict:
     with log_path.open("w") as log:
         for targets in (first, rest):
             cmd = [sys.executable, "-m", "pytest", "-q", *targets, "-p", "no:cacheprovider", "--tb=short"]
+            cmd += collect_only
             # -rA: every outcome by name (callers pick the switches from it); durations: where the time goes
             proc = subprocess.run([*cmd, "-rA", "--durations=25"], stdout=log, stderr=subprocess.STDOUT)
             returncodes.append(proc.returncode)
@@ -567,21 +751,24 @@ def gpu_tests() -> dict:
     )
     failed = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
     print("gpu tests:", returncodes, outcomes, *failed, sep="\n  ", flush=True)
-    return {"returncodes": returncodes, "outcomes": outcomes, "failed": failed}
+    result = {"returncodes": returncodes, "outcomes": outcomes, "failed": failed}
+    if collect_only:
+        result["skipped"] = "running the tests: on the CPU they are the CI suite itself (collected only)"
+    return result
 
 
 def _ttft_ms(engine, prompt: list[int]) -> float:
     """Time from submitting one request to its first token, the engine otherwise idle."""
     from kestrel.engine.sampling_params import SamplingParams
 
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     while True:
         outs = [o for o in engine.step() if o.request_id == rid and o.new_token_ids]
         if outs:
             break
-    torch.cuda.synchronize()
+    _sync()
     ms = 1000 * (time.perf_counter() - start)
     while engine.has_unfinished():
         engine.step()
@@ -619,17 +806,17 @@ def cache_targets() -> dict:
 
     os.environ["KESTREL_MOE_GROUPED_MM"] = _probe_grouped_mm()
     result: dict = {}
-    net = build_model("mini", dtype=torch.bfloat16, device="cuda", seed=0, init_on_device=True)
+    net = build_model(S.model, dtype=torch.bfloat16, device=S.device, seed=0, init_on_device=True)
     g = torch.Generator().manual_seed(0)
-    history = torch.randint(3, 30000, (32768,), generator=g).tolist()
-    turn = history + torch.randint(3, 30000, (500,), generator=g).tolist()
+    history = torch.randint(3, S.token_ids, (S.history,), generator=g).tolist()
+    turn = history + torch.randint(3, S.token_ids, (S.append,), generator=g).tolist()
     warm = torch.Generator().manual_seed(1)
     for cache in (False, True):
         engine = Engine(
             EngineConfig(
-                model="mini",
+                model=S.model,
                 max_running_requests=4,
-                max_model_len=40000,
+                max_model_len=S.ttft_max_len,
                 enable_prefix_cache=cache,
                 chunked_prefill_size=8192,
             ),
@@ -637,7 +824,7 @@ def cache_targets() -> dict:
         )
         # the same warm-up for both engines: an unrelated prompt as long as the turn (compiles every kernel
         # the long prefill uses, and shares no prefix with the history)
-        _ttft_ms(engine, torch.randint(3, 30000, (len(turn),), generator=warm).tolist())
+        _ttft_ms(engine, torch.randint(3, S.token_ids, (len(turn),), generator=warm).tolist())
         if cache:
             _ttft_ms(
                 engine, history + [5]
@@ -650,34 +837,39 @@ def cache_targets() -> dict:
     del net
     torch.cuda.empty_cache()
 
+    a = S.agent
+    append, reply = Spread("uniform", *a["append_tokens"]), Spread("uniform", *a["reply_tokens"])
     workload = dict(
-        concurrency=(8,),
-        turns=4,
-        history_tokens=8192,
-        append_tokens=Spread("uniform", 100, 2000),
-        reply_tokens=Spread("uniform", 50, 200),
-        think_time_s=Spread("uniform", 0, 0.5),
+        concurrency=(a["concurrency"],),
+        turns=a["turns"],
+        history_tokens=a["history_tokens"],
+        append_tokens=append,
+        reply_tokens=reply,
+        think_time_s=Spread("uniform", *a["think_time_s"]),
         chars_per_token=1.0,
     )
     # The working set: every session's final context (history + 4 turns of mean append and reply) in KV bytes
     from kestrel.cache.kv_pool import KVPool
     from kestrel.presets import preset_config
 
-    per_token = KVPool.bytes_per_token(preset_config("mini"), torch.bfloat16)
-    working_set = 8 * (8192 + 4 * (1050 + 125)) * per_token
-    pool_gb = f"{0.25 * working_set / 2**30:.3f}"
+    per_token = KVPool.bytes_per_token(preset_config(S.model), torch.bfloat16)
+    session = a["history_tokens"] + a["turns"] * (append.mean + reply.mean)
+    working_set = a["concurrency"] * session * per_token
+    # three significant digits: 0.203 on mini, and not 0.000 for the smoke run's pool
+    pool_gb = f"{0.25 * working_set / 2**30:.3g}"
     result["working_set_gib"], result["gpu_pool_gib_at_25pct"] = working_set / 2**30, float(pool_gb)
-    base = ["--model", "mini", "--max-running-requests", "16", "--max-model-len", "20000"]
+    base = ["--model", S.model, *S.serve_args]
+    port = S.port or _free_port()
     for name, extra in (
         ("enough_memory", []),
         ("gpu_25pct_no_host", ["--kv-cache-gb", pool_gb]),
-        ("gpu_25pct_host", ["--kv-cache-gb", pool_gb, "--hicache-host-gb", "16"]),
+        ("gpu_25pct_host", ["--kv-cache-gb", pool_gb, "--hicache-host-gb", S.host_gb]),
     ):
         try:  # one configuration failing keeps the figures of the others
-            proc = _serve(base + extra, 8123)
+            proc = _serve(base + extra, port)
             try:
                 sweep = run_sweep(
-                    AgentBenchConfig(base_url="http://127.0.0.1:8123/v1", **workload), progress=False
+                    AgentBenchConfig(base_url=f"http://127.0.0.1:{port}/v1", **workload), progress=False
                 )
             finally:
                 proc.terminate()
@@ -702,9 +894,9 @@ def cache_targets() -> dict:
 
 
 def bench_kernels() -> dict:
-    from kestrel.bench.kernels import kernels_bench
+    from kestrel.bench.kernels import KERNEL_CASES, kernels_bench
 
-    return kernels_bench()
+    return kernels_bench(S.device, S.kernel_cases or KERNEL_CASES)
 
 
 def bench_decode() -> dict:
@@ -713,10 +905,11 @@ def bench_decode() -> dict:
     from kestrel.bench.decode import decode_bench
 
     os.environ["KESTREL_MOE_GROUPED_MM"] = _probe_grouped_mm()
-    result = decode_bench("mini", batches=(1, 8, 64, 256), contexts=(4096, 131072))
+    sizes = dict(contexts=S.decode_bench_contexts, steps=S.decode_steps, device=S.device)
+    result = decode_bench(S.model, batches=S.decode_bench_batches, **sizes)
     # FP8 indexer keys (E4M3 + a scale per token) halve the bytes that dominate a 128K DSA step
     fp8 = decode_bench(
-        "mini", batches=(1, 8), contexts=(4096, 131072), dense_contrast=False, index_key_dtype="fp8"
+        S.model, batches=S.decode_bench_fp8_batches, dense_contrast=False, index_key_dtype="fp8", **sizes
     )
     result["runs"] += fp8["runs"]
     return result
@@ -737,21 +930,37 @@ SECTIONS = {
 
 
 def main() -> None:
+    global S, OUT
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sections", default="ceilings,foundation,kda_layers,gpu_tests")
+    parser.add_argument(
+        "--sections", default="ceilings,foundation,kda_layers,gpu_tests", help="comma-separated, or all"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument(
         "--parity-models",
-        default="tiny,mini",
-        help="foundation: presets or checkpoint folders for the fast-vs-reference logits parity",
+        default=None,
+        help=f"foundation: presets or checkpoint folders for the fast-vs-reference logits parity "
+        f"(default {H200.parity_models}; --smoke: {SMOKE.parity_models})",
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="every section's code on the CPU at tiny sizes (no figures)"
     )
     args = parser.parse_args()
-    PARITY_MODELS[:] = args.parity_models.split(",")
-    out = Path(args.out) / "gpu_suite.json"
+    if args.smoke:
+        S = SMOKE
+        # the reference KDA and torch attention in the engine; bench_kernels runs the kernels in Triton's
+        # interpreter (read when triton is first imported: nothing has imported it yet)
+        os.environ.update(KESTREL_KDA_BACKEND="naive", KESTREL_ATTN_BACKEND="torch")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    PARITY_MODELS[:] = (args.parity_models or S.parity_models).split(",")
+    sections = list(SECTIONS) if args.sections == "all" else args.sections.split(",")
+    OUT = Path(args.out)
+    OUT.mkdir(parents=True, exist_ok=True)
+    out = OUT / "gpu_suite.json"
     record = {
         "command": " ".join(sys.argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if S.device == "cuda" else f"none (--smoke on {S.device})",
         "torch": torch.__version__,
         "sections": {},
     }
@@ -761,7 +970,7 @@ def main() -> None:
         record["fla_core"] = getattr(fla, "__version__", "?")
     except ImportError:
         record["fla_core"] = None
-    for name in args.sections.split(","):
+    for name in sections:
         start = time.perf_counter()
         try:
             record["sections"][name] = SECTIONS[name]()
