@@ -26,6 +26,7 @@ from kestrel.layers.context import ForwardContext, forward_context
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
 from kestrel.models.weights import save_checkpoint
+from kestrel.presets import resolve_model
 from kestrel.tokenizer import load_tokenizer
 from kestrel.train.bpe import build_tokenizer
 from kestrel.train.data import DEFAULT_WEIGHTS, MixtureConfig, PackedBatches
@@ -132,8 +133,13 @@ class Trainer:
         self._maybe_resume()
 
     def _tokenizer_dir(self) -> Path:
+        """--tokenizer; else a checkpoint's own (its token ids are what its weights know); else a BPE trained
+        into <out>/tokenizer for a preset's random weights."""
         if self.cfg.tokenizer:
             return Path(self.cfg.tokenizer)
+        own = Path(resolve_model(self.cfg.model))
+        if (own / "tokenizer.json").is_file():
+            return own
         path = self.out / "tokenizer"
         if not (path / "tokenizer.json").exists():
             build_tokenizer(str(path), vocab_size=self.model.config.vocab_size, seed=self.cfg.seed)

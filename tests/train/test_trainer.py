@@ -81,6 +81,18 @@ def test_checkpoint_serves_in_the_engine_with_the_same_logits(tmp_path, byte_tok
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
 
+def test_continuing_a_checkpoint_keeps_its_tokenizer(tmp_path, byte_tok):
+    """Without --tokenizer a checkpoint trains on with its own tokenizer (a new BPE would scramble the ids its
+    weights know); a preset gets one trained into the run folder."""
+    Trainer(_cfg(tmp_path / "first", byte_tok, steps=1)).train()
+    ckpt = tmp_path / "first" / "checkpoint"
+    more = Trainer(_cfg(tmp_path / "more", None, model=str(ckpt), steps=1))
+    assert more.tokenizer_dir == ckpt and not (tmp_path / "more" / "tokenizer").exists()
+    more.train()
+    saved = (tmp_path / "more" / "checkpoint" / "tokenizer.json").read_text()
+    assert saved == (ckpt / "tokenizer.json").read_text()
+
+
 def test_resume_reaches_the_same_weights(tmp_path, byte_tok):
     straight = Trainer(_cfg(tmp_path / "a", byte_tok, steps=4))
     straight.train()
