@@ -8,7 +8,8 @@ that a Python error shows up before it costs GPU minutes; the figures mean nothi
     python3 scripts/gpu_suite.py --smoke --sections all --out /tmp/smoke
 Sections:
   ceilings    device-to-device copy bandwidth and 8192^3 bf16 matmul rate (the roofline of this run)
-  foundation  fla-core fast path vs the reference path (tiny, mini), `generate` on mini (API and CLI)
+  parity      fla-core fast path vs the reference path, logits (--parity-models: tiny, mini, checkpoints)
+  foundation  parity, then `generate` on mini (API and CLI)
   kda_layers  each KDA layer, fast vs reference on the same input (the kernels' error, no compounding)
   gpu_tests   every op test on the device (kernels vs references, fla-core gradients, graphs) and HiCache on CUDA
   engine_decode  engine decode tokens/s on mini at batch 64/8/1, CUDA graphs on and off
@@ -29,6 +30,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,15 +282,15 @@ def _parity_prompt(model: str, vocab: int, length: int) -> tuple[torch.Tensor, s
     return torch.tensor(ids[:length], device=S.device), "held-out chat prompts, concatenated"
 
 
-def foundation() -> dict:
-    """Fast path (fla-core KDA) against the reference path (plain-torch KDA), same bf16 weights.
+def parity() -> dict:
+    """Fast path (fla-core KDA) against the reference path (plain-torch KDA), same bf16 weights, on every
+    --parity-models entry.
 
     MoE routing and DSA top-k are discontinuous: on random weights, bf16 rounding alone flips some expert
     and token choices and the logits then diverge for reasons that are not the kernels. So the reference
     pass records its choices and the compared pass replays them (routing replay, as RL does), which
     isolates the numerical difference of the kernels. The fp32 reference is reported beside it.
     """
-    from kestrel.models.generate import generate
     from kestrel.models.loader import build_model
 
     result: dict = {"parity": {}}
@@ -321,7 +323,15 @@ def foundation() -> dict:
         print(preset, json.dumps(entry), flush=True)
         del bf16
         torch.cuda.empty_cache()
+    return result
 
+
+def foundation() -> dict:
+    """`parity`, then the reference generate() and the `kestrel generate` CLI on the benchmark model."""
+    from kestrel.models.generate import generate
+    from kestrel.models.loader import build_model
+
+    result = parity()
     os.environ["KESTREL_KDA_BACKEND"] = S.fast_kda
     model = build_model(S.model, dtype=torch.bfloat16, device=S.device, seed=0)
     prompt_len, new_tokens = S.generate_tokens
@@ -633,7 +643,7 @@ def engine_bench() -> dict:
     g = torch.Generator().manual_seed(0)
     n, batch, prompt_len, new = S.bench_requests, S.bench_batch, S.bench_prompt, S.bench_new_tokens
     prompts = [torch.randint(3, S.token_ids, (prompt_len,), generator=g).tolist() for _ in range(n)]
-    path = Path(f"/tmp/{S.model}-kimi-linear")
+    path = Path(tempfile.mkdtemp(prefix=f"{S.model}-kimi-linear-"))  # removed below
     hf = _hf_mini(path)
     result: dict = {"workload": f"{prompt_len} prompt tokens, {new} new tokens, greedy, ignore EOS"}
     peer, ours = f"transformers_batch{batch}", f"kestrel_kimi_linear_batch{batch}"
@@ -720,9 +730,10 @@ def gpu_tests() -> dict:
     the kernel tests that run their tiny cases compiled when CUDA is there (on CPU they run interpreted);
     plus HiCache's CUDA path (pinned host tier, copy streams) and the compiled training ops.
 
-    The tests that decide the training run's fast-path switches run first, and pytest writes straight into
-    $OUT/gpu_tests.log, so a call that runs out of time still returns every outcome so far (the first device
-    run of this section, 2026-11-30, passed the 400 s it was given and returned nothing).
+    The tests that decide the training run's fast-path switches run first, and pytest writes one line per test
+    straight into $OUT/gpu_tests.log, so a call that runs out of time still returns every outcome so far (the
+    first device run of this section, 2026-11-30, ran past the 400 s it was given and returned nothing).
+    Pick a switch from the log: `grep -q '<test id>.* PASSED' gpu_tests.log`.
 
     The smoke run only collects them (every target named here exists): on the CPU they are CI's own suite."""
     collect_only = [] if S.device == "cuda" else ["--collect-only"]
@@ -732,29 +743,33 @@ def gpu_tests() -> dict:
         "tests/ops/test_packed_conv.py::test_fla_conv_matches_reference",
         "tests/test_fuse.py",
     ]
-    rest = ["tests/ops", "tests/engine/test_hicache.py", *(f"--deselect={t}" for t in first)]
+    rest = ["tests/ops", "tests/engine/test_hicache.py", *(f"--deselect={t}" for t in first[:2])]
     returncodes = []
     with log_path.open("w") as log:
         for targets in (first, rest):
-            cmd = [sys.executable, "-m", "pytest", "-q", *targets, "-p", "no:cacheprovider", "--tb=short"]
-            cmd += collect_only
-            # -rA: every outcome by name (callers pick the switches from it); durations: where the time goes
-            proc = subprocess.run([*cmd, "-rA", "--durations=25"], stdout=log, stderr=subprocess.STDOUT)
+            # -v (over the project's -q): one line per test as it ends, `<node id> PASSED|FAILED|...`, so a
+            # killed run's log still names every outcome so far; -rfEs: failures, errors and skip reasons at the
+            # end; durations: where the time goes
+            cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-v", "-rfEs", "--durations=25"]
+            cmd += [*targets, "-p", "no:cacheprovider", "--tb=short", *collect_only]
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
             returncodes.append(proc.returncode)
             log.flush()
-    lines = log_path.read_text().splitlines()
-    outcomes = {
-        word: sum(line.startswith(word + " ") for line in lines) for word in ("PASSED", "FAILED", "ERROR")
-    }
-    outcomes["SKIPPED"] = sum(
-        int(m.group(1)) for line in lines if (m := re.match(r"^SKIPPED \[(\d+)\]", line))
-    )
-    failed = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
-    print("gpu tests:", returncodes, outcomes, *failed, sep="\n  ", flush=True)
-    result = {"returncodes": returncodes, "outcomes": outcomes, "failed": failed}
+    outcomes = _pytest_outcomes(log_path.read_text())
+    counts = {word: sum(v == word for v in outcomes.values()) for word in sorted(set(outcomes.values()))}
+    failed = [test for test, outcome in outcomes.items() if outcome in ("FAILED", "ERROR")]
+    print("gpu tests:", returncodes, counts, *failed, sep="\n  ", flush=True)
+    result = {"returncodes": returncodes, "counts": counts, "failed": failed, "outcomes": outcomes}
     if collect_only:
         result["skipped"] = "running the tests: on the CPU they are the CI suite itself (collected only)"
     return result
+
+
+def _pytest_outcomes(log: str) -> dict[str, str]:
+    """node id -> PASSED | FAILED | ERROR | SKIPPED | XFAIL | XPASS, from pytest -v lines (the last word wins:
+    a test that fails in teardown after passing is an ERROR)."""
+    pattern = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+    return {m.group(1): m.group(2) for line in log.splitlines() if (m := pattern.match(line))}
 
 
 def _ttft_ms(engine, prompt: list[int]) -> float:
@@ -917,6 +932,7 @@ def bench_decode() -> dict:
 
 SECTIONS = {
     "ceilings": ceilings,
+    "parity": parity,
     "foundation": foundation,
     "kda_layers": kda_layers,
     "gpu_tests": gpu_tests,
@@ -953,7 +969,8 @@ def main() -> None:
         os.environ.update(KESTREL_KDA_BACKEND="naive", KESTREL_ATTN_BACKEND="torch")
         os.environ.setdefault("TRITON_INTERPRET", "1")
     PARITY_MODELS[:] = (args.parity_models or S.parity_models).split(",")
-    sections = list(SECTIONS) if args.sections == "all" else args.sections.split(",")
+    every = [name for name in SECTIONS if name != "parity"]  # foundation runs parity
+    sections = every if args.sections == "all" else args.sections.split(",")
     OUT = Path(args.out)
     OUT.mkdir(parents=True, exist_ok=True)
     out = OUT / "gpu_suite.json"

@@ -4,8 +4,8 @@
 #   scripts/triton_cache.sh restore   on the device: unpack .triton-cache/part-* (carried) into $TRITON_CACHE_DIR
 #   scripts/triton_cache.sh save      on the device: pack $TRITON_CACHE_DIR into $OUT/triton-cache.part-* (15 MiB each)
 #   scripts/triton_cache.sh keep DIR  here: copy the parts a run brought back (files_at DIR) into .triton-cache/
-# The whole cache (88 MB compressed after the demo run) may not fit beside a run's other files. The autotuning
-# results alone (*.autotune.json: the timings of every config, a few hundred kB) always travel as
+# The whole cache (88 MB compressed after the demo run) may not fit beside a run's other files; then the
+# autotuning results alone (*.autotune.json: the timings of every config, a few hundred kB) travel as
 # triton-autotune.tgz: with them a fresh machine compiles only each kernel's chosen config instead of
 # benchmarking them all.
 # Source this script's environment on the device first: export TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1
@@ -26,20 +26,29 @@ restore)
     fi
     ;;
 save)
-    # $OUT returns at most 8 files and 64 MiB in all: the autotuning results first (one small file), then the
-    # whole cache's parts only if they fit beside what is there
-    if [ "$(find "$OUT" -type f | wc -l)" -lt 8 ]; then
-        (cd "$CACHE" && find . -name '*.autotune.json' -print0 | tar czf "$OUT/triton-autotune.tgz" --null -T -) \
-            && ls -la "$OUT/triton-autotune.tgz"
-    fi
+    # $OUT returns at most 8 files and 64 MiB in all: the whole cache's parts if they fit beside what is there,
+    # else the autotuning results alone (one small file), if they fit
+    fits() {  # fits FILES BYTES: would that much more still come back?
+        [ $(( $(find "$OUT" -type f | wc -l) + $1 )) -le 8 ] \
+            && [ $(( $(du -sb "$OUT" | cut -f1) + $2 )) -le $(( 64 * 1024 * 1024 - 65536 )) ]
+    }
     tmp=$(mktemp -d)
     tar czf - -C "$CACHE" . | split -b 15m - "$tmp/triton-cache.part-"
-    files=$(( $(find "$OUT" -type f | wc -l) + $(ls "$tmp" | wc -l) ))
-    bytes=$(( $(du -sb "$OUT" | cut -f1) + $(du -sb "$tmp" | cut -f1) ))
-    if [ "$files" -le 8 ] && [ "$bytes" -le $(( 64 * 1024 * 1024 - 65536 )) ]; then
+    if fits "$(ls "$tmp" | wc -l)" "$(du -sb "$tmp" | cut -f1)"; then
         mv "$tmp"/triton-cache.part-* "$OUT/" && ls -la "$OUT"/triton-cache.part-*
     else
-        echo "triton cache: not saved ($files files, $bytes bytes would pass \$OUT's 8 files / 64 MiB)"
+        echo "triton cache: the whole cache ($(du -sh "$tmp" | cut -f1)) does not fit beside \$OUT's files"
+        (cd "$CACHE" && find . -name '*.autotune.json' -print0 > "$tmp/list")
+        if [ -s "$tmp/list" ]; then
+            tar czf "$tmp/triton-autotune.tgz" -C "$CACHE" --null -T "$tmp/list"
+            if fits 1 "$(du -sb "$tmp/triton-autotune.tgz" | cut -f1)"; then
+                mv "$tmp/triton-autotune.tgz" "$OUT/" && ls -la "$OUT/triton-autotune.tgz"
+            else
+                echo "triton cache: the autotuning results do not fit either"
+            fi
+        else
+            echo "triton cache: no autotuning results to keep"
+        fi
     fi
     rm -rf "$tmp"
     ;;
@@ -47,7 +56,7 @@ keep)
     [ -n "${2:-}" ] || { echo "usage: $0 keep DIR (the run's files_at)" >&2; exit 2; }
     shopt -s nullglob
     parts=("$2"/triton-cache.part-*)
-    if [ ${#parts[@]} -eq 0 ] && [ -f "$2/triton-autotune.tgz" ]; then
+    if [ -f "$2/triton-autotune.tgz" ] && ! { [ ${#parts[@]} -gt 0 ] && cat "${parts[@]}" | gzip -t 2> /dev/null; }; then
         rm -rf .triton-cache && mkdir -p .triton-cache && cp "$2/triton-autotune.tgz" .triton-cache/autotune.tgz
         ls -la .triton-cache
         exit 0

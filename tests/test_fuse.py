@@ -28,22 +28,29 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])])
 def test_compiled_training_step_equals_eager(device, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    monkeypatch.delenv("KESTREL_COMPILE_TRAIN", raising=False)  # the reference pass is eager whatever the env
+    monkeypatch.setenv("KESTREL_KDA_BACKEND", "naive")  # under test: the fused elementwise ops, nothing else
     model = init_random_weights(KimiForCausalLM(preset_config("tiny")), seed=2).to(device)
     ids = torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(0)).to(device)
     loss, grads = _loss_and_grads(model, ids)
     monkeypatch.setenv("KESTREL_COMPILE_TRAIN", "1")
     torch._dynamo.reset()
+    counters.clear()  # reset() keeps them: an earlier test's graphs must not count as this one's
     compiled_loss, compiled_grads = _loss_and_grads(model, ids)
-    # on CUDA the compiled kernels reduce in another order than eager's: agreement to fp32 rounding, not bits
-    rtol, atol = (1e-5, 1e-6) if device == "cpu" else (1e-4, 1e-5)
-    assert torch.allclose(compiled_loss, loss, rtol=rtol)
-    for name, g in grads.items():
-        assert torch.allclose(
-            compiled_grads[name], g, rtol=10 * rtol, atol=atol * max(1.0, g.abs().max().item())
-        ), name
-    from torch._dynamo.utils import counters
-
     assert counters["stats"]["unique_graphs"] > 0  # the compiled path really ran
+    if device == "cpu":
+        assert torch.allclose(compiled_loss, loss, rtol=1e-5)
+        for name, g in grads.items():
+            assert torch.allclose(compiled_grads[name], g, rtol=1e-4, atol=1e-6), name
+        return
+    # CUDA: the fused kernels reduce in another order than eager's, so fp32 rounding differs element by
+    # element; each gradient as a whole agrees to fp32 accumulation error
+    assert torch.allclose(compiled_loss, loss, rtol=1e-4)
+    for name, g in grads.items():
+        err = (compiled_grads[name] - g).norm() / g.norm().clamp_min(1e-30)
+        assert err <= 1e-4, (name, err.item())
 
 
 def test_inference_keeps_the_eager_op(monkeypatch):

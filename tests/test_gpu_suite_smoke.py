@@ -5,7 +5,10 @@ and the figures it exists to produce."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +22,7 @@ EXPECTED = {
     "ceilings": {"copy_TBps", "bf16_matmul_TFLOPs"},
     "foundation": {"parity", "generate_tiny", "cli_generate_tiny"},
     "kda_layers": {"tiny"},
-    "gpu_tests": {"returncodes", "outcomes", "failed", "skipped"},
+    "gpu_tests": {"returncodes", "counts", "outcomes", "failed", "skipped"},
     "engine_decode": {"moe_grouped_mm", "plan", "batches", "prefill_4x64_s", "skipped"},
     "profile_decode": {"wall_ms_per_step", "cuda_ms_per_step", "kernel_launches_per_step", "top_kernels"},
     "engine_bench": {
@@ -47,8 +50,18 @@ EXPECTED = {
 def sections(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("gpu_suite_smoke")
     cmd = [sys.executable, "scripts/gpu_suite.py", "--smoke", "--sections", "all", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # its own process group: on a timeout the servers it started go down with it (~30 s idle, minutes on a
+    # loaded 2-core machine)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        _, stderr = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, stderr[-3000:]
     record = json.loads((out / "gpu_suite.json").read_text())
     assert record["gpu"].startswith("none") and set(record["sections"]) == set(EXPECTED)
     return record["sections"]
@@ -86,3 +99,25 @@ def test_smoke_figures_are_real(sections):
     assert {(r["context"], r["index_keys"]) for r in decode_runs} >= {(4028, "bf16"), (4028, "fp8")}
     for config in ("enough_memory", "gpu_25pct_no_host", "gpu_25pct_host"):
         assert sections["cache_targets"][config]["ttft_s"]["n"] > 0
+
+
+def test_gpu_tests_log_parser_reads_a_cut_log(monkeypatch):
+    """gpu_tests reads outcomes from pytest -v lines, so a log cut off mid-run (the call's time ran out) still
+    names every test that ended; the last word wins (passed, then failed in teardown: an error)."""
+    spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "scripts" / "gpu_suite.py")
+    gpu_suite = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_suite", gpu_suite)  # its dataclasses look their module up there
+    spec.loader.exec_module(gpu_suite)
+    log = """============================= test session starts ==============================
+tests/ops/test_kda.py::test_fla_chunk_gradients_match_the_reference[True-False] PASSED [  5%]
+tests/ops/test_kda.py::test_fla_chunk_gradients_match_the_reference[False-True] FAILED [ 10%]
+tests/test_fuse.py::test_compiled_training_step_equals_eager[cuda] PASSED [ 15%]
+tests/test_fuse.py::test_compiled_training_step_equals_eager[cuda] ERROR [ 15%]
+tests/ops/test_packed_conv.py::test_fla_conv_matches_reference[dtype0-False] SKIPPED (needs CUDA) [ 20%]
+tests/ops/test_moe.py::test_grouped"""
+    assert gpu_suite._pytest_outcomes(log) == {
+        "tests/ops/test_kda.py::test_fla_chunk_gradients_match_the_reference[True-False]": "PASSED",
+        "tests/ops/test_kda.py::test_fla_chunk_gradients_match_the_reference[False-True]": "FAILED",
+        "tests/test_fuse.py::test_compiled_training_step_equals_eager[cuda]": "ERROR",
+        "tests/ops/test_packed_conv.py::test_fla_conv_matches_reference[dtype0-False]": "SKIPPED",
+    }
