@@ -267,8 +267,8 @@ def _parity_prompt(model: str, vocab: int, length: int) -> tuple[torch.Tensor, s
     a preset's random weights read seeded random ids."""
     from kestrel.presets import resolve_model
     from kestrel.tokenizer import tokenizer_for
+    from kestrel.train.chat_format import prompt_ids
     from kestrel.train.data import heldout_examples
-    from kestrel.train.evaluate import prompt_ids
 
     if not (Path(resolve_model(model)) / "tokenizer.json").is_file():
         gen = torch.Generator(S.device).manual_seed(0)
