@@ -1,0 +1,95 @@
+"""Where a model's long-context retrieval fails, on held-out retrieval prompts (CPU or GPU, through the engine).
+
+The answer the model is trained to write is `The text says: The code of <name> is <code>.\\nAnswer: <code>`, so
+a wrong answer is one of two failures, measured apart:
+  free       the whole answer generated greedily (what `kestrel eval` scores);
+  lookup     the asked name written for it (teacher-forced up to `... is`): does the code that follows match?
+  name_copy  the asked first name written for it: does the model go on with the right family name?
+A model with a good `lookup` and a poor `free` fails at copying the name from the question, not at finding
+the fact.
+
+    python3 scripts/retrieval_diagnosis.py --model kestrel-demo --num 30 --length 2048 --out diag.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kestrel.config import EngineConfig  # noqa: E402
+from kestrel.engine.engine import Engine  # noqa: E402
+from kestrel.engine.sampling_params import SamplingParams  # noqa: E402
+from kestrel.train.chat_format import prompt_ids  # noqa: E402
+from kestrel.train.data import heldout_examples  # noqa: E402
+from kestrel.train.evaluate import _accuracy  # noqa: E402
+
+
+def _greedy(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    for i, ids in enumerate(prompts):
+        engine.add_request(ids, SamplingParams(temperature=0, max_tokens=max_tokens), f"d{i}")
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [engine.tokenizer.decode(out.get(f"d{i}", [])) for i in range(len(prompts))]
+
+
+def _share(flags: list[bool], where: list[bool]) -> float | None:
+    picked = [f for f, w in zip(flags, where) if w]
+    return sum(picked) / len(picked) if picked else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="kestrel-demo")
+    ap.add_argument("--num", type=int, default=30)
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    engine = Engine(EngineConfig(model=args.model, device=args.device, max_running_requests=8))
+    tok = engine.tokenizer
+    examples = heldout_examples("retrieval", args.num, tokenizer=tok, context_tokens=args.length)
+
+    free = _accuracy(engine, examples, 32, f"retrieval@{args.length}")
+    forced = [
+        prompt_ids(tok, ex) + tok.encode(f"The text says: The code of {ex.meta['name']} is")
+        for ex in examples
+    ]
+    codes = _greedy(engine, forced, 7)
+    lookup = [text.strip().startswith(ex.answer) for text, ex in zip(codes, examples)]
+    firsts = [ex.meta["name"].split(" ", 1) for ex in examples]
+    names = _greedy(engine, [prompt_ids(tok, ex) + tok.encode(f"The text says: The code of {first}")
+                             for ex, (first, _) in zip(examples, firsts)], 6)  # fmt: skip
+    copied = [text.startswith(f" {family} is") for text, (_, family) in zip(names, firsts)]
+    result = {
+        "command": " ".join(sys.argv),
+        "date": datetime.date.today().isoformat(),
+        "device": str(engine.device),
+        "model": args.model,
+        "length": args.length,
+        "n": len(examples),
+        "free_accuracy": free["accuracy"],
+        "free_wrong_samples": free["wrong_samples"],
+        "lookup_accuracy_given_the_name": sum(lookup) / len(lookup),
+        "name_copy_accuracy": sum(copied) / len(copied),
+        "name_copy_samples": [
+            {"asked": ex.meta["name"], "wrote": text} for ex, text in zip(examples[:5], names)
+        ],
+        # the family names the tokenizer splits (copying those takes an induction step per piece)
+        "multi_token_family_names": sum(len(tok.encode(" " + family)) > 1 for _, family in firsts),
+        "name_copy_accuracy_multi_token": _share(copied, [len(tok.encode(" " + f)) > 1 for _, f in firsts]),
+    }
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
