@@ -21,22 +21,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kestrel.config import EngineConfig  # noqa: E402
-from kestrel.engine.engine import Engine  # noqa: E402
+from kestrel.engine.llm import LLM  # noqa: E402
 from kestrel.engine.sampling_params import SamplingParams  # noqa: E402
 from kestrel.train.chat_format import prompt_ids  # noqa: E402
 from kestrel.train.data import heldout_examples  # noqa: E402
 from kestrel.train.evaluate import _accuracy  # noqa: E402
 
 
-def _greedy(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[str]:
-    for i, ids in enumerate(prompts):
-        engine.add_request(ids, SamplingParams(temperature=0, max_tokens=max_tokens), f"d{i}")
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return [engine.tokenizer.decode(out.get(f"d{i}", [])) for i in range(len(prompts))]
+def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
 
 
 def _share(flags: list[bool], where: list[bool]) -> float | None:
@@ -52,8 +46,8 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    engine = Engine(EngineConfig(model=args.model, device=args.device, max_running_requests=8))
-    tok = engine.tokenizer
+    llm = LLM(args.model, device=args.device, max_running_requests=8)
+    engine, tok = llm.engine, llm.tokenizer
     examples = heldout_examples("retrieval", args.num, tokenizer=tok, context_tokens=args.length)
 
     free = _accuracy(engine, examples, 32, f"retrieval@{args.length}")
@@ -61,10 +55,10 @@ def main() -> None:
         prompt_ids(tok, ex) + tok.encode(f"The text says: The code of {ex.meta['name']} is")
         for ex in examples
     ]
-    codes = _greedy(engine, forced, 7)
+    codes = _greedy(llm, forced, 7)
     lookup = [text.strip().startswith(ex.answer) for text, ex in zip(codes, examples)]
     firsts = [ex.meta["name"].split(" ", 1) for ex in examples]
-    names = _greedy(engine, [prompt_ids(tok, ex) + tok.encode(f"The text says: The code of {first}")
+    names = _greedy(llm, [prompt_ids(tok, ex) + tok.encode(f"The text says: The code of {first}")
                              for ex, (first, _) in zip(examples, firsts)], 6)  # fmt: skip
     copied = [text.startswith(f" {family} is") for text, (_, family) in zip(names, firsts)]
     result = {
