@@ -328,19 +328,24 @@ def load_tokenizer(path: str | None) -> Tokenizer:
     return HFTokenizer(path)
 
 
-def tokenizer_for(model: str, tokenizer: str | None = None) -> Tokenizer:
-    """The tokenizer of a --model argument: `tokenizer` when given, else the checkpoint folder's tokenizer.json,
-    else (presets with random weights) the byte tokenizer."""
+def checkpoint_tokenizer_dir(model: str):
+    """The folder of a --model argument's own tokenizer.json (a checkpoint, `kestrel-demo` included), or None
+    (a preset: random weights, no tokenizer of its own)."""
     from pathlib import Path
 
     from kestrel.presets import resolve_model
 
+    path = Path(resolve_model(model))
+    return path if (path / "tokenizer.json").is_file() else None
+
+
+def tokenizer_for(model: str, tokenizer: str | None = None) -> Tokenizer:
+    """The tokenizer of a --model argument: `tokenizer` when given, else the checkpoint folder's tokenizer.json,
+    else (presets with random weights) the byte tokenizer."""
     if tokenizer is not None:
         return load_tokenizer(tokenizer)
-    path = Path(resolve_model(model))
-    if path.is_dir() and (path / "tokenizer.json").exists():
-        return load_tokenizer(str(path))
-    return ByteTokenizer()
+    own = checkpoint_tokenizer_dir(model)
+    return load_tokenizer(str(own)) if own is not None else ByteTokenizer()
 
 
 class IncrementalDetokenizer:

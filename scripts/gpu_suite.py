@@ -265,12 +265,11 @@ PARITY_MODELS = H200.parity_models.split(",")  # --parity-models
 def _parity_prompt(model: str, vocab: int, length: int) -> tuple[torch.Tensor, str]:
     """A trained model (a checkpoint with its tokenizer) reads held-out chat prompts, the text it knows;
     a preset's random weights read seeded random ids."""
-    from kestrel.presets import resolve_model
-    from kestrel.tokenizer import tokenizer_for
+    from kestrel.tokenizer import checkpoint_tokenizer_dir, tokenizer_for
     from kestrel.train.chat_format import prompt_ids
     from kestrel.train.data import heldout_examples
 
-    if not (Path(resolve_model(model)) / "tokenizer.json").is_file():
+    if checkpoint_tokenizer_dir(model) is None:
         gen = torch.Generator(S.device).manual_seed(0)
         return torch.randint(0, vocab, (length,), device=S.device, generator=gen), "seeded random ids"
     tok, ids = tokenizer_for(model), []

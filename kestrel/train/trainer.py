@@ -26,8 +26,7 @@ from kestrel.layers.context import ForwardContext, forward_context
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
 from kestrel.models.weights import save_checkpoint
-from kestrel.presets import resolve_model
-from kestrel.tokenizer import load_tokenizer
+from kestrel.tokenizer import checkpoint_tokenizer_dir, load_tokenizer
 from kestrel.train.bpe import build_tokenizer
 from kestrel.train.data import DEFAULT_WEIGHTS, MixtureConfig, PackedBatches
 from kestrel.utils.device import resolve_device
@@ -137,8 +136,8 @@ class Trainer:
         into <out>/tokenizer for a preset's random weights."""
         if self.cfg.tokenizer:
             return Path(self.cfg.tokenizer)
-        own = Path(resolve_model(self.cfg.model))
-        if (own / "tokenizer.json").is_file():
+        own = checkpoint_tokenizer_dir(self.cfg.model)
+        if own is not None:
             return own
         path = self.out / "tokenizer"
         if not (path / "tokenizer.json").exists():
