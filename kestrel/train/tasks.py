@@ -50,6 +50,13 @@ class Example:
     reasoning: str  # worked steps, without the final answer line
     answer: str
     meta: dict[str, Any] = field(default_factory=dict)  # JSON-serializable; holds what `verify` needs
+    # A tail of `prompt` that training also predicts (the retrieval question: its name must be copied from the
+    # facts, the skill the answer needs); "" trains on the assistant turn only.
+    trained_prompt_tail: str = ""
+
+    def __post_init__(self):
+        if not self.prompt.endswith(self.trained_prompt_tail):
+            raise ValueError(f"trained_prompt_tail {self.trained_prompt_tail!r} is not a tail of the prompt")
 
 
 @dataclass(frozen=True)
@@ -108,9 +115,11 @@ class Family:
     def check(self, meta: dict, answer: str) -> bool:
         raise NotImplementedError
 
-    def _example(self, prompt: str, reasoning: str, answer: str, **meta) -> Example:
+    def _example(
+        self, prompt: str, reasoning: str, answer: str, trained_prompt_tail: str = "", **meta
+    ) -> Example:
         meta = {"family": self.name, "level": self.level, "answer": answer, **meta}
-        return Example(self.name, prompt, reasoning, answer, meta)
+        return Example(self.name, prompt, reasoning, answer, meta, trained_prompt_tail)
 
 
 # ---- arithmetic helpers -------------------------------------------------------------------------------------
@@ -391,7 +400,9 @@ class Retrieval(Family):
                 n = max(1, round(n * context_tokens / length))
                 prompt = render(n)
         reasoning = f"The text says: The code of {names[0]} is {codes[0]}."
-        return self._example(prompt, reasoning, str(codes[0]), name=names[0], context_tokens=context_tokens)
+        return self._example(
+            prompt, reasoning, str(codes[0]), question.lstrip(), name=names[0], context_tokens=context_tokens
+        )
 
     def check(self, meta, answer):
         return answer.strip() == meta["answer"]

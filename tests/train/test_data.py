@@ -1,5 +1,6 @@
 """Training data: task generators, verifiers, held-out split, chat rendering, packing and the BPE tokenizer."""
 
+import dataclasses
 import json
 import os
 import re
@@ -214,9 +215,18 @@ def test_render_masks_the_assistant_turn(bpe, system):
         r = render(bpe, ex, system)
         prompt = prompt_ids(bpe, ex, system)
         assert r.ids[: len(prompt)] == prompt and r.num_prompt_tokens == len(prompt)
-        assert r.loss_mask == [0] * len(prompt) + [1] * (len(r.ids) - len(prompt))
+        assert r.loss_mask[len(prompt) :] == [1] * (len(r.ids) - len(prompt))
+        # in the prompt only the trained tail (the retrieval question) is trained, and it spells that tail
+        trained = [i for i, m in zip(prompt, r.loss_mask) if m]
+        assert bpe.decode(trained, skip_special_tokens=False).strip() == ex.trained_prompt_tail
+        assert bool(ex.trained_prompt_tail) == (name == "retrieval")
+        where = [j for j in range(len(prompt)) if r.loss_mask[j]]
+        assert where == list(range(where[0], where[-1] + 1)) if where else not ex.trained_prompt_tail
+        assert not where or bpe.decode(prompt[where[-1] + 1 :], skip_special_tokens=False).startswith(
+            "<|im_end|>"
+        )
         assert r.ids[-1] == tok_eot
-        reply = [i for i, m in zip(r.ids, r.loss_mask) if m]
+        reply = [i for i, m in zip(r.ids[len(prompt) :], r.loss_mask[len(prompt) :]) if m]
         assert bpe.decode(reply, skip_special_tokens=False) == assistant_text(ex) + "<|im_end|>"
         assert assistant_text(ex).endswith(f"\nAnswer: {ex.answer}")
         # the same ids as tokenizing the whole conversation at once
@@ -226,6 +236,12 @@ def test_render_masks_the_assistant_turn(bpe, system):
         ]
         full = bpe.apply_chat_template(messages, add_generation_prompt=False)
         assert bpe.encode(full) == r.ids + bpe.encode("\n")
+
+
+def test_a_trained_prompt_tail_must_end_the_prompt():
+    ex = _generate("retrieval", 0, 0)
+    with pytest.raises(ValueError, match="not a tail"):
+        dataclasses.replace(ex, trained_prompt_tail="Question: What is the code of nobody?")
 
 
 def test_render_with_byte_tokenizer():
