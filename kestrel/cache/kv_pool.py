@@ -107,7 +107,11 @@ class KVPool:
             if self.refcount[p] == 0:
                 self._free.append(p)
 
-    def token_rows(self, page_table: list[int], start: int, end: int) -> list[int]:
-        """Flat rows of positions start..end-1 of a sequence with this page table."""
+    def token_rows(self, page_table: list[int], start: int, end: int) -> torch.Tensor:
+        """Flat rows [end - start] int64 (on the CPU) of positions start..end-1 of a sequence with this page
+        table; vectorized, since a long prompt has tens of thousands of positions."""
         ps = self.page_size
-        return [page_table[p // ps] * ps + p % ps for p in range(start, end)]
+        first, last = start // ps, -(-end // ps)  # the pages that hold the span
+        pages = torch.tensor(page_table[first:last], dtype=torch.int64)  # [n]
+        rows = (pages[:, None] * ps + torch.arange(ps)).flatten()  # [n * ps]
+        return rows[start - first * ps : end - first * ps]

@@ -59,18 +59,18 @@ class ModelRunner:
         dev, kv = self.device, self.kv_pool
         ids = [t for c in chunks for t in c.request.all_ids[c.start : c.end]]
         new_lens = [c.end - c.start for c in chunks]
-        write_rows = [r for c in chunks for r in kv.token_rows(c.request.pages, c.start, c.end)]
+        write_rows = torch.cat([kv.token_rows(c.request.pages, c.start, c.end) for c in chunks])
         width = max(len(c.request.pages) for c in chunks)
         view = PagedCacheView(
             kv,
             self.state_pool,
             slots=torch.tensor([c.request.slot for c in chunks], device=dev),
-            write_rows=torch.tensor(write_rows, device=dev),
+            write_rows=write_rows.to(dev),
             page_table=torch.tensor(
                 [c.request.pages + [0] * (width - len(c.request.pages)) for c in chunks], device=dev
             ),
             lens=torch.tensor([c.end for c in chunks], device=dev),
-            read_rows=[torch.tensor(kv.token_rows(c.request.pages, 0, c.end), device=dev) for c in chunks],
+            read_rows=[kv.token_rows(c.request.pages, 0, c.end).to(dev) for c in chunks],
         )
         ctx = ForwardContext.build(new_lens, [c.start for c in chunks], view, dev)
         ctx.decode = False  # prefill chunks read per sequence, even when each is one token long

@@ -140,32 +140,52 @@ class MLAttention(nn.Module):
         return indices
 
     def _attend_per_sequence(self, ctx, q_nope, q_pe, kv_new, w_uk, w_uv, idx) -> torch.Tensor:
-        """Reference path: one sequence at a time over its whole cached history."""
+        """Prefill, one sequence at a time over its whole cached history. On the fast path (a paged cache and
+        Triton) a DSA layer scores, selects and attends straight from the pools, with no gathered copy of the
+        history; otherwise the reference ops run on the gathered history."""
+        paged = getattr(ctx.cache, "page_table", None) is not None and _use_triton(q_nope.device)
         outs = []
         for i in range(ctx.num_seqs):
             sl = ctx.seq_slice(i)
+            q_pos = ctx.positions[sl]
+            if paged and idx is not None:
+                scores = partial(self._paged_prefill_scores, ctx, i, idx[0][sl], idx[1][sl], q_pos)
+                indices = self._select(ctx, i, scores, q_pos, topk=_topk_fn(q_pos.device))
+                if indices is not None:
+                    outs.append(
+                        self._attend_sparse_paged(ctx, i, q_nope[sl], q_pe[sl], q_pos, w_uk, w_uv, indices)
+                    )
+                    continue
             if ctx.cache is not None:
                 kv, idx_k = ctx.cache.read_kv(self.layer_id, i)  # [L, R + Pr], [L, DI]
             else:
                 kv, idx_k = kv_new[sl], (idx[2][sl] if idx is not None else None)
-            q_pos = ctx.positions[sl]
             indices = None
-            if idx is not None:
+            if idx is not None and not paged:
                 scores = partial(indexer_scores, idx[0][sl], idx_k, idx[1][sl], self.indexer.scale)
                 indices = self._select(ctx, i, scores, q_pos, topk=_topk_fn(q_pos.device))
-            if (
-                indices is not None
-                and getattr(ctx.cache, "page_table", None) is not None
-                and _use_triton(kv.device)
-            ):
-                outs.append(
-                    self._attend_sparse_paged(ctx, i, q_nope[sl], q_pe[sl], q_pos, w_uk, w_uv, indices)
-                )
-                continue
             outs.append(
                 mla_attention_absorbed(q_nope[sl], q_pe[sl], kv, w_uk, w_uv, q_pos, self.scale, indices)
             )
         return torch.cat(outs)  # [T, H, Dv]
+
+    def _paged_prefill_scores(self, ctx, i, q_idx, w_idx, q_pos) -> torch.Tensor:
+        """Indexer scores of sequence i's prefill tokens over its paged index keys, every token a row of its own
+        with its causal length: [t, maxp * page_size] fp32, NaN past each row's length."""
+        from kestrel.ops.dsa.triton_scores import indexer_scores_paged_triton
+
+        _, idx_pool, table, _, ps = ctx.cache.paged(self.layer_id)
+        rows = table[i : i + 1].expand(q_idx.shape[0], -1)  # [t, maxp], one page table shared by the rows
+        return indexer_scores_paged_triton(
+            q_idx,
+            idx_pool,
+            rows,
+            q_pos + 1,
+            w_idx,
+            self.indexer.scale,
+            page_size=ps,
+            key_scale=ctx.cache.index_scales(self.layer_id),
+        )
 
     def _attend_sparse_paged(self, ctx, i, q_nope, q_pe, q_pos, w_uk, w_uv, indices) -> torch.Tensor:
         """Sparse prefill of sequence i through the paged decode kernel, every prefill token a row of its own:

@@ -149,7 +149,7 @@ def test_bytes_survive_host_disk_and_back(tmp_path, device, index_fp8):
         """KV rows of the whole prefix and the checkpoint at its end, as they are on the GPU now."""
         m = cache.match(tokens + [1])
         assert m.resume_len == len(tokens) and not m.needs_load
-        rows = torch.tensor(kv.token_rows(m.pages(len(tokens)), 0, len(tokens)), device=device)
+        rows = kv.token_rows(m.pages(len(tokens)), 0, len(tokens)).to(device)
         slot = m.resume_node.checkpoint
         return [t[rows].clone() for t in key_tensors] + [
             t[slot].clone() for t in (*ckpt.ssm.values(), *ckpt.conv.values())

@@ -202,3 +202,12 @@ def test_random_interleaving_returns_to_baseline(model):
     engine.flush_cache()
     assert engine.kv_pool.num_free_pages == engine.kv_pool.num_pages
     assert engine.checkpoint_pool.num_free_slots == engine.checkpoint_pool.num_slots
+
+
+def test_token_rows_follow_the_page_table():
+    config = preset_config("tiny")
+    kv = KVPool(config, 10, 4, torch.float32, "cpu")
+    table = [7, 3, 9, 1]
+    for start, end in [(0, 16), (1, 15), (5, 6), (4, 8), (3, 3), (13, 16)]:
+        want = [table[p // 4] * 4 + p % 4 for p in range(start, end)]
+        assert kv.token_rows(table, start, end).tolist() == want

@@ -202,6 +202,31 @@ def test_paged_scores_then_topk_equal_the_naive_pipeline():
     run_topk(scores, lens, topk, **SMALL_TILES)
 
 
+def test_paged_prefill_rows_share_one_expanded_page_table():
+    """Prefill (MLAttention._paged_prefill_scores): every prefill token is a row with its causal length, all
+    rows reading one sequence's page table through a stride-0 expand."""
+    page_size, maxp, HI, DI, t = 4, 6, 3, 16, 7
+    _, pool, page_table, _, _ = paged_inputs([24], page_size, maxp, HI, DI, seed=5)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(t, HI, DI, generator=g).to(torch.bfloat16)
+    w = torch.randn(t, HI, generator=g).to(torch.bfloat16)
+    lens = torch.arange(18, 18 + t)  # the chunk's tokens at positions 17..23
+    rows = page_table.expand(t, -1)  # [t, maxp], stride 0 between rows
+    assert rows.stride(0) == 0
+    out = poisoned((t, maxp * page_size), torch.float32, 12345.0)
+    got = indexer_scores_paged_triton(
+        q.to(DEVICE),
+        pool.to(DEVICE),
+        rows.to(DEVICE),
+        lens.to(DEVICE),
+        w.to(DEVICE),
+        0.25,
+        page_size=page_size,
+        out=out,
+    )
+    check_scores(got, q, gather_pages(pool, page_table, page_size).expand(t, -1, -1), w, lens, 0.25)
+
+
 # ---------------------------------------------------------------- exact top-k
 
 
