@@ -30,6 +30,9 @@ class Env:
     """KESTREL_ATTN_BACKEND: MLA/DSA decode over the paged cache: auto (Triton kernels on CUDA) | torch | triton."""
     moe_grouped_mm: str
     """KESTREL_MOE_GROUPED_MM: auto (torch._grouped_mm on CUDA bf16 where it applies) | off (per-expert loop)."""
+    moe_decode_kernel: str
+    """KESTREL_MOE_DECODE_KERNEL: auto (the routed experts in Triton on CUDA at inference when T * A <=
+    kestrel.layers.moe.TRITON_EXPERTS_MAX_PAIRS) | off (the grouped path at every size)."""
     kda_conv: str
     """KESTREL_KDA_CONV: the KDA short conv of prefill and training on the fla backend: torch (one batched
     gather, kestrel.ops.kda.packed_conv) | fla (fla-core's varlen causal_conv1d, Triton forward and backward)."""
@@ -43,6 +46,9 @@ class Env:
     """KESTREL_COMPILE_TRAIN: torch.compile the small fp32 elementwise ops (norms, gates, activations, AttnRes
     mixing) when autograd records, i.e. in training, so that each runs as one fused kernel forward and backward
     (kestrel.utils.fuse; off by default: its speed on the H200 is still to be measured)."""
+    fused_ops: str
+    """KESTREL_FUSED_OPS: inference on CUDA runs the norms, GLU activations and AttnRes mixing as one Triton
+    kernel each (kestrel.utils.fuse): auto | off (the plain-torch references)."""
     triton_interpret: bool
     """TRITON_INTERPRET (Triton's own switch): kernels run in Triton's interpreter, so the CUDA-only fast paths
     can be exercised on a CPU (tests)."""
@@ -55,8 +61,10 @@ def read_env() -> Env:
         attn_backend=_str("KESTREL_ATTN_BACKEND", "auto", ("auto", "torch", "triton")),
         triton_interpret=_bool("TRITON_INTERPRET", False),
         moe_grouped_mm=_str("KESTREL_MOE_GROUPED_MM", "auto", ("auto", "off")),
+        moe_decode_kernel=_str("KESTREL_MOE_DECODE_KERNEL", "auto", ("auto", "off")),
         kda_conv=_str("KESTREL_KDA_CONV", "torch", ("torch", "fla")),
         kda_no_recompute=_bool("KESTREL_KDA_NO_RECOMPUTE", False),
         kda_safe_gate=_bool("KESTREL_KDA_SAFE_GATE", False),
         compile_train=_bool("KESTREL_COMPILE_TRAIN", False),
+        fused_ops=_str("KESTREL_FUSED_OPS", "auto", ("auto", "off")),
     )

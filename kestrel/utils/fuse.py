@@ -1,12 +1,18 @@
-"""`fused_in_training`: an op that runs as written, or through torch.compile while autograd records
-(training) when KESTREL_COMPILE_TRAIN is on. The ops it wraps are chains of fp32 elementwise work (norms, gates,
-activations, AttnRes mixing) that eager PyTorch runs as one kernel, and one pass over memory, per operator,
-forward and backward; compiled, each chain is one kernel each way. Inference keeps the eager op (its shapes
-change every step, and decode runs in CUDA graphs already)."""
+"""`fused`: an op that runs as written (its plain-torch reference), or faster where that is safe:
+
+- while autograd records (training) with KESTREL_COMPILE_TRAIN on: through torch.compile, so that the chain of
+  fp32 elementwise work (norms, gates, activations, AttnRes mixing), one kernel and one pass over memory per
+  operator in eager PyTorch, is one kernel forward and one backward;
+- without autograd (inference: the engine runs under no_grad) on CUDA, when the op names a `fast` Triton
+  kernel and KESTREL_FUSED_OPS is auto: through that kernel. Decode is bound by the number of kernels a step
+  launches, and these ops are most of them.
+
+The reference stays as `op.eager`; the fast kernels are tested against it."""
 
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -16,21 +22,38 @@ from kestrel.env import read_env
 _RECOMPILE_LIMIT = 64  # one compiled graph per (shape, dtype) an op meets: a model has a few dozen
 
 
-def fused_in_training(fn: Callable) -> Callable:
-    compiled = None
+def fused(fast: str | None = None) -> Callable[[Callable], Callable]:
+    """Decorate a reference op; `fast` is "module:function", imported on first use (so that the reference
+    imports no Triton), with the op's own signature."""
 
-    @functools.wraps(fn)
-    def op(*args, **kwargs):
-        nonlocal compiled
-        if not torch.is_grad_enabled() or not read_env().compile_train:
+    def wrap(fn: Callable) -> Callable:
+        compiled = None
+
+        @functools.wraps(fn)
+        def op(*args, **kwargs):
+            nonlocal compiled
+            if torch.is_grad_enabled():
+                if not read_env().compile_train:
+                    return fn(*args, **kwargs)
+                if compiled is None:
+                    _raise_recompile_limit()
+                    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+                return compiled(*args, **kwargs)
+            if fast is not None and args[0].is_cuda and read_env().fused_ops == "auto":
+                return _resolve(fast)(*args, **kwargs)
             return fn(*args, **kwargs)
-        if compiled is None:
-            _raise_recompile_limit()
-            compiled = torch.compile(fn, dynamic=False, fullgraph=True)
-        return compiled(*args, **kwargs)
 
-    op.eager = fn  # the op as written (the reference the compiled one is tested against)
-    return op
+        op.eager = fn  # the op as written (the reference the compiled and Triton ones are tested against)
+        op.fast = (lambda: _resolve(fast)) if fast is not None else None
+        return op
+
+    return wrap
+
+
+@functools.cache
+def _resolve(spec: str) -> Callable:
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _raise_recompile_limit() -> None:

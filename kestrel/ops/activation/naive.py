@@ -5,16 +5,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kestrel.utils.fuse import fused_in_training
+from kestrel.utils.fuse import fused
 
 
-@fused_in_training
+@fused("kestrel.ops.activation.triton_act:swiglu_triton")
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up."""
     return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
-@fused_in_training
+@fused("kestrel.ops.activation.triton_act:situ_triton")
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
     """SiTU (Kimi K3): beta*tanh(gate/beta)*sigmoid(gate) * linear_beta*tanh(up/linear_beta).
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.utils.fuse import fused_in_training
+from kestrel.utils.fuse import fused
 
 
-@fused_in_training
+@fused("kestrel.ops.attnres.triton_mix:attnres_mix_triton")
 def attnres_mix(
     sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float
 ) -> torch.Tensor:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.utils.fuse import fused_in_training
+from kestrel.utils.fuse import fused
 
 
-@fused_in_training
+@fused("kestrel.ops.norm.triton_norm:rms_norm_triton")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * x / sqrt(mean(x^2) + eps)` over the last dim, computed in fp32.  x: [..., D], weight: [D]."""
     xf = x.float()

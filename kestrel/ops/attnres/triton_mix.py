@@ -1,0 +1,68 @@
+"""AttnRes mixing in one Triton kernel: `naive.attnres_mix` (fp32 math, result in the sources' dtype) for
+inference on CUDA. Eager PyTorch runs the reference as about a dozen kernels over [S, T, D]; here one program
+per token reads its S source rows twice (once for the softmax's max and sum, once for the weighted sum).
+
+Legend: S sources, T tokens, D hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mix_kernel(
+    src_ptr, q_ptr, w_ptr, out_ptr, T, D, stride_s, stride_t, eps, S: tl.constexpr, BD: tl.constexpr
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BD)
+    mask = cols < D
+    q = tl.load(q_ptr + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(
+        w_ptr + cols, mask=mask, other=0.0
+    ).to(tl.float32)  # [BD] the norm weight folded into the query
+    m = float("-inf")
+    den = 0.0
+    for s in tl.static_range(S):  # online softmax over the sources' logits
+        r = tl.load(src_ptr + s * stride_s + t * stride_t + cols, mask=mask, other=0.0).to(tl.float32)
+        e = tl.sum(r * q, axis=0) * tl.rsqrt(tl.sum(r * r, axis=0) / D + eps)
+        m_new = tl.maximum(m, e)
+        den = den * tl.exp(m - m_new) + tl.exp(e - m_new)
+        m = m_new
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for s in tl.static_range(S):
+        r = tl.load(src_ptr + s * stride_s + t * stride_t + cols, mask=mask, other=0.0).to(tl.float32)
+        e = tl.sum(r * q, axis=0) * tl.rsqrt(tl.sum(r * r, axis=0) / D + eps)
+        acc += tl.exp(e - m) / den * r
+    tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def attnres_mix_triton(
+    sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """sources [S, T, D] (the last dim contiguous), query [D], norm_weight [D] -> [T, D] in sources.dtype."""
+    S, T, D = sources.shape
+    assert query.numel() == D and norm_weight.numel() == D, (
+        f"query {query.numel()}, weight {norm_weight.numel()}, D {D}"
+    )
+    if sources.stride(-1) != 1:
+        sources = sources.contiguous()
+    out = torch.empty(T, D, dtype=sources.dtype, device=sources.device)
+    if T:
+        BD = triton.next_power_of_2(D)
+        _mix_kernel[(T,)](
+            sources,
+            query.reshape(-1),
+            norm_weight,
+            out,
+            T,
+            D,
+            sources.stride(0),
+            sources.stride(1),
+            float(eps),
+            S=S,
+            BD=BD,
+            num_warps=min(16, max(1, BD // 256)),
+        )
+    return out

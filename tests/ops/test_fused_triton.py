@@ -1,0 +1,108 @@
+"""The one-kernel Triton forms of the small fp32 ops (RMSNorm, SwiGLU / SiTU, AttnRes mixing) against their
+plain-torch references. Without CUDA they run under TRITON_INTERPRET=1 on CPU (set here, before triton is first
+imported); with CUDA the same cases run compiled. Outputs are fresh tensors, so a row the kernel never writes
+would hold garbage and fail the comparison."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is decorated: before the first import
+triton = pytest.importorskip("triton")
+
+from kestrel.ops.activation.naive import situ, swiglu  # noqa: E402
+from kestrel.ops.attnres.naive import attnres_mix  # noqa: E402
+from kestrel.ops.norm.naive import rms_norm  # noqa: E402
+
+
+def _load(name):
+    """The kernel module, decorated in the mode chosen above even when something imported it earlier."""
+    fresh = name not in sys.modules
+    module = importlib.import_module(name)
+    return module if fresh else importlib.reload(module)
+
+
+_act = _load("kestrel.ops.activation.triton_act")
+situ_triton, swiglu_triton = _act.situ_triton, _act.swiglu_triton
+attnres_mix_triton = _load("kestrel.ops.attnres.triton_mix").attnres_mix_triton
+rms_norm_triton = _load("kestrel.ops.norm.triton_norm").rms_norm_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+def _randn(*shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 48), (5, 100), (2, 3, 64)])
+def test_rms_norm_matches_reference(dtype, shape):
+    x = _randn(*shape, dtype=dtype, seed=1, scale=3.0)
+    w = _randn(shape[-1], dtype=dtype, seed=2)
+    got = rms_norm_triton(x, w, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, rms_norm.eager(x, w, 1e-6), **TOL[dtype])
+
+
+def test_rms_norm_of_strided_rows():
+    """MLA normalizes the latent part of a [T, R + P] projection: rows with a stride wider than D."""
+    full = _randn(6, 40 + 8, dtype=torch.float32, seed=3)
+    x = full[:, :40]
+    assert not x.is_contiguous()
+    w = _randn(40, dtype=torch.float32, seed=4)
+    torch.testing.assert_close(rms_norm_triton(x, w, 1e-5), rms_norm.eager(x, w, 1e-5), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 24), (7, 130)])
+def test_glu_activations_match_reference(dtype, rows, width):
+    gate_up = _randn(rows, 2 * width, dtype=dtype, seed=width, scale=6.0)  # past SiTU's caps (beta 4)
+    gate, up = gate_up.chunk(2, dim=-1)  # strided views, as glu_act passes them
+    torch.testing.assert_close(swiglu_triton(gate, up), swiglu.eager(gate, up), **TOL[dtype])
+    torch.testing.assert_close(
+        situ_triton(gate, up, 4.0, 25.0), situ.eager(gate, up, 4.0, 25.0), **TOL[dtype]
+    )
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's sigmoid(-1e4), on numpy
+def test_situ_near_zero_and_far_out():
+    """The tanh inside: its series near 0 and its exponential form far out (where exp overflows to inf)."""
+    a = torch.tensor([[0.0, 1e-6, -1e-3, 0.1249, 0.1251, -0.5, 3.0, -40.0, 90.0, 1e4, -1e4]], device=DEVICE)
+    b = torch.flip(a, dims=[-1]) * 7
+    torch.testing.assert_close(
+        situ_triton(a, b, 4.0, 25.0), situ.eager(a, b, 4.0, 25.0), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("S,T,D", [(2, 1, 40), (3, 5, 64), (5, 3, 100)])
+def test_attnres_mix_matches_reference(dtype, S, T, D):
+    sources = _randn(S, T, D, dtype=dtype, seed=S * D, scale=2.0)
+    query = _randn(D, dtype=dtype, seed=7, scale=0.5)
+    weight = _randn(D, dtype=dtype, seed=8)
+    got = attnres_mix_triton(sources, query, weight, 1e-6)
+    assert got.shape == (T, D) and got.dtype == dtype
+    torch.testing.assert_close(got, attnres_mix.eager(sources, query, weight, 1e-6), **TOL[dtype])
+
+
+def test_fused_ops_dispatch():
+    """Under no_grad on CUDA the op runs its Triton kernel (unless KESTREL_FUSED_OPS=off); elsewhere, and
+    whenever autograd records, the reference."""
+    x = _randn(3, 48, dtype=torch.float32, seed=9)
+    w = _randn(48, dtype=torch.float32, seed=10)
+    assert rms_norm.fast().__qualname__ == "rms_norm_triton"
+    with torch.no_grad():
+        torch.testing.assert_close(rms_norm(x, w, 1e-6), rms_norm.eager(x, w, 1e-6), **TOL[torch.float32])
+    w.requires_grad_(True)
+    y = rms_norm(x, w, 1e-6)  # autograd records: the reference, differentiable
+    assert y.requires_grad
+    y.sum().backward()
+    assert w.grad is not None
