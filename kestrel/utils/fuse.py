@@ -3,8 +3,8 @@
 - while autograd records (training) with KESTREL_COMPILE_TRAIN on: through torch.compile, so that the chain of
   fp32 elementwise work (norms, gates, activations, AttnRes mixing), one kernel and one pass over memory per
   operator in eager PyTorch, is one kernel forward and one backward;
-- without autograd (inference: the engine runs under no_grad) on CUDA, when the op names a `fast` Triton
-  kernel and KESTREL_FUSED_OPS is auto: through that kernel. Decode is bound by the number of kernels a step
+- without autograd (inference: the engine runs under no_grad) on CUDA, below fp64, when the op names a `fast`
+  Triton kernel and KESTREL_FUSED_OPS is auto: through that kernel. Decode is bound by the number of kernels a step
   launches, and these ops are most of them.
 
 The reference stays as `op.eager`; the fast kernels are tested against it."""
@@ -39,7 +39,8 @@ def fused(fast: str | None = None) -> Callable[[Callable], Callable]:
                     _raise_recompile_limit()
                     compiled = torch.compile(fn, dynamic=False, fullgraph=True)
                 return compiled(*args, **kwargs)
-            if fast is not None and args[0].is_cuda and read_env().fused_ops == "auto":
+            x = args[0]
+            if fast is not None and x.is_cuda and x.dtype != torch.float64 and read_env().fused_ops == "auto":
                 return _resolve(fast)(*args, **kwargs)
             return fn(*args, **kwargs)
 

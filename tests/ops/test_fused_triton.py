@@ -18,6 +18,7 @@ triton = pytest.importorskip("triton")
 
 from kestrel.ops.activation.naive import situ, swiglu  # noqa: E402
 from kestrel.ops.attnres.naive import attnres_mix  # noqa: E402
+from kestrel.ops.kda.naive import gated_rms_norm, kda_gate  # noqa: E402
 from kestrel.ops.norm.naive import rms_norm  # noqa: E402
 
 
@@ -31,7 +32,9 @@ def _load(name):
 _act = _load("kestrel.ops.activation.triton_act")
 situ_triton, swiglu_triton = _act.situ_triton, _act.swiglu_triton
 attnres_mix_triton = _load("kestrel.ops.attnres.triton_mix").attnres_mix_triton
-rms_norm_triton = _load("kestrel.ops.norm.triton_norm").rms_norm_triton
+_norm = _load("kestrel.ops.norm.triton_norm")
+rms_norm_triton, gated_rms_norm_triton = _norm.rms_norm_triton, _norm.gated_rms_norm_triton
+kda_gate_triton = _load("kestrel.ops.kda.triton_gate").kda_gate_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
@@ -59,6 +62,27 @@ def test_rms_norm_of_strided_rows():
     assert not x.is_contiguous()
     w = _randn(40, dtype=torch.float32, seed=4)
     torch.testing.assert_close(rms_norm_triton(x, w, 1e-5), rms_norm.eager(x, w, 1e-5), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm_matches_reference(dtype):
+    o = _randn(2, 3, 5, 24, dtype=dtype, seed=11, scale=2.0)  # [B, T, H, V]
+    gate = _randn(2, 3, 5, 24, dtype=dtype, seed=12, scale=4.0)
+    w = _randn(24, dtype=dtype, seed=13)
+    got = gated_rms_norm_triton(o, gate, w, 1e-5)
+    torch.testing.assert_close(got, gated_rms_norm.eager(o, gate, w, 1e-5), **TOL[dtype])
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_gate_matches_reference(lower_bound, dtype):
+    H, K = 3, 20
+    f = _randn(4, 1, H, K, dtype=dtype, seed=14, scale=15.0)  # softplus past its threshold of 20 too
+    a_log = _randn(H, dtype=torch.float32, seed=15)
+    bias = _randn(H * K, dtype=torch.float32, seed=16)
+    got = kda_gate_triton(f, a_log, bias, lower_bound)
+    assert got.dtype == torch.float32 and got.shape == f.shape
+    torch.testing.assert_close(got, kda_gate.eager(f, a_log, bias, lower_bound), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -21,7 +21,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-@fused()
+@fused("kestrel.ops.kda.triton_gate:kda_gate_triton")
 def kda_gate(
     f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None = None
 ) -> torch.Tensor:
@@ -251,7 +251,7 @@ def chunk_kda(
     return o.to(v.dtype), (final if output_final_state else None)
 
 
-@fused()
+@fused("kestrel.ops.norm.triton_norm:gated_rms_norm_triton")
 def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Output norm-gate (model-spec 1.4): RMSNorm_weight(o) * sigmoid(gate) over the last dim (V), in fp32.
     o, gate [..., V]; weight [V]. Returns o.dtype."""

@@ -1,4 +1,5 @@
-"""RMSNorm in one Triton kernel: `naive.rms_norm` (fp32 math, result in the input dtype) for inference on CUDA.
+"""RMSNorm in one Triton kernel: `naive.rms_norm` (fp32 math, result in the input dtype) for inference on CUDA,
+and KDA's output norm-gate (`kda.naive.gated_rms_norm`: the same times sigmoid(gate)).
 
 Eager PyTorch runs the reference as about eight kernels (upcast, square, mean, rsqrt, two products, two casts);
 decode is bound by kernel count, so one row-wise kernel replaces them. Legend: N rows, D the normalized width.
@@ -12,35 +13,59 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, BD: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, w_ptr, g_ptr, out_ptr, D, stride_x, stride_g, stride_o, eps, GATE: tl.constexpr, BD: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
     mask = cols < D
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)  # [BD]
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * (x * inv)).to(out_ptr.dtype.element_ty), mask=mask)
+    y = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) * (x * inv)
+    if GATE:
+        y = y * tl.sigmoid(tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32))
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] (rows may be strided; the last dim contiguous), weight [D] -> [..., D] in x.dtype."""
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., D] as [N, D] rows with a contiguous last dim (a view when it can be)."""
+    rows = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None) -> torch.Tensor:
     D = x.shape[-1]
     assert weight.shape == (D,), f"weight {tuple(weight.shape)} for width {D}"
-    rows = x if x.dim() == 2 else x.reshape(-1, D)  # a view when x is contiguous
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x)
+    g = _rows(gate) if gate is not None else rows
+    assert g.shape == rows.shape, f"gate {tuple(gate.shape)} vs x {tuple(x.shape)}"
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # [N, D]
     if rows.shape[0]:
         BD = triton.next_power_of_2(D)
         _rms_norm_kernel[(rows.shape[0],)](
             rows,
             weight,
+            g,
             out,
             D,
             rows.stride(0),
+            g.stride(0),
             out.stride(0),
             float(eps),
+            GATE=gate is not None,
             BD=BD,
             num_warps=min(16, max(1, BD // 256)),
         )
     return out.view(x.shape)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] (rows may be strided; the last dim contiguous), weight [D] -> [..., D] in x.dtype."""
+    return _norm(x, weight, eps, None)
+
+
+def gated_rms_norm_triton(
+    o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """RMSNorm_weight(o) * sigmoid(gate); o, gate [..., V], weight [V] -> [..., V] in o.dtype."""
+    return _norm(o, weight, eps, gate)
