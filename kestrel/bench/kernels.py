@@ -27,13 +27,30 @@ def _entry(name: str, ms: float, nbytes: float, flops: float, ceilings: dict, **
         "flops_of_matmul": rate / ceilings["bf16_matmul_TFLOPs"],
         **extra,
     }
-    peer = extra.get("peer_ms")
+    peer, graph = extra.get("peer_ms"), extra.get("graph_ms")
     print(
         f"{name:44s} {ms * 1000:9.1f} us  {bw:6.2f} TB/s ({out['bandwidth_of_copy']:5.1%} of copy)"
-        + (f"  peer {peer * 1000:9.1f} us  x{peer / ms:5.2f}" if peer else ""),
+        + (f"  peer {peer * 1000:9.1f} us  x{peer / ms:5.2f}" if peer else "")
+        + (f"  graph {graph * 1000:7.1f} us" if graph else ""),
         flush=True,
     )
     return out
+
+
+def _graph_ms(calls: list) -> float:
+    """Milliseconds per call of `calls` captured in one CUDA graph and replayed, as decode runs them (no Python
+    launch cost); give each call its own weights, so that one call's working set is not in L2 for the next."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture: compilation, the allocator
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return time_ms(graph.replay) / len(calls)
 
 
 def bench_topk(
@@ -130,21 +147,60 @@ def bench_moe(
     hidden: int = 2048,
     inter: int = 256,
     device: str = "cuda",
-) -> dict:
+) -> list[dict]:
+    """The routed experts at `mini`'s sizes: the grouped path (torch._grouped_mm), then the Triton decode path
+    beside it (its peer: the grouped time, and how far apart the two answers are). On CUDA also `graph_ms`: each
+    path replayed in a CUDA graph of 8 calls on 8 weight copies (1.6 GB at mini's sizes), the time decode sees."""
     from kestrel.ops.moe.grouped import moe_experts_grouped
+    from kestrel.ops.moe.triton_experts import moe_experts_triton
 
     x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
     w13 = torch.randn(experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(experts, hidden, inter, device=device, dtype=torch.bfloat16) * 0.02
     ids = torch.stack([torch.randperm(experts, device=device)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, device=device)
-    ms = time_ms(lambda: moe_experts_grouped(x, w13, w2, weights, ids, "silu"), device)
+    grouped_ms = time_ms(lambda: moe_experts_grouped(x, w13, w2, weights, ids, "silu"), device)
+    triton_ms = time_ms(lambda: moe_experts_triton(x, w13, w2, weights, ids, "silu"), device)
+    graph: dict = {"grouped": {}, "triton": {}}
+    if torch.device(device).type == "cuda":
+        layers = [(w13, w2)] + [(torch.randn_like(w13) * 0.02, torch.randn_like(w2) * 0.02) for _ in range(7)]
+        for key, fn in (("grouped", moe_experts_grouped), ("triton", moe_experts_triton)):
+            calls = [lambda a=a, b=b, fn=fn: fn(x, a, b, weights, ids, "silu") for a, b in layers]
+            try:  # the eager figures still come back if a capture fails
+                graph[key] = {"graph_ms": _graph_ms(calls)}
+            except RuntimeError as e:
+                graph[key] = {"graph_error": repr(e)[:300]}
+        del layers
+    a = moe_experts_grouped(x, w13, w2, weights, ids, "silu").float()
+    b = moe_experts_triton(x, w13, w2, weights, ids, "silu").float()
+    rel_err = float((a - b).norm() / a.norm().clamp_min(1e-30))
     hit = int(ids.unique().numel())
     nbytes = hit * 3 * hidden * inter * 2 + 2 * tokens * hidden * 2
     flops = 2 * tokens * top_k * 3 * hidden * inter
-    return _entry(
-        f"grouped MoE experts T={tokens} E={experts} k={top_k}", ms, nbytes, flops, ceilings, experts_hit=hit
-    )
+    shape = f"T={tokens} E={experts} k={top_k}"
+    return [
+        _entry(
+            f"grouped MoE experts {shape}",
+            grouped_ms,
+            nbytes,
+            flops,
+            ceilings,
+            experts_hit=hit,
+            **graph["grouped"],
+        ),
+        _entry(
+            f"fused MoE decode (triton) {shape}",
+            triton_ms,
+            nbytes,
+            flops,
+            ceilings,
+            experts_hit=hit,
+            peer="moe_experts_grouped",
+            peer_ms=grouped_ms,
+            rel_err_vs_peer=rel_err,
+            **graph["triton"],
+        ),
+    ]
 
 
 def bench_kda_decode(
@@ -195,7 +251,11 @@ def kernels_bench(device: str = "cuda", cases: dict = KERNEL_CASES) -> dict:
     print(
         f"ceilings: copy {ceilings['copy_TBps']:.2f} TB/s, bf16 matmul {ceilings['bf16_matmul_TFLOPs']:.0f} TFLOP/s"
     )
-    results = [_BENCHES[name](ceilings, **kw, device=device) for name, kws in cases.items() for kw in kws]
+    results = []
+    for name, kws in cases.items():
+        for kw in kws:
+            result = _BENCHES[name](ceilings, **kw, device=device)  # one row, or several side by side
+            results += result if isinstance(result, list) else [result]
     return {
         "benchmark": "kernels",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kestrel.config import ModelConfig
+from kestrel.env import read_env
 from kestrel.layers.context import get_forward_context, has_forward_context
 from kestrel.layers.linear import ColumnLinear, Linear, RowLinear, ShapeMismatch, copy_checked, set_loader
 from kestrel.layers.norm import RMSNorm
@@ -20,6 +21,11 @@ from kestrel.ops.norm import rms_norm
 from kestrel.utils.dist import parallel_state
 
 ALL_EXPERTS = "all"  # shard id of a checkpoint tensor that holds every expert stacked (transformers layout)
+# Up to this many (token, slot) pairs the routed experts run in Triton (ops.moe.triton_experts), above it through
+# torch._grouped_mm. A first guess, to be set from `kestrel bench kernels` (both paths side by side): on the H200
+# at mini's sizes Triton was faster at every T measured, 1 to 4096 tokens at top-6 (its docstring's table), so the
+# bound is the largest size measured; larger prefill chunks keep the grouped path until they are measured too.
+TRITON_EXPERTS_MAX_PAIRS = 4096 * 6
 
 
 class DenseMLP(nn.Module):
@@ -94,6 +100,25 @@ class Experts(nn.Module):
         copy_checked(param.data[local, rows], loaded, f"experts.{expert}.{part}")
 
 
+def routed_experts_fn(h: torch.Tensor, ids: torch.Tensor):
+    """The routed-experts function for inputs h [T, Din] and ids [T, A]: Triton at decode sizes (inference
+    only), else the grouped path (no host syncs, so CUDA graphs; training uses it where its backward works),
+    else the reference loop."""
+    if not h.is_cuda:
+        return moe_experts
+    inference = not torch.is_grad_enabled()
+    if (
+        inference
+        and ids.numel() <= TRITON_EXPERTS_MAX_PAIRS
+        and h.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and read_env().moe_decode_kernel == "auto"
+    ):
+        from kestrel.ops.moe.triton_experts import moe_experts_triton
+
+        return moe_experts_triton
+    return moe_experts_grouped if inference or grouped_mm_trains(h.device.type) else moe_experts
+
+
 class MoE(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype | None = None):
         super().__init__()
@@ -155,10 +180,7 @@ class MoE(nn.Module):
         h = self.routed_expert_down_proj(x) if latent else x  # [T, Din]
         if torch.is_autocast_enabled(h.device.type):  # training: the experts run in the autocast dtype too
             h = h.to(torch.get_autocast_dtype(h.device.type))
-        # the grouped path has no host syncs (CUDA graphs); training uses it where its backward works
-        grouped = x.is_cuda and (not torch.is_grad_enabled() or grouped_mm_trains(x.device.type))
-        experts = moe_experts_grouped if grouped else moe_experts
-        routed = experts(
+        routed = routed_experts_fn(h, ids)(
             h, self.experts.w13, self.experts.w2, weights, ids, self.act, self.beta, self.linear_beta
         )
         if latent:

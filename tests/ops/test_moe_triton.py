@@ -1,0 +1,161 @@
+"""The Triton routed experts (kestrel.ops.moe.triton_experts) against the reference `moe_experts`.
+
+Without CUDA the kernels run in Triton's interpreter on CPU (tests/conftest.py) at tiny sizes that do not divide
+the tiles; with CUDA the same cases run compiled, and the `gpu` tests add `mini`'s sizes and a CUDA graph. The
+output and the intermediates (h, y) are filled with NaN before every run, so an element the kernels leave
+unwritten, or read without having written, fails the comparison.
+
+Legend: T tokens, A experts per token, E experts, I expert width, Din the experts' input width.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.ops.moe import moe_experts, moe_experts_grouped
+from tests.ops.graph_check import assert_replay_matches_eager
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# partial tiles and several K steps at Din=40, I=24
+SMALL_TILES = dict(block_m=16, block_n=(16, 16), block_k=(16, 16))
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _experts():
+    from kestrel.ops.moe import triton_experts
+
+    return triton_experts
+
+
+def _inputs(T, Din, I, E, A, dtype, seed, w_dtype=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, Din, generator=g)  # [T, Din]
+    w13 = torch.randn(E, 2 * I, Din, generator=g) / Din**0.5  # [E, 2I, Din]
+    w2 = torch.randn(E, Din, I, generator=g) / I**0.5  # [E, Din, I]
+    ids = torch.rand(T, E, generator=g).argsort(-1)[:, :A]  # [T, A] distinct within a token, as top-k gives
+    weights = torch.rand(T, A, generator=g)  # [T, A] fp32
+    w_dtype = w_dtype or dtype
+    return (
+        x.to(DEVICE, dtype),
+        w13.to(DEVICE, w_dtype),
+        w2.to(DEVICE, w_dtype),
+        weights.to(DEVICE),
+        ids.to(DEVICE),
+    )
+
+
+def run_poisoned(monkeypatch, x, w13, w2, weights, ids, act, **tiles):
+    """moe_experts_triton with its output and intermediates filled with NaN first."""
+    mod = _experts()
+    nan = float("nan")
+    monkeypatch.setattr(
+        mod, "_scratch", lambda shape, dtype, device: torch.full(shape, nan, dtype=dtype, device=device)
+    )
+    out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+    got = mod.moe_experts_triton(x, w13, w2, weights, ids, act, out=out, **tiles)
+    assert got.data_ptr() == out.data_ptr() and got.dtype == x.dtype
+    return got
+
+
+def assert_matches(got, ref):
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    else:  # rounded where the reference rounds: at most a flipped last bit of gate/up, h or y apart
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("act", ["silu", "situ"])
+@pytest.mark.parametrize("T", [1, 3, 7])
+def test_matches_reference(monkeypatch, T, act, dtype):
+    x, w13, w2, weights, ids = _inputs(T, Din=40, I=24, E=5, A=3, dtype=dtype, seed=T)  # tokens share experts
+    got = run_poisoned(monkeypatch, x, w13, w2, weights, ids, act, **SMALL_TILES)
+    assert_matches(got, moe_experts(x, w13, w2, weights, ids, act))
+
+
+def test_several_blocks_per_expert_and_default_tiles(monkeypatch):
+    """~27 pairs per expert: two blocks of 16 each; and the default tiles (larger than every dimension)."""
+    x, w13, w2, weights, ids = _inputs(40, Din=40, I=24, E=3, A=2, dtype=torch.float32, seed=5)
+    ref = moe_experts(x, w13, w2, weights, ids, "situ")
+    assert_matches(run_poisoned(monkeypatch, x, w13, w2, weights, ids, "situ", **SMALL_TILES), ref)
+    assert_matches(run_poisoned(monkeypatch, x, w13, w2, weights, ids, "situ"), ref)
+
+
+def test_weights_in_another_dtype(monkeypatch):
+    """fp32 expert weights under bf16 activations: rounded to bf16 as the reference's w.to(x.dtype)."""
+    x, w13, w2, weights, ids = _inputs(
+        3, Din=40, I=24, E=5, A=3, dtype=torch.bfloat16, seed=6, w_dtype=torch.float32
+    )
+    got = run_poisoned(monkeypatch, x, w13, w2, weights, ids, "silu", **SMALL_TILES)
+    assert_matches(got, moe_experts(x, w13, w2, weights, ids, "silu"))
+
+
+def test_out_of_range_ids_add_nothing(monkeypatch):
+    """ids outside [0, E) (another rank's experts under EP) contribute nothing; their rows of y stay NaN."""
+    x, w13, w2, weights, ids = _inputs(4, Din=40, I=24, E=5, A=3, dtype=torch.float32, seed=7)
+    ids[0, 1], ids[2, 0], ids[3, 2] = -1, 5, -3
+    outside = (ids < 0) | (ids >= 5)
+    got = run_poisoned(monkeypatch, x, w13, w2, weights, ids, "silu", **SMALL_TILES)
+    ref = moe_experts(x, w13, w2, weights.masked_fill(outside, 0.0), ids.masked_fill(outside, 0), "silu")
+    assert_matches(got, ref)
+
+
+def test_no_tokens_and_bad_activation():
+    x, w13, w2, weights, ids = _inputs(0, Din=40, I=24, E=5, A=3, dtype=torch.float32, seed=8)
+    assert _experts().moe_experts_triton(x, w13, w2, weights, ids, "silu").shape == (0, 40)
+    x, w13, w2, weights, ids = _inputs(1, Din=40, I=24, E=5, A=3, dtype=torch.float32, seed=8)
+    with pytest.raises(ValueError, match="unknown activation"):
+        _experts().moe_experts_triton(x, w13, w2, weights, ids, "gelu")
+
+
+# ---------------------------------------------------------------- CUDA: mini's sizes, graphs, dispatch
+
+MINI = dict(Din=2048, I=256, E=64, A=6)  # presets._MINI: hidden 2048 (no latent MoE), 64 experts, top-6
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("T", [1, 64, 256])
+@pytest.mark.parametrize("act", ["silu", "situ"])
+def test_mini_sizes_on_cuda(monkeypatch, T, act):
+    x, w13, w2, weights, ids = _inputs(T, dtype=torch.bfloat16, seed=10 + T, **MINI)
+    got = run_poisoned(monkeypatch, x, w13, w2, weights, ids, act)
+    ref = moe_experts(x, w13, w2, weights, ids, act)
+    grouped = moe_experts_grouped(x, w13, w2, weights, ids, act)
+    for other in (ref, grouped):
+        rel = ((got.float() - other.float()).norm() / other.float().norm()).item()
+        assert rel < 1e-2, rel
+    again = _experts().moe_experts_triton(x, w13, w2, weights, ids, act)
+    assert torch.equal(got, again), "not deterministic"
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_graph_replay():
+    x, w13, w2, weights, ids = _inputs(8, dtype=torch.bfloat16, seed=20, **MINI)
+    _, _, _, fresh_weights, fresh_ids = _inputs(8, dtype=torch.bfloat16, seed=21, **MINI)  # routing changes
+
+    def step(x, weights, ids):
+        return _experts().moe_experts_triton(x, w13, w2, weights, ids, "situ")
+
+    assert_replay_matches_eager(step, (x, weights, ids), (torch.randn_like(x), fresh_weights, fresh_ids))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_layer_dispatch(monkeypatch):
+    from kestrel.layers.moe import TRITON_EXPERTS_MAX_PAIRS, routed_experts_fn
+
+    mod = _experts()
+    h = torch.zeros(2, 64, device="cuda", dtype=torch.bfloat16)
+    ids = torch.zeros(2, 6, device="cuda", dtype=torch.int64)
+    big = torch.zeros(TRITON_EXPERTS_MAX_PAIRS // 6 + 1, 6, device="cuda", dtype=torch.int64)
+    with torch.no_grad():
+        assert routed_experts_fn(h, ids) is mod.moe_experts_triton
+        assert routed_experts_fn(h, big) is moe_experts_grouped
+        monkeypatch.setenv("KESTREL_MOE_DECODE_KERNEL", "off")
+        assert routed_experts_fn(h, ids) is moe_experts_grouped
+    monkeypatch.delenv("KESTREL_MOE_DECODE_KERNEL")
+    assert routed_experts_fn(h, ids) is not mod.moe_experts_triton  # autograd records: never the Triton path
