@@ -65,7 +65,8 @@ def bench_topk(
     peer_ms = time_ms(lambda: torch.topk(scores, k, dim=-1), device)
     ours = topk_triton(scores, lens, k)
     same_sets = bool((ours.sort(-1).values == torch.topk(scores, k, dim=-1).indices.sort(-1).values).all())
-    exact = bool(torch.equal(ours[:4], topk_select(scores[:4], lens[:4] - 1, k)))  # the reference on 4 rows
+    # the reference on 4 rows (every row has > k positions: no -1 to place); the kernel lists by position
+    exact = bool(torch.equal(ours[:4], topk_select(scores[:4], lens[:4] - 1, k).sort(-1).values))
     return _entry(
         f"exact top-{k} of {rows}x{length}",
         ms,
@@ -76,7 +77,22 @@ def bench_topk(
         peer_ms=peer_ms,
         same_sets_as_torch=same_sets,
         equals_reference=exact,
+        stages_us=_stage_times(lambda: topk_triton(scores, lens, k), device),
     )
+
+
+def _stage_times(fn, device: str) -> dict | None:
+    """GPU time of each kernel one call of `fn` launches (torch.profiler), to see which stage dominates."""
+    if torch.device(device).type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key[:60]: e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0}
 
 
 def bench_indexer(

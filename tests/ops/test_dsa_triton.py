@@ -60,14 +60,21 @@ def poisoned(shape, dtype, value):
     return torch.full(shape, value, dtype=dtype, device=DEVICE)
 
 
+def by_position(idx):
+    """A selection [B, k] (-1 padded) listed in ascending position order, -1 last."""
+    big = torch.iinfo(torch.int64).max
+    listed = torch.where(idx < 0, big, idx).sort(-1).values
+    return torch.where(listed == big, -1, listed)
+
+
 def run_topk(scores, lens, k, **tiles):
-    """topk_triton into a poisoned output, checked against topk_select element for element."""
+    """topk_triton into a poisoned output: the reference's selection (topk_select), listed by position."""
     scores, lens = scores.to(DEVICE), lens.to(DEVICE)
     out = poisoned((scores.shape[0], k), torch.int64, -7)
     got = topk_triton(scores, lens, k, out=out, **tiles)
     assert got.data_ptr() == out.data_ptr()
     assert not (got == -7).any(), "unwritten output"
-    want = topk_select(scores, lens - 1, k)
+    want = by_position(topk_select(scores, lens - 1, k))
     assert torch.equal(got, want), f"k={k} lens={lens.tolist()}\n{got}\n{want}"
 
 
@@ -347,7 +354,7 @@ def test_paged_scores_cuda_real_size():
     torch.testing.assert_close(got[valid], ref[valid], rtol=1e-4, atol=1e-4)
     assert got[~valid].isnan().all()
     idx = topk_triton(got, lens, 2048)
-    assert torch.equal(idx, topk_select(got, lens - 1, 2048))
+    assert torch.equal(idx, by_position(topk_select(got, lens - 1, 2048)))
 
 
 @pytest.mark.gpu

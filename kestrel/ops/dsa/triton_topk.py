@@ -1,12 +1,14 @@
-"""Exact row-wise top-k for DSA in Triton: `topk_triton(scores, lens, k) == naive.topk_select(scores, lens - 1, k)`.
+"""Exact row-wise top-k for DSA in Triton: `topk_triton(scores, lens, k)` selects the same positions as
+`naive.topk_select(scores, lens - 1, k)`, listed in position order instead of rank order (every consumer, the
+sparse attention and the training mask, uses the set; position order also reads the KV pages in order).
 
 Legend: B rows, L scores per row, k = index_topk, S = cdiv(L, SEG) segments per row, C candidates of a row
-(positions that survive the first radix pass), KP = k padded to a power of two.
+(positions that survive the first radix pass).
 
 The order. Each score maps to a 32-bit key whose unsigned order is the float order (-0.0 is first made +0.0,
 so the two tie as IEEE equality says); a NaN or a position >= lens[b] gets key 0, below every valid key
 (a valid -inf is 0x007FFFFF). (key desc, position asc) is then a strict total order, the tie rule of
-naive.py, and the selection is its first min(k, valid) elements, in that order, then -1.
+naive.py, and the selection is its first min(k, valid) elements, listed by position, then -1.
 
 Radix select on the key, 11 + 11 + 10 bits, in three kernels (no host syncs, so CUDA-graph safe):
 
@@ -18,9 +20,9 @@ Radix select on the key, 11 + 11 + 10 bits, in three kernels (no host syncs, so 
    (key, position) of its keys in bins >= b1 to a per-row candidate list, in position order: its offset
    is the sum of the earlier segments' suffix counts at b1, and a cumsum orders the block.
 3. `_select_kernel`, grid (B,): refines the threshold inside bin b1 over the candidates only (bits 20..10,
-   then 9..0), giving the exact k-th key T and how many keys equal to T are needed; takes every candidate
+   then 9..0), giving the exact k-th key T and how many keys equal to T are needed; writes every candidate
    above T and the first `need` ties at T (the candidates are in position order, so these are the lowest
-   positions: the tie rule), and bitonic-sorts the k selected composites (key << 32 | ~position) in-kernel.
+   positions: the tie rule), in that position order; no sort.
 
 Memory traffic per row of L = 131072 (512 KiB of scores), k = 2048: steps 1 and 2 each read the valid
 prefix of the row once (2 x 512 KiB; the second mostly from L2 when the batch fits in it); step 1 writes
@@ -29,11 +31,14 @@ quarter-octave bin, typically 3-6 K positions: ~40 KiB); step 3 reads the candid
 and writes 16 KiB of indices. About 1.2 MiB per row.
 
 For 64 rows that is ~80 MB, ~19 us at the 4.25 TB/s copy ceiling, plus four launches (a memset and three
-kernels) and step 3's serial latency (a few dependent passes and one 2048-wide bitonic sort per row).
+kernels) and step 3's serial latency (three dependent passes over the candidates per row). Until 2026-11-30
+step 3 also bitonic-sorted the selection into rank order; the H200 measured the whole at 449 us for 64 rows
+(torch.topk: 192 us), and the sort, 66 dependent compare-exchange stages over 2048 elements in 64 programs,
+was dropped as work no consumer needs.
 Loads of scores and candidates are 16-byte vectors when L % 16 == 0 (any page-multiple width).
 
 Scratch: 8 B per score for the candidate list (its worst case, all scores equal, keeps the whole row),
-S x 8 KiB of suffix counts and 8 KiB of histogram per row, KP x 8 B of selected composites per row.
+S x 8 KiB of suffix counts and 8 KiB of histogram per row.
 
 Fusion left for later: step 1 can run in the epilogue of the indexer-scores kernel (it sees every score
 once), which removes one full read of the row.
@@ -151,7 +156,6 @@ def _select_kernel(
     seg_count_ptr,  # [B, S, NB] int32
     cand_key_ptr,  # [B, LC] int32
     cand_pos_ptr,  # [B, LC] int32
-    sel_ptr,  # [B, KP] int64 scratch
     out_ptr,  # [B, k] int64
     LC,
     num_segs,
@@ -160,7 +164,6 @@ def _select_kernel(
     NB: tl.constexpr,
     SP: tl.constexpr,
     CBLOCK: tl.constexpr,
-    KP: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     hist = tl.load(row_hist_ptr + b * NB + tl.arange(0, NB))  # [NB]
@@ -200,6 +203,7 @@ def _select_kernel(
 
     n_sel = tl.zeros([], dtype=tl.int32)
     n_tie = tl.zeros([], dtype=tl.int32)
+    out_ptr += b * stride_ob
     for off in range(0, n_load, CBLOCK):
         i = off + tl.arange(0, CBLOCK)
         m = i < n_cand
@@ -209,18 +213,13 @@ def _select_kernel(
         tie_rank = n_tie + tl.cumsum(tie, 0) - 1
         take = (m & (key > thresh)) | ((tie != 0) & (tie_rank < need))
         take_i = take.to(tl.int32)
-        slot = n_sel + tl.cumsum(take_i, 0) - 1
-        comp = (key.to(tl.uint64) << 32) | (0xFFFFFFFF - pos.to(tl.uint32)).to(tl.uint64)
-        tl.store(sel_ptr + b * KP + slot, comp.to(tl.int64, bitcast=True), mask=take)
+        slot = n_sel + tl.cumsum(take_i, 0) - 1  # the candidates are in position order: so is the output
+        tl.store(out_ptr + slot, pos.to(tl.int64), mask=take)
         n_sel += tl.sum(take_i, 0)
         n_tie += tl.sum(tie, 0)
-    tl.debug_barrier()  # the composites stored by every thread are read back by others
-
-    j = tl.arange(0, KP)
-    comp = tl.load(sel_ptr + b * KP + j, mask=j < n_sel, other=0).to(tl.uint64, bitcast=True)  # [KP]
-    comp = tl.sort(comp, descending=True)  # key desc, then position asc; empty slots (0) last
-    pos = (0xFFFFFFFF - (comp & 0xFFFFFFFF)).to(tl.int64)
-    tl.store(out_ptr + b * stride_ob + j, tl.where(comp == 0, -1, pos), mask=j < k)
+    for off in range(0, k, CBLOCK):  # -1 after the selection (rows with fewer than k valid positions)
+        j = off + tl.arange(0, CBLOCK)
+        tl.store(out_ptr + j, tl.full([CBLOCK], -1, tl.int64), mask=(j >= n_sel) & (j < k))
 
 
 def topk_triton(
@@ -236,8 +235,9 @@ def topk_triton(
 ) -> torch.Tensor:
     """Exact top-k of each row of scores [B, L] fp32 over its first lens[b] positions (lens [B]).
 
-    Returns indices [B, k] int64, equal element for element to `naive.topk_select(scores, lens - 1, k)`:
-    rank order (score desc, position asc), NaN invalid, every valid position when fewer than k, -1 after.
+    Returns indices [B, k] int64: the positions `naive.topk_select(scores, lens - 1, k)` selects (score desc,
+    then position asc; NaN invalid; every valid position when fewer than k), in ascending position order,
+    then -1.
     `seg`, `block`, `cblock` (powers of two, block <= seg) are tile sizes and `max_rows` the rows per launch;
     tests shrink them. `out` [B, k]
     int64, when given, receives the result.
@@ -265,13 +265,11 @@ def topk_triton(
     lens = lens.to(torch.int64)
     num_segs = triton.cdiv(L, seg)
     SP = max(2, triton.next_power_of_2(num_segs))
-    KP = max(16, triton.next_power_of_2(k))
     row_hist = torch.zeros(B, NBINS, dtype=torch.int32, device=device)  # [B, NB]
     seg_count = torch.empty(B, num_segs, NBINS, dtype=torch.int32, device=device)  # [B, S, NB]
     LC = triton.cdiv(L, 16) * 16  # candidate rows padded for vectorized loads
     cand_key = torch.empty(B, LC, dtype=torch.int32, device=device)  # [B, LC], the first C used
     cand_pos = torch.empty(B, LC, dtype=torch.int32, device=device)  # [B, LC]
-    sel = torch.empty(B, KP, dtype=torch.int64, device=device)  # [B, KP]
 
     _histogram_kernel[(num_segs, B)](
         scores,
@@ -309,7 +307,6 @@ def topk_triton(
         seg_count,
         cand_key,
         cand_pos,
-        sel,
         out,
         LC,
         num_segs,
@@ -318,7 +315,6 @@ def topk_triton(
         NB=NBINS,
         SP=SP,
         CBLOCK=cblock,
-        KP=KP,
         num_warps=NUM_WARPS,
     )
     return out
