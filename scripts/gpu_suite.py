@@ -66,6 +66,8 @@ class Sizes:
     decode_steps: int  # timed steps (also `bench_decode`'s)
     profile_max_len: int
     profile_steps: int
+    # prefill_bench: (sequences, tokens each) packed into one engine step
+    prefill_cases: tuple[tuple[int, int], ...]
     # engine_bench
     bench_requests: int  # the DSA run's; the transformers peer and kimi_linear run take bench_batch of them
     bench_batch: int
@@ -105,6 +107,7 @@ H200 = Sizes(
     decode_steps=24,
     profile_max_len=1024,
     profile_steps=5,
+    prefill_cases=((8, 4096), (1, 32768)),
     bench_requests=512,
     bench_batch=64,
     bench_prompt=1024,
@@ -151,6 +154,7 @@ SMOKE = Sizes(
     decode_steps=4,
     profile_max_len=512,
     profile_steps=2,
+    prefill_cases=((2, 64), (1, 128)),
     bench_requests=8,
     bench_batch=4,
     bench_prompt=64,
@@ -724,6 +728,105 @@ def profile_decode() -> dict:
     return result
 
 
+def _prefill_flops_per_token(model, context: int) -> float:
+    """Forward FLOPs per prefill token: 2 x the active matmul parameters (routed experts at top-k; not the
+    embedding lookup, not the LM head, which prefill runs for the last position only) plus MLA attention,
+    2 x (QK^T + PV) over the average causal context, dense-equivalent (DSA computes less past index_topk)."""
+    c = model.config
+    active = 0.0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or name in ("model.embed_tokens.weight", "lm_head.weight"):
+            continue
+        active += p.numel() * (c.num_experts_per_token / c.num_experts if ".experts." in name else 1)
+    heads_dim = c.num_attention_heads * (c.qk_head_dim + c.v_head_dim)
+    return 2 * active + 2 * len(c.mla_layer_ids) * heads_dim * context / 2
+
+
+def _prefill_step(engine, n: int, length: int, g: torch.Generator) -> float:
+    """Seconds of the one engine step that prefills n fresh random prompts of `length` tokens (and samples
+    their first tokens); the requests are then run out."""
+    from kestrel.engine.sampling_params import SamplingParams
+
+    for _ in range(n):
+        prompt = torch.randint(3, S.token_ids, (length,), generator=g).tolist()
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    _sync()
+    start = time.perf_counter()
+    engine.step()
+    _sync()
+    seconds = time.perf_counter() - start
+    while engine.has_unfinished():
+        engine.step()
+    return seconds
+
+
+def prefill_bench() -> dict:
+    """Issue 4's packed prefill: `n` prompts of `length` tokens in one engine step (chunked-prefill budget = all
+    of them), mini with DSA, random bf16 weights. Time of the step after a warm-up of the same shapes, MFU
+    against the bf16 matmul ceiling measured here, and the top kernels of one profiled step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kestrel.config import EngineConfig
+    from kestrel.engine.engine import Engine
+    from kestrel.models.loader import build_model
+
+    os.environ["KESTREL_KDA_BACKEND"] = S.fast_kda
+    os.environ["KESTREL_MOE_GROUPED_MM"] = _probe_grouped_mm()
+    result: dict = {"ceilings": ceilings(), "cases": {}}
+    peak = result["ceilings"]["bf16_matmul_TFLOPs"]
+    net = build_model(S.model, dtype=torch.bfloat16, device=S.device, seed=0, init_on_device=True)
+    g = torch.Generator().manual_seed(0)
+    for n, length in S.prefill_cases:
+        engine = Engine(
+            EngineConfig(
+                model=S.model,
+                max_running_requests=n,
+                max_model_len=length + 8,
+                chunked_prefill_size=n * length,
+                enable_prefix_cache=False,
+                disable_cuda_graph=True,
+            ),
+            model=net,
+        )
+
+        _prefill_step(engine, n, length, g)  # compile, autotune
+        seconds = min(_prefill_step(engine, n, length, g) for _ in range(2))
+        tokens = n * length
+        flops = _prefill_flops_per_token(net, length) * tokens
+        entry = {
+            "tokens": tokens,
+            "step_s": seconds,
+            "tokens_per_s": tokens / seconds,
+            "TFLOPs": flops / seconds / 1e12,
+            "mfu_of_measured_matmul": flops / seconds / 1e12 / peak,
+            "flops_per_token": flops / tokens,
+        }
+        if n == S.prefill_cases[0][0] and length == S.prefill_cases[0][1]:
+            cuda = S.device == "cuda"
+            activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+            with profile(activities=activities) as prof:
+                _prefill_step(engine, n, length, g)
+            own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+            kind = "CUDA" if cuda else "CPU"
+            events = [e for e in prof.key_averages() if str(e.device_type).endswith(kind)]
+            entry["top_kernels"] = [
+                {"name": e.key[:90], "ms": own(e) / 1000, "calls": e.count}
+                for e in sorted(events, key=own, reverse=True)[:20]
+            ]
+        result["cases"][f"{n}x{length}"] = entry
+        print(
+            f"prefill {n}x{length}",
+            json.dumps({k: v for k, v in entry.items() if k != "top_kernels"}),
+            flush=True,
+        )
+        for row in entry.get("top_kernels", [])[:10]:
+            print(f"  {row['ms']:9.3f} ms  x{row['calls']:5d}  {row['name']}", flush=True)
+        engine = None  # noqa: F841
+        if S.device == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
 def gpu_tests() -> dict:
     """Every op test on the device: the `gpu`-marked ones (mini sizes, CUDA graphs, fla-core gradients) and
     the kernel tests that run their tiny cases compiled when CUDA is there (on CPU they run interpreted);
@@ -940,6 +1043,7 @@ SECTIONS = {
     "gpu_tests": gpu_tests,
     "engine_decode": engine_decode,
     "profile_decode": profile_decode,
+    "prefill_bench": prefill_bench,
     "engine_bench": engine_bench,
     "bench_kernels": bench_kernels,
     "bench_decode": bench_decode,

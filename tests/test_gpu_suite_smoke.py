@@ -25,6 +25,7 @@ EXPECTED = {
     "gpu_tests": {"returncodes", "counts", "outcomes", "failed", "skipped"},
     "engine_decode": {"moe_grouped_mm", "plan", "batches", "prefill_4x64_s", "skipped"},
     "profile_decode": {"wall_ms_per_step", "cuda_ms_per_step", "kernel_launches_per_step", "top_kernels"},
+    "prefill_bench": {"ceilings", "cases"},
     "engine_bench": {
         "workload",
         "transformers_batch4",
@@ -93,6 +94,8 @@ def test_smoke_figures_are_real(sections):
     assert sections["gpu_tests"]["returncodes"] == [0, 0]  # every test target the GPU run names exists
     assert set(sections["engine_decode"]["batches"]) == {"4", "2", "1"}
     assert sections["profile_decode"]["top_kernels"]
+    packed = sections["prefill_bench"]["cases"]["2x64"]
+    assert packed["tokens"] == 128 and packed["step_s"] > 0 and packed["top_kernels"]
     assert sections["engine_bench"]["kestrel_tiny_dsa_8_requests"]["output_tokens"] == 8 * 8
     assert len(sections["bench_kernels"]["kernels"]) == 7  # moe: the grouped and the Triton rows
     decode_runs = sections["bench_decode"]["runs"]
