@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.ops.activation.triton_act import glu
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -65,18 +67,6 @@ def _rounded(v, dtype: tl.constexpr, BF16: tl.constexpr):
         return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))  # NaN kept (the carry could clear it)
     else:
         return v.to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _tanh(z):
-    """tanh in fp32 (the interpreter has no libdevice): a series near 0, where 1 - exp(-2|z|) would cancel."""
-    a = tl.abs(z)
-    t = tl.exp(-2.0 * a)
-    far = (1.0 - t) / (1.0 + t)
-    a2 = a * a
-    near = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))))  # error < 3e-11 relative
-    r = tl.where(a < 0.1, near, far)
-    return tl.where(z < 0, -r, r)
 
 
 @triton.jit
@@ -132,10 +122,7 @@ def _gate_up_kernel(
     # as the reference rounds: gate and up in x's dtype, the activation in fp32
     gate = _rounded(acc_g, x.dtype.element_ty, BF16)
     up = _rounded(acc_u, x.dtype.element_ty, BF16)
-    if SITU:
-        act = beta * _tanh(gate / beta) * tl.sigmoid(gate) * (linear_beta * _tanh(up / linear_beta))
-    else:
-        act = gate * tl.sigmoid(gate) * up
+    act = glu(gate, up, beta, linear_beta, SITU)
     out = h + rows[:, None].to(tl.int64) * I + cols[None, :]
     act = _rounded(act, h.dtype.element_ty, BF16)
     tl.store(out, act.to(h.dtype.element_ty), mask=live[:, None] & cmask[None, :])
