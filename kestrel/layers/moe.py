@@ -175,7 +175,8 @@ class MoE(nn.Module):
                 )  # [T, A] fp32, [T, A]
         if ctx is not None and ctx.routing_capture is not None:
             ctx.routing_capture[self.layer_id] = ids
-        ids = ids - self.experts.first  # global -> local ids (single rank: unchanged)
+        if self.experts.first:  # global -> local ids (one rank: already local, and no kernel spent on it)
+            ids = ids - self.experts.first
         latent = hasattr(self, "routed_expert_down_proj")
         h = self.routed_expert_down_proj(x) if latent else x  # [T, Din]
         if torch.is_autocast_enabled(h.device.type):  # training: the experts run in the autocast dtype too
