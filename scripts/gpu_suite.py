@@ -23,6 +23,7 @@ Sections:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -227,16 +228,38 @@ def ceilings() -> dict:
     }
 
 
+@contextlib.contextmanager
+def _path(backend: str):
+    """Every op on its plain-torch reference (backend "naive") or on its fast path (the KDA backend named:
+    fused Triton small ops and router, Triton or grouped MoE experts), the environment restored after."""
+    ref = backend == "naive"
+    switches = {
+        "KESTREL_KDA_BACKEND": backend,
+        "KESTREL_FUSED_OPS": "off" if ref else "auto",
+        "KESTREL_MOE_DECODE_KERNEL": "off" if ref else "auto",
+        "KESTREL_MOE_GROUPED_MM": "off" if ref else os.environ.get("KESTREL_MOE_GROUPED_MM", "auto"),
+    }
+    saved = {name: os.environ.get(name) for name in switches}
+    os.environ.update(switches)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _forward(model, ids: torch.Tensor, backend: str, replay: tuple | None = None):
     """Logits of one full forward; returns (logits fp32, (routing ids, DSA selections)) for replay."""
     from kestrel.layers.context import ForwardContext, forward_context
 
-    os.environ["KESTREL_KDA_BACKEND"] = backend
     ctx = ForwardContext.build([len(ids)], device=S.device)
     ctx.routing_capture, ctx.selection_capture = {}, {}
     if replay is not None:
         ctx.routing_replay, ctx.selection_replay = replay
-    with torch.no_grad(), forward_context(ctx):
+    with _path(backend), torch.no_grad(), forward_context(ctx):
         logits = model(ids).float()
     return logits, (ctx.routing_capture, ctx.selection_capture)
 
@@ -247,12 +270,11 @@ def _decode_logits(model, ids: torch.Tensor, prefill: int, backend: str, replay:
     from kestrel.layers.context import forward_context
     from kestrel.models.cache import DenseCache
 
-    os.environ["KESTREL_KDA_BACKEND"] = backend
     routing, selection = replay
     cache = DenseCache(model.config, 1, len(ids), model.lm_head.weight.dtype, S.device)
     outs = []
     bounds = [(0, prefill)] + [(t, t + 1) for t in range(prefill, len(ids))]
-    with torch.no_grad():
+    with _path(backend), torch.no_grad():
         for a, b in bounds:
             ctx = cache.context([0], [b - a], S.device)
             ctx.routing_replay = {k: v[a:b] for k, v in routing.items()}
@@ -412,8 +434,8 @@ def kda_layers() -> dict:
             layer = model.model.layers[layer_id].self_attn
             outs = {}
             for backend in ("naive", S.fast_kda):
-                os.environ["KESTREL_KDA_BACKEND"] = backend
-                with torch.no_grad(), forward_context(ForwardContext.build([length], device=S.device)):
+                ctx = ForwardContext.build([length], device=S.device)
+                with _path(backend), torch.no_grad(), forward_context(ctx):
                     outs[backend] = layer(x).float()
             errors[layer_id] = _rel(outs["naive"], outs[S.fast_kda])
         worst = max(e["norm_rel"] for e in errors.values())

@@ -155,9 +155,12 @@ class MoE(nn.Module):
             ids = ctx.routing_replay[self.layer_id]  # [T, A]
             weights = replay_route(logits, ids, self.renormalize, self.scaling)
         else:
-            if (
-                logits.is_cuda and self.groups == 1 and not torch.is_grad_enabled()
-            ):  # one fused kernel, no autograd
+            if (  # one fused kernel, no autograd (KESTREL_FUSED_OPS=off: the reference)
+                logits.is_cuda
+                and self.groups == 1
+                and not torch.is_grad_enabled()
+                and read_env().fused_ops == "auto"
+            ):
                 from kestrel.ops.moe.triton_router import route_triton
 
                 weights, ids = route_triton(
