@@ -58,3 +58,11 @@ def test_inference_keeps_the_eager_op(monkeypatch):
     x, w = torch.randn(3, 8), torch.randn(8)
     with torch.no_grad():
         assert torch.equal(rms_norm(x, w, 1e-6), rms_norm.eager(x, w, 1e-6))
+
+
+def test_inference_takes_the_arguments_by_keyword():
+    """Without autograd the op picks its path from its first argument, which may come by keyword."""
+    x, w = torch.randn(3, 8), torch.randn(8)
+    with torch.no_grad():
+        assert torch.equal(rms_norm(x=x, weight=w, eps=1e-6), rms_norm.eager(x, w, 1e-6))
+        assert torch.equal(rms_norm(weight=w, eps=1e-6, x=x), rms_norm.eager(x, w, 1e-6))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -28,6 +29,7 @@ def fused(fast: str | None = None) -> Callable[[Callable], Callable]:
 
     def wrap(fn: Callable) -> Callable:
         compiled = None
+        first = next(iter(inspect.signature(fn).parameters))  # the argument that picks the path
 
         @functools.wraps(fn)
         def op(*args, **kwargs):
@@ -39,8 +41,14 @@ def fused(fast: str | None = None) -> Callable[[Callable], Callable]:
                     _raise_recompile_limit()
                     compiled = torch.compile(fn, dynamic=False, fullgraph=True)
                 return compiled(*args, **kwargs)
-            x = args[0]
-            if fast is not None and x.is_cuda and x.dtype != torch.float64 and read_env().fused_ops == "auto":
+            x = args[0] if args else kwargs.get(first)  # passed by keyword too
+            if (
+                fast is not None
+                and isinstance(x, torch.Tensor)
+                and x.is_cuda
+                and x.dtype != torch.float64
+                and read_env().fused_ops == "auto"
+            ):
                 return _resolve(fast)(*args, **kwargs)
             return fn(*args, **kwargs)
 
