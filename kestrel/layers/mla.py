@@ -171,11 +171,15 @@ class MLAttention(nn.Module):
 
     def _paged_prefill_scores(self, ctx, i, q_idx, w_idx, q_pos) -> torch.Tensor:
         """Indexer scores of sequence i's prefill tokens over its paged index keys, every token a row of its own
-        with its causal length: [t, maxp * page_size] fp32, NaN past each row's length."""
+        with its causal length: [t, pages * page_size] fp32 (the pages that hold the sequence), NaN past each
+        row's length."""
         from kestrel.ops.dsa.triton_scores import indexer_scores_paged_triton
 
         _, idx_pool, table, _, ps = ctx.cache.paged(self.layer_id)
-        rows = table[i : i + 1].expand(q_idx.shape[0], -1)  # [t, maxp], one page table shared by the rows
+        pages = -(
+            -(ctx.prefix_lens[i] + ctx.new_lens[i]) // ps
+        )  # this sequence's own, not the batch's widest
+        rows = table[i : i + 1, :pages].expand(q_idx.shape[0], -1)  # [t, pages], one page table for all rows
         return indexer_scores_paged_triton(
             q_idx,
             idx_pool,
