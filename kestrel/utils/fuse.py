@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from kestrel.env import read_env
+from kestrel.env import fused_ops_on, read_env
 
 _RECOMPILE_LIMIT = 64  # one compiled graph per (shape, dtype) an op meets: a model has a few dozen
 
@@ -47,7 +47,7 @@ def fused(fast: str | None = None) -> Callable[[Callable], Callable]:
                 and isinstance(x, torch.Tensor)
                 and x.is_cuda
                 and x.dtype != torch.float64
-                and read_env().fused_ops == "auto"
+                and fused_ops_on()
             ):
                 return _resolve(fast)(*args, **kwargs)
             return fn(*args, **kwargs)
