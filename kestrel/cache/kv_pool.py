@@ -112,6 +112,9 @@ class KVPool:
         table; vectorized, since a long prompt has tens of thousands of positions."""
         ps = self.page_size
         first, last = start // ps, -(-end // ps)  # the pages that hold the span
+        assert last <= len(page_table), (
+            f"positions up to {end} need {last} pages, the table has {len(page_table)}"
+        )
         pages = torch.tensor(page_table[first:last], dtype=torch.int64)  # [n]
         rows = (pages[:, None] * ps + torch.arange(ps)).flatten()  # [n * ps]
         return rows[start - first * ps : end - first * ps]
