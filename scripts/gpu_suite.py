@@ -231,13 +231,15 @@ def ceilings() -> dict:
 @contextlib.contextmanager
 def _path(backend: str):
     """Every op on its plain-torch reference (backend "naive") or on its fast path (the KDA backend named:
-    fused Triton small ops and router, Triton or grouped MoE experts), the environment restored after."""
+    fused Triton small ops and router, Triton or grouped MoE experts, Triton / fused attention), the
+    environment restored after."""
     ref = backend == "naive"
     switches = {
         "KESTREL_KDA_BACKEND": backend,
         "KESTREL_FUSED_OPS": "off" if ref else "auto",
         "KESTREL_MOE_DECODE_KERNEL": "off" if ref else "auto",
         "KESTREL_MOE_GROUPED_MM": "off" if ref else os.environ.get("KESTREL_MOE_GROUPED_MM", "auto"),
+        "KESTREL_ATTN_BACKEND": "torch" if ref else "auto",
     }
     saved = {name: os.environ.get(name) for name in switches}
     os.environ.update(switches)

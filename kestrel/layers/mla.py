@@ -19,6 +19,7 @@ from kestrel.layers.linear import ColumnLinear, Linear, RowLinear
 from kestrel.layers.norm import LayerNorm, RMSNorm
 from kestrel.ops.dsa import indexer_kl, indexer_scores, indexer_scores_batched, selection_mask, topk_select
 from kestrel.ops.mla import mla_attention_absorbed, mla_attention_rows, mla_decode_batched, split_kv_b
+from kestrel.ops.mla.sdpa_prefill import mla_prefill_sdpa
 from kestrel.utils.dist import parallel_state
 
 # DeepSeek's MLA and indexer norms use a fixed eps (transformers and the reference code agree).
@@ -164,6 +165,14 @@ class MLAttention(nn.Module):
             if idx is not None and not paged:
                 scores = partial(indexer_scores, idx[0][sl], idx_k, idx[1][sl], self.indexer.scale)
                 indices = self._select(ctx, i, scores, q_pos, topk=_topk_fn(q_pos.device))
+            # dense, and the chunk's tokens are the last of the cached rows: fused attention on the fast path
+            if (
+                indices is None
+                and _use_triton(kv.device)
+                and ctx.prefix_lens[i] + ctx.new_lens[i] == kv.shape[0]
+            ):
+                outs.append(mla_prefill_sdpa(q_nope[sl], q_pe[sl], kv, w_uk, w_uv, self.scale))
+                continue
             outs.append(
                 mla_attention_absorbed(q_nope[sl], q_pe[sl], kv, w_uk, w_uv, q_pos, self.scale, indices)
             )

@@ -59,3 +59,43 @@ def test_triton_decode_path_matches_torch_path():
     assert result["triton"] == result["torch"]
     assert result["fast"] == result["torch"]
     assert all(len(v) == 6 for v in result["torch"].values())
+
+
+DENSE_SCRIPT = r"""
+import json, os, torch
+from kestrel.config import EngineConfig
+from kestrel.engine.engine import Engine
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.models.kimi import KimiForCausalLM
+from kestrel.models.loader import init_random_weights
+from kestrel.presets import preset_config
+
+model = KimiForCausalLM(preset_config("tiny", "kimi_linear"), torch.float32)  # MLA without DSA: dense prefill
+init_random_weights(model, seed=5)
+base = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+prompts = [base, base + [7, 8, 9, 10, 11], base[:17]]  # the later ones hit the cached prefix
+result = {}
+for attn in ("torch", "triton"):
+    os.environ["KESTREL_ATTN_BACKEND"] = attn
+    engine = Engine(EngineConfig(model="tiny", page_size=4, chunked_prefill_size=8), model=model)
+    out = {}
+    for i, p in enumerate(prompts):  # one at a time, so that the prefix cache holds the earlier ones
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), str(i))
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    result[attn] = out
+print(json.dumps(result))
+"""
+
+
+def test_dense_prefill_path_matches_torch_path():
+    """MLA without DSA on the fast path: chunked prefill (8-token chunks, so most chunks follow a cached
+    prefix) and prefix-cache hits through fused attention (mla_prefill_sdpa), decode through the paged kernel."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", DENSE_SCRIPT], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["triton"] == result["torch"]

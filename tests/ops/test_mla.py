@@ -241,3 +241,21 @@ def test_decode_batched_cuda_graph():
         (q_nope, q_pe, kv, lens, indices),
         (fresh[0], fresh[1], fresh[2], fresh[5], fresh_indices),
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L,T", [(11, 11), (37, 9), (29, 1), (1, 1)])
+def test_sdpa_prefill_equals_absorbed(dtype, L, T):
+    """The fused-attention prefill (expanded keys and values, the input dtype) against the absorbed reference,
+    for a chunk from position 0 and chunks after a cached prefix."""
+    from kestrel.ops.mla.sdpa_prefill import mla_prefill_sdpa
+
+    q_pos = list(range(L - T, L))
+    q_nope, q_pe, kv_cache, kv_b, pos = make_inputs(L, q_pos, seed=L + T)
+    w_uk, w_uv = split_kv_b(kv_b, H, DN, DV)
+    ref = mla_attention_absorbed(q_nope, q_pe, kv_cache, w_uk, w_uv, pos, SCALE)  # fp64
+    args = (x.to(dtype) for x in (q_nope, q_pe, kv_cache, w_uk, w_uv))
+    got = mla_prefill_sdpa(*args, SCALE)
+    assert got.dtype == dtype and got.shape == ref.shape
+    tol = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
