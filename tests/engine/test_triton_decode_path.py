@@ -49,13 +49,18 @@ print(json.dumps(result))
 """
 
 
-def test_triton_decode_path_matches_torch_path():
+def _run(script: str) -> dict:
+    """The script's last stdout line, as JSON, from a fresh interpreter with TRITON_INTERPRET=1."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_triton_decode_path_matches_torch_path():
+    result = _run(SCRIPT)
     assert result["triton"] == result["torch"]
     assert result["fast"] == result["torch"]
     assert all(len(v) == 6 for v in result["torch"].values())
@@ -92,10 +97,5 @@ print(json.dumps(result))
 def test_dense_prefill_path_matches_torch_path():
     """MLA without DSA on the fast path: chunked prefill (8-token chunks, so most chunks follow a cached
     prefix) and prefix-cache hits through fused attention (mla_prefill_sdpa), decode through the paged kernel."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", DENSE_SCRIPT], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = _run(DENSE_SCRIPT)
     assert result["triton"] == result["torch"]
