@@ -78,6 +78,10 @@ class ForwardContext:
     def num_seqs(self) -> int:
         return len(self.new_lens)
 
+    def cached_len(self, i: int) -> int:
+        """Tokens of sequence i in the cache once this step has written its new ones."""
+        return self.prefix_lens[i] + self.new_lens[i]
+
     def seq_slice(self, i: int) -> slice:
         start = sum(self.new_lens[:i])
         return slice(start, start + self.new_lens[i])

@@ -166,11 +166,7 @@ class MLAttention(nn.Module):
                 scores = partial(indexer_scores, idx[0][sl], idx_k, idx[1][sl], self.indexer.scale)
                 indices = self._select(ctx, i, scores, q_pos, topk=_topk_fn(q_pos.device))
             # dense, and the chunk's tokens are the last of the cached rows: fused attention on the fast path
-            if (
-                indices is None
-                and _use_triton(kv.device)
-                and ctx.prefix_lens[i] + ctx.new_lens[i] == kv.shape[0]
-            ):
+            if indices is None and _use_triton(kv.device) and ctx.cached_len(i) == kv.shape[0]:
                 outs.append(mla_prefill_sdpa(q_nope[sl], q_pe[sl], kv, w_uk, w_uv, self.scale))
                 continue
             outs.append(
@@ -185,14 +181,10 @@ class MLAttention(nn.Module):
         from kestrel.ops.dsa.triton_scores import indexer_scores_paged_triton
 
         _, idx_pool, table, _, ps = ctx.cache.paged(self.layer_id)
-        pages = -(
-            -(ctx.prefix_lens[i] + ctx.new_lens[i]) // ps
-        )  # this sequence's own, not the batch's widest
-        rows = table[i : i + 1, :pages].expand(q_idx.shape[0], -1)  # [t, pages], one page table for all rows
         return indexer_scores_paged_triton(
             q_idx,
             idx_pool,
-            rows,
+            _own_pages(ctx, i, table, ps, q_idx.shape[0]),
             q_pos + 1,
             w_idx,
             self.indexer.scale,
@@ -206,7 +198,7 @@ class MLAttention(nn.Module):
         from kestrel.ops.mla.triton_decode import mla_decode_paged
 
         kv_pool, _, table, _, ps = ctx.cache.paged(self.layer_id)
-        rows = table[i : i + 1].expand(q_nope.shape[0], -1)  # [t, maxp], one page table shared by the rows
+        rows = _own_pages(ctx, i, table, ps, q_nope.shape[0])
         return mla_decode_paged(q_nope, q_pe, kv_pool, rows, ps, q_pos + 1, w_uk, w_uv, self.scale, indices)
 
     def _attend_decode(self, ctx, q_nope, q_pe, w_uk, w_uv, idx) -> torch.Tensor:
@@ -332,6 +324,13 @@ def set_dense_attention(model: torch.nn.Module, dense: bool) -> None:
     for module in model.modules():
         if isinstance(module, MLAttention) and module.indexer is not None:
             module.indexer.topk = None if dense else module.indexer.config_topk
+
+
+def _own_pages(ctx, i: int, table: torch.Tensor, page_size: int, rows: int) -> torch.Tensor:
+    """Sequence i's page table, as many pages as hold it (not the batch's widest), shared by `rows` query rows
+    (a stride-0 expand): the layout in which prefill runs the decode kernels, every token a row. [rows, pages]"""
+    pages = -(-ctx.cached_len(i) // page_size)
+    return table[i : i + 1, :pages].expand(rows, -1)
 
 
 def _use_triton(device: torch.device) -> bool:

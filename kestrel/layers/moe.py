@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kestrel.config import ModelConfig
-from kestrel.env import read_env
+from kestrel.env import fused_ops_on, read_env
 from kestrel.layers.context import get_forward_context, has_forward_context
 from kestrel.layers.linear import ColumnLinear, Linear, RowLinear, ShapeMismatch, copy_checked, set_loader
 from kestrel.layers.norm import RMSNorm
@@ -156,10 +156,7 @@ class MoE(nn.Module):
             weights = replay_route(logits, ids, self.renormalize, self.scaling)
         else:
             if (  # one fused kernel, no autograd (KESTREL_FUSED_OPS=off: the reference)
-                logits.is_cuda
-                and self.groups == 1
-                and not torch.is_grad_enabled()
-                and read_env().fused_ops == "auto"
+                logits.is_cuda and self.groups == 1 and not torch.is_grad_enabled() and fused_ops_on()
             ):
                 from kestrel.ops.moe.triton_router import route_triton
 

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.ops.norm.triton_norm import as_rows
+
 BLOCK = 1024  # columns per program
 
 
@@ -57,14 +59,9 @@ def _glu_kernel(
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    rows = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def _glu(gate: torch.Tensor, up: torch.Tensor, situ: bool, beta: float, linear_beta: float) -> torch.Tensor:
     assert gate.shape == up.shape, f"gate {tuple(gate.shape)} vs up {tuple(up.shape)}"
-    g, u = _rows(gate), _rows(up)
+    g, u = as_rows(gate), as_rows(up)
     N, I = g.shape
     out = torch.empty(N, I, dtype=gate.dtype, device=gate.device)  # [N, I]
     if N and I:

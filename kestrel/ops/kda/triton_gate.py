@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.ops.norm.triton_norm import as_rows
+
 
 @triton.jit
 def _gate_kernel(
@@ -33,9 +35,7 @@ def kda_gate_triton(
     assert A_log.numel() == H and dt_bias.numel() == H * K, (
         f"A_log {A_log.numel()}, dt_bias {dt_bias.numel()}"
     )
-    rows = f.reshape(-1, H * K)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = as_rows(f, H * K)
     out = torch.empty(rows.shape, dtype=torch.float32, device=f.device)
     if rows.shape[0]:
         B = min(1024, triton.next_power_of_2(H * K))

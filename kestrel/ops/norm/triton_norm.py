@@ -27,17 +27,19 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """[..., D] as [N, D] rows with a contiguous last dim (a view when it can be)."""
-    rows = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+def as_rows(t: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """t as [N, width] rows (default width: its last dim) with a contiguous last dim, a view when it can be:
+    the layout of the row-wise kernels here and in ops/activation, ops/kda."""
+    width = width or t.shape[-1]
+    rows = t if t.dim() == 2 and t.shape[1] == width else t.reshape(-1, width)
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None) -> torch.Tensor:
     D = x.shape[-1]
     assert weight.shape == (D,), f"weight {tuple(weight.shape)} for width {D}"
-    rows = _rows(x)
-    g = _rows(gate) if gate is not None else rows
+    rows = as_rows(x)
+    g = as_rows(gate) if gate is not None else rows
     assert g.shape == rows.shape, f"gate {tuple(gate.shape)} vs x {tuple(x.shape)}"
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # [N, D]
     if rows.shape[0]:
