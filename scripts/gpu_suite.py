@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import re
@@ -705,10 +706,26 @@ def engine_bench() -> dict:
     return result
 
 
+def _profiled(fn):
+    """fn() under torch.profiler: (its result, the profiler, the kernels' events, their own time in us). The
+    kernels themselves, not the CPU ops that launched them (which carry the same time again); on the CPU (the
+    smoke run) the ops stand where the kernels would."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = S.device == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        out = fn()
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    events = [e for e in prof.key_averages() if e.device_type == kind]
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    return out, prof, events, own
+
+
 def profile_decode() -> dict:
     """Where a decode step's GPU time goes: torch.profiler over eager decode steps of mini at batch 64 (no
     graphs, so that kernels are attributed), top kernels by CUDA time, and the per-step totals."""
-    from torch.profiler import ProfilerActivity, profile
 
     os.environ["KESTREL_MOE_GROUPED_MM"] = _probe_grouped_mm()
     engine, _ = _mini_engine("kimi_k3", S.decode_requests, S.profile_max_len, graphs=False)
@@ -716,19 +733,9 @@ def profile_decode() -> dict:
     while any(not r.in_decode for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     _timed_steps(engine, 3)
-    from torch.autograd import DeviceType
-
-    steps, cuda = S.profile_steps, S.device == "cuda"
-    # on the CPU (the smoke run) the ops stand where the kernels would
-    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    kind, sort_by = (
-        (DeviceType.CUDA, "self_cuda_time_total") if cuda else (DeviceType.CPU, "self_cpu_time_total")
-    )
-    self_us = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
-    with profile(activities=activities) as prof:
-        seconds, _ = _timed_steps(engine, steps)
-    # the kernels themselves: the CPU ops that launched them carry the same time again
-    events = [e for e in prof.key_averages() if e.device_type == kind]
+    steps = S.profile_steps
+    sort_by = "self_cuda_time_total" if S.device == "cuda" else "self_cpu_time_total"
+    (seconds, _), prof, events, self_us = _profiled(lambda: _timed_steps(engine, steps))
     cuda_total = sum(self_us(e) for e in events) / steps / 1000  # ms per step
     top = sorted(events, key=self_us, reverse=True)[:25]
     table = [
@@ -788,7 +795,6 @@ def prefill_bench() -> dict:
     """Issue 4's packed prefill: `n` prompts of `length` tokens in one engine step (chunked-prefill budget = all
     of them), mini with DSA, random bf16 weights. Time of the step after a warm-up of the same shapes, MFU
     against the bf16 matmul ceiling measured here, and the top kernels of one profiled step."""
-    from torch.profiler import ProfilerActivity, profile
 
     from kestrel.config import EngineConfig
     from kestrel.engine.engine import Engine
@@ -826,13 +832,7 @@ def prefill_bench() -> dict:
             "flops_per_token": flops / tokens,
         }
         if n == S.prefill_cases[0][0] and length == S.prefill_cases[0][1]:
-            cuda = S.device == "cuda"
-            activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-            with profile(activities=activities) as prof:
-                _prefill_step(engine, n, length, g)
-            own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
-            kind = "CUDA" if cuda else "CPU"
-            events = [e for e in prof.key_averages() if str(e.device_type).endswith(kind)]
+            _, _, events, own = _profiled(functools.partial(_prefill_step, engine, n, length, g))
             entry["top_kernels"] = [
                 {"name": e.key[:90], "ms": own(e) / 1000, "calls": e.count}
                 for e in sorted(events, key=own, reverse=True)[:20]
