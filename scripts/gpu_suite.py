@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import functools
+import gc
 import json
 import os
 import re
@@ -88,6 +90,9 @@ class Sizes:
     serve_args: tuple[str, ...]
     host_gb: str  # host tier of the last configuration
     port: int  # 0: a free one
+    # agent_sweep: `kestrel bench agent`'s concurrency sweep against `kestrel serve` (enough memory)
+    sweep: dict
+    sweep_serve_args: tuple[str, ...]
 
 
 H200 = Sizes(
@@ -132,6 +137,15 @@ H200 = Sizes(
     serve_args=("--max-running-requests", "16", "--max-model-len", "20000"),
     host_gb="16",
     port=8123,
+    sweep={
+        "concurrency": (1, 4, 16, 64, 256),
+        "turns": 3,
+        "history_tokens": 8192,
+        "append_tokens": (100, 2000),
+        "reply_tokens": (50, 500),
+        "think_time_s": (0, 1.0),
+    },
+    sweep_serve_args=("--max-running-requests", "256", "--max-model-len", "16384"),
 )
 
 # The same code paths on the CPU: the tiny preset (the trained demo checkpoint for parity: its held-out prompts),
@@ -189,6 +203,15 @@ SMOKE = Sizes(
     serve_args=("--max-running-requests", "16", "--max-model-len", "1024", "--dtype", "bfloat16"),
     host_gb="0.01",
     port=0,
+    sweep={
+        "concurrency": (1, 2),
+        "turns": 2,
+        "history_tokens": 128,
+        "append_tokens": (8, 16),
+        "reply_tokens": (2, 4),
+        "think_time_s": (0, 0),
+    },
+    sweep_serve_args=("--max-running-requests", "4", "--max-model-len", "1024"),
 )
 S = H200  # main() switches to SMOKE under --smoke
 OUT = Path(os.environ.get("OUT", "."))  # --out
@@ -1037,6 +1060,52 @@ def cache_targets() -> dict:
     return result
 
 
+def agent_sweep() -> dict:
+    """Issue 6's agent benchmark on the H200: `kestrel serve` on mini (random weights, prefix cache on, enough
+    memory), driven by `kestrel bench agent`'s sweep over concurrency. Writes $OUT/agent.json (the PNG is
+    drawn from it afterwards with kestrel.bench.agent.report.plot_sweep: the device image has no matplotlib)."""
+    from kestrel.bench.agent import AgentBenchConfig, Spread, run_sweep
+    from kestrel.bench.agent.report import write_json
+
+    w = S.sweep
+    cfg = AgentBenchConfig(
+        concurrency=tuple(w["concurrency"]),
+        turns=w["turns"],
+        history_tokens=w["history_tokens"],
+        append_tokens=Spread("uniform", *w["append_tokens"]),
+        reply_tokens=Spread("uniform", *w["reply_tokens"]),
+        think_time_s=Spread("uniform", *w["think_time_s"]),
+        chars_per_token=1.0,
+    )
+    port = S.port or _free_port()
+    cfg = dataclasses.replace(cfg, base_url=f"http://127.0.0.1:{port}/v1")
+    proc = _serve(["--model", S.model, *S.sweep_serve_args], port)
+    try:
+        result = run_sweep(cfg, progress=False, on_level=lambda r: write_json(r, OUT / "agent.json"))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    write_json(result, OUT / "agent.json")
+    levels = [
+        {"concurrency": level["concurrency"], **{k: level["summary"].get(k) for k in _SWEEP_KEYS}}
+        for level in result["levels"]
+    ]
+    for level in levels:
+        print("agent", json.dumps(level)[:400], flush=True)
+    return {"levels": levels, "json": "agent.json"}
+
+
+_SWEEP_KEYS = (
+    "num_ok",
+    "num_failed",
+    "output_tokens_per_s",
+    "output_tokens_per_s_per_gpu",
+    "decode_tokens_per_s_per_user",
+    "ttft_s",
+    "server_cache",
+)
+
+
 def bench_kernels() -> dict:
     from kestrel.bench.kernels import KERNEL_CASES, kernels_bench
 
@@ -1072,6 +1141,7 @@ SECTIONS = {
     "bench_kernels": bench_kernels,
     "bench_decode": bench_decode,
     "cache_targets": cache_targets,
+    "agent_sweep": agent_sweep,
 }
 
 
@@ -1118,6 +1188,9 @@ def main() -> None:
     except ImportError:
         record["fla_core"] = None
     for name in sections:
+        gc.collect()  # the previous section's engines and graphs: their memory back before the next plans its pools
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         start = time.perf_counter()
         try:
             record["sections"][name] = SECTIONS[name]()

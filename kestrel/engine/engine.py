@@ -77,8 +77,16 @@ def plan_memory(
         kv_bytes = cfg.kv_cache_bytes
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        # Room for activations: a prefill chunk's hidden states and its logits, with a generous margin.
-        reserve = 2 * 2**30 + 8 * cfg.chunked_prefill_size * (model.hidden_size + model.vocab_size) * 4
+        # Room for activations, with a generous margin: a prefill chunk's hidden states and its MoE and
+        # attention intermediates (64 B per hidden unit), its indexer scores and top-k workspace over the whole
+        # context (8 B per pair), and the fp32 logits of the rows that sample (only those get logits).
+        chunk = cfg.chunked_prefill_size
+        reserve = (
+            2 * 2**30
+            + 64 * chunk * model.hidden_size
+            + 8 * chunk * max_len
+            + 16 * cfg.max_running_requests * model.vocab_size
+        )
         if read_env().attn_backend == "torch":
             # The torch decode path gathers every running request's padded history (fp32 copies included);
             # the Triton kernels read the pages in place.
