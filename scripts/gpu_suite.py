@@ -959,11 +959,10 @@ def _serve(args: list[str], port: int):
     raise RuntimeError("the server did not come up")
 
 
-def cache_targets() -> dict:
-    """Issue 6's targets on mini: (1) TTFT of a turn with a 32K cached history and a 500-token append vs the
-    same turn with the cache off; (2) reuse of reusable tokens in the agent workload with enough memory;
-    (3) agent throughput with the GPU pool at 25% of the working set, host tier on vs off."""
-    from kestrel.bench.agent import AgentBenchConfig, Spread, run_sweep
+def cache_ttft() -> dict:
+    """Issue 6's first target on mini: TTFT of a turn with a 32K cached history and a 500-token append vs the
+    same turn with the cache off; then where the cached turn's time goes (torch.profiler over the same turn
+    once more: its kernels' own time and count, the top kernels and the top CPU ops)."""
     from kestrel.config import EngineConfig
     from kestrel.engine.engine import Engine
     from kestrel.models.loader import build_model
@@ -997,12 +996,41 @@ def cache_targets() -> dict:
                 engine, history + [5]
             )  # the previous turn: leaves a checkpoint at the end of the history
         result[f"ttft_ms_cache_{'on' if cache else 'off'}"] = _ttft_ms(engine, turn)
+        if (
+            cache
+        ):  # the same turn once more, profiled: its history is still cached, the append is a hit now too
+            ms, prof, events, own = _profiled(functools.partial(_ttft_ms, engine, turn[:-1] + [7]))
+            kinds = {e.device_type for e in events}
+            cpu = [e for e in prof.key_averages() if e.device_type not in kinds or S.device != "cuda"]
+            result["profiled_hit"] = {
+                "ttft_ms": ms,
+                "kernels_ms": sum(own(e) for e in events) / 1000,
+                "kernel_launches": sum(e.count for e in events),
+                "top_kernels": [
+                    {"name": e.key[:90], "ms": own(e) / 1000, "calls": e.count}
+                    for e in sorted(events, key=own, reverse=True)[:15]
+                ],
+                "top_cpu_ops": [
+                    {"name": e.key[:90], "ms": e.self_cpu_time_total / 1000, "calls": e.count}
+                    for e in sorted(cpu, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+                ],
+            }
         engine = None  # noqa: F841
         torch.cuda.empty_cache()
     result["ttft_ratio"] = result["ttft_ms_cache_on"] / result["ttft_ms_cache_off"]
-    print("ttft", json.dumps(result), flush=True)
-    del net
-    torch.cuda.empty_cache()
+    print("ttft", json.dumps(result)[:4000], flush=True)
+    return result
+
+
+def cache_targets(
+    configs: tuple[str, ...] = ("enough_memory", "gpu_25pct_no_host", "gpu_25pct_host"),
+) -> dict:
+    """Issue 6's targets on mini: (1) `cache_ttft` (with every configuration); (2) reuse of reusable tokens in
+    the agent workload with enough memory; (3) agent throughput with the GPU pool at 25% of the working set,
+    host tier on vs off."""
+    from kestrel.bench.agent import AgentBenchConfig, Spread, run_sweep
+
+    result = cache_ttft() if len(configs) == 3 else {}
 
     a = S.agent
     append, reply = Spread("uniform", *a["append_tokens"]), Spread("uniform", *a["reply_tokens"])
@@ -1027,11 +1055,12 @@ def cache_targets() -> dict:
     result["working_set_gib"], result["gpu_pool_gib_at_25pct"] = working_set / 2**30, float(pool_gb)
     base = ["--model", S.model, *S.serve_args]
     port = S.port or _free_port()
-    for name, extra in (
-        ("enough_memory", []),
-        ("gpu_25pct_no_host", ["--kv-cache-gb", pool_gb]),
-        ("gpu_25pct_host", ["--kv-cache-gb", pool_gb, "--hicache-host-gb", S.host_gb]),
-    ):
+    every = {
+        "enough_memory": [],
+        "gpu_25pct_no_host": ["--kv-cache-gb", pool_gb],
+        "gpu_25pct_host": ["--kv-cache-gb", pool_gb, "--hicache-host-gb", S.host_gb],
+    }
+    for name, extra in ((name, every[name]) for name in configs):
         try:  # one configuration failing keeps the figures of the others
             proc = _serve(base + extra, port)
             try:
@@ -1052,7 +1081,9 @@ def cache_targets() -> dict:
             "ttft_s": level["ttft_s"],
         }
         print(name, json.dumps(result[name])[:400], flush=True)
-    if "error" not in result["gpu_25pct_host"] and "error" not in result["gpu_25pct_no_host"]:
+    if all(
+        name in result and "error" not in result[name] for name in ("gpu_25pct_host", "gpu_25pct_no_host")
+    ):
         result["host_tier_speedup"] = (
             result["gpu_25pct_host"]["output_tokens_per_s"]
             / result["gpu_25pct_no_host"]["output_tokens_per_s"]
@@ -1141,6 +1172,8 @@ SECTIONS = {
     "bench_kernels": bench_kernels,
     "bench_decode": bench_decode,
     "cache_targets": cache_targets,
+    "cache_ttft": cache_ttft,
+    "cache_reuse": functools.partial(cache_targets, configs=("enough_memory",)),
     "agent_sweep": agent_sweep,
 }
 

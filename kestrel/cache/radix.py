@@ -317,15 +317,30 @@ class RadixCache:
             self._demote(min(victims, key=lambda n: n.last_access))
         return self.kv_pool.num_free_pages - before
 
+    def _superseded(self) -> set[Node]:
+        """Nodes below which a deeper node holds a GPU checkpoint: a conversation that grew past them resumes
+        from that deeper one, so theirs serve only a branch off the middle."""
+        covered: set[Node] = set()
+        for node in self._nodes():
+            if node.checkpoint is None:
+                continue
+            up = node.parent
+            while up is not None and up is not self.root and up not in covered:
+                covered.add(up)
+                up = up.parent
+        return covered
+
     def evict_checkpoints(self, needed: int) -> int:
-        """Free `needed` checkpoint slots, least recently used first, skipping locked nodes; the checkpoints go
-        down to a lower tier where there is one."""
+        """Free `needed` checkpoint slots, skipping locked nodes: superseded checkpoints first (a deeper one on
+        the same path holds more of the conversation), least recently used first within each kind; the
+        checkpoints go down to a lower tier where there is one."""
         freed = 0
         while freed < needed:
             holders = [n for n in self._nodes() if n.checkpoint is not None and n.lock == 0]
             if not holders:
                 break
-            node = min(holders, key=lambda n: n.last_access)
+            covered = self._superseded()
+            node = min(holders, key=lambda n: (n not in covered, n.last_access))
             if self.tiers is not None:
                 node.state_entry = self._save("state", node.checkpoint)
             self.checkpoint_pool.free(node.checkpoint)

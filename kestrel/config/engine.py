@@ -34,7 +34,7 @@ class EngineConfig:
     checkpoint_interval: int = (
         1024  # save a KDA checkpoint every this many prefill tokens (multiple of pages)
     )
-    num_checkpoints: int | None = None  # checkpoint slots (default: 2 per running request, at least 16)
+    num_checkpoints: int | None = None  # checkpoint slots (default: 4 per running request, at least 16)
     # HiCache: what the GPU evicts from the prefix cache goes to host memory, and from there to disk.
     hicache_host_bytes: int = 0  # host tier size (pinned with CUDA); 0 = off
     hicache_disk_dir: str | None = None  # disk tier folder (below the host tier); None = no disk tier

@@ -52,6 +52,7 @@ class MemoryPlan:
     kv_bytes_per_token: int
     state_bytes_per_slot: int
     max_model_len: int
+    num_checkpoints: int = 0  # prefix cache: KDA state checkpoint slots (each the size of a state slot)
 
     def describe(self) -> str:
         gib = 2**30
@@ -60,6 +61,8 @@ class MemoryPlan:
             f"= {self.num_slots * self.state_bytes_per_slot / gib:.3f} GiB; {self.num_pages} KV pages x "
             f"{self.page_size} tokens = {self.num_pages * self.page_size} tokens x {self.kv_bytes_per_token} B "
             f"= {self.num_pages * self.page_size * self.kv_bytes_per_token / gib:.3f} GiB; "
+            f"{self.num_checkpoints} prefix-cache checkpoints = "
+            f"{self.num_checkpoints * self.state_bytes_per_slot / gib:.3f} GiB; "
             f"bytes per request = {self.state_bytes_per_slot} + {self.kv_bytes_per_token} per token; "
             f"max context {self.max_model_len} tokens"
         )
@@ -71,7 +74,12 @@ def plan_memory(
     """Slots first (one per running request), then KV pages from the remaining budget."""
     per_token = max(KVPool.bytes_per_token(model, dtype, cfg.index_key_dtype == "fp8"), 1)
     per_slot = StatePool.bytes_per_slot(model, dtype)
-    state = cfg.max_running_requests * per_slot
+    # the prefix cache's KDA checkpoints: by default 4 per running request (an agent session keeps its interval
+    # checkpoints and the ends of its turns), at least 16
+    checkpoints = (
+        (cfg.num_checkpoints or max(16, 4 * cfg.max_running_requests)) if cfg.enable_prefix_cache else 0
+    )
+    state = (cfg.max_running_requests + checkpoints) * per_slot
     max_len = min(model.max_position_embeddings, cfg.max_model_len or model.max_position_embeddings)
     if cfg.kv_cache_bytes is not None:
         kv_bytes = cfg.kv_cache_bytes
@@ -100,18 +108,23 @@ def plan_memory(
         kv_bytes = int((free - state - reserve) * cfg.mem_fraction)
     else:
         kv_bytes = _CPU_KV_BYTES
-    # never take more pages than the running requests can fill
-    useful = cfg.max_running_requests * -(-max_len // cfg.page_size) + 1
-    num_pages = min(kv_bytes // (cfg.page_size * per_token), useful)
+    num_pages = kv_bytes // (cfg.page_size * per_token)
+    if not cfg.enable_prefix_cache and cfg.kv_cache_bytes is None:
+        # without a prefix cache, never take more pages than the running requests can fill; with one, the
+        # pages past that hold the cached prefixes
+        num_pages = min(num_pages, cfg.max_running_requests * -(-max_len // cfg.page_size) + 1)
     if num_pages < 1:
         raise KestrelError(
-            f"no memory left for KV pages after {cfg.max_running_requests} state slots "
-            f"({state / 2**30:.2f} GiB): lower --max-running-requests or raise --mem-fraction"
+            f"no memory left for KV pages after {cfg.max_running_requests} state slots and {checkpoints} "
+            f"checkpoints ({state / 2**30:.2f} GiB): lower --max-running-requests or --num-checkpoints, or raise "
+            f"--mem-fraction"
         )
     limit = min(model.max_position_embeddings, num_pages * cfg.page_size)
     if cfg.max_model_len is not None:
         limit = min(limit, cfg.max_model_len)
-    return MemoryPlan(cfg.max_running_requests, num_pages, cfg.page_size, per_token, per_slot, limit)
+    return MemoryPlan(
+        cfg.max_running_requests, num_pages, cfg.page_size, per_token, per_slot, limit, checkpoints
+    )
 
 
 class Engine:
@@ -133,8 +146,9 @@ class Engine:
         self.state_pool = StatePool(mc, self.plan.num_slots, dtype, self.device)
         self.cache = None
         if config.enable_prefix_cache:
-            n_ckpt = config.num_checkpoints or max(16, 2 * self.plan.num_slots)
-            self.checkpoint_pool = StatePool(mc, n_ckpt, dtype, self.device, zero_on_alloc=False)
+            self.checkpoint_pool = StatePool(
+                mc, self.plan.num_checkpoints, dtype, self.device, zero_on_alloc=False
+            )
             tiers = None
             if config.hicache_host_bytes:
                 tiers = HiCache(

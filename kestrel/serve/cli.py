@@ -113,7 +113,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="save a KDA checkpoint every this many prefill tokens (a multiple of --page-size; 0 = off)",
     )
     p.add_argument(
-        "--num-checkpoints", type=_positive_int, default=None, help="KDA checkpoint slots on the GPU"
+        "--num-checkpoints",
+        type=_positive_int,
+        default=None,
+        help="KDA checkpoint slots on the GPU (default: 4 per running request, at least 16)",
     )
     p.add_argument(
         "--hicache-host-gb",

@@ -106,6 +106,28 @@ def test_eviction_is_lru_and_respects_locks(tree):
     cache.check()
 
 
+def test_superseded_checkpoints_are_evicted_first(tree):
+    """A conversation's earlier checkpoint goes before another conversation's last one, even a less recent one."""
+    cache, kv, ckpt = tree
+
+    def add(tokens):
+        pages = kv.alloc(len(tokens) // PS)
+        node = cache.insert(tokens, pages)
+        kv.free(pages)
+        assert cache.attach_checkpoint(node, ckpt.alloc())
+        return node
+
+    other = add([9] * 8)  # the least recent
+    turn1 = add([1] * 8)
+    turn2 = add([1] * 8 + [2] * 8)  # the same conversation, grown past turn1
+    cache.match([1] * 16 + [3])  # touch the conversation
+    assert cache.evict_checkpoints(1) == 1
+    assert turn1.checkpoint is None and other.checkpoint is not None and turn2.checkpoint is not None
+    assert cache.evict_checkpoints(1) == 1  # then least recently used: the other conversation's
+    assert other.checkpoint is None and turn2.checkpoint is not None
+    cache.check()
+
+
 # -- checkpoint placement ----------------------------------------------------------------------------------------
 
 
