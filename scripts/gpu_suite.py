@@ -1202,7 +1202,8 @@ def main() -> None:
         os.environ.update(KESTREL_KDA_BACKEND="naive", KESTREL_ATTN_BACKEND="torch")
         os.environ.setdefault("TRITON_INTERPRET", "1")
     PARITY_MODELS[:] = (args.parity_models or S.parity_models).split(",")
-    every = [name for name in SECTIONS if name != "parity"]  # foundation runs parity
+    # foundation runs parity, cache_targets runs cache_ttft and the servers of cache_reuse
+    every = [name for name in SECTIONS if name not in ("parity", "cache_ttft", "cache_reuse")]
     sections = every if args.sections == "all" else args.sections.split(",")
     OUT = Path(args.out)
     OUT.mkdir(parents=True, exist_ok=True)

@@ -39,11 +39,13 @@ EXPECTED = {
         "ttft_ms_cache_off",
         "ttft_ms_cache_on",
         "ttft_ratio",
+        "profiled_hit",
         "enough_memory",
         "gpu_25pct_no_host",
         "gpu_25pct_host",
         "host_tier_speedup",
     },
+    "agent_sweep": {"levels", "json"},
 }
 
 
@@ -102,6 +104,9 @@ def test_smoke_figures_are_real(sections):
     assert {(r["context"], r["index_keys"]) for r in decode_runs} >= {(4028, "bf16"), (4028, "fp8")}
     for config in ("enough_memory", "gpu_25pct_no_host", "gpu_25pct_host"):
         assert sections["cache_targets"][config]["ttft_s"]["n"] > 0
+    assert sections["cache_targets"]["profiled_hit"]["top_kernels"]
+    sweep = sections["agent_sweep"]["levels"]
+    assert [level["concurrency"] for level in sweep] == [1, 2] and all(level["num_ok"] > 0 for level in sweep)
 
 
 def test_gpu_tests_log_parser_reads_a_cut_log(monkeypatch):

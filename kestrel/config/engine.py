@@ -26,7 +26,7 @@ class EngineConfig:
     mem_fraction: float = 0.85  # of the GPU memory free after weights and state slots, for KV pages
     kv_cache_bytes: int | None = None  # explicit KV budget (default on CPU: 256 MiB)
     max_model_len: int | None = None  # context limit (default: the model's, capped by the KV pool)
-    chunked_prefill_size: int = 2048  # tokens per step (prefill chunks + decode tokens)
+    chunked_prefill_size: int = 8192  # tokens per step (prefill chunks + decode tokens)
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
     max_queued_requests: int = 4096  # server: past this many waiting requests, answer 503
@@ -34,7 +34,9 @@ class EngineConfig:
     checkpoint_interval: int = (
         1024  # save a KDA checkpoint every this many prefill tokens (multiple of pages)
     )
-    num_checkpoints: int | None = None  # checkpoint slots (default: 4 per running request, at least 16)
+    num_checkpoints: int | None = (
+        None  # checkpoint slots (default: 4 per running request, at least 16; on the GPU up to 1/8 of the cache memory)
+    )
     # HiCache: what the GPU evicts from the prefix cache goes to host memory, and from there to disk.
     hicache_host_bytes: int = 0  # host tier size (pinned with CUDA); 0 = off
     hicache_disk_dir: str | None = None  # disk tier folder (below the host tier); None = no disk tier

@@ -71,11 +71,14 @@ class MemoryPlan:
 def plan_memory(
     model: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device
 ) -> MemoryPlan:
-    """Slots first (one per running request), then KV pages from the remaining budget."""
+    """Slots first (one per running request), then the prefix cache's checkpoints, then KV pages from the
+    remaining budget."""
     per_token = max(KVPool.bytes_per_token(model, dtype, cfg.index_key_dtype == "fp8"), 1)
     per_slot = StatePool.bytes_per_slot(model, dtype)
-    # the prefix cache's KDA checkpoints: by default 4 per running request (an agent session keeps its interval
-    # checkpoints and the ends of its turns), at least 16
+    # The prefix cache's KDA checkpoints (each the size of a state slot): at least 4 per running request (an
+    # agent session keeps its interval checkpoints and the ends of its turns) and 16; on the GPU, by default,
+    # up to an eighth of the cache's memory, so that a cache with room for many sessions' KV has room for
+    # their checkpoints too.
     checkpoints = (
         (cfg.num_checkpoints or max(16, 4 * cfg.max_running_requests)) if cfg.enable_prefix_cache else 0
     )
@@ -106,6 +109,9 @@ def plan_memory(
                 * 4
             )
         kv_bytes = int((free - state - reserve) * cfg.mem_fraction)
+        if cfg.enable_prefix_cache and cfg.num_checkpoints is None:
+            more = max(0, (kv_bytes + checkpoints * per_slot) // 8 // per_slot - checkpoints)
+            checkpoints, kv_bytes = checkpoints + more, kv_bytes - more * per_slot
     else:
         kv_bytes = _CPU_KV_BYTES
     num_pages = kv_bytes // (cfg.page_size * per_token)

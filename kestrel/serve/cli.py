@@ -103,7 +103,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-model-len", type=_positive_int, default=None, help="context limit (prompt + output)"
     )
-    p.add_argument("--chunked-prefill-size", type=_positive_int, default=2048, help="tokens per step")
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=_positive_int,
+        default=8192,
+        help="tokens per step (prefill chunks + decode)",
+    )
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--disable-prefix-cache", action="store_true", help="no radix prefix cache")
     p.add_argument(
@@ -116,7 +121,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--num-checkpoints",
         type=_positive_int,
         default=None,
-        help="KDA checkpoint slots on the GPU (default: 4 per running request, at least 16)",
+        help="KDA checkpoint slots (default: 4 per running request, at least 16; on the GPU up to 1/8 of the cache)",
     )
     p.add_argument(
         "--hicache-host-gb",
