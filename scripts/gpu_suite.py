@@ -1174,6 +1174,7 @@ SECTIONS = {
     "cache_targets": cache_targets,
     "cache_ttft": cache_ttft,
     "cache_reuse": functools.partial(cache_targets, configs=("enough_memory",)),
+    "cache_host": functools.partial(cache_targets, configs=("gpu_25pct_no_host", "gpu_25pct_host")),
     "agent_sweep": agent_sweep,
 }
 
@@ -1192,6 +1193,11 @@ def main() -> None:
         f"(default {H200.parity_models}; --smoke: {SMOKE.parity_models})",
     )
     parser.add_argument(
+        "--agent-concurrency",
+        default=None,
+        help=f"agent_sweep: concurrency levels (default {','.join(map(str, H200.sweep['concurrency']))})",
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="every section's code on the CPU at tiny sizes (no figures)"
     )
     args = parser.parse_args()
@@ -1202,8 +1208,12 @@ def main() -> None:
         os.environ.update(KESTREL_KDA_BACKEND="naive", KESTREL_ATTN_BACKEND="torch")
         os.environ.setdefault("TRITON_INTERPRET", "1")
     PARITY_MODELS[:] = (args.parity_models or S.parity_models).split(",")
-    # foundation runs parity, cache_targets runs cache_ttft and the servers of cache_reuse
-    every = [name for name in SECTIONS if name not in ("parity", "cache_ttft", "cache_reuse")]
+    if args.agent_concurrency:
+        S = dataclasses.replace(
+            S, sweep={**S.sweep, "concurrency": tuple(int(c) for c in args.agent_concurrency.split(","))}
+        )
+    # foundation runs parity, cache_targets runs cache_ttft and the servers of cache_reuse and cache_host
+    every = [name for name in SECTIONS if name not in ("parity", "cache_ttft", "cache_reuse", "cache_host")]
     sections = every if args.sections == "all" else args.sections.split(",")
     OUT = Path(args.out)
     OUT.mkdir(parents=True, exist_ok=True)

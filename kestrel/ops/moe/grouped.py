@@ -80,10 +80,11 @@ def moe_experts_grouped(
     gate_up = _grouped_linear(x[token], w13, offs, use_grouped_mm)  # [M, 2I]
     h = glu_act(gate_up, act, situ_beta, situ_linear_beta)  # [M, I]
     y = _grouped_linear(h, w2, offs, use_grouped_mm)  # [M, Din]
-    y = y.float() * weights.reshape(-1)[order, None].float()  # [M, Din]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, Din]
-    out.index_add_(0, token, y)
-    return out.to(x.dtype)
+    y = y.float() * weights.reshape(-1)[order, None].float()  # [M, Din] expert-major
+    # back to (token, slot) order, then each token's A rows summed in slot order: a copy to distinct rows and a
+    # reduction, with no atomics (index_add_ into T rows serializes on repeated tokens and sums in no set order)
+    pairs = torch.empty_like(y).index_copy_(0, order, y)  # [M, Din]
+    return pairs.view(T, A, -1).sum(1).to(x.dtype)
 
 
 @functools.cache
