@@ -102,6 +102,22 @@ def test_out_of_range_ids_add_nothing(monkeypatch):
     assert_matches(got, ref)
 
 
+@pytest.mark.parametrize("M, E", [(1, 8), (7, 5), (300, 64), (2048, 64), (2049, 64)])
+def test_sort_pairs_is_a_stable_sort_by_expert(M, E):
+    """The counting sort (up to COUNTING_SORT_MAX_PAIRS pairs) and torch.sort past it give torch.sort's stable
+    order and the experts' first rows, out-of-range ids (another rank's experts) included among the ids."""
+    mod = _experts()
+    assert mod.COUNTING_SORT_MAX_PAIRS == 2048  # the cases straddle it
+    g = torch.Generator().manual_seed(M)
+    ids = torch.randint(-2, E + 2, (M,), generator=g).to(DEVICE)
+    order, starts = mod.sort_pairs(ids, E)
+    sorted_ids, ref_order = torch.sort(ids, stable=True)
+    ref_starts = torch.searchsorted(sorted_ids, torch.arange(E + 1, device=DEVICE), out_int32=True)
+    assert starts.tolist() == ref_starts.tolist()
+    inside = slice(int(starts[0]), int(starts[E]))  # the rows the kernels read
+    assert order[inside].tolist() == ref_order[inside].tolist()
+
+
 def test_no_tokens_and_bad_activation():
     x, w13, w2, weights, ids = _inputs(0, Din=40, I=24, E=5, A=3, dtype=torch.float32, seed=8)
     assert _experts().moe_experts_triton(x, w13, w2, weights, ids, "silu").shape == (0, 40)

@@ -4,7 +4,8 @@ Legend: T tokens, A = experts per token, M = T * A (token, slot) pairs, E routed
 size, Din expert input width, BM / BN / BK tile sizes (pairs, output units, reduction). Expert weights are
 stacked as in `naive`: w13 [E, 2I, Din] (gate rows, then up rows), w2 [E, Din, I].
 
-The pairs are sorted by expert id on the device (torch.sort on M ints); expert e owns the sorted rows
+The pairs are sorted by expert id on the device (`sort_pairs`: a one-program counting sort up to 2048 pairs,
+torch.sort past that); expert e owns the sorted rows
 starts[e]:starts[e + 1] and cuts them into cdiv(count_e, BM) blocks of at most BM pairs. Program (b, n) of each
 kernel finds its expert and rows from `starts` alone (a cumulative sum over E inside the kernel), so the grid is
 a bound fixed by M and E, min(M, M // BM + E) blocks, programs past the last block return at once: no host
@@ -22,8 +23,9 @@ call; Triton with the tiles of `_tiles`, T=8..4096 with an earlier, slower gate_
     T          1     8     64    170   256   1024   4096
     grouped    72    116   176   196   209   405    1077
     Triton     30    60    101   110   111   214    491
-T = 1 is far above its 4.5 us of bytes (not yet profiled: six or more small launches, sort and searchsorted
-included, and few programs in flight); T = 64 reads every expert once (201 MB, 47 us at 4.2 TB/s).
+T = 1 is far above its 4.5 us of bytes (not yet profiled: six or more small launches, torch.sort and
+searchsorted included then, before `sort_pairs`, and few programs in flight); T = 64 reads every expert
+once (201 MB, 47 us at 4.2 TB/s).
 
 ids outside [0, E) (another rank's experts under EP) fall in no block and add nothing. Inference only: no
 autograd.
@@ -175,6 +177,57 @@ def _down_kernel(
 
 
 @triton.jit
+def _sort_pairs_kernel(ids, order, starts, M, E, EP: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: a stable counting sort of the M pair ids by expert. starts[e] (e = 0..E) is the first
+    sorted row of expert e (the ids below 0 come first, as in a sort), order[starts[e] + j] the pair of
+    expert e's j-th pair in pair order. Rows of out-of-range ids are left unwritten: no block reads them."""
+    es = tl.arange(0, EP)
+    counts = tl.zeros([EP], dtype=tl.int32)
+    below = tl.zeros([EP], dtype=tl.int32)  # ids < 0, counted in every lane (a vector: a loop-carried value)
+    for off in range(0, M, BLOCK):
+        p = off + tl.arange(0, BLOCK)
+        live = p < M
+        v = tl.load(ids + p, mask=live, other=0).to(tl.int32)  # [BLOCK]
+        counts += tl.histogram(v, EP, mask=live & (v >= 0) & (v < E))
+        below += tl.sum((live & (v < 0)).to(tl.int32), 0)
+    first = below + tl.cumsum(counts, 0) - counts  # [EP] first sorted row of each expert
+    tl.store(starts + es, first, mask=es < E)
+    tl.store(starts + E + es, below + tl.sum(counts, 0), mask=es == 0)
+    taken = tl.zeros([EP], dtype=tl.int32)  # pairs of each expert placed so far
+    for off in range(0, M, BLOCK):
+        p = off + tl.arange(0, BLOCK)
+        live = p < M
+        v = tl.load(ids + p, mask=live, other=-1).to(tl.int32)
+        mine = (v[:, None] == es[None, :]) & live[:, None] & (v[:, None] < E)  # [BLOCK, EP] one-hot
+        onehot = mine.to(tl.int32)
+        rank = tl.sum(tl.where(mine, tl.cumsum(onehot, 0) + (first + taken)[None, :], 0), 1)  # [BLOCK]
+        tl.store(order + rank - 1, p.to(tl.int64), mask=live & (v >= 0) & (v < E))
+        taken += tl.sum(onehot, 0)
+
+
+# Up to this many pairs one program sorts them (`_sort_pairs_kernel`, one launch instead of torch.sort,
+# arange and searchsorted); past it torch.sort. A bound chosen to cover decode batches up to 256 at top-6; not
+# yet measured against torch.sort on the GPU.
+COUNTING_SORT_MAX_PAIRS = 2048
+
+
+def sort_pairs(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [M] int64, starts [E + 1] int32) of the flattened pair ids [M]: the pairs of expert e are
+    order[starts[e]:starts[e + 1]], in pair order (a stable sort by expert)."""
+    flat = ids.reshape(-1)
+    M = flat.numel()
+    if M <= COUNTING_SORT_MAX_PAIRS:
+        order = torch.empty(M, dtype=torch.int64, device=flat.device)
+        starts = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
+        ep = triton.next_power_of_2(E)
+        _sort_pairs_kernel[(1,)](flat, order, starts, M, E, EP=ep, BLOCK=min(256, triton.next_power_of_2(M)))
+        return order, starts
+    sorted_ids, order = torch.sort(flat, stable=True)  # [M], [M] expert-major, then pair order
+    bounds = torch.arange(E + 1, device=flat.device, dtype=flat.dtype)  # [E + 1]
+    return order, torch.searchsorted(sorted_ids, bounds, out_int32=True)  # [E + 1] first sorted row of each
+
+
+@triton.jit
 def _combine_kernel(y, ids, out, Din, E, A: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -243,10 +296,7 @@ def moe_experts_triton(
     if M == 0:
         return out.zero_()
 
-    flat = ids.reshape(-1)  # [M]
-    sorted_ids, order = torch.sort(flat, stable=True)  # [M], [M] expert-major, then pair order
-    bounds = torch.arange(E + 1, device=x.device, dtype=flat.dtype)  # [E + 1]
-    starts = torch.searchsorted(sorted_ids, bounds, out_int32=True)  # [E + 1] first sorted row of each expert
+    order, starts = sort_pairs(ids, E)  # [M], [E + 1]
     h = _scratch((M, I), x.dtype, x.device)  # [M, I] in sorted order
     y = _scratch((M, Din), torch.float32, x.device)  # [M, Din] in pair order, weighted
 
