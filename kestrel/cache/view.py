@@ -11,6 +11,23 @@ from kestrel.cache.state_pool import StatePool
 from kestrel.ops.quant import dequantize_fp8_rows
 
 
+class KDASaves:
+    """KDA states to save at positions inside a prefill chunk, in the same forward: each save is one more
+    varlen segment, a copy of the first `length` new tokens of batch sequence `seq`, starting from that
+    sequence's initial state; its final state is the state at the save's position.
+    seqs [X] (batch index of each save), rows [sum of lengths] (packed-token rows the segments copy, in order),
+    cu_seqlens [N + X + 1] (the batch's sequences, then the saves), slots [X] (checkpoint slots of `pool`)."""
+
+    def __init__(self, pool: StatePool, seqs, lengths, starts, cu_seqlens: list[int], slots, device):
+        self.pool = pool
+        self.seqs = torch.tensor(seqs, device=device)
+        rows = [torch.arange(a, a + n) for a, n in zip(starts, lengths)]
+        self.rows = torch.cat(rows).to(device)
+        tail = torch.tensor(lengths).cumsum(0) + cu_seqlens[-1]
+        self.cu_seqlens = torch.cat([torch.tensor(cu_seqlens), tail]).to(device)
+        self.slots = torch.tensor(slots, device=device)
+
+
 class PagedCacheView:
     """slots [N] state slots; write_rows [T] pool rows of the new tokens (packed order);
     page_table [N, maxp] (padded with page 0) and lens [N] (tokens cached after this step) for batched
@@ -29,6 +46,17 @@ class PagedCacheView:
         self.kv_pool, self.state_pool = kv_pool, state_pool
         self.slots, self.write_rows = slots, write_rows
         self.page_table, self.lens, self.read_rows = page_table, lens, read_rows
+        self.saves: KDASaves | None = None
+
+    def kda_saves(self) -> KDASaves | None:
+        """Mid-chunk KDA checkpoints of this prefill step (None: none)."""
+        return self.saves
+
+    def save_kda_checkpoints(self, layer_id: int, ssm: torch.Tensor, conv: torch.Tensor) -> None:
+        """The final states of the `kda_saves` segments [X, ...] into their checkpoint slots."""
+        pool = self.saves.pool
+        pool.ssm[layer_id][self.saves.slots] = ssm.float()
+        pool.conv[layer_id][self.saves.slots] = conv.to(pool.conv[layer_id].dtype)
 
     def kda_pools(self, layer_id: int):
         """(recurrent-state pool [S, H, K, V], conv-window pool [S, C, W - 1], slots [N]): decode updates the

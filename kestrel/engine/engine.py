@@ -186,6 +186,7 @@ class Engine:
             self.plan.max_model_len,
             use_cuda_graph=not config.disable_cuda_graph,
             max_batch=min(config.cuda_graph_max_bs, self.plan.num_slots),
+            checkpoint_pool=self.checkpoint_pool if self.cache is not None else None,
         )
         self.eos_token_ids = tuple(dict.fromkeys((*mc.eos_token_ids, *self.tokenizer.eos_token_ids)))
         self.sampler = Sampler(self.eos_token_ids)
@@ -271,6 +272,7 @@ class Engine:
                 self.cache.wait_for_loads()  # a queued request may be waiting for its prefix to come up
             return self._finish_outputs([])
         self._restore_checkpoints(batch)
+        self._plan_saves(batch)
         logits = self.runner.forward(batch)
         tokens, logprobs = self.sampler(logits, batch.sampled)
         return self._postprocess(batch, tokens, logprobs)
@@ -299,6 +301,15 @@ class Engine:
                 copy_state(self.checkpoint_pool, req.restore_from, self.state_pool, req.slot)
                 req.restore_from = None
 
+    def _plan_saves(self, batch: Batch) -> None:
+        """A checkpoint slot for each planned checkpoint inside a prefill chunk (none left: that one is
+        skipped); the KDA layers write the states there during the step."""
+        if self.cache is None:
+            return
+        for chunk in batch.prefill:
+            inside = [p for p in chunk.request.checkpoint_at if chunk.start < p < chunk.end]
+            chunk.saves = [(p, slot) for p in inside if (slot := self._checkpoint_slot()) is not None]
+
     def _checkpoint_slot(self) -> int | None:
         slot = self.checkpoint_pool.alloc()
         if slot is None and self.cache.evict_checkpoints(1):
@@ -312,6 +323,10 @@ class Engine:
             return
         for chunk in batch.prefill:
             req = chunk.request
+            for p, slot in chunk.saves:  # saved inside the chunk during the step
+                node = self.cache.insert(req.all_ids[:p], req.pages)
+                if not self.cache.attach_checkpoint(node, slot):
+                    self.checkpoint_pool.free(slot)
             if chunk.end in req.checkpoint_at and (slot := self._checkpoint_slot()) is not None:
                 copy_state(self.state_pool, req.slot, self.checkpoint_pool, slot)
                 node = self.cache.insert(req.all_ids[: chunk.end], req.pages)

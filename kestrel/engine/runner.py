@@ -14,7 +14,7 @@ import torch
 
 from kestrel.cache.kv_pool import KVPool
 from kestrel.cache.state_pool import StatePool
-from kestrel.cache.view import PagedCacheView
+from kestrel.cache.view import KDASaves, PagedCacheView
 from kestrel.engine.request import Request
 from kestrel.engine.scheduler import Batch, PrefillChunk
 from kestrel.layers.context import ForwardContext, forward_context
@@ -33,8 +33,10 @@ class ModelRunner:
         use_cuda_graph: bool = True,
         graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES,
         max_batch: int = 256,
+        checkpoint_pool: StatePool | None = None,
     ):
         self.model, self.kv_pool, self.state_pool = model, kv_pool, state_pool
+        self.checkpoint_pool = checkpoint_pool  # the prefix cache's: mid-chunk KDA checkpoints go there
         self.device = model.lm_head.weight.device
         self.max_pages = kv_pool.pages_for(max_context)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -74,6 +76,13 @@ class ModelRunner:
         )
         ctx = ForwardContext.build(new_lens, [c.start for c in chunks], view, dev)
         ctx.decode = False  # prefill chunks read per sequence, even when each is one token long
+        saves = [(i, p - c.start, slot) for i, c in enumerate(chunks) for p, slot in c.saves]
+        if saves:
+            offsets = [0, *torch.tensor(new_lens).cumsum(0).tolist()]
+            seqs, lengths, slots = (list(column) for column in zip(*saves))
+            view.saves = KDASaves(
+                self.checkpoint_pool, seqs, lengths, [offsets[i] for i in seqs], offsets, slots, dev
+            )
         ends = torch.tensor(new_lens).cumsum(0) - 1
         keep = torch.tensor([c.samples for c in chunks])
         with forward_context(ctx):

@@ -31,6 +31,9 @@ class PrefillChunk:
     request: Request
     start: int  # first position computed in this step
     end: int  # one past the last
+    # KDA checkpoints inside the chunk (start < position < end), each with the checkpoint slot its state goes
+    # to: the engine fills this before the step, and the KDA layers save those states in the same forward
+    saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -133,8 +136,8 @@ class Scheduler:
 
     def _add_chunk(self, batch: Batch, req: Request, budget: int) -> int:
         end = min(req.num_tokens, req.num_computed + budget)
-        # a chunk ends at the next planned checkpoint, so that the KDA state there can be saved
-        end = min([end] + [p for p in req.checkpoint_at if req.num_computed < p < end])
+        # planned checkpoints inside the chunk do not cut it: the KDA layers save their states in the same
+        # forward (PrefillChunk.saves), so a turn's prefill stays one forward
         batch.prefill.append(PrefillChunk(req, req.num_computed, end))
         return end - req.num_computed
 

@@ -31,6 +31,15 @@ class CacheView(Protocol):
         """Store the states after this batch (same shapes as `kda_state`)."""
         ...
 
+    def kda_saves(self):
+        """KDA states to save at positions inside this prefill step's chunks (kestrel.cache.view.KDASaves:
+        segment rows, cu_seqlens with the save segments after the batch's, target slots), or None."""
+        ...
+
+    def save_kda_checkpoints(self, layer_id: int, ssm: torch.Tensor, conv: torch.Tensor) -> None:
+        """The final states [X, ...] of `kda_saves`' segments, into their checkpoint slots."""
+        ...
+
     def kda_pools(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(recurrent-state pool [S, H, K, V], conv-window pool [S, C, W - 1], slots [N] of this batch's
         sequences): the decode path advances the states in place."""

@@ -75,23 +75,35 @@ class KimiDeltaAttention(nn.Module):
         else:
             # Prefill / training: packed varlen sequences (B = 1), states read from and written to the cache.
             ssm, conv = cache.kda_state(self.layer_id) if cache is not None else (None, None)
+            cu_seqlens, N = ctx.cu_seqlens, ctx.cu_seqlens.numel() - 1
+            saves = cache.kda_saves() if cache is not None else None
+            if saves is not None:
+                # Checkpoints inside the chunk: each is one more segment, a copy of its sequence's first tokens
+                # from the same initial state, whose final state is the state at the checkpoint (Tx tokens).
+                qkv, f, beta = (torch.cat([t, t[saves.rows]]) for t in (qkv, f, beta))
+                ssm, conv = torch.cat([ssm, ssm[saves.seqs]]), torch.cat([conv, conv[saves.seqs]])
+                cu_seqlens = saves.cu_seqlens
+            Tx = qkv.shape[0]
             qkv, conv_out = backend.short_conv(
-                qkv, self.conv_weight, conv, ctx.cu_seqlens
-            )  # [T, 3P], [N, 3P, W-1]
-            q, k, v = (t.reshape(1, T, H, K) for t in qkv.split(self.proj_dim, dim=-1))
-            g = kda_gate(f.view(1, T, H, K), self.A_log, self.dt_bias, self.lower_bound)
+                qkv, self.conv_weight, conv, cu_seqlens
+            )  # [Tx, 3P], [N (+ X), 3P, W-1]
+            q, k, v = (t.reshape(1, Tx, H, K) for t in qkv.split(self.proj_dim, dim=-1))
+            g = kda_gate(f.view(1, Tx, H, K), self.A_log, self.dt_bias, self.lower_bound)
             o, ssm_out = backend.chunk(
                 q,
                 k,
                 v,
                 g,
-                beta.view(1, T, H),
+                beta.view(1, Tx, H),
                 initial_state=ssm,
                 output_final_state=cache is not None,
                 use_qk_l2norm=True,
-                cu_seqlens=ctx.cu_seqlens,
+                cu_seqlens=cu_seqlens,
                 gate_lower_bound=self.lower_bound,
-            )  # [1, T, H, V]
+            )  # [1, Tx, H, V]
+            if saves is not None:
+                cache.save_kda_checkpoints(self.layer_id, ssm_out[N:], conv_out[N:])
+                o, ssm_out, conv_out = o[:, :T], ssm_out[:N], conv_out[:N]
             if cache is not None:
                 cache.set_kda_state(self.layer_id, ssm_out, conv_out)
 

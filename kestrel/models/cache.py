@@ -77,6 +77,9 @@ class _DenseView:
     def kda_state(self, layer_id: int):
         return self.cache.ssm[layer_id][self.rows], self.cache.conv[layer_id][self.rows]
 
+    def kda_saves(self):
+        return None  # the dense cache keeps no checkpoints
+
     def set_kda_state(self, layer_id: int, ssm: torch.Tensor, conv: torch.Tensor) -> None:
         self.cache.ssm[layer_id][self.rows] = ssm.float()
         self.cache.conv[layer_id][self.rows] = conv.to(self.cache.conv[layer_id].dtype)

@@ -139,6 +139,26 @@ def test_checkpoints_at_intervals_prompt_end_and_completion_end(model):
     assert depths == [16, 32, 44, 52]
 
 
+def test_checkpoints_inside_a_chunk_keep_the_prefill_one_forward(model, monkeypatch):
+    """Planned checkpoints inside a prefill chunk do not cut it: the KDA layers save those states in the same
+    forward, and a request resuming from one of them computes what the cache-off engine computes."""
+    engine = _engine(model, True, checkpoint_interval=16)
+    forwards = []
+    prefill = engine.runner._prefill
+    monkeypatch.setattr(
+        engine.runner, "_prefill", lambda chunks: forwards.append(len(chunks)) or prefill(chunks)
+    )
+    prompt = _ids(45, 3)
+    _generate(engine, prompt, 2)
+    assert len(forwards) == 1  # 45 tokens, checkpoints at 16, 32 and 44 saved on the way
+    depths = sorted(n.depth for n in engine.cache._nodes() if n.checkpoint is not None)
+    assert depths[:3] == [16, 32, 44]
+    branch = prompt[:34] + _ids(20, 4)  # leaves the tree at 34: resumes from the state saved at 32
+    assert engine.cache.match(branch).resume_len == 32
+    off = _engine(model, False)
+    assert _generate(engine, branch, 8) == _generate(off, branch, 8)
+
+
 # -- identity: cache on == cache off -----------------------------------------------------------------------------
 
 
