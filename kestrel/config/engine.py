@@ -31,9 +31,9 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     max_queued_requests: int = 4096  # server: past this many waiting requests, answer 503
     enable_prefix_cache: bool = True  # radix tree over KV pages + KDA state checkpoints
-    checkpoint_interval: int = (
-        1024  # save a KDA checkpoint every this many prefill tokens (multiple of pages)
-    )
+    # save a KDA checkpoint every this many prefill tokens (a multiple of pages; chunks end there): by default
+    # the chunk size, so that a long prefill's chunks are not cut shorter
+    checkpoint_interval: int = 8192
     num_checkpoints: int | None = (
         None  # checkpoint slots (default: 4 per running request, at least 16; on the GPU up to 1/8 of the cache memory)
     )

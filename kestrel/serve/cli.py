@@ -114,8 +114,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--checkpoint-interval",
         type=int,
-        default=1024,
-        help="save a KDA checkpoint every this many prefill tokens (a multiple of --page-size; 0 = off)",
+        default=8192,
+        help="save a KDA checkpoint every this many prefill tokens (a multiple of --page-size; 0 = off); "
+        "prefill chunks end there",
     )
     p.add_argument(
         "--num-checkpoints",

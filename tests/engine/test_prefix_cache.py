@@ -139,24 +139,29 @@ def test_checkpoints_at_intervals_prompt_end_and_completion_end(model):
     assert depths == [16, 32, 44, 52]
 
 
-def test_checkpoints_inside_a_chunk_keep_the_prefill_one_forward(model, monkeypatch):
-    """Planned checkpoints inside a prefill chunk do not cut it: the KDA layers save those states in the same
-    forward, and a request resuming from one of them computes what the cache-off engine computes."""
-    engine = _engine(model, True, checkpoint_interval=16)
+def test_branch_and_prompt_end_checkpoints_do_not_cut_the_chunk(model, monkeypatch):
+    """The prompt-end and branch checkpoints are saved inside their chunk (the KDA layers compute those states
+    in the same forward); requests resuming from them compute what the cache-off engine computes. Interval
+    checkpoints are where chunks end."""
+    engine, off = _engine(model, True, checkpoint_interval=32), _engine(model, False)
     forwards = []
     prefill = engine.runner._prefill
     monkeypatch.setattr(
-        engine.runner, "_prefill", lambda chunks: forwards.append(len(chunks)) or prefill(chunks)
+        engine.runner, "_prefill", lambda chunks: forwards.append(chunks[0].end) or prefill(chunks)
     )
     prompt = _ids(45, 3)
     _generate(engine, prompt, 2)
-    assert len(forwards) == 1  # 45 tokens, checkpoints at 16, 32 and 44 saved on the way
-    depths = sorted(n.depth for n in engine.cache._nodes() if n.checkpoint is not None)
-    assert depths[:3] == [16, 32, 44]
-    branch = prompt[:34] + _ids(20, 4)  # leaves the tree at 34: resumes from the state saved at 32
-    assert engine.cache.match(branch).resume_len == 32
-    off = _engine(model, False)
-    assert _generate(engine, branch, 8) == _generate(off, branch, 8)
+    assert forwards == [32, 45]  # cut at the interval checkpoint 32; the prompt-end one (44) saved inside
+    assert engine.cache.match(prompt[:44] + [7]).resume_len == 44
+    turn = prompt[:44] + _ids(20, 4)
+    assert _generate(engine, turn, 8) == _generate(off, turn, 8)
+    forwards.clear()
+    branch = prompt[:22] + _ids(8, 5)  # leaves the tree at 20: a branch checkpoint there, inside its chunk
+    assert _generate(engine, branch, 4) == _generate(off, branch, 4)
+    assert forwards == [30]
+    other = prompt[:22] + _ids(8, 6)
+    assert engine.cache.match(other).resume_len == 20
+    assert _generate(engine, other, 8) == _generate(off, other, 8)
 
 
 # -- identity: cache on == cache off -----------------------------------------------------------------------------
