@@ -318,14 +318,15 @@ class RadixCache:
         return self.kv_pool.num_free_pages - before
 
     def _superseded(self) -> set[Node]:
-        """Nodes below which a deeper node holds a GPU checkpoint: a conversation that grew past them resumes
-        from that deeper one, so theirs serve only a branch off the middle."""
+        """Nodes on a chain (one child) below which a deeper node holds a GPU checkpoint: a conversation that
+        grew past them resumes from that deeper one, so theirs serve only a new branch off the middle. Branch
+        points (a shared system prompt, sessions that diverged) are not superseded: new branches start there."""
         covered: set[Node] = set()
         for node in self._nodes():
             if node.checkpoint is None:
                 continue
             up = node.parent
-            while up is not None and up is not self.root and up not in covered:
+            while up is not None and up is not self.root and len(up.children) == 1 and up not in covered:
                 covered.add(up)
                 up = up.parent
         return covered

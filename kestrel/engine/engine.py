@@ -89,13 +89,14 @@ def plan_memory(
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         # Room for activations, with a generous margin: a prefill chunk's hidden states and its MoE and
-        # attention intermediates (64 B per hidden unit), its indexer scores and top-k workspace over the whole
-        # context (8 B per pair), and the fp32 logits of the rows that sample (only those get logits).
+        # attention intermediates (64 B per hidden unit; the KDA layers' checkpoint segments at most double the
+        # chunk), its indexer scores and top-k workspace over the whole context with DSA (8 B per pair), and
+        # the fp32 logits of the rows that sample (only those get logits).
         chunk = cfg.chunked_prefill_size
         reserve = (
             2 * 2**30
-            + 64 * chunk * model.hidden_size
-            + 8 * chunk * max_len
+            + 128 * chunk * model.hidden_size
+            + (8 * chunk * max_len if model.use_dsa else 0)
             + 16 * cfg.max_running_requests * model.vocab_size
         )
         if read_env().attn_backend == "torch":

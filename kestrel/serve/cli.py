@@ -98,7 +98,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-gb",
         type=_non_negative_float,
         default=None,
-        help="KV cache size (overrides --mem-fraction)",
+        help="KV pages' size in GiB (overrides --mem-fraction); the prefix cache's KDA checkpoints come on top "
+        "(--num-checkpoints)",
     )
     p.add_argument(
         "--max-model-len", type=_positive_int, default=None, help="context limit (prompt + output)"

@@ -128,6 +128,28 @@ def test_superseded_checkpoints_are_evicted_first(tree):
     cache.check()
 
 
+def test_branch_point_checkpoints_are_not_superseded(tree):
+    """A checkpoint where conversations branch (a shared system prompt) serves every new branch: it goes by
+    LRU like a leaf, not first."""
+    cache, kv, ckpt = tree
+
+    def add(tokens):
+        pages = kv.alloc(len(tokens) // PS)
+        node = cache.insert(tokens, pages)
+        kv.free(pages)
+        assert cache.attach_checkpoint(node, ckpt.alloc())
+        return node
+
+    old = add([9] * 8)  # the least recent
+    system = add([1] * 8)
+    a, b = add([1] * 8 + [2] * 4), add([1] * 8 + [3] * 4)  # two sessions off the shared prompt
+    cache.match([1] * 8 + [2] * 4 + [5])
+    cache.match([1] * 8 + [3] * 4 + [5])
+    assert cache.evict_checkpoints(1) == 1
+    assert old.checkpoint is None and system.checkpoint is not None
+    assert a.checkpoint is not None and b.checkpoint is not None
+
+
 # -- checkpoint placement ----------------------------------------------------------------------------------------
 
 

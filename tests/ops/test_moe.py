@@ -317,6 +317,23 @@ def test_grouped_unused_experts_and_bf16(use_grouped_mm):
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("use_grouped_mm", _grouped_paths())
+def test_grouped_no_tokens_and_gradients(use_grouped_mm):
+    """No tokens gives an empty result; the gradients equal the reference loop's (training uses this path
+    where torch._grouped_mm has a backward)."""
+    x, w13, w2, weights, ids = _random_moe(T=0, D=16, I=8, E=4, A=2, seed=11, dtype=torch.float32)
+    assert moe_experts_grouped(x, w13, w2, weights, ids, "silu", use_grouped_mm=use_grouped_mm).shape == (
+        0,
+        16,
+    )
+    x, w13, w2, weights, ids = _random_moe(T=5, D=16, I=8, E=4, A=2, seed=12, dtype=torch.float32)
+    inputs = [t.requires_grad_() for t in (x, w13, w2, weights)]
+    ref = torch.autograd.grad(moe_experts(*inputs, ids, "silu").square().sum(), inputs)
+    got = moe_experts_grouped(*inputs, ids, "silu", use_grouped_mm=use_grouped_mm)
+    for r, g in zip(ref, torch.autograd.grad(got.square().sum(), inputs)):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
 def _cuda_moe(T, seed):
     x, w13, w2, weights, ids = _random_moe(T=T, D=64, I=32, E=8, A=2, seed=seed, dtype=torch.float32)
     return x.cuda().bfloat16(), w13.cuda().bfloat16(), w2.cuda().bfloat16(), weights.cuda(), ids.cuda()

@@ -102,7 +102,7 @@ def test_out_of_range_ids_add_nothing(monkeypatch):
     assert_matches(got, ref)
 
 
-@pytest.mark.parametrize("M, E", [(1, 8), (7, 5), (300, 64), (2048, 64), (2049, 64)])
+@pytest.mark.parametrize("M, E", [(1, 8), (7, 5), (300, 64), (2048, 64), (2049, 64), (700, 384)])
 def test_sort_pairs_is_a_stable_sort_by_expert(M, E):
     """The counting sort (up to COUNTING_SORT_MAX_PAIRS pairs) and torch.sort past it give torch.sort's stable
     order and the experts' first rows, out-of-range ids (another rank's experts) included among the ids."""

@@ -84,7 +84,7 @@ def moe_experts_grouped(
     # back to (token, slot) order, then each token's A rows summed in slot order: a copy to distinct rows and a
     # reduction, with no atomics (index_add_ into T rows serializes on repeated tokens and sums in no set order)
     pairs = torch.empty_like(y).index_copy_(0, order, y)  # [M, Din]
-    return pairs.view(T, A, -1).sum(1).to(x.dtype)
+    return pairs.view(T, A, y.shape[1]).sum(1).to(x.dtype)
 
 
 @functools.cache

@@ -220,7 +220,8 @@ def sort_pairs(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
         order = torch.empty(M, dtype=torch.int64, device=flat.device)
         starts = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
         ep = triton.next_power_of_2(E)
-        _sort_pairs_kernel[(1,)](flat, order, starts, M, E, EP=ep, BLOCK=min(256, triton.next_power_of_2(M)))
+        block = min(max(16, 16384 // ep), 256, triton.next_power_of_2(M))  # a [block, ep] one-hot tile
+        _sort_pairs_kernel[(1,)](flat, order, starts, M, E, EP=ep, BLOCK=block, num_warps=8)
         return order, starts
     sorted_ids, order = torch.sort(flat, stable=True)  # [M], [M] expert-major, then pair order
     bounds = torch.arange(E + 1, device=flat.device, dtype=flat.dtype)  # [E + 1]
