@@ -49,6 +49,10 @@ def _generate(engine: Engine, prompt: list[int], n: int = 8, rid: str | None = N
 
 def _idle_pools(engine: Engine) -> tuple[int, int]:
     engine.cache.check()
+    held = sum(
+        n.checkpoint is not None for n in engine.cache._nodes()
+    )  # idle: only the tree holds checkpoints
+    assert engine.checkpoint_pool.num_free_slots + held == engine.checkpoint_pool.num_slots
     return engine.kv_pool.num_free_pages + engine.cache.num_pages, engine.state_pool.num_free_slots
 
 
