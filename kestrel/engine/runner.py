@@ -147,10 +147,17 @@ class ModelRunner:
         torch.cuda.synchronize()
         self.capture_graphs()
 
+    def _stage(self, reqs: list[Request], bs: int) -> None:
+        """Load a decode batch into the graphs' static inputs (padded to the bucket size bs). The page table
+        is written only as wide as the longest request needs: the kernels read no page past a row's length,
+        so the columns beyond keep stale (valid) page ids. Building the full max_pages width every step cost
+        milliseconds of host time (256 rows x 2,049 pages at 128K context: 48 ms on this CPU)."""
+        width = max([len(r.pages) for r in reqs] + [1])
+        for dst, src in zip(self.static, self._decode_inputs(reqs, width, bs)):
+            (dst[:bs, :width] if dst.dim() == 2 else dst[:bs]).copy_(src, non_blocking=True)
+
     def _replay(self, reqs: list[Request]) -> torch.Tensor:
         bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, len(reqs))]
-        fresh = self._decode_inputs(reqs, self.max_pages, bs)
-        for dst, src in zip(self.static, fresh):
-            dst[:bs].copy_(src, non_blocking=True)
+        self._stage(reqs, bs)
         self.graphs[bs].replay()
         return self.static_out[bs]

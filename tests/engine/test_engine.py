@@ -222,3 +222,28 @@ def test_bad_requests_are_refused(model):
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     assert not engine.has_unfinished()
+
+
+def test_graph_inputs_written_only_as_wide_as_the_batch_needs(model):
+    """The decode graphs' static page table is refreshed only up to the widest request's pages; the stale
+    page ids past it (another batch's) are never read: the step computes what full-width inputs compute."""
+    engine = _engine(model, page_size=4, max_running_requests=4)
+    for i, n in enumerate((5, 23, 37)):
+        engine.add_request(_prompt(n, i), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for _ in range(3):  # prefill, then decode steps
+        engine.step()
+    runner, reqs = engine.runner, engine.scheduler.running
+    assert len(reqs) == 3 and all(r.in_decode for r in reqs)
+    size = 4
+    stale = torch.randint(1, engine.kv_pool.num_pages, (size, runner.max_pages))  # another batch's pages
+    runner.static = list(runner._decode_inputs([], runner.max_pages, size))
+    runner.static[3].copy_(stale)
+    runner._stage(reqs, size)
+    assert max(len(r.pages) for r in reqs) < runner.max_pages  # the stale columns are there
+    pools = [t for d in (engine.state_pool.ssm, engine.state_pool.conv) for t in d.values()]
+    saved = [t.clone() for t in pools]
+    staged = runner._decode_forward(*runner.static)[:3]
+    for t, s in zip(pools, saved):  # the step advanced the KDA states in place: back to before it
+        t.copy_(s)
+    full = runner._decode_forward(*runner._decode_inputs(reqs, runner.max_pages, size))[:3]
+    torch.testing.assert_close(staged, full, rtol=0, atol=0)
