@@ -4,6 +4,7 @@ sessions that diverge mid-page; a long random interleaving ends with the pools a
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -110,16 +111,20 @@ def test_eviction_is_lru_and_respects_locks(tree):
     cache.check()
 
 
+def _cached_with_checkpoint(cache, kv, ckpt, tokens):
+    """Insert `tokens` (whole pages) into the tree, as a finished request would, with a checkpoint at the end."""
+    pages = kv.alloc(len(tokens) // PS)
+    node = cache.insert(tokens, pages)
+    kv.free(pages)
+    assert cache.attach_checkpoint(node, ckpt.alloc())
+    return node
+
+
 def test_superseded_checkpoints_are_evicted_first(tree):
     """A conversation's earlier checkpoint goes before another conversation's last one, even a less recent one."""
     cache, kv, ckpt = tree
 
-    def add(tokens):
-        pages = kv.alloc(len(tokens) // PS)
-        node = cache.insert(tokens, pages)
-        kv.free(pages)
-        assert cache.attach_checkpoint(node, ckpt.alloc())
-        return node
+    add = functools.partial(_cached_with_checkpoint, cache, kv, ckpt)
 
     other = add([9] * 8)  # the least recent
     turn1 = add([1] * 8)
@@ -137,12 +142,7 @@ def test_branch_point_checkpoints_are_not_superseded(tree):
     LRU like a leaf, not first."""
     cache, kv, ckpt = tree
 
-    def add(tokens):
-        pages = kv.alloc(len(tokens) // PS)
-        node = cache.insert(tokens, pages)
-        kv.free(pages)
-        assert cache.attach_checkpoint(node, ckpt.alloc())
-        return node
+    add = functools.partial(_cached_with_checkpoint, cache, kv, ckpt)
 
     old = add([9] * 8)  # the least recent
     system = add([1] * 8)
