@@ -284,3 +284,28 @@ def test_token_rows_follow_the_page_table():
     for start, end in [(0, 16), (1, 15), (5, 6), (4, 8), (3, 3), (13, 16)]:
         want = [table[p // 4] * 4 + p % 4 for p in range(start, end)]
         assert kv.token_rows(table, start, end).tolist() == want
+
+
+def test_every_checkpoint_resumes_like_the_cache_off_engine(model):
+    """Requests branching off a cached prompt at random points, prefilled together in small chunks (so saves
+    fall inside chunks that start mid-prompt, several sequences a step): each checkpoint the tree then holds,
+    resumed with a fresh continuation, computes what the cache-off engine computes."""
+    off = _engine(model, False)
+    rng = random.Random(0)
+    engine = _engine(model, True, checkpoint_interval=0, chunked_prefill_size=50, num_checkpoints=64)
+    base = _ids(70, 100)
+    _generate(engine, base, 2)
+    for i in range(4):
+        prompt = base[: rng.randrange(10, 60)] + _ids(rng.randrange(20, 50), 200 + i)
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    held = [n for n in engine.cache._nodes() if n.checkpoint is not None]
+    assert len(held) >= 8
+    for node in held:
+        tokens, up = [], node
+        while up is not engine.cache.root:
+            tokens, up = list(up.tokens) + tokens, up.parent
+        turn = tokens + _ids(7, node.depth)
+        assert engine.cache.match(turn).resume_len == node.depth
+        assert _generate(engine, turn, 3) == _generate(off, turn, 3), node.depth
