@@ -224,26 +224,52 @@ def test_bad_requests_are_refused(model):
     assert not engine.has_unfinished()
 
 
-def test_graph_inputs_written_only_as_wide_as_the_batch_needs(model):
-    """The decode graphs' static page table is refreshed only up to the widest request's pages; the stale
-    page ids past it (another batch's) are never read: the step computes what full-width inputs compute."""
-    engine = _engine(model, page_size=4, max_running_requests=4)
-    for i, n in enumerate((5, 23, 37)):
-        engine.add_request(_prompt(n, i), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    for _ in range(3):  # prefill, then decode steps
-        engine.step()
-    runner, reqs = engine.runner, engine.scheduler.running
-    assert len(reqs) == 3 and all(r.in_decode for r in reqs)
-    size = 4
-    stale = torch.randint(1, engine.kv_pool.num_pages, (size, runner.max_pages))  # another batch's pages
+def test_graph_inputs_from_the_slot_page_table(model, monkeypatch):
+    """The decode graphs' inputs come from a device page table kept per state slot, sent only the pages each
+    request gained since its last step (all of them for a new request in the slot): they equal the inputs built
+    from the request lists, and the step computes the same logits although the columns past a row's pages
+    hold stale page ids (another request's), which no kernel reads."""
+    engine = _engine(model, page_size=4, max_running_requests=3)
+    runner, size = engine.runner, 4
     runner.static = list(runner._decode_inputs([], runner.max_pages, size))
-    runner.static[3].copy_(stale)
-    runner._stage(reqs, size)
-    assert max(len(r.pages) for r in reqs) < runner.max_pages  # the stale columns are there
+    runner.slot_pages = torch.randint(
+        1, engine.kv_pool.num_pages, (engine.state_pool.num_slots + 1, runner.max_pages)
+    )
+    runner.slot_pages[0] = 0  # the dummy slot of the padding rows
     pools = [t for d in (engine.state_pool.ssm, engine.state_pool.conv) for t in d.values()]
-    saved = [t.clone() for t in pools]
-    staged = runner._decode_forward(*runner.static)[:3]
-    for t, s in zip(pools, saved):  # the step advanced the KDA states in place: back to before it
-        t.copy_(s)
-    full = runner._decode_forward(*runner._decode_inputs(reqs, runner.max_pages, size))[:3]
-    torch.testing.assert_close(staged, full, rtol=0, atol=0)
+    seen = {"steps": 0, "compared": 0}
+    eager = runner._decode
+
+    def decode(reqs):  # inside Engine.step, after the scheduler gave every request its page for this token
+        runner._stage(reqs, size)
+        fresh = runner._decode_inputs(reqs, runner.max_pages, size)
+        for k in (0, 1, 2, 4, 5):  # ids, positions, slots, lengths, write rows
+            assert torch.equal(runner.static[k][:size], fresh[k])
+        for j, r in enumerate(reqs):
+            assert runner.static[3][j, : len(r.pages)].tolist() == r.pages
+        seen["steps"] += 1
+        if seen["compared"] == 0:
+            saved = [t.clone() for t in pools]
+            staged = runner._decode_forward(*[t[:size] for t in runner.static])[: len(reqs)]
+            for t, s in zip(pools, saved):  # the step advanced the KDA states in place: back to before it
+                t.copy_(s)
+            full = runner._decode_forward(*fresh)[: len(reqs)]
+            for t, s in zip(pools, saved):
+                t.copy_(s)
+            torch.testing.assert_close(staged, full, rtol=0, atol=0)
+            seen["compared"] += 1
+        return eager(reqs)
+
+    monkeypatch.setattr(runner, "_decode", decode)
+    for i, n in enumerate((5, 23, 37)):
+        engine.add_request(_prompt(n, i), SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
+    added = 0
+    while engine.has_unfinished():
+        engine.step()
+        if len(engine.scheduler.running) < 3 and not engine.scheduler.waiting and added < 3:
+            # a new request takes a freed slot: its pages are sent whole
+            engine.add_request(
+                _prompt(11, 10 + added), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            )
+            added += 1
+    assert seen["steps"] >= 10 and added == 3
