@@ -1059,13 +1059,19 @@ def cache_targets(
     working_set = a["concurrency"] * session * per_token
     # three significant digits: 0.203 on mini, and not 0.000 for the smoke run's pool
     pool_gb = f"{0.25 * working_set / 2**30:.3g}"
+    # The KDA checkpoints are GPU cache memory too: a session keeps about one a turn plus its history's, so the
+    # limited configurations keep a quarter of those, and never fewer than one per session (each running
+    # request tracks its state at page boundaries in one).
+    checkpoints = max(a["concurrency"], round(0.25 * a["concurrency"] * (a["turns"] + 1)))
     result["working_set_gib"], result["gpu_pool_gib_at_25pct"] = working_set / 2**30, float(pool_gb)
+    result["checkpoints_at_25pct"] = checkpoints
     base = ["--model", S.model, *S.serve_args]
     port = S.port or _free_port()
+    limited = ["--kv-cache-gb", pool_gb, "--num-checkpoints", str(checkpoints)]
     every = {
         "enough_memory": [],
-        "gpu_25pct_no_host": ["--kv-cache-gb", pool_gb],
-        "gpu_25pct_host": ["--kv-cache-gb", pool_gb, "--hicache-host-gb", S.host_gb],
+        "gpu_25pct_no_host": limited,
+        "gpu_25pct_host": [*limited, "--hicache-host-gb", S.host_gb],
     }
     for name, extra in ((name, every[name]) for name in configs):
         try:  # one configuration failing keeps the figures of the others
