@@ -10,37 +10,42 @@ so the two tie as IEEE equality says); a NaN or a position >= lens[b] gets key 0
 (a valid -inf is 0x007FFFFF). (key desc, position asc) is then a strict total order, the tie rule of
 naive.py, and the selection is its first min(k, valid) elements, listed by position, then -1.
 
-Radix select on the key, 11 + 11 + 10 bits, in three kernels (no host syncs, so CUDA-graph safe):
+Radix select on the key, 6 + 5 + 11 + 10 bits, in four kernels (no host syncs, so CUDA-graph safe):
 
-1. `_histogram_kernel`, grid (S, B): each program histograms the top 11 key bits of its SEG scores
-   (valid ones only), adds the histogram into the row's [2048] bins (atomics, integer so deterministic) and
-   stores its own suffix counts (how many of its keys fall in bins >= i) for step 2's offsets.
-2. `_compact_kernel`, grid (S, B): every program finds the threshold bin b1 from the row histogram (the
-   largest bin with >= k valid keys at or above it; all valid keys when the row has <= k) and copies the
+1. `_coarse_kernel`, grid (S, B): each program histograms the top 6 key bits of its SEG scores (valid ones
+   only) and adds the histogram into the row's [64] bins (atomics, integer so deterministic).
+   `_fine_kernel`, grid (S, B): every program finds the coarse threshold bin t1 (the largest bin with >= k
+   valid keys at or above it), histograms the next 5 bits of its keys in bin t1 into the row's [32] bins, and
+   stores its own suffix counts over those 32 bins and its count of keys above t1, for step 2's offsets.
+   Together they give the 11-bit threshold bin b1 = (t1, t2) of the k-th largest key (all valid keys when
+   the row has <= k).
+2. `_compact_kernel`, grid (S, B): every program finds b1 from the two row histograms and copies the
    (key, position) of its keys in bins >= b1 to a per-row candidate list, in position order: its offset
-   is the sum of the earlier segments' suffix counts at b1, and a cumsum orders the block.
+   is the sum of the earlier segments' counts at b1, and a cumsum orders the block.
 3. `_select_kernel`, grid (B,): refines the threshold inside bin b1 over the candidates only (bits 20..10,
    then 9..0), giving the exact k-th key T and how many keys equal to T are needed; writes every candidate
    above T and the first `need` ties at T (the candidates are in position order, so these are the lowest
    positions: the tie rule), in that position order; no sort.
 
-Memory traffic per row of L = 131072 (512 KiB of scores), k = 2048: steps 1 and 2 each read the valid
-prefix of the row once (2 x 512 KiB; the second mostly from L2 when the batch fits in it); step 1 writes
-S x 8 KiB of suffix counts (64 KiB with SEG = 16384); step 2 writes 8 B per candidate (C is k plus one
-quarter-octave bin, typically 3-6 K positions: ~40 KiB); step 3 reads the candidates at most three times
-and writes 16 KiB of indices. About 1.2 MiB per row.
+Why two small histograms instead of one of 2048 bins: `tl.histogram` costs about (bins / 32) x log2(bins)
+operations per element, and the one-pass 11-bit histogram measured 295 of the 416 us of 64 rows x 131072 on the
+H200 (2026-11-30; torch.topk: 192 us). 64 and 32 bins cost ~1/50 of that per element, for a second read of
+the row (from L2 when the batch fits in it). Not yet timed on the GPU.
 
-For 64 rows that is ~80 MB, ~19 us at the 4.25 TB/s copy ceiling, plus four launches (a memset and three
+Memory traffic per row of L = 131072 (512 KiB of scores), k = 2048: step 1 reads the valid prefix of the row
+twice and step 2 once (3 x 512 KiB, the later reads mostly from L2); step 1 writes S x 132 B of counts; step 2
+writes 8 B per candidate (C is k plus one quarter-octave bin, typically 3-6 K positions: ~40 KiB); step 3
+reads the candidates at most three times and writes 16 KiB of indices. About 1.7 MiB per row.
+
+For 64 rows that is ~110 MB, ~26 us at the 4.25 TB/s copy ceiling, plus five launches (a memset and four
 kernels) and step 3's serial latency (three dependent passes over the candidates per row). Until 2026-11-30
-step 3 also bitonic-sorted the selection into rank order; the H200 measured the whole at 449 us for 64 rows
-(torch.topk: 192 us), and the sort, 66 dependent compare-exchange stages over 2048 elements in 64 programs,
-was dropped as work no consumer needs.
+step 3 also bitonic-sorted the selection into rank order (dropped: no consumer needs it).
 Loads of scores and candidates are 16-byte vectors when L % 16 == 0 (any page-multiple width).
 
 Scratch: 8 B per score for the candidate list (its worst case, all scores equal, keeps the whole row),
-S x 8 KiB of suffix counts and 8 KiB of histogram per row.
+S x 132 B of counts and 384 B of histograms per row.
 
-Fusion left for later: step 1 can run in the epilogue of the indexer-scores kernel (it sees every score
+Fusion left for later: step 1a can run in the epilogue of the indexer-scores kernel (it sees every score
 once), which removes one full read of the row.
 """
 
@@ -50,7 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
-NBINS = 2048  # 11-bit digits; the last pass uses 1024 bins for the remaining 10 bits
+NBINS = 2048  # 11-bit digits in step 3's first pass; its last pass uses 1024 bins for the remaining 10 bits
+NB1, NB2 = 64, 32  # step 1: the top 6 key bits, then the next 5 inside the threshold bin (11 bits in all)
 SEG = 16384  # scores per program in steps 1 and 2
 BLOCK = 4096  # scores per loop iteration in steps 1 and 2
 CBLOCK = 4096  # candidates per loop iteration in step 3
@@ -79,42 +85,92 @@ def _threshold_bin(hist, need, NB: tl.constexpr):
 
 
 @triton.jit
-def _histogram_kernel(
+def _coarse_kernel(
     scores_ptr,  # [B, L] fp32
     lens_ptr,  # [B] int64
-    row_hist_ptr,  # [B, NB] int32, zeroed
-    seg_count_ptr,  # [B, S, NB] int32
+    hist1_ptr,  # [B, NB1] int32, zeroed
     L,
-    num_segs,
     stride_sb,
     SEG: tl.constexpr,
     BLOCK: tl.constexpr,
-    NB: tl.constexpr,
+    NB1: tl.constexpr,
 ):
+    """Step 1a: the row's histogram of the top 6 key bits (its SEG scores per program, atomics)."""
     seg = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n = tl.minimum(tl.load(lens_ptr + b), L)
     start = seg * SEG
     end = tl.minimum(start + SEG, n)  # only the valid prefix is read
-    hist = tl.zeros([NB], dtype=tl.int32)
+    hist = tl.zeros([NB1], dtype=tl.int32)
     for off in range(start, end, BLOCK):
         p = off + tl.arange(0, BLOCK)  # [BLOCK]
         # Masking the load by the row width rather than by lens keeps it vectorized when L % 16 == 0.
         x = tl.load(scores_ptr + b * stride_sb + p, mask=p < L, other=float("nan"))
         key = _sort_key(x, p < end)
-        hist += tl.histogram((key >> 21).to(tl.int32), NB, mask=key != 0)
-    bins = tl.arange(0, NB)
-    at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # [NB]
-    tl.store(seg_count_ptr + (b * num_segs + seg) * NB + bins, at_or_above)
-    tl.atomic_add(row_hist_ptr + b * NB + bins, hist, mask=hist > 0, sem="relaxed")
+        hist += tl.histogram((key >> 26).to(tl.int32), NB1, mask=key != 0)
+    bins = tl.arange(0, NB1)
+    tl.atomic_add(hist1_ptr + b * NB1 + bins, hist, mask=hist > 0, sem="relaxed")
+
+
+@triton.jit
+def _fine_kernel(
+    scores_ptr,  # [B, L] fp32
+    lens_ptr,  # [B] int64
+    hist1_ptr,  # [B, NB1] int32
+    hist2_ptr,  # [B, NB2] int32, zeroed
+    seg_count_ptr,  # [B, S, NB2 + 1] int32
+    L,
+    num_segs,
+    k,
+    stride_sb,
+    SEG: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NB1: tl.constexpr,
+    NB2: tl.constexpr,
+):
+    """Step 1b: inside the coarse threshold bin t1, the row's histogram of the next 5 key bits; each program
+    stores its suffix counts over those bins and, last, its count of keys in coarse bins above t1."""
+    seg = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    n = tl.minimum(tl.load(lens_ptr + b), L)
+    t1, _ = _threshold_bin(tl.load(hist1_ptr + b * NB1 + tl.arange(0, NB1)), k, NB1)
+    start = seg * SEG
+    end = tl.minimum(start + SEG, n)
+    hist = tl.zeros([NB2], dtype=tl.int32)
+    above = tl.zeros([], dtype=tl.int32)
+    for off in range(start, end, BLOCK):
+        p = off + tl.arange(0, BLOCK)
+        x = tl.load(scores_ptr + b * stride_sb + p, mask=p < L, other=float("nan"))
+        key = _sort_key(x, p < end)
+        top = (key >> 26).to(tl.int32)
+        hist += tl.histogram(((key >> 21) & (NB2 - 1)).to(tl.int32), NB2, mask=(key != 0) & (top == t1))
+        above += tl.sum(((key != 0) & (top > t1)).to(tl.int32), 0)
+    bins = tl.arange(0, NB2)
+    at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # [NB2]
+    row = seg_count_ptr + (b * num_segs + seg) * (NB2 + 1)
+    tl.store(row + bins, at_or_above)
+    tl.store(row + NB2, above)
+    tl.atomic_add(hist2_ptr + b * NB2 + bins, hist, mask=hist > 0, sem="relaxed")
+
+
+@triton.jit
+def _row_threshold(hist1_ptr, hist2_ptr, b, k, NB1: tl.constexpr, NB2: tl.constexpr):
+    """(b1, t2, above, total) of row b: b1 = t1 * NB2 + t2, the 11-bit bin of the k-th largest key (the largest
+    bin with >= k valid keys at or above it; 0 when the row has <= k), t2 its 5-bit part, `above` the valid
+    keys in bins above b1, `total` the row's valid keys."""
+    h1 = tl.load(hist1_ptr + b * NB1 + tl.arange(0, NB1))
+    t1, above1 = _threshold_bin(h1, k, NB1)
+    t2, above2 = _threshold_bin(tl.load(hist2_ptr + b * NB2 + tl.arange(0, NB2)), k - above1, NB2)
+    return t1 * NB2 + t2, t2, above1 + above2, tl.sum(h1, 0)
 
 
 @triton.jit
 def _compact_kernel(
     scores_ptr,  # [B, L] fp32
     lens_ptr,  # [B] int64
-    row_hist_ptr,  # [B, NB] int32
-    seg_count_ptr,  # [B, S, NB] int32
+    hist1_ptr,  # [B, NB1] int32
+    hist2_ptr,  # [B, NB2] int32
+    seg_count_ptr,  # [B, S, NB2 + 1] int32
     cand_key_ptr,  # [B, LC] int32 (uint32 keys)
     cand_pos_ptr,  # [B, LC] int32
     L,
@@ -124,16 +180,17 @@ def _compact_kernel(
     stride_sb,
     SEG: tl.constexpr,
     BLOCK: tl.constexpr,
-    NB: tl.constexpr,
+    NB1: tl.constexpr,
+    NB2: tl.constexpr,
     SP: tl.constexpr,
 ):
     seg = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n = tl.minimum(tl.load(lens_ptr + b), L)
-    hist = tl.load(row_hist_ptr + b * NB + tl.arange(0, NB))  # [NB]
-    b1, _ = _threshold_bin(hist, k, NB)
+    b1, t2, _, _ = _row_threshold(hist1_ptr, hist2_ptr, b, k, NB1, NB2)
     s = tl.arange(0, SP)
-    counts = tl.load(seg_count_ptr + (b * num_segs + s) * NB + b1, mask=s <= seg, other=0)  # [SP]
+    rows = seg_count_ptr + (b * num_segs + s) * (NB2 + 1)
+    counts = tl.load(rows + t2, mask=s <= seg, other=0) + tl.load(rows + NB2, mask=s <= seg, other=0)  # [SP]
     base = tl.sum(tl.where(s < seg, counts, 0), 0)  # candidates of the earlier segments
     mine = tl.sum(tl.where(s == seg, counts, 0), 0)
     start = seg * SEG
@@ -152,8 +209,9 @@ def _compact_kernel(
 
 @triton.jit
 def _select_kernel(
-    row_hist_ptr,  # [B, NB] int32
-    seg_count_ptr,  # [B, S, NB] int32
+    hist1_ptr,  # [B, NB1] int32
+    hist2_ptr,  # [B, NB2] int32
+    seg_count_ptr,  # [B, S, NB2 + 1] int32
     cand_key_ptr,  # [B, LC] int32
     cand_pos_ptr,  # [B, LC] int32
     out_ptr,  # [B, k] int64
@@ -162,15 +220,18 @@ def _select_kernel(
     k,
     stride_ob,
     NB: tl.constexpr,
+    NB1: tl.constexpr,
+    NB2: tl.constexpr,
     SP: tl.constexpr,
     CBLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    hist = tl.load(row_hist_ptr + b * NB + tl.arange(0, NB))  # [NB]
-    total = tl.sum(hist, 0)  # valid positions of the row
-    b1, above1 = _threshold_bin(hist, k, NB)
+    b1, t2, above1, total = _row_threshold(hist1_ptr, hist2_ptr, b, k, NB1, NB2)
     s = tl.arange(0, SP)
-    n_cand = tl.sum(tl.load(seg_count_ptr + (b * num_segs + s) * NB + b1, mask=s < num_segs, other=0), 0)
+    rows = seg_count_ptr + (b * num_segs + s) * (NB2 + 1)
+    n_cand = tl.sum(
+        tl.load(rows + t2, mask=s < num_segs, other=0) + tl.load(rows + NB2, mask=s < num_segs, other=0), 0
+    )
     cand_key_ptr += b * LC
     cand_pos_ptr += b * LC
     # Loads masked at a multiple of 16 stay vectorized (the rows are padded to LC); `i < n_cand` masks the rest.
@@ -265,29 +326,37 @@ def topk_triton(
     lens = lens.to(torch.int64)
     num_segs = triton.cdiv(L, seg)
     SP = max(2, triton.next_power_of_2(num_segs))
-    row_hist = torch.zeros(B, NBINS, dtype=torch.int32, device=device)  # [B, NB]
-    seg_count = torch.empty(B, num_segs, NBINS, dtype=torch.int32, device=device)  # [B, S, NB]
+    hists = torch.zeros(B * (NB1 + NB2), dtype=torch.int32, device=device)  # both histograms: one memset
+    hist1, hist2 = hists[: B * NB1].view(B, NB1), hists[B * NB1 :].view(B, NB2)  # [B, NB1], [B, NB2]
+    seg_count = torch.empty(B, num_segs, NB2 + 1, dtype=torch.int32, device=device)  # [B, S, NB2 + 1]
     LC = triton.cdiv(L, 16) * 16  # candidate rows padded for vectorized loads
     cand_key = torch.empty(B, LC, dtype=torch.int32, device=device)  # [B, LC], the first C used
     cand_pos = torch.empty(B, LC, dtype=torch.int32, device=device)  # [B, LC]
 
-    _histogram_kernel[(num_segs, B)](
+    _coarse_kernel[(num_segs, B)](
+        scores, lens, hist1, L, scores.stride(0), SEG=seg, BLOCK=block, NB1=NB1, num_warps=NUM_WARPS
+    )
+    _fine_kernel[(num_segs, B)](
         scores,
         lens,
-        row_hist,
+        hist1,
+        hist2,
         seg_count,
         L,
         num_segs,
+        k,
         scores.stride(0),
         SEG=seg,
         BLOCK=block,
-        NB=NBINS,
+        NB1=NB1,
+        NB2=NB2,
         num_warps=NUM_WARPS,
     )
     _compact_kernel[(num_segs, B)](
         scores,
         lens,
-        row_hist,
+        hist1,
+        hist2,
         seg_count,
         cand_key,
         cand_pos,
@@ -298,12 +367,14 @@ def topk_triton(
         scores.stride(0),
         SEG=seg,
         BLOCK=block,
-        NB=NBINS,
+        NB1=NB1,
+        NB2=NB2,
         SP=SP,
         num_warps=NUM_WARPS,
     )
     _select_kernel[(B,)](
-        row_hist,
+        hist1,
+        hist2,
         seg_count,
         cand_key,
         cand_pos,
@@ -313,6 +384,8 @@ def topk_triton(
         k,
         out.stride(0),
         NB=NBINS,
+        NB1=NB1,
+        NB2=NB2,
         SP=SP,
         CBLOCK=cblock,
         num_warps=NUM_WARPS,
