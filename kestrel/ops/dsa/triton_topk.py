@@ -10,7 +10,8 @@ so the two tie as IEEE equality says); a NaN or a position >= lens[b] gets key 0
 (a valid -inf is 0x007FFFFF). (key desc, position asc) is then a strict total order, the tie rule of
 naive.py, and the selection is its first min(k, valid) elements, listed by position, then -1.
 
-Radix select on the key, 6 + 5 + 11 + 10 bits, in four kernels (no host syncs, so CUDA-graph safe):
+Radix select on the key, 6 + 5 bits over the row, then 6 + 5 + 5 + 5 over the candidates, in four kernels
+(no host syncs, so CUDA-graph safe):
 
 1. `_coarse_kernel`, grid (S, B): each program histograms the top 6 key bits of its SEG scores (valid ones
    only) and adds the histogram into the row's [64] bins (atomics, integer so deterministic).
@@ -22,23 +23,24 @@ Radix select on the key, 6 + 5 + 11 + 10 bits, in four kernels (no host syncs, s
 2. `_compact_kernel`, grid (S, B): every program finds b1 from the two row histograms and copies the
    (key, position) of its keys in bins >= b1 to a per-row candidate list, in position order: its offset
    is the sum of the earlier segments' counts at b1, and a cumsum orders the block.
-3. `_select_kernel`, grid (B,): refines the threshold inside bin b1 over the candidates only (bits 20..10,
-   then 9..0), giving the exact k-th key T and how many keys equal to T are needed; writes every candidate
-   above T and the first `need` ties at T (the candidates are in position order, so these are the lowest
-   positions: the tie rule), in that position order; no sort.
+3. `_select_kernel`, grid (B,): refines the threshold inside bin b1 over the candidates only (bits 20..15,
+   14..10, 9..5 and 4..0: one small histogram each), giving the exact k-th key T and how many keys equal to
+   T are needed; writes every candidate above T and the first `need` ties at T (the candidates are in
+   position order, so these are the lowest positions: the tie rule), in that position order; no sort.
 
-Why two small histograms instead of one of 2048 bins: `tl.histogram` costs about (bins / 32) x log2(bins)
+Why small histograms (steps 1 and 3) instead of 2048 bins: `tl.histogram` costs about (bins / 32) x log2(bins)
 operations per element, and the one-pass 11-bit histogram measured 295 of the 416 us of 64 rows x 131072 on the
-H200 (2026-11-30; torch.topk: 192 us). 64 and 32 bins cost ~1/50 of that per element, for a second read of
-the row (from L2 when the batch fits in it). Not yet timed on the GPU.
+H200 (2026-11-30; torch.topk: 192 us), and step 3 (then a 2048-bin and a 1024-bin pass) 50 us. 64 and 32
+bins cost ~1/50 of that per element, for more reads (the row's second from L2 when the batch fits in it, the
+candidates' from L1/L2). Not yet timed on the GPU.
 
 Memory traffic per row of L = 131072 (512 KiB of scores), k = 2048: step 1 reads the valid prefix of the row
 twice and step 2 once (3 x 512 KiB, the later reads mostly from L2); step 1 writes S x 132 B of counts; step 2
 writes 8 B per candidate (C is k plus one quarter-octave bin, typically 3-6 K positions: ~40 KiB); step 3
-reads the candidates at most three times and writes 16 KiB of indices. About 1.7 MiB per row.
+reads the candidates at most five times and writes 16 KiB of indices. About 1.7 MiB per row.
 
 For 64 rows that is ~110 MB, ~26 us at the 4.25 TB/s copy ceiling, plus five launches (a memset and four
-kernels) and step 3's serial latency (three dependent passes over the candidates per row). Until 2026-11-30
+kernels) and step 3's serial latency (five dependent passes over the candidates per row). Until 2026-11-30
 step 3 also bitonic-sorted the selection into rank order (dropped: no consumer needs it).
 Loads of scores and candidates are 16-byte vectors when L % 16 == 0 (any page-multiple width).
 
@@ -55,7 +57,6 @@ import torch
 import triton
 import triton.language as tl
 
-NBINS = 2048  # 11-bit digits in step 3's first pass; its last pass uses 1024 bins for the remaining 10 bits
 NB1, NB2 = 64, 32  # step 1: the top 6 key bits, then the next 5 inside the threshold bin (11 bits in all)
 SEG = 16384  # scores per program in steps 1 and 2
 BLOCK = 4096  # scores per loop iteration in steps 1 and 2
@@ -208,6 +209,31 @@ def _compact_kernel(
 
 
 @triton.jit
+def _refine(
+    cand_key_ptr,
+    n_scan,
+    n_cand,
+    prefix,
+    need,
+    SHIFT: tl.constexpr,
+    BITS: tl.constexpr,
+    NBD: tl.constexpr,  # 2 ** BITS
+    CBLOCK: tl.constexpr,
+):
+    """One radix digit of T: among the candidates whose key bits above SHIFT + BITS equal `prefix`, the digit
+    (key bits SHIFT + BITS - 1 .. SHIFT) holding the need-th largest key. Returns (that digit, need less the
+    keys in higher digits)."""
+    h = tl.zeros([NBD], dtype=tl.int32)
+    for off in range(0, n_scan, CBLOCK):
+        i = off + tl.arange(0, CBLOCK)
+        key = tl.load(cand_key_ptr + i, mask=i < n_scan, other=0).to(tl.uint32, bitcast=True)
+        inside = (i < n_cand) & ((key >> (SHIFT + BITS)).to(tl.int32) == prefix)
+        h += tl.histogram(((key >> SHIFT) & (NBD - 1)).to(tl.int32), NBD, mask=inside)
+    digit, above = _threshold_bin(h, need, NBD)
+    return digit, need - above
+
+
+@triton.jit
 def _select_kernel(
     hist1_ptr,  # [B, NB1] int32
     hist2_ptr,  # [B, NB2] int32
@@ -219,7 +245,6 @@ def _select_kernel(
     num_segs,
     k,
     stride_ob,
-    NB: tl.constexpr,
     NB1: tl.constexpr,
     NB2: tl.constexpr,
     SP: tl.constexpr,
@@ -241,24 +266,15 @@ def _select_kernel(
     refine = total > k
     n_scan = tl.where(refine, n_load, 0)
     need = k - above1
-    h2 = tl.zeros([NB], dtype=tl.int32)
-    for off in range(0, n_scan, CBLOCK):
-        i = off + tl.arange(0, CBLOCK)
-        m = i < n_cand
-        key = tl.load(cand_key_ptr + i, mask=i < n_scan, other=0).to(tl.uint32, bitcast=True)
-        h2 += tl.histogram(((key >> 10) & 0x7FF).to(tl.int32), NB, mask=m & ((key >> 21).to(tl.int32) == b1))
-    b2, above2 = _threshold_bin(h2, need, NB)
-    need -= above2
-    prefix = b1 * NB + b2  # the top 22 key bits of T
-    h3 = tl.zeros([1024], dtype=tl.int32)
-    for off in range(0, n_scan, CBLOCK):
-        i = off + tl.arange(0, CBLOCK)
-        m = i < n_cand
-        key = tl.load(cand_key_ptr + i, mask=i < n_scan, other=0).to(tl.uint32, bitcast=True)
-        h3 += tl.histogram((key & 0x3FF).to(tl.int32), 1024, mask=m & ((key >> 10).to(tl.int32) == prefix))
-    b3, above3 = _threshold_bin(h3, need, 1024)
-    need -= above3
-    thresh = (prefix.to(tl.uint32) << 10) | b3.to(tl.uint32)  # T, the k-th largest key
+    # The remaining 21 bits of T, 6 + 5 + 5 + 5 at a time: small histograms are cheap (see step 1).
+    d, need = _refine(cand_key_ptr, n_scan, n_cand, b1, need, 15, 6, 64, CBLOCK)
+    p17 = b1 * 64 + d  # the top 17 key bits of T
+    d, need = _refine(cand_key_ptr, n_scan, n_cand, p17, need, 10, 5, 32, CBLOCK)
+    p22 = p17 * 32 + d
+    d, need = _refine(cand_key_ptr, n_scan, n_cand, p22, need, 5, 5, 32, CBLOCK)
+    p27 = p22 * 32 + d
+    d, need = _refine(cand_key_ptr, n_scan, n_cand, p27, need, 0, 5, 32, CBLOCK)
+    thresh = (p27.to(tl.uint32) << 5) | d.to(tl.uint32)  # T, the k-th largest key (32 bits: unsigned)
     thresh = tl.where(refine, thresh, 0)  # T = 0: every valid key is above it
     need = tl.where(refine, need, 0)  # how many keys equal to T are taken, lowest positions first
 
@@ -383,7 +399,6 @@ def topk_triton(
         num_segs,
         k,
         out.stride(0),
-        NB=NBINS,
         NB1=NB1,
         NB2=NB2,
         SP=SP,
