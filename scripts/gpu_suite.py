@@ -986,6 +986,7 @@ def cache_ttft() -> dict:
                 max_model_len=S.ttft_max_len,
                 enable_prefix_cache=cache,
                 chunked_prefill_size=8192,
+                disable_cuda_graph=True,  # the first token comes from the prefill step: no decode graphs needed
             ),
             model=net,
         )
