@@ -207,6 +207,10 @@ class RadixCache:
             node, pos = child, pos + len(child.tokens)
         return node
 
+    def insert_with_checkpoint(self, tokens: list[int], pages: list[int], slot: int) -> bool:
+        """`insert`, then `attach_checkpoint` at the inserted node: whether the tree took the slot."""
+        return self.attach_checkpoint(self.insert(tokens, pages), slot)
+
     def _adopt(self, node: Node, pages: list[int]) -> None:
         """A node whose KV is in a lower tier takes a request's pages holding the same KV."""
         self.kv_pool.incref(pages)

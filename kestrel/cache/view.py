@@ -15,13 +15,15 @@ class KDASaves:
     """KDA states to save at positions inside a prefill chunk, in the same forward: each save is one more
     varlen segment, a copy of the first `length` new tokens of batch sequence `seq`, starting from that
     sequence's initial state; its final state is the state at the save's position.
+    Built from the batch's cu_seqlens [N + 1] and the saves, (seq, length, checkpoint slot of `pool`) each:
     seqs [X] (batch index of each save), rows [sum of lengths] (packed-token rows the segments copy, in order),
-    cu_seqlens [N + X + 1] (the batch's sequences, then the saves), slots [X] (checkpoint slots of `pool`)."""
+    cu_seqlens [N + X + 1] (the batch's sequences, then the saves), slots [X]."""
 
-    def __init__(self, pool: StatePool, seqs, lengths, starts, cu_seqlens: list[int], slots, device):
+    def __init__(self, pool: StatePool, cu_seqlens: list[int], saves: list[tuple[int, int, int]], device):
+        seqs, lengths, slots = (list(column) for column in zip(*saves))
         self.pool = pool
         self.seqs = torch.tensor(seqs, device=device)
-        rows = [torch.arange(a, a + n) for a, n in zip(starts, lengths)]
+        rows = [torch.arange(cu_seqlens[i], cu_seqlens[i] + n) for i, n, _ in saves]
         self.rows = torch.cat(rows).to(device)
         tail = torch.tensor(lengths).cumsum(0) + cu_seqlens[-1]
         self.cu_seqlens = torch.cat([torch.tensor(cu_seqlens), tail]).to(device)

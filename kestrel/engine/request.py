@@ -38,13 +38,12 @@ class Request:
     last_token_time: float | None = None
     detok_text: str = ""  # decoded output, kept only for requests with stop strings
     # Prefix cache: the locked tree node this request resumed from, the checkpoint slot to restore before its
-    # first chunk, the positions where its prefill saves KDA checkpoints (a chunk ends at those in `cut_at`,
-    # the interval ones; the others are saved inside their chunk), and the decode-time tracking slot holding
-    # the state at the last page boundary (`track_len` tokens).
+    # first chunk, the positions where its prefill saves KDA checkpoints (a chunk ends at the interval ones;
+    # the others are saved inside their chunk), and the decode-time tracking slot holding the state at the
+    # last page boundary (`track_len` tokens).
     cache_node: object | None = None
     restore_from: int | None = None
     checkpoint_at: list[int] = field(default_factory=list)
-    cut_at: list[int] = field(default_factory=list)
     track_slot: int | None = None
     track_len: int = 0
 

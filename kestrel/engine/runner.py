@@ -9,6 +9,7 @@ bucket and replayed (`use_cuda_graph=False`, or `--disable-cuda-graph`, runs it 
 from __future__ import annotations
 
 import bisect
+import itertools
 
 import torch
 
@@ -80,11 +81,7 @@ class ModelRunner:
         ctx.decode = False  # prefill chunks read per sequence, even when each is one token long
         saves = [(i, p - c.start, slot) for i, c in enumerate(chunks) for p, slot in c.saves]
         if saves:
-            offsets = [0, *torch.tensor(new_lens).cumsum(0).tolist()]
-            seqs, lengths, slots = (list(column) for column in zip(*saves))
-            view.saves = KDASaves(
-                self.checkpoint_pool, seqs, lengths, [offsets[i] for i in seqs], offsets, slots, dev
-            )
+            view.saves = KDASaves(self.checkpoint_pool, [0, *itertools.accumulate(new_lens)], saves, dev)
         ends = torch.tensor(new_lens).cumsum(0) - 1
         keep = torch.tensor([c.samples for c in chunks])
         with forward_context(ctx):
@@ -95,9 +92,7 @@ class ModelRunner:
         """ids, positions, slots, page table [size, width], lens and write rows; rows past len(reqs) are
         padding: dummy slot 0, dummy page 0, length 1."""
         ps, pad = self.kv_pool.page_size, size - len(reqs)
-        ids = torch.tensor([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs] + [0] * pad)
-        pos = torch.tensor([r.num_tokens - 1 for r in reqs] + [0] * pad)
-        slots = torch.tensor([r.slot for r in reqs] + [0] * pad)
+        ids, pos, slots = _token_inputs(reqs, size)
         table = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in reqs] + [[0] * width] * pad)
         lens = pos + 1
         rows = table.gather(1, (pos // ps)[:, None])[:, 0] * ps + pos % ps
@@ -179,13 +174,9 @@ class ModelRunner:
             self.slot_pages[where[0], where[1]] = torch.tensor(new_pages).to(
                 self.device, self.slot_pages.dtype
             )
-        pad = bs - len(reqs)
         ids, pos, slots, table, lens, write_rows = (t[:bs] for t in self.static)
-        ids.copy_(
-            torch.tensor([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs] + [0] * pad)
-        )
-        pos.copy_(torch.tensor([r.num_tokens - 1 for r in reqs] + [0] * pad))
-        slots.copy_(torch.tensor([r.slot for r in reqs] + [0] * pad))
+        for dst, src in zip((ids, pos, slots), _token_inputs(reqs, bs)):
+            dst.copy_(src)
         torch.index_select(self.slot_pages, 0, slots, out=table)
         torch.add(pos, 1, out=lens)
         ps = self.kv_pool.page_size
@@ -196,3 +187,12 @@ class ModelRunner:
         self._stage(reqs, bs)
         self.graphs[bs].replay()
         return self.static_out[bs]
+
+
+def _token_inputs(reqs: list[Request], size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode batch's ids, positions and state slots [size] (CPU); rows past len(reqs) are padding: token 0 at
+    position 0 in the dummy slot 0."""
+    pad = [0] * (size - len(reqs))
+    ids = torch.tensor([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs] + pad)
+    pos = torch.tensor([r.num_tokens - 1 for r in reqs] + pad)
+    return ids, pos, torch.tensor([r.slot for r in reqs] + pad)

@@ -140,7 +140,10 @@ class Scheduler:
         # The branch and prompt-end checkpoints do not cut the chunk: the KDA layers save those states in the
         # same forward (PrefillChunk.saves, at the cost of computing the KDA layers over the chunk's tokens up
         # to them once more), so a cached turn's append stays one forward.
-        end = min([end] + [p for p in req.cut_at if req.num_computed < p < end])
+        every = self.checkpoint_interval
+        end = min(
+            [end] + [p for p in req.checkpoint_at if every and p % every == 0 and req.num_computed < p < end]
+        )
         batch.prefill.append(PrefillChunk(req, req.num_computed, end))
         return end - req.num_computed
 
@@ -186,8 +189,7 @@ class Scheduler:
         req.pages = shared + self.kv_pool.alloc(need)
         req.num_computed = reuse
         req.cache_node, req.restore_from = node, (node.checkpoint if node is not None else None)
-        if self.cache is not None:
-            req.checkpoint_at, req.cut_at = self._plan_checkpoints(req, reuse, branch)
+        req.checkpoint_at = self._plan_checkpoints(req, reuse, branch) if self.cache is not None else []
         req.status = Status.RUNNING
         self.running.append(req)
         return ADMITTED
@@ -198,22 +200,22 @@ class Scheduler:
         if hold is not None:
             self.cache.unlock(hold[0])
 
-    def _plan_checkpoints(self, req: Request, reuse: int, branch: int) -> tuple[list[int], list[int]]:
-        """Where this request's prefill saves KDA checkpoints: every `checkpoint_interval` tokens (returned
-        again as the positions where a chunk ends), at the branch point where it leaves the cached tree, and at
-        the last page boundary before its last token."""
-        ps, n, every = self.kv_pool.page_size, req.num_tokens, self.checkpoint_interval
-        cuts = [p for p in (range(every, n, every) if every else ()) if reuse < p]
-        inside = {p for p in ((n - 1) // ps * ps, branch) if reuse < p < n and p % ps == 0}
-        return sorted(inside | set(cuts)), cuts
+    def _plan_checkpoints(self, req: Request, reuse: int, branch: int) -> list[int]:
+        """Where this request's prefill saves KDA checkpoints: every `checkpoint_interval` tokens (where its
+        chunks end), at the branch point where it leaves the cached tree, and at the last page boundary before
+        its last token."""
+        ps, n = self.kv_pool.page_size, req.num_tokens
+        points = {((n - 1) // ps) * ps, branch}
+        if self.checkpoint_interval:
+            points.update(range(self.checkpoint_interval, n, self.checkpoint_interval))
+        return sorted(p for p in points if reuse < p < n and p % ps == 0)
 
     def _cache_finished(self, req: Request) -> None:
         """Insert the finished request's KV up to its decode-time checkpoint, with that checkpoint."""
         ps = self.kv_pool.page_size
         end = (req.num_computed // ps) * ps
         if req.track_slot is not None and req.track_len == end and end > 0:
-            node = self.cache.insert(req.all_ids[:end], req.pages)
-            if self.cache.attach_checkpoint(node, req.track_slot):
+            if self.cache.insert_with_checkpoint(req.all_ids[:end], req.pages, req.track_slot):
                 req.track_slot = None  # now the tree's
 
     def _ensure_pages(self, req: Request) -> bool:

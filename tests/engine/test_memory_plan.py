@@ -9,7 +9,7 @@ import torch
 from kestrel.cache.kv_pool import KVPool
 from kestrel.cache.state_pool import StatePool
 from kestrel.config import EngineConfig
-from kestrel.engine.engine import plan_memory
+from kestrel.engine.memory import plan_memory
 from kestrel.presets import preset_config
 from kestrel.utils.errors import KestrelError
 
