@@ -20,6 +20,19 @@ def _bool(name: str, default: bool) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
+def _int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected a whole number >= 0") from None
+    if number < 0:
+        raise ValueError(f"{name}={value!r}: expected a whole number >= 0")
+    return number
+
+
 @dataclass(frozen=True)
 class Env:
     kda_backend: str
@@ -39,6 +52,10 @@ class Env:
     kda_no_recompute: bool
     """KESTREL_KDA_NO_RECOMPUTE: training keeps fla chunk_kda's forward intermediates for the backward instead of
     recomputing them (fla's advice for small models; off until its GPU gradient test has run)."""
+    kda_recurrent_prefill: int
+    """KESTREL_KDA_RECURRENT_PREFILL: at inference on the fla backend, a prefill step of at most this many KDA
+    tokens (all its sequences together) runs fla's fused recurrent kernel, one launch per layer, instead of the
+    chunked form's ten: a short append to a long cached history is bound by the host's launches (0: never)."""
     kda_safe_gate: bool
     """KESTREL_KDA_SAFE_GATE: fla chunk_kda's faster path for gates bounded in [-5, 0) (K3's lower-bound gate),
     used only where the model's gate is bounded (off until its GPU test has run)."""
@@ -64,6 +81,7 @@ def read_env() -> Env:
         moe_decode_kernel=_str("KESTREL_MOE_DECODE_KERNEL", "auto", ("auto", "off")),
         kda_conv=_str("KESTREL_KDA_CONV", "torch", ("torch", "fla")),
         kda_no_recompute=_bool("KESTREL_KDA_NO_RECOMPUTE", False),
+        kda_recurrent_prefill=_int("KESTREL_KDA_RECURRENT_PREFILL", 1024),
         kda_safe_gate=_bool("KESTREL_KDA_SAFE_GATE", False),
         compile_train=_bool("KESTREL_COMPILE_TRAIN", False),
         fused_ops=_str("KESTREL_FUSED_OPS", "auto", ("auto", "off")),

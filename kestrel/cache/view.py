@@ -33,7 +33,8 @@ class KDASaves:
 class PagedCacheView:
     """slots [N] state slots; write_rows [T] pool rows of the new tokens (packed order);
     page_table [N, maxp] (padded with page 0) and lens [N] (tokens cached after this step) for batched
-    reads; read_rows: per-sequence rows of positions 0..L-1 for the per-sequence (reference) reads."""
+    reads; ends: lens on the host, for the per-sequence (reference) reads, whose rows of positions 0..L-1 are
+    built on the device at a sequence's first read (the fast paths read the pages and never build them)."""
 
     def __init__(
         self,
@@ -43,11 +44,12 @@ class PagedCacheView:
         write_rows: torch.Tensor,
         page_table: torch.Tensor | None = None,
         lens: torch.Tensor | None = None,
-        read_rows: list[torch.Tensor] | None = None,
+        ends: list[int] | None = None,
     ):
         self.kv_pool, self.state_pool = kv_pool, state_pool
         self.slots, self.write_rows = slots, write_rows
-        self.page_table, self.lens, self.read_rows = page_table, lens, read_rows
+        self.page_table, self.lens, self.ends = page_table, lens, ends
+        self._read_rows: dict[int, torch.Tensor] = {}
         self.saves: KDASaves | None = None
 
     def kda_saves(self) -> KDASaves | None:
@@ -77,8 +79,16 @@ class PagedCacheView:
         if index_k is not None:
             self.kv_pool.write_index(layer_id, self.write_rows, index_k)
 
+    def read_rows(self, seq: int) -> torch.Tensor:
+        """Pool rows [L] of sequence seq's positions 0..L-1 (L = ends[seq]), from its page-table row."""
+        if seq not in self._read_rows:
+            ps, L = self.kv_pool.page_size, self.ends[seq]
+            pages = self.page_table[seq, : -(-L // ps), None]  # [n, 1]
+            self._read_rows[seq] = (pages * ps + torch.arange(ps, device=pages.device)).flatten()[:L]
+        return self._read_rows[seq]
+
     def read_kv(self, layer_id: int, seq: int):
-        rows = self.read_rows[seq]
+        rows = self.read_rows(seq)
         index_k = self.kv_pool.read_index(layer_id, rows) if self.kv_pool.index_k else None
         return self.kv_pool.kv[layer_id][rows], index_k
 

@@ -124,7 +124,8 @@ class Engine:
         limit, vocab = self.plan.max_model_len, self.model.config.vocab_size
         if not prompt_ids:
             raise RequestError("the prompt is empty", param="prompt")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+        # the types through one set and the range through min/max (C loops: a 32K-token prompt in about a ms)
+        if set(map(type, prompt_ids)) != {int} or not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         if len(prompt_ids) >= limit:
             raise RequestError(

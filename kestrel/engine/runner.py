@@ -75,7 +75,7 @@ class ModelRunner:
                 [c.request.pages + [0] * (width - len(c.request.pages)) for c in chunks], device=dev
             ),
             lens=torch.tensor([c.end for c in chunks], device=dev),
-            read_rows=[kv.token_rows(c.request.pages, 0, c.end).to(dev) for c in chunks],
+            ends=[c.end for c in chunks],
         )
         ctx = ForwardContext.build(new_lens, [c.start for c in chunks], view, dev)
         ctx.decode = False  # prefill chunks read per sequence, even when each is one token long

@@ -217,8 +217,9 @@ def test_bad_requests_are_refused(model):
         engine.add_request(_prompt(40, 1), SamplingParams(max_tokens=30))
     with pytest.raises(RequestError, match="empty"):
         engine.add_request([], SamplingParams())
-    with pytest.raises(RequestError, match="token ids"):
-        engine.add_request([1, 2, 9999], SamplingParams())
+    for bad in ([1, 2, 9999], [1, -1], [1, True], [1, 2.0], [1, "2"], [1, None]):
+        with pytest.raises(RequestError, match="token ids"):
+            engine.add_request(bad, SamplingParams())
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     assert not engine.has_unfinished()

@@ -219,8 +219,11 @@ def test_l2norm_and_gated_rms_norm():
 @pytest.mark.parametrize("op", ["chunk", "recurrent"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 @pytest.mark.parametrize("lens", [[1, 63, 64, 130, 300], [1] * 8], ids=["prefill", "decode"])
-def test_fla_backend_matches_naive(op, lower_bound, lens):
+@pytest.mark.parametrize("recurrent_prefill", ["0", "1024"], ids=["chunked", "short-recurrent"])
+def test_fla_backend_matches_naive(op, lower_bound, lens, recurrent_prefill, monkeypatch):
+    """Both forms of fla's `chunk`: the chunked kernels, and the recurrent one it runs for a short prefill."""
     pytest.importorskip("fla.ops.kda")
+    monkeypatch.setenv("KESTREL_KDA_RECURRENT_PREFILL", recurrent_prefill)
     from kestrel.ops.kda import fla
 
     cu_seqlens = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")

@@ -32,7 +32,14 @@ def chunk(
     fla recommends for small models (default: KESTREL_KDA_NO_RECOMPUTE, when autograd records).
     gate_lower_bound: the bound lb < 0 the caller's gates keep to (g in (lb, 0), K3's gate); with lb >= -5 and
     KESTREL_KDA_SAFE_GATE on, fla's faster kernels for bounded gates run.
+    At inference, at most KESTREL_KDA_RECURRENT_PREFILL tokens in all run `recurrent` instead: the same result
+    in one launch, where the chunked form's ten launches would cost the host more than the GPU's work.
     Returns (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None)."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+    if not grad and q.shape[0] * q.shape[1] <= read_env().kda_recurrent_prefill:
+        return recurrent(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens
+        )
     safe_gate = read_env().kda_safe_gate and gate_lower_bound is not None and -5 <= gate_lower_bound < 0
     if disable_recompute is None:
         disable_recompute = read_env().kda_no_recompute and torch.is_grad_enabled() and q.requires_grad

@@ -1,0 +1,28 @@
+"""KESTREL_* variables: defaults, parsing, and a clear error that names a bad one."""
+
+import pytest
+
+from kestrel.env import read_env
+
+
+def test_defaults_and_parsing(monkeypatch):
+    monkeypatch.delenv("KESTREL_KDA_RECURRENT_PREFILL", raising=False)
+    assert read_env().kda_recurrent_prefill == 1024
+    monkeypatch.setenv("KESTREL_KDA_RECURRENT_PREFILL", " 0 ")
+    assert read_env().kda_recurrent_prefill == 0
+    monkeypatch.setenv("KESTREL_KDA_CONV", "FLA")
+    assert read_env().kda_conv == "fla"
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("KESTREL_KDA_RECURRENT_PREFILL", "-1"),
+        ("KESTREL_KDA_RECURRENT_PREFILL", "lots"),
+        ("KESTREL_KDA_CONV", "cuda"),
+    ],
+)
+def test_a_bad_value_is_named(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        read_env()
