@@ -13,6 +13,12 @@ import sys
 import pytest
 
 pytest.importorskip("triton")
+import torch  # noqa: E402
+
+# The CPU's check of the Triton paths, through Triton's interpreter. On a CUDA machine the compiled kernels are
+# checked against their references in tests/ops (and the device image's Triton 3.6 interpreter cannot run
+# them: "only 0-dimensional arrays can be converted to Python scalars").
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU's check")
 
 SCRIPT = r"""
 import json, os, torch
