@@ -193,6 +193,60 @@ def test_other_engine_without_kestrel_extensions():
     assert "2" in format_table(result).splitlines()[2].split()[0]
 
 
+def _held_back_engine(calls: list[dict]) -> httpx.MockTransport:
+    """A server that holds a reply's text back to the end (as Kestrel does for ids outside the tokenizer) but
+    sends each token's logprobs in a chunk of its own when asked for them."""
+
+    def sse(obj) -> bytes:
+        return f"data: {json.dumps(obj)}\n\n".encode()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "held"}]})
+        if request.url.path != "/v1/chat/completions":
+            return httpx.Response(404, json={"detail": "Not Found"})
+        body = json.loads(request.content)
+        calls.append(body)
+        n = body["max_tokens"]
+        events = [sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})]
+        if body.get("logprobs"):
+            lp = {"content": [{"token": "?", "logprob": -1.0, "bytes": None, "top_logprobs": []}]}
+            events += [sse({"choices": [{"index": 0, "delta": {}, "logprobs": lp}]}) for _ in range(n - 1)]
+        events.append(
+            sse({"choices": [{"index": 0, "delta": {"content": "x" * n}, "finish_reason": "length"}]})
+        )
+        usage = {"prompt_tokens": 50, "completion_tokens": n}
+        events += [sse({"choices": [], "usage": usage}), b"data: [DONE]\n\n"]
+        return httpx.Response(200, content=b"".join(events), headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+@pytest.mark.parametrize("token_chunks", [False, True])
+def test_token_chunks_time_tokens_whose_text_is_held_back(token_chunks):
+    calls = []
+    cfg = AgentBenchConfig(
+        base_url="http://held:9000/v1",
+        concurrency=(2,),
+        turns=2,
+        history_tokens=200,
+        append_tokens=Spread.parse("20", integer=True),
+        reply_tokens=Spread.parse("12", integer=True),
+        think_time_s=Spread.parse("0"),
+        chars_per_token=1.0,
+        token_chunks=token_chunks,
+    )
+    result = run_sweep(cfg, progress=False, transport=_held_back_engine(calls))
+    requests = result["levels"][0]["requests"]
+    assert len(requests) == 4 and all(r["ok"] for r in requests)
+    assert all(c.get("logprobs") is (True if token_chunks else None) for c in calls[-4:])
+    if token_chunks:  # every token timed: 12 chunks, the speed of each reply measured
+        assert all(r["num_chunks"] == 12 and r["decode_tokens_per_s"] > 0 for r in requests)
+        assert "--token-chunks" in result["command"]
+    else:  # one text chunk a reply: no decode speed to measure
+        assert all(r["num_chunks"] == 1 and r["decode_tokens_per_s"] is None for r in requests)
+
+
 # -- statistics ----------------------------------------------------------------------------------------------
 
 

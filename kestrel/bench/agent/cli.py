@@ -128,6 +128,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="(default %(default)s)",
     )
     p.add_argument(
+        "--token-chunks",
+        action="store_true",
+        help="request logprobs, so that each token comes in its own chunk and is timed even when the server "
+        "holds its text back (random-weight models)",
+    )
+    p.add_argument(
         "--out", type=Path, default=None, help="result folder (default bench/results/<date>-agent)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -152,6 +158,7 @@ def config_from_args(args) -> AgentBenchConfig:
         tokenizer=args.tokenizer,
         chars_per_token=args.chars_per_token,
         request_timeout_s=args.request_timeout_s,
+        token_chunks=args.token_chunks,
     )
 
 

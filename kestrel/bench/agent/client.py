@@ -99,6 +99,8 @@ class Client:
             body["stream_options"] = {"include_usage": True}
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.cfg.token_chunks:
+            body["logprobs"] = True
         reply, pieces = Reply(ok=False), []
         start = time.perf_counter()
         first = last = None
@@ -123,7 +125,8 @@ class Client:
                     for choice in chunk.get("choices") or []:
                         delta = choice.get("delta") or {}
                         piece = delta.get("content") or ""
-                        if piece or delta.get("reasoning_content") or delta.get("reasoning"):
+                        tokens = self.cfg.token_chunks and ((choice.get("logprobs") or {}).get("content"))
+                        if piece or tokens or delta.get("reasoning_content") or delta.get("reasoning"):
                             now = time.perf_counter()
                             if first is None:
                                 first = now

@@ -85,6 +85,10 @@ class AgentBenchConfig:
     tokenizer: str | None = None  # folder (or tokenizer.json) to count tokens exactly
     chars_per_token: float | None = None  # None: measured on the server (or DEFAULT_CHARS_PER_TOKEN)
     request_timeout_s: float = 600.0
+    # Ask for logprobs, so that every token arrives in a chunk of its own even where the server holds its text
+    # back (a random-weight model's ids outside the tokenizer, partial characters): TTFT and decode speed then
+    # time tokens, not text.
+    token_chunks: bool = False
 
     def __post_init__(self):
         problems = []
@@ -138,4 +142,6 @@ class AgentBenchConfig:
             argv += ["--tokenizer", self.tokenizer]
         if self.chars_per_token is not None:
             argv += ["--chars-per-token", f"{self.chars_per_token:g}"]
+        if self.token_chunks:
+            argv += ["--token-chunks"]
         return shlex.join(argv)

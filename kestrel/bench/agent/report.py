@@ -110,11 +110,13 @@ def request_record(reply: Reply, session: int, turn: Turn, index: int, start_s: 
 
 DEFINITIONS = {
     "output_tokens_per_s": "completion tokens of the level / its wall time (first request sent to last answer)",
-    "decode_tokens_per_s_per_user": "per request: (completion tokens - 1) / (last text chunk - first text chunk)",
+    "decode_tokens_per_s_per_user": (
+        "per request: (completion tokens - 1) / (last timed chunk - first timed chunk), chunks as in ttft_s"
+    ),
     "p90 of a latency": "the slow tail: 90% of requests took at most this",
     "p90 of a speed": "the slow tail ('P90 interactivity'): 90% of requests decoded at least this fast",
-    "ttft_s": "request sent to the first chunk carrying text",
-    "itl_s": "gaps between chunks carrying text (a chunk may carry several tokens)",
+    "ttft_s": "request sent to the first chunk carrying text (with --token-chunks: or a token's logprobs)",
+    "itl_s": "gaps between chunks carrying text or, with --token-chunks, tokens (a chunk may carry several)",
     "reusable_tokens": "prompt + completion tokens of the session's previous turn (the shared prefix on turn 0)",
     "server_cache": "change of the server's hit and query token counters over the level",
     "client_cpu_util": "CPU time of the benchmark process / the level's wall time (1.0 = one core busy)",
