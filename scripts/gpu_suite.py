@@ -963,6 +963,55 @@ def _serve(args: list[str], port: int):
     raise RuntimeError("the server did not come up")
 
 
+def _host_profile(fn, top: int = 40) -> dict:
+    """fn under cProfile: its wall time and the functions with the most own (tottime) and total time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    fn()
+    prof.disable()
+    wall = time.perf_counter() - start
+    stats = pstats.Stats(
+        prof
+    ).stats  # {(file, line, func): (calls, primitive calls, tottime, cumtime, callers)}
+
+    def rows(key: int) -> list[dict]:
+        ranked = sorted(stats.items(), key=lambda kv: kv[1][key], reverse=True)[:top]
+        return [
+            {
+                "fn": f"{Path(f).name}:{line}({name})",
+                "calls": c[0],
+                "own_ms": 1000 * c[2],
+                "total_ms": 1000 * c[3],
+            }
+            for (f, line, name), c in ranked
+        ]
+
+    return {"wall_ms": 1000 * wall, "by_own_time": rows(2), "by_total_time": rows(3)}
+
+
+def _recurrent_prefill_ab(engine, history: list[int], gen: torch.Generator, repeats: int = 3) -> dict:
+    """TTFT (ms) of fresh appends on the cached history with KESTREL_KDA_RECURRENT_PREFILL at 0 (fla's chunked
+    KDA kernels) and at its default (the recurrent kernel for a short step), alternating, each `repeats` times."""
+    from kestrel.env import read_env
+
+    name, saved = "KESTREL_KDA_RECURRENT_PREFILL", os.environ.get("KESTREL_KDA_RECURRENT_PREFILL")
+    settings = {"chunked": "0", "recurrent": str(read_env().kda_recurrent_prefill)}
+    times: dict[str, list[float]] = {k: [] for k in settings}
+    try:
+        for _ in range(repeats):
+            for label, value in settings.items():
+                os.environ[name] = value
+                append = torch.randint(3, S.token_ids, (S.append,), generator=gen).tolist()
+                times[label].append(_ttft_ms(engine, history + append))
+    finally:
+        os.environ.pop(name) if saved is None else os.environ.__setitem__(name, saved)
+    return {"settings": settings, "ms": times, "min_ms": {k: min(v) for k, v in times.items()}}
+
+
 def cache_ttft() -> dict:
     """Issue 6's first target on mini: TTFT of a turn with a 32K cached history and a 500-token append vs the
     same turn with the cache off; then where the cached turn's time goes (torch.profiler over the same turn
@@ -1001,6 +1050,8 @@ def cache_ttft() -> dict:
                 engine, history + [5]
             )  # the previous turn: leaves a checkpoint at the end of the history
         result[f"ttft_ms_cache_{'on' if cache else 'off'}"] = _ttft_ms(engine, turn)
+        if cache:  # the same kind of turn (a fresh append on the history) with the KDA prefill form switched
+            result["kda_recurrent_prefill_ab"] = _recurrent_prefill_ab(engine, history, warm)
         if (
             cache
         ):  # the same turn once more, profiled: its history is still cached, the append is a hit now too
@@ -1019,7 +1070,15 @@ def cache_ttft() -> dict:
                     {"name": e.key[:90], "ms": e.self_cpu_time_total / 1000, "calls": e.count}
                     for e in sorted(cpu, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
                 ],
+                "most_launched": [
+                    {"name": e.key[:90], "calls": e.count, "ms": own(e) / 1000}
+                    for e in sorted(events, key=lambda e: e.count, reverse=True)[:25]
+                ],
             }
+            # and where the host's time goes in a hit turn with a fresh 500-token append (Python's profiler:
+            # the launches are asynchronous, so this is the host's own time, syncs included)
+            fresh = history + torch.randint(3, S.token_ids, (S.append,), generator=warm).tolist()
+            result["host_profile_hit"] = _host_profile(functools.partial(_ttft_ms, engine, fresh))
         engine = None  # noqa: F841
         torch.cuda.empty_cache()
     result["ttft_ratio"] = result["ttft_ms_cache_on"] / result["ttft_ms_cache_off"]
@@ -1050,6 +1109,7 @@ def cache_targets(
         reply_tokens=reply,
         think_time_s=Spread("uniform", *a["think_time_s"]),
         chars_per_token=1.0,
+        token_chunks=True,  # random weights: most ids have no text, so time the tokens (logprobs chunks)
     )
     # The working set: every session's final context (history + 4 turns of mean append and reply) in KV bytes
     from kestrel.cache.kv_pool import KVPool
@@ -1091,9 +1151,16 @@ def cache_targets(
         level = sweep["levels"][0]["summary"]
         result[name] = {
             "output_tokens_per_s": level["output_tokens_per_s"],
+            "num_ok": level["num_ok"],
+            "num_failed": level["num_failed"],
+            "sessions_ended": level["sessions_ended"],
             "server_cache": level["server_cache"],
             "ttft_s": level["ttft_s"],
         }
+        if level["num_failed"] or level["server_cache"] is None:  # the server's own account, to read later
+            result[name]["server_log_tail"] = Path(f"/tmp/serve-{port}.log").read_text(errors="replace")[
+                -3000:
+            ]
         print(name, json.dumps(result[name])[:400], flush=True)
     if all(
         name in result and "error" not in result[name] for name in ("gpu_25pct_host", "gpu_25pct_no_host")
@@ -1121,6 +1188,7 @@ def agent_sweep() -> dict:
         reply_tokens=Spread("uniform", *w["reply_tokens"]),
         think_time_s=Spread("uniform", *w["think_time_s"]),
         chars_per_token=1.0,
+        token_chunks=True,  # random weights: most ids have no text, so time the tokens (logprobs chunks)
     )
     port = S.port or _free_port()
     cfg = dataclasses.replace(cfg, base_url=f"http://127.0.0.1:{port}/v1")
