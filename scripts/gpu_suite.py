@@ -657,21 +657,34 @@ def _kestrel_throughput(engine, prompts: list[list[int]], new_tokens: int) -> di
     from kestrel.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    # Where the time goes, step by step: each step's prefill tokens and decode rows (recorded as the runner
+    # gets its batch) and its wall time (a step ends when its tokens reach the host, so no extra sync).
+    shapes, times, forward = [], [], engine.runner.forward
+    engine.runner.forward = lambda batch: (
+        shapes.append((sum(c.end - c.start for c in batch.prefill), len(batch.decode))) or forward(batch)
+    )
     _sync()
     start, produced, first_decode = time.perf_counter(), 0, None
     for i, p in enumerate(prompts):
         engine.add_request(p, params, f"t{i}-{time.perf_counter_ns()}")
-    while engine.has_unfinished():
-        outs = engine.step()
-        produced += sum(len(o.new_token_ids) for o in outs)
-        if (
-            first_decode is None
-            and engine.scheduler.running
-            and all(r.in_decode for r in engine.scheduler.running)
-            and not engine.scheduler.waiting
-        ):
-            _sync()
-            first_decode = (time.perf_counter(), produced)
+    try:
+        while engine.has_unfinished():
+            t, n = time.perf_counter(), len(shapes)
+            outs = engine.step()
+            times.append(time.perf_counter() - t)
+            if len(shapes) == n:  # a step that ran no forward
+                shapes.append((0, 0))
+            produced += sum(len(o.new_token_ids) for o in outs)
+            if (
+                first_decode is None
+                and engine.scheduler.running
+                and all(r.in_decode for r in engine.scheduler.running)
+                and not engine.scheduler.waiting
+            ):
+                _sync()
+                first_decode = (time.perf_counter(), produced)
+    finally:
+        del engine.runner.forward  # the class's method again
     _sync()
     total = time.perf_counter() - start
     entry = {
@@ -683,6 +696,16 @@ def _kestrel_throughput(engine, prompts: list[list[int]], new_tokens: int) -> di
     if first_decode is not None:
         t0, n0 = first_decode
         entry["decode_tokens_per_s"] = (produced - n0) / max(time.perf_counter() - t0, 1e-9)
+    prefill = [(s, t) for s, t in zip(shapes, times) if s[0]]
+    entry["steps"] = {
+        "count": len(times),
+        "with_prefill": len(prefill),
+        "with_prefill_s": sum(t for _, t in prefill),
+        "prefill_tokens": sum(s[0] for s, _ in prefill),
+        "slowest_prefill_steps": sorted(([*s, t] for s, t in prefill), key=lambda x: -x[2])[:4],
+        "decode_only_s": sum(t for s, t in zip(shapes, times) if not s[0]),
+        "outside_steps_s": total - sum(times),
+    }
     return entry
 
 
@@ -716,7 +739,10 @@ def engine_bench() -> dict:
         enable_prefix_cache=False,
     )
     engine = Engine(cfg)
-    _kestrel_throughput(engine, prompts[:4], 8)  # warm-up
+    # warm-up at the timed run's shapes (a full prefill chunk of whole prompts, then decode), as the peer's
+    # prefill-only pass warms it: a first chunk of a new length compiles and autotunes kernels
+    warm = max(1, min(batch, cfg.chunked_prefill_size // prompt_len))
+    _kestrel_throughput(engine, prompts[:warm], 8)
     result[ours] = _kestrel_throughput(engine, prompts[:batch], new)
     print(f"kestrel kimi_linear b{batch}", json.dumps(result[ours]), flush=True)
     ratio = result[ours]["output_tokens_per_s"] / result[peer]["output_tokens_per_s"]
@@ -726,7 +752,7 @@ def engine_bench() -> dict:
     shutil.rmtree(path, ignore_errors=True)
     torch.cuda.empty_cache()
     engine, _ = _mini_engine("kimi_k3", n // 2, prompt_len + new + 64)  # half of the requests at once
-    _kestrel_throughput(engine, prompts[:4], 8)
+    _kestrel_throughput(engine, prompts[:warm], 8)
     dsa = f"kestrel_{S.model}_dsa_{n}_requests"
     result[dsa] = _kestrel_throughput(engine, prompts, new)
     print(f"kestrel {S.model}+DSA {n}", json.dumps(result[dsa]), flush=True)
