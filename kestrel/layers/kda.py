@@ -68,8 +68,9 @@ class KimiDeltaAttention(nn.Module):
             # Decode: one token per sequence, laid out as N sequences of length 1; the conv windows and the
             # recurrent states advance in their slots (no gather/scatter, no host syncs: CUDA-graph safe).
             ssm_pool, conv_pool, slots = cache.kda_pools(self.layer_id)
-            qkv = backend.conv_step_inplace(qkv, self.conv_weight, conv_pool, slots)  # [N, 3P]
-            q, k, v = (t.reshape(T, 1, H, K) for t in qkv.split(self.proj_dim, dim=-1))
+            # q, k, v come out as planes [3, N, P], each contiguous: the recurrence needs no copies of them
+            planes = backend.conv_step_inplace(qkv, self.conv_weight, conv_pool, slots, planes=3)
+            q, k, v = (t.reshape(T, 1, H, K) for t in planes)
             g = kda_gate(f.view(T, 1, H, K), self.A_log, self.dt_bias, self.lower_bound)
             o = backend.recurrent_inplace(q, k, v, g, beta.view(T, 1, H), ssm_pool, slots, use_qk_l2norm=True)
         else:

@@ -13,8 +13,9 @@ triton = pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.mark.parametrize("planes", [1, 3])
 @pytest.mark.parametrize("W,C", [(4, 48), (2, 300), (4, 513)])
-def test_conv_step_inplace_kernel(W, C):
+def test_conv_step_inplace_kernel(W, C, planes):
     from kestrel.ops.kda.triton_conv import conv_step_inplace
 
     g = torch.Generator().manual_seed(W + C)
@@ -24,9 +25,11 @@ def test_conv_step_inplace_kernel(W, C):
     pool = torch.randn(S, C, W - 1, generator=g).to(DEVICE)
     slots = torch.tensor([5, 0, 2], device=DEVICE)
     ref_pool = pool.clone()
-    ref = naive.conv_step_inplace(x, weight, ref_pool, slots)
-    got = conv_step_inplace(x, weight, pool, slots, block=128)
+    ref = naive.conv_step_inplace(x, weight, ref_pool, slots, planes)
+    got = conv_step_inplace(x, weight, pool, slots, planes, block=128)
+    assert got.shape == ref.shape == ((N, C) if planes == 1 else (planes, N, C // planes))
     assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+    assert all(t.is_contiguous() for t in (got if planes > 1 else [got]))  # q, k, v read without copies
     assert torch.equal(pool, ref_pool)  # the windows advanced exactly like the reference's, others untouched
 
 

@@ -127,10 +127,12 @@ def recurrent_inplace(
     return o.to(v.dtype)
 
 
-def conv_step_inplace(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor):
+def conv_step_inplace(
+    x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, planes: int = 1
+):
     from kestrel.ops.kda.triton_conv import conv_step_inplace as kernel
 
-    return kernel(x, weight, conv_pool, slots)
+    return kernel(x, weight, conv_pool, slots, planes)
 
 
 def short_conv(

@@ -289,8 +289,11 @@ def recurrent_inplace(
     return o
 
 
-def conv_step_inplace(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor):
-    """`short_conv_step` on the windows of `conv_pool` [S, C, W - 1] at `slots`, advancing them in place."""
+def conv_step_inplace(
+    x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, planes: int = 1
+):
+    """`short_conv_step` on the windows of `conv_pool` [S, C, W - 1] at `slots`, advancing them in place.
+    Returns y [N, C], or with planes > 1 its channel groups [planes, N, C / planes]."""
     y, window = short_conv_step(x, weight, conv_pool[slots])
     conv_pool[slots] = window.to(conv_pool.dtype)
-    return y
+    return y if planes == 1 else y.view(y.shape[0], planes, -1).transpose(0, 1)
