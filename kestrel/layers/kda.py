@@ -11,12 +11,14 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.layers.context import get_forward_context
-from kestrel.layers.linear import ColumnLinear, Linear, RowLinear, ShapeMismatch, copy_checked, set_loader
+from kestrel.layers.linear import ColumnLinear, RowLinear, ShapeMismatch, copy_checked, set_loader
 from kestrel.layers.norm import RMSNorm
 from kestrel.ops.kda import gated_rms_norm, get_kda_backend, kda_gate
 from kestrel.utils.dist import parallel_state
 
 QKV = ("q", "k", "v")
+# The projections that read the layer input are one matmul (`in_proj`, shards q | k | v | f_a | b | g or g_a);
+# checkpoints keep them apart (q_proj, ..., f_a_proj, b_proj, g_proj or g_a_proj): kestrel.models.weights.
 
 
 class KimiDeltaAttention(nn.Module):
@@ -34,18 +36,25 @@ class KimiDeltaAttention(nn.Module):
         self.eps = config.rms_norm_eps
         D, P, K = config.hidden_size, config.kda_proj_dim, config.kda_head_dim
 
-        self.qkv_proj = ColumnLinear(D, dtype=dtype, output_sizes=[P, P, P], shard_names=QKV)
+        # q | k | v | f_a | b | g (or g_a): one matmul over x; f_a and g_a (low-rank bottlenecks) every
+        # tensor-parallel rank holds whole, the rest are split by heads
+        self.full_rank_gate = config.kda_full_rank_gate
+        gate = ("g", P) if config.kda_full_rank_gate else ("g_a", K)
+        self.in_proj = ColumnLinear(
+            D,
+            dtype=dtype,
+            output_sizes=[P, P, P, K, config.kda_num_heads, gate[1]],
+            shard_names=[*QKV, "f_a", "b", gate[0]],
+            replicated=("f_a",) if config.kda_full_rank_gate else ("f_a", "g_a"),
+        )
+        sizes = self.in_proj.local_sizes
+        self.in_split = [sum(sizes[:3]), *sizes[3:]]  # q|k|v, f_a, b, gate
         # Depthwise conv over q|k|v channels, [3P_local, W]; checkpoints store [P, 1, W] per q, k, v.
         self.conv_weight = set_loader(
             nn.Parameter(torch.empty(3 * self.proj_dim, self.conv_size, dtype=dtype)), self._load_conv, QKV
         )
-        self.f_a_proj = Linear(D, K, dtype=dtype)
         self.f_b_proj = ColumnLinear(K, P, dtype=dtype)
-        self.b_proj = ColumnLinear(D, config.kda_num_heads, dtype=dtype)
-        if config.kda_full_rank_gate:
-            self.g_proj = ColumnLinear(D, P, dtype=dtype)
-        else:
-            self.g_a_proj = Linear(D, K, dtype=dtype)
+        if not config.kda_full_rank_gate:
             self.g_b_proj = ColumnLinear(K, P, dtype=dtype)
         self.A_log = set_loader(
             nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32)), self._load_a_log
@@ -60,9 +69,10 @@ class KimiDeltaAttention(nn.Module):
         ctx = get_forward_context()
         T, H, K = x.shape[0], self.num_heads, self.head_dim
         cache, backend = ctx.cache, get_kda_backend(x.device)
-        qkv = self.qkv_proj(x)  # [T, 3P]
-        f = self.f_b_proj(self.f_a_proj(x))  # [T, P]
-        beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
+        # [T, 3P], [T, K], [T, H], [T, P or K] (the output gate): views of one matmul's rows
+        qkv, f_a, b, gate = self.in_proj(x).split(self.in_split, dim=-1)
+        f = self.f_b_proj(f_a)  # [T, P]
+        beta = torch.sigmoid(b.float())  # [T, H]
 
         if cache is not None and ctx.decode:
             # Decode: one token per sequence, laid out as N sequences of length 1; the conv windows and the
@@ -108,7 +118,7 @@ class KimiDeltaAttention(nn.Module):
             if cache is not None:
                 cache.set_kda_state(self.layer_id, ssm_out, conv_out)
 
-        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))  # [T, P]
+        gate = gate if self.full_rank_gate else self.g_b_proj(gate)  # [T, P]: the output gate
         o = gated_rms_norm(o.view(T, H, K), gate.view(T, H, K), self.o_norm.weight, self.eps)  # [T, H, V]
         return self.o_proj(o.reshape(T, self.proj_dim))
 

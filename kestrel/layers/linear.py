@@ -54,7 +54,9 @@ class Linear(nn.Module):
 
 class ColumnLinear(Linear):
     """Output features split across tensor-parallel ranks. With `output_sizes`, the weight is several
-    checkpoint tensors stacked along the output dim (e.g. q|k|v); each is split across ranks on its own."""
+    checkpoint tensors stacked along the output dim (e.g. q|k|v); each is split across ranks on its own, except
+    the shards named in `replicated`, which every rank holds whole (small projections that feed a replicated
+    computation, merged in only to save a matmul)."""
 
     def __init__(
         self,
@@ -63,18 +65,23 @@ class ColumnLinear(Linear):
         dtype: torch.dtype | None = None,
         output_sizes: Sequence[int] | None = None,
         shard_names: Sequence[str] | None = None,
+        replicated: Sequence[str] = (),
     ):
         ps = parallel_state()
         sizes = list(output_sizes) if output_sizes is not None else [out_features]
-        for size in sizes:
-            if size % ps.tp_size:
-                raise ValueError(f"output size {size} is not divisible by tp_size={ps.tp_size}")
-        self.full_sizes = sizes
-        self.local_sizes = [s // ps.tp_size for s in sizes]
-        super().__init__(in_features, sum(self.local_sizes), dtype)
         self.shard_names = list(shard_names) if shard_names is not None else None
         if self.shard_names is not None and len(self.shard_names) != len(sizes):
             raise ValueError("shard_names must match output_sizes")
+        if set(replicated) - set(self.shard_names or ()):
+            raise ValueError(f"replicated shards {sorted(replicated)} must be among shard_names")
+        whole = [name in replicated for name in (self.shard_names or [None])]
+        for size, keep in zip(sizes, whole):
+            if size % ps.tp_size and not keep:
+                raise ValueError(f"output size {size} is not divisible by tp_size={ps.tp_size}")
+        self.full_sizes = sizes
+        self.local_sizes = [s if keep else s // ps.tp_size for s, keep in zip(sizes, whole)]
+        self.replicated = whole
+        super().__init__(in_features, sum(self.local_sizes), dtype)
         shards = self.shard_names if self.shard_names is not None else [None]
         set_loader(self.weight, self.load_shard, shards)
 
@@ -90,7 +97,9 @@ class ColumnLinear(Linear):
                 f"{shard_id or 'weight'}: checkpoint has {tuple(loaded.shape)}, "
                 f"model expects ({full}, {self.in_features})"
             )
-        part = loaded.narrow(0, ps.tp_rank * local, local)  # [local, in]
+        part = (
+            loaded if self.replicated[index] else loaded.narrow(0, ps.tp_rank * local, local)
+        )  # [local, in]
         copy_checked(param.data.narrow(0, offset, local), part, str(shard_id or "weight"))
 
 

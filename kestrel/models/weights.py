@@ -64,8 +64,8 @@ def _targets(config: ModelConfig, name: str, tensor_fn):
     if layer >= config.num_hidden_layers:
         return []
     kda = config.layer_types[layer] == KDA
-    if kda and (mm := re.fullmatch(r"self_attn\.([qkv])_proj\.weight", rest)):
-        return [(prefix + "self_attn.qkv_proj.weight", mm.group(1), tensor_fn)]
+    if kda and (mm := re.fullmatch(r"self_attn\.([qkv]|f_a|b|g|g_a)_proj\.weight", rest)):
+        return [(prefix + "self_attn.in_proj.weight", mm.group(1), tensor_fn)]
     if kda and (mm := re.fullmatch(r"self_attn\.([qkv])_conv1d\.weight", rest)):
         return [(prefix + "self_attn.conv_weight", mm.group(1), tensor_fn)]
     if kda and rest == "self_attn.conv1d.weight":  # transformers: q|k|v stacked, [3P, 1, W]
@@ -240,8 +240,9 @@ def export_tensors(model: KimiForCausalLM) -> Iterator[tuple[str, torch.Tensor]]
             continue
         layer, rest = int(m.group(1)), m.group(2)
         p = f"{top}model.layers.{layer}."
-        if rest == "self_attn.qkv_proj.weight":
-            for s, part in zip("qkv", t.chunk(3, dim=0)):
+        if rest == "self_attn.in_proj.weight":  # q | k | v | f_a | b | g or g_a, as separate tensors
+            module = model.get_submodule(name.removesuffix(".weight"))
+            for s, part in zip(module.shard_names, t.split(module.local_sizes, dim=0)):
                 yield p + f"self_attn.{s}_proj.weight", part
         elif rest == "self_attn.conv_weight":
             for s, part in zip("qkv", t.chunk(3, dim=0)):

@@ -40,11 +40,25 @@ def test_tensor_parallel_shards(full_and_ckpt, rank):
     kda = "model.layers.0.self_attn."
     P = full.config.kda_proj_dim
     h = P // 2  # local proj dim
-    for i, name in enumerate("qkv"):  # merged column: each of q, k, v split on its own
-        assert torch.equal(
-            R[kda + "qkv_proj.weight"][i * h : (i + 1) * h],
-            F[kda + "qkv_proj.weight"][i * P + rank * h : i * P + (rank + 1) * h],
-        ), name
+    # in_proj, merged column: q, k, v, b and a full-rank g split on their own, f_a and g_a whole on every rank
+    full_parts = dict(
+        zip(
+            part.model.layers[0].self_attn.in_proj.shard_names,
+            F[kda + "in_proj.weight"].split(full.model.layers[0].self_attn.in_proj.local_sizes),
+        )
+    )
+    rank_parts = dict(
+        zip(
+            part.model.layers[0].self_attn.in_proj.shard_names,
+            R[kda + "in_proj.weight"].split(part.model.layers[0].self_attn.in_proj.local_sizes),
+        )
+    )
+    assert set(full_parts) >= {"q", "k", "v", "f_a", "b"} and len(full_parts) == 6
+    for name, whole in full_parts.items():
+        n = whole.shape[0] if name in ("f_a", "g_a") else whole.shape[0] // 2
+        start = 0 if name in ("f_a", "g_a") else rank * n
+        assert torch.equal(rank_parts[name], whole[start : start + n]), name
+    for i, name in enumerate("qkv"):
         assert torch.equal(
             R[kda + "conv_weight"][i * h : (i + 1) * h],
             F[kda + "conv_weight"][i * P + rank * h : i * P + (rank + 1) * h],

@@ -225,10 +225,11 @@ def test_transformers_module_layout_lands_in_the_right_slices(tmp_path):
     ours = dict(build_model(str(tmp_path)).named_parameters())  # no error: nothing missing or unexpected
     P = 2 * 16
     kda = "model.layers.0.self_attn."
-    qkv = ours[kda + "qkv_proj.weight"]
-    assert torch.equal(qkv[:P], state[kda + "q_proj.weight"])
-    assert torch.equal(qkv[P : 2 * P], state[kda + "k_proj.weight"])
-    assert torch.equal(qkv[2 * P :], state[kda + "v_proj.weight"])
+    # in_proj: q | k | v | f_a | b | g_a, each checkpoint tensor in its rows
+    parts = ours[kda + "in_proj.weight"].split([P, P, P, 16, 2, 16])
+    names = ["q_proj", "k_proj", "v_proj", "forget_gate.f_a_proj", "b_proj", "g_a_proj"]
+    for part, name in zip(parts, names):
+        assert torch.equal(part, state[kda + name + ".weight"]), name
     assert torch.equal(ours[kda + "conv_weight"], state[kda + "conv1d.weight"].squeeze(1))
     assert torch.equal(ours[kda + "A_log"], state[kda + "forget_gate.A_log"].flatten())
     assert torch.equal(ours[kda + "dt_bias"], state[kda + "forget_gate.dt_bias"])
@@ -289,7 +290,7 @@ def test_missing_tensor(broken):
 
 def test_missing_slice_of_a_merged_parameter(broken):
     _edit(broken, lambda t: t.pop(_name(t, "layers.0.self_attn.k_proj.weight")))
-    assert "model.layers.0.self_attn.qkv_proj.weight [k]" in _load_error(broken)
+    assert "model.layers.0.self_attn.in_proj.weight [k]" in _load_error(broken)
 
 
 def test_missing_expert(broken):

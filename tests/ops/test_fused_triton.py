@@ -73,6 +73,19 @@ def test_gated_rms_norm_matches_reference(dtype):
     torch.testing.assert_close(got, gated_rms_norm.eager(o, gate, w, 1e-5), **TOL[dtype])
 
 
+def test_gated_rms_norm_reads_a_gate_sliced_from_a_wider_projection():
+    """KDA's output gate is the last columns of its merged input projection: [T, H, V] heads with a token stride
+    wider than H * V, read in place."""
+    T, H, V = 7, 3, 16
+    full = _randn(T, 5 + H * V, dtype=torch.float32, seed=21)
+    gate = full[:, 5:].view(T, H, V)
+    assert gate.stride() == (5 + H * V, V, 1)
+    o = _randn(T, H, V, dtype=torch.float32, seed=22, scale=2.0)
+    w = _randn(V, dtype=torch.float32, seed=23)
+    got = gated_rms_norm_triton(o, gate, w, 1e-5)
+    torch.testing.assert_close(got, gated_rms_norm.eager(o, gate, w, 1e-5), **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kda_gate_matches_reference(lower_bound, dtype):

@@ -146,6 +146,7 @@ def short_conv(
     [N, C, W - 1] is its [N, C, W] without the first column."""
     from fla.modules.causal_conv1d import causal_conv1d
 
+    x = x.contiguous()  # (q|k|v may be a column slice of the layer's merged input projection)
     T, C = x.shape
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, T], device=x.device)

@@ -44,12 +44,12 @@ def conv_step_inplace(
     block: int = 256,
 ) -> torch.Tensor:
     """y = SiLU(conv over [window | x]); each slot's window [C, W-1] in conv_pool [S, C, W-1] advances in
-    place. x [N, C] contiguous, weight [C, W] contiguous, slots [N] (distinct, or the dummy slot 0).
-    y is [N, C], or with planes > 1 [planes, N, C / planes]: the channel groups (q | k | v) each contiguous, so
-    that the recurrence reads them without copies."""
+    place. x [N, C] (rows may be strided: a column slice of a wider matmul), weight [C, W] contiguous,
+    slots [N] (distinct, or the dummy slot 0). y is [N, C], or with planes > 1 [planes, N, C / planes]: the
+    channel groups (q | k | v) each contiguous, so that the recurrence reads them without copies."""
     N, C = x.shape
     W = weight.shape[1]
-    assert x.is_contiguous() and weight.is_contiguous() and conv_pool.stride(2) == 1 and C % planes == 0
+    assert x.stride(1) == 1 and weight.is_contiguous() and conv_pool.stride(2) == 1 and C % planes == 0
     y = x.new_empty(planes, N, C // planes)
     grid = (N, triton.cdiv(C, block))
     _conv_step_kernel[grid](

@@ -14,7 +14,18 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, g_ptr, out_ptr, D, stride_x, stride_g, stride_o, eps, GATE: tl.constexpr, BD: tl.constexpr
+    x_ptr,
+    w_ptr,
+    g_ptr,
+    out_ptr,
+    D,
+    stride_x,
+    G_HEADS,
+    stride_g,
+    stride_o,
+    eps,
+    GATE: tl.constexpr,
+    BD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
@@ -23,7 +34,9 @@ def _rms_norm_kernel(
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     y = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) * (x * inv)
     if GATE:
-        y = y * tl.sigmoid(tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32))
+        # gate row `row` at (row // G_HEADS) * stride_g + (row % G_HEADS) * D: G_HEADS rows of D per token
+        g_row = (row // G_HEADS) * stride_g + (row % G_HEADS) * D
+        y = y * tl.sigmoid(tl.load(g_ptr + g_row + cols, mask=mask, other=0.0).to(tl.float32))
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -35,12 +48,22 @@ def as_rows(t: torch.Tensor, width: int | None = None) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
+def _gate_rows(gate: torch.Tensor, D: int) -> tuple[torch.Tensor, int, int]:
+    """(tensor, heads, token stride) such that gate row r is at (r // heads) * stride + (r % heads) * D. A
+    [T, H, D] gate whose heads lie contiguous within each token (a column slice of a wider matmul's output)
+    is read in place; any other layout goes through `as_rows`."""
+    if gate.dim() == 3 and gate.stride(2) == 1 and gate.stride(1) == D:
+        return gate, gate.shape[1], gate.stride(0)
+    rows = as_rows(gate)
+    return rows, 1, rows.stride(0)
+
+
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor | None) -> torch.Tensor:
     D = x.shape[-1]
     assert weight.shape == (D,), f"weight {tuple(weight.shape)} for width {D}"
     rows = as_rows(x)
-    g = as_rows(gate) if gate is not None else rows
-    assert g.shape == rows.shape, f"gate {tuple(gate.shape)} vs x {tuple(x.shape)}"
+    g, heads, stride_g = _gate_rows(gate, D) if gate is not None else (rows, 1, rows.stride(0))
+    assert gate is None or gate.shape == x.shape, f"gate {tuple(gate.shape)} vs x {tuple(x.shape)}"
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # [N, D]
     if rows.shape[0]:
         BD = triton.next_power_of_2(D)
@@ -51,7 +74,8 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor 
             out,
             D,
             rows.stride(0),
-            g.stride(0),
+            heads,
+            stride_g,
             out.stride(0),
             float(eps),
             GATE=gate is not None,
