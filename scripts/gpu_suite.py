@@ -136,7 +136,7 @@ H200 = Sizes(
     },
     serve_args=("--max-running-requests", "16", "--max-model-len", "20000"),
     host_gb="16",
-    port=8123,
+    port=0,  # a free port each time: two suites side by side (scripts/gpu_pair.sh) must not share a server
     sweep={
         "concurrency": (1, 4, 16, 64, 256),
         "turns": 3,
@@ -333,6 +333,18 @@ def _parity_prompt(model: str, vocab: int, length: int) -> tuple[torch.Tensor, s
     return torch.tensor(ids[:length], device=S.device), "held-out chat prompts, concatenated"
 
 
+@contextlib.contextmanager
+def _kda_prefill(form: str):
+    """fla's KDA prefill in one form for the block: "chunked" (KESTREL_KDA_RECURRENT_PREFILL=0) or "recurrent"
+    (the threshold above any parity prompt)."""
+    name, saved = "KESTREL_KDA_RECURRENT_PREFILL", os.environ.get("KESTREL_KDA_RECURRENT_PREFILL")
+    os.environ[name] = {"chunked": "0", "recurrent": str(1 << 30)}[form]
+    try:
+        yield
+    finally:
+        os.environ.pop(name) if saved is None else os.environ.__setitem__(name, saved)
+
+
 def parity() -> dict:
     """Fast path (fla-core KDA) against the reference path (plain-torch KDA), same bf16 weights, on every
     --parity-models entry.
@@ -353,13 +365,21 @@ def parity() -> dict:
         ref32, choices32 = _forward(fp32, ids, "naive")
         # the same comparison without bf16: what is left is the kernels' own rounding (fla's and our Triton
         # kernels may run fp32 products as tf32 on tensor cores), not the weights' and activations' bf16
-        fast32, _ = _forward(fp32, ids, S.fast_kda, replay=choices32)
+        # fla's prefill has two forms (KESTREL_KDA_RECURRENT_PREFILL): the chunked kernels, and for a short
+        # step the recurrent one; the parity prompts are short enough for either, so both are compared
+        with _kda_prefill("chunked"):
+            fast32, _ = _forward(fp32, ids, S.fast_kda, replay=choices32)
+        with _kda_prefill("recurrent"):
+            fast32_rec, _ = _forward(fp32, ids, S.fast_kda, replay=choices32)
         del fp32
         bf16 = build_model(preset, dtype=torch.bfloat16, device=S.device, seed=0)  # same draws, rounded
         ref16, choices16 = _forward(bf16, ids, "naive")
-        fast16, _ = _forward(bf16, ids, S.fast_kda, replay=choices16)
-        fast16_free, _ = _forward(bf16, ids, S.fast_kda)
-        decode = _decode_logits(bf16, ids, decode_from, S.fast_kda, choices16)
+        with _kda_prefill("recurrent"):
+            fast16_rec, _ = _forward(bf16, ids, S.fast_kda, replay=choices16)
+        with _kda_prefill("chunked"):
+            fast16, _ = _forward(bf16, ids, S.fast_kda, replay=choices16)
+            fast16_free, _ = _forward(bf16, ids, S.fast_kda)
+            decode = _decode_logits(bf16, ids, decode_from, S.fast_kda, choices16)
         entry = {
             "prompt_tokens": length,
             "prompt": prompt_kind,
@@ -367,6 +387,8 @@ def parity() -> dict:
             "target": "fla bf16 vs reference bf16 <= 2e-2",
             "fla_bf16_vs_reference_bf16": _rel(ref16, fast16),
             "fla_fp32_vs_reference_fp32": _rel(ref32, fast32),
+            "fla_recurrent_prefill_bf16_vs_reference_bf16": _rel(ref16, fast16_rec),
+            "fla_recurrent_prefill_fp32_vs_reference_fp32": _rel(ref32, fast32_rec),
             "fla_bf16_prefill_then_decode_vs_reference_bf16": _rel(ref16, decode),
             "fla_bf16_vs_reference_bf16_without_replay": _rel(ref16, fast16_free),
             "reference_bf16_vs_reference_fp32_replayed": _rel(
@@ -660,14 +682,14 @@ def _kestrel_throughput(engine, prompts: list[list[int]], new_tokens: int) -> di
     # Where the time goes, step by step: each step's prefill tokens and decode rows (recorded as the runner
     # gets its batch) and its wall time (a step ends when its tokens reach the host, so no extra sync).
     shapes, times, forward = [], [], engine.runner.forward
-    engine.runner.forward = lambda batch: (
-        shapes.append((sum(c.end - c.start for c in batch.prefill), len(batch.decode))) or forward(batch)
-    )
     _sync()
     start, produced, first_decode = time.perf_counter(), 0, None
-    for i, p in enumerate(prompts):
-        engine.add_request(p, params, f"t{i}-{time.perf_counter_ns()}")
     try:
+        engine.runner.forward = lambda batch: (
+            shapes.append((sum(c.end - c.start for c in batch.prefill), len(batch.decode))) or forward(batch)
+        )
+        for i, p in enumerate(prompts):
+            engine.add_request(p, params, f"t{i}-{time.perf_counter_ns()}")
         while engine.has_unfinished():
             t, n = time.perf_counter(), len(shapes)
             outs = engine.step()
@@ -970,7 +992,8 @@ def _ttft_ms(engine, prompt: list[int]) -> float:
 
 
 def _serve(args: list[str], port: int):
-    """`kestrel serve` on this machine, in the background; returns the process once /health answers."""
+    """`kestrel serve` on this machine, in the background; returns the process once /health answers and it
+    is still running (an answer from another process's server on the same port would otherwise pass)."""
     import urllib.request
 
     proc = subprocess.Popen(
@@ -981,12 +1004,24 @@ def _serve(args: list[str], port: int):
     for _ in range(600):
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-            return proc
+            time.sleep(0.5)  # a server that lost the port to another one exits at once
+            if proc.poll() is None:
+                return proc
+            raise RuntimeError(f"port {port}: another server answered; ours exited: " + _log_tail(port))
+        except RuntimeError:
+            raise
         except Exception:  # noqa: BLE001 - still starting
             if proc.poll() is not None:
-                raise RuntimeError(open(f"/tmp/serve-{port}.log").read()[-2000:]) from None
+                raise RuntimeError(_log_tail(port)) from None
             time.sleep(1)
     raise RuntimeError("the server did not come up")
+
+
+def _log_tail(port: int, chars: int = 2000) -> str:
+    try:
+        return Path(f"/tmp/serve-{port}.log").read_text(errors="replace")[-chars:]
+    except OSError as e:
+        return f"(no server log: {e})"
 
 
 def _host_profile(fn, top: int = 40) -> dict:
@@ -1000,16 +1035,15 @@ def _host_profile(fn, top: int = 40) -> dict:
     fn()
     prof.disable()
     wall = time.perf_counter() - start
-    stats = pstats.Stats(
-        prof
-    ).stats  # {(file, line, func): (calls, primitive calls, tottime, cumtime, callers)}
+    # {(file, line, func): (primitive calls, calls, tottime, cumtime, callers)}
+    stats = pstats.Stats(prof).stats
 
     def rows(key: int) -> list[dict]:
         ranked = sorted(stats.items(), key=lambda kv: kv[1][key], reverse=True)[:top]
         return [
             {
                 "fn": f"{Path(f).name}:{line}({name})",
-                "calls": c[0],
+                "calls": c[1],
                 "own_ms": 1000 * c[2],
                 "total_ms": 1000 * c[3],
             }
@@ -1020,22 +1054,15 @@ def _host_profile(fn, top: int = 40) -> dict:
 
 
 def _recurrent_prefill_ab(engine, history: list[int], gen: torch.Generator, repeats: int = 3) -> dict:
-    """TTFT (ms) of fresh appends on the cached history with KESTREL_KDA_RECURRENT_PREFILL at 0 (fla's chunked
-    KDA kernels) and at its default (the recurrent kernel for a short step), alternating, each `repeats` times."""
-    from kestrel.env import read_env
-
-    name, saved = "KESTREL_KDA_RECURRENT_PREFILL", os.environ.get("KESTREL_KDA_RECURRENT_PREFILL")
-    settings = {"chunked": "0", "recurrent": str(read_env().kda_recurrent_prefill)}
-    times: dict[str, list[float]] = {k: [] for k in settings}
-    try:
-        for _ in range(repeats):
-            for label, value in settings.items():
-                os.environ[name] = value
-                append = torch.randint(3, S.token_ids, (S.append,), generator=gen).tolist()
-                times[label].append(_ttft_ms(engine, history + append))
-    finally:
-        os.environ.pop(name) if saved is None else os.environ.__setitem__(name, saved)
-    return {"settings": settings, "ms": times, "min_ms": {k: min(v) for k, v in times.items()}}
+    """TTFT (ms) of fresh appends on the cached history with fla's KDA prefill in each form (`_kda_prefill`:
+    the chunked kernels, the recurrent one), alternating, each `repeats` times."""
+    times: dict[str, list[float]] = {"chunked": [], "recurrent": []}
+    for _ in range(repeats):
+        for form in times:
+            append = torch.randint(3, S.token_ids, (S.append,), generator=gen).tolist()
+            with _kda_prefill(form):
+                times[form].append(_ttft_ms(engine, history + append))
+    return {"ms": times, "min_ms": {k: min(v) for k, v in times.items()}}
 
 
 def cache_ttft() -> dict:
@@ -1184,9 +1211,7 @@ def cache_targets(
             "ttft_s": level["ttft_s"],
         }
         if level["num_failed"] or level["server_cache"] is None:  # the server's own account, to read later
-            result[name]["server_log_tail"] = Path(f"/tmp/serve-{port}.log").read_text(errors="replace")[
-                -3000:
-            ]
+            result[name]["server_log_tail"] = _log_tail(port, 3000)
         print(name, json.dumps(result[name])[:400], flush=True)
     if all(
         name in result and "error" not in result[name] for name in ("gpu_25pct_host", "gpu_25pct_no_host")

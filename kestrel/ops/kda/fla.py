@@ -33,16 +33,19 @@ def chunk(
     gate_lower_bound: the bound lb < 0 the caller's gates keep to (g in (lb, 0), K3's gate); with lb >= -5 and
     KESTREL_KDA_SAFE_GATE on, fla's faster kernels for bounded gates run.
     At inference, at most KESTREL_KDA_RECURRENT_PREFILL tokens in all run `recurrent` instead: the same result
-    in one launch, where the chunked form's ten launches would cost the host more than the GPU's work.
+    in one launch, where the chunked form's ten launches would cost the host more than the GPU's work. (Which
+    form runs depends on the step's total tokens, so a sequence's rounding can depend on its batch.)
     Returns (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None)."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
-    if not grad and q.shape[0] * q.shape[1] <= read_env().kda_recurrent_prefill:
+    env = read_env()
+    inputs = (q, k, v, g, beta) if initial_state is None else (q, k, v, g, beta, initial_state)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    if not grad and q.shape[0] * q.shape[1] <= env.kda_recurrent_prefill:
         return recurrent(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens
         )
-    safe_gate = read_env().kda_safe_gate and gate_lower_bound is not None and -5 <= gate_lower_bound < 0
+    safe_gate = env.kda_safe_gate and gate_lower_bound is not None and -5 <= gate_lower_bound < 0
     if disable_recompute is None:
-        disable_recompute = read_env().kda_no_recompute and torch.is_grad_enabled() and q.requires_grad
+        disable_recompute = env.kda_no_recompute and torch.is_grad_enabled() and q.requires_grad
     if initial_state is not None:
         initial_state = initial_state.float()  # chunk_kda asserts an fp32 initial state
     o, final_state = chunk_kda(
