@@ -47,8 +47,10 @@ class Env:
     """KESTREL_MOE_DECODE_KERNEL: auto (the routed experts in Triton on CUDA at inference when T * A <=
     kestrel.layers.moe.TRITON_EXPERTS_MAX_PAIRS) | off (the grouped path at every size)."""
     kda_conv: str
-    """KESTREL_KDA_CONV: the KDA short conv of prefill and training on the fla backend: torch (one batched
-    gather, kestrel.ops.kda.packed_conv) | fla (fla-core's varlen causal_conv1d, Triton forward and backward)."""
+    """KESTREL_KDA_CONV: the KDA short conv of prefill and training on the fla backend: auto (inference: one
+    Triton kernel, kestrel.ops.kda.triton_conv.short_conv_prefill; training: the packed torch form with its
+    backward) | torch (the packed form, kestrel.ops.kda.packed_conv, always) | fla (fla-core's varlen
+    causal_conv1d, Triton forward and backward)."""
     kda_no_recompute: bool
     """KESTREL_KDA_NO_RECOMPUTE: training keeps fla chunk_kda's forward intermediates for the backward instead of
     recomputing them (fla's advice for small models; off until its GPU gradient test has run)."""
@@ -82,7 +84,7 @@ def read_env() -> Env:
         triton_interpret=_bool("TRITON_INTERPRET", False),
         moe_grouped_mm=_str("KESTREL_MOE_GROUPED_MM", "auto", ("auto", "off")),
         moe_decode_kernel=_str("KESTREL_MOE_DECODE_KERNEL", "auto", ("auto", "off")),
-        kda_conv=_str("KESTREL_KDA_CONV", "torch", ("torch", "fla")),
+        kda_conv=_str("KESTREL_KDA_CONV", "auto", ("auto", "torch", "fla")),
         kda_no_recompute=_bool("KESTREL_KDA_NO_RECOMPUTE", False),
         kda_recurrent_prefill=_int("KESTREL_KDA_RECURRENT_PREFILL", 1024),
         kda_safe_gate=_bool("KESTREL_KDA_SAFE_GATE", False),

@@ -10,6 +10,8 @@ def test_defaults_and_parsing(monkeypatch):
     assert read_env().kda_recurrent_prefill == 1024
     monkeypatch.setenv("KESTREL_KDA_RECURRENT_PREFILL", " 0 ")
     assert read_env().kda_recurrent_prefill == 0
+    monkeypatch.delenv("KESTREL_KDA_CONV", raising=False)
+    assert read_env().kda_conv == "auto"
     monkeypatch.setenv("KESTREL_KDA_CONV", "FLA")
     assert read_env().kda_conv == "fla"
 

@@ -29,13 +29,13 @@ from kestrel.models.loader import build_model
 
 import kestrel.ops.kda as kda_ops
 from kestrel.ops.kda import fla as fla_ops
-from kestrel.ops.kda.packed_conv import short_conv_packed
 
-# fla-core's chunked prefill kernels autotune, which Triton's interpreter cannot do: prefill stays on the
-# reference here; the decode step runs fla's in-place recurrence and the Triton conv step.
+# fla-core's chunked prefill kernels autotune, which Triton's interpreter cannot do: the prefill recurrence
+# stays on the reference here, its conv runs the Triton inference kernel; the decode step runs fla's in-place
+# recurrence and the Triton conv step.
 hybrid = kda_ops.KDABackend(
     "fla", kda_ops.chunk_kda, kda_ops.recurrent_kda, fla_ops.recurrent_inplace, fla_ops.conv_step_inplace,
-    short_conv_packed,
+    kda_ops._short_conv_auto,
 )
 kda_ops._fla_backend = lambda: hybrid
 model = build_model("tiny", seed=21)

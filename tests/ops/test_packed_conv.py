@@ -77,3 +77,43 @@ def test_fla_conv_matches_reference(with_state, dtype):
         torch.testing.assert_close(
             a.float(), b.float(), rtol=max(tol, 1e-4), atol=max(tol, 1e-4) * b.abs().max().item()
         )
+
+
+# -- the inference kernel (Triton; in its interpreter on the CPU) ---------------------------------------------
+
+
+@pytest.mark.parametrize("lens", [[7], [1, 5, 2, 9], [3, 1, 1, 40, 2], [0, 4], [2, 0]])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("width", [2, 4])
+def test_prefill_conv_kernel_matches_reference(lens, with_state, width):
+    pytest.importorskip("triton")
+    from kestrel.ops.kda.triton_conv import short_conv_prefill
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(sum(lens) * 7 + width)
+    C, T, N = 150, sum(lens), len(lens)  # two channel blocks of 128, the second partial
+    wide = torch.randn(T, C + 9, generator=g).to(device)
+    x = wide[:, 5 : 5 + C]  # rows strided, as a column slice of the merged input projection
+    w = torch.randn(C, width, generator=g).to(device)
+    state = torch.randn(N, C, width - 1, generator=g).to(device) if with_state else None
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=device)
+    y_ref, s_ref = short_conv(x, w, state, cu)
+    y, s = short_conv_prefill(x, w, state, cu, block_t=8)
+    assert y.shape == y_ref.shape and s.shape == s_ref.shape and s.dtype == s_ref.dtype
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(s, s_ref)  # copies of inputs and state, exactly
+
+
+def test_prefill_conv_kernel_bf16_one_sequence():
+    pytest.importorskip("triton")
+    from kestrel.ops.kda.triton_conv import short_conv_prefill
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 64, generator=g).to(device, torch.bfloat16)
+    w = torch.randn(64, 4, generator=g).to(device, torch.bfloat16)
+    state = torch.randn(1, 64, 3, generator=g).to(device, torch.bfloat16)
+    y_ref, s_ref = short_conv(x, w, state)
+    y, s = short_conv_prefill(x, w, state)
+    assert y.dtype == torch.bfloat16 and torch.equal(s, s_ref)
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=2e-2, rtol=2e-2)

@@ -51,11 +51,24 @@ NAIVE = KDABackend(
 )
 
 
+def _short_conv_auto(x, weight, conv_state=None, cu_seqlens=None):
+    """KESTREL_KDA_CONV=auto: the packed torch form while autograd records (it has a backward), else the
+    Triton inference kernel."""
+    from kestrel.ops.kda.packed_conv import short_conv_packed
+    from kestrel.ops.kda.triton_conv import short_conv_prefill
+
+    inputs = (x, weight) if conv_state is None else (x, weight, conv_state)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return short_conv_packed(x, weight, conv_state, cu_seqlens)
+    return short_conv_prefill(x, weight, conv_state, cu_seqlens)
+
+
 def _fla_backend() -> KDABackend:
     from kestrel.ops.kda import fla  # imports fla-core and triton
     from kestrel.ops.kda.packed_conv import short_conv_packed
 
-    conv = fla.short_conv if read_env().kda_conv == "fla" else short_conv_packed
+    choice = read_env().kda_conv
+    conv = {"fla": fla.short_conv, "torch": short_conv_packed}.get(choice, _short_conv_auto)
     return KDABackend("fla", fla.chunk, fla.recurrent, fla.recurrent_inplace, fla.conv_step_inplace, conv)
 
 

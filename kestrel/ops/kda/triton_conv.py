@@ -68,3 +68,103 @@ def conv_step_inplace(
         BC=block,
     )
     return y if planes > 1 else y[0]
+
+
+@triton.jit
+def _prefill_conv_kernel(
+    x,
+    weight,
+    state,
+    seq,
+    cu,
+    y,
+    T,
+    C,
+    stride_xt,
+    stride_sn,
+    stride_sc,
+    W: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """y[t, c] = SiLU(sum_j weight[c, j] * in[t - (W - 1) + j, c]) where `in` is x from the token's sequence
+    start on and the sequence's state (its last W - 1 inputs, newest last) before it."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT] tokens
+    c = tl.program_id(1) * BC + tl.arange(0, BC)  # [BC] channels
+    tmask, cmask = t < T, c < C
+    n = tl.load(seq + t, mask=tmask, other=0)  # [BT] each token's sequence
+    bos = tl.load(cu + n, mask=tmask, other=0)  # [BT] its first token
+    live = tmask[:, None] & cmask[None, :]
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(W):
+        src = t - (W - 1) + j  # [BT] the input this tap reads
+        inside = (src >= bos)[:, None]
+        v = tl.load(x + src[:, None].to(tl.int64) * stride_xt + c[None, :], mask=live & inside, other=0.0)
+        v = v.to(tl.float32)
+        if HAS_STATE:  # before the sequence: its state's column (W - 1) - (bos - src), rounded to x's dtype
+            col = (W - 1) - (bos - src)  # [BT]
+            s_ptr = state + n[:, None].to(tl.int64) * stride_sn + c[None, :] * stride_sc + col[:, None]
+            s = tl.load(s_ptr, mask=live & ~inside, other=0.0).to(x.dtype.element_ty).to(tl.float32)
+            v = tl.where(inside, v, s)
+        w = tl.load(weight + c * W + j, mask=cmask, other=0.0).to(tl.float32)  # [BC]
+        acc += v * w[None, :]
+    out = acc * tl.sigmoid(acc)
+    tl.store(y + t[:, None].to(tl.int64) * C + c[None, :], out.to(y.dtype.element_ty), mask=live)
+
+
+def short_conv_prefill(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    block_t: int = 32,
+    block_c: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`naive.short_conv` at inference in one Triton kernel over the packed tokens, no host syncs: x [T, C]
+    (rows may be strided), weight [C, W], conv_state [N, C, W - 1] or None, cu_seqlens [N + 1] or None.
+    Returns (y [T, C] in x.dtype, new_state [N, C, W - 1] in x.dtype). Forward only: training keeps the packed
+    torch form, which has a backward. The packed form gathers a [T, C, W] copy of the windows in fp32 and
+    reduces it, about 135 ms of a 32K-token prefill step of `mini` on the H200."""
+    T, C = x.shape
+    W = weight.shape[-1]
+    S = W - 1
+    assert x.stride(1) == 1 and weight.is_contiguous()
+    dev = x.device
+    cu = (cu_seqlens if cu_seqlens is not None else torch.tensor([0, T], device=dev)).to(dev, torch.int64)
+    N = cu.numel() - 1
+    if conv_state is not None:
+        assert conv_state.shape == (N, C, S), f"conv_state {tuple(conv_state.shape)} != {(N, C, S)}"
+    y = x.new_empty(T, C)
+    if T:
+        seq = torch.searchsorted(cu[1:], torch.arange(T, device=dev), right=True)  # [T]
+        state = conv_state if conv_state is not None else y  # (not read without a state)
+        grid = (triton.cdiv(T, block_t), triton.cdiv(C, block_c))
+        _prefill_conv_kernel[grid](
+            x,
+            weight,
+            state,
+            seq,
+            cu,
+            y,
+            T,
+            C,
+            x.stride(0),
+            state.stride(0) if conv_state is not None else 0,
+            state.stride(1) if conv_state is not None else 0,
+            W=W,
+            HAS_STATE=conv_state is not None,
+            BT=block_t,
+            BC=block_c,
+        )
+    # the new state: each sequence's last W - 1 inputs, from its state where the sequence is shorter
+    starts, ends = cu[:-1, None], cu[1:, None]  # [N, 1]
+    pos = ends - S + torch.arange(S, device=dev)  # [N, S]
+    inside = pos >= starts
+    tail = x[pos.clamp(min=0, max=max(T - 1, 0))].transpose(1, 2) if T else x.new_zeros(N, C, S)  # [N, C, S]
+    if conv_state is None:
+        old = tail.new_zeros(N, C, S)
+    else:
+        col = (S - (starts - pos)).clamp(0, max(S - 1, 0))  # [N, S]
+        old = conv_state.to(x.dtype).gather(2, col[:, None, :].expand(N, C, S))
+    return y, torch.where(inside[:, None, :], tail, old)
