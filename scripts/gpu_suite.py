@@ -178,6 +178,7 @@ SMOKE = Sizes(
     kernel_cases={
         "topk": [{"rows": 2, "length": 48, "k": 8}],
         "indexer": [{"batch": 2, "context": 96, "heads": 2, "dim": 16}],
+        "indexer_prefill": [{"tokens": 20, "context": 96, "heads": 2, "dim": 16, "page": 16}],
         "sparse_mla": [
             {"batch": 2, "context": 96, "k": 16, "heads": 2},
             {"batch": 1, "context": 96, "k": None, "heads": 2},

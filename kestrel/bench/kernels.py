@@ -124,6 +124,37 @@ def bench_indexer(
     )
 
 
+def bench_indexer_prefill(
+    ceilings: dict, tokens: int, context: int, heads: int, dim: int, page: int = 64, device: str = "cuda"
+) -> dict:
+    """A prefill chunk's indexer scores: `tokens` query rows at the end of a `context`-token sequence, each with
+    its causal length; the peer is the per-row (decode) kernel on the same rows, as prefill ran it before."""
+    from kestrel.ops.dsa.triton_scores import indexer_scores_paged_triton, indexer_scores_prefill_triton
+
+    pages = -(-context // page)
+    pool = torch.randn(pages * page + page, dim, device=device, dtype=torch.bfloat16)
+    row = torch.arange(1, pages + 1, device=device, dtype=torch.int64)  # [pages], page 0 the dummy
+    lens = torch.arange(context - tokens + 1, context + 1, device=device)  # [tokens] causal lengths
+    q = torch.randn(tokens, heads, dim, device=device, dtype=torch.bfloat16)
+    w = torch.randn(tokens, heads, device=device, dtype=torch.bfloat16)
+    new = lambda: indexer_scores_prefill_triton(q, pool, row, lens, w, dim**-0.5, page_size=page)  # noqa: E731
+    old = lambda: indexer_scores_paged_triton(  # noqa: E731
+        q, pool, row.expand(tokens, -1), lens, w, dim**-0.5, page_size=page
+    )
+    torch.testing.assert_close(new(), old(), rtol=1e-3, atol=1e-3, equal_nan=True)
+    ms, peer_ms = time_ms(new, device), time_ms(old, device)
+    visible = float(lens.sum())  # (row, key) pairs scored
+    return _entry(
+        f"indexer scores prefill t={tokens} ctx={context} HI={heads}",
+        ms,
+        context * dim * 2 + tokens * (heads * dim * 2 + context * 4),  # keys once, queries, the scores
+        2 * visible * heads * dim,
+        ceilings,
+        peer="the per-row (decode) kernel",
+        peer_ms=peer_ms,
+    )
+
+
 def bench_sparse_mla(
     ceilings: dict,
     batch: int,
@@ -242,6 +273,9 @@ KERNEL_CASES = {
     "indexer": [
         {"batch": b, "context": c, "heads": 16, "dim": 128} for b, c in ((1, 4096), (64, 4096), (64, 131072))
     ],
+    "indexer_prefill": [
+        {"tokens": t, "context": c, "heads": 16, "dim": 128} for t, c in ((4096, 4096), (8192, 32768))
+    ],
     "sparse_mla": [
         {"batch": b, "context": c, "k": k}
         for b, c, k in ((1, 4096, 2048), (64, 4096, 2048), (64, 131072, 2048), (64, 4096, None))
@@ -252,6 +286,7 @@ KERNEL_CASES = {
 _BENCHES = {
     "topk": bench_topk,
     "indexer": bench_indexer,
+    "indexer_prefill": bench_indexer_prefill,
     "sparse_mla": bench_sparse_mla,
     "moe": bench_moe,
     "kda_decode": bench_kda_decode,

@@ -175,16 +175,16 @@ class MLAttention(nn.Module):
         return torch.cat(outs)  # [T, H, Dv]
 
     def _paged_prefill_scores(self, ctx, i, q_idx, w_idx, q_pos) -> torch.Tensor:
-        """Indexer scores of sequence i's prefill tokens over its paged index keys, every token a row of its own
-        with its causal length: [t, pages * page_size] fp32 (the pages that hold the sequence), NaN past each
-        row's length."""
-        from kestrel.ops.dsa.triton_scores import indexer_scores_paged_triton
+        """Indexer scores of sequence i's prefill tokens over its paged index keys, every token a row with its
+        causal length: [t, pages * page_size] fp32 (the pages that hold the sequence), NaN past each row's
+        length. Blocks of rows share each key tile (the prefill kernel), instead of a key read per token."""
+        from kestrel.ops.dsa.triton_scores import indexer_scores_prefill_triton
 
         _, idx_pool, table, _, ps = ctx.cache.paged(self.layer_id)
-        return indexer_scores_paged_triton(
+        return indexer_scores_prefill_triton(
             q_idx,
             idx_pool,
-            _own_pages(ctx, i, table, ps, q_idx.shape[0]),
+            _own_pages(ctx, i, table, ps, 1)[0],
             q_pos + 1,
             w_idx,
             self.indexer.scale,

@@ -42,9 +42,10 @@ def _load(name):
 
 
 _scores = _load("kestrel.ops.dsa.triton_scores")
-indexer_scores_triton, indexer_scores_paged_triton = (
+indexer_scores_triton, indexer_scores_paged_triton, indexer_scores_prefill_triton = (
     _scores.indexer_scores_triton,
     _scores.indexer_scores_paged_triton,
+    _scores.indexer_scores_prefill_triton,
 )
 topk_triton = _load("kestrel.ops.dsa.triton_topk").topk_triton
 
@@ -232,6 +233,36 @@ def test_paged_prefill_rows_share_one_expanded_page_table():
         out=out,
     )
     check_scores(got, q, gather_pages(pool, page_table, page_size).expand(t, -1, -1), w, lens, 0.25)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("t,first", [(7, 18), (40, 1), (23, 60)])
+def test_prefill_scores_kernel_matches_the_per_row_kernel(t, first, fp8):
+    """The prefill kernel (blocks of query rows against one key tile at a time) gives the decode kernel's
+    per-row scores and the reference's, NaN past each row's causal length; with several row and key blocks,
+    partial ones included, and FP8 keys."""
+    from kestrel.ops.quant import dequantize_fp8_rows, quantize_fp8_rows
+
+    page_size, maxp, HI, DI = 4, 21, 3, 24
+    _, pool, page_table, _, _ = paged_inputs([first + t - 1], page_size, maxp, HI, DI, seed=t)
+    g = torch.Generator().manual_seed(first)
+    q = torch.randn(t, HI, DI, generator=g).to(torch.bfloat16)
+    w = torch.randn(t, HI, generator=g).to(torch.bfloat16)
+    lens = torch.arange(first, first + t)  # the chunk's tokens at positions first - 1 ...
+    key_scale = None
+    keys = pool
+    if fp8:
+        keys, key_scale = quantize_fp8_rows(pool * torch.linspace(0.01, 30, pool.shape[0])[:, None])
+    dev = [x.to(DEVICE) for x in (q, keys, page_table[0], lens, w)]
+    extra = dict(page_size=page_size, key_scale=None if key_scale is None else key_scale.to(DEVICE))
+    out = poisoned((t, maxp * page_size), torch.float32, 12345.0)
+    got = indexer_scores_prefill_triton(*dev, 0.25, **extra, out=out, block_m=16, block_s=16)
+    assert not (got == 12345.0).any()
+    rows = page_table.expand(t, -1).to(DEVICE)
+    per_row = indexer_scores_paged_triton(dev[0], dev[1], rows, dev[3], dev[4], 0.25, **extra)
+    torch.testing.assert_close(got, per_row, rtol=1e-5, atol=1e-5, equal_nan=True)
+    ref_keys = dequantize_fp8_rows(keys, key_scale, torch.float32) if fp8 else pool
+    check_scores(got, q, gather_pages(ref_keys, page_table, page_size).expand(t, -1, -1), w, lens, 0.25)
 
 
 # ---------------------------------------------------------------- exact top-k
