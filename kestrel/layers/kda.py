@@ -71,8 +71,7 @@ class KimiDeltaAttention(nn.Module):
         cache, backend = ctx.cache, get_kda_backend(x.device)
         # [T, 3P], [T, K], [T, H], [T, P or K] (the output gate): views of one matmul's rows
         qkv, f_a, b, gate = self.in_proj(x).split(self.in_split, dim=-1)
-        f = self.f_b_proj(f_a)  # [T, P]
-        beta = torch.sigmoid(b.float())  # [T, H]
+        f = self.f_b_proj(f_a)  # [T, P] the raw forget projection
 
         if cache is not None and ctx.decode:
             # Decode: one token per sequence, laid out as N sequences of length 1; the conv windows and the
@@ -81,10 +80,22 @@ class KimiDeltaAttention(nn.Module):
             # q, k, v come out as planes [3, N, P], each contiguous: the recurrence needs no copies of them
             planes = backend.conv_step_inplace(qkv, self.conv_weight, conv_pool, slots, planes=3)
             q, k, v = (t.reshape(T, 1, H, K) for t in planes)
-            g = kda_gate(f.view(T, 1, H, K), self.A_log, self.dt_bias, self.lower_bound)
-            o = backend.recurrent_inplace(q, k, v, g, beta.view(T, 1, H), ssm_pool, slots, use_qk_l2norm=True)
+            # the decay gate and beta's sigmoid are computed inside the recurrence's kernel
+            o = backend.recurrent_inplace(
+                q,
+                k,
+                v,
+                f.view(T, 1, H, K),
+                b.reshape(T, 1, H),
+                ssm_pool,
+                slots,
+                use_qk_l2norm=True,
+                gate=(self.A_log, self.dt_bias, self.lower_bound),
+                beta_logits=True,
+            )
         else:
             # Prefill / training: packed varlen sequences (B = 1), states read from and written to the cache.
+            beta = torch.sigmoid(b.float())  # [T, H]
             ssm, conv = cache.kda_state(self.layer_id) if cache is not None else (None, None)
             cu_seqlens, N = ctx.cu_seqlens, ctx.cu_seqlens.numel() - 1
             saves = cache.kda_saves() if cache is not None else None

@@ -49,3 +49,28 @@ def test_fla_recurrent_inplace_matches_reference():
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
     assert torch.allclose(pool, ref_pool, atol=1e-4, rtol=1e-4)
     assert torch.equal(pool[[0, 3, 5]], ref_pool[[0, 3, 5]])
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_fla_recurrent_inplace_makes_the_gate_and_beta_in_the_kernel(lower_bound):
+    """Decode hands fla's kernel the raw forget projection and beta's logits (gate=..., beta_logits=True): the
+    same result as the decay from `kda_gate` and beta's sigmoid computed first."""
+    fla = pytest.importorskip("kestrel.ops.kda.fla")
+    g = torch.Generator().manual_seed(1)
+    N, H, K, S = 3, 2, 16, 6
+    q, k, v = (torch.randn(N, 1, H, K, generator=g).to(DEVICE) for _ in range(3))
+    f = torch.randn(N, 1, H, K, generator=g).to(DEVICE)  # the raw forget projection
+    b = torch.randn(N, 1, H, generator=g).to(DEVICE)  # beta's logits
+    A_log = torch.rand(H, generator=g).mul(2).to(DEVICE)
+    dt_bias = torch.randn(H * K, generator=g).to(DEVICE)
+    pool = torch.randn(S, H, K, K, generator=g).to(DEVICE)
+    slots = torch.tensor([4, 1, 2], device=DEVICE)
+    ref_pool, naive_pool = pool.clone(), pool.clone()
+    gate = naive.kda_gate(f, A_log, dt_bias, lower_bound)
+    ref = naive.recurrent_inplace(q, k, v, gate, torch.sigmoid(b), ref_pool, slots, use_qk_l2norm=True)
+    params = dict(use_qk_l2norm=True, gate=(A_log, dt_bias, lower_bound), beta_logits=True)
+    got_naive = naive.recurrent_inplace(q, k, v, f, b, naive_pool, slots, **params)
+    got = fla.recurrent_inplace(q, k, v, f, b, pool, slots, **params)
+    assert torch.equal(got_naive, ref) and torch.equal(naive_pool, ref_pool)
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(pool, ref_pool, atol=1e-4, rtol=1e-4)

@@ -107,25 +107,36 @@ def recurrent_inplace(
     slots: torch.Tensor,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
+    gate: tuple | None = None,
+    beta_logits: bool = False,
 ) -> torch.Tensor:
     """Decode on the state slots themselves: q, k [N, 1, H, K], v [N, 1, H, V], g [N, 1, H, K], beta [N, 1, H];
     state_pool [S, H, K, V] fp32; the state of sequence n is read from and written back to slot slots[n]
-    (fla's continuous-batching mode). Returns o [N, 1, H, V] in v.dtype."""
+    (fla's continuous-batching mode). Returns o [N, 1, H, V] in v.dtype.
+    gate = (A_log [H], dt_bias [H * K], lower_bound or None): g is the raw forget projection and the kernel
+    makes the decay itself (`naive.kda_gate`'s formula); beta_logits: the kernel applies beta's sigmoid. Each
+    saves the launch of an elementwise kernel a layer."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     # the internal entry point indexes raw pointers: it needs contiguous inputs (the public one copies)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    A_log, dt_bias, lower_bound = gate if gate is not None else (None, None, None)
     o, _ = fused_recurrent_kda_fwd(
         q,
         k,
         v,
         g,
         beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
         initial_state=state_pool,
         scale=scale,
         inplace_final_state=True,
         ssm_state_indices=slots,
         use_qk_l2norm_in_kernel=use_qk_l2norm,
+        use_gate_in_kernel=gate is not None,
+        use_beta_sigmoid_in_kernel=beta_logits,
+        lower_bound=lower_bound,
     )
     return o.to(v.dtype)
 

@@ -271,9 +271,17 @@ def recurrent_inplace(
     slots: torch.Tensor,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
+    gate: tuple | None = None,
+    beta_logits: bool = False,
 ) -> torch.Tensor:
     """`recurrent_kda` for one token per sequence on the slots of `state_pool` [S, H, K, V]: gather, step,
-    scatter back. The contract of the fast backend's in-place kernel. Returns o [N, 1, H, V]."""
+    scatter back. The contract of the fast backend's in-place kernel. Returns o [N, 1, H, V].
+    gate = (A_log, dt_bias, lower_bound): g is the raw forget projection, made the decay by `kda_gate` (the fast
+    kernel does it inside); beta_logits: beta is before its sigmoid."""
+    if gate is not None:
+        g = kda_gate(g, *gate)
+    if beta_logits:
+        beta = torch.sigmoid(beta.float())
     o, state = recurrent_kda(
         q,
         k,
