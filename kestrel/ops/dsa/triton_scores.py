@@ -129,12 +129,8 @@ def _launch(
     tiles = triton.cdiv(L, BLOCK_S)
     tiles_per_prog = max(1, min(8, tiles * B // TARGET_PROGRAMS))
     grid = (triton.cdiv(tiles, tiles_per_prog), B)
-    # The CPU interpreter's tl.dot reads bf16 as raw bits, and mixed input dtypes need one type: fp32 then.
     fp8 = key_scale is not None
-    upcast = (
-        q_idx.device.type == "cpu" or q_idx.dtype == torch.float32 or (q_idx.dtype != keys.dtype and not fp8)
-    )
-    fp32 = upcast or q_idx.dtype == torch.float32
+    upcast = _upcast(q_idx, keys, fp8)
     _indexer_scores_kernel[grid](
         q_idx,
         weights,
@@ -162,9 +158,18 @@ def _launch(
         PAGED=paged,
         UPCAST=upcast,
         KEY_SCALE=fp8,
-        DOT_PRECISION="ieee" if fp32 else "tf32",
+        DOT_PRECISION="ieee" if upcast else "tf32",
     )
     return out
+
+
+def _upcast(q_idx: torch.Tensor, keys: torch.Tensor, fp8: bool) -> bool:
+    """Whether the kernels compute the dot in fp32 (then "ieee" precision): the CPU interpreter's tl.dot reads
+    bf16 as raw bits, fp32 queries stay fp32, and mixed 16-bit dtypes need one type (FP8 keys are cast to the
+    query's type in the kernel instead)."""
+    return (
+        q_idx.device.type == "cpu" or q_idx.dtype == torch.float32 or (q_idx.dtype != keys.dtype and not fp8)
+    )
 
 
 def indexer_scores_triton(
@@ -350,12 +355,7 @@ def indexer_scores_prefill_triton(
     if fp8:
         assert key_scale.numel() == k_pool.shape[0], "one scale per row"
         key_scale = key_scale.reshape(-1).float()
-    # as `_launch`: the CPU interpreter's tl.dot reads bf16 as raw bits, and mixed dtypes need one type
-    upcast = (
-        q_idx.device.type == "cpu"
-        or q_idx.dtype == torch.float32
-        or (q_idx.dtype != k_pool.dtype and not fp8)
-    )
+    upcast = _upcast(q_idx, k_pool, fp8)
     grid = (triton.cdiv(L, block_s), triton.cdiv(T, block_m))
     _indexer_prefill_kernel[grid](
         q_idx,
