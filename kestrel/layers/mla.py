@@ -24,6 +24,9 @@ from kestrel.utils.dist import parallel_state
 
 # DeepSeek's MLA and indexer norms use a fixed eps (transformers and the reference code agree).
 LATENT_NORM_EPS = 1e-6
+# Prefill chunks of at least this many tokens score the indexer keys with the prefill kernel (blocks of 64 query
+# rows share each key tile); shorter ones with the per-row decode kernel, which packs the heads into its dot.
+PREFILL_SCORES_MIN_ROWS = 16
 
 
 class Indexer(nn.Module):
@@ -178,13 +181,18 @@ class MLAttention(nn.Module):
         """Indexer scores of sequence i's prefill tokens over its paged index keys, every token a row with its
         causal length: [t, pages * page_size] fp32 (the pages that hold the sequence), NaN past each row's
         length. Blocks of rows share each key tile (the prefill kernel), instead of a key read per token."""
-        from kestrel.ops.dsa.triton_scores import indexer_scores_prefill_triton
+        from kestrel.ops.dsa.triton_scores import indexer_scores_paged_triton, indexer_scores_prefill_triton
 
         _, idx_pool, table, _, ps = ctx.cache.paged(self.layer_id)
-        return indexer_scores_prefill_triton(
+        t = q_idx.shape[0]
+        if t < PREFILL_SCORES_MIN_ROWS:  # a few rows: the per-row kernel packs the heads into its dot instead
+            kernel, pages = indexer_scores_paged_triton, _own_pages(ctx, i, table, ps, t)
+        else:
+            kernel, pages = indexer_scores_prefill_triton, _own_pages(ctx, i, table, ps, 1)[0]
+        return kernel(
             q_idx,
             idx_pool,
-            _own_pages(ctx, i, table, ps, 1)[0],
+            pages,
             q_pos + 1,
             w_idx,
             self.indexer.scale,

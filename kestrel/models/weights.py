@@ -27,6 +27,7 @@ from kestrel.layers.linear import ShapeMismatch
 from kestrel.layers.moe import ALL_EXPERTS
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.ops.quant.mxfp4 import pack_mxfp4, unpack_mxfp4
+from kestrel.utils.dist import parallel_state
 from kestrel.utils.errors import CheckpointError
 
 # Tensors of a multimodal K3 checkpoint that the text model does not use.
@@ -64,7 +65,8 @@ def _targets(config: ModelConfig, name: str, tensor_fn):
     if layer >= config.num_hidden_layers:
         return []
     kda = config.layer_types[layer] == KDA
-    if kda and (mm := re.fullmatch(r"self_attn\.([qkv]|f_a|b|g|g_a)_proj\.weight", rest)):
+    gate = "g" if config.kda_full_rank_gate else "g_a"  # the other kind is reported as unexpected
+    if kda and (mm := re.fullmatch(rf"self_attn\.([qkv]|f_a|b|{gate})_proj\.weight", rest)):
         return [(prefix + "self_attn.in_proj.weight", mm.group(1), tensor_fn)]
     if kda and (mm := re.fullmatch(r"self_attn\.([qkv])_conv1d\.weight", rest)):
         return [(prefix + "self_attn.conv_weight", mm.group(1), tensor_fn)]
@@ -228,6 +230,8 @@ def _raise_if_problems(path: Path, missing: list, unexpected: list, mismatched: 
 
 def export_tensors(model: KimiForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) pairs in the layout of `model.config.model_type`."""
+    if parallel_state().tp_size > 1:  # each parameter holds this rank's shard only
+        raise CheckpointError("writing a checkpoint from a tensor-parallel shard is not supported")
     config = model.config
     k3 = config.model_type == "kimi_k3"
     top = "language_model." if k3 else ""

@@ -4,6 +4,7 @@ checkpoint raising one CheckpointError that lists the problem."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -291,6 +292,20 @@ def test_missing_tensor(broken):
 def test_missing_slice_of_a_merged_parameter(broken):
     _edit(broken, lambda t: t.pop(_name(t, "layers.0.self_attn.k_proj.weight")))
     assert "model.layers.0.self_attn.in_proj.weight [k]" in _load_error(broken)
+
+
+def test_a_kda_output_gate_of_the_other_kind_is_reported(broken):
+    """A low-rank gate's g_a_proj in a full-rank-gate checkpoint (or the reverse) is one clear error naming it,
+    the missing gate slice beside it."""
+
+    def swap(tensors):
+        name = next(n for n in tensors if re.search(r"layers\.0\.self_attn\.g(_a)?_proj\.weight$", n))
+        other = name.replace("g_proj", "g_a_proj") if "g_proj" in name else name.replace("g_a_proj", "g_proj")
+        tensors[other] = tensors.pop(name)
+
+    _edit(broken, swap)
+    message = _load_error(broken)
+    assert "unexpected" in message and "in_proj.weight [g" in message
 
 
 def test_missing_expert(broken):

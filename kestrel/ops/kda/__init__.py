@@ -58,8 +58,8 @@ def _short_conv_auto(x, weight, conv_state=None, cu_seqlens=None):
     from kestrel.ops.kda.triton_conv import short_conv_prefill
 
     inputs = (x, weight) if conv_state is None else (x, weight, conv_state)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        return short_conv_packed(x, weight, conv_state, cu_seqlens)
+    if x.dtype == torch.float64 or (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+        return short_conv_packed(x, weight, conv_state, cu_seqlens)  # (fp64: the kernel computes in fp32)
     return short_conv_prefill(x, weight, conv_state, cu_seqlens)
 
 

@@ -135,6 +135,7 @@ def short_conv_prefill(
     N = cu.numel() - 1
     if conv_state is not None:
         assert conv_state.shape == (N, C, S), f"conv_state {tuple(conv_state.shape)} != {(N, C, S)}"
+        conv_state = conv_state if conv_state.stride(2) == 1 else conv_state.contiguous()
     y = x.new_empty(T, C)
     if T:
         seq = torch.searchsorted(cu[1:], torch.arange(T, device=dev), right=True)  # [T]
@@ -156,6 +157,7 @@ def short_conv_prefill(
             HAS_STATE=conv_state is not None,
             BT=block_t,
             BC=block_c,
+            num_warps=8,  # 4 spill registers on sm_90 with a state and strided rows (offline compile, Triton 3.9)
         )
     # the new state: each sequence's last W - 1 inputs, from its state where the sequence is shorter
     starts, ends = cu[:-1, None], cu[1:, None]  # [N, 1]
