@@ -67,6 +67,15 @@ def bench_topk(
     same_sets = bool((ours.sort(-1).values == torch.topk(scores, k, dim=-1).indices.sort(-1).values).all())
     # the reference on 4 rows (every row has > k positions: no -1 to place); the kernel lists by position
     exact = bool(torch.equal(ours[:4], topk_select(scores[:4], lens[:4] - 1, k).sort(-1).values))
+    graphs = {}
+    if torch.device(device).type == "cuda":
+        # in CUDA graphs, as decode runs it (no launch cost), each call on its own scores (a batch of scores
+        # fits in L2), ours at several tile sizes (seg, block) beside torch.topk
+        batches = [torch.randn(rows, length, device=device) for _ in range(4)]
+        graphs["torch_topk_us"] = 1000 * _graph_ms([lambda s=s: torch.topk(s, k, dim=-1) for s in batches])
+        for seg, block in ((4096, 2048), (4096, 4096), (8192, 4096), (16384, 4096), (32768, 4096)):
+            calls = [lambda s=s, g=seg, b=block: topk_triton(s, lens, k, seg=g, block=b) for s in batches]
+            graphs[f"ours_seg{seg}_block{block}_us"] = 1000 * _graph_ms(calls)
     return _entry(
         f"exact top-{k} of {rows}x{length}",
         ms,
@@ -78,6 +87,7 @@ def bench_topk(
         same_sets_as_torch=same_sets,
         equals_reference=exact,
         stages_us=_stage_times(lambda: topk_triton(scores, lens, k), device),
+        in_graphs=graphs,
     )
 
 
