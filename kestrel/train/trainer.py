@@ -30,6 +30,7 @@ from kestrel.tokenizer import checkpoint_tokenizer_dir, load_tokenizer
 from kestrel.train.bpe import build_tokenizer
 from kestrel.train.data import DEFAULT_WEIGHTS, MixtureConfig, PackedBatches
 from kestrel.utils.device import resolve_device
+from kestrel.utils.errors import CheckpointError
 
 STATE_FILE = "trainer_state.pt"
 
@@ -257,8 +258,19 @@ class Trainer:
         if not path.exists():
             return
         state = torch.load(path, map_location=self.device, weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
+        try:
+            self.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["optimizer"])
+        except (
+            RuntimeError,
+            ValueError,
+            KeyError,
+        ) as e:  # another model, or another Kestrel's parameter layout
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(
+                f"{path}: this training state does not fit the model ({first[:200]}); resume it with the same "
+                "model and Kestrel version, or train into a new --out"
+            ) from None
         self.data.load_state_dict(state["data"])
         self.step, self.history = state["step"], state["history"]
         self.train_seconds = state.get("train_seconds", 0.0)

@@ -9,7 +9,8 @@ import torch
 from kestrel.config import EngineConfig, TrainConfig
 from kestrel.engine.engine import Engine
 from kestrel.tokenizer import save_byte_tokenizer
-from kestrel.train.trainer import Trainer, lr_at, update_expert_biases
+from kestrel.train.trainer import STATE_FILE, Trainer, lr_at, update_expert_biases
+from kestrel.utils.errors import CheckpointError
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +107,18 @@ def test_resume_reaches_the_same_weights(tmp_path, byte_tok):
     assert [r["loss"] for r in straight.history] == pytest.approx(
         [r["loss"] for r in resumed.history], abs=1e-5
     )
+
+
+def test_a_training_state_of_another_layout_is_one_clear_error(tmp_path, byte_tok):
+    """A trainer_state.pt whose parameters do not fit the model (another model, or an older parameter layout)
+    stops the resume with a CheckpointError that names the file, not a raw load_state_dict traceback."""
+    Trainer(_cfg(tmp_path / "run", byte_tok, steps=1)).train()
+    path = tmp_path / "run" / STATE_FILE
+    state = torch.load(path, weights_only=False)
+    state["model"] = {k.replace("in_proj", "qkv_proj"): v for k, v in state["model"].items()}
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match="trainer_state.pt: this training state does not fit the model"):
+        Trainer(_cfg(tmp_path / "run", byte_tok, steps=2))
 
 
 def test_time_budget_clock_survives_a_resume(tmp_path, byte_tok):
