@@ -26,6 +26,9 @@ ALL_EXPERTS = "all"  # shard id of a checkpoint tensor that holds every expert s
 # at mini's sizes Triton was faster at every T measured, 1 to 4096 tokens at top-6 (its docstring's table), so the
 # bound is the largest size measured; larger prefill chunks keep the grouped path until they are measured too.
 TRITON_EXPERTS_MAX_PAIRS = 4096 * 6
+# Tokens up to which the fused router also computes the router's logits (each program reads the whole router
+# weight, from L2 after the first: decode sizes); past it a matmul computes them first. Not yet timed.
+ROUTER_GEMV_MAX_TOKENS = 256
 
 
 class DenseMLP(nn.Module):
@@ -150,14 +153,29 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D]
         ctx = get_forward_context() if has_forward_context() else None
-        logits = self.gate(x)  # [T, E] fp32
-        if ctx is not None and ctx.routing_replay is not None:  # the experts chosen in an earlier pass
+        replay = ctx is not None and ctx.routing_replay is not None
+        # one fused kernel, no autograd (KESTREL_FUSED_OPS=off: the reference); at decode sizes it computes
+        # the router's logits too
+        fused = (
+            x.is_cuda and self.groups == 1 and not torch.is_grad_enabled() and fused_ops_on() and not replay
+        )
+        if fused and x.shape[0] <= ROUTER_GEMV_MAX_TOKENS:
+            from kestrel.ops.moe.triton_router import route_hidden_triton
+
+            weights, ids = route_hidden_triton(
+                x,
+                self.gate.weight,
+                self.gate.e_score_correction_bias,
+                self.top_k,
+                self.renormalize,
+                self.scaling,
+            )  # [T, A] fp32, [T, A]
+        elif replay:  # the experts chosen in an earlier pass
             ids = ctx.routing_replay[self.layer_id]  # [T, A]
-            weights = replay_route(logits, ids, self.renormalize, self.scaling)
+            weights = replay_route(self.gate(x), ids, self.renormalize, self.scaling)
         else:
-            if (  # one fused kernel, no autograd (KESTREL_FUSED_OPS=off: the reference)
-                logits.is_cuda and self.groups == 1 and not torch.is_grad_enabled() and fused_ops_on()
-            ):
+            logits = self.gate(x)  # [T, E] fp32
+            if fused:
                 from kestrel.ops.moe.triton_router import route_triton
 
                 weights, ids = route_triton(

@@ -1,6 +1,7 @@
-"""The MoE router in one kernel: sigmoid, correction bias (selection only), top-k, renormalize, scale.
+"""The MoE router in one kernel: sigmoid, correction bias (selection only), top-k, renormalize, scale; at decode
+sizes also the router's logits themselves (`route_hidden_triton`: the fp32 product with the router weight).
 
-Legend: T tokens, E experts (padded to a power of two inside the kernel), A = experts per token.
+Legend: T tokens, D hidden width, E experts (padded to a power of two inside the kernel), A = experts per token.
 Reference: `naive.route` with one expert group (the K3 / Kimi-Linear setting); ties go to the lower expert id
 there and here (argmax returns the first maximum). Grouped routing stays on the reference path.
 """
@@ -13,23 +14,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _router_kernel(
-    logits,
+def _select(
+    x,
+    cols,
+    mask,
+    t,
     bias,
     weights_out,
     ids_out,
-    E,
-    stride_t,
     scaling,
     HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr,
     A: tl.constexpr,
-    BE: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    cols = tl.arange(0, BE)
-    mask = cols < E
-    x = tl.load(logits + t * stride_t + cols, mask=mask, other=0.0).to(tl.float32)
+    """Routing of token t from its fp32 logits x [BE]: sigmoid, the biased top-A (the first maximum on ties),
+    the weights renormalized (or not) and scaled, stored best first."""
     s = tl.sigmoid(x)  # [BE] the scores the weights come from
     sel = s
     if HAS_BIAS:
@@ -51,6 +50,58 @@ def _router_kernel(
         for a in tl.static_range(A):
             w = tl.load(weights_out + t * A + a)
             tl.store(weights_out + t * A + a, w * scaling)
+
+
+@triton.jit
+def _router_kernel(
+    logits,
+    bias,
+    weights_out,
+    ids_out,
+    E,
+    stride_t,
+    scaling,
+    HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+    A: tl.constexpr,
+    BE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    cols = tl.arange(0, BE)
+    mask = cols < E
+    x = tl.load(logits + t * stride_t + cols, mask=mask, other=0.0).to(tl.float32)
+    _select(x, cols, mask, t, bias, weights_out, ids_out, scaling, HAS_BIAS, RENORM, A)
+
+
+@triton.jit
+def _router_gemv_kernel(
+    h,
+    weight,
+    bias,
+    weights_out,
+    ids_out,
+    E,
+    D,
+    stride_h,
+    scaling,
+    HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+    A: tl.constexpr,
+    BE: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """The router's logits of token t (fp32: h[t] . weight[e] for every expert) and its routing, one program."""
+    t = tl.program_id(0)
+    cols = tl.arange(0, BE)
+    mask = cols < E
+    acc = tl.zeros([BE], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        ds = d0 + tl.arange(0, BD)
+        dmask = ds < D
+        x = tl.load(h + t.to(tl.int64) * stride_h + ds, mask=dmask, other=0.0).to(tl.float32)  # [BD]
+        w = tl.load(weight + cols[:, None] * D + ds[None, :], mask=mask[:, None] & dmask[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)  # [BE]
+    _select(acc, cols, mask, t, bias, weights_out, ids_out, scaling, HAS_BIAS, RENORM, A)
 
 
 def route_triton(
@@ -80,5 +131,45 @@ def route_triton(
         RENORM=renormalize,
         A=top_k,
         BE=triton.next_power_of_2(E),
+    )
+    return weights, ids
+
+
+def route_hidden_triton(
+    hidden: torch.Tensor,
+    router_weight: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    renormalize: bool,
+    scaling_factor: float,
+    block_d: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_triton(hidden.float() @ router_weight.float().t(), ...)` in one kernel: hidden [T, D] (rows may
+    be strided), router_weight [E, D]; the logits in fp32 (another summation order than the matmul's).
+    Decode saves the cast and the matmul's launches. Returns (weights [T, A] fp32, ids [T, A] int64)."""
+    T, D = hidden.shape
+    E = router_weight.shape[0]
+    assert router_weight.shape == (E, D) and hidden.stride(1) == 1
+    router_weight = router_weight.contiguous()
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=hidden.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=hidden.device)
+    if T == 0:
+        return weights, ids
+    bias = correction_bias if correction_bias is not None else router_weight  # unused without HAS_BIAS
+    _router_gemv_kernel[(T,)](
+        hidden,
+        router_weight,
+        bias,
+        weights,
+        ids,
+        E,
+        D,
+        hidden.stride(0),
+        float(scaling_factor),
+        HAS_BIAS=correction_bias is not None,
+        RENORM=renormalize,
+        A=top_k,
+        BE=triton.next_power_of_2(E),
+        BD=block_d,
     )
     return weights, ids
