@@ -114,25 +114,17 @@ def route_triton(
     """Same contract as `naive.route` with num_groups == 1: (weights [T, A] fp32, ids [T, A] int64), best first."""
     T, E = logits.shape
     logits = logits.contiguous()
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
-    if T == 0:
-        return weights, ids
-    bias = correction_bias if correction_bias is not None else logits  # unused when HAS_BIAS is false
-    _router_kernel[(T,)](
-        logits,
-        bias,
-        weights,
-        ids,
+    return _route(
+        _router_kernel,
+        (logits,),
+        (E, logits.stride(0)),
+        T,
         E,
-        logits.stride(0),
-        float(scaling_factor),
-        HAS_BIAS=correction_bias is not None,
-        RENORM=renormalize,
-        A=top_k,
-        BE=triton.next_power_of_2(E),
+        correction_bias,
+        top_k,
+        renormalize,
+        scaling_factor,
     )
-    return weights, ids
 
 
 def route_hidden_triton(
@@ -150,26 +142,41 @@ def route_hidden_triton(
     T, D = hidden.shape
     E = router_weight.shape[0]
     assert router_weight.shape == (E, D) and hidden.stride(1) == 1
-    router_weight = router_weight.contiguous()
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=hidden.device)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=hidden.device)
+    inputs = (hidden, router_weight.contiguous())
+    sizes = (E, D, hidden.stride(0))
+    return _route(
+        _router_gemv_kernel,
+        inputs,
+        sizes,
+        T,
+        E,
+        correction_bias,
+        top_k,
+        renormalize,
+        scaling_factor,
+        BD=block_d,
+    )
+
+
+def _route(kernel, inputs, sizes, T, E, correction_bias, top_k, renormalize, scaling_factor, **meta):
+    """One program per token: kernel(*inputs, bias, weights, ids, *sizes, scaling, flags) into new outputs."""
+    device = inputs[0].device
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=device)  # [T, A]
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=device)  # [T, A]
     if T == 0:
         return weights, ids
-    bias = correction_bias if correction_bias is not None else router_weight  # unused without HAS_BIAS
-    _router_gemv_kernel[(T,)](
-        hidden,
-        router_weight,
+    bias = correction_bias if correction_bias is not None else inputs[0]  # unused without HAS_BIAS
+    kernel[(T,)](
+        *inputs,
         bias,
         weights,
         ids,
-        E,
-        D,
-        hidden.stride(0),
+        *sizes,
         float(scaling_factor),
         HAS_BIAS=correction_bias is not None,
         RENORM=renormalize,
         A=top_k,
         BE=triton.next_power_of_2(E),
-        BD=block_d,
+        **meta,
     )
     return weights, ids
