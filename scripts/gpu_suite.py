@@ -266,6 +266,13 @@ def _path(backend: str):
         "KESTREL_MOE_GROUPED_MM": "off" if ref else os.environ.get("KESTREL_MOE_GROUPED_MM", "auto"),
         "KESTREL_ATTN_BACKEND": "torch" if ref else "auto",
     }
+    with _environ(switches):
+        yield
+
+
+@contextlib.contextmanager
+def _environ(switches: dict[str, str]):
+    """The environment variables `switches` set for the block, then restored (or removed) after it."""
     saved = {name: os.environ.get(name) for name in switches}
     os.environ.update(switches)
     try:
@@ -338,12 +345,8 @@ def _parity_prompt(model: str, vocab: int, length: int) -> tuple[torch.Tensor, s
 def _kda_prefill(form: str):
     """fla's KDA prefill in one form for the block: "chunked" (KESTREL_KDA_RECURRENT_PREFILL=0) or "recurrent"
     (the threshold above any parity prompt)."""
-    name, saved = "KESTREL_KDA_RECURRENT_PREFILL", os.environ.get("KESTREL_KDA_RECURRENT_PREFILL")
-    os.environ[name] = {"chunked": "0", "recurrent": str(1 << 30)}[form]
-    try:
+    with _environ({"KESTREL_KDA_RECURRENT_PREFILL": {"chunked": "0", "recurrent": str(1 << 30)}[form]}):
         yield
-    finally:
-        os.environ.pop(name) if saved is None else os.environ.__setitem__(name, saved)
 
 
 def parity() -> dict:

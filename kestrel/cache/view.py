@@ -58,9 +58,7 @@ class PagedCacheView:
 
     def save_kda_checkpoints(self, layer_id: int, ssm: torch.Tensor, conv: torch.Tensor) -> None:
         """The final states of the `kda_saves` segments [X, ...] into their checkpoint slots."""
-        pool = self.saves.pool
-        pool.ssm[layer_id][self.saves.slots] = ssm.float()
-        pool.conv[layer_id][self.saves.slots] = conv.to(pool.conv[layer_id].dtype)
+        _store_states(self.saves.pool, layer_id, self.saves.slots, ssm, conv)
 
     def kda_pools(self, layer_id: int):
         """(recurrent-state pool [S, H, K, V], conv-window pool [S, C, W - 1], slots [N]): decode updates the
@@ -71,8 +69,7 @@ class PagedCacheView:
         return self.state_pool.ssm[layer_id][self.slots], self.state_pool.conv[layer_id][self.slots]
 
     def set_kda_state(self, layer_id: int, ssm: torch.Tensor, conv: torch.Tensor) -> None:
-        self.state_pool.ssm[layer_id][self.slots] = ssm.float()
-        self.state_pool.conv[layer_id][self.slots] = conv.to(self.state_pool.conv[layer_id].dtype)
+        _store_states(self.state_pool, layer_id, self.slots, ssm, conv)
 
     def write_kv(self, layer_id: int, kv: torch.Tensor, index_k: torch.Tensor | None) -> None:
         self.kv_pool.kv[layer_id][self.write_rows] = kv.to(self.kv_pool.kv[layer_id].dtype)
@@ -120,3 +117,9 @@ class PagedCacheView:
         [N, maxp], lens [N], page_size)."""
         index_k = self.kv_pool.index_k.get(layer_id) if self.kv_pool.index_k else None
         return self.kv_pool.kv[layer_id], index_k, self.page_table, self.lens, self.kv_pool.page_size
+
+
+def _store_states(pool: StatePool, layer_id: int, slots: torch.Tensor, ssm: torch.Tensor, conv: torch.Tensor):
+    """One layer's KDA states into `pool` at `slots`: recurrent states in fp32, conv windows in the pool's dtype."""
+    pool.ssm[layer_id][slots] = ssm.float()
+    pool.conv[layer_id][slots] = conv.to(pool.conv[layer_id].dtype)

@@ -95,7 +95,7 @@ class ModelRunner:
         ids, pos, slots = _token_inputs(reqs, size)
         table = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in reqs] + [[0] * width] * pad)
         lens = pos + 1
-        rows = table.gather(1, (pos // ps)[:, None])[:, 0] * ps + pos % ps
+        rows = _write_rows(table, pos, ps)
         return ids, pos, slots, table, lens, rows
 
     def _decode(self, reqs: list[Request]) -> torch.Tensor:
@@ -179,8 +179,7 @@ class ModelRunner:
             dst.copy_(src)
         torch.index_select(self.slot_pages, 0, slots, out=table)
         torch.add(pos, 1, out=lens)
-        ps = self.kv_pool.page_size
-        write_rows.copy_(table.gather(1, (pos // ps)[:, None])[:, 0] * ps + pos % ps)
+        write_rows.copy_(_write_rows(table, pos, self.kv_pool.page_size))
 
     def _replay(self, reqs: list[Request]) -> torch.Tensor:
         bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, len(reqs))]
@@ -196,3 +195,8 @@ def _token_inputs(reqs: list[Request], size: int) -> tuple[torch.Tensor, torch.T
     ids = torch.tensor([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs] + pad)
     pos = torch.tensor([r.num_tokens - 1 for r in reqs] + pad)
     return ids, pos, torch.tensor([r.slot for r in reqs] + pad)
+
+
+def _write_rows(table: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The pool row [N] where each decode token's KV goes: position pos[n] through page-table row table[n]."""
+    return table.gather(1, (pos // page_size)[:, None])[:, 0] * page_size + pos % page_size
