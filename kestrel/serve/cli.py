@@ -191,6 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=4096,
         help="answer 503 (Retry-After) past this many requests waiting for a slot",
     )
+    s.add_argument(
+        "--warmup",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="run throwaway requests before serving, so the first client does not wait for the kernels' "
+        "compilation (auto: on CUDA only; the CPU paths compile nothing)",
+    )
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)
 

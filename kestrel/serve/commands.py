@@ -130,6 +130,9 @@ def cmd_serve(args) -> int:
     # Configured after the engine is built, whose memory plan is printed below rather than logged twice.
     logging.basicConfig(level=args.log_level.upper(), format="[kestrel] %(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or args.model
+    if args.warmup == "on" or (args.warmup == "auto" and engine.device.type == "cuda"):
+        print("[kestrel] warming up (kernels compile on first use) ...", file=sys.stderr, flush=True)
+        print(f"[kestrel] warmed up in {engine.warm_up():.1f} s", file=sys.stderr)
     async_engine = AsyncEngine(engine)
     app = build_app(async_engine, name, api_key=args.api_key)
     host = f"[{args.host}]" if ":" in args.host else args.host

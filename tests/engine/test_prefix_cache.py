@@ -309,3 +309,20 @@ def test_every_checkpoint_resumes_like_the_cache_off_engine(model):
         turn = tokens + _ids(7, node.depth)
         assert engine.cache.match(turn).resume_len == node.depth
         assert _generate(engine, turn, 3) == _generate(off, turn, 3), node.depth
+
+
+def test_warm_up_hits_the_cache_then_leaves_the_engine_as_new(model):
+    """The server's warm-up runs a long prefill, a cache hit and decode, then flushes the cache and resets its
+    counters: the stats, and what the next request generates, are those of a fresh engine."""
+    warm, fresh = _engine(model, True), _engine(model, True)
+    hits_before_reset = []
+    reset = warm.cache.reset_stats
+    warm.cache.reset_stats = lambda: (hits_before_reset.append(warm.cache.hit_tokens), reset())[1]
+    assert warm.warm_up(prompt_tokens=48) > 0
+    assert hits_before_reset and hits_before_reset[0] >= 48 - PS  # the second turn resumed from the first
+    assert warm.stats() == fresh.stats()
+    prompt = _ids(40, seed=5)
+    assert _generate(warm, prompt) == _generate(fresh, prompt)
+    warm.add_request(prompt, SamplingParams(max_tokens=2))
+    with pytest.raises(Exception, match="idle engine"):
+        warm.warm_up()

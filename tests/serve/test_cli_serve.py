@@ -27,6 +27,7 @@ def test_serve_starts_answers_and_stops(tmp_path):
     port = _free_port()
     argv = ["--model", "tiny", "--port", str(port), "--max-running-requests", "4", "--page-size", "16"]
     argv += ["--kv-cache-gb", "0.01", "--served-model-name", "kimi-tiny", "--log-level", "warning"]
+    argv += ["--warmup", "on"]  # auto skips it on the CPU
     proc = subprocess.Popen(
         [sys.executable, "-m", "kestrel.serve.cli", "serve", *argv],
         cwd=tmp_path,
@@ -53,6 +54,7 @@ def test_serve_starts_answers_and_stops(tmp_path):
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "memory plan: 4 state slots" in err and f"http://127.0.0.1:{port}/v1" in err
+    assert "warmed up in" in err
     assert "Traceback" not in err
 
 
