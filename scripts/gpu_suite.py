@@ -107,8 +107,8 @@ H200 = Sizes(
     generate_tokens=(128, 64),
     cli_tokens=16,
     kda_layer_cases=(("tiny", 300), ("mini", 512)),
-    decode_requests=64,
-    decode_batches=(64, 8, 1),
+    decode_requests=256,
+    decode_batches=(256, 64, 8, 1),
     decode_prompt=512,
     decode_max_len=4096,  # a page table wider than index_topk (2048): decode runs the indexer and sparse kernels
     decode_steps=24,
@@ -590,7 +590,7 @@ def _graph_matches_eager(engine) -> bool:
 
 
 def engine_decode() -> dict:
-    """Decode tokens/s of the engine on mini (random bf16 weights, DSA on) at batch 64, 8, 1, CUDA graphs
+    """Decode tokens/s of the engine on mini (random bf16 weights, DSA on) at batch 256, 64, 8, 1, CUDA graphs
     on and off, prompts of 512 tokens; plus a graph-vs-eager token check."""
     os.environ["KESTREL_MOE_GROUPED_MM"] = _probe_grouped_mm()
     engine, setup_s = _mini_engine("kimi_k3", S.decode_requests, S.decode_max_len)
@@ -807,8 +807,9 @@ def profile_decode() -> dict:
     graphs, so that kernels are attributed), top kernels by CUDA time, and the per-step totals."""
 
     os.environ["KESTREL_MOE_GROUPED_MM"] = _probe_grouped_mm()
-    engine, _ = _mini_engine("kimi_k3", S.decode_requests, S.profile_max_len, graphs=False)
-    _fill(engine, S.decode_requests, S.decode_prompt, 400)
+    batch = min(64, S.decode_requests)
+    engine, _ = _mini_engine("kimi_k3", batch, S.profile_max_len, graphs=False)
+    _fill(engine, batch, S.decode_prompt, 400)
     while any(not r.in_decode for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     _timed_steps(engine, 3)
