@@ -214,9 +214,13 @@ def bench_moe(
     x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
     w13 = torch.randn(experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(experts, hidden, inter, device=device, dtype=torch.bfloat16) * 0.02
-    ids = torch.stack([torch.randperm(experts, device=device)[:top_k] for _ in range(tokens)])
+    ids = torch.rand(tokens, experts, device=device).argsort(-1)[:, :top_k]  # [T, A] distinct per token
     weights = torch.rand(tokens, top_k, device=device)
     grouped_ms = time_ms(lambda: moe_experts_grouped(x, w13, w2, weights, ids, "silu"), device)
+    # the grouped path's end in torch (fp32 copies, a scatter back to pair order, a sum) instead of one kernel
+    torch_combine_ms = time_ms(
+        lambda: moe_experts_grouped(x, w13, w2, weights, ids, "silu", triton_combine=False), device
+    )
     triton_ms = time_ms(lambda: moe_experts_triton(x, w13, w2, weights, ids, "silu"), device)
     graph: dict = {"grouped": {}, "triton": {}}
     if torch.device(device).type == "cuda":
@@ -243,6 +247,8 @@ def bench_moe(
             flops,
             ceilings,
             experts_hit=hit,
+            peer="moe_experts_grouped with its torch combine (fp32 copies, scatter, sum)",
+            peer_ms=torch_combine_ms,
             **graph["grouped"],
         ),
         _entry(
@@ -290,7 +296,7 @@ KERNEL_CASES = {
         {"batch": b, "context": c, "k": k}
         for b, c, k in ((1, 4096, 2048), (64, 4096, 2048), (64, 131072, 2048), (64, 4096, None))
     ],
-    "moe": [{"tokens": t} for t in (1, 64, 256, 4096)],
+    "moe": [{"tokens": t} for t in (1, 64, 256, 4096, 8192, 32768)],
     "kda_decode": [{"batch": b} for b in (1, 64, 256)],
 }
 _BENCHES = {

@@ -102,6 +102,37 @@ def test_out_of_range_ids_add_nothing(monkeypatch):
     assert_matches(got, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("combine", [False, True], ids=["torch_combine", "triton_combine"])
+def test_grouped_path_combine_with_out_of_range_ids(dtype, combine):
+    """The grouped path's end, the weighted sum back to tokens: the Triton kernel (`combine_sorted`) and the
+    torch form both equal the reference, and ids outside [0, E) add nothing (a negative id sorts into expert
+    0's rows, an id >= E into rows no expert computes)."""
+    x, w13, w2, weights, ids = _inputs(9, Din=40, I=24, E=5, A=3, dtype=dtype, seed=8)
+    ids[0, 1], ids[2, 0], ids[3, 2], ids[8, 1] = -1, 5, -3, 7
+    outside = (ids < 0) | (ids >= 5)
+    ref = moe_experts(x, w13, w2, weights.masked_fill(outside, 0.0), ids.masked_fill(outside, 0), "silu")
+    got = moe_experts_grouped(x, w13, w2, weights, ids, "silu", use_grouped_mm=False, triton_combine=combine)
+    assert got.dtype == dtype
+    assert_matches(got, ref)
+
+
+def test_combine_sorted_sums_in_slot_order():
+    """y rows in a shuffled (expert-major) order come back to their tokens, weighted, rounded once."""
+    from kestrel.ops.moe.triton_experts import combine_sorted
+
+    g = torch.Generator().manual_seed(3)
+    T, A, Din, E = 6, 4, 1100, 9  # Din past one 1024-wide column block
+    ids = torch.randint(0, E, (T, A), generator=g)
+    order = torch.randperm(T * A, generator=g)
+    y = torch.randn(T * A, Din, generator=g).bfloat16()  # sorted row i holds pair order[i]
+    weights = torch.rand(T, A, generator=g)
+    pairs = torch.empty_like(y).index_copy_(0, order, y)  # [M, Din] in pair order
+    ref = (pairs.float().view(T, A, Din) * weights[..., None]).sum(1).bfloat16()
+    got = combine_sorted(y.to(DEVICE), order.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), E)
+    torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("M, E", [(1, 8), (7, 5), (300, 64), (2048, 64), (2049, 64), (700, 384)])
 def test_sort_pairs_is_a_stable_sort_by_expert(M, E):
     """The counting sort (up to COUNTING_SORT_MAX_PAIRS pairs) and torch.sort past it give torch.sort's stable

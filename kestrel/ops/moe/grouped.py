@@ -60,11 +60,14 @@ def moe_experts_grouped(
     situ_beta: float = 4.0,
     situ_linear_beta: float = 25.0,
     use_grouped_mm: bool | None = None,
+    triton_combine: bool | None = None,
 ) -> torch.Tensor:
     """`naive.moe_experts` (same arguments, same result) without host syncs.
 
     x [T, Din]; w13 [E, 2I, Din]; w2 [E, Din, I]; weights [T, A]; ids [T, A]; act 'silu' or 'situ'.
     use_grouped_mm None picks torch._grouped_mm where it applies (CUDA, bf16, aligned widths); tests force it.
+    triton_combine None: the weighted sum back to tokens in one Triton kernel (`triton_experts.combine_sorted`)
+    at inference on CUDA, the torch form otherwise (autograd); tests force it. Ids outside [0, E) add nothing.
     Returns [T, Din] in x.dtype, accumulated in fp32.
     """
     T, A = ids.shape
@@ -80,7 +83,17 @@ def moe_experts_grouped(
     gate_up = _grouped_linear(x[token], w13, offs, use_grouped_mm)  # [M, 2I]
     h = glu_act(gate_up, act, situ_beta, situ_linear_beta)  # [M, I]
     y = _grouped_linear(h, w2, offs, use_grouped_mm)  # [M, Din]
-    y = y.float() * weights.reshape(-1)[order, None].float()  # [M, Din] expert-major
+    if triton_combine is None:
+        triton_combine = (
+            x.is_cuda and not torch.is_grad_enabled() and x.dtype in (torch.bfloat16, torch.float16)
+        )
+    if triton_combine:
+        from kestrel.ops.moe.triton_experts import combine_sorted
+
+        return combine_sorted(y, order, weights, ids, E).to(x.dtype)
+    w = weights.reshape(-1)[order, None].float()  # [M, 1]
+    in_range = ((flat_ids >= 0) & (flat_ids < E))[order, None]  # [M, 1] (ids < 0 sort into expert 0's rows)
+    y = torch.where(in_range, y.float() * w, 0.0)  # [M, Din] expert-major
     # back to (token, slot) order, then each token's A rows summed in slot order: a copy to distinct rows and a
     # reduction, with no atomics (index_add_ into T rows serializes on repeated tokens and sums in no set order)
     pairs = torch.empty_like(y).index_copy_(0, order, y)  # [M, Din]
