@@ -207,7 +207,10 @@ class MLAttention(nn.Module):
 
         kv_pool, _, table, _, ps = ctx.cache.paged(self.layer_id)
         rows = _own_pages(ctx, i, table, ps, q_nope.shape[0])
-        return mla_decode_paged(q_nope, q_pe, kv_pool, rows, ps, q_pos + 1, w_uk, w_uv, self.scale, indices)
+        # the top-k lists its selection before the -1s: a row near the start of the sequence stops early
+        return mla_decode_paged(
+            q_nope, q_pe, kv_pool, rows, ps, q_pos + 1, w_uk, w_uv, self.scale, indices, valid_first=True
+        )
 
     def _attend_decode(self, ctx, q_nope, q_pe, w_uk, w_uv, idx) -> torch.Tensor:
         """Decode: one query per sequence, every sequence at once, no host syncs (CUDA-graph safe)."""

@@ -101,6 +101,7 @@ def _decode_kernel(
     stride_lb,
     stride_ls,
     HAS_INDICES: tl.constexpr,
+    VALID_FIRST: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -137,8 +138,10 @@ def _decode_kernel(
     seq_len = tl.load(lens_ptr + b)
     start = s * chunk
     end = tl.minimum(start + chunk, num_positions)
-    if not HAS_INDICES:
-        end = tl.minimum(end, seq_len)  # dense: stop at the sequence's own length
+    if not HAS_INDICES or VALID_FIRST:
+        # dense: stop at the sequence's own length; indices with their valid entries first: those are distinct
+        # positions < seq_len, so none sits at a slot >= seq_len (a prefill row near the start skips the rest)
+        end = tl.minimum(end, seq_len)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max (base 2)
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2
@@ -267,6 +270,7 @@ def sparse_mla_decode(
     num_warps: int | None = None,
     num_stages: int = 2,
     max_rows: int = MAX_ROWS,
+    valid_first: bool = False,
 ) -> torch.Tensor:
     """Latent-space attention of one query per sequence over its selected cache rows; no host syncs.
 
@@ -276,7 +280,8 @@ def sparse_mla_decode(
     >= lens[b] are ignored) or None for dense over 0..lens[b]-1. Returns o_lat [B, H, R] in out_dtype
     (default q_lat.dtype), or into `out`; the caller applies W_UV (o^h = W_UV^h o_lat^h).
     num_splits None = choose_num_splits; block_n positions per tile; max_rows queries per launch (prefill runs
-    every token as a row, and the grid's second dimension stops at 65535).
+    every token as a row, and the grid's second dimension stops at 65535). valid_first: each row of indices
+    lists its valid entries before any -1 (the DSA top-k's layout), so a row stops at slot lens[b].
     """
     B, H, R = q_lat.shape
     P = q_pe.shape[-1]
@@ -300,6 +305,7 @@ def sparse_mla_decode(
             sparse_mla_decode(
                 q_lat[a:b], q_pe[a:b], kv_pool, page_table[a:b], page_size, lens[a:b], rows, scale,
                 out=out[a:b], num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                valid_first=valid_first,
             )  # fmt: skip
         return out
 
@@ -354,6 +360,7 @@ def sparse_mla_decode(
         lse_b,
         lse_s,
         HAS_INDICES=indices is not None,
+        VALID_FIRST=valid_first,
         SPLIT=split,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
@@ -397,6 +404,7 @@ def mla_decode_paged(
     indices: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
+    valid_first: bool = False,
 ) -> torch.Tensor:
     """`mla_decode_batched` over the paged pool instead of a padded gather: absorb (bmm), latent attention
     (`sparse_mla_decode`), W_UV (bmm). q_nope [B, H, Dn], q_pe [B, H, P], kv_pool [rows, R + P],
@@ -418,6 +426,7 @@ def mla_decode_paged(
         scale,
         out=o_lat.transpose(0, 1),
         num_splits=num_splits,
+        valid_first=valid_first,
     )  # [B, H, R]
     o = torch.bmm(o_lat, w_uv.to(dt).transpose(1, 2))  # [H, B, Dv]
     return o.transpose(0, 1).contiguous()  # [B, H, Dv]
