@@ -3,7 +3,7 @@
 # same device time. GPU0: pytest $TESTS_A (until $TEST_S s after the start), then sections $SECTIONS_A ($EXTRA_A: more flags);
 # GPU1: sections $SECTIONS_B ($EXTRA_B), then pytest $TESTS_B; everything within $LIMIT seconds of the start,
 # set-up included. All comes back as one $OUT/results.tgz (a/ and b/: gpu_suite.json, suite.log, tests.log,
-# agent.json). $TESTS_*, $SECTIONS_* and $EXTRA_* split on spaces (no argument may contain one).
+# agent.json; serve-PORT.log of every server). $TESTS_*, $SECTIONS_* and $EXTRA_* split on spaces (no argument may contain one).
 # Each suite's servers take a free port of their own. Host-bound figures (TTFT, the agent sweep) share the host's
 # cores with the other GPU's process: measure those beside GPU work, not beside CPU-heavy tests.
 # Example (a device call carrying .whl and .triton-cache):
@@ -55,4 +55,5 @@ pkill -f "kestrel.serve.cli serve" 2> /dev/null  # a server left behind by a sui
 for f in "$R/a/tests.log" "$R/b/tests.log"; do [ -f "$f" ] && tail -n 4 "$f"; done
 tail -c 2500 "$R/a/suite.log" 2> /dev/null
 tail -c 2500 "$R/b/suite.log" 2> /dev/null
+cp /tmp/serve-*.log "$R/" 2> /dev/null  # the servers' own logs (start-up, warm-up, errors)
 tar czf "$OUT/results.tgz" -C "$R" .

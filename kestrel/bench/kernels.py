@@ -196,6 +196,55 @@ def bench_sparse_mla(
     return _entry(name, ms, nbytes, flops, ceilings)
 
 
+def bench_sparse_mla_prefill(
+    ceilings: dict, tokens: int, k: int, heads: int = 16, page: int = 64, device: str = "cuda"
+) -> dict:
+    """Sparse MLA of a prefill: `tokens` query rows of one sequence from its start, each over a causal top-k in
+    the top-k kernel's layout (its min(k, position + 1) entries first, then -1), every row through the decode
+    kernel as prefill runs it. The default (block_n 32, 4 warps, 2 stages), without and with valid_first, then a
+    sweep of tiles beside them, for the next tuning (all on the same inputs; each checked against the default)."""
+    from kestrel.ops.mla.triton_decode import sparse_mla_decode
+
+    R, P = 512, 64
+    pages = -(-tokens // page)
+    pool = torch.randn(pages * page + page, R + P, device=device, dtype=torch.bfloat16)
+    table = (torch.arange(1, pages + 1, device=device)).expand(tokens, -1).to(torch.int64)  # [T, pages]
+    lens = torch.arange(1, tokens + 1, device=device)  # [T] row t sees positions 0..t
+    q_lat = torch.randn(tokens, heads, R, device=device, dtype=torch.bfloat16)
+    q_pe = torch.randn(tokens, heads, P, device=device, dtype=torch.bfloat16)
+    pos = torch.arange(tokens, device=device)
+    key = torch.rand(tokens, tokens, device=device).masked_fill(pos[None, :] > pos[:, None], -1.0)
+    top = key.topk(min(k, tokens), dim=-1)  # [T, k]: random causal selections
+    idx = torch.where(top.values >= 0, top.indices, -1).sort(-1, descending=True).values  # valid first
+    scale = (128 + P) ** -0.5
+
+    def run(**kw):
+        return lambda: sparse_mla_decode(q_lat, q_pe, pool, table, page, lens, idx, scale, **kw)
+
+    ref = run()()
+    sweep = {}
+    for bn, warps, stages in ((32, 4, 2), (64, 4, 2), (32, 4, 3), (64, 8, 2), (64, 4, 3), (16, 4, 2)):
+        fn = run(block_n=bn, num_warps=warps, num_stages=stages, valid_first=True)
+        err = float((fn().float() - ref.float()).abs().max())
+        sweep[f"block_n{bn}_warps{warps}_stages{stages}"] = {
+            "ms": time_ms(fn, device),
+            "max_abs_vs_default": err,
+        }
+    peer_ms = time_ms(run(), device)
+    ms = sweep["block_n32_warps4_stages2"]["ms"]
+    read = float(lens.clamp(max=k).sum())  # (row, selected position) pairs
+    return _entry(
+        f"sparse MLA prefill t={tokens} top-{k} (valid first)",
+        ms,
+        read * (R + P) * 2,
+        2 * read * heads * (R + P + R),
+        ceilings,
+        peer="the same without valid_first (every row over all k slots)",
+        peer_ms=peer_ms,
+        sweep=sweep,
+    )
+
+
 def bench_moe(
     ceilings: dict,
     tokens: int,
@@ -296,6 +345,7 @@ KERNEL_CASES = {
         {"batch": b, "context": c, "k": k}
         for b, c, k in ((1, 4096, 2048), (64, 4096, 2048), (64, 131072, 2048), (64, 4096, None))
     ],
+    "sparse_mla_prefill": [{"tokens": 4096, "k": 2048}],
     "moe": [{"tokens": t} for t in (1, 64, 256, 4096, 8192, 32768)],
     "kda_decode": [{"batch": b} for b in (1, 64, 256)],
 }
@@ -304,6 +354,7 @@ _BENCHES = {
     "indexer": bench_indexer,
     "indexer_prefill": bench_indexer_prefill,
     "sparse_mla": bench_sparse_mla,
+    "sparse_mla_prefill": bench_sparse_mla_prefill,
     "moe": bench_moe,
     "kda_decode": bench_kda_decode,
 }
