@@ -99,7 +99,13 @@ def test_smoke_figures_are_real(sections):
     packed = sections["prefill_bench"]["cases"]["2x64"]
     assert packed["tokens"] == 128 and packed["step_s"] > 0 and packed["top_kernels"]
     assert sections["engine_bench"]["kestrel_tiny_dsa_8_requests"]["output_tokens"] == 8 * 8
-    assert len(sections["bench_kernels"]["kernels"]) == 8  # moe: the grouped and the Triton rows
+    assert len(sections["bench_kernels"]["kernels"]) == 9  # moe: the grouped and the Triton rows
+    (prefill,) = [
+        k for k in sections["bench_kernels"]["kernels"] if k["kernel"].startswith("sparse MLA prefill")
+    ]
+    assert len(prefill["sweep"]) == 6 and all(
+        v["max_abs_vs_default"] < 0.05 for v in prefill["sweep"].values()
+    )
     decode_runs = sections["bench_decode"]["runs"]
     assert {(r["context"], r["index_keys"]) for r in decode_runs} >= {(4028, "bf16"), (4028, "fp8")}
     for config in ("enough_memory", "gpu_25pct_no_host", "gpu_25pct_host"):
