@@ -360,6 +360,7 @@ _BENCHES = {
 }
 
 
+@torch.no_grad()  # inference, as the engine runs them (the MoE grouped path picks its combine by it)
 def kernels_bench(device: str = "cuda", cases: dict = KERNEL_CASES) -> dict:
     """Every case of `cases` on `device`: CUDA, or the CPU with the kernels in Triton's interpreter
     (TRITON_INTERPRET=1, the smoke run of scripts/gpu_suite.py at tiny shapes)."""
