@@ -137,34 +137,30 @@ def test_valid_first_indices_stop_at_the_row_length(num_splits, nan_workspace):
     and gives the same result. An entry placed past slot lens[b] (against that layout) is then never read,
     which shows the early stop."""
     q_lat, q_pe, pool, pt, ps, lens, indices = make_case(LENS, True, seed=11)
+
+    def run(idx, valid_first):
+        out = torch.full_like(q_lat, NAN)
+        td.sparse_mla_decode(
+            q_lat, q_pe, pool, pt, ps, lens, idx, SCALE, out=out, num_splits=num_splits, block_n=16,
+            valid_first=valid_first,
+        )  # fmt: skip
+        return out
+
     packed = torch.full_like(indices, -1)
     for b, n in enumerate(LENS):
         row = indices[b][(indices[b] >= 0) & (indices[b] < n)]
         packed[b, : row.numel()] = row
     ref = reference_o_lat(q_lat, q_pe, pool, pt, ps, lens, packed)
-    for valid_first in (False, True):
-        out = torch.full_like(q_lat, NAN)
-        td.sparse_mla_decode(
-            q_lat, q_pe, pool, pt, ps, lens, packed, SCALE, out=out, num_splits=num_splits, block_n=16,
-            valid_first=valid_first,
-        )  # fmt: skip
-        assert rel_err(out, ref) <= 1e-5
+    assert rel_err(run(packed, False), ref) <= 1e-5 and rel_err(run(packed, True), ref) <= 1e-5
     b = LENS.index(13)  # its selection has 8 entries (slots 0-7); move the last one to slot 20 >= lens[b]
     n_sel = int((packed[b] >= 0).sum())
     moved = packed.clone()
     moved[b, 20], moved[b, n_sel - 1] = moved[b, n_sel - 1], -1
-    outs = []
-    for valid_first in (False, True):
-        out = torch.full_like(q_lat, NAN)
-        td.sparse_mla_decode(
-            q_lat, q_pe, pool, pt, ps, lens, moved, SCALE, out=out, num_splits=num_splits, block_n=16,
-            valid_first=valid_first,
-        )  # fmt: skip
-        outs.append(out)
-    assert rel_err(outs[0], ref) <= 1e-5  # every slot read: the moved entry still counts
-    assert rel_err(outs[1][b], ref[b]) > 1e-3  # stopped at slot 13: the moved entry was not read
+    assert rel_err(run(moved, False), ref) <= 1e-5  # every slot read: the moved entry still counts
+    stopped = run(moved, True)
+    assert rel_err(stopped[b], ref[b]) > 1e-3  # stopped at slot 13: the moved entry was not read
     others = [i for i in range(len(LENS)) if i != b]
-    assert rel_err(outs[1][others], ref[others]) <= 1e-5
+    assert rel_err(stopped[others], ref[others]) <= 1e-5
 
 
 @pytest.mark.parametrize("num_splits", [None, 3])

@@ -229,36 +229,51 @@ def sort_pairs(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _combine_kernel(y, ids, out, Din, E, A: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    cmask = cols < Din
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for a in tl.static_range(A):  # slot order: a fixed sum
-        e = tl.load(ids + t * A + a)
-        row = tl.load(y + (t * A + a) * Din + cols, mask=cmask, other=0.0)  # [BN]
-        acc += tl.where((e >= 0) & (e < E), row, 0.0)  # an out-of-range id's row was never written
-    acc = _rounded(acc, out.dtype.element_ty, BF16)
-    tl.store(out + t * Din + cols, acc.to(out.dtype.element_ty), mask=cmask)
-
-
-@triton.jit
-def _combine_sorted_kernel(
-    y, rows, ids, weights, out, Din, E, A: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr
+def _combine_kernel(
+    y,
+    rows,
+    ids,
+    weights,
+    out,
+    Din,
+    E,
+    A: tl.constexpr,
+    SORTED: tl.constexpr,
+    BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
+    """out[t] = sum over slots a, in slot order, of pair (t, a)'s row of y: row t * A + a, already weighted (the
+    Triton path), or with SORTED row rows[t * A + a] times weights[t * A + a] (the grouped path's expert-major
+    rows). Pairs with an id outside [0, E) add nothing (their rows were never computed)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     cmask = cols < Din
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for a in tl.static_range(A):  # slot order: a fixed sum
         e = tl.load(ids + t * A + a)
-        ok = (e >= 0) & (e < E)  # an out-of-range id's row was never computed
-        r = tl.where(ok, tl.load(rows + t * A + a).to(tl.int64), 0)  # row 0: read, then dropped
-        w = tl.load(weights + t * A + a).to(tl.float32)
+        ok = (e >= 0) & (e < E)
+        if SORTED:
+            r = tl.where(ok, tl.load(rows + t * A + a).to(tl.int64), 0)  # row 0: read, then dropped
+            w = tl.load(weights + t * A + a).to(tl.float32)
+        else:
+            r = t * A + a
+            w = 1.0
         row = tl.load(y + r * Din + cols, mask=cmask, other=0.0).to(tl.float32)  # [BN]
         acc += tl.where(ok, row * w, 0.0)
     acc = _rounded(acc, out.dtype.element_ty, BF16)
     tl.store(out + t * Din + cols, acc.to(out.dtype.element_ty), mask=cmask)
+
+
+def _combine(y, rows, ids, weights, out, E: int, sorted_rows: bool) -> torch.Tensor:
+    T, A = ids.shape
+    Din = out.shape[1]
+    if T:
+        block = min(1024, triton.next_power_of_2(Din))
+        _combine_kernel[(T, triton.cdiv(Din, block))](
+            y, rows, ids, weights, out, Din, E, A=A, SORTED=sorted_rows, BF16=out.dtype == torch.bfloat16,
+            BLOCK_N=block,
+        )  # fmt: skip
+    return out
 
 
 def combine_sorted(
@@ -276,13 +291,7 @@ def combine_sorted(
     rows = torch.empty_like(order)
     rows[order] = torch.arange(M, device=order.device, dtype=order.dtype)  # pair -> its sorted row
     out = torch.empty(T, Din, dtype=y.dtype, device=y.device)
-    if T == 0:
-        return out
-    block = min(1024, triton.next_power_of_2(Din))
-    _combine_sorted_kernel[(T, triton.cdiv(Din, block))](
-        y, rows, ids, weights, out, Din, E, A=A, BF16=y.dtype == torch.bfloat16, BLOCK_N=block
-    )
-    return out
+    return _combine(y, rows, ids, weights, out, E, sorted_rows=True)
 
 
 def _scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -378,8 +387,4 @@ def moe_experts_triton(
     _down_kernel[(blocks, triton.cdiv(Din, block_n[1]))](
         h, w2, order, starts, weights, y, Din, I, E, BLOCK_N=block_n[1], BLOCK_K=block_k[1], **common
     )
-    combine_n = min(1024, triton.next_power_of_2(Din))
-    _combine_kernel[(T, triton.cdiv(Din, combine_n))](
-        y, ids, out, Din, E, A=A, BF16=common["BF16"], BLOCK_N=combine_n
-    )
-    return out
+    return _combine(y, ids, ids, weights, out, E, sorted_rows=False)  # (rows unused: ids stands in)
