@@ -200,10 +200,7 @@ class HiCache:
             self._copy_stream = torch.cuda.Stream(self.device)
             self._load_stream = torch.cuda.Stream(self.device)
         self.num_entries: collections.Counter = collections.Counter()  # (tier, kind) -> entries
-        self.num_saved = collections.Counter()  # tier -> entries written to it from the GPU
-        self.num_spilled = 0  # host entries moved to disk
-        self.loaded_bytes = collections.Counter()  # tier -> bytes loaded back to the GPU from it
-        self.num_loads = 0
+        self.reset_stats()
 
     def blocks_for(self, kind: str, num_pages: int = 0) -> int:
         return num_pages if kind == "kv" else self.state_blocks
@@ -345,6 +342,13 @@ class HiCache:
             self.host.arena[block : block + n].copy_(data[i : i + n], non_blocking=self.cuda)
 
     # -- introspection ----------------------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        """The save, spill and load counters back to zero (at start, and after the engine's warm-up)."""
+        self.num_saved = collections.Counter()  # tier -> entries written to it from the GPU
+        self.num_spilled = 0  # host entries moved to disk
+        self.loaded_bytes = collections.Counter()  # tier -> bytes loaded back to the GPU from it
+        self.num_loads = 0
+
     def stats(self) -> dict:
         disk = self.disk
         return {

@@ -137,11 +137,12 @@ class RadixCache:
         return Match(path, pos, resume, resume_len, page_size=ps)
 
     def reset_stats(self) -> None:
-        """The hit-rate counters back to zero (after the engine's warm-up)."""
+        """The hit-rate counters, and the lower tiers' save, spill and load counters, back to zero (after the
+        engine's warm-up)."""
         self.hit_tokens = self.query_tokens = 0
         self.tier_hit_tokens = dict.fromkeys(self.tier_hit_tokens, 0)
         if self.tiers is not None:
-            self.tiers.num_loads = 0
+            self.tiers.reset_stats()
 
     def record(self, query_tokens: int, hit_tokens: int, load: Load | None = None) -> None:
         """Count one admitted request's lookup (the hit-rate metrics); `load`: the load that brought part of its

@@ -108,14 +108,17 @@ class Engine:
     def warm_up(self, prompt_tokens: int = 4096) -> float:
         """Run a few throwaway requests so that the first user request does not pay for the kernels' first
         compilation and autotuning (on the H200 a fresh server's first 10K-token turn took 9 s, the next ones
-        0.15 s). Covers a long prefill (two sequences of different lengths in one step: the chunked KDA form,
-        and the DSA top-k once the prompt is longer than index_topk), a cache hit with a short append (the
-        recurrent KDA form, checkpoint restore) and decode. Then the cache is flushed and its counters reset,
-        so the engine looks untouched. Needs an idle engine; returns the seconds it took."""
+        0.15 s). Covers a long prefill (two sequences of different lengths submitted together: the chunked KDA
+        form, and the DSA top-k once the prompt is longer than index_topk), a cache hit with a short append (the
+        recurrent KDA form, checkpoint restore) and decode. Then the cache is flushed and the cache and
+        preemption counters reset, so the engine looks untouched. Needs an idle engine; returns the seconds it
+        took (0 where the context limit is below a few tokens: nothing to run)."""
         if self.has_unfinished():
             raise KestrelError("warm_up needs an idle engine (requests are running)")
         start = time.perf_counter()
         limit, vocab = self.plan.max_model_len, self.model.config.vocab_size
+        if limit < 8:  # a prompt plus 4 tokens must fit
+            return 0.0
         gen = torch.Generator().manual_seed(0)
         n = max(2, min(prompt_tokens, limit - 120))
         long = torch.randint(3, vocab, (n,), generator=gen).tolist()
@@ -131,6 +134,7 @@ class Engine:
         if self.cache is not None:
             self.flush_cache()
             self.cache.reset_stats()
+        self.scheduler.num_preemptions = 0
         return time.perf_counter() - start
 
     def set_dense_attention(self, dense: bool) -> None:

@@ -207,9 +207,11 @@ class MLAttention(nn.Module):
 
         kv_pool, _, table, _, ps = ctx.cache.paged(self.layer_id)
         rows = _own_pages(ctx, i, table, ps, q_nope.shape[0])
-        # the top-k lists its selection before the -1s: a row near the start of the sequence stops early
+        # The top-k lists its selection before the -1s, so a row near the start of the sequence may stop early;
+        # a replayed selection comes from elsewhere, with no such promise: every slot is read.
+        first = ctx.selection_replay is None
         return mla_decode_paged(
-            q_nope, q_pe, kv_pool, rows, ps, q_pos + 1, w_uk, w_uv, self.scale, indices, valid_first=True
+            q_nope, q_pe, kv_pool, rows, ps, q_pos + 1, w_uk, w_uv, self.scale, indices, valid_first=first
         )
 
     def _attend_decode(self, ctx, q_nope, q_pe, w_uk, w_uv, idx) -> torch.Tensor:

@@ -132,7 +132,12 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or args.model
     if args.warmup == "on" or (args.warmup == "auto" and engine.device.type == "cuda"):
         print("[kestrel] warming up (kernels compile on first use) ...", file=sys.stderr, flush=True)
-        print(f"[kestrel] warmed up in {engine.warm_up():.1f} s", file=sys.stderr)
+        try:
+            seconds = engine.warm_up()
+        except Exception:
+            print("[kestrel] the warm-up failed (--warmup off skips it); its error follows", file=sys.stderr)
+            raise
+        print(f"[kestrel] warmed up in {seconds:.1f} s", file=sys.stderr)
     async_engine = AsyncEngine(engine)
     app = build_app(async_engine, name, api_key=args.api_key)
     host = f"[{args.host}]" if ":" in args.host else args.host

@@ -342,13 +342,14 @@ def test_gpu_cuda_graph(sparse):
 
 def test_prefill_rows_share_one_page_table():
     """Sparse prefill as the engine runs it: every token of one sequence a row of mla_decode_paged, with the
-    sequence's page table expanded (stride 0) and lens = position + 1, against the absorbed reference over the
-    gathered history with the same selection."""
+    sequence's page table expanded (stride 0), lens = position + 1 and valid_first (rows 0-4 see fewer than k
+    positions, so they stop early), against the absorbed reference over the gathered history with the same
+    selection."""
     from kestrel.ops.dsa import topk_select
     from kestrel.ops.mla import mla_attention_absorbed
 
     g = torch.Generator().manual_seed(3)
-    L, start, k = 26, 9, 6  # 17 new tokens after 9 cached; k < visible for most rows
+    L, start, k = 26, 0, 6  # the whole prompt, 26 tokens; k < visible for rows 5 on
     pages = torch.tensor([5, 2, 7, 1, 4, 6, 3])  # 28 positions, scattered pages
     pool = torch.full((8 * PS, R + P), NAN)
     rows = (pages[:, None] * PS + torch.arange(PS)).flatten()[:L]  # pool rows of positions 0..L-1
@@ -361,7 +362,8 @@ def test_prefill_rows_share_one_page_table():
     table = pages[None].expand(t, -1)  # [t, maxp], stride 0 along the rows
     dev = lambda x: x.to(DEVICE)
     got = td.mla_decode_paged(
-        *map(dev, (q_nope, q_pe, pool, table)), PS, dev(q_pos + 1), dev(w_uk), dev(w_uv), SCALE, dev(indices)
-    )
+        *map(dev, (q_nope, q_pe, pool, table)), PS, dev(q_pos + 1), dev(w_uk), dev(w_uv), SCALE, dev(indices),
+        valid_first=True,
+    )  # fmt: skip
     want = mla_attention_absorbed(q_nope, q_pe, pool[rows], w_uk, w_uv, q_pos, SCALE, indices)
     assert rel_err(got.cpu(), want) < 1e-5

@@ -117,8 +117,9 @@ def test_grouped_path_combine_with_out_of_range_ids(dtype, combine):
     assert_matches(got, ref)
 
 
-def test_combine_sorted_sums_in_slot_order():
-    """y rows in a shuffled (expert-major) order come back to their tokens, weighted, rounded once."""
+def test_combine_sorted_gathers_weights_and_drops_out_of_range_ids():
+    """y rows in a shuffled (expert-major) order come back to their tokens, weighted, rounded once; a pair with
+    an id outside [0, E) adds nothing even where its row (and weight) is NaN, as uncomputed rows may be."""
     from kestrel.ops.moe.triton_experts import combine_sorted
 
     g = torch.Generator().manual_seed(3)
@@ -127,8 +128,12 @@ def test_combine_sorted_sums_in_slot_order():
     order = torch.randperm(T * A, generator=g)
     y = torch.randn(T * A, Din, generator=g).bfloat16()  # sorted row i holds pair order[i]
     weights = torch.rand(T, A, generator=g)
+    ids[1, 2], ids[4, 0] = E, -2
+    outside = ((ids < 0) | (ids >= E)).flatten()
     pairs = torch.empty_like(y).index_copy_(0, order, y)  # [M, Din] in pair order
-    ref = (pairs.float().view(T, A, Din) * weights[..., None]).sum(1).bfloat16()
+    ref = (pairs.float().view(T, A, Din) * weights[..., None] * ~outside.view(T, A, 1)).sum(1).bfloat16()
+    y[(order[:, None] == torch.nonzero(outside).flatten()).any(1)] = float("nan")  # their sorted rows
+    weights = weights.masked_fill(outside.view(T, A), float("nan"))
     got = combine_sorted(y.to(DEVICE), order.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), E)
     torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=1e-2, atol=1e-2)
 

@@ -62,12 +62,13 @@ def moe_experts_grouped(
     use_grouped_mm: bool | None = None,
     triton_combine: bool | None = None,
 ) -> torch.Tensor:
-    """`naive.moe_experts` (same arguments, same result) without host syncs.
+    """`naive.moe_experts` (same arguments, same result for ids in [0, E)) without host syncs.
 
     x [T, Din]; w13 [E, 2I, Din]; w2 [E, Din, I]; weights [T, A]; ids [T, A]; act 'silu' or 'situ'.
     use_grouped_mm None picks torch._grouped_mm where it applies (CUDA, bf16, aligned widths); tests force it.
     triton_combine None: the weighted sum back to tokens in one Triton kernel (`triton_experts.combine_sorted`)
-    at inference on CUDA, the torch form otherwise (autograd); tests force it. Ids outside [0, E) add nothing.
+    at inference on CUDA in bf16 or fp16, the torch form otherwise (autograd, fp32); tests force it. Ids outside
+    [0, E) (another rank's experts under EP) add nothing.
     Returns [T, Din] in x.dtype, accumulated in fp32.
     """
     T, A = ids.shape

@@ -1,4 +1,6 @@
 """Routed experts for small token counts (decode) in Triton: `naive.moe_experts`, same arguments and result.
+Also `combine_sorted`, the end of the grouped path (kestrel.ops.moe.grouped) at any size: its expert outputs
+summed back to their tokens by the same combine kernel.
 
 Legend: T tokens, A = experts per token, M = T * A (token, slot) pairs, E routed experts, I expert intermediate
 size, Din expert input width, BM / BN / BK tile sizes (pairs, output units, reduction). Expert weights are
