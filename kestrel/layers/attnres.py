@@ -17,8 +17,10 @@ class ResProj(nn.Module):
         self.weight = set_loader(nn.Parameter(torch.zeros(1, dim, dtype=dtype)))  # zero init: uniform mixing
 
 
-def mix(sources: list[torch.Tensor], proj: ResProj, norm: RMSNorm) -> torch.Tensor:
-    """Softmax-mix the raw sources [T, D] with this consumer's pseudo-query; the pre-norm comes after."""
+def mix(sources: list[torch.Tensor] | torch.Tensor, proj: ResProj, norm: RMSNorm) -> torch.Tensor:
+    """Softmax-mix the raw sources (a list of [T, D], or already stacked [S, T, D]) with this consumer's
+    pseudo-query; the pre-norm comes after."""
     if len(sources) == 1:
         return sources[0]  # softmax over one source is 1
-    return attnres_mix(torch.stack(sources), proj.weight.view(-1), norm.weight, norm.eps)
+    stacked = sources if isinstance(sources, torch.Tensor) else torch.stack(sources)
+    return attnres_mix(stacked, proj.weight.view(-1), norm.weight, norm.eps)

@@ -59,6 +59,23 @@ def test_prefill_then_decode_equals_full_forward(tiny):
     assert _rel(full, stepwise) <= TOL
 
 
+def test_attn_res_buffer_at_inference_equals_the_list_form(tiny, monkeypatch):
+    """At inference the AttnRes bank lives in one buffer updated in place; with autograd on it is a list whose
+    every mix stacks its sources. Same logits, bit for bit (tiny: 6 layers in blocks of 2, so every layer mixes
+    a bank of 1-3 sums plus the partial one)."""
+    ids = _ids(33, seed=7)
+    stacked = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda t, *a, **k: (stacked.append(len(t)), real_stack(t, *a, **k))[1])
+    with torch.no_grad():
+        buffered = tiny(ids)
+    assert not stacked  # no mix stacked its sources
+    with torch.enable_grad():
+        listed = tiny(ids)
+    assert stacked  # the list form did
+    assert torch.equal(buffered, listed.detach())
+
+
 @pytest.mark.parametrize("cuts", [(1,), (5, 17), (3, 4, 20, 31), (13, 26, 39)])
 def test_chunked_prefill_equals_one_prefill(tiny, cuts):
     ids = _ids(45, seed=1)
