@@ -39,6 +39,8 @@ EXPECTED = {
         "ttft_ms_cache_off",
         "ttft_ms_cache_on",
         "ttft_ratio",
+        "ttft_ms_cache_on_runs",
+        "ttft_ratio_of_medians",
         "profiled_hit",
         "enough_memory",
         "gpu_25pct_no_host",
