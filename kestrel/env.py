@@ -61,6 +61,10 @@ class Env:
     Measured on the H200 with a 500-token append (948 KDA tokens with its checkpoint segment): 59 vs 75 ms; the
     recurrent kernel walks each sequence token by token, so its time grows with the longest one (untimed past
     that). Which form runs depends on the step's total tokens, so rounding can depend on the batch."""
+    moe_overlap_shared: bool
+    """KESTREL_MOE_OVERLAP_SHARED: at inference on CUDA, up to kestrel.layers.moe.OVERLAP_SHARED_MAX_TOKENS tokens,
+    the shared experts run on a side stream beside the routed ones (decode: parallel branches of the step's
+    CUDA graph), as SGLang does for DeepSeek's; off until its GPU test has run."""
     kda_safe_gate: bool
     """KESTREL_KDA_SAFE_GATE: fla chunk_kda's faster path for gates bounded in [-5, 0) (K3's lower-bound gate),
     used only where the model's gate is bounded (off until its GPU test has run)."""
@@ -88,6 +92,7 @@ def read_env() -> Env:
         kda_no_recompute=_bool("KESTREL_KDA_NO_RECOMPUTE", False),
         kda_recurrent_prefill=_int("KESTREL_KDA_RECURRENT_PREFILL", 1024),
         kda_safe_gate=_bool("KESTREL_KDA_SAFE_GATE", False),
+        moe_overlap_shared=_bool("KESTREL_MOE_OVERLAP_SHARED", False),
         compile_train=_bool("KESTREL_COMPILE_TRAIN", False),
         fused_ops=_str("KESTREL_FUSED_OPS", "auto", ("auto", "off")),
     )

@@ -66,6 +66,7 @@ class Sizes:
     # engine_decode, profile_decode
     decode_requests: int  # requests filled, = engine slots
     decode_batches: tuple[int, ...]
+    overlap_batches: tuple[int, ...]
     decode_prompt: int
     decode_max_len: int
     decode_steps: int  # timed steps (also `bench_decode`'s)
@@ -110,6 +111,7 @@ H200 = Sizes(
     kda_layer_cases=(("tiny", 300), ("mini", 512)),
     decode_requests=256,
     decode_batches=(256, 64, 8, 1),
+    overlap_batches=(64, 1),  # engine_decode: also with KESTREL_MOE_OVERLAP_SHARED=1
     decode_prompt=512,
     decode_max_len=4096,  # a page table wider than index_topk (2048): decode runs the indexer and sparse kernels
     decode_steps=24,
@@ -166,6 +168,7 @@ SMOKE = Sizes(
     kda_layer_cases=(("tiny", 64),),
     decode_requests=4,
     decode_batches=(4, 2, 1),
+    overlap_batches=(),
     decode_prompt=64,
     decode_max_len=512,
     decode_steps=4,
@@ -623,6 +626,16 @@ def engine_decode() -> dict:
                 "tokens_per_s": tokens / seconds,
             }
         engine.runner.use_cuda_graph = graph_modes[0]
+        if graph_modes[0] and batch in S.overlap_batches:  # the shared experts on a side stream, graphs again
+            with _environ({"KESTREL_MOE_OVERLAP_SHARED": "1"}):
+                engine.runner.recapture_graphs()
+                _timed_steps(engine, 3)
+                seconds, tokens = _timed_steps(engine, S.decode_steps)
+            engine.runner.recapture_graphs()
+            entry["graphs_on_shared_experts_overlapped"] = {
+                "step_ms": 1000 * seconds / S.decode_steps,
+                "tokens_per_s": tokens / seconds,
+            }
         result["batches"][batch] = entry
         print("decode batch", batch, json.dumps(entry), flush=True)
     if graph_modes[0]:

@@ -29,6 +29,16 @@ TRITON_EXPERTS_MAX_PAIRS = 4096 * 6
 # Tokens up to which the fused router also computes the router's logits (each program reads the whole router
 # weight, from L2 after the first: decode sizes); past it a matmul computes them first. Not yet timed.
 ROUTER_GEMV_MAX_TOKENS = 256
+# Tokens up to which KESTREL_MOE_OVERLAP_SHARED runs the shared experts on a side stream: decode sizes, where
+# neither the routed experts nor the shared ones fill the GPU. Not yet timed.
+OVERLAP_SHARED_MAX_TOKENS = 256
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
 
 
 class DenseMLP(nn.Module):
@@ -195,6 +205,19 @@ class MoE(nn.Module):
             ctx.routing_capture[self.layer_id] = ids
         if self.experts.first:  # global -> local ids (one rank: already local, and no kernel spent on it)
             ids = ids - self.experts.first
+        shared = None
+        if (
+            self.shared_experts is not None
+            and x.is_cuda
+            and x.shape[0] <= OVERLAP_SHARED_MAX_TOKENS
+            and not torch.is_grad_enabled()
+            and read_env().moe_overlap_shared
+        ):
+            # Fork: the side stream starts after everything queued so far (x included); joined below.
+            main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shared = self.shared_experts(x)
         latent = hasattr(self, "routed_expert_down_proj")
         h = self.routed_expert_down_proj(x) if latent else x  # [T, Din]
         if torch.is_autocast_enabled(h.device.type):  # training: the experts run in the autocast dtype too
@@ -206,6 +229,9 @@ class MoE(nn.Module):
             if self.routed_expert_norm is not None:
                 routed = rms_norm(routed, self.routed_expert_norm.weight, self.eps)
             routed = self.routed_expert_up_proj(routed)  # [T, D]
+        if shared is not None:
+            main.wait_stream(side)  # join: the shared experts' output is ready for the main stream
+            return routed + shared
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(x)
         return routed

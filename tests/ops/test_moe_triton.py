@@ -211,3 +211,22 @@ def test_layer_dispatch(monkeypatch):
         assert routed_experts_fn(h, ids) is moe_experts_grouped
     monkeypatch.delenv("KESTREL_MOE_DECODE_KERNEL")
     assert routed_experts_fn(h, ids) is not mod.moe_experts_triton  # autograd records: never the Triton path
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_shared_experts_on_a_side_stream(monkeypatch):
+    """KESTREL_MOE_OVERLAP_SHARED: the shared experts on a side stream give the same output as in line, bit for
+    bit (the same kernels), eagerly and replayed in a CUDA graph (a fork and a join inside the capture)."""
+    from kestrel.layers.moe import MoE
+    from kestrel.models.loader import build_model
+
+    model = build_model("tiny", dtype=torch.bfloat16, device="cuda", seed=4)
+    moe = next(m for m in model.modules() if isinstance(m, MoE) and m.shared_experts is not None)
+    x = torch.randn(8, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        monkeypatch.setenv("KESTREL_MOE_OVERLAP_SHARED", "0")
+        in_line = moe(x)
+        monkeypatch.setenv("KESTREL_MOE_OVERLAP_SHARED", "1")
+        assert torch.equal(moe(x), in_line)
+        assert_replay_matches_eager(moe, (x,), (torch.randn_like(x),))
