@@ -66,7 +66,9 @@ def test_attn_res_buffer_at_inference_equals_the_list_form(tiny, monkeypatch):
     ids = _ids(33, seed=7)
     stacked = []
     real_stack = torch.stack
-    monkeypatch.setattr(torch, "stack", lambda t, *a, **k: (stacked.append(len(t)), real_stack(t, *a, **k))[1])
+    monkeypatch.setattr(
+        torch, "stack", lambda t, *a, **k: (stacked.append(len(t)), real_stack(t, *a, **k))[1]
+    )
     with torch.no_grad():
         buffered = tiny(ids)
     assert not stacked  # no mix stacked its sources

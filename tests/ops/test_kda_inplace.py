@@ -15,12 +15,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.mark.parametrize("planes", [1, 3])
 @pytest.mark.parametrize("W,C", [(4, 48), (2, 300), (4, 513)])
-def test_conv_step_inplace_kernel(W, C, planes):
+@pytest.mark.parametrize("extra", [0, 8], ids=["contiguous", "strided"])  # rows C + 8 apart: a column slice
+def test_conv_step_inplace_kernel(W, C, planes, extra):
     from kestrel.ops.kda.triton_conv import conv_step_inplace
 
     g = torch.Generator().manual_seed(W + C)
     N, S = 3, 7
-    x = torch.randn(N, C, generator=g).to(DEVICE)
+    x = torch.randn(N, C + extra, generator=g).to(DEVICE)[:, :C]
     weight = torch.randn(C, W, generator=g).to(DEVICE)
     pool = torch.randn(S, C, W - 1, generator=g).to(DEVICE)
     slots = torch.tensor([5, 0, 2], device=DEVICE)

@@ -85,15 +85,19 @@ def test_fla_conv_matches_reference(with_state, dtype):
 @pytest.mark.parametrize("lens", [[7], [1, 5, 2, 9], [3, 1, 1, 40, 2], [0, 4], [2, 0]])
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("width", [2, 4])
-def test_prefill_conv_kernel_matches_reference(lens, with_state, width):
+@pytest.mark.parametrize(
+    "extra", [9, 2], ids=["stride159", "stride152"]
+)  # row alignment 1, and 8 (as mini's 4232)
+def test_prefill_conv_kernel_matches_reference(lens, with_state, width, extra):
     pytest.importorskip("triton")
     from kestrel.ops.kda.triton_conv import short_conv_prefill
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(sum(lens) * 7 + width)
     C, T, N = 150, sum(lens), len(lens)  # two channel blocks of 128, the second partial
-    wide = torch.randn(T, C + 9, generator=g).to(device)
-    x = wide[:, 5 : 5 + C]  # rows strided, as a column slice of the merged input projection
+    wide = torch.randn(T, C + extra, generator=g).to(device)
+    off = 5 if extra > 5 else 0  # an unaligned first column too
+    x = wide[:, off : off + C]  # rows strided, as a column slice of the merged input projection
     w = torch.randn(C, width, generator=g).to(device)
     state = torch.randn(N, C, width - 1, generator=g).to(device) if with_state else None
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=device)
@@ -117,3 +121,11 @@ def test_prefill_conv_kernel_bf16_one_sequence():
     y, s = short_conv_prefill(x, w, state)
     assert y.dtype == torch.bfloat16 and torch.equal(s, s_ref)
     torch.testing.assert_close(y.float(), y_ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_row_align():
+    pytest.importorskip("triton")
+    from kestrel.ops.kda.triton_conv import _row_align
+
+    sizes = {4232: 8, 4096: 16, 159: 1, 150: 2, 12: 4}
+    assert {n: _row_align(torch.empty(3, n)[:, :5]) for n in sizes} == sizes

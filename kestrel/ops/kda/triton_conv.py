@@ -11,10 +11,32 @@ import triton
 import triton.language as tl
 
 
+def _row_align(x: torch.Tensor) -> int:
+    """The largest of 16, 8, 4, 2, 1 elements dividing x's row stride. Triton only knows an integer argument
+    divides by 16 when it does; a row stride of 4232 (the q|k|v columns of mini's merged KDA input projection)
+    would load element by element. Passed as stride / align and multiplied back by a constant inside, it tells
+    the compiler the rows start 16 bytes apart (8 bf16) and lets it load vectors."""
+    return next(a for a in (16, 8, 4, 2, 1) if x.stride(0) % a == 0)
+
+
 @triton.jit
 def _conv_step_kernel(
-    x, weight, pool, slots, y, N, C, PC, stride_xn, stride_ps, stride_pc, W: tl.constexpr, BC: tl.constexpr
+    x,
+    weight,
+    pool,
+    slots,
+    y,
+    N,
+    C,
+    PC,
+    xn_units,
+    stride_ps,
+    stride_pc,
+    X_ALIGN: tl.constexpr,
+    W: tl.constexpr,
+    BC: tl.constexpr,
 ):
+    stride_xn = xn_units * X_ALIGN  # x's row stride: a known multiple of X_ALIGN, so rows load as vectors
     i_n, i_c = tl.program_id(0), tl.program_id(1)
     cols = i_c * BC + tl.arange(0, BC)  # [BC]
     mask = cols < C
@@ -61,9 +83,10 @@ def conv_step_inplace(
         N,
         C,
         C // planes,
-        x.stride(0),
+        x.stride(0) // _row_align(x),
         conv_pool.stride(0),
         conv_pool.stride(1),
+        X_ALIGN=_row_align(x),
         W=W,
         BC=block,
     )
@@ -80,9 +103,10 @@ def _prefill_conv_kernel(
     y,
     T,
     C,
-    stride_xt,
+    xt_units,
     stride_sn,
     stride_sc,
+    X_ALIGN: tl.constexpr,
     W: tl.constexpr,
     HAS_STATE: tl.constexpr,
     BT: tl.constexpr,
@@ -90,6 +114,7 @@ def _prefill_conv_kernel(
 ):
     """y[t, c] = SiLU(sum_j weight[c, j] * in[t - (W - 1) + j, c]) where `in` is x from the token's sequence
     start on and the sequence's state (its last W - 1 inputs, newest last) before it."""
+    stride_xt = xt_units * X_ALIGN  # x's row stride: a known multiple of X_ALIGN, so rows load as vectors
     t = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT] tokens
     c = tl.program_id(1) * BC + tl.arange(0, BC)  # [BC] channels
     tmask, cmask = t < T, c < C
@@ -150,9 +175,10 @@ def short_conv_prefill(
             y,
             T,
             C,
-            x.stride(0),
+            x.stride(0) // _row_align(x),
             state.stride(0) if conv_state is not None else 0,
             state.stride(1) if conv_state is not None else 0,
+            X_ALIGN=_row_align(x),
             W=W,
             HAS_STATE=conv_state is not None,
             BT=block_t,
