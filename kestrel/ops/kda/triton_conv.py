@@ -10,13 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-def _row_align(x: torch.Tensor) -> int:
-    """The largest of 16, 8, 4, 2, 1 elements dividing x's row stride. Triton only knows an integer argument
-    divides by 16 when it does; a row stride of 4232 (the q|k|v columns of mini's merged KDA input projection)
-    would load element by element. Passed as stride / align and multiplied back by a constant inside, it tells
-    the compiler the rows start 16 bytes apart (8 bf16) and lets it load vectors."""
-    return next(a for a in (16, 8, 4, 2, 1) if x.stride(0) % a == 0)
+from kestrel.ops.norm.triton_norm import row_align
 
 
 @triton.jit
@@ -83,10 +77,10 @@ def conv_step_inplace(
         N,
         C,
         C // planes,
-        x.stride(0) // _row_align(x),
+        x.stride(0) // row_align(x.stride(0)),
         conv_pool.stride(0),
         conv_pool.stride(1),
-        X_ALIGN=_row_align(x),
+        X_ALIGN=row_align(x.stride(0)),
         W=W,
         BC=block,
     )
@@ -175,10 +169,10 @@ def short_conv_prefill(
             y,
             T,
             C,
-            x.stride(0) // _row_align(x),
+            x.stride(0) // row_align(x.stride(0)),
             state.stride(0) if conv_state is not None else 0,
             state.stride(1) if conv_state is not None else 0,
-            X_ALIGN=_row_align(x),
+            X_ALIGN=row_align(x.stride(0)),
             W=W,
             HAS_STATE=conv_state is not None,
             BT=block_t,
