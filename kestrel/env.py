@@ -61,6 +61,11 @@ class Env:
     Measured on the H200 with a 500-token append (948 KDA tokens with its checkpoint segment): 59 vs 75 ms; the
     recurrent kernel walks each sequence token by token, so its time grows with the longest one (untimed past
     that). Which form runs depends on the step's total tokens, so rounding can depend on the batch."""
+    sparse_prefill: str
+    """KESTREL_SPARSE_PREFILL: the DSA layers' sparse prefill on the Triton backend: rows (every prefill token a
+    row of the decode kernel, gathering its own selection) | masked (kestrel.ops.mla.triton_prefill: blocks of
+    queries share each key tile, the selection as a mask; only where the context is at most
+    MASKED_MAX_CONTEXT_OVER_TOPK x index_topk, rows elsewhere). rows until masked has been timed on the GPU."""
     moe_overlap_shared: bool
     """KESTREL_MOE_OVERLAP_SHARED: at inference on CUDA, up to kestrel.layers.moe.OVERLAP_SHARED_MAX_TOKENS tokens,
     the shared experts run on a side stream beside the routed ones (decode: parallel branches of the step's
@@ -93,6 +98,7 @@ def read_env() -> Env:
         kda_recurrent_prefill=_int("KESTREL_KDA_RECURRENT_PREFILL", 1024),
         kda_safe_gate=_bool("KESTREL_KDA_SAFE_GATE", False),
         moe_overlap_shared=_bool("KESTREL_MOE_OVERLAP_SHARED", False),
+        sparse_prefill=_str("KESTREL_SPARSE_PREFILL", "rows", ("rows", "masked")),
         compile_train=_bool("KESTREL_COMPILE_TRAIN", False),
         fused_ops=_str("KESTREL_FUSED_OPS", "auto", ("auto", "off")),
     )

@@ -110,6 +110,8 @@ def test_smoke_figures_are_real(sections):
     assert len(prefill["sweep"]) == 6 and all(
         v["max_abs_vs_default"] < 0.05 for v in prefill["sweep"].values()
     )
+    masked = prefill["masked_kernel"].values()
+    assert len(masked) == 5 and all(v["max_abs_vs_rows"] < 0.05 for v in masked)
     decode_runs = sections["bench_decode"]["runs"]
     assert {(r["context"], r["index_keys"]) for r in decode_runs} >= {(4028, "bf16"), (4028, "fp8")}
     for config in ("enough_memory", "gpu_25pct_no_host", "gpu_25pct_host"):

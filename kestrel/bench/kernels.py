@@ -232,6 +232,33 @@ def bench_sparse_mla_prefill(
         }
     peer_ms = time_ms(run(), device)
     ms = sweep["block_n32_warps4_stages2"]["ms"]
+    # the masked kernel (kestrel.ops.mla.triton_prefill): blocks of queries share each key tile
+    from kestrel.ops.mla.triton_prefill import sparse_mla_prefill_masked
+
+    pages = table[0]
+    masked = {}
+    for bq, bn, split, warps in ((4, 32, 2, 8), (2, 32, 1, 8), (4, 64, 2, 8), (8, 32, 4, 8), (4, 32, 4, 4)):
+        fn = lambda bq=bq, bn=bn, split=split, warps=warps: sparse_mla_prefill_masked(  # noqa: E731
+            q_lat,
+            q_pe,
+            pool,
+            pages,
+            page,
+            0,
+            idx,
+            scale,
+            block_q=bq,
+            block_n=bn,
+            split_r=split,
+            num_warps=warps,
+        )
+        err = float((fn().float() - ref.float()).abs().max())
+        masked[f"block_q{bq}_block_n{bn}_split_r{split}_warps{warps}"] = {
+            "ms": time_ms(fn, device),
+            "max_abs_vs_rows": err,
+        }
+    best = min(masked.values(), key=lambda v: v["ms"])["ms"]
+    print(f"    masked kernel: best {best * 1000:.1f} us (rows kernel {ms * 1000:.1f} us)", flush=True)
     read = float(lens.clamp(max=k).sum())  # (row, selected position) pairs
     return _entry(
         f"sparse MLA prefill t={tokens} top-{k} (valid first)",
@@ -242,6 +269,7 @@ def bench_sparse_mla_prefill(
         peer="the same without valid_first (every row over all k slots)",
         peer_ms=peer_ms,
         sweep=sweep,
+        masked_kernel=masked,
     )
 
 

@@ -206,7 +206,16 @@ class MLAttention(nn.Module):
         from kestrel.ops.mla.triton_decode import mla_decode_paged
 
         kv_pool, _, table, _, ps = ctx.cache.paged(self.layer_id)
-        rows = _own_pages(ctx, i, table, ps, q_nope.shape[0])
+        t, length = q_nope.shape[0], ctx.cached_len(i)  # the chunk's t tokens are the last of `length`
+        if read_env().sparse_prefill == "masked":  # short contexts: blocks of queries share each key tile
+            from kestrel.ops.mla.triton_prefill import MASKED_MAX_CONTEXT_OVER_TOPK, mla_prefill_masked_paged
+
+            if length <= MASKED_MAX_CONTEXT_OVER_TOPK * indices.shape[1]:
+                pages = _own_pages(ctx, i, table, ps, 1)[0]
+                return mla_prefill_masked_paged(
+                    q_nope, q_pe, kv_pool, pages, ps, length - t, w_uk, w_uv, self.scale, indices
+                )
+        rows = _own_pages(ctx, i, table, ps, t)
         # The top-k lists its selection before the -1s, so a row near the start of the sequence may stop early;
         # a replayed selection comes from elsewhere, with no such promise: every slot is read.
         first = ctx.selection_replay is None

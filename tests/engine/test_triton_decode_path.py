@@ -39,10 +39,22 @@ hybrid = kda_ops.KDABackend(
 )
 kda_ops._fla_backend = lambda: hybrid
 model = build_model("tiny", seed=21)
-prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 23, 37)]
+prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 13, 23, 37)]
+import kestrel.ops.mla.triton_prefill as masked_ops
+masked_calls = []
+real_masked = masked_ops.sparse_mla_prefill_masked
+masked_ops.sparse_mla_prefill_masked = lambda *a, **k: (masked_calls.append(1), real_masked(*a, **k))[1]
 result = {}
-for name, attn, kda in (("torch", "torch", "naive"), ("triton", "triton", "naive"), ("fast", "triton", "fla")):
+configs = (
+    ("torch", "torch", "naive", "rows"),
+    ("triton", "triton", "naive", "rows"),
+    ("fast", "triton", "fla", "rows"),
+    # tiny's top-8: the 13-token prompt's rows past position 7 go through the masked kernel (context <= 2 x 8)
+    ("masked", "triton", "naive", "masked"),
+)
+for name, attn, kda, sparse in configs:
     os.environ["KESTREL_ATTN_BACKEND"], os.environ["KESTREL_KDA_BACKEND"] = attn, kda
+    os.environ["KESTREL_SPARSE_PREFILL"] = sparse
     engine = Engine(EngineConfig(model="tiny", page_size=4, enable_prefix_cache=False), model=model)
     out = {}
     for i, p in enumerate(prompts):
@@ -51,6 +63,7 @@ for name, attn, kda in (("torch", "torch", "naive"), ("triton", "triton", "naive
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
     result[name] = out
+result["masked_calls"] = len(masked_calls)
 print(json.dumps(result))
 """
 
@@ -69,6 +82,7 @@ def test_triton_decode_path_matches_torch_path():
     result = _run(SCRIPT)
     assert result["triton"] == result["torch"]
     assert result["fast"] == result["torch"]
+    assert result["masked"] == result["torch"] and result["masked_calls"] > 0
     assert all(len(v) == 6 for v in result["torch"].values())
 
 

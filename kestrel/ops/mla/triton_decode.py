@@ -410,24 +410,36 @@ def mla_decode_paged(
     (`sparse_mla_decode`), W_UV (bmm). q_nope [B, H, Dn], q_pe [B, H, P], kv_pool [rows, R + P],
     page_table [B, maxp], lens [B], w_uk [H, Dn, R], w_uv [H, Dv, R], indices [B, k] or None (dense).
     Returns o [B, H, Dv] in q_nope.dtype (16-bit inputs give 16-bit q_lat and o_lat, fp32 inside each op)."""
+    return absorbed(
+        q_nope,
+        w_uk,
+        w_uv,
+        lambda q_lat, out: sparse_mla_decode(
+            q_lat,
+            q_pe,
+            kv_pool,
+            page_table,
+            page_size,
+            lens,
+            indices,
+            scale,
+            out=out,
+            num_splits=num_splits,
+            valid_first=valid_first,
+        ),  # fmt: skip
+    )
+
+
+def absorbed(q_nope: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, latent_attention) -> torch.Tensor:
+    """MLA in absorbed form around a latent-space kernel: q_lat = W_UK^T q_nope (bmm), then
+    latent_attention(q_lat [B, H, R], out [B, H, R]) fills o_lat, then o = W_UV o_lat (bmm).
+    q_nope [B, H, Dn], w_uk [H, Dn, R], w_uv [H, Dv, R] -> o [B, H, Dv] in q_nope.dtype."""
     B, H, _ = q_nope.shape
     dt = q_nope.dtype
     R = w_uk.shape[-1]
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(dt))  # [H, B, R]
     o_lat = torch.empty(H, B, R, dtype=dt, device=q_nope.device)  # [H, B, R]: the layout the next bmm wants
-    sparse_mla_decode(
-        q_lat.transpose(0, 1),
-        q_pe,
-        kv_pool,
-        page_table,
-        page_size,
-        lens,
-        indices,
-        scale,
-        out=o_lat.transpose(0, 1),
-        num_splits=num_splits,
-        valid_first=valid_first,
-    )  # [B, H, R]
+    latent_attention(q_lat.transpose(0, 1), o_lat.transpose(0, 1))  # [B, H, R] views
     o = torch.bmm(o_lat, w_uv.to(dt).transpose(1, 2))  # [H, B, Dv]
     return o.transpose(0, 1).contiguous()  # [B, H, Dv]
 
