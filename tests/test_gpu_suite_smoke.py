@@ -40,6 +40,7 @@ EXPECTED = {
         "ttft_ms_cache_on",
         "ttft_ratio",
         "ttft_ms_cache_on_runs",
+        "ttft_ms_cache_off_runs",
         "ttft_ratio_of_medians",
         "profiled_hit",
         "enough_memory",

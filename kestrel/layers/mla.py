@@ -210,7 +210,7 @@ class MLAttention(nn.Module):
         if read_env().sparse_prefill == "masked":  # short contexts: blocks of queries share each key tile
             from kestrel.ops.mla.triton_prefill import MASKED_MAX_CONTEXT_OVER_TOPK, mla_prefill_masked_paged
 
-            if length <= MASKED_MAX_CONTEXT_OVER_TOPK * indices.shape[1]:
+            if length <= MASKED_MAX_CONTEXT_OVER_TOPK * indices.shape[1] and q_nope.shape[1] <= 32:
                 pages = _own_pages(ctx, i, table, ps, 1)[0]
                 return mla_prefill_masked_paged(
                     q_nope, q_pe, kv_pool, pages, ps, length - t, w_uk, w_uv, self.scale, indices

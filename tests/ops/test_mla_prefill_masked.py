@@ -25,6 +25,9 @@ def test_selection_bitmap():
     assert bits.shape == (3, 2) and bits.dtype == torch.int32
     assert bits[0, 0].item() == (1 | (1 << 31)) - 2**32  # bit 31 is int32's sign bit
     assert bits[0, 1].item() == 2 and bits[1].tolist() == [0, 1] and bits[2].tolist() == [0, 0]
+    assert selection_bitmap(torch.tensor([[3, 40, 99]], device=DEVICE), 40).cpu().tolist() == [
+        [8, 0]
+    ]  # >= length
 
 
 def _case(q0, T, k, H=4, R=32, P=16, ps=4, seed=0, empty_row=None):
@@ -87,3 +90,17 @@ def test_gpu_mini_sizes(tiles):
     got = sparse_mla_prefill_masked(q_lat, q_pe, pool, pages, ps, q0, indices, 0.07, **tiles)
     err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
     assert err <= 2e-2
+
+
+def test_positions_past_the_query_are_ignored():
+    """A selection that holds positions after its own query (a replayed one could) reads none of them, as
+    the decode kernel skips positions >= lens: the two still agree."""
+    q0, T, k = 3, 12, 6
+    q_lat, q_pe, pool, pages, indices, ps = _case(q0, T, k, seed=4)
+    indices[0, -1] = q0 + T - 1  # row 0 sits at position 3: the last position is in its future
+    indices[5, -2:] = torch.tensor([q0 + 6, q0 + 9])
+    table = pages[None].expand(T, -1)
+    lens = torch.arange(q0 + 1, q0 + T + 1, device=DEVICE)
+    ref = sparse_mla_decode(q_lat, q_pe, pool, table, ps, lens, indices, 0.3, num_splits=1, block_n=16)
+    got = sparse_mla_prefill_masked(q_lat, q_pe, pool, pages, ps, q0, indices, 0.3)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

@@ -217,7 +217,7 @@ def test_layer_dispatch(monkeypatch):
 @requires_cuda
 def test_shared_experts_on_a_side_stream(monkeypatch):
     """KESTREL_MOE_OVERLAP_SHARED: the shared experts on a side stream give the same output as in line, bit for
-    bit (the same kernels), eagerly and replayed in a CUDA graph (a fork and a join inside the capture)."""
+    bit (the same kernels); replayed in a CUDA graph (a fork and a join inside the capture) it matches eager."""
     from kestrel.layers.moe import MoE
     from kestrel.models.loader import build_model
 

@@ -36,13 +36,15 @@ MASKED_MAX_CONTEXT_OVER_TOPK = 2  # the layer uses this kernel where the context
 
 
 def selection_bitmap(indices: torch.Tensor, length: int) -> torch.Tensor:
-    """indices [T, k] positions (-1 or any negative = unused; distinct within a row, < length) -> bitmap
-    [T, cdiv(length, 32)] int32 with bit p % 32 of word p // 32 set for each selected p."""
+    """indices [T, k] positions (entries < 0 or >= length unused; the others distinct within a row, as the
+    top-k gives them and as the decode kernel also requires) -> bitmap [T, cdiv(length, 32)] int32 with bit
+    p % 32 of word p // 32 set for each selected p."""
     T, _ = indices.shape
     words = max(1, triton.cdiv(length, 32))
-    bits = torch.zeros(T, words + 1, dtype=torch.int32, device=indices.device)  # a spare word for the -1s
-    valid = indices >= 0
-    pos = indices.clamp_min(0)
+    indices = indices.long()
+    bits = torch.zeros(T, words + 1, dtype=torch.int32, device=indices.device)  # a spare word: unused entries
+    valid = (indices >= 0) & (indices < length)
+    pos = indices.clamp(0, max(length - 1, 0))
     col = torch.where(valid, pos // 32, words)  # [T, k]
     val = torch.where(valid, torch.bitwise_left_shift(torch.ones_like(pos), pos % 32), 0).to(torch.int32)
     # distinct positions: each bit is added once, so the sum is the OR (bit 31 wraps to int32's sign bit)
@@ -95,6 +97,7 @@ def _masked_prefill_kernel(
     else:
         dot_dtype = kv_ptr.dtype.element_ty
     q_row = q_idx.to(tl.int64)
+    head = head.to(tl.int64)
     q_lat = tl.load(
         q_lat_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_r[None, :],
         mask=row_ok[:, None] & r_ok[None, :],
@@ -120,6 +123,7 @@ def _masked_prefill_kernel(
             other=0,
         )  # [M, BN] the bitmap word holding each (row's query, position)
         sel = ((word >> (pos % 32)[None, :]) & 1) != 0  # [M, BN]
+        sel = sel & (pos[None, :] <= (q0 + q_idx)[:, None])  # causal, whatever the selection holds
         if tl.max(sel.to(tl.int32)) > 0:  # a tile no query of the block selected is skipped
             page = tl.load(pages_ptr + pos // page_size, mask=in_range, other=0)
             kv_row = page.to(tl.int64) * page_size + pos % page_size  # [BN]
@@ -155,9 +159,9 @@ def sparse_mla_prefill_masked(
     scale: float,
     *,
     out: torch.Tensor | None = None,
-    block_q: int = 4,
+    block_q: int = 2,
     block_n: int = 32,
-    split_r: int = 2,
+    split_r: int = 1,
     num_warps: int = 8,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -165,7 +169,9 @@ def sparse_mla_prefill_masked(
     selections: q_lat [T, H, R] (absorbed, unit last stride), q_pe [T, H, P], kv_pool [rows, R + P], pages [n]
     the sequence's page ids (covering positions 0 .. q0 + T - 1), indices [T, k] positions (-1 unused; each
     row's distinct, <= its own position). Equals `sparse_mla_decode` over the same rows. block_q queries per
-    program, block_n positions per tile, split_r programs per query block (each writes R / split_r columns)."""
+    program, block_n positions per tile, split_r programs per query block (each writes R / split_r columns).
+    Defaults: M = 32 rows of the dot at 16 heads, which compiles for sm_90 (Triton 3.6) in 236 registers without
+    spills; block_q 4 with split_r 2 spilled 472 bytes (offline compile; the bench times both)."""
     T, H, R = q_lat.shape
     P = q_pe.shape[-1]
     assert q_pe.shape[:2] == (T, H) and kv_pool.shape[-1] == R + P and indices.shape[0] == T
@@ -175,7 +181,9 @@ def sparse_mla_prefill_masked(
         f"R={R} / split_r={split_r}: a power of 2 >= 16"
     )
     BH = triton.next_power_of_2(H)
-    block_q = max(block_q, triton.cdiv(16, BH))  # tl.dot needs M = block_q * BH >= 16
+    # tl.dot needs M = block_q * BH >= 16; past M = 64 the tiles outgrow shared memory (64 heads at block_q 4:
+    # 331 KB against the H200's 227 KB)
+    block_q = max(triton.cdiv(16, BH), min(block_q, max(1, 64 // BH)))
     if out is None:
         out = torch.empty(T, H, R, dtype=q_lat.dtype, device=q_lat.device)
     assert out.shape == (T, H, R) and out.stride(-1) == 1
