@@ -38,7 +38,8 @@ class Node:
     depth: int = 0
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     checkpoint: int | None = None  # a slot of the (GPU) checkpoint pool
-    lock: int = 0
+    lock: int = 0  # requests using the path: its KV pages stay
+    pins: int = 0  # requests about to restore this checkpoint (or holding a load of it): it stays
     last_access: int = 0
     kv_entry: Entry | None = None  # the KV in a lower tier (then `pages` is empty)
     state_entry: Entry | None = None  # the checkpoint in a lower tier (then `checkpoint` is None)
@@ -250,6 +251,16 @@ class RadixCache:
             node.lock -= 1
             node = node.parent
 
+    def pin(self, node: Node) -> None:
+        """Keep the node's checkpoint until `unpin`: a request will copy it into its state slot. (A lock keeps
+        a path's KV; a checkpoint on a locked path may still go once nobody is about to restore it: a running
+        conversation has its state in its own slot.)"""
+        node.pins += 1
+
+    def unpin(self, node: Node) -> None:
+        assert node.pins > 0, "unpin of an unpinned node"
+        node.pins -= 1
+
     # -- loads from the lower tiers ---------------------------------------------------------------------------
     def load(self, match: Match) -> Load | None:
         """Start bringing the lower-tier part of the match's resume path up: the KV of its nodes into fresh
@@ -344,12 +355,15 @@ class RadixCache:
         return covered
 
     def evict_checkpoints(self, needed: int) -> int:
-        """Free `needed` checkpoint slots, skipping locked nodes: superseded checkpoints first (a deeper one on
-        the same path holds more of the conversation), least recently used first within each kind; the
-        checkpoints go down to a lower tier where there is one."""
+        """Free `needed` checkpoint slots, skipping pinned ones and those a load is still writing: superseded
+        checkpoints first (a deeper one on the same path holds more of the conversation), least recently used
+        first within each kind; the checkpoints go down to a lower tier where there is one. Locks do not keep
+        checkpoints (only pins do): a running request's path often holds its earlier, superseded ones."""
         freed = 0
         while freed < needed:
-            holders = [n for n in self._nodes() if n.checkpoint is not None and n.lock == 0]
+            holders = [
+                n for n in self._nodes() if n.checkpoint is not None and n.pins == 0 and not n.in_flight()
+            ]
             if not holders:
                 break
             covered = self._superseded()
@@ -469,6 +483,10 @@ class RadixCache:
             assert node.depth == node.parent.depth + len(node.tokens)
             assert node.parent.children[node.tokens[: self.page_size]] is node
             assert node.lock >= 0 and all(c.lock <= node.lock for c in node.children.values())
+            assert node.pins >= 0 and (node.pins == 0 or node.lock > 0), (
+                "a pinned checkpoint's path is locked"
+            )
+            assert node.pins == 0 or node.checkpoint is not None, "a pinned checkpoint stays on the GPU"
             assert TIER_RANK[node.parent.tier] <= TIER_RANK[node.tier], "tiers only get lower down the tree"
             assert node.checkpoint is None or (node.tier == "gpu" and node.state_entry is None)
             assert not node.in_flight() or node.lock > 0, "a node under a load must be locked"

@@ -243,6 +243,7 @@ class Engine:
             if req.restore_from is not None:
                 copy_state(self.checkpoint_pool, req.restore_from, self.state_pool, req.slot)
                 req.restore_from = None
+                self.cache.unpin(req.cache_node)  # the checkpoint may go now: the state is in the slot
 
     def _plan_saves(self, batch: Batch) -> None:
         """A checkpoint slot for each planned checkpoint inside a prefill chunk (none left: that one is

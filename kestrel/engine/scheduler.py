@@ -165,6 +165,7 @@ class Scheduler:
                     return BLOCKED
                 self._let_go(req)
                 self.cache.lock(match.resume_node)
+                self.cache.pin(match.resume_node)
                 self.holds[req] = (match.resume_node, load)
                 if match.in_flight:
                     return LOADING
@@ -189,6 +190,8 @@ class Scheduler:
         req.pages = shared + self.kv_pool.alloc(need)
         req.num_computed = reuse
         req.cache_node, req.restore_from = node, (node.checkpoint if node is not None else None)
+        if req.restore_from is not None:
+            self.cache.pin(node)  # until the engine copies it into the request's slot (or the request goes)
         req.checkpoint_at = self._plan_checkpoints(req, reuse, branch) if self.cache is not None else []
         req.status = Status.RUNNING
         self.running.append(req)
@@ -198,6 +201,7 @@ class Scheduler:
         """Drop the request's hold on a loaded prefix (the prefix stays cached, now evictable)."""
         hold = self.holds.pop(req, None)
         if hold is not None:
+            self.cache.unpin(hold[0])
             self.cache.unlock(hold[0])
 
     def _plan_checkpoints(self, req: Request, reuse: int, branch: int) -> list[int]:
@@ -246,6 +250,8 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         if self.cache is not None:
+            if req.restore_from is not None:  # admitted, never restored
+                self.cache.unpin(req.cache_node)
             self.cache.unlock(req.cache_node)
             if req.track_slot is not None:
                 self.cache.checkpoint_pool.free(req.track_slot)
