@@ -542,6 +542,11 @@ def _fill(engine, n: int, prompt_len: int, max_tokens: int, seed: int = 0) -> No
         )
 
 
+def _step_rate(seconds: float, tokens: int) -> dict:
+    """`S.decode_steps` timed steps as ms a step and tokens/s."""
+    return {"step_ms": 1000 * seconds / S.decode_steps, "tokens_per_s": tokens / seconds}
+
+
 def _timed_steps(engine, steps: int) -> tuple[float, int]:
     _sync()
     start, tokens = time.perf_counter(), 0
@@ -621,10 +626,7 @@ def engine_decode() -> dict:
             engine.runner.use_cuda_graph = graphs
             _timed_steps(engine, 3)  # warm up
             seconds, tokens = _timed_steps(engine, S.decode_steps)
-            entry["graphs_on" if graphs else "graphs_off"] = {
-                "step_ms": 1000 * seconds / S.decode_steps,
-                "tokens_per_s": tokens / seconds,
-            }
+            entry["graphs_on" if graphs else "graphs_off"] = _step_rate(seconds, tokens)
         engine.runner.use_cuda_graph = graph_modes[0]
         if graph_modes[0] and batch in S.overlap_batches:  # the shared experts on a side stream, graphs again
             with _environ({"KESTREL_MOE_OVERLAP_SHARED": "1"}):
@@ -632,17 +634,11 @@ def engine_decode() -> dict:
                 _timed_steps(engine, 3)
                 seconds, tokens = _timed_steps(engine, S.decode_steps)
             engine.runner.recapture_graphs()
-            entry["graphs_on_shared_experts_overlapped"] = {
-                "step_ms": 1000 * seconds / S.decode_steps,
-                "tokens_per_s": tokens / seconds,
-            }
+            entry["graphs_on_shared_experts_overlapped"] = _step_rate(seconds, tokens)
             # graphs on again, right after: the contexts grew during the runs above, so this is its peer
             _timed_steps(engine, 3)
             seconds, tokens = _timed_steps(engine, S.decode_steps)
-            entry["graphs_on_again"] = {
-                "step_ms": 1000 * seconds / S.decode_steps,
-                "tokens_per_s": tokens / seconds,
-            }
+            entry["graphs_on_again"] = _step_rate(seconds, tokens)
         result["batches"][batch] = entry
         print("decode batch", batch, json.dumps(entry), flush=True)
     if graph_modes[0]:

@@ -208,11 +208,12 @@ class MLAttention(nn.Module):
         kv_pool, _, table, _, ps = ctx.cache.paged(self.layer_id)
         t, length = q_nope.shape[0], ctx.cached_len(i)  # the chunk's t tokens are the last of `length`
         if read_env().sparse_prefill == "masked":  # short contexts: blocks of queries share each key tile
-            from kestrel.ops.mla.triton_prefill import MASKED_MAX_CONTEXT_OVER_TOPK, mla_prefill_masked_paged
+            from kestrel.ops.mla import triton_prefill as masked
 
-            if length <= MASKED_MAX_CONTEXT_OVER_TOPK * indices.shape[1] and q_nope.shape[1] <= 32:
+            short = length <= masked.MASKED_MAX_CONTEXT_OVER_TOPK * indices.shape[1]
+            if short and q_nope.shape[1] <= masked.MASKED_MAX_HEADS:
                 pages = _own_pages(ctx, i, table, ps, 1)[0]
-                return mla_prefill_masked_paged(
+                return masked.mla_prefill_masked_paged(
                     q_nope, q_pe, kv_pool, pages, ps, length - t, w_uk, w_uv, self.scale, indices
                 )
         rows = _own_pages(ctx, i, table, ps, t)

@@ -68,6 +68,7 @@ def conv_step_inplace(
     assert x.stride(1) == 1 and weight.is_contiguous() and conv_pool.stride(2) == 1 and C % planes == 0
     y = x.new_empty(planes, N, C // planes)
     grid = (N, triton.cdiv(C, block))
+    x_align = row_align(x.stride(0))
     _conv_step_kernel[grid](
         x,
         weight,
@@ -77,10 +78,10 @@ def conv_step_inplace(
         N,
         C,
         C // planes,
-        x.stride(0) // row_align(x.stride(0)),
+        x.stride(0) // x_align,
         conv_pool.stride(0),
         conv_pool.stride(1),
-        X_ALIGN=row_align(x.stride(0)),
+        X_ALIGN=x_align,
         W=W,
         BC=block,
     )
@@ -160,6 +161,7 @@ def short_conv_prefill(
         seq = torch.searchsorted(cu[1:], torch.arange(T, device=dev), right=True)  # [T]
         state = conv_state if conv_state is not None else y  # (not read without a state)
         grid = (triton.cdiv(T, block_t), triton.cdiv(C, block_c))
+        x_align = row_align(x.stride(0))
         _prefill_conv_kernel[grid](
             x,
             weight,
@@ -169,10 +171,10 @@ def short_conv_prefill(
             y,
             T,
             C,
-            x.stride(0) // row_align(x.stride(0)),
+            x.stride(0) // x_align,
             state.stride(0) if conv_state is not None else 0,
             state.stride(1) if conv_state is not None else 0,
-            X_ALIGN=row_align(x.stride(0)),
+            X_ALIGN=x_align,
             W=W,
             HAS_STATE=conv_state is not None,
             BT=block_t,

@@ -33,6 +33,9 @@ import triton.language as tl
 from kestrel.ops.mla.triton_decode import absorbed
 
 MASKED_MAX_CONTEXT_OVER_TOPK = 2  # the layer uses this kernel where the context is at most this many x k
+MASKED_MAX_HEADS = (
+    32  # and where the heads fit: at 64, even one query's tiles outgrow shared memory at R = 512
+)
 
 
 def selection_bitmap(indices: torch.Tensor, length: int) -> torch.Tensor:
@@ -42,14 +45,12 @@ def selection_bitmap(indices: torch.Tensor, length: int) -> torch.Tensor:
     T, _ = indices.shape
     words = max(1, triton.cdiv(length, 32))
     indices = indices.long()
-    bits = torch.zeros(T, words + 1, dtype=torch.int32, device=indices.device)  # a spare word: unused entries
+    bits = torch.zeros(T, words, dtype=torch.int32, device=indices.device)
     valid = (indices >= 0) & (indices < length)
-    pos = indices.clamp(0, max(length - 1, 0))
-    col = torch.where(valid, pos // 32, words)  # [T, k]
+    pos = indices.clamp(0, max(length - 1, 0))  # unused entries add 0 to word 0 below
     val = torch.where(valid, torch.bitwise_left_shift(torch.ones_like(pos), pos % 32), 0).to(torch.int32)
     # distinct positions: each bit is added once, so the sum is the OR (bit 31 wraps to int32's sign bit)
-    bits.scatter_add_(1, col, val)
-    return bits[:, :words].contiguous()  # rows `words` apart, as the kernel reads them
+    return bits.scatter_add_(1, pos // 32, val)
 
 
 @triton.jit

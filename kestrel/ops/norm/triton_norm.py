@@ -78,19 +78,20 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor 
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # [N, D]
     if rows.shape[0]:
         BD = triton.next_power_of_2(D)
+        x_align, g_align = row_align(rows.stride(0)), row_align(stride_g)
         _rms_norm_kernel[(rows.shape[0],)](
             rows,
             weight,
             g,
             out,
             D,
-            rows.stride(0) // row_align(rows.stride(0)),
+            rows.stride(0) // x_align,
             heads,
-            stride_g // row_align(stride_g),
+            stride_g // g_align,
             out.stride(0),
             float(eps),
-            X_ALIGN=row_align(rows.stride(0)),
-            G_ALIGN=row_align(stride_g),
+            X_ALIGN=x_align,
+            G_ALIGN=g_align,
             GATE=gate is not None,
             BD=BD,
             num_warps=min(16, max(1, BD // 256)),
