@@ -52,7 +52,7 @@ def _case(q0, T, k, H=4, R=32, P=16, ps=4, seed=0, empty_row=None):
 
 @pytest.mark.parametrize("q0, T, k", [(0, 19, 7), (5, 19, 7), (9, 6, 40), (0, 70, 16)])
 @pytest.mark.parametrize(
-    "tiles", [{}, {"block_q": 8, "block_n": 8, "split_r": 1}, {"block_n": 16, "split_r": 2}]
+    "tiles", [{}, {"block_q": 8, "block_n": 16, "split_r": 1}, {"block_n": 16, "split_r": 2}]
 )
 def test_matches_the_decode_kernel_row_by_row(q0, T, k, tiles):
     q_lat, q_pe, pool, pages, indices, ps = _case(q0, T, k, seed=q0 + T + k, empty_row=T // 2)
@@ -104,3 +104,10 @@ def test_positions_past_the_query_are_ignored():
     ref = sparse_mla_decode(q_lat, q_pe, pool, table, ps, lens, indices, 0.3, num_splits=1, block_n=16)
     got = sparse_mla_prefill_masked(q_lat, q_pe, pool, pages, ps, q0, indices, 0.3)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_tile_too_narrow_for_the_dot_is_refused():
+    """tl.dot needs K >= 16: block_n 8 compiles in the interpreter but not for the GPU, so it is refused everywhere."""
+    q_lat, q_pe, pool, pages, indices, ps = _case(0, 4, 3, seed=1)
+    with pytest.raises(AssertionError, match="block_n=8"):
+        sparse_mla_prefill_masked(q_lat, q_pe, pool, pages, ps, 0, indices, 0.3, block_n=8)

@@ -181,6 +181,9 @@ def sparse_mla_prefill_masked(
     assert R % split_r == 0 and RC >= 16 and RC & (RC - 1) == 0, (
         f"R={R} / split_r={split_r}: a power of 2 >= 16"
     )
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, (
+        f"block_n={block_n}: a power of 2 >= 16 (the K of the probabilities-by-values dot)"
+    )
     BH = triton.next_power_of_2(H)
     # tl.dot needs M = block_q * BH >= 16; past M = 64 the tiles outgrow shared memory (64 heads at block_q 4:
     # 331 KB against the H200's 227 KB)
