@@ -188,6 +188,7 @@ SMOKE = Sizes(
             {"batch": 1, "context": 96, "k": None, "heads": 2},
         ],
         "sparse_mla_prefill": [{"tokens": 24, "k": 8, "heads": 2, "page": 16}],
+        "router": [{"tokens": 3, "experts": 8, "top_k": 2, "hidden": 64}],
         "moe": [{"tokens": 4, "experts": 8, "top_k": 2, "hidden": 64, "inter": 32}],
         "kda_decode": [{"batch": 2, "heads": 2, "dim": 16}],
     },

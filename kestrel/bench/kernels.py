@@ -343,6 +343,46 @@ def bench_moe(
     ]
 
 
+def bench_router(
+    ceilings: dict, tokens: int, experts: int = 64, top_k: int = 6, hidden: int = 2048, device: str = "cuda"
+) -> dict:
+    """The MoE router from the hidden states at `mini`'s sizes (decode's path: logits and routing in Triton).
+    Peer: the fp32 matmul then the routing kernel (the path above the decode sizes). Both in CUDA graphs of 8
+    layers' calls on CUDA, as decode replays them."""
+    from kestrel.ops.moe.triton_router import route_hidden_triton, route_triton
+
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    weights = [torch.randn(experts, hidden, device=device) * hidden**-0.5 for _ in range(8)]
+    bias = torch.randn(experts, device=device) * 0.1
+
+    def fused(w):
+        return route_hidden_triton(x, w, bias, top_k, True, 2.5)
+
+    def matmul_then_route(w):
+        return route_triton(x.float() @ w.t(), bias, top_k, True, 2.5)
+
+    ms, peer_ms = (
+        time_ms(lambda: fused(weights[0]), device),
+        time_ms(lambda: matmul_then_route(weights[0]), device),
+    )
+    extra = {}
+    if torch.device(device).type == "cuda":
+        extra["graph_ms"] = _graph_ms([lambda w=w: fused(w) for w in weights])
+        extra["peer_graph_ms"] = _graph_ms([lambda w=w: matmul_then_route(w) for w in weights])
+    same = torch.equal(fused(weights[0])[1], matmul_then_route(weights[0])[1])
+    return _entry(
+        f"MoE router from hidden T={tokens} E={experts} D={hidden}",
+        ms,
+        experts * hidden * 4 + tokens * hidden * 2,
+        2 * tokens * experts * hidden,
+        ceilings,
+        peer="fp32 matmul, then the routing kernel",
+        peer_ms=peer_ms,
+        same_experts_as_peer=same,
+        **extra,
+    )
+
+
 def bench_kda_decode(
     ceilings: dict, batch: int, heads: int = 8, dim: int = 128, device: str = "cuda"
 ) -> dict:
@@ -374,7 +414,8 @@ KERNEL_CASES = {
         for b, c, k in ((1, 4096, 2048), (64, 4096, 2048), (64, 131072, 2048), (64, 4096, None))
     ],
     "sparse_mla_prefill": [{"tokens": 4096, "k": 2048}],
-    "moe": [{"tokens": t} for t in (1, 64, 256, 4096, 8192, 32768)],
+    "router": [{"tokens": t} for t in (1, 64, 256)],
+    "moe": [{"tokens": t} for t in (1, 64, 256, 1024, 2048, 4096, 8192, 32768)],
     "kda_decode": [{"batch": b} for b in (1, 64, 256)],
 }
 _BENCHES = {
@@ -383,6 +424,7 @@ _BENCHES = {
     "indexer_prefill": bench_indexer_prefill,
     "sparse_mla": bench_sparse_mla,
     "sparse_mla_prefill": bench_sparse_mla_prefill,
+    "router": bench_router,
     "moe": bench_moe,
     "kda_decode": bench_kda_decode,
 }

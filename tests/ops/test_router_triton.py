@@ -37,11 +37,18 @@ def test_router_ties_pick_lower_ids():
 
 
 @pytest.mark.parametrize(
-    "E,A,renorm,bias,D", [(64, 6, True, True, 300), (13, 3, False, False, 128), (8, 2, True, True, 40)]
+    "E,A,renorm,bias,D",
+    [
+        (64, 6, True, True, 300),
+        (13, 3, False, False, 128),
+        (8, 2, True, True, 40),
+        (896, 16, True, True, 300),
+    ],
 )
 def test_router_from_hidden_states_matches_reference(E, A, renorm, bias, D):
     """route_hidden_triton computes the logits too: the reference's fp32 product, then `route` (bf16 hidden
-    states, rows strided as a slice of a wider tensor, D not a multiple of the block)."""
+    states, rows strided as a slice of a wider tensor, D not a multiple of the block; at 896 experts the slices
+    are narrow and their sum walks them in several steps)."""
     from kestrel.ops.moe.triton_router import route_hidden_triton
 
     g = torch.Generator().manual_seed(E * D)
@@ -52,3 +59,12 @@ def test_router_from_hidden_states_matches_reference(E, A, renorm, bias, D):
     got_w, got_i = route_hidden_triton(hidden, weight, b, A, renorm, 2.5, block_d=64)
     assert torch.equal(got_i, ref_i)
     assert torch.allclose(got_w, ref_w, atol=1e-5, rtol=1e-4)
+
+
+def test_router_from_hidden_states_of_no_tokens():
+    from kestrel.ops.moe.triton_router import route_hidden_triton
+
+    w, i = route_hidden_triton(
+        torch.zeros(0, 64, device=DEVICE), torch.ones(8, 64, device=DEVICE), None, 2, True, 1.0
+    )
+    assert w.shape == (0, 2) and i.shape == (0, 2)

@@ -1,5 +1,6 @@
 """The MoE router in one kernel: sigmoid, correction bias (selection only), top-k, renormalize, scale; at decode
-sizes also the router's logits themselves (`route_hidden_triton`: the fp32 product with the router weight).
+sizes also the router's logits themselves (`route_hidden_triton`: the fp32 product with the router weight, in
+two kernels).
 
 Legend: T tokens, D hidden width, E experts (padded to a power of two inside the kernel), A = experts per token.
 Reference: `naive.route` with one expert group (the K3 / Kimi-Linear setting); ties go to the lower expert id
@@ -26,30 +27,29 @@ def _select(
     HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr,
     A: tl.constexpr,
+    BA: tl.constexpr,
 ):
     """Routing of token t from its fp32 logits x [BE]: sigmoid, the biased top-A (the first maximum on ties),
-    the weights renormalized (or not) and scaled, stored best first."""
+    the weights renormalized (or not) and scaled, stored best first. The A picks stay in registers ([BA])
+    until one store each."""
     s = tl.sigmoid(x)  # [BE] the scores the weights come from
     sel = s
     if HAS_BIAS:
         sel = s + tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
     sel = tl.where(mask, sel, float("-inf"))
-    total = 0.0
+    slots = tl.arange(0, BA)
+    w_top = tl.zeros([BA], dtype=tl.float32)
+    id_top = tl.zeros([BA], dtype=tl.int64)
     for a in tl.static_range(A):
         best = tl.argmax(sel, axis=0)  # the first maximum: the lowest expert id among ties
         w = tl.sum(tl.where(cols == best, s, 0.0), axis=0)
-        tl.store(ids_out + t * A + a, best.to(tl.int64))
-        tl.store(weights_out + t * A + a, w)
-        total += w
+        w_top = tl.where(slots == a, w, w_top)
+        id_top = tl.where(slots == a, best.to(tl.int64), id_top)
         sel = tl.where(cols == best, float("-inf"), sel)
     if RENORM:
-        for a in tl.static_range(A):
-            w = tl.load(weights_out + t * A + a)
-            tl.store(weights_out + t * A + a, w / (total + 1e-20) * scaling)
-    else:
-        for a in tl.static_range(A):
-            w = tl.load(weights_out + t * A + a)
-            tl.store(weights_out + t * A + a, w * scaling)
+        w_top = w_top / (tl.sum(w_top, axis=0) + 1e-20)  # slots past A hold zeros
+    tl.store(weights_out + t * A + slots, w_top * scaling, mask=slots < A)
+    tl.store(ids_out + t * A + slots, id_top, mask=slots < A)
 
 
 @triton.jit
@@ -64,44 +64,59 @@ def _router_kernel(
     HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr,
     A: tl.constexpr,
+    BA: tl.constexpr,
     BE: tl.constexpr,
 ):
     t = tl.program_id(0)
     cols = tl.arange(0, BE)
     mask = cols < E
     x = tl.load(logits + t * stride_t + cols, mask=mask, other=0.0).to(tl.float32)
-    _select(x, cols, mask, t, bias, weights_out, ids_out, scaling, HAS_BIAS, RENORM, A)
+    _select(x, cols, mask, t, bias, weights_out, ids_out, scaling, HAS_BIAS, RENORM, A, BA)
 
 
 @triton.jit
-def _router_gemv_kernel(
-    h,
-    weight,
+def _router_partial_kernel(h, weight, partial, E, D, stride_h, S, BE: tl.constexpr, BD: tl.constexpr):
+    """Program (t, s): token t's fp32 logits over the hidden slice [s * BD, (s + 1) * BD), every expert at
+    once, into partial[t, s, :BE]. The slices run side by side instead of one after another in one program."""
+    t = tl.program_id(0)
+    s = tl.program_id(1)
+    cols = tl.arange(0, BE)
+    ds = s * BD + tl.arange(0, BD)
+    dmask = ds < D
+    x = tl.load(h + t.to(tl.int64) * stride_h + ds, mask=dmask, other=0.0).to(tl.float32)  # [BD]
+    w = tl.load(
+        weight + cols[:, None] * D + ds[None, :], mask=(cols < E)[:, None] & dmask[None, :], other=0.0
+    )
+    tl.store(partial + (t.to(tl.int64) * S + s) * BE + cols, tl.sum(w.to(tl.float32) * x[None, :], axis=1))
+
+
+@triton.jit
+def _router_sum_kernel(
+    partial,
     bias,
     weights_out,
     ids_out,
     E,
-    D,
-    stride_h,
+    S,
     scaling,
     HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr,
     A: tl.constexpr,
+    BA: tl.constexpr,
     BE: tl.constexpr,
-    BD: tl.constexpr,
+    BS: tl.constexpr,
 ):
-    """The router's logits of token t (fp32: h[t] . weight[e] for every expert) and its routing, one program."""
+    """Token t's logits: its S partial sums added in a fixed order (the same bits on every run), then routed."""
     t = tl.program_id(0)
     cols = tl.arange(0, BE)
-    mask = cols < E
     acc = tl.zeros([BE], dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        ds = d0 + tl.arange(0, BD)
-        dmask = ds < D
-        x = tl.load(h + t.to(tl.int64) * stride_h + ds, mask=dmask, other=0.0).to(tl.float32)  # [BD]
-        w = tl.load(weight + cols[:, None] * D + ds[None, :], mask=mask[:, None] & dmask[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)  # [BE]
-    _select(acc, cols, mask, t, bias, weights_out, ids_out, scaling, HAS_BIAS, RENORM, A)
+    for s0 in range(0, S, BS):
+        rows = s0 + tl.arange(0, BS)
+        p = tl.load(
+            partial + (t.to(tl.int64) * S + rows[:, None]) * BE + cols[None, :], mask=(rows < S)[:, None]
+        )
+        acc += tl.sum(p, axis=0)
+    _select(acc, cols, cols < E, t, bias, weights_out, ids_out, scaling, HAS_BIAS, RENORM, A, BA)
 
 
 def route_triton(
@@ -136,25 +151,34 @@ def route_hidden_triton(
     scaling_factor: float,
     block_d: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route_triton(hidden.float() @ router_weight.float().t(), ...)` in one kernel: hidden [T, D] (rows may
-    be strided), router_weight [E, D]; the logits in fp32 (another summation order than the matmul's).
-    Decode saves the cast and the matmul's launches. Returns (weights [T, A] fp32, ids [T, A] int64)."""
+    """`route_triton(hidden.float() @ router_weight.float().t(), ...)` in two small kernels: hidden [T, D] (rows
+    may be strided), router_weight [E, D]; the logits in fp32 (another summation order than the matmul's): T x
+    ceil(D / block_d) programs each sum one slice of the hidden width, then one program per token adds the
+    slices and routes. Decode saves the cast and the matmul's launches. (One program per token walking all of D
+    took 44 us at mini's D 2048, E 64 on the H200: its loads one after another.) Returns (weights [T, A] fp32,
+    ids [T, A] int64)."""
     T, D = hidden.shape
     E = router_weight.shape[0]
     assert router_weight.shape == (E, D) and hidden.stride(1) == 1
-    inputs = (hidden, router_weight.contiguous())
-    sizes = (E, D, hidden.stride(0))
+    BE = triton.next_power_of_2(E)
+    BD = min(triton.next_power_of_2(block_d), max(16, 8192 // BE))  # a [BE, BD] tile of at most 8K values
+    S = triton.cdiv(D, BD)
+    partial = torch.empty(max(T, 1), S, BE, dtype=torch.float32, device=hidden.device)  # [T, S, BE]
+    if T:
+        _router_partial_kernel[(T, S)](
+            hidden, router_weight.contiguous(), partial, E, D, hidden.stride(0), S, BE=BE, BD=BD
+        )
     return _route(
-        _router_gemv_kernel,
-        inputs,
-        sizes,
+        _router_sum_kernel,
+        (partial,),
+        (E, S),
         T,
         E,
         correction_bias,
         top_k,
         renormalize,
         scaling_factor,
-        BD=block_d,
+        BS=min(triton.next_power_of_2(S), max(1, 8192 // BE)),
     )
 
 
@@ -176,6 +200,7 @@ def _route(kernel, inputs, sizes, T, E, correction_bias, top_k, renormalize, sca
         HAS_BIAS=correction_bias is not None,
         RENORM=renormalize,
         A=top_k,
+        BA=triton.next_power_of_2(top_k),
         BE=triton.next_power_of_2(E),
         **meta,
     )
