@@ -102,9 +102,10 @@ def test_smoke_figures_are_real(sections):
     packed = sections["prefill_bench"]["cases"]["2x64"]
     assert packed["tokens"] == 128 and packed["step_s"] > 0 and packed["top_kernels"]
     assert sections["engine_bench"]["kestrel_tiny_dsa_8_requests"]["output_tokens"] == 8 * 8
-    assert (
-        len(sections["bench_kernels"]["kernels"]) == 9
-    )  # a row per case; moe: the grouped and the Triton rows
+    kernels = sections["bench_kernels"]["kernels"]
+    assert len(kernels) == 10  # a row per case; moe: the grouped and the Triton rows
+    (router,) = [k for k in kernels if k["kernel"].startswith("MoE router")]
+    assert router["same_experts_as_peer"] and router["peer_ms"] > 0
     (prefill,) = [
         k for k in sections["bench_kernels"]["kernels"] if k["kernel"].startswith("sparse MLA prefill")
     ]
