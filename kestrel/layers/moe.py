@@ -22,15 +22,14 @@ from kestrel.utils.dist import parallel_state
 
 ALL_EXPERTS = "all"  # shard id of a checkpoint tensor that holds every expert stacked (transformers layout)
 # Up to this many (token, slot) pairs the routed experts run in Triton (ops.moe.triton_experts), above it through
-# torch._grouped_mm. A first guess, to be set from `kestrel bench kernels` (both paths side by side): on the H200
-# at mini's sizes Triton was faster at every T measured, 1 to 4096 tokens at top-6 (its docstring's table), so the
-# bound is the largest size measured; larger prefill chunks keep the grouped path until they are measured too.
-TRITON_EXPERTS_MAX_PAIRS = 4096 * 6
-# Tokens up to which the fused router also computes the router's logits (each program reads the whole router
-# weight, from L2 after the first: decode sizes); past it a matmul computes them first. Not yet timed.
-ROUTER_GEMV_MAX_TOKENS = 256
-# Tokens up to which KESTREL_MOE_OVERLAP_SHARED runs the shared experts on a side stream: decode sizes, where
-# neither the routed experts nor the shared ones fill the GPU. Not yet timed.
+# torch._grouped_mm (with the Triton combine at inference). On the H200 at mini's sizes, in CUDA graphs: T = 1024
+# 223 vs 227 us, T = 2048 322 vs 273 us, T = 4096 494 vs 386 us (`kestrel bench kernels`, session 8).
+TRITON_EXPERTS_MAX_PAIRS = 1024 * 6
+# Tokens up to which the fused router also computes the router's logits (route_hidden_triton); past it a matmul
+# computes them first. On the H200 at mini's sizes, in CUDA graphs: T = 64 9.0 vs 15.6 us, T = 256 18.3 vs 16.4.
+ROUTER_GEMV_MAX_TOKENS = 128
+# Tokens up to which the shared experts run on a side stream (KESTREL_MOE_OVERLAP_SHARED): decode sizes, where
+# neither the routed experts nor the shared ones fill the GPU (timed at batch 1 and 64).
 OVERLAP_SHARED_MAX_TOKENS = 256
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
