@@ -295,7 +295,7 @@ def _forward(model, ids: torch.Tensor, backend: str, replay: tuple | None = None
     """Logits of one full forward; returns (logits fp32, (routing ids, DSA selections)) for replay."""
     from kestrel.layers.context import ForwardContext, forward_context
 
-    ctx = ForwardContext.build([len(ids)], device=S.device)
+    ctx = ForwardContext.build([len(ids)], device=ids.device)
     ctx.routing_capture, ctx.selection_capture = {}, {}
     if replay is not None:
         ctx.routing_replay, ctx.selection_replay = replay
@@ -326,6 +326,7 @@ def _decode_logits(model, ids: torch.Tensor, prefill: int, backend: str, replay:
 
 
 PARITY_MODELS = H200.parity_models.split(",")  # --parity-models
+PARITY_INIT = ["upstream"]  # --parity-init: the random-weight scheme of the presets in `parity`
 
 
 def _parity_prompt(model: str, vocab: int, length: int) -> tuple[torch.Tensor, str]:
@@ -355,6 +356,86 @@ def _kda_prefill(form: str):
         yield
 
 
+@contextlib.contextmanager
+def _bf16_reductions(reduced: bool):
+    """cuBLAS's bf16 GEMMs allowed (torch's default) or not to reduce partial sums in bf16, for the block."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = reduced
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = saved
+
+
+def parity_floor() -> dict:
+    """Where mini's bf16 parity error comes from, on tiny and mini, with each random-weight scheme. The same
+    seeded weights and prompt as `parity`, the fp32 reference's routing and DSA choices replayed in every pass,
+    each pass against the fp32 reference: the bf16 reference with cuBLAS's bf16 reductions allowed (torch's
+    default) and not, the fast path both ways, and the CPU running the same weights (fp32 and bf16) as the peer
+    no GPU library touches."""
+    presets = ("tiny", "mini") if S is H200 else ("tiny",)
+    return {p: {init: _parity_floor(p, init) for init in ("upstream", "conditioned")} for p in presets}
+
+
+def _parity_floor(preset: str, init: str) -> dict:
+    from kestrel.models.loader import build_model
+
+    length = S.parity_lengths[0][0] if preset == "mini" else S.parity_lengths[1][0]
+    fp32 = build_model(preset, dtype=torch.float32, device=S.device, seed=0, init=init)
+    ids, prompt_kind = _parity_prompt(preset, fp32.config.vocab_size, length)
+    ref32, choices32 = _forward(fp32, ids, "naive")
+    bf16 = build_model(
+        preset, dtype=torch.bfloat16, device=S.device, seed=0, init=init
+    )  # same draws, rounded
+    out: dict = {"prompt_tokens": length, "prompt": prompt_kind, "vs": "reference fp32"}
+    for reduced in (True, False):
+        tag = "bf16_reductions_allowed" if reduced else "fp32_reductions"
+        with _bf16_reductions(reduced):
+            ref16 = _forward(bf16, ids, "naive", choices32)[0]
+            out[f"reference_bf16_{tag}"] = _rel(ref32, ref16)
+            for form in ("chunked", "recurrent"):
+                with _kda_prefill(form):
+                    fast16 = _forward(bf16, ids, S.fast_kda, choices32)[0]
+                out[f"fla_{form}_bf16_{tag}"] = _rel(ref32, fast16)
+                out[f"fla_{form}_bf16_vs_reference_bf16_{tag}"] = _rel(ref16, fast16)
+        print(
+            f"parity floor {preset} {init} {tag}",
+            json.dumps({k: v for k, v in out.items() if tag in k}),
+            flush=True,
+        )
+    del bf16
+    if S.device == "cuda":  # the same weights on the CPU, both dtypes
+        start = time.perf_counter()
+        cpu_ids, cpu_choices = ids.cpu(), _to_cpu(choices32)
+        model = fp32.to("cpu")  # in place: fp32, then bf16
+        with _environ({"KESTREL_FUSED_OPS": "off"}):
+            cpu_ref32 = _forward(model, cpu_ids, "naive", cpu_choices)[0]
+            out["cpu_reference_fp32"] = _rel(ref32.cpu(), cpu_ref32)
+            model.to(torch.bfloat16)
+            out["cpu_reference_bf16_vs_cpu_reference_fp32"] = _rel(
+                cpu_ref32, _forward(model, cpu_ids, "naive", cpu_choices)[0]
+            )
+        out["cpu_seconds"] = time.perf_counter() - start
+        print(
+            f"parity floor {preset} {init} cpu",
+            json.dumps({k: v for k, v in out.items() if "cpu" in k}),
+            flush=True,
+        )
+    del fp32
+    if S.device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _to_cpu(choices: tuple) -> tuple:
+    routing, selection = choices
+    return (
+        {k: v.cpu() for k, v in routing.items()},
+        {k: [t.cpu() for t in v] for k, v in selection.items()},
+    )
+
+
 def parity() -> dict:
     """Fast path (fla-core KDA) against the reference path (plain-torch KDA), same bf16 weights, on every
     --parity-models entry.
@@ -365,12 +446,13 @@ def parity() -> dict:
     isolates the numerical difference of the kernels. The fp32 reference is reported beside it.
     """
     from kestrel.models.loader import build_model
+    from kestrel.presets import resolve_model
 
     result: dict = {"parity": {}}
     mini_lengths, other_lengths = S.parity_lengths
     cases = [(m, *(mini_lengths if m == "mini" else other_lengths)) for m in PARITY_MODELS]
     for preset, length, decode_from in cases:  # a preset (seeded random weights) or a checkpoint folder
-        fp32 = build_model(preset, dtype=torch.float32, device=S.device, seed=0)
+        fp32 = build_model(preset, dtype=torch.float32, device=S.device, seed=0, init=PARITY_INIT[0])
         ids, prompt_kind = _parity_prompt(preset, fp32.config.vocab_size, length)
         ref32, choices32 = _forward(fp32, ids, "naive")
         # the same comparison without bf16: what is left is the kernels' own rounding (fla's and our Triton
@@ -382,7 +464,7 @@ def parity() -> dict:
         with _kda_prefill("recurrent"):
             fast32_rec, _ = _forward(fp32, ids, S.fast_kda, replay=choices32)
         del fp32
-        bf16 = build_model(preset, dtype=torch.bfloat16, device=S.device, seed=0)  # same draws, rounded
+        bf16 = build_model(preset, dtype=torch.bfloat16, device=S.device, seed=0, init=PARITY_INIT[0])
         ref16, choices16 = _forward(bf16, ids, "naive")
         with _kda_prefill("recurrent"):
             fast16_rec, _ = _forward(bf16, ids, S.fast_kda, replay=choices16)
@@ -393,6 +475,7 @@ def parity() -> dict:
         entry = {
             "prompt_tokens": length,
             "prompt": prompt_kind,
+            "init": "checkpoint" if Path(resolve_model(preset)).exists() else PARITY_INIT[0],
             "layers": bf16.config.layer_pattern,
             "target": "fla bf16 vs reference bf16 <= 2e-2",
             "fla_bf16_vs_reference_bf16": _rel(ref16, fast16),
@@ -1337,6 +1420,7 @@ def bench_decode() -> dict:
 SECTIONS = {
     "ceilings": ceilings,
     "parity": parity,
+    "parity_floor": parity_floor,
     "foundation": foundation,
     "kda_layers": kda_layers,
     "gpu_tests": gpu_tests,
@@ -1373,6 +1457,12 @@ def main() -> None:
         help=f"agent_sweep: concurrency levels (default {','.join(map(str, H200.sweep['concurrency']))})",
     )
     parser.add_argument(
+        "--parity-init",
+        default="upstream",
+        choices=("upstream", "conditioned"),
+        help="parity: the presets' random-weight scheme (kestrel.models.loader.init_random_weights)",
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="every section's code on the CPU at tiny sizes (no figures)"
     )
     args = parser.parse_args()
@@ -1383,6 +1473,7 @@ def main() -> None:
         os.environ.update(KESTREL_KDA_BACKEND="naive", KESTREL_ATTN_BACKEND="torch")
         os.environ.setdefault("TRITON_INTERPRET", "1")
     PARITY_MODELS[:] = (args.parity_models or S.parity_models).split(",")
+    PARITY_INIT[0] = args.parity_init
     if args.agent_concurrency:
         S = dataclasses.replace(
             S, sweep={**S.sweep, "concurrency": tuple(int(c) for c in args.agent_concurrency.split(","))}

@@ -22,6 +22,7 @@ EXPECTED = {
     "ceilings": {"copy_TBps", "bf16_matmul_TFLOPs"},
     "foundation": {"parity", "generate_tiny", "cli_generate_tiny"},
     "kda_layers": {"tiny"},
+    "parity_floor": {"tiny"},
     "gpu_tests": {"returncodes", "counts", "outcomes", "failed", "skipped"},
     "engine_decode": {"moe_grouped_mm", "plan", "batches", "prefill_4x64_s", "skipped"},
     "profile_decode": {"wall_ms_per_step", "cuda_ms_per_step", "kernel_launches_per_step", "top_kernels"},
@@ -102,6 +103,8 @@ def test_smoke_figures_are_real(sections):
     packed = sections["prefill_bench"]["cases"]["2x64"]
     assert packed["tokens"] == 128 and packed["step_s"] > 0 and packed["top_kernels"]
     assert sections["engine_bench"]["kestrel_tiny_dsa_8_requests"]["output_tokens"] == 8 * 8
+    floor = sections["parity_floor"]["tiny"]  # the conditioned init is the one whose bf16 floor is small
+    assert floor["conditioned"]["reference_bf16_fp32_reductions"]["norm_rel"] < 0.02
     kernels = sections["bench_kernels"]["kernels"]
     assert len(kernels) == 10  # a row per case; moe: the grouped and the Triton rows
     (router,) = [k for k in kernels if k["kernel"].startswith("MoE router")]

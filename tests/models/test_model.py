@@ -193,3 +193,25 @@ def test_routing_and_selection_replay(tiny):
         causal.selection_replay = {layer: [recent] for layer in tiny.config.mla_layer_ids}
         with forward_context(causal):
             assert _rel(free, tiny(ids)) > 1e-3
+
+
+def test_conditioned_init_rescales_the_same_draws():
+    """The "conditioned" init is the upstream draws with the embedding x10 and the residual-output projections
+    by 1 / sqrt(2 * layers), everything else bit for bit; an unknown scheme is refused by name."""
+    from kestrel.models.loader import RESIDUAL_OUTPUTS
+
+    up = dict(build_model("tiny", seed=3).named_parameters())
+    cond = build_model("tiny", seed=3, init="conditioned")
+    scale = (2 * cond.config.num_hidden_layers) ** -0.5
+    rescaled = 0
+    for name, p in cond.named_parameters():
+        if name == "model.embed_tokens.weight":
+            expected = up[name] * 10.0
+        elif name.endswith(RESIDUAL_OUTPUTS):
+            expected, rescaled = up[name] * scale, rescaled + 1
+        else:
+            expected = up[name]
+        assert torch.equal(p, expected), name
+    assert rescaled >= 2 * cond.config.num_hidden_layers  # an o_proj and an MLP output in every layer
+    with pytest.raises(ValueError, match="init scheme 'xavier'"):
+        build_model("tiny", init="xavier")
