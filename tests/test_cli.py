@@ -132,6 +132,27 @@ def test_init_random_kimi_linear_format(tmp_path, capsys):
     assert model.config.layer_pattern == "LLALLA" and model.lm_head.weight.dtype == torch.bfloat16
 
 
+def test_init_random_conditioned(tmp_path, capsys):
+    """--init conditioned writes the conditioned scheme's weights (those of build_model with the same seed)."""
+    code, _, err = run(
+        capsys,
+        "init-random",
+        "--preset",
+        "tiny",
+        "--out",
+        str(tmp_path),
+        "--dtype",
+        "float32",
+        "--init",
+        "conditioned",
+    )
+    assert code == 0, err
+    saved = build_model(str(tmp_path)).model.embed_tokens.weight
+    assert torch.equal(saved, build_model("tiny", init="conditioned").model.embed_tokens.weight)
+    code, _, err = run(capsys, "init-random", "--preset", "tiny", "--out", str(tmp_path), "--init", "he")
+    assert code != 0 and "invalid choice: 'he'" in err and "Traceback" not in err
+
+
 def test_init_random_mxfp4_on_tiny_is_refused(tmp_path, capsys):
     """tiny's latent expert width (48) is not a multiple of the MX block (32): a clear error, no folder."""
     code, _, err = run(capsys, "init-random", "--preset", "tiny", "--out", str(tmp_path / "m"), "--mxfp4")

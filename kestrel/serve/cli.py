@@ -170,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument(
+        "--init",
+        default="upstream",
+        choices=["upstream", "conditioned"],
+        help="upstream: normal(0.02) as transformers and fla; conditioned: the same draws, embedding x10 and "
+        "residual outputs / sqrt(2 x layers) (a bf16 floor of ~1.5%% instead of ~12%% on mini)",
+    )
     r.add_argument("--mxfp4", action="store_true", help="store routed experts as MXFP4 (kimi_k3 format)")
     r.add_argument("--max-shard-mb", type=_positive_int, default=None, help="split weights into shards")
     r.set_defaults(func=cmd_init_random)

@@ -104,7 +104,9 @@ def cmd_init_random(args) -> int:
         config = config.replace(experts_mxfp4=True)
     if args.out.exists() and not args.out.is_dir():
         raise KestrelError(f"--out {args.out}: exists and is not a folder")
-    model = init_random_weights(KimiForCausalLM(config, getattr(torch, args.dtype)), args.seed)
+    model = init_random_weights(
+        KimiForCausalLM(config, getattr(torch, args.dtype)), args.seed, scheme=args.init
+    )
     max_bytes = args.max_shard_mb * 2**20 if args.max_shard_mb else None
     save_checkpoint(model, args.out, max_shard_bytes=max_bytes)
     save_byte_tokenizer(args.out)
