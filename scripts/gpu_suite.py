@@ -8,7 +8,10 @@ that a Python error shows up before it costs GPU minutes; the figures mean nothi
     python3 scripts/gpu_suite.py --smoke --sections all --out /tmp/smoke
 Sections:
   ceilings    device-to-device copy bandwidth and 8192^3 bf16 matmul rate (the roofline of this run)
-  parity      fla-core fast path vs the reference path, logits (--parity-models: tiny, mini, checkpoints)
+  parity      fla-core fast path vs the reference path, logits (--parity-models: tiny, mini, checkpoints;
+              --parity-init: the presets' random-weight scheme, upstream or conditioned)
+  parity_floor  bf16 vs fp32 of the reference and the fast path, both init schemes, cuBLAS bf16 reductions on and
+              off, and the same weights on the CPU (where the bf16 error comes from)
   foundation  parity, then `generate` on mini (API and CLI)
   kda_layers  each KDA layer, fast vs reference on the same input (the kernels' error, no compounding)
   gpu_tests   every op test on the device (kernels vs references, fla-core gradients, graphs) and HiCache on CUDA
