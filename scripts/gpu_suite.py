@@ -1192,6 +1192,7 @@ def cache_ttft() -> dict:
     from kestrel.config import EngineConfig
     from kestrel.engine.engine import Engine
     from kestrel.models.loader import build_model
+    from kestrel.utils.collector import freeze_startup_objects
 
     os.environ["KESTREL_MOE_GROUPED_MM"] = _probe_grouped_mm()
     result: dict = {}
@@ -1222,6 +1223,7 @@ def cache_ttft() -> dict:
             _ttft_ms(
                 engine, history + [5]
             )  # the previous turn: leaves a checkpoint at the end of the history
+        freeze_startup_objects()  # as `kestrel serve` does after its warm-up
         key = f"ttft_ms_cache_{'on' if cache else 'off'}"
         result[key] = _ttft_ms(engine, turn)
         # Two more of the same kind (cache off: the same turn; on: fresh appends on the cached history), so that

@@ -127,6 +127,7 @@ def cmd_serve(args) -> int:
     from kestrel.engine.async_engine import AsyncEngine
     from kestrel.engine.engine import Engine
     from kestrel.serve.api import build_app
+    from kestrel.utils.collector import freeze_startup_objects
 
     engine = Engine(engine_config(args))
     # Configured after the engine is built, whose memory plan is printed below rather than logged twice.
@@ -140,6 +141,8 @@ def cmd_serve(args) -> int:
             print("[kestrel] the warm-up failed (--warmup off skips it); its error follows", file=sys.stderr)
             raise
         print(f"[kestrel] warmed up in {seconds:.1f} s", file=sys.stderr)
+    frozen = freeze_startup_objects()  # full collections no longer walk the model and graphs mid-request
+    logging.getLogger("kestrel.serve").debug("%d startup objects frozen out of the garbage collector", frozen)
     async_engine = AsyncEngine(engine)
     app = build_app(async_engine, name, api_key=args.api_key)
     host = f"[{args.host}]" if ":" in args.host else args.host
