@@ -135,16 +135,7 @@ def test_init_random_kimi_linear_format(tmp_path, capsys):
 def test_init_random_conditioned(tmp_path, capsys):
     """--init conditioned writes the conditioned scheme's weights (those of build_model with the same seed)."""
     code, _, err = run(
-        capsys,
-        "init-random",
-        "--preset",
-        "tiny",
-        "--out",
-        str(tmp_path),
-        "--dtype",
-        "float32",
-        "--init",
-        "conditioned",
+        capsys, *f"init-random --preset tiny --out {tmp_path} --dtype float32 --init conditioned".split()
     )
     assert code == 0, err
     saved = build_model(str(tmp_path)).model.embed_tokens.weight
