@@ -88,26 +88,35 @@ class Env:
     can be exercised on a CPU (tests)."""
 
 
+# One reader per Env field: `read_env` runs them all, `env_field` one.
+_READERS = {
+    "kda_backend": lambda: _str("KESTREL_KDA_BACKEND", "auto", ("auto", "naive", "fla")),
+    "log_level": lambda: _str("KESTREL_LOG_LEVEL", "info", ("debug", "info", "warning", "error")),
+    "attn_backend": lambda: _str("KESTREL_ATTN_BACKEND", "auto", ("auto", "torch", "triton")),
+    "triton_interpret": lambda: _bool("TRITON_INTERPRET", False),
+    "moe_grouped_mm": lambda: _str("KESTREL_MOE_GROUPED_MM", "auto", ("auto", "off")),
+    "moe_decode_kernel": lambda: _str("KESTREL_MOE_DECODE_KERNEL", "auto", ("auto", "off")),
+    "kda_conv": lambda: _str("KESTREL_KDA_CONV", "auto", ("auto", "torch", "fla")),
+    "kda_no_recompute": lambda: _bool("KESTREL_KDA_NO_RECOMPUTE", False),
+    "kda_recurrent_prefill": lambda: _int("KESTREL_KDA_RECURRENT_PREFILL", 1024),
+    "kda_safe_gate": lambda: _bool("KESTREL_KDA_SAFE_GATE", False),
+    "moe_overlap_shared": lambda: _bool("KESTREL_MOE_OVERLAP_SHARED", True),
+    "sparse_prefill": lambda: _str("KESTREL_SPARSE_PREFILL", "rows", ("rows", "masked")),
+    "compile_train": lambda: _bool("KESTREL_COMPILE_TRAIN", False),
+    "fused_ops": lambda: _str("KESTREL_FUSED_OPS", "auto", ("auto", "off")),
+}
+
+
 def read_env() -> Env:
-    return Env(
-        kda_backend=_str("KESTREL_KDA_BACKEND", "auto", ("auto", "naive", "fla")),
-        log_level=_str("KESTREL_LOG_LEVEL", "info", ("debug", "info", "warning", "error")),
-        attn_backend=_str("KESTREL_ATTN_BACKEND", "auto", ("auto", "torch", "triton")),
-        triton_interpret=_bool("TRITON_INTERPRET", False),
-        moe_grouped_mm=_str("KESTREL_MOE_GROUPED_MM", "auto", ("auto", "off")),
-        moe_decode_kernel=_str("KESTREL_MOE_DECODE_KERNEL", "auto", ("auto", "off")),
-        kda_conv=_str("KESTREL_KDA_CONV", "auto", ("auto", "torch", "fla")),
-        kda_no_recompute=_bool("KESTREL_KDA_NO_RECOMPUTE", False),
-        kda_recurrent_prefill=_int("KESTREL_KDA_RECURRENT_PREFILL", 1024),
-        kda_safe_gate=_bool("KESTREL_KDA_SAFE_GATE", False),
-        moe_overlap_shared=_bool("KESTREL_MOE_OVERLAP_SHARED", True),
-        sparse_prefill=_str("KESTREL_SPARSE_PREFILL", "rows", ("rows", "masked")),
-        compile_train=_bool("KESTREL_COMPILE_TRAIN", False),
-        fused_ops=_str("KESTREL_FUSED_OPS", "auto", ("auto", "off")),
-    )
+    return Env(**{name: read() for name, read in _READERS.items()})
+
+
+def env_field(name: str):
+    """One field of `Env`, its variable read alone: for the hot path (a layer's forward, each call), where
+    `read_env()` parsing every variable takes about 10 us and this under 1."""
+    return _READERS[name]()
 
 
 def fused_ops_on() -> bool:
-    """KESTREL_FUSED_OPS alone (is it auto?), for the hot path: every fused op asks at each inference call, and
-    `read_env()` parses every variable (about 9 us; this, under 1)."""
-    return _str("KESTREL_FUSED_OPS", "auto", ("auto", "off")) == "auto"
+    """KESTREL_FUSED_OPS alone (is it auto?): every fused op asks at each inference call."""
+    return env_field("fused_ops") == "auto"

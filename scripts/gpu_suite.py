@@ -381,13 +381,21 @@ def parity_floor() -> dict:
     return {p: {init: _parity_floor(p, init) for init in ("upstream", "conditioned")} for p in presets}
 
 
+def _fp32_reference(preset: str, init: str, length: int) -> tuple:
+    """The parity cases' start: (fp32 model, prompt ids, prompt kind, reference logits, its routing and DSA
+    choices) for a preset (seeded random weights of scheme `init`) or a checkpoint folder."""
+    from kestrel.models.loader import build_model
+
+    fp32 = build_model(preset, dtype=torch.float32, device=S.device, seed=0, init=init)
+    ids, prompt_kind = _parity_prompt(preset, fp32.config.vocab_size, length)
+    return (fp32, ids, prompt_kind, *_forward(fp32, ids, "naive"))
+
+
 def _parity_floor(preset: str, init: str) -> dict:
     from kestrel.models.loader import build_model
 
     length = S.parity_lengths[0][0] if preset == "mini" else S.parity_lengths[1][0]
-    fp32 = build_model(preset, dtype=torch.float32, device=S.device, seed=0, init=init)
-    ids, prompt_kind = _parity_prompt(preset, fp32.config.vocab_size, length)
-    ref32, choices32 = _forward(fp32, ids, "naive")
+    fp32, ids, prompt_kind, ref32, choices32 = _fp32_reference(preset, init, length)
     bf16 = build_model(
         preset, dtype=torch.bfloat16, device=S.device, seed=0, init=init
     )  # same draws, rounded
@@ -455,9 +463,7 @@ def parity() -> dict:
     mini_lengths, other_lengths = S.parity_lengths
     cases = [(m, *(mini_lengths if m == "mini" else other_lengths)) for m in PARITY_MODELS]
     for preset, length, decode_from in cases:  # a preset (seeded random weights) or a checkpoint folder
-        fp32 = build_model(preset, dtype=torch.float32, device=S.device, seed=0, init=PARITY_INIT[0])
-        ids, prompt_kind = _parity_prompt(preset, fp32.config.vocab_size, length)
-        ref32, choices32 = _forward(fp32, ids, "naive")
+        fp32, ids, prompt_kind, ref32, choices32 = _fp32_reference(preset, PARITY_INIT[0], length)
         # the same comparison without bf16: what is left is the kernels' own rounding (fla's and our Triton
         # kernels may run fp32 products as tf32 on tensor cores), not the weights' and activations' bf16
         # fla's prefill has two forms (KESTREL_KDA_RECURRENT_PREFILL): the chunked kernels, and for a short

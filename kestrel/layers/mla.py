@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kestrel.config import ModelConfig
-from kestrel.env import read_env
+from kestrel.env import env_field, read_env
 from kestrel.layers.context import get_forward_context
 from kestrel.layers.linear import ColumnLinear, Linear, RowLinear
 from kestrel.layers.norm import LayerNorm, RMSNorm
@@ -207,7 +207,7 @@ class MLAttention(nn.Module):
 
         kv_pool, _, table, _, ps = ctx.cache.paged(self.layer_id)
         t, length = q_nope.shape[0], ctx.cached_len(i)  # the chunk's t tokens are the last of `length`
-        if read_env().sparse_prefill == "masked":  # short contexts: blocks of queries share each key tile
+        if env_field("sparse_prefill") == "masked":  # short contexts: blocks of queries share each key tile
             from kestrel.ops.mla import triton_prefill as masked
 
             short = length <= masked.MASKED_MAX_CONTEXT_OVER_TOPK * indices.shape[1]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kestrel.config import ModelConfig
-from kestrel.env import fused_ops_on, read_env
+from kestrel.env import env_field, fused_ops_on
 from kestrel.layers.context import get_forward_context, has_forward_context
 from kestrel.layers.linear import ColumnLinear, Linear, RowLinear, ShapeMismatch, copy_checked, set_loader
 from kestrel.layers.norm import RMSNorm
@@ -123,7 +123,7 @@ def routed_experts_fn(h: torch.Tensor, ids: torch.Tensor):
         inference
         and ids.numel() <= TRITON_EXPERTS_MAX_PAIRS
         and h.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and read_env().moe_decode_kernel == "auto"
+        and env_field("moe_decode_kernel") == "auto"
     ):
         from kestrel.ops.moe.triton_experts import moe_experts_triton
 
@@ -210,7 +210,7 @@ class MoE(nn.Module):
             and x.is_cuda
             and x.shape[0] <= OVERLAP_SHARED_MAX_TOKENS
             and not torch.is_grad_enabled()
-            and read_env().moe_overlap_shared
+            and env_field("moe_overlap_shared")
         ):
             # Fork: the side stream starts after everything queued so far (x included); joined below.
             main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
@@ -230,7 +230,6 @@ class MoE(nn.Module):
             routed = self.routed_expert_up_proj(routed)  # [T, D]
         if shared is not None:
             main.wait_stream(side)  # join: the shared experts' output is ready for the main stream
-            return routed + shared
-        if self.shared_experts is not None:
-            routed = routed + self.shared_experts(x)
-        return routed
+        elif self.shared_experts is not None:
+            shared = self.shared_experts(x)
+        return routed if shared is None else routed + shared

@@ -100,14 +100,14 @@ class KimiModel(nn.Module):
         buf[0].copy_(x0)  # the partial sum before the first layer: x0
         nb = 0  # completed block sums: buf[:nb]; the partial sum: buf[nb]
         for i, layer in enumerate(self.layers):
-            if i % block == 0:
-                nb += 1  # the partial sum closes into the bank
-            sources = buf[:nb] if i % block == 0 else buf[: nb + 1]
+            closes = i % block == 0  # the partial sum closes into the bank
+            nb += closes
+            sources = buf[:nb] if closes else buf[: nb + 1]
             h = layer.input_layernorm(
                 mix(sources, layer.self_attention_res_proj, layer.self_attention_res_norm)
             )
             a = layer.self_attn(h)
-            if i % block == 0:
+            if closes:
                 buf[nb].copy_(a)  # a new partial sum
             else:
                 buf[nb].add_(a)

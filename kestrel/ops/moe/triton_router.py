@@ -163,7 +163,7 @@ def route_hidden_triton(
     BE = triton.next_power_of_2(E)
     BD = min(triton.next_power_of_2(block_d), max(16, 8192 // BE))  # a [BE, BD] tile of at most 8K values
     S = triton.cdiv(D, BD)
-    partial = torch.empty(max(T, 1), S, BE, dtype=torch.float32, device=hidden.device)  # [T, S, BE]
+    partial = torch.empty(T, S, BE, dtype=torch.float32, device=hidden.device)  # [T, S, BE]
     if T:
         _router_partial_kernel[(T, S)](
             hidden, router_weight.contiguous(), partial, E, D, hidden.stride(0), S, BE=BE, BD=BD
