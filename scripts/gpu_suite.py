@@ -190,7 +190,7 @@ SMOKE = Sizes(
             {"batch": 2, "context": 96, "k": 16, "heads": 2},
             {"batch": 1, "context": 96, "k": None, "heads": 2},
         ],
-        "sparse_mla_prefill": [{"tokens": 24, "k": 8, "heads": 2, "page": 16}],
+        "sparse_mla_prefill": [{"tokens": 24, "k": 12, "heads": 2, "page": 16}],
         "router": [{"tokens": 3, "experts": 8, "top_k": 2, "hidden": 64}],
         "moe": [{"tokens": 4, "experts": 8, "top_k": 2, "hidden": 64, "inter": 32}],
         "kda_decode": [{"batch": 2, "heads": 2, "dim": 16}],
@@ -1024,11 +1024,13 @@ def prefill_bench() -> dict:
             "flops_per_token": flops / tokens,
         }
         first = n == S.prefill_cases[0][0] and length == S.prefill_cases[0][1]
-        if first:  # the same step with the masked sparse-prefill kernel (KESTREL_SPARSE_PREFILL=masked)
-            with _environ({"KESTREL_SPARSE_PREFILL": "masked"}):
+        # the same step with each sparse-prefill kernel forced (the default, auto, picks by context length)
+        for mode in ("rows", "expanded", "masked"):
+            with _environ({"KESTREL_SPARSE_PREFILL": mode}):
                 _prefill_step(engine, n, length, g)  # compile
-                masked = min(_prefill_step(engine, n, length, g) for _ in range(2))
-            entry["step_s_sparse_prefill_masked"] = masked
+                entry[f"step_s_sparse_prefill_{mode}"] = min(
+                    _prefill_step(engine, n, length, g) for _ in range(2)
+                )
         if first:
             _, _, events, own = _profiled(functools.partial(_prefill_step, engine, n, length, g))
             entry["top_kernels"] = [

@@ -197,71 +197,136 @@ def bench_sparse_mla(
 
 
 def bench_sparse_mla_prefill(
-    ceilings: dict, tokens: int, k: int, heads: int = 16, page: int = 64, device: str = "cuda"
+    ceilings: dict,
+    tokens: int,
+    k: int,
+    context: int | None = None,
+    heads: int = 16,
+    page: int = 64,
+    device: str = "cuda",
 ) -> dict:
-    """Sparse MLA of a prefill: `tokens` query rows of one sequence from its start, each over a causal top-k in
-    the top-k kernel's layout (its min(k, position + 1) entries first, then -1), every row through the decode
-    kernel as prefill runs it. The default (block_n 32, 4 warps, 2 stages), without and with valid_first, then a
-    sweep of tiles beside them, for the next tuning (all on the same inputs; each checked against the default)."""
-    from kestrel.ops.mla.triton_decode import sparse_mla_decode
-
-    R, P = 512, 64
-    pages = -(-tokens // page)
-    pool = torch.randn(pages * page + page, R + P, device=device, dtype=torch.bfloat16)
-    table = (torch.arange(1, pages + 1, device=device)).expand(tokens, -1).to(torch.int64)  # [T, pages]
-    lens = torch.arange(1, tokens + 1, device=device)  # [T] row t sees positions 0..t
-    q_lat = torch.randn(tokens, heads, R, device=device, dtype=torch.bfloat16)
-    q_pe = torch.randn(tokens, heads, P, device=device, dtype=torch.bfloat16)
-    pos = torch.arange(tokens, device=device)
-    key = torch.rand(tokens, tokens, device=device).masked_fill(pos[None, :] > pos[:, None], -1.0)
-    top = key.topk(min(k, tokens), dim=-1)  # [T, k]: random causal selections
-    idx = torch.where(top.values >= 0, top.indices, -1).sort(-1, descending=True).values  # valid first
-    scale = (128 + P) ** -0.5
-
-    def run(**kw):
-        return lambda: sparse_mla_decode(q_lat, q_pe, pool, table, page, lens, idx, scale, **kw)
-
-    ref = run()()
-    sweep = {}
-    for bn, warps, stages in ((32, 4, 2), (64, 4, 2), (32, 4, 3), (64, 8, 2), (64, 4, 3), (16, 4, 2)):
-        fn = run(block_n=bn, num_warps=warps, num_stages=stages, valid_first=True)
-        err = float((fn().float() - ref.float()).abs().max())
-        sweep[f"block_n{bn}_warps{warps}_stages{stages}"] = {
-            "ms": time_ms(fn, device),
-            "max_abs_vs_default": err,
-        }
-    peer_ms = time_ms(run(), device)
-    ms = sweep["block_n32_warps4_stages2"]["ms"]
-    # the masked kernel (kestrel.ops.mla.triton_prefill): blocks of queries share each key tile
+    """Sparse MLA of a prefill chunk: the last `tokens` query rows of a `context`-token sequence (default: the
+    whole sequence), each over a random causal top-k in the top-k kernel's layout (its min(k, position + 1)
+    entries first, then -1), at `mini`'s sizes. Three kernels on the same inputs, each checked against the first:
+    - rows: the decode kernel with every row a query, as prefill runs past the expanded kernel's threshold (the
+      default tile, without and with valid_first, then a sweep of tiles);
+    - expanded (kestrel.ops.mla.triton_prefill_expanded): per-head keys and values expanded from the latent rows
+      (W_UK, W_UV; their GEMMs inside the time), blocks of queries of one head share each key tile, the
+      selection a mask; a sweep of tiles, and the same kernel without a selection (causal: its dense ceiling);
+    - masked (kestrel.ops.mla.triton_prefill, absorbed form), where the context is at most 2 k.
+    FLOPs are the rows kernel's, absorbed form over the selected pairs, for every entry."""
+    from kestrel.ops.mla.triton_decode import absorbed, sparse_mla_decode
     from kestrel.ops.mla.triton_prefill import sparse_mla_prefill_masked
+    from kestrel.ops.mla.triton_prefill_expanded import sparse_mla_prefill_expanded
 
-    pages = table[0]
-    masked = {}
-    for bq, bn, split, warps in ((4, 32, 2, 8), (2, 32, 1, 8), (4, 64, 2, 8), (8, 32, 4, 8), (4, 32, 4, 4)):
-        fn = lambda bq=bq, bn=bn, split=split, warps=warps: sparse_mla_prefill_masked(  # noqa: E731
-            q_lat,
-            q_pe,
-            pool,
-            pages,
-            page,
-            0,
-            idx,
-            scale,
-            block_q=bq,
-            block_n=bn,
-            split_r=split,
-            num_warps=warps,
+    R, P, Dn, Dv = 512, 64, 128, 128
+    context = context or tokens
+    q0 = context - tokens
+    dt = torch.bfloat16
+    pages = -(-context // page)
+    pool = torch.randn(pages * page + page, R + P, device=device, dtype=dt)
+    page_ids = torch.arange(1, pages + 1, device=device)
+    table = page_ids.expand(tokens, -1).to(torch.int64)  # [T, pages]
+    lens = torch.arange(q0 + 1, context + 1, device=device)  # [T] row t sees positions 0..q0 + t
+    q_nope = torch.randn(tokens, heads, Dn, device=device, dtype=dt)
+    q_pe = torch.randn(tokens, heads, P, device=device, dtype=dt)
+    w_uk = torch.randn(heads, Dn, R, device=device, dtype=dt) * R**-0.5
+    w_uv = torch.randn(heads, Dv, R, device=device, dtype=dt) * R**-0.5
+    pos = torch.arange(context, device=device)
+    key = torch.rand(tokens, context, device=device).masked_fill(pos[None, :] > lens[:, None] - 1, -1.0)
+    top = key.topk(min(k, context), dim=-1)  # [T, k]: random causal selections
+    idx = torch.where(top.values >= 0, top.indices, -1).sort(-1, descending=True).values  # valid first
+    del key, top
+    scale = (Dn + P) ** -0.5
+    kv = pool[page * 1 : page * 1 + context]  # the sequence's rows (pages 1.. in order)
+
+    def rows(**kw):
+        return lambda: absorbed(
+            q_nope,
+            w_uk,
+            w_uv,
+            lambda q_lat, out: out.copy_(
+                sparse_mla_decode(q_lat, q_pe, pool, table, page, lens, idx, scale, **kw)
+            ),
         )
-        err = float((fn().float() - ref.float()).abs().max())
-        masked[f"block_q{bq}_block_n{bn}_split_r{split}_warps{warps}"] = {
-            "ms": time_ms(fn, device),
-            "max_abs_vs_rows": err,
-        }
-    best = min(masked.values(), key=lambda v: v["ms"])["ms"]
-    print(f"    masked kernel: best {best * 1000:.1f} us (rows kernel {ms * 1000:.1f} us)", flush=True)
+
+    ref = rows(valid_first=True)().float()
+
+    def check(fn) -> float:
+        return float((fn().float() - ref).abs().max() / ref.abs().max())
+
+    sweep = {}
+    for bn, warps, stages in ((32, 4, 2), (64, 4, 2), (32, 4, 3), (64, 8, 2)):
+        fn = rows(block_n=bn, num_warps=warps, num_stages=stages, valid_first=True)
+        sweep[f"block_n{bn}_warps{warps}_stages{stages}"] = {"ms": time_ms(fn, device), "rel_err": check(fn)}
+    peer_ms = time_ms(rows(), device)
+    ms = sweep["block_n32_warps4_stages2"]["ms"]
+
+    expanded = {}
+    for bm, bn, warps, stages in (
+        (64, 64, 4, 2),
+        (128, 64, 8, 2),
+        (64, 128, 8, 2),
+        (128, 32, 4, 2),
+        (64, 64, 4, 3),
+    ):
+        fn = lambda bm=bm, bn=bn, warps=warps, stages=stages: sparse_mla_prefill_expanded(  # noqa: E731
+            q_nope,
+            q_pe,
+            kv,
+            w_uk,
+            w_uv,
+            scale,
+            idx,
+            block_m=bm,
+            block_n=bn,
+            num_warps=warps,
+            num_stages=stages,
+        )
+        key_ = f"block_m{bm}_block_n{bn}_warps{warps}_stages{stages}"
+        try:  # a tile that does not fit in shared memory fails to compile: recorded, the others still run
+            expanded[key_] = {"ms": time_ms(fn, device), "rel_err": check(fn)}
+        except Exception as e:  # noqa: BLE001
+            expanded[key_] = {"error": repr(e)[:300]}
+    causal = lambda: sparse_mla_prefill_expanded(q_nope, q_pe, kv, w_uk, w_uv, scale)  # noqa: E731
+    expanded["causal_no_selection"] = {"ms": time_ms(causal, device)}
+    ok = [v["ms"] for key_, v in expanded.items() if "ms" in v and key_ != "causal_no_selection"]
+    print(
+        f"    expanded kernel: best {min(ok, default=float('nan')) * 1000:.1f} us (rows kernel {ms * 1000:.1f} us,"
+        f" causal without selection {expanded['causal_no_selection']['ms'] * 1000:.1f} us)",
+        flush=True,
+    )
+
+    masked = {}
+    if context <= 2 * k:
+        for bq, bn, split, warps in ((2, 32, 1, 8), (4, 64, 2, 8)):
+            fn = lambda bq=bq, bn=bn, split=split, warps=warps: absorbed(  # noqa: E731
+                q_nope,
+                w_uk,
+                w_uv,
+                lambda q_lat, out: sparse_mla_prefill_masked(
+                    q_lat,
+                    q_pe,
+                    pool,
+                    page_ids,
+                    page,
+                    q0,
+                    idx,
+                    scale,
+                    out=out,
+                    block_q=bq,
+                    block_n=bn,
+                    split_r=split,
+                    num_warps=warps,
+                ),  # fmt: skip
+            )
+            masked[f"block_q{bq}_block_n{bn}_split_r{split}_warps{warps}"] = {
+                "ms": time_ms(fn, device),
+                "rel_err": check(fn),
+            }
     read = float(lens.clamp(max=k).sum())  # (row, selected position) pairs
     return _entry(
-        f"sparse MLA prefill t={tokens} top-{k} (valid first)",
+        f"sparse MLA prefill t={tokens} ctx={context} top-{k} (rows, valid first)",
         ms,
         read * (R + P) * 2,
         2 * read * heads * (R + P + R),
@@ -269,6 +334,7 @@ def bench_sparse_mla_prefill(
         peer="the same without valid_first (every row over all k slots)",
         peer_ms=peer_ms,
         sweep=sweep,
+        expanded_kernel=expanded,
         masked_kernel=masked,
     )
 
@@ -413,7 +479,9 @@ KERNEL_CASES = {
         {"batch": b, "context": c, "k": k}
         for b, c, k in ((1, 4096, 2048), (64, 4096, 2048), (64, 131072, 2048), (64, 4096, None))
     ],
-    "sparse_mla_prefill": [{"tokens": 4096, "k": 2048}],
+    "sparse_mla_prefill": [
+        {"tokens": t, "context": c, "k": 2048} for t, c in ((4096, 4096), (4096, 16384), (4096, 32768))
+    ],
     "router": [{"tokens": t} for t in (1, 64, 256)],
     "moe": [{"tokens": t} for t in (1, 64, 256, 1024, 2048, 4096, 8192, 32768)],
     "kda_decode": [{"batch": b} for b in (1, 64, 256)],

@@ -44,6 +44,10 @@ import kestrel.ops.mla.triton_prefill as masked_ops
 masked_calls = []
 real_masked = masked_ops.sparse_mla_prefill_masked
 masked_ops.sparse_mla_prefill_masked = lambda *a, **k: (masked_calls.append(1), real_masked(*a, **k))[1]
+import kestrel.ops.mla.triton_prefill_expanded as expanded_ops
+expanded_calls = []
+real_expanded = expanded_ops.sparse_mla_prefill_expanded
+expanded_ops.sparse_mla_prefill_expanded = lambda *a, **k: (expanded_calls.append(1), real_expanded(*a, **k))[1]
 result = {}
 configs = (
     ("torch", "torch", "naive", "rows"),
@@ -51,6 +55,8 @@ configs = (
     ("fast", "triton", "fla", "rows"),
     # tiny's top-8: the 13-token prompt's rows past position 7 go through the masked kernel (context <= 2 x 8)
     ("masked", "triton", "naive", "masked"),
+    # the default: every prompt here is within 8 x top-8 of context, so all sparse prefill is expanded
+    ("expanded", "triton", "naive", "auto"),
 )
 for name, attn, kda, sparse in configs:
     os.environ["KESTREL_ATTN_BACKEND"], os.environ["KESTREL_KDA_BACKEND"] = attn, kda
@@ -63,7 +69,7 @@ for name, attn, kda, sparse in configs:
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
     result[name] = out
-result["masked_calls"] = len(masked_calls)
+result["masked_calls"], result["expanded_calls"] = len(masked_calls), len(expanded_calls)
 print(json.dumps(result))
 """
 
@@ -83,6 +89,7 @@ def test_triton_decode_path_matches_torch_path():
     assert result["triton"] == result["torch"]
     assert result["fast"] == result["torch"]
     assert result["masked"] == result["torch"] and result["masked_calls"] > 0
+    assert result["expanded"] == result["torch"] and result["expanded_calls"] > 0
     assert all(len(v) == 6 for v in result["torch"].values())
 
 

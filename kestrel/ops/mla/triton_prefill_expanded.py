@@ -1,0 +1,197 @@
+"""Sparse MLA prefill in expanded form, in Triton: the chunk's history is expanded to per-head keys and values once
+(W_UK and W_UV on the latent rows, as the dense prefill does), then a FlashAttention-style kernel walks it with
+the DSA selection applied as a mask. Same result as `naive.mla_attention_absorbed` with the same indices.
+
+Legend: T query rows (the chunk: positions q0 .. q0 + T - 1 of its sequence), L = q0 + T keys, H heads, R
+kv_lora_rank, Dn / P / Dv the nope / rope / value dims, BM queries per program (one head), BN keys per tile.
+
+Why. The absorbed form (the decode kernel, every prefill token a row) multiplies in the R-wide latent space:
+2 H (R + P + R) FLOPs per (query, selected key) pair, 35 K at `mini` (R 512, P 64, 16 heads), as [H, R] x [R, BN]
+dots with an M of 16 heads, each query gathering its own k rows (2.36 MB at k = 2048). Expanded, a pair costs
+2 H (Dn + P + Dv) = 10 K FLOPs (3.4x fewer), and BM queries of one head share each key tile: M = BM on the
+tensor cores. The price: the kernel walks every key tile up to its block's last query and masks what a query did
+not select (tiles that no query of the block selected are skipped), so its work grows with the causal length
+rather than with k. The layer uses it while the context is at most `EXPANDED_MAX_CONTEXT_OVER_TOPK` x k.
+
+The selection arrives as indices [T, k] (-1 unused) and becomes the bitmap of `triton_prefill.selection_bitmap`
+([T, cdiv(L, 32)] int32, bit p % 32 of word p // 32); a tile reads BN / 32 words per query and expands them.
+Without indices it is causal attention (the dense ceiling of the same kernel). Softmax online in fp32, base 2;
+query blocks run last-first, the longest first, for the causal imbalance.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.ops.mla.triton_prefill import selection_bitmap
+
+EXPANDED_MAX_CONTEXT_OVER_TOPK = 8  # the layer uses this kernel where the context is at most this many x k
+
+
+@triton.jit
+def _expanded_prefill_kernel(
+    q_ptr,  # [T, H, Dn]
+    qpe_ptr,  # [T, H, P]
+    k_ptr,  # [L, H, Dn]
+    kpe_ptr,  # [L, P] one rope key per position, shared by the heads
+    v_ptr,  # [L, H, Dv]
+    bits_ptr,  # [T, words] int32 (unused without SELECT)
+    out_ptr,  # [T, H, Dv]
+    T,
+    q0,
+    words,
+    qk_scale,  # scale * log2(e)
+    Dn,
+    P,
+    Dv,
+    stride_qt,
+    stride_qh,
+    stride_pt,
+    stride_ph,
+    stride_kl,
+    stride_kh,
+    stride_kpl,
+    stride_vl,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    SELECT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BDN: tl.constexpr,
+    BP: tl.constexpr,
+    BDV: tl.constexpr,
+):
+    qb = tl.num_programs(0) - 1 - tl.program_id(0)  # the last (longest) query blocks first
+    h = tl.program_id(1).to(tl.int64)
+    t = qb * BM + tl.arange(0, BM)  # [BM]
+    t_ok = t < T
+    q_pos = q0 + t
+    dn, dp, dv = tl.arange(0, BDN), tl.arange(0, BP), tl.arange(0, BDV)
+    t64 = t.to(tl.int64)
+    q = tl.load(
+        q_ptr + t64[:, None] * stride_qt + h * stride_qh + dn[None, :],
+        mask=t_ok[:, None] & (dn < Dn)[None, :],
+        other=0.0,
+    )  # [BM, BDN]
+    q_pe = tl.load(
+        qpe_ptr + t64[:, None] * stride_pt + h * stride_ph + dp[None, :],
+        mask=t_ok[:, None] & (dp < P)[None, :],
+        other=0.0,
+    )  # [BM, BP]
+
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BDV], tl.float32)
+    end = q0 + tl.minimum(T, (qb + 1) * BM)  # no key past the block's last query is visible
+    for n0 in range(0, end, BN):
+        n = n0 + tl.arange(0, BN)  # [BN]
+        vis = (n[None, :] <= q_pos[:, None]) & t_ok[:, None]  # [BM, BN] causal
+        if SELECT:
+            w = n0 // 32 + tl.arange(0, BN // 32)  # [BN / 32] the tile's bitmap words
+            word = tl.load(
+                bits_ptr + t64[:, None] * words + w[None, :],
+                mask=t_ok[:, None] & (w < words)[None, :],
+                other=0,
+            )  # [BM, BN / 32]
+            bit = (word[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1  # [BM, BN / 32, 32]
+            vis = vis & (tl.reshape(bit, [BM, BN]) != 0)
+        if tl.max(vis.to(tl.int32)) > 0:  # a tile no query of the block sees is skipped
+            n64 = n.to(tl.int64)
+            n_ok = (n < end)[:, None]
+            k = tl.load(
+                k_ptr + n64[:, None] * stride_kl + h * stride_kh + dn[None, :],
+                mask=n_ok & (dn < Dn)[None, :],
+                other=0.0,
+            )
+            k_pe = tl.load(
+                kpe_ptr + n64[:, None] * stride_kpl + dp[None, :], mask=n_ok & (dp < P)[None, :], other=0.0
+            )
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BM, BN]
+            s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=DOT_PRECISION)
+            s = tl.where(vis, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+            alpha = tl.exp2(m_i - m_shift)
+            p = tl.exp2(s - m_shift[:, None])  # [BM, BN]
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(
+                v_ptr + n64[:, None] * stride_vl + h * stride_vh + dv[None, :],
+                mask=n_ok & (dv < Dv)[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # zeros for a row that selected nothing
+    out = out_ptr + t64[:, None] * stride_ot + h * stride_oh + dv[None, :]
+    tl.store(out, o.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & (dv < Dv)[None, :])
+
+
+def expand_history(
+    kv: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Latent rows kv [L, R + P] -> per-head keys [L, H, Dn], rope keys [L, P] and values [L, H, Dv] in dtype
+    (one GEMM each for keys and values). w_uk [H, Dn, R], w_uv [H, Dv, R]."""
+    H, Dn, R = w_uk.shape
+    Dv = w_uv.shape[1]
+    L = kv.shape[0]
+    c_kv, k_pe = kv.to(dtype).split([R, kv.shape[1] - R], dim=-1)  # [L, R], [L, P]
+    k = (c_kv @ w_uk.to(dtype).reshape(H * Dn, R).T).view(L, H, Dn)  # [L, H, Dn]
+    v = (c_kv @ w_uv.to(dtype).reshape(H * Dv, R).T).view(L, H, Dv)  # [L, H, Dv]
+    return k, k_pe.contiguous(), v
+
+
+def sparse_mla_prefill_expanded(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+    indices: torch.Tensor | None = None,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """o [T, H, Dv] (q_nope.dtype) of a prefill chunk: q_nope [T, H, Dn], q_pe [T, H, P], the last T of the
+    sequence's latent rows kv [L, R + P] (gathered from the pool), w_uk [H, Dn, R], w_uv [H, Dv, R], indices
+    [T, k] each query's selected positions (-1 unused; positions past the query's own are ignored) or None for
+    causal attention over every position. block_m queries of one head per program, block_n keys per tile."""
+    T, H, Dn = q_nope.shape
+    L, P, Dv = kv.shape[0], q_pe.shape[-1], w_uv.shape[1]
+    assert T <= L, f"{T} queries over {L} rows: the chunk's own rows must be in kv"
+    assert q_pe.shape[:2] == (T, H) and w_uk.shape[:2] == (H, Dn) and kv.shape[1] == w_uk.shape[2] + P
+    assert block_n >= 32 and block_n & (block_n - 1) == 0, (
+        f"block_n={block_n}: a power of 2 >= 32 (a bitmap word)"
+    )
+    assert block_m >= 16 and block_m & (block_m - 1) == 0, (
+        f"block_m={block_m}: a power of 2 >= 16 (the dot's M)"
+    )
+    dt = q_nope.dtype
+    out = torch.empty(T, H, Dv, dtype=dt, device=q_nope.device)
+    if T == 0:
+        return out
+    if not q_nope.is_cuda:  # Triton's interpreter (numpy) has no bf16 dot: it runs in fp32
+        dt = torch.float32
+    k, k_pe, v = expand_history(kv, w_uk, w_uv, dt)
+    q_nope, q_pe = q_nope.to(dt).contiguous(), q_pe.to(dt).contiguous()
+    bits = selection_bitmap(indices, L) if indices is not None else out  # out: a placeholder, never read
+    grid = (triton.cdiv(T, block_m), H)
+    _expanded_prefill_kernel[grid](
+        q_nope, q_pe, k, k_pe, v, bits, out,
+        T, L - T, bits.shape[1] if indices is not None else 0, scale * math.log2(math.e), Dn, P, Dv,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        k.stride(0), k.stride(1), k_pe.stride(0), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        SELECT=indices is not None, DOT_PRECISION="ieee" if dt == torch.float32 else "tf32", BM=block_m, BN=block_n,
+        BDN=max(16, triton.next_power_of_2(Dn)), BP=max(16, triton.next_power_of_2(P)),
+        BDV=max(16, triton.next_power_of_2(Dv)),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
