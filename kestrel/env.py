@@ -63,8 +63,8 @@ class Env:
     that). Which form runs depends on the step's total tokens, so rounding can depend on the batch."""
     sparse_prefill: str
     """KESTREL_SPARSE_PREFILL: the DSA layers' sparse prefill on the Triton backend: auto (expanded where the
-    context is at most EXPANDED_MAX_CONTEXT_OVER_TOPK x index_topk, rows elsewhere) | rows (every prefill token a
-    row of the decode kernel, gathering its own selection, absorbed form) | expanded
+    chunk's causal pairs cost less than its selected pairs in the rows kernel, `use_expanded`; rows elsewhere) |
+    rows (every prefill token a row of the decode kernel, gathering its own selection, absorbed form) | expanded
     (kestrel.ops.mla.triton_prefill_expanded: per-head keys and values expanded once per chunk, blocks of queries
     of one head share each key tile, the selection as a mask; at every length) | masked
     (kestrel.ops.mla.triton_prefill: the same masking in absorbed form, where the context is at most

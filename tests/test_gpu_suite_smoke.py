@@ -106,7 +106,9 @@ def test_smoke_figures_are_real(sections):
     floor = sections["parity_floor"]["tiny"]  # the conditioned init is the one whose bf16 floor is small
     assert floor["conditioned"]["reference_bf16_fp32_reductions"]["norm_rel"] < 0.02
     kernels = sections["bench_kernels"]["kernels"]
-    assert len(kernels) == 10  # a row per case; moe: the grouped and the Triton rows
+    assert len(kernels) == 11  # a row per case; moe: the grouped and the Triton rows
+    (conv,) = [k for k in kernels if k["kernel"].startswith("KDA conv prefill")]
+    assert len(conv["sweep"]) == 6 and all(v["max_abs_vs_default"] == 0 for v in conv["sweep"].values())
     (router,) = [k for k in kernels if k["kernel"].startswith("MoE router")]
     assert router["same_experts_as_peer"] and router["peer_ms"] > 0
     (prefill,) = [
@@ -114,7 +116,7 @@ def test_smoke_figures_are_real(sections):
     ]
     assert len(prefill["sweep"]) == 4 and all(v["rel_err"] < 0.05 for v in prefill["sweep"].values())
     expanded = {k: v for k, v in prefill["expanded_kernel"].items() if k != "causal_no_selection"}
-    assert len(expanded) == 5 and all(v["rel_err"] < 0.05 for v in expanded.values())
+    assert len(expanded) == 6 and all(v["rel_err"] < 0.05 for v in expanded.values())
     assert prefill["expanded_kernel"]["causal_no_selection"]["ms"] > 0
     masked = prefill["masked_kernel"].values()
     assert len(masked) == 2 and all(v["rel_err"] < 0.05 for v in masked)

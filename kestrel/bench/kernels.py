@@ -263,27 +263,19 @@ def bench_sparse_mla_prefill(
     ms = sweep["block_n32_warps4_stages2"]["ms"]
 
     expanded = {}
-    for bm, bn, warps, stages in (
-        (64, 64, 4, 2),
-        (128, 64, 8, 2),
-        (64, 128, 8, 2),
-        (128, 32, 4, 2),
-        (64, 64, 4, 3),
+    for bm, bn, warps, stages, gather in (
+        (64, 64, 4, 2, False),
+        (64, 64, 4, 2, True),
+        (128, 64, 8, 2, False),
+        (128, 128, 8, 2, False),
+        (64, 32, 4, 2, False),
+        (128, 64, 8, 3, True),
     ):
-        fn = lambda bm=bm, bn=bn, warps=warps, stages=stages: sparse_mla_prefill_expanded(  # noqa: E731
-            q_nope,
-            q_pe,
-            kv,
-            w_uk,
-            w_uv,
-            scale,
-            idx,
-            block_m=bm,
-            block_n=bn,
-            num_warps=warps,
-            num_stages=stages,
-        )
-        key_ = f"block_m{bm}_block_n{bn}_warps{warps}_stages{stages}"
+        fn = lambda bm=bm, bn=bn, warps=warps, stages=stages, gather=gather: sparse_mla_prefill_expanded(  # noqa: E731
+            q_nope, q_pe, kv, w_uk, w_uv, scale, idx, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
+            mask_gather=gather,
+        )  # fmt: skip
+        key_ = f"block_m{bm}_block_n{bn}_warps{warps}_stages{stages}" + ("_gather" if gather else "")
         try:  # a tile that does not fit in shared memory fails to compile: recorded, the others still run
             expanded[key_] = {"ms": time_ms(fn, device), "rel_err": check(fn)}
         except Exception as e:  # noqa: BLE001
@@ -466,6 +458,40 @@ def bench_kda_decode(
     )
 
 
+def bench_kda_conv_prefill(
+    ceilings: dict, tokens: int, seqs: int = 8, channels: int = 3072, width: int = 4232, device: str = "cuda"
+) -> dict:
+    """The KDA short conv of a packed prefill (Triton, kestrel.ops.kda.triton_conv.short_conv_prefill) at mini's
+    sizes: q|k|v channels read as a column slice of the merged input projection's rows (`width` wide), `seqs`
+    sequences packed, no prior state. The default tile, then a sweep of tiles; bytes: x read and y written."""
+    from kestrel.ops.kda.triton_conv import short_conv_prefill
+
+    x = torch.randn(tokens, width, device=device, dtype=torch.bfloat16)[:, :channels]
+    weight = torch.randn(channels, 4, device=device, dtype=torch.bfloat16)
+    cu = torch.linspace(0, tokens, seqs + 1, device=device).long()
+    ref = short_conv_prefill(x, weight, None, cu)[0].float()
+    sweep = {}
+    for bt, bc, warps in (
+        (32, 128, 8),
+        (64, 128, 4),
+        (128, 64, 4),
+        (16, 256, 4),
+        (64, 256, 8),
+        (128, 128, 8),
+    ):
+        fn = lambda bt=bt, bc=bc, warps=warps: short_conv_prefill(  # noqa: E731
+            x, weight, None, cu, block_t=bt, block_c=bc, num_warps=warps
+        )
+        sweep[f"block_t{bt}_block_c{bc}_warps{warps}"] = {
+            "ms": time_ms(fn, device),
+            "max_abs_vs_default": float((fn()[0].float() - ref).abs().max()),
+        }
+    ms = sweep["block_t32_block_c128_warps8"]["ms"]
+    return _entry(
+        f"KDA conv prefill T={tokens} C={channels}", ms, 2 * tokens * channels * 2, 0, ceilings, sweep=sweep
+    )
+
+
 # The shapes of `kestrel bench kernels` (the H200's): keyword arguments of each bench_* function.
 KERNEL_CASES = {
     "topk": [{}],
@@ -485,6 +511,7 @@ KERNEL_CASES = {
     "router": [{"tokens": t} for t in (1, 64, 256)],
     "moe": [{"tokens": t} for t in (1, 64, 256, 1024, 2048, 4096, 8192, 32768)],
     "kda_decode": [{"batch": b} for b in (1, 64, 256)],
+    "kda_conv_prefill": [{"tokens": 32768}],
 }
 _BENCHES = {
     "topk": bench_topk,
@@ -495,6 +522,7 @@ _BENCHES = {
     "router": bench_router,
     "moe": bench_moe,
     "kda_decode": bench_kda_decode,
+    "kda_conv_prefill": bench_kda_conv_prefill,
 }
 
 

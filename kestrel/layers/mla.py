@@ -201,22 +201,17 @@ class MLAttention(nn.Module):
         )
 
     def _attend_sparse_paged(self, ctx, i, q_nope, q_pe, q_pos, w_uk, w_uv, indices) -> torch.Tensor:
-        """Sparse prefill of sequence i. Up to EXPANDED_MAX_CONTEXT_OVER_TOPK x k of context (KESTREL_SPARSE_PREFILL
-        auto): the history gathered and expanded per head, blocks of queries sharing each key tile, the selection
-        as a mask. Past it: the paged decode kernel, every prefill token a row of its own reading only its
-        selected rows of the pool (no [t, L] scores, no gathered copy of the selection)."""
+        """Sparse prefill of sequence i. Where its causal pairs cost less than its selected pairs
+        (KESTREL_SPARSE_PREFILL=auto, `use_expanded`): the history gathered and expanded per head, blocks of
+        queries sharing each key tile, the selection as a mask. Elsewhere: the paged decode kernel, every prefill
+        token a row of its own reading only its selected rows of the pool (no [t, L] scores, no gathered copy)."""
         from kestrel.ops.mla.triton_decode import mla_decode_paged
-        from kestrel.ops.mla.triton_prefill_expanded import (
-            EXPANDED_MAX_CONTEXT_OVER_TOPK,
-            sparse_mla_prefill_expanded,
-        )
+        from kestrel.ops.mla.triton_prefill_expanded import sparse_mla_prefill_expanded, use_expanded
 
         kv_pool, _, table, _, ps = ctx.cache.paged(self.layer_id)
         t, length = q_nope.shape[0], ctx.cached_len(i)  # the chunk's t tokens are the last of `length`
         mode = env_field("sparse_prefill")
-        if mode == "expanded" or (
-            mode == "auto" and length <= EXPANDED_MAX_CONTEXT_OVER_TOPK * indices.shape[1]
-        ):
+        if mode == "expanded" or (mode == "auto" and use_expanded(length - t, t, indices.shape[1])):
             kv, _ = ctx.cache.read_kv(self.layer_id, i)  # [length, R + P]
             return sparse_mla_prefill_expanded(q_nope, q_pe, kv, w_uk, w_uv, self.scale, indices)
         if mode == "masked":  # short contexts: blocks of queries share each key tile

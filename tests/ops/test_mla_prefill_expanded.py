@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 from kestrel.ops.mla.naive import mla_attention_absorbed  # noqa: E402
-from kestrel.ops.mla.triton_prefill_expanded import sparse_mla_prefill_expanded  # noqa: E402
+from kestrel.ops.mla.triton_prefill_expanded import sparse_mla_prefill_expanded, use_expanded  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -38,7 +38,14 @@ def _case(q0, T, k, H=3, R=32, Dn=16, P=8, Dv=16, seed=0, empty_row=None, dtype=
 
 
 @pytest.mark.parametrize("q0, T, k", [(0, 37, 9), (21, 19, 7), (40, 6, 64), (3, 70, 33)])
-@pytest.mark.parametrize("tiles", [{"block_m": 16, "block_n": 32}, {"block_m": 32, "block_n": 64}])
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        {"block_m": 16, "block_n": 32},
+        {"block_m": 32, "block_n": 64},
+        {"block_m": 16, "block_n": 64, "mask_gather": True},
+    ],
+)
 def test_matches_the_reference_with_a_selection(q0, T, k, tiles):
     q_nope, q_pe, kv, w_uk, w_uv, indices = _case(q0, T, k, seed=q0 + T + k, empty_row=T // 2)
     pos = torch.arange(q0, q0 + T, device=DEVICE)
@@ -100,3 +107,17 @@ def test_gpu_mini_sizes(tiles):
     got = sparse_mla_prefill_expanded(q_nope, q_pe, kv, w_uk, w_uv, 0.07, indices, **tiles)
     err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
     assert err <= 2e-2
+
+
+@pytest.mark.parametrize(
+    "q0, T, k", [(0, 4096, 2048), (12288, 4096, 2048), (28672, 4096, 2048), (0, 32768, 2048), (5, 3, 8)]
+)
+def test_use_expanded_weighs_causal_against_selected_pairs(q0, T, k):
+    """The closed form against a count row by row; and the choices the H200 measured (the rows kernel won only
+    for the last 4096 queries of a 32K context)."""
+    causal = sum(p + 1 for p in range(q0, q0 + T))
+    selected = sum(min(p + 1, k) for p in range(q0, q0 + T))
+    from kestrel.ops.mla.triton_prefill_expanded import EXPANDED_PAIR_COST_RATIO
+
+    assert use_expanded(q0, T, k) == (causal <= EXPANDED_PAIR_COST_RATIO * selected)
+    assert use_expanded(q0, T, k) == (q0 != 28672)

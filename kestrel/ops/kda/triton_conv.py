@@ -140,6 +140,7 @@ def short_conv_prefill(
     cu_seqlens: torch.Tensor | None = None,
     block_t: int = 32,
     block_c: int = 128,
+    num_warps: int = 8,  # 4 spill registers on sm_90 with a state and strided rows (offline compile, Triton 3.9)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`naive.short_conv` at inference in one Triton kernel over the packed tokens, no host syncs: x [T, C]
     (rows may be strided), weight [C, W], conv_state [N, C, W - 1] or None, cu_seqlens [N + 1] or None.
@@ -179,7 +180,7 @@ def short_conv_prefill(
             HAS_STATE=conv_state is not None,
             BT=block_t,
             BC=block_c,
-            num_warps=8,  # 4 spill registers on sm_90 with a state and strided rows (offline compile, Triton 3.9)
+            num_warps=num_warps,
         )
     # the new state: each sequence's last W - 1 inputs, from its state where the sequence is shorter
     starts, ends = cu[:-1, None], cu[1:, None]  # [N, 1]

@@ -11,7 +11,7 @@ dots with an M of 16 heads, each query gathering its own k rows (2.36 MB at k = 
 2 H (Dn + P + Dv) = 10 K FLOPs (3.4x fewer), and BM queries of one head share each key tile: M = BM on the
 tensor cores. The price: the kernel walks every key tile up to its block's last query and masks what a query did
 not select (tiles that no query of the block selected are skipped), so its work grows with the causal length
-rather than with k. The layer uses it while the context is at most `EXPANDED_MAX_CONTEXT_OVER_TOPK` x k.
+rather than with k: the layer weighs the two (`use_expanded`).
 
 The selection arrives as indices [T, k] (-1 unused) and becomes the bitmap of `triton_prefill.selection_bitmap`
 ([T, cdiv(L, 32)] int32, bit p % 32 of word p // 32); a tile reads BN / 32 words per query and expands them.
@@ -29,7 +29,21 @@ import triton.language as tl
 
 from kestrel.ops.mla.triton_prefill import selection_bitmap
 
-EXPANDED_MAX_CONTEXT_OVER_TOPK = 8  # the layer uses this kernel where the context is at most this many x k
+# What a (query, selected key) pair of the rows kernel costs, in (query, causal key) pairs of this kernel: on the
+# H200 at mini's sizes 0.65 ns against 0.11 (4096 queries from position 0), 0.054 (the last 4096 of 16K) and 0.050
+# (of 32K) (bench/results/2026-11-30-h200-session9-call1.json): 6-13x. 10 picks the faster of the two at each of
+# those, and at the 1 x 32768 prefill step (428 vs 506 ms).
+EXPANDED_PAIR_COST_RATIO = 10
+
+
+def use_expanded(q0: int, T: int, k: int) -> bool:
+    """Whether this kernel beats the rows kernel for the chunk of T queries at positions q0 .. q0 + T - 1 with a
+    top-k of k: its causal (query, key) pairs against EXPANDED_PAIR_COST_RATIO x the selected pairs."""
+    causal = T * q0 + T * (T + 1) // 2
+    a, b = q0 + 1, min(q0 + T, k)  # the rows that select their whole past: p + 1 from a to b
+    whole = max(0, b - a + 1)
+    selected = whole * (a + b) // 2 + (T - whole) * k
+    return causal <= EXPANDED_PAIR_COST_RATIO * selected
 
 
 @triton.jit
@@ -40,6 +54,7 @@ def _expanded_prefill_kernel(
     kpe_ptr,  # [L, P] one rope key per position, shared by the heads
     v_ptr,  # [L, H, Dv]
     bits_ptr,  # [T, words] int32 (unused without SELECT)
+    full_ptr,  # [T] int8: 1 where the query selected every position up to its own (unused without SELECT)
     out_ptr,  # [T, H, Dv]
     T,
     q0,
@@ -60,6 +75,7 @@ def _expanded_prefill_kernel(
     stride_ot,
     stride_oh,
     SELECT: tl.constexpr,
+    MASK_GATHER: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -89,18 +105,25 @@ def _expanded_prefill_kernel(
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BDV], tl.float32)
     end = q0 + tl.minimum(T, (qb + 1) * BM)  # no key past the block's last query is visible
+    masked = False
+    if SELECT:  # a block whose queries all selected their whole causal past needs no bitmap (short contexts)
+        masked = tl.min(tl.load(full_ptr + t, mask=t_ok, other=1).to(tl.int32)) == 0
     for n0 in range(0, end, BN):
         n = n0 + tl.arange(0, BN)  # [BN]
         vis = (n[None, :] <= q_pos[:, None]) & t_ok[:, None]  # [BM, BN] causal
-        if SELECT:
-            w = n0 // 32 + tl.arange(0, BN // 32)  # [BN / 32] the tile's bitmap words
-            word = tl.load(
-                bits_ptr + t64[:, None] * words + w[None, :],
-                mask=t_ok[:, None] & (w < words)[None, :],
-                other=0,
-            )  # [BM, BN / 32]
-            bit = (word[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1  # [BM, BN / 32, 32]
-            vis = vis & (tl.reshape(bit, [BM, BN]) != 0)
+        if masked:
+            if MASK_GATHER:  # each (query, key) loads its own word (cached): no reshape of the tile
+                word = tl.load(bits_ptr + t64[:, None] * words + (n // 32)[None, :], mask=vis, other=0)
+                vis = vis & (((word >> (n % 32)[None, :]) & 1) != 0)
+            else:  # BN / 32 words a query, expanded to bits
+                w = n0 // 32 + tl.arange(0, BN // 32)  # [BN / 32] the tile's bitmap words
+                word = tl.load(
+                    bits_ptr + t64[:, None] * words + w[None, :],
+                    mask=t_ok[:, None] & (w < words)[None, :],
+                    other=0,
+                )  # [BM, BN / 32]
+                bit = (word[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1  # [BM, BN / 32, 32]
+                vis = vis & (tl.reshape(bit, [BM, BN]) != 0)
         if tl.max(vis.to(tl.int32)) > 0:  # a tile no query of the block sees is skipped
             n64 = n.to(tl.int64)
             n_ok = (n < end)[:, None]
@@ -159,6 +182,7 @@ def sparse_mla_prefill_expanded(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    mask_gather: bool = False,
 ) -> torch.Tensor:
     """o [T, H, Dv] (q_nope.dtype) of a prefill chunk: q_nope [T, H, Dn], q_pe [T, H, P], the last T of the
     sequence's latent rows kv [L, R + P] (gathered from the pool), w_uk [H, Dn, R], w_uv [H, Dv, R], indices
@@ -182,14 +206,21 @@ def sparse_mla_prefill_expanded(
         dt = torch.float32
     k, k_pe, v = expand_history(kv, w_uk, w_uv, dt)
     q_nope, q_pe = q_nope.to(dt).contiguous(), q_pe.to(dt).contiguous()
-    bits = selection_bitmap(indices, L) if indices is not None else out  # out: a placeholder, never read
+    if indices is not None:
+        bits = selection_bitmap(indices, L)  # [T, words]
+        q_pos = torch.arange(L - T, L, device=indices.device)  # [T]
+        full = ((indices >= 0) & (indices <= q_pos[:, None])).sum(1) == q_pos + 1  # distinct entries: exact
+        full = full.to(torch.int8)  # [T]
+    else:
+        bits = full = out  # placeholders, never read
     grid = (triton.cdiv(T, block_m), H)
     _expanded_prefill_kernel[grid](
-        q_nope, q_pe, k, k_pe, v, bits, out,
+        q_nope, q_pe, k, k_pe, v, bits, full, out,
         T, L - T, bits.shape[1] if indices is not None else 0, scale * math.log2(math.e), Dn, P, Dv,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         k.stride(0), k.stride(1), k_pe.stride(0), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        SELECT=indices is not None, DOT_PRECISION="ieee" if dt == torch.float32 else "tf32", BM=block_m, BN=block_n,
+        SELECT=indices is not None, MASK_GATHER=mask_gather,
+        DOT_PRECISION="ieee" if dt == torch.float32 else "tf32", BM=block_m, BN=block_n,
         BDN=max(16, triton.next_power_of_2(Dn)), BP=max(16, triton.next_power_of_2(P)),
         BDV=max(16, triton.next_power_of_2(Dv)),
         num_warps=num_warps, num_stages=num_stages,
