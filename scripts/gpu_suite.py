@@ -1477,6 +1477,11 @@ def main() -> None:
         help="parity: the presets' random-weight scheme (kestrel.models.loader.init_random_weights)",
     )
     parser.add_argument(
+        "--kernels",
+        default=None,
+        help="bench_kernels: only these of kestrel.bench.kernels.KERNEL_CASES (comma-separated; default all)",
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="every section's code on the CPU at tiny sizes (no figures)"
     )
     args = parser.parse_args()
@@ -1486,6 +1491,14 @@ def main() -> None:
         # interpreter (read when triton is first imported: nothing has imported it yet)
         os.environ.update(KESTREL_KDA_BACKEND="naive", KESTREL_ATTN_BACKEND="torch")
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.kernels:
+        from kestrel.bench.kernels import KERNEL_CASES
+
+        chosen = args.kernels.split(",")
+        unknown = sorted(set(chosen) - set(KERNEL_CASES))
+        if unknown:
+            parser.error(f"--kernels: unknown {unknown}; choose from {sorted(KERNEL_CASES)}")
+        S = dataclasses.replace(S, kernel_cases={k: (S.kernel_cases or KERNEL_CASES)[k] for k in chosen})
     PARITY_MODELS[:] = (args.parity_models or S.parity_models).split(",")
     PARITY_INIT[0] = args.parity_init
     if args.agent_concurrency:

@@ -47,6 +47,77 @@ def use_expanded(q0: int, T: int, k: int) -> bool:
 
 
 @triton.jit
+def _tile(q, q_pe, m_i, l_i, acc, vis, n, end, h, k_ptr, kpe_ptr, v_ptr, qk_scale, Dn, P, Dv,
+          stride_kl, stride_kh, stride_kpl, stride_vl, stride_vh,
+          DOT_PRECISION: tl.constexpr, BDN: tl.constexpr, BP: tl.constexpr, BDV: tl.constexpr):  # fmt: skip
+    """One key tile n [BN] of the online softmax: the running (max, sum, output) of the block's queries."""
+    dn, dp, dv = tl.arange(0, BDN), tl.arange(0, BP), tl.arange(0, BDV)
+    n64 = n.to(tl.int64)
+    n_ok = (n < end)[:, None]
+    k = tl.load(
+        k_ptr + n64[:, None] * stride_kl + h * stride_kh + dn[None, :],
+        mask=n_ok & (dn < Dn)[None, :],
+        other=0.0,
+    )  # [BN, BDN]
+    k_pe = tl.load(
+        kpe_ptr + n64[:, None] * stride_kpl + dp[None, :], mask=n_ok & (dp < P)[None, :], other=0.0
+    )
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BM, BN]
+    s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=DOT_PRECISION)
+    s = tl.where(vis, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(s - m_shift[:, None])  # [BM, BN]
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(
+        v_ptr + n64[:, None] * stride_vl + h * stride_vh + dv[None, :],
+        mask=n_ok & (dv < Dv)[None, :],
+        other=0.0,
+    )  # [BN, BDV]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _walk(q, q_pe, t, t_ok, q_pos, h, k_ptr, kpe_ptr, v_ptr, bits_ptr, words, end, qk_scale, Dn, P, Dv,
+          stride_kl, stride_kh, stride_kpl, stride_vl, stride_vh,
+          MASKED: tl.constexpr, MASK_GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr, BM: tl.constexpr,
+          BN: tl.constexpr, BDN: tl.constexpr, BP: tl.constexpr, BDV: tl.constexpr):  # fmt: skip
+    """The block's key tiles up to `end`: causal, and with MASKED the selection bitmap too (a tile no query of the
+    block selected is skipped). One loop per form, so that neither carries a branch on the other."""
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BDV], tl.float32)
+    t64 = t.to(tl.int64)
+    for n0 in range(0, end, BN):
+        n = n0 + tl.arange(0, BN)  # [BN]
+        vis = (n[None, :] <= q_pos[:, None]) & t_ok[:, None]  # [BM, BN] causal
+        if MASKED:
+            if MASK_GATHER:  # each (query, key) loads its own word (cached): no reshape of the tile
+                word = tl.load(bits_ptr + t64[:, None] * words + (n // 32)[None, :], mask=vis, other=0)
+                vis = vis & (((word >> (n % 32)[None, :]) & 1) != 0)
+            else:  # BN / 32 words a query, expanded to bits
+                w = n0 // 32 + tl.arange(0, BN // 32)  # [BN / 32] the tile's bitmap words
+                word = tl.load(
+                    bits_ptr + t64[:, None] * words + w[None, :],
+                    mask=t_ok[:, None] & (w < words)[None, :],
+                    other=0,
+                )  # [BM, BN / 32]
+                bit = (word[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1  # [BM, BN / 32, 32]
+                vis = vis & (tl.reshape(bit, [BM, BN]) != 0)
+            if tl.max(vis.to(tl.int32)) > 0:
+                m_i, l_i, acc = _tile(q, q_pe, m_i, l_i, acc, vis, n, end, h, k_ptr, kpe_ptr, v_ptr, qk_scale,
+                                      Dn, P, Dv, stride_kl, stride_kh, stride_kpl, stride_vl, stride_vh,
+                                      DOT_PRECISION, BDN, BP, BDV)  # fmt: skip
+        else:
+            m_i, l_i, acc = _tile(q, q_pe, m_i, l_i, acc, vis, n, end, h, k_ptr, kpe_ptr, v_ptr, qk_scale,
+                                  Dn, P, Dv, stride_kl, stride_kh, stride_kpl, stride_vl, stride_vh,
+                                  DOT_PRECISION, BDN, BP, BDV)  # fmt: skip
+    return l_i, acc
+
+
+@triton.jit
 def _expanded_prefill_kernel(
     q_ptr,  # [T, H, Dn]
     qpe_ptr,  # [T, H, P]
@@ -100,56 +171,18 @@ def _expanded_prefill_kernel(
         mask=t_ok[:, None] & (dp < P)[None, :],
         other=0.0,
     )  # [BM, BP]
-
-    m_i = tl.full([BM], float("-inf"), tl.float32)
-    l_i = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, BDV], tl.float32)
     end = q0 + tl.minimum(T, (qb + 1) * BM)  # no key past the block's last query is visible
     masked = False
     if SELECT:  # a block whose queries all selected their whole causal past needs no bitmap (short contexts)
         masked = tl.min(tl.load(full_ptr + t, mask=t_ok, other=1).to(tl.int32)) == 0
-    for n0 in range(0, end, BN):
-        n = n0 + tl.arange(0, BN)  # [BN]
-        vis = (n[None, :] <= q_pos[:, None]) & t_ok[:, None]  # [BM, BN] causal
-        if masked:
-            if MASK_GATHER:  # each (query, key) loads its own word (cached): no reshape of the tile
-                word = tl.load(bits_ptr + t64[:, None] * words + (n // 32)[None, :], mask=vis, other=0)
-                vis = vis & (((word >> (n % 32)[None, :]) & 1) != 0)
-            else:  # BN / 32 words a query, expanded to bits
-                w = n0 // 32 + tl.arange(0, BN // 32)  # [BN / 32] the tile's bitmap words
-                word = tl.load(
-                    bits_ptr + t64[:, None] * words + w[None, :],
-                    mask=t_ok[:, None] & (w < words)[None, :],
-                    other=0,
-                )  # [BM, BN / 32]
-                bit = (word[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1  # [BM, BN / 32, 32]
-                vis = vis & (tl.reshape(bit, [BM, BN]) != 0)
-        if tl.max(vis.to(tl.int32)) > 0:  # a tile no query of the block sees is skipped
-            n64 = n.to(tl.int64)
-            n_ok = (n < end)[:, None]
-            k = tl.load(
-                k_ptr + n64[:, None] * stride_kl + h * stride_kh + dn[None, :],
-                mask=n_ok & (dn < Dn)[None, :],
-                other=0.0,
-            )
-            k_pe = tl.load(
-                kpe_ptr + n64[:, None] * stride_kpl + dp[None, :], mask=n_ok & (dp < P)[None, :], other=0.0
-            )
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BM, BN]
-            s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=DOT_PRECISION)
-            s = tl.where(vis, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
-            alpha = tl.exp2(m_i - m_shift)
-            p = tl.exp2(s - m_shift[:, None])  # [BM, BN]
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(
-                v_ptr + n64[:, None] * stride_vl + h * stride_vh + dv[None, :],
-                mask=n_ok & (dv < Dv)[None, :],
-                other=0.0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+    if masked:
+        l_i, acc = _walk(q, q_pe, t, t_ok, q_pos, h, k_ptr, kpe_ptr, v_ptr, bits_ptr, words, end, qk_scale,
+                         Dn, P, Dv, stride_kl, stride_kh, stride_kpl, stride_vl, stride_vh,
+                         True, MASK_GATHER, DOT_PRECISION, BM, BN, BDN, BP, BDV)  # fmt: skip
+    else:
+        l_i, acc = _walk(q, q_pe, t, t_ok, q_pos, h, k_ptr, kpe_ptr, v_ptr, bits_ptr, words, end, qk_scale,
+                         Dn, P, Dv, stride_kl, stride_kh, stride_kpl, stride_vl, stride_vh,
+                         False, MASK_GATHER, DOT_PRECISION, BM, BN, BDN, BP, BDV)  # fmt: skip
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # zeros for a row that selected nothing
     out = out_ptr + t64[:, None] * stride_ot + h * stride_oh + dv[None, :]
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & (dv < Dv)[None, :])
