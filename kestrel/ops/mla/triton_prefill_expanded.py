@@ -244,8 +244,9 @@ def sparse_mla_prefill_expanded(
         q_pos = torch.arange(L - T, L, device=indices.device)  # [T]
         full = ((indices >= 0) & (indices <= q_pos[:, None])).sum(1) == q_pos + 1  # distinct entries: exact
         full = full.to(torch.int8)  # [T]
-    else:
-        bits = full = out  # placeholders, never read
+    else:  # placeholders of the right types (never read: the kernel still compiles the masked walk)
+        bits = torch.zeros(1, 1, dtype=torch.int32, device=out.device)
+        full = torch.ones(1, dtype=torch.int8, device=out.device)
     grid = (triton.cdiv(T, block_m), H)
     _expanded_prefill_kernel[grid](
         q_nope, q_pe, k, k_pe, v, bits, full, out,
