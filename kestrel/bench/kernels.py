@@ -263,19 +263,19 @@ def bench_sparse_mla_prefill(
     ms = sweep["block_n32_warps4_stages2"]["ms"]
 
     expanded = {}
-    for bm, bn, warps, stages, select in (
+    for bm, bn, warps, stages, skip in (
         (64, 64, 4, 2, False),
         (64, 64, 4, 2, True),
         (128, 128, 8, 2, False),
-        (128, 128, 8, 2, True),
-        (64, 128, 4, 2, True),
-        (128, 64, 8, 2, True),
+        (128, 64, 8, 2, False),
+        (64, 64, 4, 3, False),
+        (128, 128, 8, 3, False),
     ):
-        fn = lambda bm=bm, bn=bn, warps=warps, stages=stages, select=select: sparse_mla_prefill_expanded(  # noqa: E731
+        fn = lambda bm=bm, bn=bn, warps=warps, stages=stages, skip=skip: sparse_mla_prefill_expanded(  # noqa: E731
             q_nope, q_pe, kv, w_uk, w_uv, scale, idx, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
-            mask_select=select,
+            skip_empty=skip,
         )  # fmt: skip
-        key_ = f"block_m{bm}_block_n{bn}_warps{warps}_stages{stages}" + ("_select" if select else "")
+        key_ = f"block_m{bm}_block_n{bn}_warps{warps}_stages{stages}" + ("_skip_empty" if skip else "")
         try:  # a tile that does not fit in shared memory fails to compile: recorded, the others still run
             expanded[key_] = {"ms": time_ms(fn, device), "rel_err": check(fn)}
         except Exception as e:  # noqa: BLE001
@@ -474,7 +474,7 @@ def bench_kda_conv_prefill(
     cu = torch.linspace(0, tokens, seqs + 1, device=device).long()
     ref = short_conv_prefill(x, weight, None, cu)[0].float()
     sweep = {}
-    for bt, bc, warps in ((64, 128, 4), (32, 128, 8), (16, 256, 4), (32, 256, 4), (64, 64, 2), (128, 128, 4)):
+    for bt, bc, warps in ((16, 256, 4), (64, 128, 4), (32, 128, 8), (16, 512, 8), (8, 256, 2), (16, 128, 2)):
         fn = lambda bt=bt, bc=bc, warps=warps: short_conv_prefill(  # noqa: E731
             x, weight, None, cu, block_t=bt, block_c=bc, num_warps=warps
         )
@@ -482,7 +482,7 @@ def bench_kda_conv_prefill(
             "ms": time_ms(fn, device),
             "max_abs_vs_default": float((fn()[0].float() - ref).abs().max()),
         }
-    ms = sweep["block_t64_block_c128_warps4"]["ms"]
+    ms = sweep["block_t16_block_c256_warps4"]["ms"]
     return _entry(
         f"KDA conv prefill T={tokens} C={channels}", ms, 2 * tokens * channels * 2, 0, ceilings, sweep=sweep
     )

@@ -43,8 +43,7 @@ def _case(q0, T, k, H=3, R=32, Dn=16, P=8, Dv=16, seed=0, empty_row=None, dtype=
     [
         {"block_m": 16, "block_n": 32},
         {"block_m": 32, "block_n": 64},
-        {"block_m": 16, "block_n": 64, "mask_select": True},
-        {"block_m": 16, "block_n": 32, "mask_select": True},
+        {"block_m": 16, "block_n": 64, "skip_empty": True},
     ],
 )
 def test_matches_the_reference_with_a_selection(q0, T, k, tiles):

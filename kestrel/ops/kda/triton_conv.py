@@ -138,16 +138,16 @@ def short_conv_prefill(
     weight: torch.Tensor,
     conv_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
-    block_t: int = 64,
-    block_c: int = 128,
+    block_t: int = 16,
+    block_c: int = 256,
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`naive.short_conv` at inference in one Triton kernel over the packed tokens, no host syncs: x [T, C]
     (rows may be strided), weight [C, W], conv_state [N, C, W - 1] or None, cu_seqlens [N + 1] or None.
     Returns (y [T, C] in x.dtype, new_state [N, C, W - 1] in x.dtype). Forward only: training keeps the packed
     torch form, which has a backward. The packed form gathers a [T, C, W] copy of the windows in fp32 and
-    reduces it, about 135 ms of a 32K-token prefill step of `mini` on the H200. The tile: 64 tokens x 128 channels
-    in 4 warps, 221 us at T = 32768, C = 3072 on the H200 against 290 us for the earlier 32 x 128 in 8 warps
+    reduces it, about 135 ms of a 32K-token prefill step of `mini` on the H200. The tile: 16 tokens x 256 channels
+    in 4 warps, 188 us at T = 32768, C = 3072 on the H200 against 290 us for the earlier 32 x 128 in 8 warps
     (`kestrel bench kernels`, bench/results/2026-11-30-h200-session9.json)."""
     T, C = x.shape
     W = weight.shape[-1]

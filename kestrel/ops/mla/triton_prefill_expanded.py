@@ -82,10 +82,11 @@ def _tile(q, q_pe, m_i, l_i, acc, vis, n, end, h, k_ptr, kpe_ptr, v_ptr, qk_scal
 @triton.jit
 def _walk(q, q_pe, t, t_ok, q_pos, h, k_ptr, kpe_ptr, v_ptr, bits_ptr, words, end, qk_scale, Dn, P, Dv,
           stride_kl, stride_kh, stride_kpl, stride_vl, stride_vh,
-          MASKED: tl.constexpr, MASK_SELECT: tl.constexpr, DOT_PRECISION: tl.constexpr, BM: tl.constexpr,
+          MASKED: tl.constexpr, SKIP_EMPTY: tl.constexpr, DOT_PRECISION: tl.constexpr, BM: tl.constexpr,
           BN: tl.constexpr, BDN: tl.constexpr, BP: tl.constexpr, BDV: tl.constexpr):  # fmt: skip
-    """The block's key tiles up to `end`: causal, and with MASKED the selection bitmap too (a tile no query of the
-    block selected is skipped). One loop per form, so that neither carries a branch on the other."""
+    """The block's key tiles up to `end`: causal, and with MASKED the selection bitmap too (with SKIP_EMPTY a tile
+    no query of the block selected is skipped, behind a branch around its loads and dots). One loop per form, so
+    that neither carries a branch on the other."""
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BDV], tl.float32)
@@ -94,24 +95,21 @@ def _walk(q, q_pe, t, t_ok, q_pos, h, k_ptr, kpe_ptr, v_ptr, bits_ptr, words, en
         n = n0 + tl.arange(0, BN)  # [BN]
         vis = (n[None, :] <= q_pos[:, None]) & t_ok[:, None]  # [BM, BN] causal
         if MASKED:
-            if MASK_SELECT:  # the tile's BN / 32 words loaded as [BM] columns and broadcast by a select
-                col = tl.arange(0, BN)
-                word = tl.zeros([BM, BN], tl.int32)
-                for j in tl.static_range(BN // 32):
-                    w_j = n0 // 32 + j + tl.zeros([BM], tl.int32)  # [BM] word j of the tile, every query
-                    wj = tl.load(bits_ptr + t64 * words + w_j, mask=t_ok & (w_j < words), other=0)  # [BM]
-                    word = tl.where((col // 32 == j)[None, :], wj[:, None], word)  # [BM, BN]
-                vis = vis & (((word >> (col % 32)[None, :]) & 1) != 0)
-            else:  # BN / 32 words a query, expanded to bits
-                w = n0 // 32 + tl.arange(0, BN // 32)  # [BN / 32] the tile's bitmap words
-                word = tl.load(
-                    bits_ptr + t64[:, None] * words + w[None, :],
-                    mask=t_ok[:, None] & (w < words)[None, :],
-                    other=0,
-                )  # [BM, BN / 32]
-                bit = (word[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1  # [BM, BN / 32, 32]
-                vis = vis & (tl.reshape(bit, [BM, BN]) != 0)
-            if tl.max(vis.to(tl.int32)) > 0:
+            # the tile's BN / 32 bitmap words of each query, expanded to bits
+            w = n0 // 32 + tl.arange(0, BN // 32)  # [BN / 32] the tile's bitmap words
+            word = tl.load(
+                bits_ptr + t64[:, None] * words + w[None, :],
+                mask=t_ok[:, None] & (w < words)[None, :],
+                other=0,
+            )  # [BM, BN / 32]
+            bit = (word[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1  # [BM, BN / 32, 32]
+            vis = vis & (tl.reshape(bit, [BM, BN]) != 0)
+            if SKIP_EMPTY:
+                if tl.max(vis.to(tl.int32)) > 0:
+                    m_i, l_i, acc = _tile(q, q_pe, m_i, l_i, acc, vis, n, end, h, k_ptr, kpe_ptr, v_ptr,
+                                          qk_scale, Dn, P, Dv, stride_kl, stride_kh, stride_kpl, stride_vl,
+                                          stride_vh, DOT_PRECISION, BDN, BP, BDV)  # fmt: skip
+            else:
                 m_i, l_i, acc = _tile(q, q_pe, m_i, l_i, acc, vis, n, end, h, k_ptr, kpe_ptr, v_ptr, qk_scale,
                                       Dn, P, Dv, stride_kl, stride_kh, stride_kpl, stride_vl, stride_vh,
                                       DOT_PRECISION, BDN, BP, BDV)  # fmt: skip
@@ -151,7 +149,7 @@ def _expanded_prefill_kernel(
     stride_ot,
     stride_oh,
     SELECT: tl.constexpr,
-    MASK_SELECT: tl.constexpr,
+    SKIP_EMPTY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -183,11 +181,11 @@ def _expanded_prefill_kernel(
     if masked:
         l_i, acc = _walk(q, q_pe, t, t_ok, q_pos, h, k_ptr, kpe_ptr, v_ptr, bits_ptr, words, end, qk_scale,
                          Dn, P, Dv, stride_kl, stride_kh, stride_kpl, stride_vl, stride_vh,
-                         True, MASK_SELECT, DOT_PRECISION, BM, BN, BDN, BP, BDV)  # fmt: skip
+                         True, SKIP_EMPTY, DOT_PRECISION, BM, BN, BDN, BP, BDV)  # fmt: skip
     else:
         l_i, acc = _walk(q, q_pe, t, t_ok, q_pos, h, k_ptr, kpe_ptr, v_ptr, bits_ptr, words, end, qk_scale,
                          Dn, P, Dv, stride_kl, stride_kh, stride_kpl, stride_vl, stride_vh,
-                         False, MASK_SELECT, DOT_PRECISION, BM, BN, BDN, BP, BDV)  # fmt: skip
+                         False, SKIP_EMPTY, DOT_PRECISION, BM, BN, BDN, BP, BDV)  # fmt: skip
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # zeros for a row that selected nothing
     out = out_ptr + t64[:, None] * stride_ot + h * stride_oh + dv[None, :]
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & (dv < Dv)[None, :])
@@ -220,7 +218,7 @@ def sparse_mla_prefill_expanded(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
-    mask_select: bool = False,
+    skip_empty: bool = False,
 ) -> torch.Tensor:
     """o [T, H, Dv] (q_nope.dtype) of a prefill chunk: q_nope [T, H, Dn], q_pe [T, H, P], the last T of the
     sequence's latent rows kv [L, R + P] (gathered from the pool), w_uk [H, Dn, R], w_uv [H, Dv, R], indices
@@ -258,7 +256,7 @@ def sparse_mla_prefill_expanded(
         T, L - T, bits.shape[1] if indices is not None else 0, scale * math.log2(math.e), Dn, P, Dv,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         k.stride(0), k.stride(1), k_pe.stride(0), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        SELECT=indices is not None, MASK_SELECT=mask_select,
+        SELECT=indices is not None, SKIP_EMPTY=skip_empty,
         DOT_PRECISION="ieee" if dt == torch.float32 else "tf32", BM=block_m, BN=block_n,
         BDN=max(16, triton.next_power_of_2(Dn)), BP=max(16, triton.next_power_of_2(P)),
         BDV=max(16, triton.next_power_of_2(Dv)),
