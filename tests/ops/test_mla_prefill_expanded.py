@@ -91,7 +91,9 @@ def test_bad_tiles_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("tiles", [{}, {"block_m": 128, "block_n": 64, "num_warps": 8}, {"block_n": 128}])
+@pytest.mark.parametrize(
+    "tiles", [{}, {"block_m": 128, "block_n": 64}, {"block_m": 64, "block_n": 64, "num_warps": 4}]
+)
 def test_gpu_mini_sizes(tiles):
     """mini's sizes (16 heads, R 512, Dn 128, P 64, Dv 128), bf16: the last 1024 queries of a 4096-token prompt,
     top-2048 per row, against the fp32 reference (bf16 keys, values and probabilities: 2e-2)."""
@@ -113,11 +115,11 @@ def test_gpu_mini_sizes(tiles):
     "q0, T, k", [(0, 4096, 2048), (12288, 4096, 2048), (28672, 4096, 2048), (0, 32768, 2048), (5, 3, 8)]
 )
 def test_use_expanded_weighs_causal_against_selected_pairs(q0, T, k):
-    """The closed form against a count row by row; and the choices the H200 measured (the rows kernel won only
-    for the last 4096 queries of a 32K context)."""
+    """The closed form against a count row by row; and the choices the H200 measured."""
     causal = sum(p + 1 for p in range(q0, q0 + T))
     selected = sum(min(p + 1, k) for p in range(q0, q0 + T))
     from kestrel.ops.mla.triton_prefill_expanded import EXPANDED_PAIR_COST_RATIO
 
     assert use_expanded(q0, T, k) == (causal <= EXPANDED_PAIR_COST_RATIO * selected)
-    assert use_expanded(q0, T, k) == (q0 != 28672)
+    assert use_expanded(q0, T, k)  # each faster expanded on the H200 (session 9)
+    assert not use_expanded(126976, 4096, 2048)  # the last 4096 of 128K: ~60x the pairs

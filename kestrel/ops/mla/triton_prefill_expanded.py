@@ -30,10 +30,10 @@ import triton.language as tl
 from kestrel.ops.mla.triton_prefill import selection_bitmap
 
 # What a (query, selected key) pair of the rows kernel costs, in (query, causal key) pairs of this kernel: on the
-# H200 at mini's sizes 0.65 ns against 0.11 (4096 queries from position 0), 0.054 (the last 4096 of 16K) and 0.050
-# (of 32K) (bench/results/2026-11-30-h200-session9-call1.json): 6-13x. 10 picks the faster of the two at each of
-# those, and at the 1 x 32768 prefill step (428 vs 506 ms).
-EXPANDED_PAIR_COST_RATIO = 10
+# H200 at mini's sizes 0.65 ns against 0.109 (4096 queries from position 0), 0.044 (the last 4096 of 16K) and
+# 0.038 (of 32K) with the default tile (bench/results/2026-11-30-h200-session9.json, call 6): 6-17x, the larger
+# the longer the context. 16: the faster of the two at each of those (and at 128K, rows by far).
+EXPANDED_PAIR_COST_RATIO = 16
 
 
 def use_expanded(q0: int, T: int, k: int) -> bool:
@@ -214,9 +214,9 @@ def sparse_mla_prefill_expanded(
     scale: float,
     indices: torch.Tensor | None = None,
     *,
-    block_m: int = 64,
-    block_n: int = 64,
-    num_warps: int = 4,
+    block_m: int = 128,
+    block_n: int = 128,
+    num_warps: int = 8,
     num_stages: int = 2,
     skip_empty: bool = False,
 ) -> torch.Tensor:
