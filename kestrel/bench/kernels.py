@@ -483,8 +483,17 @@ def bench_kda_conv_prefill(
             "max_abs_vs_default": float((fn()[0].float() - ref).abs().max()),
         }
     ms = sweep["block_t16_block_c256_warps4"]["ms"]
+    # as the engine calls it: each sequence's conv state (its last W - 1 inputs) from the state pool
+    state = torch.randn(seqs, channels, 3, device=device, dtype=torch.bfloat16)
+    with_state = time_ms(lambda: short_conv_prefill(x, weight, state, cu), device)
     return _entry(
-        f"KDA conv prefill T={tokens} C={channels}", ms, 2 * tokens * channels * 2, 0, ceilings, sweep=sweep
+        f"KDA conv prefill T={tokens} C={channels}",
+        ms,
+        2 * tokens * channels * 2,
+        0,
+        ceilings,
+        sweep=sweep,
+        with_state_ms=with_state,
     )
 
 

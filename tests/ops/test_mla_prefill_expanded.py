@@ -13,7 +13,12 @@ import torch
 
 pytest.importorskip("triton")
 from kestrel.ops.mla.naive import mla_attention_absorbed  # noqa: E402
-from kestrel.ops.mla.triton_prefill_expanded import sparse_mla_prefill_expanded, use_expanded  # noqa: E402
+from kestrel.ops.mla.triton_prefill import selection_bitmap  # noqa: E402
+from kestrel.ops.mla.triton_prefill_expanded import (  # noqa: E402
+    selection_bits,
+    sparse_mla_prefill_expanded,
+    use_expanded,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -123,3 +128,19 @@ def test_use_expanded_weighs_causal_against_selected_pairs(q0, T, k):
     assert use_expanded(q0, T, k) == (causal <= EXPANDED_PAIR_COST_RATIO * selected)
     assert use_expanded(q0, T, k)  # each faster expanded on the H200 (session 9)
     assert not use_expanded(126976, 4096, 2048)  # the last 4096 of 128K: ~60x the pairs
+
+
+@pytest.mark.parametrize("q0, T, k", [(0, 37, 9), (40, 6, 64), (3, 70, 33), (100, 5, 40)])
+def test_selection_bits_match_the_torch_bitmap(q0, T, k):
+    """The one-kernel bitmap equals the torch one of the causal part of each selection (bit 31 included), and
+    `full` marks exactly the rows that selected their whole past."""
+    *_, indices = _case(q0, T, k, seed=q0 * 3 + T + k, empty_row=T // 2)
+    indices[1, -1] = q0 + T - 1 if q0 + T - 1 > q0 + 1 else -1  # a position past row 1's own: left out
+    L = q0 + T
+    bits, full = selection_bits(indices, q0, L)
+    pos = torch.arange(q0, L, device=DEVICE)[:, None]
+    causal = torch.where(indices <= pos, indices, -1)
+    assert torch.equal(bits, selection_bitmap(causal, L))
+    want = ((causal >= 0).sum(1) == pos[:, 0] + 1).to(torch.int8)
+    assert torch.equal(full, want) and want.any() == (q0 + 1 <= k)
+    assert (bits != 0).any() and (bits < 0).any() == bool(((causal >= 0) & (causal % 32 == 31)).any())

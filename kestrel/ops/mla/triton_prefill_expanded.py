@@ -14,7 +14,8 @@ not select (tiles that no query of the block selected are skipped), so its work 
 rather than with k: the layer weighs the two (`use_expanded`).
 
 The selection arrives as indices [T, k] (-1 unused) and becomes the bitmap of `triton_prefill.selection_bitmap`
-([T, cdiv(L, 32)] int32, bit p % 32 of word p // 32); a tile reads BN / 32 words per query and expands them.
+([T, cdiv(L, 32)] int32, bit p % 32 of word p // 32) in one kernel (`selection_bits`); a tile reads BN / 32 words
+per query and expands them.
 Without indices it is causal attention (the dense ceiling of the same kernel). Softmax online in fp32, base 2;
 query blocks run last-first, the longest first, for the causal imbalance.
 """
@@ -26,8 +27,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from kestrel.ops.mla.triton_prefill import selection_bitmap
 
 # What a (query, selected key) pair of the rows kernel costs, in (query, causal key) pairs of this kernel: on the
 # H200 at mini's sizes 0.65 ns against 0.109 (4096 queries from position 0), 0.044 (the last 4096 of 16K) and
@@ -191,6 +190,47 @@ def _expanded_prefill_kernel(
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & (dv < Dv)[None, :])
 
 
+@triton.jit
+def _bitmap_kernel(idx_ptr, bits_ptr, full_ptr, k, q0, words, stride_it, BK: tl.constexpr):
+    """Row t of indices [T, k] -> its bitmap row (zeroed before) and whether it selected its whole causal past.
+    Entries < 0 or past the query's own position are left out (the attention masks those causally anyway)."""
+    t = tl.program_id(0)
+    pos = q0 + t
+    row = idx_ptr + t.to(tl.int64) * stride_it
+    total = tl.zeros([], tl.int32)
+    for k0 in range(0, k, BK):
+        j = k0 + tl.arange(0, BK)
+        idx = tl.load(row + j, mask=j < k, other=-1)  # [BK] int64
+        ok = (idx >= 0) & (idx <= pos)
+        word = tl.where(ok, idx // 32, 0)
+        bit = tl.where(ok, tl.full([BK], 1, tl.int64) << (idx % 32), 0).to(
+            tl.int32
+        )  # bit 31: int32's sign bit
+        # distinct positions: each bit is added once, so the (wrapping) sum is the OR
+        tl.atomic_add(bits_ptr + t.to(tl.int64) * words + word, bit, mask=ok, sem="relaxed")
+        total += tl.sum(ok.to(tl.int32), 0)
+    tl.store(full_ptr + t, (total == pos + 1).to(tl.int8))
+
+
+def selection_bits(indices: torch.Tensor, q0: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selection of T queries at positions q0 .. q0 + T - 1 (indices [T, k], each row's entries distinct, -1
+    unused) as the bitmap of `triton_prefill.selection_bitmap` restricted to each query's causal past
+    ([T, cdiv(length, 32)] int32), and full [T] int8: 1 where a query selected every position up to its own.
+    One kernel, one program per row (the torch form took ~10 passes over int64 [T, k] temporaries)."""
+    T, k = indices.shape
+    bits = torch.zeros(T, max(1, triton.cdiv(length, 32)), dtype=torch.int32, device=indices.device)
+    full = torch.empty(T, dtype=torch.int8, device=indices.device)
+    if T:
+        indices = (
+            indices
+            if indices.dtype == torch.int64 and indices.stride(-1) == 1
+            else indices.long().contiguous()
+        )
+        BK = min(2048, triton.next_power_of_2(max(k, 16)))
+        _bitmap_kernel[(T,)](indices, bits, full, k, q0, bits.shape[1], indices.stride(0), BK=BK, num_warps=4)
+    return bits, full
+
+
 def expand_history(
     kv: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -243,10 +283,7 @@ def sparse_mla_prefill_expanded(
     k, k_pe, v = expand_history(kv, w_uk, w_uv, dt)
     q_nope, q_pe = q_nope.to(dt).contiguous(), q_pe.to(dt).contiguous()
     if indices is not None:
-        bits = selection_bitmap(indices, L)  # [T, words]
-        q_pos = torch.arange(L - T, L, device=indices.device)  # [T]
-        full = ((indices >= 0) & (indices <= q_pos[:, None])).sum(1) == q_pos + 1  # distinct entries: exact
-        full = full.to(torch.int8)  # [T]
+        bits, full = selection_bits(indices, L - T, L)  # [T, words], [T]
     else:  # placeholders of the right types (never read: the kernel still compiles the masked walk)
         bits = torch.zeros(1, 1, dtype=torch.int32, device=out.device)
         full = torch.ones(1, dtype=torch.int8, device=out.device)
