@@ -66,10 +66,9 @@ class Env:
     chunk's causal pairs cost less than its selected pairs in the rows kernel, `use_expanded`; rows elsewhere) |
     rows (every prefill token a row of the decode kernel, gathering its own selection, absorbed form) | expanded
     (kestrel.ops.mla.triton_prefill_expanded: per-head keys and values expanded once per chunk, blocks of queries
-    of one head share each key tile, the selection as a mask; at every length) | masked
-    (kestrel.ops.mla.triton_prefill: the same masking in absorbed form, where the context is at most
-    MASKED_MAX_CONTEXT_OVER_TOPK x index_topk, rows elsewhere; on the H200 mini's 8 x 4096 prefill step took
-    456 ms with it against 388 ms with rows, bench/results/2026-11-30-h200-session8.json)."""
+    of one head share each key tile, the selection as a mask; at every length). On the H200 mini's 8 x 4096
+    prefill step took 216 ms with auto (expanded) against 380 ms with rows; an absorbed-form masking kernel took
+    445 ms and was removed (bench/results/2026-11-30-h200-session9.json)."""
     moe_overlap_shared: bool
     """KESTREL_MOE_OVERLAP_SHARED: at inference on CUDA, up to kestrel.layers.moe.OVERLAP_SHARED_MAX_TOKENS tokens,
     the shared experts run on a side stream beside the routed ones (decode: parallel branches of the step's
@@ -104,7 +103,7 @@ _READERS = {
     "kda_recurrent_prefill": lambda: _int("KESTREL_KDA_RECURRENT_PREFILL", 1024),
     "kda_safe_gate": lambda: _bool("KESTREL_KDA_SAFE_GATE", False),
     "moe_overlap_shared": lambda: _bool("KESTREL_MOE_OVERLAP_SHARED", True),
-    "sparse_prefill": lambda: _str("KESTREL_SPARSE_PREFILL", "auto", ("auto", "rows", "expanded", "masked")),
+    "sparse_prefill": lambda: _str("KESTREL_SPARSE_PREFILL", "auto", ("auto", "rows", "expanded")),
     "compile_train": lambda: _bool("KESTREL_COMPILE_TRAIN", False),
     "fused_ops": lambda: _str("KESTREL_FUSED_OPS", "auto", ("auto", "off")),
 }

@@ -1026,7 +1026,7 @@ def prefill_bench() -> dict:
         }
         first = n == S.prefill_cases[0][0] and length == S.prefill_cases[0][1]
         # the same step with each sparse-prefill kernel forced (the default, auto, picks by context length)
-        for mode in ("rows", "expanded", "masked"):
+        for mode in ("rows", "expanded"):
             with _environ({"KESTREL_SPARSE_PREFILL": mode}):
                 _prefill_step(engine, n, length, g)  # compile
                 entry[f"step_s_sparse_prefill_{mode}"] = min(

@@ -212,11 +212,9 @@ def bench_sparse_mla_prefill(
       default tile, without and with valid_first, then a sweep of tiles);
     - expanded (kestrel.ops.mla.triton_prefill_expanded): per-head keys and values expanded from the latent rows
       (W_UK, W_UV; their GEMMs inside the time), blocks of queries of one head share each key tile, the
-      selection a mask; a sweep of tiles, and the same kernel without a selection (causal: its dense ceiling);
-    - masked (kestrel.ops.mla.triton_prefill, absorbed form), where the context is at most 2 k.
+      selection a mask; a sweep of tiles, and the same kernel without a selection (causal: its dense ceiling).
     FLOPs are the rows kernel's, absorbed form over the selected pairs, for every entry."""
     from kestrel.ops.mla.triton_decode import absorbed, sparse_mla_decode
-    from kestrel.ops.mla.triton_prefill import sparse_mla_prefill_masked
     from kestrel.ops.mla.triton_prefill_expanded import sparse_mla_prefill_expanded
 
     R, P, Dn, Dv = 512, 64, 128, 128
@@ -263,19 +261,21 @@ def bench_sparse_mla_prefill(
     ms = sweep["block_n32_warps4_stages2"]["ms"]
 
     expanded = {}
-    for bm, bn, warps, stages, skip in (
-        (64, 64, 4, 2, False),
-        (64, 64, 4, 2, True),
-        (128, 128, 8, 2, False),
-        (128, 64, 8, 2, False),
-        (64, 64, 4, 3, False),
-        (128, 128, 8, 3, False),
-    ):
-        fn = lambda bm=bm, bn=bn, warps=warps, stages=stages, skip=skip: sparse_mla_prefill_expanded(  # noqa: E731
-            q_nope, q_pe, kv, w_uk, w_uv, scale, idx, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
-            skip_empty=skip,
-        )  # fmt: skip
-        key_ = f"block_m{bm}_block_n{bn}_warps{warps}_stages{stages}" + ("_skip_empty" if skip else "")
+    for bm, bn, warps, stages in ((128, 128, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 4, 2)):
+        fn = lambda bm=bm, bn=bn, warps=warps, stages=stages: sparse_mla_prefill_expanded(  # noqa: E731
+            q_nope,
+            q_pe,
+            kv,
+            w_uk,
+            w_uv,
+            scale,
+            idx,
+            block_m=bm,
+            block_n=bn,
+            num_warps=warps,
+            num_stages=stages,
+        )
+        key_ = f"block_m{bm}_block_n{bn}_warps{warps}_stages{stages}"
         try:  # a tile that does not fit in shared memory fails to compile: recorded, the others still run
             expanded[key_] = {"ms": time_ms(fn, device), "rel_err": check(fn)}
         except Exception as e:  # noqa: BLE001
@@ -292,33 +292,6 @@ def bench_sparse_mla_prefill(
         flush=True,
     )
 
-    masked = {}
-    if context <= 2 * k:
-        for bq, bn, split, warps in ((2, 32, 1, 8), (4, 64, 2, 8)):
-            fn = lambda bq=bq, bn=bn, split=split, warps=warps: absorbed(  # noqa: E731
-                q_nope,
-                w_uk,
-                w_uv,
-                lambda q_lat, out: sparse_mla_prefill_masked(
-                    q_lat,
-                    q_pe,
-                    pool,
-                    page_ids,
-                    page,
-                    q0,
-                    idx,
-                    scale,
-                    out=out,
-                    block_q=bq,
-                    block_n=bn,
-                    split_r=split,
-                    num_warps=warps,
-                ),  # fmt: skip
-            )
-            masked[f"block_q{bq}_block_n{bn}_split_r{split}_warps{warps}"] = {
-                "ms": time_ms(fn, device),
-                "rel_err": check(fn),
-            }
     read = float(lens.clamp(max=k).sum())  # (row, selected position) pairs
     return _entry(
         f"sparse MLA prefill t={tokens} ctx={context} top-{k} (rows, valid first)",
@@ -330,7 +303,6 @@ def bench_sparse_mla_prefill(
         peer_ms=peer_ms,
         sweep=sweep,
         expanded_kernel=expanded,
-        masked_kernel=masked,
     )
 
 

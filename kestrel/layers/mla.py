@@ -214,15 +214,6 @@ class MLAttention(nn.Module):
         if mode == "expanded" or (mode == "auto" and use_expanded(length - t, t, indices.shape[1])):
             kv, _ = ctx.cache.read_kv(self.layer_id, i)  # [length, R + P]
             return sparse_mla_prefill_expanded(q_nope, q_pe, kv, w_uk, w_uv, self.scale, indices)
-        if mode == "masked":  # short contexts: blocks of queries share each key tile
-            from kestrel.ops.mla import triton_prefill as masked
-
-            short = length <= masked.MASKED_MAX_CONTEXT_OVER_TOPK * indices.shape[1]
-            if short and q_nope.shape[1] <= masked.MASKED_MAX_HEADS:
-                pages = _own_pages(ctx, i, table, ps, 1)[0]
-                return masked.mla_prefill_masked_paged(
-                    q_nope, q_pe, kv_pool, pages, ps, length - t, w_uk, w_uv, self.scale, indices
-                )
         rows = _own_pages(ctx, i, table, ps, t)
         # The top-k lists its selection before the -1s, so a row near the start of the sequence may stop early;
         # a replayed selection comes from elsewhere, with no such promise: every slot is read.

@@ -40,10 +40,6 @@ hybrid = kda_ops.KDABackend(
 kda_ops._fla_backend = lambda: hybrid
 model = build_model("tiny", seed=21)
 prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 13, 23, 37)]
-import kestrel.ops.mla.triton_prefill as masked_ops
-masked_calls = []
-real_masked = masked_ops.sparse_mla_prefill_masked
-masked_ops.sparse_mla_prefill_masked = lambda *a, **k: (masked_calls.append(1), real_masked(*a, **k))[1]
 import kestrel.ops.mla.triton_prefill_expanded as expanded_ops
 expanded_calls = []
 real_expanded = expanded_ops.sparse_mla_prefill_expanded
@@ -53,8 +49,6 @@ configs = (
     ("torch", "torch", "naive", "rows"),
     ("triton", "triton", "naive", "rows"),
     ("fast", "triton", "fla", "rows"),
-    # tiny's top-8: the 13-token prompt's rows past position 7 go through the masked kernel (context <= 2 x 8)
-    ("masked", "triton", "naive", "masked"),
     # the default: every prompt here is within 8 x top-8 of context, so all sparse prefill is expanded
     ("expanded", "triton", "naive", "auto"),
 )
@@ -69,7 +63,7 @@ for name, attn, kda, sparse in configs:
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
     result[name] = out
-result["masked_calls"], result["expanded_calls"] = len(masked_calls), len(expanded_calls)
+result["expanded_calls"] = len(expanded_calls)
 print(json.dumps(result))
 """
 
@@ -88,7 +82,6 @@ def test_triton_decode_path_matches_torch_path():
     result = _run(SCRIPT)
     assert result["triton"] == result["torch"]
     assert result["fast"] == result["torch"]
-    assert result["masked"] == result["torch"] and result["masked_calls"] > 0
     assert result["expanded"] == result["torch"] and result["expanded_calls"] > 0
     assert all(len(v) == 6 for v in result["torch"].values())
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+from kestrel.ops.dsa.naive import selection_mask  # noqa: E402
 from kestrel.ops.mla.naive import mla_attention_absorbed  # noqa: E402
-from kestrel.ops.mla.triton_prefill import selection_bitmap  # noqa: E402
 from kestrel.ops.mla.triton_prefill_expanded import (  # noqa: E402
     selection_bits,
     sparse_mla_prefill_expanded,
@@ -48,7 +48,6 @@ def _case(q0, T, k, H=3, R=32, Dn=16, P=8, Dv=16, seed=0, empty_row=None, dtype=
     [
         {"block_m": 16, "block_n": 32},
         {"block_m": 32, "block_n": 64},
-        {"block_m": 16, "block_n": 64, "skip_empty": True},
     ],
 )
 def test_matches_the_reference_with_a_selection(q0, T, k, tiles):
@@ -132,15 +131,19 @@ def test_use_expanded_weighs_causal_against_selected_pairs(q0, T, k):
 
 @pytest.mark.parametrize("q0, T, k", [(0, 37, 9), (40, 6, 64), (3, 70, 33), (100, 5, 40)])
 def test_selection_bits_match_the_torch_bitmap(q0, T, k):
-    """The one-kernel bitmap equals the torch one of the causal part of each selection (bit 31 included), and
-    `full` marks exactly the rows that selected their whole past."""
+    """The one-kernel bitmap, unpacked, is the reference's selection mask of the causal part of each selection
+    (bit 31, int32's sign bit, included), and `full` marks exactly the rows that selected their whole past."""
     *_, indices = _case(q0, T, k, seed=q0 * 3 + T + k, empty_row=T // 2)
     indices[1, -1] = q0 + T - 1 if q0 + T - 1 > q0 + 1 else -1  # a position past row 1's own: left out
     L = q0 + T
     bits, full = selection_bits(indices, q0, L)
     pos = torch.arange(q0, L, device=DEVICE)[:, None]
     causal = torch.where(indices <= pos, indices, -1)
-    assert torch.equal(bits, selection_bitmap(causal, L))
+    words = bits.shape[1]
+    assert words == -(-L // 32)
+    unpacked = (bits[:, :, None] >> torch.arange(32, device=DEVICE)) & 1  # [T, words, 32]
+    assert torch.equal(unpacked.reshape(T, words * 32)[:, :L] != 0, selection_mask(causal, L))
+    assert (unpacked.reshape(T, words * 32)[:, L:] == 0).all()
     want = ((causal >= 0).sum(1) == pos[:, 0] + 1).to(torch.int8)
     assert torch.equal(full, want) and want.any() == (q0 + 1 <= k)
     assert (bits != 0).any() and (bits < 0).any() == bool(((causal >= 0) & (causal % 32 == 31)).any())

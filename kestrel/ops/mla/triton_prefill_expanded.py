@@ -10,12 +10,14 @@ Why. The absorbed form (the decode kernel, every prefill token a row) multiplies
 dots with an M of 16 heads, each query gathering its own k rows (2.36 MB at k = 2048). Expanded, a pair costs
 2 H (Dn + P + Dv) = 10 K FLOPs (3.4x fewer), and BM queries of one head share each key tile: M = BM on the
 tensor cores. The price: the kernel walks every key tile up to its block's last query and masks what a query did
-not select (tiles that no query of the block selected are skipped), so its work grows with the causal length
-rather than with k: the layer weighs the two (`use_expanded`).
+not select (a block whose queries all selected their whole past walks its tiles unmasked), so its work grows
+with the causal length rather than with k: the layer weighs the two (`use_expanded`). Measured on the H200
+(session 9): 128 x 128 tiles in 8 warps; a branch to skip tiles no query selected, a per-element gather of the
+mask and a per-word select each made it slower (the branch stops the loads' pipelining).
 
-The selection arrives as indices [T, k] (-1 unused) and becomes the bitmap of `triton_prefill.selection_bitmap`
-([T, cdiv(L, 32)] int32, bit p % 32 of word p // 32) in one kernel (`selection_bits`); a tile reads BN / 32 words
-per query and expands them.
+The selection arrives as indices [T, k] (-1 unused) and becomes a bitmap ([T, cdiv(L, 32)] int32, bit p % 32 of
+word p // 32 set where position p is selected) in one kernel (`selection_bits`); a tile reads BN / 32 words per
+query and expands them.
 Without indices it is causal attention (the dense ceiling of the same kernel). Softmax online in fp32, base 2;
 query blocks run last-first, the longest first, for the causal imbalance.
 """
@@ -81,11 +83,10 @@ def _tile(q, q_pe, m_i, l_i, acc, vis, n, end, h, k_ptr, kpe_ptr, v_ptr, qk_scal
 @triton.jit
 def _walk(q, q_pe, t, t_ok, q_pos, h, k_ptr, kpe_ptr, v_ptr, bits_ptr, words, end, qk_scale, Dn, P, Dv,
           stride_kl, stride_kh, stride_kpl, stride_vl, stride_vh,
-          MASKED: tl.constexpr, SKIP_EMPTY: tl.constexpr, DOT_PRECISION: tl.constexpr, BM: tl.constexpr,
+          MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BM: tl.constexpr,
           BN: tl.constexpr, BDN: tl.constexpr, BP: tl.constexpr, BDV: tl.constexpr):  # fmt: skip
-    """The block's key tiles up to `end`: causal, and with MASKED the selection bitmap too (with SKIP_EMPTY a tile
-    no query of the block selected is skipped, behind a branch around its loads and dots). One loop per form, so
-    that neither carries a branch on the other."""
+    """The block's key tiles up to `end`: causal, and with MASKED the selection bitmap too. The kernel picks the
+    form once per query block, so that the loop carries no branch (one inside it stops the loads' pipelining)."""
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BDV], tl.float32)
@@ -103,19 +104,9 @@ def _walk(q, q_pe, t, t_ok, q_pos, h, k_ptr, kpe_ptr, v_ptr, bits_ptr, words, en
             )  # [BM, BN / 32]
             bit = (word[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1  # [BM, BN / 32, 32]
             vis = vis & (tl.reshape(bit, [BM, BN]) != 0)
-            if SKIP_EMPTY:
-                if tl.max(vis.to(tl.int32)) > 0:
-                    m_i, l_i, acc = _tile(q, q_pe, m_i, l_i, acc, vis, n, end, h, k_ptr, kpe_ptr, v_ptr,
-                                          qk_scale, Dn, P, Dv, stride_kl, stride_kh, stride_kpl, stride_vl,
-                                          stride_vh, DOT_PRECISION, BDN, BP, BDV)  # fmt: skip
-            else:
-                m_i, l_i, acc = _tile(q, q_pe, m_i, l_i, acc, vis, n, end, h, k_ptr, kpe_ptr, v_ptr, qk_scale,
-                                      Dn, P, Dv, stride_kl, stride_kh, stride_kpl, stride_vl, stride_vh,
-                                      DOT_PRECISION, BDN, BP, BDV)  # fmt: skip
-        else:
-            m_i, l_i, acc = _tile(q, q_pe, m_i, l_i, acc, vis, n, end, h, k_ptr, kpe_ptr, v_ptr, qk_scale,
-                                  Dn, P, Dv, stride_kl, stride_kh, stride_kpl, stride_vl, stride_vh,
-                                  DOT_PRECISION, BDN, BP, BDV)  # fmt: skip
+        m_i, l_i, acc = _tile(q, q_pe, m_i, l_i, acc, vis, n, end, h, k_ptr, kpe_ptr, v_ptr, qk_scale,
+                              Dn, P, Dv, stride_kl, stride_kh, stride_kpl, stride_vl, stride_vh,
+                              DOT_PRECISION, BDN, BP, BDV)  # fmt: skip
     return l_i, acc
 
 
@@ -148,7 +139,6 @@ def _expanded_prefill_kernel(
     stride_ot,
     stride_oh,
     SELECT: tl.constexpr,
-    SKIP_EMPTY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -180,11 +170,11 @@ def _expanded_prefill_kernel(
     if masked:
         l_i, acc = _walk(q, q_pe, t, t_ok, q_pos, h, k_ptr, kpe_ptr, v_ptr, bits_ptr, words, end, qk_scale,
                          Dn, P, Dv, stride_kl, stride_kh, stride_kpl, stride_vl, stride_vh,
-                         True, SKIP_EMPTY, DOT_PRECISION, BM, BN, BDN, BP, BDV)  # fmt: skip
+                         True, DOT_PRECISION, BM, BN, BDN, BP, BDV)  # fmt: skip
     else:
         l_i, acc = _walk(q, q_pe, t, t_ok, q_pos, h, k_ptr, kpe_ptr, v_ptr, bits_ptr, words, end, qk_scale,
                          Dn, P, Dv, stride_kl, stride_kh, stride_kpl, stride_vl, stride_vh,
-                         False, SKIP_EMPTY, DOT_PRECISION, BM, BN, BDN, BP, BDV)  # fmt: skip
+                         False, DOT_PRECISION, BM, BN, BDN, BP, BDV)  # fmt: skip
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # zeros for a row that selected nothing
     out = out_ptr + t64[:, None] * stride_ot + h * stride_oh + dv[None, :]
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & (dv < Dv)[None, :])
@@ -214,8 +204,8 @@ def _bitmap_kernel(idx_ptr, bits_ptr, full_ptr, k, q0, words, stride_it, BK: tl.
 
 def selection_bits(indices: torch.Tensor, q0: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The selection of T queries at positions q0 .. q0 + T - 1 (indices [T, k], each row's entries distinct, -1
-    unused) as the bitmap of `triton_prefill.selection_bitmap` restricted to each query's causal past
-    ([T, cdiv(length, 32)] int32), and full [T] int8: 1 where a query selected every position up to its own.
+    unused) as a bitmap of each query's selected causal past ([T, cdiv(length, 32)] int32, bit p % 32 of word
+    p // 32), and full [T] int8: 1 where a query selected every position up to its own.
     One kernel, one program per row (the torch form took ~10 passes over int64 [T, k] temporaries)."""
     T, k = indices.shape
     bits = torch.zeros(T, max(1, triton.cdiv(length, 32)), dtype=torch.int32, device=indices.device)
@@ -258,7 +248,6 @@ def sparse_mla_prefill_expanded(
     block_n: int = 128,
     num_warps: int = 8,
     num_stages: int = 2,
-    skip_empty: bool = False,
 ) -> torch.Tensor:
     """o [T, H, Dv] (q_nope.dtype) of a prefill chunk: q_nope [T, H, Dn], q_pe [T, H, P], the last T of the
     sequence's latent rows kv [L, R + P] (gathered from the pool), w_uk [H, Dn, R], w_uv [H, Dv, R], indices
@@ -293,7 +282,7 @@ def sparse_mla_prefill_expanded(
         T, L - T, bits.shape[1] if indices is not None else 0, scale * math.log2(math.e), Dn, P, Dv,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         k.stride(0), k.stride(1), k_pe.stride(0), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        SELECT=indices is not None, SKIP_EMPTY=skip_empty,
+        SELECT=indices is not None,
         DOT_PRECISION="ieee" if dt == torch.float32 else "tf32", BM=block_m, BN=block_n,
         BDN=max(16, triton.next_power_of_2(Dn)), BP=max(16, triton.next_power_of_2(P)),
         BDV=max(16, triton.next_power_of_2(Dv)),
