@@ -1025,7 +1025,7 @@ def prefill_bench() -> dict:
             "flops_per_token": flops / tokens,
         }
         first = n == S.prefill_cases[0][0] and length == S.prefill_cases[0][1]
-        # the same step with each sparse-prefill kernel forced (the default, auto, picks by context length)
+        # the same step with each sparse-prefill kernel forced (the default, auto, weighs their pairs)
         for mode in ("rows", "expanded"):
             with _environ({"KESTREL_SPARSE_PREFILL": mode}):
                 _prefill_step(engine, n, length, g)  # compile

@@ -212,7 +212,7 @@ class MLAttention(nn.Module):
         t, length = q_nope.shape[0], ctx.cached_len(i)  # the chunk's t tokens are the last of `length`
         mode = env_field("sparse_prefill")
         if mode == "expanded" or (mode == "auto" and use_expanded(length - t, t, indices.shape[1])):
-            kv, _ = ctx.cache.read_kv(self.layer_id, i)  # [length, R + P]
+            kv = kv_pool[ctx.cache.read_rows(i)]  # [length, R + P]: the latent rows alone
             return sparse_mla_prefill_expanded(q_nope, q_pe, kv, w_uk, w_uv, self.scale, indices)
         rows = _own_pages(ctx, i, table, ps, t)
         # The top-k lists its selection before the -1s, so a row near the start of the sequence may stop early;

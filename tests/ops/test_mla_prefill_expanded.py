@@ -116,17 +116,45 @@ def test_gpu_mini_sizes(tiles):
 
 
 @pytest.mark.parametrize(
-    "q0, T, k", [(0, 4096, 2048), (12288, 4096, 2048), (28672, 4096, 2048), (0, 32768, 2048), (5, 3, 8)]
+    "q0, T, k, expanded",
+    [
+        (0, 4096, 2048, True),  # the H200's kernel bench (session 9): expanded 4.4x / 2.1x / 1.14x faster
+        (12288, 4096, 2048, True),
+        (28672, 4096, 2048, True),
+        (0, 32768, 2048, True),  # the 1 x 32768 prefill step: 369 vs 499 ms
+        (126976, 4096, 2048, False),  # the last 4096 of 128K: ~60x the selected pairs
+        (32767, 1, 2048, False),  # short chunks after a long history: the expansion of the history dominates
+        (32000, 128, 2048, False),
+        (8192, 64, 2048, False),
+    ],
 )
-def test_use_expanded_weighs_causal_against_selected_pairs(q0, T, k):
-    """The closed form against a count row by row; and the choices the H200 measured."""
-    causal = sum(p + 1 for p in range(q0, q0 + T))
-    selected = sum(min(p + 1, k) for p in range(q0, q0 + T))
-    from kestrel.ops.mla.triton_prefill_expanded import EXPANDED_PAIR_COST_RATIO
+def test_use_expanded_weighs_causal_against_selected_pairs(q0, T, k, expanded):
+    """The closed form against counts row by row, and the choices expected at those shapes."""
+    from kestrel.ops.mla.triton_prefill_expanded import EXPANDED_PAIR_COST_RATIO, EXPANSION_PAIRS_PER_ROW
 
-    assert use_expanded(q0, T, k) == (causal <= EXPANDED_PAIR_COST_RATIO * selected)
-    assert use_expanded(q0, T, k)  # each faster expanded on the H200 (session 9)
-    assert not use_expanded(126976, 4096, 2048)  # the last 4096 of 128K: ~60x the pairs
+    causal = sum(p + 1 for p in range(q0, q0 + T)) + EXPANSION_PAIRS_PER_ROW * (q0 + T)
+    selected = sum(min(p + 1, k) for p in range(q0, q0 + T))
+    assert use_expanded(q0, T, k) == (causal <= EXPANDED_PAIR_COST_RATIO * selected) == expanded
+
+
+def test_a_replayed_layout_matches_the_reference():
+    """A replayed selection need not list its entries first or in order: -1s scattered among them, shuffled rows,
+    some entries past the query's own position."""
+    q0, T, k = 9, 40, 12
+    q_nope, q_pe, kv, w_uk, w_uv, indices = _case(q0, T, k, seed=11)
+    g = torch.Generator().manual_seed(5)
+    for t in range(T):
+        row = indices[t].clone()
+        row[torch.randperm(k, generator=g)[:3].to(DEVICE)] = -1  # holes among the valid entries
+        if t % 3 == 0:
+            row[0] = q0 + T - 1 if q0 + T - 1 > q0 + t else row[0]  # a future position, ignored
+        indices[t] = row[torch.randperm(k, generator=g).to(DEVICE)]
+    seen = torch.where(indices <= torch.arange(q0, q0 + T, device=DEVICE)[:, None], indices, -1)
+    assert bool((seen >= 0).any(1).all())
+    pos = torch.arange(q0, q0 + T, device=DEVICE)
+    ref = mla_attention_absorbed(q_nope, q_pe, kv, w_uk, w_uv, pos, 0.3, seen)
+    got = sparse_mla_prefill_expanded(q_nope, q_pe, kv, w_uk, w_uv, 0.3, indices, block_m=16, block_n=32)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("q0, T, k", [(0, 37, 9), (40, 6, 64), (3, 70, 33), (100, 5, 40)])

@@ -102,7 +102,7 @@ def test_prefill_conv_kernel_matches_reference(lens, with_state, width, extra):
     state = torch.randn(N, C, width - 1, generator=g).to(device) if with_state else None
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=device)
     y_ref, s_ref = short_conv(x, w, state, cu)
-    y, s = short_conv_prefill(x, w, state, cu, block_t=8)
+    y, s = short_conv_prefill(x, w, state, cu, block_t=8, block_c=128)
     assert y.shape == y_ref.shape and s.shape == s_ref.shape and s.dtype == s_ref.dtype
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(s, s_ref)  # copies of inputs and state, exactly

@@ -30,17 +30,20 @@ import torch
 import triton
 import triton.language as tl
 
-# What a (query, selected key) pair of the rows kernel costs, in (query, causal key) pairs of this kernel: on the
-# H200 at mini's sizes 0.65 ns against 0.109 (4096 queries from position 0), 0.044 (the last 4096 of 16K) and
-# 0.038 (of 32K) with the default tile (bench/results/2026-11-30-h200-session9.json, call 6): 6-17x, the larger
-# the longer the context. 16: the faster of the two at each of those (and at 128K, rows by far).
-EXPANDED_PAIR_COST_RATIO = 16
+# The two kernels' costs on the H200 at mini's sizes (bench/results/2026-11-30-h200-session9.json, call 6): the rows
+# kernel 0.65 ns per (query, selected key) pair; this one ~0.031 ns per (query, causal key) pair (the slope between
+# the last 4096 queries of 16K and of 32K context: 2.58 and 4.83 ms), plus the expansion of the history, two GEMMs
+# (4.2 MFLOP a row) and 8 KiB of keys and values written a row: ~10 ns a row by the matmul and copy ceilings, ~320
+# pairs (an estimate, not timed at short chunks). In pairs of this kernel the rows kernel's pair costs ~20.
+EXPANDED_PAIR_COST_RATIO = 20
+EXPANSION_PAIRS_PER_ROW = 320
 
 
 def use_expanded(q0: int, T: int, k: int) -> bool:
     """Whether this kernel beats the rows kernel for the chunk of T queries at positions q0 .. q0 + T - 1 with a
-    top-k of k: its causal (query, key) pairs against EXPANDED_PAIR_COST_RATIO x the selected pairs."""
-    causal = T * q0 + T * (T + 1) // 2
+    top-k of k: its causal (query, key) pairs plus the expansion of the q0 + T history rows against
+    EXPANDED_PAIR_COST_RATIO x the selected pairs."""
+    causal = T * q0 + T * (T + 1) // 2 + EXPANSION_PAIRS_PER_ROW * (q0 + T)
     a, b = q0 + 1, min(q0 + T, k)  # the rows that select their whole past: p + 1 from a to b
     whole = max(0, b - a + 1)
     selected = whole * (a + b) // 2 + (T - whole) * k
@@ -196,17 +199,17 @@ def _bitmap_kernel(idx_ptr, bits_ptr, full_ptr, k, q0, words, stride_it, BK: tl.
         bit = tl.where(ok, tl.full([BK], 1, tl.int64) << (idx % 32), 0).to(
             tl.int32
         )  # bit 31: int32's sign bit
-        # distinct positions: each bit is added once, so the (wrapping) sum is the OR
-        tl.atomic_add(bits_ptr + t.to(tl.int64) * words + word, bit, mask=ok, sem="relaxed")
+        tl.atomic_or(bits_ptr + t.to(tl.int64) * words + word, bit, mask=ok, sem="relaxed")
         total += tl.sum(ok.to(tl.int32), 0)
     tl.store(full_ptr + t, (total == pos + 1).to(tl.int8))
 
 
 def selection_bits(indices: torch.Tensor, q0: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The selection of T queries at positions q0 .. q0 + T - 1 (indices [T, k], each row's entries distinct, -1
-    unused) as a bitmap of each query's selected causal past ([T, cdiv(length, 32)] int32, bit p % 32 of word
-    p // 32), and full [T] int8: 1 where a query selected every position up to its own.
-    One kernel, one program per row (the torch form took ~10 passes over int64 [T, k] temporaries)."""
+    """The selection of T queries at positions q0 .. q0 + T - 1 (indices [T, k], -1 unused; each row's entries
+    distinct, as the top-k and a replay of it give them: a repeated entry would count twice toward `full`) as a
+    bitmap of each query's selected causal past ([T, cdiv(length, 32)] int32, bit p % 32 of word p // 32), and
+    full [T] int8: 1 where a query selected every position up to its own. One kernel, one program per row (the
+    torch form took ~10 passes over int64 [T, k] temporaries)."""
     T, k = indices.shape
     bits = torch.zeros(T, max(1, triton.cdiv(length, 32)), dtype=torch.int32, device=indices.device)
     full = torch.empty(T, dtype=torch.int8, device=indices.device)
@@ -270,7 +273,9 @@ def sparse_mla_prefill_expanded(
     if not q_nope.is_cuda:  # Triton's interpreter (numpy) has no bf16 dot: it runs in fp32
         dt = torch.float32
     k, k_pe, v = expand_history(kv, w_uk, w_uv, dt)
-    q_nope, q_pe = q_nope.to(dt).contiguous(), q_pe.to(dt).contiguous()
+    q_nope, q_pe = (
+        x if x.dtype == dt and x.stride(-1) == 1 else x.to(dt).contiguous() for x in (q_nope, q_pe)
+    )
     if indices is not None:
         bits, full = selection_bits(indices, L - T, L)  # [T, words], [T]
     else:  # placeholders of the right types (never read: the kernel still compiles the masked walk)
