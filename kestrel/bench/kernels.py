@@ -482,8 +482,10 @@ KERNEL_CASES = {
         {"batch": b, "context": c, "k": k}
         for b, c, k in ((1, 4096, 2048), (64, 4096, 2048), (64, 131072, 2048), (64, 4096, None))
     ],
+    # the last three: short chunks after a long history, where `use_expanded`'s expansion term (an estimate) decides
     "sparse_mla_prefill": [
-        {"tokens": t, "context": c, "k": 2048} for t, c in ((4096, 4096), (4096, 16384), (4096, 32768))
+        {"tokens": t, "context": c, "k": 2048}
+        for t, c in ((4096, 4096), (4096, 16384), (4096, 32768), (64, 8192), (512, 32768), (1, 32768))
     ],
     "router": [{"tokens": t} for t in (1, 64, 256)],
     "moe": [{"tokens": t} for t in (1, 64, 256, 1024, 2048, 4096, 8192, 32768)],

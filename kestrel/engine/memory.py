@@ -62,8 +62,10 @@ def plan_memory(
         free, _ = torch.cuda.mem_get_info(device)
         # Room for activations, with a generous margin: a prefill chunk's hidden states and its MoE and
         # attention intermediates (64 B per hidden unit; the KDA layers' checkpoint segments at most double the
-        # chunk), its indexer scores and top-k workspace over the whole context with DSA (8 B per pair), and
-        # the fp32 logits of the rows that sample (only those get logits).
+        # chunk), its indexer scores and top-k workspace over the whole context with DSA (8 B per pair; the
+        # expanded sparse prefill's per-head keys and values, 8 KiB a history row at mini, and its selection
+        # bitmap, 1/8 B per pair, come after the scores are freed and fit in their room), and the fp32 logits
+        # of the rows that sample (only those get logits).
         chunk = cfg.chunked_prefill_size
         reserve = (
             2 * 2**30
