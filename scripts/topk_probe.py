@@ -14,11 +14,23 @@ work at a time, so the step where the time appears names the cause:
   sweep         hist64_mask over SEG x BLOCK x num_warps (occupancy and memory-level parallelism)
   empty         the same grid, no loads (launch and tail cost)
   torch_topk, clone           the ceilings
+Then what `_compact_kernel` does instead of a histogram (no histogram, a tl.cumsum per tile, scattered stores;
+also ~32 us), split the same way. The flag stands for its `take` (top 11 key bits >= the threshold bin b1): the
+top 6 key bits >= FLAG_BIN = 48, i.e. x >= 2.0, ~2.3% of randn (its candidates: 3-6 K of 131072 per row, 2-5%):
+  flag_sum      + the flag, tl.sum of it per tile (the control: everything but the scan)
+  cumsum_block  + tl.cumsum of the 0/1 flag over the tile, summing its last element (the scan's cost)
+  compact_cumsum  the whole compaction as `_compact_kernel` does it: slot = base + cumsum - 1, (key, position)
+                stored to the program's region, base += tl.sum (the scattered stores' cost, over cumsum_block)
+  compact_atomic  the same with slot = tl.atomic_add(counter, 1, mask=flag) per element instead of the scan
+                (default sem, acq_rel; order within a program arbitrary); compact_atomic_relaxed: sem="relaxed"
+  flag_sum_small, cumsum_small   flag_sum and cumsum_block with BLOCK / 4 at 1 warp (the scan inside one warp,
+                no cross-warp step) and at 4 warps: is the cross-warp step of the scan the cost?
 Each is timed cold (L2 flushed before every rep: the 33.5 MB tensor fits the H200's 50 MB L2) and warm.
 Each Triton variant's result is checked against torch before it is timed.
 
     python3 scripts/topk_probe.py --out $OUT          # GPU: writes $OUT/topk_probe.json, one JSON line each
     python3 scripts/topk_probe.py --smoke --out /tmp/probe   # tiny sizes, checks (CPU: TRITON_INTERPRET=1)
+    python3 scripts/topk_probe.py --out $OUT --only load_vacc,flag_sum,cumsum_block   # a subset of the names
 """
 
 from __future__ import annotations
@@ -44,6 +56,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kestrel.ops.dsa.triton_topk import _sort_key  # noqa: E402
 
 LOAD_VACC, LOAD_SUM, KEY_SUM, HIST_MASK, HIST_NOMASK = range(5)  # MODE; the kernel spells them as literals
+FLAG_SUM, CUMSUM, COMPACT_CUMSUM, COMPACT_ATOMIC = range(5, 9)  # MODE of _scan_kernel
+FLAG_BIN = 48  # flag = top 6 key bits >= 48, i.e. x >= 2.0: ~2.3% of randn
+NAMES = (  # every row the probe can write, in ladder order; --only picks from these
+    "empty",
+    "load_vacc",
+    "load_sum",
+    "key_sum",
+    "hist64_mask",
+    "hist64_nomask",
+    "hist16_mask",
+    "hist256_mask",
+    "sweep_hist64_mask",
+    "flag_sum",
+    "cumsum_block",
+    "compact_cumsum",
+    "compact_atomic",
+    "compact_atomic_relaxed",
+    "flag_sum_small",
+    "cumsum_small",
+    "torch_topk",
+    "clone",
+)
 
 
 @triton.jit
@@ -94,6 +128,61 @@ def _probe_kernel(
         tl.store(hist_ptr + out * NB + tl.arange(0, NB), hist)
 
 
+@triton.jit
+def _scan_kernel(
+    x_ptr,
+    cnt_ptr,  # [B * S] int32: flagged keys per program (COMPACT_ATOMIC: the slot counter)
+    key_out_ptr,  # [B * S, SEG] int32: the program's flagged keys (uint32 bits), first cnt valid
+    pos_out_ptr,  # [B * S, SEG] int32: their positions in the row
+    L,
+    stride_b,
+    SEG: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MODE: tl.constexpr,
+    FLAG_BIN: tl.constexpr,
+    RELAXED: tl.constexpr,
+):
+    """The loop of `_probe_kernel`, flagging the keys that `_compact_kernel` would take and counting or
+    compacting them."""
+    seg = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    num_segs = tl.num_programs(0)
+    start = seg * SEG
+    end = tl.minimum(start + SEG, L)
+    out = b * num_segs + seg
+    i = tl.arange(0, BLOCK)
+    cnt = tl.zeros([], dtype=tl.int32)
+    if MODE == 8:  # COMPACT_ATOMIC: the counter is zeroed here, so that no memset joins the timing
+        tl.store(cnt_ptr + out, 0)
+        tl.debug_barrier()
+    for off in range(start, end, BLOCK):
+        p = off + i
+        x = tl.load(x_ptr + b * stride_b + p, mask=p < L, other=float("nan"))  # as _compact_kernel loads
+        key = _sort_key(x, p < end)
+        flag = (key >> 26).to(tl.int32) >= FLAG_BIN  # key 0 (invalid) is in bin 0: never flagged
+        flag_i = flag.to(tl.int32)
+        if MODE == 5:  # FLAG_SUM
+            cnt += tl.sum(flag_i, 0)
+        elif MODE == 6:  # CUMSUM
+            cnt += tl.sum(tl.where(i == BLOCK - 1, tl.cumsum(flag_i, 0), 0), 0)
+        elif MODE == 7:  # COMPACT_CUMSUM, as _compact_kernel
+            slot = out * SEG + cnt + tl.cumsum(flag_i, 0) - 1
+            tl.store(key_out_ptr + slot, key.to(tl.int32, bitcast=True), mask=flag)
+            tl.store(pos_out_ptr + slot, p, mask=flag)
+            cnt += tl.sum(flag_i, 0)
+        else:  # COMPACT_ATOMIC: one vector atomic on the program's counter
+            ctr = cnt_ptr + out + tl.zeros([BLOCK], dtype=tl.int64)
+            if RELAXED:
+                old = tl.atomic_add(ctr, 1, mask=flag, sem="relaxed")
+            else:
+                old = tl.atomic_add(ctr, 1, mask=flag)
+            slot = out * SEG + old
+            tl.store(key_out_ptr + slot, key.to(tl.int32, bitcast=True), mask=flag)
+            tl.store(pos_out_ptr + slot, p, mask=flag)
+    if MODE != 8:
+        tl.store(cnt_ptr + out, cnt)
+
+
 def torch_keys(x: torch.Tensor) -> torch.Tensor:
     """`_sort_key` in torch: int64 holding the uint32 key (NaN -> 0)."""
     u = torch.where(x == 0, torch.zeros_like(x), x).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
@@ -101,14 +190,34 @@ def torch_keys(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), torch.zeros_like(key), key)
 
 
-def launch(x, mode, seg, block, warps, nb=64, length=None):
-    """One probe pass over x [B, L]; returns (per-program sums [B, S] float64, per-program histograms [B, S, NB])."""
+def launch(x, mode, seg, block, warps, nb=64, length=None, relaxed=False):
+    """One probe pass over x [B, L]. `_probe_kernel`: (per-program sums [B, S] float64, histograms [B, S, NB]);
+    `_scan_kernel`: (per-program counts [B, S], compacted keys [B, S, SEG], positions [B, S, SEG])."""
     B, L = x.shape
     S = triton.cdiv(L, seg)
+    n = L if length is None else length
+    if mode >= FLAG_SUM:
+        cnt = torch.empty(B, S, dtype=torch.int32, device=x.device)
+        keys = torch.empty(B, S, seg if mode >= COMPACT_CUMSUM else 1, dtype=torch.int32, device=x.device)
+        pos = torch.empty_like(keys)
+        _scan_kernel[(S, B)](
+            x,
+            cnt,
+            keys,
+            pos,
+            n,
+            x.stride(0),
+            SEG=seg,
+            BLOCK=block,
+            MODE=mode,
+            FLAG_BIN=FLAG_BIN,
+            RELAXED=relaxed,
+            num_warps=warps,
+        )
+        return cnt, keys, pos
     sums = torch.empty(B, S, dtype=torch.float64, device=x.device)
     hist = torch.empty(B, S, nb, dtype=torch.int32, device=x.device)
     shift = 32 - (nb.bit_length() - 1)
-    n = L if length is None else length
     _probe_kernel[(S, B)](
         x, sums, hist, n, x.stride(0), SEG=seg, BLOCK=block, MODE=mode, NB=nb, SHIFT=shift, num_warps=warps
     )
@@ -136,6 +245,29 @@ def check(x, mode, seg, nb, sums, hist):
     idx = (prog + bins) if mode == HIST_NOMASK else (prog + bins)[keys != 0]
     ref = torch.bincount(idx.flatten(), minlength=B * S * nb).view(B, S, nb).to(torch.int32)
     assert torch.equal(hist, ref), f"histograms differ ({(hist != ref).sum().item()} bins)"
+
+
+def check_scan(x, mode, seg, cnt, keys, pos):
+    """Compares one `_scan_kernel` pass with torch: the counts, and the compacted (key, position) pairs, in
+    position order (COMPACT_CUMSUM) or as a set (COMPACT_ATOMIC); raises on a mismatch."""
+    B, L = x.shape
+    S = cnt.shape[1]
+    ref_keys = torch_keys(x).view(B, S, seg)
+    flag = (ref_keys >> 26) >= FLAG_BIN
+    ref_cnt = flag.sum(-1).to(torch.int32)
+    assert torch.equal(cnt, ref_cnt), f"counts differ: {cnt} vs {ref_cnt}"
+    if mode < COMPACT_CUMSUM:
+        return
+    valid = torch.arange(seg, device=x.device) < cnt.unsqueeze(-1)  # [B, S, SEG]: the first cnt slots
+    pos = torch.where(valid, pos, L)  # slots past the count are not written
+    if mode == COMPACT_ATOMIC:  # slots in arbitrary order: sort the pairs by position
+        pos, order = pos.sort(-1)
+        keys = keys.gather(-1, order)
+    ref_pos = torch.arange(L, device=x.device).view(1, S, seg).expand(B, S, seg)[flag]
+    got_pos = pos[valid].to(torch.int64)
+    assert torch.equal(got_pos, ref_pos), f"positions differ ({(got_pos != ref_pos).sum().item()})"
+    got_keys = keys[valid].to(torch.int64) & 0xFFFFFFFF
+    assert torch.equal(got_keys, ref_keys[flag]), "keys differ"
 
 
 def timeit(fn, reps, flush):
@@ -166,7 +298,11 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="directory for topk_probe.json")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one rep (CPU: the Triton interpreter)")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--only", help=f"comma-separated row names to run, of: {','.join(NAMES)}")
     args = ap.parse_args()
+    only = set(NAMES) if args.only is None else set(args.only.split(","))
+    if only - set(NAMES):
+        ap.error(f"--only: unknown names {sorted(only - set(NAMES))}; known: {','.join(NAMES)}")
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         sys.exit("no CUDA device: use --smoke")
@@ -191,6 +327,9 @@ def main() -> None:
     results = []
 
     def record(name, fn, moved=nbytes, **params):
+        assert name in NAMES, name
+        if name not in only:
+            return
         row = {"name": name, **params}
         for mode in ("cold", "warm"):
             us = timeit(fn, reps, flush=mode == "cold")
@@ -199,20 +338,30 @@ def main() -> None:
         results.append(row)
         print(json.dumps(row), flush=True)
 
-    def probe(name, mode, seg=seg0, block=block0, warps=warps0, nb=64, length=None):
+    n_flag = int(((torch_keys(x) >> 26) >= FLAG_BIN).sum())
+
+    def probe(name, mode, seg=seg0, block=block0, warps=warps0, nb=64, length=None, relaxed=False):
         assert block <= seg and L % seg == 0
-        sums, hist = launch(x, mode, seg, block, warps, nb, length)
-        if length is None:
-            check(x, mode, seg, nb, sums, hist)
-        moved = nbytes if length is None else 0
+        if name not in only:
+            return
+        res = launch(x, mode, seg, block, warps, nb, length, relaxed)
+        if mode >= FLAG_SUM:
+            check_scan(x, mode, seg, *res)
+            params = {"flag_bin": FLAG_BIN, "flagged": round(n_flag / (B * L), 4)}
+            moved = nbytes + (8 * n_flag if mode >= COMPACT_CUMSUM else 0)  # + the (key, position) stores
+        else:
+            if length is None:
+                check(x, mode, seg, nb, *res)
+            params = {"bins": nb}
+            moved = nbytes if length is None else 0
         record(
             name,
-            lambda: launch(x, mode, seg, block, warps, nb, length),
+            lambda: launch(x, mode, seg, block, warps, nb, length, relaxed),
             moved,
             seg=seg,
             block=block,
             warps=warps,
-            bins=nb,
+            **params,
             checked=length is None,
         )
 
@@ -229,6 +378,14 @@ def main() -> None:
             for warps in sweep[2]:
                 if block <= seg:
                     probe("sweep_hist64_mask", HIST_MASK, seg=seg, block=block, warps=warps)
+    probe("flag_sum", FLAG_SUM)
+    probe("cumsum_block", CUMSUM)
+    probe("compact_cumsum", COMPACT_CUMSUM)
+    probe("compact_atomic", COMPACT_ATOMIC)
+    probe("compact_atomic_relaxed", COMPACT_ATOMIC, relaxed=True)
+    for warps in (1, 4):  # BLOCK / 4 (1024 on the GPU): at 1 warp the scan never crosses warps
+        probe("flag_sum_small", FLAG_SUM, block=block0 // 4, warps=warps)
+        probe("cumsum_small", CUMSUM, block=block0 // 4, warps=warps)
     record("torch_topk", lambda: torch.topk(x, K, dim=-1), k=K)
     record("clone", lambda: x.clone(), moved=2 * nbytes)  # read + write
 
@@ -243,9 +400,10 @@ def main() -> None:
         "reps": reps,
         "timing": "median us; cold = 256 MiB L2 flush before each rep, warm = none; gbps = bytes moved / time",
         "smoke": smoke,
+        "only": args.only,
     }
     (out / "topk_probe.json").write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
-    print(f"wrote {out / 'topk_probe.json'}: {len(results)} variants, all checks passed", flush=True)
+    print(f"wrote {out / 'topk_probe.json'}: {len(results)} rows, all checks passed", flush=True)
 
 
 if __name__ == "__main__":
