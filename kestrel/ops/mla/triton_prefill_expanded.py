@@ -196,9 +196,8 @@ def _bitmap_kernel(idx_ptr, bits_ptr, full_ptr, k, q0, words, stride_it, BK: tl.
         idx = tl.load(row + j, mask=j < k, other=-1)  # [BK] int64
         ok = (idx >= 0) & (idx <= pos)
         word = tl.where(ok, idx // 32, 0)
-        bit = tl.where(ok, tl.full([BK], 1, tl.int64) << (idx % 32), 0).to(
-            tl.int32
-        )  # bit 31: int32's sign bit
+        one = tl.full([BK], 1, tl.int64)
+        bit = tl.where(ok, one << (idx % 32), 0).to(tl.int32)  # bit 31 becomes int32's sign bit
         tl.atomic_or(bits_ptr + t.to(tl.int64) * words + word, bit, mask=ok, sem="relaxed")
         total += tl.sum(ok.to(tl.int32), 0)
     tl.store(full_ptr + t, (total == pos + 1).to(tl.int8))
