@@ -21,6 +21,10 @@ from pathlib import Path
 from kestrel.config import ModelConfig
 from kestrel.utils.errors import CheckpointError, ConfigError
 
+# The random-weight schemes of a preset (kestrel.models.loader.init_random_weights): "upstream" is normal(0.02) as
+# transformers and fla; "conditioned" rescales the same draws for a small bf16 floor.
+INIT_SCHEMES = ("upstream", "conditioned")
+
 # The byte tokenizer's ids (kestrel.tokenizer.ByteTokenizer): 256 bytes, then specials.
 _BYTE_VOCAB, _BYTE_BOS, _BYTE_EOS, _BYTE_PAD, _BYTE_IM_END = 261, 256, 257, 258, 260
 

@@ -1454,6 +1454,10 @@ SECTIONS = {
 
 def main() -> None:
     global S, OUT
+    from kestrel.presets import (
+        INIT_SCHEMES,
+    )  # (imports no Triton: --smoke sets TRITON_INTERPRET after parsing)
+
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--sections", default="ceilings,foundation,kda_layers,gpu_tests", help="comma-separated, or all"
@@ -1473,7 +1477,7 @@ def main() -> None:
     parser.add_argument(
         "--parity-init",
         default="upstream",
-        choices=("upstream", "conditioned"),
+        choices=INIT_SCHEMES,
         help="parity: the presets' random-weight scheme (kestrel.models.loader.init_random_weights)",
     )
     parser.add_argument(

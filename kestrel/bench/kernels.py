@@ -37,6 +37,19 @@ def _entry(name: str, ms: float, nbytes: float, flops: float, ceilings: dict, **
     return out
 
 
+def _sweep(fns: dict, device: str, err_name: str, err) -> dict:
+    """Each of `fns` (name -> a call of one kernel configuration) timed, with err(fn) under `err_name`: how far
+    its answer is from the reference. A configuration that fails (a tile that does not fit in shared memory
+    fails to compile) is recorded with its error, and the others still run."""
+    out = {}
+    for name, fn in fns.items():
+        try:
+            out[name] = {"ms": time_ms(fn, device), err_name: err(fn)}
+        except Exception as e:  # noqa: BLE001
+            out[name] = {"error": repr(e)[:300]}
+    return out
+
+
 def _graph_ms(calls: list) -> float:
     """Milliseconds per call of `calls` captured in one CUDA graph and replayed, as decode runs them (no Python
     launch cost); give each call its own weights, so that one call's working set is not in L2 for the next."""
@@ -236,7 +249,7 @@ def bench_sparse_mla_prefill(
     idx = torch.where(top.values >= 0, top.indices, -1).sort(-1, descending=True).values  # valid first
     del key, top
     scale = (Dn + P) ** -0.5
-    kv = pool[page * 1 : page * 1 + context]  # the sequence's rows (pages 1.. in order)
+    kv = pool[page : page + context]  # the sequence's rows (pages 1.. in order)
 
     def rows(**kw):
         return lambda: absorbed(
@@ -253,16 +266,23 @@ def bench_sparse_mla_prefill(
     def check(fn) -> float:
         return float((fn().float() - ref).abs().max() / ref.abs().max())
 
-    sweep = {}
-    for bn, warps, stages in ((32, 4, 2), (64, 4, 2), (32, 4, 3), (64, 8, 2)):
-        fn = rows(block_n=bn, num_warps=warps, num_stages=stages, valid_first=True)
-        sweep[f"block_n{bn}_warps{warps}_stages{stages}"] = {"ms": time_ms(fn, device), "rel_err": check(fn)}
+    tiles = ((32, 4, 2), (64, 4, 2), (32, 4, 3), (64, 8, 2))
+    sweep = _sweep(
+        {
+            f"block_n{bn}_warps{warps}_stages{stages}": rows(
+                block_n=bn, num_warps=warps, num_stages=stages, valid_first=True
+            )
+            for bn, warps, stages in tiles
+        },
+        device,
+        "rel_err",
+        check,
+    )
     peer_ms = time_ms(rows(), device)
     ms = sweep["block_n32_warps4_stages2"]["ms"]
 
-    expanded = {}
-    for bm, bn, warps, stages in ((128, 128, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 4, 2)):
-        fn = lambda bm=bm, bn=bn, warps=warps, stages=stages: sparse_mla_prefill_expanded(  # noqa: E731
+    def expanded_fn(bm, bn, warps, stages):
+        return lambda: sparse_mla_prefill_expanded(
             q_nope,
             q_pe,
             kv,
@@ -275,11 +295,17 @@ def bench_sparse_mla_prefill(
             num_warps=warps,
             num_stages=stages,
         )
-        key_ = f"block_m{bm}_block_n{bn}_warps{warps}_stages{stages}"
-        try:  # a tile that does not fit in shared memory fails to compile: recorded, the others still run
-            expanded[key_] = {"ms": time_ms(fn, device), "rel_err": check(fn)}
-        except Exception as e:  # noqa: BLE001
-            expanded[key_] = {"error": repr(e)[:300]}
+
+    tiles = ((128, 128, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 4, 2))
+    expanded = _sweep(
+        {
+            f"block_m{bm}_block_n{bn}_warps{w}_stages{st}": expanded_fn(bm, bn, w, st)
+            for bm, bn, w, st in tiles
+        },
+        device,
+        "rel_err",
+        check,
+    )
     causal = lambda: sparse_mla_prefill_expanded(q_nope, q_pe, kv, w_uk, w_uv, scale)  # noqa: E731
     try:
         expanded["causal_no_selection"] = {"ms": time_ms(causal, device)}
@@ -445,15 +471,18 @@ def bench_kda_conv_prefill(
     weight = torch.randn(channels, 4, device=device, dtype=torch.bfloat16)
     cu = torch.linspace(0, tokens, seqs + 1, device=device).long()
     ref = short_conv_prefill(x, weight, None, cu)[0].float()
-    sweep = {}
-    for bt, bc, warps in ((16, 256, 4), (64, 128, 4), (32, 128, 8), (16, 512, 8), (8, 256, 2), (16, 128, 2)):
-        fn = lambda bt=bt, bc=bc, warps=warps: short_conv_prefill(  # noqa: E731
-            x, weight, None, cu, block_t=bt, block_c=bc, num_warps=warps
-        )
-        sweep[f"block_t{bt}_block_c{bc}_warps{warps}"] = {
-            "ms": time_ms(fn, device),
-            "max_abs_vs_default": float((fn()[0].float() - ref).abs().max()),
-        }
+    tiles = ((16, 256, 4), (64, 128, 4), (32, 128, 8), (16, 512, 8), (8, 256, 2), (16, 128, 2))
+    sweep = _sweep(
+        {
+            f"block_t{bt}_block_c{bc}_warps{w}": lambda bt=bt, bc=bc, w=w: short_conv_prefill(
+                x, weight, None, cu, block_t=bt, block_c=bc, num_warps=w
+            )
+            for bt, bc, w in tiles
+        },
+        device,
+        "max_abs_vs_default",
+        lambda fn: float((fn()[0].float() - ref).abs().max()),
+    )
     ms = sweep["block_t16_block_c256_warps4"]["ms"]
     # as the engine calls it: each sequence's conv state (its last W - 1 inputs) from the state pool
     state = torch.randn(seqs, channels, 3, device=device, dtype=torch.bfloat16)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kestrel.config import ModelConfig
-from kestrel.env import env_field, read_env
+from kestrel.env import env_field
 from kestrel.layers.context import get_forward_context
 from kestrel.layers.linear import ColumnLinear, Linear, RowLinear
 from kestrel.layers.norm import LayerNorm, RMSNorm
@@ -355,7 +355,7 @@ def _own_pages(ctx, i: int, table: torch.Tensor, page_size: int, rows: int) -> t
 
 
 def _use_triton(device: torch.device) -> bool:
-    choice = read_env().attn_backend
+    choice = env_field("attn_backend")  # asked several times per layer and step: one variable, not all
     if choice == "torch":
         return False
     if choice == "triton":

@@ -15,7 +15,7 @@ from kestrel.layers.moe import Experts, Router
 from kestrel.layers.norm import LayerNorm, RMSNorm
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.weights import load_weights
-from kestrel.presets import PRESETS, preset_config, resolve_model
+from kestrel.presets import INIT_SCHEMES, PRESETS, preset_config, resolve_model
 from kestrel.utils.errors import CheckpointError
 
 # Parameters that write into the residual stream: scaled by 1 / sqrt(2 * layers) by the "conditioned" init.
@@ -26,7 +26,6 @@ RESIDUAL_OUTPUTS = (
     "mlp.down_proj.weight",
     "mlp.routed_expert_up_proj.weight",
 )
-INIT_SCHEMES = ("upstream", "conditioned")
 
 
 @torch.no_grad()

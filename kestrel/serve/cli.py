@@ -14,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kestrel.presets import INIT_SCHEMES
 from kestrel.serve.commands import cmd_chat, cmd_generate, cmd_init_random, cmd_serve, engine_config
 from kestrel.serve.train_commands import cmd_eval, cmd_train
 from kestrel.utils.errors import KestrelError
@@ -173,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--init",
         default="upstream",
-        choices=["upstream", "conditioned"],
+        choices=INIT_SCHEMES,
         help="upstream: normal(0.02) as transformers and fla; conditioned: the same draws, embedding x10 and "
         "residual outputs / sqrt(2 x layers) (a bf16 floor of ~1.5%% instead of ~12%% on mini)",
     )

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.env import read_env
+from kestrel.env import env_field
 from kestrel.ops.kda import naive
 from kestrel.ops.kda.naive import (
     chunk_kda,
@@ -67,7 +67,7 @@ def _fla_backend() -> KDABackend:
     from kestrel.ops.kda import fla  # imports fla-core and triton
     from kestrel.ops.kda.packed_conv import short_conv_packed
 
-    choice = read_env().kda_conv
+    choice = env_field("kda_conv")
     conv = {"fla": fla.short_conv, "torch": short_conv_packed}.get(choice, _short_conv_auto)
     return KDABackend("fla", fla.chunk, fla.recurrent, fla.recurrent_inplace, fla.conv_step_inplace, conv)
 
@@ -75,12 +75,11 @@ def _fla_backend() -> KDABackend:
 def get_kda_backend(device: torch.device) -> KDABackend:
     """The KDA backend for tensors on `device`, as KESTREL_KDA_BACKEND (auto | naive | fla) asks."""
     device = torch.device(device)
-    env = read_env()
-    choice = env.kda_backend
+    choice = env_field("kda_backend")  # every KDA layer asks at every step: its variables alone
     if choice == "naive":
         return NAIVE
     if choice == "fla":
-        if device.type != "cuda" and not env.triton_interpret:
+        if device.type != "cuda" and not env_field("triton_interpret"):
             raise RuntimeError(
                 f"KESTREL_KDA_BACKEND=fla needs a CUDA device, but the model is on {device}; "
                 "use KESTREL_KDA_BACKEND=naive or auto"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
-from kestrel.env import read_env
+from kestrel.env import env_field
 
 
 def chunk(
@@ -36,16 +36,15 @@ def chunk(
     in one launch, where the chunked form's ten launches would cost the host more than the GPU's work. (Which
     form runs depends on the step's total tokens, so a sequence's rounding can depend on its batch.)
     Returns (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None)."""
-    env = read_env()
     inputs = (q, k, v, g, beta) if initial_state is None else (q, k, v, g, beta, initial_state)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    if not grad and q.shape[0] * q.shape[1] <= env.kda_recurrent_prefill:
+    if not grad and q.shape[0] * q.shape[1] <= env_field("kda_recurrent_prefill"):
         return recurrent(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens
         )
-    safe_gate = env.kda_safe_gate and gate_lower_bound is not None and -5 <= gate_lower_bound < 0
+    safe_gate = env_field("kda_safe_gate") and gate_lower_bound is not None and -5 <= gate_lower_bound < 0
     if disable_recompute is None:
-        disable_recompute = env.kda_no_recompute and torch.is_grad_enabled() and q.requires_grad
+        disable_recompute = env_field("kda_no_recompute") and torch.is_grad_enabled() and q.requires_grad
     if initial_state is not None:
         initial_state = initial_state.float()  # chunk_kda asserts an fp32 initial state
     o, final_state = chunk_kda(

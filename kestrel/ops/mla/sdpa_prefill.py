@@ -14,6 +14,20 @@ import torch
 import torch.nn.functional as F
 
 
+def expand_history(
+    kv: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Latent rows kv [L, R + P] -> per-head keys [L, H, Dn], rope keys [L, P] and values [L, H, Dv] in dtype
+    (one GEMM each for keys and values). w_uk [H, Dn, R], w_uv [H, Dv, R]."""
+    H, Dn, R = w_uk.shape
+    Dv = w_uv.shape[1]
+    L = kv.shape[0]
+    c_kv, k_pe = kv.to(dtype).split([R, kv.shape[1] - R], dim=-1)  # [L, R], [L, P]
+    k = (c_kv @ w_uk.to(dtype).reshape(H * Dn, R).T).view(L, H, Dn)  # [L, H, Dn]
+    v = (c_kv @ w_uv.to(dtype).reshape(H * Dv, R).T).view(L, H, Dv)  # [L, H, Dv]
+    return k, k_pe.contiguous(), v
+
+
 def mla_prefill_sdpa(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -28,10 +42,8 @@ def mla_prefill_sdpa(
     P = q_pe.shape[-1]
     L = kv_cache.shape[0]
     assert T <= L, f"{T} queries over {L} cached rows: the chunk's own rows must be in the cache"
-    dt = q_nope.dtype
-    c_kv, k_pe = kv_cache.to(dt).split([kv_cache.shape[1] - P, P], dim=-1)  # [L, R], [L, P]
-    k_nope = torch.einsum("lr,hdr->hld", c_kv, w_uk.to(dt))  # [H, L, Dn]
-    v = torch.einsum("lr,hdr->hld", c_kv, w_uv.to(dt))  # [H, L, Dv]
+    k_nope, k_pe, v = expand_history(kv_cache, w_uk, w_uv, q_nope.dtype)  # [L, H, Dn], [L, P], [L, H, Dv]
+    k_nope, v = k_nope.transpose(0, 1), v.transpose(0, 1)  # [H, L, Dn], [H, L, Dv]
     k = torch.cat([k_nope, k_pe[None].expand(H, L, P)], dim=-1)  # [H, L, Dn + P]
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [H, T, Dn + P]
     if T == L:  # a chunk from position 0: plain causal attention

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.ops.mla.sdpa_prefill import expand_history
+
 # The two kernels' costs on the H200 at mini's sizes (bench/results/2026-11-30-h200-session9.json, call 6): the rows
 # kernel 0.65 ns per (query, selected key) pair; this one ~0.031 ns per (query, causal key) pair (the slope between
 # the last 4096 queries of 16K and of 32K context: 2.58 and 4.83 ms), plus the expansion of the history, two GEMMs
@@ -221,20 +223,6 @@ def selection_bits(indices: torch.Tensor, q0: int, length: int) -> tuple[torch.T
         BK = min(2048, triton.next_power_of_2(max(k, 16)))
         _bitmap_kernel[(T,)](indices, bits, full, k, q0, bits.shape[1], indices.stride(0), BK=BK, num_warps=4)
     return bits, full
-
-
-def expand_history(
-    kv: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Latent rows kv [L, R + P] -> per-head keys [L, H, Dn], rope keys [L, P] and values [L, H, Dv] in dtype
-    (one GEMM each for keys and values). w_uk [H, Dn, R], w_uv [H, Dv, R]."""
-    H, Dn, R = w_uk.shape
-    Dv = w_uv.shape[1]
-    L = kv.shape[0]
-    c_kv, k_pe = kv.to(dtype).split([R, kv.shape[1] - R], dim=-1)  # [L, R], [L, P]
-    k = (c_kv @ w_uk.to(dtype).reshape(H * Dn, R).T).view(L, H, Dn)  # [L, H, Dn]
-    v = (c_kv @ w_uv.to(dtype).reshape(H * Dv, R).T).view(L, H, Dv)  # [L, H, Dv]
-    return k, k_pe.contiguous(), v
 
 
 def sparse_mla_prefill_expanded(

@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kestrel.env import read_env
+from kestrel.env import env_field
 from kestrel.ops.activation import glu_act
 
 
@@ -74,7 +74,7 @@ def moe_experts_grouped(
     T, A = ids.shape
     E = w13.shape[0]
     if use_grouped_mm is None:
-        use_grouped_mm = _use_grouped_mm(x, w2) and read_env().moe_grouped_mm == "auto"
+        use_grouped_mm = _use_grouped_mm(x, w2) and env_field("moe_grouped_mm") == "auto"
     flat_ids = ids.reshape(-1)  # [M]
     order = torch.argsort(flat_ids, stable=True)  # [M]  expert-major, then token order
     token = order // A  # [M]
