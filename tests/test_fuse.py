@@ -30,7 +30,7 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_training_step_equals_eager(device, monkeypatch):
     from torch._dynamo.utils import counters
 
-    monkeypatch.delenv("KESTREL_COMPILE_TRAIN", raising=False)  # the reference pass is eager whatever the env
+    monkeypatch.setenv("KESTREL_COMPILE_TRAIN", "off")  # the reference pass is eager (auto compiles on CUDA)
     monkeypatch.setenv("KESTREL_KDA_BACKEND", "naive")  # under test: the fused elementwise ops, nothing else
     model = init_random_weights(KimiForCausalLM(preset_config("tiny")), seed=2).to(device)
     ids = torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(0)).to(device)
@@ -66,3 +66,24 @@ def test_inference_takes_the_arguments_by_keyword():
     with torch.no_grad():
         assert torch.equal(rms_norm(x=x, weight=w, eps=1e-6), rms_norm.eager(x, w, 1e-6))
         assert torch.equal(rms_norm(weight=w, eps=1e-6, x=x), rms_norm.eager(x, w, 1e-6))
+
+
+def test_auto_compiles_on_cuda_only(monkeypatch):
+    """KESTREL_COMPILE_TRAIN=auto (the default) leaves CPU training eager; bad values are refused by name."""
+    from torch._dynamo.utils import counters
+
+    from kestrel.env import env_field
+
+    monkeypatch.delenv("KESTREL_COMPILE_TRAIN", raising=False)
+    assert env_field("compile_train") == "auto"
+    torch._dynamo.reset()
+    counters.clear()
+    x, w = torch.randn(3, 8, requires_grad=True), torch.randn(8)
+    rms_norm(x, w, 1e-6).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 0
+    for given, parsed in (("1", "on"), ("ON", "on"), ("0", "off"), ("false", "off")):
+        monkeypatch.setenv("KESTREL_COMPILE_TRAIN", given)
+        assert env_field("compile_train") == parsed
+    monkeypatch.setenv("KESTREL_COMPILE_TRAIN", "sometimes")
+    with pytest.raises(ValueError, match="KESTREL_COMPILE_TRAIN"):
+        env_field("compile_train")

@@ -1,8 +1,8 @@
 """`fused`: an op that runs as written (its plain-torch reference), or faster where that is safe:
 
-- while autograd records (training) with KESTREL_COMPILE_TRAIN on: through torch.compile, so that the chain of
-  fp32 elementwise work (norms, gates, activations, AttnRes mixing), one kernel and one pass over memory per
-  operator in eager PyTorch, is one kernel forward and one backward;
+- while autograd records (training) with KESTREL_COMPILE_TRAIN on (auto: on CUDA): through torch.compile, so
+  that the chain of fp32 elementwise work (norms, gates, activations, AttnRes mixing), one kernel and one pass
+  over memory per operator in eager PyTorch, is one kernel forward and one backward;
 - without autograd (inference: the engine runs under no_grad) on CUDA, below fp64, when the op names a `fast`
   Triton kernel and KESTREL_FUSED_OPS is auto: through that kernel. Decode is bound by the number of kernels a step
   launches, and these ops are most of them.
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from kestrel.env import fused_ops_on, read_env
+from kestrel.env import env_field, fused_ops_on
 
 _RECOMPILE_LIMIT = 64  # one compiled graph per (shape, dtype) an op meets: a model has a few dozen
 
@@ -34,14 +34,15 @@ def fused(fast: str | None = None) -> Callable[[Callable], Callable]:
         @functools.wraps(fn)
         def op(*args, **kwargs):
             nonlocal compiled
+            x = args[0] if args else kwargs.get(first)  # passed by keyword too
             if torch.is_grad_enabled():
-                if not read_env().compile_train:
+                mode = env_field("compile_train")
+                if mode == "off" or (mode == "auto" and not (isinstance(x, torch.Tensor) and x.is_cuda)):
                     return fn(*args, **kwargs)
                 if compiled is None:
                     _raise_recompile_limit()
                     compiled = torch.compile(fn, dynamic=False, fullgraph=True)
                 return compiled(*args, **kwargs)
-            x = args[0] if args else kwargs.get(first)  # passed by keyword too
             if (
                 fast is not None
                 and isinstance(x, torch.Tensor)
