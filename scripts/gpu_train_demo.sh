@@ -7,7 +7,7 @@
 # Carry `.whl` (scripts/fetch_wheels.sh) and `.triton-cache` when there is one. The run lives in /tmp/demo-run
 # on the machine, which keeps it only while the machine stays held: call again within the idle window.
 # Every knob is an environment variable (defaults: the run that made the shipped model, 2026-11-30):
-#   MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT LR WARMUP DENSE BUDGET WORKERS SEED EVAL_S PARITY_S
+#   MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED LR WARMUP DENSE BUDGET WORKERS SEED EVAL_S PARITY_S
 # Measured 2026-11-29 (bench/results/2026-11-29-train-profile-h200.json): 8 rows x 8704 tokens take 0.30 s a
 # step dense, 0.43 s sparse; a fresh machine first spends ~190 s compiling and autotuning.
 set -uo pipefail
@@ -24,6 +24,7 @@ start)
     # MODEL=kestrel-demo TOKENIZER=kestrel/data/kestrel-demo continues training the shipped model instead
     setsid nohup python3 -m kestrel.serve.cli train --out $RUN --model "${MODEL:-demo}" ${TOKENIZER:+--tokenizer "$TOKENIZER"} \
         --steps "${STEPS:-4000}" --retrieval-weight "${RWEIGHT:-0.1}" --seed "${SEED:-0}" \
+        --retrieval-shared-prefix "${RSHARED:-0}" \
         --batch-rows "${ROWS:-8}" --row-len "${ROW_LEN:-8704}" --retrieval-lengths "${RLEN:-2048,8192}" \
         --lr "${LR:-3e-3}" --warmup-steps "${WARMUP:-50}" --dsa-dense-steps "${DENSE:-400}" --checkpoint-every 250 \
         --time-budget-s "${BUDGET:-720}" --data-workers "${WORKERS:-12}" > $RUN/train.log 2>&1 < /dev/null &

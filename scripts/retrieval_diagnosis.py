@@ -6,7 +6,12 @@ a wrong answer is one of two failures, measured apart:
   lookup     the asked name written for it (teacher-forced up to `... is`): does the code that follows match?
   name_copy  the asked first name written for it: does the model go on with the right family name?
 A model with a good `lookup` and a poor `free` fails at copying the name from the question, not at finding
-the fact.
+the fact. Each wrong lookup is also classed by the code it wrote against the prompt's other codes:
+  distractor  another person's whole code;
+  splice      the right code's first digits, then a distractor's continuation from where they share a prefix
+              (digit-by-digit copying that jumps to the other code at the shared digits);
+  other       anything else.
+and the lookup accuracy is split by whether a distractor's code shares its first digit with the right one.
 
     python3 scripts/retrieval_diagnosis.py --model kestrel-demo --num 30 --length 2048 --out diag.json
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -38,6 +44,33 @@ def _share(flags: list[bool], where: list[bool]) -> float | None:
     return sum(picked) / len(picked) if picked else None
 
 
+def _shared_prefix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def classify(wrote: str, answer: str, others: list[str]) -> str:
+    """right | distractor | splice | other, for the code written after `... is` (see the module docstring)."""
+    code = (re.findall(r"\d+", wrote) or [""])[0]
+    if code == answer:
+        return "right"
+    if code in others:
+        return "distractor"
+    for other in others:
+        n = _shared_prefix(answer, other)
+        if (
+            n
+            and code[:n] == answer[:n]
+            and code[n:]
+            and other.startswith(code[:n])
+            and other[n:].startswith(code[n:])
+        ):
+            return "splice"
+    return "other"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="kestrel-demo")
@@ -57,6 +90,12 @@ def main() -> None:
     ]
     codes = _greedy(llm, forced, 7)
     lookup = [text.strip().startswith(ex.answer) for text, ex in zip(codes, examples)]
+    others = [
+        [c for c in re.findall(r"The code of [^.]*? is (\d+)\.", ex.prompt) if c != ex.answer]
+        for ex in examples
+    ]
+    kinds = [classify(text, ex.answer, o) for text, ex, o in zip(codes, examples, others)]
+    shares = [any(o[:1] == ex.answer[:1] for o in os_) for ex, os_ in zip(examples, others)]
     firsts = [ex.meta["name"].split(" ", 1) for ex in examples]
     names = _greedy(llm, [prompt_ids(tok, ex) + tok.encode(f"The text says: The code of {first}")
                              for ex, (first, _) in zip(examples, firsts)], 6)  # fmt: skip
@@ -71,6 +110,15 @@ def main() -> None:
         "free_accuracy": free["accuracy"],
         "free_wrong_samples": free["wrong_samples"],
         "lookup_accuracy_given_the_name": sum(lookup) / len(lookup),
+        "lookup_wrong_kinds": {k: kinds.count(k) for k in ("distractor", "splice", "other")},
+        "lookup_wrong_samples": [
+            {"answer": ex.answer, "wrote": text.strip(), "others": o, "kind": k}
+            for ex, text, o, k in zip(examples, codes, others, kinds)
+            if k != "right"
+        ][:12],
+        "lookup_accuracy_first_digit_shared": _share(lookup, shares),
+        "lookup_accuracy_first_digit_not_shared": _share(lookup, [not s for s in shares]),
+        "first_digit_shared": sum(shares),
         "name_copy_accuracy": sum(copied) / len(copied),
         "name_copy_samples": [
             {"asked": ex.meta["name"], "wrote": text} for ex, text in zip(examples[:5], names)

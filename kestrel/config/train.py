@@ -42,6 +42,9 @@ class TrainConfig:
     # 8704 with 2K/8K documents: 0.1 gives 8.3 retrieval documents a step (67% of the tokens, 1.8% of the loss
     # tokens) among 271; 0.2 gives 8.7 among 196 (the rows are full of long documents already)
     retrieval_weight: float = 0.1
+    # share of retrieval training problems in which a distractor's code shares its first 1-4 digits with the
+    # asked one (tasks.Retrieval); held-out sets keep none
+    retrieval_shared_prefix: float = 0.0
 
     def __post_init__(self):
         checks = [
@@ -56,6 +59,7 @@ class TrainConfig:
             ),
             (all(n < self.row_len for n in self.retrieval_lengths), "retrieval_lengths must fit in row_len"),
             (self.retrieval_weight >= 0, "retrieval_weight must be >= 0"),
+            (0 <= self.retrieval_shared_prefix <= 1, "retrieval_shared_prefix must be in [0, 1]"),
         ]
         bad = [msg for ok, msg in checks if not ok]
         if bad:

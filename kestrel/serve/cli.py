@@ -243,6 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.1,
         help="weight of the retrieval family in the draw, against 1.0 per arithmetic family (default 0.1)",
     )
+    t.add_argument(
+        "--retrieval-shared-prefix",
+        type=_non_negative_float,
+        default=0.0,
+        help="share (0-1) of retrieval problems in which a distractor's code starts with the asked code's first "
+        "1-4 digits (default 0)",
+    )
     t.add_argument("--checkpoint-every", type=_positive_int, default=500)
     t.add_argument("--time-budget-s", type=float, default=None, help="stop and checkpoint after this long")
     t.add_argument("--data-workers", type=int, default=0)

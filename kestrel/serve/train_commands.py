@@ -38,6 +38,7 @@ def cmd_train(args) -> int:
         dsa_dense_steps=args.dsa_dense_steps,
         retrieval_lengths=_lengths(args.retrieval_lengths),
         retrieval_weight=args.retrieval_weight,
+        retrieval_shared_prefix=args.retrieval_shared_prefix,
         checkpoint_every=args.checkpoint_every,
         time_budget_s=args.time_budget_s,
         device=args.device,

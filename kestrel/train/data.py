@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -41,7 +41,13 @@ class MixtureConfig:
     weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
     levels: dict[str, str] = field(default_factory=dict)  # family -> level; a family's default otherwise
     retrieval_context_tokens: tuple[int, ...] = (2048,)  # one is picked per retrieval example
+    retrieval_shared_prefix: float = (
+        0.0  # share of retrieval problems with a code-prefix distractor (Retrieval)
+    )
     system: str | None = None  # an optional system message in every conversation
+    retrieval_shared_prefix: float = (
+        0.0  # share of retrieval problems with a code-prefix distractor (Retrieval)
+    )
 
 
 class Mixture:
@@ -52,7 +58,11 @@ class Mixture:
             raise ValueError("the mixture needs at least one family with a positive weight")
         self.families: dict[str, Family] = {}
         for name in weights:
-            extra = {"tokenizer": tokenizer} if name == "retrieval" else {}
+            extra = (
+                {"tokenizer": tokenizer, "shared_prefix": self.config.retrieval_shared_prefix}
+                if name == "retrieval"
+                else {}
+            )
             self.families[name] = make_family(name, self.config.levels.get(name), **extra)
         total, acc = sum(weights.values()), 0.0
         self._cumulative = []
@@ -99,7 +109,7 @@ def corpus_texts(n: int, seed: int = 0, config: MixtureConfig | None = None) -> 
     """Retrieval documents are kept short here (about 256 tokens, counted in characters): the filler
     vocabulary is small, and long documents would only slow tokenizer training down."""
     config = config or MixtureConfig()
-    config = MixtureConfig(config.weights, config.levels, (256,), config.system)
+    config = replace(config, retrieval_context_tokens=(256,))
     for ex in Mixture(config).examples(seed, "train", 0, n):
         system = f"system\n{config.system}\n" if config.system else ""
         yield f"{system}user\n{ex.prompt}\nassistant\n{assistant_text(ex)}"

@@ -335,7 +335,12 @@ class Retrieval(Family):
 
     Length: with a `tokenizer` the prompt is fitted to `context_tokens` tokens of it (within `TOLERANCE`);
     without one, characters are counted at `CHARS_PER_TOKEN` per token, about what the demo's 8K BPE gives on
-    this filler."""
+    this filler.
+
+    `shared_prefix` (training only; held-out sets keep 0): the share of problems in which one distractor's code
+    starts with the same 1-4 digits as the asked code. The demo model copies a code digit by digit and, where
+    another code shares its first digit, half the time goes on with that code instead (session 10's diagnosis,
+    scripts/retrieval_diagnosis.py); these problems make the rest of the code depend on where it was found."""
 
     name = "retrieval"
     LEVELS = {
@@ -348,10 +353,15 @@ class Retrieval(Family):
     TOLERANCE = 0.03
     HEAD = "Read the text below and answer the question at the end.\n\n"
 
-    def __init__(self, level: str | None = None, tokenizer=None, context_tokens: int = 2048):
+    def __init__(
+        self, level: str | None = None, tokenizer=None, context_tokens: int = 2048, shared_prefix: float = 0.0
+    ):
         super().__init__(level)
+        if not 0.0 <= shared_prefix <= 1.0:
+            raise ValueError(f"retrieval: shared_prefix {shared_prefix} must be in [0, 1]")
         self.tokenizer = tokenizer
         self.context_tokens = context_tokens
+        self.shared_prefix = shared_prefix
 
     def _draw(self, sub_seed):
         rng = random.Random(sub_seed)
@@ -366,6 +376,10 @@ class Retrieval(Family):
             if other != (first, last) and other not in others:
                 others.append(other)
         codes = rng.sample(range(10000, 100000), 1 + len(others))
+        if (
+            self.shared_prefix and rng.random() < self.shared_prefix
+        ):  # no draw at 0: held-out sets stay as they were
+            codes[rng.randrange(1, len(codes))] = _code_sharing_prefix(rng, codes, rng.randint(1, 4))
         names = [f"{first} {last}"] + [f"{a} {b}" for a, b in others]
         return _Draft(f"{names[0]}={codes[0]}", {"names": names, "codes": codes, "seed": rng.getrandbits(64)})
 
@@ -406,6 +420,16 @@ class Retrieval(Family):
 
     def check(self, meta, answer):
         return answer.strip() == meta["answer"]
+
+
+def _code_sharing_prefix(rng: random.Random, codes: list[int], n: int) -> int:
+    """A 5-digit code that starts with exactly the first n digits of codes[0] and is none of `codes`."""
+    asked = str(codes[0])
+    while True:
+        nxt = rng.choice([d for d in "0123456789" if d != asked[n]])  # the first digit that differs
+        code = int(asked[:n] + nxt + "".join(rng.choice("0123456789") for _ in range(4 - n)))
+        if code not in codes:
+            return code
 
 
 FAMILIES: dict[str, type[Family]] = {

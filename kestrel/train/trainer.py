@@ -118,6 +118,7 @@ class Trainer:
         mixture = MixtureConfig(
             weights={**DEFAULT_WEIGHTS, "retrieval": cfg.retrieval_weight},
             retrieval_context_tokens=tuple(cfg.retrieval_lengths),
+            retrieval_shared_prefix=cfg.retrieval_shared_prefix,
         )
         self.data = PackedBatches(
             str(self.tokenizer_dir) if cfg.data_workers else self.tokenizer,

@@ -168,6 +168,33 @@ def test_retrieval_hard_distractors_share_a_name_part():
         assert all((o.split()[0] == first) != (o.split()[1] == last) for o in others)
 
 
+def _codes(ex: Example) -> tuple[str, list[str]]:
+    """The asked code and the distractors' codes of a retrieval prompt."""
+    codes = re.findall(r"The code of [^.]*? is (\d+)\.", ex.prompt)
+    return ex.answer, [c for c in codes if c != ex.answer]
+
+
+def test_retrieval_shared_prefix_distractors():
+    """shared_prefix=1: every problem has a distractor whose code starts with exactly the asked code's first 1-4
+    digits; 0 (the default) changes nothing, so held-out sets stay as they were."""
+    shared = make_family("retrieval", shared_prefix=1.0)
+    plain, default = make_family("retrieval", shared_prefix=0.0), make_family("retrieval")
+    lengths = set()
+    for i in range(40):
+        ex = shared.generate(0, i, **SMALL_RETRIEVAL)
+        answer, others = _codes(ex)
+        assert len(set(others)) == len(others) and all(len(o) == 5 for o in others)
+        prefix = max(len(os.path.commonprefix([answer, o])) for o in others)
+        assert 1 <= prefix <= 4, (answer, others)
+        lengths.add(prefix)
+        assert verify(ex, f"Answer: {answer}")
+        a, b = plain.generate(0, i, **SMALL_RETRIEVAL), default.generate(0, i, **SMALL_RETRIEVAL)
+        assert a.prompt == b.prompt and a.answer == b.answer
+    assert lengths == {1, 2, 3, 4}
+    with pytest.raises(ValueError, match="shared_prefix"):
+        make_family("retrieval", shared_prefix=1.5)
+
+
 def test_retrieval_filler_differs_between_examples():
     a, b = _generate("retrieval", 0, 0), _generate("retrieval", 0, 1)
     assert a.prompt.split("\n\n")[1][:80] != b.prompt.split("\n\n")[1][:80]
