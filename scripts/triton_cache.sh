@@ -3,7 +3,8 @@
 # spends ~190 s compiling and autotuning fla-core's chunked KDA kernels before the first training step.
 #   scripts/triton_cache.sh restore   on the device: unpack .triton-cache/part-* (carried) into $TRITON_CACHE_DIR
 #   scripts/triton_cache.sh save      on the device: pack $TRITON_CACHE_DIR into $OUT/triton-cache.part-* (15 MiB each)
-#   scripts/triton_cache.sh keep DIR  here: copy the parts a run brought back (files_at DIR) into .triton-cache/
+#   scripts/triton_cache.sh keep DIR  here: keep the autotuning results of what a run brought back (files_at DIR)
+#                                     in .triton-cache/autotune.tgz (the whole cache no longer fits the carry)
 # The whole cache (88 MB compressed after the demo run) may not fit beside a run's other files; then the
 # autotuning results alone (*.autotune.json: the timings of every config, a few hundred kB) travel as
 # triton-autotune.tgz: with them a fresh machine compiles only each kernel's chosen config instead of
@@ -64,8 +65,14 @@ keep)
     [ ${#parts[@]} -gt 0 ] || { echo "no triton-cache parts in $2: .triton-cache left as it was" >&2; exit 1; }
     cat "${parts[@]}" | gzip -t || { echo "the parts in $2 are incomplete: .triton-cache left as it was" >&2; exit 1; }
     rm -rf .triton-cache && mkdir -p .triton-cache
-    for f in "${parts[@]}"; do cp "$f" ".triton-cache/part-${f##*.part-}"; done
-    ls -la .triton-cache
+    # The device tool carries at most 64 MiB of working tree, and the shipped demo model (36 MB) and the wheels
+    # (16 MB) leave no room for the whole cache: keep its autotuning results alone. With them a fresh machine's
+    # first demo training step took 15-63 s (session 10), against ~190 s cold.
+    tmp=$(mktemp -d)
+    cat "${parts[@]}" | tar xzf - -C "$tmp"
+    (cd "$tmp" && find . -name '*.autotune.json' -print0 | tar czf "$OLDPWD/.triton-cache/autotune.tgz" --null -T -)
+    rm -rf "$tmp"
+    echo "triton cache: $(tar tzf .triton-cache/autotune.tgz | grep -c autotune.json) autotuning results kept"
     ;;
 *)
     echo "usage: $0 restore|save|keep DIR" >&2
