@@ -85,3 +85,31 @@ def test_indexer_kl_goes_down_when_the_indexer_learns():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_sparse_rows_select_through_the_triton_kernels(monkeypatch):
+    """KESTREL_ATTN_BACKEND=triton (on CUDA, auto): sparse training scores the rows with the prefill indexer kernel
+    and selects with the Triton top-k (here in Triton's interpreter); same scores on the visible positions and
+    the same output as the reference scoring and top-k."""
+    model, ids = _model(), _ids()
+    layer = model.model.layers[model.config.mla_layer_ids[0]].self_attn
+    g = torch.Generator().manual_seed(1)
+    q_i, w_i, k_i = (
+        torch.randn(R, 4, 16, generator=g),
+        torch.randn(R, 4, generator=g),
+        torch.randn(R, 16, generator=g),
+    )
+    picks = torch.tensor([3, 17, 40, 63])
+    fast = layer._row_index_scores_triton(q_i, w_i, k_i, picks)  # [4, R]
+    ref = layer._row_index_scores(q_i[None], w_i[None], k_i[None], picks)[0]
+    causal = torch.arange(R)[None, :] <= picks[:, None]
+    assert torch.allclose(fast[causal], ref[causal], rtol=1e-5, atol=1e-5)
+    assert fast[~causal].isnan().all()  # past each query: invalid, as the top-k reads it
+    with torch.no_grad():
+        monkeypatch.setenv("KESTREL_ATTN_BACKEND", "torch")
+        with forward_context(_ctx(rows=True)):
+            expected = model(ids)
+        monkeypatch.setenv("KESTREL_ATTN_BACKEND", "triton")
+        with forward_context(_ctx(rows=True)):
+            got = model(ids)
+    assert _rel(expected, got) < 1e-5
