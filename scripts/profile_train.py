@@ -86,7 +86,7 @@ def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=True) as prof:
         trainer.train_step(batches[3])
         _sync()
     from torch.autograd import DeviceType
@@ -112,6 +112,20 @@ def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
             for e in modules
         ],
         "most_called_ops": [{"name": e.key[:90], "calls": e.count} for e in by_calls],
+        # the ATen ops whose own kernels took the most GPU time, by input shapes: which tensor a kernel ran on
+        "top_ops_by_shape": [
+            {
+                "name": e.key,
+                "shapes": str(e.input_shapes)[:200],
+                "gpu_ms": e.self_device_time_total / 1e3,
+                "calls": e.count,
+            }
+            for e in sorted(
+                (e for e in prof.key_averages(group_by_input_shape=True) if e.device_type != DeviceType.CUDA),
+                key=lambda e: e.self_device_time_total,
+                reverse=True,
+            )[:top]
+        ],
         "kernel_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
         "kernel_launches": sum(e.count for e in kernels),
     }
