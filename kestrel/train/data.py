@@ -41,13 +41,9 @@ class MixtureConfig:
     weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
     levels: dict[str, str] = field(default_factory=dict)  # family -> level; a family's default otherwise
     retrieval_context_tokens: tuple[int, ...] = (2048,)  # one is picked per retrieval example
-    retrieval_shared_prefix: float = (
-        0.0  # share of retrieval problems with a code-prefix distractor (Retrieval)
-    )
     system: str | None = None  # an optional system message in every conversation
-    retrieval_shared_prefix: float = (
-        0.0  # share of retrieval problems with a code-prefix distractor (Retrieval)
-    )
+    # the share of retrieval problems with a distractor whose code shares the asked code's first digits
+    retrieval_shared_prefix: float = 0.0
 
 
 class Mixture:

@@ -153,3 +153,10 @@ def test_lr_schedule_and_bias_balancing(tmp_path, byte_tok):
     update_expert_biases(trainer.model, {layer: ids}, rate=0.01)
     bias = trainer.model.model.layers[layer].mlp.gate.e_score_correction_bias
     assert bias[0] < 0 and (bias[1:] > 0).all()
+
+
+def test_retrieval_shared_prefix_reaches_the_data(tmp_path, byte_tok):
+    """--retrieval-shared-prefix goes from the config to the retrieval family the batches are drawn from."""
+    trainer = Trainer(_cfg(tmp_path, byte_tok, retrieval_shared_prefix=0.5))
+    assert trainer.data.config.retrieval_shared_prefix == 0.5
+    assert trainer.data._render.mixture.families["retrieval"].shared_prefix == 0.5
