@@ -47,8 +47,10 @@ finish)
     tail -c 1500 $RUN/parity.log
     # $OUT takes at most 8 files of 16 MiB: the weight shards as they are, everything else in one archive
     cp $RUN/checkpoint/model*.safetensors "$OUT/"
-    (cd $RUN && tar czf "$OUT/run-meta.tgz" --exclude='*.safetensors' --exclude='*.pt' checkpoint tokenizer \
-        eval.json eval.log loss.png train_summary.json history.json train.log env.txt gpu_suite.json parity.log)
+    # what the run has of these (a continued run trains no tokenizer; a cut parity run writes no gpu_suite.json)
+    (cd $RUN && tar czf "$OUT/run-meta.tgz" --exclude='*.safetensors' --exclude='*.pt' $(ls -d checkpoint tokenizer \
+        eval.json eval.log loss.png train_summary.json history.json train.log env.txt gpu_suite.json parity.log \
+        2> /dev/null))
     scripts/triton_cache.sh save  # only if it fits beside the shards (8 files, 64 MiB)
     ls -la "$OUT"
     ;;
