@@ -67,7 +67,10 @@ class Router(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.float() @ self.weight.float().t()  # [T, E] fp32 logits
+        # fp32 in training too: under autocast the matmul would run in bf16, and the experts a token picks would
+        # then differ between training and inference (an fp32 router is what aligns them: reference/rl.md)
+        with torch.autocast(x.device.type, enabled=False):
+            return x.float() @ self.weight.float().t()  # [T, E] fp32 logits
 
 
 class Experts(nn.Module):

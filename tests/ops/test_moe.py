@@ -362,3 +362,19 @@ def test_grouped_cuda_graph(use_grouped_mm):
         return moe_experts_grouped(x, w13, w2, weights, ids, "silu", use_grouped_mm=use_grouped_mm)
 
     assert_replay_matches_eager(step, (x, weights, ids), (torch.randn_like(x), fresh_weights, fresh_ids))
+
+
+def test_router_logits_stay_fp32_under_autocast():
+    """Training runs under bf16 autocast; the router's logits are the fp32 product there as at inference, so a
+    token picks the same experts in training and in serving."""
+    from kestrel.layers.moe import Router
+    from kestrel.presets import preset_config
+
+    router = Router(preset_config("tiny"))
+    torch.nn.init.normal_(router.weight, std=0.5, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(64, router.weight.shape[1], generator=torch.Generator().manual_seed(1))
+    expected = x @ router.weight.t()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = router(x)
+    assert logits.dtype == torch.float32
+    assert torch.allclose(logits, expected, rtol=1e-5, atol=1e-5)
