@@ -21,8 +21,8 @@ def _bool(name: str, default: bool) -> bool:
 
 
 def _switch(name: str, default: str) -> str:
-    """auto | on | off, with 1/true/yes for on and 0/false/no for off."""
-    value = os.environ.get(name, default).strip().lower()
+    """auto | on | off, with 1/true/yes for on and 0/false/no for off; unset or empty: the default."""
+    value = os.environ.get(name, "").strip().lower() or default
     value = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(value, value)
     if value not in ("auto", "on", "off"):
         raise ValueError(f"{name}={value!r}: expected auto, on or off (or 1 / 0)")

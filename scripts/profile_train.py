@@ -51,8 +51,9 @@ def _label_modules(model: torch.nn.Module) -> None:
 
 def _label_dsa_training(model: torch.nn.Module) -> None:
     """Profiler ranges `fwd::dsa_select` and `fwd::indexer_kl` around the sparse-training selection (indexer
-    scores of the row-packed tokens, the top-k, the mask) and the indexer's KL loss of every DSA layer: the
-    sparse step's cost over the dense one (0.297 vs 0.237 s compiled, session 10) is in them."""
+    scores of the row-packed tokens, the top-k, the mask) and the forward of the indexer's KL loss (both phases)
+    in every DSA layer. They sit inside `fwd::MLAttention` (do not add them to it). The sparse step's cost over
+    the dense one (0.297 vs 0.237 s compiled, session 10) is in `fwd::dsa_select`."""
     from torch.autograd.profiler import record_function
 
     from kestrel.layers.mla import MLAttention
@@ -112,7 +113,8 @@ def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
             for e in modules
         ],
         "most_called_ops": [{"name": e.key[:90], "calls": e.count} for e in by_calls],
-        # the ATen ops whose own kernels took the most GPU time, by input shapes: which tensor a kernel ran on
+        # the CPU-side events (ATen ops, and record_function ranges holding Triton launches) whose own kernels
+        # took the most GPU time, by input shapes: which tensor a kernel ran on
         "top_ops_by_shape": [
             {
                 "name": e.key,

@@ -8,8 +8,8 @@ a wrong answer is one of two failures, measured apart:
 A model with a good `lookup` and a poor `free` fails at copying the name from the question, not at finding
 the fact. Each wrong lookup is also classed by the code it wrote against the prompt's other codes:
   distractor  another person's whole code;
-  splice      the right code's first digits, then a distractor's continuation from where they share a prefix
-              (digit-by-digit copying that jumps to the other code at the shared digits);
+  splice      the right code's first digits, then a distractor's code from just after a digit equal to the last
+              one copied (digit-by-digit copying that jumps to the other code at a shared digit);
   other       anything else.
 and the lookup accuracy is split by whether a distractor's code shares its first digit with the right one.
 
@@ -52,22 +52,22 @@ def _shared_prefix(a: str, b: str) -> int:
 
 
 def classify(wrote: str, answer: str, others: list[str]) -> str:
-    """right | distractor | splice | other, for the code written after `... is` (see the module docstring)."""
+    """right | distractor | splice | other, for the code written after `... is` (the first run of digits; see the
+    module docstring). A splice copies the right code's first j digits, then goes on with a distractor's code
+    from just after a digit equal to the last one copied."""
     code = (re.findall(r"\d+", wrote) or [""])[0]
     if code == answer:
         return "right"
     if code in others:
         return "distractor"
-    for other in others:
-        n = _shared_prefix(answer, other)
-        if (
-            n
-            and code[:n] == answer[:n]
-            and code[n:]
-            and other.startswith(code[:n])
-            and other[n:].startswith(code[n:])
-        ):
-            return "splice"
+    for j in range(1, len(code)):
+        if code[:j] != answer[:j]:
+            break
+        rest = code[j:]
+        for other in others:
+            for i in range(1, len(other)):
+                if other[i - 1] == code[j - 1] and other[i : i + len(rest)] == rest:
+                    return "splice"
     return "other"
 
 
@@ -89,12 +89,12 @@ def main() -> None:
         for ex in examples
     ]
     codes = _greedy(llm, forced, 7)
-    lookup = [text.strip().startswith(ex.answer) for text, ex in zip(codes, examples)]
     others = [
         [c for c in re.findall(r"The code of [^.]*? is (\d+)\.", ex.prompt) if c != ex.answer]
         for ex in examples
     ]
     kinds = [classify(text, ex.answer, o) for text, ex, o in zip(codes, examples, others)]
+    lookup = [kind == "right" for kind in kinds]  # one reading of the written code for both
     shares = [any(o[:1] == ex.answer[:1] for o in os_) for ex, os_ in zip(examples, others)]
     firsts = [ex.meta["name"].split(" ", 1) for ex in examples]
     names = _greedy(llm, [prompt_ids(tok, ex) + tok.encode(f"The text says: The code of {first}")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Keep the Triton cache (compiled kernels and autotuning results) between device machines: a fresh machine
 # spends ~190 s compiling and autotuning fla-core's chunked KDA kernels before the first training step.
-#   scripts/triton_cache.sh restore   on the device: unpack .triton-cache/part-* (carried) into $TRITON_CACHE_DIR
+#   scripts/triton_cache.sh restore   on the device: unpack .triton-cache/part-* (carried), or else its
+#                                     autotune.tgz, into $TRITON_CACHE_DIR
 #   scripts/triton_cache.sh save      on the device: pack $TRITON_CACHE_DIR into $OUT/triton-cache.part-* (15 MiB each)
 #   scripts/triton_cache.sh keep DIR  here: keep the autotuning results of what a run brought back (files_at DIR)
 #                                     in .triton-cache/autotune.tgz (the whole cache no longer fits the carry)
@@ -64,14 +65,19 @@ keep)
     fi
     [ ${#parts[@]} -gt 0 ] || { echo "no triton-cache parts in $2: .triton-cache left as it was" >&2; exit 1; }
     cat "${parts[@]}" | gzip -t || { echo "the parts in $2 are incomplete: .triton-cache left as it was" >&2; exit 1; }
-    rm -rf .triton-cache && mkdir -p .triton-cache
     # The device tool carries at most 64 MiB of working tree, and the shipped demo model (36 MB) and the wheels
     # (16 MB) leave no room for the whole cache: keep its autotuning results alone. With them a fresh machine's
-    # first demo training step took 15-63 s (session 10), against ~190 s cold.
+    # first demo training step took 15-63 s (session 10), against ~190 s cold. .triton-cache is replaced only
+    # once the new archive is built and holds results.
     tmp=$(mktemp -d)
-    cat "${parts[@]}" | tar xzf - -C "$tmp"
-    (cd "$tmp" && find . -name '*.autotune.json' -print0 | tar czf "$OLDPWD/.triton-cache/autotune.tgz" --null -T -)
-    rm -rf "$tmp"
+    trap 'rm -rf "$tmp"' EXIT
+    mkdir "$tmp/cache"
+    cat "${parts[@]}" | tar xzf - -C "$tmp/cache" || { echo "cannot unpack the parts in $2: .triton-cache left as it was" >&2; exit 1; }
+    n=$(find "$tmp/cache" -name '*.autotune.json' | wc -l)
+    [ "$n" -gt 0 ] || { echo "no autotuning results in $2: .triton-cache left as it was" >&2; exit 1; }
+    (cd "$tmp/cache" && find . -name '*.autotune.json' -print0 | tar czf "$tmp/autotune.tgz" --null -T -) \
+        || { echo "cannot pack the autotuning results: .triton-cache left as it was" >&2; exit 1; }
+    rm -rf .triton-cache && mkdir -p .triton-cache && mv "$tmp/autotune.tgz" .triton-cache/autotune.tgz
     echo "triton cache: $(tar tzf .triton-cache/autotune.tgz | grep -c autotune.json) autotuning results kept"
     ;;
 *)

@@ -68,19 +68,28 @@ def test_inference_takes_the_arguments_by_keyword():
         assert torch.equal(rms_norm(weight=w, eps=1e-6, x=x), rms_norm.eager(x, w, 1e-6))
 
 
-def test_auto_compiles_on_cuda_only(monkeypatch):
-    """KESTREL_COMPILE_TRAIN=auto (the default) leaves CPU training eager; bad values are refused by name."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])])
+def test_auto_compiles_on_cuda_only(device, monkeypatch):
+    """KESTREL_COMPILE_TRAIN=auto (the default, also when set empty) compiles a recording op on CUDA and leaves
+    the CPU eager; a call over frozen inputs in grad mode records nothing and is not compiled; bad values are
+    refused by name."""
     from torch._dynamo.utils import counters
 
     from kestrel.env import env_field
 
+    monkeypatch.setenv("KESTREL_COMPILE_TRAIN", "")
+    assert env_field("compile_train") == "auto"
     monkeypatch.delenv("KESTREL_COMPILE_TRAIN", raising=False)
     assert env_field("compile_train") == "auto"
     torch._dynamo.reset()
     counters.clear()
-    x, w = torch.randn(3, 8, requires_grad=True), torch.randn(8)
-    rms_norm(x, w, 1e-6).sum().backward()
+    x, w = torch.randn(3, 8, device=device), torch.randn(8, device=device)
+    rms_norm(x, w, 1e-6)  # grad mode, nothing requires grad: not recorded
     assert counters["stats"]["unique_graphs"] == 0
+    x.requires_grad_(True)
+    rms_norm(x, w, 1e-6).sum().backward()
+    assert x.grad is not None
+    assert (counters["stats"]["unique_graphs"] > 0) == (device == "cuda")
     for given, parsed in (("1", "on"), ("ON", "on"), ("0", "off"), ("false", "off")):
         monkeypatch.setenv("KESTREL_COMPILE_TRAIN", given)
         assert env_field("compile_train") == parsed

@@ -30,6 +30,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _share(text: str) -> float:
+    value = _non_negative_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a share between 0 and 1, got {value}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -245,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--retrieval-shared-prefix",
-        type=_non_negative_float,
+        type=_share,
         default=0.0,
         help="share (0-1) of retrieval problems in which a distractor's code starts with the asked code's first "
         "1-4 digits (default 0)",

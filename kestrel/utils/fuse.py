@@ -35,7 +35,7 @@ def fused(fast: str | None = None) -> Callable[[Callable], Callable]:
         def op(*args, **kwargs):
             nonlocal compiled
             x = args[0] if args else kwargs.get(first)  # passed by keyword too
-            if torch.is_grad_enabled():
+            if _records(args, kwargs):
                 mode = env_field("compile_train")
                 if mode == "off" or (mode == "auto" and not (isinstance(x, torch.Tensor) and x.is_cuda)):
                     return fn(*args, **kwargs)
@@ -58,6 +58,14 @@ def fused(fast: str | None = None) -> Callable[[Callable], Callable]:
         return op
 
     return wrap
+
+
+def _records(args: tuple, kwargs: dict) -> bool:
+    """Whether autograd records this call: grad mode on and a tensor argument that requires grad (a forward
+    without no_grad over frozen inputs takes the inference path)."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values()))
 
 
 @functools.cache

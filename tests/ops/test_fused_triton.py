@@ -131,15 +131,15 @@ def test_attnres_mix_matches_reference(dtype, S, T, D):
 
 
 def test_fused_ops_dispatch():
-    """Under no_grad on CUDA the op runs its Triton kernel (unless KESTREL_FUSED_OPS=off); elsewhere, and
-    whenever autograd records, the reference."""
+    """Under no_grad on CUDA the op runs its Triton kernel (unless KESTREL_FUSED_OPS=off); elsewhere the reference;
+    whenever autograd records, a differentiable op (the reference, or on CUDA its compiled form: test_fuse.py)."""
     x = _randn(3, 48, dtype=torch.float32, seed=9)
     w = _randn(48, dtype=torch.float32, seed=10)
     assert rms_norm.fast().__qualname__ == "rms_norm_triton"
     with torch.no_grad():
         torch.testing.assert_close(rms_norm(x, w, 1e-6), rms_norm.eager(x, w, 1e-6), **TOL[torch.float32])
     w.requires_grad_(True)
-    y = rms_norm(x, w, 1e-6)  # autograd records: the reference, differentiable
+    y = rms_norm(x, w, 1e-6)  # autograd records: differentiable
     assert y.requires_grad
     y.sum().backward()
     assert w.grad is not None
