@@ -292,12 +292,12 @@ class MLAttention(nn.Module):
         more than top-k visible tokens (deep in a long document) can lose any, so only their rows are scored."""
         B, R, k = allowed.shape[0], allowed.shape[1], self.indexer.topk
         need = ctx.positions.view(B, R) >= k  # [B, R]: position in the document >= k, i.e. > k visible
-        topk = _topk_fn(allowed.device)
+        topk, triton = _topk_fn(allowed.device), _use_triton(allowed.device)
         for b in range(B):
             picks = need[b].nonzero().squeeze(1)  # [M] query positions within row b
             if picks.numel() == 0:
                 continue
-            if _use_triton(allowed.device):
+            if triton:
                 scores = self._row_index_scores_triton(q_i[b], w_i[b], k_i[b], picks)  # [M, R]
             else:
                 scores = self._row_index_scores(q_i[b : b + 1], w_i[b : b + 1], k_i[b : b + 1], picks)[0]

@@ -376,9 +376,8 @@ class Retrieval(Family):
             if other != (first, last) and other not in others:
                 others.append(other)
         codes = rng.sample(range(10000, 100000), 1 + len(others))
-        if (
-            self.shared_prefix and rng.random() < self.shared_prefix
-        ):  # no draw at 0: held-out sets stay as they were
+        # no draw at 0: held-out sets stay as they were
+        if self.shared_prefix and rng.random() < self.shared_prefix:
             codes[rng.randrange(1, len(codes))] = _code_sharing_prefix(rng, codes, rng.randint(1, 4))
         names = [f"{first} {last}"] + [f"{a} {b}" for a, b in others]
         return _Draft(f"{names[0]}={codes[0]}", {"names": names, "codes": codes, "seed": rng.getrandbits(64)})
