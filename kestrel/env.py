@@ -57,9 +57,9 @@ class Env:
     kestrel.layers.moe.TRITON_EXPERTS_MAX_PAIRS) | off (the grouped path at every size)."""
     kda_conv: str
     """KESTREL_KDA_CONV: the KDA short conv of prefill and training on the fla backend: auto (inference: one
-    Triton kernel, kestrel.ops.kda.triton_conv.short_conv_prefill; training: the packed torch form with its
-    backward) | torch (the packed form, kestrel.ops.kda.packed_conv, always) | fla (fla-core's varlen
-    causal_conv1d, Triton forward and backward)."""
+    Triton kernel, kestrel.ops.kda.triton_conv.short_conv_prefill; training: fla-core's causal_conv1d on CUDA,
+    the packed torch form with its backward elsewhere) | torch (the packed form, kestrel.ops.kda.packed_conv,
+    always) | fla (fla-core's varlen causal_conv1d, Triton forward and backward)."""
     kda_no_recompute: bool
     """KESTREL_KDA_NO_RECOMPUTE: training keeps fla chunk_kda's forward intermediates for the backward instead of
     recomputing them (fla's advice for small models; off until its GPU gradient test has run)."""

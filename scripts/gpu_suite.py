@@ -898,7 +898,7 @@ def engine_bench() -> dict:
     return result
 
 
-def _profiled(fn):
+def _profiled(fn, record_shapes: bool = False):
     """fn() under torch.profiler: (its result, the profiler, the kernels' events, their own time in us). The
     kernels themselves, not the CPU ops that launched them (which carry the same time again); on the CPU (the
     smoke run) the ops stand where the kernels would."""
@@ -907,12 +907,29 @@ def _profiled(fn):
 
     cuda = S.device == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=record_shapes) as prof:
         out = fn()
     kind = DeviceType.CUDA if cuda else DeviceType.CPU
     events = [e for e in prof.key_averages() if e.device_type == kind]
     own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
     return out, prof, events, own
+
+
+def _ops_by_shape(prof, top: int) -> list[dict]:
+    """The CPU-side events (ATen ops, Triton launches) whose own kernels took the most GPU time, by input
+    shapes: which tensor a kernel ran on."""
+    from torch.autograd import DeviceType
+
+    ops = (e for e in prof.key_averages(group_by_input_shape=True) if e.device_type != DeviceType.CUDA)
+    return [
+        {
+            "name": e.key,
+            "shapes": str(e.input_shapes)[:200],
+            "ms": e.self_device_time_total / 1e3,
+            "calls": e.count,
+        }
+        for e in sorted(ops, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    ]
 
 
 def profile_decode() -> dict:
@@ -1033,11 +1050,12 @@ def prefill_bench() -> dict:
                     _prefill_step(engine, n, length, g) for _ in range(2)
                 )
         if first:
-            _, _, events, own = _profiled(functools.partial(_prefill_step, engine, n, length, g))
+            _, prof, events, own = _profiled(functools.partial(_prefill_step, engine, n, length, g), True)
             entry["top_kernels"] = [
                 {"name": e.key[:90], "ms": own(e) / 1000, "calls": e.count}
                 for e in sorted(events, key=own, reverse=True)[:20]
             ]
+            entry["top_ops_by_shape"] = _ops_by_shape(prof, 30)
         result["cases"][f"{n}x{length}"] = entry
         print(
             f"prefill {n}x{length}",

@@ -106,10 +106,11 @@ class KimiDeltaAttention(nn.Module):
                 ssm, conv = torch.cat([ssm, ssm[saves.seqs]]), torch.cat([conv, conv[saves.seqs]])
                 cu_seqlens = saves.cu_seqlens
             Tx = qkv.shape[0]
-            qkv, conv_out = backend.short_conv(
-                qkv, self.conv_weight, conv, cu_seqlens
-            )  # [Tx, 3P], [N (+ X), 3P, W-1]
-            q, k, v = (t.reshape(1, Tx, H, K) for t in qkv.split(self.proj_dim, dim=-1))
+            # q, k, v as planes [3, Tx, P] (each contiguous from the Triton kernel: the chunked kernels copy none)
+            planes, conv_out = backend.short_conv(
+                qkv, self.conv_weight, conv, cu_seqlens, planes=3
+            )  # [3, Tx, P], [N (+ X), 3P, W-1]
+            q, k, v = (t.reshape(1, Tx, H, K) for t in planes)
             g = kda_gate(f.view(1, Tx, H, K), self.A_log, self.dt_bias, self.lower_bound)
             o, ssm_out = backend.chunk(
                 q,

@@ -17,6 +17,7 @@ from kestrel.layers.linear import ColumnLinear, Linear, RowLinear, ShapeMismatch
 from kestrel.layers.norm import RMSNorm
 from kestrel.ops.activation import glu_act
 from kestrel.ops.moe import grouped_mm_trains, moe_experts, moe_experts_grouped, replay_route, route
+from kestrel.ops.moe.router_gemm import mm_fp32_out_works, router_logits_bf16x3, split_bf16x3
 from kestrel.ops.norm import rms_norm
 from kestrel.utils.dist import parallel_state
 
@@ -71,6 +72,17 @@ class Router(nn.Module):
         # then differ between training and inference (an fp32 router is what aligns them: reference/rl.md)
         with torch.autocast(x.device.type, enabled=False):
             return x.float() @ self.weight.float().t()  # [T, E] fp32 logits
+
+    def inference_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward`'s logits for bf16 x on CUDA, without autograd: one bf16 tensor-core GEMM over the weight's
+        exact three-way bf16 split (kestrel.ops.moe.router_gemm: same products, fp32 sums in another order)
+        instead of a cast of x and an fp32 SIMT GEMM. The split is kept until the weight changes."""
+        if x.dtype != torch.bfloat16 or not x.is_cuda or not mm_fp32_out_works(x.device):
+            return self(x)
+        key = (self.weight._version, self.weight.data_ptr())
+        if getattr(self, "_split_key", None) != key:
+            self._split, self._split_key = split_bf16x3(self.weight.detach()), key
+        return router_logits_bf16x3(x, self._split)
 
 
 class Experts(nn.Module):
@@ -186,7 +198,7 @@ class MoE(nn.Module):
             ids = ctx.routing_replay[self.layer_id]  # [T, A]
             weights = replay_route(self.gate(x), ids, self.renormalize, self.scaling)
         else:
-            logits = self.gate(x)  # [T, E] fp32
+            logits = self.gate.inference_logits(x) if fused else self.gate(x)  # [T, E] fp32
             if fused:
                 from kestrel.ops.moe.triton_router import route_triton
 

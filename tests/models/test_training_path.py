@@ -25,9 +25,9 @@ def _ids():
     return torch.randint(0, 256, (len(DOCS) * R,), generator=torch.Generator().manual_seed(0))
 
 
-def _ctx(rows: bool, **extras) -> ForwardContext:
+def _ctx(rows: bool, device: str = "cpu", **extras) -> ForwardContext:
     lens = [n for row in DOCS for n in row]
-    ctx = ForwardContext.build(lens)
+    ctx = ForwardContext.build(lens, device=device)
     if rows:
         ctx.row_len = R
     ctx.extras.update(extras)
@@ -91,25 +91,26 @@ def test_sparse_rows_select_through_the_triton_kernels(monkeypatch):
     """KESTREL_ATTN_BACKEND=triton (on CUDA, auto): sparse training scores the rows with the prefill indexer kernel
     and selects with the Triton top-k (here in Triton's interpreter); same scores on the visible positions and
     the same output as the reference scoring and top-k."""
-    model, ids = _model(), _ids()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU machine, interpreted on the CPU
+    model, ids = _model().to(dev), _ids().to(dev)
     layer = model.model.layers[model.config.mla_layer_ids[0]].self_attn
     g = torch.Generator().manual_seed(1)
     q_i, w_i, k_i = (
-        torch.randn(R, 4, 16, generator=g),
-        torch.randn(R, 4, generator=g),
-        torch.randn(R, 16, generator=g),
+        torch.randn(R, 4, 16, generator=g).to(dev),
+        torch.randn(R, 4, generator=g).to(dev),
+        torch.randn(R, 16, generator=g).to(dev),
     )
-    picks = torch.tensor([3, 17, 40, 63])
+    picks = torch.tensor([3, 17, 40, 63], device=dev)
     fast = layer._row_index_scores_triton(q_i, w_i, k_i, picks)  # [4, R]
     ref = layer._row_index_scores(q_i[None], w_i[None], k_i[None], picks)[0]
-    causal = torch.arange(R)[None, :] <= picks[:, None]
+    causal = torch.arange(R, device=dev)[None, :] <= picks[:, None]
     assert torch.allclose(fast[causal], ref[causal], rtol=1e-5, atol=1e-5)
     assert fast[~causal].isnan().all()  # past each query: invalid, as the top-k reads it
     with torch.no_grad():
         monkeypatch.setenv("KESTREL_ATTN_BACKEND", "torch")
-        with forward_context(_ctx(rows=True)):
+        with forward_context(_ctx(rows=True, device=dev)):
             expected = model(ids)
         monkeypatch.setenv("KESTREL_ATTN_BACKEND", "triton")
-        with forward_context(_ctx(rows=True)):
+        with forward_context(_ctx(rows=True, device=dev)):
             got = model(ids)
     assert _rel(expected, got) < 1e-5

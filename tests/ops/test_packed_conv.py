@@ -88,7 +88,8 @@ def test_fla_conv_matches_reference(with_state, dtype):
 @pytest.mark.parametrize(
     "extra", [9, 2], ids=["stride159", "stride152"]
 )  # row alignment 1, and 8 (as mini's 4232)
-def test_prefill_conv_kernel_matches_reference(lens, with_state, width, extra):
+@pytest.mark.parametrize("planes", [1, 3])  # 3: q | k | v of 50 channels each, across the 128-channel blocks
+def test_prefill_conv_kernel_matches_reference(lens, with_state, width, extra, planes):
     pytest.importorskip("triton")
     from kestrel.ops.kda.triton_conv import short_conv_prefill
 
@@ -101,9 +102,10 @@ def test_prefill_conv_kernel_matches_reference(lens, with_state, width, extra):
     w = torch.randn(C, width, generator=g).to(device)
     state = torch.randn(N, C, width - 1, generator=g).to(device) if with_state else None
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=device)
-    y_ref, s_ref = short_conv(x, w, state, cu)
-    y, s = short_conv_prefill(x, w, state, cu, block_t=8, block_c=128)
+    y_ref, s_ref = short_conv(x, w, state, cu, planes=planes)
+    y, s = short_conv_prefill(x, w, state, cu, planes=planes, block_t=8, block_c=128)
     assert y.shape == y_ref.shape and s.shape == s_ref.shape and s.dtype == s_ref.dtype
+    assert y.is_contiguous()  # each plane too
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(s, s_ref)  # copies of inputs and state, exactly
 

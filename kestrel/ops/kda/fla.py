@@ -11,6 +11,7 @@ import torch
 from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
 from kestrel.env import env_field
+from kestrel.ops.kda.naive import as_planes
 
 
 def chunk(
@@ -153,6 +154,7 @@ def short_conv(
     weight: torch.Tensor,
     conv_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    planes: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`naive.short_conv` through fla-core's varlen `causal_conv1d` (SiLU fused, Triton forward and backward).
     fla keeps W inputs of state per sequence, the newest last, and reads only the last W - 1 of them: ours
@@ -175,4 +177,4 @@ def short_conv(
         activation="silu",
         cu_seqlens=cu_seqlens.to(torch.int64),
     )
-    return y[0], final[..., 1:].to(x.dtype)
+    return as_planes(y[0], planes), final[..., 1:].to(x.dtype)

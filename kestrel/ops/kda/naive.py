@@ -51,11 +51,17 @@ def _sequence_bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(starts[:-1], starts[1:]))
 
 
+def as_planes(y: torch.Tensor, planes: int) -> torch.Tensor:
+    """y [T, C] as [planes, T, C / planes] (a view: the channel groups, e.g. q | k | v), or y itself for 1."""
+    return y if planes == 1 else y.view(y.shape[0], planes, -1).transpose(0, 1)
+
+
 def short_conv(
     x: torch.Tensor,
     weight: torch.Tensor,
     conv_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    planes: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv of width W followed by SiLU, over packed sequences.
 
@@ -63,7 +69,8 @@ def short_conv(
     weight [C, W], conv_state [N, C, W - 1] the last W - 1 inputs before each sequence (None = zeros).
     y_t[c] = SiLU(sum_j weight[c, j] * window[c, j]) where window = [state | x] ending at t.
     Returns (y [T, C] in x.dtype, new_state [N, C, W - 1] = the last W - 1 inputs of each window, x.dtype).
-    A sequence shorter than W - 1 keeps part of its old state in the new state.
+    A sequence shorter than W - 1 keeps part of its old state in the new state. With planes > 1, y comes as
+    [planes, T, C / planes] (`as_planes`; the fast kernel writes each plane contiguous).
     """
     T, C = x.shape
     W = weight.shape[-1]
@@ -82,7 +89,7 @@ def short_conv(
             windows = padded.to(dtype).unfold(0, W, 1)  # [L, C, W], window j ends at token bos + j
             y[bos:eos] = F.silu((windows * w).sum(-1)).to(x.dtype)
         new_state[n] = padded[padded.shape[0] - (W - 1) :].T  # [C, W - 1]
-    return y, new_state
+    return as_planes(y, planes), new_state
 
 
 def short_conv_step(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kestrel.ops.kda.naive import _compute_dtype
+from kestrel.ops.kda.naive import _compute_dtype, as_planes
 
 
 def short_conv_packed(
@@ -19,9 +19,11 @@ def short_conv_packed(
     weight: torch.Tensor,
     conv_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    planes: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `naive.short_conv`: x [T, C], weight [C, W], conv_state [N, C, W - 1] or None,
-    cu_seqlens [N + 1] or None (one sequence). Returns (y [T, C] in x.dtype, new_state [N, C, W - 1])."""
+    cu_seqlens [N + 1] or None (one sequence). Returns (y [T, C] in x.dtype, or [planes, T, C / planes] as a
+    view, new_state [N, C, W - 1])."""
     T, C = x.shape
     W = weight.shape[-1]
     S = W - 1
@@ -52,7 +54,7 @@ def short_conv_packed(
     ends = cu[1:] + (torch.arange(N, device=device) + 1) * S  # [N] one past each sequence's last row
     last = (ends[:, None] - S + torch.arange(S, device=device)).flatten()  # [N * S]
     new_state = padded.index_select(0, last).view(N, S, C).transpose(1, 2).to(x.dtype)
-    return y, new_state
+    return as_planes(y, planes), new_state
 
 
 class _WindowConv(torch.autograd.Function):

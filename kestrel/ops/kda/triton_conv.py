@@ -119,6 +119,7 @@ def _prefill_conv_kernel(
     y,
     T,
     C,
+    PC,
     xt_units,
     stride_sn,
     stride_sc,
@@ -129,7 +130,8 @@ def _prefill_conv_kernel(
     BC: tl.constexpr,
 ):
     """y[t, c] = SiLU(sum_j weight[c, j] * in[t - (W - 1) + j, c]) where `in` is x from the token's sequence
-    start on and the sequence's state (its last W - 1 inputs, newest last) before it."""
+    start on and the sequence's state (its last W - 1 inputs, newest last) before it. y is planes
+    [C // PC, T, PC]: channel c of token t at (c // PC, t, c % PC)."""
     stride_xt = xt_units * X_ALIGN  # x's row stride: a known multiple of X_ALIGN, so rows load as vectors
     t = tl.program_id(0) * BT + tl.arange(0, BT)  # [BT] tokens
     c = tl.program_id(1) * BC + tl.arange(0, BC)  # [BC] channels
@@ -150,7 +152,8 @@ def _prefill_conv_kernel(
         acc = _conv_taps(x, weight, state, n, bos, t, c, cmask, live, stride_xt, stride_sn, stride_sc,
                          W, False, BT, BC)  # fmt: skip
     out = acc * tl.sigmoid(acc)
-    tl.store(y + t[:, None].to(tl.int64) * C + c[None, :], out.to(y.dtype.element_ty), mask=live)
+    plane = (c // PC).to(tl.int64) * T * PC + c % PC  # [BC]
+    tl.store(y + plane[None, :] + t[:, None].to(tl.int64) * PC, out.to(y.dtype.element_ty), mask=live)
 
 
 def short_conv_prefill(
@@ -158,6 +161,7 @@ def short_conv_prefill(
     weight: torch.Tensor,
     conv_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    planes: int = 1,
     block_t: int = 16,
     block_c: int = 256,
     num_warps: int = 4,
@@ -168,18 +172,20 @@ def short_conv_prefill(
     torch form, which has a backward. The packed form gathers a [T, C, W] copy of the windows in fp32 and
     reduces it, about 135 ms of a 32K-token prefill step of `mini` on the H200. The tile: 16 tokens x 256 channels
     in 4 warps, 188 us at T = 32768, C = 3072 on the H200 against 290 us for the earlier 32 x 128 in 8 warps
-    (`kestrel bench kernels`, bench/results/2026-11-30-h200-session9.json)."""
+    (`kestrel bench kernels`, bench/results/2026-11-30-h200-session9.json). With planes > 1, y is
+    [planes, T, C / planes], each plane contiguous: the KDA layer's q, k, v, which the chunked kernels then read
+    without copying them (54 copies of [32768, 8, 128] in a 32K-token prefill step of mini: 4.3 ms)."""
     T, C = x.shape
     W = weight.shape[-1]
     S = W - 1
-    assert x.stride(1) == 1 and weight.is_contiguous()
+    assert x.stride(1) == 1 and weight.is_contiguous() and C % planes == 0
     dev = x.device
     cu = (cu_seqlens if cu_seqlens is not None else torch.tensor([0, T], device=dev)).to(dev, torch.int64)
     N = cu.numel() - 1
     if conv_state is not None:
         assert conv_state.shape == (N, C, S), f"conv_state {tuple(conv_state.shape)} != {(N, C, S)}"
         conv_state = conv_state if conv_state.stride(2) == 1 else conv_state.contiguous()
-    y = x.new_empty(T, C)
+    y = x.new_empty(planes, T, C // planes)
     if T:
         seq = torch.searchsorted(cu[1:], torch.arange(T, device=dev), right=True)  # [T]
         state = conv_state if conv_state is not None else y  # (not read without a state)
@@ -194,6 +200,7 @@ def short_conv_prefill(
             y,
             T,
             C,
+            C // planes,
             x.stride(0) // x_align,
             state.stride(0) if conv_state is not None else 0,
             state.stride(1) if conv_state is not None else 0,
@@ -214,4 +221,4 @@ def short_conv_prefill(
     else:
         col = (S - (starts - pos)).clamp(0, max(S - 1, 0))  # [N, S]
         old = conv_state.to(x.dtype).gather(2, col[:, None, :].expand(N, C, S))
-    return y, torch.where(inside[:, None, :], tail, old)
+    return (y if planes > 1 else y[0]), torch.where(inside[:, None, :], tail, old)
