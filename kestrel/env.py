@@ -93,6 +93,10 @@ class Env:
     forward and backward (kestrel.utils.fuse). auto: on CUDA tensors only (the demo's training step on the H200,
     8 x 8704 tokens: 0.237 / 0.297 s dense / sparse against 0.325 / 0.388 s eager, session 10); on the CPU the
     compile costs more than it saves at test sizes."""
+    train_attention: str
+    """KESTREL_TRAIN_ATTENTION: the MLA attention of training's row-packed documents on CUDA: sdpa (one dense
+    masked kernel over every row's R x R pairs) | flex (FlexAttention over the blocks the mask leaves visible,
+    kestrel.ops.mla.flex_rows)."""
     fused_ops: str
     """KESTREL_FUSED_OPS: inference on CUDA runs the norms, GLU activations and AttnRes mixing as one Triton
     kernel each (kestrel.utils.fuse): auto | off (the plain-torch references)."""
@@ -117,6 +121,7 @@ _READERS = {
     "sparse_prefill": lambda: _str("KESTREL_SPARSE_PREFILL", "auto", ("auto", "rows", "expanded")),
     "compile_train": lambda: _switch("KESTREL_COMPILE_TRAIN", "auto"),
     "fused_ops": lambda: _str("KESTREL_FUSED_OPS", "auto", ("auto", "off")),
+    "train_attention": lambda: _str("KESTREL_TRAIN_ATTENTION", "sdpa", ("sdpa", "flex")),
 }
 
 

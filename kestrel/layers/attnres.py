@@ -8,7 +8,7 @@ from torch import nn
 
 from kestrel.layers.linear import set_loader
 from kestrel.layers.norm import RMSNorm
-from kestrel.ops.attnres import attnres_mix
+from kestrel.ops.attnres import attnres_mix, attnres_mix_norm
 
 
 class ResProj(nn.Module):
@@ -24,3 +24,15 @@ def mix(sources: list[torch.Tensor] | torch.Tensor, proj: ResProj, norm: RMSNorm
         return sources[0]  # softmax over one source is 1
     stacked = sources if isinstance(sources, torch.Tensor) else torch.stack(sources)
     return attnres_mix(stacked, proj.weight.view(-1), norm.weight, norm.eps)
+
+
+def mix_norm(
+    sources: list[torch.Tensor] | torch.Tensor, proj: ResProj, norm: RMSNorm, out_norm: RMSNorm
+) -> torch.Tensor:
+    """out_norm(mix(sources, proj, norm)): the mix and the consumer's pre-norm (or the final norm), one op."""
+    if len(sources) == 1:
+        return out_norm(sources[0])
+    stacked = sources if isinstance(sources, torch.Tensor) else torch.stack(sources)
+    return attnres_mix_norm(
+        stacked, proj.weight.view(-1), norm.weight, norm.eps, out_norm.weight, out_norm.eps
+    )

@@ -18,6 +18,7 @@ from kestrel.env import env_field
 from kestrel.layers.context import get_forward_context
 from kestrel.layers.linear import ColumnLinear, Linear, RowLinear
 from kestrel.layers.norm import LayerNorm, RMSNorm
+from kestrel.ops.activation import sigmoid_gate
 from kestrel.ops.dsa import indexer_kl, indexer_scores, indexer_scores_batched, selection_mask, topk_select
 from kestrel.ops.mla import mla_attention_absorbed, mla_attention_rows, mla_decode_batched, split_kv_b
 from kestrel.ops.mla.sdpa_prefill import mla_prefill_sdpa
@@ -127,7 +128,7 @@ class MLAttention(nn.Module):
             out = self._attend_per_sequence(ctx, q_nope, q_pe, kv_new, w_uk, w_uv, idx)
 
         if hasattr(self, "g_proj"):
-            out = out * torch.sigmoid(self.g_proj(x).float()).view(T, H, self.v_dim).to(out.dtype)
+            out = sigmoid_gate(out, self.g_proj(x))  # [T, H, Dv]
         return self.o_proj(out.reshape(T, H * self.v_dim))
 
     def _select(self, ctx, i: int, scores_fn, q_pos: torch.Tensor, topk=topk_select) -> torch.Tensor:

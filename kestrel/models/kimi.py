@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kestrel.config import KDA, MOE, ModelConfig
-from kestrel.layers.attnres import ResProj, mix
+from kestrel.layers.attnres import ResProj, mix_norm
 from kestrel.layers.context import ForwardContext, forward_context, has_forward_context
 from kestrel.layers.kda import KimiDeltaAttention
 from kestrel.layers.linear import Linear, set_loader
@@ -81,14 +81,16 @@ class KimiModel(nn.Module):
                 sources = bank
             else:
                 sources = bank + [partial]
-            h = layer.input_layernorm(
-                mix(sources, layer.self_attention_res_proj, layer.self_attention_res_norm)
+            h = mix_norm(
+                sources, layer.self_attention_res_proj, layer.self_attention_res_norm, layer.input_layernorm
             )
             a = layer.self_attn(h)
             partial = a if i % block == 0 else partial + a
-            h = layer.post_attention_layernorm(mix(bank + [partial], layer.mlp_res_proj, layer.mlp_res_norm))
+            h = mix_norm(
+                bank + [partial], layer.mlp_res_proj, layer.mlp_res_norm, layer.post_attention_layernorm
+            )
             partial = partial + layer.mlp(h)
-        return self.norm(mix(bank + [partial], self.output_attn_res_proj, self.output_attn_res_norm))
+        return mix_norm(bank + [partial], self.output_attn_res_proj, self.output_attn_res_norm, self.norm)
 
     def _forward_attn_res_buffer(self, x0: torch.Tensor) -> torch.Tensor:
         """`_forward_attn_res` at inference, bit for bit: the bank and the partial sum live in one buffer
@@ -103,17 +105,19 @@ class KimiModel(nn.Module):
             closes = i % block == 0  # the partial sum closes into the bank
             nb += closes
             sources = buf[:nb] if closes else buf[: nb + 1]
-            h = layer.input_layernorm(
-                mix(sources, layer.self_attention_res_proj, layer.self_attention_res_norm)
+            h = mix_norm(
+                sources, layer.self_attention_res_proj, layer.self_attention_res_norm, layer.input_layernorm
             )
             a = layer.self_attn(h)
             if closes:
                 buf[nb].copy_(a)  # a new partial sum
             else:
                 buf[nb].add_(a)
-            h = layer.post_attention_layernorm(mix(buf[: nb + 1], layer.mlp_res_proj, layer.mlp_res_norm))
+            h = mix_norm(
+                buf[: nb + 1], layer.mlp_res_proj, layer.mlp_res_norm, layer.post_attention_layernorm
+            )
             buf[nb].add_(layer.mlp(h))
-        return self.norm(mix(buf[: nb + 1], self.output_attn_res_proj, self.output_attn_res_norm))
+        return mix_norm(buf[: nb + 1], self.output_attn_res_proj, self.output_attn_res_norm, self.norm)
 
 
 class KimiForCausalLM(nn.Module):

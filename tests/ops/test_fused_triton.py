@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is decorated: before the first import
 triton = pytest.importorskip("triton")
 
-from kestrel.ops.activation.naive import situ, swiglu  # noqa: E402
-from kestrel.ops.attnres.naive import attnres_mix  # noqa: E402
+from kestrel.ops.activation.naive import sigmoid_gate, situ, swiglu  # noqa: E402
+from kestrel.ops.attnres.naive import attnres_mix, attnres_mix_norm  # noqa: E402
 from kestrel.ops.kda.naive import gated_rms_norm, kda_gate  # noqa: E402
 from kestrel.ops.norm.naive import rms_norm  # noqa: E402
 
@@ -30,8 +30,13 @@ def _load(name):
 
 
 _act = _load("kestrel.ops.activation.triton_act")
-situ_triton, swiglu_triton = _act.situ_triton, _act.swiglu_triton
-attnres_mix_triton = _load("kestrel.ops.attnres.triton_mix").attnres_mix_triton
+situ_triton, swiglu_triton, sigmoid_gate_triton = (
+    _act.situ_triton,
+    _act.swiglu_triton,
+    _act.sigmoid_gate_triton,
+)
+_mix = _load("kestrel.ops.attnres.triton_mix")
+attnres_mix_triton, attnres_mix_norm_triton = _mix.attnres_mix_triton, _mix.attnres_mix_norm_triton
 _norm = _load("kestrel.ops.norm.triton_norm")
 rms_norm_triton, gated_rms_norm_triton = _norm.rms_norm_triton, _norm.gated_rms_norm_triton
 kda_gate_triton = _load("kestrel.ops.kda.triton_gate").kda_gate_triton
@@ -128,6 +133,31 @@ def test_attnres_mix_matches_reference(dtype, S, T, D):
     got = attnres_mix_triton(sources, query, weight, 1e-6)
     assert got.shape == (T, D) and got.dtype == dtype
     torch.testing.assert_close(got, attnres_mix.eager(sources, query, weight, 1e-6), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("S,T,D", [(2, 1, 40), (3, 5, 64), (5, 3, 100)])
+def test_attnres_mix_norm_matches_reference(dtype, S, T, D):
+    """The mix and the consumer's RMSNorm in one kernel: the reference is the two ops in a row."""
+    sources = _randn(S, T, D, dtype=dtype, seed=S * D + 1, scale=2.0)
+    query = _randn(D, dtype=dtype, seed=11, scale=0.5)
+    weight, out_weight = _randn(D, dtype=dtype, seed=12), _randn(D, dtype=dtype, seed=13)
+    got = attnres_mix_norm_triton(sources, query, weight, 1e-6, out_weight, 1e-5)
+    ref = attnres_mix_norm.eager(sources, query, weight, 1e-6, out_weight, 1e-5)
+    assert got.shape == (T, D) and got.dtype == dtype
+    torch.testing.assert_close(got, ref, **TOL[dtype])
+    two = rms_norm.eager(attnres_mix.eager(sources, query, weight, 1e-6), out_weight, 1e-5)
+    assert torch.equal(ref, two)  # the reference is exactly the two ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H,D", [(1, 2, 8), (37, 3, 64), (300, 4, 40)])  # 300 x 160 spans two programs
+def test_sigmoid_gate_matches_reference(dtype, T, H, D):
+    x = _randn(T, H, D, dtype=dtype, seed=T + H, scale=2.0)
+    gate = _randn(T, H * D, dtype=dtype, seed=T * H, scale=4.0)  # as the gate projection's output comes
+    got = sigmoid_gate_triton(x, gate)
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got, sigmoid_gate.eager(x, gate), **TOL[dtype])
 
 
 def test_fused_ops_dispatch():

@@ -1,3 +1,3 @@
-from kestrel.ops.activation.naive import glu_act, situ, swiglu
+from kestrel.ops.activation.naive import glu_act, sigmoid_gate, situ, swiglu
 
-__all__ = ["glu_act", "situ", "swiglu"]
+__all__ = ["glu_act", "sigmoid_gate", "situ", "swiglu"]

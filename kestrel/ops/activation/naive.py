@@ -26,6 +26,14 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) 
     return (capped_gate * capped_up).to(gate.dtype)
 
 
+@fused("kestrel.ops.activation.triton_act:sigmoid_gate_triton")
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate): the sigmoid in fp32, rounded to x's dtype, then the product in x's dtype (MLA's output
+    gate, model-spec 2.2). gate has x's shape, or x's shape flattened from its second dim on ([T, H * Dv] for
+    x [T, H, Dv]: the gate projection's output as it comes)."""
+    return x * torch.sigmoid(gate.float()).view(x.shape).to(x.dtype)
+
+
 def glu_act(gate_up: torch.Tensor, act: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
     """Split `[..., 2I]` into gate and up halves and apply `act` ('silu' or 'situ')."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -89,3 +89,25 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def situ_triton(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
     return _glu(gate, up, True, beta, linear_beta)
+
+
+@triton.jit
+def _sigmoid_gate_kernel(x_ptr, g_ptr, out_ptr, n, BLOCK_N: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    s = tl.sigmoid(tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)  # rounded as torch
+    y = x.to(tl.float32) * s.to(tl.float32)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sigmoid_gate_triton(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`naive.sigmoid_gate` in one pass (one read of x and of the gate, one write), where eager torch casts the
+    gate to fp32, takes its sigmoid, casts it back and multiplies: four passes over [T, H * Dv]."""
+    assert gate.numel() == x.numel(), f"gate {tuple(gate.shape)} vs x {tuple(x.shape)}"
+    x, gate = x.contiguous(), gate.contiguous()
+    out = torch.empty_like(x)
+    n = x.numel()
+    if n:
+        _sigmoid_gate_kernel[(triton.cdiv(n, 4096),)](x, gate, out, n, BLOCK_N=4096, num_warps=8)
+    return out

@@ -1,3 +1,3 @@
-from kestrel.ops.attnres.naive import attnres_mix
+from kestrel.ops.attnres.naive import attnres_mix, attnres_mix_norm
 
-__all__ = ["attnres_mix"]
+__all__ = ["attnres_mix", "attnres_mix_norm"]

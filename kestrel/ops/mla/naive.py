@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from kestrel.env import env_field
 from kestrel.ops.dsa.naive import selection_mask
 
 
@@ -172,7 +173,18 @@ def mla_attention_rows(
     k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, R, H, P)], dim=-1).transpose(
         1, 2
     )  # [B, H, R, Dn + P]
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.transpose(1, 2).to(q.dtype), attn_mask=allowed[:, None], scale=scale
-    )  # [B, H, R, Dv]
+    k, v = k.to(q.dtype), v.transpose(1, 2).to(q.dtype)
+    if _use_flex(q):
+        from kestrel.ops.mla.flex_rows import flex_attention_rows
+
+        o = flex_attention_rows(q, k, v, allowed, scale)  # [B, H, R, Dv]: the visible blocks only
+    else:
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed[:, None], scale=scale
+        )  # [B, H, R, Dv]
     return o.transpose(1, 2).to(q_nope.dtype)
+
+
+def _use_flex(q: torch.Tensor) -> bool:
+    """KESTREL_TRAIN_ATTENTION: flex on CUDA (kestrel.ops.mla.flex_rows), sdpa (the dense masked kernel)."""
+    return q.is_cuda and env_field("train_attention") == "flex"
