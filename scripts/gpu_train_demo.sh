@@ -8,7 +8,7 @@
 # on the machine, which keeps it only while the machine stays held: call again within the idle window.
 # Every knob is an environment variable (defaults: the run that made the shipped model, 2026-11-30):
 #   MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED LR WARMUP DENSE BUDGET WORKERS SEED EVAL_S PARITY_S
-# Measured 2026-11-29 (bench/results/2026-11-29-train-profile-h200.json): 8 rows x 8704 tokens take 0.30 s a
+# Measured 2026-11-29 (bench/results/2026-11-29-train-profile-h200.json): 8 rows x 8704 tokens took 0.30 s a
 # step dense, 0.43 s sparse; a fresh machine first spends ~190 s compiling and autotuning.
 set -uo pipefail
 cd "$(dirname "$0")/.."
