@@ -13,7 +13,15 @@ from torch import nn
 from kestrel.config import ModelConfig
 from kestrel.env import env_field, fused_ops_on
 from kestrel.layers.context import get_forward_context, has_forward_context
-from kestrel.layers.linear import ColumnLinear, Linear, RowLinear, ShapeMismatch, copy_checked, set_loader
+from kestrel.layers.linear import (
+    ColumnLinear,
+    Linear,
+    RowLinear,
+    ShapeMismatch,
+    copy_checked,
+    default_weight_loader,
+    set_loader,
+)
 from kestrel.layers.norm import RMSNorm
 from kestrel.ops.activation import glu_act
 from kestrel.ops.moe import grouped_mm_trains, moe_experts, moe_experts_grouped, replay_route, route
@@ -62,7 +70,9 @@ class Router(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.weight = set_loader(nn.Parameter(torch.empty(config.num_experts, config.hidden_size)))
+        self.weight = set_loader(
+            nn.Parameter(torch.empty(config.num_experts, config.hidden_size)), self._load_weight
+        )
         self.e_score_correction_bias = set_loader(
             nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
         )
@@ -75,14 +85,30 @@ class Router(nn.Module):
 
     def inference_logits(self, x: torch.Tensor) -> torch.Tensor:
         """`forward`'s logits for bf16 x on CUDA, without autograd: one bf16 tensor-core GEMM over the weight's
-        exact three-way bf16 split (kestrel.ops.moe.router_gemm: same products, fp32 sums in another order)
-        instead of a cast of x and an fp32 SIMT GEMM. The split is kept until the weight changes."""
+        exact three-way bf16 split (kestrel.ops.moe.router_gemm: the same products, summed in fp32 by the tensor
+        cores in another order; on the H200 a max error of 1.0e-5 where cuBLAS' fp32 GEMM has 1.9e-6, so a token
+        on a near-tie can pick another expert than `forward` would). Train/rollout consistency in RL comes from
+        routing replay (the rollout's ids replayed in training), not from equal logits; KESTREL_FUSED_OPS=off
+        goes back to `forward`. The split lives in one buffer, refilled in place when the weight changes (an
+        in-place update, or a checkpoint load through `_load_weight`), so captured CUDA graphs keep reading it."""
+        assert not torch.is_grad_enabled(), "inference_logits has no backward: use forward"
         if x.dtype != torch.bfloat16 or not x.is_cuda or not mm_fp32_out_works(x.device):
             return self(x)
         key = (self.weight._version, self.weight.data_ptr())
         if getattr(self, "_split_key", None) != key:
-            self._split, self._split_key = split_bf16x3(self.weight.detach()), key
+            split = split_bf16x3(self.weight.detach())
+            if getattr(self, "_split", None) is not None and self._split.shape == split.shape:
+                self._split.copy_(split)
+            else:
+                self._split = split
+            self._split_key = key
         return router_logits_bf16x3(x, self._split)
+
+    def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """The checkpoint loader's copy (through .data, which moves no version counter), then the split is
+        stale."""
+        default_weight_loader(param, loaded, shard_id)
+        self._split_key = None
 
 
 class Experts(nn.Module):

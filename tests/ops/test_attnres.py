@@ -61,3 +61,20 @@ def test_attnres_zero_query_is_uniform_mean():
     sources, _, norm_weight = _inputs(S=4, seed=4)
     out = attnres_mix(sources, torch.zeros(sources.shape[-1]), norm_weight, 1e-5)
     torch.testing.assert_close(out, sources.mean(0), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("S", [1, 3])
+def test_mix_norm_is_the_norm_of_the_mix(S):
+    """The layer-level `mix_norm` (one op on the fast path) is out_norm(mix(...)), the single source included
+    (softmax over one source is 1: the norm of that source)."""
+    from kestrel.layers.attnres import ResProj, mix, mix_norm
+    from kestrel.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(S)
+    sources = [torch.randn(4, 32, generator=g) for _ in range(S)]
+    proj, norm, out_norm = ResProj(32), RMSNorm(32, 1e-6), RMSNorm(32, 1e-5)
+    with torch.no_grad():
+        proj.weight.normal_(generator=g)
+        norm.weight.uniform_(0.5, 1.5, generator=g)
+        out_norm.weight.uniform_(0.5, 1.5, generator=g)
+        assert torch.equal(mix_norm(sources, proj, norm, out_norm), out_norm(mix(sources, proj, norm)))

@@ -55,3 +55,33 @@ def test_router_logits_on_gpu_match_the_fp32_reference():
     assert ((got.double() - exact).abs() <= bound).all()
     agree = (got.topk(6).indices.sort(1).values == ref.topk(6).indices.sort(1).values).all(1).float().mean()
     assert agree > 0.999
+
+
+def test_router_split_refreshes_in_place(monkeypatch):
+    """Router.inference_logits keeps the split in one buffer: refilled in place (same storage, so captured CUDA
+    graphs keep reading it) after an in-place update of the weight and after a checkpoint load (which copies
+    through .data and moves no version counter). The GEMM is emulated on the CPU."""
+    import kestrel.layers.moe as moe
+    from kestrel.presets import preset_config
+
+    monkeypatch.setattr(moe, "mm_fp32_out_works", lambda device: True)
+    monkeypatch.setattr(
+        moe,
+        "router_logits_bf16x3",
+        lambda x, parts: (x.double() @ parts.double().t()).view(x.shape[0], 3, -1).sum(1),
+    )
+    router = moe.Router(preset_config("tiny"))
+    router.weight.data.copy_(_weight(*router.weight.shape, seed=8))
+    x = torch.randn(5, router.weight.shape[1]).to(torch.bfloat16)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the CPU stands in for CUDA
+    with torch.no_grad():
+        first = router.inference_logits(x)
+        buffer = router._split.data_ptr()
+        torch.testing.assert_close(first, x.double() @ router.weight.double().t())
+        router.weight.mul_(2.0)  # an in-place update (an optimizer step)
+        torch.testing.assert_close(router.inference_logits(x), 2 * first)
+        router.weight.weight_loader(router.weight, 3 * router.weight.detach() / 2)  # a checkpoint load
+        torch.testing.assert_close(router.inference_logits(x), 3 * first)
+    assert router._split.data_ptr() == buffer
+    with pytest.raises(AssertionError, match="no backward"):
+        router.inference_logits(x)

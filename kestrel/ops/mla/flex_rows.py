@@ -39,6 +39,8 @@ def flex_attention_rows(
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     B, R = allowed.shape[0], allowed.shape[1]
+    if R % block:  # the block mask's padding would read `allowed` past its end
+        raise ValueError(f"flex_attention_rows: row length {R} is not a multiple of the block {block}")
 
     def visible(b, h, q_idx, kv_idx):
         return allowed[b, q_idx, kv_idx]

@@ -186,5 +186,6 @@ def mla_attention_rows(
 
 
 def _use_flex(q: torch.Tensor) -> bool:
-    """KESTREL_TRAIN_ATTENTION: flex on CUDA (kestrel.ops.mla.flex_rows), sdpa (the dense masked kernel)."""
-    return q.is_cuda and env_field("train_attention") == "flex"
+    """KESTREL_TRAIN_ATTENTION: flex on CUDA for rows of a multiple of its 128-token blocks
+    (kestrel.ops.mla.flex_rows), sdpa (the dense masked kernel)."""
+    return q.is_cuda and q.shape[2] % 128 == 0 and env_field("train_attention") == "flex"

@@ -7,8 +7,11 @@ a cast of x to fp32, about 0.4 ms a layer for 32K tokens of `mini` on the H200 (
 ~4 ms of casts in a 217 ms prefill step, session 11's profile). Here w is split into three bf16 parts,
 w = hi + mid + lo exactly (each part holds the next 8 significant bits of w's 24), and bf16 x times the
 stacked parts [3E, D] runs as one bf16 GEMM with fp32 output. A bf16 x times a bf16 part is exact in fp32, so
-every product x[t, d] * w[e, d] is exact, as in the reference; the sums run in fp32 in another order (three
-partial dot products, then added), so the logits differ from the reference by fp32 rounding only.
+every product x[t, d] * w[e, d] is exact, as in the reference; the sums run in the tensor cores' fp32
+accumulation in another order (three partial dot products, then added). On the H200 at mini's sizes the max
+error against an fp64 reference was 1.0e-5 where cuBLAS' fp32 GEMM's was 1.9e-6, both within the fp32 bound
+D * 2^-24 * sum |x w| (session 11): a token on a near-tie between experts can pick another one than the fp32
+GEMM would.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import torch
 
 
 def split_bf16x3(w: torch.Tensor) -> torch.Tensor:
-    """fp32 w [E, D] -> [3E, D] bf16: hi, mid and lo stacked, with hi + mid + lo == w exactly in fp32 (for
-    every finite w above the bf16 subnormal range's precision floor; NaN and inf stay in hi)."""
+    """fp32 w [E, D] -> [3E, D] bf16: hi, mid and lo stacked, with hi + mid + lo == w exactly in fp32 for
+    2^-110 <= |w| <= bf16's largest finite value (~3.39e38) and for 0; below 2^-110 lo falls into bf16's
+    subnormals and loses bits. NaN stays NaN; an infinite w splits into inf, NaN, NaN (its logit is NaN)."""
     w = w.float()
     hi = w.to(torch.bfloat16)
     rest = w - hi.float()  # exact: the low 16 significant bits (with the sign the rounding gave them)
