@@ -36,6 +36,19 @@ class EvalConfig:
 WRONG_SAMPLES = 3
 
 
+def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of an accuracy of `correct` out of `n` (95% at z = 1.96): what a held-out
+    figure is worth. At n = 50 an accuracy of 74% spans 60-84%, so two runs 4 points apart on 50 retrieval
+    prompts are not told apart."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = correct / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5 / denom
+    return (max(0.0, center - half), min(1.0, center + half))
+
+
 def _accuracy(engine: Engine, examples, max_new_tokens: int, desc: str) -> dict:
     tok = engine.tokenizer
     params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
@@ -68,6 +81,7 @@ def _accuracy(engine: Engine, examples, max_new_tokens: int, desc: str) -> dict:
     return {
         "n": len(examples),
         "accuracy": sum(correct) / max(len(examples), 1),
+        "ci95": wilson_interval(sum(correct), len(examples)),
         "seconds": time.perf_counter() - start,
         # what a wrong answer looks like: the first few, to read beside the figure
         "wrong_samples": [{"expected": ex.answer, "got": text} for ex, text in wrong[:WRONG_SAMPLES]],
@@ -112,13 +126,18 @@ def evaluate(cfg: EvalConfig, on_progress=None) -> dict:
 
 
 def format_table(result: dict) -> str:
-    lines = ["| family | n | accuracy |", "|---|---|---|"]
+    lines = ["| family | n | accuracy | 95% interval |", "|---|---|---|---|"]
+
+    def row(name: str, r: dict) -> str:
+        lo, hi = r.get("ci95") or wilson_interval(round(r["accuracy"] * r["n"]), r["n"])
+        return f"| {name} | {r['n']} | {r['accuracy']:.1%} | {lo:.0%}-{hi:.0%} |"
+
     for family, r in result["families"].items():
-        lines.append(f"| {family} | {r['n']} | {r['accuracy']:.1%} |")
+        lines.append(row(family, r))
     for length, entry in result["retrieval"].items():
         if "skipped" in entry:
-            lines.append(f"| retrieval @{length} | - | skipped ({entry['skipped']}) |")
+            lines.append(f"| retrieval @{length} | - | skipped ({entry['skipped']}) | |")
             continue
         for mode, r in entry.items():
-            lines.append(f"| retrieval @{length} ({mode}) | {r['n']} | {r['accuracy']:.1%} |")
+            lines.append(row(f"retrieval @{length} ({mode})", r))
     return "\n".join(lines)

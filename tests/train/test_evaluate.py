@@ -88,6 +88,21 @@ def test_evaluate_reports_every_family_and_length_with_the_dense_contrast():
     assert "| retrieval @300 (dense) | 2 |" in table and "| countdown | 2 |" in table
 
 
+def test_wilson_interval():
+    """Against hand-computed Wilson intervals: 37 of 50 (74%) spans 60.4-84.1%; all right or all wrong stay
+    inside [0, 1] and are not a point; n = 0 says nothing."""
+    from kestrel.train.evaluate import wilson_interval
+
+    lo, hi = wilson_interval(37, 50)
+    assert abs(lo - 0.6045) < 1e-3 and abs(hi - 0.8413) < 1e-3
+    lo, hi = wilson_interval(50, 50)
+    assert hi == 1.0 and 0.92 < lo < 0.93
+    assert wilson_interval(0, 50)[0] == 0.0 and 0.07 < wilson_interval(0, 50)[1] < 0.08
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    table = format_table({"families": {"countdown": {"n": 50, "accuracy": 0.74}}, "retrieval": {}})
+    assert "| countdown | 50 | 74.0% | 60%-84% |" in table
+
+
 def test_dense_switch_flushes_the_prefix_cache_and_restores_top_k():
     engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4))
     indexers = [m.indexer for m in engine.model.modules() if isinstance(m, MLAttention) and m.indexer]
