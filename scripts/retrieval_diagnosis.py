@@ -12,6 +12,11 @@ the fact. Each wrong lookup is also classed by the code it wrote against the pro
               one copied (digit-by-digit copying that jumps to the other code at a shared digit);
   other       anything else.
 and the lookup accuracy is split by whether a distractor's code shares its first digit with the right one.
+  name_swap  does the name steer the copy? For each distractor, at the first digit where its code and the right
+             one part (after their shared prefix), the model is given `... of <name> is <shared prefix>` once with
+             the asked name and once with the distractor's: it reads the name if it writes each code's own next
+             digit; it ignores the name if it writes the same digit both times. Split by the shared prefix's
+             length (0: the first digit, the lookup that works; 1+: where the misses are).
 
     python3 scripts/retrieval_diagnosis.py --model kestrel-demo --num 30 --length 2048 --out diag.json
 """
@@ -71,6 +76,44 @@ def classify(wrote: str, answer: str, others: list[str]) -> str:
     return "other"
 
 
+def _next_digit(text: str) -> str:
+    found = re.search(r"\d", text)
+    return found.group(0) if found else ""
+
+
+def name_swap(llm: LLM, tok, examples) -> dict:
+    """The name_swap measure (module docstring), per shared-prefix length: how often each name's own next digit
+    is written, and how often the same digit is written under both names."""
+    rows = []  # the shared prefix length of each (asked, distractor) pair
+    prompts = []
+    for ex in examples:
+        facts = re.findall(r"The code of ([^.]*?) is (\d+)\.", ex.prompt)
+        for name, code in facts:
+            if name == ex.meta["name"] or code == ex.answer:
+                continue
+            j = _shared_prefix(code, ex.answer)
+            head = prompt_ids(tok, ex)
+            for who, right in ((ex.meta["name"], ex.answer), (name, code)):
+                text = f"The text says: The code of {who} is" + (f" {ex.answer[:j]}" if j else "")
+                prompts.append((head + tok.encode(text), right[j]))
+            rows.append(j)
+    outs = _greedy(llm, [p for p, _ in prompts], 3)
+    digits = [_next_digit(o) for o in outs]
+    result: dict = {}
+    for i, j in enumerate(rows):
+        d_asked, d_other = digits[2 * i], digits[2 * i + 1]  # written after the asked / the distractor's name
+        r_asked, r_other = prompts[2 * i][1], prompts[2 * i + 1][1]  # each code's own next digit
+        key = "shared_0" if j == 0 else "shared_1+"
+        entry = result.setdefault(
+            key, {"pairs": 0, "asked_name_right": 0, "distractor_name_right": 0, "same_digit": 0}
+        )
+        entry["pairs"] += 1
+        entry["asked_name_right"] += d_asked == r_asked
+        entry["distractor_name_right"] += d_other == r_other
+        entry["same_digit"] += d_asked == d_other
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="kestrel-demo")
@@ -126,6 +169,7 @@ def main() -> None:
         # the family names the tokenizer splits (copying those takes an induction step per piece)
         "multi_token_family_names": sum(len(tok.encode(" " + family)) > 1 for _, family in firsts),
         "name_copy_accuracy_multi_token": _share(copied, [len(tok.encode(" " + f)) > 1 for _, f in firsts]),
+        "name_swap": name_swap(llm, tok, examples),
     }
     text = json.dumps(result, indent=1)
     print(text)
