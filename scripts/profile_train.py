@@ -3,11 +3,17 @@ training, the data loader's share, and the top CUDA kernels and CPU ops of each 
 
     python3 scripts/profile_train.py --batch-rows 16 --row-len 8704 --out $OUT/profile_train.json
     python3 scripts/profile_train.py --model mini --batch-rows 2 --row-len 8704   # the loop on a larger model
+    KESTREL_TRAIN_ATTENTION=flex python3 scripts/profile_train.py --phases dense --stack-every 30
+        # one phase, with every thread's stack printed each 30 s: where a slow first step is (compiling or running)
+
+Each phase reports torch.compile's graph counts after it (`compiled_graphs`): a count that grows with the steps
+is a recompilation at every step.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import sys
 import tempfile
@@ -71,19 +77,31 @@ def _label_dsa_training(model: torch.nn.Module) -> None:
             module._indexer_kl = labelled(module._indexer_kl, "fwd::indexer_kl")
 
 
+def _compile_stats() -> dict:
+    """torch.compile's counts so far: graphs compiled and frames captured."""
+    from torch._dynamo.utils import counters
+
+    stats = counters["stats"]
+    return {"unique_graphs": stats.get("unique_graphs", 0), "calls_captured": stats.get("calls_captured", 0)}
+
+
 def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
     trainer.step = 0 if dense else trainer.cfg.dsa_dense_steps
+    name = "dense" if dense else "sparse"
+    print(f"{name}: first step (compilation, autotuning) ...", flush=True)
     t0 = time.perf_counter()
     trainer.train_step(batches[0])  # warm-up (compilation, autotuning, allocator)
     _sync()
     first_s = time.perf_counter() - t0
-    print(f"{'dense' if dense else 'sparse'}: first step {first_s:.1f} s", flush=True)
+    after_first = _compile_stats()
+    print(f"{name}: first step {first_s:.1f} s, compiled {after_first}", flush=True)
     times = []
     for b in batches[1:3]:
         t0 = time.perf_counter()
         trainer.train_step(b)
         _sync()
         times.append(time.perf_counter() - t0)
+        print(f"{name}: step {times[-1]:.3f} s", flush=True)
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -130,6 +148,7 @@ def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
         ],
         "kernel_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
         "kernel_launches": sum(e.count for e in kernels),
+        "compiled_graphs": {"after_first_step": after_first, "after_phase": _compile_stats()},
     }
 
 
@@ -141,12 +160,21 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--out", default=None)
     ap.add_argument("--model", default="demo", help="preset (random init) or checkpoint folder")
+    ap.add_argument("--phases", default="dense,sparse", help="comma-separated: dense (warm-up), sparse (DSA)")
+    ap.add_argument(
+        "--stack-every", type=float, default=0, help="print every thread's stack each S seconds (0: never)"
+    )
     ap.add_argument(
         "--tokenizer",
         default=None,
         help="tokenizer folder (default: the shipped demo model's; a BPE is trained when there is none)",
     )
     args = ap.parse_args()
+    phases = args.phases.split(",")
+    if not phases or set(phases) - {"dense", "sparse"}:
+        ap.error(f"--phases: choose from dense, sparse (got {args.phases!r})")
+    if args.stack_every > 0:
+        faulthandler.dump_traceback_later(args.stack_every, repeat=True)
     from kestrel.presets import preset_config, preset_names, shipped_model_dir
     from kestrel.tokenizer import load_tokenizer
 
@@ -184,11 +212,12 @@ def main() -> None:
         "data_s_per_batch": data_s,
         "docs_per_batch": len(batches[0].cu_seqlens) - 1,
         "flops_per_token": trainer.flops_per_token,
-        "dense": _phase(trainer, batches[:4], dense=True, top=args.top),
-        "sparse": _phase(trainer, batches[4:], dense=False, top=args.top),
     }
-    for phase in ("dense", "sparse"):
-        result[phase]["mfu_vs_989"] = trainer.mfu(result[phase]["tokens_per_s"])
+    for phase, part in (("dense", batches[:4]), ("sparse", batches[4:])):
+        if phase in phases:
+            result[phase] = _phase(trainer, part, dense=phase == "dense", top=args.top)
+            result[phase]["mfu_vs_989"] = trainer.mfu(result[phase]["tokens_per_s"])
+    faulthandler.cancel_dump_traceback_later()
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
