@@ -1004,7 +1004,7 @@ def _prefill_step(engine, n: int, length: int, g: torch.Generator) -> float:
 def prefill_bench() -> dict:
     """Issue 4's packed prefill: `n` prompts of `length` tokens in one engine step (chunked-prefill budget = all
     of them), mini with DSA, random bf16 weights. Time of the step after a warm-up of the same shapes, MFU
-    against the bf16 matmul ceiling measured here, and the top kernels of one profiled step."""
+    against the bf16 matmul ceiling measured here, and the top kernels and ops of one profiled step of each case."""
 
     from kestrel.config import EngineConfig
     from kestrel.engine.engine import Engine
@@ -1041,7 +1041,6 @@ def prefill_bench() -> dict:
             "mfu_of_measured_matmul": flops / seconds / 1e12 / peak,
             "flops_per_token": flops / tokens,
         }
-        first = n == S.prefill_cases[0][0] and length == S.prefill_cases[0][1]
         # the same step with each sparse-prefill kernel forced (the default, auto, weighs their pairs)
         for mode in ("rows", "expanded"):
             with _environ({"KESTREL_SPARSE_PREFILL": mode}):
@@ -1049,13 +1048,13 @@ def prefill_bench() -> dict:
                 entry[f"step_s_sparse_prefill_{mode}"] = min(
                     _prefill_step(engine, n, length, g) for _ in range(2)
                 )
-        if first:
-            _, prof, events, own = _profiled(functools.partial(_prefill_step, engine, n, length, g), True)
-            entry["top_kernels"] = [
-                {"name": e.key[:90], "ms": own(e) / 1000, "calls": e.count}
-                for e in sorted(events, key=own, reverse=True)[:20]
-            ]
-            entry["top_ops_by_shape"] = _ops_by_shape(prof, 30)
+        # one profiled step of every case (the single 32K sequence spends its time otherwise than the packed 8)
+        _, prof, events, own = _profiled(functools.partial(_prefill_step, engine, n, length, g), True)
+        entry["top_kernels"] = [
+            {"name": e.key[:90], "ms": own(e) / 1000, "calls": e.count}
+            for e in sorted(events, key=own, reverse=True)[:20]
+        ]
+        entry["top_ops_by_shape"] = _ops_by_shape(prof, 30)
         result["cases"][f"{n}x{length}"] = entry
         print(
             f"prefill {n}x{length}",
