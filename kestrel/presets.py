@@ -6,6 +6,9 @@
 - `mini`: benchmark scale on one H200 (about 3B total / 0.5B active; 24 layers = 18 KDA + 6 DSA), sized as
   the E1 model of `shared/reference/performance.md` section 6, with the K3 features on.
 
+- `demo`: the shipped demo model's shape (18 M parameters, `LLLSLLLS`); `demo-attn4` the same with 4 of its 8
+  layers MLA + DSA (`LSLSLSLS`), untrained, for issue 5's retrieval experiment.
+
 The trained demo model (issue 5) ships as a checkpoint folder inside the package, named `kestrel-demo`
 (kestrel/data/kestrel-demo); `builtin_model()` is it when installed, else `tiny`, and `resolve_model()` turns
 that name into the folder.
@@ -176,7 +179,20 @@ _DEMO = {
     "attn_res_block_size": 4,
 }
 
-PRESETS = {"tiny": _TINY, "mini": _MINI, "demo": _DEMO}
+# The demo with half its layers MLA + DSA (`LSLSLSLS`, 4 of 8, against the demo's 2), for the retrieval
+# experiment of issue 5: the demo model copies a code's digits past its first by local induction, steered by
+# no name (session 11's name_swap diagnosis); more attention layers are one way to give it the capacity.
+# Untrained: `kestrel train --model demo-attn4` starts it from random weights.
+_DEMO_ATTN4 = {
+    **_DEMO,
+    "linear_attn_config": {
+        **_DEMO["linear_attn_config"],
+        "kda_layers": [1, 3, 5, 7],
+        "full_attn_layers": [2, 4, 6, 8],
+    },
+}
+
+PRESETS = {"tiny": _TINY, "mini": _MINI, "demo": _DEMO, "demo-attn4": _DEMO_ATTN4}
 _K3_ONLY = (
     "mla_use_output_gate",
     "index_n_heads",

@@ -321,3 +321,17 @@ def test_unknown_preset_and_format():
         preset_hf_config("huge")
     with pytest.raises(ConfigError, match="kimi_k4"):
         preset_hf_config("tiny", "kimi_k4")
+
+
+def test_demo_attn4_is_the_demo_with_half_its_layers_mla():
+    demo, attn4 = preset_config("demo"), preset_config("demo-attn4")
+    assert attn4.layer_types == ("kda", "mla") * 4 and demo.layer_types.count("mla") == 2
+    same = (
+        "hidden_size",
+        "num_hidden_layers",
+        "vocab_size",
+        "index_topk",
+        "num_experts",
+        "attn_res_block_size",
+    )
+    assert all(getattr(attn4, f) == getattr(demo, f) for f in same)

@@ -76,7 +76,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--model",
         default=None,
         help="checkpoint folder, `kestrel-demo` (the trained demo model, when installed), or a preset name "
-        "for random weights: tiny, mini, demo (default: kestrel-demo if installed, else tiny)",
+        "for random weights: tiny, mini, demo, demo-attn4 (default: kestrel-demo if installed, else tiny)",
     )
     p.set_defaults(builtin_model_default=True)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
