@@ -298,3 +298,25 @@ def test_flex_rows_equal_dense_masked_attention(sparse):
         grads = torch.autograd.grad((got * probe).sum(), (q, k, v))
         for a, b in zip(grads, grads_ref):
             torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=0.1)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_block_mask_from_dense_equals_create_block_mask(sparse):
+    """The block mask read off the dense mask (no compile) lists the same blocks as flex's own
+    create_block_mask: partial and full blocks, same dense form."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from kestrel.ops.mla.flex_rows import block_mask_from_dense
+
+    allowed = _rows_mask(2, 384, sparse, seed=7)
+    allowed[1, 128:256, 128:256] = torch.ones(128, 128, dtype=torch.bool).tril()  # a partial diagonal block
+    allowed[1, 256:, 128:256] = True  # full blocks below it
+
+    def visible(b, h, q_idx, kv_idx):
+        return allowed[b, q_idx, kv_idx]
+
+    ours = block_mask_from_dense(allowed, 128, visible)
+    ref = create_block_mask(visible, 2, None, 384, 384, device="cpu", BLOCK_SIZE=128)
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+    assert ours.full_kv_num_blocks[1, 0, 2] >= 1  # the full block above is listed as full

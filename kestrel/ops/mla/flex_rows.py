@@ -8,6 +8,9 @@ holding ~290 documents, ~37 ms of a 169 ms training step (forward and backward, 
 of it on pairs of tokens in different documents. FlexAttention builds a block mask from the same visibility (its
 128 x 128 blocks with no visible pair are skipped, the partly visible ones masked) and computes only those.
 The mask is the same tensor, so dense warm-up and sparse DSA training (the top-k narrowed mask) both run here.
+The block mask is read off the dense mask with two reductions (`block_mask_from_dense`), not by
+`create_block_mask`: that compiles a kernel of its own, whose cold compile can take minutes at some lengths
+(pytorch/pytorch#182060), and session 11's two GPU runs of this path never ended their first step (140-170 s).
 """
 
 from __future__ import annotations
@@ -24,6 +27,30 @@ def _compiled():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def block_mask_from_dense(allowed: torch.Tensor, block: int, mask_mod):
+    """The BlockMask of a dense visibility [B, R, R] (R a multiple of `block`): per (row, query block) the key
+    blocks with every pair visible (computed without the mask) and those with some (mask_mod decides each pair),
+    in key order."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, R = allowed.shape[0], allowed.shape[1]
+    n = R // block
+    tiles = allowed.view(B, n, block, n, block)
+    some = tiles.any(4).any(2)  # [B, n, n] query block x key block
+    full = tiles.all(4).all(2)
+
+    def listing(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = blocks.sum(-1, dtype=torch.int32)  # [B, n]
+        order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # listed first
+        return counts[:, None], order[:, None]  # [B, 1, n], [B, 1, n, n] (one head: the mask is per row)
+
+    kv_num, kv_idx = listing(some & ~full)
+    full_num, full_idx = listing(full)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(R, R)
+    )
+
+
 def flex_attention_rows(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -36,15 +63,15 @@ def flex_attention_rows(
     """q, k [B, H, R, Dq], v [B, H, R, Dv], allowed [B, R, R] bool (query t may see key s; every query at least
     itself) -> o [B, H, R, Dv] in q.dtype: softmax(q k^T * scale, masked to `allowed`) v. compiled=False runs
     flex's eager form (the CPU tests; slow, no fused kernel)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-    B, R = allowed.shape[0], allowed.shape[1]
+    R = allowed.shape[1]
     if R % block:  # the block mask's padding would read `allowed` past its end
         raise ValueError(f"flex_attention_rows: row length {R} is not a multiple of the block {block}")
 
     def visible(b, h, q_idx, kv_idx):
         return allowed[b, q_idx, kv_idx]
 
-    mask = create_block_mask(visible, B, None, R, R, device=q.device, BLOCK_SIZE=block, _compile=compiled)
+    mask = block_mask_from_dense(allowed, block, visible)
     attend = _compiled() if compiled else flex_attention
     return attend(q, k, v, block_mask=mask, scale=scale)
