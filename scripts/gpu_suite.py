@@ -915,23 +915,6 @@ def _profiled(fn, record_shapes: bool = False):
     return out, prof, events, own
 
 
-def _ops_by_shape(prof, top: int) -> list[dict]:
-    """The CPU-side events (ATen ops, Triton launches) whose own kernels took the most GPU time, by input
-    shapes: which tensor a kernel ran on."""
-    from torch.autograd import DeviceType
-
-    ops = (e for e in prof.key_averages(group_by_input_shape=True) if e.device_type != DeviceType.CUDA)
-    return [
-        {
-            "name": e.key,
-            "shapes": str(e.input_shapes)[:200],
-            "ms": e.self_device_time_total / 1e3,
-            "calls": e.count,
-        }
-        for e in sorted(ops, key=lambda e: e.self_device_time_total, reverse=True)[:top]
-    ]
-
-
 def profile_decode() -> dict:
     """Where a decode step's GPU time goes: torch.profiler over eager decode steps of mini at batch 64 (no
     graphs, so that kernels are attributed), top kernels by CUDA time, and the per-step totals."""
@@ -1006,6 +989,7 @@ def prefill_bench() -> dict:
     of them), mini with DSA, random bf16 weights. Time of the step after a warm-up of the same shapes, MFU
     against the bf16 matmul ceiling measured here, and the top kernels and ops of one profiled step of each case."""
 
+    from kestrel.bench.profiling import ops_by_shape
     from kestrel.config import EngineConfig
     from kestrel.engine.engine import Engine
     from kestrel.models.loader import build_model
@@ -1054,7 +1038,7 @@ def prefill_bench() -> dict:
             {"name": e.key[:90], "ms": own(e) / 1000, "calls": e.count}
             for e in sorted(events, key=own, reverse=True)[:20]
         ]
-        entry["top_ops_by_shape"] = _ops_by_shape(prof, 30)
+        entry["top_ops_by_shape"] = ops_by_shape(prof, 30)
         result["cases"][f"{n}x{length}"] = entry
         print(
             f"prefill {n}x{length}",

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kestrel.bench.profiling import ops_by_shape  # noqa: E402
 from kestrel.config import TrainConfig  # noqa: E402
 from kestrel.train.trainer import Trainer  # noqa: E402
 
@@ -131,21 +132,7 @@ def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
             for e in modules
         ],
         "most_called_ops": [{"name": e.key[:90], "calls": e.count} for e in by_calls],
-        # the CPU-side events (ATen ops, and record_function ranges holding Triton launches) whose own kernels
-        # took the most GPU time, by input shapes: which tensor a kernel ran on
-        "top_ops_by_shape": [
-            {
-                "name": e.key,
-                "shapes": str(e.input_shapes)[:200],
-                "gpu_ms": e.self_device_time_total / 1e3,
-                "calls": e.count,
-            }
-            for e in sorted(
-                (e for e in prof.key_averages(group_by_input_shape=True) if e.device_type != DeviceType.CUDA),
-                key=lambda e: e.self_device_time_total,
-                reverse=True,
-            )[:top]
-        ],
+        "top_ops_by_shape": ops_by_shape(prof, top, time_key="gpu_ms"),
         "kernel_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
         "kernel_launches": sum(e.count for e in kernels),
         "compiled_graphs": {"after_first_step": after_first, "after_phase": _compile_stats()},

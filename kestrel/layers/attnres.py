@@ -22,8 +22,7 @@ def mix(sources: list[torch.Tensor] | torch.Tensor, proj: ResProj, norm: RMSNorm
     pseudo-query; the pre-norm comes after."""
     if len(sources) == 1:
         return sources[0]  # softmax over one source is 1
-    stacked = sources if isinstance(sources, torch.Tensor) else torch.stack(sources)
-    return attnres_mix(stacked, proj.weight.view(-1), norm.weight, norm.eps)
+    return attnres_mix(_stacked(sources), proj.weight.view(-1), norm.weight, norm.eps)
 
 
 def mix_norm(
@@ -31,8 +30,12 @@ def mix_norm(
 ) -> torch.Tensor:
     """out_norm(mix(sources, proj, norm)): the mix and the consumer's pre-norm (or the final norm), one op."""
     if len(sources) == 1:
-        return out_norm(sources[0])
-    stacked = sources if isinstance(sources, torch.Tensor) else torch.stack(sources)
+        return out_norm(sources[0])  # softmax over one source is 1
     return attnres_mix_norm(
-        stacked, proj.weight.view(-1), norm.weight, norm.eps, out_norm.weight, out_norm.eps
+        _stacked(sources), proj.weight.view(-1), norm.weight, norm.eps, out_norm.weight, out_norm.eps
     )
+
+
+def _stacked(sources: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    """[S, T, D]: a list stacked (training's bank), a tensor as it is (inference's buffer view)."""
+    return sources if isinstance(sources, torch.Tensor) else torch.stack(sources)

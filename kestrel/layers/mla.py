@@ -283,7 +283,14 @@ class MLAttention(nn.Module):
                 )
         q_nope, q_pe = q_nope.view(B, R, H, -1), q_pe.view(B, R, H, -1)
         out = mla_attention_rows(
-            q_nope, q_pe, kv_new.view(B, R, -1), self.kv_b_proj.weight, allowed, self.scale, self.v_dim
+            q_nope,
+            q_pe,
+            kv_new.view(B, R, -1),
+            self.kv_b_proj.weight,
+            allowed,
+            self.scale,
+            self.v_dim,
+            flex=_use_flex(q_nope.device, R),
         )  # [B, R, H, Dv]
         return out.reshape(T, H, self.v_dim)
 
@@ -379,6 +386,12 @@ def _use_triton(device: torch.device) -> bool:
     if choice == "triton":
         return True  # on CPU this needs TRITON_INTERPRET=1 (the tests use it)
     return device.type == "cuda"
+
+
+def _use_flex(device: torch.device, row_len: int) -> bool:
+    """KESTREL_TRAIN_ATTENTION=flex: training's row attention through FlexAttention, on CUDA for rows of a
+    multiple of its 128-token blocks; sdpa (the default): the dense masked kernel."""
+    return device.type == "cuda" and row_len % 128 == 0 and env_field("train_attention") == "flex"
 
 
 def _topk_fn(device: torch.device):

@@ -76,6 +76,9 @@ class Router(nn.Module):
         self.e_score_correction_bias = set_loader(
             nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
         )
+        # inference_logits' bf16 split of the weight, and the (version, address) of the weight it was made from
+        self._split: torch.Tensor | None = None
+        self._split_key: tuple[int, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 in training too: under autocast the matmul would run in bf16, and the experts a token picks would
@@ -95,10 +98,14 @@ class Router(nn.Module):
         if x.dtype != torch.bfloat16 or not x.is_cuda or not mm_fp32_out_works(x.device):
             return self(x)
         key = (self.weight._version, self.weight.data_ptr())
-        if getattr(self, "_split_key", None) != key:
+        if self._split_key != key:
             split = split_bf16x3(self.weight.detach())
-            if getattr(self, "_split", None) is not None and self._split.shape == split.shape:
-                self._split.copy_(split)
+            if (
+                self._split is not None
+                and self._split.shape == split.shape
+                and self._split.device == split.device
+            ):
+                self._split.copy_(split)  # in place: a captured graph reads this buffer
             else:
                 self._split = split
             self._split_key = key

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.env import env_field
 from kestrel.ops.dsa.naive import selection_mask
 
 
@@ -156,9 +155,11 @@ def mla_attention_rows(
     allowed: torch.Tensor,
     scale: float,
     v_dim: int,
+    flex: bool = False,
 ) -> torch.Tensor:
     """Training/prefill form over B rows of R tokens with an explicit visibility mask, MHA-expanded, through
-    scaled_dot_product_attention (a fused kernel on CUDA, the math path on CPU).
+    scaled_dot_product_attention (a fused kernel on CUDA, the math path on CPU), or with flex through
+    FlexAttention over the mask's visible blocks (kestrel.ops.mla.flex_rows; CUDA, R a multiple of 128).
 
     q_nope [B, R, H, Dn], q_pe [B, R, H, P], kv [B, R, Rk + P] (the rows' own latent rows, [c_kv | k_pe]),
     kv_b_weight [H * (Dn + Dv), Rk], allowed [B, R, R] bool (query t may attend key s; every query must allow
@@ -174,7 +175,7 @@ def mla_attention_rows(
         1, 2
     )  # [B, H, R, Dn + P]
     k, v = k.to(q.dtype), v.transpose(1, 2).to(q.dtype)
-    if _use_flex(q):
+    if flex:
         from kestrel.ops.mla.flex_rows import flex_attention_rows
 
         o = flex_attention_rows(q, k, v, allowed, scale)  # [B, H, R, Dv]: the visible blocks only
@@ -183,9 +184,3 @@ def mla_attention_rows(
             q, k, v, attn_mask=allowed[:, None], scale=scale
         )  # [B, H, R, Dv]
     return o.transpose(1, 2).to(q_nope.dtype)
-
-
-def _use_flex(q: torch.Tensor) -> bool:
-    """KESTREL_TRAIN_ATTENTION: flex on CUDA for rows of a multiple of its 128-token blocks
-    (kestrel.ops.mla.flex_rows), sdpa (the dense masked kernel)."""
-    return q.is_cuda and q.shape[2] % 128 == 0 and env_field("train_attention") == "flex"
