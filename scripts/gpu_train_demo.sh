@@ -4,15 +4,23 @@
 #   scripts/gpu_train_demo.sh wait N  wait up to N seconds for it (a call that keeps the machine busy)
 #   scripts/gpu_train_demo.sh finish  evaluate and copy the run (checkpoint shards, eval, loss PNG) to $OUT,
 #                                     with the Triton cache (scripts/triton_cache.sh) for the next machine
+#   scripts/gpu_train_demo.sh ship    copy only the run's checkpoint shards to $OUT
+# Two runs side by side on the 2-GPU machine: give each its own RUN folder and GPU (CUDA_VISIBLE_DEVICES), e.g.
+#   RUN=/tmp/run-a GPU=0 START_WAIT=5 ... start; RUN=/tmp/run-b GPU=1 ... start     (then wait as usual)
+#   RUN=/tmp/run-a GPU=0 SHIP=0 ... finish & RUN=/tmp/run-b GPU=1 SHIP=0 ... finish; wait; RUN=<better> ship
+# (two checkpoints of 36 MB do not fit in $OUT together; finish names its archive after the run folder).
 # Carry `.whl` (scripts/fetch_wheels.sh) and `.triton-cache` when there is one. The run lives in /tmp/demo-run
 # on the machine, which keeps it only while the machine stays held: call again within the idle window.
 # Every knob is an environment variable (defaults: the run that made the shipped model, 2026-11-30):
-#   MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED LR WARMUP DENSE BUDGET WORKERS SEED EVAL_S PARITY_S
+#   MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED DISTRACTORS LR WARMUP DENSE BUDGET WORKERS SEED
+#   EVAL_S PARITY_S NUMR (held-out retrieval prompts a length), and RUN GPU START_WAIT SHIP as above
 # Measured 2026-11-29 (bench/results/2026-11-29-train-profile-h200.json): 8 rows x 8704 tokens took 0.30 s a
 # step dense, 0.43 s sparse; a fresh machine first spends ~190 s compiling and autotuning.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-RUN=/tmp/demo-run
+RUN=${RUN:-/tmp/demo-run}
+NAME=$(basename "$RUN")
+[ -n "${GPU:-}" ] && export CUDA_VISIBLE_DEVICES=$GPU
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore KESTREL_KDA_BACKEND=fla
 export TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1
 case "${1:-}" in
@@ -24,11 +32,11 @@ start)
     # MODEL=kestrel-demo TOKENIZER=kestrel/data/kestrel-demo continues training the shipped model instead
     setsid nohup python3 -m kestrel.serve.cli train --out $RUN --model "${MODEL:-demo}" ${TOKENIZER:+--tokenizer "$TOKENIZER"} \
         --steps "${STEPS:-4000}" --retrieval-weight "${RWEIGHT:-0.1}" --seed "${SEED:-0}" \
-        --retrieval-shared-prefix "${RSHARED:-0}" \
+        --retrieval-shared-prefix "${RSHARED:-0}" ${DISTRACTORS:+--retrieval-distractors "$DISTRACTORS"} \
         --batch-rows "${ROWS:-8}" --row-len "${ROW_LEN:-8704}" --retrieval-lengths "${RLEN:-2048,8192}" \
         --lr "${LR:-3e-3}" --warmup-steps "${WARMUP:-50}" --dsa-dense-steps "${DENSE:-400}" --checkpoint-every 250 \
         --time-budget-s "${BUDGET:-720}" --data-workers "${WORKERS:-12}" > $RUN/train.log 2>&1 < /dev/null &
-    sleep 60; tail -c 2000 $RUN/train.log
+    sleep "${START_WAIT:-60}"; tail -c 2000 $RUN/train.log
     ;;
 wait)
     for _ in $(seq 1 $(( ${2:-540} / 10 ))); do
@@ -39,23 +47,26 @@ wait)
     ;;
 finish)
     timeout "${EVAL_S:-200}" python3 -m kestrel.serve.cli eval --model $RUN/checkpoint --num 200 \
-        --num-retrieval 50 --retrieval-lengths 2048,8192,32768 --out $RUN/eval.json > $RUN/eval.log 2>&1
+        --num-retrieval "${NUMR:-50}" --retrieval-lengths 2048,8192,32768 --out $RUN/eval.json > $RUN/eval.log 2>&1
     tail -c 2500 $RUN/eval.log
     # issue 2's figure on the trained weights: fast path vs reference logits (not timed against anything)
     timeout "${PARITY_S:-150}" python3 scripts/gpu_suite.py --sections parity \
         --parity-models "$RUN/checkpoint" --out $RUN > $RUN/parity.log 2>&1
     tail -c 1500 $RUN/parity.log
     # $OUT takes at most 8 files of 16 MiB: the weight shards as they are, everything else in one archive
-    cp $RUN/checkpoint/model*.safetensors "$OUT/"
+    [ "${SHIP:-1}" = 1 ] && cp $RUN/checkpoint/model*.safetensors "$OUT/"
     # what the run has of these (a continued run trains no tokenizer; a cut parity run writes no gpu_suite.json)
-    (cd $RUN && tar czf "$OUT/run-meta.tgz" --exclude='*.safetensors' --exclude='*.pt' $(ls -d checkpoint tokenizer \
+    (cd $RUN && tar czf "$OUT/$NAME-meta.tgz" --exclude='*.safetensors' --exclude='*.pt' $(ls -d checkpoint tokenizer \
         eval.json eval.log loss.png train_summary.json history.json train.log env.txt gpu_suite.json parity.log \
         2> /dev/null))
-    scripts/triton_cache.sh save  # only if it fits beside the shards (8 files, 64 MiB)
+    [ "${SHIP:-1}" = 1 ] && scripts/triton_cache.sh save  # only if it fits beside the shards (8 files, 64 MiB)
     ls -la "$OUT"
     ;;
+ship)
+    cp $RUN/checkpoint/model*.safetensors "$OUT/" && ls -la "$OUT"
+    ;;
 *)
-    echo "usage: $0 start|wait N|finish" >&2
+    echo "usage: $0 start|wait N|finish|ship" >&2
     exit 2
     ;;
 esac

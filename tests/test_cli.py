@@ -356,3 +356,19 @@ def test_builtin_model_default_only_where_a_model_is_loaded():
     assert agent.model is None and not getattr(
         agent, "builtin_model_default", False
     )  # the server's first model
+
+
+def test_train_retrieval_distractors_argument(capsys):
+    """`--retrieval-distractors LO,HI` (or N) parses to a range; anything else is a usage error naming it."""
+    from kestrel.serve.cli import build_parser
+
+    def parse(*argv):
+        return build_parser().parse_args(["train", "--out", "/nonexistent/run", *argv])
+
+    assert parse("--retrieval-distractors", "2,8").retrieval_distractors == (2, 8)
+    assert parse("--retrieval-distractors", "3").retrieval_distractors == (3, 3)
+    assert parse().retrieval_distractors is None
+    for bad in ("8,2", "0,3", "a,b", "1,2,3"):
+        with pytest.raises(SystemExit):
+            parse("--retrieval-distractors", bad)
+        assert "--retrieval-distractors" in capsys.readouterr().err

@@ -45,6 +45,8 @@ class TrainConfig:
     # share of retrieval training problems in which a distractor's code shares its first 1-4 digits with the
     # asked one (tasks.Retrieval); held-out sets keep none
     retrieval_shared_prefix: float = 0.0
+    # (lo, hi): distractor facts per retrieval training problem, drawn uniformly; None keeps the level's (1-3)
+    retrieval_distractors: tuple[int, int] | None = None
 
     def __post_init__(self):
         checks = [
@@ -60,6 +62,14 @@ class TrainConfig:
             (all(n < self.row_len for n in self.retrieval_lengths), "retrieval_lengths must fit in row_len"),
             (self.retrieval_weight >= 0, "retrieval_weight must be >= 0"),
             (0 <= self.retrieval_shared_prefix <= 1, "retrieval_shared_prefix must be in [0, 1]"),
+            (
+                self.retrieval_distractors is None
+                or (
+                    len(self.retrieval_distractors) == 2
+                    and 1 <= self.retrieval_distractors[0] <= self.retrieval_distractors[1] <= 32
+                ),
+                "retrieval_distractors must be (lo, hi) with 1 <= lo <= hi <= 32",
+            ),
         ]
         bad = [msg for ok, msg in checks if not ok]
         if bad:

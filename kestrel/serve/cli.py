@@ -37,6 +37,17 @@ def _share(text: str) -> float:
     return value
 
 
+def _int_range(text: str) -> tuple[int, int]:
+    """`LO,HI` (or one number N for N,N): two positive integers, LO <= HI."""
+    parts = text.split(",")
+    if len(parts) not in (1, 2):
+        raise argparse.ArgumentTypeError(f"expected LO,HI, got {text!r}")
+    lo, hi = (_positive_int(p.strip()) for p in (parts * 2)[:2])
+    if lo > hi:
+        raise argparse.ArgumentTypeError(f"expected LO <= HI, got {text!r}")
+    return lo, hi
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -256,6 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="share (0-1) of retrieval problems in which a distractor's code starts with the asked code's first "
         "1-4 digits (default 0)",
+    )
+    t.add_argument(
+        "--retrieval-distractors",
+        type=_int_range,
+        default=None,
+        metavar="LO,HI",
+        help="distractor facts per retrieval problem, drawn from LO..HI (default: the medium level's 1,3)",
     )
     t.add_argument("--checkpoint-every", type=_positive_int, default=500)
     t.add_argument("--time-budget-s", type=float, default=None, help="stop and checkpoint after this long")

@@ -39,6 +39,7 @@ def cmd_train(args) -> int:
         retrieval_lengths=_lengths(args.retrieval_lengths),
         retrieval_weight=args.retrieval_weight,
         retrieval_shared_prefix=args.retrieval_shared_prefix,
+        retrieval_distractors=args.retrieval_distractors,
         checkpoint_every=args.checkpoint_every,
         time_budget_s=args.time_budget_s,
         device=args.device,

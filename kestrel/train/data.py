@@ -44,6 +44,8 @@ class MixtureConfig:
     system: str | None = None  # an optional system message in every conversation
     # the share of retrieval problems with a distractor whose code shares the asked code's first digits
     retrieval_shared_prefix: float = 0.0
+    # (lo, hi): the number of distractor facts per retrieval problem, over the level's (tasks.Retrieval)
+    retrieval_distractors: tuple[int, int] | None = None
 
 
 class Mixture:
@@ -55,7 +57,11 @@ class Mixture:
         self.families: dict[str, Family] = {}
         for name in weights:
             extra = (
-                {"tokenizer": tokenizer, "shared_prefix": self.config.retrieval_shared_prefix}
+                {
+                    "tokenizer": tokenizer,
+                    "shared_prefix": self.config.retrieval_shared_prefix,
+                    "distractors": self.config.retrieval_distractors,
+                }
                 if name == "retrieval"
                 else {}
             )

@@ -340,7 +340,10 @@ class Retrieval(Family):
     `shared_prefix` (training only; held-out sets keep 0): the share of problems in which one distractor's code
     starts with the same 1-4 digits as the asked code. The demo model copies a code digit by digit and, where
     another code shares its first digit, half the time goes on with that code instead (session 10's diagnosis,
-    scripts/retrieval_diagnosis.py); these problems make the rest of the code depend on where it was found."""
+    scripts/retrieval_diagnosis.py); these problems make the rest of the code depend on where it was found.
+
+    `distractors` (training only): (lo, hi) overrides the level's number of distractor facts, drawn uniformly;
+    more distractors make more of the codes share a first digit by chance (with 8, one problem in two)."""
 
     name = "retrieval"
     LEVELS = {
@@ -349,16 +352,29 @@ class Retrieval(Family):
         "hard": dict(distractors=(3, 3), related_names=True),
     }
     DEFAULT_LEVEL = "medium"
+    MAX_DISTRACTORS = 32
     CHARS_PER_TOKEN = 5.0
     TOLERANCE = 0.03
     HEAD = "Read the text below and answer the question at the end.\n\n"
 
     def __init__(
-        self, level: str | None = None, tokenizer=None, context_tokens: int = 2048, shared_prefix: float = 0.0
+        self,
+        level: str | None = None,
+        tokenizer=None,
+        context_tokens: int = 2048,
+        shared_prefix: float = 0.0,
+        distractors: tuple[int, int] | None = None,
     ):
         super().__init__(level)
         if not 0.0 <= shared_prefix <= 1.0:
             raise ValueError(f"retrieval: shared_prefix {shared_prefix} must be in [0, 1]")
+        if distractors is not None:
+            lo, hi = distractors
+            if not 1 <= lo <= hi <= self.MAX_DISTRACTORS:
+                raise ValueError(
+                    f"retrieval: distractors {lo},{hi} must satisfy 1 <= lo <= hi <= {self.MAX_DISTRACTORS}"
+                )
+            self.settings = {**self.settings, "distractors": (lo, hi)}
         self.tokenizer = tokenizer
         self.context_tokens = context_tokens
         self.shared_prefix = shared_prefix

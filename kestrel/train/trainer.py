@@ -119,6 +119,7 @@ class Trainer:
             weights={**DEFAULT_WEIGHTS, "retrieval": cfg.retrieval_weight},
             retrieval_context_tokens=tuple(cfg.retrieval_lengths),
             retrieval_shared_prefix=cfg.retrieval_shared_prefix,
+            retrieval_distractors=cfg.retrieval_distractors,
         )
         self.data = PackedBatches(
             str(self.tokenizer_dir) if cfg.data_workers else self.tokenizer,

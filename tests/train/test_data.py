@@ -195,6 +195,25 @@ def test_retrieval_shared_prefix_distractors():
         make_family("retrieval", shared_prefix=1.5)
 
 
+def test_retrieval_distractor_count_override():
+    """distractors=(lo, hi) sets how many other people's facts a problem has, drawn over the whole range; the
+    default is the level's; a range outside 1..MAX_DISTRACTORS is refused."""
+    many = make_family("retrieval", distractors=(4, 8))
+    counts = set()
+    for i in range(40):
+        ex = many.generate(0, i, **SMALL_RETRIEVAL)
+        answer, others = _codes(ex)
+        assert 4 <= len(others) <= 8 and len(set(others)) == len(others)
+        assert ex.prompt.count("The code of ") == len(others) + 1  # the facts
+        assert verify(ex, f"Answer: {answer}")
+        counts.add(len(others))
+    assert counts == {4, 5, 6, 7, 8}
+    assert all(1 <= len(_codes(_generate("retrieval", 0, i))[1]) <= 3 for i in range(20))
+    for bad in [(0, 2), (3, 2), (1, 33)]:
+        with pytest.raises(ValueError, match="distractors"):
+            make_family("retrieval", distractors=bad)
+
+
 def test_retrieval_filler_differs_between_examples():
     a, b = _generate("retrieval", 0, 0), _generate("retrieval", 0, 1)
     assert a.prompt.split("\n\n")[1][:80] != b.prompt.split("\n\n")[1][:80]

@@ -10,7 +10,7 @@ from kestrel.config import EngineConfig, TrainConfig
 from kestrel.engine.engine import Engine
 from kestrel.tokenizer import save_byte_tokenizer
 from kestrel.train.trainer import STATE_FILE, Trainer, lr_at, update_expert_biases
-from kestrel.utils.errors import CheckpointError
+from kestrel.utils.errors import CheckpointError, ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +155,12 @@ def test_lr_schedule_and_bias_balancing(tmp_path, byte_tok):
     assert bias[0] < 0 and (bias[1:] > 0).all()
 
 
-def test_retrieval_shared_prefix_reaches_the_data(tmp_path, byte_tok):
-    """--retrieval-shared-prefix goes from the config to the retrieval family the batches are drawn from."""
-    trainer = Trainer(_cfg(tmp_path, byte_tok, retrieval_shared_prefix=0.5))
+def test_retrieval_knobs_reach_the_data(tmp_path, byte_tok):
+    """--retrieval-shared-prefix and --retrieval-distractors go from the config to the retrieval family the
+    batches are drawn from; a bad distractor range is a config error."""
+    trainer = Trainer(_cfg(tmp_path, byte_tok, retrieval_shared_prefix=0.5, retrieval_distractors=(2, 6)))
     assert trainer.data.config.retrieval_shared_prefix == 0.5
-    assert trainer.data._render.mixture.families["retrieval"].shared_prefix == 0.5
+    family = trainer.data._render.mixture.families["retrieval"]
+    assert family.shared_prefix == 0.5 and family.settings["distractors"] == (2, 6)
+    with pytest.raises(ConfigError, match="retrieval_distractors"):
+        _cfg(tmp_path, byte_tok, retrieval_distractors=(5, 2))
