@@ -25,8 +25,12 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore KESTRE
 export TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1
 case "${1:-}" in
 start)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    scripts/triton_cache.sh restore
+    # once a machine: a second run started beside the first must not rewrite what the first is importing
+    if [ ! -f /tmp/site/.kestrel-installed ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+        scripts/triton_cache.sh restore
+        touch /tmp/site/.kestrel-installed
+    fi
     mkdir -p $RUN
     env | grep '^KESTREL_' | sort > $RUN/env.txt  # the fast-path switches this run trains with
     # MODEL=kestrel-demo TOKENIZER=kestrel/data/kestrel-demo continues training the shipped model instead
