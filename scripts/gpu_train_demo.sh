@@ -6,12 +6,13 @@
 #                                     with the Triton cache (scripts/triton_cache.sh) for the next machine
 #   scripts/gpu_train_demo.sh ship    copy only the run's checkpoint shards to $OUT
 # Two runs side by side on the 2-GPU machine: give each its own RUN folder and GPU (CUDA_VISIBLE_DEVICES), e.g.
-#   RUN=/tmp/run-a GPU=0 START_WAIT=5 ... start; RUN=/tmp/run-b GPU=1 ... start     (then wait as usual)
+#   RUN=/tmp/run-a GPU=0 START_WAIT=5 ... start; RUN=/tmp/run-b GPU=1 ... start     (then wait on each RUN)
 #   RUN=/tmp/run-a GPU=0 SHIP=0 ... finish & RUN=/tmp/run-b GPU=1 SHIP=0 ... finish; wait; RUN=<better> ship
 # (two checkpoints of 36 MB do not fit in $OUT together; finish names its archive after the run folder).
-# Carry `.whl` (scripts/fetch_wheels.sh) and `.triton-cache` when there is one. The run lives in /tmp/demo-run
+# Carry `.whl` (scripts/fetch_wheels.sh) and `.triton-cache` when there is one. The run lives in $RUN (/tmp/demo-run)
 # on the machine, which keeps it only while the machine stays held: call again within the idle window.
-# Every knob is an environment variable (defaults: the run that made the shipped model, 2026-11-30):
+# Every knob is an environment variable (defaults: run 6, the shipped model, session 12, 2026-11-30, which also
+# gave TOKENIZER=kestrel/data/kestrel-demo; without TOKENIZER a BPE is trained first):
 #   MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED DISTRACTORS LR WARMUP DENSE BUDGET WORKERS SEED
 #   EVAL_S PARITY_S NUMR (held-out retrieval prompts a length), and RUN GPU START_WAIT SHIP as above
 # Measured 2026-11-29 (bench/results/2026-11-29-train-profile-h200.json): 8 rows x 8704 tokens took 0.30 s a
@@ -35,21 +36,27 @@ start)
     env | grep '^KESTREL_' | sort > $RUN/env.txt  # the fast-path switches this run trains with
     # MODEL=kestrel-demo TOKENIZER=kestrel/data/kestrel-demo continues training the shipped model instead
     setsid nohup python3 -m kestrel.serve.cli train --out $RUN --model "${MODEL:-demo}" ${TOKENIZER:+--tokenizer "$TOKENIZER"} \
-        --steps "${STEPS:-4000}" --retrieval-weight "${RWEIGHT:-0.1}" --seed "${SEED:-0}" \
-        --retrieval-shared-prefix "${RSHARED:-0}" ${DISTRACTORS:+--retrieval-distractors "$DISTRACTORS"} \
-        --batch-rows "${ROWS:-8}" --row-len "${ROW_LEN:-8704}" --retrieval-lengths "${RLEN:-2048,8192}" \
+        --steps "${STEPS:-4000}" --retrieval-weight "${RWEIGHT:-1.0}" --seed "${SEED:-7}" \
+        --retrieval-shared-prefix "${RSHARED:-0.5}" --retrieval-distractors "${DISTRACTORS:-1,8}" \
+        --batch-rows "${ROWS:-8}" --row-len "${ROW_LEN:-8704}" --retrieval-lengths "${RLEN:-256,256,512,512,1024,2048,8192}" \
         --lr "${LR:-3e-3}" --warmup-steps "${WARMUP:-50}" --dsa-dense-steps "${DENSE:-400}" --checkpoint-every 250 \
-        --time-budget-s "${BUDGET:-720}" --data-workers "${WORKERS:-12}" > $RUN/train.log 2>&1 < /dev/null &
+        --time-budget-s "${BUDGET:-780}" --data-workers "${WORKERS:-12}" > $RUN/train.log 2>&1 < /dev/null &
+    echo $! > $RUN/train.pid
     sleep "${START_WAIT:-60}"; tail -c 2000 $RUN/train.log
     ;;
 wait)
+    # on this run's pid (a pgrep on the command line would also find the shell that runs this script)
     for _ in $(seq 1 $(( ${2:-540} / 10 ))); do
-        pgrep -f "kestrel.serve.cli train" > /dev/null || break
+        kill -0 "$(cat $RUN/train.pid 2> /dev/null)" 2> /dev/null || break
         sleep 10
     done
     tail -c 1500 $RUN/train.log
     ;;
 finish)
+    if kill -0 "$(cat $RUN/train.pid 2> /dev/null)" 2> /dev/null; then
+        echo "training in $RUN is still running (it writes its last checkpoint when it ends): wait first" >&2
+        exit 1
+    fi
     timeout "${EVAL_S:-200}" python3 -m kestrel.serve.cli eval --model $RUN/checkpoint --num 200 \
         --num-retrieval "${NUMR:-50}" --retrieval-lengths 2048,8192,32768 --out $RUN/eval.json > $RUN/eval.log 2>&1
     tail -c 2500 $RUN/eval.log
