@@ -45,7 +45,8 @@ class TrainConfig:
     # share of retrieval training problems in which a distractor's code shares its first 1-4 digits with the
     # asked one (tasks.Retrieval); held-out sets keep none
     retrieval_shared_prefix: float = 0.0
-    # (lo, hi): distractor facts per retrieval training problem, drawn uniformly; None keeps the level's (1-3)
+    # (lo, hi): distractor facts per retrieval training problem, drawn uniformly; None keeps the level's (1-3);
+    # hi <= 32, tasks.Retrieval.MAX_DISTRACTORS
     retrieval_distractors: tuple[int, int] | None = None
 
     def __post_init__(self):

@@ -343,7 +343,7 @@ class Retrieval(Family):
     scripts/retrieval_diagnosis.py); these problems make the rest of the code depend on where it was found.
 
     `distractors` (training only): (lo, hi) overrides the level's number of distractor facts, drawn uniformly;
-    more distractors make more of the codes share a first digit by chance (with 8, one problem in two)."""
+    more distractors make more of the codes share the asked code's first digit by chance (with 8, 61% of problems)."""
 
     name = "retrieval"
     LEVELS = {
