@@ -13,7 +13,8 @@
 # on the machine, which keeps it only while the machine stays held: call again within the idle window.
 # Every knob is an environment variable (defaults: run 6, the shipped model, session 12, 2026-11-30, which also
 # gave TOKENIZER=kestrel/data/kestrel-demo; without TOKENIZER a BPE is trained first):
-#   MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED DISTRACTORS LR WARMUP DENSE BUDGET WORKERS SEED
+#   MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED DISTRACTORS SHARED_ALL (1: --retrieval-shared-all)
+#   LR WARMUP DENSE BUDGET WORKERS SEED
 #   EVAL_S PARITY_S NUMR (held-out retrieval prompts a length), and RUN GPU START_WAIT SHIP as above
 # Measured 2026-11-29 (bench/results/2026-11-29-train-profile-h200.json): 8 rows x 8704 tokens took 0.30 s a
 # step dense, 0.43 s sparse; a fresh machine first spends ~190 s compiling and autotuning.
@@ -38,6 +39,7 @@ start)
     setsid nohup python3 -m kestrel.serve.cli train --out $RUN --model "${MODEL:-demo}" ${TOKENIZER:+--tokenizer "$TOKENIZER"} \
         --steps "${STEPS:-4000}" --retrieval-weight "${RWEIGHT:-1.0}" --seed "${SEED:-7}" \
         --retrieval-shared-prefix "${RSHARED:-0.5}" --retrieval-distractors "${DISTRACTORS:-1,8}" \
+        $([ "${SHARED_ALL:-0}" = 1 ] && echo --retrieval-shared-all) \
         --batch-rows "${ROWS:-8}" --row-len "${ROW_LEN:-8704}" --retrieval-lengths "${RLEN:-256,256,512,512,1024,2048,8192}" \
         --lr "${LR:-3e-3}" --warmup-steps "${WARMUP:-50}" --dsa-dense-steps "${DENSE:-400}" --checkpoint-every 250 \
         --time-budget-s "${BUDGET:-780}" --data-workers "${WORKERS:-12}" > $RUN/train.log 2>&1 < /dev/null &

@@ -359,7 +359,8 @@ def test_builtin_model_default_only_where_a_model_is_loaded():
 
 
 def test_train_retrieval_distractors_argument(capsys):
-    """`--retrieval-distractors LO,HI` (or N) parses to a range; anything else is a usage error naming it."""
+    """`--retrieval-distractors LO,HI` (or N) parses to a range; anything else is a usage error naming it.
+    `--retrieval-shared-all` is a switch."""
     from kestrel.serve.cli import build_parser
 
     def parse(*argv):
@@ -367,7 +368,8 @@ def test_train_retrieval_distractors_argument(capsys):
 
     assert parse("--retrieval-distractors", "2,8").retrieval_distractors == (2, 8)
     assert parse("--retrieval-distractors", "3").retrieval_distractors == (3, 3)
-    assert parse().retrieval_distractors is None
+    assert parse().retrieval_distractors is None and not parse().retrieval_shared_all
+    assert parse("--retrieval-shared-all").retrieval_shared_all
     for bad in ("8,2", "0,3", "a,b", "1,2,3"):
         with pytest.raises(SystemExit):
             parse("--retrieval-distractors", bad)

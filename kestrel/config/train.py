@@ -48,6 +48,8 @@ class TrainConfig:
     # (lo, hi): distractor facts per retrieval training problem, drawn uniformly; None keeps the level's (1-3);
     # hi <= 32, tasks.Retrieval.MAX_DISTRACTORS
     retrieval_distractors: tuple[int, int] | None = None
+    # a shared-prefix problem (retrieval_shared_prefix) gives every distractor a shared prefix, not one
+    retrieval_shared_all: bool = False
 
     def __post_init__(self):
         checks = [

@@ -275,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LO,HI",
         help="distractor facts per retrieval problem, drawn from LO..HI (default: the medium level's 1,3)",
     )
+    t.add_argument(
+        "--retrieval-shared-all",
+        action="store_true",
+        help="in a shared-prefix problem (--retrieval-shared-prefix) every distractor's code shares 1-4 of the "
+        "asked code's first digits, not one distractor's",
+    )
     t.add_argument("--checkpoint-every", type=_positive_int, default=500)
     t.add_argument("--time-budget-s", type=float, default=None, help="stop and checkpoint after this long")
     t.add_argument("--data-workers", type=int, default=0)

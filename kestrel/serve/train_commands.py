@@ -40,6 +40,7 @@ def cmd_train(args) -> int:
         retrieval_weight=args.retrieval_weight,
         retrieval_shared_prefix=args.retrieval_shared_prefix,
         retrieval_distractors=args.retrieval_distractors,
+        retrieval_shared_all=args.retrieval_shared_all,
         checkpoint_every=args.checkpoint_every,
         time_budget_s=args.time_budget_s,
         device=args.device,

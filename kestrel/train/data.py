@@ -46,6 +46,8 @@ class MixtureConfig:
     retrieval_shared_prefix: float = 0.0
     # (lo, hi): the number of distractor facts per retrieval problem, over the level's (tasks.Retrieval)
     retrieval_distractors: tuple[int, int] | None = None
+    # a shared-prefix problem gives every distractor a shared prefix, not one (tasks.Retrieval)
+    retrieval_shared_all: bool = False
 
 
 class Mixture:
@@ -61,6 +63,7 @@ class Mixture:
                     "tokenizer": tokenizer,
                     "shared_prefix": self.config.retrieval_shared_prefix,
                     "distractors": self.config.retrieval_distractors,
+                    "shared_all": self.config.retrieval_shared_all,
                 }
                 if name == "retrieval"
                 else {}

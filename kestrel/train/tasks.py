@@ -342,6 +342,10 @@ class Retrieval(Family):
     another code shares its first digit, half the time goes on with that code instead (session 10's diagnosis,
     scripts/retrieval_diagnosis.py); these problems make the rest of the code depend on where it was found.
 
+    `shared_all` (training only): a shared-prefix problem gives every distractor a code sharing 1-4 of the asked
+    code's first digits (each its own length), so that copying on from the previous digit is ambiguous at every
+    shared digit and only the name tells the codes apart.
+
     `distractors` (training only): (lo, hi) overrides the level's number of distractor facts, drawn uniformly;
     more distractors make more of the codes share the asked code's first digit by chance (with 8, 61% of problems)."""
 
@@ -364,6 +368,7 @@ class Retrieval(Family):
         context_tokens: int = 2048,
         shared_prefix: float = 0.0,
         distractors: tuple[int, int] | None = None,
+        shared_all: bool = False,
     ):
         super().__init__(level)
         if not 0.0 <= shared_prefix <= 1.0:
@@ -378,6 +383,7 @@ class Retrieval(Family):
         self.tokenizer = tokenizer
         self.context_tokens = context_tokens
         self.shared_prefix = shared_prefix
+        self.shared_all = shared_all
 
     def _draw(self, sub_seed):
         rng = random.Random(sub_seed)
@@ -394,7 +400,11 @@ class Retrieval(Family):
         codes = rng.sample(range(10000, 100000), 1 + len(others))
         # no draw at 0: held-out sets stay as they were
         if self.shared_prefix and rng.random() < self.shared_prefix:
-            codes[rng.randrange(1, len(codes))] = _code_sharing_prefix(rng, codes, rng.randint(1, 4))
+            if self.shared_all:
+                for i in range(1, len(codes)):
+                    codes[i] = _code_sharing_prefix(rng, codes, rng.randint(1, 4))
+            else:  # (the right side draws first: the stream of runs 4-6)
+                codes[rng.randrange(1, len(codes))] = _code_sharing_prefix(rng, codes, rng.randint(1, 4))
         names = [f"{first} {last}"] + [f"{a} {b}" for a, b in others]
         return _Draft(f"{names[0]}={codes[0]}", {"names": names, "codes": codes, "seed": rng.getrandbits(64)})
 

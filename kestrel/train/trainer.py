@@ -120,6 +120,7 @@ class Trainer:
             retrieval_context_tokens=tuple(cfg.retrieval_lengths),
             retrieval_shared_prefix=cfg.retrieval_shared_prefix,
             retrieval_distractors=cfg.retrieval_distractors,
+            retrieval_shared_all=cfg.retrieval_shared_all,
         )
         self.data = PackedBatches(
             str(self.tokenizer_dir) if cfg.data_workers else self.tokenizer,

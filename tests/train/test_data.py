@@ -195,6 +195,22 @@ def test_retrieval_shared_prefix_distractors():
         make_family("retrieval", shared_prefix=1.5)
 
 
+def test_retrieval_shared_all_distractors():
+    """shared_all: a shared-prefix problem gives every distractor a code starting with 1-4 of the asked code's
+    digits (so the digit after the asked code's first is ambiguous by the previous digit alone); without it,
+    the stream is the one shared_prefix alone draws."""
+    every = make_family("retrieval", shared_prefix=1.0, shared_all=True, distractors=(3, 6))
+    one = make_family("retrieval", shared_prefix=1.0, distractors=(3, 6))
+    for i in range(30):
+        ex = every.generate(0, i, **SMALL_RETRIEVAL)
+        answer, others = _codes(ex)
+        assert 3 <= len(others) <= 6 and len(set(others + [answer])) == len(others) + 1
+        assert all(1 <= len(os.path.commonprefix([answer, o])) <= 4 for o in others), (answer, others)
+        assert verify(ex, f"Answer: {answer}")
+    singles = [_codes(one.generate(0, i, **SMALL_RETRIEVAL)) for i in range(30)]
+    assert any(sum(o[0] == a[0] for o in others) < len(others) for a, others in singles)
+
+
 def test_retrieval_distractor_count_override():
     """distractors=(lo, hi) sets how many other people's facts a problem has, drawn over the whole range; the
     default is the level's; a range outside 1..MAX_DISTRACTORS is refused."""

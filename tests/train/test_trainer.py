@@ -156,11 +156,18 @@ def test_lr_schedule_and_bias_balancing(tmp_path, byte_tok):
 
 
 def test_retrieval_knobs_reach_the_data(tmp_path, byte_tok):
-    """--retrieval-shared-prefix and --retrieval-distractors go from the config to the retrieval family the
-    batches are drawn from; a bad distractor range is a config error."""
-    trainer = Trainer(_cfg(tmp_path, byte_tok, retrieval_shared_prefix=0.5, retrieval_distractors=(2, 6)))
+    """--retrieval-shared-prefix, --retrieval-shared-all and --retrieval-distractors go from the config to the
+    retrieval family the batches are drawn from; a bad distractor range is a config error."""
+    cfg = _cfg(
+        tmp_path,
+        byte_tok,
+        retrieval_shared_prefix=0.5,
+        retrieval_distractors=(2, 6),
+        retrieval_shared_all=True,
+    )
+    trainer = Trainer(cfg)
     assert trainer.data.config.retrieval_shared_prefix == 0.5
     family = trainer.data._render.mixture.families["retrieval"]
-    assert family.shared_prefix == 0.5 and family.settings["distractors"] == (2, 6)
+    assert family.shared_prefix == 0.5 and family.settings["distractors"] == (2, 6) and family.shared_all
     with pytest.raises(ConfigError, match="retrieval_distractors"):
         _cfg(tmp_path, byte_tok, retrieval_distractors=(5, 2))
