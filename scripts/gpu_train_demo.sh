@@ -5,9 +5,11 @@
 #   scripts/gpu_train_demo.sh finish  evaluate and copy the run (checkpoint shards, eval, loss PNG) to $OUT,
 #                                     with the Triton cache (scripts/triton_cache.sh) for the next machine
 #   scripts/gpu_train_demo.sh ship    copy only the run's checkpoint shards to $OUT
+#   scripts/gpu_train_demo.sh pick RUN...  copy each run's eval.json and the better run's shards to $OUT
 # Two runs side by side on the 2-GPU machine: give each its own RUN folder and GPU (CUDA_VISIBLE_DEVICES), e.g.
 #   RUN=/tmp/run-a GPU=0 START_WAIT=5 ... start; RUN=/tmp/run-b GPU=1 ... start     (then wait on each RUN)
-#   RUN=/tmp/run-a GPU=0 SHIP=0 ... finish & RUN=/tmp/run-b GPU=1 SHIP=0 ... finish; wait; RUN=<better> ship
+#   RUN=/tmp/run-a GPU=0 SHIP=0 ... finish & RUN=/tmp/run-b GPU=1 SHIP=0 ... finish; wait
+#   scripts/gpu_train_demo.sh pick /tmp/run-a /tmp/run-b      (scripts/pick_demo_run.py; ships the better)
 # (two checkpoints of 36 MB do not fit in $OUT together; finish names its archive after the run folder).
 # Carry `.whl` (scripts/fetch_wheels.sh) and `.triton-cache` when there is one. The run lives in $RUN (/tmp/demo-run)
 # on the machine, which keeps it only while the machine stays held: call again within the idle window.
@@ -78,8 +80,16 @@ finish)
 ship)
     cp $RUN/checkpoint/model*.safetensors "$OUT/" && ls -la "$OUT"
     ;;
+pick)
+    # after `finish` (SHIP=0) on each run folder named: ship the better by issue 5's rule, every eval beside it
+    shift
+    for r in "$@"; do cp "$r/eval.json" "$OUT/eval-$(basename "$r").json" 2> /dev/null; done
+    best=$(python3 scripts/pick_demo_run.py "$@") || { echo "no run qualifies" >&2; exit 1; }
+    echo "shipping $best"
+    cp "$best"/checkpoint/model*.safetensors "$OUT/" && ls -la "$OUT"
+    ;;
 *)
-    echo "usage: $0 start|wait N|finish|ship" >&2
+    echo "usage: $0 start|wait N|finish|ship|pick RUN..." >&2
     exit 2
     ;;
 esac
