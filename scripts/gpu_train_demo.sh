@@ -27,6 +27,9 @@ NAME=$(basename "$RUN")
 [ -n "${GPU:-}" ] && export CUDA_VISIBLE_DEVICES=$GPU
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore KESTREL_KDA_BACKEND=fla
 export TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1
+# whether this run's training is still going (by its pid: a pgrep on the command line would also find the
+# shell that runs this script)
+running() { kill -0 "$(cat $RUN/train.pid 2> /dev/null)" 2> /dev/null; }
 case "${1:-}" in
 start)
     # once a machine: a second run started beside the first must not rewrite what the first is importing
@@ -49,15 +52,14 @@ start)
     sleep "${START_WAIT:-60}"; tail -c 2000 $RUN/train.log
     ;;
 wait)
-    # on this run's pid (a pgrep on the command line would also find the shell that runs this script)
     for _ in $(seq 1 $(( ${2:-540} / 10 ))); do
-        kill -0 "$(cat $RUN/train.pid 2> /dev/null)" 2> /dev/null || break
+        running || break
         sleep 10
     done
     tail -c 1500 $RUN/train.log
     ;;
 finish)
-    if kill -0 "$(cat $RUN/train.pid 2> /dev/null)" 2> /dev/null; then
+    if running; then
         echo "training in $RUN is still running (it writes its last checkpoint when it ends): wait first" >&2
         exit 1
     fi

@@ -21,7 +21,7 @@ HARDEST = "countdown"
 
 
 def _retrieval(result: dict, length: int) -> float:
-    entry = result.get("retrieval", {}).get(str(length)) or result.get("retrieval", {}).get(length) or {}
+    entry = result.get("retrieval", {}).get(str(length), {})  # JSON keys are strings
     return entry.get("dsa", {}).get("accuracy", 0.0)
 
 

@@ -272,10 +272,11 @@ class MLAttention(nn.Module):
         T, H = q_nope.shape[:2]
         R = ctx.row_len
         B = T // R
-        allowed = _document_causal(ctx, B, R)  # [B, R, R]
+        allowed = _document_causal(ctx, B, R)  # [B, R, R], shared by the step's MLA layers
         if idx is not None:
             q_i, w_i, k_i = (t.view(B, R, *t.shape[1:]) for t in idx)
             if not ctx.extras.get("dsa_dense", False) and self.indexer.topk is not None:
+                allowed = allowed.clone()  # narrowed in place to this layer's selection
                 self._select_rows(ctx, q_i, w_i, k_i, allowed)
             if ctx.extras.get("indexer_kl") is not None:
                 ctx.extras["indexer_kl"].append(
@@ -405,7 +406,15 @@ def _topk_fn(device: torch.device):
 
 
 def _document_causal(ctx, B: int, R: int) -> torch.Tensor:
-    """[B, R, R] bool: key s is visible to query t when both are in the same document and s <= t."""
+    """[B, R, R] bool: key s is visible to query t when both are in the same document and s <= t. Built once
+    per forward (ctx.extras) and shared by its MLA layers: callers that narrow it clone it first."""
+    cached = ctx.extras.get("document_causal")
+    if cached is None:
+        cached = ctx.extras["document_causal"] = _build_document_causal(ctx, B, R)
+    return cached
+
+
+def _build_document_causal(ctx, B: int, R: int) -> torch.Tensor:
     doc = torch.repeat_interleave(
         torch.arange(ctx.num_seqs, device=ctx.positions.device),
         torch.tensor(ctx.new_lens, device=ctx.positions.device),
