@@ -154,7 +154,7 @@ class MLAttention(nn.Module):
         for i in range(ctx.num_seqs):
             sl = ctx.seq_slice(i)
             q_pos = ctx.positions[sl]
-            if paged and idx is not None:
+            if paged and idx is not None and self._selects(ctx, i):
                 scores = partial(self._paged_prefill_scores, ctx, i, idx[0][sl], idx[1][sl], q_pos)
                 indices = self._select(ctx, i, scores, q_pos, topk=_topk_fn(q_pos.device))
                 if indices is not None:
@@ -167,7 +167,7 @@ class MLAttention(nn.Module):
             else:
                 kv, idx_k = kv_new[sl], (idx[2][sl] if idx is not None else None)
             indices = None
-            if idx is not None and not paged:
+            if idx is not None and not paged and self._selects(ctx, i):
                 scores = partial(indexer_scores, idx[0][sl], idx_k, idx[1][sl], self.indexer.scale)
                 indices = self._select(ctx, i, scores, q_pos, topk=_topk_fn(q_pos.device))
             # dense, and the chunk's tokens are the last of the cached rows: fused attention on the fast path
@@ -179,18 +179,28 @@ class MLAttention(nn.Module):
             )
         return torch.cat(outs)  # [T, H, Dv]
 
+    def _selects(self, ctx, i: int) -> bool:
+        """Whether sequence i's prefill runs the indexer and its top-k. Not where the sequence has at most top-k
+        positions, so that every query selects its whole causal past (dense attention, the same result without
+        the [t, L] scores), unless the selection is captured or replayed (RL records it for training)."""
+        topk = self.indexer.topk
+        short = topk is not None and ctx.cached_len(i) <= topk
+        return not short or ctx.selection_capture is not None or ctx.selection_replay is not None
+
     def _paged_prefill_scores(self, ctx, i, q_idx, w_idx, q_pos) -> torch.Tensor:
         """Indexer scores of sequence i's prefill tokens over its paged index keys, every token a row with its
-        causal length: [t, pages * page_size] fp32 (the pages that hold the sequence), NaN past each row's
-        length. Blocks of rows share each key tile (the prefill kernel), instead of a key read per token."""
+        causal length: [t, pages * page_size] fp32 (the pages that hold the sequence), for the Triton top-k,
+        which reads each row's first q_pos + 1 only (past them: NaN, or unwritten). Blocks of rows share each
+        key tile (the prefill kernel), instead of a key read per token."""
         from kestrel.ops.dsa.triton_scores import indexer_scores_paged_triton, indexer_scores_prefill_triton
 
         _, idx_pool, table, _, ps = ctx.cache.paged(self.layer_id)
         t = q_idx.shape[0]
         if t < PREFILL_SCORES_MIN_ROWS:  # a few rows: the per-row kernel packs the heads into its dot instead
             kernel, pages = indexer_scores_paged_triton, _own_pages(ctx, i, table, ps, t)
-        else:
-            kernel, pages = indexer_scores_prefill_triton, _own_pages(ctx, i, table, ps, 1)[0]
+        else:  # the top-k reads each row's causal part only: the tiles past it are not filled with NaN
+            kernel = partial(indexer_scores_prefill_triton, fill_past=False)
+            pages = _own_pages(ctx, i, table, ps, 1)[0]
         return kernel(
             q_idx,
             idx_pool,

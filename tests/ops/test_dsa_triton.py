@@ -265,6 +265,31 @@ def test_prefill_scores_kernel_matches_the_per_row_kernel(t, first, fp8):
     check_scores(got, q, gather_pages(ref_keys, page_table, page_size).expand(t, -1, -1), w, lens, 0.25)
 
 
+def test_prefill_scores_unfilled_past_every_row_then_topk():
+    """fill_past=False: a key tile past every row of its block's length keeps what `out` held, every tile with
+    a visible key is written as before (NaN past each row's own length), and the top-k, which reads each row's
+    first lens only, selects the reference's set from it."""
+    page_size, maxp, HI, DI, t, first = 4, 21, 3, 24, 40, 5
+    _, pool, page_table, _, _ = paged_inputs([first + t - 1], page_size, maxp, HI, DI, seed=3)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(t, HI, DI, generator=g).to(torch.bfloat16)
+    w = torch.randn(t, HI, generator=g).to(torch.bfloat16)
+    lens = torch.arange(first, first + t)
+    dev = [x.to(DEVICE) for x in (q, pool, page_table[0], lens, w)]
+    tiles = dict(page_size=page_size, block_m=16, block_s=16)
+    want = indexer_scores_prefill_triton(*dev, 0.25, **tiles)  # [t, L], NaN past each row's length
+    got = indexer_scores_prefill_triton(
+        *dev, 0.25, **tiles, fill_past=False, out=poisoned(tuple(want.shape), torch.float32, 12345.0)
+    )
+    cols = torch.arange(want.shape[1])[None, :]
+    block_len = torch.stack([lens[r // 16 * 16 : r // 16 * 16 + 16].max() for r in range(t)])
+    live = (cols // 16 * 16 < block_len[:, None]).to(DEVICE)  # [t, L] tiles some row of the block sees
+    torch.testing.assert_close(got[live], want[live], rtol=0, atol=0, equal_nan=True)
+    assert (got[~live] == 12345.0).all() and (~live).any()
+    assert (cols < lens[:, None]).to(DEVICE)[~live].sum() == 0  # nothing visible was left out
+    run_topk(got, lens, 7, **SMALL_TILES)
+
+
 # ---------------------------------------------------------------- exact top-k
 
 
@@ -359,6 +384,17 @@ def test_topk_cuda_real_sizes(B, L, topk, kind):
     lens = torch.randint(1, L + 1, (B,), generator=g, device="cuda")
     lens[0], lens[-1] = L, 1
     run_topk(scores, lens, topk)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_topk_cuda_prefill_triangle():
+    # A prefill chunk: row t sees t + 1 positions, so the first k rows are short (every valid one selected,
+    # listed straight from the scores) and the rest go through the radix passes, in one launch.
+    g = torch.Generator(device="cuda").manual_seed(4)
+    scores = torch.randn(4096, 4096, generator=g, device="cuda")  # [T, L]
+    scores[torch.rand(4096, 4096, generator=g, device="cuda") < 0.01] = NAN
+    run_topk(scores, torch.arange(1, 4097, device="cuda"), 2048)
 
 
 @pytest.mark.gpu

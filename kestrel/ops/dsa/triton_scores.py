@@ -29,6 +29,11 @@ import triton
 import triton.language as tl
 
 BLOCK_S = 64  # key positions per tile
+# The prefill kernel's tiles (query rows x key positions), warps and pipeline stages. scripts/prefill_kernel_sweep.py
+# on the H200 (session 13), 16 heads of 128, one causal sequence: 64 x 128 in 4 warps, 3 stages took 0.171 / 5.05 ms
+# at 4096 / 32768 tokens against 0.185 / 5.45 for the 64 x 64 before it (the query rows are read once per key
+# tile: a wider tile reads them half as often); 128-row tiles were slower.
+PREFILL_BLOCK_M, PREFILL_BLOCK_S, PREFILL_WARPS, PREFILL_STAGES = 64, 128, 4, 3
 TARGET_PROGRAMS = 1024  # enough programs to fill 132 SMs several times over before tiles are merged
 
 
@@ -273,16 +278,19 @@ def _indexer_prefill_kernel(
     UPCAST: tl.constexpr,
     KEY_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FILL_PAST: tl.constexpr,
 ):
     """Scores of BM query rows of one sequence against BS of its key positions: the key tile is gathered once
-    and multiplied against every row's heads in turn ([BM, DP] x [DP, BS] on the tensor cores)."""
+    and multiplied against every row's heads in turn ([BM, DP] x [DP, BS] on the tensor cores). Without
+    FILL_PAST a tile past every row's length stores nothing (its NaNs are not written)."""
     s = tl.program_id(0) * BS + tl.arange(0, BS)  # [BS] key positions
     r = tl.program_id(1) * BM + tl.arange(0, BM)  # [BM] query rows
     rmask = r < T
     n = tl.minimum(tl.load(lens_ptr + r, mask=rmask, other=0), L)  # [BM] visible positions of each row
     d = tl.arange(0, DP)
     acc = tl.zeros([BM, BS], dtype=tl.float32)
-    if tl.program_id(0) * BS < tl.max(n, axis=0):  # a key of this tile is visible to one of the rows
+    live = tl.program_id(0) * BS < tl.max(n, axis=0)
+    if live:  # a key of this tile is visible to one of the rows
         kvalid = s < tl.max(n, axis=0)
         page = tl.load(pages_ptr + s // page_size, mask=kvalid, other=0)
         rows = page.to(tl.int64) * page_size + s % page_size  # [BS]
@@ -310,11 +318,10 @@ def _indexer_prefill_kernel(
         if KEY_SCALE:  # relu(q . (c k)) = c relu(q . k) for c > 0: the key's scale applies after the sum
             acc = acc * tl.load(key_scale_ptr + rows, mask=kvalid, other=1.0)[None, :]
     out = tl.where(s[None, :] < n[:, None], acc, float("nan"))
-    tl.store(
-        out_ptr + r[:, None].to(tl.int64) * stride_ot + s[None, :],
-        out,
-        mask=rmask[:, None] & (s[None, :] < L),
-    )
+    store = rmask[:, None] & (s[None, :] < L)
+    if not FILL_PAST:
+        store = tl.where(live, store, False)
+    tl.store(out_ptr + r[:, None].to(tl.int64) * stride_ot + s[None, :], out, mask=store)
 
 
 def indexer_scores_prefill_triton(
@@ -328,13 +335,19 @@ def indexer_scores_prefill_triton(
     page_size: int,
     key_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    block_m: int = 64,
-    block_s: int = 64,
+    block_m: int = PREFILL_BLOCK_M,
+    block_s: int = PREFILL_BLOCK_S,
+    num_warps: int = PREFILL_WARPS,
+    num_stages: int = PREFILL_STAGES,
+    fill_past: bool = True,
 ) -> torch.Tensor:
     """Prefill indexer scores of one sequence's T query rows over its paged keys, each row with its causal
     length: q_idx [T, HI, DI], k_pool [rows, DI] (FP8 with `key_scale` as in `indexer_scores_paged_triton`),
     pages [P] (the sequence's page-table row), lens [T], weights [T, HI]. Returns [T, P * page_size] fp32: the
-    scores of `indexer_scores_paged_triton` with every row reading `pages`, NaN past each row's length.
+    scores of `indexer_scores_paged_triton` with every row reading `pages`, NaN past each row's length. With
+    fill_past=False the tiles past every row of their block's length are left unwritten (whatever `out` held):
+    for a consumer that reads each row's first lens[t] only, as `topk_triton` does (it saves a prefill of T
+    rows about T^2 / 2 x 4 bytes of writes).
 
     The decode kernel run with every prefill token as a row reads the sequence's keys once per token (T x L x
     2 DI bytes: ~45 ms of an 8 x 4096-token prefill step of `mini` on the H200); here a key tile is read once
@@ -382,5 +395,8 @@ def indexer_scores_prefill_triton(
         UPCAST=upcast,
         KEY_SCALE=fp8,
         DOT_PRECISION="ieee" if upcast else "tf32",
+        FILL_PAST=fill_past,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

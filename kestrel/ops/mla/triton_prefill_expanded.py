@@ -12,8 +12,9 @@ dots with an M of 16 heads, each query gathering its own k rows (2.36 MB at k = 
 tensor cores. The price: the kernel walks every key tile up to its block's last query and masks what a query did
 not select (a block whose queries all selected their whole past walks its tiles unmasked), so its work grows
 with the causal length rather than with k: the layer weighs the two (`use_expanded`). Measured on the H200
-(session 9): 128 x 128 tiles in 8 warps; a branch to skip tiles no query selected, a per-element gather of the
-mask and a per-word select each made it slower (the branch stops the loads' pipelining).
+(session 9): a branch to skip tiles no query selected, a per-element gather of the mask and a per-word select
+each made it slower (the branch stops the loads' pipelining); so did (session 13) an OR of a per-row `full` flag
+into the mask, 13% at 32K tokens. Tiles: BLOCK_M below.
 
 The selection arrives as indices [T, k] (-1 unused) and becomes a bitmap ([T, cdiv(L, 32)] int32, bit p % 32 of
 word p // 32 set where position p is selected) in one kernel (`selection_bits`); a tile reads BN / 32 words per
@@ -39,6 +40,13 @@ from kestrel.ops.mla.sdpa_prefill import expand_history
 # pairs (an estimate, not timed at short chunks). In pairs of this kernel the rows kernel's pair costs ~20.
 EXPANDED_PAIR_COST_RATIO = 20
 EXPANSION_PAIRS_PER_ROW = 320
+# Queries x keys per tile, warps, pipeline stages: session 9's 128 x 128 in 8 warps, 2 stages. Session 13
+# (bench/results/2026-11-30-h200-session13.json): scripts/prefill_kernel_sweep.py timed 64 x 64 in 4 warps as fast
+# alone (one sequence, the expansion and bitmap included: 20.2 against 19.9 ms at 32K tokens, 0.62 against 0.70
+# at 4K), but inside the engine's prefill step its kernel took 119.6 ms over mini's 6 layers at 1 x 32768 against
+# 101 ms, and 18.4 against 17.1 at 8 x 4096. 3 stages at 128 x 128 or 128 x 64 in 8 warps exceed the 227 KiB of
+# shared memory.
+BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 128, 8, 2
 
 
 def use_expanded(q0: int, T: int, k: int) -> bool:
@@ -188,20 +196,35 @@ def _expanded_prefill_kernel(
 @triton.jit
 def _bitmap_kernel(idx_ptr, bits_ptr, full_ptr, k, q0, words, stride_it, BK: tl.constexpr):
     """Row t of indices [T, k] -> its bitmap row (zeroed before) and whether it selected its whole causal past.
-    Entries < 0 or past the query's own position are left out (the attention masks those causally anyway)."""
+    Entries < 0 or past the query's own position are left out (the attention masks those causally anyway).
+    A row of at most k positions is counted first: when it selected them all (every query before position k
+    in a prefill), its bits are whole words of ones, stored without the per-entry atomics."""
     t = tl.program_id(0)
     pos = q0 + t
     row = idx_ptr + t.to(tl.int64) * stride_it
+    bits = bits_ptr + t.to(tl.int64) * words
     total = tl.zeros([], tl.int32)
-    for k0 in range(0, k, BK):
-        j = k0 + tl.arange(0, BK)
-        idx = tl.load(row + j, mask=j < k, other=-1)  # [BK] int64
-        ok = (idx >= 0) & (idx <= pos)
-        word = tl.where(ok, idx // 32, 0)
-        one = tl.full([BK], 1, tl.int64)
-        bit = tl.where(ok, one << (idx % 32), 0).to(tl.int32)  # bit 31 becomes int32's sign bit
-        tl.atomic_or(bits_ptr + t.to(tl.int64) * words + word, bit, mask=ok, sem="relaxed")
-        total += tl.sum(ok.to(tl.int32), 0)
+    if pos < k:
+        for k0 in range(0, k, BK):
+            j = k0 + tl.arange(0, BK)
+            idx = tl.load(row + j, mask=j < k, other=-1)  # [BK] int64
+            total += tl.sum(((idx >= 0) & (idx <= pos)).to(tl.int32), 0)
+    if total == pos + 1:  # positions 0 .. pos: words of ones, the last one up to bit pos % 32
+        last = pos // 32
+        for w0 in range(0, last + 1, BK):
+            w = w0 + tl.arange(0, BK)
+            partial = (tl.full([BK], 2, tl.int64) << (pos % 32)) - 1  # bits 0 .. pos % 32 (31: int32's sign)
+            ones = tl.where(w < last, -1, partial)
+            tl.store(bits + w, ones.to(tl.int32), mask=w <= last)
+    else:
+        for k0 in range(0, k, BK):
+            j = k0 + tl.arange(0, BK)
+            idx = tl.load(row + j, mask=j < k, other=-1)  # [BK] int64
+            ok = (idx >= 0) & (idx <= pos)
+            word = tl.where(ok, idx // 32, 0)
+            one = tl.full([BK], 1, tl.int64)
+            bit = tl.where(ok, one << (idx % 32), 0).to(tl.int32)  # bit 31 becomes int32's sign bit
+            tl.atomic_or(bits + word, bit, mask=ok, sem="relaxed")
     tl.store(full_ptr + t, (total == pos + 1).to(tl.int8))
 
 
@@ -234,10 +257,10 @@ def sparse_mla_prefill_expanded(
     scale: float,
     indices: torch.Tensor | None = None,
     *,
-    block_m: int = 128,
-    block_n: int = 128,
-    num_warps: int = 8,
-    num_stages: int = 2,
+    block_m: int = BLOCK_M,
+    block_n: int = BLOCK_N,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     """o [T, H, Dv] (q_nope.dtype) of a prefill chunk: q_nope [T, H, Dn], q_pe [T, H, P], the last T of the
     sequence's latent rows kv [L, R + P] (gathered from the pool), w_uk [H, Dn, R], w_uv [H, Dv, R], indices
