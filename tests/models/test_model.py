@@ -195,6 +195,37 @@ def test_routing_and_selection_replay(tiny):
             assert _rel(free, tiny(ids)) > 1e-3
 
 
+def test_a_sequence_within_top_k_skips_the_selection(tiny, monkeypatch):
+    """A sequence of at most index_topk tokens attends densely without running the indexer (every query would
+    select its whole past): the same output as with the selection computed, which a capture still forces (and
+    records, every position selected)."""
+    import kestrel.layers.mla as mla
+    from kestrel.layers.context import ForwardContext
+
+    k = tiny.config.index_topk
+    ids = _ids(k, seed=4)
+    with torch.no_grad():
+        captured = ForwardContext.build([k])
+        captured.selection_capture = {}
+        with forward_context(captured):
+            selected = tiny(ids)
+        whole = torch.arange(k)
+        for layer in tiny.config.mla_layer_ids:
+            (chosen,) = captured.selection_capture[layer]  # [k, k]: row t holds 0 .. t, then -1
+            assert torch.equal(chosen.sort(-1).values[:, -1].clamp(min=0), whole)
+
+        def refused(*args, **kwargs):
+            raise AssertionError("the indexer ran for a sequence within top-k")
+
+        monkeypatch.setattr(mla, "indexer_scores", refused)
+        with forward_context(ForwardContext.build([k])):
+            dense = tiny(ids)
+        torch.testing.assert_close(dense, selected, rtol=1e-5, atol=1e-5)
+        with pytest.raises(AssertionError, match="indexer ran"):  # one token more: the selection runs again
+            with forward_context(ForwardContext.build([k + 1])):
+                tiny(_ids(k + 1, seed=4))
+
+
 def test_conditioned_init_rescales_the_same_draws():
     """The "conditioned" init is the upstream draws with the embedding x10 and the residual-output projections
     by 1 / sqrt(2 * layers), everything else bit for bit; an unknown scheme is refused by name."""
