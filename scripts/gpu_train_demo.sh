@@ -13,9 +13,9 @@
 # (two checkpoints of 36 MB do not fit in $OUT together; finish names its archive after the run folder).
 # Carry `.whl` (scripts/fetch_wheels.sh) and `.triton-cache` when there is one. The run lives in $RUN (/tmp/demo-run)
 # on the machine, which keeps it only while the machine stays held: call again within the idle window.
-# Every knob is an environment variable (defaults: run 6, the shipped model, session 12, 2026-11-30, which also
+# Every knob is an environment variable (defaults: run 7, the shipped model, session 13, 2026-11-30, which also
 # gave TOKENIZER=kestrel/data/kestrel-demo; without TOKENIZER a BPE is trained first):
-#   MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED DISTRACTORS SHARED_ALL (1: --retrieval-shared-all)
+#   MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED DISTRACTORS SHARED_ALL (1, the default: --retrieval-shared-all; 0: run 6's data)
 #   LR WARMUP DENSE BUDGET WORKERS SEED
 #   EVAL_S PARITY_S NUMR (held-out retrieval prompts a length), and RUN GPU START_WAIT SHIP as above
 # Measured 2026-11-29 (bench/results/2026-11-29-train-profile-h200.json): 8 rows x 8704 tokens took 0.30 s a
@@ -44,7 +44,7 @@ start)
     setsid nohup python3 -m kestrel.serve.cli train --out $RUN --model "${MODEL:-demo}" ${TOKENIZER:+--tokenizer "$TOKENIZER"} \
         --steps "${STEPS:-4000}" --retrieval-weight "${RWEIGHT:-1.0}" --seed "${SEED:-7}" \
         --retrieval-shared-prefix "${RSHARED:-0.5}" --retrieval-distractors "${DISTRACTORS:-1,8}" \
-        $([ "${SHARED_ALL:-0}" = 1 ] && echo --retrieval-shared-all) \
+        $([ "${SHARED_ALL:-1}" = 1 ] && echo --retrieval-shared-all) \
         --batch-rows "${ROWS:-8}" --row-len "${ROW_LEN:-8704}" --retrieval-lengths "${RLEN:-256,256,512,512,1024,2048,8192}" \
         --lr "${LR:-3e-3}" --warmup-steps "${WARMUP:-50}" --dsa-dense-steps "${DENSE:-400}" --checkpoint-every 250 \
         --time-budget-s "${BUDGET:-780}" --data-workers "${WORKERS:-12}" > $RUN/train.log 2>&1 < /dev/null &
