@@ -43,9 +43,9 @@ EXPANSION_PAIRS_PER_ROW = 320
 # Queries x keys per tile, warps, pipeline stages: session 9's 128 x 128 in 8 warps, 2 stages. Session 13
 # (bench/results/2026-11-30-h200-session13.json): scripts/prefill_kernel_sweep.py timed 64 x 64 in 4 warps as fast
 # alone (one sequence, the expansion and bitmap included: 20.2 against 19.9 ms at 32K tokens, 0.62 against 0.70
-# at 4K), but inside the engine's prefill step its kernel took 119.6 ms over mini's 6 layers at 1 x 32768 against
-# 101 ms, and 18.4 against 17.1 at 8 x 4096. 3 stages at 128 x 128 or 128 x 64 in 8 warps exceed the 227 KiB of
-# shared memory.
+# at 4K; a variant of the kernel with one more mask operation, since dropped), but inside the engine's prefill
+# step this kernel in 64 x 64 took 119.6 ms over mini's 6 layers at 1 x 32768 against 101 ms in 128 x 128, and
+# 18.4 against 17.1 at 8 x 4096. 3 stages at 128 x 128 or 128 x 64 in 8 warps exceed the 227 KiB of shared memory.
 BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 128, 8, 2
 
 
