@@ -42,7 +42,7 @@ from kestrel.ops.dsa.triton_topk import topk_triton  # noqa: E402
 from kestrel.ops.mla.triton_prefill_expanded import sparse_mla_prefill_expanded  # noqa: E402
 
 # (block_m, block_s or block_n, num_warps, num_stages); the first of each list is the default
-INDEXER = [(64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
+INDEXER = [(64, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
            (64, 256, 8, 3), (32, 128, 4, 3)]  # fmt: skip
 # 3 stages at 128 x 128 or 128 x 64 in 8 warps need more shared memory than the H200's 227 KiB (recorded, skipped)
 EXPANDED = [(128, 128, 8, 2), (128, 64, 8, 2), (128, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 64, 4, 2),

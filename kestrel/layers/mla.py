@@ -182,7 +182,8 @@ class MLAttention(nn.Module):
     def _selects(self, ctx, i: int) -> bool:
         """Whether sequence i's prefill runs the indexer and its top-k. Not where the sequence has at most top-k
         positions, so that every query selects its whole causal past (dense attention, the same result without
-        the [t, L] scores), unless the selection is captured or replayed (RL records it for training)."""
+        the [t, L] scores; a NaN score, which the top-k would leave out, is not looked for), unless the selection
+        is captured or replayed (RL records it for training)."""
         topk = self.indexer.topk
         short = topk is not None and ctx.cached_len(i) <= topk
         return not short or ctx.selection_capture is not None or ctx.selection_replay is not None
@@ -225,7 +226,10 @@ class MLAttention(nn.Module):
         mode = env_field("sparse_prefill")
         if mode == "expanded" or (mode == "auto" and use_expanded(length - t, t, indices.shape[1])):
             kv = kv_pool[ctx.cache.read_rows(i)]  # [length, R + P]: the latent rows alone
-            return sparse_mla_prefill_expanded(q_nope, q_pe, kv, w_uk, w_uv, self.scale, indices)
+            distinct = ctx.selection_replay is None  # the top-k's rows never repeat an entry; a replay's may
+            return sparse_mla_prefill_expanded(
+                q_nope, q_pe, kv, w_uk, w_uv, self.scale, indices, distinct=distinct
+            )
         rows = _own_pages(ctx, i, table, ps, t)
         # The top-k lists its selection before the -1s, so a row near the start of the sequence may stop early;
         # a replayed selection comes from elsewhere, with no such promise: every slot is read.
@@ -335,9 +339,12 @@ class MLAttention(nn.Module):
         R = k_i.shape[0]
         page = math.gcd(R, 64)  # the row's keys as pages of the kernel's paged layout, in order
         pages = torch.arange(R // page, device=k_i.device)
+        # 64 x 64 tiles, as the shipped demo trained with: the 64 x 128 default was timed on inference's bf16
+        # scores only (fp32 queries at mini's sizes would not fit its 3 stages in shared memory)
         return indexer_scores_prefill_triton(
-            q_i[picks], k_i.contiguous(), pages, picks + 1, w_i[picks], self.indexer.scale, page_size=page
-        )
+            q_i[picks], k_i.contiguous(), pages, picks + 1, w_i[picks], self.indexer.scale, page_size=page,
+            block_s=64,
+        )  # fmt: skip
 
     def _row_index_scores(self, q_i, w_i, k_i, picks: torch.Tensor | None = None) -> torch.Tensor:
         """Indexer scores of row-packed tokens, one head at a time (no [B, R, HI, R] intermediate):

@@ -319,7 +319,7 @@ def test_short_conv_step_equals_short_conv(W, dtype):
     y_ref, state_ref = short_conv(x, weight, state0, torch.arange(N + 1))  # N sequences of one token
     y, state = short_conv_step(x, weight, state0)
     assert y.shape == (N, C) and state.shape == (N, C, W - 1) and y.dtype == state.dtype == dtype
-    # to an ulp: the window's sum runs over a contiguous [N, C, W] here and over unfold's strided windows there
+    # to 2 eps: the window's sum runs over a contiguous [N, C, W] here and over unfold's strided windows there
     # (1 of 30 values 1 ulp apart for some inputs, float64 too); the state is a copy: exact
     ulp = torch.finfo(dtype).eps
     torch.testing.assert_close(y, y_ref, rtol=2 * ulp, atol=2 * ulp)

@@ -157,6 +157,31 @@ def test_a_replayed_layout_matches_the_reference():
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_a_replay_that_repeats_entries_is_not_taken_for_a_full_row():
+    """A replayed selection may list a position twice: with distinct=False (the layer's choice under replay) the
+    bitmap holds exactly the positions listed and no row counts as full, and the attention matches the
+    reference; counting entries (distinct=True, the top-k's promise) would take [0, 0, 1] at position 2 for its
+    whole past."""
+    q0, T, k = 0, 20, 8
+    q_nope, q_pe, kv, w_uk, w_uv, indices = _case(q0, T, k, seed=3)
+    for t in range(2, T):  # every row from position 2: its first entry twice, in place of its last
+        row = indices[t].clone()
+        valid = int((row >= 0).sum())
+        row[valid - 1] = row[0]
+        indices[t] = row
+    bits, full = selection_bits(indices, q0, q0 + T, distinct=False)
+    L = q0 + T
+    unpacked = ((bits[:, :, None] >> torch.arange(32, device=DEVICE)) & 1).reshape(T, -1)[:, :L] != 0
+    assert torch.equal(unpacked, selection_mask(indices, L)) and not full.any()
+    assert selection_bits(indices, q0, L)[1][2] == 1  # the count's mistake, which distinct=False avoids
+    pos = torch.arange(q0, q0 + T, device=DEVICE)
+    ref = mla_attention_absorbed(q_nope, q_pe, kv, w_uk, w_uv, pos, 0.3, indices)
+    got = sparse_mla_prefill_expanded(
+        q_nope, q_pe, kv, w_uk, w_uv, 0.3, indices, distinct=False, block_m=16, block_n=32
+    )
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("q0, T, k", [(0, 37, 9), (40, 6, 64), (3, 70, 33), (100, 5, 40)])
 def test_selection_bits_match_the_torch_bitmap(q0, T, k):
     """The one-kernel bitmap, unpacked, is the reference's selection mask of the causal part of each selection

@@ -194,21 +194,25 @@ def _expanded_prefill_kernel(
 
 
 @triton.jit
-def _bitmap_kernel(idx_ptr, bits_ptr, full_ptr, k, q0, words, stride_it, BK: tl.constexpr):
+def _bitmap_kernel(idx_ptr, bits_ptr, full_ptr, k, q0, words, stride_it, BK: tl.constexpr,
+                   DISTINCT: tl.constexpr):  # fmt: skip
     """Row t of indices [T, k] -> its bitmap row (zeroed before) and whether it selected its whole causal past.
     Entries < 0 or past the query's own position are left out (the attention masks those causally anyway).
-    A row of at most k positions is counted first: when it selected them all (every query before position k
-    in a prefill), its bits are whole words of ones, stored without the per-entry atomics."""
+    With DISTINCT entries a row of at most k positions is counted first: when it selected them all (every query
+    before position k in a prefill), its bits are whole words of ones, stored without the per-entry atomics.
+    Without it (a replayed selection may repeat an entry, and a count would then overstate it) every row takes
+    the atomics and none is marked full."""
     t = tl.program_id(0)
     pos = q0 + t
     row = idx_ptr + t.to(tl.int64) * stride_it
     bits = bits_ptr + t.to(tl.int64) * words
     total = tl.zeros([], tl.int32)
-    if pos < k:
-        for k0 in range(0, k, BK):
-            j = k0 + tl.arange(0, BK)
-            idx = tl.load(row + j, mask=j < k, other=-1)  # [BK] int64
-            total += tl.sum(((idx >= 0) & (idx <= pos)).to(tl.int32), 0)
+    if DISTINCT:
+        if pos < k:
+            for k0 in range(0, k, BK):
+                j = k0 + tl.arange(0, BK)
+                idx = tl.load(row + j, mask=j < k, other=-1)  # [BK] int64
+                total += tl.sum(((idx >= 0) & (idx <= pos)).to(tl.int32), 0)
     if total == pos + 1:  # positions 0 .. pos: words of ones, the last one up to bit pos % 32
         last = pos // 32
         for w0 in range(0, last + 1, BK):
@@ -228,12 +232,15 @@ def _bitmap_kernel(idx_ptr, bits_ptr, full_ptr, k, q0, words, stride_it, BK: tl.
     tl.store(full_ptr + t, (total == pos + 1).to(tl.int8))
 
 
-def selection_bits(indices: torch.Tensor, q0: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The selection of T queries at positions q0 .. q0 + T - 1 (indices [T, k], -1 unused; each row's entries
-    distinct, as the top-k and a replay of it give them: a repeated entry would count twice toward `full`) as a
-    bitmap of each query's selected causal past ([T, cdiv(length, 32)] int32, bit p % 32 of word p // 32), and
-    full [T] int8: 1 where a query selected every position up to its own. One kernel, one program per row (the
-    torch form took ~10 passes over int64 [T, k] temporaries)."""
+def selection_bits(
+    indices: torch.Tensor, q0: int, length: int, distinct: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selection of T queries at positions q0 .. q0 + T - 1 (indices [T, k], -1 unused) as a bitmap of each
+    query's selected causal past ([T, cdiv(length, 32)] int32, bit p % 32 of word p // 32), and full [T] int8:
+    1 where a query selected every position up to its own. `distinct`: each row's entries are distinct, as the
+    top-k gives them (counting them then tells a full row); a replayed selection promises nothing: pass False,
+    and no row is marked full. One kernel, one program per row (the torch form took ~10 passes over int64
+    [T, k] temporaries)."""
     T, k = indices.shape
     bits = torch.zeros(T, max(1, triton.cdiv(length, 32)), dtype=torch.int32, device=indices.device)
     full = torch.empty(T, dtype=torch.int8, device=indices.device)
@@ -244,7 +251,18 @@ def selection_bits(indices: torch.Tensor, q0: int, length: int) -> tuple[torch.T
             else indices.long().contiguous()
         )
         BK = min(2048, triton.next_power_of_2(max(k, 16)))
-        _bitmap_kernel[(T,)](indices, bits, full, k, q0, bits.shape[1], indices.stride(0), BK=BK, num_warps=4)
+        _bitmap_kernel[(T,)](
+            indices,
+            bits,
+            full,
+            k,
+            q0,
+            bits.shape[1],
+            indices.stride(0),
+            BK=BK,
+            DISTINCT=distinct,
+            num_warps=4,
+        )
     return bits, full
 
 
@@ -257,6 +275,7 @@ def sparse_mla_prefill_expanded(
     scale: float,
     indices: torch.Tensor | None = None,
     *,
+    distinct: bool = True,
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
     num_warps: int = NUM_WARPS,
@@ -265,7 +284,8 @@ def sparse_mla_prefill_expanded(
     """o [T, H, Dv] (q_nope.dtype) of a prefill chunk: q_nope [T, H, Dn], q_pe [T, H, P], the last T of the
     sequence's latent rows kv [L, R + P] (gathered from the pool), w_uk [H, Dn, R], w_uv [H, Dv, R], indices
     [T, k] each query's selected positions (-1 unused; positions past the query's own are ignored) or None for
-    causal attention over every position. block_m queries of one head per program, block_n keys per tile."""
+    causal attention over every position; `distinct`: no row repeats an entry (the top-k's; False for a replayed
+    selection: `selection_bits`). block_m queries of one head per program, block_n keys per tile."""
     T, H, Dn = q_nope.shape
     L, P, Dv = kv.shape[0], q_pe.shape[-1], w_uv.shape[1]
     assert T <= L, f"{T} queries over {L} rows: the chunk's own rows must be in kv"
@@ -287,7 +307,7 @@ def sparse_mla_prefill_expanded(
         x if x.dtype == dt and x.stride(-1) == 1 else x.to(dt).contiguous() for x in (q_nope, q_pe)
     )
     if indices is not None:
-        bits, full = selection_bits(indices, L - T, L)  # [T, words], [T]
+        bits, full = selection_bits(indices, L - T, L, distinct)  # [T, words], [T]
     else:  # placeholders of the right types (never read: the kernel still compiles the masked walk)
         bits = torch.zeros(1, 1, dtype=torch.int32, device=out.device)
         full = torch.ones(1, dtype=torch.int8, device=out.device)
