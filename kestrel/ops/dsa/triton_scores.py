@@ -336,7 +336,7 @@ def indexer_scores_prefill_triton(
     key_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_m: int = PREFILL_BLOCK_M,
-    block_s: int = PREFILL_BLOCK_S,
+    block_s: int | None = None,
     num_warps: int = PREFILL_WARPS,
     num_stages: int = PREFILL_STAGES,
     fill_past: bool = True,
@@ -347,7 +347,9 @@ def indexer_scores_prefill_triton(
     scores of `indexer_scores_paged_triton` with every row reading `pages`, NaN past each row's length. With
     fill_past=False the tiles past every row of their block's length are left unwritten (whatever `out` held):
     for a consumer that reads each row's first lens[t] only, as `topk_triton` does (it saves a prefill of T
-    rows about T^2 / 2 x 4 bytes of writes).
+    rows about T^2 / 2 x 4 bytes of writes). block_s None: PREFILL_BLOCK_S for 16-bit dots, 64 where the dot
+    runs in fp32 (twice the bytes a tile: at mini's 128-wide heads, 64 x 128 fp32 tiles in 3 stages would need
+    ~288 KiB of shared memory, past the H200's 227 KiB).
 
     The decode kernel run with every prefill token as a row reads the sequence's keys once per token (T x L x
     2 DI bytes: ~45 ms of an 8 x 4096-token prefill step of `mini` on the H200); here a key tile is read once
@@ -369,6 +371,8 @@ def indexer_scores_prefill_triton(
         assert key_scale.numel() == k_pool.shape[0], "one scale per row"
         key_scale = key_scale.reshape(-1).float()
     upcast = _upcast(q_idx, k_pool, fp8)
+    if block_s is None:
+        block_s = 64 if upcast else PREFILL_BLOCK_S
     grid = (triton.cdiv(L, block_s), triton.cdiv(T, block_m))
     _indexer_prefill_kernel[grid](
         q_idx,
