@@ -154,7 +154,8 @@ class MLAttention(nn.Module):
         for i in range(ctx.num_seqs):
             sl = ctx.seq_slice(i)
             q_pos = ctx.positions[sl]
-            if paged and idx is not None and self._selects(ctx, i):
+            selects = idx is not None and self._selects(ctx, i)
+            if paged and selects:
                 scores = partial(self._paged_prefill_scores, ctx, i, idx[0][sl], idx[1][sl], q_pos)
                 indices = self._select(ctx, i, scores, q_pos, topk=_topk_fn(q_pos.device))
                 if indices is not None:
@@ -167,7 +168,7 @@ class MLAttention(nn.Module):
             else:
                 kv, idx_k = kv_new[sl], (idx[2][sl] if idx is not None else None)
             indices = None
-            if idx is not None and not paged and self._selects(ctx, i):
+            if selects and not paged:
                 scores = partial(indexer_scores, idx[0][sl], idx_k, idx[1][sl], self.indexer.scale)
                 indices = self._select(ctx, i, scores, q_pos, topk=_topk_fn(q_pos.device))
             # dense, and the chunk's tokens are the last of the cached rows: fused attention on the fast path
