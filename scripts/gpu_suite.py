@@ -183,7 +183,7 @@ SMOKE = Sizes(
     bench_prompt=64,
     bench_new_tokens=8,
     kernel_cases={
-        "topk": [{"rows": 2, "length": 48, "k": 8}],
+        "topk": [{"rows": 2, "length": 48, "k": 8}, {"rows": 2, "length": 48, "k": 8, "kind": "ties"}],
         "indexer": [{"batch": 2, "context": 96, "heads": 2, "dim": 16}],
         "indexer_prefill": [{"tokens": 20, "context": 96, "heads": 2, "dim": 16, "page": 16}],
         "sparse_mla": [

@@ -66,38 +66,58 @@ def _graph_ms(calls: list) -> float:
     return time_ms(graph.replay) / len(calls)
 
 
+def _topk_scores(kind: str, rows: int, length: int, device: str) -> torch.Tensor:
+    """Scores [rows, length] of one shape of distribution: `randn`; `ramp`, randn plus a rise toward the end of
+    the row (the largest crowd into its last quarter, as recent tokens often score: the sampled threshold of
+    the top-k sees them in a few of its runs only); `ties`, integers 0-299 (the k-th value is shared by
+    hundreds of positions)."""
+    if kind == "randn":
+        return torch.randn(rows, length, device=device)
+    if kind == "ramp":
+        return torch.randn(rows, length, device=device) + torch.linspace(0, 6, length, device=device)
+    if kind == "ties":
+        return torch.randint(0, 300, (rows, length), device=device).float()
+    raise ValueError(f"unknown score kind {kind!r}: randn, ramp or ties")
+
+
 def bench_topk(
-    ceilings: dict, rows: int = 64, length: int = 131072, k: int = 2048, device: str = "cuda"
+    ceilings: dict,
+    rows: int = 64,
+    length: int = 131072,
+    k: int = 2048,
+    kind: str = "randn",
+    device: str = "cuda",
 ) -> dict:
     from kestrel.ops.dsa.naive import topk_select
     from kestrel.ops.dsa.triton_topk import topk_triton
 
-    scores = torch.randn(rows, length, device=device)
+    scores = _topk_scores(kind, rows, length, device)
     lens = torch.full((rows,), length, device=device, dtype=torch.int64)
     ms = time_ms(lambda: topk_triton(scores, lens, k), device)
     peer_ms = time_ms(lambda: torch.topk(scores, k, dim=-1), device)
     ours = topk_triton(scores, lens, k)
-    same_sets = bool((ours.sort(-1).values == torch.topk(scores, k, dim=-1).indices.sort(-1).values).all())
     # the reference on 4 rows (every row has > k positions: no -1 to place); the kernel lists by position
     exact = bool(torch.equal(ours[:4], topk_select(scores[:4], lens[:4] - 1, k).sort(-1).values))
+    # torch.topk breaks ties its own way: compare the sets where no tie crosses the threshold
+    same_sets = bool((ours.sort(-1).values == torch.topk(scores, k, dim=-1).indices.sort(-1).values).all())
     graphs = {}
     if torch.device(device).type == "cuda":
         # in CUDA graphs, as decode runs it (no launch cost), each call on its own scores (a batch of scores
-        # fits in L2), ours at several tile sizes (seg, block) beside torch.topk
-        batches = [torch.randn(rows, length, device=device) for _ in range(4)]
+        # fits in L2), ours at several tile sizes (seg, sample) beside torch.topk
+        batches = [_topk_scores(kind, rows, length, device) for _ in range(4)]
         graphs["torch_topk_us"] = 1000 * _graph_ms([lambda s=s: torch.topk(s, k, dim=-1) for s in batches])
-        for seg, block in ((4096, 2048), (4096, 4096), (8192, 4096), (16384, 4096), (32768, 4096)):
-            calls = [lambda s=s, g=seg, b=block: topk_triton(s, lens, k, seg=g, block=b) for s in batches]
-            graphs[f"ours_seg{seg}_block{block}_us"] = 1000 * _graph_ms(calls)
+        for seg, sample in ((8192, 4096), (16384, 4096), (32768, 4096), (16384, 2048), (16384, 8192)):
+            calls = [lambda s=s, g=seg, m=sample: topk_triton(s, lens, k, seg=g, sample=m) for s in batches]
+            graphs[f"ours_seg{seg}_sample{sample}_us"] = 1000 * _graph_ms(calls)
     return _entry(
-        f"exact top-{k} of {rows}x{length}",
+        f"exact top-{k} of {rows}x{length} {kind}",
         ms,
         rows * length * 4 + rows * k * 8,
         0,
         ceilings,
         peer="torch.topk",
         peer_ms=peer_ms,
-        same_sets_as_torch=same_sets,
+        same_sets_as_torch=same_sets if kind != "ties" else None,
         equals_reference=exact,
         stages_us=_stage_times(lambda: topk_triton(scores, lens, k), device),
         in_graphs=graphs,
@@ -500,7 +520,7 @@ def bench_kda_conv_prefill(
 
 # The shapes of `kestrel bench kernels` (the H200's): keyword arguments of each bench_* function.
 KERNEL_CASES = {
-    "topk": [{}],
+    "topk": [{}, {"kind": "ramp"}, {"kind": "ties"}],
     "indexer": [
         {"batch": b, "context": c, "heads": 16, "dim": 128} for b, c in ((1, 4096), (64, 4096), (64, 131072))
     ],
