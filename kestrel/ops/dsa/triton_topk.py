@@ -55,7 +55,7 @@ RUN = 8  # a run of the sample: one 32-byte sector of fp32 scores
 MARGIN = 16  # ranks added to r + 4 sqrt(r) (tests set 0 so that small samples overshoot)
 MAX_ROWS = 32768  # rows per launch: the grid's second dimension stops at 65535 (and bounds the scratch)
 NUM_WARPS = 8
-NB = 256  # bins of one radix digit (8 key bits)
+SAMPLE_BITS = 5  # the sample's threshold: three 32-bin digits, the top 15 key bits
 
 
 @triton.jit
@@ -79,25 +79,48 @@ def _threshold_bin(hist, need, NB: tl.constexpr):
 
 
 @triton.jit
-def _sampled_threshold(
-    row_ptr, n, k, SAMPLE: tl.constexpr, RUN: tl.constexpr, MARGIN: tl.constexpr, NB: tl.constexpr
+def _threshold_kernel(
+    scores_ptr,  # [B, L] fp32
+    lens_ptr,  # [B] int64
+    lo_ptr,  # [B] int32 (uint32 keys)
+    L,
+    k,
+    stride_sb,
+    SAMPLE: tl.constexpr,
+    RUN: tl.constexpr,
+    MARGIN: tl.constexpr,
+    NB: tl.constexpr,
+    BITS: tl.constexpr,
 ):
-    """Step 1's `lo` of a row (see the module docstring): 0 (every valid key) when the sample holds fewer than
-    r_lo valid keys."""
+    """Step 1's `lo` of row b (see the module docstring), from its sample held in registers; 0 (every valid
+    key) when the sample holds fewer than r_lo valid keys."""
+    b = tl.program_id(0).to(tl.int64)
+    n = tl.minimum(tl.load(lens_ptr + b), L).to(tl.int32)
     i = tl.arange(0, SAMPLE)
     whole = n <= SAMPLE
-    run = (i // RUN).to(tl.int64)
-    spread = (run * n) // (SAMPLE // RUN) // RUN * RUN + i % RUN  # runs start on 8-score boundaries
-    p = tl.where(whole, i.to(tl.int64), spread)  # [SAMPLE]
-    key = _sort_key(tl.load(row_ptr + p, mask=p < n, other=float("nan")), p < n)
+    step = n // (SAMPLE // RUN)
+    spread = (i // RUN) * step // RUN * RUN + i % RUN  # runs start on 8-score boundaries; < n, no overflow
+    p = tl.where(whole, i, spread)  # [SAMPLE]
+    key = _sort_key(tl.load(scores_ptr + b * stride_sb + p, mask=p < n, other=float("nan")), p < n)
     m = tl.minimum(n, SAMPLE).to(tl.float32)
     r = tl.ceil(k * m / tl.maximum(n, 1).to(tl.float32))
-    r_lo = tl.where(whole, k, r + tl.ceil(4.0 * tl.sqrt(r)) + MARGIN).to(tl.int32)
-    top = (key >> 24).to(tl.int32)
-    d1, above = _threshold_bin(tl.histogram(top, NB, mask=key != 0), r_lo, NB)
-    h2 = tl.histogram(((key >> 16) & 255).to(tl.int32), NB, mask=(key != 0) & (top == d1))
-    d2, _ = _threshold_bin(h2, r_lo - above, NB)
-    return (d1.to(tl.uint32) << 24) | (d2.to(tl.uint32) << 16)
+    need = tl.where(whole, k, r + tl.ceil(4.0 * tl.sqrt(r)) + MARGIN).to(tl.int32)
+    # the need-th largest valid key's top 3 x BITS bits, BITS at a time (small histograms are cheap)
+    d, above = _threshold_bin(tl.histogram((key >> (32 - BITS)).to(tl.int32), NB, mask=key != 0), need, NB)
+    prefix = d
+    need -= above
+    inside = (key != 0) & ((key >> (32 - BITS)).to(tl.int32) == prefix)
+    d, above = _threshold_bin(
+        tl.histogram(((key >> (32 - 2 * BITS)) & (NB - 1)).to(tl.int32), NB, mask=inside), need, NB
+    )
+    prefix = prefix * NB + d
+    need -= above
+    inside = (key != 0) & ((key >> (32 - 2 * BITS)).to(tl.int32) == prefix)
+    d, _ = _threshold_bin(
+        tl.histogram(((key >> (32 - 3 * BITS)) & (NB - 1)).to(tl.int32), NB, mask=inside), need, NB
+    )
+    prefix = prefix * NB + d
+    tl.store(lo_ptr + b, (prefix.to(tl.uint32) << (32 - 3 * BITS)).to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -115,16 +138,12 @@ def _filter_kernel(
     stride_sb,
     SEG: tl.constexpr,
     BLOCK: tl.constexpr,
-    SAMPLE: tl.constexpr,
-    RUN: tl.constexpr,
-    MARGIN: tl.constexpr,
-    NB: tl.constexpr,
 ):
     seg = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n = tl.minimum(tl.load(lens_ptr + b), L)
     row = scores_ptr + b * stride_sb
-    lo = _sampled_threshold(row, n, k, SAMPLE, RUN, MARGIN, NB)
+    lo = tl.load(lo_ptr + b).to(tl.uint32, bitcast=True)
     start = seg * SEG
     end = tl.minimum(start + SEG, n)  # only the valid prefix is read
     keys = cand_key_ptr + b * LC + start  # this segment's region of the row's list
@@ -142,28 +161,17 @@ def _filter_kernel(
         tl.store(poss + slot, p, mask=take)
         count += tl.sum(take_i, 0)
     tl.store(count_ptr + b * num_segs + seg, count)
-    if seg == 0:
-        tl.store(lo_ptr + b, lo.to(tl.int32, bitcast=True))
 
 
 @triton.jit
-def _load_candidates(
-    i, n_list, n_row, row_ptr, key_ptr, pos_ptr, starts, s, SEG: tl.constexpr, SP: tl.constexpr
-):
+def _load_candidates(i, n_list, n_row, row_ptr, key_ptr, pos_ptr):
     """Candidates i [CBLOCK] of a row: (key, position), key 0 past the candidates. Either the first n_list of
-    the list, where candidate i is in the last segment whose first candidate is <= i (`starts` [SP]: the
-    exclusive prefix sums of the segments' counts), or the first n_row scores of the row itself, where it is
-    position i (one of n_list and n_row is 0)."""
-    in_seg = tl.zeros_like(i)  # [CBLOCK]
-    first = tl.zeros_like(i)
-    for j in tl.static_range(1, SP):  # a scalar per segment: a [CBLOCK, SP] mapping would spill
-        start_j = tl.sum(tl.where(s == j, starts, 0), 0)
-        past = i >= start_j
-        in_seg = tl.where(past, j, in_seg)
-        first = tl.where(past, start_j, first)
-    slot = in_seg.to(tl.int64) * SEG + (i - first)
-    key = tl.load(key_ptr + slot, mask=i < n_list, other=0).to(tl.uint32, bitcast=True)
-    pos = tl.load(pos_ptr + slot, mask=i < n_list, other=0)
+    the (gathered) list or the first n_row scores of the row itself, where it is position i (one of n_list
+    and n_row is 0). List loads masked at a multiple of 16 stay vectorized (the rows are padded to LC)."""
+    n_load = (n_list + 15) // 16 * 16
+    key = tl.load(key_ptr + i, mask=i < n_load, other=0).to(tl.uint32, bitcast=True)
+    pos = tl.load(pos_ptr + i, mask=i < n_load, other=0)
+    key = tl.where(i < n_list, key, 0)
     on_row = i < n_row
     x = tl.load(row_ptr + i, mask=on_row, other=float("nan"))
     key = tl.where(on_row, _sort_key(x, on_row), key)
@@ -178,28 +186,24 @@ def _refine(
     row_ptr,
     key_ptr,
     pos_ptr,
-    starts,
-    s,
     prefix,
     need,
     SHIFT: tl.constexpr,
-    SEG: tl.constexpr,
-    SP: tl.constexpr,
+    BITS: tl.constexpr,
     CBLOCK: tl.constexpr,
-    NB: tl.constexpr,
 ):
-    """One 8-bit digit of T: among the valid candidates whose key bits above SHIFT + 8 equal `prefix`, the digit
-    (key bits SHIFT + 7 .. SHIFT) holding the need-th largest key. Returns (that digit, need less the keys in
-    higher digits, the valid keys counted)."""
-    h = tl.zeros([NB], dtype=tl.int32)
+    """One radix digit of T: among the valid candidates whose key bits above SHIFT + BITS equal `prefix`, the
+    digit (key bits SHIFT + BITS - 1 .. SHIFT) holding the need-th largest key. Returns (that digit, need less
+    the keys in higher digits, the valid keys counted)."""
+    h = tl.zeros([2**BITS], dtype=tl.int32)
     for off in range(0, tl.maximum(n_list, n_row), CBLOCK):
         i = off + tl.arange(0, CBLOCK)
-        key, _ = _load_candidates(i, n_list, n_row, row_ptr, key_ptr, pos_ptr, starts, s, SEG, SP)
+        key, _ = _load_candidates(i, n_list, n_row, row_ptr, key_ptr, pos_ptr)
         inside = key != 0
-        if SHIFT < 24:
-            inside = inside & ((key >> (SHIFT + 8)).to(tl.int32) == prefix)
-        h += tl.histogram(((key >> SHIFT) & (NB - 1)).to(tl.int32), NB, mask=inside)
-    digit, above = _threshold_bin(h, need, NB)
+        if SHIFT + BITS < 32:
+            inside = inside & ((key >> (SHIFT + BITS)).to(tl.int32) == prefix)
+        h += tl.histogram(((key >> SHIFT) & (2**BITS - 1)).to(tl.int32), 2**BITS, mask=inside)
+    digit, above = _threshold_bin(h, need, 2**BITS)
     return digit, need - above, tl.sum(h, 0)
 
 
@@ -219,34 +223,52 @@ def _select_kernel(
     stride_sb,
     stride_ob,
     SEG: tl.constexpr,
-    SP: tl.constexpr,
     CBLOCK: tl.constexpr,
-    NB: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.load(lens_ptr + b), L)
     row = scores_ptr + b * stride_sb
-    s = tl.arange(0, SP)
-    counts = tl.load(count_ptr + b * num_segs + s, mask=s < num_segs, other=0)  # [SP]
-    starts = tl.cumsum(counts, 0) - counts
-    total = tl.sum(counts, 0)
+    keys, poss = cand_key_ptr + b * LC, cand_pos_ptr + b * LC
+
+    # Gather the segments' candidates into one list [0, total), in place and in order: segment s's go from
+    # s x SEG down to the count before it, which never overwrites what is still to be read (each segment
+    # holds at most SEG); a barrier between each tile's loads and its stores.
+    total = tl.zeros([], dtype=tl.int32)
+    for seg in range(0, num_segs):
+        count = tl.load(count_ptr + b * num_segs + seg)
+        for off in range(0, count, CBLOCK):
+            j = off + tl.arange(0, CBLOCK)
+            key = tl.load(keys + seg * SEG + j, mask=j < count)
+            pos = tl.load(poss + seg * SEG + j, mask=j < count)
+            tl.debug_barrier()
+            tl.store(keys + total + j, key, mask=j < count)
+            tl.store(poss + total + j, pos, mask=j < count)
+        total += count
+    tl.debug_barrier()
+
     lo = tl.load(lo_ptr + b).to(tl.uint32, bitcast=True)
     from_row = (total < k) & (lo != 0)  # the sample overshot: read the row itself
     n_list = tl.where(from_row, 0, total)
     n_row = tl.where(from_row, n, 0)
-    keys, poss = cand_key_ptr + b * LC, cand_pos_ptr + b * LC
 
-    # T, 8 bits at a time; the first pass also counts the valid candidates (all of them, on the list)
-    d, need, valid = _refine(n_list, n_row, row, keys, poss, starts, s, 0, k, 24, SEG, SP, CBLOCK, NB)
+    # T, 5 bits at a time (32-bin histograms cost about as much as 8-bin ones and 1/8 of 256-bin ones per bit);
+    # the first pass also counts the valid candidates (all of them, on the list)
+    d, need, valid = _refine(n_list, n_row, row, keys, poss, 0, k, 27, 5, CBLOCK)
     refine = valid > k  # else every valid candidate is taken and the other passes are skipped
     n_list_r, n_row_r = tl.where(refine, n_list, 0), tl.where(refine, n_row, 0)
-    p8 = d
-    d, need, _ = _refine(n_list_r, n_row_r, row, keys, poss, starts, s, p8, need, 16, SEG, SP, CBLOCK, NB)
-    p16 = p8 * NB + d
-    d, need, _ = _refine(n_list_r, n_row_r, row, keys, poss, starts, s, p16, need, 8, SEG, SP, CBLOCK, NB)
-    p24 = p16 * NB + d
-    d, need, _ = _refine(n_list_r, n_row_r, row, keys, poss, starts, s, p24, need, 0, SEG, SP, CBLOCK, NB)
-    thresh = (p24.to(tl.uint32) << 8) | d.to(tl.uint32)  # T, the k-th largest key
+    t = d
+    d, need, _ = _refine(n_list_r, n_row_r, row, keys, poss, t, need, 22, 5, CBLOCK)
+    t = t * 32 + d
+    d, need, _ = _refine(n_list_r, n_row_r, row, keys, poss, t, need, 17, 5, CBLOCK)
+    t = t * 32 + d
+    d, need, _ = _refine(n_list_r, n_row_r, row, keys, poss, t, need, 12, 5, CBLOCK)
+    t = t * 32 + d
+    d, need, _ = _refine(n_list_r, n_row_r, row, keys, poss, t, need, 7, 5, CBLOCK)
+    t = t * 32 + d
+    d, need, _ = _refine(n_list_r, n_row_r, row, keys, poss, t, need, 2, 5, CBLOCK)
+    t = t * 32 + d
+    d, need, _ = _refine(n_list_r, n_row_r, row, keys, poss, t, need, 0, 2, CBLOCK)
+    thresh = (t.to(tl.uint32) << 2) | d.to(tl.uint32)  # T, the k-th largest key
     thresh = tl.where(refine, thresh, 0)  # T = 0: every valid key is above it
     need = tl.where(refine, need, 0)  # how many keys equal to T are taken, lowest positions first
 
@@ -255,7 +277,7 @@ def _select_kernel(
     out_ptr += b * stride_ob
     for off in range(0, tl.maximum(n_list, n_row), CBLOCK):
         i = off + tl.arange(0, CBLOCK)
-        key, pos = _load_candidates(i, n_list, n_row, row, keys, poss, starts, s, SEG, SP)
+        key, pos = _load_candidates(i, n_list, n_row, row, keys, poss)
         valid_i = key != 0
         tie = (valid_i & (key == thresh)).to(tl.int32)
         tie_rank = n_tie + tl.cumsum(tie, 0) - 1
@@ -315,19 +337,21 @@ def topk_triton(
         scores = scores.contiguous()
     lens = lens.to(torch.int64)
     num_segs = triton.cdiv(L, seg)
-    SP = max(2, triton.next_power_of_2(num_segs))
     counts = torch.empty(B, num_segs, dtype=torch.int32, device=device)  # [B, S]
     lo = torch.empty(B, dtype=torch.int32, device=device)  # [B]
     LC = triton.cdiv(L, 16) * 16  # candidate rows padded for vectorized loads
     cand_key = torch.empty(B, LC, dtype=torch.int32, device=device)  # [B, LC], segment s's from s x seg
     cand_pos = torch.empty(B, LC, dtype=torch.int32, device=device)  # [B, LC]
+    _threshold_kernel[(B,)](
+        scores, lens, lo, L, k, scores.stride(0),
+        SAMPLE=sample, RUN=RUN, MARGIN=margin, NB=2**SAMPLE_BITS, BITS=SAMPLE_BITS, num_warps=NUM_WARPS,
+    )  # fmt: skip
     common = (L, LC, num_segs, k, scores.stride(0))
     _filter_kernel[(num_segs, B)](
-        scores, lens, counts, lo, cand_key, cand_pos, *common,
-        SEG=seg, BLOCK=block, SAMPLE=sample, RUN=RUN, MARGIN=margin, NB=NB, num_warps=NUM_WARPS,
+        scores, lens, counts, lo, cand_key, cand_pos, *common, SEG=seg, BLOCK=block, num_warps=NUM_WARPS
     )  # fmt: skip
     _select_kernel[(B,)](
         scores, lens, counts, lo, cand_key, cand_pos, out, *common, out.stride(0),
-        SEG=seg, SP=SP, CBLOCK=cblock, NB=NB, num_warps=NUM_WARPS,
+        SEG=seg, CBLOCK=cblock, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
