@@ -68,9 +68,8 @@ def _graph_ms(calls: list) -> float:
 
 def _topk_scores(kind: str, rows: int, length: int, device: str) -> torch.Tensor:
     """Scores [rows, length] of one shape of distribution: `randn`; `ramp`, randn plus a rise toward the end of
-    the row (the largest crowd into its last quarter, as recent tokens often score: the sampled threshold of
-    the top-k sees them in a few of its runs only); `ties`, integers 0-299 (the k-th value is shared by
-    hundreds of positions)."""
+    the row (the largest crowd into its last quarter, as recent tokens often score); `ties`, integers 0-299
+    (the k-th value is shared by hundreds of positions)."""
     if kind == "randn":
         return torch.randn(rows, length, device=device)
     if kind == "ramp":
@@ -103,12 +102,12 @@ def bench_topk(
     graphs = {}
     if torch.device(device).type == "cuda":
         # in CUDA graphs, as decode runs it (no launch cost), each call on its own scores (a batch of scores
-        # fits in L2), ours at several tile sizes (seg, sample) beside torch.topk
+        # fits in L2), ours at several tile sizes (seg, block) beside torch.topk
         batches = [_topk_scores(kind, rows, length, device) for _ in range(4)]
         graphs["torch_topk_us"] = 1000 * _graph_ms([lambda s=s: torch.topk(s, k, dim=-1) for s in batches])
-        for seg, sample in ((8192, 4096), (16384, 4096), (32768, 4096), (16384, 2048), (16384, 8192)):
-            calls = [lambda s=s, g=seg, m=sample: topk_triton(s, lens, k, seg=g, sample=m) for s in batches]
-            graphs[f"ours_seg{seg}_sample{sample}_us"] = 1000 * _graph_ms(calls)
+        for seg, block in ((4096, 2048), (4096, 4096), (8192, 4096), (16384, 4096), (32768, 4096)):
+            calls = [lambda s=s, g=seg, b=block: topk_triton(s, lens, k, seg=g, block=b) for s in batches]
+            graphs[f"ours_seg{seg}_block{block}_us"] = 1000 * _graph_ms(calls)
     return _entry(
         f"exact top-{k} of {rows}x{length} {kind}",
         ms,

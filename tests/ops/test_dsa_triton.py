@@ -51,10 +51,7 @@ topk_triton = _load("kestrel.ops.dsa.triton_topk").topk_triton
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 NAN, INF = float("nan"), float("inf")
-SMALL_TILES = dict(
-    seg=32, block=16, cblock=16, sample=16, margin=0
-)  # several segments and loop trips even at
-# L = 37; a sample of two runs of 8 with no margin, so that rows past 16 positions sample and may overshoot
+SMALL_TILES = dict(seg=32, block=16, cblock=16)  # several segments and loop trips even at L = 37
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (compiled Triton)"
 )
@@ -301,7 +298,7 @@ def test_topk_random_scores(L):
     g = torch.Generator().manual_seed(L)
     scores = torch.randn(4, L, generator=g)  # [B, L]
     lens = torch.tensor([1, L, L // 2 + 3, 0])
-    tiles = SMALL_TILES if L < 200 else dict(seg=64, block=32, cblock=32, sample=32)
+    tiles = SMALL_TILES if L < 200 else dict(seg=64, block=32, cblock=32)
     for k in (1, 16, L // 3) + ((L,) if L < 64 else ()):  # the interpreter's sort is slow past a few dozen
         run_topk(scores, lens, k, **tiles)
 
@@ -323,20 +320,6 @@ def test_topk_heavy_ties_and_nan(seed):
     lens = torch.tensor([L, 1, 57, 99, 64])
     for k in (1, 7, 33, 64):
         run_topk(scores, lens, k, **SMALL_TILES)
-
-
-def test_topk_sample_that_overshoots_reads_the_row():
-    # The sampled scores (SMALL_TILES: runs of 8 from 0 and from (n // 2) // 8 * 8) are the row's highest, so
-    # the sample's threshold keeps about r_lo < k candidates and the select kernel falls back to the row.
-    g = torch.Generator().manual_seed(12)
-    n = 100
-    scores = torch.randn(3, n, generator=g) - 10  # [B, L]
-    sampled = list(range(8)) + list(range(48, 56))
-    scores[:, sampled] += 20
-    for k in (9, 30, 64):
-        run_topk(scores, torch.tensor([n, n, 70]), k, **SMALL_TILES)
-    # and with the default margin, which here still keeps fewer than k
-    run_topk(scores, torch.tensor([n, 90, 33]), 40, **{**SMALL_TILES, "margin": 16})
 
 
 def test_topk_ties_decided_in_the_last_radix_pass():

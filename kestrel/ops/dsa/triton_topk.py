@@ -2,43 +2,64 @@
 `naive.topk_select(scores, lens - 1, k)`, listed in position order instead of rank order (every consumer, the
 sparse attention and the training mask, uses the set; position order also reads the KV pages in order).
 
-Legend: B rows, L scores per row, n = min(lens[b], L) the row's positions, k = index_topk, S = cdiv(L, SEG)
-segments per row, m the sampled scores of a row, C its candidates (positions that pass the sampled threshold).
+Legend: B rows, L scores per row, k = index_topk, S = cdiv(L, SEG) segments per row, C candidates of a row
+(positions that survive the first radix pass).
 
 The order. Each score maps to a 32-bit key whose unsigned order is the float order (-0.0 is first made +0.0,
-so the two tie as IEEE equality says); a NaN or a position >= n gets key 0, below every valid key (a valid
--inf is 0x007FFFFF). (key desc, position asc) is then a strict total order, the tie rule of naive.py, and the
-selection is its first min(k, valid) elements, listed by position, then -1.
+so the two tie as IEEE equality says); a NaN or a position >= lens[b] gets key 0, below every valid key
+(a valid -inf is 0x007FFFFF). (key desc, position asc) is then a strict total order, the tie rule of
+naive.py, and the selection is its first min(k, valid) elements, listed by position, then -1.
 
-Two kernels, no host syncs (CUDA-graph safe), and one full read of the row:
+Radix select on the key, 6 + 5 bits over the row, then 6 + 5 + 5 + 5 over the candidates, in four kernels
+(no host syncs, so CUDA-graph safe):
 
-1. `_filter_kernel`, grid (S, B). Every program of a row first draws the same sample of m = SAMPLE scores
-   (the whole row when n <= SAMPLE; else SAMPLE / 8 runs of 8 consecutive scores spread evenly over the row:
-   whole 32-byte sectors) and takes from it a threshold `lo`: the 16-bit key prefix of the sample's r_lo-th
-   largest key, with r = ceil(k m / n) the rank the k-th largest key of the row would have in the sample and
-   r_lo = r + ceil(4 sqrt(r)) + margin (about 4.5 standard deviations above it for scores in random order).
-   Then it copies the (key, position) of each key >= lo of its SEG scores, in position order, to its own
-   region of the row's candidate list (SEG slots from seg x SEG), and stores its count. At least r_lo of the
-   row's keys are >= lo (the sample is part of the row), so when r_lo >= k the row's k largest are always
-   among the candidates; otherwise the sample may overshoot (step 2 then reads the row itself).
-2. `_select_kernel`, grid (B,): if the candidates hold fewer than k keys while `lo` excluded some (a sample
-   that overshot), the row itself becomes the candidate list. Over the candidates, four 256-bin histograms
-   (8 key bits each) give the exact k-th largest key T and how many keys equal to T are needed; it writes
-   every candidate above T and the first `need` ties at T (the candidates are in position order, so these are
-   the lowest positions: the tie rule), in that position order; no sort.
+1. `_coarse_kernel`, grid (S, B): each program histograms the top 6 key bits of its SEG scores (valid ones
+   only) and adds the histogram into the row's [64] bins (atomics, integer so deterministic).
+   `_fine_kernel`, grid (S, B): every program finds the coarse threshold bin t1 (the largest bin with >= k
+   valid keys at or above it), histograms the next 5 bits of its keys in bin t1 into the row's [32] bins, and
+   stores its own suffix counts over those 32 bins and its count of keys above t1, for step 2's offsets.
+   Together they give the 11-bit threshold bin b1 = (t1, t2) of the k-th largest key (all valid keys when
+   the row has <= k).
+2. `_compact_kernel`, grid (S, B): every program finds b1 from the two row histograms and copies the
+   (key, position) of its keys in bins >= b1 to a per-row candidate list, in position order: its offset
+   is the sum of the earlier segments' counts at b1, and a cumsum orders the block.
+3. `_select_kernel`, grid (B,): refines the threshold inside bin b1 over the candidates only (bits 20..15,
+   14..10, 9..5 and 4..0: one small histogram each), giving the exact k-th key T and how many keys equal to
+   T are needed; writes every candidate above T and the first `need` ties at T (the candidates are in
+   position order, so these are the lowest positions: the tie rule), in that position order; no sort.
 
-Why a sampled threshold instead of radix passes over the row (until 2026-11-30, session 14): three full reads
-with a histogram each (top 6 key bits, next 5, then the compaction) ran at ~1 TB/s, 31 + 33 + 32 us of the
-~113 us at 64 x 131072 (torch.topk: 169-193 us), because `tl.histogram` costs about (bins / 32) x log2(bins)
-operations per element. The sample needs no row-wide histogram before the compaction, so the row is read once.
+Why small histograms (steps 1 and 3) instead of 2048 bins: `tl.histogram` costs about (bins / 32) x log2(bins)
+operations per element, and the one-pass 11-bit histogram measured 295 of the 416 us of 64 rows x 131072 on the
+H200 (2026-11-30; torch.topk: 192 us), and step 3 (then a 2048-bin and a 1024-bin pass) 50 us. 64 and 32
+bins cost ~1/50 of that per element, for more reads (the row's second from L2 when the batch fits in it, the
+candidates' from L1/L2). Not yet timed on the GPU.
 
-Memory traffic per row of L = 131072 (512 KiB of scores), k = 2048: step 1 reads the row once and each of its
-S programs reads the 16 KiB sample (L2); it writes 8 B per candidate (C is about k x r_lo / r, 3-4 K
-positions for random scores: ~30 KiB); step 2 reads the candidates five times (L1/L2) and writes 16 KiB of
-indices. For 64 rows ~38 MB: ~9 us at the 4.25 TB/s copy ceiling, plus two launches.
+Memory traffic per row of L = 131072 (512 KiB of scores), k = 2048: step 1 reads the valid prefix of the row
+twice and step 2 once (3 x 512 KiB, the later reads mostly from L2); step 1 writes S x 132 B of counts; step 2
+writes 8 B per candidate (C is k plus one quarter-octave bin, typically 3-6 K positions: ~40 KiB); step 3
+reads the candidates at most five times and writes 16 KiB of indices. About 1.7 MiB per row.
+
+For 64 rows that is ~110 MB, ~26 us at the 4.25 TB/s copy ceiling, plus five launches (a memset and four
+kernels) and step 3's serial latency (five dependent passes over the candidates per row). Until 2026-11-30
+step 3 also bitonic-sorted the selection into rank order (dropped: no consumer needs it).
+Loads of scores and candidates are 16-byte vectors when L % 16 == 0 (any page-multiple width).
 
 Scratch: 8 B per score for the candidate list (its worst case, all scores equal, keeps the whole row),
-4 B per segment and 4 B per row.
+S x 132 B of counts and 384 B of histograms per row.
+
+Fusion left for later: step 1a can run in the epilogue of the indexer-scores kernel (it sees every score
+once), which removes one full read of the row.
+
+Tried and measured on the H200 (2026-12-01, session 14; commits e3ecd25 and the one after it), then reverted:
+a sampled threshold in place of steps 1a and 1b (4096 scores of each row in runs of 8, the rank
+r + 4 sqrt(r) + 16 of the k-th largest's expected rank r), one filtering read of the row, and a select that
+falls back to the row when the sample overshoots. With the sample and two 256-bin digits in every step-2
+program and 8-bit digits in step 3: 147.6 us (filter 73.7, select 52.5). With the sample in its own kernel
+(three 32-bin digits: 5.8 us) and 5-bit digits: 113.1 us against this version's 119.9 in the same run
+(torch.topk 189-192), but filter 46.6 us (the compaction without the histograms costs more than here) and
+select 41.3 us (seven dependent passes, ~5 us each), and the 8 x 4096 prefill's top-k took 26.9 ms against
+19.9. What it taught: `tl.histogram` costs about bins / 32 units per key bit (256 bins: 8x the cost of 32
+bins per bit), and step 3 is bound by its number of dependent passes, not their width.
 """
 
 from __future__ import annotations
@@ -47,15 +68,12 @@ import torch
 import triton
 import triton.language as tl
 
-SEG = 16384  # scores per program in step 1
-BLOCK = 4096  # scores per loop iteration in step 1
-CBLOCK = 4096  # candidates per loop iteration in step 2
-SAMPLE = 4096  # scores each row's threshold is drawn from (runs of RUN consecutive ones)
-RUN = 8  # a run of the sample: one 32-byte sector of fp32 scores
-MARGIN = 16  # ranks added to r + 4 sqrt(r) (tests set 0 so that small samples overshoot)
+NB1, NB2 = 64, 32  # step 1: the top 6 key bits, then the next 5 inside the threshold bin (11 bits in all)
+SEG = 16384  # scores per program in steps 1 and 2
+BLOCK = 4096  # scores per loop iteration in steps 1 and 2
+CBLOCK = 4096  # candidates per loop iteration in step 3
 MAX_ROWS = 32768  # rows per launch: the grid's second dimension stops at 65535 (and bounds the scratch)
-NUM_WARPS = 8
-SAMPLE_BITS = 5  # the sample's threshold: three 32-bin digits, the top 15 key bits
+NUM_WARPS = 8  # sm_90 build at these sizes: 60 / 156 / 143 registers for steps 1 / 2 / 3, no spills
 
 
 @triton.jit
@@ -79,56 +97,92 @@ def _threshold_bin(hist, need, NB: tl.constexpr):
 
 
 @triton.jit
-def _threshold_kernel(
+def _coarse_kernel(
     scores_ptr,  # [B, L] fp32
     lens_ptr,  # [B] int64
-    lo_ptr,  # [B] int32 (uint32 keys)
+    hist1_ptr,  # [B, NB1] int32, zeroed
     L,
-    k,
     stride_sb,
-    SAMPLE: tl.constexpr,
-    RUN: tl.constexpr,
-    MARGIN: tl.constexpr,
-    NB: tl.constexpr,
-    BITS: tl.constexpr,
+    SEG: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NB1: tl.constexpr,
 ):
-    """Step 1's `lo` of row b (see the module docstring), from its sample held in registers; 0 (every valid
-    key) when the sample holds fewer than r_lo valid keys."""
-    b = tl.program_id(0).to(tl.int64)
-    n = tl.minimum(tl.load(lens_ptr + b), L).to(tl.int32)
-    i = tl.arange(0, SAMPLE)
-    whole = n <= SAMPLE
-    step = n // (SAMPLE // RUN)
-    spread = (i // RUN) * step // RUN * RUN + i % RUN  # runs start on 8-score boundaries; < n, no overflow
-    p = tl.where(whole, i, spread)  # [SAMPLE]
-    key = _sort_key(tl.load(scores_ptr + b * stride_sb + p, mask=p < n, other=float("nan")), p < n)
-    m = tl.minimum(n, SAMPLE).to(tl.float32)
-    r = tl.ceil(k * m / tl.maximum(n, 1).to(tl.float32))
-    need = tl.where(whole, k, r + tl.ceil(4.0 * tl.sqrt(r)) + MARGIN).to(tl.int32)
-    # the need-th largest valid key's top 3 x BITS bits, BITS at a time (small histograms are cheap)
-    d, above = _threshold_bin(tl.histogram((key >> (32 - BITS)).to(tl.int32), NB, mask=key != 0), need, NB)
-    prefix = d
-    need -= above
-    inside = (key != 0) & ((key >> (32 - BITS)).to(tl.int32) == prefix)
-    d, above = _threshold_bin(
-        tl.histogram(((key >> (32 - 2 * BITS)) & (NB - 1)).to(tl.int32), NB, mask=inside), need, NB
-    )
-    prefix = prefix * NB + d
-    need -= above
-    inside = (key != 0) & ((key >> (32 - 2 * BITS)).to(tl.int32) == prefix)
-    d, _ = _threshold_bin(
-        tl.histogram(((key >> (32 - 3 * BITS)) & (NB - 1)).to(tl.int32), NB, mask=inside), need, NB
-    )
-    prefix = prefix * NB + d
-    tl.store(lo_ptr + b, (prefix.to(tl.uint32) << (32 - 3 * BITS)).to(tl.int32, bitcast=True))
+    """Step 1a: the row's histogram of the top 6 key bits (its SEG scores per program, atomics)."""
+    seg = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    n = tl.minimum(tl.load(lens_ptr + b), L)
+    start = seg * SEG
+    end = tl.minimum(start + SEG, n)  # only the valid prefix is read
+    hist = tl.zeros([NB1], dtype=tl.int32)
+    for off in range(start, end, BLOCK):
+        p = off + tl.arange(0, BLOCK)  # [BLOCK]
+        # Masking the load by the row width rather than by lens keeps it vectorized when L % 16 == 0.
+        x = tl.load(scores_ptr + b * stride_sb + p, mask=p < L, other=float("nan"))
+        key = _sort_key(x, p < end)
+        hist += tl.histogram((key >> 26).to(tl.int32), NB1, mask=key != 0)
+    bins = tl.arange(0, NB1)
+    tl.atomic_add(hist1_ptr + b * NB1 + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
-def _filter_kernel(
+def _fine_kernel(
     scores_ptr,  # [B, L] fp32
     lens_ptr,  # [B] int64
-    count_ptr,  # [B, S] int32: candidates of each segment
-    lo_ptr,  # [B] int32 (uint32 keys): each row's threshold
+    hist1_ptr,  # [B, NB1] int32
+    hist2_ptr,  # [B, NB2] int32, zeroed
+    seg_count_ptr,  # [B, S, NB2 + 1] int32
+    L,
+    num_segs,
+    k,
+    stride_sb,
+    SEG: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NB1: tl.constexpr,
+    NB2: tl.constexpr,
+):
+    """Step 1b: inside the coarse threshold bin t1, the row's histogram of the next 5 key bits; each program
+    stores its suffix counts over those bins and, last, its count of keys in coarse bins above t1."""
+    seg = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    n = tl.minimum(tl.load(lens_ptr + b), L)
+    t1, _ = _threshold_bin(tl.load(hist1_ptr + b * NB1 + tl.arange(0, NB1)), k, NB1)
+    start = seg * SEG
+    end = tl.minimum(start + SEG, n)
+    hist = tl.zeros([NB2], dtype=tl.int32)
+    above = tl.zeros([], dtype=tl.int32)
+    for off in range(start, end, BLOCK):
+        p = off + tl.arange(0, BLOCK)
+        x = tl.load(scores_ptr + b * stride_sb + p, mask=p < L, other=float("nan"))
+        key = _sort_key(x, p < end)
+        top = (key >> 26).to(tl.int32)
+        hist += tl.histogram(((key >> 21) & (NB2 - 1)).to(tl.int32), NB2, mask=(key != 0) & (top == t1))
+        above += tl.sum(((key != 0) & (top > t1)).to(tl.int32), 0)
+    bins = tl.arange(0, NB2)
+    at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # [NB2]
+    row = seg_count_ptr + (b * num_segs + seg) * (NB2 + 1)
+    tl.store(row + bins, at_or_above)
+    tl.store(row + NB2, above)
+    tl.atomic_add(hist2_ptr + b * NB2 + bins, hist, mask=hist > 0, sem="relaxed")
+
+
+@triton.jit
+def _row_threshold(hist1_ptr, hist2_ptr, b, k, NB1: tl.constexpr, NB2: tl.constexpr):
+    """(b1, t2, above, total) of row b: b1 = t1 * NB2 + t2, the 11-bit bin of the k-th largest key (the largest
+    bin with >= k valid keys at or above it; 0 when the row has <= k), t2 its 5-bit part, `above` the valid
+    keys in bins above b1, `total` the row's valid keys."""
+    h1 = tl.load(hist1_ptr + b * NB1 + tl.arange(0, NB1))
+    t1, above1 = _threshold_bin(h1, k, NB1)
+    t2, above2 = _threshold_bin(tl.load(hist2_ptr + b * NB2 + tl.arange(0, NB2)), k - above1, NB2)
+    return t1 * NB2 + t2, t2, above1 + above2, tl.sum(h1, 0)
+
+
+@triton.jit
+def _compact_kernel(
+    scores_ptr,  # [B, L] fp32
+    lens_ptr,  # [B] int64
+    hist1_ptr,  # [B, NB1] int32
+    hist2_ptr,  # [B, NB2] int32
+    seg_count_ptr,  # [B, S, NB2 + 1] int32
     cand_key_ptr,  # [B, LC] int32 (uint32 keys)
     cand_pos_ptr,  # [B, LC] int32
     L,
@@ -138,150 +192,114 @@ def _filter_kernel(
     stride_sb,
     SEG: tl.constexpr,
     BLOCK: tl.constexpr,
+    NB1: tl.constexpr,
+    NB2: tl.constexpr,
+    SP: tl.constexpr,
 ):
     seg = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n = tl.minimum(tl.load(lens_ptr + b), L)
-    row = scores_ptr + b * stride_sb
-    lo = tl.load(lo_ptr + b).to(tl.uint32, bitcast=True)
+    b1, t2, _, _ = _row_threshold(hist1_ptr, hist2_ptr, b, k, NB1, NB2)
+    s = tl.arange(0, SP)
+    rows = seg_count_ptr + (b * num_segs + s) * (NB2 + 1)
+    counts = tl.load(rows + t2, mask=s <= seg, other=0) + tl.load(rows + NB2, mask=s <= seg, other=0)  # [SP]
+    base = tl.sum(tl.where(s < seg, counts, 0), 0)  # candidates of the earlier segments
+    mine = tl.sum(tl.where(s == seg, counts, 0), 0)
     start = seg * SEG
-    end = tl.minimum(start + SEG, n)  # only the valid prefix is read
-    keys = cand_key_ptr + b * LC + start  # this segment's region of the row's list
-    poss = cand_pos_ptr + b * LC + start
-    count = tl.zeros([], dtype=tl.int32)
+    end = tl.where(mine > 0, tl.minimum(start + SEG, n), start)  # a segment without candidates reads nothing
     for off in range(start, end, BLOCK):
         p = off + tl.arange(0, BLOCK)  # [BLOCK]
-        # Masking the load by the row width rather than by lens keeps it vectorized when L % 16 == 0.
-        x = tl.load(row + p, mask=p < L, other=float("nan"))
+        x = tl.load(scores_ptr + b * stride_sb + p, mask=p < L, other=float("nan"))
         key = _sort_key(x, p < end)
-        take = (key != 0) & (key >= lo)
+        take = (key != 0) & ((key >> 21).to(tl.int32) >= b1)
         take_i = take.to(tl.int32)
-        slot = count + tl.cumsum(take_i, 0) - 1  # position order within the segment
-        tl.store(keys + slot, key.to(tl.int32, bitcast=True), mask=take)
-        tl.store(poss + slot, p, mask=take)
-        count += tl.sum(take_i, 0)
-    tl.store(count_ptr + b * num_segs + seg, count)
-
-
-@triton.jit
-def _load_candidates(i, n_list, n_row, row_ptr, key_ptr, pos_ptr):
-    """Candidates i [CBLOCK] of a row: (key, position), key 0 past the candidates. Either the first n_list of
-    the (gathered) list or the first n_row scores of the row itself, where it is position i (one of n_list
-    and n_row is 0). List loads masked at a multiple of 16 stay vectorized (the rows are padded to LC)."""
-    n_load = (n_list + 15) // 16 * 16
-    key = tl.load(key_ptr + i, mask=i < n_load, other=0).to(tl.uint32, bitcast=True)
-    pos = tl.load(pos_ptr + i, mask=i < n_load, other=0)
-    key = tl.where(i < n_list, key, 0)
-    on_row = i < n_row
-    x = tl.load(row_ptr + i, mask=on_row, other=float("nan"))
-    key = tl.where(on_row, _sort_key(x, on_row), key)
-    pos = tl.where(on_row, i, pos)
-    return key, pos
+        slot = b * LC + base + tl.cumsum(take_i, 0) - 1  # position order within the row's list
+        tl.store(cand_key_ptr + slot, key.to(tl.int32, bitcast=True), mask=take)
+        tl.store(cand_pos_ptr + slot, p, mask=take)
+        base += tl.sum(take_i, 0)
 
 
 @triton.jit
 def _refine(
-    n_list,
-    n_row,
-    row_ptr,
-    key_ptr,
-    pos_ptr,
+    cand_key_ptr,
+    n_scan,
+    n_cand,
     prefix,
     need,
     SHIFT: tl.constexpr,
     BITS: tl.constexpr,
+    NBD: tl.constexpr,  # 2 ** BITS
     CBLOCK: tl.constexpr,
 ):
-    """One radix digit of T: among the valid candidates whose key bits above SHIFT + BITS equal `prefix`, the
-    digit (key bits SHIFT + BITS - 1 .. SHIFT) holding the need-th largest key. Returns (that digit, need less
-    the keys in higher digits, the valid keys counted)."""
-    h = tl.zeros([2**BITS], dtype=tl.int32)
-    for off in range(0, tl.maximum(n_list, n_row), CBLOCK):
+    """One radix digit of T: among the candidates whose key bits above SHIFT + BITS equal `prefix`, the digit
+    (key bits SHIFT + BITS - 1 .. SHIFT) holding the need-th largest key. Returns (that digit, need less the
+    keys in higher digits)."""
+    h = tl.zeros([NBD], dtype=tl.int32)
+    for off in range(0, n_scan, CBLOCK):
         i = off + tl.arange(0, CBLOCK)
-        key, _ = _load_candidates(i, n_list, n_row, row_ptr, key_ptr, pos_ptr)
-        inside = key != 0
-        if SHIFT + BITS < 32:
-            inside = inside & ((key >> (SHIFT + BITS)).to(tl.int32) == prefix)
-        h += tl.histogram(((key >> SHIFT) & (2**BITS - 1)).to(tl.int32), 2**BITS, mask=inside)
-    digit, above = _threshold_bin(h, need, 2**BITS)
-    return digit, need - above, tl.sum(h, 0)
+        key = tl.load(cand_key_ptr + i, mask=i < n_scan, other=0).to(tl.uint32, bitcast=True)
+        inside = (i < n_cand) & ((key >> (SHIFT + BITS)).to(tl.int32) == prefix)
+        h += tl.histogram(((key >> SHIFT) & (NBD - 1)).to(tl.int32), NBD, mask=inside)
+    digit, above = _threshold_bin(h, need, NBD)
+    return digit, need - above
 
 
 @triton.jit
 def _select_kernel(
-    scores_ptr,  # [B, L] fp32
-    lens_ptr,  # [B] int64
-    count_ptr,  # [B, S] int32
-    lo_ptr,  # [B] int32
+    hist1_ptr,  # [B, NB1] int32
+    hist2_ptr,  # [B, NB2] int32
+    seg_count_ptr,  # [B, S, NB2 + 1] int32
     cand_key_ptr,  # [B, LC] int32
     cand_pos_ptr,  # [B, LC] int32
     out_ptr,  # [B, k] int64
-    L,
     LC,
     num_segs,
     k,
-    stride_sb,
     stride_ob,
-    SEG: tl.constexpr,
+    NB1: tl.constexpr,
+    NB2: tl.constexpr,
+    SP: tl.constexpr,
     CBLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    n = tl.minimum(tl.load(lens_ptr + b), L)
-    row = scores_ptr + b * stride_sb
-    keys, poss = cand_key_ptr + b * LC, cand_pos_ptr + b * LC
+    b1, t2, above1, total = _row_threshold(hist1_ptr, hist2_ptr, b, k, NB1, NB2)
+    s = tl.arange(0, SP)
+    rows = seg_count_ptr + (b * num_segs + s) * (NB2 + 1)
+    n_cand = tl.sum(
+        tl.load(rows + t2, mask=s < num_segs, other=0) + tl.load(rows + NB2, mask=s < num_segs, other=0), 0
+    )
+    cand_key_ptr += b * LC
+    cand_pos_ptr += b * LC
+    # Loads masked at a multiple of 16 stay vectorized (the rows are padded to LC); `i < n_cand` masks the rest.
+    n_load = (n_cand + 15) // 16 * 16
 
-    # Gather the segments' candidates into one list [0, total), in place and in order: segment s's go from
-    # s x SEG down to the count before it, which never overwrites what is still to be read (each segment
-    # holds at most SEG); a barrier between each tile's loads and its stores.
-    total = tl.zeros([], dtype=tl.int32)
-    for seg in range(0, num_segs):
-        count = tl.load(count_ptr + b * num_segs + seg)
-        for off in range(0, count, CBLOCK):
-            j = off + tl.arange(0, CBLOCK)
-            key = tl.load(keys + seg * SEG + j, mask=j < count)
-            pos = tl.load(poss + seg * SEG + j, mask=j < count)
-            tl.debug_barrier()
-            tl.store(keys + total + j, key, mask=j < count)
-            tl.store(poss + total + j, pos, mask=j < count)
-        total += count
-    tl.debug_barrier()
-
-    lo = tl.load(lo_ptr + b).to(tl.uint32, bitcast=True)
-    from_row = (total < k) & (lo != 0)  # the sample overshot: read the row itself
-    n_list = tl.where(from_row, 0, total)
-    n_row = tl.where(from_row, n, 0)
-
-    # T, 5 bits at a time (32-bin histograms cost about as much as 8-bin ones and 1/8 of 256-bin ones per bit);
-    # the first pass also counts the valid candidates (all of them, on the list)
-    d, need, valid = _refine(n_list, n_row, row, keys, poss, 0, k, 27, 5, CBLOCK)
-    refine = valid > k  # else every valid candidate is taken and the other passes are skipped
-    n_list_r, n_row_r = tl.where(refine, n_list, 0), tl.where(refine, n_row, 0)
-    t = d
-    d, need, _ = _refine(n_list_r, n_row_r, row, keys, poss, t, need, 22, 5, CBLOCK)
-    t = t * 32 + d
-    d, need, _ = _refine(n_list_r, n_row_r, row, keys, poss, t, need, 17, 5, CBLOCK)
-    t = t * 32 + d
-    d, need, _ = _refine(n_list_r, n_row_r, row, keys, poss, t, need, 12, 5, CBLOCK)
-    t = t * 32 + d
-    d, need, _ = _refine(n_list_r, n_row_r, row, keys, poss, t, need, 7, 5, CBLOCK)
-    t = t * 32 + d
-    d, need, _ = _refine(n_list_r, n_row_r, row, keys, poss, t, need, 2, 5, CBLOCK)
-    t = t * 32 + d
-    d, need, _ = _refine(n_list_r, n_row_r, row, keys, poss, t, need, 0, 2, CBLOCK)
-    thresh = (t.to(tl.uint32) << 2) | d.to(tl.uint32)  # T, the k-th largest key
+    # Refine the threshold inside bin b1; with <= k valid positions all are taken and the passes are skipped.
+    refine = total > k
+    n_scan = tl.where(refine, n_load, 0)
+    need = k - above1
+    # The remaining 21 bits of T, 6 + 5 + 5 + 5 at a time: small histograms are cheap (see step 1).
+    d, need = _refine(cand_key_ptr, n_scan, n_cand, b1, need, 15, 6, 64, CBLOCK)
+    p17 = b1 * 64 + d  # the top 17 key bits of T
+    d, need = _refine(cand_key_ptr, n_scan, n_cand, p17, need, 10, 5, 32, CBLOCK)
+    p22 = p17 * 32 + d
+    d, need = _refine(cand_key_ptr, n_scan, n_cand, p22, need, 5, 5, 32, CBLOCK)
+    p27 = p22 * 32 + d
+    d, need = _refine(cand_key_ptr, n_scan, n_cand, p27, need, 0, 5, 32, CBLOCK)
+    thresh = (p27.to(tl.uint32) << 5) | d.to(tl.uint32)  # T, the k-th largest key (32 bits: unsigned)
     thresh = tl.where(refine, thresh, 0)  # T = 0: every valid key is above it
     need = tl.where(refine, need, 0)  # how many keys equal to T are taken, lowest positions first
 
     n_sel = tl.zeros([], dtype=tl.int32)
     n_tie = tl.zeros([], dtype=tl.int32)
     out_ptr += b * stride_ob
-    for off in range(0, tl.maximum(n_list, n_row), CBLOCK):
+    for off in range(0, n_load, CBLOCK):
         i = off + tl.arange(0, CBLOCK)
-        key, pos = _load_candidates(i, n_list, n_row, row, keys, poss)
-        valid_i = key != 0
-        tie = (valid_i & (key == thresh)).to(tl.int32)
+        m = i < n_cand
+        key = tl.load(cand_key_ptr + i, mask=i < n_load, other=0).to(tl.uint32, bitcast=True)
+        pos = tl.load(cand_pos_ptr + i, mask=i < n_load, other=0)
+        tie = (m & (key == thresh)).to(tl.int32)
         tie_rank = n_tie + tl.cumsum(tie, 0) - 1
-        take = (valid_i & (key > thresh)) | ((tie != 0) & (tie_rank < need))
+        take = (m & (key > thresh)) | ((tie != 0) & (tie_rank < need))
         take_i = take.to(tl.int32)
         slot = n_sel + tl.cumsum(take_i, 0) - 1  # the candidates are in position order: so is the output
         tl.store(out_ptr + slot, pos.to(tl.int64), mask=take)
@@ -300,8 +318,6 @@ def topk_triton(
     seg: int = SEG,
     block: int = BLOCK,
     cblock: int = CBLOCK,
-    sample: int = SAMPLE,
-    margin: int = MARGIN,
     out: torch.Tensor | None = None,
     max_rows: int = MAX_ROWS,
 ) -> torch.Tensor:
@@ -310,26 +326,25 @@ def topk_triton(
     Returns indices [B, k] int64: the positions `naive.topk_select(scores, lens - 1, k)` selects (score desc,
     then position asc; NaN invalid; every valid position when fewer than k), in ascending position order,
     then -1.
-    `seg`, `block`, `cblock`, `sample` (powers of two, block <= seg, sample >= 8) are tile sizes, `margin`
-    the sample's extra ranks and `max_rows` the rows per launch; tests shrink them. `out` [B, k] int64, when
-    given, receives the result.
+    `seg`, `block`, `cblock` (powers of two, block <= seg) are tile sizes and `max_rows` the rows per launch;
+    tests shrink them. `out` [B, k]
+    int64, when given, receives the result.
     """
     B, L = scores.shape
     assert scores.dtype == torch.float32, f"scores must be fp32, got {scores.dtype}"
     assert lens.shape == (B,), f"lens {tuple(lens.shape)} != {(B,)}"
     assert k >= 1 and L < 2**31
-    assert block <= seg and seg % block == 0 and sample >= RUN and sample % RUN == 0
+    assert block <= seg and seg % block == 0
     device = scores.device
     if out is None:
         out = torch.empty(B, k, dtype=torch.int64, device=device)  # [B, k]
     assert out.shape == (B, k) and out.dtype == torch.int64 and out.stride(-1) == 1
     if B == 0:
         return out
-    tiles = dict(seg=seg, block=block, cblock=cblock, sample=sample, margin=margin)
     if B > max_rows:  # one launch per block of rows (a training step scores ~10^5 query rows)
         for i in range(0, B, max_rows):
             j = min(i + max_rows, B)
-            topk_triton(scores[i:j], lens[i:j], k, out=out[i:j], **tiles)
+            topk_triton(scores[i:j], lens[i:j], k, seg=seg, block=block, cblock=cblock, out=out[i:j])
         return out
     if L == 0:
         return out.fill_(-1)
@@ -337,21 +352,68 @@ def topk_triton(
         scores = scores.contiguous()
     lens = lens.to(torch.int64)
     num_segs = triton.cdiv(L, seg)
-    counts = torch.empty(B, num_segs, dtype=torch.int32, device=device)  # [B, S]
-    lo = torch.empty(B, dtype=torch.int32, device=device)  # [B]
+    SP = max(2, triton.next_power_of_2(num_segs))
+    hists = torch.zeros(B * (NB1 + NB2), dtype=torch.int32, device=device)  # both histograms: one memset
+    hist1, hist2 = hists[: B * NB1].view(B, NB1), hists[B * NB1 :].view(B, NB2)  # [B, NB1], [B, NB2]
+    seg_count = torch.empty(B, num_segs, NB2 + 1, dtype=torch.int32, device=device)  # [B, S, NB2 + 1]
     LC = triton.cdiv(L, 16) * 16  # candidate rows padded for vectorized loads
-    cand_key = torch.empty(B, LC, dtype=torch.int32, device=device)  # [B, LC], segment s's from s x seg
+    cand_key = torch.empty(B, LC, dtype=torch.int32, device=device)  # [B, LC], the first C used
     cand_pos = torch.empty(B, LC, dtype=torch.int32, device=device)  # [B, LC]
-    _threshold_kernel[(B,)](
-        scores, lens, lo, L, k, scores.stride(0),
-        SAMPLE=sample, RUN=RUN, MARGIN=margin, NB=2**SAMPLE_BITS, BITS=SAMPLE_BITS, num_warps=NUM_WARPS,
-    )  # fmt: skip
-    common = (L, LC, num_segs, k, scores.stride(0))
-    _filter_kernel[(num_segs, B)](
-        scores, lens, counts, lo, cand_key, cand_pos, *common, SEG=seg, BLOCK=block, num_warps=NUM_WARPS
-    )  # fmt: skip
+
+    _coarse_kernel[(num_segs, B)](
+        scores, lens, hist1, L, scores.stride(0), SEG=seg, BLOCK=block, NB1=NB1, num_warps=NUM_WARPS
+    )
+    _fine_kernel[(num_segs, B)](
+        scores,
+        lens,
+        hist1,
+        hist2,
+        seg_count,
+        L,
+        num_segs,
+        k,
+        scores.stride(0),
+        SEG=seg,
+        BLOCK=block,
+        NB1=NB1,
+        NB2=NB2,
+        num_warps=NUM_WARPS,
+    )
+    _compact_kernel[(num_segs, B)](
+        scores,
+        lens,
+        hist1,
+        hist2,
+        seg_count,
+        cand_key,
+        cand_pos,
+        L,
+        LC,
+        num_segs,
+        k,
+        scores.stride(0),
+        SEG=seg,
+        BLOCK=block,
+        NB1=NB1,
+        NB2=NB2,
+        SP=SP,
+        num_warps=NUM_WARPS,
+    )
     _select_kernel[(B,)](
-        scores, lens, counts, lo, cand_key, cand_pos, out, *common, out.stride(0),
-        SEG=seg, CBLOCK=cblock, num_warps=NUM_WARPS,
-    )  # fmt: skip
+        hist1,
+        hist2,
+        seg_count,
+        cand_key,
+        cand_pos,
+        out,
+        LC,
+        num_segs,
+        k,
+        out.stride(0),
+        NB1=NB1,
+        NB2=NB2,
+        SP=SP,
+        CBLOCK=cblock,
+        num_warps=NUM_WARPS,
+    )
     return out
