@@ -13,8 +13,9 @@
 # (two checkpoints of 36 MB do not fit in $OUT together; finish names its archive after the run folder).
 # Carry `.whl` (scripts/fetch_wheels.sh) and `.triton-cache` when there is one. The run lives in $RUN (/tmp/demo-run)
 # on the machine, which keeps it only while the machine stays held: call again within the idle window.
-# Every knob is an environment variable (defaults: run 7, the shipped model, session 13, 2026-11-30, which also
-# gave TOKENIZER=kestrel/data/kestrel-demo; without TOKENIZER a BPE is trained first):
+# Every knob is an environment variable (defaults: run 7, the shipped model, session 13, 2026-11-30, with the
+# shipped tokenizer, TOKENIZER=kestrel/data/kestrel-demo; TOKENIZER= (empty) trains a new BPE first, as run 8 did
+# by accident, 2026-12-01):
 #   MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED DISTRACTORS SHARED_ALL (1, the default: --retrieval-shared-all; 0: run 6's data)
 #   LR WARMUP DENSE BUDGET WORKERS SEED
 #   EVAL_S PARITY_S NUMR (held-out retrieval prompts a length), and RUN GPU START_WAIT SHIP as above
@@ -23,6 +24,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-/tmp/demo-run}
+TOKENIZER=${TOKENIZER-kestrel/data/kestrel-demo}
 NAME=$(basename "$RUN")
 [ -n "${GPU:-}" ] && export CUDA_VISIBLE_DEVICES=$GPU
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore KESTREL_KDA_BACKEND=fla

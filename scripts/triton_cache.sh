@@ -2,7 +2,8 @@
 # Keep the Triton cache (compiled kernels and autotuning results) between device machines: a fresh machine
 # spends ~190 s compiling and autotuning fla-core's chunked KDA kernels before the first training step.
 #   scripts/triton_cache.sh restore   on the device: unpack .triton-cache/part-* (carried), or else its
-#                                     autotune.tgz, into $TRITON_CACHE_DIR
+#                                     autotune.tgz, or else the committed scripts/triton-autotune-h200.tgz,
+#                                     into $TRITON_CACHE_DIR
 #   scripts/triton_cache.sh save      on the device: pack $TRITON_CACHE_DIR into $OUT/triton-cache.part-* (15 MiB each)
 #   scripts/triton_cache.sh keep DIR  here: keep the autotuning results of what a run brought back (files_at DIR)
 #                                     in .triton-cache/autotune.tgz (the whole cache no longer fits the carry)
@@ -23,6 +24,11 @@ restore)
     elif [ -f .triton-cache/autotune.tgz ]; then
         tar xzf .triton-cache/autotune.tgz -C "$CACHE" \
             && echo "triton cache: $(find "$CACHE" -name '*.autotune.json' | wc -l) autotuning results restored (no binaries)"
+    elif [ -f scripts/triton-autotune-h200.tgz ]; then
+        # committed (14 KB): the autotuning results of demo run 8 (H200, triton 3.6, 2026-12-01); results of
+        # kernels whose source changed since are simply not looked up
+        tar xzf scripts/triton-autotune-h200.tgz -C "$CACHE" \
+            && echo "triton cache: $(find "$CACHE" -name '*.autotune.json' | wc -l) committed autotuning results restored"
     else
         echo "triton cache: none carried (or incomplete), starting cold"
     fi
