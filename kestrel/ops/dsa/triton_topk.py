@@ -50,7 +50,7 @@ S x 132 B of counts and 384 B of histograms per row.
 Fusion left for later: step 1a can run in the epilogue of the indexer-scores kernel (it sees every score
 once), which removes one full read of the row.
 
-Tried and measured on the H200 (2026-12-01, session 14; commits e3ecd25 and the one after it), then reverted:
+Tried and measured on the H200 (2026-12-01, session 14; commits e3ecd25 and 342fae4), then reverted:
 a sampled threshold in place of steps 1a and 1b (4096 scores of each row in runs of 8, the rank
 r + 4 sqrt(r) + 16 of the k-th largest's expected rank r), one filtering read of the row, and a select that
 falls back to the row when the sample overshoots. With the sample and two 256-bin digits in every step-2
