@@ -8,7 +8,12 @@ to 255 registers and 720 bytes of stack; a per-segment loop brought it to 126 an
     python3 scripts/triton_sm90_check.py kernel MODULE:NAME \
         --sig '{"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}' --const '{"BLOCK": 1024}' [--warps 8] [--stages 3]
 
-Figures are the CPU Triton's (3.9 here; the GPU image runs 3.6): close, not equal, to what the device builds.
+The figures are those of the Triton imported. The CPU venv's is 3.9 and the GPU image's 3.6, and they differ
+(the top-k compact kernel: 103 registers in 3.9, 113 in 3.6); for the device's own figures, put 3.6 first:
+
+    python3 -m pip download --no-deps triton==3.6.0 -d /tmp/t36whl
+    python3 -m pip install --no-deps --target /tmp/t36 /tmp/t36whl/triton-3.6.0-*.whl
+    PYTHONPATH=/tmp/t36 python3 scripts/triton_sm90_check.py topk
 """
 
 from __future__ import annotations
