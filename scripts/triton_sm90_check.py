@@ -38,10 +38,13 @@ SM90 = GPUTarget("cuda", 90, 32)
 
 
 def resource_usage(fn, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3) -> dict:
-    """{'kernel', 'REG', 'STACK', 'SHARED', ...} of `fn` compiled for sm_90 (cuobjdump's resource usage line);
-    constexprs the kernel does not take are dropped (a preset shares one dict between kernels)."""
+    """{'kernel', 'REG', 'STACK', 'SHARED', ...} of `fn` compiled for sm_90 (cuobjdump's resource usage line).
+    `signature` and `constexprs` may name parameters `fn` does not take (a preset shares them between
+    kernels); the constexprs need no entry in `signature`."""
     constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
-    signature = {k: v for k, v in signature.items() if k in fn.arg_names}
+    signature = {
+        k: "constexpr" if k in constexprs else signature[k] for k in fn.arg_names
+    }  # in parameter order
     options = {"num_warps": num_warps, "num_stages": num_stages}
     compiled = triton.compile(
         ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=SM90, options=options
@@ -58,52 +61,19 @@ def resource_usage(fn, signature: dict, constexprs: dict, num_warps: int = 4, nu
     return {"kernel": fn.__name__, **{k: int(v) for k, v in usage.items() if v.isdigit()}}
 
 
-def topk_cases() -> list[tuple]:
+def topk_preset() -> tuple[list, dict, dict, int]:
+    """The top-k kernels, the types of every parameter any of them takes, their default tiles (SP for a row
+    of 131072 scores) and their warps."""
     from kestrel.ops.dsa import triton_topk as t
 
-    rows = {"scores_ptr": "*fp32", "lens_ptr": "*i64"}
-    counts = {"hist1_ptr": "*i32", "hist2_ptr": "*i32", "seg_count_ptr": "*i32"}
-    cands = {"cand_key_ptr": "*i32", "cand_pos_ptr": "*i32"}
-    tiles = {"SEG": t.SEG, "BLOCK": t.BLOCK, "NB1": t.NB1, "NB2": t.NB2}
+    kernels = [t._coarse_kernel, t._fine_kernel, t._compact_kernel, t._select_kernel]
+    pointers = {"scores_ptr": "*fp32", "lens_ptr": "*i64", "out_ptr": "*i64"}
+    for name in ("hist1_ptr", "hist2_ptr", "seg_count_ptr", "cand_key_ptr", "cand_pos_ptr"):
+        pointers[name] = "*i32"
+    ints = dict.fromkeys(("L", "LC", "num_segs", "k", "stride_sb", "stride_ob"), "i32")
     sp = triton.next_power_of_2(131072 // t.SEG)
-    return [
-        (t._coarse_kernel, {**rows, "hist1_ptr": "*i32", "L": "i32", "stride_sb": "i32"}, tiles, {}),
-        (
-            t._fine_kernel,
-            {**rows, **counts, "L": "i32", "num_segs": "i32", "k": "i32", "stride_sb": "i32"},
-            tiles,
-            {},
-        ),
-        (
-            t._compact_kernel,
-            {
-                **rows,
-                **counts,
-                **cands,
-                "L": "i32",
-                "LC": "i32",
-                "num_segs": "i32",
-                "k": "i32",
-                "stride_sb": "i32",
-            },
-            {**tiles, "SP": sp},
-            {},
-        ),
-        (
-            t._select_kernel,
-            {
-                **counts,
-                **cands,
-                "out_ptr": "*i64",
-                "LC": "i32",
-                "num_segs": "i32",
-                "k": "i32",
-                "stride_ob": "i32",
-            },
-            {"NB1": t.NB1, "NB2": t.NB2, "SP": sp, "CBLOCK": t.CBLOCK},
-            {},
-        ),
-    ]
+    tiles = {"SEG": t.SEG, "BLOCK": t.BLOCK, "NB1": t.NB1, "NB2": t.NB2, "SP": sp, "CBLOCK": t.CBLOCK}
+    return kernels, {**pointers, **ints}, tiles, t.NUM_WARPS
 
 
 def main() -> int:
@@ -116,25 +86,22 @@ def main() -> int:
     )
     one = sub.add_parser("kernel", help="one kernel, MODULE:NAME, with its signature and constexprs as JSON")
     one.add_argument("name")
-    one.add_argument("--sig", required=True, help='{"param": "*fp32" | "i32" | ... | "constexpr"}')
+    one.add_argument(
+        "--sig", required=True, help='{"param": "*fp32" | "i32" | ...} (constexprs may be left out)'
+    )
     one.add_argument("--const", default="{}", help='{"PARAM": value} for the constexpr parameters')
     one.add_argument("--warps", type=int, default=4)
     one.add_argument("--stages", type=int, default=3)
     args = parser.parse_args()
     if args.what == "topk":
-        from kestrel.ops.dsa.triton_topk import NUM_WARPS
-
-        cases = [
-            (fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, NUM_WARPS)
-            for fn, sig, const, _ in topk_cases()
-        ]
+        kernels, sig, const, warps = topk_preset()
+        stages = 3
     else:
         module, _, name = args.name.partition(":")
-        fn = getattr(importlib.import_module(module), name)
-        cases = [(fn, json.loads(args.sig), json.loads(args.const), args.warps)]
-    for fn, sig, const, warps in cases:
-        usage = resource_usage(fn, sig, const, num_warps=warps, num_stages=getattr(args, "stages", 3))
-        print(json.dumps(usage), flush=True)
+        kernels = [getattr(importlib.import_module(module), name)]
+        sig, const, warps, stages = json.loads(args.sig), json.loads(args.const), args.warps, args.stages
+    for fn in kernels:
+        print(json.dumps(resource_usage(fn, sig, const, num_warps=warps, num_stages=stages)), flush=True)
     return 0
 
 
