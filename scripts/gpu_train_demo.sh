@@ -17,6 +17,7 @@
 # shipped tokenizer, TOKENIZER=kestrel/data/kestrel-demo; TOKENIZER= (empty) trains a new BPE first, as run 8 did
 # by accident, 2026-12-01):
 #   MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED DISTRACTORS SHARED_ALL (1, the default: --retrieval-shared-all; 0: run 6's data)
+#   RLOSS (--retrieval-loss-weight, default 1)
 #   LR WARMUP DENSE BUDGET WORKERS SEED
 #   EVAL_S PARITY_S NUMR (held-out retrieval prompts a length), and RUN GPU START_WAIT SHIP as above
 # Measured 2026-11-29 (bench/results/2026-11-29-train-profile-h200.json): 8 rows x 8704 tokens took 0.30 s a
@@ -46,7 +47,7 @@ start)
     setsid nohup python3 -m kestrel.serve.cli train --out $RUN --model "${MODEL:-demo}" ${TOKENIZER:+--tokenizer "$TOKENIZER"} \
         --steps "${STEPS:-4000}" --retrieval-weight "${RWEIGHT:-1.0}" --seed "${SEED:-7}" \
         --retrieval-shared-prefix "${RSHARED:-0.5}" --retrieval-distractors "${DISTRACTORS:-1,8}" \
-        $([ "${SHARED_ALL:-1}" = 1 ] && echo --retrieval-shared-all) \
+        $([ "${SHARED_ALL:-1}" = 1 ] && echo --retrieval-shared-all) --retrieval-loss-weight "${RLOSS:-1}" \
         --batch-rows "${ROWS:-8}" --row-len "${ROW_LEN:-8704}" --retrieval-lengths "${RLEN:-256,256,512,512,1024,2048,8192}" \
         --lr "${LR:-3e-3}" --warmup-steps "${WARMUP:-50}" --dsa-dense-steps "${DENSE:-400}" --checkpoint-every 250 \
         --time-budget-s "${BUDGET:-780}" --data-workers "${WORKERS:-12}" > $RUN/train.log 2>&1 < /dev/null &

@@ -374,3 +374,19 @@ def test_train_retrieval_distractors_argument(capsys):
         with pytest.raises(SystemExit):
             parse("--retrieval-distractors", bad)
         assert "--retrieval-distractors" in capsys.readouterr().err
+
+
+def test_train_retrieval_loss_weight_argument(capsys):
+    """`--retrieval-loss-weight` is a finite positive number (default 1); 0, negatives, inf and words are usage
+    errors naming it."""
+    from kestrel.serve.cli import build_parser
+
+    def parse(*argv):
+        return build_parser().parse_args(["train", "--out", "/nonexistent/run", *argv])
+
+    assert parse().retrieval_loss_weight == 1.0
+    assert parse("--retrieval-loss-weight", "4").retrieval_loss_weight == 4.0
+    for bad in ("0", "-2", "inf", "nan", "four"):
+        with pytest.raises(SystemExit):
+            parse("--retrieval-loss-weight", bad)
+        assert "--retrieval-loss-weight" in capsys.readouterr().err

@@ -50,6 +50,9 @@ class TrainConfig:
     retrieval_distractors: tuple[int, int] | None = None
     # a shared-prefix problem (retrieval_shared_prefix) gives every distractor a shared prefix, not one
     retrieval_shared_all: bool = False
+    # the weight of the retrieval documents' loss tokens in the weighted mean loss, against 1.0 for the other
+    # families: more gradient toward the lookup without drawing (and computing) more retrieval documents
+    retrieval_loss_weight: float = 1.0
 
     def __post_init__(self):
         checks = [
@@ -64,6 +67,7 @@ class TrainConfig:
             ),
             (all(n < self.row_len for n in self.retrieval_lengths), "retrieval_lengths must fit in row_len"),
             (self.retrieval_weight >= 0, "retrieval_weight must be >= 0"),
+            (self.retrieval_loss_weight > 0, "retrieval_loss_weight must be > 0"),
             (0 <= self.retrieval_shared_prefix <= 1, "retrieval_shared_prefix must be in [0, 1]"),
             (
                 self.retrieval_distractors is None

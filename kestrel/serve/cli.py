@@ -58,6 +58,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
+    return value
+
+
 def _probability(text: str) -> float:
     value = _non_negative_float(text)
     if value > 1:
@@ -280,6 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="in a shared-prefix problem (--retrieval-shared-prefix) every distractor's code shares 1-4 of the "
         "asked code's first digits, not one distractor's",
+    )
+    t.add_argument(
+        "--retrieval-loss-weight",
+        type=_positive_float,
+        default=1.0,
+        help="weight of the retrieval documents' loss tokens in the mean loss, against 1.0 for the other families "
+        "(default 1.0); unlike --retrieval-weight it draws no more documents",
     )
     t.add_argument("--checkpoint-every", type=_positive_int, default=500)
     t.add_argument("--time-budget-s", type=float, default=None, help="stop and checkpoint after this long")

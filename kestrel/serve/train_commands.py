@@ -41,6 +41,7 @@ def cmd_train(args) -> int:
         retrieval_shared_prefix=args.retrieval_shared_prefix,
         retrieval_distractors=args.retrieval_distractors,
         retrieval_shared_all=args.retrieval_shared_all,
+        retrieval_loss_weight=args.retrieval_loss_weight,
         checkpoint_every=args.checkpoint_every,
         time_budget_s=args.time_budget_s,
         device=args.device,

@@ -48,6 +48,9 @@ class MixtureConfig:
     retrieval_distractors: tuple[int, int] | None = None
     # a shared-prefix problem gives every distractor a shared prefix, not one (tasks.Retrieval)
     retrieval_shared_all: bool = False
+    # family -> weight of its documents' loss tokens in the weighted mean loss (1.0 where absent); unlike
+    # `weights` it costs no compute: it shifts the gradient toward a family without drawing more of it
+    loss_weights: dict[str, float] = field(default_factory=dict)
 
 
 class Mixture:
@@ -125,6 +128,7 @@ class Batch:
     input_ids: torch.Tensor  # [B, T] int64
     target_ids: torch.Tensor  # [B, T] int64: the next token of the same document; pad id where loss_mask is 0
     loss_mask: torch.Tensor  # [B, T] bool: the target is an assistant token (end of turn included)
+    loss_weight: torch.Tensor  # [B, T] float32: loss_mask times its document's family loss weight
     valid_mask: torch.Tensor  # [B, T] bool: the target is any token of the same document (prompt included)
     position_ids: torch.Tensor  # [B, T] int64: position inside its document (padding counts from 0)
     cu_seqlens: torch.Tensor  # [N+1] int32: segment starts in the flattened B*T tokens; padding is a segment
@@ -140,6 +144,7 @@ class Document:
     index: int
     ids: list[int]
     mask: list[int]
+    weight: float = 1.0  # its family's loss weight (MixtureConfig.loss_weights)
 
 
 class _Renderer:
@@ -150,8 +155,9 @@ class _Renderer:
         self.mixture = Mixture(config, tokenizer)
 
     def __call__(self, index: int) -> Document:
-        r = render(self.tokenizer, self.mixture.example(self.family_seed, index), self.config.system)
-        return Document(index, r.ids, r.loss_mask)
+        example = self.mixture.example(self.family_seed, index)
+        r = render(self.tokenizer, example, self.config.system)
+        return Document(index, r.ids, r.loss_mask, self.config.loss_weights.get(example.family, 1.0))
 
 
 class PackedBatches:
@@ -268,6 +274,7 @@ def pack_rows(rows: list[list[Document]], seq_len: int, pad_id: int) -> Batch:
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     target_ids = torch.full((B, T), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(B, T, dtype=torch.bool)
+    loss_weight = torch.zeros(B, T, dtype=torch.float32)
     valid_mask = torch.zeros(B, T, dtype=torch.bool)
     position_ids = torch.zeros(B, T, dtype=torch.long)
     seqlens, num_docs = [], 0
@@ -279,6 +286,7 @@ def pack_rows(rows: list[list[Document]], seq_len: int, pad_id: int) -> Batch:
             input_ids[b, offset : offset + L] = ids
             target_ids[b, offset : offset + L - 1] = ids[1:]
             loss_mask[b, offset : offset + L - 1] = torch.tensor(doc.mask[1:], dtype=torch.bool)
+            loss_weight[b, offset : offset + L - 1] = loss_mask[b, offset : offset + L - 1] * doc.weight
             valid_mask[b, offset : offset + L - 1] = True
             position_ids[b, offset : offset + L] = torch.arange(L)
             seqlens.append(L)
@@ -290,7 +298,7 @@ def pack_rows(rows: list[list[Document]], seq_len: int, pad_id: int) -> Batch:
     cu_seqlens = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(seqlens, dtype=torch.int32), 0)
     stats = dict(max_seqlen=max(seqlens), num_documents=num_docs, num_loss_tokens=int(loss_mask.sum()))
-    return Batch(input_ids, target_ids, loss_mask, valid_mask, position_ids, cu_seqlens, **stats)
+    return Batch(input_ids, target_ids, loss_mask, loss_weight, valid_mask, position_ids, cu_seqlens, **stats)
 
 
 # ---- worker processes -------------------------------------------------------------------------------------
@@ -305,6 +313,6 @@ def _worker_init(spec) -> None:
     _WORKER = _Renderer(load_tokenizer(tokenizer_source), config, family_seed)
 
 
-def _worker_render(task: tuple[int, int]) -> list[tuple[int, list[int], list[int]]]:
+def _worker_render(task: tuple[int, int]) -> list[tuple[int, list[int], list[int], float]]:
     start, count = task
-    return [(d.index, d.ids, d.mask) for d in map(_WORKER, range(start, start + count))]
+    return [(d.index, d.ids, d.mask, d.weight) for d in map(_WORKER, range(start, start + count))]

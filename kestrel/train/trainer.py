@@ -64,10 +64,12 @@ def flops_per_token(model: KimiForCausalLM, row_len: int) -> float:
     return 6 * active + 3 * attention
 
 
-def masked_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the masked positions. logits [T, V], targets [T], mask [T] bool."""
+def masked_loss(logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Weighted mean cross-entropy. logits [T, V], targets [T], weight [T]: 0 off the loss mask, else the
+    token's weight (a bool mask gives the plain mean over the masked positions)."""
     losses = F.cross_entropy(logits.float(), targets, reduction="none")  # [T]
-    return (losses * mask).sum() / mask.sum().clamp(min=1)
+    weight = weight.to(losses.dtype)
+    return (losses * weight).sum() / weight.sum().clamp(min=1e-6)
 
 
 @torch.no_grad()
@@ -121,6 +123,7 @@ class Trainer:
             retrieval_shared_prefix=cfg.retrieval_shared_prefix,
             retrieval_distractors=cfg.retrieval_distractors,
             retrieval_shared_all=cfg.retrieval_shared_all,
+            loss_weights={"retrieval": cfg.retrieval_loss_weight},
         )
         self.data = PackedBatches(
             str(self.tokenizer_dir) if cfg.data_workers else self.tokenizer,
@@ -217,7 +220,7 @@ class Trainer:
             group["lr"] = lr
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"), forward_context(ctx):
             logits = model(ids)  # [B*R, V]
-        lm = masked_loss(logits, batch.target_ids.to(dev).flatten(), batch.loss_mask.to(dev).flatten())
+        lm = masked_loss(logits, batch.target_ids.to(dev).flatten(), batch.loss_weight.to(dev).flatten())
         kl = sum(kl_terms) / max(len(kl_terms), 1) if kl_terms else torch.zeros((), device=dev)
         (lm + cfg.indexer_kl_weight * kl).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

@@ -317,8 +317,8 @@ def test_render_with_byte_tokenizer():
 # ---- packing ----------------------------------------------------------------------------------------------------
 
 
-def _packer(tok, **kwargs):
-    config = MixtureConfig(retrieval_context_tokens=(200, 300))
+def _packer(tok, loss_weights=None, **kwargs):
+    config = MixtureConfig(retrieval_context_tokens=(200, 300), loss_weights=loss_weights or {})
     return PackedBatches(tok, batch_size=3, seq_len=512, config=config, **kwargs)
 
 
@@ -362,6 +362,7 @@ def test_packed_batches_shapes_masks_and_boundaries(bpe):
             assert bpe.decode(targets, skip_special_tokens=False) == reply  # masks cover the assistant only
             assert "\nAnswer: " in reply and reply.endswith("<|im_end|>")
         assert docs == b.num_documents and b.num_loss_tokens == int(b.loss_mask.sum())
+        assert torch.equal(b.loss_weight, b.loss_mask.float())  # no family loss weights: the mask itself
         assert b.max_seqlen == max(e - s for s, e in _segments(b))
     assert packer.num_skipped == 0
 
@@ -443,12 +444,33 @@ def test_write_corpus(tmp_path):
     assert "<|im_start|>" not in text
 
 
+def test_family_loss_weights_scale_their_documents_loss_tokens_only(bpe):
+    """MixtureConfig.loss_weights: a retrieval document's loss tokens weigh 4, every other loss token 1, off the
+    mask 0; the documents drawn do not change."""
+    plain, weighted = _packer(bpe), _packer(bpe, loss_weights={"retrieval": 4.0})
+    seen = set()
+    for _ in range(4):
+        a, b = next(plain), next(weighted)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        flat_ids, flat_w = b.input_ids.flatten(), b.loss_weight.flatten()
+        for s, e in _segments(b):
+            if flat_ids[s] == bpe.pad_token_id:
+                continue
+            text = bpe.decode(flat_ids[s:e].tolist(), skip_special_tokens=False)
+            want = 4.0 if "Question: What is the code of" in text else 1.0
+            mask = b.loss_mask.flatten()[s:e]
+            assert set(flat_w[s:e][mask].tolist()) == {want} and not flat_w[s:e][~mask].any()
+            seen.add(want)
+    assert seen == {1.0, 4.0}  # the stream had both kinds
+
+
 def test_worker_processes_give_the_same_stream(bpe, bpe_dir):
-    serial = _packer(bpe)
-    parallel = _packer(bpe_dir, num_workers=2)
+    serial = _packer(bpe, loss_weights={"retrieval": 2.0})
+    parallel = _packer(bpe_dir, loss_weights={"retrieval": 2.0}, num_workers=2)
     try:
         for _ in range(2):
-            assert torch.equal(next(serial).input_ids, next(parallel).input_ids)
+            x, y = next(serial), next(parallel)
+            assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_weight, y.loss_weight)
     finally:
         parallel.close()
     with pytest.raises(ValueError, match="path"):

@@ -9,7 +9,7 @@ import torch
 from kestrel.config import EngineConfig, TrainConfig
 from kestrel.engine.engine import Engine
 from kestrel.tokenizer import save_byte_tokenizer
-from kestrel.train.trainer import STATE_FILE, Trainer, lr_at, update_expert_biases
+from kestrel.train.trainer import STATE_FILE, Trainer, lr_at, masked_loss, update_expert_biases
 from kestrel.utils.errors import CheckpointError, ConfigError
 
 
@@ -167,7 +167,26 @@ def test_retrieval_knobs_reach_the_data(tmp_path, byte_tok):
     )
     trainer = Trainer(cfg)
     assert trainer.data.config.retrieval_shared_prefix == 0.5
+    assert trainer.data.config.loss_weights == {"retrieval": 1.0}
     family = trainer.data._render.mixture.families["retrieval"]
     assert family.shared_prefix == 0.5 and family.settings["distractors"] == (2, 6) and family.shared_all
     with pytest.raises(ConfigError, match="retrieval_distractors"):
         _cfg(tmp_path, byte_tok, retrieval_distractors=(5, 2))
+
+
+def test_masked_loss_is_the_weighted_mean_of_the_token_losses(tmp_path, byte_tok):
+    """A bool mask gives the plain mean over its positions; weights give the weighted mean (a token of weight 3
+    counts as three); --retrieval-loss-weight reaches the data; zero or negative weights are config errors."""
+    torch.manual_seed(0)
+    logits, targets = torch.randn(5, 7), torch.randint(0, 7, (5,))
+    each = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+    mask = torch.tensor([True, False, True, True, False])
+    assert torch.allclose(masked_loss(logits, targets, mask), each[mask].mean())
+    weight = torch.tensor([1.0, 0.0, 3.0, 1.0, 0.0])
+    assert torch.allclose(masked_loss(logits, targets, weight), (each[0] + 3 * each[2] + each[3]) / 5)
+    assert Trainer(_cfg(tmp_path, byte_tok, retrieval_loss_weight=4.0)).data.config.loss_weights == {
+        "retrieval": 4.0
+    }
+    for bad in (0.0, -1.0):
+        with pytest.raises(ConfigError, match="retrieval_loss_weight"):
+            _cfg(tmp_path, byte_tok, retrieval_loss_weight=bad)
