@@ -8,14 +8,20 @@ Dimension letters: B rows per batch, T tokens per row, N documents (plus one pad
 - `PackedBatches` packs documents first-fit from a small look-ahead buffer into rows of exactly T tokens; a
   document never crosses rows, the rest of a row is padding with loss mask 0. Documents longer than T are
   skipped (`num_skipped` counts them). Its state (next index, buffered indices) resumes the exact stream.
+- `Prefetch` makes a source's batches a few ahead in a background thread, each with the source's state right
+  after it, so the trainer's packing and host-to-device copies overlap the GPU step.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import queue
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from itertools import chain
 
+import numpy as np
 import torch
 
 from kestrel.tokenizer import Tokenizer, load_tokenizer
@@ -135,6 +141,11 @@ class Batch:
     max_seqlen: int
     num_documents: int  # real documents, padding segments excluded
     num_loss_tokens: int
+
+    def pin_memory(self) -> Batch:
+        """The same batch with its [B, T] tensors in pinned memory (for non-blocking copies to the GPU)."""
+        names = ("input_ids", "target_ids", "loss_mask", "loss_weight", "valid_mask", "position_ids")
+        return replace(self, **{n: getattr(self, n).pin_memory() for n in names})
 
 
 @dataclass
@@ -270,35 +281,93 @@ class PackedBatches:
 
 
 def pack_rows(rows: list[list[Document]], seq_len: int, pad_id: int) -> Batch:
+    """Rows of documents -> one Batch. Each row's ids and masks are joined once and the rest is derived with
+    array operations: per-document tensor writes cost ~30 ms a batch of 8 x 8704 tokens, on the training
+    loop's critical path before `Prefetch`."""
     B, T = len(rows), seq_len
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    target_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(B, T, dtype=torch.bool)
-    loss_weight = torch.zeros(B, T, dtype=torch.float32)
-    valid_mask = torch.zeros(B, T, dtype=torch.bool)
-    position_ids = torch.zeros(B, T, dtype=torch.long)
+    input_ids = np.full((B, T), pad_id, dtype=np.int64)
+    target_ids = np.full((B, T), pad_id, dtype=np.int64)
+    loss_mask = np.zeros((B, T), dtype=bool)
+    loss_weight = np.zeros((B, T), dtype=np.float32)
+    valid_mask = np.zeros((B, T), dtype=bool)
+    position_ids = np.zeros((B, T), dtype=np.int64)
     seqlens, num_docs = [], 0
     for b, row in enumerate(rows):
-        offset = 0
-        for doc in row:
-            L = len(doc.ids)
-            ids = torch.tensor(doc.ids, dtype=torch.long)  # [L]
-            input_ids[b, offset : offset + L] = ids
-            target_ids[b, offset : offset + L - 1] = ids[1:]
-            loss_mask[b, offset : offset + L - 1] = torch.tensor(doc.mask[1:], dtype=torch.bool)
-            loss_weight[b, offset : offset + L - 1] = loss_mask[b, offset : offset + L - 1] * doc.weight
-            valid_mask[b, offset : offset + L - 1] = True
-            position_ids[b, offset : offset + L] = torch.arange(L)
-            seqlens.append(L)
-            offset += L
-            num_docs += 1
-        if offset < T:
-            position_ids[b, offset:] = torch.arange(T - offset)
-            seqlens.append(T - offset)
+        lengths = np.array([len(doc.ids) for doc in row], dtype=np.int64)
+        n = int(lengths.sum())
+        if n:
+            ids = np.fromiter(chain.from_iterable(doc.ids for doc in row), dtype=np.int64, count=n)
+            mask = np.fromiter(chain.from_iterable(doc.mask for doc in row), dtype=bool, count=n)
+            starts = np.cumsum(lengths) - lengths
+            last = starts + lengths - 1  # nothing is predicted across a document's end
+            input_ids[b, :n] = ids
+            target_ids[b, : n - 1] = ids[1:]
+            target_ids[b, last] = pad_id
+            loss_mask[b, : n - 1] = mask[1:]
+            loss_mask[b, last] = False
+            valid_mask[b, :n] = True
+            valid_mask[b, last] = False
+            weights = np.repeat(np.array([doc.weight for doc in row], dtype=np.float32), lengths)
+            loss_weight[b, :n] = weights * loss_mask[b, :n]
+            position_ids[b, :n] = np.arange(n) - np.repeat(starts, lengths)
+        position_ids[b, n:] = np.arange(T - n)  # padding counts from 0
+        seqlens += lengths.tolist() + ([T - n] if n < T else [])
+        num_docs += len(row)
     cu_seqlens = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(seqlens, dtype=torch.int32), 0)
     stats = dict(max_seqlen=max(seqlens), num_documents=num_docs, num_loss_tokens=int(loss_mask.sum()))
-    return Batch(input_ids, target_ids, loss_mask, loss_weight, valid_mask, position_ids, cu_seqlens, **stats)
+    tensors = (input_ids, target_ids, loss_mask, loss_weight, valid_mask, position_ids)
+    return Batch(*map(torch.from_numpy, tensors), cu_seqlens, **stats)
+
+
+class Prefetch:
+    """`next()` gives (batch, state): the batches of `source` in order, made up to `depth` ahead in a background
+    thread, and the source's `state_dict()` right after each, which resumes the stream at the batch after it
+    (the source itself is ahead by what waits in the queue). `pin`: batches in pinned memory. An error in the
+    source is raised by the `next()` that would have returned its batch. `close()` stops the thread."""
+
+    def __init__(self, source, depth: int = 2, pin: bool = False):
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(source, pin), name="kestrel-prefetch", daemon=True
+        )
+        self._thread.start()
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _run(self, source, pin: bool) -> None:
+        try:
+            while not self._stop.is_set():
+                batch = next(source)
+                self._put((batch.pin_memory() if pin else batch, source.state_dict(), None))
+        except BaseException as e:  # handed to the consumer, which raises it
+            self._put((None, None, e))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[Batch, dict]:
+        if self._stop.is_set():
+            raise StopIteration
+        batch, state, error = self._queue.get()
+        if error is not None:
+            self.close()
+            raise error
+        return batch, state
+
+    def close(self) -> None:
+        """Stop and wait for the thread (it finishes the batch it is making, if any)."""
+        self._stop.set()
+        self._thread.join()
 
 
 # ---- worker processes -------------------------------------------------------------------------------------

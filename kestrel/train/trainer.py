@@ -28,7 +28,7 @@ from kestrel.models.loader import build_model
 from kestrel.models.weights import save_checkpoint
 from kestrel.tokenizer import checkpoint_tokenizer_dir, load_tokenizer
 from kestrel.train.bpe import build_tokenizer
-from kestrel.train.data import DEFAULT_WEIGHTS, MixtureConfig, PackedBatches
+from kestrel.train.data import DEFAULT_WEIGHTS, MixtureConfig, PackedBatches, Prefetch
 from kestrel.utils.device import resolve_device
 from kestrel.utils.errors import CheckpointError
 
@@ -133,6 +133,7 @@ class Trainer:
             seed=cfg.seed,
             num_workers=cfg.data_workers,
         )
+        self._data_state = None  # the stream's state after the last batch trained on (see train)
         self.step, self.history = 0, []
         self.train_seconds = 0.0  # timed training so far (the first step of each run left out), over resumes
         self.flops_per_token = flops_per_token(self.model, cfg.row_len)
@@ -160,47 +161,61 @@ class Trainer:
         # time budget, the LR schedule and tokens/s starts after it. The clock carries over a resume.
         base = self.train_seconds
         run_start, start, tokens_done, timed_tokens, first_step_s = time.perf_counter(), None, 0, 0, None
-        while self.step < cfg.steps:
-            batch = next(self.data)
-            lr = lr_at(self.step, cfg, self.train_seconds)
-            lm, kl, imbalance = self.train_step(batch, lr)
-            tokens_done += batch.input_ids.numel()
-            if start is None:
-                start = time.perf_counter()
-                first_step_s = start - run_start
-            else:
-                timed_tokens += batch.input_ids.numel()
-                self.train_seconds = base + time.perf_counter() - start
-            elapsed = self.train_seconds - base  # this run's timed seconds
-            record = {
-                "step": self.step,
-                "loss": lm,
-                "indexer_kl": kl,
-                "lr": lr,
-                "max_expert_load": imbalance,
-                "tokens": tokens_done,
-                "seconds": self.train_seconds,
-            }
-            self.history.append(record)
-            self.step += 1
-            bar.update(1)
-            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                tps = timed_tokens / max(elapsed, 1e-9)
-                bar.set_postfix(
-                    loss=f"{lm:.3f}",
-                    kl=f"{kl:.3f}",
-                    tok_s=f"{tps:,.0f}",
-                    mfu=f"{self.mfu(tps):.1%}" if self.device.type == "cuda" else "-",
-                )
-            out_of_time = cfg.time_budget_s is not None and self.train_seconds > cfg.time_budget_s
-            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps or out_of_time:
-                self.save()
-            if out_of_time:
-                break
+        data_wait_s = 0.0  # timed seconds the loop waited for a batch (packing and rendering run ahead of it)
+        # Batches are packed (and pinned) a few ahead in a thread while the GPU runs a step; the stream ahead of
+        # the step is wound back to the step's when the loop ends, and a checkpoint saves the step's state.
+        prefetch = Prefetch(self.data, depth=2, pin=self.device.type == "cuda")
+        try:
+            while self.step < cfg.steps:
+                t0 = time.perf_counter()
+                batch, self._data_state = next(prefetch)
+                waited = time.perf_counter() - t0
+                lr = lr_at(self.step, cfg, self.train_seconds)
+                lm, kl, imbalance = self.train_step(batch, lr)
+                tokens_done += batch.input_ids.numel()
+                if start is None:
+                    start = time.perf_counter()
+                    first_step_s = start - run_start
+                else:
+                    timed_tokens += batch.input_ids.numel()
+                    data_wait_s += waited
+                    self.train_seconds = base + time.perf_counter() - start
+                elapsed = self.train_seconds - base  # this run's timed seconds
+                record = {
+                    "step": self.step,
+                    "loss": lm,
+                    "indexer_kl": kl,
+                    "lr": lr,
+                    "max_expert_load": imbalance,
+                    "tokens": tokens_done,
+                    "seconds": self.train_seconds,
+                    "data_wait_s": waited,
+                }
+                self.history.append(record)
+                self.step += 1
+                bar.update(1)
+                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                    tps = timed_tokens / max(elapsed, 1e-9)
+                    bar.set_postfix(
+                        loss=f"{lm:.3f}",
+                        kl=f"{kl:.3f}",
+                        tok_s=f"{tps:,.0f}",
+                        mfu=f"{self.mfu(tps):.1%}" if self.device.type == "cuda" else "-",
+                    )
+                out_of_time = cfg.time_budget_s is not None and self.train_seconds > cfg.time_budget_s
+                if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps or out_of_time:
+                    self.save()
+                if out_of_time:
+                    break
+        finally:
+            prefetch.close()
+            if self._data_state is not None:
+                self.data.load_state_dict(self._data_state)
         bar.close()
         summary = self.summary(self.train_seconds - base, timed_tokens)  # after this run's first step
         return {
             **summary,
+            "data_wait_s": data_wait_s,
             "tokens_this_run": tokens_done,
             "first_step_s": first_step_s,
             "train_seconds_total": self.train_seconds,
@@ -209,7 +224,7 @@ class Trainer:
     def train_step(self, batch, lr: float | None = None) -> tuple[float, float, float]:
         cfg, model, dev = self.cfg, self.model, self.device
         lr = lr_at(self.step, cfg) if lr is None else lr
-        ids = batch.input_ids.to(dev).flatten()  # [B*R]
+        ids = batch.input_ids.to(dev, non_blocking=True).flatten()  # [B*R] (pinned by the loop's Prefetch)
         seg = batch.cu_seqlens.tolist()
         ctx = ForwardContext.build([b - a for a, b in zip(seg, seg[1:])], device=dev)
         ctx.row_len = batch.input_ids.shape[1]
@@ -220,7 +235,8 @@ class Trainer:
             group["lr"] = lr
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"), forward_context(ctx):
             logits = model(ids)  # [B*R, V]
-        lm = masked_loss(logits, batch.target_ids.to(dev).flatten(), batch.loss_weight.to(dev).flatten())
+        targets = batch.target_ids.to(dev, non_blocking=True).flatten()
+        lm = masked_loss(logits, targets, batch.loss_weight.to(dev, non_blocking=True).flatten())
         kl = sum(kl_terms) / max(len(kl_terms), 1) if kl_terms else torch.zeros((), device=dev)
         (lm + cfg.indexer_kl_weight * kl).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -249,7 +265,7 @@ class Trainer:
             "step": self.step,
             "model": self.model.state_dict(),
             "optimizer": self.opt.state_dict(),
-            "data": self.data.state_dict(),
+            "data": self._data_state if self._data_state is not None else self.data.state_dict(),
             "history": self.history,
             "train_seconds": self.train_seconds,
             "config": asdict(self.cfg),

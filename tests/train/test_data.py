@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from kestrel.train.data import (
     Mixture,
     MixtureConfig,
     PackedBatches,
+    Prefetch,
     corpus_texts,
     heldout_examples,
     split_seed,
@@ -475,3 +477,31 @@ def test_worker_processes_give_the_same_stream(bpe, bpe_dir):
         parallel.close()
     with pytest.raises(ValueError, match="path"):
         _packer(bpe, num_workers=2)
+
+
+def test_prefetch_gives_the_source_batches_in_order_with_the_state_after_each(bpe):
+    """Prefetch runs ahead of its consumer, yet each state it hands out resumes the stream right after the batch
+    it came with; an error of the source reaches the consumer; close() stops the thread."""
+    direct = _packer(bpe)
+    want = [(next(direct).input_ids, direct.state_dict()) for _ in range(4)]
+    source = _packer(bpe)
+    ahead = Prefetch(source, depth=2)
+    while not ahead._queue.full():  # two batches made: the thread is on the third
+        time.sleep(0.01)
+    got = [next(ahead) for _ in range(2)]
+    ahead.close()
+    assert not ahead._thread.is_alive()
+    for (batch, state), (ids, want_state) in zip(got, want):
+        assert torch.equal(batch.input_ids, ids) and state == want_state
+    assert source.state_dict() != got[-1][1]  # the source ran ahead ...
+    source.load_state_dict(got[-1][1])  # ... and the handed-out state resumes at the third batch
+    assert torch.equal(next(source).input_ids, want[2][0])
+
+    class Failing:
+        def __next__(self):
+            raise RuntimeError("renderer died")
+
+    with pytest.raises(RuntimeError, match="renderer died"):
+        next(Prefetch(Failing()))
+    with pytest.raises(ValueError, match="depth"):
+        Prefetch(source, depth=0)
