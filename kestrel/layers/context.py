@@ -82,6 +82,7 @@ class ForwardContext:
     selection_capture: dict | None = None
     selection_replay: dict | None = None
     extras: dict = field(default_factory=dict)
+    _host_positions: torch.Tensor | None = field(default=None, repr=False)  # see host_positions()
 
     @property
     def num_seqs(self) -> int:
@@ -90,6 +91,14 @@ class ForwardContext:
     def cached_len(self, i: int) -> int:
         """Tokens of sequence i in the cache once this step has written its new ones."""
         return self.prefix_lens[i] + self.new_lens[i]
+
+    def host_positions(self) -> torch.Tensor:
+        """`positions` on the CPU, from the host copies of the layout: what a layer reads to decide on the host
+        (which tokens to work on) without a device sync. Built once."""
+        if self._host_positions is None:
+            spans = [torch.arange(p, p + n) for p, n in zip(self.prefix_lens, self.new_lens)]
+            self._host_positions = torch.cat(spans) if spans else torch.zeros(0, dtype=torch.int64)
+        return self._host_positions
 
     def seq_slice(self, i: int) -> slice:
         start = sum(self.new_lens[:i])
@@ -109,7 +118,9 @@ class ForwardContext:
         cu = torch.zeros(len(new_lens) + 1, dtype=torch.int64)
         cu[1:] = torch.tensor(new_lens).cumsum(0)
         decode = cache is not None and all(n == 1 for n in new_lens)
-        return ForwardContext(positions.to(device), cu.to(device), list(new_lens), prefix_lens, cache, decode)
+        ctx = ForwardContext(positions.to(device), cu.to(device), list(new_lens), prefix_lens, cache, decode)
+        ctx._host_positions = positions
+        return ctx
 
 
 _ACTIVE: ForwardContext | None = None

@@ -313,14 +313,18 @@ class MLAttention(nn.Module):
     @torch.no_grad()  # the selection is not differentiable: no graph for the score matrix
     def _select_rows(self, ctx, q_i, w_i, k_i, allowed: torch.Tensor) -> None:
         """Sparse training: narrow `allowed` [B, R, R] in place to each query's DSA top-k. Only queries with
-        more than top-k visible tokens (deep in a long document) can lose any, so only their rows are scored."""
+        more than top-k visible tokens (deep in a long document) can lose any, so only their rows are scored.
+        Which those are is read off the host's copy of the positions: no device sync in the loop."""
         B, R, k = allowed.shape[0], allowed.shape[1], self.indexer.topk
-        need = ctx.positions.view(B, R) >= k  # [B, R]: position in the document >= k, i.e. > k visible
+        need = (
+            ctx.host_positions().view(B, R) >= k
+        )  # [B, R] (CPU): position in the document >= k, > k visible
         topk, triton = _topk_fn(allowed.device), _use_triton(allowed.device)
         for b in range(B):
-            picks = need[b].nonzero().squeeze(1)  # [M] query positions within row b
+            picks = need[b].nonzero().squeeze(1)  # [M] query positions within row b (CPU)
             if picks.numel() == 0:
                 continue
+            picks = picks.to(allowed.device, non_blocking=True)  # a pageable source is staged, not synced
             if triton:
                 scores = self._row_index_scores_triton(q_i[b], w_i[b], k_i[b], picks)  # [M, R]
             else:

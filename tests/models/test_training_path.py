@@ -3,6 +3,7 @@ reference path computes, in dense and in sparse (DSA) mode; the indexer's KL los
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kestrel.layers.context import ForwardContext, forward_context
@@ -114,3 +115,41 @@ def test_sparse_rows_select_through_the_triton_kernels(monkeypatch):
         with forward_context(_ctx(rows=True, device=dev)):
             got = model(ids)
     assert _rel(expected, got) < 1e-5
+
+
+def test_host_positions_are_the_positions_without_a_device_read():
+    """ForwardContext.host_positions(): the CPU copy the sparse row selection decides with, equal to
+    `positions`, for a built context and for one made directly (built from its host layout)."""
+    ctx = _ctx(rows=True)
+    assert ctx.host_positions().device.type == "cpu" and torch.equal(ctx.host_positions(), ctx.positions)
+    direct = ForwardContext(ctx.positions, ctx.cu_seqlens, [3, 2], [4, 0])
+    assert direct.host_positions().tolist() == [4, 5, 6, 0, 1]
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: torch.cuda's sync debug mode is the check"
+)
+def test_sparse_row_selection_makes_no_host_sync(monkeypatch):
+    """Sparse training's per-row selection (indexer scores, Triton top-k, the mask) queues its work without a
+    device-to-host sync: the rows to score come from the host's positions, the index check runs on the device."""
+    from kestrel.layers.mla import _document_causal
+
+    monkeypatch.setenv("KESTREL_ATTN_BACKEND", "triton")
+    model = _model().cuda()
+    layer = model.model.layers[model.config.mla_layer_ids[0]].self_attn
+    ctx, B = _ctx(rows=True, device="cuda"), len(DOCS)
+    g = torch.Generator().manual_seed(2)
+    q_i = torch.randn(B, R, 4, 16, generator=g).cuda()
+    w_i, k_i = torch.randn(B, R, 4, generator=g).cuda(), torch.randn(B, R, 16, generator=g).cuda()
+    visible = _document_causal(ctx, B, R)
+    warm = visible.clone()
+    layer._select_rows(ctx, q_i, w_i, k_i, warm)  # compiles the kernels
+    torch.cuda.synchronize()
+    allowed = visible.clone()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer._select_rows(ctx, q_i, w_i, k_i, allowed)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(allowed, warm) and bool((allowed <= visible).all())
+    assert int(allowed.sum(-1).max()) == layer.indexer.topk  # deep queries keep exactly top-k

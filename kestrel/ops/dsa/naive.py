@@ -73,7 +73,8 @@ def topk_select(scores: torch.Tensor, q_pos: torch.Tensor, k: int) -> torch.Tens
 
 def selection_mask(indices: torch.Tensor, length: int) -> torch.Tensor:
     """indices [T, k] (-1 = unused) -> bool mask [T, length], True at selected positions."""
-    assert bool(((indices >= -1) & (indices < length)).all()), "selection index out of range"
+    # checked on the device, without a host sync (on the CPU it raises at once)
+    torch._assert_async(((indices >= -1) & (indices < length)).all(), "selection index out of range")
     T = indices.shape[0]
     mask = torch.zeros(T, length + 1, dtype=torch.bool, device=indices.device)  # [T, length + 1]
     # The extra column `length` soaks up the -1 padding.
