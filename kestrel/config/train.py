@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kestrel.utils.errors import ConfigError
@@ -67,7 +68,7 @@ class TrainConfig:
             ),
             (all(n < self.row_len for n in self.retrieval_lengths), "retrieval_lengths must fit in row_len"),
             (self.retrieval_weight >= 0, "retrieval_weight must be >= 0"),
-            (self.retrieval_loss_weight > 0, "retrieval_loss_weight must be > 0"),
+            (0 < self.retrieval_loss_weight < math.inf, "retrieval_loss_weight must be > 0 and finite"),
             (0 <= self.retrieval_shared_prefix <= 1, "retrieval_shared_prefix must be in [0, 1]"),
             (
                 self.retrieval_distractors is None

@@ -82,7 +82,8 @@ class ForwardContext:
     selection_capture: dict | None = None
     selection_replay: dict | None = None
     extras: dict = field(default_factory=dict)
-    _host_positions: torch.Tensor | None = field(default=None, repr=False)  # see host_positions()
+    # host_positions()' cache: not an init field, so dataclasses.replace() recomputes it from the new layout
+    _host_positions: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -93,8 +94,12 @@ class ForwardContext:
         return self.prefix_lens[i] + self.new_lens[i]
 
     def host_positions(self) -> torch.Tensor:
-        """`positions` on the CPU, from the host copies of the layout: what a layer reads to decide on the host
-        (which tokens to work on) without a device sync. Built once."""
+        """The positions computed on the CPU from the host copies of the layout (prefix_lens, new_lens), equal
+        to `positions` for a context built by `build`: what a layer reads to decide on the host (which tokens
+        to work on) without a device sync. Built once. Not for decode contexts, whose host layout the runner
+        leaves as placeholders (their positions live on the device only)."""
+        if self.decode:
+            raise RuntimeError("a decode context keeps its positions on the device only")
         if self._host_positions is None:
             spans = [torch.arange(p, p + n) for p, n in zip(self.prefix_lens, self.new_lens)]
             self._host_positions = torch.cat(spans) if spans else torch.zeros(0, dtype=torch.int64)

@@ -316,15 +316,19 @@ class MLAttention(nn.Module):
         more than top-k visible tokens (deep in a long document) can lose any, so only their rows are scored.
         Which those are is read off the host's copy of the positions: no device sync in the loop."""
         B, R, k = allowed.shape[0], allowed.shape[1], self.indexer.topk
-        need = (
-            ctx.host_positions().view(B, R) >= k
-        )  # [B, R] (CPU): position in the document >= k, > k visible
+        # [B, R] (CPU): the position in the document is >= k, i.e. more than k tokens are visible
+        need = ctx.host_positions().view(B, R) >= k
+        counts = need.sum(1).tolist()  # [B] queries to score a row
+        flat = need.nonzero()[:, 1]  # [sum(counts)] their positions within their rows, row after row
+        if allowed.device.type == "cuda":  # one copy from pinned memory: it does not wait for the stream
+            flat = flat.pin_memory().to(allowed.device, non_blocking=True)
         topk, triton = _topk_fn(allowed.device), _use_triton(allowed.device)
+        start = 0
         for b in range(B):
-            picks = need[b].nonzero().squeeze(1)  # [M] query positions within row b (CPU)
-            if picks.numel() == 0:
+            picks = flat[start : start + counts[b]]  # [M] query positions within row b
+            start += counts[b]
+            if counts[b] == 0:
                 continue
-            picks = picks.to(allowed.device, non_blocking=True)  # a pageable source is staged, not synced
             if triton:
                 scores = self._row_index_scores_triton(q_i[b], w_i[b], k_i[b], picks)  # [M, R]
             else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import signal
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -143,9 +144,11 @@ class Batch:
     num_loss_tokens: int
 
     def pin_memory(self) -> Batch:
-        """The same batch with its [B, T] tensors in pinned memory (for non-blocking copies to the GPU)."""
-        names = ("input_ids", "target_ids", "loss_mask", "loss_weight", "valid_mask", "position_ids")
-        return replace(self, **{n: getattr(self, n).pin_memory() for n in names})
+        """The same batch with the tensors a training step copies to the GPU in pinned memory (for
+        non-blocking copies)."""
+        return replace(
+            self, **{n: getattr(self, n).pin_memory() for n in ("input_ids", "target_ids", "loss_weight")}
+        )
 
 
 @dataclass
@@ -293,6 +296,8 @@ def pack_rows(rows: list[list[Document]], seq_len: int, pad_id: int) -> Batch:
     position_ids = np.zeros((B, T), dtype=np.int64)
     seqlens, num_docs = [], 0
     for b, row in enumerate(rows):
+        if any(len(doc.mask) != len(doc.ids) for doc in row):
+            raise ValueError("a document's loss mask must have one entry per token")
         lengths = np.array([len(doc.ids) for doc in row], dtype=np.int64)
         n = int(lengths.sum())
         if n:
@@ -321,10 +326,11 @@ def pack_rows(rows: list[list[Document]], seq_len: int, pad_id: int) -> Batch:
 
 
 class Prefetch:
-    """`next()` gives (batch, state): the batches of `source` in order, made up to `depth` ahead in a background
-    thread, and the source's `state_dict()` right after each, which resumes the stream at the batch after it
-    (the source itself is ahead by what waits in the queue). `pin`: batches in pinned memory. An error in the
-    source is raised by the `next()` that would have returned its batch. `close()` stops the thread."""
+    """`next()` gives (batch, state): the batches of `source` in order, made in a background thread up to
+    `depth` + 1 ahead (`depth` waiting, one being made), and the source's `state_dict()` right after each, which
+    resumes the stream at the batch after it (the source itself is ahead by what the thread has made). `pin`:
+    batches in pinned memory. An error in the source is raised by the `next()` that would have returned its
+    batch. `close()` stops the thread."""
 
     def __init__(self, source, depth: int = 2, pin: bool = False):
         if depth < 1:
@@ -364,10 +370,12 @@ class Prefetch:
             raise error
         return batch, state
 
-    def close(self) -> None:
-        """Stop and wait for the thread (it finishes the batch it is making, if any)."""
+    def close(self, timeout: float = 60.0) -> bool:
+        """Stop the thread and wait for it to finish the batch it is making, if any, at most `timeout` seconds;
+        whether it stopped (a source stuck for good, e.g. on a dead worker pool, leaves a daemon thread)."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
 
 # ---- worker processes -------------------------------------------------------------------------------------
@@ -377,6 +385,9 @@ _WORKER: _Renderer | None = None
 
 def _worker_init(spec) -> None:
     global _WORKER
+    # Ctrl-C is the trainer's to handle: a worker killed by it loses its task, and the batch being made would
+    # wait for it forever
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     tokenizer_source, config, family_seed = spec
     _WORKER = _Renderer(load_tokenizer(tokenizer_source), config, family_seed)

@@ -66,7 +66,8 @@ def flops_per_token(model: KimiForCausalLM, row_len: int) -> float:
 
 def masked_loss(logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Weighted mean cross-entropy. logits [T, V], targets [T], weight [T]: 0 off the loss mask, else the
-    token's weight (a bool mask gives the plain mean over the masked positions)."""
+    token's weight (a bool mask gives the plain mean over the masked positions). With family loss weights
+    (--retrieval-loss-weight) the logged `loss` is this weighted mean, not comparable with unweighted runs'."""
     losses = F.cross_entropy(logits.float(), targets, reduction="none")  # [T]
     weight = weight.to(losses.dtype)
     return (losses * weight).sum() / weight.sum().clamp(min=1e-6)
@@ -133,7 +134,7 @@ class Trainer:
             seed=cfg.seed,
             num_workers=cfg.data_workers,
         )
-        self._data_state = None  # the stream's state after the last batch trained on (see train)
+        self._data_state = None  # while training: the stream's state after the last batch trained on
         self.step, self.history = 0, []
         self.train_seconds = 0.0  # timed training so far (the first step of each run left out), over resumes
         self.flops_per_token = flops_per_token(self.model, cfg.row_len)
@@ -164,6 +165,7 @@ class Trainer:
         data_wait_s = 0.0  # timed seconds the loop waited for a batch (packing and rendering run ahead of it)
         # Batches are packed (and pinned) a few ahead in a thread while the GPU runs a step; the stream ahead of
         # the step is wound back to the step's when the loop ends, and a checkpoint saves the step's state.
+        self._data_state = self.data.state_dict()  # where the stream stands when no step has run
         prefetch = Prefetch(self.data, depth=2, pin=self.device.type == "cuda")
         try:
             while self.step < cfg.steps:
@@ -208,9 +210,10 @@ class Trainer:
                 if out_of_time:
                     break
         finally:
-            prefetch.close()
-            if self._data_state is not None:
+            if prefetch.close():
                 self.data.load_state_dict(self._data_state)
+            else:  # the checkpoints hold the right state; this object's stream is left where the thread stopped
+                print("[kestrel] the data thread did not stop; the in-memory data stream is not wound back")
         bar.close()
         summary = self.summary(self.train_seconds - base, timed_tokens)  # after this run's first step
         return {

@@ -118,12 +118,18 @@ def test_sparse_rows_select_through_the_triton_kernels(monkeypatch):
 
 
 def test_host_positions_are_the_positions_without_a_device_read():
-    """ForwardContext.host_positions(): the CPU copy the sparse row selection decides with, equal to
-    `positions`, for a built context and for one made directly (built from its host layout)."""
+    """ForwardContext.host_positions(): the positions computed on the CPU from the host layout, the copy the
+    sparse row selection decides with; recomputed for a replaced layout; refused for decode contexts."""
+    import dataclasses
+
     ctx = _ctx(rows=True)
     assert ctx.host_positions().device.type == "cpu" and torch.equal(ctx.host_positions(), ctx.positions)
-    direct = ForwardContext(ctx.positions, ctx.cu_seqlens, [3, 2], [4, 0])
-    assert direct.host_positions().tolist() == [4, 5, 6, 0, 1]
+    direct = ForwardContext(torch.tensor([4, 5, 6, 0, 1]), torch.tensor([0, 3, 5]), [3, 2], [4, 0])
+    assert torch.equal(direct.host_positions(), direct.positions)
+    moved = dataclasses.replace(direct, new_lens=[2, 2], prefix_lens=[1, 7])
+    assert moved.host_positions().tolist() == [1, 2, 7, 8]
+    with pytest.raises(RuntimeError, match="decode"):
+        dataclasses.replace(direct, decode=True).host_positions()
 
 
 @pytest.mark.skipif(

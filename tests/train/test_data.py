@@ -483,19 +483,32 @@ def test_prefetch_gives_the_source_batches_in_order_with_the_state_after_each(bp
     """Prefetch runs ahead of its consumer, yet each state it hands out resumes the stream right after the batch
     it came with; an error of the source reaches the consumer; close() stops the thread."""
     direct = _packer(bpe)
-    want = [(next(direct).input_ids, direct.state_dict()) for _ in range(4)]
-    source = _packer(bpe)
+    want = [(next(direct).input_ids, direct.state_dict()) for _ in range(5)]
+
+    class Counting:  # the source, counting the batches the thread has begun
+        def __init__(self, source):
+            self.source, self.begun = source, 0
+
+        def __next__(self):
+            self.begun += 1
+            return next(self.source)
+
+        def state_dict(self):
+            return self.source.state_dict()
+
+    source = Counting(_packer(bpe))
     ahead = Prefetch(source, depth=2)
-    while not ahead._queue.full():  # two batches made: the thread is on the third
+    deadline = time.monotonic() + 120
+    while source.begun < 3:  # two batches waiting, the thread on the third
+        assert time.monotonic() < deadline, "the prefetch thread made no third batch"
         time.sleep(0.01)
     got = [next(ahead) for _ in range(2)]
-    ahead.close()
-    assert not ahead._thread.is_alive()
+    assert ahead.close() and not ahead._thread.is_alive()
     for (batch, state), (ids, want_state) in zip(got, want):
         assert torch.equal(batch.input_ids, ids) and state == want_state
-    assert source.state_dict() != got[-1][1]  # the source ran ahead ...
-    source.load_state_dict(got[-1][1])  # ... and the handed-out state resumes at the third batch
-    assert torch.equal(next(source).input_ids, want[2][0])
+    assert 3 <= source.begun <= 5 and source.state_dict() == want[source.begun - 1][1]  # it ran ahead ...
+    source.source.load_state_dict(got[-1][1])  # ... and the handed-out state resumes at the third batch
+    assert torch.equal(next(source.source).input_ids, want[2][0])
 
     class Failing:
         def __next__(self):
@@ -505,3 +518,10 @@ def test_prefetch_gives_the_source_batches_in_order_with_the_state_after_each(bp
         next(Prefetch(Failing()))
     with pytest.raises(ValueError, match="depth"):
         Prefetch(source, depth=0)
+
+
+def test_pack_rows_rejects_a_mask_of_another_length():
+    from kestrel.train.data import Document, pack_rows
+
+    with pytest.raises(ValueError, match="one entry per token"):
+        pack_rows([[Document(0, [5, 6, 7], [0, 1])]], 8, pad_id=0)

@@ -187,6 +187,15 @@ def test_masked_loss_is_the_weighted_mean_of_the_token_losses(tmp_path, byte_tok
     assert Trainer(_cfg(tmp_path, byte_tok, retrieval_loss_weight=4.0)).data.config.loss_weights == {
         "retrieval": 4.0
     }
-    for bad in (0.0, -1.0):
+    for bad in (0.0, -1.0, float("inf")):
         with pytest.raises(ConfigError, match="retrieval_loss_weight"):
             _cfg(tmp_path, byte_tok, retrieval_loss_weight=bad)
+
+
+def test_train_with_no_step_left_leaves_the_stream_where_it_was(tmp_path, byte_tok):
+    """A finished run's train() trains nothing and moves no data: the batch thread it starts is wound back."""
+    trainer = Trainer(_cfg(tmp_path, byte_tok, steps=2))
+    trainer.train()
+    before = trainer.data.state_dict()
+    trainer.train()
+    assert trainer.step == 2 and trainer.data.state_dict() == before

@@ -73,7 +73,8 @@ def topk_select(scores: torch.Tensor, q_pos: torch.Tensor, k: int) -> torch.Tens
 
 def selection_mask(indices: torch.Tensor, length: int) -> torch.Tensor:
     """indices [T, k] (-1 = unused) -> bool mask [T, length], True at selected positions."""
-    # checked on the device, without a host sync (on the CPU it raises at once)
+    # Checked on the device without a host sync (sparse training calls this per row). On CUDA a failure is a
+    # device-side assert, reported at a later sync and fatal to the process; on the CPU a RuntimeError at once.
     torch._assert_async(((indices >= -1) & (indices < length)).all(), "selection index out of range")
     T = indices.shape[0]
     mask = torch.zeros(T, length + 1, dtype=torch.bool, device=indices.device)  # [T, length + 1]
