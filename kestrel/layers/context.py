@@ -101,8 +101,7 @@ class ForwardContext:
         if self.decode:
             raise RuntimeError("a decode context keeps its positions on the device only")
         if self._host_positions is None:
-            spans = [torch.arange(p, p + n) for p, n in zip(self.prefix_lens, self.new_lens)]
-            self._host_positions = torch.cat(spans) if spans else torch.zeros(0, dtype=torch.int64)
+            self._host_positions = _layout_positions(self.prefix_lens, self.new_lens)
         return self._host_positions
 
     def seq_slice(self, i: int) -> slice:
@@ -119,13 +118,18 @@ class ForwardContext:
         prefix_lens = list(prefix_lens) if prefix_lens is not None else [0] * len(new_lens)
         if len(prefix_lens) != len(new_lens) or any(n < 1 for n in new_lens):
             raise ValueError(f"bad batch layout: new_lens={new_lens} prefix_lens={prefix_lens}")
-        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, new_lens)])
+        positions = _layout_positions(prefix_lens, new_lens)
         cu = torch.zeros(len(new_lens) + 1, dtype=torch.int64)
         cu[1:] = torch.tensor(new_lens).cumsum(0)
         decode = cache is not None and all(n == 1 for n in new_lens)
         ctx = ForwardContext(positions.to(device), cu.to(device), list(new_lens), prefix_lens, cache, decode)
         ctx._host_positions = positions
         return ctx
+
+
+def _layout_positions(prefix_lens: list[int], new_lens: list[int]) -> torch.Tensor:
+    """[sum(new_lens)] int64 on the CPU: sequence i's new tokens at prefix_lens[i] .. + new_lens[i] - 1."""
+    return torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, new_lens)])
 
 
 _ACTIVE: ForwardContext | None = None

@@ -316,12 +316,7 @@ class MLAttention(nn.Module):
         more than top-k visible tokens (deep in a long document) can lose any, so only their rows are scored.
         Which those are is read off the host's copy of the positions: no device sync in the loop."""
         B, R, k = allowed.shape[0], allowed.shape[1], self.indexer.topk
-        # [B, R] (CPU): the position in the document is >= k, i.e. more than k tokens are visible
-        need = ctx.host_positions().view(B, R) >= k
-        counts = need.sum(1).tolist()  # [B] queries to score a row
-        flat = need.nonzero()[:, 1]  # [sum(counts)] their positions within their rows, row after row
-        if allowed.device.type == "cuda":  # one copy from pinned memory: it does not wait for the stream
-            flat = flat.pin_memory().to(allowed.device, non_blocking=True)
+        flat, counts = _rows_to_score(ctx, B, R, k, allowed.device)
         topk, triton = _topk_fn(allowed.device), _use_triton(allowed.device)
         start = 0
         for b in range(B):
@@ -429,6 +424,22 @@ def _topk_fn(device: torch.device):
     from kestrel.ops.dsa.triton_topk import topk_triton
 
     return lambda scores, q_pos, k: topk_triton(scores, q_pos + 1, k)
+
+
+def _rows_to_score(ctx, B: int, R: int, k: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """The queries sparse training must select for, per row: those whose position in the document is >= k
+    (more than k visible tokens). Read off the host's positions, so no device sync; built once per forward
+    (ctx.extras) and shared by its MLA layers. Returns their positions within their rows, row after row, on
+    `device` ([sum(counts)]), and their count in each row ([B], host)."""
+    key = ("dsa_rows_to_score", k)
+    cached = ctx.extras.get(key)
+    if cached is None:
+        need = ctx.host_positions().view(B, R) >= k  # [B, R] (CPU)
+        flat = need.nonzero()[:, 1]
+        if device.type == "cuda":  # one copy from pinned memory: it does not wait for the stream
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        cached = ctx.extras[key] = (flat, need.sum(1).tolist())
+    return cached
 
 
 def _document_causal(ctx, B: int, R: int) -> torch.Tensor:

@@ -212,6 +212,7 @@ class Trainer:
         finally:
             if prefetch.close():
                 self.data.load_state_dict(self._data_state)
+                self._data_state = None  # the stream is the step's again: save() reads it from there
             else:  # the checkpoints hold the right state; this object's stream is left where the thread stopped
                 print("[kestrel] the data thread did not stop; the in-memory data stream is not wound back")
         bar.close()
