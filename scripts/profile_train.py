@@ -1,5 +1,7 @@
 """Where a `kestrel train` step's time goes on the GPU: step times in the dense warm-up and in sparse DSA
-training, the data loader's share, and the top CUDA kernels and CPU ops of each phase (torch.profiler).
+training (each read back before the next; and queued back to back as the loop runs them), the data loader's
+share, the host syncs of one step (torch's sync debug mode), and the top CUDA kernels and CPU ops of each phase
+(torch.profiler).
 
     python3 scripts/profile_train.py --batch-rows 16 --row-len 8704 --out $OUT/profile_train.json
     python3 scripts/profile_train.py --model mini --batch-rows 2 --row-len 8704   # the loop on a larger model
@@ -86,6 +88,37 @@ def _compile_stats() -> dict:
     return {"unique_graphs": stats.get("unique_graphs", 0), "calls_captured": stats.get("calls_captured", 0)}
 
 
+def _host_syncs(trainer: Trainer, batch) -> dict:
+    """One step queued with torch's sync debug mode on: every place it waits for the GPU (a read-back, a copy
+    from pageable memory, an op whose output size depends on the data), by message and the innermost Kestrel
+    and fla frames of the stack. Syncs of the backward are reported at its `backward()` call."""
+    import traceback
+    import warnings
+    from collections import Counter
+
+    sites: Counter = Counter()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        frames = [
+            f for f in traceback.extract_stack()[:-1] if "/kestrel/" in f.filename or "/fla/" in f.filename
+        ]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-4:]))
+        sites[(str(message).splitlines()[0][:100], where)] += 1
+
+    _sync()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.launch_step(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    _sync()
+    found = [{"message": m, "where": w, "count": n} for (m, w), n in sites.most_common()]
+    return {"count": sum(sites.values()), "sites": found}
+
+
 def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
     trainer.step = 0 if dense else trainer.cfg.dsa_dense_steps
     name = "dense" if dense else "sparse"
@@ -103,6 +136,16 @@ def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
         _sync()
         times.append(time.perf_counter() - t0)
         print(f"{name}: step {times[-1]:.3f} s", flush=True)
+    # the loop's way: each step queued before the one before it is read back (Trainer.train)
+    t0 = time.perf_counter()
+    queued = [trainer.launch_step(b) for b in batches[1:3]]
+    [float(t) for step in queued for t in step]
+    _sync()
+    queued_s = (time.perf_counter() - t0) / len(queued)
+    print(f"{name}: queued steps {queued_s:.3f} s each", flush=True)
+    syncs = _host_syncs(trainer, batches[3]) if torch.cuda.is_available() else None
+    if syncs is not None:
+        print(f"{name}: {syncs['count']} host syncs in one step", flush=True)
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -120,6 +163,9 @@ def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
         "first_step_s": first_s,
         "step_s": times,
         "tokens_per_s": batches[0].input_ids.numel() / (sum(times) / len(times)),
+        "queued_step_s": queued_s,
+        "queued_tokens_per_s": batches[0].input_ids.numel() / queued_s,
+        "host_syncs": syncs,
         "top_gpu_kernels": [
             {"name": e.key[:90], "gpu_ms": e.self_device_time_total / 1e3, "calls": e.count} for e in by_gpu
         ],

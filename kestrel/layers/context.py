@@ -84,6 +84,7 @@ class ForwardContext:
     extras: dict = field(default_factory=dict)
     # host_positions()' cache: not an init field, so dataclasses.replace() recomputes it from the new layout
     _host_positions: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _host_cu_seqlens: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -104,6 +105,16 @@ class ForwardContext:
             self._host_positions = _layout_positions(self.prefix_lens, self.new_lens)
         return self._host_positions
 
+    def host_cu_seqlens(self) -> torch.Tensor:
+        """`cu_seqlens` computed on the CPU from `new_lens` (int64 [N + 1]): what fla-core's varlen kernels read
+        to index their chunks, which they would otherwise copy back from the device. Built once; not for decode
+        contexts (see host_positions)."""
+        if self.decode:
+            raise RuntimeError("a decode context keeps its layout on the device only")
+        if self._host_cu_seqlens is None:
+            self._host_cu_seqlens = _layout_offsets(self.new_lens)
+        return self._host_cu_seqlens
+
     def seq_slice(self, i: int) -> slice:
         start = sum(self.new_lens[:i])
         return slice(start, start + self.new_lens[i])
@@ -118,13 +129,29 @@ class ForwardContext:
         prefix_lens = list(prefix_lens) if prefix_lens is not None else [0] * len(new_lens)
         if len(prefix_lens) != len(new_lens) or any(n < 1 for n in new_lens):
             raise ValueError(f"bad batch layout: new_lens={new_lens} prefix_lens={prefix_lens}")
-        positions = _layout_positions(prefix_lens, new_lens)
-        cu = torch.zeros(len(new_lens) + 1, dtype=torch.int64)
-        cu[1:] = torch.tensor(new_lens).cumsum(0)
+        positions, cu = _layout_positions(prefix_lens, new_lens), _layout_offsets(new_lens)
         decode = cache is not None and all(n == 1 for n in new_lens)
-        ctx = ForwardContext(positions.to(device), cu.to(device), list(new_lens), prefix_lens, cache, decode)
-        ctx._host_positions = positions
+        ctx = ForwardContext(
+            _to(positions, device), _to(cu, device), list(new_lens), prefix_lens, cache, decode
+        )
+        ctx._host_positions, ctx._host_cu_seqlens = positions, cu
         return ctx
+
+
+def _to(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory, so the copy does not wait for the stream
+    (a plain copy from pageable memory synchronizes with it)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _layout_offsets(new_lens: list[int]) -> torch.Tensor:
+    """[N + 1] int64 on the CPU: where each sequence's new tokens start in the packed batch, then the total."""
+    cu = torch.zeros(len(new_lens) + 1, dtype=torch.int64)
+    cu[1:] = torch.tensor(new_lens).cumsum(0)
+    return cu
 
 
 def _layout_positions(prefix_lens: list[int], new_lens: list[int]) -> torch.Tensor:

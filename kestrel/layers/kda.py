@@ -99,6 +99,7 @@ class KimiDeltaAttention(nn.Module):
             ssm, conv = cache.kda_state(self.layer_id) if cache is not None else (None, None)
             cu_seqlens, N = ctx.cu_seqlens, ctx.cu_seqlens.numel() - 1
             saves = cache.kda_saves() if cache is not None else None
+            host_cu = ctx.host_cu_seqlens() if saves is None else None  # lets fla index chunks without a sync
             if saves is not None:
                 # Checkpoints inside the chunk: each is one more segment, a copy of its sequence's first tokens
                 # from the same initial state, whose final state is the state at the checkpoint (Tx tokens).
@@ -108,7 +109,7 @@ class KimiDeltaAttention(nn.Module):
             Tx = qkv.shape[0]
             # q, k, v as planes [3, Tx, P] (each contiguous from the Triton kernel: the chunked kernels copy none)
             planes, conv_out = backend.short_conv(
-                qkv, self.conv_weight, conv, cu_seqlens, planes=3
+                qkv, self.conv_weight, conv, cu_seqlens, planes=3, cu_seqlens_cpu=host_cu
             )  # [3, Tx, P], [N (+ X), 3P, W-1]
             q, k, v = (t.reshape(1, Tx, H, K) for t in planes)
             g = kda_gate(f.view(1, Tx, H, K), self.A_log, self.dt_bias, self.lower_bound)
@@ -122,6 +123,7 @@ class KimiDeltaAttention(nn.Module):
                 output_final_state=cache is not None,
                 use_qk_l2norm=True,
                 cu_seqlens=cu_seqlens,
+                cu_seqlens_cpu=host_cu,
                 gate_lower_bound=self.lower_bound,
             )  # [1, Tx, H, V]
             if saves is not None:

@@ -452,9 +452,9 @@ def _document_causal(ctx, B: int, R: int) -> torch.Tensor:
 
 
 def _build_document_causal(ctx, B: int, R: int) -> torch.Tensor:
-    doc = torch.repeat_interleave(
-        torch.arange(ctx.num_seqs, device=ctx.positions.device),
-        torch.tensor(ctx.new_lens, device=ctx.positions.device),
-    ).view(B, R)  # [B, R] document id of every token
+    # [B, R] document id of every token: the number of documents that start at or before it, minus one (read
+    # off the device's cu_seqlens: building it from the host's lengths would wait for the stream)
+    starts = ctx.cu_seqlens[1:-1]
+    doc = torch.searchsorted(starts, torch.arange(B * R, device=starts.device), right=True).view(B, R)
     causal = torch.ones(R, R, dtype=torch.bool, device=doc.device).tril()
     return (doc[:, :, None] == doc[:, None, :]) & causal

@@ -74,10 +74,13 @@ def masked_loss(logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tenso
 
 
 @torch.no_grad()
-def update_expert_biases(model: KimiForCausalLM, routing: dict[int, torch.Tensor], rate: float) -> float:
+def update_expert_biases(
+    model: KimiForCausalLM, routing: dict[int, torch.Tensor], rate: float
+) -> torch.Tensor:
     """Aux-loss-free balancing (DeepSeek-V3): raise the selection bias of under-loaded experts, lower the
-    over-loaded ones, by `rate` each step. Returns the worst max-load / mean-load ratio over the layers."""
-    worst = 1.0
+    over-loaded ones, by `rate` each step. Returns the worst max-load / mean-load ratio over the layers, a
+    0-dim tensor on the routing's device (at least 1; read it when the step is done: no sync here)."""
+    worst = None
     for layer_id, ids in routing.items():
         gate = model.model.layers[layer_id].mlp.gate
         E = gate.e_score_correction_bias.numel()
@@ -85,8 +88,10 @@ def update_expert_biases(model: KimiForCausalLM, routing: dict[int, torch.Tensor
             0, ids.flatten(), torch.ones(ids.numel(), device=ids.device)
         )
         gate.e_score_correction_bias.add_(rate * torch.sign(load.mean() - load))
-        worst = max(worst, float(load.max() / load.mean().clamp(min=1e-9)))
-    return worst
+        ratio = load.max() / load.mean().clamp(min=1e-9)
+        worst = ratio if worst is None else torch.maximum(worst, ratio)
+    device = gate.e_score_correction_bias.device if routing else "cpu"
+    return torch.ones((), device=device) if worst is None else worst.clamp(min=1.0)
 
 
 class Trainer:
@@ -167,46 +172,56 @@ class Trainer:
         # the step is wound back to the step's when the loop ends, and a checkpoint saves the step's state.
         self._data_state = self.data.state_dict()  # where the stream stands when no step has run
         prefetch = Prefetch(self.data, depth=2, pin=self.device.type == "cuda")
+        # Each step is queued before the step before it is read back (its loss, KL and expert load), so that on a
+        # GPU the host prepares and launches step n while step n - 1 runs. `pending`: the step queued last and
+        # not read yet, as (record, its device scalars); it is read before every checkpoint (the last step and
+        # the one that spends the time budget save one, so the loop never ends with a step unread).
+        pending = None
+
+        def clock() -> float:  # timed seconds so far (the first step's end starts the clock)
+            return self.train_seconds if start is None else base + time.perf_counter() - start
+
         try:
             while self.step < cfg.steps:
                 t0 = time.perf_counter()
-                batch, self._data_state = next(prefetch)
+                batch, data_state = next(prefetch)
                 waited = time.perf_counter() - t0
                 lr = lr_at(self.step, cfg, self.train_seconds)
-                lm, kl, imbalance = self.train_step(batch, lr)
+                scalars = self.launch_step(batch, lr)
+                self._data_state = data_state  # the stream's state after the batch the model is updated by
                 tokens_done += batch.input_ids.numel()
+                if pending is not None:
+                    self._read_step(*pending, clock)  # waits for the step before this one, not for this one
+                pending = (
+                    {"step": self.step, "lr": lr, "tokens": tokens_done, "data_wait_s": waited},
+                    scalars,
+                )
+                # the first step (compiling, autotuning) is read at once: its end starts the clock
                 if start is None:
-                    start = time.perf_counter()
+                    self._read_step(*pending, clock)
+                    pending, start = None, time.perf_counter()
                     first_step_s = start - run_start
                 else:
                     timed_tokens += batch.input_ids.numel()
                     data_wait_s += waited
-                    self.train_seconds = base + time.perf_counter() - start
-                elapsed = self.train_seconds - base  # this run's timed seconds
-                record = {
-                    "step": self.step,
-                    "loss": lm,
-                    "indexer_kl": kl,
-                    "lr": lr,
-                    "max_expert_load": imbalance,
-                    "tokens": tokens_done,
-                    "seconds": self.train_seconds,
-                    "data_wait_s": waited,
-                }
-                self.history.append(record)
+                    self.train_seconds = clock()
                 self.step += 1
                 bar.update(1)
-                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                    tps = timed_tokens / max(elapsed, 1e-9)
+                out_of_time = cfg.time_budget_s is not None and self.train_seconds > cfg.time_budget_s
+                if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps or out_of_time:
+                    if pending is not None:
+                        self._read_step(*pending, clock)
+                        pending = None
+                        self.train_seconds = clock()
+                    self.save()
+                if self.history and (self.step % cfg.log_every == 0 or self.step == cfg.steps):
+                    last, tps = self.history[-1], timed_tokens / max(self.train_seconds - base, 1e-9)
                     bar.set_postfix(
-                        loss=f"{lm:.3f}",
-                        kl=f"{kl:.3f}",
+                        loss=f"{last['loss']:.3f}",
+                        kl=f"{last['indexer_kl']:.3f}",
                         tok_s=f"{tps:,.0f}",
                         mfu=f"{self.mfu(tps):.1%}" if self.device.type == "cuda" else "-",
                     )
-                out_of_time = cfg.time_budget_s is not None and self.train_seconds > cfg.time_budget_s
-                if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps or out_of_time:
-                    self.save()
                 if out_of_time:
                     break
         finally:
@@ -225,7 +240,20 @@ class Trainer:
             "train_seconds_total": self.train_seconds,
         }
 
+    def _read_step(self, record: dict, scalars: tuple, clock) -> None:
+        """Read a queued step's scalars back (waiting for that step) into its history record."""
+        lm, kl, imbalance = (float(t) for t in scalars)
+        record.update(loss=lm, indexer_kl=kl, max_expert_load=imbalance, seconds=clock())
+        self.history.append(record)
+
     def train_step(self, batch, lr: float | None = None) -> tuple[float, float, float]:
+        """One optimizer step on `batch`: (LM loss, indexer KL, worst expert load ratio), read back when the
+        step is done."""
+        return tuple(float(t) for t in self.launch_step(batch, lr))
+
+    def launch_step(self, batch, lr: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`train_step` that reads nothing back from the device: its scalars come as 0-dim device tensors, so on
+        a GPU the host can queue the next step while this one runs (the loop reads them one step late)."""
         cfg, model, dev = self.cfg, self.model, self.device
         lr = lr_at(self.step, cfg) if lr is None else lr
         ids = batch.input_ids.to(dev, non_blocking=True).flatten()  # [B*R] (pinned by the loop's Prefetch)
@@ -248,7 +276,7 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         moe = {k: v for k, v in ctx.routing_capture.items() if model.config.mlp_types[k] == MOE}
         imbalance = update_expert_biases(model, moe, cfg.bias_update_rate)
-        return float(lm.detach()), float(kl.detach()), imbalance
+        return lm.detach(), kl.detach(), imbalance
 
     def mfu(self, tokens_per_s: float, peak_tflops: float = 989.0) -> float:
         """Model FLOP utilization against the H200's dense bf16 peak (the run's measured matmul rate is

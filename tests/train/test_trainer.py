@@ -150,9 +150,10 @@ def test_lr_schedule_and_bias_balancing(tmp_path, byte_tok):
     trainer = Trainer(cfg)
     layer = next(i for i, t in enumerate(trainer.model.config.mlp_types) if t == "moe")
     ids = torch.zeros(40, 2, dtype=torch.long)  # every token on expert 0
-    update_expert_biases(trainer.model, {layer: ids}, rate=0.01)
+    worst = update_expert_biases(trainer.model, {layer: ids}, rate=0.01)
     bias = trainer.model.model.layers[layer].mlp.gate.e_score_correction_bias
     assert bias[0] < 0 and (bias[1:] > 0).all()
+    assert float(worst) == pytest.approx(bias.numel())  # max load / mean load: all of it on one of E experts
 
 
 def test_retrieval_knobs_reach_the_data(tmp_path, byte_tok):
@@ -199,3 +200,20 @@ def test_train_with_no_step_left_leaves_the_stream_where_it_was(tmp_path, byte_t
     before = trainer.data.state_dict()
     trainer.train()
     assert trainer.step == 2 and trainer.data.state_dict() == before
+
+
+def test_the_loop_records_each_step_though_it_reads_them_a_step_late(tmp_path, byte_tok):
+    """train() queues step n before it reads step n - 1's loss back: its history is still every step, in
+    order, with the values that step-by-step training gives on the same batches (checkpoints between)."""
+    cfg = _cfg(tmp_path / "loop", byte_tok, steps=5, checkpoint_every=2)
+    looped = Trainer(cfg)
+    looped.train()
+    stepped = Trainer(_cfg(tmp_path / "steps", byte_tok, steps=5))
+    expected = []
+    for step in range(5):
+        stepped.step = step
+        expected.append(stepped.train_step(next(stepped.data), lr_at(step, cfg, 0.0)))
+    assert [r["step"] for r in looped.history] == list(range(5))
+    got = [r[key] for r in looped.history for key in ("loss", "indexer_kl", "max_expert_load")]
+    assert got == pytest.approx([v for step in expected for v in step], rel=1e-5)
+    assert all(r["seconds"] >= 0 for r in looped.history)

@@ -1,7 +1,9 @@
 """KDA ops: plain-torch references and a small backend registry (naive everywhere, fla-core on CUDA).
 
 A backend provides `chunk` (prefill) and `recurrent` (decode) with the signatures of `naive.chunk_kda`
-(minus chunk_size) and `naive.recurrent_kda`. KESTREL_KDA_BACKEND picks one (see kestrel.env).
+(minus chunk_size) and `naive.recurrent_kda`; `chunk` and `short_conv` take the host copy of cu_seqlens
+(`cu_seqlens_cpu`) where the caller has one, so that no backend reads the layout back from the device.
+KESTREL_KDA_BACKEND picks one (see kestrel.env).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ NAIVE = KDABackend(
 )
 
 
-def _short_conv_auto(x, weight, conv_state=None, cu_seqlens=None, planes=1):
+def _short_conv_auto(x, weight, conv_state=None, cu_seqlens=None, planes=1, cu_seqlens_cpu=None):
     """KESTREL_KDA_CONV=auto: while autograd records, fla-core's varlen causal_conv1d on CUDA (Triton forward
     and backward) and the packed torch form elsewhere; else our Triton inference kernel. In a demo training
     step (8 x 8704 tokens, H200) fla's backward took 4.8 ms where the packed form's gathers, index_add and
@@ -66,7 +68,7 @@ def _short_conv_auto(x, weight, conv_state=None, cu_seqlens=None, planes=1):
         if x.is_cuda:
             from kestrel.ops.kda import fla
 
-            return fla.short_conv(x, weight, conv_state, cu_seqlens, planes)
+            return fla.short_conv(x, weight, conv_state, cu_seqlens, planes, cu_seqlens_cpu)
         return short_conv_packed(x, weight, conv_state, cu_seqlens, planes)
     return short_conv_prefill(x, weight, conv_state, cu_seqlens, planes=planes)
 

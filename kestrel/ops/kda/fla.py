@@ -27,12 +27,14 @@ def chunk(
     cu_seqlens: torch.Tensor | None = None,
     disable_recompute: bool | None = None,
     gate_lower_bound: float | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked prefill and training (fla `chunk_kda`, chunk size 64).
     disable_recompute keeps the forward's intermediates for the backward instead of recomputing them, which
     fla recommends for small models (default: KESTREL_KDA_NO_RECOMPUTE, when autograd records).
     gate_lower_bound: the bound lb < 0 the caller's gates keep to (g in (lb, 0), K3's gate); with lb >= -5 and
     KESTREL_KDA_SAFE_GATE on, fla's faster kernels for bounded gates run.
+    cu_seqlens_cpu: the offsets' host copy; fla then builds its chunk index without a device sync.
     At inference, at most KESTREL_KDA_RECURRENT_PREFILL tokens in all run `recurrent` instead: the same result
     in one launch, where the chunked form's ten launches would cost the host more than the GPU's work. (Which
     form runs depends on the step's total tokens, so a sequence's rounding can depend on its batch.)
@@ -59,6 +61,7 @@ def chunk(
         output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm,
         cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
         disable_recompute=disable_recompute,
         safe_gate=safe_gate,
     )
@@ -155,10 +158,12 @@ def short_conv(
     conv_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     planes: int = 1,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`naive.short_conv` through fla-core's varlen `causal_conv1d` (SiLU fused, Triton forward and backward).
     fla keeps W inputs of state per sequence, the newest last, and reads only the last W - 1 of them: ours
-    [N, C, W - 1] is its [N, C, W] without the first column."""
+    [N, C, W - 1] is its [N, C, W] without the first column. With cu_seqlens_cpu (the offsets' host copy) fla
+    builds its chunk index, forward and backward, without a device sync."""
     from fla.modules.causal_conv1d import causal_conv1d
 
     x = x.contiguous()  # (q|k|v may be a column slice of the layer's merged input projection)
@@ -176,5 +181,6 @@ def short_conv(
         output_final_state=True,
         activation="silu",
         cu_seqlens=cu_seqlens.to(torch.int64),
+        cu_seqlens_cpu=cu_seqlens_cpu,
     )
     return as_planes(y[0], planes), final[..., 1:].to(x.dtype)

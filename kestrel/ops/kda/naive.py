@@ -46,8 +46,11 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
 
 
-def _sequence_bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
-    starts = cu_seqlens.tolist()
+def _sequence_bounds(
+    cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None = None
+) -> list[tuple[int, int]]:
+    """Each packed sequence's (start, end), read from the host copy when the caller has one (no device sync)."""
+    starts = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
     return list(zip(starts[:-1], starts[1:]))
 
 
@@ -62,6 +65,7 @@ def short_conv(
     conv_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     planes: int = 1,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv of width W followed by SiLU, over packed sequences.
 
@@ -70,11 +74,13 @@ def short_conv(
     y_t[c] = SiLU(sum_j weight[c, j] * window[c, j]) where window = [state | x] ending at t.
     Returns (y [T, C] in x.dtype, new_state [N, C, W - 1] = the last W - 1 inputs of each window, x.dtype).
     A sequence shorter than W - 1 keeps part of its old state in the new state. With planes > 1, y comes as
-    [planes, T, C / planes] (`as_planes`; the fast kernel writes each plane contiguous).
+    [planes, T, C / planes] (`as_planes`; the fast kernel writes each plane contiguous). cu_seqlens_cpu: the
+    same offsets on the host, when the caller has them, so the layout is read without a device sync (every
+    backend's `chunk` and `short_conv` take it; those that read no layout on the host ignore it).
     """
     T, C = x.shape
     W = weight.shape[-1]
-    bounds = [(0, T)] if cu_seqlens is None else _sequence_bounds(cu_seqlens)
+    bounds = [(0, T)] if cu_seqlens is None else _sequence_bounds(cu_seqlens, cu_seqlens_cpu)
     if conv_state is None:
         conv_state = x.new_zeros(len(bounds), C, W - 1)
     assert conv_state.shape == (len(bounds), C, W - 1), f"conv_state {tuple(conv_state.shape)}"
@@ -127,12 +133,13 @@ def _over_sequences(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply `run` (a batch of equal-length sequences, with their states) to the whole batch, or to each
     sequence of a packed batch in turn. Inputs are already in the compute dtype."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    bounds = None if cu_seqlens is None else _sequence_bounds(cu_seqlens)
+    bounds = None if cu_seqlens is None else _sequence_bounds(cu_seqlens, cu_seqlens_cpu)
     N = B if bounds is None else len(bounds)
     if bounds is not None:
         assert B == 1, f"varlen inputs must be packed with B = 1, got B = {B}"
@@ -244,17 +251,18 @@ def chunk_kda(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     gate_lower_bound: float | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked (WY / parallel) form of the same recurrence (model-spec 1.5); same arguments and results
     as `recurrent_kda`. T need not be a multiple of chunk_size. Computes in fp32, or fp64 when given fp64.
     gate_lower_bound (the bound lb the gates keep to, g in (lb, 0)) is a hint for fast kernels: the
-    reference handles any gate and ignores it."""
+    reference handles any gate and ignores it. cu_seqlens_cpu: as in `short_conv`."""
     inputs = _prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm)
 
     def run(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _chunked(*args, chunk_size)
 
-    o, final = _over_sequences(run, *inputs, initial_state, cu_seqlens)
+    o, final = _over_sequences(run, *inputs, initial_state, cu_seqlens, cu_seqlens_cpu)
     return o.to(v.dtype), (final if output_final_state else None)
 
 

@@ -20,8 +20,10 @@ def short_conv_packed(
     conv_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     planes: int = 1,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `naive.short_conv`: x [T, C], weight [C, W], conv_state [N, C, W - 1] or None,
+    """Same contract as `naive.short_conv` (it reads no layout on the host: cu_seqlens_cpu is unused):
+    x [T, C], weight [C, W], conv_state [N, C, W - 1] or None,
     cu_seqlens [N + 1] or None (one sequence). Returns (y [T, C] in x.dtype, or [planes, T, C / planes] as a
     view, new_state [N, C, W - 1])."""
     T, C = x.shape
