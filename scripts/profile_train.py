@@ -1,5 +1,5 @@
 """Where a `kestrel train` step's time goes on the GPU: step times in the dense warm-up and in sparse DSA
-training (each read back before the next; and queued back to back as the loop runs them), the data loader's
+training (each read back before the next; and as the loop runs them: each read after the next is queued), the data loader's
 share, the host syncs of one step (torch's sync debug mode), and the top CUDA kernels and CPU ops of each phase
 (torch.profiler).
 
@@ -89,9 +89,11 @@ def _compile_stats() -> dict:
 
 
 def _host_syncs(trainer: Trainer, batch) -> dict:
-    """One step queued with torch's sync debug mode on: every place it waits for the GPU (a read-back, a copy
-    from pageable memory, an op whose output size depends on the data), by message and the innermost Kestrel
-    and fla frames of the stack. Syncs of the backward are reported at its `backward()` call."""
+    """One step queued with torch's sync debug mode on: every place it waits for the GPU that torch reports (a
+    read-back, a blocking copy, an op whose output size depends on the data), by message and the innermost
+    Kestrel and fla frames of the stack. Syncs of the backward are reported at its `backward()` call. The
+    blocking copies of fla's chunk index run on a side stream (`_warm_chunk_index`): they wait for nothing else
+    queued, though torch reports them too."""
     import traceback
     import warnings
     from collections import Counter
@@ -111,7 +113,7 @@ def _host_syncs(trainer: Trainer, batch) -> dict:
         warnings.showwarning = show
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            trainer.launch_step(batch)
+            trainer.launch_step(batch.pin_memory())  # pinned, as the loop's batches are
         finally:
             torch.cuda.set_sync_debug_mode("default")
     _sync()
@@ -136,12 +138,15 @@ def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
         _sync()
         times.append(time.perf_counter() - t0)
         print(f"{name}: step {times[-1]:.3f} s", flush=True)
-    # the loop's way: each step queued before the one before it is read back (Trainer.train)
-    t0 = time.perf_counter()
-    queued = [trainer.launch_step(b) for b in batches[1:3]]
-    [float(t) for step in queued for t in step]
-    _sync()
-    queued_s = (time.perf_counter() - t0) / len(queued)
+    # the loop's way: each step queued, then the one before it read back (Trainer.train)
+    t0, before = time.perf_counter(), None
+    for b in batches[1:3]:
+        queued = trainer.launch_step(b.pin_memory() if torch.cuda.is_available() else b)
+        if before is not None:
+            before.read()
+        before = queued
+    before.read()
+    queued_s = (time.perf_counter() - t0) / 2
     print(f"{name}: queued steps {queued_s:.3f} s each", flush=True)
     syncs = _host_syncs(trainer, batches[3]) if torch.cuda.is_available() else None
     if syncs is not None:

@@ -142,12 +142,15 @@ class Batch:
     max_seqlen: int
     num_documents: int  # real documents, padding segments excluded
     num_loss_tokens: int
+    # [B, T] int64: the family index of every token's document (PackedBatches.family_names), -1 on padding
+    family_ids: torch.Tensor | None = None
 
     def pin_memory(self) -> Batch:
         """The same batch with the tensors a training step copies to the GPU in pinned memory (for
         non-blocking copies)."""
+        names = ("input_ids", "target_ids", "loss_weight", "family_ids")
         return replace(
-            self, **{n: getattr(self, n).pin_memory() for n in ("input_ids", "target_ids", "loss_weight")}
+            self, **{n: getattr(self, n).pin_memory() for n in names if getattr(self, n) is not None}
         )
 
 
@@ -159,6 +162,7 @@ class Document:
     ids: list[int]
     mask: list[int]
     weight: float = 1.0  # its family's loss weight (MixtureConfig.loss_weights)
+    family: int = -1  # its family's index in `PackedBatches.family_names` (-1: none given)
 
 
 class _Renderer:
@@ -167,11 +171,13 @@ class _Renderer:
     def __init__(self, tokenizer: Tokenizer, config: MixtureConfig, family_seed: int):
         self.tokenizer, self.config, self.family_seed = tokenizer, config, family_seed
         self.mixture = Mixture(config, tokenizer)
+        self.family_index = {name: i for i, name in enumerate(self.mixture.families)}
 
     def __call__(self, index: int) -> Document:
         example = self.mixture.example(self.family_seed, index)
         r = render(self.tokenizer, example, self.config.system)
-        return Document(index, r.ids, r.loss_mask, self.config.loss_weights.get(example.family, 1.0))
+        weight = self.config.loss_weights.get(example.family, 1.0)
+        return Document(index, r.ids, r.loss_mask, weight, self.family_index[example.family])
 
 
 class PackedBatches:
@@ -206,6 +212,7 @@ class PackedBatches:
                 )
         self.batch_size, self.seq_len = batch_size, seq_len
         self._render = _Renderer(self.tokenizer, self.config, split_seed(seed, split))
+        self.family_names = list(self._render.family_index)  # what a batch's family_ids index
         self.lookahead, self.num_workers = lookahead, num_workers
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
@@ -294,6 +301,7 @@ def pack_rows(rows: list[list[Document]], seq_len: int, pad_id: int) -> Batch:
     loss_weight = np.zeros((B, T), dtype=np.float32)
     valid_mask = np.zeros((B, T), dtype=bool)
     position_ids = np.zeros((B, T), dtype=np.int64)
+    family_ids = np.full((B, T), -1, dtype=np.int64)
     seqlens, num_docs = [], 0
     for b, row in enumerate(rows):
         if any(len(doc.mask) != len(doc.ids) for doc in row):
@@ -314,6 +322,7 @@ def pack_rows(rows: list[list[Document]], seq_len: int, pad_id: int) -> Batch:
             valid_mask[b, last] = False
             weights = np.repeat(np.array([doc.weight for doc in row], dtype=np.float32), lengths)
             loss_weight[b, :n] = weights * loss_mask[b, :n]
+            family_ids[b, :n] = np.repeat(np.array([doc.family for doc in row], dtype=np.int64), lengths)
             position_ids[b, :n] = np.arange(n) - np.repeat(starts, lengths)
         position_ids[b, n:] = np.arange(T - n)  # padding counts from 0
         seqlens += lengths.tolist() + ([T - n] if n < T else [])
@@ -322,7 +331,9 @@ def pack_rows(rows: list[list[Document]], seq_len: int, pad_id: int) -> Batch:
     cu_seqlens[1:] = torch.cumsum(torch.tensor(seqlens, dtype=torch.int32), 0)
     stats = dict(max_seqlen=max(seqlens), num_documents=num_docs, num_loss_tokens=int(loss_mask.sum()))
     tensors = (input_ids, target_ids, loss_mask, loss_weight, valid_mask, position_ids)
-    return Batch(*map(torch.from_numpy, tensors), cu_seqlens, **stats)
+    return Batch(
+        *map(torch.from_numpy, tensors), cu_seqlens, **stats, family_ids=torch.from_numpy(family_ids)
+    )
 
 
 class Prefetch:
@@ -393,6 +404,6 @@ def _worker_init(spec) -> None:
     _WORKER = _Renderer(load_tokenizer(tokenizer_source), config, family_seed)
 
 
-def _worker_render(task: tuple[int, int]) -> list[tuple[int, list[int], list[int], float]]:
+def _worker_render(task: tuple[int, int]) -> list[tuple[int, list[int], list[int], float, int]]:
     start, count = task
-    return [(d.index, d.ids, d.mask, d.weight) for d in map(_WORKER, range(start, start + count))]
+    return [(d.index, d.ids, d.mask, d.weight, d.family) for d in map(_WORKER, range(start, start + count))]

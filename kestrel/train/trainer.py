@@ -68,9 +68,45 @@ def masked_loss(logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tenso
     """Weighted mean cross-entropy. logits [T, V], targets [T], weight [T]: 0 off the loss mask, else the
     token's weight (a bool mask gives the plain mean over the masked positions). With family loss weights
     (--retrieval-loss-weight) the logged `loss` is this weighted mean, not comparable with unweighted runs'."""
-    losses = F.cross_entropy(logits.float(), targets, reduction="none")  # [T]
+    return _weighted_mean(F.cross_entropy(logits.float(), targets, reduction="none"), weight)
+
+
+def _weighted_mean(losses: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     weight = weight.to(losses.dtype)
     return (losses * weight).sum() / weight.sum().clamp(min=1e-6)
+
+
+def family_losses(losses: torch.Tensor, mask: torch.Tensor, family_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """The plain mean of the token losses [T] on the loss mask [T] per family (family_ids [T], -1 for none):
+    [n], NaN for a family without a loss token in the batch. On the device, without a sync."""
+    keep = mask & (family_ids >= 0)
+    ids = family_ids.clamp(min=0)
+    sums = losses.new_zeros(n).index_add_(0, ids, torch.where(keep, losses, 0.0))
+    counts = losses.new_zeros(n).index_add_(0, ids, keep.to(losses.dtype))
+    return sums / counts  # 0 / 0 = NaN where the batch has none
+
+
+class StepFigures:
+    """A queued training step's figures, in order: its (weighted) mean LM loss, the DSA indexer's KL averaged
+    over the MLA layers, the worst max / mean expert load over the MoE layers, then each task family's plain
+    mean LM loss (NaN for a family without loss tokens in the batch). On CUDA they are copied to pinned host
+    memory behind the step's kernels and an event marks the copy, so `read()` waits for this step only (a
+    `float()` of a device tensor waits for everything queued after the step too)."""
+
+    def __init__(self, values: torch.Tensor):
+        self._event = None
+        if values.is_cuda:
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            values = host
+        self._values = values
+
+    def read(self) -> list[float]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._values.tolist()
 
 
 @torch.no_grad()
@@ -79,7 +115,7 @@ def update_expert_biases(
 ) -> torch.Tensor:
     """Aux-loss-free balancing (DeepSeek-V3): raise the selection bias of under-loaded experts, lower the
     over-loaded ones, by `rate` each step. Returns the worst max-load / mean-load ratio over the layers, a
-    0-dim tensor on the routing's device (at least 1; read it when the step is done: no sync here)."""
+    0-dim tensor on the model's device (1 without MoE layers; read it when the step is done: no sync here)."""
     worst = None
     for layer_id, ids in routing.items():
         gate = model.model.layers[layer_id].mlp.gate
@@ -90,8 +126,7 @@ def update_expert_biases(
         gate.e_score_correction_bias.add_(rate * torch.sign(load.mean() - load))
         ratio = load.max() / load.mean().clamp(min=1e-9)
         worst = ratio if worst is None else torch.maximum(worst, ratio)
-    device = gate.e_score_correction_bias.device if routing else "cpu"
-    return torch.ones((), device=device) if worst is None else worst.clamp(min=1.0)
+    return torch.ones((), device=model.lm_head.weight.device) if worst is None else worst.clamp(min=1.0)
 
 
 class Trainer:
@@ -172,14 +207,18 @@ class Trainer:
         # the step is wound back to the step's when the loop ends, and a checkpoint saves the step's state.
         self._data_state = self.data.state_dict()  # where the stream stands when no step has run
         prefetch = Prefetch(self.data, depth=2, pin=self.device.type == "cuda")
-        # Each step is queued before the step before it is read back (its loss, KL and expert load), so that on a
-        # GPU the host prepares and launches step n while step n - 1 runs. `pending`: the step queued last and
-        # not read yet, as (record, its device scalars); it is read before every checkpoint (the last step and
-        # the one that spends the time budget save one, so the loop never ends with a step unread).
-        pending = None
+        # Each step is queued before the step before it is read back (its loss, KL, expert load and family
+        # losses), so that on a GPU the host prepares and launches step n while step n - 1 runs. `unread`: the
+        # steps queued and not read yet, as (record, figures); all are read before every checkpoint.
+        unread: list[tuple[dict, StepFigures]] = []
+        first_tokens = 0  # the first step's tokens, which the clock leaves out
 
         def clock() -> float:  # timed seconds so far (the first step's end starts the clock)
             return self.train_seconds if start is None else base + time.perf_counter() - start
+
+        def read(keep: int = 0) -> None:  # all but the `keep` newest unread steps, oldest first
+            while len(unread) > keep:
+                self._read_step(*unread.pop(0), clock)
 
         try:
             while self.step < cfg.steps:
@@ -187,35 +226,33 @@ class Trainer:
                 batch, data_state = next(prefetch)
                 waited = time.perf_counter() - t0
                 lr = lr_at(self.step, cfg, self.train_seconds)
-                scalars = self.launch_step(batch, lr)
-                self._data_state = data_state  # the stream's state after the batch the model is updated by
+                figures = self.launch_step(batch, lr)
+                # the model holds this batch's update once the stream gets to it: the step counts from here
+                self._data_state = data_state
                 tokens_done += batch.input_ids.numel()
-                if pending is not None:
-                    self._read_step(*pending, clock)  # waits for the step before this one, not for this one
-                pending = (
-                    {"step": self.step, "lr": lr, "tokens": tokens_done, "data_wait_s": waited},
-                    scalars,
+                unread.append(
+                    ({"step": self.step, "lr": lr, "tokens": tokens_done, "data_wait_s": waited}, figures)
                 )
+                self.step += 1
+                bar.update(1)
                 # the first step (compiling, autotuning) is read at once: its end starts the clock
                 if start is None:
-                    self._read_step(*pending, clock)
-                    pending, start = None, time.perf_counter()
+                    read()
+                    start, first_tokens = time.perf_counter(), tokens_done
                     first_step_s = start - run_start
                 else:
                     timed_tokens += batch.input_ids.numel()
                     data_wait_s += waited
+                    read(keep=1)  # the step before this one: waits for it, not for this one
                     self.train_seconds = clock()
-                self.step += 1
-                bar.update(1)
                 out_of_time = cfg.time_budget_s is not None and self.train_seconds > cfg.time_budget_s
                 if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps or out_of_time:
-                    if pending is not None:
-                        self._read_step(*pending, clock)
-                        pending = None
-                        self.train_seconds = clock()
+                    read()
+                    self.train_seconds = clock()
                     self.save()
                 if self.history and (self.step % cfg.log_every == 0 or self.step == cfg.steps):
-                    last, tps = self.history[-1], timed_tokens / max(self.train_seconds - base, 1e-9)
+                    last = self.history[-1]  # the rate of the steps read, not of those only queued
+                    tps = (last["tokens"] - first_tokens) / max(last["seconds"] - base, 1e-9)
                     bar.set_postfix(
                         loss=f"{last['loss']:.3f}",
                         kl=f"{last['indexer_kl']:.3f}",
@@ -225,6 +262,10 @@ class Trainer:
                 if out_of_time:
                     break
         finally:
+            try:  # an interrupted loop still records the steps it queued (the model has their updates)
+                read()
+            except Exception as e:  # (a failed device cannot give them back)
+                print(f"[kestrel] {len(unread)} queued steps could not be read back: {e}")
             if prefetch.close():
                 self.data.load_state_dict(self._data_state)
                 self._data_state = None  # the stream is the step's again: save() reads it from there
@@ -240,20 +281,24 @@ class Trainer:
             "train_seconds_total": self.train_seconds,
         }
 
-    def _read_step(self, record: dict, scalars: tuple, clock) -> None:
-        """Read a queued step's scalars back (waiting for that step) into its history record."""
-        lm, kl, imbalance = (float(t) for t in scalars)
-        record.update(loss=lm, indexer_kl=kl, max_expert_load=imbalance, seconds=clock())
+    def _read_step(self, record: dict, figures: StepFigures, clock) -> None:
+        """Read a queued step's figures back (waiting for that step) into its history record."""
+        lm, kl, imbalance, *family = figures.read()
+        by_family = {name: v for name, v in zip(self.data.family_names, family) if not math.isnan(v)}
+        record.update(
+            loss=lm, indexer_kl=kl, max_expert_load=imbalance, loss_by_family=by_family, seconds=clock()
+        )
         self.history.append(record)
 
     def train_step(self, batch, lr: float | None = None) -> tuple[float, float, float]:
         """One optimizer step on `batch`: (LM loss, indexer KL, worst expert load ratio), read back when the
         step is done."""
-        return tuple(float(t) for t in self.launch_step(batch, lr))
+        lm, kl, imbalance = self.launch_step(batch, lr).read()[:3]
+        return lm, kl, imbalance
 
-    def launch_step(self, batch, lr: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`train_step` that reads nothing back from the device: its scalars come as 0-dim device tensors, so on
-        a GPU the host can queue the next step while this one runs (the loop reads them one step late)."""
+    def launch_step(self, batch, lr: float | None = None) -> StepFigures:
+        """`train_step` that does not wait for the step: on a GPU the host can queue the next step while this one
+        runs (the loop reads each step's figures after queuing the next)."""
         cfg, model, dev = self.cfg, self.model, self.device
         lr = lr_at(self.step, cfg) if lr is None else lr
         ids = batch.input_ids.to(dev, non_blocking=True).flatten()  # [B*R] (pinned by the loop's Prefetch)
@@ -268,7 +313,15 @@ class Trainer:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"), forward_context(ctx):
             logits = model(ids)  # [B*R, V]
         targets = batch.target_ids.to(dev, non_blocking=True).flatten()
-        lm = masked_loss(logits, targets, batch.loss_weight.to(dev, non_blocking=True).flatten())
+        weight = batch.loss_weight.to(dev, non_blocking=True).flatten()
+        losses = F.cross_entropy(logits.float(), targets, reduction="none")  # [B*R]
+        lm = _weighted_mean(losses, weight)  # masked_loss
+        n = len(self.data.family_names)
+        if batch.family_ids is not None:
+            family_ids = batch.family_ids.to(dev, non_blocking=True).flatten()
+            by_family = family_losses(losses.detach(), weight > 0, family_ids, n)
+        else:
+            by_family = torch.full((n,), float("nan"), device=dev)
         kl = sum(kl_terms) / max(len(kl_terms), 1) if kl_terms else torch.zeros((), device=dev)
         (lm + cfg.indexer_kl_weight * kl).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -276,7 +329,8 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         moe = {k: v for k, v in ctx.routing_capture.items() if model.config.mlp_types[k] == MOE}
         imbalance = update_expert_biases(model, moe, cfg.bias_update_rate)
-        return lm.detach(), kl.detach(), imbalance
+        head = torch.stack([lm.detach(), kl.detach().float(), imbalance.float()])
+        return StepFigures(torch.cat([head, by_family.float()]))
 
     def mfu(self, tokens_per_s: float, peak_tflops: float = 989.0) -> float:
         """Model FLOP utilization against the H200's dense bf16 peak (the run's measured matmul rate is
@@ -344,8 +398,9 @@ class Trainer:
         }
 
 
-def plot_loss(history: list[dict], path: Path) -> None:
-    """A PNG of the LM loss and the indexer KL against the step."""
+def plot_loss(history: list[dict], path: Path, window: int = 50) -> None:
+    """A PNG of the LM loss and the indexer KL against the step, and beside it each task family's LM loss
+    (the mean over the last `window` steps that had the family: a batch holds few documents of some)."""
     if not history:
         return
     import matplotlib
@@ -354,13 +409,31 @@ def plot_loss(history: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in history]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    families = sorted({name for r in history for name in r.get("loss_by_family", {})})
+    fig, axes = plt.subplots(1, 2 if families else 1, figsize=(13 if families else 7, 4), squeeze=False)
+    ax = axes[0][0]
     ax.plot(steps, [r["loss"] for r in history], label="LM loss (answer tokens)")
     ax.plot(steps, [r["indexer_kl"] for r in history], label="DSA indexer KL", alpha=0.7)
     ax.set_xlabel("step")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend()
+    if families:
+        ax = axes[0][1]
+        for name in families:
+            points = [
+                (r["step"], r["loss_by_family"][name]) for r in history if name in r.get("loss_by_family", {})
+            ]
+            values = torch.tensor([v for _, v in points], dtype=torch.float64)
+            running = values.cumsum(0)
+            running[window:] = running[window:] - running[:-window].clone()
+            mean = running / torch.arange(1, len(values) + 1).clamp(max=window)
+            ax.plot([s for s, _ in points], mean.tolist(), label=name)
+        ax.set_title(f"LM loss by task family (mean of {window} batches)")
+        ax.set_xlabel("step")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -466,6 +466,27 @@ def test_family_loss_weights_scale_their_documents_loss_tokens_only(bpe):
     assert seen == {1.0, 4.0}  # the stream had both kinds
 
 
+def test_family_ids_name_each_documents_family_and_mark_padding(bpe):
+    """Batch.family_ids: every token of a document carries its family's index in family_names (the retrieval
+    documents are the ones that ask for a code), padding -1."""
+    packer = _packer(bpe)
+    retrieval = packer.family_names.index("retrieval")
+    seen = set()
+    for _ in range(4):
+        batch = next(packer)
+        flat_ids, flat_fam = batch.input_ids.flatten(), batch.family_ids.flatten()
+        for s, e in _segments(batch):
+            fams = set(flat_fam[s:e].tolist())
+            if flat_ids[s] == bpe.pad_token_id:
+                assert fams == {-1}
+                continue
+            assert len(fams) == 1 and 0 <= (fam := fams.pop()) < len(packer.family_names)
+            text = bpe.decode(flat_ids[s:e].tolist(), skip_special_tokens=False)
+            assert (fam == retrieval) == ("Question: What is the code of" in text)
+            seen.add(fam)
+    assert len(seen) >= 3  # the stream mixed families
+
+
 def test_worker_processes_give_the_same_stream(bpe, bpe_dir):
     serial = _packer(bpe, loss_weights={"retrieval": 2.0})
     parallel = _packer(bpe_dir, loss_weights={"retrieval": 2.0}, num_workers=2)
@@ -473,6 +494,7 @@ def test_worker_processes_give_the_same_stream(bpe, bpe_dir):
         for _ in range(2):
             x, y = next(serial), next(parallel)
             assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_weight, y.loss_weight)
+            assert torch.equal(x.family_ids, y.family_ids)
     finally:
         parallel.close()
     with pytest.raises(ValueError, match="path"):

@@ -3,13 +3,23 @@ writes is what the engine serves, and an interrupted run resumes to the same wei
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from kestrel.config import EngineConfig, TrainConfig
 from kestrel.engine.engine import Engine
 from kestrel.tokenizer import save_byte_tokenizer
-from kestrel.train.trainer import STATE_FILE, Trainer, lr_at, masked_loss, update_expert_biases
+from kestrel.train.trainer import (
+    STATE_FILE,
+    Trainer,
+    family_losses,
+    lr_at,
+    masked_loss,
+    plot_loss,
+    update_expert_biases,
+)
 from kestrel.utils.errors import CheckpointError, ConfigError
 
 
@@ -217,3 +227,38 @@ def test_the_loop_records_each_step_though_it_reads_them_a_step_late(tmp_path, b
     got = [r[key] for r in looped.history for key in ("loss", "indexer_kl", "max_expert_load")]
     assert got == pytest.approx([v for step in expected for v in step], rel=1e-5)
     assert all(r["seconds"] >= 0 for r in looped.history)
+    # what the last checkpoint wrote is what the loop holds: every step read before it was saved
+    assert json.loads((tmp_path / "loop" / "history.json").read_text()) == looped.history
+    assert torch.load(tmp_path / "loop" / STATE_FILE, weights_only=False)["step"] == len(looped.history) == 5
+    # a run its time budget stops saves every step it queued, the last one included
+    budget = Trainer(_cfg(tmp_path / "budget", byte_tok, steps=50, time_budget_s=1e-6))
+    budget.train()
+    saved = json.loads((tmp_path / "budget" / "history.json").read_text())
+    assert budget.step == len(budget.history) == len(saved) < 50 and saved == budget.history
+
+
+def test_family_losses_are_each_familys_mean_on_the_mask():
+    losses = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    mask = torch.tensor([True, True, False, True, True, True])
+    fams = torch.tensor([0, 0, 0, 2, -1, 2])
+    got = family_losses(losses, mask, fams, 3)
+    assert got[0] == 1.5 and got[1].isnan() and got[2] == 5.0  # family 1 had no token; -1 counts nowhere
+
+
+def test_history_has_each_familys_loss_and_the_plot_shows_them(tmp_path, byte_tok):
+    """The loop logs the LM loss of every family with loss tokens in a step's batch; their weighted mean over
+    the batch's loss tokens is the step's loss (all weights 1 here); loss.png gets the per-family panel."""
+    trainer = Trainer(_cfg(tmp_path, byte_tok, steps=3))
+    trainer.train()
+    names = set(trainer.data.family_names)
+    for r in trainer.history:
+        assert r["loss_by_family"] and set(r["loss_by_family"]) <= names
+        assert min(r["loss_by_family"].values()) <= r["loss"] <= max(r["loss_by_family"].values())
+    plot_loss(trainer.history, tmp_path / "loss.png")
+    import matplotlib.image
+
+    width = matplotlib.image.imread(tmp_path / "loss.png").shape[1]
+    plot_loss(
+        [{k: v for k, v in r.items() if k != "loss_by_family"} for r in trainer.history], tmp_path / "one.png"
+    )
+    assert width > 1.5 * matplotlib.image.imread(tmp_path / "one.png").shape[1]  # the family panel beside

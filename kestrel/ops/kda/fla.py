@@ -13,6 +13,30 @@ from fla.ops.kda import chunk_kda, fused_recurrent_kda
 from kestrel.env import env_field
 from kestrel.ops.kda.naive import as_planes
 
+CHUNK = 64  # fla's chunk size for KDA and its varlen conv (their defaults)
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _warm_chunk_index(*args, **kwargs) -> None:
+    """fla-core 0.6.0 indexes the chunks of packed sequences (`prepare_chunk_indices`) from cu_seqlens_cpu on
+    the host, then moves the index to the GPU with a blocking copy from pageable memory, which waits for all
+    the work queued on the stream: in `chunk_kda` and again in `causal_conv1d`, every forward, and so the host
+    could never queue a training step ahead of the GPU. The function keeps its last results by argument
+    identity, so this makes the caller's very call (the same objects, in the same positional / keyword form)
+    first on a side stream, where the copy waits for nothing else; fla's own call then finds it. The index is
+    the same either way: only where the host waits changes. (A later fla that calls it otherwise only brings
+    the wait back.)"""
+    from fla.ops.utils import prepare_chunk_indices
+
+    device = (kwargs.get("cu_seqlens") if "cu_seqlens" in kwargs else args[0]).device
+    if device.type != "cuda":
+        return
+    main = torch.cuda.current_stream(device)
+    side = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    with torch.cuda.stream(side):
+        index = prepare_chunk_indices(*args, **kwargs)
+    index.record_stream(main)  # used by the main stream's kernels: not reused before they are done
+
 
 def chunk(
     q: torch.Tensor,
@@ -34,7 +58,8 @@ def chunk(
     fla recommends for small models (default: KESTREL_KDA_NO_RECOMPUTE, when autograd records).
     gate_lower_bound: the bound lb < 0 the caller's gates keep to (g in (lb, 0), K3's gate); with lb >= -5 and
     KESTREL_KDA_SAFE_GATE on, fla's faster kernels for bounded gates run.
-    cu_seqlens_cpu: the offsets' host copy; fla then builds its chunk index without a device sync.
+    cu_seqlens_cpu: the offsets' host copy: fla's chunk index is then built on the host and moved on a side
+    stream (`_warm_chunk_index`), so the call does not wait for the work queued before it.
     At inference, at most KESTREL_KDA_RECURRENT_PREFILL tokens in all run `recurrent` instead: the same result
     in one launch, where the chunked form's ten launches would cost the host more than the GPU's work. (Which
     form runs depends on the step's total tokens, so a sequence's rounding can depend on its batch.)
@@ -50,6 +75,8 @@ def chunk(
         disable_recompute = env_field("kda_no_recompute") and torch.is_grad_enabled() and q.requires_grad
     if initial_state is not None:
         initial_state = initial_state.float()  # chunk_kda asserts an fp32 initial state
+    if cu_seqlens is not None and cu_seqlens_cpu is not None:  # chunk_kda's own call, by keyword
+        _warm_chunk_index(cu_seqlens=cu_seqlens, chunk_size=CHUNK, cu_seqlens_cpu=cu_seqlens_cpu)
     o, final_state = chunk_kda(
         q,
         k,
@@ -162,8 +189,8 @@ def short_conv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`naive.short_conv` through fla-core's varlen `causal_conv1d` (SiLU fused, Triton forward and backward).
     fla keeps W inputs of state per sequence, the newest last, and reads only the last W - 1 of them: ours
-    [N, C, W - 1] is its [N, C, W] without the first column. With cu_seqlens_cpu (the offsets' host copy) fla
-    builds its chunk index, forward and backward, without a device sync."""
+    [N, C, W - 1] is its [N, C, W] without the first column. With cu_seqlens_cpu (the offsets' host copy) its
+    chunk index is built on the host and moved on a side stream, as in `chunk`."""
     from fla.modules.causal_conv1d import causal_conv1d
 
     x = x.contiguous()  # (q|k|v may be a column slice of the layer's merged input projection)
@@ -171,6 +198,9 @@ def short_conv(
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, T], device=x.device)
     N = cu_seqlens.numel() - 1
+    cu_seqlens = cu_seqlens.to(torch.int64)
+    if cu_seqlens_cpu is not None:  # causal_conv1d's own call: offsets and chunk size by position
+        _warm_chunk_index(cu_seqlens, CHUNK, cu_seqlens_cpu=cu_seqlens_cpu)
     initial = None
     if conv_state is not None:
         initial = torch.cat([conv_state.new_zeros(N, C, 1), conv_state], dim=-1).to(x.dtype)  # [N, C, W]
@@ -180,7 +210,7 @@ def short_conv(
         initial_state=initial,
         output_final_state=True,
         activation="silu",
-        cu_seqlens=cu_seqlens.to(torch.int64),
+        cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
     )
     return as_planes(y[0], planes), final[..., 1:].to(x.dtype)
