@@ -1,7 +1,7 @@
 """Where a `kestrel train` step's time goes on the GPU: step times in the dense warm-up and in sparse DSA
-training (each read back before the next; and as the loop runs them: each read after the next is queued), the data loader's
-share, the host syncs of one step (torch's sync debug mode), and the top CUDA kernels and CPU ops of each phase
-(torch.profiler).
+training (each read back before the next; and as the loop runs them: each read after the next is queued), the
+data loader's share, the host syncs of one step (torch's sync debug mode), and the top CUDA kernels and CPU ops
+of each phase (torch.profiler).
 
     python3 scripts/profile_train.py --batch-rows 16 --row-len 8704 --out $OUT/profile_train.json
     python3 scripts/profile_train.py --model mini --batch-rows 2 --row-len 8704   # the loop on a larger model

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from kestrel.presets import shipped_model_dir
 from kestrel.tokenizer import load_tokenizer
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "data_mix.py"
+from tests.scripts import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("data_mix", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("data_mix")
 
 
 def test_recipes_parse_and_bad_ones_are_refused():

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "retrieval_diagnosis.py"
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def classify():
-    spec = importlib.util.spec_from_file_location("retrieval_diagnosis", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.classify
+    return load_script("retrieval_diagnosis").classify
 
 
 @pytest.mark.parametrize(
@@ -40,9 +34,7 @@ def test_name_swap_counts_whether_the_name_steers_the_copy(monkeypatch):
     import re
     from types import SimpleNamespace
 
-    spec = importlib.util.spec_from_file_location("retrieval_diagnosis_swap", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("retrieval_diagnosis", "retrieval_diagnosis_swap")
     codes = {"Ada Low": "12345", "Bo Ek": "19999", "Cy Fen": "55555"}  # Bo shares "1", Cy shares nothing
     prompt = (
         " ".join(f"The code of {n} is {c}." for n, c in codes.items())
