@@ -20,8 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kestrel.config import TrainConfig  # noqa: E402
 from kestrel.tokenizer import load_tokenizer  # noqa: E402
-from kestrel.train.data import DEFAULT_WEIGHTS, MixtureConfig, PackedBatches  # noqa: E402
+from kestrel.train.data import PackedBatches  # noqa: E402
+from kestrel.train.trainer import mixture_config  # noqa: E402
 
 
 def parse_recipe(text: str) -> tuple[str, tuple[int, ...], float]:
@@ -42,14 +44,19 @@ def parse_recipe(text: str) -> tuple[str, tuple[int, ...], float]:
 def batch_mix(
     lengths: tuple[int, ...], weight: float, batches: int, tokenizer, rows: int, row_len: int
 ) -> dict:
-    config = MixtureConfig(
-        weights={**DEFAULT_WEIGHTS, "retrieval": weight},
-        retrieval_context_tokens=lengths,
+    # the mixture `kestrel train` draws from with this recipe and run 7's other retrieval options
+    cfg = TrainConfig(
+        out_dir="unused",
+        batch_rows=rows,
+        row_len=row_len,
+        seed=7,
+        retrieval_lengths=lengths,
+        retrieval_weight=weight,
         retrieval_shared_prefix=0.5,
         retrieval_distractors=(1, 8),
         retrieval_shared_all=True,
     )
-    data = PackedBatches(tokenizer, rows, row_len, config, seed=7)
+    data = PackedBatches(tokenizer, rows, row_len, mixture_config(cfg), seed=cfg.seed)
     names = data.family_names
     docs, tokens, loss_tokens = ({n: 0 for n in names} for _ in range(3))
     all_tokens = all_loss = 0

@@ -19,6 +19,8 @@ from typing import Protocol
 
 import torch
 
+from kestrel.utils.device import to_device_async
+
 
 class CacheView(Protocol):
     """The per-request state of the sequences in one batch, in batch order."""
@@ -132,19 +134,15 @@ class ForwardContext:
         positions, cu = _layout_positions(prefix_lens, new_lens), _layout_offsets(new_lens)
         decode = cache is not None and all(n == 1 for n in new_lens)
         ctx = ForwardContext(
-            _to(positions, device), _to(cu, device), list(new_lens), prefix_lens, cache, decode
+            to_device_async(positions, device),
+            to_device_async(cu, device),
+            list(new_lens),
+            prefix_lens,
+            cache,
+            decode,
         )
         ctx._host_positions, ctx._host_cu_seqlens = positions, cu
         return ctx
-
-
-def _to(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on `device`; to a GPU through pinned memory, so the copy does not wait for the stream
-    (a plain copy from pageable memory synchronizes with it)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _layout_offsets(new_lens: list[int]) -> torch.Tensor:

@@ -22,6 +22,7 @@ from kestrel.ops.activation import sigmoid_gate
 from kestrel.ops.dsa import indexer_kl, indexer_scores, indexer_scores_batched, selection_mask, topk_select
 from kestrel.ops.mla import mla_attention_absorbed, mla_attention_rows, mla_decode_batched, split_kv_b
 from kestrel.ops.mla.sdpa_prefill import mla_prefill_sdpa
+from kestrel.utils.device import to_device_async
 from kestrel.utils.dist import parallel_state
 
 # DeepSeek's MLA and indexer norms use a fixed eps (transformers and the reference code agree).
@@ -435,9 +436,7 @@ def _rows_to_score(ctx, B: int, R: int, k: int, device: torch.device) -> tuple[t
     cached = ctx.extras.get(key)
     if cached is None:
         need = ctx.host_positions().view(B, R) >= k  # [B, R] (CPU)
-        flat = need.nonzero()[:, 1]
-        if device.type == "cuda":  # one copy from pinned memory: it does not wait for the stream
-            flat = flat.pin_memory().to(device, non_blocking=True)
+        flat = to_device_async(need.nonzero()[:, 1], device)  # one copy, not waiting for the stream
         cached = ctx.extras[key] = (flat, need.sum(1).tolist())
     return cached
 

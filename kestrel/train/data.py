@@ -143,15 +143,13 @@ class Batch:
     num_documents: int  # real documents, padding segments excluded
     num_loss_tokens: int
     # [B, T] int64: the family index of every token's document (PackedBatches.family_names), -1 on padding
-    family_ids: torch.Tensor | None = None
+    family_ids: torch.Tensor
 
     def pin_memory(self) -> Batch:
         """The same batch with the tensors a training step copies to the GPU in pinned memory (for
         non-blocking copies)."""
         names = ("input_ids", "target_ids", "loss_weight", "family_ids")
-        return replace(
-            self, **{n: getattr(self, n).pin_memory() for n in names if getattr(self, n) is not None}
-        )
+        return replace(self, **{n: getattr(self, n).pin_memory() for n in names})
 
 
 @dataclass

@@ -86,6 +86,18 @@ def family_losses(losses: torch.Tensor, mask: torch.Tensor, family_ids: torch.Te
     return sums / counts  # 0 / 0 = NaN where the batch has none
 
 
+def mixture_config(cfg: TrainConfig) -> MixtureConfig:
+    """The task mixture `kestrel train` draws its batches from, as its retrieval options set it."""
+    return MixtureConfig(
+        weights={**DEFAULT_WEIGHTS, "retrieval": cfg.retrieval_weight},
+        retrieval_context_tokens=tuple(cfg.retrieval_lengths),
+        retrieval_shared_prefix=cfg.retrieval_shared_prefix,
+        retrieval_distractors=cfg.retrieval_distractors,
+        retrieval_shared_all=cfg.retrieval_shared_all,
+        loss_weights={"retrieval": cfg.retrieval_loss_weight},
+    )
+
+
 class StepFigures:
     """A queued training step's figures, in order: its (weighted) mean LM loss, the DSA indexer's KL averaged
     over the MLA layers, the worst max / mean expert load over the MoE layers, then each task family's plain
@@ -158,19 +170,11 @@ class Trainer:
             betas=(cfg.beta1, cfg.beta2),
             fused=self.device.type == "cuda",
         )
-        mixture = MixtureConfig(
-            weights={**DEFAULT_WEIGHTS, "retrieval": cfg.retrieval_weight},
-            retrieval_context_tokens=tuple(cfg.retrieval_lengths),
-            retrieval_shared_prefix=cfg.retrieval_shared_prefix,
-            retrieval_distractors=cfg.retrieval_distractors,
-            retrieval_shared_all=cfg.retrieval_shared_all,
-            loss_weights={"retrieval": cfg.retrieval_loss_weight},
-        )
         self.data = PackedBatches(
             str(self.tokenizer_dir) if cfg.data_workers else self.tokenizer,
             cfg.batch_rows,
             cfg.row_len,
-            mixture,
+            mixture_config(cfg),
             seed=cfg.seed,
             num_workers=cfg.data_workers,
         )
@@ -316,12 +320,8 @@ class Trainer:
         weight = batch.loss_weight.to(dev, non_blocking=True).flatten()
         losses = F.cross_entropy(logits.float(), targets, reduction="none")  # [B*R]
         lm = _weighted_mean(losses, weight)  # masked_loss
-        n = len(self.data.family_names)
-        if batch.family_ids is not None:
-            family_ids = batch.family_ids.to(dev, non_blocking=True).flatten()
-            by_family = family_losses(losses.detach(), weight > 0, family_ids, n)
-        else:
-            by_family = torch.full((n,), float("nan"), device=dev)
+        family_ids = batch.family_ids.to(dev, non_blocking=True).flatten()
+        by_family = family_losses(losses.detach(), weight > 0, family_ids, len(self.data.family_names))
         kl = sum(kl_terms) / max(len(kl_terms), 1) if kl_terms else torch.zeros((), device=dev)
         (lm + cfg.indexer_kl_weight * kl).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

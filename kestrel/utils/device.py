@@ -26,6 +26,15 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def to_device_async(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory, so the copy does not wait for the stream (a
+    copy from pageable memory synchronizes with it)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
