@@ -13,10 +13,12 @@
 # (two checkpoints of 36 MB do not fit in $OUT together; finish names its archive after the run folder).
 # Carry `.whl` (scripts/fetch_wheels.sh) and `.triton-cache` when there is one. The run lives in $RUN (/tmp/demo-run)
 # on the machine, which keeps it only while the machine stays held: call again within the idle window.
-# Every knob is an environment variable (defaults: run 7, the shipped model, session 13, 2026-11-30, with the
-# shipped tokenizer, TOKENIZER=kestrel/data/kestrel-demo; TOKENIZER= (empty) trains a new BPE first, as run 8 did
-# by accident, 2026-12-01):
-#   MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED DISTRACTORS SHARED_ALL (1, the default: --retrieval-shared-all; 0: run 6's data)
+# Every knob is an environment variable (defaults: run 7, session 13, 2026-11-30, with the shipped tokenizer,
+# TOKENIZER=kestrel/data/kestrel-demo; TOKENIZER= (empty) trains a new BPE first, as run 8 did by accident,
+# 2026-12-01). The shipped model, run 11 (session 17, bench/results/2026-12-01-demo-train-run11.json), is two runs:
+#   RUN=/tmp/run11a RLEN=256,256,512,512,1024 ... start   (then wait, finish)
+#   RUN=/tmp/run11c MODEL=/tmp/run11a/checkpoint STEPS=1100 LR=1e-3 WARMUP=20 DENSE=0 BUDGET=260 SEED=8 ... start
+# Knobs: MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED DISTRACTORS SHARED_ALL (1, the default: --retrieval-shared-all; 0: run 6's data)
 #   RLOSS (--retrieval-loss-weight, default 1)
 #   LR WARMUP DENSE BUDGET WORKERS SEED
 #   EVAL_S PARITY_S NUMR (held-out retrieval prompts a length), and RUN GPU START_WAIT SHIP as above
