@@ -87,14 +87,18 @@ def bench_topk(
     kind: str = "randn",
     device: str = "cuda",
 ) -> dict:
+    """The default exact top-k (`fast_topk`: the CUDA kernel where it builds, else Triton's) against torch.topk,
+    and Triton's beside it when the default is the CUDA one."""
+    from kestrel.ops.dsa import fast_topk
     from kestrel.ops.dsa.naive import topk_select
     from kestrel.ops.dsa.triton_topk import topk_triton
 
+    topk = fast_topk(torch.device(device))
     scores = _topk_scores(kind, rows, length, device)
     lens = torch.full((rows,), length, device=device, dtype=torch.int64)
-    ms = time_ms(lambda: topk_triton(scores, lens, k), device)
+    ms = time_ms(lambda: topk(scores, lens, k), device)
     peer_ms = time_ms(lambda: torch.topk(scores, k, dim=-1), device)
-    ours = topk_triton(scores, lens, k)
+    ours = topk(scores, lens, k)
     # the reference on 4 rows (every row has > k positions: no -1 to place); the kernel lists by position
     exact = bool(torch.equal(ours[:4], topk_select(scores[:4], lens[:4] - 1, k).sort(-1).values))
     # torch.topk breaks ties its own way: compare the sets only where no tie crosses the threshold
@@ -104,15 +108,20 @@ def bench_topk(
         same_sets = bool(
             (ours.sort(-1).values == torch.topk(scores, k, dim=-1).indices.sort(-1).values).all()
         )
+    triton = {}
+    if topk is not topk_triton:
+        triton["ms"] = time_ms(lambda: topk_triton(scores, lens, k), device)
+        triton["equals_default"] = bool(torch.equal(topk_triton(scores, lens, k), ours))
     graphs = {}
     if torch.device(device).type == "cuda":
         # in CUDA graphs, as decode runs it (no launch cost), each call on its own scores (a batch of scores
-        # fits in L2), ours at several tile sizes (seg, block) beside torch.topk
+        # fits in L2): the default kernel, Triton's at several tile sizes (seg, block), torch.topk
         batches = [_topk_scores(kind, rows, length, device) for _ in range(4)]
         graphs["torch_topk_us"] = 1000 * _graph_ms([lambda s=s: torch.topk(s, k, dim=-1) for s in batches])
+        graphs["ours_us"] = 1000 * _graph_ms([lambda s=s: topk(s, lens, k) for s in batches])
         for seg, block in ((4096, 2048), (4096, 4096), (8192, 4096), (16384, 4096), (32768, 4096)):
             calls = [lambda s=s, g=seg, b=block: topk_triton(s, lens, k, seg=g, block=b) for s in batches]
-            graphs[f"ours_seg{seg}_block{block}_us"] = 1000 * _graph_ms(calls)
+            graphs[f"triton_seg{seg}_block{block}_us"] = 1000 * _graph_ms(calls)
     return _entry(
         f"exact top-{k} of {rows}x{length} {kind}",
         ms,
@@ -121,9 +130,11 @@ def bench_topk(
         ceilings,
         peer="torch.topk",
         peer_ms=peer_ms,
+        implementation=f"{topk.__module__}.{topk.__name__}",
         same_sets_as_torch=same_sets,
         equals_reference=exact,
-        stages_us=_stage_times(lambda: topk_triton(scores, lens, k), device),
+        triton=triton or None,
+        stages_us=_stage_times(lambda: topk(scores, lens, k), device),
         in_graphs=graphs,
     )
 

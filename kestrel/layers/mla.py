@@ -19,7 +19,14 @@ from kestrel.layers.context import get_forward_context
 from kestrel.layers.linear import ColumnLinear, Linear, RowLinear
 from kestrel.layers.norm import LayerNorm, RMSNorm
 from kestrel.ops.activation import sigmoid_gate
-from kestrel.ops.dsa import indexer_kl, indexer_scores, indexer_scores_batched, selection_mask, topk_select
+from kestrel.ops.dsa import (
+    fast_topk,
+    indexer_kl,
+    indexer_scores,
+    indexer_scores_batched,
+    selection_mask,
+    topk_select,
+)
 from kestrel.ops.mla import mla_attention_absorbed, mla_attention_rows, mla_decode_batched, split_kv_b
 from kestrel.ops.mla.sdpa_prefill import mla_prefill_sdpa
 from kestrel.utils.device import to_device_async
@@ -418,13 +425,13 @@ def _use_flex(device: torch.device, row_len: int) -> bool:
 
 
 def _topk_fn(device: torch.device):
-    """The exact DSA top-k for scores on `device`, with `topk_select`'s signature (scores, q_pos, k): the
-    Triton radix top-k where the attention backend is Triton, else the reference."""
+    """The exact DSA top-k for scores on `device`, with `topk_select`'s signature (scores, q_pos, k): where the
+    attention backend is Triton, the CUDA kernel on CUDA (KESTREL_DSA_TOPK=auto, when nvcc builds it) or the
+    Triton radix top-k; else the reference. The kernels select the same positions."""
     if not _use_triton(device):
         return topk_select
-    from kestrel.ops.dsa.triton_topk import topk_triton
-
-    return lambda scores, q_pos, k: topk_triton(scores, q_pos + 1, k)
+    kernel = fast_topk(device)
+    return lambda scores, q_pos, k: kernel(scores, q_pos + 1, k)
 
 
 def _rows_to_score(ctx, B: int, R: int, k: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:

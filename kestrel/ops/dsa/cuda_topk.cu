@@ -1,0 +1,429 @@
+// Exact row-wise top-k for DSA in CUDA: one thread block per row, everything in shared memory.
+// `kestrel_topk_launch` selects what `triton_topk.topk_triton` selects (the contract is in cuda_topk.py), listed
+// in ascending position order, then -1. No torch headers: nvcc builds this in a few seconds.
+//
+// Legend: n = min(max(lens[b], 0), L) valid-prefix length of the row, k = index_topk, T = the k-th largest key,
+// C = the candidates kept in shared memory (at most `cap`).
+//
+// The order (as triton_topk's `_sort_key`): -0.0 becomes +0.0, then the float bits map to a uint32 key whose
+// unsigned order is the float order; a NaN or a position >= n gets key 0, below every valid key (a valid -inf
+// is 0x007FFFFF, in 11-bit digit 3). (key desc, position asc) is a strict total order and the selection is
+// its first min(k, valid) elements.
+//
+// Stages of one row (NT = 1024 threads):
+// 1. `histogram` over the row: the top 11 key bits of the valid keys, 2048 shared bins (shared atomics).
+//    `find_threshold` gives the digit of T and the keys above it; with <= k valid keys every one is taken
+//    (T = 0, need = 0) and step 4 reads the row straight away.
+// 2. `gather`: when the keys whose top 11 bits are >= T's fit in `cap`, one ordered pass over the row copies
+//    their (key, position) to shared memory in position order (a block scan per chunk gives the offsets).
+// 3. Two more digits of T (the next 11 bits, then the last 10) from shared histograms over the candidates,
+//    giving T and `need`, how many keys equal to T are taken (the lowest positions: the tie rule).
+// 4. `select`: one ordered pass over the candidates writes every key > T and the first `need` keys == T to
+//    the output at their rank among the taken ones, which is position order.
+// Fallback when the threshold digit holds more than `cap` keys (heavy ties, an all-equal row): step 3's next
+// digit is taken from the row instead (one more read of the row, from L2), and the gather retried with 22 key
+// bits; when even those exceed `cap`, the last digit also comes from the row and step 4 reads the row.
+// Step 4 stops at the chunk where the last selected position appears.
+//
+// Reads: every row pass loads aligned 16-byte vectors starting at the 16-byte boundary at or before the row's
+// first score (at most 3 scores before it and after its end are loaded and masked: inside the allocation's
+// 16-byte granule, so never past a page). Memory per row of 131072 scores, k = 2048: the row twice (the second
+// mostly from L2), about 8 B per candidate to shared memory, 16 KiB of indices out.
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int NT = 1024;  // threads per row
+constexpr int NWARPS = NT / 32;
+constexpr int NB = 2048;  // bins of an 11-bit digit
+constexpr int CAP_MAX = 24576;  // candidates in shared memory: 8 B each, 192 KiB
+constexpr int MAX_DEVICES = 64;
+constexpr unsigned FULL = 0xffffffffu;
+
+__device__ __forceinline__ uint32_t sort_key(float x, bool valid) {
+    x = (x == 0.0f) ? 0.0f : x;  // -0.0 == +0.0: one key for both
+    const uint32_t u = __float_as_uint(x);
+    const uint32_t key = (u >> 31) ? ~u : (u | 0x80000000u);
+    return (valid && x == x) ? key : 0u;
+}
+
+struct Shared {
+    unsigned long long scan[NWARPS];  // per-warp totals of a block scan
+    uint32_t digit, above, at;  // find_threshold's answer
+};
+
+// Exclusive prefix sum of v over the block's threads in thread order; `total` gets the block's sum. Fields packed
+// into v add independently as long as no field's block total overflows.
+__device__ __forceinline__ unsigned long long block_exclusive_scan(
+    unsigned long long v, unsigned long long& total, Shared& sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned long long inc = v;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const unsigned long long y = __shfl_up_sync(FULL, inc, d);
+        if (lane >= d) inc += y;
+    }
+    if (lane == 31) sh.scan[warp] = inc;
+    __syncthreads();
+    const unsigned long long w = sh.scan[lane];  // NWARPS == 32: one warp total per lane
+    unsigned long long winc = w;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const unsigned long long y = __shfl_up_sync(FULL, winc, d);
+        if (lane >= d) winc += y;
+    }
+    const unsigned long long before = __shfl_sync(FULL, winc - w, warp);  // sum of the earlier warps
+    total = __shfl_sync(FULL, winc, 31);
+    __syncthreads();  // sh.scan is free for the next scan
+    return before + inc - v;
+}
+
+// A row of scores as 16-byte slots: slot s holds positions 4 s - head .. 4 s - head + 3.
+struct Row {
+    const float4* base;  // 16-byte aligned, `head` scores before the row's first
+    int head, n, nslots;
+    using Raw = float4;
+
+    __device__ __forceinline__ Raw fetch(int s) const {
+        return s < nslots ? __ldg(base + s) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    __device__ __forceinline__ void keys(int s, const Raw& v, uint32_t key[4], int pos[4]) const {
+        const float x[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            pos[j] = 4 * s + j - head;
+            key[j] = sort_key(x[j], pos[j] >= 0 && pos[j] < n);
+        }
+    }
+};
+
+// The candidates in shared memory, 4 to a slot; entries at or past `count` read as key 0 (invalid).
+struct Cands {
+    const uint32_t* key;
+    const int* pos;
+    int count, nslots;
+    struct Raw {
+        uint4 key;
+        int4 pos;
+    };
+
+    __device__ __forceinline__ Raw fetch(int s) const {
+        Raw r{make_uint4(0u, 0u, 0u, 0u), make_int4(0, 0, 0, 0)};
+        if (s < nslots) {
+            r.key = reinterpret_cast<const uint4*>(key)[s];
+            r.pos = reinterpret_cast<const int4*>(pos)[s];
+        }
+        return r;
+    }
+    __device__ __forceinline__ void keys(int s, const Raw& r, uint32_t k[4], int p[4]) const {
+        const uint32_t kk[4] = {r.key.x, r.key.y, r.key.z, r.key.w};
+        const int pp[4] = {r.pos.x, r.pos.y, r.pos.z, r.pos.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            k[j] = 4 * s + j < count ? kk[j] : 0u;
+            p[j] = pp[j];
+        }
+    }
+};
+
+// A histogram of R interleaved copies: bin d's copy c is hist[d * R + c], the copy picked by the thread's lane, so
+// that lanes of a warp adding to one bin (a crowded bin of the top digit) mostly hit different words.
+template <int R>
+__device__ __forceinline__ uint32_t bin_count(const uint32_t* hist, int d) {
+    uint32_t h = 0;
+#pragma unroll
+    for (int c = 0; c < R; ++c) h += hist[d * R + c];
+    return h;
+}
+
+// Bin (key >> shift) & (nbins - 1) += 1 for every valid key with key >> pshift == prefix (every valid key when
+// ALL). Order does not matter: U slots per thread are loaded before any is used, for memory-level parallelism.
+template <bool ALL, int R, class Src>
+__device__ __forceinline__ void histogram(
+    const Src& src, uint32_t* hist, int pshift, uint32_t prefix, int shift, uint32_t nbins) {
+    constexpr int U = 4;
+    for (int s0 = threadIdx.x; s0 < src.nslots; s0 += U * NT) {
+        typename Src::Raw raw[U];
+#pragma unroll
+        for (int i = 0; i < U; ++i) raw[i] = src.fetch(s0 + i * NT);
+#pragma unroll
+        for (int i = 0; i < U; ++i) {
+            uint32_t key[4];
+            int pos[4];
+            src.keys(s0 + i * NT, raw[i], key, pos);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const bool in = ALL ? key[j] != 0u : (key[j] >> pshift) == prefix;
+                if (in) atomicAdd(&hist[((key[j] >> shift) & (nbins - 1)) * R + (threadIdx.x & (R - 1))], 1u);
+            }
+        }
+    }
+}
+
+struct Threshold {
+    uint32_t digit;  // the largest digit d with count(digits >= d) >= need (0 when none)
+    uint32_t above;  // count(digits > d)
+    uint32_t at;  // count(digit == d)
+    uint32_t total;  // count(all digits)
+};
+
+// Reads bins 0 .. nbins - 1 (nbins = NT or 2 NT); ends with a barrier after its last read of hist.
+template <int R>
+__device__ __forceinline__ Threshold find_threshold(const uint32_t* hist, int nbins, uint32_t need, Shared& sh) {
+    const int per = nbins / NT;
+    const int hi = nbins - 1 - threadIdx.x * per;  // this thread's bins, descending: hi, hi - 1, ...
+    uint32_t local = 0;
+    for (int i = 0; i < per; ++i) local += bin_count<R>(hist, hi - i);
+    if (threadIdx.x == 0) sh.digit = sh.above = sh.at = 0u;
+    unsigned long long total;
+    uint32_t cum = (uint32_t)block_exclusive_scan(local, total, sh);  // keys in the bins above this thread's
+    for (int i = 0; i < per; ++i) {
+        const uint32_t h = bin_count<R>(hist, hi - i);
+        if (cum < need && cum + h >= need) {  // true for exactly one bin when total >= need
+            sh.digit = hi - i;
+            sh.above = cum;
+            sh.at = h;
+        }
+        cum += h;
+    }
+    __syncthreads();
+    return {sh.digit, sh.above, sh.at, (uint32_t)total};
+}
+
+// Zero the histogram, count one digit of the keys under `prefix`, find the digit of the need-th largest.
+template <int R, class Src>
+__device__ __forceinline__ Threshold digit_pass(
+    const Src& src, uint32_t* hist, Shared& sh, int pshift, uint32_t prefix, int shift, int nbins, uint32_t need) {
+    for (int i = threadIdx.x; i < nbins * R; i += NT) hist[i] = 0u;
+    __syncthreads();
+    histogram<false, R>(src, hist, pshift, prefix, shift, nbins);
+    __syncthreads();
+    return find_threshold<R>(hist, nbins, need, sh);
+}
+
+inline __device__ uint32_t field16(unsigned long long v, int i) { return (uint32_t)(v >> (16 * i)) & 0xffffu; }
+
+// Copy the (key, position) of every key >= lo (`count` of them) to shared memory in position order. Chunks of
+// 4 NT slots; a thread's 4 slot counts are 16-bit fields of one block scan (a field's total is <= 4 NT). With
+// PREFETCH the next chunk's loads are issued before this chunk's scan, so their latency overlaps it.
+template <bool PREFETCH>
+__device__ void gather(const Row& row, uint32_t lo, uint32_t count, uint32_t* ckey, int* cpos, Shared& sh) {
+    constexpr int V = 4;
+    uint32_t run = 0;  // block-uniform: candidates written so far
+    float4 raw[V];
+    if (PREFETCH) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) raw[i] = row.fetch(i * NT + threadIdx.x);
+    }
+    for (int c0 = 0; c0 < row.nslots && run < count; c0 += V * NT) {
+        if (!PREFETCH) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) raw[i] = row.fetch(c0 + i * NT + threadIdx.x);
+        }
+        uint32_t key[V][4];
+        int pos[V][4];
+        unsigned long long packed = 0;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            row.keys(c0 + i * NT + threadIdx.x, raw[i], key[i], pos[i]);
+            uint32_t c = 0;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) c += key[i][j] >= lo;
+            packed |= (unsigned long long)c << (16 * i);
+        }
+        if (PREFETCH) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) raw[i] = row.fetch(c0 + (V + i) * NT + threadIdx.x);
+        }
+        unsigned long long total;
+        const unsigned long long excl = block_exclusive_scan(packed, total, sh);
+#pragma unroll
+        for (int i = 0; i < V; ++i) {  // slot i of every thread precedes slot i + 1 of every thread
+            uint32_t r = run + field16(excl, i);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (key[i][j] >= lo) {
+                    ckey[r] = key[i][j];
+                    cpos[r] = pos[i][j];
+                    ++r;
+                }
+            }
+            run += field16(total, i);
+        }
+    }
+}
+
+// Write every key > T and the first `need` keys == T (in position order) of src to out at their rank among the
+// taken ones, which is position order; n_sel is how many that makes, and the pass stops once all are written.
+// Chunks of 2 NT slots; per slot two 16-bit fields of one block scan: keys > T and keys == T.
+template <class Src>
+__device__ void select(const Src& src, uint32_t T, uint32_t need, uint32_t n_sel, long long* out, Shared& sh) {
+    constexpr int V = 2;
+    uint32_t run_above = 0, run_tie = 0;  // block-uniform: keys > T and == T seen so far
+    for (int c0 = 0; c0 < src.nslots && run_above + min(run_tie, need) < n_sel; c0 += V * NT) {
+        typename Src::Raw raw[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) raw[i] = src.fetch(c0 + i * NT + threadIdx.x);
+        uint32_t key[V][4];
+        int pos[V][4];
+        unsigned long long packed = 0;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            src.keys(c0 + i * NT + threadIdx.x, raw[i], key[i], pos[i]);
+            uint32_t a = 0, t = 0;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                a += key[i][j] > T;
+                t += key[i][j] == T;
+            }
+            packed |= (unsigned long long)(a | t << 16) << (32 * i);
+        }
+        unsigned long long total;
+        const unsigned long long excl = block_exclusive_scan(packed, total, sh);
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            uint32_t a = run_above + field16(excl, 2 * i), t = run_tie + field16(excl, 2 * i + 1);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (key[i][j] > T) {
+                    out[a + min(t, need)] = pos[i][j];
+                    ++a;
+                } else if (key[i][j] == T) {
+                    if (t < need) out[a + t] = pos[i][j];
+                    ++t;
+                }
+            }
+            run_above += field16(total, 2 * i);
+            run_tie += field16(total, 2 * i + 1);
+        }
+    }
+}
+
+template <int R, bool PREFETCH>
+__global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
+    const float* __restrict__ scores,  // [B, L], row stride stride_s
+    long long stride_s,
+    int L,
+    const void* __restrict__ lens,  // [B] int32 or int64
+    int lens_is_64,
+    int k,
+    long long* __restrict__ out,  // [B, k], row stride stride_o
+    long long stride_o,
+    int cap) {
+    extern __shared__ uint4 dyn_smem[];
+    uint32_t* ckey = reinterpret_cast<uint32_t*>(dyn_smem);  // [cap], cap % 4 == 0
+    int* cpos = reinterpret_cast<int*>(ckey + cap);  // [cap]
+    __shared__ uint32_t hist[NB * R];
+    __shared__ Shared sh;
+
+    const long long b = blockIdx.x;
+    const long long len = lens_is_64 ? static_cast<const long long*>(lens)[b] : static_cast<const int*>(lens)[b];
+    const int n = (int)min(max(len, 0LL), (long long)L);
+    const float* row_ptr = scores + b * stride_s;
+    const int head = (int)((reinterpret_cast<uintptr_t>(row_ptr) >> 2) & 3);
+    const Row row{reinterpret_cast<const float4*>(row_ptr - head), head, n, n > 0 ? (n + head + 3) >> 2 : 0};
+    long long* out_row = out + b * stride_o;
+
+    // Step 1: the top 11 bits.
+    for (int i = threadIdx.x; i < NB * R; i += NT) hist[i] = 0u;
+    __syncthreads();
+    histogram<true, R>(row, hist, 0, 0u, 21, NB);
+    __syncthreads();
+    const Threshold t1 = find_threshold<R>(hist, NB, (uint32_t)k, sh);
+    const uint32_t n_sel = min(t1.total, (uint32_t)k);
+    for (int i = n_sel + threadIdx.x; i < k; i += NT) out_row[i] = -1;
+    if (t1.total <= (uint32_t)k) {
+        select(row, 0u, 0u, n_sel, out_row, sh);
+        return;
+    }
+    uint32_t need = (uint32_t)k - t1.above;  // >= 1: keys taken inside the threshold digit
+    uint32_t prefix = t1.digit;  // T's top 11 bits (>= 3: only valid keys count)
+    uint32_t count = t1.above + t1.at;  // keys whose top 11 bits are >= T's
+    int pshift = 21;  // T's bits known so far: 32 - pshift
+    if (count > (uint32_t)cap) {  // too many to keep: T's next 11 bits from the row
+        const Threshold t2 = digit_pass<R>(row, hist, sh, 21, prefix, 10, NB, need);
+        count = t1.above + t2.above + t2.at;  // keys whose top 22 bits are >= T's
+        need -= t2.above;
+        prefix = (prefix << 11) | t2.digit;
+        pshift = 10;
+        if (count > (uint32_t)cap) {  // still too many: T's last 10 bits from the row too, select from the row
+            const Threshold t3 = digit_pass<R>(row, hist, sh, 10, prefix, 0, NB / 2, need);
+            select(row, (prefix << 10) | t3.digit, need - t3.above, n_sel, out_row, sh);
+            return;
+        }
+    }
+    // Steps 2-4 over the candidates in shared memory.
+    gather<PREFETCH>(row, prefix << pshift, count, ckey, cpos, sh);
+    __syncthreads();
+    const Cands cands{ckey, cpos, (int)count, (int)((count + 3) / 4)};
+    if (pshift == 21) {
+        const Threshold t2 = digit_pass<R>(cands, hist, sh, 21, prefix, 10, NB, need);
+        need -= t2.above;
+        prefix = (prefix << 11) | t2.digit;
+    }
+    const Threshold t3 = digit_pass<R>(cands, hist, sh, 10, prefix, 0, NB / 2, need);
+    select(cands, (prefix << 10) | t3.digit, need - t3.above, n_sel, out_row, sh);
+}
+
+// Kernel variants, for measuring on the device which helps (scripts/topk_cuda_check.py times each):
+// 0: one histogram copy, plain gather (the default; on the H200 2026-12-01: 56.5 us for 64 x 131072, k = 2048);
+// 1: R = 4 lane-picked copies of every histogram bin; 2: R = 4 and the gather's next chunk prefetched.
+constexpr int NUM_VARIANTS = 3;
+using Kernel = void (*)(const float*, long long, int, const void*, int, int, long long*, long long, int);
+constexpr Kernel VARIANTS[NUM_VARIANTS] = {
+    topk_rows_kernel<1, false>, topk_rows_kernel<4, false>, topk_rows_kernel<4, true>};
+
+int g_cap[NUM_VARIANTS][MAX_DEVICES];  // the candidate capacity the device's shared memory allows (0: not set up)
+
+// Set the kernel's dynamic shared-memory limit on this device once (before any graph capture's first call).
+cudaError_t setup(int variant, int dev) {
+    int optin = 0;
+    cudaError_t err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (err != cudaSuccess) return err;
+    cudaFuncAttributes attr;
+    err = cudaFuncGetAttributes(&attr, VARIANTS[variant]);
+    if (err != cudaSuccess) return err;
+    int cap = (int)((optin - (long long)attr.sharedSizeBytes - 1024) / 8) & ~3;  // 1 KiB spare
+    cap = cap < CAP_MAX ? cap : CAP_MAX;
+    if (cap < 4) return cudaErrorInvalidConfiguration;
+    err = cudaFuncSetAttribute(VARIANTS[variant], cudaFuncAttributeMaxDynamicSharedMemorySize, cap * 8);
+    if (err != cudaSuccess) return err;
+    g_cap[variant][dev] = cap;
+    return cudaSuccess;
+}
+
+}  // namespace
+
+// Top-k of B rows on `stream` with kernel `variant` (0: the default); returns a cudaError_t (0: launched).
+// Output rows [B, k] int64 with unit column stride. Requires 1 <= k, 0 < L <= 2^31 - 2^20, B < 2^31.
+extern "C" int kestrel_topk_launch(
+    const float* scores,
+    long long stride_s,
+    int B,
+    int L,
+    const void* lens,
+    int lens_is_64,
+    int k,
+    long long* out,
+    long long stride_o,
+    void* stream,
+    int variant) {
+    if (variant < 0 || variant >= NUM_VARIANTS) return cudaErrorInvalidValue;
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return err;
+    if (dev < 0 || dev >= MAX_DEVICES) return cudaErrorInvalidDevice;
+    if (g_cap[variant][dev] == 0 && (err = setup(variant, dev)) != cudaSuccess) return err;
+    if (B <= 0) return cudaSuccess;
+    const long long row_cap = ((long long)L + 3) & ~3LL;  // a row never has more candidates than scores
+    const int cap = row_cap < g_cap[variant][dev] ? (int)row_cap : g_cap[variant][dev];
+    VARIANTS[variant]<<<B, NT, (size_t)cap * 8, static_cast<cudaStream_t>(stream)>>>(
+        scores, stride_s, L, lens, lens_is_64, k, out, stride_o, cap);
+    return cudaGetLastError();
+}
+
+extern "C" int kestrel_topk_num_variants() { return NUM_VARIANTS; }
+
+extern "C" const char* kestrel_topk_error(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }

@@ -1,0 +1,299 @@
+"""The CUDA exact top-k on the device in one run: build, correctness, speed, CUDA graph; one JSON result.
+
+    export PYTHONPATH=$PWD; python3 scripts/topk_cuda_check.py --out $OUT/topk_cuda.json
+
+1. builds kestrel/ops/dsa/cuda_topk.cu (the build's seconds: nvcc's, or ~0 when the cache already had it);
+2. runs each correctness case into poisoned outputs, every kernel variant of topk_cuda against naive.topk_select
+   (listed by position) and, while time allows, the default variant against topk_triton (whose Triton compiles
+   take most of this script's time on a fresh machine);
+3. times [64, 131072] fp32 scores, k = 2048, full lens, for topk_cuda (each variant: `topk_cuda_v0`, ...; the
+   default is `topk_cuda`), topk_triton and torch.topk (dim=-1), with
+   CUDA events, the median of 50 after 10 warm-ups, L2 flushed before each (`cold`, as kestrel.bench times
+   kernels) and not (`warm`: the scores just written, as after the indexer kernel); score kinds randn, ramp
+   (randn plus a rise to the row's end) and ties (integers 0-299, the fallback for wide threshold digits);
+4. captures topk_cuda in a CUDA graph, replays it on fresh inputs and compares with eager.
+Each section catches its own exceptions; the JSON is rewritten after every section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kestrel.ops.dsa import cuda_topk, topk_select  # noqa: E402
+
+NAN, INF = float("nan"), float("inf")
+TRITON_DEADLINE_S = 75  # past this many seconds of the run, the remaining topk_triton comparisons are skipped
+
+
+def by_position(idx: torch.Tensor) -> torch.Tensor:
+    big = torch.iinfo(torch.int64).max
+    listed = torch.where(idx < 0, big, idx).sort(-1).values
+    return torch.where(listed == big, -1, listed)
+
+
+def cases() -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
+    """(name, scores [B, L] on the GPU, lens [B], k) of every correctness case."""
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    out = []
+    for L in (1, 7, 37, 257, 4099):
+        scores = torch.randn(4, L, generator=g, device=dev)
+        lens = torch.tensor([1, L, L // 2 + 3, 0], device=dev)
+        for k in (1, 5, 64, 300, 2048):
+            out.append((f"randn L={L} k={k}", scores, lens, k))
+    scores = torch.randn(5, 300, generator=g, device=dev)
+    lens = torch.tensor([300, -4, 1000, 17, 0], device=dev)
+    out.append(("int32 lens out of range k=64", scores, lens.int(), 64))
+    out.append(("int64 lens out of range k=300", scores, lens, 300))
+    ties = torch.randint(-3, 4, (5, 1000), generator=g, device=dev).float()
+    ties[torch.rand(5, 1000, generator=g, device=dev) < 0.1] = NAN
+    for k in (1, 7, 300):
+        out.append((f"7 values + NaN k={k}", ties, torch.tensor([1000, 1, 570, 999, 640], device=dev), k))
+    ulps = torch.randint(0, 6, (3, 800), generator=g, device=dev).int()
+    close = (torch.tensor(1.5, device=dev).view(torch.int32) + ulps).view(torch.float32)
+    out.append(("scores ulps apart k=300", close, torch.tensor([800, 410, 777], device=dev), 300))
+    mixed = [-INF, 2.0, NAN, -INF, INF, 0.0, -0.0, 0.0, NAN, -1e-45, 1e-45, -0.0, 3e38, -3e38, INF, 2.0, -INF]
+    special = torch.tensor([mixed, [NAN] * 17, [0.0, -0.0] * 8 + [NAN], [-INF] * 17, [INF] * 17], device=dev)
+    for k in (1, 5, 17, 40):
+        out.append((f"special values k={k}", special, torch.tensor([17, 17, 16, 17, 9], device=dev), k))
+    base = torch.randn(4, 500, generator=g, device=dev)
+    lens = torch.tensor([1, 9, 500, 140], device=dev)
+    padded = torch.arange(500, device=dev)[None, :] >= lens[:, None]
+    for garbage in (NAN, INF, 1e30):
+        out.append((f"garbage {garbage} past lens k=8", base.masked_fill(padded, garbage), lens, 8))
+    wide = torch.randn(6, 4131, generator=g, device=dev)
+    lens = torch.tensor([4099, 3, 77, 4098, 0, 2000], device=dev)
+    for start in range(4):
+        out.append((f"row stride 4131, start {start} k=300", wide[:, start : start + 4099], lens, 300))
+    out.append(
+        ("column stride != 1 k=5", wide.t()[:9, :6].t(), torch.tensor([9, 3, 1, 6, 0, 9], device=dev), 5)
+    )
+    equal = torch.full((3, 131072), 0.5, device=dev)
+    out.append(("all equal k=2048", equal, torch.tensor([131072, 90001, 2047], device=dev), 2048))
+    step = equal.clone()
+    step[1, 70000:] = 0.75
+    out.append(("all equal, higher tail k=2048", step, torch.tensor([131072, 131072, 5], device=dev), 2048))
+    for B, L, k in ((64, 131072, 2048), (16, 32768, 2048), (3, 5000, 2048), (4, 70000, 64)):
+        for kind in ("randn", "ties", "few"):
+            if kind == "randn":
+                scores = torch.randn(B, L, generator=g, device=dev)
+            elif kind == "ties":
+                scores = torch.randint(0, 300, (B, L), generator=g, device=dev).float()
+            else:
+                scores = torch.randint(0, 3, (B, L), generator=g, device=dev).float()
+            scores[torch.rand(B, L, generator=g, device=dev) < 0.01] = NAN
+            lens = torch.randint(1, L + 1, (B,), generator=g, device=dev)
+            lens[0], lens[-1] = L, 1
+            out.append((f"{kind} {B}x{L} k={k}", scores, lens, k))
+    full = torch.randn(64, 131072, generator=g, device=dev)
+    out.append(("randn 64x131072 full lens k=2048", full, torch.full((64,), 131072, device=dev), 2048))
+    tri = torch.randn(4096, 4096, generator=g, device=dev)
+    tri[torch.rand(4096, 4096, generator=g, device=dev) < 0.01] = NAN
+    out.append(("prefill triangle 4096x4096 k=2048", tri, torch.arange(1, 4097, device=dev), 2048))
+    return out
+
+
+def poisoned_run(fn, scores, lens, k, **kwargs) -> torch.Tensor:
+    out = torch.full((scores.shape[0], k), -7, dtype=torch.int64, device=scores.device)
+    got = fn(scores, lens, k, out=out, **kwargs)
+    assert got.data_ptr() == out.data_ptr(), "did not write into out"
+    return got
+
+
+def check_cases(result: dict, started: float) -> None:
+    rows = result["cases"] = []
+    all_cases = cases()
+    for name, scores, lens, k in all_cases:
+        row = {"case": name}
+        try:
+            want = by_position(topk_select(scores, lens.long() - 1, k))
+            for v in range(cuda_topk.num_variants()):
+                got = poisoned_run(cuda_topk.topk_cuda, scores, lens, k, variant=v)
+                ok = row[f"naive_ok_v{v}"] = bool(torch.equal(got, want))
+                if not ok:
+                    bad = (got != want).any(-1).nonzero().flatten()
+                    r = int(bad[0])
+                    row[f"failure_v{v}"] = {
+                        "first_bad_row": r,
+                        "bad_rows": int(bad.numel()),
+                        "got": got[r, :12].tolist(),
+                        "want": want[r, :12].tolist(),
+                        "unwritten": int((got == -7).sum()),
+                    }
+            row["naive_ok"] = row[f"naive_ok_v{cuda_topk.DEFAULT_VARIANT}"]
+        except Exception as e:  # noqa: BLE001
+            row["error"] = repr(e)[:500]
+        rows.append(row)
+    for v in range(cuda_topk.num_variants()):
+        passed = sum(r.get(f"naive_ok_v{v}", False) for r in rows)
+        print(f"naive, variant {v}: {passed}/{len(rows)} cases pass", flush=True)
+    try:
+        from kestrel.ops.dsa.triton_topk import topk_triton
+    except Exception as e:  # noqa: BLE001
+        result["triton_import_error"] = repr(e)[:500]
+        return
+    for row, (_, scores, lens, k) in zip(rows, all_cases):
+        if time.perf_counter() - started > TRITON_DEADLINE_S:
+            row["triton_ok"] = "skipped (time)"
+            continue
+        try:
+            want = poisoned_run(topk_triton, scores, lens, k)
+            row["triton_ok"] = bool(torch.equal(cuda_topk.topk_cuda(scores, lens, k), want))
+        except Exception as e:  # noqa: BLE001
+            row["triton_error"] = repr(e)[:500]
+    done = [r for r in rows if isinstance(r.get("triton_ok"), bool)]
+    print(f"triton: {sum(r['triton_ok'] for r in done)}/{len(done)} compared cases equal", flush=True)
+
+
+def time_us(fn, flush: bool, reps: int = 50, warmup: int = 10) -> float:
+    """Median microseconds of fn() over `reps` CUDA-event pairs, the L2 flushed before each when `flush`."""
+    cache = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    for _ in range(warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        if flush:
+            cache.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return 1000 * statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def scores_of(kind: str, B: int, L: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    if kind == "randn":
+        return torch.randn(B, L, generator=g, device="cuda")
+    if kind == "ramp":
+        return torch.randn(B, L, generator=g, device="cuda") + torch.linspace(0, 6, L, device="cuda")
+    return torch.randint(0, 300, (B, L), generator=g, device="cuda").float()  # ties
+
+
+def timing(result: dict) -> None:
+    from kestrel.ops.dsa.triton_topk import topk_triton
+
+    B, L, k = 64, 131072, 2048
+    lens = torch.full((B,), L, device="cuda")
+    out = torch.empty(B, k, dtype=torch.int64, device="cuda")
+    rows = result["timing"] = {"shape": [B, L], "k": k}
+    for kind in ("randn", "ramp", "ties"):
+        scores = scores_of(kind, B, L)
+        fns = {
+            "topk_cuda": lambda s=scores: cuda_topk.topk_cuda(s, lens, k, out=out),
+            **{
+                f"topk_cuda_v{v}": lambda s=scores, v=v: cuda_topk.topk_cuda(s, lens, k, out=out, variant=v)
+                for v in range(cuda_topk.num_variants())
+            },
+            "topk_triton": lambda s=scores: topk_triton(s, lens, k, out=out),
+            "torch_topk": lambda s=scores: torch.topk(s, k, dim=-1),
+        }
+        entry = rows[kind] = {}
+        for name, fn in fns.items():
+            try:
+                entry[name] = {"cold_us": time_us(fn, flush=True), "warm_us": time_us(fn, flush=False)}
+            except Exception as e:  # noqa: BLE001
+                entry[name] = {"error": repr(e)[:300]}
+        cuda_us = entry["topk_cuda"].get("cold_us")
+        for peer in ("topk_triton", "torch_topk"):
+            if cuda_us and "cold_us" in entry[peer]:
+                entry[f"{peer}_over_cuda_cold"] = entry[peer]["cold_us"] / cuda_us
+        print(
+            f"{kind:6s} "
+            + "  ".join(
+                f"{n} {v.get('cold_us', float('nan')):7.1f} us" for n, v in entry.items() if "_over_" not in n
+            ),
+            flush=True,
+        )
+
+
+def graph_check(result: dict) -> None:
+    B, L, k = 64, 131072, 2048
+    scores = scores_of("randn", B, L)
+    lens = torch.randint(1, L + 1, (B,), device="cuda")
+    fresh_scores, fresh_lens = scores_of("ramp", B, L), torch.randint(1, L + 1, (B,), device="cuda")
+    fresh_lens[0] = L
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            cuda_topk.topk_cuda(scores, lens, k)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cuda_topk.topk_cuda(scores, lens, k)
+    scores.copy_(fresh_scores)
+    lens.copy_(fresh_lens)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = by_position(topk_select(fresh_scores, fresh_lens - 1, k))
+    result["graph"] = {
+        "replay_equal_eager": bool(torch.equal(captured, cuda_topk.topk_cuda(fresh_scores, fresh_lens, k))),
+        "replay_equal_naive": bool(torch.equal(captured, want)),
+        "replay_warm_us": time_us(graph.replay, flush=False),
+        "replay_cold_us": time_us(graph.replay, flush=True),
+    }
+    print(f"graph: {result['graph']}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "topk_cuda.json"))
+    args = parser.parse_args()
+    started = time.perf_counter()
+    result: dict = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "torch": torch.__version__,
+    }
+
+    def save() -> None:
+        result["elapsed_s"] = time.perf_counter() - started
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+    def section(name: str, fn) -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001
+            result.setdefault("errors", {})[name] = traceback.format_exc()[-3000:]
+            print(f"{name} failed:\n{result['errors'][name]}", flush=True)
+        save()
+
+    def build() -> None:
+        result["gpu"] = torch.cuda.get_device_name()
+        nvcc = cuda_topk._nvcc()
+        result["nvcc"] = nvcc and subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+        t0 = time.perf_counter()
+        path = cuda_topk.build(verbose=True)
+        result["build"] = {"seconds": time.perf_counter() - t0, "library": str(path)}
+        result["available"] = cuda_topk.available()
+        result["variants"] = cuda_topk.num_variants()
+        result["default_variant"] = cuda_topk.DEFAULT_VARIANT
+        result["unavailable_reason"] = cuda_topk.UNAVAILABLE_REASON
+        print(f"build: {result['build']}, available: {result['available']}", flush=True)
+
+    section("build", build)
+    if result.get("available"):
+        section("cases", lambda: check_cases(result, started))
+        section("timing", lambda: timing(result))
+        section("graph", lambda: graph_check(result))
+    save()
+    print(f"wrote {args.out} in {result['elapsed_s']:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""The CUDA exact top-k (kestrel.ops.dsa.cuda_topk) against naive.topk_select and topk_triton.
+
+The kernel tests need a CUDA device and nvcc (skipped otherwise); `available()` is checked on every machine.
+Outputs are poisoned before every run so that an element the kernel never writes fails the comparison.
+
+Legend: B rows, L score positions, k = index_topk.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.ops.dsa import cuda_topk, topk_select
+from kestrel.ops.dsa.cuda_topk import available, topk_cuda
+
+NAN, INF = float("nan"), float("inf")
+KERNEL = torch.cuda.is_available() and available()
+requires_kernel = pytest.mark.skipif(
+    not KERNEL, reason=f"topk_cuda unavailable: {cuda_topk.UNAVAILABLE_REASON or 'no CUDA device'}"
+)
+
+
+def by_position(idx):
+    """A selection [B, k] (-1 padded) listed in ascending position order, -1 last."""
+    big = torch.iinfo(torch.int64).max
+    listed = torch.where(idx < 0, big, idx).sort(-1).values
+    return torch.where(listed == big, -1, listed)
+
+
+def run_topk(scores, lens, k, lens_dtype=torch.int64):
+    """topk_cuda (every kernel variant) into a poisoned output equals the reference's selection by position."""
+    scores, lens = scores.cuda(), lens.cuda()
+    want = by_position(topk_select(scores, lens.long() - 1, k))
+    assert cuda_topk.num_variants() >= 1
+    for variant in range(cuda_topk.num_variants()):
+        out = torch.full((scores.shape[0], k), -7, dtype=torch.int64, device="cuda")
+        got = topk_cuda(scores, lens.to(lens_dtype), k, out=out, variant=variant)
+        assert got.data_ptr() == out.data_ptr()
+        assert not (got == -7).any(), f"variant {variant}: unwritten output"
+        assert torch.equal(got, want), f"variant {variant} k={k} lens={lens.tolist()[:8]}\n{got}\n{want}"
+
+
+def test_unavailable_without_cuda_does_not_raise(monkeypatch):
+    """No CUDA device, or no nvcc: available() is False with a reason, and topk_cuda says why."""
+    for patch in ({"is_available": False}, {"is_available": True, "nvcc": None}):
+        monkeypatch.setattr(cuda_topk, "_tried", False)
+        monkeypatch.setattr(cuda_topk, "_lib", None)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda p=patch: p["is_available"])
+        if "nvcc" in patch:
+            monkeypatch.setattr(cuda_topk, "_nvcc", lambda: None)
+        assert available() is False
+        assert cuda_topk.UNAVAILABLE_REASON
+    monkeypatch.undo()
+    cuda_topk._tried, cuda_topk._lib = False, None  # the next caller loads for real
+    assert isinstance(available(), bool)
+
+
+def test_the_layer_picks_the_kernel_by_env_and_availability(monkeypatch):
+    """KESTREL_DSA_TOPK: auto takes the CUDA kernel where it builds, else Triton; cuda without it is an error
+    that says why; triton never asks; CPU tensors never get the CUDA kernel."""
+    from kestrel.ops.dsa import fast_topk
+    from kestrel.ops.dsa.triton_topk import topk_triton
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(cuda_topk, "available", lambda: True)
+    for choice, want in (("auto", topk_cuda), ("cuda", topk_cuda), ("triton", topk_triton)):
+        monkeypatch.setenv("KESTREL_DSA_TOPK", choice)
+        assert fast_topk(cuda) is want
+        assert fast_topk(torch.device("cpu")) is topk_triton
+    monkeypatch.setattr(cuda_topk, "available", lambda: False)
+    monkeypatch.setattr(cuda_topk, "UNAVAILABLE_REASON", "RuntimeError: nvcc not found")
+    monkeypatch.setenv("KESTREL_DSA_TOPK", "auto")
+    assert fast_topk(cuda) is topk_triton
+    monkeypatch.setenv("KESTREL_DSA_TOPK", "cuda")
+    with pytest.raises(RuntimeError, match="nvcc not found"):
+        fast_topk(cuda)
+    monkeypatch.setenv("KESTREL_DSA_TOPK", "fast")
+    with pytest.raises(ValueError, match="KESTREL_DSA_TOPK"):
+        fast_topk(cuda)
+
+
+@requires_kernel
+@pytest.mark.parametrize("L", [1, 7, 37, 100, 257, 4099])
+def test_random_scores(L):
+    g = torch.Generator().manual_seed(L)
+    scores = torch.randn(4, L, generator=g)  # [B, L]
+    lens = torch.tensor([1, L, L // 2 + 3, 0])
+    for k in sorted({1, 5, 16, max(1, L // 3), L, 64, 300}):
+        run_topk(scores, lens, k)
+
+
+@requires_kernel
+def test_int32_lens_and_lens_out_of_range():
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(5, 300, generator=g)
+    lens = torch.tensor([300, -4, 1000, 17, 0])  # clamped to [0, L]
+    for k in (1, 64, 300):
+        run_topk(scores, lens, k, lens_dtype=torch.int32)
+        run_topk(scores, lens, k)
+
+
+@requires_kernel
+@pytest.mark.parametrize("seed", range(2))
+def test_heavy_ties_and_nan(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, L = 5, 1000
+    scores = torch.randint(-3, 4, (B, L), generator=g).float()  # 7 distinct values: ties everywhere
+    scores[torch.rand(B, L, generator=g) < 0.1] = NAN
+    lens = torch.tensor([L, 1, 570, 999, 640])
+    for k in (1, 7, 33, 64, 300):
+        run_topk(scores, lens, k)
+
+
+@requires_kernel
+def test_ties_decided_in_the_last_digit():
+    # Scores a few ulps apart share the top 22 key bits: T's last digit decides, with ties.
+    g = torch.Generator().manual_seed(5)
+    ulps = torch.randint(0, 6, (3, 800), generator=g).to(torch.int32)
+    scores = (torch.tensor(1.5).view(torch.int32) + ulps).view(torch.float32)  # [B, L]
+    lens = torch.tensor([800, 410, 777])
+    for k in (1, 9, 300):
+        run_topk(scores, lens, k)
+
+
+@requires_kernel
+def test_special_values():
+    mixed = [-INF, 2.0, NAN, -INF, INF, 0.0, -0.0, 0.0, NAN, -1e-45, 1e-45, -0.0, 3e38, -3e38, INF, 2.0, -INF]
+    scores = torch.tensor([mixed, [NAN] * 17, [0.0, -0.0] * 8 + [NAN], [-INF] * 17, [INF] * 17])
+    lens = torch.tensor([17, 17, 16, 17, 9])
+    for k in (1, 5, 16, 17, 40):
+        run_topk(scores, lens, k)
+
+
+@requires_kernel
+def test_ignores_garbage_past_lens():
+    g = torch.Generator().manual_seed(21)
+    L, lens = 500, torch.tensor([1, 9, 500, 140])
+    scores = torch.randn(4, L, generator=g)
+    padded = torch.arange(L)[None, :] >= lens[:, None]
+    for garbage in (NAN, INF, 1e30):
+        run_topk(scores.masked_fill(padded, garbage), lens, 8)
+
+
+@requires_kernel
+def test_non_contiguous_rows_and_unaligned_starts():
+    g = torch.Generator().manual_seed(10)
+    wide = torch.randn(6, 4131, generator=g)
+    for start in (0, 1, 2, 3):  # every 16-byte misalignment of the rows' first score
+        run_topk(wide[:, start : start + 4099], torch.tensor([4099, 3, 77, 4098, 0, 2000]), 300)
+    run_topk(wide[:, 5:12], torch.tensor([7, 3, 1, 6, 0, 7]), 5)
+    run_topk(wide.t()[:9, :6].t(), torch.tensor([9, 3, 1, 6, 0, 9]), 5)  # column stride != 1: copied
+
+
+@requires_kernel
+def test_all_equal_rows_take_the_lowest_positions():
+    # Every score equal: all of the row is in the threshold digit, more than shared memory keeps (fallback).
+    scores = torch.full((3, 131072), 0.5)
+    run_topk(scores, torch.tensor([131072, 90001, 2047]), 2048)
+    scores[1, 70000:] = 0.75  # the ties at the threshold lie after the keys above it
+    run_topk(scores, torch.tensor([131072, 131072, 5]), 2048)
+
+
+@requires_kernel
+@pytest.mark.parametrize("kind", ["randn", "ties", "few"])
+@pytest.mark.parametrize("B,L,k", [(64, 131072, 2048), (16, 32768, 2048), (3, 5000, 2048), (4, 70000, 64)])
+def test_real_sizes(B, L, k, kind):
+    g = torch.Generator(device="cuda").manual_seed(B + L)
+    if kind == "randn":
+        scores = torch.randn(B, L, generator=g, device="cuda")  # [B, L]
+    elif kind == "ties":  # a few hundred values: the threshold digit holds more than shared memory keeps
+        scores = torch.randint(0, 300, (B, L), generator=g, device="cuda").float()
+    else:  # three values: even 22 key bits leave a large part of the row
+        scores = torch.randint(0, 3, (B, L), generator=g, device="cuda").float()
+    scores[torch.rand(B, L, generator=g, device="cuda") < 0.01] = NAN
+    lens = torch.randint(1, L + 1, (B,), generator=g, device="cuda")
+    lens[0], lens[-1] = L, 1
+    run_topk(scores, lens, k)
+
+
+@requires_kernel
+def test_matches_topk_triton():
+    triton_topk = pytest.importorskip("kestrel.ops.dsa.triton_topk")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    scores = torch.randn(8, 20000, generator=g, device="cuda") + torch.linspace(0, 6, 20000, device="cuda")
+    scores[torch.rand(8, 20000, generator=g, device="cuda") < 0.01] = NAN
+    lens = torch.tensor([20000, 1, 0, 2048, 2049, 19999, 7, 12345], device="cuda")
+    for k in (1, 256, 2048):
+        assert torch.equal(topk_cuda(scores, lens, k), triton_topk.topk_triton(scores, lens, k))
+
+
+@requires_kernel
+def test_prefill_triangle():
+    # A prefill chunk: row t sees t + 1 positions, so the first k rows take every valid position.
+    g = torch.Generator(device="cuda").manual_seed(4)
+    scores = torch.randn(4096, 4096, generator=g, device="cuda")  # [T, L]
+    scores[torch.rand(4096, 4096, generator=g, device="cuda") < 0.01] = NAN
+    run_topk(scores, torch.arange(1, 4097, device="cuda"), 2048)
+
+
+@requires_kernel
+def test_cuda_graph_replay():
+    from tests.ops.graph_check import assert_replay_matches_eager
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    first = (
+        torch.randn(4, 9000, generator=g, device="cuda"),
+        torch.tensor([9000, 1, 300, 5000], device="cuda"),
+    )
+    fresh = (
+        torch.randn(4, 9000, generator=g, device="cuda"),
+        torch.tensor([7, 9000, 2000, 64], device="cuda"),
+    )
+    assert_replay_matches_eager(lambda s, n: topk_cuda(s, n, 256), first, fresh)
