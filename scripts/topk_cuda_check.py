@@ -10,7 +10,7 @@
    default is `topk_cuda`), topk_triton and torch.topk (dim=-1), with
    CUDA events, the median of 50 after 10 warm-ups, L2 flushed before each (`cold`, as kestrel.bench times
    kernels) and not (`warm`: the scores just written, as after the indexer kernel); score kinds randn, ramp
-   (randn plus a rise to the row's end) and ties (integers 0-299, the fallback for wide threshold digits);
+   (randn plus a rise to the row's end) and ties (integers 0-299: ~19 K keys in the threshold digit);
 4. captures topk_cuda in a CUDA graph, replays it on fresh inputs and compares with eager.
 Each section catches its own exceptions; the JSON is rewritten after every section.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import statistics
@@ -279,7 +280,8 @@ def main() -> None:
         result["nvcc"] = nvcc and subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
         t0 = time.perf_counter()
         path = cuda_topk.build(verbose=True)
-        result["build"] = {"seconds": time.perf_counter() - t0, "library": str(path)}
+        source = hashlib.sha256(cuda_topk.SOURCE.read_bytes()).hexdigest()[:16]
+        result["build"] = {"seconds": time.perf_counter() - t0, "library": str(path), "source_sha256": source}
         result["available"] = cuda_topk.available()
         result["variants"] = cuda_topk.num_variants()
         result["default_variant"] = cuda_topk.DEFAULT_VARIANT

@@ -57,21 +57,19 @@ def test_unavailable_without_cuda_does_not_raise(monkeypatch):
 
 
 def test_the_layer_picks_the_kernel_by_env_and_availability(monkeypatch):
-    """KESTREL_DSA_TOPK: auto takes the CUDA kernel where it builds, else Triton; cuda without it is an error
-    that says why; triton never asks; CPU tensors never get the CUDA kernel."""
+    """KESTREL_DSA_TOPK: cuda takes the CUDA kernel, and without it is an error that says why; auto (until the
+    committed kernel has run on a GPU) and triton take Triton's; CPU tensors never get the CUDA kernel."""
     from kestrel.ops.dsa import fast_topk
-    from kestrel.ops.dsa.triton_topk import topk_triton
 
+    topk_triton = pytest.importorskip("kestrel.ops.dsa.triton_topk").topk_triton
     cuda = torch.device("cuda")
     monkeypatch.setattr(cuda_topk, "available", lambda: True)
-    for choice, want in (("auto", topk_cuda), ("cuda", topk_cuda), ("triton", topk_triton)):
+    for choice, want in (("auto", topk_triton), ("cuda", topk_cuda), ("triton", topk_triton)):
         monkeypatch.setenv("KESTREL_DSA_TOPK", choice)
         assert fast_topk(cuda) is want
         assert fast_topk(torch.device("cpu")) is topk_triton
     monkeypatch.setattr(cuda_topk, "available", lambda: False)
     monkeypatch.setattr(cuda_topk, "UNAVAILABLE_REASON", "RuntimeError: nvcc not found")
-    monkeypatch.setenv("KESTREL_DSA_TOPK", "auto")
-    assert fast_topk(cuda) is topk_triton
     monkeypatch.setenv("KESTREL_DSA_TOPK", "cuda")
     with pytest.raises(RuntimeError, match="nvcc not found"):
         fast_topk(cuda)
@@ -145,11 +143,12 @@ def test_ignores_garbage_past_lens():
 @requires_kernel
 def test_non_contiguous_rows_and_unaligned_starts():
     g = torch.Generator().manual_seed(10)
-    wide = torch.randn(6, 4131, generator=g)
+    wide = torch.randn(6, 4131, generator=g).cuda()  # views of it reach the kernel as views
     for start in (0, 1, 2, 3):  # every 16-byte misalignment of the rows' first score
         run_topk(wide[:, start : start + 4099], torch.tensor([4099, 3, 77, 4098, 0, 2000]), 300)
     run_topk(wide[:, 5:12], torch.tensor([7, 3, 1, 6, 0, 7]), 5)
-    run_topk(wide.t()[:9, :6].t(), torch.tensor([9, 3, 1, 6, 0, 9]), 5)  # column stride != 1: copied
+    assert wide[:, 10:40:3].stride() == (4131, 3)
+    run_topk(wide[:, 10:40:3], torch.tensor([10, 3, 1, 6, 0, 10]), 5)  # column stride != 1: copied
 
 
 @requires_kernel
@@ -162,13 +161,32 @@ def test_all_equal_rows_take_the_lowest_positions():
 
 
 @requires_kernel
+def test_one_fallback_digit_then_shared_memory():
+    # Scores in [1, 1.25): all share the top 11 key bits (131072 keys, more than shared memory keeps), and about
+    # 64 share each 22-bit prefix: the second digit comes from the row, then the candidates fit.
+    g = torch.Generator(device="cuda").manual_seed(8)
+    scores = 1 + 0.25 * torch.rand(3, 131072, generator=g, device="cuda")  # [B, L]
+    for k in (1, 2048, 5000):
+        run_topk(scores, torch.tensor([131072, 100000, 3000]), k)
+
+
+@requires_kernel
+def test_first_call_inside_a_graph_capture_is_refused(monkeypatch):
+    monkeypatch.setattr(cuda_topk, "_ready", set())  # as if this device had never run the kernel
+    scores, lens = torch.randn(2, 100, device="cuda"), torch.tensor([100, 50], device="cuda")
+    with pytest.raises(RuntimeError, match="before capturing"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            topk_cuda(scores, lens, 10)
+
+
+@requires_kernel
 @pytest.mark.parametrize("kind", ["randn", "ties", "few"])
 @pytest.mark.parametrize("B,L,k", [(64, 131072, 2048), (16, 32768, 2048), (3, 5000, 2048), (4, 70000, 64)])
 def test_real_sizes(B, L, k, kind):
     g = torch.Generator(device="cuda").manual_seed(B + L)
     if kind == "randn":
         scores = torch.randn(B, L, generator=g, device="cuda")  # [B, L]
-    elif kind == "ties":  # a few hundred values: the threshold digit holds more than shared memory keeps
+    elif kind == "ties":  # a few hundred values: ~19 K keys in 131072 share the threshold digit (they fit)
         scores = torch.randint(0, 300, (B, L), generator=g, device="cuda").float()
     else:  # three values: even 22 key bits leave a large part of the row
         scores = torch.randint(0, 3, (B, L), generator=g, device="cuda").float()

@@ -40,6 +40,7 @@ constexpr int NWARPS = NT / 32;
 constexpr int NB = 2048;  // bins of an 11-bit digit
 constexpr int CAP_MAX = 24576;  // candidates in shared memory: 8 B each, 192 KiB
 constexpr int MAX_DEVICES = 64;
+constexpr int MAX_L = (1 << 30) + ((1 << 30) - (1 << 20));  // 2^31 - 2^20: int32 positions with headroom
 constexpr unsigned FULL = 0xffffffffu;
 
 __device__ __forceinline__ uint32_t sort_key(float x, bool valid) {
@@ -397,7 +398,8 @@ cudaError_t setup(int variant, int dev) {
 }  // namespace
 
 // Top-k of B rows on `stream` with kernel `variant` (0: the default); returns a cudaError_t (0: launched).
-// Output rows [B, k] int64 with unit column stride. Requires 1 <= k, 0 < L <= 2^31 - 2^20, B < 2^31.
+// Output rows [B, k] int64 with unit column stride. Requires 1 <= k, 0 < L <= 2^31 - 2^20, 0 <= B and, with
+// more than one row, row strides of at least L and k (cudaErrorInvalidValue otherwise).
 extern "C" int kestrel_topk_launch(
     const float* scores,
     long long stride_s,
@@ -411,17 +413,32 @@ extern "C" int kestrel_topk_launch(
     void* stream,
     int variant) {
     if (variant < 0 || variant >= NUM_VARIANTS) return cudaErrorInvalidValue;
+    if (k < 1 || L < 1 || L > MAX_L || B < 0) return cudaErrorInvalidValue;
+    if (B > 1 && (stride_s < L || stride_o < k)) return cudaErrorInvalidValue;  // rows must not overlap
     int dev = 0;
     cudaError_t err = cudaGetDevice(&dev);
     if (err != cudaSuccess) return err;
     if (dev < 0 || dev >= MAX_DEVICES) return cudaErrorInvalidDevice;
     if (g_cap[variant][dev] == 0 && (err = setup(variant, dev)) != cudaSuccess) return err;
-    if (B <= 0) return cudaSuccess;
+    if (B == 0) return cudaSuccess;
     const long long row_cap = ((long long)L + 3) & ~3LL;  // a row never has more candidates than scores
     const int cap = row_cap < g_cap[variant][dev] ? (int)row_cap : g_cap[variant][dev];
     VARIANTS[variant]<<<B, NT, (size_t)cap * 8, static_cast<cudaStream_t>(stream)>>>(
         scores, stride_s, L, lens, lens_is_64, k, out, stride_o, cap);
     return cudaGetLastError();
+}
+
+// Every variant's shared-memory limit on the current device, ahead of any launch: the first launch would do
+// it, but a first launch inside a CUDA graph capture must not (cuda_topk.py calls this per device first).
+extern "C" int kestrel_topk_setup() {
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return err;
+    if (dev < 0 || dev >= MAX_DEVICES) return cudaErrorInvalidDevice;
+    for (int v = 0; v < NUM_VARIANTS; ++v) {
+        if (g_cap[v][dev] == 0 && (err = setup(v, dev)) != cudaSuccess) return err;
+    }
+    return cudaSuccess;
 }
 
 extern "C" int kestrel_topk_num_variants() { return NUM_VARIANTS; }

@@ -7,26 +7,32 @@ The contract. scores [B, L] fp32 (any row stride), lens [B] int32 or int64, clam
 to the lower position. The selection is the first min(k, valid) elements of (key desc, position asc), listed in
 ascending position order, then -1. Returns [B, k] int64 (into `out` when given). No host syncs: the kernel runs
 on torch's current stream and is CUDA-graph capturable (the first call on a device must come before a capture:
-it sets the kernel's shared-memory limit).
+it sets the kernel's shared-memory limit; inside a capture it raises instead).
 
 The algorithm (the .cu file's header has the details): one 1024-thread block per row, radix select on the
 32-bit key in 11 + 11 + 10 bits. The row is read once for a 2048-bin shared histogram of the top 11 bits, and
 once more (mostly from L2) to copy the keys at or above the threshold digit to shared memory in position order;
 the last two digits and the final selection work on that copy. Rows whose threshold digit holds more than the
 shared-memory capacity (24576 candidates on the H200; heavy ties, an all-equal row) take one or two more
-digits from the row instead. Any k >= 1 works: the output is written straight to global memory.
+digits from the row instead (never when L <= the capacity). Any k >= 1 works: the output is written straight
+to global memory.
 
-Measured on the H200 (variant 0, scripts/topk_cuda_check.py, 2026-12-01, nvcc 13.0, build 2.4 s):
+Measured on the H200 (scripts/topk_cuda_check.py, 2026-12-01, nvcc 13.0, build 2.4 s), on the source as it was
+before the kernel variants were added (one kernel, variant 0's code; the file's hash differs from this one's):
 [64, 131072] fp32, k = 2048, full lens, L2 flushed before each call: 56.5 us for randn (51.8 with the scores in
-L2), 58.0 for ramp, 71.5 for ties (the first fallback); topk_triton 146 / 190 / 192 us and torch.topk 192 us in
-the same run (3.4x torch.topk for randn; the goal is 4x, ~48 us). Every correctness case of the script matched
-naive.topk_select and topk_triton, and a CUDA-graph replay matched eager. With only 64 of the 132 SMs busy (one
-block per row) and the row in L2 on the second read, the time is the blocks' own work: likely the shared atomics
-of the first histogram (randn's keys crowd a few dozen of its 2048 bins), which variants 1 and 2 address.
+L2), 58.0 for ramp, 71.5 for ties (integers 0-299: ~19 K candidates in the threshold digit, no fallback);
+topk_triton 146 / 190 / 192 us and torch.topk 192 us in the same run (3.4x torch.topk for randn; the goal is
+4x, ~48 us). Every correctness case of the script matched naive.topk_select and topk_triton, and a CUDA-graph
+replay matched eager. The committed source has not run on a GPU yet, so KESTREL_DSA_TOPK=auto keeps Triton's
+top-k until it has (`cuda` selects this one). With only 64 of the 132 SMs busy (one block per row) and the row
+in L2 on the second read, the time is the blocks' own work: likely the shared atomics of the first histogram
+(randn's keys crowd a few dozen of its 2048 bins), which variants 1 and 2 address.
 
 Build: on first use nvcc compiles cuda_topk.cu for the device's compute capability into
 $KESTREL_CACHE_DIR/cuda (default ~/.cache/kestrel/cuda), one file per hash of the source, the arch and the
-nvcc version, and ctypes loads it. `available()` says whether that worked; `UNAVAILABLE_REASON` says why not.
+nvcc version and the flags, and ctypes loads it; a probe (8 scores, k = 3) then checks that the kernel runs
+and answers right (a library built by a newer CUDA than the driver's loads, then fails every launch).
+`available()` says whether all that worked; `UNAVAILABLE_REASON` says why not.
 """
 
 from __future__ import annotations
@@ -48,13 +54,16 @@ SOURCE = Path(__file__).with_name("cuda_topk.cu")
 MAX_L = 2**31 - 2**20  # positions are int32 in the kernel, with headroom for the last chunk's slot indices
 # The kernel variant topk_cuda runs (cuda_topk.cu's VARIANTS: 0 = one histogram copy, plain gather; 1 = four
 # lane-picked copies of each histogram bin; 2 = those and the gather's loads prefetched a chunk ahead). All give
-# the same result; scripts/topk_cuda_check.py checks and times each. 0 is the one timed on the H200 so far.
+# the same result; scripts/topk_cuda_check.py checks and times each. Only 0, before the variants were added (the
+# same code, templated since), has run on the H200 so far.
 DEFAULT_VARIANT = 0
 
 UNAVAILABLE_REASON: str | None = None  # why available() is False; None while it is True or not yet asked
 _lib: ctypes.CDLL | None = None
 _tried = False
 _lock = threading.Lock()
+_ready: set[int] = set()  # devices whose kernel shared-memory limits are set (kestrel_topk_setup)
+FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
 
 
 def _nvcc() -> str | None:
@@ -83,7 +92,8 @@ def build(verbose: bool = False) -> Path:
     arch = f"sm_{major}{minor}"
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + arch.encode() + version.encode()).hexdigest()[:16]
+    flags = [*FLAGS, f"-arch={arch}"]
+    digest = hashlib.sha256(source + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
     cache = _cache_dir()
     lib = cache / f"cuda_topk_{arch}_{digest}.so"
     if lib.exists():
@@ -91,7 +101,6 @@ def build(verbose: bool = False) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=lib.stem + ".", suffix=".tmp.so", dir=cache)
     os.close(fd)
-    flags = ["-O3", f"-arch={arch}", "-std=c++17", "-shared", "-Xcompiler", "-fPIC"]
     cmd = [nvcc, *flags, "-o", tmp, str(SOURCE)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -132,14 +141,42 @@ def _load() -> ctypes.CDLL | None:
                 ctypes.c_void_p,  # cudaStream_t
                 ctypes.c_int,  # kernel variant
             ]
+            lib.kestrel_topk_setup.restype = ctypes.c_int
             lib.kestrel_topk_num_variants.restype = ctypes.c_int
             lib.kestrel_topk_error.restype = ctypes.c_char_p
             lib.kestrel_topk_error.argtypes = [ctypes.c_int]
+            _probe(lib)
             _lib, UNAVAILABLE_REASON = lib, None
         except Exception as e:  # noqa: BLE001 - any failure means "use another backend", with the reason kept
             _lib, UNAVAILABLE_REASON = None, f"{type(e).__name__}: {e}"
         _tried = True
     return _lib
+
+
+def _prepare(lib: ctypes.CDLL, device: torch.device) -> None:
+    """Set every kernel variant's shared-memory limit on `device` once, outside any CUDA graph capture."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _ready:
+        return
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"topk_cuda: call it once on cuda:{index} before capturing a CUDA graph there")
+    with torch.cuda.device(index):
+        err = lib.kestrel_topk_setup()
+    if err != 0:
+        raise RuntimeError(f"topk_cuda setup on cuda:{index} failed: {lib.kestrel_topk_error(err).decode()}")
+    _ready.add(index)
+
+
+def _probe(lib: ctypes.CDLL) -> None:
+    """Run the kernel once on 8 known scores (every variant) and check the answer: raises when it cannot run."""
+    scores = torch.tensor([[3.0, 1.0, 2.0, 5.0, 4.0, 0.0, -1.0, 7.0]], device="cuda")
+    lens = torch.tensor([8], device="cuda")
+    for variant in range(lib.kestrel_topk_num_variants()):
+        out = torch.full((1, 3), -7, dtype=torch.int64, device="cuda")
+        _launch(lib, scores, lens, 3, out, variant)
+        got = out.tolist()
+        if got != [[3, 4, 7]]:
+            raise RuntimeError(f"the kernel's probe (variant {variant}) gave {got}, not [[3, 4, 7]]")
 
 
 def available() -> bool:
@@ -173,14 +210,18 @@ def topk_cuda(
     column stride, when given, receives the result. `variant` picks the kernel variant (for measurements).
     """
     B, L = scores.shape
-    assert scores.dtype == torch.float32, f"scores must be fp32, got {scores.dtype}"
-    assert scores.is_cuda, "topk_cuda needs CUDA tensors"
-    assert lens.shape == (B,), f"lens {tuple(lens.shape)} != {(B,)}"
-    assert k >= 1 and L <= MAX_L and B < 2**31
+    if scores.dtype != torch.float32 or not scores.is_cuda:
+        raise ValueError(f"topk_cuda needs fp32 CUDA scores, got {scores.dtype} on {scores.device}")
+    if lens.shape != (B,) or lens.device != scores.device:
+        raise ValueError(f"lens {tuple(lens.shape)} on {lens.device}: expected {(B,)} on {scores.device}")
+    if not (1 <= k < 2**31 and L <= MAX_L and B < 2**31):
+        raise ValueError(
+            f"topk_cuda: k = {k}, scores {tuple(scores.shape)}: needs 1 <= k < 2^31, L <= {MAX_L}"
+        )
     if out is None:
         out = torch.empty(B, k, dtype=torch.int64, device=scores.device)  # [B, k]
-    assert out.shape == (B, k) and out.dtype == torch.int64 and out.stride(-1) == 1
-    assert out.device == scores.device and lens.device == scores.device
+    if out.shape != (B, k) or out.dtype != torch.int64 or out.stride(-1) != 1 or out.device != scores.device:
+        raise ValueError(f"out must be [{B}, {k}] int64 on {scores.device} with unit column stride")
     if B == 0:
         return out
     if L == 0:
@@ -193,6 +234,14 @@ def topk_cuda(
     lib = _load()
     if lib is None:
         raise RuntimeError(f"topk_cuda is unavailable: {UNAVAILABLE_REASON}")
+    _launch(lib, scores, lens, k, out, variant)
+    return out
+
+
+def _launch(lib: ctypes.CDLL, scores, lens, k: int, out, variant: int) -> None:
+    """One launch on torch's current stream (arguments checked by topk_cuda; the probe's are known good)."""
+    _prepare(lib, scores.device)
+    B, L = scores.shape
     with torch.cuda.device(scores.device):
         err = lib.kestrel_topk_launch(
             scores.data_ptr(),
@@ -209,4 +258,3 @@ def topk_cuda(
         )
     if err != 0:
         raise RuntimeError(f"topk_cuda launch failed: {lib.kestrel_topk_error(err).decode()}")
-    return out

@@ -1,6 +1,6 @@
-"""Exact row-wise top-k for DSA in Triton (on CUDA the default is cuda_topk's kernel, the same selection, 2.6x
-faster on the H200; this one serves where nvcc is missing, and on CPU under the interpreter):
-`topk_triton(scores, lens, k)` selects the same positions as
+"""Exact row-wise top-k for DSA in Triton (cuda_topk's CUDA kernel makes the same selection 2.6x faster on the
+H200, opt-in with KESTREL_DSA_TOPK=cuda until its committed source has run there; this one also serves where
+nvcc is missing, and on CPU under the interpreter): `topk_triton(scores, lens, k)` selects the same positions as
 `naive.topk_select(scores, lens - 1, k)`, listed in position order instead of rank order (every consumer, the
 sparse attention and the training mask, uses the set; position order also reads the KV pages in order).
 
