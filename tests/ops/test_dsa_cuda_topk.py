@@ -230,3 +230,16 @@ def test_cuda_graph_replay():
         torch.tensor([7, 9000, 2000, 64], device="cuda"),
     )
     assert_replay_matches_eager(lambda s, n: topk_cuda(s, n, 256), first, fresh)
+
+
+@requires_kernel
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_second_device_while_the_first_is_current():
+    """Scores on cuda:1 while cuda:0 is current: the kernel runs on the scores' device, with its own setup."""
+    g = torch.Generator().manual_seed(11)
+    scores = torch.randn(3, 5000, generator=g)
+    lens = torch.tensor([5000, 17, 2500])
+    want = by_position(topk_select(scores, lens - 1, 300))
+    with torch.cuda.device(0):
+        got = topk_cuda(scores.to("cuda:1"), lens.to("cuda:1"), 300)
+    assert got.device == torch.device("cuda:1") and torch.equal(got.cpu(), want)
