@@ -32,16 +32,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kestrel.ops.dsa import cuda_topk, topk_select  # noqa: E402
+from kestrel.ops.dsa import by_position, cuda_topk, topk_select  # noqa: E402
 
 NAN, INF = float("nan"), float("inf")
 TRITON_DEADLINE_S = 75  # past this many seconds of the run, the remaining topk_triton comparisons are skipped
-
-
-def by_position(idx: torch.Tensor) -> torch.Tensor:
-    big = torch.iinfo(torch.int64).max
-    listed = torch.where(idx < 0, big, idx).sort(-1).values
-    return torch.where(listed == big, -1, listed)
 
 
 def cases() -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:

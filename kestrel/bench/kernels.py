@@ -87,8 +87,8 @@ def bench_topk(
     kind: str = "randn",
     device: str = "cuda",
 ) -> dict:
-    """The default exact top-k (`fast_topk`: the CUDA kernel where it builds, else Triton's) against torch.topk,
-    and Triton's beside it when the default is the CUDA one."""
+    """The exact top-k `fast_topk` picks (KESTREL_DSA_TOPK: Triton's, or the CUDA kernel) against torch.topk,
+    with Triton's beside it when the pick is the CUDA one."""
     from kestrel.ops.dsa import fast_topk
     from kestrel.ops.dsa.naive import topk_select
     from kestrel.ops.dsa.triton_topk import topk_triton

@@ -426,8 +426,8 @@ def _use_flex(device: torch.device, row_len: int) -> bool:
 
 def _topk_fn(device: torch.device):
     """The exact DSA top-k for scores on `device`, with `topk_select`'s signature (scores, q_pos, k): where the
-    attention backend is Triton, the CUDA kernel on CUDA (KESTREL_DSA_TOPK=auto, when nvcc builds it) or the
-    Triton radix top-k; else the reference. The kernels select the same positions."""
+    attention backend is Triton, the kernel `fast_topk` picks (KESTREL_DSA_TOPK); else the reference. The
+    kernels select the same positions."""
     if not _use_triton(device):
         return topk_select
     kernel = fast_topk(device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel.ops.dsa import cuda_topk, topk_select
+from kestrel.ops.dsa import by_position, cuda_topk, topk_select
 from kestrel.ops.dsa.cuda_topk import available, topk_cuda
 
 NAN, INF = float("nan"), float("inf")
@@ -19,13 +19,6 @@ KERNEL = torch.cuda.is_available() and available()
 requires_kernel = pytest.mark.skipif(
     not KERNEL, reason=f"topk_cuda unavailable: {cuda_topk.UNAVAILABLE_REASON or 'no CUDA device'}"
 )
-
-
-def by_position(idx):
-    """A selection [B, k] (-1 padded) listed in ascending position order, -1 last."""
-    big = torch.iinfo(torch.int64).max
-    listed = torch.where(idx < 0, big, idx).sort(-1).values
-    return torch.where(listed == big, -1, listed)
 
 
 def run_topk(scores, lens, k, lens_dtype=torch.int64):

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from kestrel.ops.dsa import indexer_scores_batched, topk_select
+from kestrel.ops.dsa import by_position, indexer_scores_batched, topk_select
 from tests.ops.graph_check import assert_replay_matches_eager
 
 if not torch.cuda.is_available():
@@ -59,13 +59,6 @@ requires_cuda = pytest.mark.skipif(
 
 def poisoned(shape, dtype, value):
     return torch.full(shape, value, dtype=dtype, device=DEVICE)
-
-
-def by_position(idx):
-    """A selection [B, k] (-1 padded) listed in ascending position order, -1 last."""
-    big = torch.iinfo(torch.int64).max
-    listed = torch.where(idx < 0, big, idx).sort(-1).values
-    return torch.where(listed == big, -1, listed)
 
 
 def run_topk(scores, lens, k, **tiles):

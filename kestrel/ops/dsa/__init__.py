@@ -2,6 +2,7 @@ import torch
 
 from kestrel.env import env_field
 from kestrel.ops.dsa.naive import (
+    by_position,
     indexer_kl,
     indexer_scores,
     indexer_scores_batched,
@@ -30,6 +31,7 @@ def fast_topk(device: torch.device):
 
 
 __all__ = [
+    "by_position",
     "fast_topk",
     "indexer_kl",
     "indexer_scores",

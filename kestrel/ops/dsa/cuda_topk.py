@@ -180,13 +180,9 @@ def _probe(lib: ctypes.CDLL) -> None:
 
 
 def available() -> bool:
-    """Whether topk_cuda can run here (a CUDA device, nvcc, a successful build); never raises."""
-    try:
-        return _load() is not None
-    except Exception as e:  # noqa: BLE001
-        global UNAVAILABLE_REASON
-        UNAVAILABLE_REASON = f"{type(e).__name__}: {e}"
-        return False
+    """Whether topk_cuda can run here (a CUDA device, nvcc, a successful build and probe); never raises (`_load`
+    keeps any failure as UNAVAILABLE_REASON)."""
+    return _load() is not None
 
 
 def num_variants() -> int:

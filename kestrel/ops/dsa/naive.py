@@ -71,6 +71,14 @@ def topk_select(scores: torch.Tensor, q_pos: torch.Tensor, k: int) -> torch.Tens
     return top
 
 
+def by_position(indices: torch.Tensor) -> torch.Tensor:
+    """A selection [T, k] (-1 in unused slots) listed in ascending position order, -1 last: topk_select's rank
+    order in the order the fast kernels list it."""
+    big = torch.iinfo(torch.int64).max
+    listed = torch.where(indices < 0, big, indices).sort(-1).values
+    return torch.where(listed == big, -1, listed)
+
+
 def selection_mask(indices: torch.Tensor, length: int) -> torch.Tensor:
     """indices [T, k] (-1 = unused) -> bool mask [T, length], True at selected positions."""
     # Checked on the device without a host sync (sparse training calls this per row). On CUDA a failure is a
