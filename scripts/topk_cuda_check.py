@@ -11,7 +11,10 @@
    CUDA events, the median of 50 after 10 warm-ups, L2 flushed before each (`cold`, as kestrel.bench times
    kernels) and not (`warm`: the scores just written, as after the indexer kernel); score kinds randn, ramp
    (randn plus a rise to the row's end) and ties (integers 0-299: ~19 K keys in the threshold digit);
-4. captures topk_cuda in a CUDA graph, replays it on fresh inputs and compares with eager.
+4. captures topk_cuda in a CUDA graph, replays it on fresh inputs and compares with eager;
+5. times the shapes prefill and sparse training give the top-k (`shapes`): mini's prefill of one 4096-token
+   sequence ([4096, 4096], causal lens, k = 2048) and the demo model's training row of 8704 tokens (the 4096
+   queries deepest in it, [4096, 8704], k = 256), topk_cuda's variants against topk_triton, randn scores.
 Each section catches its own exceptions; the JSON is rewritten after every section.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -215,6 +219,39 @@ def timing(result: dict) -> None:
         )
 
 
+def shapes(result: dict) -> None:
+    from kestrel.ops.dsa.triton_topk import topk_triton
+
+    cases = {  # name: (rows, row length, the first row's len, k); row i's len is the first's + i (causal)
+        "prefill_mini_4096": (4096, 4096, 1, 2048),
+        "train_demo_8704": (4096, 8704, 8704 - 4096 + 1, 256),
+    }
+    rows = result["shapes"] = {}
+    for name, (B, L, first, k) in cases.items():
+        scores = scores_of("randn", B, L)
+        lens = torch.arange(first, first + B, device="cuda")
+        out = torch.empty(B, k, dtype=torch.int64, device="cuda")
+        want = by_position(topk_select(scores, lens - 1, k))
+        entry = rows[name] = {"shape": [B, L], "k": k, "lens": [first, first + B - 1]}
+        fns = {
+            **{
+                f"topk_cuda_v{v}": functools.partial(cuda_topk.topk_cuda, scores, lens, k, out=out, variant=v)
+                for v in range(cuda_topk.num_variants())
+            },
+            "topk_triton": functools.partial(topk_triton, scores, lens, k, out=out),
+        }
+        for fn_name, fn in fns.items():
+            try:
+                fn()
+                equal = bool(torch.equal(out, want))
+                entry[fn_name] = {"equal_naive": equal, "cold_us": time_us(fn, flush=True, reps=20, warmup=3)}
+            except Exception as e:  # noqa: BLE001
+                entry[fn_name] = {"error": repr(e)[:300]}
+        print(
+            f"{name}: " + "  ".join(f"{n} {v}" for n, v in entry.items() if n.startswith("topk")), flush=True
+        )
+
+
 def graph_check(result: dict) -> None:
     B, L, k = 64, 131072, 2048
     scores = scores_of("randn", B, L)
@@ -287,6 +324,7 @@ def main() -> None:
         section("cases", lambda: check_cases(result, started))
         section("timing", lambda: timing(result))
         section("graph", lambda: graph_check(result))
+        section("shapes", lambda: shapes(result))
     save()
     print(f"wrote {args.out} in {result['elapsed_s']:.1f} s", flush=True)
 

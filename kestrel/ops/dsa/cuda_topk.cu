@@ -141,11 +141,14 @@ __device__ __forceinline__ uint32_t bin_count(const uint32_t* hist, int d) {
 
 // Bin (key >> shift) & (nbins - 1) += 1 for every valid key with key >> pshift == prefix (every valid key when
 // ALL). Order does not matter: U slots per thread are loaded before any is used, for memory-level parallelism.
-template <bool ALL, int R, class Src>
+// With AGG the lanes of a warp that hit one bin add to it once, by the lowest of them (__match_any_sync): the
+// loop runs warp-uniform for that (slots past the end read as key 0, which counts nowhere).
+template <bool ALL, int R, bool AGG, class Src>
 __device__ __forceinline__ void histogram(
     const Src& src, uint32_t* hist, int pshift, uint32_t prefix, int shift, uint32_t nbins) {
     constexpr int U = 4;
-    for (int s0 = threadIdx.x; s0 < src.nslots; s0 += U * NT) {
+    const int lane = threadIdx.x & 31;
+    for (int s0 = threadIdx.x; (AGG ? s0 - lane : s0) < src.nslots; s0 += U * NT) {
         typename Src::Raw raw[U];
 #pragma unroll
         for (int i = 0; i < U; ++i) raw[i] = src.fetch(s0 + i * NT);
@@ -157,7 +160,13 @@ __device__ __forceinline__ void histogram(
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const bool in = ALL ? key[j] != 0u : (key[j] >> pshift) == prefix;
-                if (in) atomicAdd(&hist[((key[j] >> shift) & (nbins - 1)) * R + (threadIdx.x & (R - 1))], 1u);
+                const uint32_t bin = (key[j] >> shift) & (nbins - 1);
+                if (AGG) {
+                    const unsigned peers = __match_any_sync(FULL, in ? bin : 0xffffffffu);
+                    if (in && lane == __ffs(peers) - 1) atomicAdd(&hist[bin * R], (uint32_t)__popc(peers));
+                } else if (in) {
+                    atomicAdd(&hist[bin * R + (threadIdx.x & (R - 1))], 1u);
+                }
             }
         }
     }
@@ -194,12 +203,12 @@ __device__ __forceinline__ Threshold find_threshold(const uint32_t* hist, int nb
 }
 
 // Zero the histogram, count one digit of the keys under `prefix`, find the digit of the need-th largest.
-template <int R, class Src>
+template <int R, bool AGG, class Src>
 __device__ __forceinline__ Threshold digit_pass(
     const Src& src, uint32_t* hist, Shared& sh, int pshift, uint32_t prefix, int shift, int nbins, uint32_t need) {
     for (int i = threadIdx.x; i < nbins * R; i += NT) hist[i] = 0u;
     __syncthreads();
-    histogram<false, R>(src, hist, pshift, prefix, shift, nbins);
+    histogram<false, R, AGG>(src, hist, pshift, prefix, shift, nbins);
     __syncthreads();
     return find_threshold<R>(hist, nbins, need, sh);
 }
@@ -302,7 +311,7 @@ __device__ void select(const Src& src, uint32_t T, uint32_t need, uint32_t n_sel
     }
 }
 
-template <int R, bool PREFETCH>
+template <int R, bool PREFETCH, bool AGG>
 __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
     const float* __restrict__ scores,  // [B, L], row stride stride_s
     long long stride_s,
@@ -330,7 +339,7 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
     // Step 1: the top 11 bits.
     for (int i = threadIdx.x; i < NB * R; i += NT) hist[i] = 0u;
     __syncthreads();
-    histogram<true, R>(row, hist, 0, 0u, 21, NB);
+    histogram<true, R, AGG>(row, hist, 0, 0u, 21, NB);
     __syncthreads();
     const Threshold t1 = find_threshold<R>(hist, NB, (uint32_t)k, sh);
     const uint32_t n_sel = min(t1.total, (uint32_t)k);
@@ -344,13 +353,13 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
     uint32_t count = t1.above + t1.at;  // keys whose top 11 bits are >= T's
     int pshift = 21;  // T's bits known so far: 32 - pshift
     if (count > (uint32_t)cap) {  // too many to keep: T's next 11 bits from the row
-        const Threshold t2 = digit_pass<R>(row, hist, sh, 21, prefix, 10, NB, need);
+        const Threshold t2 = digit_pass<R, AGG>(row, hist, sh, 21, prefix, 10, NB, need);
         count = t1.above + t2.above + t2.at;  // keys whose top 22 bits are >= T's
         need -= t2.above;
         prefix = (prefix << 11) | t2.digit;
         pshift = 10;
         if (count > (uint32_t)cap) {  // still too many: T's last 10 bits from the row too, select from the row
-            const Threshold t3 = digit_pass<R>(row, hist, sh, 10, prefix, 0, NB / 2, need);
+            const Threshold t3 = digit_pass<R, AGG>(row, hist, sh, 10, prefix, 0, NB / 2, need);
             select(row, (prefix << 10) | t3.digit, need - t3.above, n_sel, out_row, sh);
             return;
         }
@@ -360,21 +369,26 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
     __syncthreads();
     const Cands cands{ckey, cpos, (int)count, (int)((count + 3) / 4)};
     if (pshift == 21) {
-        const Threshold t2 = digit_pass<R>(cands, hist, sh, 21, prefix, 10, NB, need);
+        const Threshold t2 = digit_pass<R, AGG>(cands, hist, sh, 21, prefix, 10, NB, need);
         need -= t2.above;
         prefix = (prefix << 11) | t2.digit;
     }
-    const Threshold t3 = digit_pass<R>(cands, hist, sh, 10, prefix, 0, NB / 2, need);
+    const Threshold t3 = digit_pass<R, AGG>(cands, hist, sh, 10, prefix, 0, NB / 2, need);
     select(cands, (prefix << 10) | t3.digit, need - t3.above, n_sel, out_row, sh);
 }
 
 // Kernel variants, for measuring on the device which helps (scripts/topk_cuda_check.py times each):
 // 0: one histogram copy, plain gather (the default; on the H200 2026-12-01: 56.5 us for 64 x 131072, k = 2048);
-// 1: R = 4 lane-picked copies of every histogram bin; 2: R = 4 and the gather's next chunk prefetched.
-constexpr int NUM_VARIANTS = 3;
+// 1: R = 4 lane-picked copies of every histogram bin; 2: R = 4 and the gather's next chunk prefetched;
+// 3: one copy, warp-aggregated histogram adds; 4: 3 and the gather's next chunk prefetched.
+constexpr int NUM_VARIANTS = 5;
 using Kernel = void (*)(const float*, long long, int, const void*, int, int, long long*, long long, int);
 constexpr Kernel VARIANTS[NUM_VARIANTS] = {
-    topk_rows_kernel<1, false>, topk_rows_kernel<4, false>, topk_rows_kernel<4, true>};
+    topk_rows_kernel<1, false, false>,
+    topk_rows_kernel<4, false, false>,
+    topk_rows_kernel<4, true, false>,
+    topk_rows_kernel<1, false, true>,
+    topk_rows_kernel<1, true, true>};
 
 int g_cap[NUM_VARIANTS][MAX_DEVICES];  // the candidate capacity the device's shared memory allows (0: not set up)
 
