@@ -106,11 +106,11 @@ class Env:
     """KESTREL_FUSED_OPS: inference on CUDA runs the norms, GLU activations and AttnRes mixing as one Triton
     kernel each (kestrel.utils.fuse): auto | off (the plain-torch references)."""
     dsa_topk: str
-    """KESTREL_DSA_TOPK: the exact DSA top-k on the Triton attention backend (CUDA): auto (Triton's,
-    kestrel.ops.dsa.triton_topk, until the committed CUDA kernel has passed its GPU check; then the CUDA one) |
-    cuda (kestrel.ops.dsa.cuda_topk, built by nvcc on first use; an error when it cannot be) | triton. Both select
-    the same positions; on the H200 the CUDA kernel (before its variants were added) took 56.5 us for 64 x 131072
-    scores, k = 2048, against Triton's 146 and torch.topk's 192 in the same run (2026-12-01)."""
+    """KESTREL_DSA_TOPK: the exact DSA top-k on the Triton attention backend (CUDA): auto (the CUDA kernel,
+    kestrel.ops.dsa.cuda_topk, built by nvcc on first use, where it builds and passes its probe; else Triton's,
+    kestrel.ops.dsa.triton_topk, with a warning) | cuda (the CUDA kernel; an error when it cannot be built) |
+    triton. All select the same positions; on the H200 the CUDA kernel took 56.6 us for 64 x 131072 scores,
+    k = 2048, against Triton's 122 and torch.topk's 190 in the same run (2026-12-01, session 18)."""
     cache_dir: str
     """KESTREL_CACHE_DIR: where Kestrel keeps what it builds on first use (the CUDA top-k's library, under
     cuda/); unset: ~/.cache/kestrel."""

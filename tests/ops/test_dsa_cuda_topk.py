@@ -8,6 +8,8 @@ Legend: B rows, L score positions, k = index_topk.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -50,25 +52,33 @@ def test_unavailable_without_cuda_does_not_raise(monkeypatch):
 
 
 def test_the_layer_picks_the_kernel_by_env_and_availability(monkeypatch):
-    """KESTREL_DSA_TOPK: cuda takes the CUDA kernel, and without it is an error that says why; auto (until the
-    committed kernel has run on a GPU) and triton take Triton's; CPU tensors never get the CUDA kernel."""
-    from kestrel.ops.dsa import fast_topk
+    """KESTREL_DSA_TOPK: auto and cuda take the CUDA kernel where it is available; without it auto falls back to
+    Triton's with a warning that says why, and cuda is an error that says why; triton takes Triton's; CPU
+    tensors never get the CUDA kernel."""
+    from kestrel.ops import dsa
 
     topk_triton = pytest.importorskip("kestrel.ops.dsa.triton_topk").topk_triton
     cuda = torch.device("cuda")
     monkeypatch.setattr(cuda_topk, "available", lambda: True)
-    for choice, want in (("auto", topk_triton), ("cuda", topk_cuda), ("triton", topk_triton)):
+    for choice, want in (("auto", topk_cuda), ("cuda", topk_cuda), ("triton", topk_triton)):
         monkeypatch.setenv("KESTREL_DSA_TOPK", choice)
-        assert fast_topk(cuda) is want
-        assert fast_topk(torch.device("cpu")) is topk_triton
+        assert dsa.fast_topk(cuda) is want
+        assert dsa.fast_topk(torch.device("cpu")) is topk_triton
     monkeypatch.setattr(cuda_topk, "available", lambda: False)
     monkeypatch.setattr(cuda_topk, "UNAVAILABLE_REASON", "RuntimeError: nvcc not found")
+    monkeypatch.setattr(dsa, "_warned", [])
+    monkeypatch.setenv("KESTREL_DSA_TOPK", "auto")
+    with pytest.warns(RuntimeWarning, match="nvcc not found"):
+        assert dsa.fast_topk(cuda) is topk_triton
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once a process
+        assert dsa.fast_topk(cuda) is topk_triton
     monkeypatch.setenv("KESTREL_DSA_TOPK", "cuda")
     with pytest.raises(RuntimeError, match="nvcc not found"):
-        fast_topk(cuda)
+        dsa.fast_topk(cuda)
     monkeypatch.setenv("KESTREL_DSA_TOPK", "fast")
     with pytest.raises(ValueError, match="KESTREL_DSA_TOPK"):
-        fast_topk(cuda)
+        dsa.fast_topk(cuda)
 
 
 @requires_kernel
