@@ -1,4 +1,4 @@
-// Exact row-wise top-k for DSA in CUDA: one thread block per row, everything in shared memory.
+// Exact row-wise top-k for DSA in CUDA: one thread block per row (or two, variant 3), everything in shared memory.
 // `kestrel_topk_launch` selects what `triton_topk.topk_triton` selects (the contract is in cuda_topk.py), listed
 // in ascending position order, then -1. No torch headers: nvcc builds this in a few seconds.
 //
@@ -25,11 +25,17 @@
 // bits; when even those exceed `cap`, the last digit also comes from the row and step 4 reads the row.
 // Step 4 stops at the chunk where the last selected position appears.
 //
+// With CL = 2 (variant 3, a cluster of two blocks a row; sm_90+) each block reads half of the row's slots and
+// keeps its own candidates; every histogram is summed over both blocks through distributed shared memory, so
+// both take every branch alike, and the first block's part is counted apart so that the second block's output
+// ranks start after the first block's keys > T and its keys == T.
+//
 // Reads: every row pass loads aligned 16-byte vectors starting at the 16-byte boundary at or before the row's
 // first score (at most 3 scores before it and after its end are loaded and masked: inside the allocation's
 // 16-byte granule, so never past a page). Memory per row of 131072 scores, k = 2048: the row twice (the second
 // mostly from L2), about 8 B per candidate to shared memory, 16 KiB of indices out.
 
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -52,8 +58,23 @@ __device__ __forceinline__ uint32_t sort_key(float x, bool valid) {
 
 struct Shared {
     unsigned long long scan[NWARPS];  // per-warp totals of a block scan
-    uint32_t digit, above, at;  // find_threshold's answer
+    uint32_t digit, above, at, f_above, f_at;  // find_threshold's answer
 };
+
+// A barrier over every block of the row: the block itself, or the cluster of CL blocks (whose shared-memory
+// writes it also makes visible to the others).
+template <int CL>
+__device__ __forceinline__ void row_sync() {
+    if constexpr (CL == 1) {
+        __syncthreads();
+    } else {
+#if __CUDA_ARCH__ >= 900
+        cooperative_groups::this_cluster().sync();
+#else
+        __trap();  // clusters need sm_90; the launcher refuses CL > 1 below that
+#endif
+    }
+}
 
 // Exclusive prefix sum of v over the block's threads in thread order; `total` gets the block's sum. Fields packed
 // into v add independently as long as no field's block total overflows.
@@ -81,10 +102,11 @@ __device__ __forceinline__ unsigned long long block_exclusive_scan(
     return before + inc - v;
 }
 
-// A row of scores as 16-byte slots: slot s holds positions 4 s - head .. 4 s - head + 3.
+// A row of scores as 16-byte slots: slot s holds positions 4 s - head .. 4 s - head + 3. A block reads slots
+// first .. nslots - 1 (the whole row, or its part of it when CL blocks share the row).
 struct Row {
     const float4* base;  // 16-byte aligned, `head` scores before the row's first
-    int head, n, nslots;
+    int head, n, first, nslots;
     using Raw = float4;
 
     __device__ __forceinline__ Raw fetch(int s) const {
@@ -95,7 +117,8 @@ struct Row {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             pos[j] = 4 * s + j - head;
-            key[j] = sort_key(x[j], pos[j] >= 0 && pos[j] < n);
+            // slots past this block's part read as 0.0f: invalid, though their positions may be < n
+            key[j] = sort_key(x[j], s < nslots && pos[j] >= 0 && pos[j] < n);
         }
     }
 };
@@ -104,7 +127,7 @@ struct Row {
 struct Cands {
     const uint32_t* key;
     const int* pos;
-    int count, nslots;
+    int count, first, nslots;
     struct Raw {
         uint4 key;
         int4 pos;
@@ -141,14 +164,11 @@ __device__ __forceinline__ uint32_t bin_count(const uint32_t* hist, int d) {
 
 // Bin (key >> shift) & (nbins - 1) += 1 for every valid key with key >> pshift == prefix (every valid key when
 // ALL). Order does not matter: U slots per thread are loaded before any is used, for memory-level parallelism.
-// With AGG the lanes of a warp that hit one bin add to it once, by the lowest of them (__match_any_sync): the
-// loop runs warp-uniform for that (slots past the end read as key 0, which counts nowhere).
-template <bool ALL, int R, bool AGG, class Src>
+template <bool ALL, int R, class Src>
 __device__ __forceinline__ void histogram(
     const Src& src, uint32_t* hist, int pshift, uint32_t prefix, int shift, uint32_t nbins) {
     constexpr int U = 4;
-    const int lane = threadIdx.x & 31;
-    for (int s0 = threadIdx.x; (AGG ? s0 - lane : s0) < src.nslots; s0 += U * NT) {
+    for (int s0 = src.first + threadIdx.x; s0 < src.nslots; s0 += U * NT) {
         typename Src::Raw raw[U];
 #pragma unroll
         for (int i = 0; i < U; ++i) raw[i] = src.fetch(s0 + i * NT);
@@ -160,13 +180,7 @@ __device__ __forceinline__ void histogram(
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const bool in = ALL ? key[j] != 0u : (key[j] >> pshift) == prefix;
-                const uint32_t bin = (key[j] >> shift) & (nbins - 1);
-                if (AGG) {
-                    const unsigned peers = __match_any_sync(FULL, in ? bin : 0xffffffffu);
-                    if (in && lane == __ffs(peers) - 1) atomicAdd(&hist[bin * R], (uint32_t)__popc(peers));
-                } else if (in) {
-                    atomicAdd(&hist[bin * R + (threadIdx.x & (R - 1))], 1u);
-                }
+                if (in) atomicAdd(&hist[((key[j] >> shift) & (nbins - 1)) * R + (threadIdx.x & (R - 1))], 1u);
             }
         }
     }
@@ -177,40 +191,54 @@ struct Threshold {
     uint32_t above;  // count(digits > d)
     uint32_t at;  // count(digit == d)
     uint32_t total;  // count(all digits)
+    uint32_t f_above, f_at, f_total;  // the same counts in the first block's part of the row (CL = 2)
 };
 
-// Reads bins 0 .. nbins - 1 (nbins = NT or 2 NT); ends with a barrier after its last read of hist.
-template <int R>
-__device__ __forceinline__ Threshold find_threshold(const uint32_t* hist, int nbins, uint32_t need, Shared& sh) {
+// Reads bins 0 .. nbins - 1 (nbins = NT or 2 NT) of the row's histogram: with CL = 2 the sum of this block's
+// `hist` and the other block's `peer` (distributed shared memory), with the first block's part counted apart.
+// Ends with a row_sync after its last read of either, so both may be overwritten after it.
+template <int R, int CL>
+__device__ __forceinline__ Threshold find_threshold(
+    const uint32_t* hist, const uint32_t* peer, int nbins, uint32_t need, Shared& sh) {
     const int per = nbins / NT;
     const int hi = nbins - 1 - threadIdx.x * per;  // this thread's bins, descending: hi, hi - 1, ...
-    uint32_t local = 0;
-    for (int i = 0; i < per; ++i) local += bin_count<R>(hist, hi - i);
-    if (threadIdx.x == 0) sh.digit = sh.above = sh.at = 0u;
+    const uint32_t* first = (CL == 1 || blockIdx.x % CL == 0) ? hist : peer;
+    // count of bin d, as two 32-bit fields: the row's (low) and the first block's part (high)
+    auto count = [&](int d) -> unsigned long long {
+        const uint32_t f = bin_count<R>(first, d);
+        const uint32_t all = CL == 1 ? f : bin_count<R>(hist, d) + bin_count<R>(peer, d);
+        return (unsigned long long)all | ((unsigned long long)f << 32);
+    };
+    unsigned long long local = 0;
+    for (int i = 0; i < per; ++i) local += count(hi - i);
+    if (threadIdx.x == 0) sh.digit = sh.above = sh.at = sh.f_above = sh.f_at = 0u;
     unsigned long long total;
-    uint32_t cum = (uint32_t)block_exclusive_scan(local, total, sh);  // keys in the bins above this thread's
+    unsigned long long cum = block_exclusive_scan(local, total, sh);  // keys in the bins above this thread's
     for (int i = 0; i < per; ++i) {
-        const uint32_t h = bin_count<R>(hist, hi - i);
-        if (cum < need && cum + h >= need) {  // true for exactly one bin when total >= need
+        const unsigned long long h = count(hi - i);
+        const uint32_t c = (uint32_t)cum, hc = (uint32_t)h;
+        if (c < need && c + hc >= need) {  // true for exactly one bin when total >= need
             sh.digit = hi - i;
-            sh.above = cum;
-            sh.at = h;
+            sh.above = c;
+            sh.at = hc;
+            sh.f_above = (uint32_t)(cum >> 32);
+            sh.f_at = (uint32_t)(h >> 32);
         }
         cum += h;
     }
-    __syncthreads();
-    return {sh.digit, sh.above, sh.at, (uint32_t)total};
+    row_sync<CL>();
+    return {sh.digit, sh.above, sh.at, (uint32_t)total, sh.f_above, sh.f_at, (uint32_t)(total >> 32)};
 }
 
 // Zero the histogram, count one digit of the keys under `prefix`, find the digit of the need-th largest.
-template <int R, bool AGG, class Src>
-__device__ __forceinline__ Threshold digit_pass(
-    const Src& src, uint32_t* hist, Shared& sh, int pshift, uint32_t prefix, int shift, int nbins, uint32_t need) {
+template <int R, int CL, class Src>
+__device__ __forceinline__ Threshold digit_pass(const Src& src, uint32_t* hist, const uint32_t* peer, Shared& sh,
+    int pshift, uint32_t prefix, int shift, int nbins, uint32_t need) {
     for (int i = threadIdx.x; i < nbins * R; i += NT) hist[i] = 0u;
     __syncthreads();
-    histogram<false, R, AGG>(src, hist, pshift, prefix, shift, nbins);
-    __syncthreads();
-    return find_threshold<R>(hist, nbins, need, sh);
+    histogram<false, R>(src, hist, pshift, prefix, shift, nbins);
+    row_sync<CL>();
+    return find_threshold<R, CL>(hist, peer, nbins, need, sh);
 }
 
 inline __device__ uint32_t field16(unsigned long long v, int i) { return (uint32_t)(v >> (16 * i)) & 0xffffu; }
@@ -225,9 +253,9 @@ __device__ void gather(const Row& row, uint32_t lo, uint32_t count, uint32_t* ck
     float4 raw[V];
     if (PREFETCH) {
 #pragma unroll
-        for (int i = 0; i < V; ++i) raw[i] = row.fetch(i * NT + threadIdx.x);
+        for (int i = 0; i < V; ++i) raw[i] = row.fetch(row.first + i * NT + threadIdx.x);
     }
-    for (int c0 = 0; c0 < row.nslots && run < count; c0 += V * NT) {
+    for (int c0 = row.first; c0 < row.nslots && run < count; c0 += V * NT) {
         if (!PREFETCH) {
 #pragma unroll
             for (int i = 0; i < V; ++i) raw[i] = row.fetch(c0 + i * NT + threadIdx.x);
@@ -267,12 +295,14 @@ __device__ void gather(const Row& row, uint32_t lo, uint32_t count, uint32_t* ck
 
 // Write every key > T and the first `need` keys == T (in position order) of src to out at their rank among the
 // taken ones, which is position order; n_sel is how many that makes, and the pass stops once all are written.
-// Chunks of 2 NT slots; per slot two 16-bit fields of one block scan: keys > T and keys == T.
+// `above` and `tie` count the keys > T and == T before src (in the first block's part of the row, for the
+// second block). Chunks of 2 NT slots; per slot two 16-bit fields of one block scan: keys > T and keys == T.
 template <class Src>
-__device__ void select(const Src& src, uint32_t T, uint32_t need, uint32_t n_sel, long long* out, Shared& sh) {
+__device__ void select(const Src& src, uint32_t T, uint32_t need, uint32_t n_sel, uint32_t above, uint32_t tie,
+    long long* out, Shared& sh) {
     constexpr int V = 2;
-    uint32_t run_above = 0, run_tie = 0;  // block-uniform: keys > T and == T seen so far
-    for (int c0 = 0; c0 < src.nslots && run_above + min(run_tie, need) < n_sel; c0 += V * NT) {
+    uint32_t run_above = above, run_tie = tie;  // block-uniform: keys > T and == T seen so far
+    for (int c0 = src.first; c0 < src.nslots && run_above + min(run_tie, need) < n_sel; c0 += V * NT) {
         typename Src::Raw raw[V];
 #pragma unroll
         for (int i = 0; i < V; ++i) raw[i] = src.fetch(c0 + i * NT + threadIdx.x);
@@ -311,7 +341,10 @@ __device__ void select(const Src& src, uint32_t T, uint32_t need, uint32_t n_sel
     }
 }
 
-template <int R, bool PREFETCH, bool AGG>
+// One row per CL blocks (CL = 2: a cluster, each block reading half the row's slots and keeping its own
+// candidates; the histograms are summed through distributed shared memory, so both blocks take every branch
+// alike, and the second block's output ranks start after the first block's keys > T and == T).
+template <int R, bool PREFETCH, int CL>
 __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
     const float* __restrict__ scores,  // [B, L], row stride stride_s
     long long stride_s,
@@ -328,67 +361,98 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
     __shared__ uint32_t hist[NB * R];
     __shared__ Shared sh;
 
-    const long long b = blockIdx.x;
+    const int rank = blockIdx.x % CL;  // the block's part of the row
+    const uint32_t* peer = hist;  // the other block's histogram (CL = 2)
+#if __CUDA_ARCH__ >= 900
+    if constexpr (CL == 2) peer = cooperative_groups::this_cluster().map_shared_rank(hist, rank ^ 1);
+#endif
+    const long long b = blockIdx.x / CL;
     const long long len = lens_is_64 ? static_cast<const long long*>(lens)[b] : static_cast<const int*>(lens)[b];
     const int n = (int)min(max(len, 0LL), (long long)L);
     const float* row_ptr = scores + b * stride_s;
     const int head = (int)((reinterpret_cast<uintptr_t>(row_ptr) >> 2) & 3);
-    const Row row{reinterpret_cast<const float4*>(row_ptr - head), head, n, n > 0 ? (n + head + 3) >> 2 : 0};
+    const int slots = n > 0 ? (n + head + 3) >> 2 : 0, part = (slots + CL - 1) / CL;
+    const Row row{reinterpret_cast<const float4*>(row_ptr - head), head, n, min(rank * part, slots),
+        min((rank + 1) * part, slots)};
     long long* out_row = out + b * stride_o;
+    // the output ranks of this block's first key > T and == T: 0, or the first block's counts for the second
+    auto offsets = [&](uint32_t f_above, uint32_t f_tie, uint32_t& above, uint32_t& tie) {
+        above = rank == 0 ? 0u : f_above;
+        tie = rank == 0 ? 0u : f_tie;
+    };
+    uint32_t above0, tie0;
 
     // Step 1: the top 11 bits.
     for (int i = threadIdx.x; i < NB * R; i += NT) hist[i] = 0u;
     __syncthreads();
-    histogram<true, R, AGG>(row, hist, 0, 0u, 21, NB);
-    __syncthreads();
-    const Threshold t1 = find_threshold<R>(hist, NB, (uint32_t)k, sh);
+    histogram<true, R>(row, hist, 0, 0u, 21, NB);
+    row_sync<CL>();
+    const Threshold t1 = find_threshold<R, CL>(hist, peer, NB, (uint32_t)k, sh);
     const uint32_t n_sel = min(t1.total, (uint32_t)k);
-    for (int i = n_sel + threadIdx.x; i < k; i += NT) out_row[i] = -1;
+    if (rank == 0) {
+        for (int i = n_sel + threadIdx.x; i < k; i += NT) out_row[i] = -1;
+    }
     if (t1.total <= (uint32_t)k) {
-        select(row, 0u, 0u, n_sel, out_row, sh);
+        offsets(t1.f_total, 0u, above0, tie0);
+        select(row, 0u, 0u, n_sel, above0, tie0, out_row, sh);
         return;
     }
     uint32_t need = (uint32_t)k - t1.above;  // >= 1: keys taken inside the threshold digit
     uint32_t prefix = t1.digit;  // T's top 11 bits (>= 3: only valid keys count)
     uint32_t count = t1.above + t1.at;  // keys whose top 11 bits are >= T's
+    uint32_t f_count = t1.f_above + t1.f_at;  // those in the first block's part
+    uint32_t f_above = t1.f_above;  // keys > T in the first block's part, so far
     int pshift = 21;  // T's bits known so far: 32 - pshift
     if (count > (uint32_t)cap) {  // too many to keep: T's next 11 bits from the row
-        const Threshold t2 = digit_pass<R, AGG>(row, hist, sh, 21, prefix, 10, NB, need);
+        const Threshold t2 = digit_pass<R, CL>(row, hist, peer, sh, 21, prefix, 10, NB, need);
         count = t1.above + t2.above + t2.at;  // keys whose top 22 bits are >= T's
+        f_count = t1.f_above + t2.f_above + t2.f_at;
+        f_above += t2.f_above;
         need -= t2.above;
         prefix = (prefix << 11) | t2.digit;
         pshift = 10;
         if (count > (uint32_t)cap) {  // still too many: T's last 10 bits from the row too, select from the row
-            const Threshold t3 = digit_pass<R, AGG>(row, hist, sh, 10, prefix, 0, NB / 2, need);
-            select(row, (prefix << 10) | t3.digit, need - t3.above, n_sel, out_row, sh);
+            const Threshold t3 = digit_pass<R, CL>(row, hist, peer, sh, 10, prefix, 0, NB / 2, need);
+            offsets(f_above + t3.f_above, t3.f_at, above0, tie0);
+            select(row, (prefix << 10) | t3.digit, need - t3.above, n_sel, above0, tie0, out_row, sh);
             return;
         }
     }
-    // Steps 2-4 over the candidates in shared memory.
-    gather<PREFETCH>(row, prefix << pshift, count, ckey, cpos, sh);
+    // Steps 2-4 over the candidates in shared memory (each block its own part's).
+    const uint32_t own = rank == 0 ? f_count : count - f_count;
+    gather<PREFETCH>(row, prefix << pshift, own, ckey, cpos, sh);
     __syncthreads();
-    const Cands cands{ckey, cpos, (int)count, (int)((count + 3) / 4)};
+    const Cands cands{ckey, cpos, (int)own, 0, (int)((own + 3) / 4)};
     if (pshift == 21) {
-        const Threshold t2 = digit_pass<R, AGG>(cands, hist, sh, 21, prefix, 10, NB, need);
+        const Threshold t2 = digit_pass<R, CL>(cands, hist, peer, sh, 21, prefix, 10, NB, need);
+        f_above += t2.f_above;
         need -= t2.above;
         prefix = (prefix << 11) | t2.digit;
     }
-    const Threshold t3 = digit_pass<R, AGG>(cands, hist, sh, 10, prefix, 0, NB / 2, need);
-    select(cands, (prefix << 10) | t3.digit, need - t3.above, n_sel, out_row, sh);
+    const Threshold t3 = digit_pass<R, CL>(cands, hist, peer, sh, 10, prefix, 0, NB / 2, need);
+    offsets(f_above + t3.f_above, t3.f_at, above0, tie0);
+    select(cands, (prefix << 10) | t3.digit, need - t3.above, n_sel, above0, tie0, out_row, sh);
 }
 
 // Kernel variants, for measuring on the device which helps (scripts/topk_cuda_check.py times each):
-// 0: one histogram copy, plain gather (the default; on the H200 2026-12-01: 56.5 us for 64 x 131072, k = 2048);
-// 1: R = 4 lane-picked copies of every histogram bin; 2: R = 4 and the gather's next chunk prefetched;
-// 3: one copy, warp-aggregated histogram adds; 4: 3 and the gather's next chunk prefetched.
-constexpr int NUM_VARIANTS = 5;
+// 0: one histogram copy, plain gather, one block a row (the default; on the H200 2026-12-01: 56.6 us for
+// 64 x 131072, k = 2048); 1: R = 4 lane-picked copies of every histogram bin (59.3 us); 2: R = 4 and the
+// gather's next chunk prefetched (59.4 us); 3: 0 with a cluster of two blocks a row, each reading half of it.
+constexpr int NUM_VARIANTS = 4;
 using Kernel = void (*)(const float*, long long, int, const void*, int, int, long long*, long long, int);
-constexpr Kernel VARIANTS[NUM_VARIANTS] = {
-    topk_rows_kernel<1, false, false>,
-    topk_rows_kernel<4, false, false>,
-    topk_rows_kernel<4, true, false>,
-    topk_rows_kernel<1, false, true>,
-    topk_rows_kernel<1, true, true>};
+constexpr Kernel VARIANTS[NUM_VARIANTS] = {topk_rows_kernel<1, false, 1>, topk_rows_kernel<4, false, 1>,
+    topk_rows_kernel<4, true, 1>, topk_rows_kernel<1, false, 2>};
+constexpr int BLOCKS_PER_ROW[NUM_VARIANTS] = {1, 1, 1, 2};
+
+// How many variants run on the current device: those with clusters (the last ones) need compute capability 9.
+int usable_variants() {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return 0;
+    int n = 0;
+    while (n < NUM_VARIANTS && (BLOCKS_PER_ROW[n] == 1 || major >= 9)) ++n;
+    return n;
+}
 
 int g_cap[NUM_VARIANTS][MAX_DEVICES];  // the candidate capacity the device's shared memory allows (0: not set up)
 
@@ -426,7 +490,7 @@ extern "C" int kestrel_topk_launch(
     long long stride_o,
     void* stream,
     int variant) {
-    if (variant < 0 || variant >= NUM_VARIANTS) return cudaErrorInvalidValue;
+    if (variant < 0 || variant >= usable_variants()) return cudaErrorInvalidValue;
     if (k < 1 || L < 1 || L > MAX_L || B < 0) return cudaErrorInvalidValue;
     if (B > 1 && (stride_s < L || stride_o < k)) return cudaErrorInvalidValue;  // rows must not overlap
     int dev = 0;
@@ -437,9 +501,20 @@ extern "C" int kestrel_topk_launch(
     if (B == 0) return cudaSuccess;
     const long long row_cap = ((long long)L + 3) & ~3LL;  // a row never has more candidates than scores
     const int cap = row_cap < g_cap[variant][dev] ? (int)row_cap : g_cap[variant][dev];
-    VARIANTS[variant]<<<B, NT, (size_t)cap * 8, static_cast<cudaStream_t>(stream)>>>(
-        scores, stride_s, L, lens, lens_is_64, k, out, stride_o, cap);
-    return cudaGetLastError();
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3((unsigned)B * BLOCKS_PER_ROW[variant]);
+    config.blockDim = dim3(NT);
+    config.dynamicSmemBytes = (size_t)cap * 8;
+    config.stream = static_cast<cudaStream_t>(stream);
+    cudaLaunchAttribute cluster[1];
+    cluster[0].id = cudaLaunchAttributeClusterDimension;
+    cluster[0].val.clusterDim.x = BLOCKS_PER_ROW[variant];
+    cluster[0].val.clusterDim.y = 1;
+    cluster[0].val.clusterDim.z = 1;
+    config.attrs = cluster;
+    config.numAttrs = BLOCKS_PER_ROW[variant] > 1 ? 1 : 0;  // one block a row: a plain launch
+    err = cudaLaunchKernelEx(&config, VARIANTS[variant], scores, stride_s, L, lens, lens_is_64, k, out, stride_o, cap);
+    return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 // Every variant's shared-memory limit on the current device, ahead of any launch: the first launch would do
@@ -449,12 +524,13 @@ extern "C" int kestrel_topk_setup() {
     cudaError_t err = cudaGetDevice(&dev);
     if (err != cudaSuccess) return err;
     if (dev < 0 || dev >= MAX_DEVICES) return cudaErrorInvalidDevice;
-    for (int v = 0; v < NUM_VARIANTS; ++v) {
+    for (int v = 0; v < usable_variants(); ++v) {
         if (g_cap[v][dev] == 0 && (err = setup(v, dev)) != cudaSuccess) return err;
     }
     return cudaSuccess;
 }
 
-extern "C" int kestrel_topk_num_variants() { return NUM_VARIANTS; }
+// The variants that run on the current device (0 .. n - 1).
+extern "C" int kestrel_topk_num_variants() { return usable_variants(); }
 
 extern "C" const char* kestrel_topk_error(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }

@@ -15,18 +15,16 @@ once more (mostly from L2) to copy the keys at or above the threshold digit to s
 the last two digits and the final selection work on that copy. Rows whose threshold digit holds more than the
 shared-memory capacity (24576 candidates on the H200; heavy ties, an all-equal row) take one or two more
 digits from the row instead (never when L <= the capacity). Any k >= 1 works: the output is written straight
-to global memory.
+to global memory. Variant 3 splits each row over a cluster of two blocks (compute capability 9.0+).
 
-Measured on the H200 (scripts/topk_cuda_check.py, 2026-12-01, nvcc 13.0, build 2.4 s), on the source as it was
-before the kernel variants were added (one kernel, variant 0's code; the file's hash differs from this one's):
-[64, 131072] fp32, k = 2048, full lens, L2 flushed before each call: 56.5 us for randn (51.8 with the scores in
-L2), 58.0 for ramp, 71.5 for ties (integers 0-299: ~19 K candidates in the threshold digit, no fallback);
-topk_triton 146 / 190 / 192 us and torch.topk 192 us in the same run (3.4x torch.topk for randn; the goal is
-4x, ~48 us). Every correctness case of the script matched naive.topk_select and topk_triton, and a CUDA-graph
-replay matched eager. The committed source has not run on a GPU yet, so KESTREL_DSA_TOPK=auto keeps Triton's
-top-k until it has (`cuda` selects this one). With only 64 of the 132 SMs busy (one block per row) and the row
-in L2 on the second read, the time is the blocks' own work: likely the shared atomics of the first histogram
-(randn's keys crowd a few dozen of its 2048 bins), which variants 1 and 2 address.
+Measured on the H200 (scripts/topk_cuda_check.py, 2026-12-01, session 18,
+bench/results/2026-12-01-topk-cuda-h200-session18.json): variant 0 (the default) matched naive.topk_select and
+topk_triton on all 59 cases; [64, 131072] fp32, k = 2048, L2 flushed: 56.6-58.0 us for randn against
+torch.topk's 190 us (3.3x; the goal is 4x, ~48 us) and topk_triton's 122-145 us; 0.67x topk_triton's time on
+a 4096-token prefill's rows (k = 2048) and 0.55x on the demo model's training rows (8704 scores, k = 256).
+Variants 1-2 were not faster. Variant 3 took 43.3 us (4.4x torch.topk) but failed the 6 cases with short
+lens (its first block counted the second block's slots as valid zeros); the fix has not run on a GPU, and at
+4096 rows it is 2.5x slower than variant 0 (a row needs more blocks only when rows are fewer than the SMs).
 
 Build: on first use nvcc compiles cuda_topk.cu for the device's compute capability into
 $KESTREL_CACHE_DIR/cuda (default ~/.cache/kestrel/cuda), one file per hash of the source, the arch and the
@@ -53,9 +51,8 @@ from kestrel.env import env_field
 SOURCE = Path(__file__).with_name("cuda_topk.cu")
 MAX_L = 2**31 - 2**20  # positions are int32 in the kernel, with headroom for the last chunk's slot indices
 # The kernel variant topk_cuda runs (cuda_topk.cu's VARIANTS: 0 = one histogram copy, plain gather; 1 = four
-# lane-picked copies of each histogram bin; 2 = those and the gather's loads prefetched a chunk ahead). All give
-# the same result; scripts/topk_cuda_check.py checks and times each. Only 0, before the variants were added (the
-# same code, templated since), has run on the H200 so far.
+# lane-picked copies of each histogram bin; 2 = those and the gather's loads prefetched a chunk ahead; 3 = 0
+# with a two-block cluster a row). All give the same result; scripts/topk_cuda_check.py checks and times each.
 DEFAULT_VARIANT = 0
 
 UNAVAILABLE_REASON: str | None = None  # why available() is False; None while it is True or not yet asked
@@ -168,15 +165,16 @@ def _prepare(lib: ctypes.CDLL, device: torch.device) -> None:
 
 
 def _probe(lib: ctypes.CDLL) -> None:
-    """Run the kernel once on 8 known scores (every variant) and check the answer: raises when it cannot run."""
+    """Run the default variant once on 8 known scores and check the answer: raises when it cannot run. (Only the
+    default: a measurement variant that fails must not take the default away; the tests and
+    scripts/topk_cuda_check.py run every variant.)"""
     scores = torch.tensor([[3.0, 1.0, 2.0, 5.0, 4.0, 0.0, -1.0, 7.0]], device="cuda")
     lens = torch.tensor([8], device="cuda")
-    for variant in range(lib.kestrel_topk_num_variants()):
-        out = torch.full((1, 3), -7, dtype=torch.int64, device="cuda")
-        _launch(lib, scores, lens, 3, out, variant)
-        got = out.tolist()
-        if got != [[3, 4, 7]]:
-            raise RuntimeError(f"the kernel's probe (variant {variant}) gave {got}, not [[3, 4, 7]]")
+    out = torch.full((1, 3), -7, dtype=torch.int64, device="cuda")
+    _launch(lib, scores, lens, 3, out, DEFAULT_VARIANT)
+    got = out.tolist()
+    if got != [[3, 4, 7]]:
+        raise RuntimeError(f"the kernel's probe (variant {DEFAULT_VARIANT}) gave {got}, not [[3, 4, 7]]")
 
 
 def available() -> bool:
