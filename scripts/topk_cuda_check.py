@@ -14,7 +14,9 @@
 4. captures topk_cuda in a CUDA graph, replays it on fresh inputs and compares with eager;
 5. times the shapes prefill and sparse training give the top-k (`shapes`): mini's prefill of one 4096-token
    sequence ([4096, 4096], causal lens, k = 2048) and the demo model's training row of 8704 tokens (the 4096
-   queries deepest in it, [4096, 8704], k = 256), topk_cuda's variants against topk_triton, randn scores.
+   queries deepest in it, [4096, 8704], k = 256), topk_cuda's variants against topk_triton, randn scores;
+6. times decode's shapes (`rows_sweep`): B = 1-256 full rows of 4096 or 131072 scores, k = 2048, every variant
+   (where the two-block cluster of variant 3 stops paying).
 Each section catches its own exceptions; the JSON is rewritten after every section.
 """
 
@@ -219,6 +221,17 @@ def timing(result: dict) -> None:
         )
 
 
+def check_and_time(entry: dict, fns: dict, out: torch.Tensor, want: torch.Tensor) -> None:
+    """entry[name] = whether fns[name]() (each writing `out`) selected `want`, and its L2-flushed microseconds."""
+    for name, fn in fns.items():
+        try:
+            fn()
+            equal = bool(torch.equal(out, want))
+            entry[name] = {"equal_naive": equal, "cold_us": time_us(fn, flush=True, reps=20, warmup=3)}
+        except Exception as e:  # noqa: BLE001
+            entry[name] = {"error": repr(e)[:300]}
+
+
 def shapes(result: dict) -> None:
     from kestrel.ops.dsa.triton_topk import topk_triton
 
@@ -240,16 +253,30 @@ def shapes(result: dict) -> None:
             },
             "topk_triton": functools.partial(topk_triton, scores, lens, k, out=out),
         }
-        for fn_name, fn in fns.items():
-            try:
-                fn()
-                equal = bool(torch.equal(out, want))
-                entry[fn_name] = {"equal_naive": equal, "cold_us": time_us(fn, flush=True, reps=20, warmup=3)}
-            except Exception as e:  # noqa: BLE001
-                entry[fn_name] = {"error": repr(e)[:300]}
+        check_and_time(entry, fns, out, want)
         print(
             f"{name}: " + "  ".join(f"{n} {v}" for n, v in entry.items() if n.startswith("topk")), flush=True
         )
+
+
+def rows_sweep(result: dict) -> None:
+    """Decode's shapes: B full rows of L scores, k = 2048, every variant, to find where a row's second block
+    (variant 3, a two-block cluster) stops paying: it should while 2 B blocks fit the SMs."""
+    k = 2048
+    rows = result["rows_sweep"] = {"k": k, "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+    for L in (4096, 131072):
+        for B in (1, 16, 64, 128, 256):
+            scores = scores_of("randn", B, L)
+            lens = torch.full((B,), L, device="cuda")
+            out = torch.empty(B, k, dtype=torch.int64, device="cuda")
+            want = by_position(topk_select(scores, lens - 1, k))
+            entry = rows[f"{B}x{L}"] = {}
+            fns = {
+                f"v{v}": functools.partial(cuda_topk.topk_cuda, scores, lens, k, out=out, variant=v)
+                for v in range(cuda_topk.num_variants())
+            }
+            check_and_time(entry, fns, out, want)
+            print(f"rows {B}x{L}: " + "  ".join(f"{n} {v}" for n, v in entry.items()), flush=True)
 
 
 def graph_check(result: dict) -> None:
@@ -325,6 +352,7 @@ def main() -> None:
         section("timing", lambda: timing(result))
         section("graph", lambda: graph_check(result))
         section("shapes", lambda: shapes(result))
+        section("rows_sweep", lambda: rows_sweep(result))
     save()
     print(f"wrote {args.out} in {result['elapsed_s']:.1f} s", flush=True)
 
