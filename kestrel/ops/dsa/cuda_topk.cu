@@ -518,14 +518,17 @@ extern "C" int kestrel_topk_launch(
 }
 
 // Every variant's shared-memory limit on the current device, ahead of any launch: the first launch would do
-// it, but a first launch inside a CUDA graph capture must not (cuda_topk.py calls this per device first).
+// it, but a first launch inside a CUDA graph capture must not (cuda_topk.py calls this per device first). Only
+// variant 0's failure is returned: another variant that cannot be set up fails its own launches instead.
 extern "C" int kestrel_topk_setup() {
     int dev = 0;
     cudaError_t err = cudaGetDevice(&dev);
     if (err != cudaSuccess) return err;
     if (dev < 0 || dev >= MAX_DEVICES) return cudaErrorInvalidDevice;
-    for (int v = 0; v < usable_variants(); ++v) {
-        if (g_cap[v][dev] == 0 && (err = setup(v, dev)) != cudaSuccess) return err;
+    for (int v = usable_variants() - 1; v >= 0; --v) {
+        if (g_cap[v][dev] != 0 || (err = setup(v, dev)) == cudaSuccess) continue;
+        if (v == 0) return err;
+        cudaGetLastError();  // clear it, so that the next launch does not report it as its own
     }
     return cudaSuccess;
 }
