@@ -66,7 +66,7 @@ def test_the_layer_picks_the_kernel_by_env_and_availability(monkeypatch):
         assert dsa.fast_topk(torch.device("cpu")) is topk_triton
     monkeypatch.setattr(cuda_topk, "available", lambda: False)
     monkeypatch.setattr(cuda_topk, "UNAVAILABLE_REASON", "RuntimeError: nvcc not found")
-    monkeypatch.setattr(dsa, "_warned", [])
+    monkeypatch.setattr(dsa, "_warned", False)
     monkeypatch.setenv("KESTREL_DSA_TOPK", "auto")
     with pytest.warns(RuntimeWarning, match="nvcc not found"):
         assert dsa.fast_topk(cuda) is topk_triton

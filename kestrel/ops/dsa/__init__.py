@@ -36,12 +36,13 @@ def fast_topk(device: torch.device):
     return topk_triton
 
 
-_warned: list[str] = []
+_warned = False  # auto's fallback warning is given once a process
 
 
 def _warn_fallback(reason: str | None) -> None:
+    global _warned
     if not _warned:
-        _warned.append(str(reason))
+        _warned = True
         warnings.warn(
             f"the CUDA DSA top-k is unavailable ({reason}); using Triton's (the same selection, ~2x slower). "
             "Set KESTREL_DSA_TOPK=triton to choose it and silence this.",

@@ -375,12 +375,8 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
     const Row row{reinterpret_cast<const float4*>(row_ptr - head), head, n, min(rank * part, slots),
         min((rank + 1) * part, slots)};
     long long* out_row = out + b * stride_o;
-    // the output ranks of this block's first key > T and == T: 0, or the first block's counts for the second
-    auto offsets = [&](uint32_t f_above, uint32_t f_tie, uint32_t& above, uint32_t& tie) {
-        above = rank == 0 ? 0u : f_above;
-        tie = rank == 0 ? 0u : f_tie;
-    };
-    uint32_t above0, tie0;
+    // select's starting counts of keys > T and == T: 0 in the first block, the first block's counts in the second
+    auto before = [&](uint32_t first_part) { return rank == 0 ? 0u : first_part; };
 
     // Step 1: the top 11 bits.
     for (int i = threadIdx.x; i < NB * R; i += NT) hist[i] = 0u;
@@ -393,8 +389,7 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
         for (int i = n_sel + threadIdx.x; i < k; i += NT) out_row[i] = -1;
     }
     if (t1.total <= (uint32_t)k) {
-        offsets(t1.f_total, 0u, above0, tie0);
-        select(row, 0u, 0u, n_sel, above0, tie0, out_row, sh);
+        select(row, 0u, 0u, n_sel, before(t1.f_total), 0u, out_row, sh);
         return;
     }
     uint32_t need = (uint32_t)k - t1.above;  // >= 1: keys taken inside the threshold digit
@@ -413,8 +408,8 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
         pshift = 10;
         if (count > (uint32_t)cap) {  // still too many: T's last 10 bits from the row too, select from the row
             const Threshold t3 = digit_pass<R, CL>(row, hist, peer, sh, 10, prefix, 0, NB / 2, need);
-            offsets(f_above + t3.f_above, t3.f_at, above0, tie0);
-            select(row, (prefix << 10) | t3.digit, need - t3.above, n_sel, above0, tie0, out_row, sh);
+            select(row, (prefix << 10) | t3.digit, need - t3.above, n_sel, before(f_above + t3.f_above),
+                before(t3.f_at), out_row, sh);
             return;
         }
     }
@@ -430,8 +425,8 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
         prefix = (prefix << 11) | t2.digit;
     }
     const Threshold t3 = digit_pass<R, CL>(cands, hist, peer, sh, 10, prefix, 0, NB / 2, need);
-    offsets(f_above + t3.f_above, t3.f_at, above0, tie0);
-    select(cands, (prefix << 10) | t3.digit, need - t3.above, n_sel, above0, tie0, out_row, sh);
+    select(cands, (prefix << 10) | t3.digit, need - t3.above, n_sel, before(f_above + t3.f_above), before(t3.f_at),
+        out_row, sh);
 }
 
 // Kernel variants, for measuring on the device which helps (scripts/topk_cuda_check.py times each):
@@ -458,6 +453,7 @@ int g_cap[NUM_VARIANTS][MAX_DEVICES];  // the candidate capacity the device's sh
 
 // Set the kernel's dynamic shared-memory limit on this device once (before any graph capture's first call).
 cudaError_t setup(int variant, int dev) {
+    if (variant >= usable_variants()) return cudaErrorInvalidValue;  // a cluster variant below sm_90
     int optin = 0;
     cudaError_t err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     if (err != cudaSuccess) return err;
@@ -490,7 +486,7 @@ extern "C" int kestrel_topk_launch(
     long long stride_o,
     void* stream,
     int variant) {
-    if (variant < 0 || variant >= usable_variants()) return cudaErrorInvalidValue;
+    if (variant < 0 || variant >= NUM_VARIANTS) return cudaErrorInvalidValue;  // setup checks the device
     if (k < 1 || L < 1 || L > MAX_L || B < 0) return cudaErrorInvalidValue;
     if (B > 1 && (stride_s < L || stride_o < k)) return cudaErrorInvalidValue;  // rows must not overlap
     int dev = 0;
