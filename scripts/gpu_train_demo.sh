@@ -47,7 +47,10 @@ start)
     mkdir -p $RUN
     env | grep '^KESTREL_' | sort > $RUN/env.txt  # the fast-path switches this run trains with
     # MODEL=kestrel-demo TOKENIZER=kestrel/data/kestrel-demo continues training the shipped model instead
-    setsid nohup python3 -m kestrel.serve.cli train --out $RUN --model "${MODEL:-demo}" ${TOKENIZER:+--tokenizer "$TOKENIZER"} \
+    # the whole process's wall clock (imports, data workers, the first step's compiling, the steps, the last
+    # checkpoint) goes to $RUN/wall_start and wall_end; `finish` writes their difference to wall.json
+    setsid nohup bash -c 'd=$1; shift; date +%s.%N > $d/wall_start; "$@"; rc=$?; date +%s.%N > $d/wall_end; exit $rc' \
+        _ "$RUN" python3 -m kestrel.serve.cli train --out $RUN --model "${MODEL:-demo}" ${TOKENIZER:+--tokenizer "$TOKENIZER"} \
         --steps "${STEPS:-4000}" --retrieval-weight "${RWEIGHT:-1.0}" --seed "${SEED:-7}" \
         --retrieval-shared-prefix "${RSHARED:-0.5}" --retrieval-distractors "${DISTRACTORS:-1,8}" \
         $([ "${SHARED_ALL:-1}" = 1 ] && echo --retrieval-shared-all) --retrieval-loss-weight "${RLOSS:-1}" \
@@ -69,6 +72,8 @@ finish)
         echo "training in $RUN is still running (it writes its last checkpoint when it ends): wait first" >&2
         exit 1
     fi
+    python3 -c "import json, sys; a, b = (float(open(f'$RUN/wall_{n}').read()) for n in ('start', 'end')); \
+json.dump({'process_wall_s': round(b - a, 1)}, open('$RUN/wall.json', 'w'))" && cat $RUN/wall.json && echo
     timeout "${EVAL_S:-200}" python3 -m kestrel.serve.cli eval --model $RUN/checkpoint --num 200 \
         --num-retrieval "${NUMR:-50}" --retrieval-lengths 2048,8192,32768 --out $RUN/eval.json > $RUN/eval.log 2>&1
     tail -c 2500 $RUN/eval.log
@@ -80,7 +85,7 @@ finish)
     [ "${SHIP:-1}" = 1 ] && cp $RUN/checkpoint/model*.safetensors "$OUT/"
     # what the run has of these (a continued run trains no tokenizer; a cut parity run writes no gpu_suite.json)
     (cd $RUN && tar czf "$OUT/$NAME-meta.tgz" --exclude='*.safetensors' --exclude='*.pt' $(ls -d checkpoint tokenizer \
-        eval.json eval.log loss.png train_summary.json history.json train.log env.txt gpu_suite.json parity.log \
+        eval.json eval.log loss.png train_summary.json history.json train.log env.txt gpu_suite.json parity.log wall.json \
         2> /dev/null))
     [ "${SHIP:-1}" = 1 ] && scripts/triton_cache.sh save  # only if it fits beside the shards (8 files, 64 MiB)
     ls -la "$OUT"

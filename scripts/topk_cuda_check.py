@@ -4,10 +4,10 @@
 
 1. builds kestrel/ops/dsa/cuda_topk.cu (the build's seconds: nvcc's, or ~0 when the cache already had it);
 2. runs each correctness case into poisoned outputs, every kernel variant of topk_cuda against naive.topk_select
-   (listed by position) and, while time allows, the default variant against topk_triton (whose Triton compiles
+   (listed by position) and, while time allows, topk_cuda's own pick against topk_triton (whose Triton compiles
    take most of this script's time on a fresh machine);
-3. times [64, 131072] fp32 scores, k = 2048, full lens, for topk_cuda (each variant: `topk_cuda_v0`, ...; the
-   default is `topk_cuda`), topk_triton and torch.topk (dim=-1), with
+3. times [64, 131072] fp32 scores, k = 2048, full lens, for topk_cuda (each variant: `topk_cuda_v0`, ...;
+   `topk_cuda` is its own pick, cuda_topk.choose_variant), topk_triton and torch.topk (dim=-1), with
    CUDA events, the median of 50 after 10 warm-ups, L2 flushed before each (`cold`, as kestrel.bench times
    kernels) and not (`warm`: the scores just written, as after the indexer kernel); score kinds randn, ramp
    (randn plus a rise to the row's end) and ties (integers 0-299: ~19 K keys in the threshold digit);
@@ -15,8 +15,8 @@
 5. times the shapes prefill and sparse training give the top-k (`shapes`): mini's prefill of one 4096-token
    sequence ([4096, 4096], causal lens, k = 2048) and the demo model's training row of 8704 tokens (the 4096
    queries deepest in it, [4096, 8704], k = 256), topk_cuda's variants against topk_triton, randn scores;
-6. times decode's shapes (`rows_sweep`): B = 1-256 full rows of 4096 or 131072 scores, k = 2048, every variant
-   (where the two-block cluster of variant 3 stops paying).
+6. times decode's shapes (`rows_sweep`): B = 1-256 rows of 4096-131072 scores, k = 2048, every variant and
+   topk_cuda's pick (where the two-block cluster of variant 3 stops paying).
 Each section catches its own exceptions; the JSON is rewritten after every section.
 """
 
@@ -260,23 +260,32 @@ def shapes(result: dict) -> None:
 
 
 def rows_sweep(result: dict) -> None:
-    """Decode's shapes: B full rows of L scores, k = 2048, every variant, to find where a row's second block
-    (variant 3, a two-block cluster) stops paying: it should while 2 B blocks fit the SMs."""
+    """Decode's shapes: B rows of width L, k = 2048, every variant and `auto` (topk_cuda's own pick,
+    cuda_topk.choose_variant), to find where a row's second block (variant 3, a two-block cluster) stops paying:
+    it should while 2 B blocks fit the SMs and rows are wide. Full rows, and rows of 4096 valid scores in a
+    131072-wide buffer (decode's graphs pad the scores to the longest context)."""
     k = 2048
-    rows = result["rows_sweep"] = {"k": k, "sms": torch.cuda.get_device_properties(0).multi_processor_count}
-    for L in (4096, 131072):
-        for B in (1, 16, 64, 128, 256):
-            scores = scores_of("randn", B, L)
-            lens = torch.full((B,), L, device="cuda")
-            out = torch.empty(B, k, dtype=torch.int64, device="cuda")
-            want = by_position(topk_select(scores, lens - 1, k))
-            entry = rows[f"{B}x{L}"] = {}
-            fns = {
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = result["rows_sweep"] = {"k": k, "sms": sms, "cluster_min_l": cuda_topk.CLUSTER_MIN_L}
+    shapes = [(L, B, L) for L in (4096, 131072) for B in (1, 16, 64, 128, 256)]
+    shapes += [(L, B, L) for L in (8192, 16384, 32768, 65536) for B in (1, 64)]
+    shapes += [(131072, B, 4096) for B in (1, 64)]
+    for L, B, valid in shapes:
+        scores = scores_of("randn", B, L)
+        lens = torch.full((B,), valid, device="cuda")
+        out = torch.empty(B, k, dtype=torch.int64, device="cuda")
+        want = by_position(topk_select(scores, lens - 1, k))
+        name = f"{B}x{L}" + ("" if valid == L else f" lens {valid}")
+        entry = rows[name] = {"auto_picks": cuda_topk.choose_variant(B, L, sms, cuda_topk.num_variants() > 3)}
+        fns = {
+            **{
                 f"v{v}": functools.partial(cuda_topk.topk_cuda, scores, lens, k, out=out, variant=v)
                 for v in range(cuda_topk.num_variants())
-            }
-            check_and_time(entry, fns, out, want)
-            print(f"rows {B}x{L}: " + "  ".join(f"{n} {v}" for n, v in entry.items()), flush=True)
+            },
+            "auto": functools.partial(cuda_topk.topk_cuda, scores, lens, k, out=out),
+        }
+        check_and_time(entry, fns, out, want)
+        print(f"rows {name}: " + "  ".join(f"{n} {v}" for n, v in entry.items()), flush=True)
 
 
 def graph_check(result: dict) -> None:

@@ -24,11 +24,12 @@ requires_kernel = pytest.mark.skipif(
 
 
 def run_topk(scores, lens, k, lens_dtype=torch.int64):
-    """topk_cuda (every kernel variant) into a poisoned output equals the reference's selection by position."""
+    """topk_cuda (every kernel variant, and its own pick) into a poisoned output equals the reference's selection
+    by position."""
     scores, lens = scores.cuda(), lens.cuda()
     want = by_position(topk_select(scores, lens.long() - 1, k))
     assert cuda_topk.num_variants() >= 1
-    for variant in range(cuda_topk.num_variants()):
+    for variant in [*range(cuda_topk.num_variants()), None]:  # None: topk_cuda's own pick
         out = torch.full((scores.shape[0], k), -7, dtype=torch.int64, device="cuda")
         got = topk_cuda(scores, lens.to(lens_dtype), k, out=out, variant=variant)
         assert got.data_ptr() == out.data_ptr()
@@ -175,7 +176,7 @@ def test_one_fallback_digit_then_shared_memory():
 
 @requires_kernel
 def test_first_call_inside_a_graph_capture_is_refused(monkeypatch):
-    monkeypatch.setattr(cuda_topk, "_ready", set())  # as if this device had never run the kernel
+    monkeypatch.setattr(cuda_topk, "_ready", {})  # as if this device had never run the kernel
     scores, lens = torch.randn(2, 100, device="cuda"), torch.tensor([100, 50], device="cuda")
     with pytest.raises(RuntimeError, match="before capturing"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
@@ -219,18 +220,44 @@ def test_prefill_triangle():
     run_topk(scores, torch.arange(1, 4097, device="cuda"), 2048)
 
 
+def test_the_cluster_variant_is_picked_for_few_wide_rows():
+    """choose_variant: the two-block cluster while every block has its own SM and rows are wide; never where the
+    device cannot run it."""
+    wide, sms = cuda_topk.CLUSTER_MIN_L, 132
+    assert cuda_topk.choose_variant(1, wide, sms, True) == cuda_topk.CLUSTER_VARIANT
+    assert cuda_topk.choose_variant(66, 131072, sms, True) == cuda_topk.CLUSTER_VARIANT
+    assert (
+        cuda_topk.choose_variant(67, 131072, sms, True) == cuda_topk.DEFAULT_VARIANT
+    )  # 134 blocks > 132 SMs
+    assert cuda_topk.choose_variant(1, wide - 1, sms, True) == cuda_topk.DEFAULT_VARIANT
+    assert cuda_topk.choose_variant(1, 131072, sms, False) == cuda_topk.DEFAULT_VARIANT
+    assert cuda_topk.CLUSTER_VARIANT != cuda_topk.DEFAULT_VARIANT
+
+
 @requires_kernel
-def test_cuda_graph_replay():
+def test_the_cluster_is_probed_and_picked_on_sm90():
+    g = torch.Generator(device="cuda").manual_seed(9)
+    L = cuda_topk.CLUSTER_MIN_L + 1000
+    scores, lens = torch.randn(3, L, generator=g, device="cuda"), torch.tensor([L, 5, L // 2], device="cuda")
+    run_topk(scores, lens, 2048)
+    sms, cluster = cuda_topk._ready[torch.cuda.current_device()]
+    assert sms == torch.cuda.get_device_properties(0).multi_processor_count
+    assert cluster == (torch.cuda.get_device_capability()[0] >= 9)
+
+
+@requires_kernel
+@pytest.mark.parametrize("L", [9000, cuda_topk.CLUSTER_MIN_L + 1000])  # the default variant; the cluster's
+def test_cuda_graph_replay(L):
     from tests.ops.graph_check import assert_replay_matches_eager
 
     g = torch.Generator(device="cuda").manual_seed(6)
     first = (
-        torch.randn(4, 9000, generator=g, device="cuda"),
-        torch.tensor([9000, 1, 300, 5000], device="cuda"),
+        torch.randn(4, L, generator=g, device="cuda"),
+        torch.tensor([L, 1, 300, 5000], device="cuda"),
     )
     fresh = (
-        torch.randn(4, 9000, generator=g, device="cuda"),
-        torch.tensor([7, 9000, 2000, 64], device="cuda"),
+        torch.randn(4, L, generator=g, device="cuda"),
+        torch.tensor([7, L, 2000, 64], device="cuda"),
     )
     assert_replay_matches_eager(lambda s, n: topk_cuda(s, n, 256), first, fresh)
 

@@ -510,7 +510,8 @@ extern "C" int kestrel_topk_launch(
     config.attrs = cluster;
     config.numAttrs = BLOCKS_PER_ROW[variant] > 1 ? 1 : 0;  // one block a row: a plain launch
     err = cudaLaunchKernelEx(&config, VARIANTS[variant], scores, stride_s, L, lens, lens_is_64, k, out, stride_o, cap);
-    return err != cudaSuccess ? err : cudaGetLastError();
+    const cudaError_t last = cudaGetLastError();  // read (and cleared) here, or the next launch would report it
+    return err != cudaSuccess ? err : last;
 }
 
 // Every variant's shared-memory limit on the current device, ahead of any launch: the first launch would do

@@ -50,16 +50,21 @@ from kestrel.env import env_field
 
 SOURCE = Path(__file__).with_name("cuda_topk.cu")
 MAX_L = 2**31 - 2**20  # positions are int32 in the kernel, with headroom for the last chunk's slot indices
-# The kernel variant topk_cuda runs (cuda_topk.cu's VARIANTS: 0 = one histogram copy, plain gather; 1 = four
-# lane-picked copies of each histogram bin; 2 = those and the gather's loads prefetched a chunk ahead; 3 = 0
-# with a two-block cluster a row). All give the same result; scripts/topk_cuda_check.py checks and times each.
+# The kernel variants (cuda_topk.cu's VARIANTS: 0 = one histogram copy, plain gather; 1 = four lane-picked
+# copies of each histogram bin; 2 = those and the gather's loads prefetched a chunk ahead; 3 = 0 with a two-block
+# cluster a row). All give the same result; scripts/topk_cuda_check.py checks and times each. topk_cuda runs
+# DEFAULT_VARIANT, or CLUSTER_VARIANT where `choose_variant` says a row's second block pays.
 DEFAULT_VARIANT = 0
+CLUSTER_VARIANT = 3
+CLUSTER_MIN_L = 16384  # rows at least this wide take the cluster variant while it has an SM per block
 
 UNAVAILABLE_REASON: str | None = None  # why available() is False; None while it is True or not yet asked
 _lib: ctypes.CDLL | None = None
 _tried = False
 _lock = threading.Lock()
-_ready: set[int] = set()  # devices whose kernel shared-memory limits are set (kestrel_topk_setup)
+# devices whose kernel shared-memory limits are set (kestrel_topk_setup): index -> (SM count, whether the
+# cluster variant runs there and passed its probe)
+_ready: dict[int, tuple[int, bool]] = {}
 FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
 
 
@@ -142,7 +147,9 @@ def _load() -> ctypes.CDLL | None:
             lib.kestrel_topk_num_variants.restype = ctypes.c_int
             lib.kestrel_topk_error.restype = ctypes.c_char_p
             lib.kestrel_topk_error.argtypes = [ctypes.c_int]
-            _probe(lib)
+            failure = _probe(lib, torch.cuda.current_device(), DEFAULT_VARIANT)
+            if failure is not None:
+                raise RuntimeError(failure)
             _lib, UNAVAILABLE_REASON = lib, None
         except Exception as e:  # noqa: BLE001 - any failure means "use another backend", with the reason kept
             _lib, UNAVAILABLE_REASON = None, f"{type(e).__name__}: {e}"
@@ -150,31 +157,53 @@ def _load() -> ctypes.CDLL | None:
     return _lib
 
 
-def _prepare(lib: ctypes.CDLL, device: torch.device) -> None:
-    """Set every kernel variant's shared-memory limit on `device` once, outside any CUDA graph capture."""
+def _prepare(lib: ctypes.CDLL, device: torch.device) -> tuple[int, bool]:
+    """Set every kernel variant's shared-memory limit on `device` once, outside any CUDA graph capture, and probe
+    the cluster variant there. Returns (the device's SM count, whether the cluster variant can be chosen)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _ready:
-        return
+        return _ready[index]
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"topk_cuda: call it once on cuda:{index} before capturing a CUDA graph there")
     with torch.cuda.device(index):
         err = lib.kestrel_topk_setup()
-    if err != 0:
-        raise RuntimeError(f"topk_cuda setup on cuda:{index} failed: {lib.kestrel_topk_error(err).decode()}")
-    _ready.add(index)
+        if err != 0:
+            raise RuntimeError(
+                f"topk_cuda setup on cuda:{index} failed: {lib.kestrel_topk_error(err).decode()}"
+            )
+        sms = torch.cuda.get_device_properties(index).multi_processor_count
+        _ready[index] = (sms, False)  # set up: the probes below launch through _launch
+        cluster = (
+            lib.kestrel_topk_num_variants() > CLUSTER_VARIANT and _probe(lib, index, CLUSTER_VARIANT) is None
+        )
+        _ready[index] = (sms, cluster)
+    return _ready[index]
 
 
-def _probe(lib: ctypes.CDLL) -> None:
-    """Run the default variant once on 8 known scores and check the answer: raises when it cannot run. (Only the
-    default: a measurement variant that fails must not take the default away; the tests and
-    scripts/topk_cuda_check.py run every variant.)"""
-    scores = torch.tensor([[3.0, 1.0, 2.0, 5.0, 4.0, 0.0, -1.0, 7.0]], device="cuda")
-    lens = torch.tensor([8], device="cuda")
-    out = torch.full((1, 3), -7, dtype=torch.int64, device="cuda")
-    _launch(lib, scores, lens, 3, out, DEFAULT_VARIANT)
-    got = out.tolist()
-    if got != [[3, 4, 7]]:
-        raise RuntimeError(f"the kernel's probe (variant {DEFAULT_VARIANT}) gave {got}, not [[3, 4, 7]]")
+def _probe(lib: ctypes.CDLL, index: int, variant: int) -> str | None:
+    """Run `variant` once on 8 known scores on cuda:`index`: None when it answers right, else what went wrong."""
+    scores = torch.tensor([[3.0, 1.0, 2.0, 5.0, 4.0, 0.0, -1.0, 7.0]], device=f"cuda:{index}")
+    lens = torch.tensor([8], device=scores.device)
+    out = torch.full((1, 3), -7, dtype=torch.int64, device=scores.device)
+    try:
+        _launch(lib, scores, lens, 3, out, variant)
+        got = out.tolist()
+    except RuntimeError as e:
+        return str(e)
+    return (
+        None if got == [[3, 4, 7]] else f"the kernel's probe (variant {variant}) gave {got}, not [[3, 4, 7]]"
+    )
+
+
+def choose_variant(B: int, L: int, sms: int, cluster: bool) -> int:
+    """The kernel variant for B rows of L scores on a device of `sms` SMs: the two-block cluster (when the device
+    runs it) while every block has an SM of its own (2 B <= sms) and rows are wide enough for a second block to
+    pay (L >= CLUSTER_MIN_L); else the default. L is the scores' width (decode's graphs pad it to the longest
+    context, so a short row in a wide buffer takes the cluster too). Host-only: no device sync, graph safe.
+    Measured on the H200 (132 SMs; scripts/topk_cuda_check.py rows_sweep, 2026-12-01, session 19)."""
+    if cluster and L >= CLUSTER_MIN_L and 2 * B <= sms:
+        return CLUSTER_VARIANT
+    return DEFAULT_VARIANT
 
 
 def available() -> bool:
@@ -195,13 +224,14 @@ def topk_cuda(
     k: int,
     out: torch.Tensor | None = None,
     *,
-    variant: int = DEFAULT_VARIANT,
+    variant: int | None = None,
 ) -> torch.Tensor:
     """Exact top-k of each row of scores [B, L] fp32 over its first lens[b] positions (lens [B] int32/int64).
 
     Returns indices [B, k] int64: the positions `naive.topk_select(scores, lens - 1, k)` selects, in ascending
     position order, then -1; the same tensor `topk_triton(scores, lens, k)` returns. `out` [B, k] int64 with unit
-    column stride, when given, receives the result. `variant` picks the kernel variant (for measurements).
+    column stride, when given, receives the result. `variant` picks the kernel variant (for measurements); None:
+    `choose_variant`'s pick for the shape.
     """
     B, L = scores.shape
     if scores.dtype != torch.float32 or not scores.is_cuda:
@@ -228,6 +258,8 @@ def topk_cuda(
     lib = _load()
     if lib is None:
         raise RuntimeError(f"topk_cuda is unavailable: {UNAVAILABLE_REASON}")
+    if variant is None:
+        variant = choose_variant(B, L, *_prepare(lib, scores.device))
     _launch(lib, scores, lens, k, out, variant)
     return out
 
