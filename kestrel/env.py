@@ -109,8 +109,8 @@ class Env:
     """KESTREL_DSA_TOPK: the exact DSA top-k on the Triton attention backend (CUDA): auto (the CUDA kernel,
     kestrel.ops.dsa.cuda_topk, built by nvcc on first use, where it builds and passes its probe; else Triton's,
     kestrel.ops.dsa.triton_topk, with a warning) | cuda (the CUDA kernel; an error when it cannot be built) |
-    triton. All select the same positions; on the H200 the CUDA kernel took 56.6 us for 64 x 131072 scores,
-    k = 2048, against Triton's 122 and torch.topk's 190 in the same run (2026-12-01, session 18)."""
+    triton. All select the same positions; on the H200 the CUDA kernel took 43.2 us for 64 x 131072 scores,
+    k = 2048, against Triton's 134 and torch.topk's 192.5 in the same run (2026-12-01, session 19)."""
     cache_dir: str
     """KESTREL_CACHE_DIR: where Kestrel keeps what it builds on first use (the CUDA top-k's library, under
     cuda/); unset: ~/.cache/kestrel."""

@@ -18,8 +18,8 @@ def fast_topk(device: torch.device):
     On CUDA by KESTREL_DSA_TOPK: auto (the default) the CUDA kernel (cuda_topk) where it builds and passes its
     probe, else Triton's (triton_topk), with one warning that says why; cuda the CUDA kernel or an error; triton
     Triton's. Elsewhere Triton's (the interpreter on CPU). All select what naive.topk_select selects. On the H200
-    (2026-12-01) the CUDA kernel took 56.6 us for 64 x 131072 scores, k = 2048, against Triton's 122 and
-    torch.topk's 190, and 0.6x Triton's time at the prefill and training shapes."""
+    (2026-12-01, session 19) the CUDA kernel took 43.2 us for 64 x 131072 scores, k = 2048, against Triton's 134
+    and torch.topk's 192.5 (4.46x), and 0.55-0.68x Triton's time at the prefill and training shapes."""
     choice = env_field("dsa_topk")
     if device.type == "cuda" and choice in ("auto", "cuda"):
         from kestrel.ops.dsa import cuda_topk

@@ -15,16 +15,15 @@ once more (mostly from L2) to copy the keys at or above the threshold digit to s
 the last two digits and the final selection work on that copy. Rows whose threshold digit holds more than the
 shared-memory capacity (24576 candidates on the H200; heavy ties, an all-equal row) take one or two more
 digits from the row instead (never when L <= the capacity). Any k >= 1 works: the output is written straight
-to global memory. Variant 3 splits each row over a cluster of two blocks (compute capability 9.0+).
+to global memory. Variant 3 splits each row over a cluster of two blocks (compute capability 9.0+), which
+`topk_cuda` picks for few wide rows (`choose_variant`).
 
-Measured on the H200 (scripts/topk_cuda_check.py, 2026-12-01, session 18,
-bench/results/2026-12-01-topk-cuda-h200-session18.json): variant 0 (the default) matched naive.topk_select and
-topk_triton on all 59 cases; [64, 131072] fp32, k = 2048, L2 flushed: 56.6-58.0 us for randn against
-torch.topk's 190 us (3.3x; the goal is 4x, ~48 us) and topk_triton's 122-145 us; 0.67x topk_triton's time on
-a 4096-token prefill's rows (k = 2048) and 0.55x on the demo model's training rows (8704 scores, k = 256).
-Variants 1-2 were not faster. Variant 3 took 43.3 us (4.4x torch.topk) but failed the 6 cases with short
-lens (its first block counted the second block's slots as valid zeros); the fix has not run on a GPU, and at
-4096 rows it is 2.5x slower than variant 0 (a row needs more blocks only when rows are fewer than the SMs).
+Measured on the H200 (scripts/topk_cuda_check.py, 2026-12-01, session 19,
+bench/results/2026-12-01-topk-cuda-h200-session19.json): every variant matched naive.topk_select on all 59
+cases and topk_triton on all compared. [64, 131072] fp32, k = 2048, L2 flushed: topk_cuda (its pick, the
+cluster) 43.2 us for randn, 46.5 for a ramp, 50.6 for heavy ties, against torch.topk's 192.5-196.0 us (4.46x,
+4.17x, 3.87x) and topk_triton's 134-159; variant 0 alone 57.7 / 59.1 / 72.0 us. At the prefill and training
+shapes (4096 rows) variant 0 takes 0.68x and 0.55x topk_triton's time, the cluster 2.5x variant 0's.
 
 Build: on first use nvcc compiles cuda_topk.cu for the device's compute capability into
 $KESTREL_CACHE_DIR/cuda (default ~/.cache/kestrel/cuda), one file per hash of the source, the arch and the
@@ -56,7 +55,7 @@ MAX_L = 2**31 - 2**20  # positions are int32 in the kernel, with headroom for th
 # DEFAULT_VARIANT, or CLUSTER_VARIANT where `choose_variant` says a row's second block pays.
 DEFAULT_VARIANT = 0
 CLUSTER_VARIANT = 3
-CLUSTER_MIN_L = 16384  # rows at least this wide take the cluster variant while it has an SM per block
+CLUSTER_MIN_L = 32768  # rows at least this wide take the cluster variant while it has an SM per block
 
 UNAVAILABLE_REASON: str | None = None  # why available() is False; None while it is True or not yet asked
 _lib: ctypes.CDLL | None = None
@@ -200,7 +199,10 @@ def choose_variant(B: int, L: int, sms: int, cluster: bool) -> int:
     runs it) while every block has an SM of its own (2 B <= sms) and rows are wide enough for a second block to
     pay (L >= CLUSTER_MIN_L); else the default. L is the scores' width (decode's graphs pad it to the longest
     context, so a short row in a wide buffer takes the cluster too). Host-only: no device sync, graph safe.
-    Measured on the H200 (132 SMs; scripts/topk_cuda_check.py rows_sweep, 2026-12-01, session 19)."""
+    On the H200 (132 SMs; scripts/topk_cuda_check.py rows_sweep, 2026-12-01, session 19), k = 2048, full rows,
+    cluster vs variant 0: 1 row of 16384 21.2 vs 18.1 us, of 32768 21.6 vs 23.7, of 131072 36.9 vs 54.4; 64
+    rows of 32768 24.0 vs 24.8, of 131072 43.1 vs 57.8; 128 rows of 131072 78.6 vs 69.0. A row of 4096 valid
+    scores in a 131072-wide buffer: 20.0 vs 16.9 us (the cost of deciding by width)."""
     if cluster and L >= CLUSTER_MIN_L and 2 * B <= sms:
         return CLUSTER_VARIANT
     return DEFAULT_VARIANT
