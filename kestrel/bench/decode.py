@@ -6,6 +6,9 @@ size the step is timed through `Engine.step()` (what a user gets: scheduling, sa
 and as the bare CUDA-graph replay. MBU = bytes a step must move / step time / measured copy bandwidth, with
 bytes = weights touched (every dense weight, the experts the batch hits, the LM head) + KDA state read and
 written + the MLA/DSA cache read (indexer keys of every position, latent rows of the selected ones).
+With --profile, each point's replayed step is also broken down by kernel (torch.profiler over a few replays):
+the kernels' summed time against the replay's, their count, and the kernels that took the most time, each
+with its share of the step and a category (KDA, MoE, MLA, DSA, matmul, ...): where the step's time goes.
 """
 
 from __future__ import annotations
@@ -93,7 +96,82 @@ def place_in_decode(engine: Engine, batch: int, context: int, steps: int, seed: 
     return reqs
 
 
-def _time_decode(engine: Engine, b: int, context: int, steps: int, dense: bool, ceilings: dict) -> dict:
+# kernel name fragments -> category, the first match wins (our Triton kernels' names, fla-core's, cuBLAS's and
+# torch's; approximate: two of ours share `_combine_kernel`)
+CATEGORIES = (
+    ("moe", ("gate_up", "_down_kernel", "router", "expert", "moe", "grouped")),
+    ("norm / activation / mix", ("rms_norm", "_mix_kernel", "glu", "sigmoid_gate", "norm", "silu")),
+    ("kda", ("kda", "recurrent", "conv", "_gate_kernel")),
+    ("dsa top-k", ("topk", "_select")),
+    ("dsa scores", ("indexer",)),
+    ("mla", ("_decode_kernel", "_combine_kernel", "mla", "flash", "attn")),
+    ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "matmul")),
+    ("copy / elementwise", ("copy", "elementwise", "fill", "cat", "index", "scatter", "gather", "reduce")),
+)
+
+
+def _category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def profile_replay(replay, replay_ms: float, reps: int = 5, top: int = 20) -> dict:
+    """The kernels of `reps` graph replays under torch.profiler: per step, their count and summed time against
+    the replay's (the rest is the GPU idling between kernels), the time by category, and the `top` kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.device_time_total > 0]
+    total_ms = sum(e.device_time_total for e in kernels) / 1e3 / reps
+    by_cat: dict[str, float] = {}
+    for e in kernels:
+        cat = _category(e.key)
+        by_cat[cat] = by_cat.get(cat, 0.0) + e.device_time_total / 1e3 / reps
+    return {
+        "replays": reps,
+        "kernels_per_step": sum(e.count for e in kernels) / reps,
+        "kernel_ms_per_step": total_ms,
+        "replay_ms": replay_ms,
+        "busy_share": total_ms / replay_ms if replay_ms else None,
+        "by_category_ms": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+        "top_kernels": [
+            {
+                "name": e.key[:120],
+                "category": _category(e.key),
+                "ms_per_step": e.device_time_total / 1e3 / reps,
+                "calls_per_step": e.count / reps,
+                "share_of_replay": e.device_time_total / 1e3 / reps / replay_ms if replay_ms else None,
+            }
+            for e in sorted(kernels, key=lambda e: e.device_time_total, reverse=True)[:top]
+        ],
+    }
+
+
+def _print_profile(prof: dict) -> None:
+    busy = prof["busy_share"]
+    print(
+        f"  kernels: {prof['kernels_per_step']:.0f} a step, {prof['kernel_ms_per_step']:.2f} ms of "
+        f"{prof['replay_ms']:.2f} ms replayed ({busy:.0%} busy); by category: "
+        + ", ".join(f"{cat} {ms:.2f}" for cat, ms in prof["by_category_ms"].items()),
+        flush=True,
+    )
+    for k in prof["top_kernels"][:10]:
+        print(
+            f"    {k['ms_per_step']:6.3f} ms {k['share_of_replay']:5.1%} x{k['calls_per_step']:4.0f}  "
+            f"[{k['category']}] {k['name'][:90]}",
+            flush=True,
+        )
+
+
+def _time_decode(
+    engine: Engine, b: int, context: int, steps: int, dense: bool, ceilings: dict, profile: bool = False
+) -> dict:
     """One (batch, mode) point: the step through Engine.step() (host-timed, everything a user gets) and the
     bare CUDA-graph replay (GPU-timed)."""
     reqs = place_in_decode(engine, b, context, steps + 4)
@@ -124,11 +202,15 @@ def _time_decode(engine: Engine, b: int, context: int, steps: int, dense: bool, 
         "mbu": parts["total"] / (step_ms * 1e-3) / copy,
         "mbu_graph_replay": parts["total"] / (replay_ms * 1e-3) / copy if replay_ms else None,
     }
+    if profile and replay_ms:
+        run["profile"] = profile_replay(graph.replay, replay_ms)
     print(
         f"decode b={b:4d} ctx={context:6d} {run['attention']:9s} step {step_ms:7.2f} ms "
         f"(replay {replay_ms or float('nan'):6.2f} ms)  {run['tokens_per_s']:9.0f} tok/s  MBU {run['mbu']:5.1%}",
         flush=True,
     )
+    if "profile" in run:
+        _print_profile(run["profile"])
     for r in reqs:
         engine.abort(r.request_id)
     engine.step()
@@ -151,6 +233,7 @@ def decode_bench(
     dense_contrast: bool = True,
     index_key_dtype: str = "auto",
     device: str = "cuda",
+    profile: bool = False,
 ) -> dict:
     """On CUDA, or on the CPU at small sizes (the smoke run of scripts/gpu_suite.py: no graph replay)."""
     if torch.device(device).type == "cuda":
@@ -177,7 +260,7 @@ def decode_bench(
         for dense in modes:  # outside: each switch recaptures the decode graphs
             engine.set_dense_attention(dense)
             for b in batch_sizes:
-                runs.append(_time_decode(engine, b, context, steps, dense, ceilings))
+                runs.append(_time_decode(engine, b, context, steps, dense, ceilings, profile))
         engine.set_dense_attention(False)
         engine = None  # noqa: F841 - free its pools before the next context
         torch.cuda.empty_cache()
@@ -201,6 +284,7 @@ def cmd_bench_decode(args) -> int:
         args.steps,
         not args.no_dense,
         args.index_key_dtype,
+        profile=args.profile,
     )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

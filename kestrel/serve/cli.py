@@ -334,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="DSA indexer keys: model dtype or FP8",
     )
+    d.add_argument(
+        "--profile", action="store_true", help="break each replayed step down by kernel (torch.profiler)"
+    )
     d.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     d.set_defaults(func=_bench("decode"))
     k = benchmarks.add_parser(

@@ -31,3 +31,18 @@ def test_gpu_benchmarks_need_cuda(bench, capsys):
     assert main(["bench", bench]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs a CUDA device" in err[0]
+
+
+def test_decode_profile_categories():
+    """--profile files each kernel under a category by its name: ours, fla-core's and cuBLAS's."""
+    from kestrel.bench.decode import _category
+
+    assert _category("_gate_up_kernel") == "moe"  # not KDA's gate
+    assert _category("_sigmoid_gate_kernel") == "norm / activation / mix"
+    assert _category("fused_recurrent_kda_fwd_kernel") == "kda"
+    assert _category("void topk_rows_kernel<1, false, 1>(float const*)") == "dsa top-k"
+    assert _category("_indexer_scores_kernel") == "dsa scores"
+    assert _category("_decode_kernel") == "mla"
+    assert _category("nvjet_tst_128x64_64x8_1x1_v_bz_TNT") == "matmul"
+    assert _category("void at::native::unrolled_elementwise_kernel<direct_copy>") == "copy / elementwise"
+    assert _category("something_new") == "other"
