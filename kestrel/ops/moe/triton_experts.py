@@ -209,7 +209,9 @@ def _sort_pairs_kernel(ids, order, starts, M, E, EP: tl.constexpr, BLOCK: tl.con
 
 # Up to this many pairs one program sorts them (`_sort_pairs_kernel`, one launch instead of torch.sort,
 # arange and searchsorted); past it torch.sort. A bound chosen to cover decode batches up to 256 at top-6; not
-# yet measured against torch.sort on the GPU.
+# yet measured against torch.sort on the GPU. In mini's batch-256 decode step (1536 pairs, 64 experts; H200,
+# 2026-12-01, `bench decode --profile`) it took 36 us a call, 0.87 ms (9%) of the replayed step: one program
+# walks the blocks one after another.
 COUNTING_SORT_MAX_PAIRS = 2048
 
 
