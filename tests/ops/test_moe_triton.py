@@ -138,15 +138,17 @@ def test_combine_sorted_gathers_weights_and_drops_out_of_range_ids():
     torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("M, E", [(1, 8), (7, 5), (300, 64), (2048, 64), (2049, 64), (700, 384)])
-def test_sort_pairs_is_a_stable_sort_by_expert(M, E):
-    """The counting sort (up to COUNTING_SORT_MAX_PAIRS pairs) and torch.sort past it give torch.sort's stable
-    order and the experts' first rows, out-of-range ids (another rank's experts) included among the ids."""
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("M, E", [(1, 8), (7, 5), (300, 64), (1536, 64), (2048, 64), (2049, 64), (700, 384)])
+def test_sort_pairs_is_a_stable_sort_by_expert(M, E, parallel):
+    """The counting sort (up to COUNTING_SORT_MAX_PAIRS pairs; one program, or one a block of pairs) and
+    torch.sort past it give torch.sort's stable order and the experts' first rows, out-of-range ids (another
+    rank's experts) included among the ids."""
     mod = _experts()
     assert mod.COUNTING_SORT_MAX_PAIRS == 2048  # the cases straddle it
     g = torch.Generator().manual_seed(M)
     ids = torch.randint(-2, E + 2, (M,), generator=g).to(DEVICE)
-    order, starts = mod.sort_pairs(ids, E)
+    order, starts = mod.sort_pairs(ids, E, parallel=parallel)
     sorted_ids, ref_order = torch.sort(ids, stable=True)
     ref_starts = torch.searchsorted(sorted_ids, torch.arange(E + 1, device=DEVICE), out_int32=True)
     assert starts.tolist() == ref_starts.tolist()

@@ -207,6 +207,37 @@ def _sort_pairs_kernel(ids, order, starts, M, E, EP: tl.constexpr, BLOCK: tl.con
         taken += tl.sum(onehot, 0)
 
 
+@triton.jit
+def _sort_pairs_blocks_kernel(
+    ids, order, starts, M, E, EP: tl.constexpr, MP: tl.constexpr, BLOCK: tl.constexpr
+):
+    """`_sort_pairs_kernel`'s sort with one program per block of BLOCK pairs instead of one for all: each program
+    histograms all M ids (MP >= M, one load) for the experts' first rows and, from the ids before its block,
+    where each expert's pairs of its block start; then ranks its block's pairs in one [BLOCK, EP] one-hot scan.
+    Program 0 writes starts. Same outputs (rows of out-of-range ids left unwritten)."""
+    b = tl.program_id(0)
+    es = tl.arange(0, EP)
+    q = tl.arange(0, MP)
+    every = q < M
+    v = tl.load(ids + q, mask=every, other=0).to(tl.int32)  # [MP] all the ids
+    valid = every & (v >= 0) & (v < E)
+    counts = tl.histogram(v, EP, mask=valid)  # [EP]
+    earlier = tl.histogram(v, EP, mask=valid & (q < b * BLOCK))  # [EP] pairs of each expert before the block
+    below = tl.sum((every & (v < 0)).to(tl.int32), 0)
+    first = below + tl.cumsum(counts, 0) - counts  # [EP] first sorted row of each expert
+    if b == 0:
+        tl.store(starts + es, first, mask=es < E)
+        tl.store(starts + E + es, below + tl.sum(counts, 0) + tl.zeros([EP], dtype=tl.int32), mask=es == 0)
+    p = b * BLOCK + tl.arange(0, BLOCK)
+    live = p < M
+    w = tl.load(ids + p, mask=live, other=-1).to(tl.int32)  # [BLOCK] the block's ids
+    mine = (w[:, None] == es[None, :]) & live[:, None] & (w[:, None] < E)  # [BLOCK, EP] one-hot
+    rank = tl.sum(
+        tl.where(mine, tl.cumsum(mine.to(tl.int32), 0) + (first + earlier)[None, :], 0), 1
+    )  # [BLOCK]
+    tl.store(order + rank - 1, p.to(tl.int64), mask=live & (w >= 0) & (w < E))
+
+
 # Up to this many pairs one program sorts them (`_sort_pairs_kernel`, one launch instead of torch.sort,
 # arange and searchsorted); past it torch.sort. A bound chosen to cover decode batches up to 256 at top-6; not
 # yet measured against torch.sort on the GPU. In mini's batch-256 decode step (1536 pairs, 64 experts; H200,
@@ -215,17 +246,23 @@ def _sort_pairs_kernel(ids, order, starts, M, E, EP: tl.constexpr, BLOCK: tl.con
 COUNTING_SORT_MAX_PAIRS = 2048
 
 
-def sort_pairs(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_pairs(ids: torch.Tensor, E: int, parallel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(order [M] int64, starts [E + 1] int32) of the flattened pair ids [M]: the pairs of expert e are
-    order[starts[e]:starts[e + 1]], in pair order (a stable sort by expert)."""
+    order[starts[e]:starts[e + 1]], in pair order (a stable sort by expert). parallel: the counting sort with a
+    program per block of pairs (`_sort_pairs_blocks_kernel`; not yet timed on a GPU, so not the default)."""
     flat = ids.reshape(-1)
     M = flat.numel()
     if M <= COUNTING_SORT_MAX_PAIRS:
         order = torch.empty(M, dtype=torch.int64, device=flat.device)
         starts = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
-        ep = triton.next_power_of_2(E)
-        block = min(max(16, 16384 // ep), 256, triton.next_power_of_2(M))  # a [block, ep] one-hot tile
-        _sort_pairs_kernel[(1,)](flat, order, starts, M, E, EP=ep, BLOCK=block, num_warps=8)
+        ep, mp = triton.next_power_of_2(E), triton.next_power_of_2(M)
+        if parallel:
+            block = min(max(16, 8192 // ep), 128, mp)  # a [block, ep] one-hot tile a program
+            grid = (max(1, triton.cdiv(M, block)),)  # program 0 writes starts, even for no pairs
+            _sort_pairs_blocks_kernel[grid](flat, order, starts, M, E, EP=ep, MP=mp, BLOCK=block, num_warps=4)
+        else:
+            block = min(max(16, 16384 // ep), 256, mp)  # a [block, ep] one-hot tile
+            _sort_pairs_kernel[(1,)](flat, order, starts, M, E, EP=ep, BLOCK=block, num_warps=8)
         return order, starts
     sorted_ids, order = torch.sort(flat, stable=True)  # [M], [M] expert-major, then pair order
     bounds = torch.arange(E + 1, device=flat.device, dtype=flat.dtype)  # [E + 1]

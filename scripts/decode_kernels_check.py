@@ -1,0 +1,193 @@
+"""Two decode-step kernels that `bench decode --profile` found slow (H200, 2026-12-01, session 19), checked and
+timed on the device in one run, one JSON result:
+
+    export PYTHONPATH=$PWD; python3 scripts/decode_kernels_check.py --out $OUT/decode_kernels.json
+
+1. `moe_sort`: the MoE pair sort (kestrel.ops.moe.triton_experts.sort_pairs). mini's batch-256 step spent
+   0.87 ms in 24 calls of the one-program counting sort (36 us each at 1536 pairs). For M pairs of E experts
+   (decode batches 1-341 at top-6 of mini's 64, and K3's top-8 of 384): the one-program sort, the
+   program-per-block sort (`parallel=True`) and torch.sort + searchsorted (the path past 2048 pairs), each
+   checked against torch.sort's stable order, then timed as the step runs them: 24 calls in one CUDA graph,
+   the replay's microseconds / 24.
+2. `mla_decode`: sparse MLA decode (kestrel.ops.mla.triton_decode.sparse_mla_decode) at mini's sizes (16 heads,
+   rank 512, top-2048 of 4K), batch 1 / 64 / 256. The batch-256 step spent 2.20 ms in 6 calls (367 us each)
+   where the latent rows it must read take 145 us at the copy rate. Its launch knobs (splits, block_n,
+   num_warps, num_stages) are swept; every configuration's output is compared with the default's; each is timed
+   with the L2 flushed against `decode_bytes` at the copy rate measured in the run.
+Each section catches its own exceptions; the JSON is rewritten after every section. `--smoke` runs both at
+tiny sizes on the CPU under TRITON_INTERPRET=1 (the figures mean nothing there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import itertools
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kestrel.bench.roofline import device_name, measure_ceilings, time_ms  # noqa: E402
+
+CALLS_PER_STEP = 24  # mini's MoE layers: the sort runs once in each
+
+
+def graph_us(fn, device: str, calls: int = CALLS_PER_STEP, reps: int = 20) -> float:
+    """Microseconds a call of fn() when `calls` of them replay in one CUDA graph (as in a decode step); on the
+    CPU the wall-clock median per call."""
+    if device != "cuda":
+        return 1000 * time_ms(fn, device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return 1000 * time_ms(graph.replay, device, warmup_ms=10, rep_ms=50) / calls
+
+
+def _torch_sort(ids: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sort past COUNTING_SORT_MAX_PAIRS: torch.sort, then each expert's first row by searchsorted."""
+    s, o = torch.sort(ids, stable=True)
+    return o, torch.searchsorted(s, bounds, out_int32=True)
+
+
+def moe_sort(result: dict, device: str, smoke: bool) -> None:
+    from kestrel.ops.moe.triton_experts import COUNTING_SORT_MAX_PAIRS, sort_pairs
+
+    cases = [(6, 64), (96, 64), (384, 64), (1536, 64), (2046, 64), (8, 384), (512, 384), (2048, 384)]
+    if smoke:
+        cases = [(6, 8), (40, 8), (300, 16)]
+    rows = result["moe_sort"] = {"counting_sort_max_pairs": COUNTING_SORT_MAX_PAIRS}
+    for M, E in cases:
+        g = torch.Generator(device=device).manual_seed(M + E)
+        ids = torch.randint(0, E, (M,), generator=g, device=device)
+        want_ids, want_order = torch.sort(ids, stable=True)
+        bounds = torch.arange(E + 1, device=device)
+        want_starts = torch.searchsorted(want_ids, bounds, out_int32=True)
+
+        fns = {
+            "one_program": functools.partial(sort_pairs, ids, E),
+            "per_block": functools.partial(sort_pairs, ids, E, parallel=True),
+            "torch_sort": functools.partial(_torch_sort, ids, bounds),
+        }
+        entry = rows[f"M={M} E={E}"] = {}
+        for name, fn in fns.items():
+            try:
+                order, starts = fn()
+                equal = torch.equal(order, want_order) and torch.equal(starts, want_starts)
+                entry[name] = {"equal": bool(equal), "us_in_graph": graph_us(fn, device)}
+            except Exception as e:  # noqa: BLE001
+                entry[name] = {"error": repr(e)[:300]}
+        print(f"sort M={M:5d} E={E:4d}: " + "  ".join(f"{n} {v}" for n, v in entry.items()), flush=True)
+
+
+def mla_decode(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
+    from kestrel.ops.mla.triton_decode import choose_num_splits, decode_bytes, sparse_mla_decode
+
+    H, R, P, page, context, k = 16, 512, 64, 64, 4096, 2048
+    batches = (1, 64, 256)
+    knobs = {
+        "num_splits": (None, 1, 2, 4, 8),
+        "block_n": (32, 64),
+        "num_warps": (4, 8),
+        "num_stages": (1, 2, 3),
+    }
+    if smoke:
+        H, R, P, page, context, k = 2, 32, 16, 8, 64, 24
+        batches = (1, 3)
+        knobs = {"num_splits": (None, 2), "block_n": (16,), "num_warps": (4,), "num_stages": (2,)}
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    scale = (128 + P) ** -0.5
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
+    rows = result["mla_decode"] = {"heads": H, "rank": R, "rope": P, "context": context, "k": k, "sms": sms}
+    for B in batches:
+        pages = -(-context // page)
+        g = torch.Generator(device=device).manual_seed(B)
+        pool = torch.randn(B * pages * page + page, R + P, generator=g, device=device).to(dtype)
+        table = (torch.randperm(B * pages, generator=g, device=device).view(B, pages) + 1).to(torch.int64)
+        lens = torch.full((B,), context, device=device, dtype=torch.int64)
+        q_lat = torch.randn(B, H, R, generator=g, device=device).to(dtype)
+        q_pe = torch.randn(B, H, P, generator=g, device=device).to(dtype)
+        idx = torch.rand(B, context, generator=g, device=device).topk(k, dim=-1).indices.sort(-1).values
+        nbytes = decode_bytes(B, context, k, num_heads=H, kv_lora_rank=R, rope_dim=P, page_size=page)
+        floor_us = 1e6 * nbytes / (ceilings["copy_TBps"] * 1e12)
+        entry = rows[f"B={B}"] = {
+            "bytes": nbytes,
+            "floor_us": floor_us,
+            "default_splits": choose_num_splits(B, H, k, sms),
+            "configs": [],
+        }
+        run = functools.partial(sparse_mla_decode, q_lat, q_pe, pool, table, page, lens, idx, scale)
+        want = run().float()
+        entry["default"] = {"us": 1000 * time_ms(run, device, warmup_ms=5, rep_ms=25)}
+        entry["default"]["floor_share"] = floor_us / entry["default"]["us"]
+        for values in itertools.product(*knobs.values()):
+            kw = dict(zip(knobs, values))
+            fn = functools.partial(run, **kw)
+            row = dict(kw)
+            try:
+                close = torch.allclose(fn().float(), want, rtol=2e-2, atol=2e-2)
+                us = 1000 * time_ms(fn, device, warmup_ms=5, rep_ms=25)
+                row.update(close=bool(close), us=us, floor_share=floor_us / us)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:200]
+            entry["configs"].append(row)
+        timed = [c for c in entry["configs"] if c.get("close") and "us" in c]
+        best = min(timed, key=lambda c: c["us"]) if timed else None
+        entry["best"] = best
+        print(
+            f"mla B={B}: floor {floor_us:.1f} us, default {entry['default']['us']:.1f} us, best {best}",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "decode_kernels.json"))
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (TRITON_INTERPRET=1)")
+    parser.add_argument("--sections", default="moe_sort,mla_decode")
+    args = parser.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    started = time.perf_counter()
+    result: dict = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "torch": torch.__version__,
+        "gpu": device_name(device),
+    }
+
+    def save() -> None:
+        result["elapsed_s"] = time.perf_counter() - started
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+    ceilings = result["ceilings"] = measure_ceilings(device)
+    sections = {
+        "moe_sort": lambda: moe_sort(result, device, args.smoke),
+        "mla_decode": lambda: mla_decode(result, device, args.smoke, ceilings),
+    }
+    for name in args.sections.split(","):
+        try:
+            sections[name]()
+        except Exception:  # noqa: BLE001
+            result.setdefault("errors", {})[name] = traceback.format_exc()[-3000:]
+            print(f"{name} failed:\n{result['errors'][name]}", flush=True)
+        save()
+    save()
+    print(f"wrote {args.out} in {result['elapsed_s']:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

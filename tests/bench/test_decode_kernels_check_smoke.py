@@ -1,0 +1,33 @@
+"""scripts/decode_kernels_check.py --smoke: both sections run on the CPU under Triton's interpreter at tiny sizes
+(so a Python error shows up here rather than in GPU minutes), and every sort and every MLA launch configuration
+gives the reference's answer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_decode_kernels_check_smoke(tmp_path):
+    out = tmp_path / "decode_kernels.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, str(ROOT / "scripts" / "decode_kernels_check.py"), "--smoke", "--out", str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert "errors" not in result, result.get("errors")
+    sorts = {k: v for k, v in result["moe_sort"].items() if k.startswith("M=")}
+    assert len(sorts) == 3
+    for case, entry in sorts.items():
+        assert set(entry) == {"one_program", "per_block", "torch_sort"}, case
+        assert all(v["equal"] for v in entry.values()), (case, entry)
+    for B in ("B=1", "B=3"):
+        entry = result["mla_decode"][B]
+        assert entry["default"]["us"] > 0 and entry["configs"]
+        assert all(c["close"] for c in entry["configs"]), entry["configs"]
+        assert entry["best"] is not None
