@@ -1,6 +1,6 @@
-"""scripts/decode_kernels_check.py --smoke: both sections run on the CPU under Triton's interpreter at tiny sizes
-(so a Python error shows up here rather than in GPU minutes), and every sort and every MLA launch configuration
-gives the reference's answer."""
+"""scripts/decode_kernels_check.py --smoke: every section runs on the CPU under Triton's interpreter at tiny sizes
+(so a Python error shows up here rather than in GPU minutes), and every sort, MLA launch configuration and MoE
+tile gives the reference's answer."""
 
 from __future__ import annotations
 
@@ -31,3 +31,7 @@ def test_decode_kernels_check_smoke(tmp_path):
         assert entry["default"]["us"] > 0 and entry["configs"]
         assert all(c["close"] for c in entry["configs"]), entry["configs"]
         assert entry["best"] is not None
+    for T in ("T=1", "T=5"):
+        entry = result["moe_tiles"][T]
+        assert entry["default"]["us"] > 0 and len(entry["configs"]) == 2
+        assert all(c["close"] for c in entry["configs"]), entry["configs"]
