@@ -19,6 +19,9 @@
 #   RUN=/tmp/run11a RLEN=256,256,512,512,1024 ... start   (then wait, finish)
 #   RUN=/tmp/run11c MODEL=/tmp/run11a/checkpoint STEPS=1100 LR=1e-3 WARMUP=20 DENSE=0 BUDGET=260 SEED=8 ... start
 #   (both evaluated with EVAL_S=300 NUMR=100 ... finish: 100 held-out retrieval prompts a length)
+# Runs 13 / 14 (session 19, 2026-12-01-demo-train-run13-14.json) fit both stages' whole processes in 15 minutes
+# (876 s) by time budgets: stage 1 STEPS=4000 BUDGET=550, stage 2 STEPS=2000 BUDGET=230 (the schedule runs over
+# the budget; the steps are only a cap).
 # Knobs: MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED DISTRACTORS SHARED_ALL (1, the default: --retrieval-shared-all; 0: run 6's data)
 #   RLOSS (--retrieval-loss-weight, default 1)
 #   LR WARMUP DENSE BUDGET WORKERS SEED
