@@ -2,6 +2,8 @@
 # Train the demo model on the device machine, across several `device run` calls (each at most 10 minutes):
 #   scripts/gpu_train_demo.sh start   install wheels, train the tokenizer, launch `kestrel train` detached
 #   scripts/gpu_train_demo.sh wait N  wait up to N seconds for it (a call that keeps the machine busy)
+#   scripts/gpu_train_demo.sh after PREV [N]  wait up to N seconds for the run in PREV, then `start` this run on
+#                                     PREV's checkpoint (a second stage, e.g. RUN=/tmp/run13c ... after /tmp/run13a)
 #   scripts/gpu_train_demo.sh finish  evaluate and copy the run (checkpoint shards, eval, loss PNG) to $OUT,
 #                                     with the Triton cache (scripts/triton_cache.sh) for the next machine
 #   scripts/gpu_train_demo.sh ship    copy only the run's checkpoint shards to $OUT
@@ -63,6 +65,15 @@ start)
     echo $! > $RUN/train.pid
     sleep "${START_WAIT:-60}"; tail -c 2000 $RUN/train.log
     ;;
+after)
+    RUN=$2 "$0" wait "${3:-900}" > /dev/null
+    if kill -0 "$(cat "$2/train.pid" 2> /dev/null)" 2> /dev/null; then
+        echo "the run in $2 is still training: not starting on a checkpoint it has not finished" >&2
+        exit 1
+    fi
+    [ -f "$2/checkpoint/config.json" ] || { echo "no checkpoint in $2/checkpoint" >&2; exit 1; }
+    MODEL=$2/checkpoint "$0" start
+    ;;
 wait)
     for _ in $(seq 1 $(( ${2:-540} / 10 ))); do
         running || break
@@ -105,7 +116,7 @@ pick)
     cp "$best"/checkpoint/model*.safetensors "$OUT/" && ls -la "$OUT"
     ;;
 *)
-    echo "usage: $0 start|wait N|finish|ship|pick RUN..." >&2
+    echo "usage: $0 start|wait N|after PREV [N]|finish|ship|pick RUN..." >&2
     exit 2
     ;;
 esac
