@@ -17,7 +17,7 @@ timed on the device in one run, one JSON result:
 3. `moe_tiles`: the routed experts' Triton tiles at tokens 1 and 256 (mini's batch-256 step: 82 us a layer
    against 47 us of expert bytes), each configuration checked against the default and timed in a CUDA graph of
    8 layers' weights.
-Each section catches its own exceptions; the JSON is rewritten after every section. `--smoke` runs both at
+Each section catches its own exceptions; the JSON is rewritten after every section. `--smoke` runs every section at
 tiny sizes on the CPU under TRITON_INTERPRET=1 (the figures mean nothing there).
 """
 

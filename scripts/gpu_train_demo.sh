@@ -54,7 +54,7 @@ start)
     # MODEL=kestrel-demo TOKENIZER=kestrel/data/kestrel-demo continues training the shipped model instead
     # the whole process's wall clock (imports, data workers, the first step's compiling, the steps, the last
     # checkpoint) goes to $RUN/wall_start and wall_end; `finish` writes their difference to wall.json
-    setsid nohup bash -c 'd=$1; shift; date +%s.%N > $d/wall_start; "$@"; rc=$?; date +%s.%N > $d/wall_end; exit $rc' \
+    setsid nohup bash -c 'd=$1; shift; date +%s.%N > "$d/wall_start"; "$@"; rc=$?; date +%s.%N > "$d/wall_end"; exit $rc' \
         _ "$RUN" python3 -m kestrel.serve.cli train --out $RUN --model "${MODEL:-demo}" ${TOKENIZER:+--tokenizer "$TOKENIZER"} \
         --steps "${STEPS:-4000}" --retrieval-weight "${RWEIGHT:-1.0}" --seed "${SEED:-7}" \
         --retrieval-shared-prefix "${RSHARED:-0.5}" --retrieval-distractors "${DISTRACTORS:-1,8}" \
@@ -66,7 +66,7 @@ start)
     sleep "${START_WAIT:-60}"; tail -c 2000 $RUN/train.log
     ;;
 after)
-    RUN=$2 "$0" wait "${3:-900}" > /dev/null
+    RUN=$2 "$0" wait "${3:-540}" > /dev/null
     if kill -0 "$(cat "$2/train.pid" 2> /dev/null)" 2> /dev/null; then
         echo "the run in $2 is still training: not starting on a checkpoint it has not finished" >&2
         exit 1

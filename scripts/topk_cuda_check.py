@@ -222,9 +222,13 @@ def timing(result: dict) -> None:
 
 
 def check_and_time(entry: dict, fns: dict, out: torch.Tensor, want: torch.Tensor) -> None:
-    """entry[name] = whether fns[name]() (each writing `out`) selected `want`, and its L2-flushed microseconds."""
+    """entry[name] = whether fns[name]() (each writing `out`, poisoned before it) selected `want`, and its
+    L2-flushed microseconds."""
     for name, fn in fns.items():
         try:
+            out.fill_(
+                -7
+            )  # an output that a function leaves unwritten must not pass on the one before's result
             fn()
             equal = bool(torch.equal(out, want))
             entry[name] = {"equal_naive": equal, "cold_us": time_us(fn, flush=True, reps=20, warmup=3)}
@@ -276,7 +280,7 @@ def rows_sweep(result: dict) -> None:
         out = torch.empty(B, k, dtype=torch.int64, device="cuda")
         want = by_position(topk_select(scores, lens - 1, k))
         name = f"{B}x{L}" + ("" if valid == L else f" lens {valid}")
-        entry = rows[name] = {"auto_picks": cuda_topk.choose_variant(B, L, sms, cuda_topk.num_variants() > 3)}
+        entry = rows[name] = {"auto_picks": cuda_topk.variant_for(B, L, scores.device)}
         fns = {
             **{
                 f"v{v}": functools.partial(cuda_topk.topk_cuda, scores, lens, k, out=out, variant=v)

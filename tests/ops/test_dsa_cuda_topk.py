@@ -241,8 +241,32 @@ def test_the_cluster_is_probed_and_picked_on_sm90():
     scores, lens = torch.randn(3, L, generator=g, device="cuda"), torch.tensor([L, 5, L // 2], device="cuda")
     run_topk(scores, lens, 2048)
     sms, cluster = cuda_topk._ready[torch.cuda.current_device()]
-    assert sms == torch.cuda.get_device_properties(0).multi_processor_count
+    assert sms == torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     assert cluster == (torch.cuda.get_device_capability()[0] >= 9)
+
+
+@requires_kernel
+def test_a_failing_cluster_probe_leaves_the_default(monkeypatch):
+    """Where the cluster variant's probe fails, the device keeps the default variant for every shape (with the
+    reason kept), results stay exact, and no CUDA error is left for the next torch op."""
+    real_probe = cuda_topk._probe
+
+    def probe(lib, index, variant):
+        return "made to fail" if variant == cuda_topk.CLUSTER_VARIANT else real_probe(lib, index, variant)
+
+    monkeypatch.setattr(cuda_topk, "_ready", {})
+    monkeypatch.setattr(cuda_topk, "CLUSTER_UNAVAILABLE_REASON", {})
+    monkeypatch.setattr(cuda_topk, "_probe", probe)
+    device = torch.cuda.current_device()
+    L = cuda_topk.CLUSTER_MIN_L + 1000
+    assert cuda_topk.variant_for(1, L, torch.device("cuda", device)) == cuda_topk.DEFAULT_VARIANT
+    assert cuda_topk._ready[device][1] is False
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert cuda_topk.CLUSTER_UNAVAILABLE_REASON[device] == "made to fail"
+    g = torch.Generator(device="cuda").manual_seed(10)
+    run_topk(torch.randn(2, L, generator=g, device="cuda"), torch.tensor([L, 77], device="cuda"), 2048)
+    torch.ones(4, device="cuda").add_(1)
+    torch.cuda.synchronize()
 
 
 @requires_kernel

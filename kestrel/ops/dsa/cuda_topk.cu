@@ -471,10 +471,9 @@ cudaError_t setup(int variant, int dev) {
 
 }  // namespace
 
-// Top-k of B rows on `stream` with kernel `variant` (0: the default); returns a cudaError_t (0: launched).
-// Output rows [B, k] int64 with unit column stride. Requires 1 <= k, 0 < L <= 2^31 - 2^20, 0 <= B and, with
-// more than one row, row strides of at least L and k (cudaErrorInvalidValue otherwise).
-extern "C" int kestrel_topk_launch(
+namespace {
+
+cudaError_t launch(
     const float* scores,
     long long stride_s,
     int B,
@@ -510,8 +509,20 @@ extern "C" int kestrel_topk_launch(
     config.attrs = cluster;
     config.numAttrs = BLOCKS_PER_ROW[variant] > 1 ? 1 : 0;  // one block a row: a plain launch
     err = cudaLaunchKernelEx(&config, VARIANTS[variant], scores, stride_s, L, lens, lens_is_64, k, out, stride_o, cap);
-    const cudaError_t last = cudaGetLastError();  // read (and cleared) here, or the next launch would report it
-    return err != cudaSuccess ? err : last;
+    return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+}  // namespace
+
+// Top-k of B rows on `stream` with kernel `variant` (0: the default); returns a cudaError_t (0: launched).
+// Output rows [B, k] int64 with unit column stride. Requires 1 <= k, 0 < L <= 2^31 - 2^20, 0 <= B and, with
+// more than one row, row strides of at least L and k (cudaErrorInvalidValue otherwise). Any error is returned
+// here and cleared, whatever step failed, so that the next launch (ours or torch's) does not report it.
+extern "C" int kestrel_topk_launch(const float* scores, long long stride_s, int B, int L, const void* lens,
+    int lens_is_64, int k, long long* out, long long stride_o, void* stream, int variant) {
+    const cudaError_t err = launch(scores, stride_s, B, L, lens, lens_is_64, k, out, stride_o, stream, variant);
+    cudaGetLastError();
+    return err;
 }
 
 // Every variant's shared-memory limit on the current device, ahead of any launch: the first launch would do

@@ -61,9 +61,13 @@ UNAVAILABLE_REASON: str | None = None  # why available() is False; None while it
 _lib: ctypes.CDLL | None = None
 _tried = False
 _lock = threading.Lock()
-# devices whose kernel shared-memory limits are set (kestrel_topk_setup): index -> (SM count, whether the
-# cluster variant runs there and passed its probe)
+# devices whose kernel shared-memory limits are set (kestrel_topk_setup) and whose default variant passed its
+# probe: index -> (SM count, whether the cluster variant runs there and passed its probe)
 _ready: dict[int, tuple[int, bool]] = {}
+_ready_lock = threading.RLock()  # re-entered: a probe launches through _launch, which asks _prepare
+CLUSTER_UNAVAILABLE_REASON: dict[
+    int, str
+] = {}  # device index -> why choose_variant never picks the cluster there
 FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
 
 
@@ -146,9 +150,7 @@ def _load() -> ctypes.CDLL | None:
             lib.kestrel_topk_num_variants.restype = ctypes.c_int
             lib.kestrel_topk_error.restype = ctypes.c_char_p
             lib.kestrel_topk_error.argtypes = [ctypes.c_int]
-            failure = _probe(lib, torch.cuda.current_device(), DEFAULT_VARIANT)
-            if failure is not None:
-                raise RuntimeError(failure)
+            _prepare(lib, torch.device("cuda", torch.cuda.current_device()))  # raises if the default fails
             _lib, UNAVAILABLE_REASON = lib, None
         except Exception as e:  # noqa: BLE001 - any failure means "use another backend", with the reason kept
             _lib, UNAVAILABLE_REASON = None, f"{type(e).__name__}: {e}"
@@ -157,26 +159,46 @@ def _load() -> ctypes.CDLL | None:
 
 
 def _prepare(lib: ctypes.CDLL, device: torch.device) -> tuple[int, bool]:
-    """Set every kernel variant's shared-memory limit on `device` once, outside any CUDA graph capture, and probe
-    the cluster variant there. Returns (the device's SM count, whether the cluster variant can be chosen)."""
+    """Once per device, outside any CUDA graph capture: set every kernel variant's shared-memory limit, probe the
+    default variant (raises when it fails), then the cluster variant (which is only picked where its probe
+    passed; CLUSTER_UNAVAILABLE_REASON keeps why not). Returns (the device's SM count, whether the cluster
+    variant can be chosen)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _ready:
         return _ready[index]
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"topk_cuda: call it once on cuda:{index} before capturing a CUDA graph there")
-    with torch.cuda.device(index):
-        err = lib.kestrel_topk_setup()
-        if err != 0:
-            raise RuntimeError(
-                f"topk_cuda setup on cuda:{index} failed: {lib.kestrel_topk_error(err).decode()}"
-            )
-        sms = torch.cuda.get_device_properties(index).multi_processor_count
-        _ready[index] = (sms, False)  # set up: the probes below launch through _launch
-        cluster = (
-            lib.kestrel_topk_num_variants() > CLUSTER_VARIANT and _probe(lib, index, CLUSTER_VARIANT) is None
-        )
-        _ready[index] = (sms, cluster)
+    with _ready_lock:
+        if index in _ready:
+            return _ready[index]
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"topk_cuda: call it once on cuda:{index} before capturing a CUDA graph there")
+        with torch.cuda.device(index):
+            err = lib.kestrel_topk_setup()
+            if err != 0:
+                raise RuntimeError(
+                    f"topk_cuda setup on cuda:{index} failed: {lib.kestrel_topk_error(err).decode()}"
+                )
+            sms = torch.cuda.get_device_properties(index).multi_processor_count
+            _ready[index] = (sms, False)  # set up: the probes below launch through _launch
+            failure = _probe(lib, index, DEFAULT_VARIANT)
+            if failure is not None:
+                del _ready[index]
+                raise RuntimeError(failure)
+            if lib.kestrel_topk_num_variants() <= CLUSTER_VARIANT:
+                CLUSTER_UNAVAILABLE_REASON[index] = "compute capability below 9.0 (no thread-block clusters)"
+            elif (failure := _probe(lib, index, CLUSTER_VARIANT)) is not None:
+                CLUSTER_UNAVAILABLE_REASON[index] = failure
+            else:
+                _ready[index] = (sms, True)
     return _ready[index]
+
+
+def variant_for(B: int, L: int, device: torch.device) -> int:
+    """The variant topk_cuda runs for B rows of width L on `device` (`choose_variant` with the device's SM count
+    and whether its cluster probe passed); sets the device up on first use (outside a graph capture)."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"topk_cuda is unavailable: {UNAVAILABLE_REASON}")
+    return choose_variant(B, L, *_prepare(lib, device))
 
 
 def _probe(lib: ctypes.CDLL, index: int, variant: int) -> str | None:
@@ -261,7 +283,7 @@ def topk_cuda(
     if lib is None:
         raise RuntimeError(f"topk_cuda is unavailable: {UNAVAILABLE_REASON}")
     if variant is None:
-        variant = choose_variant(B, L, *_prepare(lib, scores.device))
+        variant = variant_for(B, L, scores.device)
     _launch(lib, scores, lens, k, out, variant)
     return out
 

@@ -252,13 +252,15 @@ def sort_pairs(ids: torch.Tensor, E: int, parallel: bool = False) -> tuple[torch
     program per block of pairs (`_sort_pairs_blocks_kernel`; not yet timed on a GPU, so not the default)."""
     flat = ids.reshape(-1)
     M = flat.numel()
+    if M == 0:
+        return torch.empty(0, dtype=torch.int64, device=flat.device), flat.new_zeros(E + 1, dtype=torch.int32)
     if M <= COUNTING_SORT_MAX_PAIRS:
         order = torch.empty(M, dtype=torch.int64, device=flat.device)
         starts = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
         ep, mp = triton.next_power_of_2(E), triton.next_power_of_2(M)
         if parallel:
             block = min(max(16, 8192 // ep), 128, mp)  # a [block, ep] one-hot tile a program
-            grid = (max(1, triton.cdiv(M, block)),)  # program 0 writes starts, even for no pairs
+            grid = (triton.cdiv(M, block),)
             _sort_pairs_blocks_kernel[grid](flat, order, starts, M, E, EP=ep, MP=mp, BLOCK=block, num_warps=4)
         else:
             block = min(max(16, 16384 // ep), 256, mp)  # a [block, ep] one-hot tile
