@@ -134,29 +134,29 @@ def profile_replay(replay, reps: int = 5, top: int = 20) -> dict:
         end.record()
         torch.cuda.synchronize()
     replay_ms = start.elapsed_time(end) / reps  # the profiled replays' own time a step
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.device_time_total > 0]
-    total_ms = sum(e.device_time_total for e in kernels) / 1e3 / reps
+    kernels = [  # per step, the most time first
+        {
+            "name": e.key[:120],
+            "category": _category(e.key),
+            "ms_per_step": e.device_time_total / 1e3 / reps,
+            "calls_per_step": e.count / reps,
+            "share_of_replay": e.device_time_total / 1e3 / reps / replay_ms,
+        }
+        for e in sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+        if e.device_type == DeviceType.CUDA and e.device_time_total > 0
+    ]
+    total_ms = sum(k["ms_per_step"] for k in kernels)
     by_cat: dict[str, float] = {}
-    for e in kernels:
-        cat = _category(e.key)
-        by_cat[cat] = by_cat.get(cat, 0.0) + e.device_time_total / 1e3 / reps
+    for k in kernels:
+        by_cat[k["category"]] = by_cat.get(k["category"], 0.0) + k["ms_per_step"]
     return {
         "replays": reps,
-        "kernels_per_step": sum(e.count for e in kernels) / reps,
+        "kernels_per_step": sum(k["calls_per_step"] for k in kernels),
         "kernel_ms_per_step": total_ms,
         "profiled_replay_ms": replay_ms,
         "busy_share": total_ms / replay_ms,
         "by_category_ms": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
-        "top_kernels": [
-            {
-                "name": e.key[:120],
-                "category": _category(e.key),
-                "ms_per_step": e.device_time_total / 1e3 / reps,
-                "calls_per_step": e.count / reps,
-                "share_of_replay": e.device_time_total / 1e3 / reps / replay_ms,
-            }
-            for e in sorted(kernels, key=lambda e: e.device_time_total, reverse=True)[:top]
-        ],
+        "top_kernels": kernels[:top],
     }
 
 

@@ -283,7 +283,7 @@ def topk_cuda(
     if lib is None:
         raise RuntimeError(f"topk_cuda is unavailable: {UNAVAILABLE_REASON}")
     if variant is None:
-        variant = variant_for(B, L, scores.device)
+        variant = choose_variant(B, L, *_prepare(lib, scores.device))  # variant_for's pick
     _launch(lib, scores, lens, k, out, variant)
     return out
 

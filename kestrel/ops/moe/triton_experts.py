@@ -179,6 +179,20 @@ def _down_kernel(
 
 
 @triton.jit
+def _place_block(ids, order, off, M, E, es, start, BLOCK: tl.constexpr):
+    """Write the pairs off..off + BLOCK - 1 of each expert e to their sorted rows, from row start[e] on, in pair
+    order (one [BLOCK, EP] one-hot scan); returns how many pairs of each expert the block held [EP]."""
+    p = off + tl.arange(0, BLOCK)
+    live = p < M
+    v = tl.load(ids + p, mask=live, other=-1).to(tl.int32)  # [BLOCK]
+    mine = (v[:, None] == es[None, :]) & live[:, None] & (v[:, None] < E)  # [BLOCK, EP] one-hot
+    onehot = mine.to(tl.int32)
+    rank = tl.sum(tl.where(mine, tl.cumsum(onehot, 0) + start[None, :], 0), 1)  # [BLOCK]
+    tl.store(order + rank - 1, p.to(tl.int64), mask=live & (v >= 0) & (v < E))
+    return tl.sum(onehot, 0)
+
+
+@triton.jit
 def _sort_pairs_kernel(ids, order, starts, M, E, EP: tl.constexpr, BLOCK: tl.constexpr):
     """One program: a stable counting sort of the M pair ids by expert. starts[e] (e = 0..E) is the first
     sorted row of expert e (the ids below 0 come first, as in a sort), order[starts[e] + j] the pair of
@@ -197,14 +211,7 @@ def _sort_pairs_kernel(ids, order, starts, M, E, EP: tl.constexpr, BLOCK: tl.con
     tl.store(starts + E + es, below + tl.sum(counts, 0), mask=es == 0)
     taken = tl.zeros([EP], dtype=tl.int32)  # pairs of each expert placed so far
     for off in range(0, M, BLOCK):
-        p = off + tl.arange(0, BLOCK)
-        live = p < M
-        v = tl.load(ids + p, mask=live, other=-1).to(tl.int32)
-        mine = (v[:, None] == es[None, :]) & live[:, None] & (v[:, None] < E)  # [BLOCK, EP] one-hot
-        onehot = mine.to(tl.int32)
-        rank = tl.sum(tl.where(mine, tl.cumsum(onehot, 0) + (first + taken)[None, :], 0), 1)  # [BLOCK]
-        tl.store(order + rank - 1, p.to(tl.int64), mask=live & (v >= 0) & (v < E))
-        taken += tl.sum(onehot, 0)
+        taken += _place_block(ids, order, off, M, E, es, first + taken, BLOCK)
 
 
 @triton.jit
@@ -228,14 +235,7 @@ def _sort_pairs_blocks_kernel(
     if b == 0:
         tl.store(starts + es, first, mask=es < E)
         tl.store(starts + E + es, below + tl.sum(counts, 0) + tl.zeros([EP], dtype=tl.int32), mask=es == 0)
-    p = b * BLOCK + tl.arange(0, BLOCK)
-    live = p < M
-    w = tl.load(ids + p, mask=live, other=-1).to(tl.int32)  # [BLOCK] the block's ids
-    mine = (w[:, None] == es[None, :]) & live[:, None] & (w[:, None] < E)  # [BLOCK, EP] one-hot
-    rank = tl.sum(
-        tl.where(mine, tl.cumsum(mine.to(tl.int32), 0) + (first + earlier)[None, :], 0), 1
-    )  # [BLOCK]
-    tl.store(order + rank - 1, p.to(tl.int64), mask=live & (w >= 0) & (w < E))
+    _place_block(ids, order, b * BLOCK, M, E, es, first + earlier, BLOCK)
 
 
 # Up to this many pairs one program sorts them (`_sort_pairs_kernel`, one launch instead of torch.sort,
