@@ -1,4 +1,4 @@
-"""Three decode-step kernels that `bench decode --profile` found slow (H200, 2026-12-01, session 19), checked and
+"""The decode-step kernels that `bench decode --profile` found slow (H200, 2026-12-01, session 19), checked and
 timed on the device in one run, one JSON result:
 
     export PYTHONPATH=$PWD; python3 scripts/decode_kernels_check.py --out $OUT/decode_kernels.json
@@ -17,6 +17,8 @@ timed on the device in one run, one JSON result:
 3. `moe_tiles`: the routed experts' Triton tiles at tokens 1 and 256 (mini's batch-256 step: 82 us a layer
    against 47 us of expert bytes), each configuration checked against the default and timed in a CUDA graph of
    8 layers' weights.
+4. `mla_layout`: sparse MLA decode over the same selected rows reached three ways (index -> page -> row; a page
+   table of page size 1 holding the rows; consecutive pages) and a torch gather of those rows: where the time goes.
 Each section catches its own exceptions; the JSON is rewritten after every section. `--smoke` runs every section at
 tiny sizes on the CPU under TRITON_INTERPRET=1 (the figures mean nothing there).
 """
@@ -72,7 +74,7 @@ def moe_sort(result: dict, device: str, smoke: bool) -> None:
         want_starts = torch.searchsorted(want_ids, bounds, out_int32=True)
 
         fns = {
-            "one_program": functools.partial(sort_pairs, ids, E),
+            "one_program": functools.partial(sort_pairs, ids, E, parallel=False),
             "per_block": functools.partial(sort_pairs, ids, E, parallel=True),
             "torch_sort": functools.partial(_torch_sort, ids, bounds),
         }
@@ -145,6 +147,69 @@ def mla_decode(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
             f"mla B={B}: floor {floor_us:.1f} us, default {entry['default']['us']:.1f} us, best {best}",
             flush=True,
         )
+
+
+def mla_layout(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
+    """Where sparse MLA decode's time goes at batch 64 / 256 (mini's sizes): the same kernel over the same
+    selected rows reached three ways, each timed with the L2 flushed, and a plain gather of those rows as the
+    peer. `sparse` (the decode path): index -> page table -> row, two dependent loads before each tile's rows;
+    `rows_page1`: the dense path over a page table of page size 1 holding the rows themselves, one dependent load;
+    `contiguous`: the dense path over consecutive pages, rows streamed in order; `gather_copy`: torch
+    index_select of the same rows (its read bytes over its time). If `contiguous` is no faster than `sparse`,
+    the kernel's own loop (tensor-core tiles of 16 heads, online softmax) bounds it, not the gather."""
+    from kestrel.ops.mla.triton_decode import decode_bytes, sparse_mla_decode
+
+    H, R, P, page, context, k = 16, 512, 64, 64, 4096, 2048
+    batches = (64, 256)
+    configs = ({}, {"block_n": 64, "num_warps": 8}, {"block_n": 16})
+    if smoke:
+        H, R, P, page, context, k = 2, 32, 16, 8, 64, 24
+        batches, configs = (3,), ({}, {"block_n": 16})
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    scale = (128 + P) ** -0.5
+    rows_out = result["mla_layout"] = {"heads": H, "rank": R, "rope": P, "context": context, "k": k}
+    for B in batches:
+        pages = -(-context // page)
+        g = torch.Generator(device=device).manual_seed(B)
+        pool = torch.randn(B * pages * page + page, R + P, generator=g, device=device).to(dtype)
+        table = (torch.randperm(B * pages, generator=g, device=device).view(B, pages) + 1).to(torch.int64)
+        lens = torch.full((B,), context, device=device, dtype=torch.int64)
+        q_lat = torch.randn(B, H, R, generator=g, device=device).to(dtype)
+        q_pe = torch.randn(B, H, P, generator=g, device=device).to(dtype)
+        idx = torch.rand(B, context, generator=g, device=device).topk(k, dim=-1).indices.sort(-1).values
+        rows = table.gather(1, idx // page) * page + idx % page  # [B, k] the pool rows selected
+        k_lens = torch.full((B,), k, device=device, dtype=torch.int64)
+        kpages = -(-k // page)
+        contiguous = (torch.arange(B * kpages, device=device).view(B, kpages) + 1).to(torch.int64)
+        ways = {
+            "sparse": (pool, table, page, lens, idx),
+            "rows_page1": (pool, rows, 1, k_lens, None),
+            "contiguous": (pool, contiguous, page, k_lens, None),
+        }
+        nbytes = decode_bytes(B, context, k, num_heads=H, kv_lora_rank=R, rope_dim=P, page_size=page)
+        entry = rows_out[f"B={B}"] = {
+            "bytes": nbytes,
+            "floor_us": 1e6 * nbytes / (ceilings["copy_TBps"] * 1e12),
+        }
+        want = sparse_mla_decode(q_lat, q_pe, pool, table, page, lens, idx, scale).float()
+        for name, (pl, tb, ps, ln, ix) in ways.items():
+            for kw in configs:
+                fn = functools.partial(sparse_mla_decode, q_lat, q_pe, pl, tb, ps, ln, ix, scale, **kw)
+                label = name + "".join(f" {a}={b}" for a, b in kw.items())
+                try:
+                    got = fn().float()
+                    row = {"us": 1000 * time_ms(fn, device, warmup_ms=5, rep_ms=25)}
+                    if name != "contiguous":  # other rows: nothing to compare with
+                        row["close_to_sparse"] = bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2))
+                except Exception as e:  # noqa: BLE001
+                    row = {"error": repr(e)[:200]}
+                entry[label] = row
+        flat = rows.reshape(-1)
+        gather = functools.partial(torch.index_select, pool, 0, flat)
+        gather_us = 1000 * time_ms(gather, device, warmup_ms=5, rep_ms=25)
+        read = flat.numel() * (R + P) * pool.element_size()
+        entry["gather_copy"] = {"us": gather_us, "read_TBps": read / (gather_us * 1e-6) / 1e12}
+        print(f"mla layout B={B}: " + "  ".join(f"{n} {v}" for n, v in entry.items()), flush=True)
 
 
 def _moe_layer_us(device: str, weights_of: list, x, w, ids, **kw) -> float:
@@ -221,7 +286,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "decode_kernels.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (TRITON_INTERPRET=1)")
-    parser.add_argument("--sections", default="moe_sort,mla_decode,moe_tiles")
+    parser.add_argument("--sections", default="moe_sort,mla_decode,mla_layout,moe_tiles")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     started = time.perf_counter()
@@ -241,6 +306,7 @@ def main() -> None:
     sections = {
         "moe_sort": lambda: moe_sort(result, device, args.smoke),
         "mla_decode": lambda: mla_decode(result, device, args.smoke, ceilings),
+        "mla_layout": lambda: mla_layout(result, device, args.smoke, ceilings),
         "moe_tiles": lambda: moe_tiles(result, device, args.smoke, ceilings),
     }
     for name in args.sections.split(","):

@@ -138,10 +138,10 @@ def test_combine_sorted_gathers_weights_and_drops_out_of_range_ids():
     torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("parallel", [False, True, None])
 @pytest.mark.parametrize("M, E", [(1, 8), (7, 5), (300, 64), (1536, 64), (2048, 64), (2049, 64), (700, 384)])
 def test_sort_pairs_is_a_stable_sort_by_expert(M, E, parallel):
-    """The counting sort (up to COUNTING_SORT_MAX_PAIRS pairs; one program, or one a block of pairs) and
+    """The counting sort (up to COUNTING_SORT_MAX_PAIRS pairs; one program, one a block of pairs, or the pick) and
     torch.sort past it give torch.sort's stable order and the experts' first rows, out-of-range ids (another
     rank's experts) included among the ids."""
     mod = _experts()

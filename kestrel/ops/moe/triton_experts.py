@@ -238,18 +238,21 @@ def _sort_pairs_blocks_kernel(
     _place_block(ids, order, b * BLOCK, M, E, es, first + earlier, BLOCK)
 
 
-# Up to this many pairs one program sorts them (`_sort_pairs_kernel`, one launch instead of torch.sort,
-# arange and searchsorted); past it torch.sort. A bound chosen to cover decode batches up to 256 at top-6; not
-# yet measured against torch.sort on the GPU. In mini's batch-256 decode step (1536 pairs, 64 experts; H200,
-# 2026-12-01, `bench decode --profile`) it took 36 us a call, 0.87 ms (9%) of the replayed step: one program
-# walks the blocks one after another.
+# Up to this many pairs a Triton counting sort places them (one launch instead of torch.sort, arange and
+# searchsorted); past it torch.sort. Timed in CUDA graphs of 24 calls on the H200 (scripts/decode_kernels_check.py,
+# 2026-12-01, session 20), us a call, one program / a program per block / torch.sort + searchsorted:
+#   64 experts:  M=6 2.2 / 2.0 / 13.3;  M=96 4.1 / 5.3 / 15.9;  M=384 8.8 / 5.5 / 32.9;  M=1536 24.3 / 6.8 / 35.5
+#   384 experts: M=8 3.6 / 4.0 / 13.3;  M=512 48.9 / 4.7 / 33.3;  M=2048 190.5 / 7.9 / 36.3
+# So a program per block wherever the pairs fill more than one block (mini's batch-256 step: 1536 pairs, 24 calls,
+# 0.87 ms -> ~0.16 ms), and the one-program sort where they fit in one.
 COUNTING_SORT_MAX_PAIRS = 2048
 
 
-def sort_pairs(ids: torch.Tensor, E: int, parallel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_pairs(ids: torch.Tensor, E: int, parallel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(order [M] int64, starts [E + 1] int32) of the flattened pair ids [M]: the pairs of expert e are
-    order[starts[e]:starts[e + 1]], in pair order (a stable sort by expert). parallel: the counting sort with a
-    program per block of pairs (`_sort_pairs_blocks_kernel`; not yet timed on a GPU, so not the default)."""
+    order[starts[e]:starts[e + 1]], in pair order (a stable sort by expert). Up to COUNTING_SORT_MAX_PAIRS a
+    counting sort: parallel=True a program per block of pairs (`_sort_pairs_blocks_kernel`), False one program
+    for all (`_sort_pairs_kernel`), None the first wherever the pairs fill more than one block."""
     flat = ids.reshape(-1)
     M = flat.numel()
     if M == 0:
@@ -258,8 +261,10 @@ def sort_pairs(ids: torch.Tensor, E: int, parallel: bool = False) -> tuple[torch
         order = torch.empty(M, dtype=torch.int64, device=flat.device)
         starts = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
         ep, mp = triton.next_power_of_2(E), triton.next_power_of_2(M)
+        block = min(max(16, 8192 // ep), 128, mp)  # a program per block: a [block, ep] one-hot tile each
+        if parallel is None:
+            parallel = M > block
         if parallel:
-            block = min(max(16, 8192 // ep), 128, mp)  # a [block, ep] one-hot tile a program
             grid = (triton.cdiv(M, block),)
             _sort_pairs_blocks_kernel[grid](flat, order, starts, M, E, EP=ep, MP=mp, BLOCK=block, num_warps=4)
         else:
@@ -347,9 +352,11 @@ def _tiles(M: int, E: int) -> tuple[int, tuple[int, int], tuple[int, int]]:
     tl.dot) to 64. The rest from a sweep on the H200 at `mini`'s sizes (CUDA graphs, 2026-11-30): with one block per
     expert, gate_up is a few programs each streaming a [32, Din] slice, where long K steps keep more bytes in
     flight (T=1: 30 us a layer at BK=256, 37 at 64); with more pairs per block (64, 128) did best. The down
-    tiles moved the time by under 2 %."""
+    tiles moved the time by under 2 %. Session 20's sweep (scripts/decode_kernels_check.py, 8 layers' weights in
+    one graph): T=1 kept 16 / 32 / 256 (19.4 us a layer, the best of 54); T=256 (block_m 32) took gate_up's
+    BK=64 over 128: 99.5 us a layer against 104.7 (block_m 64, prefill, keeps 128)."""
     bm = min(64, max(16, triton.next_power_of_2(triton.cdiv(M, E))))
-    return bm, (32 if bm == 16 else 64, 64), (256 if bm == 16 else 128, 64)
+    return bm, (32 if bm == 16 else 64, 64), ({16: 256, 32: 64}.get(bm, 128), 64)
 
 
 def moe_experts_triton(
