@@ -17,8 +17,9 @@ timed on the device in one run, one JSON result:
 3. `moe_tiles`: the routed experts' Triton tiles at tokens 1 and 256 (mini's batch-256 step: 82 us a layer
    against 47 us of expert bytes), each configuration checked against the default and timed in a CUDA graph of
    8 layers' weights.
-4. `mla_layout`: sparse MLA decode over the same selected rows reached three ways (index -> page -> row; a page
-   table of page size 1 holding the rows; consecutive pages) and a torch gather of those rows: where the time goes.
+4. `mla_layout`: sparse MLA decode over the same selected rows reached four ways (rows translated first; index ->
+   page -> row in the loop; a page table of page size 1 holding the rows; consecutive pages) and a torch gather of
+   those rows: where the time goes.
 Each section catches its own exceptions; the JSON is rewritten after every section. `--smoke` runs every section at
 tiny sizes on the CPU under TRITON_INTERPRET=1 (the figures mean nothing there).
 """
@@ -151,12 +152,14 @@ def mla_decode(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
 
 def mla_layout(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
     """Where sparse MLA decode's time goes at batch 64 / 256 (mini's sizes): the same kernel over the same
-    selected rows reached three ways, each timed with the L2 flushed, and a plain gather of those rows as the
-    peer. `sparse` (the decode path): index -> page table -> row, two dependent loads before each tile's rows;
-    `rows_page1`: the dense path over a page table of page size 1 holding the rows themselves, one dependent load;
-    `contiguous`: the dense path over consecutive pages, rows streamed in order; `gather_copy`: torch
-    index_select of the same rows (its read bytes over its time). If `contiguous` is no faster than `sparse`,
-    the kernel's own loop (tensor-core tiles of 16 heads, online softmax) bounds it, not the gather."""
+    selected rows reached four ways, each timed with the L2 flushed, and a plain gather of those rows as the
+    peer. `sparse` (the decode path): `selected_rows` translates the selection to pool rows, then one load
+    before each tile's rows; `sparse_chained` (session 19's path): index -> page table -> row inside the loop,
+    two dependent loads before each tile's rows; `rows_page1`: the dense path over a page table of page size 1
+    holding the rows themselves, one dependent load; `contiguous`: the dense path over consecutive pages, rows
+    streamed in order; `gather_copy`: torch index_select of the same rows (its read bytes over its time). If
+    `contiguous` is no faster than `sparse`, the kernel's own loop (tensor-core tiles of 16 heads, online
+    softmax) bounds it, not the gather."""
     from kestrel.ops.mla.triton_decode import decode_bytes, sparse_mla_decode
 
     H, R, P, page, context, k = 16, 512, 64, 64, 4096, 2048
@@ -182,7 +185,8 @@ def mla_layout(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
         kpages = -(-k // page)
         contiguous = (torch.arange(B * kpages, device=device).view(B, kpages) + 1).to(torch.int64)
         ways = {
-            "sparse": (pool, table, page, lens, idx),
+            "sparse": (pool, table, page, lens, idx),  # the default: selected_rows first, then the kernel
+            "sparse_chained": (pool, table, page, lens, idx, False),
             "rows_page1": (pool, rows, 1, k_lens, None),
             "contiguous": (pool, contiguous, page, k_lens, None),
         }
@@ -192,10 +196,11 @@ def mla_layout(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
             "floor_us": 1e6 * nbytes / (ceilings["copy_TBps"] * 1e12),
         }
         want = sparse_mla_decode(q_lat, q_pe, pool, table, page, lens, idx, scale).float()
-        for name, (pl, tb, ps, ln, ix) in ways.items():
+        for name, (pl, tb, ps, ln, ix, *first) in ways.items():
             for kw in configs:
-                fn = functools.partial(sparse_mla_decode, q_lat, q_pe, pl, tb, ps, ln, ix, scale, **kw)
                 label = name + "".join(f" {a}={b}" for a, b in kw.items())
+                args = {**kw, "rows_first": first[0]} if first else kw
+                fn = functools.partial(sparse_mla_decode, q_lat, q_pe, pl, tb, ps, ln, ix, scale, **args)
                 try:
                     got = fn().float()
                     row = {"us": 1000 * time_ms(fn, device, warmup_ms=5, rep_ms=25)}

@@ -36,6 +36,6 @@ def test_decode_kernels_check_smoke(tmp_path):
         assert entry["default"]["us"] > 0 and len(entry["configs"]) == 2
         assert all(c["close"] for c in entry["configs"]), entry["configs"]
     layout = result["mla_layout"]["B=3"]
-    for way in ("sparse", "rows_page1", "sparse block_n=16", "rows_page1 block_n=16"):
+    for way in ("sparse", "sparse_chained", "rows_page1", "sparse block_n=16", "rows_page1 block_n=16"):
         assert layout[way]["close_to_sparse"], (way, layout[way])
     assert layout["contiguous"]["us"] > 0 and layout["gather_copy"]["us"] > 0

@@ -118,21 +118,29 @@ def nan_workspace(monkeypatch):
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3])
 @pytest.mark.parametrize("heads", [H, 33])  # one masked head block; two blocks of 32, the second nearly empty
-@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
-def test_kernel_matches_reference(sparse, heads, num_splits, nan_workspace):
+@pytest.mark.parametrize(
+    "sparse, rows_first",
+    [(True, True), (True, False), (False, True)],
+    ids=["sparse", "sparse-chained", "dense"],
+)
+def test_kernel_matches_reference(sparse, rows_first, heads, num_splits, nan_workspace):
+    """sparse: the selection translated to pool rows first (the default); sparse-chained: index -> page -> row
+    inside the kernel's loop; dense: every position below lens[b]."""
     q_lat, q_pe, pool, pt, ps, lens, indices = make_case(LENS, sparse, heads=heads, seed=heads + num_splits)
     out = torch.full_like(q_lat, NAN)
     td.sparse_mla_decode(
-        q_lat, q_pe, pool, pt, ps, lens, indices, SCALE, out=out, num_splits=num_splits, block_n=16
-    )
+        q_lat, q_pe, pool, pt, ps, lens, indices, SCALE, out=out, num_splits=num_splits, block_n=16,
+        rows_first=rows_first,
+    )  # fmt: skip
     ref = reference_o_lat(q_lat, q_pe, pool, pt, ps, lens, indices)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= 1e-5
     assert (out[LENS.index(0)] == 0).all()  # a row that sees nothing gives zeros
 
 
+@pytest.mark.parametrize("rows_first", [True, False])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_valid_first_indices_stop_at_the_row_length(num_splits, nan_workspace):
+def test_valid_first_indices_stop_at_the_row_length(num_splits, rows_first, nan_workspace):
     """The DSA top-k lists a row's selection before its -1s; with valid_first the kernel stops at slot lens[b]
     and gives the same result. An entry placed past slot lens[b] (against that layout) is then never read,
     which shows the early stop."""
@@ -142,7 +150,7 @@ def test_valid_first_indices_stop_at_the_row_length(num_splits, nan_workspace):
         out = torch.full_like(q_lat, NAN)
         td.sparse_mla_decode(
             q_lat, q_pe, pool, pt, ps, lens, idx, SCALE, out=out, num_splits=num_splits, block_n=16,
-            valid_first=valid_first,
+            valid_first=valid_first, rows_first=rows_first,
         )  # fmt: skip
         return out
 
@@ -161,6 +169,22 @@ def test_valid_first_indices_stop_at_the_row_length(num_splits, nan_workspace):
     assert rel_err(stopped[b], ref[b]) > 1e-3  # stopped at slot 13: the moved entry was not read
     others = [i for i in range(len(LENS)) if i != b]
     assert rel_err(stopped[others], ref[others]) <= 1e-5
+
+
+def test_selected_rows_translate_through_the_page_table():
+    """selected_rows: each used position's pool row, -1 for negative entries and those at or past lens[b]."""
+    q_lat, q_pe, pool, pt, ps, lens, indices = make_case(LENS, True, seed=4)
+    indices = indices.clone()
+    indices[0, 0] = -7
+    rows = td.selected_rows(indices, pt, ps, lens)
+    assert rows.dtype == torch.int32 and rows.shape == indices.shape
+    for b in range(indices.shape[0]):
+        for j, pos in enumerate(indices[b].tolist()):
+            want = int(pt[b, pos // ps]) * ps + pos % ps if 0 <= pos < int(lens[b]) else -1
+            assert int(rows[b, j]) == want, (b, j, pos)
+    assert (rows[0, 0] == -1).item()
+    empty = td.selected_rows(indices[:0], pt[:0], ps, lens[:0])
+    assert empty.shape == (0, indices.shape[1])
 
 
 @pytest.mark.parametrize("num_splits", [None, 3])
