@@ -14,7 +14,7 @@ timed on the device in one run, one JSON result:
    where the latent rows it must read take 145 us at the copy rate. Its launch knobs (splits, block_n,
    num_warps, num_stages) are swept; every configuration's output is compared with the default's; each is timed
    with the L2 flushed against `decode_bytes` at the copy rate measured in the run.
-3. `moe_tiles`: the routed experts' Triton tiles at tokens 1 and 256 (mini's batch-256 step: 82 us a layer
+3. `moe_tiles`: the routed experts' Triton tiles at tokens 1, 64 and 256 (mini's batch-256 step: 82 us a layer
    against 47 us of expert bytes), each configuration checked against the default and timed in a CUDA graph of
    8 layers' weights.
 4. `mla_layout`: sparse MLA decode over the same selected rows reached four ways (rows translated first; index ->
@@ -229,14 +229,14 @@ def _moe_layer_us(device: str, weights_of: list, x, w, ids, **kw) -> float:
 
 def moe_tiles(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
     """The routed experts' Triton tiles (moe_experts_triton's block_m, block_n, block_k, num_warps) at mini's
-    sizes (64 experts of 2048 x 256, top-6), tokens 1 and 256: each configuration's output against the default's,
+    sizes (64 experts of 2048 x 256, top-6), tokens 1, 64 and 256: each configuration's output against the default's,
     its time per layer in a CUDA graph of 8 layers' weights (no L2 reuse between calls, as in a step) against
     the bytes of the experts hit at the copy rate. The batch-256 step spent 1.97 ms in 24 layers' experts (82 us
     a layer) against 47 us of bytes."""
     from kestrel.ops.moe.triton_experts import _tiles, moe_experts_triton
 
     E, A, D, I, layers = 64, 6, 2048, 256, 8
-    tokens = (1, 256)
+    tokens = (1, 64, 256)
     grid = {"block_m": (16, 32, 64), "block_n": (32, 64, 128), "block_k": (64, 128, 256), "num_warps": (4, 8)}
     if smoke:
         E, A, D, I, layers, tokens = 8, 2, 64, 32, 2, (1, 5)

@@ -255,6 +255,16 @@ def test_choose_num_splits():
     assert td.choose_num_splits(3, 4, 37, sms) == 1
 
 
+def test_choose_tile():
+    assert td.choose_tile(1, 16, 2) == (64, 3)  # unsplit, 16 heads, bf16: 64 rows three deep
+    assert td.choose_tile(4, 16, 2) == (32, 2)  # split
+    assert td.choose_tile(1, 32, 2) == (32, 2)  # 32-head blocks (K3): unmeasured there
+    assert td.choose_tile(1, 16, 4) == (
+        32,
+        2,
+    )  # fp32 pool: three 64-row stages would not fit in shared memory
+
+
 def test_decode_bytes_mini():
     row = 2048 * 576 * 2  # one top-2048 selection of bf16 latent rows
     assert td.decode_bytes(1, 4096, 2048) == row + 2048 * 8 + 64 * 8 + (2 * 16 * 512 + 16 * 64) * 2
@@ -318,7 +328,8 @@ def mini_reference(q_nope, q_pe, pool, page_table, ps, lens, w_uk, w_uv, indices
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize(
-    ("B", "context", "sparse"), [(64, 4096, True), (64, 131072, True), (64, 4096, False), (2, 131072, False)]
+    ("B", "context", "sparse"),
+    [(64, 4096, True), (64, 131072, True), (256, 4096, True), (64, 4096, False), (2, 131072, False)],
 )
 def test_gpu_mini(B, context, sparse, nan_workspace):
     inputs = mini_inputs(B, context, sparse)

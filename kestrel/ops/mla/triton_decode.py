@@ -293,6 +293,18 @@ def choose_num_splits(batch: int, num_heads: int, num_positions: int, num_sms: i
     return min(want, most, MAX_SPLITS)
 
 
+def choose_tile(num_splits: int, block_h: int, elem_bytes: int) -> tuple[int, int]:
+    """(block_n, num_stages) of the decode kernel. Unsplit launches of 16-head blocks over a 2-byte pool (batch
+    >= ~132 on the H200, prefill rows) take 64-row tiles three deep (3 x 72 KB of shared memory): at mini's sizes,
+    batch 256, 179 us a layer against 228 for 32 rows two deep (session 20, the launch sweep of
+    scripts/decode_kernels_check.py, rows translated first). Split launches keep 32 two deep: at batch 1 (16
+    splits of 128 positions) 64 three deep took 202 us against 70; at batch 64 the best, 68 us, was within the
+    run's noise of the default's 78."""
+    if num_splits == 1 and block_h == 16 and elem_bytes == 2:
+        return 64, 3
+    return 32, 2
+
+
 def _partials(
     batch: int, num_splits: int, num_heads: int, rank: int, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,9 +327,9 @@ def sparse_mla_decode(
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     num_splits: int | None = None,
-    block_n: int = 32,
+    block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     max_rows: int = MAX_ROWS,
     valid_first: bool = False,
     rows_first: bool = True,
@@ -329,9 +341,10 @@ def sparse_mla_decode(
     lens [B] (the query sits at position lens[b] - 1), indices [B, k] positions (-1 = unused; entries
     >= lens[b] are ignored) or None for dense over 0..lens[b]-1. Returns o_lat [B, H, R] in out_dtype
     (default q_lat.dtype), or into `out`; the caller applies W_UV (o^h = W_UV^h o_lat^h).
-    num_splits None = choose_num_splits; block_n positions per tile; max_rows queries per launch (prefill runs
-    every token as a row, and the grid's second dimension stops at 65535). valid_first: each row of indices
-    lists its valid entries before any -1 (the DSA top-k's layout), so a row stops at slot lens[b].
+    num_splits None = choose_num_splits; block_n (positions per tile) and num_stages None = choose_tile;
+    max_rows queries per launch (prefill runs every token as a row, and the grid's second dimension stops at
+    65535). valid_first: each row of indices lists its valid entries before any -1 (the DSA top-k's layout), so
+    a row stops at slot lens[b].
     rows_first: with indices, translate them to pool rows in a pass of their own first (`selected_rows`).
     """
     B, H, R = q_lat.shape
@@ -364,6 +377,8 @@ def sparse_mla_decode(
     warps = num_warps or (4 if block_h == 16 else 8)
     if num_splits is None:
         num_splits = choose_num_splits(B, H, num_positions, _num_sms(kv_pool.device))
+    tile_n, stages = choose_tile(num_splits, block_h, kv_pool.element_size())
+    block_n, num_stages = block_n or tile_n, num_stages or stages
     num_splits = max(1, min(num_splits, triton.cdiv(max(num_positions, 1), block_n)))
     chunk = triton.cdiv(triton.cdiv(max(num_positions, 1), num_splits), block_n) * block_n
     num_splits = triton.cdiv(max(num_positions, 1), chunk)  # rounding the chunk up can leave fewer
