@@ -20,6 +20,8 @@ timed on the device in one run, one JSON result:
 4. `mla_layout`: sparse MLA decode over the same selected rows reached four ways (rows translated first; index ->
    page -> row in the loop; a page table of page size 1 holding the rows; consecutive pages) and a torch gather of
    those rows: where the time goes.
+5. `kda_step`: the KDA decode step on the state slots, fla-core's kernel against ours (kestrel.ops.kda.triton_recurrent)
+   over its tiles, 18 layers in a CUDA graph, against the state bytes at the copy rate.
 Each section catches its own exceptions; the JSON is rewritten after every section. `--smoke` runs every section at
 tiny sizes on the CPU under TRITON_INTERPRET=1 (the figures mean nothing there).
 """
@@ -217,6 +219,67 @@ def mla_layout(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
         print(f"mla layout B={B}: " + "  ".join(f"{n} {v}" for n, v in entry.items()), flush=True)
 
 
+def kda_step(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
+    """The KDA decode step on the state slots (mini: 8 heads of 128 x 128 fp32 state, gate and beta's sigmoid
+    in the kernel), fla-core's `fused_recurrent_kda_fwd` (the default) against ours
+    (kestrel.ops.kda.triton_recurrent) over a sweep of its block_v and num_warps: each checked against the
+    reference (naive.recurrent_inplace, the states too), then timed as the step runs them: 18 layers' calls, each
+    with its own state pool, in one CUDA graph; the floor is the state read and written at the copy rate."""
+    from kestrel.ops.kda import naive
+    from kestrel.ops.kda.triton_recurrent import recurrent_inplace
+
+    H, K, V, layers = 8, 128, 128, 18
+    batches = (1, 64, 256)
+    grid = {"block_v": (16, 32, 64, 128), "num_warps": (2, 4, 8)}
+    if smoke:
+        H, K, V, layers, batches = 2, 16, 16, 2, (1, 3)
+        grid = {"block_v": (16,), "num_warps": (4,)}
+    fns = {"triton": recurrent_inplace}
+    if device == "cuda":
+        from kestrel.ops.kda import fla
+
+        fns["fla"] = fla.recurrent_inplace
+    rows = result["kda_step"] = {"heads": H, "k": K, "v": V, "layers": layers}
+    for N in batches:
+        g = torch.Generator(device=device).manual_seed(N)
+        q, k, f = (torch.randn(N, 1, H, K, generator=g, device=device).bfloat16() for _ in range(3))
+        v = torch.randn(N, 1, H, V, generator=g, device=device).bfloat16()
+        b = torch.randn(N, 1, H, generator=g, device=device).bfloat16()
+        A_log = torch.rand(H, generator=g, device=device)
+        dt_bias = torch.randn(H * K, generator=g, device=device)
+        gate = (A_log, dt_bias, -5.0)
+        pools = [torch.randn(N + 8, H, K, V, generator=g, device=device) * 0.1 for _ in range(layers)]
+        slots = (torch.randperm(N + 8, generator=g, device=device)[:N]).to(torch.int32)
+        kw = dict(use_qk_l2norm=True, gate=gate, beta_logits=True)
+        ref_pool = pools[0].clone()
+        want = naive.recurrent_inplace(q, k, v, f, b, ref_pool, slots, **kw).float()
+        floor_us = 1e6 * N * H * K * V * 4 * 2 / (ceilings["copy_TBps"] * 1e12)
+        entry = rows[f"N={N}"] = {"floor_us": floor_us, "configs": []}
+        runs = [("fla", {})] if "fla" in fns else []
+        runs += [("triton", dict(zip(grid, c))) for c in itertools.product(*grid.values())]
+        for name, tile in runs:
+            row = {"kernel": name, **tile}
+            try:
+                pool = pools[0].clone()
+                got = fns[name](q, k, v, f, b, pool, slots, **kw, **tile).float()
+                row["close"] = bool(
+                    torch.allclose(got, want, rtol=2e-2, atol=2e-2)
+                    and torch.allclose(pool, ref_pool, rtol=1e-3, atol=1e-3)
+                )
+                calls = [functools.partial(fns[name], q, k, v, f, b, p, slots, **kw, **tile) for p in pools]
+                row["us"] = (
+                    (1000 * _graph_ms(calls)) if device == "cuda" else 1000 * time_ms(calls[0], device)
+                )
+                row["floor_share"] = floor_us / row["us"]
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:200]
+            entry["configs"].append(row)
+        timed = [c for c in entry["configs"] if c.get("close") and "us" in c]
+        entry["best"] = min(timed, key=lambda c: c["us"]) if timed else None
+        fla_row = next((c for c in entry["configs"] if c["kernel"] == "fla"), None)
+        print(f"kda N={N}: floor {floor_us:.1f} us, fla {fla_row}, best {entry['best']}", flush=True)
+
+
 def _moe_layer_us(device: str, weights_of: list, x, w, ids, **kw) -> float:
     """Microseconds a layer of moe_experts_triton(**kw), one call per layer's weights in one CUDA graph."""
     from kestrel.ops.moe.triton_experts import moe_experts_triton
@@ -291,7 +354,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "decode_kernels.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (TRITON_INTERPRET=1)")
-    parser.add_argument("--sections", default="moe_sort,mla_decode,mla_layout,moe_tiles")
+    parser.add_argument("--sections", default="moe_sort,mla_decode,mla_layout,moe_tiles,kda_step")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     started = time.perf_counter()
@@ -313,6 +376,7 @@ def main() -> None:
         "mla_decode": lambda: mla_decode(result, device, args.smoke, ceilings),
         "mla_layout": lambda: mla_layout(result, device, args.smoke, ceilings),
         "moe_tiles": lambda: moe_tiles(result, device, args.smoke, ceilings),
+        "kda_step": lambda: kda_step(result, device, args.smoke, ceilings),
     }
     for name in args.sections.split(","):
         try:

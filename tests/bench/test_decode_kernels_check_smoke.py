@@ -39,3 +39,6 @@ def test_decode_kernels_check_smoke(tmp_path):
     for way in ("sparse", "sparse_chained", "rows_page1", "sparse block_n=16", "rows_page1 block_n=16"):
         assert layout[way]["close_to_sparse"], (way, layout[way])
     assert layout["contiguous"]["us"] > 0 and layout["gather_copy"]["us"] > 0
+    for N in ("N=1", "N=3"):
+        entry = result["kda_step"][N]
+        assert entry["configs"] and all(c["close"] for c in entry["configs"]), entry["configs"]

@@ -75,3 +75,43 @@ def test_fla_recurrent_inplace_makes_the_gate_and_beta_in_the_kernel(lower_bound
     assert torch.equal(got_naive, ref) and torch.equal(naive_pool, ref_pool)
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
     assert torch.allclose(pool, ref_pool, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0, "no gate"])
+@pytest.mark.parametrize(
+    "K,V,block_v", [(16, 16, 16), (16, 40, 16), (24, 20, 32)]
+)  # partial tiles, K not 2^n
+def test_triton_recurrent_inplace_matches_reference(K, V, block_v, lower_bound):
+    """Our Triton decode step: the raw forget projection and beta's logits made the decay and beta inside (or a
+    ready decay with no gate), l2-normalized q and k from strided views (no copies), the states advanced in their
+    slots and every other slot untouched; a negative slot reads and writes nothing and gives zeros."""
+    from kestrel.ops.kda.triton_recurrent import recurrent_inplace
+
+    g = torch.Generator().manual_seed(K + V)
+    N, H, S = 4, 3, 7
+    qkf = torch.randn(N, 3 * H * K + H, generator=g).to(DEVICE)  # split views, as in the layer's in_proj
+    q, k, f = (t.reshape(N, 1, H, K) for t in qkf[:, : 3 * H * K].split(H * K, dim=-1))
+    b = qkf[:, 3 * H * K :].reshape(N, 1, H)  # beta's logits, a strided column slice
+    v = torch.randn(N, 1, H, V, generator=g).to(DEVICE)
+    A_log = torch.rand(H, generator=g).mul(2).to(DEVICE)
+    dt_bias = torch.randn(H * K, generator=g).to(DEVICE)
+    pool = torch.randn(S, H, K, V, generator=g).to(DEVICE)
+    slots = torch.tensor([4, 1, -1, 2], device=DEVICE)
+    live = torch.tensor([0, 1, 3], device=DEVICE)
+    ref_pool = pool.clone()
+    if lower_bound == "no gate":
+        f = -torch.rand(N, 1, H, K, generator=g).to(DEVICE)  # a ready decay
+        params = dict(scale=0.3)
+        ref_params = dict(scale=0.3)
+    else:
+        params = dict(use_qk_l2norm=True, gate=(A_log, dt_bias, lower_bound), beta_logits=True)
+        ref_params = params
+    ref = naive.recurrent_inplace(
+        q[live], k[live], v[live], f[live], b[live], ref_pool, slots[live], **ref_params
+    )
+    got = recurrent_inplace(q, k, v, f, b, pool, slots, block_v=block_v, **params)
+    assert got.shape == (N, 1, H, V) and got.dtype == v.dtype
+    assert torch.allclose(got[live], ref, atol=1e-5, rtol=1e-5)
+    assert (got[2] == 0).all()  # the negative slot
+    assert torch.allclose(pool, ref_pool, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool[[0, 3, 5, 6]], ref_pool[[0, 3, 5, 6]])  # slots not in the batch: untouched
