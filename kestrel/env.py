@@ -65,6 +65,10 @@ class Env:
     Triton kernel, kestrel.ops.kda.triton_conv.short_conv_prefill; training: fla-core's causal_conv1d on CUDA,
     the packed torch form with its backward elsewhere) | torch (the packed form, kestrel.ops.kda.packed_conv,
     always) | fla (fla-core's varlen causal_conv1d, Triton forward and backward)."""
+    kda_decode: str
+    """KESTREL_KDA_DECODE: the KDA decode step on the state slots on the fla backend: triton (ours,
+    kestrel.ops.kda.triton_recurrent: on the H200 at mini's sizes 75 vs 90 us a layer at batch 256, 3.5 vs 5.6 at
+    batch 1, session 20) | fla (fla-core's fused_recurrent_kda_fwd)."""
     kda_no_recompute: bool
     """KESTREL_KDA_NO_RECOMPUTE: training keeps fla chunk_kda's forward intermediates for the backward instead of
     recomputing them (fla's advice for small models; off until its GPU gradient test has run)."""
@@ -131,6 +135,7 @@ _READERS = {
     "moe_grouped_mm": lambda: _str("KESTREL_MOE_GROUPED_MM", "auto", ("auto", "off")),
     "moe_decode_kernel": lambda: _str("KESTREL_MOE_DECODE_KERNEL", "auto", ("auto", "off")),
     "kda_conv": lambda: _str("KESTREL_KDA_CONV", "auto", ("auto", "torch", "fla")),
+    "kda_decode": lambda: _str("KESTREL_KDA_DECODE", "triton", ("triton", "fla")),
     "kda_no_recompute": lambda: _bool("KESTREL_KDA_NO_RECOMPUTE", False),
     "kda_recurrent_prefill": lambda: _int("KESTREL_KDA_RECURRENT_PREFILL", 1024),
     "kda_safe_gate": lambda: _bool("KESTREL_KDA_SAFE_GATE", False),

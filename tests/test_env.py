@@ -14,6 +14,8 @@ def test_defaults_and_parsing(monkeypatch):
     assert read_env().kda_conv == "auto"
     monkeypatch.setenv("KESTREL_KDA_CONV", "FLA")
     assert read_env().kda_conv == "fla"
+    monkeypatch.delenv("KESTREL_KDA_DECODE", raising=False)
+    assert read_env().kda_decode == "triton"
 
 
 @pytest.mark.parametrize(
@@ -22,6 +24,7 @@ def test_defaults_and_parsing(monkeypatch):
         ("KESTREL_KDA_RECURRENT_PREFILL", "-1"),
         ("KESTREL_KDA_RECURRENT_PREFILL", "lots"),
         ("KESTREL_KDA_CONV", "cuda"),
+        ("KESTREL_KDA_DECODE", "naive"),
     ],
 )
 def test_a_bad_value_is_named(monkeypatch, name, value):

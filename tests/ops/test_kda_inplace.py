@@ -115,3 +115,15 @@ def test_triton_recurrent_inplace_matches_reference(K, V, block_v, lower_bound):
     assert (got[2] == 0).all()  # the negative slot
     assert torch.allclose(pool, ref_pool, atol=1e-5, rtol=1e-5)
     assert torch.equal(pool[[0, 3, 5, 6]], ref_pool[[0, 3, 5, 6]])  # slots not in the batch: untouched
+
+
+@pytest.mark.parametrize("choice", ["triton", "fla"])
+def test_the_fla_backend_decodes_with_our_step_unless_asked(monkeypatch, choice):
+    """KESTREL_KDA_DECODE: the fla backend's decode step on the slots is ours by default, fla-core's on request."""
+    pytest.importorskip("kestrel.ops.kda.fla")
+    from kestrel.ops.kda import fla, get_kda_backend, triton_recurrent
+
+    monkeypatch.setenv("KESTREL_KDA_BACKEND", "fla")
+    monkeypatch.setenv("KESTREL_KDA_DECODE", choice)
+    want = {"triton": triton_recurrent.recurrent_inplace, "fla": fla.recurrent_inplace}[choice]
+    assert get_kda_backend(torch.device(DEVICE)).recurrent_inplace is want

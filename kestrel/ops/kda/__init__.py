@@ -1,4 +1,5 @@
-"""KDA ops: plain-torch references and a small backend registry (naive everywhere, fla-core on CUDA).
+"""KDA ops: plain-torch references and a small backend registry (naive everywhere, fla-core on CUDA; its decode
+step on the state slots is our Triton kernel, kestrel.ops.kda.triton_recurrent, unless KESTREL_KDA_DECODE=fla).
 
 A backend provides `chunk` (prefill) and `recurrent` (decode) with the signatures of `naive.chunk_kda`
 (minus chunk_size) and `naive.recurrent_kda`; `chunk` and `short_conv` take the host copy of cu_seqlens
@@ -74,12 +75,13 @@ def _short_conv_auto(x, weight, conv_state=None, cu_seqlens=None, planes=1, cu_s
 
 
 def _fla_backend() -> KDABackend:
-    from kestrel.ops.kda import fla  # imports fla-core and triton
+    from kestrel.ops.kda import fla, triton_recurrent  # fla imports fla-core and triton
     from kestrel.ops.kda.packed_conv import short_conv_packed
 
     choice = env_field("kda_conv")
     conv = {"fla": fla.short_conv, "torch": short_conv_packed}.get(choice, _short_conv_auto)
-    return KDABackend("fla", fla.chunk, fla.recurrent, fla.recurrent_inplace, fla.conv_step_inplace, conv)
+    step = fla.recurrent_inplace if env_field("kda_decode") == "fla" else triton_recurrent.recurrent_inplace
+    return KDABackend("fla", fla.chunk, fla.recurrent, step, fla.conv_step_inplace, conv)
 
 
 def get_kda_backend(device: torch.device) -> KDABackend:
