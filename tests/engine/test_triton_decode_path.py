@@ -28,14 +28,14 @@ from kestrel.engine.sampling_params import SamplingParams
 from kestrel.models.loader import build_model
 
 import kestrel.ops.kda as kda_ops
-from kestrel.ops.kda import fla as fla_ops
+from kestrel.ops.kda import fla as fla_ops, triton_recurrent
 
 # fla-core's chunked prefill kernels autotune, which Triton's interpreter cannot do: the prefill recurrence
-# stays on the reference here, its conv runs the Triton inference kernel; the decode step runs fla's in-place
-# recurrence and the Triton conv step.
+# stays on the reference here, its conv runs the Triton inference kernel; the decode step runs the fla
+# backend's default in-place recurrence (ours, KESTREL_KDA_DECODE=triton) and the Triton conv step.
 hybrid = kda_ops.KDABackend(
-    "fla", kda_ops.chunk_kda, kda_ops.recurrent_kda, fla_ops.recurrent_inplace, fla_ops.conv_step_inplace,
-    kda_ops._short_conv_auto,
+    "fla", kda_ops.chunk_kda, kda_ops.recurrent_kda, triton_recurrent.recurrent_inplace,
+    fla_ops.conv_step_inplace, kda_ops._short_conv_auto,
 )
 kda_ops._fla_backend = lambda: hybrid
 model = build_model("tiny", seed=21)
