@@ -92,6 +92,21 @@ def moe_sort(result: dict, device: str, smoke: bool) -> None:
         print(f"sort M={M:5d} E={E:4d}: " + "  ".join(f"{n} {v}" for n, v in entry.items()), flush=True)
 
 
+def _mla_inputs(B: int, H: int, R: int, P: int, page: int, context: int, k: int, dtype, device: str) -> tuple:
+    """One MLA decode case, seeded by B: a latent pool [B * pages * page + page, R + P] (page 0 unused), a page
+    table of shuffled pages [B, pages], lens = context, q_lat [B, H, R], q_pe [B, H, P], and a sorted random
+    selection of k positions [B, k]."""
+    pages = -(-context // page)
+    g = torch.Generator(device=device).manual_seed(B)
+    pool = torch.randn(B * pages * page + page, R + P, generator=g, device=device).to(dtype)
+    table = (torch.randperm(B * pages, generator=g, device=device).view(B, pages) + 1).to(torch.int64)
+    lens = torch.full((B,), context, device=device, dtype=torch.int64)
+    q_lat = torch.randn(B, H, R, generator=g, device=device).to(dtype)
+    q_pe = torch.randn(B, H, P, generator=g, device=device).to(dtype)
+    idx = torch.rand(B, context, generator=g, device=device).topk(k, dim=-1).indices.sort(-1).values
+    return pool, table, lens, q_lat, q_pe, idx
+
+
 def mla_decode(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
     from kestrel.ops.mla.triton_decode import choose_num_splits, decode_bytes, sparse_mla_decode
 
@@ -112,14 +127,7 @@ def mla_decode(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
     rows = result["mla_decode"] = {"heads": H, "rank": R, "rope": P, "context": context, "k": k, "sms": sms}
     for B in batches:
-        pages = -(-context // page)
-        g = torch.Generator(device=device).manual_seed(B)
-        pool = torch.randn(B * pages * page + page, R + P, generator=g, device=device).to(dtype)
-        table = (torch.randperm(B * pages, generator=g, device=device).view(B, pages) + 1).to(torch.int64)
-        lens = torch.full((B,), context, device=device, dtype=torch.int64)
-        q_lat = torch.randn(B, H, R, generator=g, device=device).to(dtype)
-        q_pe = torch.randn(B, H, P, generator=g, device=device).to(dtype)
-        idx = torch.rand(B, context, generator=g, device=device).topk(k, dim=-1).indices.sort(-1).values
+        pool, table, lens, q_lat, q_pe, idx = _mla_inputs(B, H, R, P, page, context, k, dtype, device)
         nbytes = decode_bytes(B, context, k, num_heads=H, kv_lora_rank=R, rope_dim=P, page_size=page)
         floor_us = 1e6 * nbytes / (ceilings["copy_TBps"] * 1e12)
         entry = rows[f"B={B}"] = {
@@ -174,14 +182,7 @@ def mla_layout(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
     scale = (128 + P) ** -0.5
     rows_out = result["mla_layout"] = {"heads": H, "rank": R, "rope": P, "context": context, "k": k}
     for B in batches:
-        pages = -(-context // page)
-        g = torch.Generator(device=device).manual_seed(B)
-        pool = torch.randn(B * pages * page + page, R + P, generator=g, device=device).to(dtype)
-        table = (torch.randperm(B * pages, generator=g, device=device).view(B, pages) + 1).to(torch.int64)
-        lens = torch.full((B,), context, device=device, dtype=torch.int64)
-        q_lat = torch.randn(B, H, R, generator=g, device=device).to(dtype)
-        q_pe = torch.randn(B, H, P, generator=g, device=device).to(dtype)
-        idx = torch.rand(B, context, generator=g, device=device).topk(k, dim=-1).indices.sort(-1).values
+        pool, table, lens, q_lat, q_pe, idx = _mla_inputs(B, H, R, P, page, context, k, dtype, device)
         rows = table.gather(1, idx // page) * page + idx % page  # [B, k] the pool rows selected
         k_lens = torch.full((B,), k, device=device, dtype=torch.int64)
         kpages = -(-k // page)
@@ -221,8 +222,8 @@ def mla_layout(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
 
 def kda_step(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
     """The KDA decode step on the state slots (mini: 8 heads of 128 x 128 fp32 state, gate and beta's sigmoid
-    in the kernel), fla-core's `fused_recurrent_kda_fwd` (the default) against ours
-    (kestrel.ops.kda.triton_recurrent) over a sweep of its block_v and num_warps: each checked against the
+    in the kernel), fla-core's `fused_recurrent_kda_fwd` against ours (kestrel.ops.kda.triton_recurrent, the
+    default since session 20) over a sweep of its block_v and num_warps: each checked against the
     reference (naive.recurrent_inplace, the states too), then timed as the step runs them: 18 layers' calls, each
     with its own state pool, in one CUDA graph; the floor is the state read and written at the copy rate."""
     from kestrel.ops.kda import naive

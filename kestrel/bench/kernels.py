@@ -480,8 +480,11 @@ def bench_router(
 def bench_kda_decode(
     ceilings: dict, batch: int, heads: int = 8, dim: int = 128, device: str = "cuda"
 ) -> dict:
-    from kestrel.ops.kda.fla import recurrent_inplace
+    from kestrel.ops.kda import get_kda_backend
 
+    recurrent_inplace = get_kda_backend(
+        torch.device(device)
+    ).recurrent_inplace  # the decode step's own choice
     pool = torch.randn(batch + 1, heads, dim, dim, device=device) * 0.05
     slots = torch.arange(1, batch + 1, device=device)
     q, k, v = (torch.randn(batch, 1, heads, dim, device=device, dtype=torch.bfloat16) for _ in range(3))

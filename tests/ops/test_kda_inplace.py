@@ -95,7 +95,9 @@ def test_triton_recurrent_inplace_matches_reference(K, V, block_v, lower_bound):
     v = torch.randn(N, 1, H, V, generator=g).to(DEVICE)
     A_log = torch.rand(H, generator=g).mul(2).to(DEVICE)
     dt_bias = torch.randn(H * K, generator=g).to(DEVICE)
-    pool = torch.randn(S, H, K, V, generator=g).to(DEVICE)
+    big = torch.randn(S + 1, H, K, V, generator=g).to(DEVICE)
+    pool = big[1:]  # slot -1 would address big[0]: it must stay as it is
+    before = big[0].clone()
     slots = torch.tensor([4, 1, -1, 2], device=DEVICE)
     live = torch.tensor([0, 1, 3], device=DEVICE)
     ref_pool = pool.clone()
@@ -112,9 +114,34 @@ def test_triton_recurrent_inplace_matches_reference(K, V, block_v, lower_bound):
     got = recurrent_inplace(q, k, v, f, b, pool, slots, block_v=block_v, **params)
     assert got.shape == (N, 1, H, V) and got.dtype == v.dtype
     assert torch.allclose(got[live], ref, atol=1e-5, rtol=1e-5)
-    assert (got[2] == 0).all()  # the negative slot
+    assert (got[2] == 0).all() and torch.equal(big[0], before)  # the negative slot: o = 0, nothing written
     assert torch.allclose(pool, ref_pool, atol=1e-5, rtol=1e-5)
     assert torch.equal(pool[[0, 3, 5, 6]], ref_pool[[0, 3, 5, 6]])  # slots not in the batch: untouched
+
+
+def test_triton_recurrent_inplace_in_bf16_as_the_layer_calls_it():
+    """bf16 activations, Kimi-Linear's [1, 1, H, 1] A_log, forget projections past softplus's threshold (20),
+    the default block_v for a batch of 16+ sequences: the reference's result and states."""
+    from kestrel.ops.kda.triton_recurrent import choose_block_v, recurrent_inplace
+
+    g = torch.Generator().manual_seed(9)
+    N, H, K, V, S = 17, 2, 16, 80, 20
+    assert choose_block_v(N, V) == 64  # two value blocks, the second partial
+    q, k = (torch.randn(N, 1, H, K, generator=g).bfloat16().to(DEVICE) for _ in range(2))
+    v = torch.randn(N, 1, H, V, generator=g).bfloat16().to(DEVICE)
+    f = (torch.randn(N, 1, H, K, generator=g) * 15).bfloat16().to(DEVICE)  # some past 20: softplus(x) = x
+    b = torch.randn(N, 1, H, generator=g).bfloat16().to(DEVICE)
+    A_log = torch.rand(1, 1, H, 1, generator=g).to(DEVICE)
+    dt_bias = torch.randn(H * K, generator=g).to(DEVICE)
+    pool = torch.randn(S, H, K, V, generator=g).to(DEVICE)
+    slots = torch.randperm(S, generator=g)[:N].to(DEVICE)
+    ref_pool = pool.clone()
+    params = dict(use_qk_l2norm=True, gate=(A_log, dt_bias, None), beta_logits=True)
+    ref = naive.recurrent_inplace(q, k, v, f, b, ref_pool, slots, **params)
+    got = recurrent_inplace(q, k, v, f, b, pool, slots, **params)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert torch.allclose(pool, ref_pool, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("choice", ["triton", "fla"])

@@ -256,13 +256,19 @@ def test_choose_num_splits():
 
 
 def test_choose_tile():
-    assert td.choose_tile(1, 16, 2) == (64, 3)  # unsplit, 16 heads, bf16: 64 rows three deep
-    assert td.choose_tile(4, 16, 2) == (32, 2)  # split
-    assert td.choose_tile(1, 32, 2) == (32, 2)  # 32-head blocks (K3): unmeasured there
-    assert td.choose_tile(1, 16, 4) == (
+    row, h200, a100 = 576 * 2, 232448, 166912  # mini's bf16 latent row; shared memory a block
+    assert td.choose_tile(1, 16, row, True, h200) == (
+        64,
+        3,
+    )  # unsplit, 16 heads, rows first: 64 rows three deep
+    assert td.choose_tile(4, 16, row, True, h200) == (32, 2)  # split
+    assert td.choose_tile(1, 16, row, False, h200) == (
         32,
         2,
-    )  # fp32 pool: three 64-row stages would not fit in shared memory
+    )  # the page table inside the loop (dense, chained)
+    assert td.choose_tile(1, 32, row, True, h200) == (32, 2)  # 32-head blocks (K3): unmeasured there
+    assert td.choose_tile(1, 16, 576 * 4, True, h200) == (32, 2)  # fp32 rows: three 64-row stages do not fit
+    assert td.choose_tile(1, 16, row, True, a100) == (32, 2)  # nor on an A100
 
 
 def test_decode_bytes_mini():
@@ -329,7 +335,14 @@ def mini_reference(q_nope, q_pe, pool, page_table, ps, lens, w_uk, w_uv, indices
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize(
     ("B", "context", "sparse"),
-    [(64, 4096, True), (64, 131072, True), (256, 4096, True), (64, 4096, False), (2, 131072, False)],
+    [
+        (64, 4096, True),
+        (64, 131072, True),
+        (256, 4096, True),
+        (64, 4096, False),
+        (256, 4096, False),
+        (2, 131072, False),
+    ],
 )
 def test_gpu_mini(B, context, sparse, nan_workspace):
     inputs = mini_inputs(B, context, sparse)

@@ -4,7 +4,9 @@ slot and written back in place (CUDA-graph safe, no gather/scatter copies).
 Legend: N sequences, H heads, K key dims, V value dims, S pool slots; BV value columns a program.
 Reference: `naive.recurrent_inplace` (gather the states, `recurrent_kda`, scatter them back); the same contract
 as fla-core's continuous-batching `fused_recurrent_kda_fwd` (kestrel.ops.kda.fla.recurrent_inplace), which this
-kernel can stand in for. Per (sequence, head), model-spec 1.3 for one token, fp32 inside:
+kernel stands in for, except for a negative slot, which only this kernel skips (the reference wraps it to the
+last slot, fla's kernel addresses memory before the pool; the engine pads a batch with slot 0, never -1).
+Per (sequence, head), model-spec 1.3 for one token, fp32 inside:
 
     q, k <- l2norm(q), l2norm(k) (optional);  q <- q * scale
     g    <- the decay: lb * sigmoid(exp(A_log[h]) * (f + dt_bias)), or -exp(A_log[h]) * softplus(f + dt_bias)
@@ -138,12 +140,14 @@ def recurrent_inplace(
     assert state_pool.shape[1:] == (H, K, V) and state_pool.stride(-1) == 1, "state_pool [S, H, K, V]"
     assert state_pool.dtype == torch.float32, "the state is fp32"
     assert all(t.stride(-1) == 1 for t in (q, k, v, g)), "unit last stride"
+    if N > 65535:
+        raise ValueError(f"recurrent_inplace: {N} sequences in one step; the grid takes at most 65535")
     o = torch.empty(N, 1, H, V, dtype=v.dtype, device=v.device)
     if N == 0 or H == 0:
         return o
     if gate is not None:
         A_log, dt_bias, lower_bound = gate
-        A_log, dt_bias = A_log.reshape(-1), dt_bias.reshape(-1)
+        A_log, dt_bias = A_log.reshape(-1).contiguous(), dt_bias.reshape(-1).contiguous()
         assert A_log.numel() == H and dt_bias.numel() == H * K, "A_log [H], dt_bias [H * K]"
     else:
         A_log = dt_bias = g  # placeholders, never read

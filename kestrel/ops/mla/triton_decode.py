@@ -293,16 +293,29 @@ def choose_num_splits(batch: int, num_heads: int, num_positions: int, num_sms: i
     return min(want, most, MAX_SPLITS)
 
 
-def choose_tile(num_splits: int, block_h: int, elem_bytes: int) -> tuple[int, int]:
-    """(block_n, num_stages) of the decode kernel. Unsplit launches of 16-head blocks over a 2-byte pool (batch
-    >= ~132 on the H200, prefill rows) take 64-row tiles three deep (3 x 72 KB of shared memory): at mini's sizes,
-    batch 256, 179 us a layer against 228 for 32 rows two deep (session 20, the launch sweep of
-    scripts/decode_kernels_check.py, rows translated first). Split launches keep 32 two deep: at batch 1 (16
-    splits of 128 positions) 64 three deep took 202 us against 70; at batch 64 the best, 68 us, was within the
-    run's noise of the default's 78."""
-    if num_splits == 1 and block_h == 16 and elem_bytes == 2:
+def choose_tile(
+    num_splits: int, block_h: int, row_bytes: int, rows_first: bool, smem_bytes: int
+) -> tuple[int, int]:
+    """(block_n, num_stages) of the decode kernel. Unsplit launches over pool rows translated first (`selected_rows`)
+    of 16-head blocks take 64-row tiles three deep where three such tiles of row_bytes (R + P elements) fit in
+    smem_bytes (the device's shared memory a block, less 8 KB for the rest): at mini's sizes (bf16, 1152 B a row:
+    216 KB, which the H200's 227 KB hold, an A100's 164 KB not), batch 256, 179 us a layer against 228 for 32
+    rows two deep (session 20, the launch sweep of scripts/decode_kernels_check.py). Everything else keeps 32
+    two deep: split launches (at batch 1, 16 splits of 128 positions, 64 three deep took 202 us against 70; at
+    batch 64 the best, 68 us, was within the run's noise of the default's 78), and the loops that still go
+    through the page table inside (dense, rows_first=False), where 64-row tiles were slower (344 -> 397 us over
+    consecutive pages, 369 -> 425 chained, batch 256)."""
+    if num_splits == 1 and block_h == 16 and rows_first and 3 * 64 * row_bytes + 8192 <= smem_bytes:
         return 64, 3
     return 32, 2
+
+
+@functools.cache
+def _smem_bytes(device: torch.device) -> int:
+    """Shared memory a block may opt into on this device (the interpreter: the H200's 227 KB)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return 232448
 
 
 def _partials(
@@ -377,7 +390,9 @@ def sparse_mla_decode(
     warps = num_warps or (4 if block_h == 16 else 8)
     if num_splits is None:
         num_splits = choose_num_splits(B, H, num_positions, _num_sms(kv_pool.device))
-    tile_n, stages = choose_tile(num_splits, block_h, kv_pool.element_size())
+    rows_first = rows_first and indices is not None
+    row_bytes = (R + P) * kv_pool.element_size()
+    tile_n, stages = choose_tile(num_splits, block_h, row_bytes, rows_first, _smem_bytes(kv_pool.device))
     block_n, num_stages = block_n or tile_n, num_stages or stages
     num_splits = max(1, min(num_splits, triton.cdiv(max(num_positions, 1), block_n)))
     chunk = triton.cdiv(triton.cdiv(max(num_positions, 1), num_splits), block_n) * block_n
@@ -390,7 +405,6 @@ def sparse_mla_decode(
     else:
         dest, (o_b, o_h), o_s = out, out.stride()[:2], 0
         lse, lse_b, lse_s = out, 0, 0  # unused
-    rows_first = rows_first and indices is not None
     if rows_first:
         indices = selected_rows(indices, page_table, page_size, lens)
     idx = indices if indices is not None else lens  # a placeholder pointer when dense
