@@ -93,6 +93,11 @@ class Env:
     CUDA graph), as SGLang does for DeepSeek's. On by default: mini's decode step on the H200 in CUDA graphs,
     batch 1 / 64, 2.75 / 5.82 ms against 3.04 / 6.14 ms in line (the same ops; the output is bit for bit the
     same)."""
+    moe_sort_first: bool
+    """KESTREL_MOE_SORT_FIRST: where the shared experts run on a side stream and the routed ones in Triton, sort
+    the routed pairs (`sort_pairs`) before the fork instead of after it. Off by default, untimed: in mini's
+    batch-256 step on the H200 the sort took 19-20 us a call beside the side stream against 6.9 us alone
+    (session 20); this asks whether sorting first, on the whole GPU, shortens the step."""
     kda_safe_gate: bool
     """KESTREL_KDA_SAFE_GATE: fla chunk_kda's faster path for gates bounded in [-5, 0) (K3's lower-bound gate),
     used only where the model's gate is bounded (off until its GPU test has run)."""
@@ -140,6 +145,7 @@ _READERS = {
     "kda_recurrent_prefill": lambda: _int("KESTREL_KDA_RECURRENT_PREFILL", 1024),
     "kda_safe_gate": lambda: _bool("KESTREL_KDA_SAFE_GATE", False),
     "moe_overlap_shared": lambda: _bool("KESTREL_MOE_OVERLAP_SHARED", True),
+    "moe_sort_first": lambda: _bool("KESTREL_MOE_SORT_FIRST", False),
     "sparse_prefill": lambda: _str("KESTREL_SPARSE_PREFILL", "auto", ("auto", "rows", "expanded")),
     "compile_train": lambda: _switch("KESTREL_COMPILE_TRAIN", "auto"),
     "fused_ops": lambda: _str("KESTREL_FUSED_OPS", "auto", ("auto", "off")),

@@ -16,6 +16,8 @@ def test_defaults_and_parsing(monkeypatch):
     assert read_env().kda_conv == "fla"
     monkeypatch.delenv("KESTREL_KDA_DECODE", raising=False)
     assert read_env().kda_decode == "triton"
+    monkeypatch.delenv("KESTREL_MOE_SORT_FIRST", raising=False)
+    assert read_env().moe_sort_first is False
 
 
 @pytest.mark.parametrize(

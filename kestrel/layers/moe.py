@@ -7,6 +7,8 @@ Din the experts' input width (D, or the latent width of K3's latent MoE).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -160,6 +162,10 @@ class Experts(nn.Module):
         copy_checked(param.data[local, rows], loaded, f"experts.{expert}.{part}")
 
 
+def _is_triton_experts(fn) -> bool:
+    return getattr(fn, "__name__", "") == "moe_experts_triton"
+
+
 def routed_experts_fn(h: torch.Tensor, ids: torch.Tensor):
     """The routed-experts function for inputs h [T, Din] and ids [T, A]: Triton at decode sizes (inference
     only), else the grouped path (no host syncs, so CUDA graphs; training uses it where its backward works),
@@ -252,7 +258,7 @@ class MoE(nn.Module):
             ctx.routing_capture[self.layer_id] = ids
         if self.experts.first:  # global -> local ids (one rank: already local, and no kernel spent on it)
             ids = ids - self.experts.first
-        shared = None
+        shared = sorted_pairs = None
         if (
             self.shared_experts is not None
             and x.is_cuda
@@ -260,6 +266,11 @@ class MoE(nn.Module):
             and not torch.is_grad_enabled()
             and env_field("moe_overlap_shared")
         ):
+            if env_field("moe_sort_first") and _is_triton_experts(routed_experts_fn(x, ids)):
+                from kestrel.ops.moe.triton_experts import sort_pairs
+
+                # the routed pairs sorted on the whole GPU, before the shared experts take part of it
+                sorted_pairs = sort_pairs(ids, self.experts.w13.shape[0])
             # Fork: the side stream starts after everything queued so far (x included); joined below.
             main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
             side.wait_stream(main)
@@ -269,7 +280,10 @@ class MoE(nn.Module):
         h = self.routed_expert_down_proj(x) if latent else x  # [T, Din]
         if torch.is_autocast_enabled(h.device.type):  # training: the experts run in the autocast dtype too
             h = h.to(torch.get_autocast_dtype(h.device.type))
-        routed = routed_experts_fn(h, ids)(
+        experts = routed_experts_fn(h, ids)
+        if sorted_pairs is not None and _is_triton_experts(experts):
+            experts = functools.partial(experts, sorted_pairs=sorted_pairs)
+        routed = experts(
             h, self.experts.w13, self.experts.w2, weights, ids, self.act, self.beta, self.linear_beta
         )
         if latent:

@@ -83,6 +83,19 @@ def test_several_blocks_per_expert_and_default_tiles(monkeypatch):
     assert_matches(run_poisoned(monkeypatch, x, w13, w2, weights, ids, "situ"), ref)
 
 
+def test_pairs_sorted_beforehand(monkeypatch):
+    """sorted_pairs (the MoE layer's sort before it forks the shared experts' stream, KESTREL_MOE_SORT_FIRST):
+    the same output as the sort inside; a sort of other shapes is refused."""
+    x, w13, w2, weights, ids = _inputs(9, Din=40, I=24, E=5, A=3, dtype=torch.float32, seed=12)
+    ref = moe_experts(x, w13, w2, weights, ids, "silu")
+    pairs = _experts().sort_pairs(ids, 5)
+    assert_matches(run_poisoned(monkeypatch, x, w13, w2, weights, ids, "silu", sorted_pairs=pairs), ref)
+    with pytest.raises(AssertionError, match="sorted_pairs"):
+        _experts().moe_experts_triton(
+            x, w13, w2, weights, ids, "silu", sorted_pairs=_experts().sort_pairs(ids, 4)
+        )
+
+
 def test_weights_in_another_dtype(monkeypatch):
     """fp32 expert weights under bf16 activations: rounded to bf16 as the reference's w.to(x.dtype)."""
     x, w13, w2, weights, ids = _inputs(
@@ -217,9 +230,12 @@ def test_layer_dispatch(monkeypatch):
 
 @pytest.mark.gpu
 @requires_cuda
-def test_shared_experts_on_a_side_stream(monkeypatch):
+@pytest.mark.parametrize("sort_first", ["0", "1"])
+def test_shared_experts_on_a_side_stream(monkeypatch, sort_first):
     """KESTREL_MOE_OVERLAP_SHARED: the shared experts on a side stream give the same output as in line, bit for
-    bit (the same kernels); replayed in a CUDA graph (a fork and a join inside the capture) it matches eager."""
+    bit (the same kernels); replayed in a CUDA graph (a fork and a join inside the capture) it matches eager.
+    KESTREL_MOE_SORT_FIRST: the routed pairs sorted before the fork, the same output again."""
+    monkeypatch.setenv("KESTREL_MOE_SORT_FIRST", sort_first)
     from kestrel.layers.moe import MoE
     from kestrel.models.loader import build_model
 

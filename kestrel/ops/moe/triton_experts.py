@@ -374,12 +374,14 @@ def moe_experts_triton(
     block_n: tuple[int, int] | None = None,
     block_k: tuple[int, int] | None = None,
     num_warps: int = 4,
+    sorted_pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`naive.moe_experts` (same arguments, same result up to rounding order) without host syncs.
 
     x [T, Din] (bf16, fp16 or fp32); w13 [E, 2I, Din]; w2 [E, Din, I] (cast to x's dtype tile by tile);
     weights [T, A]; ids [T, A]; act 'silu' or 'situ'. block_n and block_k are (gate_up, down) tiles, block_m
-    the pairs per block (None: `_tiles`). Returns out [T, Din] in x.dtype, accumulated in fp32.
+    the pairs per block (None: `_tiles`); sorted_pairs: `sort_pairs(ids, E)` already computed (the MoE layer
+    can sort before it forks the shared experts' stream). Returns out [T, Din] in x.dtype, accumulated in fp32.
     """
     T, A = ids.shape
     E, two_i, Din = w13.shape
@@ -400,7 +402,10 @@ def moe_experts_triton(
     if M == 0:
         return out.zero_()
 
-    order, starts = sort_pairs(ids, E)  # [M], [E + 1]
+    if sorted_pairs is None:
+        sorted_pairs = sort_pairs(ids, E)
+    order, starts = sorted_pairs  # [M], [E + 1]
+    assert order.shape == (M,) and starts.shape == (E + 1,), "sorted_pairs: (order [T * A], starts [E + 1])"
     h = _scratch((M, I), x.dtype, x.device)  # [M, I] in sorted order
     y = _scratch((M, Din), torch.float32, x.device)  # [M, Din] in pair order, weighted
 
