@@ -92,6 +92,12 @@ def moe_sort(result: dict, device: str, smoke: bool) -> None:
         print(f"sort M={M:5d} E={E:4d}: " + "  ".join(f"{n} {v}" for n, v in entry.items()), flush=True)
 
 
+def _best(configs: list[dict]) -> dict | None:
+    """The fastest configuration whose output matched, or None."""
+    timed = [c for c in configs if c.get("close") and "us" in c]
+    return min(timed, key=lambda c: c["us"]) if timed else None
+
+
 def _mla_inputs(B: int, H: int, R: int, P: int, page: int, context: int, k: int, dtype, device: str) -> tuple:
     """One MLA decode case, seeded by B: a latent pool [B * pages * page + page, R + P] (page 0 unused), a page
     table of shuffled pages [B, pages], lens = context, q_lat [B, H, R], q_pe [B, H, P], and a sorted random
@@ -151,9 +157,7 @@ def mla_decode(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)[:200]
             entry["configs"].append(row)
-        timed = [c for c in entry["configs"] if c.get("close") and "us" in c]
-        best = min(timed, key=lambda c: c["us"]) if timed else None
-        entry["best"] = best
+        best = entry["best"] = _best(entry["configs"])
         print(
             f"mla B={B}: floor {floor_us:.1f} us, default {entry['default']['us']:.1f} us, best {best}",
             flush=True,
@@ -277,8 +281,7 @@ def kda_step(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)[:200]
             entry["configs"].append(row)
-        timed = [c for c in entry["configs"] if c.get("close") and "us" in c]
-        entry["best"] = min(timed, key=lambda c: c["us"]) if timed else None
+        entry["best"] = _best(entry["configs"])
         fla_row = next((c for c in entry["configs"] if c["kernel"] == "fla"), None)
         print(f"kda N={N}: floor {floor_us:.1f} us, fla {fla_row}, best {entry['best']}", flush=True)
 
@@ -345,8 +348,7 @@ def moe_tiles(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)[:200]
             entry["configs"].append(row)
-        timed = [c for c in entry["configs"] if c.get("close") and "us" in c]
-        entry["best"] = min(timed, key=lambda c: c["us"]) if timed else None
+        entry["best"] = _best(entry["configs"])
         print(
             f"moe T={T}: floor {floor_us:.1f} us, default {entry['default']['us']:.1f} us, best {entry['best']}",
             flush=True,
