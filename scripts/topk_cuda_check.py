@@ -226,9 +226,8 @@ def check_and_time(entry: dict, fns: dict, out: torch.Tensor, want: torch.Tensor
     L2-flushed microseconds."""
     for name, fn in fns.items():
         try:
-            out.fill_(
-                -7
-            )  # an output that a function leaves unwritten must not pass on the one before's result
+            # an output that a function leaves unwritten must not pass on the one before's result
+            out.fill_(-7)
             fn()
             equal = bool(torch.equal(out, want))
             entry[name] = {"equal_naive": equal, "cold_us": time_us(fn, flush=True, reps=20, warmup=3)}

@@ -482,9 +482,8 @@ def bench_kda_decode(
 ) -> dict:
     from kestrel.ops.kda import get_kda_backend
 
-    recurrent_inplace = get_kda_backend(
-        torch.device(device)
-    ).recurrent_inplace  # the decode step's own choice
+    # the step the decode path runs (on CUDA, ours unless KESTREL_KDA_DECODE=fla)
+    recurrent_inplace = get_kda_backend(torch.device(device)).recurrent_inplace
     pool = torch.randn(batch + 1, heads, dim, dim, device=device) * 0.05
     slots = torch.arange(1, batch + 1, device=device)
     q, k, v = (torch.randn(batch, 1, heads, dim, device=device, dtype=torch.bfloat16) for _ in range(3))

@@ -258,7 +258,9 @@ class MoE(nn.Module):
             ctx.routing_capture[self.layer_id] = ids
         if self.experts.first:  # global -> local ids (one rank: already local, and no kernel spent on it)
             ids = ids - self.experts.first
-        shared = sorted_pairs = None
+        # decided on x, which h (below) follows: the same device, and at inference the same dtype
+        experts = routed_experts_fn(x, ids)
+        shared = None
         if (
             self.shared_experts is not None
             and x.is_cuda
@@ -266,11 +268,11 @@ class MoE(nn.Module):
             and not torch.is_grad_enabled()
             and env_field("moe_overlap_shared")
         ):
-            if env_field("moe_sort_first") and _is_triton_experts(routed_experts_fn(x, ids)):
+            if env_field("moe_sort_first") and _is_triton_experts(experts):
                 from kestrel.ops.moe.triton_experts import sort_pairs
 
                 # the routed pairs sorted on the whole GPU, before the shared experts take part of it
-                sorted_pairs = sort_pairs(ids, self.experts.w13.shape[0])
+                experts = functools.partial(experts, sorted_pairs=sort_pairs(ids, self.experts.w13.shape[0]))
             # Fork: the side stream starts after everything queued so far (x included); joined below.
             main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
             side.wait_stream(main)
@@ -280,9 +282,6 @@ class MoE(nn.Module):
         h = self.routed_expert_down_proj(x) if latent else x  # [T, Din]
         if torch.is_autocast_enabled(h.device.type):  # training: the experts run in the autocast dtype too
             h = h.to(torch.get_autocast_dtype(h.device.type))
-        experts = routed_experts_fn(h, ids)
-        if sorted_pairs is not None and _is_triton_experts(experts):
-            experts = functools.partial(experts, sorted_pairs=sorted_pairs)
         routed = experts(
             h, self.experts.w13, self.experts.w2, weights, ids, self.act, self.beta, self.linear_beta
         )

@@ -226,9 +226,8 @@ def test_the_cluster_variant_is_picked_for_few_wide_rows():
     wide, sms = cuda_topk.CLUSTER_MIN_L, 132
     assert cuda_topk.choose_variant(1, wide, sms, True) == cuda_topk.CLUSTER_VARIANT
     assert cuda_topk.choose_variant(66, 131072, sms, True) == cuda_topk.CLUSTER_VARIANT
-    assert (
-        cuda_topk.choose_variant(67, 131072, sms, True) == cuda_topk.DEFAULT_VARIANT
-    )  # 134 blocks > 132 SMs
+    # 134 blocks > 132 SMs
+    assert cuda_topk.choose_variant(67, 131072, sms, True) == cuda_topk.DEFAULT_VARIANT
     assert cuda_topk.choose_variant(1, wide - 1, sms, True) == cuda_topk.DEFAULT_VARIANT
     assert cuda_topk.choose_variant(1, 131072, sms, False) == cuda_topk.DEFAULT_VARIANT
     assert cuda_topk.CLUSTER_VARIANT != cuda_topk.DEFAULT_VARIANT

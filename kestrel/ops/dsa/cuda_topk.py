@@ -65,9 +65,8 @@ _lock = threading.Lock()
 # probe: index -> (SM count, whether the cluster variant runs there and passed its probe)
 _ready: dict[int, tuple[int, bool]] = {}
 _ready_lock = threading.RLock()  # re-entered: a probe launches through _launch, which asks _prepare
-CLUSTER_UNAVAILABLE_REASON: dict[
-    int, str
-] = {}  # device index -> why choose_variant never picks the cluster there
+# device index -> why choose_variant never picks the cluster there
+CLUSTER_UNAVAILABLE_REASON: dict[int, str] = {}
 FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
 
 

@@ -273,10 +273,13 @@ def _combine_kernel(
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    """(SM count, shared memory a block may opt into) of `device`; elsewhere (the interpreter, where they only
+    pick a split count and a tile) the H200's: 132 SMs, 227 KB."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the H200's count; only the interpreter gets here, where it just picks a split count
+        props = torch.cuda.get_device_properties(device)
+        return props.multi_processor_count, props.shared_memory_per_block_optin
+    return 132, 232448
 
 
 def head_block(num_heads: int) -> int:
@@ -308,14 +311,6 @@ def choose_tile(
     if num_splits == 1 and block_h == 16 and rows_first and 3 * 64 * row_bytes + 8192 <= smem_bytes:
         return 64, 3
     return 32, 2
-
-
-@functools.cache
-def _smem_bytes(device: torch.device) -> int:
-    """Shared memory a block may opt into on this device (the interpreter: the H200's 227 KB)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
-    return 232448
 
 
 def _partials(
@@ -388,11 +383,11 @@ def sparse_mla_decode(
 
     block_h = head_block(H)
     warps = num_warps or (4 if block_h == 16 else 8)
+    sms, smem = _device_limits(kv_pool.device)
     if num_splits is None:
-        num_splits = choose_num_splits(B, H, num_positions, _num_sms(kv_pool.device))
+        num_splits = choose_num_splits(B, H, num_positions, sms)
     rows_first = rows_first and indices is not None
-    row_bytes = (R + P) * kv_pool.element_size()
-    tile_n, stages = choose_tile(num_splits, block_h, row_bytes, rows_first, _smem_bytes(kv_pool.device))
+    tile_n, stages = choose_tile(num_splits, block_h, (R + P) * kv_pool.element_size(), rows_first, smem)
     block_n, num_stages = block_n or tile_n, num_stages or stages
     num_splits = max(1, min(num_splits, triton.cdiv(max(num_positions, 1), block_n)))
     chunk = triton.cdiv(triton.cdiv(max(num_positions, 1), num_splits), block_n) * block_n
