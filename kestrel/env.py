@@ -95,9 +95,14 @@ class Env:
     same)."""
     moe_sort_first: bool
     """KESTREL_MOE_SORT_FIRST: where the shared experts run on a side stream and the routed ones in Triton, sort
-    the routed pairs (`sort_pairs`) before the fork instead of after it. Off by default, untimed: in mini's
-    batch-256 step on the H200 the sort took 19-20 us a call beside the side stream against 6.9 us alone
-    (session 20); this asks whether sorting first, on the whole GPU, shortens the step."""
+    the routed pairs (`sort_pairs`) before the fork instead of after it. On by default: in mini's decode step on
+    the H200 (session 21, CUDA-graph replay) batch 64 4.57 vs 4.65 ms, batch 256 7.28 vs 7.45 ms; the sort had
+    taken 19-20 us a call beside the side stream against 6.9 us alone."""
+    moe_fuse_shared: bool
+    """KESTREL_MOE_FUSE_SHARED: where the routed experts run in Triton and the shared MLP has their width (one
+    shared expert, no latent MoE, no tensor parallelism), the shared MLP runs inside the routed experts'
+    launches as one more expert every token takes (`moe_experts_triton(shared=)`): its gate_up, activation and
+    down kernels and the add of its output are gone, and no side stream is forked. On by default."""
     kda_safe_gate: bool
     """KESTREL_KDA_SAFE_GATE: fla chunk_kda's faster path for gates bounded in [-5, 0) (K3's lower-bound gate),
     used only where the model's gate is bounded (off until its GPU test has run)."""
@@ -145,7 +150,8 @@ _READERS = {
     "kda_recurrent_prefill": lambda: _int("KESTREL_KDA_RECURRENT_PREFILL", 1024),
     "kda_safe_gate": lambda: _bool("KESTREL_KDA_SAFE_GATE", False),
     "moe_overlap_shared": lambda: _bool("KESTREL_MOE_OVERLAP_SHARED", True),
-    "moe_sort_first": lambda: _bool("KESTREL_MOE_SORT_FIRST", False),
+    "moe_sort_first": lambda: _bool("KESTREL_MOE_SORT_FIRST", True),
+    "moe_fuse_shared": lambda: _bool("KESTREL_MOE_FUSE_SHARED", True),
     "sparse_prefill": lambda: _str("KESTREL_SPARSE_PREFILL", "auto", ("auto", "rows", "expanded")),
     "compile_train": lambda: _switch("KESTREL_COMPILE_TRAIN", "auto"),
     "fused_ops": lambda: _str("KESTREL_FUSED_OPS", "auto", ("auto", "off")),

@@ -17,7 +17,9 @@ def test_defaults_and_parsing(monkeypatch):
     monkeypatch.delenv("KESTREL_KDA_DECODE", raising=False)
     assert read_env().kda_decode == "triton"
     monkeypatch.delenv("KESTREL_MOE_SORT_FIRST", raising=False)
-    assert read_env().moe_sort_first is False
+    assert read_env().moe_sort_first is True
+    monkeypatch.setenv("KESTREL_MOE_FUSE_SHARED", "0")
+    assert read_env().moe_fuse_shared is False
 
 
 @pytest.mark.parametrize(

@@ -214,6 +214,23 @@ class MoE(nn.Module):
             else None
         )
 
+    def _shared_in_experts(self, experts) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The shared MLP's (gate_up [2I, D], down [D, I]) weights where the routed experts' Triton kernels can
+        run it as one more expert every token takes (KESTREL_MOE_FUSE_SHARED): it has their width and input (one
+        shared expert, no latent MoE, this rank holds it whole) and their dtype. Else None."""
+        mlp = self.shared_experts
+        if mlp is None or not _is_triton_experts(experts) or hasattr(self, "routed_expert_down_proj"):
+            return None
+        if not env_field("moe_fuse_shared"):
+            return None
+        gate_up, down, w13 = mlp.gate_up_proj.weight, mlp.down_proj.weight, self.experts.w13
+        _, two_i, din = w13.shape
+        if gate_up.shape != (two_i, din) or down.shape != (din, two_i // 2):
+            return None
+        if not gate_up.dtype == down.dtype == w13.dtype == self.experts.w2.dtype:
+            return None
+        return gate_up, down
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D]
         ctx = get_forward_context() if has_forward_context() else None
         replay = ctx is not None and ctx.routing_replay is not None
@@ -260,9 +277,11 @@ class MoE(nn.Module):
             ids = ids - self.experts.first
         # decided on x, which h (below) follows: the same device, and at inference the same dtype
         experts = routed_experts_fn(x, ids)
+        in_experts = self._shared_in_experts(experts)  # the shared MLP's weights, run as one more expert
         shared = None
         if (
-            self.shared_experts is not None
+            in_experts is None
+            and self.shared_experts is not None
             and x.is_cuda
             and x.shape[0] <= OVERLAP_SHARED_MAX_TOKENS
             and not torch.is_grad_enabled()
@@ -283,14 +302,22 @@ class MoE(nn.Module):
         if torch.is_autocast_enabled(h.device.type):  # training: the experts run in the autocast dtype too
             h = h.to(torch.get_autocast_dtype(h.device.type))
         routed = experts(
-            h, self.experts.w13, self.experts.w2, weights, ids, self.act, self.beta, self.linear_beta
-        )
+            h,
+            self.experts.w13,
+            self.experts.w2,
+            weights,
+            ids,
+            self.act,
+            self.beta,
+            self.linear_beta,
+            **({} if in_experts is None else {"shared": in_experts}),
+        )  # [T, Din]; with in_experts, routed + shared already
         if latent:
             if self.routed_expert_norm is not None:
                 routed = rms_norm(routed, self.routed_expert_norm.weight, self.eps)
             routed = self.routed_expert_up_proj(routed)  # [T, D]
         if shared is not None:
             main.wait_stream(side)  # join: the shared experts' output is ready for the main stream
-        elif self.shared_experts is not None:
+        elif self.shared_experts is not None and in_experts is None:
             shared = self.shared_experts(x)
         return routed if shared is None else routed + shared

@@ -115,6 +115,38 @@ def test_out_of_range_ids_add_nothing(monkeypatch):
     assert_matches(got, ref)
 
 
+def _shared_expert(T, Din, I, dtype, seed):
+    """A shared expert's (ws13 [2I, Din], ws2 [Din, I]), and its reference output on x as the routed reference
+    computes one expert that every token takes at weight 1.0."""
+    _, s13, s2, _, _ = _inputs(1, Din=Din, I=I, E=1, A=1, dtype=dtype, seed=seed)
+
+    def ref(x):
+        ones = torch.ones(x.shape[0], 1, device=DEVICE)
+        zeros = torch.zeros(x.shape[0], 1, dtype=torch.int64, device=DEVICE)
+        return moe_experts(x, s13, s2, ones, zeros, "situ")
+
+    return (s13[0], s2[0]), ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_shared_expert_in_the_same_launches(monkeypatch, T, dtype):
+    """shared=: the shared expert as one more expert every token takes, after the routed experts' blocks (40
+    tokens: three blocks of 16); the routed output plus the shared one, each rounded to x's dtype and the sum
+    again (the MoE layer's `routed + shared_experts(x)`). Out-of-range ids still add nothing."""
+    x, w13, w2, weights, ids = _inputs(T, Din=40, I=24, E=5, A=2, dtype=dtype, seed=30 + T)
+    ids[0, 1] = 5  # another rank's expert
+    outside = ids >= 5
+    shared, shared_ref = _shared_expert(T, Din=40, I=24, dtype=dtype, seed=31)
+    got = run_poisoned(monkeypatch, x, w13, w2, weights, ids, "situ", shared=shared, **SMALL_TILES)
+    routed = moe_experts(x, w13, w2, weights.masked_fill(outside, 0.0), ids.masked_fill(outside, 0), "situ")
+    assert_matches(got, routed + shared_ref(x))
+    if dtype == torch.bfloat16:  # default tiles too
+        assert_matches(run_poisoned(monkeypatch, x, w13, w2, weights, ids, "situ", shared=shared), got)
+    with pytest.raises(AssertionError, match="routed experts' width"):
+        _experts().moe_experts_triton(x, w13, w2, weights, ids, "situ", shared=(shared[0][:-2], shared[1]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("combine", [False, True], ids=["torch_combine", "triton_combine"])
 def test_grouped_path_combine_with_out_of_range_ids(dtype, combine):
@@ -236,6 +268,7 @@ def test_shared_experts_on_a_side_stream(monkeypatch, sort_first):
     bit (the same kernels); replayed in a CUDA graph (a fork and a join inside the capture) it matches eager.
     KESTREL_MOE_SORT_FIRST: the routed pairs sorted before the fork, the same output again."""
     monkeypatch.setenv("KESTREL_MOE_SORT_FIRST", sort_first)
+    monkeypatch.setenv("KESTREL_MOE_FUSE_SHARED", "0")  # (tiny's latent MoE would not fuse it anyway)
     from kestrel.layers.moe import MoE
     from kestrel.models.loader import build_model
 
@@ -247,4 +280,34 @@ def test_shared_experts_on_a_side_stream(monkeypatch, sort_first):
         in_line = moe(x)
         monkeypatch.setenv("KESTREL_MOE_OVERLAP_SHARED", "1")
         assert torch.equal(moe(x), in_line)
+        assert_replay_matches_eager(moe, (x,), (torch.randn_like(x),))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("T", [1, 8, 256])
+def test_shared_expert_fused_into_the_layer(monkeypatch, T):
+    """KESTREL_MOE_FUSE_SHARED: a MoE layer whose shared MLP has the experts' width (tiny without its latent
+    MoE) runs it inside the routed experts' launches; the output matches the layer's unfused one (the shared MLP
+    through cuBLAS, on the side stream: other sums, same rounding points), and a CUDA-graph replay matches eager."""
+    from kestrel.layers.moe import MoE, routed_experts_fn
+    from kestrel.presets import preset_config
+
+    config = preset_config("tiny").replace(routed_expert_hidden_size=None, latent_moe_use_norm=False)
+    moe = MoE(config, layer_id=1, dtype=torch.bfloat16).cuda()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            if name != "gate.e_score_correction_bias":
+                p.copy_(torch.randn(p.shape, generator=g, device="cuda") / p.shape[-1] ** 0.5)
+        x = torch.randn(T, config.hidden_size, generator=g, device="cuda").bfloat16()
+        ids = torch.zeros(T, config.num_experts_per_token, dtype=torch.int64, device="cuda")
+        assert moe._shared_in_experts(routed_experts_fn(x, ids)) is not None
+        monkeypatch.setenv("KESTREL_MOE_FUSE_SHARED", "0")
+        unfused = moe(x)
+        monkeypatch.setenv("KESTREL_MOE_FUSE_SHARED", "1")
+        fused = moe(x)
+        rel = ((fused.float() - unfused.float()).norm() / unfused.float().norm()).item()
+        assert rel < 1e-2, rel
+        assert torch.equal(moe(x), fused), "not deterministic"
         assert_replay_matches_eager(moe, (x,), (torch.randn_like(x),))

@@ -11,14 +11,19 @@ block of pairs or one for all, torch.sort past that); expert e owns the sorted r
 starts[e]:starts[e + 1] and cuts them into cdiv(count_e, BM) blocks of at most BM pairs. Program (b, n) of each
 kernel finds its expert and rows from `starts` alone (a cumulative sum over E inside the kernel), so the grid is
 a bound fixed by M and E, min(M, M // BM + E) blocks, programs past the last block return at once: no host
-sync, one launch shape per (M, E), capturable by CUDA graphs.
-    gate_up:  h[row, n-tile] = act(x[token] . w13[e, gate n-tile], x[token] . w13[e, up n-tile])   [M, I]
-    down:     y[pair, n-tile] = weights[pair] * (h[row] . w2[e, n-tile])                          [M, Din] fp32
-    combine:  out[t] = sum_a y[t * A + a] in slot order                                           [T, Din]
+sync, one launch shape per (M, E), capturable by CUDA graphs. With a shared expert (`shared=`, the MoE layer's
+shared MLP when it has the experts' width) cdiv(T, BM) more blocks follow, over rows M..M + T - 1 (row M + t is
+token t): the shared MLP's own three kernels (gate_up, activation, down) and the add of its output disappear
+into the routed experts' launches.
+    gate_up:  h[row, n-tile] = act(x[token] . w13[e, gate n-tile], x[token] . w13[e, up n-tile])   [M + S, I]
+    down:     y[pair, n-tile] = h[row] . w2[e, n-tile]                                            [M + S, Din]
+    combine:  out[t] = sum_a weights[t, a] * y[t * A + a] in slot order (+ y[M + t])              [T, Din]
 A block multiplies one weight tile against all its pairs (tl.dot), so each expert's weights are read once per
 block: at T = 1 six experts, 6 x 3 x Din x I x 2 B = 18.9 MB on `mini` (~4.5 us at 4.2 TB/s). The sum over slots
 has a fixed order and no atomics: the output is deterministic. Rounding follows the reference: gate and up in
-x's dtype, the activation in fp32, h in x's dtype, each expert's output in x's dtype before the fp32 weighted sum.
+x's dtype, the activation in fp32, h in x's dtype, each expert's output in x's dtype (y holds it so) before the
+fp32 weighted sum; with a shared expert, the routed sum rounded to x's dtype, plus the shared output, rounded
+again (the layer's `routed + shared` in x's dtype).
 
 Measured on the H200 (2026-11-30, `mini`'s sizes, bf16, one CUDA graph of 24 calls on 24 layers' weights, us per
 call; Triton with the tiles of `_tiles`, T=8..4096 with an earlier, slower gate_up tile):
@@ -45,8 +50,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _expert_block(starts, E, BLOCK_M: tl.constexpr, EP: tl.constexpr):
-    """Program b's expert e and its rows [row0, row_end) of the sorted order; e >= E past the last block."""
+def _expert_block(starts, E, M, S, BLOCK_M: tl.constexpr, EP: tl.constexpr):
+    """Program b's expert e and its rows [row0, row_end): the routed experts' blocks first, over the sorted
+    rows; then the shared expert's (e == E) over rows M..M + S - 1. row0 >= row_end past the last block."""
     b = tl.program_id(0)
     es = tl.arange(0, EP)
     lo = tl.load(starts + es, mask=es < E, other=0)  # [EP] first sorted row of each expert
@@ -58,6 +64,10 @@ def _expert_block(starts, E, BLOCK_M: tl.constexpr, EP: tl.constexpr):
     first_block = tl.sum(tl.where(here, cum - nb, 0), axis=0)
     row0 = tl.sum(tl.where(here, lo, 0), axis=0) + (b - first_block) * BLOCK_M
     row_end = tl.sum(tl.where(here, hi, 0), axis=0)
+    routed = b < tl.sum(nb, axis=0)
+    e = tl.where(routed, e, E)
+    row0 = tl.where(routed, row0, M + (b - tl.sum(nb, axis=0)) * BLOCK_M)
+    row_end = tl.where(routed, row_end, M + S)
     return e, row0, row_end
 
 
@@ -77,9 +87,12 @@ def _rounded(v, dtype: tl.constexpr, BF16: tl.constexpr):
 def _gate_up_kernel(
     x,
     w13,
+    ws13,
     order,
     starts,
     h,
+    M,
+    S,
     Din,
     I,
     E,
@@ -96,16 +109,19 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     EP: tl.constexpr,
 ):
-    e, row0, row_end = _expert_block(starts, E, BLOCK_M, EP)
-    if e >= E:
+    e, row0, row_end = _expert_block(starts, E, M, S, BLOCK_M, EP)
+    if row0 >= row_end:
         return
-    rows = row0 + tl.arange(0, BLOCK_M)  # [BM] sorted rows
+    shared = e == E
+    rows = row0 + tl.arange(0, BLOCK_M)  # [BM] sorted rows (the shared expert's: M + token)
     live = rows < row_end
-    token = tl.load(order + rows, mask=live, other=0) // A  # [BM]
+    pair = tl.load(order + rows, mask=live & (rows < M), other=0)  # [BM]
+    token = tl.where(shared, rows - M, pair // A)  # [BM]
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate units
     cmask = cols < I
     x_rows = x + token[:, None].to(tl.int64) * Din  # [BM, 1]
-    w_gate = w13 + e.to(tl.int64) * 2 * I * Din + cols[:, None].to(tl.int64) * Din  # [BN, 1]
+    w_e = tl.where(shared, ws13, w13 + e.to(tl.int64) * 2 * I * Din)  # this expert's [2I, Din]
+    w_gate = w_e + cols[:, None].to(tl.int64) * Din  # [BN, 1]
     w_up = w_gate + I * Din
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -136,10 +152,12 @@ def _gate_up_kernel(
 def _down_kernel(
     h,
     w2,
+    ws2,
     order,
     starts,
-    weights,
     y,
+    M,
+    S,
     Din,
     I,
     E,
@@ -152,16 +170,19 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     EP: tl.constexpr,
 ):
-    e, row0, row_end = _expert_block(starts, E, BLOCK_M, EP)
-    if e >= E:
+    e, row0, row_end = _expert_block(starts, E, M, S, BLOCK_M, EP)
+    if row0 >= row_end:
         return
+    shared = e == E
     rows = row0 + tl.arange(0, BLOCK_M)  # [BM] sorted rows
     live = rows < row_end
-    pair = tl.load(order + rows, mask=live, other=0)  # [BM] t * A + a
+    # [BM] y's row: the pair t * A + a, or for the shared expert M + t (its row of h)
+    pair = tl.where(shared, rows, tl.load(order + rows, mask=live & (rows < M), other=0))
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output units
     cmask = cols < Din
     h_rows = h + rows[:, None].to(tl.int64) * I  # [BM, 1]
-    w_rows = w2 + e.to(tl.int64) * Din * I + cols[:, None].to(tl.int64) * I  # [BN, 1]
+    w_e = tl.where(shared, ws2, w2 + e.to(tl.int64) * Din * I)  # this expert's [Din, I]
+    w_rows = w_e + cols[:, None].to(tl.int64) * I  # [BN, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -173,9 +194,12 @@ def _down_kernel(
         if DOT_F32:
             ht, w = ht.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(ht, tl.trans(w), acc=acc, input_precision=PRECISION)  # [BM, BN]
-    scale = tl.load(weights + pair, mask=live, other=0.0).to(tl.float32)  # [BM] routing weights
-    val = _rounded(acc, h.dtype.element_ty, BF16) * scale[:, None]  # the expert's output in x's dtype, as ref
-    tl.store(y + pair[:, None] * Din + cols[None, :], val, mask=live[:, None] & cmask[None, :])
+    val = _rounded(acc, y.dtype.element_ty, BF16)  # the expert's output in x's dtype, as the reference
+    tl.store(
+        y + pair[:, None].to(tl.int64) * Din + cols[None, :],
+        val.to(y.dtype.element_ty),
+        mask=live[:, None] & cmask[None, :],
+    )
 
 
 @triton.jit
@@ -284,16 +308,19 @@ def _combine_kernel(
     ids,
     weights,
     out,
+    M,
     Din,
     E,
     A: tl.constexpr,
     SORTED: tl.constexpr,
+    SHARED: tl.constexpr,
     BF16: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """out[t] = sum over slots a, in slot order, of pair (t, a)'s row of y: row t * A + a, already weighted (the
-    Triton path), or with SORTED row rows[t * A + a] times weights[t * A + a] (the grouped path's expert-major
-    rows). Pairs with an id outside [0, E) add nothing (their rows were never computed)."""
+    """out[t] = sum over slots a, in slot order, of weights[t * A + a] times pair (t, a)'s row of y: row
+    t * A + a (the Triton path), or with SORTED row rows[t * A + a] (the grouped path's expert-major rows).
+    Pairs with an id outside [0, E) add nothing (their rows were never computed). SHARED: the sum rounded to
+    out's dtype, plus row M + t (the shared expert's output), rounded again."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     cmask = cols < Din
@@ -303,24 +330,26 @@ def _combine_kernel(
         ok = (e >= 0) & (e < E)
         if SORTED:
             r = tl.where(ok, tl.load(rows + t * A + a).to(tl.int64), 0)  # row 0: read, then dropped
-            w = tl.load(weights + t * A + a).to(tl.float32)
         else:
             r = t * A + a
-            w = 1.0
+        w = tl.load(weights + t * A + a).to(tl.float32)
         row = tl.load(y + r * Din + cols, mask=cmask, other=0.0).to(tl.float32)  # [BN]
         acc += tl.where(ok, row * w, 0.0)
+    if SHARED:
+        shared = tl.load(y + (M + t) * Din + cols, mask=cmask, other=0.0).to(tl.float32)  # [BN]
+        acc = _rounded(acc, out.dtype.element_ty, BF16) + shared
     acc = _rounded(acc, out.dtype.element_ty, BF16)
     tl.store(out + t * Din + cols, acc.to(out.dtype.element_ty), mask=cmask)
 
 
-def _combine(y, rows, ids, weights, out, E: int, sorted_rows: bool) -> torch.Tensor:
+def _combine(y, rows, ids, weights, out, E: int, sorted_rows: bool, shared: bool = False) -> torch.Tensor:
     T, A = ids.shape
     Din = out.shape[1]
     if T:
         block = min(1024, triton.next_power_of_2(Din))
         _combine_kernel[(T, triton.cdiv(Din, block))](
-            y, rows, ids, weights, out, Din, E, A=A, SORTED=sorted_rows, BF16=out.dtype == torch.bfloat16,
-            BLOCK_N=block,
+            y, rows, ids, weights, out, T * A, Din, E, A=A, SORTED=sorted_rows, SHARED=shared,
+            BF16=out.dtype == torch.bfloat16, BLOCK_N=block,
         )  # fmt: skip
     return out
 
@@ -375,13 +404,16 @@ def moe_experts_triton(
     block_k: tuple[int, int] | None = None,
     num_warps: int = 4,
     sorted_pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`naive.moe_experts` (same arguments, same result up to rounding order) without host syncs.
 
     x [T, Din] (bf16, fp16 or fp32); w13 [E, 2I, Din]; w2 [E, Din, I] (cast to x's dtype tile by tile);
     weights [T, A]; ids [T, A]; act 'silu' or 'situ'. block_n and block_k are (gate_up, down) tiles, block_m
-    the pairs per block (None: `_tiles`); sorted_pairs: `sort_pairs(ids, E)` already computed (the MoE layer
-    can sort before it forks the shared experts' stream). Returns out [T, Din] in x.dtype, accumulated in fp32.
+    the pairs per block (None: `_tiles`); sorted_pairs: `sort_pairs(ids, E)` already computed. shared: a shared
+    expert's (ws13 [2I, Din], ws2 [Din, I]) in w13's dtype, which every token takes: the result is then the
+    routed experts' output plus the shared expert's, each rounded to x's dtype and the sum once more (the MoE
+    layer's `routed + shared_experts(x)`). Returns out [T, Din] in x.dtype, accumulated in fp32.
     """
     T, A = ids.shape
     E, two_i, Din = w13.shape
@@ -395,23 +427,34 @@ def moe_experts_triton(
         raise ValueError(f"unknown activation {act!r}")
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     weights, ids = weights.contiguous(), ids.contiguous()
+    if shared is not None:
+        ws13, ws2 = (w.contiguous() for w in shared)
+        assert ws13.shape == (2 * I, Din) and ws2.shape == (Din, I), (
+            f"shared expert {tuple(ws13.shape)}, {tuple(ws2.shape)}: needs the routed experts' width"
+        )
+        assert ws13.dtype == ws2.dtype == w13.dtype == w2.dtype, (
+            "shared and routed experts' weights: one dtype"
+        )
+    else:
+        ws13, ws2 = w13, w2  # not read: no shared blocks
     if out is None:
         out = torch.empty(T, Din, dtype=x.dtype, device=x.device)
     assert out.shape == (T, Din) and out.dtype == x.dtype and out.is_contiguous()
     M = T * A
-    if M == 0:
+    S = T if shared is not None else 0
+    if M + S == 0:
         return out.zero_()
 
     if sorted_pairs is None:
         sorted_pairs = sort_pairs(ids, E)
     order, starts = sorted_pairs  # [M], [E + 1]
     assert order.shape == (M,) and starts.shape == (E + 1,), "sorted_pairs: (order [T * A], starts [E + 1])"
-    h = _scratch((M, I), x.dtype, x.device)  # [M, I] in sorted order
-    y = _scratch((M, Din), torch.float32, x.device)  # [M, Din] in pair order, weighted
+    h = _scratch((M + S, I), x.dtype, x.device)  # [M + S, I] in sorted order, then the shared expert's rows
+    y = _scratch((M + S, Din), x.dtype, x.device)  # [M + S, Din] in pair order, then the shared expert's rows
 
     bm, tile_n, tile_k = _tiles(M, E)
     bm, block_n, block_k = block_m or bm, block_n or tile_n, block_k or tile_k
-    blocks = min(M, M // bm + E)  # >= sum_e cdiv(count_e, bm)
+    blocks = min(M, M // bm + E) + triton.cdiv(S, bm)  # >= sum_e cdiv(count_e, bm) + the shared blocks
     # The CPU interpreter's tl.dot misreads bf16 (kestrel.ops.mla.triton_decode): fp32 operands there.
     dot_f32 = x.dtype == torch.float32 or not x.is_cuda
     common = dict(
@@ -426,9 +469,12 @@ def moe_experts_triton(
     _gate_up_kernel[(blocks, triton.cdiv(I, block_n[0]))](
         x,
         w13,
+        ws13,
         order,
         starts,
         h,
+        M,
+        S,
         Din,
         I,
         E,
@@ -441,6 +487,7 @@ def moe_experts_triton(
         **common,
     )
     _down_kernel[(blocks, triton.cdiv(Din, block_n[1]))](
-        h, w2, order, starts, weights, y, Din, I, E, BLOCK_N=block_n[1], BLOCK_K=block_k[1], **common
+        h, w2, ws2, order, starts, y, M, S, Din, I, E, BLOCK_N=block_n[1], BLOCK_K=block_k[1], **common
     )
-    return _combine(y, ids, ids, weights, out, E, sorted_rows=False)  # (rows unused: ids stands in)
+    # (rows unused: ids stands in)
+    return _combine(y, ids, ids, weights, out, E, sorted_rows=False, shared=shared is not None)
