@@ -14,9 +14,10 @@ timed on the device in one run, one JSON result:
    where the latent rows it must read take 145 us at the copy rate. Its launch knobs (splits, block_n,
    num_warps, num_stages) are swept; every configuration's output is compared with the default's; each is timed
    with the L2 flushed against `decode_bytes` at the copy rate measured in the run.
-3. `moe_tiles`: the routed experts' Triton tiles at tokens 1, 64 and 256 (mini's batch-256 step: 82 us a layer
-   against 47 us of expert bytes), each configuration checked against the default and timed in a CUDA graph of
-   8 layers' weights.
+3. `moe_tiles`: the routed experts' Triton tiles and pipeline depths at tokens 1, 64 and 256, the shared expert
+   in the same launches (mini's batch-256 step: 73 us a layer against 48 us of expert bytes), gate_up's knobs
+   and down's swept apart, each configuration checked against the default and timed in a CUDA graph of 8
+   layers' weights.
 4. `mla_layout`: sparse MLA decode over the same selected rows reached four ways (rows translated first; index ->
    page -> row in the loop; a page table of page size 1 holding the rows; consecutive pages) and a torch gather of
    those rows: where the time goes.
@@ -290,44 +291,57 @@ def _moe_layer_us(device: str, weights_of: list, x, w, ids, **kw) -> float:
     """Microseconds a layer of moe_experts_triton(**kw), one call per layer's weights in one CUDA graph."""
     from kestrel.ops.moe.triton_experts import moe_experts_triton
 
-    calls = [functools.partial(moe_experts_triton, x, a, b, w, ids, "silu", **kw) for a, b in weights_of]
+    calls = [
+        functools.partial(moe_experts_triton, x, a, b, w, ids, "silu", shared=shared, **kw)
+        for a, b, shared in weights_of
+    ]
     if device != "cuda":
         return 1000 * time_ms(calls[0], device)
     return 1000 * _graph_ms(calls)
 
 
 def moe_tiles(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
-    """The routed experts' Triton tiles (moe_experts_triton's block_m, block_n, block_k, num_warps) at mini's
-    sizes (64 experts of 2048 x 256, top-6), tokens 1, 64 and 256: each configuration's output against the default's,
-    its time per layer in a CUDA graph of 8 layers' weights (no L2 reuse between calls, as in a step) against
-    the bytes of the experts hit at the copy rate. The batch-256 step spent 1.97 ms in 24 layers' experts (82 us
-    a layer) against 47 us of bytes."""
+    """The routed experts' Triton launch knobs (moe_experts_triton's block_m, block_n, block_k, num_stages,
+    num_warps) at mini's sizes (64 experts of 2048 x 256, top-6, and the shared expert of the same width in the
+    same launches, as the MoE layer runs them), tokens 1, 64 and 256. Two sweeps, each against the defaults:
+    gate_up's knobs (down at its default), then down's (gate_up at its default). Each configuration's output is
+    checked against the default's and timed per layer in a CUDA graph of 8 layers' weights (no L2 reuse between
+    calls, as in a step) against the bytes of the experts hit (the shared one included) at the copy rate. The
+    batch-256 step spent 1.76 ms in 24 layers' experts (73 us a layer; session 21) against 48 us of bytes."""
     from kestrel.ops.moe.triton_experts import _tiles, moe_experts_triton
 
     E, A, D, I, layers = 64, 6, 2048, 256, 8
     tokens = (1, 64, 256)
-    grid = {"block_m": (16, 32, 64), "block_n": (32, 64, 128), "block_k": (64, 128, 256), "num_warps": (4, 8)}
+    gate_up_grid = {
+        "block_m": (16, 32, 64),
+        "block_n": (32, 64),
+        "block_k": (64, 128, 256),
+        "stages": (3, 4, 5),
+    }
+    down_grid = {"block_n": (64, 128, 256), "block_k": (64, 128, 256), "stages": (2, 3, 4)}
     if smoke:
         E, A, D, I, layers, tokens = 8, 2, 64, 32, 2, (1, 5)
-        grid = {"block_m": (16,), "block_n": (32,), "block_k": (32, 64), "num_warps": (4,)}
+        gate_up_grid = {"block_m": (16,), "block_n": (32,), "block_k": (32, 64), "stages": (2,)}
+        down_grid = {"block_n": (32,), "block_k": (32,), "stages": (2, 3)}
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(0)
-    weights_of = [
-        (
-            (torch.randn(E, 2 * I, D, generator=g, device=device) * 0.02).to(dtype),
-            (torch.randn(E, D, I, generator=g, device=device) * 0.02).to(dtype),
+
+    def weights(*lead):
+        return (
+            (torch.randn(*lead, 2 * I, D, generator=g, device=device) * 0.02).to(dtype),
+            (torch.randn(*lead, D, I, generator=g, device=device) * 0.02).to(dtype),
         )
-        for _ in range(layers)
-    ]
-    rows = result["moe_tiles"] = {"experts": E, "top_k": A, "hidden": D, "inter": I}
+
+    weights_of = [(*weights(E), weights()) for _ in range(layers)]  # (w13, w2, (ws13, ws2)) a layer
+    rows = result["moe_tiles"] = {"experts": E, "top_k": A, "hidden": D, "inter": I, "shared_expert": True}
     for T in tokens:
         x = torch.randn(T, D, generator=g, device=device).to(dtype)
         ids = torch.rand(T, E, generator=g, device=device).argsort(-1)[:, :A]  # [T, A] distinct per token
         w = torch.rand(T, A, generator=g, device=device)
-        hit = int(ids.unique().numel())
+        hit = int(ids.unique().numel()) + 1  # and the shared expert
         floor_us = 1e6 * hit * 3 * D * I * 2 / (ceilings["copy_TBps"] * 1e12)
-        w13, w2 = weights_of[0]
-        want = moe_experts_triton(x, w13, w2, w, ids, "silu").float()
+        w13, w2, shared = weights_of[0]
+        want = moe_experts_triton(x, w13, w2, w, ids, "silu", shared=shared).float()
 
         per_layer_us = functools.partial(_moe_layer_us, device, weights_of, x, w, ids)
         bm, bn, bk = _tiles(T * A, E)
@@ -335,22 +349,30 @@ def moe_tiles(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
             "experts_hit": hit,
             "floor_us": floor_us,
             "default": {"block_m": bm, "block_n": bn, "block_k": bk, "us": per_layer_us()},
-            "configs": [],
         }
-        for bm_, bn_, bk_, warps in itertools.product(*grid.values()):
-            kw = {"block_m": bm_, "block_n": (bn_, bn[1]), "block_k": (bk_, bk[1]), "num_warps": warps}
-            row = {"block_m": bm_, "block_n": bn_, "block_k": bk_, "num_warps": warps}
+
+        gate_up = [(dict(zip(gate_up_grid, v)), "gate_up") for v in itertools.product(*gate_up_grid.values())]
+        down = [(dict(zip(down_grid, v)), "down") for v in itertools.product(*down_grid.values())]
+        entry["gate_up"], entry["down"] = [], []
+        for row, part in gate_up + down:
+            if part == "gate_up":  # down at its default
+                kw = {"block_m": row["block_m"], "block_n": (row["block_n"], bn[1])}
+                kw |= {"block_k": (row["block_k"], bk[1]), "num_stages": (row["stages"], 3)}
+            else:  # gate_up at its default
+                kw = {"block_n": (bn[0], row["block_n"]), "block_k": (bk[0], row["block_k"])}
+                kw |= {"num_stages": (3, row["stages"])}
             try:
-                got = moe_experts_triton(x, w13, w2, w, ids, "silu", **kw).float()
+                got = moe_experts_triton(x, w13, w2, w, ids, "silu", shared=shared, **kw).float()
                 row["close"] = bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2))
                 row["us"] = per_layer_us(**kw)
                 row["floor_share"] = floor_us / row["us"]
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)[:200]
-            entry["configs"].append(row)
-        entry["best"] = _best(entry["configs"])
+            entry[part].append(row)
+        entry["best_gate_up"], entry["best_down"] = _best(entry["gate_up"]), _best(entry["down"])
         print(
-            f"moe T={T}: floor {floor_us:.1f} us, default {entry['default']['us']:.1f} us, best {entry['best']}",
+            f"moe T={T}: floor {floor_us:.1f} us, default {entry['default']['us']:.1f} us, "
+            f"best gate_up {entry['best_gate_up']}, best down {entry['best_down']}",
             flush=True,
         )
 

@@ -27,7 +27,7 @@ from kestrel.layers.linear import (
 from kestrel.layers.norm import RMSNorm
 from kestrel.ops.activation import glu_act
 from kestrel.ops.moe import grouped_mm_trains, moe_experts, moe_experts_grouped, replay_route, route
-from kestrel.ops.moe.router_gemm import mm_fp32_out_works, router_logits_bf16x3, split_bf16x3
+from kestrel.ops.moe.router_gemm import mm_fp32_out_works, router_logit_parts_bf16x3, split_bf16x3
 from kestrel.ops.norm import rms_norm
 from kestrel.utils.dist import parallel_state
 
@@ -88,17 +88,19 @@ class Router(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             return x.float() @ self.weight.float().t()  # [T, E] fp32 logits
 
-    def inference_logits(self, x: torch.Tensor) -> torch.Tensor:
+    def inference_logits(self, x: torch.Tensor, parts: bool = False) -> torch.Tensor:
         """`forward`'s logits for bf16 x on CUDA, without autograd: one bf16 tensor-core GEMM over the weight's
         exact three-way bf16 split (kestrel.ops.moe.router_gemm: the same products, summed in fp32 by the tensor
         cores in another order; on the H200 a max error of 1.0e-5 where cuBLAS' fp32 GEMM has 1.9e-6, so a token
         on a near-tie can pick another expert than `forward` would). Train/rollout consistency in RL comes from
         routing replay (the rollout's ids replayed in training), not from equal logits; KESTREL_FUSED_OPS=off
-        goes back to `forward`. The split lives in one buffer, refilled in place when the weight changes (an
-        in-place update, or a checkpoint load through `_load_weight`), so captured CUDA graphs keep reading it."""
+        goes back to `forward`. parts=True: [T, S, E] partial logits that sum to them (S = 3, the products with
+        each part of the split; S = 1 where `forward` answers), for the fused router to add. The split lives in
+        one buffer, refilled in place when the weight changes (an in-place update, or a checkpoint load through
+        `_load_weight`), so captured CUDA graphs keep reading it."""
         assert not torch.is_grad_enabled(), "inference_logits has no backward: use forward"
         if x.dtype != torch.bfloat16 or not x.is_cuda or not mm_fp32_out_works(x.device):
-            return self(x)
+            return self(x)[:, None] if parts else self(x)
         key = (self.weight._version, self.weight.data_ptr())
         if self._split_key != key:
             split = split_bf16x3(self.weight.detach())
@@ -111,7 +113,8 @@ class Router(nn.Module):
             else:
                 self._split = split
             self._split_key = key
-        return router_logits_bf16x3(x, self._split)
+        out = router_logit_parts_bf16x3(x, self._split)  # [T, 3, E]
+        return out if parts else out.sum(1)
 
     def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """The checkpoint loader's copy (through .data, which moves no version counter), then the split is
@@ -254,7 +257,8 @@ class MoE(nn.Module):
             ids = ctx.routing_replay[self.layer_id]  # [T, A]
             weights = replay_route(self.gate(x), ids, self.renormalize, self.scaling)
         else:
-            logits = self.gate.inference_logits(x) if fused else self.gate(x)  # [T, E] fp32
+            # [T, 3, E] parts of the fp32 logits (added inside the fused router), else [T, E]
+            logits = self.gate.inference_logits(x, parts=True) if fused else self.gate(x)
             if fused:
                 from kestrel.ops.moe.triton_router import route_triton
 

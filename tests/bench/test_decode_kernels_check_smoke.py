@@ -33,8 +33,8 @@ def test_decode_kernels_check_smoke(tmp_path):
         assert entry["best"] is not None
     for T in ("T=1", "T=5"):
         entry = result["moe_tiles"][T]
-        assert entry["default"]["us"] > 0 and len(entry["configs"]) == 2
-        assert all(c["close"] for c in entry["configs"]), entry["configs"]
+        assert entry["default"]["us"] > 0 and len(entry["gate_up"]) == len(entry["down"]) == 2
+        assert all(c["close"] for c in entry["gate_up"] + entry["down"]), entry
     layout = result["mla_layout"]["B=3"]
     for way in ("sparse", "sparse_chained", "rows_page1", "sparse block_n=16", "rows_page1 block_n=16"):
         assert layout[way]["close_to_sparse"], (way, layout[way])

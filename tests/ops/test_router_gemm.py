@@ -67,8 +67,8 @@ def test_router_split_refreshes_in_place(monkeypatch):
     monkeypatch.setattr(moe, "mm_fp32_out_works", lambda device: True)
     monkeypatch.setattr(
         moe,
-        "router_logits_bf16x3",
-        lambda x, parts: (x.double() @ parts.double().t()).view(x.shape[0], 3, -1).sum(1),
+        "router_logit_parts_bf16x3",
+        lambda x, parts: (x.double() @ parts.double().t()).view(x.shape[0], 3, -1),
     )
     router = moe.Router(preset_config("tiny"))
     router.weight.data.copy_(_weight(*router.weight.shape, seed=8))
@@ -78,6 +78,9 @@ def test_router_split_refreshes_in_place(monkeypatch):
         first = router.inference_logits(x)
         buffer = router._split.data_ptr()
         torch.testing.assert_close(first, x.double() @ router.weight.double().t())
+        parts = router.inference_logits(x, parts=True)  # [T, 3, E], for the fused router to add
+        assert parts.shape == (5, 3, router.weight.shape[0])
+        torch.testing.assert_close(parts.sum(1), first)
         router.weight.mul_(2.0)  # an in-place update (an optimizer step)
         torch.testing.assert_close(router.inference_logits(x), 2 * first)
         router.weight.weight_loader(router.weight, 3 * router.weight.detach() / 2)  # a checkpoint load

@@ -27,6 +27,21 @@ def test_router_matches_reference(E, A, renorm, bias):
     assert torch.allclose(got_w, ref_w, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("E,S", [(64, 3), (13, 3), (896, 3), (8, 1)])
+def test_router_adds_partial_logits(E, S):
+    """route_triton of [T, S, E] partial logits (the router GEMM's three bf16 parts, as a strided view of its
+    [T, S * E] output) equals `route` of their sum."""
+    from kestrel.ops.moe.triton_router import route_triton
+
+    g = torch.Generator().manual_seed(E + S)
+    parts = torch.randn(7, S * E + 5, generator=g)[:, :-5].view(7, S, E)  # rows strided past S * E
+    b = 0.1 * torch.randn(E, generator=g)
+    ref_w, ref_i = route(parts.sum(1), b, min(6, E), True, 2.5)
+    got_w, got_i = route_triton(parts.to(DEVICE), b.to(DEVICE), min(6, E), True, 2.5)
+    assert torch.equal(got_i.cpu(), ref_i)
+    assert torch.allclose(got_w.cpu(), ref_w, atol=1e-6, rtol=1e-5)
+
+
 def test_router_ties_pick_lower_ids():
     from kestrel.ops.moe.triton_router import route_triton
 

@@ -43,9 +43,15 @@ def mm_fp32_out_works(device: torch.device) -> bool:
         return False
 
 
+def router_logit_parts_bf16x3(x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+    """x [T, D] bf16, parts = split_bf16x3(w) [3E, D] -> [T, 3, E] fp32: x times hi, mid and lo, whose sum over
+    the middle dim is `router_logits_bf16x3` (the fused router adds them itself: one reduction kernel fewer).
+    Needs mm_fp32_out_works(x.device)."""
+    E = parts.shape[0] // 3
+    return torch.mm(x, parts.t(), out_dtype=torch.float32).view(-1, 3, E)  # [T, 3, E]
+
+
 def router_logits_bf16x3(x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
     """x [T, D] bf16, parts = split_bf16x3(w) [3E, D] -> logits [T, E] fp32, equal to x.float() @ w.t() up to
     fp32 rounding. Needs mm_fp32_out_works(x.device)."""
-    E = parts.shape[0] // 3
-    out = torch.mm(x, parts.t(), out_dtype=torch.float32)  # [T, 3E]: x.hi, x.mid, x.lo
-    return out.view(-1, 3, E).sum(1)  # [T, E]
+    return router_logit_parts_bf16x3(x, parts).sum(1)  # [T, E]

@@ -405,12 +405,14 @@ def moe_experts_triton(
     num_warps: int = 4,
     sorted_pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_stages: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """`naive.moe_experts` (same arguments, same result up to rounding order) without host syncs.
 
     x [T, Din] (bf16, fp16 or fp32); w13 [E, 2I, Din]; w2 [E, Din, I] (cast to x's dtype tile by tile);
-    weights [T, A]; ids [T, A]; act 'silu' or 'situ'. block_n and block_k are (gate_up, down) tiles, block_m
-    the pairs per block (None: `_tiles`); sorted_pairs: `sort_pairs(ids, E)` already computed. shared: a shared
+    weights [T, A]; ids [T, A]; act 'silu' or 'situ'. block_n, block_k and num_stages are (gate_up, down)
+    tiles and software-pipeline depths, block_m the pairs per block (None: `_tiles`, Triton's default depth);
+    sorted_pairs: `sort_pairs(ids, E)` already computed. shared: a shared
     expert's (ws13 [2I, Din], ws2 [Din, I]) in w13's dtype, which every token takes: the result is then the
     routed experts' output plus the shared expert's, each rounded to x's dtype and the sum once more (the MoE
     layer's `routed + shared_experts(x)`). Returns out [T, Din] in x.dtype, accumulated in fp32.
@@ -485,9 +487,11 @@ def moe_experts_triton(
         BLOCK_N=block_n[0],
         BLOCK_K=block_k[0],
         **common,
+        **({} if num_stages is None else {"num_stages": num_stages[0]}),
     )
     _down_kernel[(blocks, triton.cdiv(Din, block_n[1]))](
-        h, w2, ws2, order, starts, y, M, S, Din, I, E, BLOCK_N=block_n[1], BLOCK_K=block_k[1], **common
-    )
+        h, w2, ws2, order, starts, y, M, S, Din, I, E, BLOCK_N=block_n[1], BLOCK_K=block_k[1], **common,
+        **({} if num_stages is None else {"num_stages": num_stages[1]}),
+    )  # fmt: skip
     # (rows unused: ids stands in)
     return _combine(y, ids, ids, weights, out, E, sorted_rows=False, shared=shared is not None)

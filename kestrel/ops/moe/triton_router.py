@@ -98,6 +98,8 @@ def _router_sum_kernel(
     ids_out,
     E,
     S,
+    stride_t,
+    stride_s,
     scaling,
     HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr,
@@ -106,14 +108,17 @@ def _router_sum_kernel(
     BE: tl.constexpr,
     BS: tl.constexpr,
 ):
-    """Token t's logits: its S partial sums added in a fixed order (the same bits on every run), then routed."""
+    """Token t's logits: its S partial sums (partial[t * stride_t + s * stride_s + e]) added in a fixed order
+    (the same bits on every run), then routed."""
     t = tl.program_id(0)
     cols = tl.arange(0, BE)
     acc = tl.zeros([BE], dtype=tl.float32)
     for s0 in range(0, S, BS):
         rows = s0 + tl.arange(0, BS)
         p = tl.load(
-            partial + (t.to(tl.int64) * S + rows[:, None]) * BE + cols[None, :], mask=(rows < S)[:, None]
+            partial + t.to(tl.int64) * stride_t + rows[:, None] * stride_s + cols[None, :],
+            mask=(rows < S)[:, None] & (cols < E)[None, :],
+            other=0.0,
         )
         acc += tl.sum(p, axis=0)
     _select(acc, cols, cols < E, t, bias, weights_out, ids_out, scaling, HAS_BIAS, RENORM, A, BA)
@@ -126,20 +131,19 @@ def route_triton(
     renormalize: bool,
     scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `naive.route` with num_groups == 1: (weights [T, A] fp32, ids [T, A] int64), best first."""
-    T, E = logits.shape
-    logits = logits.contiguous()
-    return _route(
-        _router_kernel,
-        (logits,),
-        (E, logits.stride(0)),
-        T,
-        E,
-        correction_bias,
-        top_k,
-        renormalize,
-        scaling_factor,
-    )
+    """Same contract as `naive.route` with num_groups == 1: (weights [T, A] fp32, ids [T, A] int64), best first.
+    logits [T, E], or [T, S, E] partial logits that sum to them (the router GEMM's three bf16 parts,
+    kestrel.ops.moe.router_gemm): added inside, in a fixed order, instead of by a reduction kernel first."""
+    if logits.dim() == 2:
+        T, E = logits.shape
+        logits = logits.contiguous()
+        kernel, sizes, meta = _router_kernel, (E, logits.stride(0)), {}
+    else:
+        T, S, E = logits.shape
+        logits = logits if logits.stride(2) == 1 else logits.contiguous()
+        kernel, sizes = _router_sum_kernel, (E, S, logits.stride(0), logits.stride(1))
+        meta = {"BS": triton.next_power_of_2(S)}
+    return _route(kernel, (logits,), sizes, T, E, correction_bias, top_k, renormalize, scaling_factor, **meta)
 
 
 def route_hidden_triton(
@@ -171,7 +175,7 @@ def route_hidden_triton(
     return _route(
         _router_sum_kernel,
         (partial,),
-        (E, S),
+        (E, S, S * BE, BE),
         T,
         E,
         correction_bias,
