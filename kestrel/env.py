@@ -102,7 +102,9 @@ class Env:
     """KESTREL_MOE_FUSE_SHARED: where the routed experts run in Triton and the shared MLP has their width (one
     shared expert, no latent MoE, no tensor parallelism), the shared MLP runs inside the routed experts'
     launches as one more expert every token takes (`moe_experts_triton(shared=)`): its gate_up, activation and
-    down kernels and the add of its output are gone, and no side stream is forked. On by default."""
+    down kernels and the add of its output are gone, and no side stream is forked. On by default: mini's decode
+    step on the H200 (session 21, CUDA-graph replay, off / on) batch 1 2.29 / 2.15 ms (618 / 522 kernels), 64
+    4.54 / 4.40, 256 7.22 / 7.04."""
     kda_safe_gate: bool
     """KESTREL_KDA_SAFE_GATE: fla chunk_kda's faster path for gates bounded in [-5, 0) (K3's lower-bound gate),
     used only where the model's gate is bounded (off until its GPU test has run)."""
