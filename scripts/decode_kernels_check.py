@@ -23,6 +23,9 @@ timed on the device in one run, one JSON result:
    those rows: where the time goes.
 5. `kda_step`: the KDA decode step on the state slots, fla-core's kernel against ours (kestrel.ops.kda.triton_recurrent)
    over its tiles, 18 layers in a CUDA graph, against the state bytes at the copy rate.
+6. `moe_anatomy`: the experts' weights read with no math, in gate_up's and down's tile order and grid, against
+   the copy rate; and the whole experts call at batch 256 under random and balanced routing (the experts run at
+   ~60% of their bytes and no tile changes that: session 21).
 Each section catches its own exceptions; the JSON is rewritten after every section. `--smoke` runs every section at
 tiny sizes on the CPU under TRITON_INTERPRET=1 (the figures mean nothing there).
 """
@@ -377,11 +380,114 @@ def moe_tiles(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
         )
 
 
+@functools.cache
+def _stream_kernel():
+    """A Triton kernel that only reads expert weights the way the experts' kernels do (built on first use, so
+    importing this script needs no Triton): program (e, n) of expert e streams its rows n * BN .. n * BN + BN - 1
+    over K in BK steps (PAIRED: also the rows `pair` further on, as gate_up reads gate and up) and stores one sum a
+    row, so that no load is dead."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def stream(w, out, rows_per_e, pair, K, BN: tl.constexpr, BK: tl.constexpr, PAIRED: tl.constexpr):
+        e, n = tl.program_id(0), tl.program_id(1)
+        rows = n * BN + tl.arange(0, BN)
+        base = w + e.to(tl.int64) * rows_per_e * K + rows[:, None].to(tl.int64) * K
+        acc = tl.zeros([BN, BK], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            acc += tl.load(base + ks[None, :], mask=(ks < K)[None, :], other=0.0).to(tl.float32)
+            if PAIRED:
+                acc += tl.load(base + pair * K + ks[None, :], mask=(ks < K)[None, :], other=0.0).to(
+                    tl.float32
+                )
+        tl.store(out + (e * tl.num_programs(1) + n) * BN + tl.arange(0, BN), tl.sum(acc, axis=1))
+
+    return stream
+
+
+def moe_anatomy(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
+    """Why the routed experts run at ~60% of their bytes at batch 256 while their tiles do not matter
+    (`moe_tiles`): the same weights read with no math at all, in the kernels' own tile order and grid, over 8
+    layers' weights in one CUDA graph, against the copy rate: gate_up's pattern (expert e's gate and up rows,
+    [BN, BK] tiles a step over Din) and down's ([BN, BK] over I), at the default tiles and at wider / narrower
+    ones. If reading alone stays near 60%, the pattern or the grid is what to change; if it reaches the copy
+    rate, the experts' kernels lose the time elsewhere (their pipelining, the dots, the routing's blocks).
+    Also the whole call (`moe_experts_triton`, shared expert in) at batch 256 under the random routing and under
+    a balanced one (24 pairs every expert: one block each)."""
+    from kestrel.ops.moe.triton_experts import moe_experts_triton
+
+    E, A, D, I, T, layers = 64, 6, 2048, 256, 256, 8
+    patterns = {
+        "gate_up": [(64, 64), (32, 256), (128, 64), (64, 256)],
+        "down": [(64, 64), (128, 64), (256, 256)],
+    }
+    if smoke:
+        E, A, D, I, T, layers = 4, 2, 64, 32, 8, 2
+        patterns = {"gate_up": [(16, 32)], "down": [(16, 16)]}
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(1)
+    w13s = [(torch.randn(E, 2 * I, D, generator=g, device=device) * 0.02).to(dtype) for _ in range(layers)]
+    w2s = [(torch.randn(E, D, I, generator=g, device=device) * 0.02).to(dtype) for _ in range(layers)]
+    rows = result["moe_anatomy"] = {"experts": E, "hidden": D, "inter": I, "tokens": T}
+    stream = _stream_kernel()
+    for part, tiles in patterns.items():
+        weights, rows_per_e, K, n_rows = (w13s, 2 * I, D, I) if part == "gate_up" else (w2s, D, I, D)
+        nbytes = weights[0].numel() * weights[0].element_size()
+        floor_us = 1e6 * nbytes / (ceilings["copy_TBps"] * 1e12)
+        entry = rows[part] = {"bytes": nbytes, "floor_us": floor_us, "tiles": []}
+        for bn, bk in tiles:
+            grid = (E, -(-n_rows // bn))
+            out = torch.empty(E * grid[1] * bn, device=device, dtype=torch.float32)
+            calls = [
+                functools.partial(
+                    stream[grid],
+                    w,
+                    out,
+                    rows_per_e,
+                    I,
+                    K,
+                    BN=bn,
+                    BK=bk,
+                    PAIRED=part == "gate_up",
+                    num_warps=4,
+                )
+                for w in weights
+            ]
+            calls[0]()
+            want = weights[0].float().view(E, rows_per_e, K)
+            want = want[:, :I] + want[:, I:] if part == "gate_up" else want
+            close = bool(torch.allclose(out.view(E, -1), want.sum(-1), rtol=1e-3, atol=1e-2))
+            us = 1000 * (_graph_ms(calls) if device == "cuda" else time_ms(calls[0], device))
+            entry["tiles"].append(
+                {"block_n": bn, "block_k": bk, "close": close, "us": us, "floor_share": floor_us / us}
+            )
+        print(f"moe anatomy {part}: floor {floor_us:.1f} us, reading alone {entry['tiles']}", flush=True)
+
+    x = torch.randn(T, D, generator=g, device=device).to(dtype)
+    w = torch.rand(T, A, generator=g, device=device)
+    shared = (w13s[0][0].clone(), w2s[0][0].clone())  # one more expert's weights
+    rows["whole_call_floor_us"] = 1e6 * (E + 1) * 3 * D * I * 2 / (ceilings["copy_TBps"] * 1e12)
+    routings = {
+        "random": torch.rand(T, E, generator=g, device=device).argsort(-1)[:, :A],
+        "balanced": (torch.arange(T * A, device=device) % E).view(T, A),  # T * A / E pairs every expert
+    }
+    for name, ids in routings.items():
+        fns = [
+            functools.partial(moe_experts_triton, x, a, b, w, ids, "silu", shared=shared)
+            for a, b in zip(w13s, w2s)
+        ]
+        us = 1000 * (_graph_ms(fns) if device == "cuda" else time_ms(fns[0], device))
+        rows[f"whole_call_{name}_us"] = us
+    print(f"moe anatomy whole call: {rows}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "decode_kernels.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (TRITON_INTERPRET=1)")
-    parser.add_argument("--sections", default="moe_sort,mla_decode,mla_layout,moe_tiles,kda_step")
+    parser.add_argument("--sections", default="moe_sort,mla_decode,mla_layout,moe_tiles,kda_step,moe_anatomy")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     started = time.perf_counter()
@@ -404,6 +510,7 @@ def main() -> None:
         "mla_layout": lambda: mla_layout(result, device, args.smoke, ceilings),
         "moe_tiles": lambda: moe_tiles(result, device, args.smoke, ceilings),
         "kda_step": lambda: kda_step(result, device, args.smoke, ceilings),
+        "moe_anatomy": lambda: moe_anatomy(result, device, args.smoke, ceilings),
     }
     for name in args.sections.split(","):
         try:

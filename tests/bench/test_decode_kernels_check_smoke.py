@@ -42,3 +42,7 @@ def test_decode_kernels_check_smoke(tmp_path):
     for N in ("N=1", "N=3"):
         entry = result["kda_step"][N]
         assert entry["configs"] and all(c["close"] for c in entry["configs"]), entry["configs"]
+    anatomy = result["moe_anatomy"]
+    for part in ("gate_up", "down"):
+        assert anatomy[part]["tiles"] and all(t["close"] for t in anatomy[part]["tiles"]), anatomy[part]
+    assert anatomy["whole_call_random_us"] > 0 and anatomy["whole_call_balanced_us"] > 0
