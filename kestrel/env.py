@@ -99,12 +99,13 @@ class Env:
     the H200 (session 21, CUDA-graph replay) batch 64 4.57 vs 4.65 ms, batch 256 7.28 vs 7.45 ms; the sort had
     taken 19-20 us a call beside the side stream against 6.9 us alone."""
     moe_fuse_shared: bool
-    """KESTREL_MOE_FUSE_SHARED: where the routed experts run in Triton and the shared MLP has their width (one
-    shared expert, no latent MoE, no tensor parallelism), the shared MLP runs inside the routed experts'
-    launches as one more expert every token takes (`moe_experts_triton(shared=)`): its gate_up, activation and
-    down kernels and the add of its output are gone, and no side stream is forked. On by default: mini's decode
-    step on the H200 (session 21, CUDA-graph replay, off / on) batch 1 2.29 / 2.15 ms (618 / 522 kernels), 64
-    4.54 / 4.40, 256 7.22 / 7.04."""
+    """KESTREL_MOE_FUSE_SHARED: up to kestrel.layers.moe.OVERLAP_SHARED_MAX_TOKENS tokens, where the routed experts
+    run in Triton and the shared MLP has their width (one shared expert, no latent MoE), the shared MLP runs
+    inside the routed experts' launches as one more expert every token takes (`moe_experts_triton(shared=)`):
+    its gate_up, activation and down kernels and the add of its output are gone, and no side stream is forked
+    (so KESTREL_MOE_OVERLAP_SHARED and KESTREL_MOE_SORT_FIRST apply only where it does not). On by default:
+    mini's decode step on the H200 (session 21, CUDA-graph replay, off / on) batch 1 2.29 / 2.15 ms (618 / 522
+    kernels), 64 4.54 / 4.40, 256 7.22 / 7.04."""
     kda_safe_gate: bool
     """KESTREL_KDA_SAFE_GATE: fla chunk_kda's faster path for gates bounded in [-5, 0) (K3's lower-bound gate),
     used only where the model's gate is bounded (off until its GPU test has run)."""

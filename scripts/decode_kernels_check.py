@@ -304,10 +304,11 @@ def _moe_layer_us(device: str, weights_of: list, x, w, ids, **kw) -> float:
 
 
 def moe_tiles(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
-    """The routed experts' Triton launch knobs (moe_experts_triton's block_m, block_n, block_k, num_stages,
-    num_warps) at mini's sizes (64 experts of 2048 x 256, top-6, and the shared expert of the same width in the
+    """The routed experts' Triton launch knobs (moe_experts_triton's block_m, block_n, block_k, num_stages; 4
+    warps) at mini's sizes (64 experts of 2048 x 256, top-6, and the shared expert of the same width in the
     same launches, as the MoE layer runs them), tokens 1, 64 and 256. Two sweeps, each against the defaults:
-    gate_up's knobs (down at its default), then down's (gate_up at its default). Each configuration's output is
+    gate_up's knobs (down at its default tiles; block_m, the pairs a block, is both kernels'), then down's
+    (gate_up at its default). Each configuration's output is
     checked against the default's and timed per layer in a CUDA graph of 8 layers' weights (no L2 reuse between
     calls, as in a step) against the bytes of the experts hit (the shared one included) at the copy rate. The
     batch-256 step spent 1.76 ms in 24 layers' experts (73 us a layer; session 21) against 48 us of bytes."""
@@ -358,7 +359,7 @@ def moe_tiles(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
         down = [(dict(zip(down_grid, v)), "down") for v in itertools.product(*down_grid.values())]
         entry["gate_up"], entry["down"] = [], []
         for row, part in gate_up + down:
-            if part == "gate_up":  # down at its default
+            if part == "gate_up":  # down at its default tiles (block_m is both kernels')
                 kw = {"block_m": row["block_m"], "block_n": (row["block_n"], bn[1])}
                 kw |= {"block_k": (row["block_k"], bk[1]), "num_stages": (row["stages"], 3)}
             else:  # gate_up at its default
@@ -467,7 +468,7 @@ def moe_anatomy(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
 
     x = torch.randn(T, D, generator=g, device=device).to(dtype)
     w = torch.rand(T, A, generator=g, device=device)
-    shared = (w13s[0][0].clone(), w2s[0][0].clone())  # one more expert's weights
+    shareds = [(w13[0].clone(), w2[0].clone()) for w13, w2 in zip(w13s, w2s)]  # one more expert a layer
     rows["whole_call_floor_us"] = 1e6 * (E + 1) * 3 * D * I * 2 / (ceilings["copy_TBps"] * 1e12)
     routings = {
         "random": torch.rand(T, E, generator=g, device=device).argsort(-1)[:, :A],
@@ -475,8 +476,8 @@ def moe_anatomy(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
     }
     for name, ids in routings.items():
         fns = [
-            functools.partial(moe_experts_triton, x, a, b, w, ids, "silu", shared=shared)
-            for a, b in zip(w13s, w2s)
+            functools.partial(moe_experts_triton, x, a, b, w, ids, "silu", shared=s)
+            for a, b, s in zip(w13s, w2s, shareds)
         ]
         us = 1000 * (_graph_ms(fns) if device == "cuda" else time_ms(fns[0], device))
         rows[f"whole_call_{name}_us"] = us

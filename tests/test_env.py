@@ -18,6 +18,8 @@ def test_defaults_and_parsing(monkeypatch):
     assert read_env().kda_decode == "triton"
     monkeypatch.delenv("KESTREL_MOE_SORT_FIRST", raising=False)
     assert read_env().moe_sort_first is True
+    monkeypatch.delenv("KESTREL_MOE_FUSE_SHARED", raising=False)
+    assert read_env().moe_fuse_shared is True
     monkeypatch.setenv("KESTREL_MOE_FUSE_SHARED", "0")
     assert read_env().moe_fuse_shared is False
 

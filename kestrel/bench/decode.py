@@ -97,7 +97,7 @@ def place_in_decode(engine: Engine, batch: int, context: int, steps: int, seed: 
 
 
 # kernel name fragments -> category, the first match wins (our Triton kernels' names, fla-core's, cuBLAS's and
-# torch's; approximate: two of ours share `_combine_kernel`)
+# torch's; approximate: `_combine_kernel` is MLA's split-K combine, the MoE's is `_moe_combine_kernel`)
 CATEGORIES = (
     ("moe", ("gate_up", "_down_kernel", "router", "expert", "moe", "grouped")),
     ("norm / activation / mix", ("rms_norm", "_mix_kernel", "glu", "sigmoid_gate", "norm", "silu")),

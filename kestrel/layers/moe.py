@@ -217,12 +217,16 @@ class MoE(nn.Module):
             else None
         )
 
-    def _shared_in_experts(self, experts) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _shared_in_experts(self, x: torch.Tensor, experts) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The shared MLP's (gate_up [2I, D], down [D, I]) weights where the routed experts' Triton kernels can
-        run it as one more expert every token takes (KESTREL_MOE_FUSE_SHARED): it has their width and input (one
-        shared expert, no latent MoE, this rank holds it whole) and their dtype. Else None."""
+        run it as one more expert every token takes (KESTREL_MOE_FUSE_SHARED), at decode sizes (up to
+        OVERLAP_SHARED_MAX_TOKENS tokens: the sizes it was timed at): this rank's shard of it has their width
+        and input (one shared expert, no latent MoE; under tensor parallelism its partial output is added as
+        the unfused path adds it, and the caller reduces both alike) and their dtype. Else None."""
         mlp = self.shared_experts
         if mlp is None or not _is_triton_experts(experts) or hasattr(self, "routed_expert_down_proj"):
+            return None
+        if x.shape[0] > OVERLAP_SHARED_MAX_TOKENS:
             return None
         if not env_field("moe_fuse_shared"):
             return None
@@ -281,7 +285,7 @@ class MoE(nn.Module):
             ids = ids - self.experts.first
         # decided on x, which h (below) follows: the same device, and at inference the same dtype
         experts = routed_experts_fn(x, ids)
-        in_experts = self._shared_in_experts(experts)  # the shared MLP's weights, run as one more expert
+        in_experts = self._shared_in_experts(x, experts)  # the shared MLP's weights, run as one more expert
         shared = None
         if (
             in_experts is None

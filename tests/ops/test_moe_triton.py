@@ -136,15 +136,55 @@ def test_shared_expert_in_the_same_launches(monkeypatch, T, dtype):
     again (the MoE layer's `routed + shared_experts(x)`). Out-of-range ids still add nothing."""
     x, w13, w2, weights, ids = _inputs(T, Din=40, I=24, E=5, A=2, dtype=dtype, seed=30 + T)
     ids[0, 1] = 5  # another rank's expert
-    outside = ids >= 5
+    if T > 1:
+        ids[1, 0] = -1  # sorts before every expert's rows: starts[0] > 0
+    outside = (ids < 0) | (ids >= 5)
     shared, shared_ref = _shared_expert(T, Din=40, I=24, dtype=dtype, seed=31)
     got = run_poisoned(monkeypatch, x, w13, w2, weights, ids, "situ", shared=shared, **SMALL_TILES)
     routed = moe_experts(x, w13, w2, weights.masked_fill(outside, 0.0), ids.masked_fill(outside, 0), "situ")
     assert_matches(got, routed + shared_ref(x))
-    if dtype == torch.bfloat16:  # default tiles too
+    if dtype == torch.bfloat16:
+        # bit for bit what the same kernels give apart, added as the layer adds them (the routed sum rounded
+        # to bf16 first, then the sum): the fused combine's rounding, not only its tolerance
+        mod, ones = _experts(), torch.ones(T, 1, device=DEVICE)
+        zeros = torch.zeros(T, 1, dtype=torch.int64, device=DEVICE)
+        apart = mod.moe_experts_triton(x, w13, w2, weights, ids, "situ", **SMALL_TILES)
+        alone = mod.moe_experts_triton(
+            x, shared[0][None], shared[1][None], ones, zeros, "situ", **SMALL_TILES
+        )
+        assert torch.equal(got, apart + alone)
+        # default tiles too
         assert_matches(run_poisoned(monkeypatch, x, w13, w2, weights, ids, "situ", shared=shared), got)
     with pytest.raises(AssertionError, match="routed experts' width"):
         _experts().moe_experts_triton(x, w13, w2, weights, ids, "situ", shared=(shared[0][:-2], shared[1]))
+
+
+def test_when_the_layer_fuses_its_shared_mlp(monkeypatch):
+    """MoE._shared_in_experts: the shared MLP's weights where the Triton experts run it (their width and input,
+    decode sizes, KESTREL_MOE_FUSE_SHARED on), None otherwise: the grouped or reference experts, a latent MoE
+    (tiny's own config), more tokens than OVERLAP_SHARED_MAX_TOKENS, the flag off, another dtype."""
+    from kestrel.layers.moe import OVERLAP_SHARED_MAX_TOKENS, MoE
+    from kestrel.presets import preset_config
+
+    triton_fn = _experts().moe_experts_triton
+    config = preset_config("tiny").replace(routed_expert_hidden_size=None, latent_moe_use_norm=False)
+    moe = MoE(config, layer_id=1)
+    x = torch.zeros(4, config.hidden_size)
+    monkeypatch.delenv("KESTREL_MOE_FUSE_SHARED", raising=False)
+    got = moe._shared_in_experts(x, triton_fn)
+    assert got is not None and got[0] is moe.shared_experts.gate_up_proj.weight
+    assert got[1] is moe.shared_experts.down_proj.weight
+    assert moe._shared_in_experts(x, moe_experts) is None
+    assert (
+        moe._shared_in_experts(torch.zeros(OVERLAP_SHARED_MAX_TOKENS + 1, config.hidden_size), triton_fn)
+        is None
+    )
+    assert MoE(preset_config("tiny"), layer_id=1)._shared_in_experts(x, triton_fn) is None  # latent MoE
+    monkeypatch.setenv("KESTREL_MOE_FUSE_SHARED", "0")
+    assert moe._shared_in_experts(x, triton_fn) is None
+    monkeypatch.delenv("KESTREL_MOE_FUSE_SHARED")
+    moe.shared_experts.down_proj.weight.data = moe.shared_experts.down_proj.weight.data.double()
+    assert moe._shared_in_experts(x, triton_fn) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -302,7 +342,7 @@ def test_shared_expert_fused_into_the_layer(monkeypatch, T):
                 p.copy_(torch.randn(p.shape, generator=g, device="cuda") / p.shape[-1] ** 0.5)
         x = torch.randn(T, config.hidden_size, generator=g, device="cuda").bfloat16()
         ids = torch.zeros(T, config.num_experts_per_token, dtype=torch.int64, device="cuda")
-        assert moe._shared_in_experts(routed_experts_fn(x, ids)) is not None
+        assert moe._shared_in_experts(x, routed_experts_fn(x, ids)) is not None
         monkeypatch.setenv("KESTREL_MOE_FUSE_SHARED", "0")
         unfused = moe(x)
         monkeypatch.setenv("KESTREL_MOE_FUSE_SHARED", "1")

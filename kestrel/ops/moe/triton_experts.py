@@ -302,7 +302,7 @@ def sort_pairs(ids: torch.Tensor, E: int, parallel: bool | None = None) -> tuple
 
 
 @triton.jit
-def _combine_kernel(
+def _moe_combine_kernel(
     y,
     rows,
     ids,
@@ -347,7 +347,7 @@ def _combine(y, rows, ids, weights, out, E: int, sorted_rows: bool, shared: bool
     Din = out.shape[1]
     if T:
         block = min(1024, triton.next_power_of_2(Din))
-        _combine_kernel[(T, triton.cdiv(Din, block))](
+        _moe_combine_kernel[(T, triton.cdiv(Din, block))](
             y, rows, ids, weights, out, T * A, Din, E, A=A, SORTED=sorted_rows, SHARED=shared,
             BF16=out.dtype == torch.bfloat16, BLOCK_N=block,
         )  # fmt: skip
