@@ -12,17 +12,22 @@ from collections.abc import Callable
 
 import torch
 
+# Timed calls of `time_ms` off the GPU (after one warm-up where more than one). The smoke runs of the GPU scripts
+# (`--smoke`: their code on the CPU under Triton's interpreter, where no figure means anything) set it to 1.
+CPU_TIMED_CALLS = 3
+
 
 def time_ms(
     fn: Callable[[], object], device: str = "cuda", warmup_ms: float = 25, rep_ms: float = 100
 ) -> float:
     """Median milliseconds of `fn` on the GPU (triton's do_bench: iterations queued back to back with CUDA
     events, the L2 cache flushed before each, so a small working set is not read from cache); on another
-    device, the wall-clock median of three calls after one warm-up."""
+    device, the wall-clock median of CPU_TIMED_CALLS calls after one warm-up (none for a single call)."""
     if torch.device(device).type != "cuda":
-        fn()
+        if CPU_TIMED_CALLS > 1:
+            fn()
         times = []
-        for _ in range(3):
+        for _ in range(CPU_TIMED_CALLS):
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)

@@ -63,8 +63,10 @@ class DenseMLP(nn.Module):
         )
         self.down_proj = RowLinear(I, config.hidden_size, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glu_act(self.gate_up_proj(x), self.act, self.beta, self.linear_beta))
+    def forward(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
+        """down(act(gate(x), up(x))); with add_to, add_to += it in place (MoE.forward's contract)."""
+        out = self.down_proj(glu_act(self.gate_up_proj(x), self.act, self.beta, self.linear_beta))
+        return out if add_to is None else add_to.add_(out)
 
 
 class Router(nn.Module):
@@ -238,7 +240,10 @@ class MoE(nn.Module):
             return None
         return gate_up, down
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D]
+    def forward(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:  # [T, D]
+        """The block's output [T, D]; with add_to [T, D], add_to += it (in place, rounded as `add_`) and
+        add_to returned: the residual add, inside the routed experts' last kernel where they run in Triton and
+        their output is the whole block's (no latent MoE; the shared MLP fused into them, or none)."""
         ctx = get_forward_context() if has_forward_context() else None
         replay = ctx is not None and ctx.routing_replay is not None
         # one fused kernel, no autograd (KESTREL_FUSED_OPS=off: the reference); at decode sizes it computes
@@ -286,6 +291,17 @@ class MoE(nn.Module):
         # decided on x, which h (below) follows: the same device, and at inference the same dtype
         experts = routed_experts_fn(x, ids)
         in_experts = self._shared_in_experts(x, experts)  # the shared MLP's weights, run as one more expert
+        latent = hasattr(self, "routed_expert_down_proj")
+        extra = {} if in_experts is None else {"shared": in_experts}
+        if (
+            add_to is not None
+            and _is_triton_experts(experts)
+            and not latent
+            and (self.shared_experts is None or in_experts is not None)
+            and add_to.is_contiguous()
+            and add_to.dtype == x.dtype
+        ):
+            extra |= {"out": add_to, "accumulate": True}
         shared = None
         if (
             in_experts is None
@@ -305,7 +321,6 @@ class MoE(nn.Module):
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 shared = self.shared_experts(x)
-        latent = hasattr(self, "routed_expert_down_proj")
         h = self.routed_expert_down_proj(x) if latent else x  # [T, Din]
         if torch.is_autocast_enabled(h.device.type):  # training: the experts run in the autocast dtype too
             h = h.to(torch.get_autocast_dtype(h.device.type))
@@ -318,8 +333,8 @@ class MoE(nn.Module):
             self.act,
             self.beta,
             self.linear_beta,
-            **({} if in_experts is None else {"shared": in_experts}),
-        )  # [T, Din]; with in_experts, routed + shared already
+            **extra,
+        )  # [T, Din]; with in_experts, routed + shared already; with accumulate, add_to += them (is add_to)
         if latent:
             if self.routed_expert_norm is not None:
                 routed = rms_norm(routed, self.routed_expert_norm.weight, self.eps)
@@ -328,4 +343,7 @@ class MoE(nn.Module):
             main.wait_stream(side)  # join: the shared experts' output is ready for the main stream
         elif self.shared_experts is not None and in_experts is None:
             shared = self.shared_experts(x)
-        return routed if shared is None else routed + shared
+        out = routed if shared is None else routed + shared
+        if add_to is None or "accumulate" in extra:
+            return out
+        return add_to.add_(out)

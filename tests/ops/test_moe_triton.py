@@ -153,6 +153,21 @@ def test_shared_expert_in_the_same_launches(monkeypatch, T, dtype):
             x, shared[0][None], shared[1][None], ones, zeros, "situ", **SMALL_TILES
         )
         assert torch.equal(got, apart + alone)
+        # accumulate: out += the result in the combine, as torch's add_ rounds it
+        before = torch.randn(x.shape, generator=torch.Generator().manual_seed(T)).to(DEVICE, dtype)
+        into = mod.moe_experts_triton(
+            x,
+            w13,
+            w2,
+            weights,
+            ids,
+            "situ",
+            shared=shared,
+            out=before.clone(),
+            accumulate=True,
+            **SMALL_TILES,
+        )
+        assert torch.equal(into, before + got)
         # default tiles too
         assert_matches(run_poisoned(monkeypatch, x, w13, w2, weights, ids, "situ", shared=shared), got)
     with pytest.raises(AssertionError, match="routed experts' width"):
@@ -185,6 +200,34 @@ def test_when_the_layer_fuses_its_shared_mlp(monkeypatch):
     monkeypatch.delenv("KESTREL_MOE_FUSE_SHARED")
     moe.shared_experts.down_proj.weight.data = moe.shared_experts.down_proj.weight.data.double()
     assert moe._shared_in_experts(x, triton_fn) is None
+
+
+@pytest.mark.parametrize("fuse", ["1", "0"])
+@pytest.mark.parametrize("latent", [False, True])
+def test_layer_adds_its_output_into_the_residual(monkeypatch, fuse, latent):
+    """MoE.forward(x, add_to=r): r += the block's output, bit for bit `r + moe(x)` in bf16: inside the experts'
+    combine where they run in Triton with the shared MLP fused (the interpreter stands in for the GPU here),
+    else by add_ (the shared MLP apart, or a latent MoE)."""
+    import kestrel.layers.moe as moe_layer
+    from kestrel.presets import preset_config
+
+    monkeypatch.setenv("KESTREL_MOE_FUSE_SHARED", fuse)
+    monkeypatch.setattr(moe_layer, "routed_experts_fn", lambda h, ids: _experts().moe_experts_triton)
+    config = preset_config("tiny")
+    if not latent:
+        config = config.replace(routed_expert_hidden_size=None, latent_moe_use_norm=False)
+    moe = moe_layer.MoE(config, layer_id=1, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            if name != "gate.e_score_correction_bias":
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        x = torch.randn(5, config.hidden_size, generator=g).bfloat16()
+        r = torch.randn(5, config.hidden_size, generator=g).bfloat16()
+        want = r + moe(x)
+        into = r.clone()
+        assert moe(x, add_to=into) is into
+        assert torch.equal(into, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -350,4 +393,7 @@ def test_shared_expert_fused_into_the_layer(monkeypatch, T):
         rel = ((fused.float() - unfused.float()).norm() / unfused.float().norm()).item()
         assert rel < 1e-2, rel
         assert torch.equal(moe(x), fused), "not deterministic"
+        r = torch.randn_like(x)
+        into = r.clone()
+        assert moe(x, add_to=into) is into and torch.equal(into, r + fused)  # the residual add in the combine
         assert_replay_matches_eager(moe, (x,), (torch.randn_like(x),))

@@ -314,13 +314,15 @@ def _moe_combine_kernel(
     A: tl.constexpr,
     SORTED: tl.constexpr,
     SHARED: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     BF16: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """out[t] = sum over slots a, in slot order, of weights[t * A + a] times pair (t, a)'s row of y: row
     t * A + a (the Triton path), or with SORTED row rows[t * A + a] (the grouped path's expert-major rows).
     Pairs with an id outside [0, E) add nothing (their rows were never computed). SHARED: the sum rounded to
-    out's dtype, plus row M + t (the shared expert's output), rounded again."""
+    out's dtype, plus row M + t (the shared expert's output), rounded again. ACCUMULATE: out[t] += that, rounded
+    once more (torch's `out.add_(result)` in out's dtype)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     cmask = cols < Din
@@ -338,18 +340,23 @@ def _moe_combine_kernel(
     if SHARED:
         shared = tl.load(y + (M + t) * Din + cols, mask=cmask, other=0.0).to(tl.float32)  # [BN]
         acc = _rounded(acc, out.dtype.element_ty, BF16) + shared
+    if ACCUMULATE:
+        before = tl.load(out + t * Din + cols, mask=cmask, other=0.0).to(tl.float32)  # [BN]
+        acc = _rounded(acc, out.dtype.element_ty, BF16) + before
     acc = _rounded(acc, out.dtype.element_ty, BF16)
     tl.store(out + t * Din + cols, acc.to(out.dtype.element_ty), mask=cmask)
 
 
-def _combine(y, rows, ids, weights, out, E: int, sorted_rows: bool, shared: bool = False) -> torch.Tensor:
+def _combine(
+    y, rows, ids, weights, out, E: int, sorted_rows: bool, shared: bool = False, accumulate: bool = False
+) -> torch.Tensor:
     T, A = ids.shape
     Din = out.shape[1]
     if T:
         block = min(1024, triton.next_power_of_2(Din))
         _moe_combine_kernel[(T, triton.cdiv(Din, block))](
             y, rows, ids, weights, out, T * A, Din, E, A=A, SORTED=sorted_rows, SHARED=shared,
-            BF16=out.dtype == torch.bfloat16, BLOCK_N=block,
+            ACCUMULATE=accumulate, BF16=out.dtype == torch.bfloat16, BLOCK_N=block,
         )  # fmt: skip
     return out
 
@@ -408,6 +415,7 @@ def moe_experts_triton(
     sorted_pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_stages: tuple[int, int] | None = None,
+    accumulate: bool = False,
 ) -> torch.Tensor:
     """`naive.moe_experts` (same arguments, same result up to rounding order) without host syncs.
 
@@ -417,7 +425,9 @@ def moe_experts_triton(
     sorted_pairs: `sort_pairs(ids, E)` already computed. shared: a shared
     expert's (ws13 [2I, Din], ws2 [Din, I]) in w13's dtype, which every token takes: the result is then the
     routed experts' output plus the shared expert's, each rounded to x's dtype and the sum once more (the MoE
-    layer's `routed + shared_experts(x)`). Returns out [T, Din] in x.dtype, accumulated in fp32.
+    layer's `routed + shared_experts(x)`). accumulate: out (given) += the result, rounded as torch's
+    `out.add_(result)` (the layer's residual add, without its own kernel). Returns out [T, Din] in x.dtype,
+    accumulated in fp32.
     """
     T, A = ids.shape
     E, two_i, Din = w13.shape
@@ -442,12 +452,13 @@ def moe_experts_triton(
     else:
         ws13, ws2 = w13, w2  # not read: no shared blocks
     if out is None:
+        assert not accumulate, "accumulate adds into a given out"
         out = torch.empty(T, Din, dtype=x.dtype, device=x.device)
     assert out.shape == (T, Din) and out.dtype == x.dtype and out.is_contiguous()
     M = T * A
     S = T if shared is not None else 0
     if M + S == 0:
-        return out.zero_()
+        return out if accumulate else out.zero_()
 
     if sorted_pairs is None:
         sorted_pairs = sort_pairs(ids, E)
@@ -496,4 +507,6 @@ def moe_experts_triton(
         **({} if num_stages is None else {"num_stages": num_stages[1]}),
     )  # fmt: skip
     # (rows unused: ids stands in)
-    return _combine(y, ids, ids, weights, out, E, sorted_rows=False, shared=shared is not None)
+    return _combine(
+        y, ids, ids, weights, out, E, sorted_rows=False, shared=shared is not None, accumulate=accumulate
+    )
