@@ -143,7 +143,7 @@ def test_shared_expert_in_the_same_launches(monkeypatch, T, dtype):
     got = run_poisoned(monkeypatch, x, w13, w2, weights, ids, "situ", shared=shared, **SMALL_TILES)
     routed = moe_experts(x, w13, w2, weights.masked_fill(outside, 0.0), ids.masked_fill(outside, 0), "situ")
     assert_matches(got, routed + shared_ref(x))
-    if dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 and T < 40:  # (40 tokens: the blocks' layout only; the interpreter is slow)
         # bit for bit what the same kernels give apart, added as the layer adds them (the routed sum rounded
         # to bf16 first, then the sum): the fused combine's rounding, not only its tolerance
         mod, ones = _experts(), torch.ones(T, 1, device=DEVICE)
