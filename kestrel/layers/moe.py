@@ -290,17 +290,21 @@ class MoE(nn.Module):
             ids = ids - self.experts.first
         # decided on x, which h (below) follows: the same device, and at inference the same dtype
         experts = routed_experts_fn(x, ids)
+        triton = _is_triton_experts(experts)
         in_experts = self._shared_in_experts(x, experts)  # the shared MLP's weights, run as one more expert
         latent = hasattr(self, "routed_expert_down_proj")
         extra = {} if in_experts is None else {"shared": in_experts}
-        if (
+        # the experts' combine gives the block's whole output (no latent up-projection, no shared MLP apart):
+        # it adds it into add_to itself
+        into = (
             add_to is not None
-            and _is_triton_experts(experts)
+            and triton
             and not latent
             and (self.shared_experts is None or in_experts is not None)
             and add_to.is_contiguous()
             and add_to.dtype == x.dtype
-        ):
+        )
+        if into:
             extra |= {"out": add_to, "accumulate": True}
         shared = None
         if (
@@ -311,7 +315,7 @@ class MoE(nn.Module):
             and not torch.is_grad_enabled()
             and env_field("moe_overlap_shared")
         ):
-            if env_field("moe_sort_first") and _is_triton_experts(experts):
+            if env_field("moe_sort_first") and triton:
                 from kestrel.ops.moe.triton_experts import sort_pairs
 
                 # the routed pairs sorted on the whole GPU, before the shared experts take part of it
@@ -344,6 +348,6 @@ class MoE(nn.Module):
         elif self.shared_experts is not None and in_experts is None:
             shared = self.shared_experts(x)
         out = routed if shared is None else routed + shared
-        if add_to is None or "accumulate" in extra:
+        if add_to is None or into:
             return out
         return add_to.add_(out)

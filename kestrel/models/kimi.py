@@ -116,9 +116,8 @@ class KimiModel(nn.Module):
             h = mix_norm(
                 buf[: nb + 1], layer.mlp_res_proj, layer.mlp_res_norm, layer.post_attention_layernorm
             )
-            layer.mlp(
-                h, add_to=buf[nb]
-            )  # buf[nb] += the block's output (inside the MoE's last kernel, or add_)
+            # buf[nb] += the block's output (inside the MoE's last kernel, or add_)
+            layer.mlp(h, add_to=buf[nb])
         return mix_norm(buf[: nb + 1], self.output_attn_res_proj, self.output_attn_res_norm, self.norm)
 
 

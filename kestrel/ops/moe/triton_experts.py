@@ -64,9 +64,10 @@ def _expert_block(starts, E, M, S, BLOCK_M: tl.constexpr, EP: tl.constexpr):
     first_block = tl.sum(tl.where(here, cum - nb, 0), axis=0)
     row0 = tl.sum(tl.where(here, lo, 0), axis=0) + (b - first_block) * BLOCK_M
     row_end = tl.sum(tl.where(here, hi, 0), axis=0)
-    routed = b < tl.sum(nb, axis=0)
+    total = tl.sum(nb, axis=0)  # the routed experts' blocks
+    routed = b < total
     e = tl.where(routed, e, E)
-    row0 = tl.where(routed, row0, M + (b - tl.sum(nb, axis=0)) * BLOCK_M)
+    row0 = tl.where(routed, row0, M + (b - total) * BLOCK_M)
     row_end = tl.where(routed, row_end, M + S)
     return e, row0, row_end
 

@@ -53,28 +53,6 @@ def _select(
 
 
 @triton.jit
-def _router_kernel(
-    logits,
-    bias,
-    weights_out,
-    ids_out,
-    E,
-    stride_t,
-    scaling,
-    HAS_BIAS: tl.constexpr,
-    RENORM: tl.constexpr,
-    A: tl.constexpr,
-    BA: tl.constexpr,
-    BE: tl.constexpr,
-):
-    t = tl.program_id(0)
-    cols = tl.arange(0, BE)
-    mask = cols < E
-    x = tl.load(logits + t * stride_t + cols, mask=mask, other=0.0).to(tl.float32)
-    _select(x, cols, mask, t, bias, weights_out, ids_out, scaling, HAS_BIAS, RENORM, A, BA)
-
-
-@triton.jit
 def _router_partial_kernel(h, weight, partial, E, D, stride_h, S, BE: tl.constexpr, BD: tl.constexpr):
     """Program (t, s): token t's fp32 logits over the hidden slice [s * BD, (s + 1) * BD), every expert at
     once, into partial[t, s, :BE]. The slices run side by side instead of one after another in one program."""
@@ -120,7 +98,7 @@ def _router_sum_kernel(
             mask=(rows < S)[:, None] & (cols < E)[None, :],
             other=0.0,
         )
-        acc += tl.sum(p, axis=0)
+        acc += tl.sum(p.to(tl.float32), axis=0)
     _select(acc, cols, cols < E, t, bias, weights_out, ids_out, scaling, HAS_BIAS, RENORM, A, BA)
 
 
@@ -135,15 +113,22 @@ def route_triton(
     logits [T, E], or [T, S, E] partial logits that sum to them (the router GEMM's three bf16 parts,
     kestrel.ops.moe.router_gemm): added inside, in a fixed order, instead of by a reduction kernel first."""
     if logits.dim() == 2:
-        T, E = logits.shape
-        logits = logits.contiguous()
-        kernel, sizes, meta = _router_kernel, (E, logits.stride(0)), {}
-    else:
-        T, S, E = logits.shape
-        logits = logits if logits.stride(2) == 1 else logits.contiguous()
-        kernel, sizes = _router_sum_kernel, (E, S, logits.stride(0), logits.stride(1))
-        meta = {"BS": triton.next_power_of_2(S)}
-    return _route(kernel, (logits,), sizes, T, E, correction_bias, top_k, renormalize, scaling_factor, **meta)
+        logits = logits[:, None]  # [T, 1, E]: one part
+    T, S, E = logits.shape
+    logits = logits if logits.stride(2) == 1 else logits.contiguous()
+    sizes = (E, S, logits.stride(0), logits.stride(1))
+    return _route(
+        _router_sum_kernel,
+        (logits,),
+        sizes,
+        T,
+        E,
+        correction_bias,
+        top_k,
+        renormalize,
+        scaling_factor,
+        BS=triton.next_power_of_2(S),
+    )
 
 
 def route_hidden_triton(
