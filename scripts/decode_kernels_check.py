@@ -26,6 +26,8 @@ timed on the device in one run, one JSON result:
 6. `moe_anatomy`: the experts' weights read with no math, in gate_up's and down's tile order and grid, against
    the copy rate; and the whole experts call at batch 256 under random and balanced routing (the experts run at
    ~60% of their bytes and no tile changes that: session 21).
+7. `small_kernels`: the AttnRes mix, the KDA conv step and the pair sort's knobs (block, warps) at batch 1 / 64 /
+   256, against their bytes and the launch floor in the same graph.
 Each section catches its own exceptions; the JSON is rewritten after every section. `--smoke` runs every section at
 tiny sizes on the CPU under TRITON_INTERPRET=1 (the figures mean nothing there).
 """
@@ -484,11 +486,91 @@ def moe_anatomy(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
     print(f"moe anatomy whole call: {rows}", flush=True)
 
 
+def small_kernels(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
+    """The decode step's small kernels at mini's sizes, each in a CUDA graph of its step's calls, against its
+    bytes at the copy rate and against the launch floor (a one-element fill in the same graph): the AttnRes mix
+    (48 a step, S sources), the KDA conv step (18), and the program-per-block pair sort's knobs (24)."""
+    import triton
+
+    from kestrel.ops.attnres.triton_mix import _mix, attnres_mix_norm_triton
+    from kestrel.ops.kda.triton_conv import conv_step_inplace
+    from kestrel.ops.moe.router_gemm import mm_fp32_out_works, router_logit_parts_bf16x3, split_bf16x3
+    from kestrel.ops.moe.triton_experts import _sort_pairs_blocks_kernel
+    from kestrel.ops.moe.triton_router import route_hidden_triton, route_triton
+
+    D, C, W, E = (64, 48, 4, 8) if smoke else (2048, 3072, 4, 64)
+    batches = (1, 4) if smoke else (1, 64, 256)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(2)
+    copy = ceilings["copy_TBps"] * 1e12
+    one = torch.zeros(1, device=device)
+    rows = result["small_kernels"] = {"launch_floor_us": graph_us(one.zero_, device, 48)}
+    for T in batches:
+        for S in (2, 5):
+            src = torch.randn(S, T, D, generator=g, device=device).to(dtype)
+            q, w, ow = (torch.randn(D, generator=g, device=device).to(dtype) for _ in range(3))
+            fn = functools.partial(attnres_mix_norm_triton, src, q, w, 1e-5, ow, 1e-5)
+            nbytes = (S + 1) * T * D * 2
+            rows[f"mix T={T} S={S}"] = {"us": graph_us(fn, device, 48), "bytes_us": 1e6 * nbytes / copy}
+            for warps in (4, 8, 16):
+                fn = functools.partial(_mix, src, q, w, 1e-5, ow, 1e-5, num_warps=warps)
+                rows[f"mix T={T} S={S}"][f"us_{warps}_warps"] = graph_us(fn, device, 48)
+        pool = torch.randn(T + 1, C, W - 1, generator=g, device=device).to(dtype)
+        x = torch.randn(T, C, generator=g, device=device).to(dtype)
+        cw = torch.randn(C, W, generator=g, device=device).to(dtype)
+        slots = torch.arange(1, T + 1, device=device)
+        fn = functools.partial(conv_step_inplace, x, cw, pool, slots, planes=3)
+        nbytes = (2 * T * C + 2 * T * C * (W - 1)) * 2
+        rows[f"conv_step T={T}"] = {"us": graph_us(fn, device, 18), "bytes_us": 1e6 * nbytes / copy}
+        M = T * 6
+        ids = torch.rand(T, E, generator=g, device=device).argsort(-1)[:, :6].reshape(-1)
+        order = torch.empty(M, dtype=torch.int64, device=device)
+        starts = torch.empty(E + 1, dtype=torch.int32, device=device)
+        want = torch.sort(ids, stable=True)[1]
+        ep, mp = triton.next_power_of_2(E), triton.next_power_of_2(M)
+        knobs = rows[f"sort M={M}"] = []
+        for block, warps in sorted(
+            {(min(b, mp), w) for b, w in itertools.product((32, 64, 128), (4, 8, 16))}
+        ):
+            sort = functools.partial(
+                _sort_pairs_blocks_kernel[(triton.cdiv(M, block),)],
+                ids, order, starts, M, E, EP=ep, MP=mp, BLOCK=block, num_warps=warps,
+            )  # fmt: skip
+            sort()
+            knobs.append(
+                {
+                    "block": block,
+                    "warps": warps,
+                    "equal": bool(torch.equal(order, want)),
+                    "us": graph_us(sort, device),
+                }
+            )
+    # the router from the hidden states: programs (slices of D) against the router GEMM path, 24 calls a graph
+    rw = torch.randn(E, D, generator=g, device=device) * D**-0.5
+    bias = torch.randn(E, generator=g, device=device) * 0.1
+    split = split_bf16x3(rw) if mm_fp32_out_works(rw.device) else None
+    for T in (1, 4) if smoke else (1, 16, 64, 128):
+        x = torch.randn(T, D, generator=g, device=device).to(dtype)
+        entry = rows[f"router T={T}"] = {}
+        for programs in (16, 32, 64, 128, 256):
+            fn = functools.partial(route_hidden_triton, x, rw, bias, 6, True, 2.5, programs=programs)
+            entry[f"us_{programs}_programs"] = graph_us(fn, device)
+        if split is not None:
+
+            def gemm_then_route(x=x):
+                return route_triton(router_logit_parts_bf16x3(x, split), bias, 6, True, 2.5)
+
+            entry["us_gemm_then_route"] = graph_us(gemm_then_route, device)
+    print(f"small kernels: {rows}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "decode_kernels.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (TRITON_INTERPRET=1)")
-    parser.add_argument("--sections", default="moe_sort,mla_decode,mla_layout,moe_tiles,kda_step,moe_anatomy")
+    parser.add_argument(
+        "--sections", default="moe_sort,mla_decode,mla_layout,moe_tiles,kda_step,moe_anatomy,small_kernels"
+    )
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
@@ -516,6 +598,7 @@ def main() -> None:
         "moe_tiles": lambda: moe_tiles(result, device, args.smoke, ceilings),
         "kda_step": lambda: kda_step(result, device, args.smoke, ceilings),
         "moe_anatomy": lambda: moe_anatomy(result, device, args.smoke, ceilings),
+        "small_kernels": lambda: small_kernels(result, device, args.smoke, ceilings),
     }
     for name in args.sections.split(","):
         try:

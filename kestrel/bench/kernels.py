@@ -441,36 +441,41 @@ def bench_router(
     ceilings: dict, tokens: int, experts: int = 64, top_k: int = 6, hidden: int = 2048, device: str = "cuda"
 ) -> dict:
     """The MoE router from the hidden states at `mini`'s sizes (decode's path: logits and routing in Triton).
-    Peer: the fp32 matmul then the routing kernel (the path above the decode sizes). Both in CUDA graphs of 8
-    layers' calls on CUDA, as decode replays them."""
+    Peer: the path above the decode sizes, the router GEMM (on CUDA one bf16 GEMM over the weight's exact
+    three-way split, `Router.inference_logits`; else the fp32 matmul) then the routing kernel adding its parts.
+    Both in CUDA graphs of 8 layers' calls on CUDA, as decode replays them."""
+    from kestrel.ops.moe.router_gemm import mm_fp32_out_works, router_logit_parts_bf16x3, split_bf16x3
     from kestrel.ops.moe.triton_router import route_hidden_triton, route_triton
 
     x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
     weights = [torch.randn(experts, hidden, device=device) * hidden**-0.5 for _ in range(8)]
     bias = torch.randn(experts, device=device) * 0.1
+    split = mm_fp32_out_works(x.device)
+    parts = {w.data_ptr(): split_bf16x3(w) for w in weights} if split else {}
 
     def fused(w):
         return route_hidden_triton(x, w, bias, top_k, True, 2.5)
 
-    def matmul_then_route(w):
-        return route_triton(x.float() @ w.t(), bias, top_k, True, 2.5)
+    def gemm_then_route(w):
+        logits = router_logit_parts_bf16x3(x, parts[w.data_ptr()]) if split else x.float() @ w.t()
+        return route_triton(logits, bias, top_k, True, 2.5)
 
     ms, peer_ms = (
         time_ms(lambda: fused(weights[0]), device),
-        time_ms(lambda: matmul_then_route(weights[0]), device),
+        time_ms(lambda: gemm_then_route(weights[0]), device),
     )
     extra = {}
     if torch.device(device).type == "cuda":
         extra["graph_ms"] = _graph_ms([lambda w=w: fused(w) for w in weights])
-        extra["peer_graph_ms"] = _graph_ms([lambda w=w: matmul_then_route(w) for w in weights])
-    same = torch.equal(fused(weights[0])[1], matmul_then_route(weights[0])[1])
+        extra["peer_graph_ms"] = _graph_ms([lambda w=w: gemm_then_route(w) for w in weights])
+    same = torch.equal(fused(weights[0])[1], gemm_then_route(weights[0])[1])
     return _entry(
         f"MoE router from hidden T={tokens} E={experts} D={hidden}",
         ms,
         experts * hidden * 4 + tokens * hidden * 2,
         2 * tokens * experts * hidden,
         ceilings,
-        peer="fp32 matmul, then the routing kernel",
+        peer="router GEMM (bf16 x3 split on CUDA), then the routing kernel",
         peer_ms=peer_ms,
         same_experts_as_peer=same,
         **extra,
@@ -553,7 +558,7 @@ KERNEL_CASES = {
         {"tokens": t, "context": c, "k": 2048}
         for t, c in ((4096, 4096), (4096, 16384), (4096, 32768), (64, 8192), (512, 32768), (1, 32768))
     ],
-    "router": [{"tokens": t} for t in (1, 64, 256)],
+    "router": [{"tokens": t} for t in (1, 64, 128, 256, 512)],
     "moe": [{"tokens": t} for t in (1, 64, 256, 1024, 2048, 4096, 8192, 32768)],
     "kda_decode": [{"batch": b} for b in (1, 64, 256)],
     "kda_conv_prefill": [{"tokens": 32768}],

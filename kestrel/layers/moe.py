@@ -37,8 +37,10 @@ ALL_EXPERTS = "all"  # shard id of a checkpoint tensor that holds every expert s
 # 223 vs 227 us, T = 2048 322 vs 273 us, T = 4096 494 vs 386 us (`kestrel bench kernels`, session 8).
 TRITON_EXPERTS_MAX_PAIRS = 1024 * 6
 # Tokens up to which the fused router also computes the router's logits (route_hidden_triton); past it a matmul
-# computes them first. On the H200 at mini's sizes, in CUDA graphs: T = 64 9.0 vs 15.6 us, T = 256 18.3 vs 16.4.
-ROUTER_GEMV_MAX_TOKENS = 128
+# computes them first (on CUDA the bf16 x3 split GEMM, `Router.inference_logits`). On the H200 at mini's sizes,
+# 24 calls in a CUDA graph, us a call (session 22, decode_kernels_check's small_kernels): T = 1 4.9 vs 7.7,
+# T = 16 6.0 vs 7.8, T = 64 7.8 vs 8.0, T = 128 11.0 vs 8.1.
+ROUTER_GEMV_MAX_TOKENS = 64
 # Tokens up to which the shared experts run on a side stream (KESTREL_MOE_OVERLAP_SHARED): decode sizes, where
 # neither the routed experts nor the shared ones fill the GPU (timed at batch 1 and 64).
 OVERLAP_SHARED_MAX_TOKENS = 256

@@ -46,3 +46,7 @@ def test_decode_kernels_check_smoke(tmp_path):
     for part in ("gate_up", "down"):
         assert anatomy[part]["tiles"] and all(t["close"] for t in anatomy[part]["tiles"]), anatomy[part]
     assert anatomy["whole_call_random_us"] > 0 and anatomy["whole_call_balanced_us"] > 0
+    small = result["small_kernels"]
+    knobs = [k for key, v in small.items() if key.startswith("sort M=") for k in v]
+    assert knobs and all(k["equal"] for k in knobs), knobs
+    assert all(small[f"router T={T}"]["us_32_programs"] > 0 for T in (1, 4))

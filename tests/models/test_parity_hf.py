@@ -122,10 +122,12 @@ def test_decode_through_caches_matches(pair):
     cache = DenseCache(ours.config, 1, 32, torch.float32, "cpu")
     with torch.no_grad():
         out = hf(ids[None, :9], use_cache=True)
-        hf_cache, ref_steps = out.cache, [out.logits[0, -1]]
+        # transformers 5.24 names the cache `cache`, 5.17 (the GPU image) `past_key_values`
+        key = "cache" if hasattr(out, "cache") else "past_key_values"
+        hf_cache, ref_steps = getattr(out, key), [out.logits[0, -1]]
         for t in range(9, 15):
-            out = hf(ids[None, t : t + 1], cache=hf_cache, use_cache=True)
-            hf_cache = out.cache
+            out = hf(ids[None, t : t + 1], use_cache=True, **{key: hf_cache})
+            hf_cache = getattr(out, key)
             ref_steps.append(out.logits[0, -1])
         got_steps = []
         for piece in [ids[:9]] + [ids[t : t + 1] for t in range(9, 15)]:

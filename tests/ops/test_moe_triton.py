@@ -206,7 +206,7 @@ def test_when_the_layer_fuses_its_shared_mlp(monkeypatch):
 @pytest.mark.parametrize("latent", [False, True])
 def test_layer_adds_its_output_into_the_residual(monkeypatch, fuse, latent):
     """MoE.forward(x, add_to=r): r += the block's output, bit for bit `r + moe(x)` in bf16: inside the experts'
-    combine where they run in Triton with the shared MLP fused (the interpreter stands in for the GPU here),
+    combine where they run in Triton with the shared MLP fused (compiled on CUDA, in the interpreter on CPU),
     else by add_ (the shared MLP apart, or a latent MoE)."""
     import kestrel.layers.moe as moe_layer
     from kestrel.presets import preset_config
@@ -222,8 +222,9 @@ def test_layer_adds_its_output_into_the_residual(monkeypatch, fuse, latent):
         for name, p in moe.named_parameters():
             if name != "gate.e_score_correction_bias":
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-        x = torch.randn(5, config.hidden_size, generator=g).bfloat16()
-        r = torch.randn(5, config.hidden_size, generator=g).bfloat16()
+        moe.to(DEVICE)
+        x = torch.randn(5, config.hidden_size, generator=g).bfloat16().to(DEVICE)
+        r = torch.randn(5, config.hidden_size, generator=g).bfloat16().to(DEVICE)
         want = r + moe(x)
         into = r.clone()
         assert moe(x, add_to=into) is into

@@ -60,18 +60,20 @@ def test_router_ties_pick_lower_ids():
         (896, 16, True, True, 300),
     ],
 )
-def test_router_from_hidden_states_matches_reference(E, A, renorm, bias, D):
+@pytest.mark.parametrize("T,programs", [(5, 256), (5, 4)])
+def test_router_from_hidden_states_matches_reference(E, A, renorm, bias, D, T, programs):
     """route_hidden_triton computes the logits too: the reference's fp32 product, then `route` (bf16 hidden
-    states, rows strided as a slice of a wider tensor, D not a multiple of the block; at 896 experts the slices
-    are narrow and their sum walks them in several steps)."""
+    states, rows strided as a slice of a wider tensor, D not a multiple of the slice; at 896 experts the slices
+    are narrow and their sum walks them in several steps), in narrow slices (programs=256: many a token) or wide
+    ones."""
     from kestrel.ops.moe.triton_router import route_hidden_triton
 
     g = torch.Generator().manual_seed(E * D)
-    hidden = torch.randn(5, D + 3, generator=g).to(DEVICE, torch.bfloat16)[:, 1 : D + 1]
+    hidden = torch.randn(T, D + 3, generator=g).to(DEVICE, torch.bfloat16)[:, 1 : D + 1]
     weight = torch.randn(E, D, generator=g).to(DEVICE) * D**-0.5
     b = (0.1 * torch.randn(E, generator=g)).to(DEVICE) if bias else None
     ref_w, ref_i = route(hidden.float() @ weight.t(), b, A, renorm, 2.5)
-    got_w, got_i = route_hidden_triton(hidden, weight, b, A, renorm, 2.5, block_d=64)
+    got_w, got_i = route_hidden_triton(hidden, weight, b, A, renorm, 2.5, programs=programs)
     assert torch.equal(got_i, ref_i)
     assert torch.allclose(got_w, ref_w, atol=1e-5, rtol=1e-4)
 

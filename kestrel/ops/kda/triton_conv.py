@@ -28,27 +28,36 @@ def _conv_step_kernel(
     stride_pc,
     X_ALIGN: tl.constexpr,
     W: tl.constexpr,
+    WP: tl.constexpr,
     BC: tl.constexpr,
 ):
+    """Program (n, c-block): sequence n's channels cols, its window [BC, W - 1] read and written as one 2D
+    tile (the window's W - 1 values of a channel are adjacent in the pool, so the tile is one contiguous span:
+    a tap at a time read every third element)."""
     stride_xn = xn_units * X_ALIGN  # x's row stride: a known multiple of X_ALIGN, so rows load as vectors
     i_n, i_c = tl.program_id(0), tl.program_id(1)
     cols = i_c * BC + tl.arange(0, BC)  # [BC]
     mask = cols < C
+    js = tl.arange(0, WP)  # [WP] window positions (W - 1 of them used) and taps (W)
     slot = tl.load(slots + i_n).to(tl.int64)
-    base = pool + slot * stride_ps + cols * stride_pc  # the window of this sequence's channels
+    base = pool + slot * stride_ps + cols[:, None] * stride_pc + js[None, :]  # [BC, WP] the windows
+    old = mask[:, None] & (js < W - 1)[None, :]
     x_new = tl.load(x + i_n * stride_xn + cols, mask=mask, other=0.0).to(tl.float32)  # [BC]
-    acc = x_new * tl.load(weight + cols * W + (W - 1), mask=mask, other=0.0).to(tl.float32)
-    for j in tl.static_range(W - 1):  # window position j holds the input of W-1-j steps ago
-        h = tl.load(base + j, mask=mask, other=0.0).to(tl.float32)
-        acc += h * tl.load(weight + cols * W + j, mask=mask, other=0.0).to(tl.float32)
+    taps = tl.load(
+        weight + cols[:, None] * W + js[None, :], mask=mask[:, None] & (js < W)[None, :], other=0.0
+    )
+    taps = taps.to(tl.float32)  # [BC, WP]; window position j holds the input of W-1-j steps ago
+    win = tl.load(base, mask=old, other=0.0).to(tl.float32)  # [BC, WP]
+    win = tl.where((js == W - 1)[None, :], x_new[:, None], win)  # tap W-1: the new input
+    acc = tl.sum(win * taps, axis=1)  # [BC]
     out = acc * tl.sigmoid(acc)  # SiLU
     # y is planes [C // PC, N, PC]: channel c of sequence n at (c // PC, n, c % PC)
     tl.store(y + (cols // PC) * N * PC + i_n * PC + cols % PC, out.to(y.dtype.element_ty), mask=mask)
-    for j in tl.static_range(W - 2):  # shift the window left by one, then append the new input
-        h = tl.load(base + j + 1, mask=mask, other=0.0)
-        tl.store(base + j, h, mask=mask)
-    if W > 1:
-        tl.store(base + (W - 2), x_new.to(pool.dtype.element_ty), mask=mask)
+    # the window shifted left by one, the new input appended (a second read of the span: from cache)
+    later = tl.load(base + 1, mask=mask[:, None] & (js < W - 2)[None, :], other=0.0)  # [BC, WP]
+    shifted = tl.where((js == W - 2)[None, :], x_new[:, None].to(pool.dtype.element_ty), later)
+    tl.debug_barrier()  # every read of the window before any write
+    tl.store(base, shifted, mask=old)
 
 
 def conv_step_inplace(
@@ -83,6 +92,7 @@ def conv_step_inplace(
         conv_pool.stride(1),
         X_ALIGN=x_align,
         W=W,
+        WP=triton.next_power_of_2(W),
         BC=block,
     )
     return y if planes > 1 else y[0]

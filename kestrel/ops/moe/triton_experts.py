@@ -270,7 +270,9 @@ def _sort_pairs_blocks_kernel(
 #   384 experts: M=8 3.6 / 4.0 / 13.3;  M=512 48.9 / 4.7 / 33.3;  M=2048 190.5 / 7.9 / 36.3
 # So a program per block wherever the pairs fill more than one block, and the one-program sort where they fit in
 # one. In mini's batch-256 step (1536 pairs, 24 calls, `bench decode --profile`) 0.87 ms -> 0.51 ms: 19 us a call
-# there, beside the shared experts' side stream, against 6.9 us alone.
+# there, beside the shared experts' side stream, against 6.9 us alone. Session 22 swept the per-block sort's block
+# and warps at 64 experts (`small_kernels`): 32 pairs a block and 8 warps took M=1536 from 6.9 to 3.6 us, M=384
+# from 5.5 to 2.6 (128 pairs a block, 4 warps, before); more programs, each ranking fewer pairs.
 COUNTING_SORT_MAX_PAIRS = 2048
 
 
@@ -287,12 +289,12 @@ def sort_pairs(ids: torch.Tensor, E: int, parallel: bool | None = None) -> tuple
         order = torch.empty(M, dtype=torch.int64, device=flat.device)
         starts = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
         ep, mp = triton.next_power_of_2(E), triton.next_power_of_2(M)
-        block = min(max(16, 8192 // ep), 128, mp)  # a program per block: a [block, ep] one-hot tile each
+        block = min(max(16, 2048 // ep), 128, mp)  # a program per block: a [block, ep] one-hot tile each
         if parallel is None:
             parallel = M > block
         if parallel:
             grid = (triton.cdiv(M, block),)
-            _sort_pairs_blocks_kernel[grid](flat, order, starts, M, E, EP=ep, MP=mp, BLOCK=block, num_warps=4)
+            _sort_pairs_blocks_kernel[grid](flat, order, starts, M, E, EP=ep, MP=mp, BLOCK=block, num_warps=8)
         else:
             block = min(max(16, 16384 // ep), 256, mp)  # a [block, ep] one-hot tile
             _sort_pairs_kernel[(1,)](flat, order, starts, M, E, EP=ep, BLOCK=block, num_warps=8)

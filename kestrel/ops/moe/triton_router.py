@@ -138,19 +138,23 @@ def route_hidden_triton(
     top_k: int,
     renormalize: bool,
     scaling_factor: float,
-    block_d: int = 128,
+    programs: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`route_triton(hidden.float() @ router_weight.float().t(), ...)` in two small kernels: hidden [T, D] (rows
-    may be strided), router_weight [E, D]; the logits in fp32 (another summation order than the matmul's): T x
-    ceil(D / block_d) programs each sum one slice of the hidden width, then one program per token adds the
-    slices and routes. Decode saves the cast and the matmul's launches. (One program per token walking all of D
-    took 44 us at mini's D 2048, E 64 on the H200: its loads one after another.) Returns (weights [T, A] fp32,
-    ids [T, A] int64)."""
+    may be strided), router_weight [E, D]; the logits in fp32 (another summation order than the matmul's).
+    Programs over tokens x slices of the hidden width (32 to 128 wide, about `programs` of them) each sum one
+    slice, then one program per token adds the slices in a fixed order and routes. Decode saves the cast and
+    the matmul's launches. On the H200 in CUDA graphs at mini's sizes (D 2048, E 64): at batch 1, 32 slices of
+    64 took 4.9 us a call where 16 of 128 took 5.5; one program per token walking all of D took 44 us (its loads
+    one after another); blocks of 16 tokens through an fp32 tl.dot were slower than the router GEMM from 64
+    tokens on (session 22).
+    Returns (weights [T, A] fp32, ids [T, A] int64)."""
     T, D = hidden.shape
     E = router_weight.shape[0]
     assert router_weight.shape == (E, D) and hidden.stride(1) == 1
     BE = triton.next_power_of_2(E)
-    BD = min(triton.next_power_of_2(block_d), max(16, 8192 // BE))  # a [BE, BD] tile of at most 8K values
+    slices = max(1, programs // max(T, 1))  # wanted slices of D
+    BD = min(128, max(32, triton.next_power_of_2(triton.cdiv(D, slices))), max(16, 8192 // BE))
     S = triton.cdiv(D, BD)
     partial = torch.empty(T, S, BE, dtype=torch.float32, device=hidden.device)  # [T, S, BE]
     if T:
