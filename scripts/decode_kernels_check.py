@@ -495,7 +495,7 @@ def small_kernels(result: dict, device: str, smoke: bool, ceilings: dict) -> Non
     from kestrel.ops.attnres.triton_mix import _mix, attnres_mix_norm_triton
     from kestrel.ops.kda.triton_conv import conv_step_inplace
     from kestrel.ops.moe.router_gemm import mm_fp32_out_works, router_logit_parts_bf16x3, split_bf16x3
-    from kestrel.ops.moe.triton_experts import _sort_pairs_blocks_kernel
+    from kestrel.ops.moe.triton_experts import _combine, _sort_pairs_blocks_kernel
     from kestrel.ops.moe.triton_router import route_hidden_triton, route_triton
 
     D, C, W, E = (64, 48, 4, 8) if smoke else (2048, 3072, 4, 64)
@@ -545,6 +545,20 @@ def small_kernels(result: dict, device: str, smoke: bool, ceilings: dict) -> Non
                     "us": graph_us(sort, device),
                 }
             )
+    # the experts' combine (24 a step): its column block, with the shared expert's rows and the residual add
+    for T in batches:
+        A = 6
+        y = torch.randn(T * A + T, D, generator=g, device=device).to(dtype)
+        ids = torch.rand(T, E, generator=g, device=device).argsort(-1)[:, :A]
+        cw = torch.rand(T, A, generator=g, device=device)
+        out = torch.randn(T, D, generator=g, device=device).to(dtype)
+        nbytes = (T * A + 3 * T) * D * 2
+        entry = rows[f"combine T={T}"] = {"bytes_us": 1e6 * nbytes / copy}
+        for block in (128, 256, 512, 1024):
+            fn = functools.partial(
+                _combine, y, ids, ids, cw, out, E, False, shared=True, accumulate=True, block_n=block
+            )
+            entry[f"us_block_{block}"] = graph_us(fn, device)
     # the router from the hidden states: programs (slices of D) against the router GEMM path, 24 calls a graph
     rw = torch.randn(E, D, generator=g, device=device) * D**-0.5
     bias = torch.randn(E, generator=g, device=device) * 0.1

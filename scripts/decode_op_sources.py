@@ -48,17 +48,32 @@ def main() -> None:
     for _ in range(3):
         engine.step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    verbose = torch._C._profiler._ExperimentalConfig(verbose=True)  # without it the events' stacks are empty
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+        with_stack=True,
+        record_shapes=True,
+        experimental_config=verbose,
+    ) as prof:
         engine.step()
         torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages(group_by_stack_n=6):
-        if e.key in OPS and e.device_time_total > 0:
-            stack = [f for f in e.stack if "kestrel" in f][:4]
-            rows.append({"op": e.key, "calls": e.count, "gpu_us": e.device_time_total, "stack": stack})
-    rows.sort(key=lambda r: -r["gpu_us"])
+    sites: dict = {}  # (op, shapes, call site) -> [calls, GPU us]
+    for e in prof.events():
+        if e.name not in OPS or e.device_time_total <= 0:
+            continue
+        frames = [f for f in e.stack if "kestrel" in f and "decode_op_sources" not in f][:3]
+        key = (e.name, str(e.input_shapes)[:120], " <- ".join(frames))
+        calls, us = sites.get(key, (0, 0.0))
+        sites[key] = (calls + 1, us + e.device_time_total)
+    rows = [
+        {"op": op, "shapes": shapes, "site": site, "calls": calls, "gpu_us": us}
+        for (op, shapes, site), (calls, us) in sorted(sites.items(), key=lambda kv: -kv[1][1])
+    ]
     for r in rows[:25]:
-        print(f"{r['op']:20s} x{r['calls']:3d} {r['gpu_us']:8.1f} us  {' <- '.join(r['stack'])}", flush=True)
+        print(
+            f"{r['op']:18s} x{r['calls']:3d} {r['gpu_us']:7.1f} us {r['shapes'][:70]:70s} {r['site']}",
+            flush=True,
+        )
     Path(args.out).write_text(
         json.dumps({"batch": args.batch, "context": args.context, "ops": rows}, indent=1)
     )

@@ -96,3 +96,25 @@ def test_auto_compiles_on_cuda_only(device, monkeypatch):
     monkeypatch.setenv("KESTREL_COMPILE_TRAIN", "sometimes")
     with pytest.raises(ValueError, match="KESTREL_COMPILE_TRAIN"):
         env_field("compile_train")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])])
+def test_layer_norm_trains_through_its_fused_form(device):
+    """LayerNorm (the DSA indexer's key norm) is a `fused` op: recorded by autograd it runs compiled on CUDA (the
+    reference elsewhere), with the reference's values and gradients; under no_grad on CUDA, its Triton kernel."""
+    from kestrel.ops.norm import layer_norm
+
+    g = torch.Generator().manual_seed(3)
+    x0, w0, b0 = (torch.randn(n, generator=g) for n in ((6, 128), (128,), (128,)))
+    x0 = 3 * x0 + 1
+    leaves = [t.to(device).requires_grad_(True) for t in (x0, w0, b0)]
+    twins = [t.detach().clone().requires_grad_(True) for t in leaves]
+    y = layer_norm(*leaves, 1e-6)
+    ref = layer_norm.eager(*twins, 1e-6)
+    (y * y.detach()).sum().backward()
+    (ref * ref.detach()).sum().backward()
+    torch.testing.assert_close(y, ref)
+    for got, want in zip(leaves, twins):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(layer_norm(*twins, 1e-6), ref, rtol=1e-5, atol=1e-5)

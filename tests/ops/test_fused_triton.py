@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 from kestrel.ops.activation.naive import sigmoid_gate, situ, swiglu  # noqa: E402
 from kestrel.ops.attnres.naive import attnres_mix, attnres_mix_norm  # noqa: E402
 from kestrel.ops.kda.naive import gated_rms_norm, kda_gate  # noqa: E402
-from kestrel.ops.norm.naive import rms_norm  # noqa: E402
+from kestrel.ops.norm.naive import layer_norm, rms_norm  # noqa: E402
 
 
 def _load(name):
@@ -39,6 +39,7 @@ _mix = _load("kestrel.ops.attnres.triton_mix")
 attnres_mix_triton, attnres_mix_norm_triton = _mix.attnres_mix_triton, _mix.attnres_mix_norm_triton
 _norm = _load("kestrel.ops.norm.triton_norm")
 rms_norm_triton, gated_rms_norm_triton = _norm.rms_norm_triton, _norm.gated_rms_norm_triton
+layer_norm_triton = _norm.layer_norm_triton
 kda_gate_triton = _load("kestrel.ops.kda.triton_gate").kda_gate_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -48,6 +49,22 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e
 def _randn(*shape, dtype, seed, scale=1.0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 48), (5, 100), (2, 3, 128)])
+def test_layer_norm_matches_reference(dtype, shape):
+    """The DSA indexer's key norm (128 wide on mini); rows off zero mean, so the centering matters."""
+    x = _randn(*shape, dtype=dtype, seed=11, scale=3.0) + 2.0
+    w, b = _randn(shape[-1], dtype=dtype, seed=12), _randn(shape[-1], dtype=dtype, seed=13)
+    got = layer_norm_triton(x, w, b, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, layer_norm.eager(x, w, b, 1e-6), **TOL[dtype])
+    rows = torch.cat([x.reshape(-1, shape[-1]), x.reshape(-1, shape[-1])], dim=1)[:, : shape[-1] + 8]
+    strided = rows[:, : shape[-1]]  # rows wider apart than D
+    torch.testing.assert_close(
+        layer_norm_triton(strided, w, b, 1e-6), layer_norm.eager(strided, w, b, 1e-6), **TOL[dtype]
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

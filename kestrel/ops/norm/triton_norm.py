@@ -1,5 +1,7 @@
 """RMSNorm in one Triton kernel: `naive.rms_norm` (fp32 math, result in the input dtype) for inference on CUDA,
-and KDA's output norm-gate (`kda.naive.gated_rms_norm`: the same times sigmoid(gate)).
+and KDA's output norm-gate (`kda.naive.gated_rms_norm`: the same times sigmoid(gate)); LayerNorm likewise
+(`naive.layer_norm`, the DSA indexer's key norm: an upcast of x, of the weight and of the bias, the norm and a
+downcast, five kernels a layer in eager PyTorch, one here).
 
 Eager PyTorch runs the reference as about eight kernels (upcast, square, mean, rsqrt, two products, two casts);
 decode is bound by kernel count, so one row-wise kernel replaces them. Legend: N rows, D the normalized width.
@@ -41,6 +43,24 @@ def _rms_norm_kernel(
         g_row = (row // G_HEADS) * stride_g + (row % G_HEADS) * D
         y = y * tl.sigmoid(tl.load(g_ptr + g_row + cols, mask=mask, other=0.0).to(tl.float32))
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, D, x_units, stride_o, eps, X_ALIGN: tl.constexpr, BD: tl.constexpr
+):
+    stride_x = x_units * X_ALIGN  # a known multiple: rows load as vectors
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BD)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)  # [BD]
+    centered = tl.where(mask, x - tl.sum(x, axis=0) / D, 0.0)
+    inv = tl.rsqrt(tl.sum(centered * centered, axis=0) / D + eps)  # the biased variance, as torch's
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(
+        out_ptr + row * stride_o + cols, (centered * inv * w + b).to(out_ptr.dtype.element_ty), mask=mask
+    )
 
 
 def as_rows(t: torch.Tensor, width: int | None = None) -> torch.Tensor:
@@ -109,3 +129,23 @@ def gated_rms_norm_triton(
 ) -> torch.Tensor:
     """RMSNorm_weight(o) * sigmoid(gate); o, gate [..., V], weight [V] -> [..., V] in o.dtype."""
     return _norm(o, weight, eps, gate)
+
+
+def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """`naive.layer_norm`: x [..., D] (rows may be strided; the last dim contiguous), weight and bias [D] ->
+    [..., D] in x.dtype, fp32 math (the mean and variance in two passes over the row, torch's a running form:
+    equal up to fp32 rounding)."""
+    D = x.shape[-1]
+    assert weight.shape == bias.shape == (D,), (
+        f"weight {tuple(weight.shape)}, bias {tuple(bias.shape)}, D {D}"
+    )
+    rows = as_rows(x)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # [N, D]
+    if rows.shape[0]:
+        BD = triton.next_power_of_2(D)
+        x_align = row_align(rows.stride(0))
+        _layer_norm_kernel[(rows.shape[0],)](
+            rows, weight, bias, out, D, rows.stride(0) // x_align, out.stride(0), float(eps), X_ALIGN=x_align,
+            BD=BD, num_warps=min(16, max(1, BD // 256)),
+        )  # fmt: skip
+    return out.view(x.shape)
