@@ -575,6 +575,33 @@ def small_kernels(result: dict, device: str, smoke: bool, ceilings: dict) -> Non
                 return route_triton(router_logit_parts_bf16x3(x, split), bias, 6, True, 2.5)
 
             entry["us_gemm_then_route"] = graph_us(gemm_then_route, device)
+    # the DSA top-k at decode's short rows (6 calls a step): the CUDA kernel's variants, Triton's, torch.topk
+    from kestrel.ops.dsa.triton_topk import topk_triton
+
+    L, k = (300, 64) if smoke else (4160, 2048)
+    for B in batches:
+        scores = torch.randn(B, L, generator=g, device=device)
+        lens = torch.full((B,), L - 64, device=device, dtype=torch.int64)
+        fns = {"triton": functools.partial(topk_triton, scores, lens, k)}
+        if device == "cuda":
+            from kestrel.ops.dsa import cuda_topk
+
+            if cuda_topk.available():
+                fns |= {
+                    f"cuda_variant_{v}": functools.partial(cuda_topk.topk_cuda, scores, lens, k, variant=v)
+                    for v in (0, 3)
+                }
+        want = fns["triton"]()
+        entry = rows[f"topk B={B} L={L - 64}"] = {
+            "torch_topk_us": graph_us(
+                functools.partial(torch.topk, scores[:, : L - 64], k, dim=-1), device, 6
+            )
+        }
+        for name, fn in fns.items():
+            try:
+                entry[name] = {"equal": bool(torch.equal(fn(), want)), "us": graph_us(fn, device, 6)}
+            except Exception as e:  # noqa: BLE001
+                entry[name] = {"error": repr(e)[:200]}
     print(f"small kernels: {rows}", flush=True)
 
 
