@@ -1,5 +1,6 @@
 """The ceilings every GPU figure is reported against, measured in the same run: device-to-device copy
-bandwidth (bytes read + written) and a large bf16 matmul rate; and a median timer for GPU work.
+bandwidth (bytes read + written) and a large bf16 matmul rate; and median timers for GPU work (queued calls, or
+calls replayed from one CUDA graph as decode runs them).
 
 Other devices (the CPU smoke run of scripts/gpu_suite.py) get small sizes and a wall-clock timer: the same
 code runs, the figures mean nothing."""
@@ -35,6 +36,22 @@ def time_ms(
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def graph_ms(calls: list) -> float:
+    """Milliseconds per call of `calls` captured in one CUDA graph and replayed, as decode runs them (no Python
+    launch cost); give each call its own weights, so that one call's working set is not in L2 for the next."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture: compilation, the allocator
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return time_ms(graph.replay) / len(calls)
 
 
 def synchronize(device: str | torch.device) -> None:
