@@ -48,8 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kestrel.bench.kernels import _graph_ms  # noqa: E402
-from kestrel.bench.roofline import device_name, measure_ceilings, time_ms  # noqa: E402
+from kestrel.bench.roofline import device_name, graph_ms, measure_ceilings, time_ms  # noqa: E402
 
 CALLS_PER_STEP = 24  # mini's MoE layers: the sort runs once in each
 
@@ -59,7 +58,7 @@ def graph_us(fn, device: str, calls: int = CALLS_PER_STEP) -> float:
     CPU the wall-clock median per call."""
     if device != "cuda":
         return 1000 * time_ms(fn, device)
-    return 1000 * _graph_ms([fn] * calls)
+    return 1000 * graph_ms([fn] * calls)
 
 
 def _torch_sort(ids: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,9 +279,7 @@ def kda_step(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
                     and torch.allclose(pool, ref_pool, rtol=1e-3, atol=1e-3)
                 )
                 calls = [functools.partial(fns[name], q, k, v, f, b, p, slots, **kw, **tile) for p in pools]
-                row["us"] = (
-                    (1000 * _graph_ms(calls)) if device == "cuda" else 1000 * time_ms(calls[0], device)
-                )
+                row["us"] = (1000 * graph_ms(calls)) if device == "cuda" else 1000 * time_ms(calls[0], device)
                 row["floor_share"] = floor_us / row["us"]
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)[:200]
@@ -302,7 +299,7 @@ def _moe_layer_us(device: str, weights_of: list, x, w, ids, **kw) -> float:
     ]
     if device != "cuda":
         return 1000 * time_ms(calls[0], device)
-    return 1000 * _graph_ms(calls)
+    return 1000 * graph_ms(calls)
 
 
 def moe_tiles(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
@@ -462,7 +459,7 @@ def moe_anatomy(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
             want = weights[0].float().view(E, rows_per_e, K)
             want = want[:, :I] + want[:, I:] if part == "gate_up" else want
             close = bool(torch.allclose(out.view(E, -1), want.sum(-1), rtol=1e-3, atol=1e-2))
-            us = 1000 * (_graph_ms(calls) if device == "cuda" else time_ms(calls[0], device))
+            us = 1000 * (graph_ms(calls) if device == "cuda" else time_ms(calls[0], device))
             entry["tiles"].append(
                 {"block_n": bn, "block_k": bk, "close": close, "us": us, "floor_share": floor_us / us}
             )
@@ -481,7 +478,7 @@ def moe_anatomy(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
             functools.partial(moe_experts_triton, x, a, b, w, ids, "silu", shared=s)
             for a, b, s in zip(w13s, w2s, shareds)
         ]
-        us = 1000 * (_graph_ms(fns) if device == "cuda" else time_ms(fns[0], device))
+        us = 1000 * (graph_ms(fns) if device == "cuda" else time_ms(fns[0], device))
         rows[f"whole_call_{name}_us"] = us
     print(f"moe anatomy whole call: {rows}", flush=True)
 
@@ -563,12 +560,17 @@ def small_kernels(result: dict, device: str, smoke: bool, ceilings: dict) -> Non
     rw = torch.randn(E, D, generator=g, device=device) * D**-0.5
     bias = torch.randn(E, generator=g, device=device) * 0.1
     split = split_bf16x3(rw) if mm_fp32_out_works(rw.device) else None
+    from kestrel.ops.moe import route
+
     for T in (1, 4) if smoke else (1, 16, 64, 128):
         x = torch.randn(T, D, generator=g, device=device).to(dtype)
         entry = rows[f"router T={T}"] = {}
-        for programs in (16, 32, 64, 128, 256):
+        want = route(x.float() @ rw.t(), bias, 6, True, 2.5)[1]  # the reference's experts
+        # the slice width follows `programs` at batch 1 only (from 2 tokens on it is 128): one setting past that
+        for programs in (16, 32, 64, 128, 256) if T == 1 else (32,):
             fn = functools.partial(route_hidden_triton, x, rw, bias, 6, True, 2.5, programs=programs)
             entry[f"us_{programs}_programs"] = graph_us(fn, device)
+            entry[f"same_experts_{programs}_programs"] = bool(torch.equal(fn()[1], want))
         if split is not None:
 
             def gemm_then_route(x=x):

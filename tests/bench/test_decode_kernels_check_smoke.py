@@ -49,4 +49,6 @@ def test_decode_kernels_check_smoke(tmp_path):
     small = result["small_kernels"]
     knobs = [k for key, v in small.items() if key.startswith("sort M=") for k in v]
     assert knobs and all(k["equal"] for k in knobs), knobs
-    assert all(small[f"router T={T}"]["us_32_programs"] > 0 for T in (1, 4))
+    routers = [small[f"router T={T}"] for T in (1, 4)]
+    assert all(v for r in routers for k, v in r.items() if k.startswith("same_experts")), routers
+    assert len(routers[0]) == 10 and len(routers[1]) == 2  # batch 1 sweeps the slices; past it one setting

@@ -52,9 +52,10 @@ def _randn(*shape, dtype, seed, scale=1.0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 48), (5, 100), (2, 3, 128)])
+@pytest.mark.parametrize("shape", [(1, 48), (5, 100), (2, 3, 128), (3, 1000)])
 def test_layer_norm_matches_reference(dtype, shape):
-    """The DSA indexer's key norm (128 wide on mini); rows off zero mean, so the centering matters."""
+    """The DSA indexer's key norm (128 wide on mini; 1000: 4 warps on the GPU); rows off zero mean, so the
+    centering matters."""
     x = _randn(*shape, dtype=dtype, seed=11, scale=3.0) + 2.0
     w, b = _randn(shape[-1], dtype=dtype, seed=12), _randn(shape[-1], dtype=dtype, seed=13)
     got = layer_norm_triton(x, w, b, 1e-6)
@@ -153,16 +154,19 @@ def test_attnres_mix_matches_reference(dtype, S, T, D):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("S,T,D", [(2, 1, 40), (3, 5, 64), (5, 3, 100)])
+@pytest.mark.parametrize("S,T,D", [(2, 1, 40), (3, 5, 64), (5, 3, 100), (5, 2, 2048)])
 def test_attnres_mix_norm_matches_reference(dtype, S, T, D):
-    """The mix and the consumer's RMSNorm in one kernel: the reference is the two ops in a row."""
+    """The mix and the consumer's RMSNorm in one kernel: the reference is the two ops in a row. (5, 2, 2048) is
+    mini's widest mix: an [8, 2048] tile over 8 warps on the GPU."""
     sources = _randn(S, T, D, dtype=dtype, seed=S * D + 1, scale=2.0)
     query = _randn(D, dtype=dtype, seed=11, scale=0.5)
     weight, out_weight = _randn(D, dtype=dtype, seed=12), _randn(D, dtype=dtype, seed=13)
     got = attnres_mix_norm_triton(sources, query, weight, 1e-6, out_weight, 1e-5)
     ref = attnres_mix_norm.eager(sources, query, weight, 1e-6, out_weight, 1e-5)
     assert got.shape == (T, D) and got.dtype == dtype
-    torch.testing.assert_close(got, ref, **TOL[dtype])
+    # 2048 wide, the logits' fp32 sums (in another order) reach ~1e-6 relative of logits near 20: ~2e-5 out
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 and D > 1024 else TOL[dtype]
+    torch.testing.assert_close(got, ref, **tol)
     two = rms_norm.eager(attnres_mix.eager(sources, query, weight, 1e-6), out_weight, 1e-5)
     assert torch.equal(ref, two)  # the reference is exactly the two ops
 

@@ -14,7 +14,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("planes", [1, 3])
-@pytest.mark.parametrize("W,C", [(4, 48), (2, 300), (4, 513)])
+@pytest.mark.parametrize("W,C", [(4, 48), (2, 300), (4, 513), (3, 96)])  # W=3: taps not a power of two
 @pytest.mark.parametrize("extra", [0, 8], ids=["contiguous", "strided"])  # rows C + 8 apart: a column slice
 def test_conv_step_inplace_kernel(W, C, planes, extra):
     from kestrel.ops.kda.triton_conv import conv_step_inplace

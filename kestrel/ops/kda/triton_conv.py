@@ -32,8 +32,8 @@ def _conv_step_kernel(
     BC: tl.constexpr,
 ):
     """Program (n, c-block): sequence n's channels cols, its window [BC, W - 1] read and written as one 2D
-    tile (the window's W - 1 values of a channel are adjacent in the pool, so the tile is one contiguous span:
-    a tap at a time read every third element)."""
+    tile (in the engine's pool a channel's W - 1 values are adjacent and channels follow each other, so the
+    tile is one contiguous span; read a tap at a time, each load took every (W - 1)-th element)."""
     stride_xn = xn_units * X_ALIGN  # x's row stride: a known multiple of X_ALIGN, so rows load as vectors
     i_n, i_c = tl.program_id(0), tl.program_id(1)
     cols = i_c * BC + tl.arange(0, BC)  # [BC]

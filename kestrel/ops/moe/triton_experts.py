@@ -268,9 +268,9 @@ def _sort_pairs_blocks_kernel(
 # 2026-12-01, session 20), us a call, one program / a program per block / torch.sort + searchsorted:
 #   64 experts:  M=6 2.2 / 2.0 / 13.3;  M=96 4.1 / 5.3 / 15.9;  M=384 8.8 / 5.5 / 32.9;  M=1536 24.3 / 6.8 / 35.5
 #   384 experts: M=8 3.6 / 4.0 / 13.3;  M=512 48.9 / 4.7 / 33.3;  M=2048 190.5 / 7.9 / 36.3
-# So a program per block wherever the pairs fill more than one block, and the one-program sort where they fit in
-# one. In mini's batch-256 step (1536 pairs, 24 calls, `bench decode --profile`) 0.87 ms -> 0.51 ms: 19 us a call
-# there, beside the shared experts' side stream, against 6.9 us alone. Session 22 swept the per-block sort's block
+# So a program per block past 128 pairs at 64 experts (16 at 384), the one-program sort up to there. In mini's
+# batch-256 step (1536 pairs, 24 calls, `bench decode --profile`) 0.87 ms -> 0.51 ms: 19 us a call there, beside
+# the shared experts' side stream, against 6.9 us alone. Session 22 swept the per-block sort's block
 # and warps at 64 experts (`small_kernels`): 32 pairs a block and 8 warps took M=1536 from 6.9 to 3.6 us, M=384
 # from 5.5 to 2.6 (128 pairs a block, 4 warps, before); more programs, each ranking fewer pairs.
 COUNTING_SORT_MAX_PAIRS = 2048
@@ -280,7 +280,7 @@ def sort_pairs(ids: torch.Tensor, E: int, parallel: bool | None = None) -> tuple
     """(order [M] int64, starts [E + 1] int32) of the flattened pair ids [M]: the pairs of expert e are
     order[starts[e]:starts[e + 1]], in pair order (a stable sort by expert). Up to COUNTING_SORT_MAX_PAIRS a
     counting sort: parallel=True a program per block of pairs (`_sort_pairs_blocks_kernel`), False one program
-    for all (`_sort_pairs_kernel`), None the first wherever the pairs fill more than one block."""
+    for all (`_sort_pairs_kernel`), None the first past min(8192 / EP, 128) pairs (EP: E to a power of two)."""
     flat = ids.reshape(-1)
     M = flat.numel()
     if M == 0:
@@ -290,8 +290,8 @@ def sort_pairs(ids: torch.Tensor, E: int, parallel: bool | None = None) -> tuple
         starts = torch.empty(E + 1, dtype=torch.int32, device=flat.device)
         ep, mp = triton.next_power_of_2(E), triton.next_power_of_2(M)
         block = min(max(16, 2048 // ep), 128, mp)  # a program per block: a [block, ep] one-hot tile each
-        if parallel is None:
-            parallel = M > block
+        if parallel is None:  # session 20's dispatch: one program up to 8192 / EP pairs (128 at 64 experts)
+            parallel = M > min(max(16, 8192 // ep), 128)
         if parallel:
             grid = (triton.cdiv(M, block),)
             _sort_pairs_blocks_kernel[grid](flat, order, starts, M, E, EP=ep, MP=mp, BLOCK=block, num_warps=8)

@@ -142,12 +142,15 @@ def route_hidden_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`route_triton(hidden.float() @ router_weight.float().t(), ...)` in two small kernels: hidden [T, D] (rows
     may be strided), router_weight [E, D]; the logits in fp32 (another summation order than the matmul's).
-    Programs over tokens x slices of the hidden width (32 to 128 wide, about `programs` of them) each sum one
-    slice, then one program per token adds the slices in a fixed order and routes. Decode saves the cast and
-    the matmul's launches. On the H200 in CUDA graphs at mini's sizes (D 2048, E 64): at batch 1, 32 slices of
-    64 took 4.9 us a call where 16 of 128 took 5.5; one program per token walking all of D took 44 us (its loads
-    one after another); blocks of 16 tokens through an fp32 tl.dot were slower than the router GEMM from 64
-    tokens on (session 22).
+    A program per token and slice of the hidden width sums its slice's products; the slices are 32 to 128 wide
+    (16 past 256 experts), narrow enough for about `programs` programs where the tokens are few (batch 1: 32
+    slices of 64 on mini; from 2 tokens on 128 wide); then one program per token adds the slices in a fixed
+    order and routes. The slice width follows the batch, so a token's logits (and, on a near-tie, its experts)
+    may differ in the last bits between batch 1 and larger batches, as a GEMM's kernel choice makes them
+    differ. Decode saves the cast and the matmul's launches. On the H200 in CUDA graphs at mini's sizes (D
+    2048, E 64): at batch 1, 32 slices of 64 took 4.9 us a call where 16 of 128 took 5.5; one program per
+    token walking all of D took 44 us (its loads one after another); blocks of 16 tokens through an fp32
+    tl.dot were slower than the router GEMM from 64 tokens on (session 22).
     Returns (weights [T, A] fp32, ids [T, A] int64)."""
     T, D = hidden.shape
     E = router_weight.shape[0]
