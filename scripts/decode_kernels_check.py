@@ -53,12 +53,17 @@ from kestrel.bench.roofline import device_name, graph_ms, measure_ceilings, time
 CALLS_PER_STEP = 24  # mini's MoE layers: the sort runs once in each
 
 
-def graph_us(fn, device: str, calls: int = CALLS_PER_STEP) -> float:
-    """Microseconds a call of fn() when `calls` of them replay in one CUDA graph (as in a decode step); on the
-    CPU the wall-clock median per call."""
+def calls_us(calls: list, device: str) -> float:
+    """Microseconds a call when `calls` (each its own weights, or one call repeated) replay in one CUDA graph,
+    as in a decode step; on the CPU the wall-clock median of the first."""
     if device != "cuda":
-        return 1000 * time_ms(fn, device)
-    return 1000 * graph_ms([fn] * calls)
+        return 1000 * time_ms(calls[0], device)
+    return 1000 * graph_ms(calls)
+
+
+def graph_us(fn, device: str, calls: int = CALLS_PER_STEP) -> float:
+    """Microseconds a call of fn() when `calls` of them replay in one CUDA graph (`calls_us`)."""
+    return calls_us([fn] * calls, device)
 
 
 def _torch_sort(ids: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,7 +284,7 @@ def kda_step(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
                     and torch.allclose(pool, ref_pool, rtol=1e-3, atol=1e-3)
                 )
                 calls = [functools.partial(fns[name], q, k, v, f, b, p, slots, **kw, **tile) for p in pools]
-                row["us"] = (1000 * graph_ms(calls)) if device == "cuda" else 1000 * time_ms(calls[0], device)
+                row["us"] = calls_us(calls, device)
                 row["floor_share"] = floor_us / row["us"]
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)[:200]
@@ -297,9 +302,7 @@ def _moe_layer_us(device: str, weights_of: list, x, w, ids, **kw) -> float:
         functools.partial(moe_experts_triton, x, a, b, w, ids, "silu", shared=shared, **kw)
         for a, b, shared in weights_of
     ]
-    if device != "cuda":
-        return 1000 * time_ms(calls[0], device)
-    return 1000 * graph_ms(calls)
+    return calls_us(calls, device)
 
 
 def moe_tiles(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
@@ -459,7 +462,7 @@ def moe_anatomy(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
             want = weights[0].float().view(E, rows_per_e, K)
             want = want[:, :I] + want[:, I:] if part == "gate_up" else want
             close = bool(torch.allclose(out.view(E, -1), want.sum(-1), rtol=1e-3, atol=1e-2))
-            us = 1000 * (graph_ms(calls) if device == "cuda" else time_ms(calls[0], device))
+            us = calls_us(calls, device)
             entry["tiles"].append(
                 {"block_n": bn, "block_k": bk, "close": close, "us": us, "floor_share": floor_us / us}
             )
@@ -478,7 +481,7 @@ def moe_anatomy(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
             functools.partial(moe_experts_triton, x, a, b, w, ids, "silu", shared=s)
             for a, b, s in zip(w13s, w2s, shareds)
         ]
-        us = 1000 * (graph_ms(fns) if device == "cuda" else time_ms(fns[0], device))
+        us = calls_us(fns, device)
         rows[f"whole_call_{name}_us"] = us
     print(f"moe anatomy whole call: {rows}", flush=True)
 

@@ -115,6 +115,13 @@ def test_out_of_range_ids_add_nothing(monkeypatch):
     assert_matches(got, ref)
 
 
+def _randomize(moe, g: torch.Generator) -> None:
+    """Every parameter of a MoE layer but the routing bias drawn from g (on g's device), scaled by its fan-in."""
+    for name, p in moe.named_parameters():
+        if name != "gate.e_score_correction_bias":
+            p.copy_(torch.randn(p.shape, generator=g, device=g.device) / p.shape[-1] ** 0.5)
+
+
 def _shared_expert(T, Din, I, dtype, seed):
     """A shared expert's (ws13 [2I, Din], ws2 [Din, I]), and its reference output on x as the routed reference
     computes one expert that every token takes at weight 1.0."""
@@ -219,9 +226,7 @@ def test_layer_adds_its_output_into_the_residual(monkeypatch, fuse, latent):
     moe = moe_layer.MoE(config, layer_id=1, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(9)
     with torch.no_grad():
-        for name, p in moe.named_parameters():
-            if name != "gate.e_score_correction_bias":
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        _randomize(moe, g)
         moe.to(DEVICE)
         x = torch.randn(5, config.hidden_size, generator=g).bfloat16().to(DEVICE)
         r = torch.randn(5, config.hidden_size, generator=g).bfloat16().to(DEVICE)
@@ -381,9 +386,7 @@ def test_shared_expert_fused_into_the_layer(monkeypatch, T):
     moe = MoE(config, layer_id=1, dtype=torch.bfloat16).cuda()
     g = torch.Generator(device="cuda").manual_seed(5)
     with torch.no_grad():
-        for name, p in moe.named_parameters():
-            if name != "gate.e_score_correction_bias":
-                p.copy_(torch.randn(p.shape, generator=g, device="cuda") / p.shape[-1] ** 0.5)
+        _randomize(moe, g)
         x = torch.randn(T, config.hidden_size, generator=g, device="cuda").bfloat16()
         ids = torch.zeros(T, config.num_experts_per_token, dtype=torch.int64, device="cuda")
         assert moe._shared_in_experts(x, routed_experts_fn(x, ids)) is not None
