@@ -128,6 +128,9 @@ class Env:
     kestrel.ops.dsa.triton_topk, with a warning) | cuda (the CUDA kernel; an error when it cannot be built) |
     triton. All select the same positions; on the H200 the CUDA kernel took 43.2 us for 64 x 131072 scores,
     k = 2048, against Triton's 134 and torch.topk's 192.5 in the same run (2026-12-01, session 19)."""
+    pdl: str
+    """KESTREL_PDL: the decode step's Triton kernels launch with programmatic dependent launch on Hopper and later
+    (kestrel.ops.pdl): auto | off."""
     cache_dir: str
     """KESTREL_CACHE_DIR: where Kestrel keeps what it builds on first use (the CUDA top-k's library, under
     cuda/); unset: ~/.cache/kestrel."""
@@ -160,6 +163,7 @@ _READERS = {
     "fused_ops": lambda: _str("KESTREL_FUSED_OPS", "auto", ("auto", "off")),
     "train_attention": lambda: _str("KESTREL_TRAIN_ATTENTION", "sdpa", ("sdpa", "flex")),
     "dsa_topk": lambda: _str("KESTREL_DSA_TOPK", "auto", ("auto", "cuda", "triton")),
+    "pdl": lambda: _str("KESTREL_PDL", "auto", ("auto", "off")),
     "cache_dir": lambda: _path("KESTREL_CACHE_DIR"),
     "cuda_home": lambda: _path("CUDA_HOME") or _path("CUDA_PATH"),
 }

@@ -28,6 +28,8 @@ timed on the device in one run, one JSON result:
    ~60% of their bytes and no tile changes that: session 21).
 7. `small_kernels`: the AttnRes mix, the KDA conv step and the pair sort's knobs (block, warps) at batch 1 / 64 /
    256, against their bytes and the launch floor in the same graph.
+8. `pdl`: a chain of 200 dependent decode kernels in one CUDA graph with programmatic dependent launch off and on
+   (kestrel.ops.pdl), us a kernel.
 Each section catches its own exceptions; the JSON is rewritten after every section. `--smoke` runs every section at
 tiny sizes on the CPU under TRITON_INTERPRET=1 (the figures mean nothing there).
 """
@@ -610,6 +612,39 @@ def small_kernels(result: dict, device: str, smoke: bool, ceilings: dict) -> Non
     print(f"small kernels: {rows}", flush=True)
 
 
+def pdl(result: dict, device: str, smoke: bool) -> None:
+    """Programmatic dependent launch (kestrel.ops.pdl) on a chain of dependent decode kernels: RMSNorm then the
+    sigmoid gate, 100 times, each reading the one before, at mini's width and batch 1 / 64 / 256, in one CUDA
+    graph with KESTREL_PDL=off and auto; the two chains' outputs compared bit for bit."""
+    from kestrel.ops.activation.triton_act import sigmoid_gate_triton
+    from kestrel.ops.norm.triton_norm import rms_norm_triton
+
+    D, links, batches = (64, 4, (1, 3)) if smoke else (2048, 100, (1, 64, 256))
+    g = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    w = torch.rand(D, generator=g, device=device).to(dtype) + 0.5
+    rows = result["pdl"] = {"hidden": D, "kernels": 2 * links, "batches": {}}
+    for B in batches:
+        x = torch.randn(B, D, generator=g, device=device).to(dtype)
+        gate = torch.randn(B, D, generator=g, device=device).to(dtype)
+        outs = {}
+
+        def chain(x=x, gate=gate, outs=outs, key="off"):
+            y = x
+            for _ in range(links):
+                y = sigmoid_gate_triton(rms_norm_triton(y, w, 1e-6), gate)
+            outs[key] = y
+
+        entry = rows["batches"][B] = {}
+        for mode in ("off", "auto"):
+            os.environ["KESTREL_PDL"] = mode
+            us = calls_us([functools.partial(chain, key=mode)], device)
+            entry[f"{mode}_us_per_kernel"] = us / rows["kernels"]
+        os.environ.pop("KESTREL_PDL")
+        entry["same_bits"] = bool(torch.equal(outs["off"], outs["auto"]))
+        print(f"pdl B={B}: {entry}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "decode_kernels.json"))
@@ -645,6 +680,7 @@ def main() -> None:
         "kda_step": lambda: kda_step(result, device, args.smoke, ceilings),
         "moe_anatomy": lambda: moe_anatomy(result, device, args.smoke, ceilings),
         "small_kernels": lambda: small_kernels(result, device, args.smoke, ceilings),
+        "pdl": lambda: pdl(result, device, args.smoke),
     }
     for name in args.sections.split(","):
         try:

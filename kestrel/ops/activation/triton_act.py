@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from kestrel.ops.norm.triton_norm import as_rows
+from kestrel.ops.pdl import pdl_args, pdl_begin
 
 BLOCK = 1024  # columns per program
 
@@ -49,7 +50,9 @@ def _glu_kernel(
     linear_beta,
     SITU: tl.constexpr,
     BI: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BI + tl.arange(0, BI)
     mask = cols < I
@@ -79,6 +82,7 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, situ: bool, beta: float, linear_b
             float(linear_beta),
             SITU=situ,
             BI=BI,
+            **pdl_args(out),
         )
     return out.view(gate.shape)
 
@@ -92,7 +96,8 @@ def situ_triton(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: 
 
 
 @triton.jit
-def _sigmoid_gate_kernel(x_ptr, g_ptr, out_ptr, n, BLOCK_N: tl.constexpr):
+def _sigmoid_gate_kernel(x_ptr, g_ptr, out_ptr, n, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
@@ -109,5 +114,7 @@ def sigmoid_gate_triton(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     n = x.numel()
     if n:
-        _sigmoid_gate_kernel[(triton.cdiv(n, 4096),)](x, gate, out, n, BLOCK_N=4096, num_warps=8)
+        _sigmoid_gate_kernel[(triton.cdiv(n, 4096),)](
+            x, gate, out, n, BLOCK_N=4096, num_warps=8, **pdl_args(out)
+        )
     return out

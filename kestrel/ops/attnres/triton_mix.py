@@ -14,15 +14,18 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.ops.pdl import pdl_args, pdl_begin
+
 
 @triton.jit
 def _mix_kernel(
     src_ptr, q_ptr, w_ptr, ow_ptr, out_ptr, T, D, stride_s, stride_t, eps, out_eps,
-    S: tl.constexpr, SP: tl.constexpr, NORM: tl.constexpr, BD: tl.constexpr,
+    S: tl.constexpr, SP: tl.constexpr, NORM: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program t: token t's S source rows in one [SP, BD] load (all in flight at once: at decode a program's
     time is its loads' latency, and a row at a time paid it S times), their logits, the softmax and the
     weighted sum from registers."""
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
     mask = cols < D
@@ -99,5 +102,6 @@ def _mix(sources, query, norm_weight, eps, out_weight, out_eps, num_warps: int |
             # 8 warps: 64 values a thread at 8 x 2048; twice the warps past that (128 a thread up to 16 x 4096;
             # wider tiles spill registers: still right, slower)
             num_warps=num_warps or (16 if SP * BD > 16384 else min(8, max(1, BD // 256))),
+            **pdl_args(out),
         )
     return out

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.ops.pdl import pdl_args, pdl_begin
+
 BLOCK_S = 64  # key positions per tile
 # The prefill kernel's tiles (query rows x key positions), warps and pipeline stages. scripts/prefill_kernel_sweep.py
 # on the H200 (session 13), 16 heads of 128, one causal sequence: 64 x 128 in 4 warps, 3 stages took 0.171 / 5.05 ms
@@ -66,7 +68,9 @@ def _indexer_scores_kernel(
     UPCAST: tl.constexpr,  # compute the dot in fp32
     KEY_SCALE: tl.constexpr,  # FP8 keys with one scale per token (paged only)
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n = tl.minimum(tl.load(lens_ptr + b), L)  # valid positions of this sequence
@@ -164,6 +168,7 @@ def _launch(
         UPCAST=upcast,
         KEY_SCALE=fp8,
         DOT_PRECISION="ieee" if upcast else "tf32",
+        **pdl_args(out),
     )
     return out
 

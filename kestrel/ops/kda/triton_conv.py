@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from kestrel.ops.norm.triton_norm import row_align
+from kestrel.ops.pdl import pdl_args, pdl_begin
 
 
 @triton.jit
@@ -30,10 +31,12 @@ def _conv_step_kernel(
     W: tl.constexpr,
     WP: tl.constexpr,
     BC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (n, c-block): sequence n's channels cols, its window [BC, W - 1] read and written as one 2D
     tile (in the engine's pool a channel's W - 1 values are adjacent and channels follow each other, so the
     tile is one contiguous span; read a tap at a time, each load took every (W - 1)-th element)."""
+    pdl_begin(PDL)
     stride_xn = xn_units * X_ALIGN  # x's row stride: a known multiple of X_ALIGN, so rows load as vectors
     i_n, i_c = tl.program_id(0), tl.program_id(1)
     cols = i_c * BC + tl.arange(0, BC)  # [BC]
@@ -94,6 +97,7 @@ def conv_step_inplace(
         W=W,
         WP=triton.next_power_of_2(W),
         BC=block,
+        **pdl_args(y),
     )
     return y if planes > 1 else y[0]
 

@@ -8,12 +8,24 @@ import triton
 import triton.language as tl
 
 from kestrel.ops.norm.triton_norm import as_rows
+from kestrel.ops.pdl import pdl_args, pdl_begin
 
 
 @triton.jit
 def _gate_kernel(
-    f_ptr, a_log_ptr, bias_ptr, out_ptr, HK, K, stride_f, lower_bound, BOUNDED: tl.constexpr, B: tl.constexpr
+    f_ptr,
+    a_log_ptr,
+    bias_ptr,
+    out_ptr,
+    HK,
+    K,
+    stride_f,
+    lower_bound,
+    BOUNDED: tl.constexpr,
+    B: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * B + tl.arange(0, B)  # [B] over H * K
     mask = cols < HK
@@ -51,5 +63,6 @@ def kda_gate_triton(
             float(lower_bound if lower_bound is not None else 0.0),
             BOUNDED=lower_bound is not None,
             B=B,
+            **pdl_args(out),
         )
     return out.view(f.shape)

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.ops.pdl import pdl_args, pdl_begin
+
 
 @triton.jit
 def _recurrent_step_kernel(
@@ -61,7 +63,9 @@ def _recurrent_step_kernel(
     GATE: tl.constexpr,
     LOWER_BOUND: tl.constexpr,
     BETA_SIGMOID: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     i_v, h, n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -164,5 +168,6 @@ def recurrent_inplace(
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
         BK=triton.next_power_of_2(K), BV=block_v, L2NORM=use_qk_l2norm, GATE=gate is not None,
         LOWER_BOUND=lower_bound is not None, BETA_SIGMOID=beta_logits, num_warps=num_warps,
+        **pdl_args(o),
     )  # fmt: skip
     return o

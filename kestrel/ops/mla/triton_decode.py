@@ -66,6 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.ops.pdl import pdl_args, pdl_begin
+
 MIN_POSITIONS_PER_SPLIT = 128  # below this a split's fixed cost (partials, merge) outweighs the parallelism
 MAX_SPLITS = 64
 
@@ -84,10 +86,11 @@ def _pool_row(page_table_ptr, b, stride_ptb, pos, valid, page_size):
 @triton.jit
 def _rows_kernel(
     indices_ptr, page_table_ptr, lens_ptr, rows_ptr, K, page_size, stride_ib, stride_ptb, stride_rb,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """rows[b, j] = the pool row of position indices[b, j], or -1 where that entry is not used (< 0 or >=
     lens[b])."""
+    pdl_begin(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = j < K
@@ -111,7 +114,7 @@ def selected_rows(
         block = min(1024, triton.next_power_of_2(K))
         _rows_kernel[(B, triton.cdiv(K, block))](
             indices, page_table, lens, rows, K, page_size, indices.stride(0), page_table.stride(0), rows.stride(0),
-            BLOCK=block,
+            BLOCK=block, **pdl_args(rows),
         )  # fmt: skip
     return rows
 
@@ -155,7 +158,9 @@ def _decode_kernel(
     BLOCK_P: tl.constexpr,
     DOT_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     hb = tl.program_id(0)
     b = tl.program_id(1)
     s = tl.program_id(2)
@@ -248,7 +253,9 @@ def _combine_kernel(
     stride_ob,
     stride_oh,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     h = tl.program_id(0)
     b = tl.program_id(1)
     offs_r = tl.arange(0, BLOCK_R)
@@ -449,6 +456,7 @@ def sparse_mla_decode(
         DOT_PRECISION=precision,
         num_warps=warps,
         num_stages=num_stages,
+        **pdl_args(q_lat),
     )
     if split:
         _combine_kernel[(H, B)](
@@ -466,6 +474,7 @@ def sparse_mla_decode(
             out.stride(1),
             BLOCK_R=block_r,
             num_warps=4,
+            **pdl_args(out),
         )
     return out
 

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from kestrel.ops.activation.triton_act import glu
+from kestrel.ops.pdl import pdl_args, pdl_begin
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -109,7 +110,9 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     e, row0, row_end = _expert_block(starts, E, M, S, BLOCK_M, EP)
     if row0 >= row_end:
         return
@@ -170,7 +173,9 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     e, row0, row_end = _expert_block(starts, E, M, S, BLOCK_M, EP)
     if row0 >= row_end:
         return
@@ -218,10 +223,13 @@ def _place_block(ids, order, off, M, E, es, start, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _sort_pairs_kernel(ids, order, starts, M, E, EP: tl.constexpr, BLOCK: tl.constexpr):
+def _sort_pairs_kernel(
+    ids, order, starts, M, E, EP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+):
     """One program: a stable counting sort of the M pair ids by expert. starts[e] (e = 0..E) is the first
     sorted row of expert e (the ids below 0 come first, as in a sort), order[starts[e] + j] the pair of
     expert e's j-th pair in pair order. Rows of out-of-range ids are left unwritten: no block reads them."""
+    pdl_begin(PDL)
     es = tl.arange(0, EP)
     counts = tl.zeros([EP], dtype=tl.int32)
     below = tl.zeros([EP], dtype=tl.int32)  # ids < 0, counted in every lane (a vector: a loop-carried value)
@@ -241,12 +249,21 @@ def _sort_pairs_kernel(ids, order, starts, M, E, EP: tl.constexpr, BLOCK: tl.con
 
 @triton.jit
 def _sort_pairs_blocks_kernel(
-    ids, order, starts, M, E, EP: tl.constexpr, MP: tl.constexpr, BLOCK: tl.constexpr
+    ids,
+    order,
+    starts,
+    M,
+    E,
+    EP: tl.constexpr,
+    MP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """`_sort_pairs_kernel`'s sort with one program per block of BLOCK pairs instead of one for all: each program
     histograms all M ids (MP >= M, one load) for the experts' first rows and, from the ids before its block,
     where each expert's pairs of its block start; then ranks its block's pairs in one [BLOCK, EP] one-hot scan.
     Program 0 writes starts. Same outputs (rows of out-of-range ids left unwritten)."""
+    pdl_begin(PDL)
     b = tl.program_id(0)
     es = tl.arange(0, EP)
     q = tl.arange(0, MP)
@@ -294,10 +311,14 @@ def sort_pairs(ids: torch.Tensor, E: int, parallel: bool | None = None) -> tuple
             parallel = M > min(max(16, 8192 // ep), 128)
         if parallel:
             grid = (triton.cdiv(M, block),)
-            _sort_pairs_blocks_kernel[grid](flat, order, starts, M, E, EP=ep, MP=mp, BLOCK=block, num_warps=8)
+            _sort_pairs_blocks_kernel[grid](
+                flat, order, starts, M, E, EP=ep, MP=mp, BLOCK=block, num_warps=8, **pdl_args(order)
+            )
         else:
             block = min(max(16, 16384 // ep), 256, mp)  # a [block, ep] one-hot tile
-            _sort_pairs_kernel[(1,)](flat, order, starts, M, E, EP=ep, BLOCK=block, num_warps=8)
+            _sort_pairs_kernel[(1,)](
+                flat, order, starts, M, E, EP=ep, BLOCK=block, num_warps=8, **pdl_args(order)
+            )
         return order, starts
     sorted_ids, order = torch.sort(flat, stable=True)  # [M], [M] expert-major, then pair order
     bounds = torch.arange(E + 1, device=flat.device, dtype=flat.dtype)  # [E + 1]
@@ -320,12 +341,14 @@ def _moe_combine_kernel(
     ACCUMULATE: tl.constexpr,
     BF16: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out[t] = sum over slots a, in slot order, of weights[t * A + a] times pair (t, a)'s row of y: row
     t * A + a (the Triton path), or with SORTED row rows[t * A + a] (the grouped path's expert-major rows).
     Pairs with an id outside [0, E) add nothing (their rows were never computed). SHARED: the sum rounded to
     out's dtype, plus row M + t (the shared expert's output), rounded again. ACCUMULATE: out[t] += that, rounded
     once more (torch's `out.add_(result)` in out's dtype)."""
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     cmask = cols < Din
@@ -363,7 +386,7 @@ def _combine(
         block = min(block_n or (256 if T <= 64 else 512), triton.next_power_of_2(Din))
         _moe_combine_kernel[(T, triton.cdiv(Din, block))](
             y, rows, ids, weights, out, T * A, Din, E, A=A, SORTED=sorted_rows, SHARED=shared,
-            ACCUMULATE=accumulate, BF16=out.dtype == torch.bfloat16, BLOCK_N=block,
+            ACCUMULATE=accumulate, BF16=out.dtype == torch.bfloat16, BLOCK_N=block, **pdl_args(out),
         )  # fmt: skip
     return out
 
@@ -487,6 +510,7 @@ def moe_experts_triton(
         BLOCK_M=bm,
         EP=triton.next_power_of_2(E),
         num_warps=num_warps,
+        **pdl_args(x),
     )
     _gate_up_kernel[(blocks, triton.cdiv(I, block_n[0]))](
         x,

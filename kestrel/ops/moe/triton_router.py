@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.ops.pdl import pdl_args, pdl_begin
+
 
 @triton.jit
 def _select(
@@ -53,9 +55,12 @@ def _select(
 
 
 @triton.jit
-def _router_partial_kernel(h, weight, partial, E, D, stride_h, S, BE: tl.constexpr, BD: tl.constexpr):
+def _router_partial_kernel(
+    h, weight, partial, E, D, stride_h, S, BE: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False
+):
     """Program (t, s): token t's fp32 logits over the hidden slice [s * BD, (s + 1) * BD), every expert at
     once, into partial[t, s, :BE]. The slices run side by side instead of one after another in one program."""
+    pdl_begin(PDL)
     t = tl.program_id(0)
     s = tl.program_id(1)
     cols = tl.arange(0, BE)
@@ -85,9 +90,11 @@ def _router_sum_kernel(
     BA: tl.constexpr,
     BE: tl.constexpr,
     BS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Token t's logits: its S partial sums (partial[t * stride_t + s * stride_s + e]) added in a fixed order
     (the same bits on every run), then routed."""
+    pdl_begin(PDL)
     t = tl.program_id(0)
     cols = tl.arange(0, BE)
     acc = tl.zeros([BE], dtype=tl.float32)
@@ -162,7 +169,16 @@ def route_hidden_triton(
     partial = torch.empty(T, S, BE, dtype=torch.float32, device=hidden.device)  # [T, S, BE]
     if T:
         _router_partial_kernel[(T, S)](
-            hidden, router_weight.contiguous(), partial, E, D, hidden.stride(0), S, BE=BE, BD=BD
+            hidden,
+            router_weight.contiguous(),
+            partial,
+            E,
+            D,
+            hidden.stride(0),
+            S,
+            BE=BE,
+            BD=BD,
+            **pdl_args(partial),
         )
     return _route(
         _router_sum_kernel,
@@ -199,5 +215,6 @@ def _route(kernel, inputs, sizes, T, E, correction_bias, top_k, renormalize, sca
         BA=triton.next_power_of_2(top_k),
         BE=triton.next_power_of_2(E),
         **meta,
+        **pdl_args(weights),
     )
     return weights, ids

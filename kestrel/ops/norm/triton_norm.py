@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.ops.pdl import pdl_args, pdl_begin
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -30,7 +32,9 @@ def _rms_norm_kernel(
     G_ALIGN: tl.constexpr,
     GATE: tl.constexpr,
     BD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     stride_x, stride_g = x_units * X_ALIGN, g_units * G_ALIGN  # known multiples: rows load as vectors
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
@@ -47,8 +51,19 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _layer_norm_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, D, x_units, stride_o, eps, X_ALIGN: tl.constexpr, BD: tl.constexpr
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    D,
+    x_units,
+    stride_o,
+    eps,
+    X_ALIGN: tl.constexpr,
+    BD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     stride_x = x_units * X_ALIGN  # a known multiple: rows load as vectors
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
@@ -115,6 +130,7 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor 
             GATE=gate is not None,
             BD=BD,
             num_warps=min(16, max(1, BD // 256)),
+            **pdl_args(out),
         )
     return out.view(x.shape)
 
@@ -146,6 +162,6 @@ def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
         x_align = row_align(rows.stride(0))
         _layer_norm_kernel[(rows.shape[0],)](
             rows, weight, bias, out, D, rows.stride(0) // x_align, out.stride(0), float(eps), X_ALIGN=x_align,
-            BD=BD, num_warps=min(16, max(1, BD // 256)),
+            BD=BD, num_warps=min(16, max(1, BD // 256)), **pdl_args(out),
         )  # fmt: skip
     return out.view(x.shape)
