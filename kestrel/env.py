@@ -128,6 +128,10 @@ class Env:
     kestrel.ops.dsa.triton_topk, with a warning) | cuda (the CUDA kernel; an error when it cannot be built) |
     triton. All select the same positions; on the H200 the CUDA kernel took 43.2 us for 64 x 131072 scores,
     k = 2048, against Triton's 134 and torch.topk's 192.5 in the same run (2026-12-01, session 19)."""
+    gemv: str
+    """KESTREL_GEMV: at inference on CUDA, linear layers over at most kestrel.ops.linear.GEMV_MAX_ROWS rows run the
+    Triton GEMV (kestrel.ops.linear.triton_gemv: launched with PDL, its weights asked into L2 before it waits)
+    instead of cuBLAS: auto | off."""
     pdl: str
     """KESTREL_PDL: the decode step's Triton kernels launch with programmatic dependent launch on Hopper and later
     (kestrel.ops.pdl): auto | off."""
@@ -163,6 +167,7 @@ _READERS = {
     "fused_ops": lambda: _str("KESTREL_FUSED_OPS", "auto", ("auto", "off")),
     "train_attention": lambda: _str("KESTREL_TRAIN_ATTENTION", "sdpa", ("sdpa", "flex")),
     "dsa_topk": lambda: _str("KESTREL_DSA_TOPK", "auto", ("auto", "cuda", "triton")),
+    "gemv": lambda: _str("KESTREL_GEMV", "auto", ("auto", "off")),
     "pdl": lambda: _str("KESTREL_PDL", "auto", ("auto", "off")),
     "cache_dir": lambda: _path("KESTREL_CACHE_DIR"),
     "cuda_home": lambda: _path("CUDA_HOME") or _path("CUDA_PATH"),

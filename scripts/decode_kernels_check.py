@@ -30,6 +30,7 @@ timed on the device in one run, one JSON result:
    256, against their bytes and the launch floor in the same graph.
 8. `pdl`: a chain of 200 dependent decode kernels in one CUDA graph with programmatic dependent launch off and on
    (kestrel.ops.pdl), us a kernel.
+9. `gemv`: decode's linear layers through cuBLAS against the Triton GEMV (kestrel.ops.linear), us a projection.
 Each section catches its own exceptions; the JSON is rewritten after every section. `--smoke` runs every section at
 tiny sizes on the CPU under TRITON_INTERPRET=1 (the figures mean nothing there).
 """
@@ -645,6 +646,45 @@ def pdl(result: dict, device: str, smoke: bool) -> None:
         print(f"pdl B={B}: {entry}", flush=True)
 
 
+def _norm_then_linear(x, norm_w, w):
+    from kestrel.ops.linear import linear
+    from kestrel.ops.norm.triton_norm import rms_norm_triton
+
+    return linear(rms_norm_triton(x, norm_w, 1e-6), w)
+
+
+def gemv(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
+    """The linear layers at decode sizes (kestrel.ops.linear): cuBLAS (KESTREL_GEMV=off) against the Triton GEMV
+    (PDL, weights asked into L2 before the wait), each projection after an RMSNorm of its input as in a layer,
+    mini's shapes (N x K: 3072 x 2048 MLA q, 576 x 2048 kv_a, 2048 x 1024 KDA o, 4096 x 2048 KDA q|k|v|f), a
+    layer's weights apiece in one CUDA graph of 24 layers; us a projection against its weight bytes at the copy
+    rate, batch 1 / 4 / 16; outputs compared with cuBLAS's."""
+    shapes, layers, batches = (
+        ([(48, 32), (16, 64)], 2, (1, 3))
+        if smoke
+        else ([(3072, 2048), (576, 2048), (2048, 1024), (4096, 2048)], 24, (1, 4, 16))
+    )
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = result["gemv"] = {}
+    for N, K in shapes:
+        ws = [(torch.randn(N, K, generator=g, device=device) * 0.02).to(dtype) for _ in range(layers)]
+        norm_w = torch.ones(K, device=device, dtype=dtype)
+        floor_us = 1e6 * N * K * ws[0].element_size() / (ceilings["copy_TBps"] * 1e12)
+        for B in batches:
+            x = torch.randn(B, K, generator=g, device=device).to(dtype)
+            entry = rows[f"{N}x{K} B={B}"] = {"floor_us": floor_us}
+            outs = {}
+            for mode in ("off", "auto"):
+                os.environ["KESTREL_GEMV"] = mode
+                calls = [functools.partial(_norm_then_linear, x, norm_w, w) for w in ws]
+                outs[mode] = calls[0]().float()
+                entry[f"{mode}_us"] = calls_us(calls, device)
+            os.environ.pop("KESTREL_GEMV")
+            entry["close"] = bool(torch.allclose(outs["auto"], outs["off"], rtol=2e-2, atol=2e-2))
+            print(f"gemv {N}x{K} B={B}: {entry}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "decode_kernels.json"))
@@ -681,6 +721,7 @@ def main() -> None:
         "moe_anatomy": lambda: moe_anatomy(result, device, args.smoke, ceilings),
         "small_kernels": lambda: small_kernels(result, device, args.smoke, ceilings),
         "pdl": lambda: pdl(result, device, args.smoke),
+        "gemv": lambda: gemv(result, device, args.smoke, ceilings),
     }
     for name in args.sections.split(","):
         try:

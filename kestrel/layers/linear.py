@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kestrel.ops.linear import linear
 from kestrel.utils.dist import parallel_state
 
 
@@ -49,7 +49,7 @@ class Linear(nn.Module):
         self.weight = set_loader(nn.Parameter(torch.empty(out_features, in_features, dtype=dtype)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class ColumnLinear(Linear):

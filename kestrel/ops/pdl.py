@@ -45,9 +45,38 @@ _devices: dict[int, bool] = {}  # device index -> PDL works there
 def pdl_begin(PDL: tl.constexpr):
     """The first statement of a kernel launched with `pdl_args`: let the next kernel launch (its programs
     take the SMs this kernel's last wave leaves free), then wait until the previous kernel has finished."""
+    pdl_launch_next(PDL)
+    pdl_wait(PDL)
+
+
+@triton.jit
+def pdl_launch_next(PDL: tl.constexpr):
+    """`pdl_begin`'s first half, for a kernel with work to do before the wait (`l2_prefetch`)."""
     if PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """`pdl_begin`'s second half: nothing another kernel writes may be read or written before it."""
+    if PDL:
         gdc_wait()
+
+
+@triton.jit
+def l2_prefetch(ptrs, nbytes):
+    """Ask for `nbytes` from each address of `ptrs` into L2 (a bulk prefetch each, sm_90+; nbytes and the
+    addresses multiples of 16) without waiting for them. Between `pdl_launch_next` and `pdl_wait`: memory no
+    kernel writes (weights) streams in while the kernel before ends. Compiled only on such GPUs (the CPU
+    interpreter has no inline assembly): call it under a constexpr that `pdl_args` set."""
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+        "=r,l,r",
+        [ptrs, tl.zeros(ptrs.shape, tl.int32) + nbytes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 def _supported(index: int) -> bool:

@@ -1,0 +1,40 @@
+"""`linear(x, W)`: y = x W^T, through the Triton GEMV of `triton_gemv` for a few rows at inference on CUDA
+(decode: each projection a graph node that launches with PDL and asks for its weights before it waits),
+else through `naive.linear_reference` (cuBLAS)."""
+
+from __future__ import annotations
+
+import torch
+
+from kestrel.env import env_field
+from kestrel.ops.linear.naive import linear_reference
+
+# Up to this many rows (tokens) the GEMV runs, and up to this many output features (the LM head's 129K stay with
+# cuBLAS, which reads them at the copy rate).
+GEMV_MAX_ROWS = 16
+GEMV_MAX_N = 16384
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Inference (autograd not recording), CUDA, 16-bit x and W of one dtype, W [N, K] contiguous with
+    N <= GEMV_MAX_N, at most GEMV_MAX_ROWS rows, KESTREL_GEMV on."""
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    if weight.dim() != 2 or not weight.is_contiguous() or weight.shape[0] > GEMV_MAX_N:
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    return 0 < rows <= GEMV_MAX_ROWS and env_field("gemv") == "auto"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K], weight [N, K] -> [..., N] in x.dtype."""
+    if gemv_applies(x, weight):
+        from kestrel.ops.linear.triton_gemv import gemv_triton
+
+        return gemv_triton(x, weight)
+    return linear_reference(x, weight)
+
+
+__all__ = ["GEMV_MAX_N", "GEMV_MAX_ROWS", "gemv_applies", "linear", "linear_reference"]
