@@ -120,7 +120,9 @@ def profile_replay(replay, reps: int = 5, top: int = 20) -> dict:
     time against the profiled replays' own time (CUDA events around them), the time by category, and the `top`
     kernels. The shared experts run on a side stream, beside the routed ones: kernel times that overlap are
     each counted, so the summed time can exceed the step's (busy_share > 1); under 1, the rest is the GPU
-    idling between kernels."""
+    idling between kernels. With programmatic dependent launch (kestrel.ops.pdl, on by default on Hopper) a
+    kernel starts while the one before it ends and its span includes its wait for it (mini's batch-1 step summed
+    323% of its replay, session 23): for each kernel's own time, profile with KESTREL_PDL=off."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
