@@ -129,9 +129,9 @@ class Env:
     triton. All select the same positions; on the H200 the CUDA kernel took 43.2 us for 64 x 131072 scores,
     k = 2048, against Triton's 134 and torch.topk's 192.5 in the same run (2026-12-01, session 19)."""
     gemv: str
-    """KESTREL_GEMV: at inference on CUDA, linear layers over at most kestrel.ops.linear.GEMV_MAX_ROWS rows run the
-    Triton GEMV (kestrel.ops.linear.triton_gemv: launched with PDL, its weights asked into L2 before it waits)
-    instead of cuBLAS: auto | off."""
+    """KESTREL_GEMV: at inference on a GPU where PDL is on (Hopper and later), linear layers over at most
+    kestrel.ops.linear.GEMV_MAX_ROWS rows run the Triton GEMV (kestrel.ops.linear.triton_gemv: launched with PDL,
+    its weights asked into L2 before it waits) instead of cuBLAS: auto | off."""
     pdl: str
     """KESTREL_PDL: the decode step's Triton kernels launch with programmatic dependent launch on Hopper and later
     (kestrel.ops.pdl): auto | off."""

@@ -18,7 +18,7 @@ batch 1 1.60 / 0.93, 64 1.79 / 1.17, 256 1.99 / 1.87, the same bits. mini's deco
 replay, 4K): batch 1 1.97 -> 1.84 ms, batch 64 4.12 / 4.14, batch 256 6.61 / 6.58 (its kernels are long: the
 ramp-up saved is small beside them).
 
-On other devices (the CPU, Triton's interpreter, GPUs before compute capability 9.0, a Triton without
+On other devices (the CPU, Triton's interpreter, GPUs before compute capability 9.0, ROCm, a Triton without
 `launch_pdl`) or with KESTREL_PDL=off, `pdl_args` is empty and the kernels compile without the two
 instructions.
 """
@@ -80,8 +80,8 @@ def l2_prefetch(ptrs, nbytes):
 
 
 def _supported(index: int) -> bool:
-    if gdc_wait is None or env_field("triton_interpret"):
-        return False
+    if gdc_wait is None or env_field("triton_interpret") or torch.version.hip is not None:
+        return False  # ROCm reports compute capabilities >= 9 too, without griddepcontrol
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:

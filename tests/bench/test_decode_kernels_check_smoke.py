@@ -52,6 +52,8 @@ def test_decode_kernels_check_smoke(tmp_path):
     routers = [small[f"router T={T}"] for T in (1, 4)]
     assert all(v for r in routers for k, v in r.items() if k.startswith("same_experts")), routers
     assert len(routers[0]) == 10 and len(routers[1]) == 2  # batch 1 sweeps the slices; past it one setting
+    # pdl and gemv: off the GPU both modes run the same code (no PDL, cuBLAS's place taken by F.linear on the
+    # CPU), so these show the sections run; their comparisons mean something on the H200 only
     assert all(entry["same_bits"] for entry in result["pdl"]["batches"].values()), result["pdl"]
     gemv = result["gemv"]
     assert len(gemv) == 4 and all(entry["close"] for entry in gemv.values()), gemv

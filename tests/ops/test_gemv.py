@@ -52,33 +52,75 @@ def test_gemv_strided_rows_and_leading_dims():
 
 
 def test_linear_picks_the_gemv_only_where_it_applies(monkeypatch):
+    from kestrel.ops.pdl import pdl_args
+
     w = torch.zeros(8, 16, dtype=torch.bfloat16)
     x = torch.zeros(1, 16, dtype=torch.bfloat16)
     assert not linear_ops.gemv_applies(x, w)  # the CPU: F.linear
     if torch.cuda.is_available():
         xc, wc = x.cuda(), w.cuda()
-        assert linear_ops.gemv_applies(xc, wc)
+        tuned = bool(pdl_args(xc))  # Hopper: the GEMV's setup
+        assert linear_ops.gemv_applies(xc, wc) == tuned
         assert not linear_ops.gemv_applies(torch.zeros(17, 16, dtype=torch.bfloat16, device="cuda"), wc)
         assert not linear_ops.gemv_applies(xc.float(), wc.float())
-        assert not linear_ops.gemv_applies(xc, wc.requires_grad_())  # autograd records: cuBLAS
+        assert not linear_ops.gemv_applies(xc, wc.half())
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert not linear_ops.gemv_applies(xc, wc)
+        assert not linear_ops.gemv_applies(xc, wc.clone().requires_grad_())  # autograd records: cuBLAS
         with torch.no_grad():
-            assert linear_ops.gemv_applies(xc, wc)
+            assert linear_ops.gemv_applies(xc, wc.clone().requires_grad_()) == tuned
         monkeypatch.setenv("KESTREL_GEMV", "off")
-        assert not linear_ops.gemv_applies(xc, wc.detach())
+        assert not linear_ops.gemv_applies(xc, wc)
+
+
+@cuda
+def test_linear_layer_routes_to_the_gemv(monkeypatch):
+    from kestrel.layers.linear import Linear
+    from kestrel.ops.linear import triton_gemv
+    from kestrel.ops.pdl import pdl_args
+
+    calls = []
+    real = triton_gemv.gemv_triton
+    monkeypatch.setattr(triton_gemv, "gemv_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    layer = Linear(256, 96, dtype=torch.bfloat16).cuda()
+    torch.nn.init.normal_(layer.weight, std=0.05)
+    x = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = layer(x)
+    _close(got, F.linear(x, layer.weight))
+    assert len(calls) == (1 if pdl_args(x) else 0)
 
 
 @cuda
 @pytest.mark.parametrize("M", [1, 4, 16])
 @pytest.mark.parametrize("N,K", [(3072, 2048), (576, 2048), (2048, 1024), (8, 2048)])
-def test_gemv_mini_shapes_and_graph(M, N, K):
-    from tests.ops.graph_check import assert_replay_matches_eager
-
+def test_gemv_mini_shapes(M, N, K):
     g = torch.Generator(device="cuda").manual_seed(M + N)
     w = torch.randn(N, K, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(M, K, generator=g, device="cuda", dtype=torch.bfloat16)
     _close(gemv_triton(x, w), F.linear(x, w))
 
-    def two(a):  # the second GEMV reads the first one's output: the PDL wait must hold
-        return gemv_triton(gemv_triton(a, w)[:, :K].contiguous() if N >= K else a, w)
 
-    assert_replay_matches_eager(two, [x.clone()], [torch.randn_like(x)])
+@cuda
+@pytest.mark.parametrize("M", [1, 5, 16])
+@pytest.mark.parametrize("K", [1024, 2048])
+def test_gemv_chain_in_a_graph(M, K):
+    """As in a decode step: RMSNorm, then the GEMV, twice over, each kernel reading the one before (with PDL: the
+    GEMV's prefetch before its wait, the norm's wait); a graph replay on fresh inputs against eager."""
+    from kestrel.ops.norm.triton_norm import rms_norm_triton
+    from tests.ops.graph_check import assert_replay_matches_eager
+
+    g = torch.Generator(device="cuda").manual_seed(M + K)
+    w1, w2 = (torch.randn(K, K, generator=g, device="cuda", dtype=torch.bfloat16) * K**-0.5 for _ in range(2))
+    norm_w = torch.rand(K, generator=g, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def chain(a):
+        return gemv_triton(
+            rms_norm_triton(gemv_triton(rms_norm_triton(a, norm_w, 1e-6), w1), norm_w, 1e-6), w2
+        )
+
+    x = torch.randn(M, K, generator=g, device="cuda", dtype=torch.bfloat16)
+    want = F.linear(F.rms_norm(F.linear(F.rms_norm(x.float(), (K,), norm_w.float(), 1e-6).bfloat16(), w1).float(),
+                               (K,), norm_w.float(), 1e-6).bfloat16(), w2)  # fmt: skip
+    _close(chain(x), want)
+    assert_replay_matches_eager(chain, [x.clone()], [torch.randn_like(x)])

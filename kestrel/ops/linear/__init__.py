@@ -8,6 +8,7 @@ import torch
 
 from kestrel.env import env_field
 from kestrel.ops.linear.naive import linear_reference
+from kestrel.ops.pdl import pdl_args
 
 # Up to this many rows (tokens) the GEMV runs, and up to this many output features (the LM head's 129K stay with
 # cuBLAS, which reads them at the copy rate).
@@ -16,11 +17,16 @@ GEMV_MAX_N = 16384
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Inference (autograd not recording), CUDA, 16-bit x and W of one dtype, W [N, K] contiguous with
-    N <= GEMV_MAX_N, at most GEMV_MAX_ROWS rows, KESTREL_GEMV on."""
+    """Inference (autograd not recording, no autocast), 16-bit x and W of one dtype, W [N, K] contiguous with
+    N <= GEMV_MAX_N, at most GEMV_MAX_ROWS rows, KESTREL_GEMV on, and a GPU where PDL is on (`pdl_args`:
+    Hopper and later, the setup the GEMV was tuned and timed on; its 4-stage tiles need Hopper's shared memory).
+    The path follows the row count: a token's projection may differ in the last bits between a batch of 16 and
+    one of 17 (cuBLAS's own kernels change with the batch as well)."""
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    if torch.is_autocast_enabled("cuda") or not pdl_args(x):
         return False
     if weight.dim() != 2 or not weight.is_contiguous() or weight.shape[0] > GEMV_MAX_N:
         return False

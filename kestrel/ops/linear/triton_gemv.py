@@ -60,7 +60,7 @@ def _gemv_kernel(
 # bench/results/2026-12-01-h200-session23.json): mini's projections after an RMSNorm, 24 layers' weights in one
 # CUDA graph, block_n 16 / 32 / 64 x block_k 128 / 256 x 2-4 stages x prefetch on / off. 64 weight rows a program
 # (32 below 2048 outputs: more programs), 256-wide steps, 4 stages; the L2 prefetch paid up to 8 MB of weights
-# (2048 x 1024: 4.6 against 5.8 us without) and cost above (3072 x 2048 at batch 1: 8.5 against 7.8).
+# (2048 x 1024 at batch 1: 4.6 against 5.4 us without) and cost above (3072 x 2048 at batch 1: 8.5 against 7.8).
 PREFETCH_MAX_BYTES = 8 << 20
 
 
