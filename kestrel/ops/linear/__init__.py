@@ -24,14 +24,14 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     one of 17 (cuBLAS's own kernels change with the batch as well)."""
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         return False
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not 0 < rows <= GEMV_MAX_ROWS:  # first: prefill's calls leave before the environment is read
         return False
-    if torch.is_autocast_enabled("cuda") or not pdl_args(x):
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
     if weight.dim() != 2 or not weight.is_contiguous() or weight.shape[0] > GEMV_MAX_N:
         return False
-    rows = x.numel() // max(x.shape[-1], 1)
-    return 0 < rows <= GEMV_MAX_ROWS and env_field("gemv") == "auto"
+    return not torch.is_autocast_enabled("cuda") and bool(pdl_args(x)) and env_field("gemv") == "auto"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
