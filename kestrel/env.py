@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -187,3 +189,19 @@ def env_field(name: str):
 def fused_ops_on() -> bool:
     """KESTREL_FUSED_OPS alone (is it auto?): every fused op asks at each inference call."""
     return env_field("fused_ops") == "auto"
+
+
+@contextlib.contextmanager
+def env_overrides(switches: dict[str, str]) -> Iterator[None]:
+    """The environment variables `switches` set for the block, then restored (or removed) after it: for the
+    scripts that time one path against another in one process (the switches are read at each call)."""
+    saved = {name: os.environ.get(name) for name in switches}
+    os.environ.update(switches)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -52,6 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kestrel.bench.roofline import device_name, graph_ms, measure_ceilings, time_ms  # noqa: E402
+from kestrel.env import env_overrides  # noqa: E402
 
 CALLS_PER_STEP = 24  # mini's MoE layers: the sort runs once in each
 
@@ -638,10 +639,9 @@ def pdl(result: dict, device: str, smoke: bool) -> None:
 
         entry = rows["batches"][B] = {}
         for mode in ("off", "auto"):
-            os.environ["KESTREL_PDL"] = mode
-            us = calls_us([functools.partial(chain, key=mode)], device)
+            with env_overrides({"KESTREL_PDL": mode}):
+                us = calls_us([functools.partial(chain, key=mode)], device)
             entry[f"{mode}_us_per_kernel"] = us / rows["kernels"]
-        os.environ.pop("KESTREL_PDL")
         entry["same_bits"] = bool(torch.equal(outs["off"], outs["auto"]))
         print(f"pdl B={B}: {entry}", flush=True)
 
@@ -675,12 +675,11 @@ def gemv(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
             x = torch.randn(B, K, generator=g, device=device).to(dtype)
             entry = rows[f"{N}x{K} B={B}"] = {"floor_us": floor_us}
             outs = {}
+            calls = [functools.partial(_norm_then_linear, x, norm_w, w) for w in ws]
             for mode in ("off", "auto"):
-                os.environ["KESTREL_GEMV"] = mode
-                calls = [functools.partial(_norm_then_linear, x, norm_w, w) for w in ws]
-                outs[mode] = calls[0]().float()
-                entry[f"{mode}_us"] = calls_us(calls, device)
-            os.environ.pop("KESTREL_GEMV")
+                with env_overrides({"KESTREL_GEMV": mode}):
+                    outs[mode] = calls[0]().float()
+                    entry[f"{mode}_us"] = calls_us(calls, device)
             entry["close"] = bool(torch.allclose(outs["auto"], outs["off"], rtol=2e-2, atol=2e-2))
             print(f"gemv {N}x{K} B={B}: {entry}", flush=True)
 

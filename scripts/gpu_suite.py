@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kestrel.env import env_overrides  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -276,23 +277,8 @@ def _path(backend: str):
         "KESTREL_MOE_GROUPED_MM": "off" if ref else os.environ.get("KESTREL_MOE_GROUPED_MM", "auto"),
         "KESTREL_ATTN_BACKEND": "torch" if ref else "auto",
     }
-    with _environ(switches):
+    with env_overrides(switches):
         yield
-
-
-@contextlib.contextmanager
-def _environ(switches: dict[str, str]):
-    """The environment variables `switches` set for the block, then restored (or removed) after it."""
-    saved = {name: os.environ.get(name) for name in switches}
-    os.environ.update(switches)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _forward(model, ids: torch.Tensor, backend: str, replay: tuple | None = None):
@@ -356,7 +342,7 @@ def _parity_prompt(model: str, vocab: int, length: int) -> tuple[torch.Tensor, s
 def _kda_prefill(form: str):
     """fla's KDA prefill in one form for the block: "chunked" (KESTREL_KDA_RECURRENT_PREFILL=0) or "recurrent"
     (the threshold above any parity prompt)."""
-    with _environ({"KESTREL_KDA_RECURRENT_PREFILL": {"chunked": "0", "recurrent": str(1 << 30)}[form]}):
+    with env_overrides({"KESTREL_KDA_RECURRENT_PREFILL": {"chunked": "0", "recurrent": str(1 << 30)}[form]}):
         yield
 
 
@@ -421,7 +407,7 @@ def _parity_floor(preset: str, init: str) -> dict:
         start = time.perf_counter()
         cpu_ids, cpu_choices = ids.cpu(), _to_cpu(choices32)
         model = fp32.to("cpu")  # in place: fp32, then bf16
-        with _environ({"KESTREL_FUSED_OPS": "off"}):
+        with env_overrides({"KESTREL_FUSED_OPS": "off"}):
             cpu_ref32 = _forward(model, cpu_ids, "naive", cpu_choices)[0]
             out["cpu_reference_fp32"] = _rel(ref32.cpu(), cpu_ref32)
             model.to(torch.bfloat16)
@@ -724,7 +710,7 @@ def engine_decode() -> dict:
         engine.runner.use_cuda_graph = graph_modes[0]
         if graph_modes[0] and batch in S.overlap_batches:  # the shared experts in line (the default: a side
             # stream), graphs again
-            with _environ({"KESTREL_MOE_OVERLAP_SHARED": "0"}):
+            with env_overrides({"KESTREL_MOE_OVERLAP_SHARED": "0"}):
                 engine.runner.recapture_graphs()
                 _timed_steps(engine, 3)
                 seconds, tokens = _timed_steps(engine, S.decode_steps)
@@ -1027,7 +1013,7 @@ def prefill_bench() -> dict:
         }
         # the same step with each sparse-prefill kernel forced (the default, auto, weighs their pairs)
         for mode in ("rows", "expanded"):
-            with _environ({"KESTREL_SPARSE_PREFILL": mode}):
+            with env_overrides({"KESTREL_SPARSE_PREFILL": mode}):
                 _prefill_step(engine, n, length, g)  # compile
                 entry[f"step_s_sparse_prefill_{mode}"] = min(
                     _prefill_step(engine, n, length, g) for _ in range(2)

@@ -1,5 +1,7 @@
 """KESTREL_* variables: defaults, parsing, and a clear error that names a bad one."""
 
+import os
+
 import pytest
 
 from kestrel.env import read_env
@@ -37,3 +39,13 @@ def test_a_bad_value_is_named(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
         read_env()
+
+
+def test_env_overrides_restores_what_was_there(monkeypatch):
+    from kestrel.env import env_field, env_overrides
+
+    monkeypatch.setenv("KESTREL_PDL", "off")
+    monkeypatch.delenv("KESTREL_GEMV", raising=False)
+    with env_overrides({"KESTREL_PDL": "auto", "KESTREL_GEMV": "off"}):
+        assert env_field("pdl") == "auto" and env_field("gemv") == "off"
+    assert os.environ["KESTREL_PDL"] == "off" and "KESTREL_GEMV" not in os.environ

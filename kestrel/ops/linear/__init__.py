@@ -1,6 +1,6 @@
-"""`linear(x, W)`: y = x W^T, through the Triton GEMV of `triton_gemv` for a few rows at inference on CUDA
-(decode: each projection a graph node that launches with PDL and asks for its weights before it waits),
-else through `naive.linear_reference` (cuBLAS)."""
+"""`linear(x, W)`: y = x W^T, through the Triton GEMV of `triton_gemv` for a few rows at inference where PDL is
+on (decode on Hopper: each projection a graph node that launches with PDL and asks for its weights before it
+waits), else through `naive.linear_reference` (cuBLAS)."""
 
 from __future__ import annotations
 

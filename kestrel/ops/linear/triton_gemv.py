@@ -9,9 +9,10 @@ the next kernel launch, then asks for its whole weight slice into L2 (one bulk p
 waits for the kernel before it: weights do not depend on it, so they stream in while it ends, and the loop
 reads them from L2.
 
-Where it runs: `kestrel.ops.linear.linear`, from every `Linear` layer at inference on CUDA up to GEMV_MAX_ROWS
-rows. cuBLAS's kernels for one row read mini's projections at a fraction of the copy rate (84 calls of ~5 us at
-batch 1 in session 19's profile, for 0.30 ms of weights at the copy rate) and cannot launch with PDL.
+Where it runs: `kestrel.ops.linear.linear`, from every `Linear` layer at inference up to GEMV_MAX_ROWS rows
+where PDL is on (`gemv_applies`). cuBLAS's kernels for one row read mini's projections at a fraction of the
+copy rate (84 calls of ~5 us at batch 1 in session 19's profile, for 0.30 ms of weights at the copy rate) and
+cannot launch with PDL.
 """
 
 from __future__ import annotations
