@@ -16,7 +16,7 @@
    sequence ([4096, 4096], causal lens, k = 2048) and the demo model's training row of 8704 tokens (the 4096
    queries deepest in it, [4096, 8704], k = 256), topk_cuda's variants against topk_triton, randn scores;
 6. times decode's shapes (`rows_sweep`): B = 1-256 rows of 4096-131072 scores, k = 2048, every variant and
-   topk_cuda's pick (where the two-block cluster of variant 3 stops paying).
+   topk_cuda's pick (where the two-block cluster of variant 5 stops paying).
 Each section catches its own exceptions; the JSON is rewritten after every section.
 """
 
@@ -264,7 +264,7 @@ def shapes(result: dict) -> None:
 
 def rows_sweep(result: dict) -> None:
     """Decode's shapes: B rows of width L, k = 2048, every variant and `auto` (topk_cuda's own pick,
-    cuda_topk.choose_variant), to find where a row's second block (variant 3, a two-block cluster) stops paying:
+    cuda_topk.choose_variant), to find where a row's second block (variant 5, a two-block cluster) stops paying:
     it should while 2 B blocks fit the SMs and rows are wide. Full rows, and rows of 4096 valid scores in a
     131072-wide buffer (decode's graphs pad the scores to the longest context)."""
     k = 2048

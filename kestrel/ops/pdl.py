@@ -10,7 +10,9 @@ boundaries (474 kernels a step on `mini`).
 The rule that keeps this correct: every kernel launched with PDL calls `pdl_begin(PDL)` before it reads or
 writes any memory another kernel touches. The wait covers the whole chain: the kernel waited for had itself
 waited for its predecessor before finishing. Kernels without PDL (cuBLAS, torch's own) launch as before, after
-the previous kernel has finished; a PDL kernel after one of them starts when it ends.
+the previous kernel has finished; a PDL kernel after one of them starts when it ends. The CUDA top-k
+(kestrel.ops.dsa.cuda_topk) keeps the same rule with the same switch: its launch takes the programmatic
+attribute where `pdl_args` is on, and its kernel lets the next launch, then waits, before its first read.
 
 Measured on the H200 (2026-12-01, session 23, scripts/decode_kernels_check.py --sections pdl): a chain of 200
 dependent kernels (RMSNorm, sigmoid gate) at width 2048 in one CUDA graph, us a kernel without / with PDL:

@@ -12,15 +12,29 @@ import warnings
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kestrel.ops.dsa import by_position, cuda_topk, topk_select
 from kestrel.ops.dsa.cuda_topk import available, topk_cuda
+from kestrel.ops.pdl import pdl_args, pdl_begin
 
 NAN, INF = float("nan"), float("inf")
 KERNEL = torch.cuda.is_available() and available()
 requires_kernel = pytest.mark.skipif(
     not KERNEL, reason=f"topk_cuda unavailable: {cuda_topk.UNAVAILABLE_REASON or 'no CUDA device'}"
 )
+
+
+@triton.jit
+def _slow_copy(src, dst, n, rounds, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """dst = src (nearly: rounds of float work first, a few microseconds), launched with PDL where it is on."""
+    pdl_begin(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(src + offs, mask=offs < n, other=0.0)
+    for _ in range(rounds):
+        x = x * 1.0000001 - x * 1e-7
+    tl.store(dst + offs, x, mask=offs < n)
 
 
 def run_topk(scores, lens, k, lens_dtype=torch.int64):
@@ -233,6 +247,22 @@ def test_the_cluster_variant_is_picked_for_few_wide_rows():
     assert cuda_topk.CLUSTER_VARIANT != cuda_topk.DEFAULT_VARIANT
 
 
+def test_short_rows_take_the_smaller_blocks():
+    """choose_variant: 256 threads a row up to SHORT_MAX_L, and up to MEDIUM_MAX_L for more rows than SMs (512
+    for fewer); 1024 past that, whatever the row count; the cluster's rule first."""
+    sms, short, medium = 132, cuda_topk.SHORT_VARIANT, cuda_topk.MEDIUM_VARIANT
+    assert len({short, medium, cuda_topk.DEFAULT_VARIANT, cuda_topk.CLUSTER_VARIANT}) == 4
+    for B in (1, 64, 256, 4096):
+        assert cuda_topk.choose_variant(B, 4096, sms, True) == short
+        assert cuda_topk.choose_variant(B, cuda_topk.SHORT_MAX_L, sms, True) == short
+        assert cuda_topk.choose_variant(B, cuda_topk.MEDIUM_MAX_L + 1, sms, True) == cuda_topk.DEFAULT_VARIANT
+    assert cuda_topk.choose_variant(sms, 8192, sms, True) == medium
+    assert cuda_topk.choose_variant(sms + 1, 8192, sms, True) == short
+    assert cuda_topk.choose_variant(4096, cuda_topk.MEDIUM_MAX_L, sms, False) == short
+    assert cuda_topk.choose_variant(1, cuda_topk.MEDIUM_MAX_L, sms, False) == medium
+    assert cuda_topk.SHORT_MAX_L < cuda_topk.MEDIUM_MAX_L < cuda_topk.CLUSTER_MIN_L
+
+
 @requires_kernel
 def test_the_cluster_is_probed_and_picked_on_sm90():
     g = torch.Generator(device="cuda").manual_seed(9)
@@ -296,3 +326,34 @@ def test_second_device_while_the_first_is_current():
     with torch.cuda.device(0):
         got = topk_cuda(scores.to("cuda:1"), lens.to("cuda:1"), 300)
     assert got.device == torch.device("cuda:1") and torch.equal(got.cpu(), want)
+
+
+@requires_kernel
+@pytest.mark.parametrize("variant", [None, 3])  # its own pick (1024 threads a row here), 256 threads a row
+def test_waits_for_the_scores_kernel_before_it_in_a_graph(variant):
+    """With programmatic dependent launch the top-k may start while the kernel before it ends (in the step: the
+    indexer's scores kernel, Triton, launched with PDL). In a CUDA graph after a slow PDL kernel that writes the
+    scores, it still selects from the scores that kernel wrote, not from what the buffer held before."""
+    B, L, k = 64, 4096, 2048
+    g = torch.Generator(device="cuda").manual_seed(12)
+    src, scores = torch.randn(B, L, generator=g, device="cuda"), torch.zeros(B, L, device="cuda")
+    lens, out = torch.full((B,), L, device="cuda"), torch.empty(B, k, dtype=torch.int64, device="cuda")
+
+    def step():
+        _slow_copy[(triton.cdiv(B * L, 1024),)](src, scores, B * L, 2000, BLOCK=1024, **pdl_args(src))
+        topk_cuda(scores, lens, k, out=out, variant=variant)
+
+    step()  # compiles and sets up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in range(3):
+        fresh = torch.Generator(device="cuda").manual_seed(seed)
+        src.copy_(torch.randn(B, L, generator=fresh, device="cuda"))
+        scores.zero_()  # a top-k that ran ahead would select positions 0 .. k - 1
+        out.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, by_position(topk_select(scores, lens - 1, k)))
+        assert not torch.equal(out[:, :k], torch.arange(k, device="cuda").expand(B, k))

@@ -1,4 +1,4 @@
-// Exact row-wise top-k for DSA in CUDA: one thread block per row (or two, variant 3), everything in shared memory.
+// Exact row-wise top-k for DSA in CUDA: one thread block per row (or two, variant 5), everything in shared memory.
 // `kestrel_topk_launch` selects what `triton_topk.topk_triton` selects (the contract is in cuda_topk.py), listed
 // in ascending position order, then -1. No torch headers: nvcc builds this in a few seconds.
 //
@@ -10,7 +10,7 @@
 // is 0x007FFFFF, in 11-bit digit 3). (key desc, position asc) is a strict total order and the selection is
 // its first min(k, valid) elements.
 //
-// Stages of one row (NT = 1024 threads):
+// Stages of one row (NT = 1024 threads; 256 or 512 in variants 3 and 4):
 // 1. `histogram` over the row: the top 11 key bits of the valid keys, 2048 shared bins (shared atomics).
 //    `find_threshold` gives the digit of T and the keys above it; with <= k valid keys every one is taken
 //    (T = 0, need = 0) and step 4 reads the row straight away.
@@ -25,7 +25,7 @@
 // bits; when even those exceed `cap`, the last digit also comes from the row and step 4 reads the row.
 // Step 4 stops at the chunk where the last selected position appears.
 //
-// With CL = 2 (variant 3, a cluster of two blocks a row; sm_90+) each block reads half of the row's slots and
+// With CL = 2 (variant 5, a cluster of two blocks a row; sm_90+) each block reads half of the row's slots and
 // keeps its own candidates; every histogram is summed over both blocks through distributed shared memory, so
 // both take every branch alike, and the first block's part is counted apart so that the second block's output
 // ranks start after the first block's keys > T and its keys == T.
@@ -41,8 +41,6 @@
 
 namespace {
 
-constexpr int NT = 1024;  // threads per row
-constexpr int NWARPS = NT / 32;
 constexpr int NB = 2048;  // bins of an 11-bit digit
 constexpr int CAP_MAX = 24576;  // candidates in shared memory: 8 B each, 192 KiB
 constexpr int MAX_DEVICES = 64;
@@ -57,7 +55,7 @@ __device__ __forceinline__ uint32_t sort_key(float x, bool valid) {
 }
 
 struct Shared {
-    unsigned long long scan[NWARPS];  // per-warp totals of a block scan
+    unsigned long long scan[32];  // per-warp totals of a block scan (at most 32 warps)
     uint32_t digit, above, at, f_above, f_at;  // find_threshold's answer
 };
 
@@ -76,8 +74,9 @@ __device__ __forceinline__ void row_sync() {
     }
 }
 
-// Exclusive prefix sum of v over the block's threads in thread order; `total` gets the block's sum. Fields packed
-// into v add independently as long as no field's block total overflows.
+// Exclusive prefix sum of v over the block's NT threads in thread order; `total` gets the block's sum. Fields
+// packed into v add independently as long as no field's block total overflows.
+template <int NT>
 __device__ __forceinline__ unsigned long long block_exclusive_scan(
     unsigned long long v, unsigned long long& total, Shared& sh) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -89,7 +88,7 @@ __device__ __forceinline__ unsigned long long block_exclusive_scan(
     }
     if (lane == 31) sh.scan[warp] = inc;
     __syncthreads();
-    const unsigned long long w = sh.scan[lane];  // NWARPS == 32: one warp total per lane
+    const unsigned long long w = lane < NT / 32 ? sh.scan[lane] : 0ull;  // one warp total per lane
     unsigned long long winc = w;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
@@ -164,7 +163,7 @@ __device__ __forceinline__ uint32_t bin_count(const uint32_t* hist, int d) {
 
 // Bin (key >> shift) & (nbins - 1) += 1 for every valid key with key >> pshift == prefix (every valid key when
 // ALL). Order does not matter: U slots per thread are loaded before any is used, for memory-level parallelism.
-template <bool ALL, int R, class Src>
+template <int NT, bool ALL, int R, class Src>
 __device__ __forceinline__ void histogram(
     const Src& src, uint32_t* hist, int pshift, uint32_t prefix, int shift, uint32_t nbins) {
     constexpr int U = 4;
@@ -194,10 +193,10 @@ struct Threshold {
     uint32_t f_above, f_at, f_total;  // the same counts in the first block's part of the row (CL = 2)
 };
 
-// Reads bins 0 .. nbins - 1 (nbins = NT or 2 NT) of the row's histogram: with CL = 2 the sum of this block's
+// Reads bins 0 .. nbins - 1 (nbins a multiple of NT) of the row's histogram: with CL = 2 the sum of this block's
 // `hist` and the other block's `peer` (distributed shared memory), with the first block's part counted apart.
 // Ends with a row_sync after its last read of either, so both may be overwritten after it.
-template <int R, int CL>
+template <int NT, int R, int CL>
 __device__ __forceinline__ Threshold find_threshold(
     const uint32_t* hist, const uint32_t* peer, int nbins, uint32_t need, Shared& sh) {
     const int per = nbins / NT;
@@ -213,7 +212,7 @@ __device__ __forceinline__ Threshold find_threshold(
     for (int i = 0; i < per; ++i) local += count(hi - i);
     if (threadIdx.x == 0) sh.digit = sh.above = sh.at = sh.f_above = sh.f_at = 0u;
     unsigned long long total;
-    unsigned long long cum = block_exclusive_scan(local, total, sh);  // keys in the bins above this thread's
+    unsigned long long cum = block_exclusive_scan<NT>(local, total, sh);  // keys in the bins above this thread's
     for (int i = 0; i < per; ++i) {
         const unsigned long long h = count(hi - i);
         const uint32_t c = (uint32_t)cum, hc = (uint32_t)h;
@@ -231,14 +230,14 @@ __device__ __forceinline__ Threshold find_threshold(
 }
 
 // Zero the histogram, count one digit of the keys under `prefix`, find the digit of the need-th largest.
-template <int R, int CL, class Src>
+template <int NT, int R, int CL, class Src>
 __device__ __forceinline__ Threshold digit_pass(const Src& src, uint32_t* hist, const uint32_t* peer, Shared& sh,
     int pshift, uint32_t prefix, int shift, int nbins, uint32_t need) {
     for (int i = threadIdx.x; i < nbins * R; i += NT) hist[i] = 0u;
     __syncthreads();
-    histogram<false, R>(src, hist, pshift, prefix, shift, nbins);
+    histogram<NT, false, R>(src, hist, pshift, prefix, shift, nbins);
     row_sync<CL>();
-    return find_threshold<R, CL>(hist, peer, nbins, need, sh);
+    return find_threshold<NT, R, CL>(hist, peer, nbins, need, sh);
 }
 
 inline __device__ uint32_t field16(unsigned long long v, int i) { return (uint32_t)(v >> (16 * i)) & 0xffffu; }
@@ -246,7 +245,7 @@ inline __device__ uint32_t field16(unsigned long long v, int i) { return (uint32
 // Copy the (key, position) of every key >= lo (`count` of them) to shared memory in position order. Chunks of
 // 4 NT slots; a thread's 4 slot counts are 16-bit fields of one block scan (a field's total is <= 4 NT). With
 // PREFETCH the next chunk's loads are issued before this chunk's scan, so their latency overlaps it.
-template <bool PREFETCH>
+template <int NT, bool PREFETCH>
 __device__ void gather(const Row& row, uint32_t lo, uint32_t count, uint32_t* ckey, int* cpos, Shared& sh) {
     constexpr int V = 4;
     uint32_t run = 0;  // block-uniform: candidates written so far
@@ -276,7 +275,7 @@ __device__ void gather(const Row& row, uint32_t lo, uint32_t count, uint32_t* ck
             for (int i = 0; i < V; ++i) raw[i] = row.fetch(c0 + (V + i) * NT + threadIdx.x);
         }
         unsigned long long total;
-        const unsigned long long excl = block_exclusive_scan(packed, total, sh);
+        const unsigned long long excl = block_exclusive_scan<NT>(packed, total, sh);
 #pragma unroll
         for (int i = 0; i < V; ++i) {  // slot i of every thread precedes slot i + 1 of every thread
             uint32_t r = run + field16(excl, i);
@@ -297,7 +296,7 @@ __device__ void gather(const Row& row, uint32_t lo, uint32_t count, uint32_t* ck
 // taken ones, which is position order; n_sel is how many that makes, and the pass stops once all are written.
 // `above` and `tie` count the keys > T and == T before src (in the first block's part of the row, for the
 // second block). Chunks of 2 NT slots; per slot two 16-bit fields of one block scan: keys > T and keys == T.
-template <class Src>
+template <int NT, class Src>
 __device__ void select(const Src& src, uint32_t T, uint32_t need, uint32_t n_sel, uint32_t above, uint32_t tie,
     long long* out, Shared& sh) {
     constexpr int V = 2;
@@ -321,7 +320,7 @@ __device__ void select(const Src& src, uint32_t T, uint32_t need, uint32_t n_sel
             packed |= (unsigned long long)(a | t << 16) << (32 * i);
         }
         unsigned long long total;
-        const unsigned long long excl = block_exclusive_scan(packed, total, sh);
+        const unsigned long long excl = block_exclusive_scan<NT>(packed, total, sh);
 #pragma unroll
         for (int i = 0; i < V; ++i) {
             uint32_t a = run_above + field16(excl, 2 * i), t = run_tie + field16(excl, 2 * i + 1);
@@ -343,8 +342,10 @@ __device__ void select(const Src& src, uint32_t T, uint32_t need, uint32_t n_sel
 
 // One row per CL blocks (CL = 2: a cluster, each block reading half the row's slots and keeping its own
 // candidates; the histograms are summed through distributed shared memory, so both blocks take every branch
-// alike, and the second block's output ranks start after the first block's keys > T and == T).
-template <int R, bool PREFETCH, int CL>
+// alike, and the second block's output ranks start after the first block's keys > T and == T). NT threads a
+// block. Launched with programmatic dependent launch (sm_90+, `pdl`), the kernel lets the next one launch at
+// once and waits for the one before it before its first read.
+template <int R, bool PREFETCH, int CL, int NT>
 __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
     const float* __restrict__ scores,  // [B, L], row stride stride_s
     long long stride_s,
@@ -355,6 +356,10 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
     long long* __restrict__ out,  // [B, k], row stride stride_o
     long long stride_o,
     int cap) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // no-ops on a plain launch
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     extern __shared__ uint4 dyn_smem[];
     uint32_t* ckey = reinterpret_cast<uint32_t*>(dyn_smem);  // [cap], cap % 4 == 0
     int* cpos = reinterpret_cast<int*>(ckey + cap);  // [cap]
@@ -381,15 +386,15 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
     // Step 1: the top 11 bits.
     for (int i = threadIdx.x; i < NB * R; i += NT) hist[i] = 0u;
     __syncthreads();
-    histogram<true, R>(row, hist, 0, 0u, 21, NB);
+    histogram<NT, true, R>(row, hist, 0, 0u, 21, NB);
     row_sync<CL>();
-    const Threshold t1 = find_threshold<R, CL>(hist, peer, NB, (uint32_t)k, sh);
+    const Threshold t1 = find_threshold<NT, R, CL>(hist, peer, NB, (uint32_t)k, sh);
     const uint32_t n_sel = min(t1.total, (uint32_t)k);
     if (rank == 0) {
         for (int i = n_sel + threadIdx.x; i < k; i += NT) out_row[i] = -1;
     }
     if (t1.total <= (uint32_t)k) {
-        select(row, 0u, 0u, n_sel, before(t1.f_total), 0u, out_row, sh);
+        select<NT>(row, 0u, 0u, n_sel, before(t1.f_total), 0u, out_row, sh);
         return;
     }
     uint32_t need = (uint32_t)k - t1.above;  // >= 1: keys taken inside the threshold digit
@@ -399,7 +404,7 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
     uint32_t f_above = t1.f_above;  // keys > T in the first block's part, so far
     int pshift = 21;  // T's bits known so far: 32 - pshift
     if (count > (uint32_t)cap) {  // too many to keep: T's next 11 bits from the row
-        const Threshold t2 = digit_pass<R, CL>(row, hist, peer, sh, 21, prefix, 10, NB, need);
+        const Threshold t2 = digit_pass<NT, R, CL>(row, hist, peer, sh, 21, prefix, 10, NB, need);
         count = t1.above + t2.above + t2.at;  // keys whose top 22 bits are >= T's
         f_count = t1.f_above + t2.f_above + t2.f_at;
         f_above += t2.f_above;
@@ -407,37 +412,41 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
         prefix = (prefix << 11) | t2.digit;
         pshift = 10;
         if (count > (uint32_t)cap) {  // still too many: T's last 10 bits from the row too, select from the row
-            const Threshold t3 = digit_pass<R, CL>(row, hist, peer, sh, 10, prefix, 0, NB / 2, need);
-            select(row, (prefix << 10) | t3.digit, need - t3.above, n_sel, before(f_above + t3.f_above),
+            const Threshold t3 = digit_pass<NT, R, CL>(row, hist, peer, sh, 10, prefix, 0, NB / 2, need);
+            select<NT>(row, (prefix << 10) | t3.digit, need - t3.above, n_sel, before(f_above + t3.f_above),
                 before(t3.f_at), out_row, sh);
             return;
         }
     }
     // Steps 2-4 over the candidates in shared memory (each block its own part's).
     const uint32_t own = rank == 0 ? f_count : count - f_count;
-    gather<PREFETCH>(row, prefix << pshift, own, ckey, cpos, sh);
+    gather<NT, PREFETCH>(row, prefix << pshift, own, ckey, cpos, sh);
     __syncthreads();
     const Cands cands{ckey, cpos, (int)own, 0, (int)((own + 3) / 4)};
     if (pshift == 21) {
-        const Threshold t2 = digit_pass<R, CL>(cands, hist, peer, sh, 21, prefix, 10, NB, need);
+        const Threshold t2 = digit_pass<NT, R, CL>(cands, hist, peer, sh, 21, prefix, 10, NB, need);
         f_above += t2.f_above;
         need -= t2.above;
         prefix = (prefix << 11) | t2.digit;
     }
-    const Threshold t3 = digit_pass<R, CL>(cands, hist, peer, sh, 10, prefix, 0, NB / 2, need);
-    select(cands, (prefix << 10) | t3.digit, need - t3.above, n_sel, before(f_above + t3.f_above), before(t3.f_at),
+    const Threshold t3 = digit_pass<NT, R, CL>(cands, hist, peer, sh, 10, prefix, 0, NB / 2, need);
+    select<NT>(cands, (prefix << 10) | t3.digit, need - t3.above, n_sel, before(f_above + t3.f_above), before(t3.f_at),
         out_row, sh);
 }
 
 // Kernel variants, for measuring on the device which helps (scripts/topk_cuda_check.py times each):
 // 0: one histogram copy, plain gather, one block a row (the default; on the H200 2026-12-01: 56.6 us for
 // 64 x 131072, k = 2048); 1: R = 4 lane-picked copies of every histogram bin (59.3 us); 2: R = 4 and the
-// gather's next chunk prefetched (59.4 us); 3: 0 with a cluster of two blocks a row, each reading half of it.
-constexpr int NUM_VARIANTS = 4;
+// gather's next chunk prefetched (59.4 us); 3 and 4: 0 with 256 and 512 threads a row (for short rows, whose
+// 1024 threads mostly wait at the barriers); 5: 0 with a cluster of two blocks a row, each reading half of it.
+// Variants with clusters come last (`usable_variants`).
+constexpr int NUM_VARIANTS = 6;
 using Kernel = void (*)(const float*, long long, int, const void*, int, int, long long*, long long, int);
-constexpr Kernel VARIANTS[NUM_VARIANTS] = {topk_rows_kernel<1, false, 1>, topk_rows_kernel<4, false, 1>,
-    topk_rows_kernel<4, true, 1>, topk_rows_kernel<1, false, 2>};
-constexpr int BLOCKS_PER_ROW[NUM_VARIANTS] = {1, 1, 1, 2};
+constexpr Kernel VARIANTS[NUM_VARIANTS] = {topk_rows_kernel<1, false, 1, 1024>, topk_rows_kernel<4, false, 1, 1024>,
+    topk_rows_kernel<4, true, 1, 1024>, topk_rows_kernel<1, false, 1, 256>, topk_rows_kernel<1, false, 1, 512>,
+    topk_rows_kernel<1, false, 2, 1024>};
+constexpr int BLOCKS_PER_ROW[NUM_VARIANTS] = {1, 1, 1, 1, 1, 2};
+constexpr int THREADS[NUM_VARIANTS] = {1024, 1024, 1024, 256, 512, 1024};
 
 // How many variants run on the current device: those with clusters (the last ones) need compute capability 9.
 int usable_variants() {
@@ -450,6 +459,7 @@ int usable_variants() {
 }
 
 int g_cap[NUM_VARIANTS][MAX_DEVICES];  // the candidate capacity the device's shared memory allows (0: not set up)
+bool g_pdl[MAX_DEVICES];  // the device takes programmatic dependent launch (compute capability 9.0+)
 
 // Set the kernel's dynamic shared-memory limit on this device once (before any graph capture's first call).
 cudaError_t setup(int variant, int dev) {
@@ -465,6 +475,10 @@ cudaError_t setup(int variant, int dev) {
     if (cap < 4) return cudaErrorInvalidConfiguration;
     err = cudaFuncSetAttribute(VARIANTS[variant], cudaFuncAttributeMaxDynamicSharedMemorySize, cap * 8);
     if (err != cudaSuccess) return err;
+    int major = 0;
+    err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (err != cudaSuccess) return err;
+    g_pdl[dev] = major >= 9;
     g_cap[variant][dev] = cap;
     return cudaSuccess;
 }
@@ -484,7 +498,8 @@ cudaError_t launch(
     long long* out,
     long long stride_o,
     void* stream,
-    int variant) {
+    int variant,
+    int pdl) {
     if (variant < 0 || variant >= NUM_VARIANTS) return cudaErrorInvalidValue;  // setup checks the device
     if (k < 1 || L < 1 || L > MAX_L || B < 0) return cudaErrorInvalidValue;
     if (B > 1 && (stride_s < L || stride_o < k)) return cudaErrorInvalidValue;  // rows must not overlap
@@ -498,29 +513,37 @@ cudaError_t launch(
     const int cap = row_cap < g_cap[variant][dev] ? (int)row_cap : g_cap[variant][dev];
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3((unsigned)B * BLOCKS_PER_ROW[variant]);
-    config.blockDim = dim3(NT);
+    config.blockDim = dim3(THREADS[variant]);
     config.dynamicSmemBytes = (size_t)cap * 8;
     config.stream = static_cast<cudaStream_t>(stream);
-    cudaLaunchAttribute cluster[1];
-    cluster[0].id = cudaLaunchAttributeClusterDimension;
-    cluster[0].val.clusterDim.x = BLOCKS_PER_ROW[variant];
-    cluster[0].val.clusterDim.y = 1;
-    cluster[0].val.clusterDim.z = 1;
-    config.attrs = cluster;
-    config.numAttrs = BLOCKS_PER_ROW[variant] > 1 ? 1 : 0;  // one block a row: a plain launch
+    cudaLaunchAttribute attrs[2];
+    config.attrs = attrs;
+    if (BLOCKS_PER_ROW[variant] > 1) {  // one block a row: no cluster attribute
+        attrs[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
+        attrs[config.numAttrs].val.clusterDim.x = BLOCKS_PER_ROW[variant];
+        attrs[config.numAttrs].val.clusterDim.y = 1;
+        attrs[config.numAttrs].val.clusterDim.z = 1;
+        ++config.numAttrs;
+    }
+    if (pdl && g_pdl[dev]) {  // may start while the kernel before ends; waits for it before its first read
+        attrs[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attrs[config.numAttrs].val.programmaticStreamSerializationAllowed = 1;
+        ++config.numAttrs;
+    }
     err = cudaLaunchKernelEx(&config, VARIANTS[variant], scores, stride_s, L, lens, lens_is_64, k, out, stride_o, cap);
     return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 }  // namespace
 
-// Top-k of B rows on `stream` with kernel `variant` (0: the default); returns a cudaError_t (0: launched).
+// Top-k of B rows on `stream` with kernel `variant` (0: the default), with programmatic dependent launch when
+// `pdl` is nonzero and the device takes it; returns a cudaError_t (0: launched).
 // Output rows [B, k] int64 with unit column stride. Requires 1 <= k, 0 < L <= 2^31 - 2^20, 0 <= B and, with
 // more than one row, row strides of at least L and k (cudaErrorInvalidValue otherwise). Any error is returned
 // here and cleared, whatever step failed, so that the next launch (ours or torch's) does not report it.
 extern "C" int kestrel_topk_launch(const float* scores, long long stride_s, int B, int L, const void* lens,
-    int lens_is_64, int k, long long* out, long long stride_o, void* stream, int variant) {
-    const cudaError_t err = launch(scores, stride_s, B, L, lens, lens_is_64, k, out, stride_o, stream, variant);
+    int lens_is_64, int k, long long* out, long long stride_o, void* stream, int variant, int pdl) {
+    const cudaError_t err = launch(scores, stride_s, B, L, lens, lens_is_64, k, out, stride_o, stream, variant, pdl);
     cudaGetLastError();
     return err;
 }

@@ -9,14 +9,17 @@ ascending position order, then -1. Returns [B, k] int64 (into `out` when given).
 on torch's current stream and is CUDA-graph capturable (the first call on a device must come before a capture:
 it sets the kernel's shared-memory limit; inside a capture it raises instead).
 
-The algorithm (the .cu file's header has the details): one 1024-thread block per row, radix select on the
+The algorithm (the .cu file's header has the details): one block per row (1024 threads; 256 or 512 for rows up
+to 8704 wide, variants 3 and 4, whose 1024 threads mostly wait at the barriers), radix select on the
 32-bit key in 11 + 11 + 10 bits. The row is read once for a 2048-bin shared histogram of the top 11 bits, and
 once more (mostly from L2) to copy the keys at or above the threshold digit to shared memory in position order;
 the last two digits and the final selection work on that copy. Rows whose threshold digit holds more than the
 shared-memory capacity (24576 candidates on the H200; heavy ties, an all-equal row) take one or two more
 digits from the row instead (never when L <= the capacity). Any k >= 1 works: the output is written straight
-to global memory. Variant 3 splits each row over a cluster of two blocks (compute capability 9.0+), which
-`topk_cuda` picks for few wide rows (`choose_variant`).
+to global memory. Variant 5 splits each row over a cluster of two blocks (compute capability 9.0+), which
+`topk_cuda` picks for few wide rows (`choose_variant`). Where the Triton kernels launch with programmatic
+dependent launch (kestrel.ops.pdl: Hopper), so does this one: it may start while the indexer's scores kernel
+ends, and waits for it before its first read.
 
 Measured on the H200 (scripts/topk_cuda_check.py, 2026-12-01, session 19,
 bench/results/2026-12-01-topk-cuda-h200-session19.json): every variant matched naive.topk_select on all 59
@@ -46,15 +49,20 @@ from pathlib import Path
 import torch
 
 from kestrel.env import env_field
+from kestrel.ops.pdl import pdl_args
 
 SOURCE = Path(__file__).with_name("cuda_topk.cu")
 MAX_L = 2**31 - 2**20  # positions are int32 in the kernel, with headroom for the last chunk's slot indices
 # The kernel variants (cuda_topk.cu's VARIANTS: 0 = one histogram copy, plain gather; 1 = four lane-picked
-# copies of each histogram bin; 2 = those and the gather's loads prefetched a chunk ahead; 3 = 0 with a two-block
-# cluster a row). All give the same result; scripts/topk_cuda_check.py checks and times each. topk_cuda runs
-# DEFAULT_VARIANT, or CLUSTER_VARIANT where `choose_variant` says a row's second block pays.
+# copies of each histogram bin; 2 = those and the gather's loads prefetched a chunk ahead; 3 and 4 = 0 with 256
+# and 512 threads a row; 5 = 0 with a two-block cluster a row). All give the same result;
+# scripts/topk_cuda_check.py checks and times each. topk_cuda runs DEFAULT_VARIANT, or CLUSTER_VARIANT where
+# `choose_variant` says a row's second block pays.
 DEFAULT_VARIANT = 0
-CLUSTER_VARIANT = 3
+SHORT_VARIANT, MEDIUM_VARIANT = 3, 4  # 256 and 512 threads a row
+SHORT_MAX_L = 6144  # rows at most this wide take SHORT_VARIANT
+MEDIUM_MAX_L = 8704  # up to this width: SHORT_VARIANT for more rows than SMs, else MEDIUM_VARIANT
+CLUSTER_VARIANT = 5
 CLUSTER_MIN_L = 32768  # rows at least this wide take the cluster variant while it has an SM per block
 
 UNAVAILABLE_REASON: str | None = None  # why available() is False; None while it is True or not yet asked
@@ -144,6 +152,7 @@ def _load() -> ctypes.CDLL | None:
                 ctypes.c_longlong,  # row stride of out
                 ctypes.c_void_p,  # cudaStream_t
                 ctypes.c_int,  # kernel variant
+                ctypes.c_int,  # programmatic dependent launch
             ]
             lib.kestrel_topk_setup.restype = ctypes.c_int
             lib.kestrel_topk_num_variants.restype = ctypes.c_int
@@ -218,14 +227,25 @@ def _probe(lib: ctypes.CDLL, index: int, variant: int) -> str | None:
 def choose_variant(B: int, L: int, sms: int, cluster: bool) -> int:
     """The kernel variant for B rows of L scores on a device of `sms` SMs: the two-block cluster (when the device
     runs it) while every block has an SM of its own (2 B <= sms) and rows are wide enough for a second block to
-    pay (L >= CLUSTER_MIN_L); else the default. L is the scores' width (decode's graphs pad it to the longest
-    context, so a short row in a wide buffer takes the cluster too). Host-only: no device sync, graph safe.
+    pay (L >= CLUSTER_MIN_L); 256 threads a row for short rows (L <= SHORT_MAX_L), and up to MEDIUM_MAX_L where
+    there are more rows than SMs, else 512 there; else the default (1024). L is the scores' width (decode's
+    graphs pad it to the longest context the engine takes, so a short row in a wide buffer takes the choice of
+    the wide one). Host-only: no device sync, graph safe.
+    On the H200 (session 24; the sweep's source and figures: bench/results/2026-12-01-h200-session24.json),
+    k = 2048, randn, L2 flushed, us for 1024 / 512 / 256 threads a row: 256 rows of 4096 30.6 / 25.2 / 19.7, 1
+    row 15.6 / 12.6 / 12.5; 256 rows of 8192 32.0 / 26.8 / 23.4, 64 rows 16.7 / 14.0 / 17.7; prefill's 4096 rows
+    of 4096 283 / 226 / 119, training's 4096 x 8704 (k = 256) 370 / 298 / 222; from 16384 wide 256 threads lose
+    (256 rows 34.6 / 34.5 / 45.7, 4096 rows of 32768 624 / 718 / 1081) and 512 do not win.
     On the H200 (132 SMs; scripts/topk_cuda_check.py rows_sweep, 2026-12-01, session 19), k = 2048, full rows,
     cluster vs variant 0: 1 row of 16384 21.2 vs 18.1 us, of 32768 21.6 vs 23.7, of 131072 36.9 vs 54.4; 64
     rows of 32768 24.0 vs 24.8, of 131072 43.1 vs 57.8; 128 rows of 131072 78.6 vs 69.0. A row of 4096 valid
     scores in a 131072-wide buffer: 20.0 vs 16.9 us (the cost of deciding by width)."""
     if cluster and L >= CLUSTER_MIN_L and 2 * B <= sms:
         return CLUSTER_VARIANT
+    if L <= SHORT_MAX_L or (L <= MEDIUM_MAX_L and B > sms):
+        return SHORT_VARIANT
+    if L <= MEDIUM_MAX_L:
+        return MEDIUM_VARIANT
     return DEFAULT_VARIANT
 
 
@@ -288,7 +308,9 @@ def topk_cuda(
 
 
 def _launch(lib: ctypes.CDLL, scores, lens, k: int, out, variant: int) -> None:
-    """One launch on torch's current stream (arguments checked by topk_cuda; the probe's are known good)."""
+    """One launch on torch's current stream (arguments checked by topk_cuda; the probe's are known good), with
+    programmatic dependent launch where the Triton kernels have it (kestrel.ops.pdl): the kernel may start while
+    the indexer's scores kernel ends, and waits for it before its first read."""
     _prepare(lib, scores.device)
     B, L = scores.shape
     with torch.cuda.device(scores.device):
@@ -304,6 +326,7 @@ def _launch(lib: ctypes.CDLL, scores, lens, k: int, out, variant: int) -> None:
             out.stride(0),
             torch.cuda.current_stream().cuda_stream,
             variant,
+            int(bool(pdl_args(scores))),
         )
     if err != 0:
         raise RuntimeError(f"topk_cuda launch failed: {lib.kestrel_topk_error(err).decode()}")
