@@ -18,8 +18,7 @@ page_table[b, s // page_size] * page_size + s % page_size, kestrel.cache.kv_pool
 Bytes per sequence: lens[b] * (2 * DI + 4) plus L * 4 for the padded stores; at HI = 64, DI = 128 the dot is
 64 FLOP per key byte, under the H200 ridge (~184), so the kernel is bandwidth-bound on the key reads:
 B = 64 rows of 131072 keys are 2.2 GB, ~0.51 ms at the 4.25 TB/s copy ceiling; one row of 4096 keys is
-1 MB, launch-bound. The sm_90 build (BS = 64, 4 warps) uses 76 registers and 49 KB of shared memory, and
-the key gathers are pipelined with cp.async across the tile loop.
+1 MB, launch-bound. The key gathers are pipelined with cp.async across the tile loop.
 """
 
 from __future__ import annotations
@@ -30,7 +29,12 @@ import triton.language as tl
 
 from kestrel.ops.pdl import pdl_args, pdl_begin
 
-BLOCK_S = 64  # key positions per tile
+# Key positions a tile, the tile loop's pipeline depth, and the most tiles a program walks. On the H200 (session
+# 24, mini's 16 heads of 128, bf16 keys, page 64, 4K context, 6 layers' calls in a CUDA graph; the sweep's source
+# and figures in bench/results/2026-12-01-h200-session24.json), us a call at batch 1 / 64 / 256: 128 positions,
+# 2 stages, at most 4 tiles a program 3.5 / 21.9 / 70.4 against 3.5 / 27.7 / 82.0 for 64 positions, Triton's
+# default 3 stages and up to 8 tiles (the keys' floor at the copy rate: 0.2 / 16.0 / 63.8); 8 warps were slower.
+BLOCK_S, NUM_STAGES, MAX_TILES_PER_PROG = 128, 2, 4
 # The prefill kernel's tiles (query rows x key positions), warps and pipeline stages. scripts/prefill_kernel_sweep.py
 # on the H200 (session 13), 16 heads of 128, one causal sequence: 64 x 128 in 4 warps, 3 stages took 0.171 / 5.05 ms
 # at 4096 / 32768 tokens against 0.185 / 5.45 for the 64 x 64 before it (the query rows are read once per key
@@ -136,7 +140,7 @@ def _launch(
         return out
     lens = lens.to(torch.int64)
     tiles = triton.cdiv(L, BLOCK_S)
-    tiles_per_prog = max(1, min(8, tiles * B // TARGET_PROGRAMS))
+    tiles_per_prog = max(1, min(MAX_TILES_PER_PROG, tiles * B // TARGET_PROGRAMS))
     grid = (triton.cdiv(tiles, tiles_per_prog), B)
     fp8 = key_scale is not None
     upcast = _upcast(q_idx, keys, fp8)
@@ -168,6 +172,7 @@ def _launch(
         UPCAST=upcast,
         KEY_SCALE=fp8,
         DOT_PRECISION="ieee" if upcast else "tf32",
+        num_stages=NUM_STAGES,
         **pdl_args(out),
     )
     return out
