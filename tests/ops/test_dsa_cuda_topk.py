@@ -329,7 +329,7 @@ def test_second_device_while_the_first_is_current():
 
 
 @requires_kernel
-@pytest.mark.parametrize("variant", [None, 3])  # its own pick (1024 threads a row here), 256 threads a row
+@pytest.mark.parametrize("variant", [cuda_topk.DEFAULT_VARIANT, cuda_topk.SHORT_VARIANT])  # 1024, 256 threads
 def test_waits_for_the_scores_kernel_before_it_in_a_graph(variant):
     """With programmatic dependent launch the top-k may start while the kernel before it ends (in the step: the
     indexer's scores kernel, Triton, launched with PDL). In a CUDA graph after a slow PDL kernel that writes the

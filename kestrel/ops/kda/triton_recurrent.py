@@ -16,7 +16,9 @@ A program holds a [K, BV] block of one head's fp32 state: it reads it once, writ
 head's q, k and gate itself (K values: nothing beside the state's 4 K BV bytes). The state is all the bytes that
 matter: mini's batch-256 step moves 5.0 GB of KDA state through 18 layers. Loading the state before the PDL
 wait (it overlaps the kernel before; no kernel of the step writes it) was slower on the H200 (session 24, 18
-layers in a graph at batch 256: 80.6 us a layer against 76.3): not kept.
+layers in a graph at batch 256: 80.6 us a layer against 76.3): not kept. The state's loads and stores marked
+evict-first: 77.5 -> 75.0 us a layer at batch 256, 23.3 -> 22.6 at 64, the same bits (session 24; streaming
+stores alone 76.5).
 """
 
 from __future__ import annotations
@@ -76,7 +78,9 @@ def _recurrent_step_kernel(
     live = (offs_v * 0 + slot) >= 0  # [BV]; a negative slot: nothing read or written, o = 0
     s_ptr = state + slot * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
     s_mask = ok_k[:, None] & (ok_v & live)[None, :]
-    S = tl.load(s_ptr, mask=s_mask, other=0.0)  # [BK, BV] fp32, the first load: the rest waits on it anyway
+    # [BK, BV] fp32, the first load: the rest waits on it anyway. The state streams through once a step: its
+    # lines go first when L2 needs room (evict_first on the load and the store)
+    S = tl.load(s_ptr, mask=s_mask, other=0.0, eviction_policy="evict_first")
 
     bq = tl.load(q + n * stride_qn + h * stride_qh + offs_k, mask=ok_k, other=0.0).to(tl.float32)
     bk = tl.load(k + n * stride_kn + h * stride_kh + offs_k, mask=ok_k, other=0.0).to(tl.float32)
@@ -107,7 +111,7 @@ def _recurrent_step_kernel(
     tl.store(
         o + n * stride_on + h * stride_oh + offs_v, tl.where(live, out, 0.0).to(o.dtype.element_ty), mask=ok_v
     )
-    tl.store(s_ptr, S, mask=s_mask)
+    tl.store(s_ptr, S, mask=s_mask, eviction_policy="evict_first")
 
 
 def choose_block_v(N: int, V: int) -> int:
