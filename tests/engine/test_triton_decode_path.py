@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests import early
 
 pytest.importorskip("triton")
 import torch  # noqa: E402
@@ -69,18 +70,24 @@ print(json.dumps(result))
 """
 
 
-def _run(script: str) -> dict:
-    """The script's last stdout line, as JSON, from a fresh interpreter with TRITON_INTERPRET=1."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _start(script: str) -> early.Child:
+    """The script in a fresh interpreter with TRITON_INTERPRET=1 (started when collection ends: tests/early.py)."""
+    return early.spawn([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "1"})
 
 
+def _result(key: str) -> dict:
+    """The child's last stdout line, as JSON."""
+    returncode, stdout, stderr = early.child(key).result(timeout=600)
+    assert returncode == 0, stderr[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+early.register("triton_decode_path", lambda: _start(SCRIPT))
+
+
+@pytest.mark.early("triton_decode_path")
 def test_triton_decode_path_matches_torch_path():
-    result = _run(SCRIPT)
+    result = _result("triton_decode_path")
     assert result["triton"] == result["torch"]
     assert result["fast"] == result["torch"]
     assert result["expanded"] == result["torch"] and result["expanded_calls"] > 0
@@ -115,8 +122,12 @@ print(json.dumps(result))
 """
 
 
+early.register("dense_prefill_path", lambda: _start(DENSE_SCRIPT))
+
+
+@pytest.mark.early("dense_prefill_path")
 def test_dense_prefill_path_matches_torch_path():
     """MLA without DSA on the fast path: chunked prefill (8-token chunks, so most chunks follow a cached
     prefix) and prefix-cache hits through fused attention (mla_prefill_sdpa), decode through the paged kernel."""
-    result = _run(DENSE_SCRIPT)
+    result = _result("dense_prefill_path")
     assert result["triton"] == result["torch"]
