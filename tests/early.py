@@ -1,11 +1,15 @@
 """Child processes that start when collection ends and run beside the rest of the suite.
 
-A few tests run a whole script in a child process (the GPU suite's CPU smoke run, the engine's decode through
-Triton's interpreter): one to two minutes of one core each. CI has two cores and the suite runs on one, so such
-a test registers its child here at import, marks itself `@pytest.mark.early(key)`, and waits for the child's
-result when it runs; conftest.py starts the child of every selected, not-skipped test once collection is
-done, and kills what is still running when the session ends. A test that runs without that start (its module
-imported some other way) starts the child itself when it first asks for it.
+A few tests run a whole script in a child process: the engine's decode and dense prefill through Triton's
+interpreter, about 105 s of one core. CI has two cores and the suite's Python runs on one, so such a test
+registers its child here at import, marks itself `@pytest.mark.early(key)`, and waits for the child's result
+when it runs; conftest.py starts the child of every selected, not-skipped test once collection is done, and
+kills what is still running when the session ends. A test that runs without that start (its module imported
+some other way) starts the child itself when it first asks for it.
+
+On the 2-core CPU machine (session 24, clean clones, `.ci/run`): the whole suite 773 and 812 s serially, 683 s
+with these two children early (one thread each); the GPU suite's CPU smoke run (servers, torch on two threads)
+started early as well made it 949 s: a child that wants both cores slows the suite more than it saves.
 
 Output goes to temporary files, not pipes: a child that prints more than a pipe holds would otherwise block
 until its test reads it.
@@ -18,7 +22,7 @@ import signal
 import subprocess
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import IO
 
 _STARTERS: dict[str, Callable[[], Child]] = {}
@@ -30,7 +34,6 @@ class Child:
     proc: subprocess.Popen
     stdout: IO[bytes]
     stderr: IO[bytes]
-    data: dict = field(default_factory=dict)  # what its test needs beside the output (an output folder)
 
     def result(self, timeout: float) -> tuple[int, str, str]:
         """(returncode, stdout, stderr) once the child has ended; on a timeout its process group is killed and

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
+import os
+import signal
+import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
-
-from tests import early
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,29 +53,23 @@ EXPECTED = {
 }
 
 
-def _start_smoke() -> early.Child:
-    out = Path(tempfile.mkdtemp(prefix="gpu_suite_smoke_"))
-    cmd = [sys.executable, "scripts/gpu_suite.py", "--smoke", "--sections", "all", "--out", str(out)]
-    child = early.spawn(cmd, cwd=ROOT)  # its own process group: the servers it starts go down with it
-    child.data["out"] = out
-    return child
-
-
-early.register("gpu_suite_smoke", _start_smoke)
-
-
 @pytest.fixture(scope="module")
-def sections() -> dict:
-    """The smoke run's sections (the run started when collection ended: ~2 minutes of one core, beside the
-    rest of the suite; minutes more on a loaded 2-core machine)."""
-    child = early.child("gpu_suite_smoke")
-    out = child.data["out"]
+def sections(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("gpu_suite_smoke")
+    cmd = [sys.executable, "scripts/gpu_suite.py", "--smoke", "--sections", "all", "--out", str(out)]
+    # its own process group: on a timeout the servers it started go down with it (~30 s idle, minutes on a
+    # loaded 2-core machine)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
-        returncode, _, stderr = child.result(timeout=900)
-        assert returncode == 0, stderr[-3000:]
-        record = json.loads((out / "gpu_suite.json").read_text())
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+        _, stderr = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, stderr[-3000:]
+    record = json.loads((out / "gpu_suite.json").read_text())
     assert record["gpu"].startswith("none") and set(record["sections"]) == set(EXPECTED)
     return record["sections"]
 
@@ -91,7 +84,6 @@ def _errors(value, where: str = "") -> list[str]:
     return []
 
 
-@pytest.mark.early("gpu_suite_smoke")
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_section_runs_on_cpu(sections, name):
     section = sections[name]
@@ -99,7 +91,6 @@ def test_section_runs_on_cpu(sections, name):
     assert EXPECTED[name] <= set(section), EXPECTED[name] - set(section)
 
 
-@pytest.mark.early("gpu_suite_smoke")
 def test_smoke_figures_are_real(sections):
     """Beyond "no exception": each section really did its work at the smoke sizes."""
     foundation = sections["foundation"]

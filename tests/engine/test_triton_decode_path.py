@@ -72,7 +72,9 @@ print(json.dumps(result))
 
 def _start(script: str) -> early.Child:
     """The script in a fresh interpreter with TRITON_INTERPRET=1 (started when collection ends: tests/early.py)."""
-    return early.spawn([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "1"})
+    # one thread: the interpreter's work is Python's, and the suite runs on the other core meanwhile
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    return early.spawn([sys.executable, "-c", script], env=env)
 
 
 def _result(key: str) -> dict:
