@@ -47,8 +47,9 @@ class CacheView(Protocol):
         sequences): the decode path advances the states in place."""
         ...
 
-    def write_kv(self, layer_id: int, kv: torch.Tensor, index_k: torch.Tensor | None) -> None:
-        """Store the latent KV [T, R + P] (and indexer keys [T, DI]) of this batch's new tokens."""
+    def write_kv(self, layer_id: int, parts: tuple[torch.Tensor, ...], index_k: torch.Tensor | None) -> None:
+        """Store the latent KV of this batch's new tokens, given as its parts (c_kv [T, R], k_pe [T, P]: a row is
+        them side by side), and their indexer keys [T, DI]."""
         ...
 
     def read_kv(self, layer_id: int, seq: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -116,38 +116,39 @@ class MLAttention(nn.Module):
         )  # [T, H, Dn], [T, H, Pr]
 
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv_new = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)  # [T, R + Pr]
+        c_kv = self.kv_a_layernorm(c_kv)  # [T, R]; a latent row is [c_kv | k_pe]
         # The indexer learns only from its own KL loss (model-spec 2.3): its inputs are cut from the graph.
         x_idx, c_q_idx = x.detach(), (c_q.detach() if c_q is not None else None)
         idx_k_new = self.indexer.keys(x_idx) if self.indexer is not None else None  # [T, DI]
         if ctx.cache is not None:
-            ctx.cache.write_kv(self.layer_id, kv_new, idx_k_new)
+            ctx.cache.write_kv(self.layer_id, (c_kv, k_pe), idx_k_new)
         idx_q, idx_w = (
             self.indexer.queries(x_idx, c_q_idx) if self.indexer is not None else (None, None)
         )  # [T, HI, DI]
 
         w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, H, self.nope_dim, self.v_dim)  # [H, Dn, R], [H, Dv, R]
         idx = (idx_q, idx_w, idx_k_new) if self.indexer is not None else None
-        if ctx.cache is not None and ctx.decode:
+        if ctx.cache is not None and ctx.decode:  # reads the rows just written from the cache
             out = self._attend_decode(ctx, q_nope, q_pe, w_uk, w_uv, idx)
         elif ctx.cache is None and ctx.row_len is not None:
-            out = self._attend_rows(ctx, q_nope, q_pe, kv_new, idx)
+            out = self._attend_rows(ctx, q_nope, q_pe, torch.cat([c_kv, k_pe], dim=-1), idx)
         else:
+            kv_new = torch.cat([c_kv, k_pe], dim=-1)  # [T, R + Pr]
             out = self._attend_per_sequence(ctx, q_nope, q_pe, kv_new, w_uk, w_uv, idx)
 
         if hasattr(self, "g_proj"):
             out = sigmoid_gate(out, self.g_proj(x))  # [T, H, Dv]
         return self.o_proj(out.reshape(T, H * self.v_dim))
 
-    def _select(self, ctx, i: int, scores_fn, q_pos: torch.Tensor, topk=topk_select) -> torch.Tensor:
+    def _select(self, ctx, i: int, pick) -> torch.Tensor:
         """DSA selection of sequence i (or of the whole decode batch, i = -1): replayed, or computed by
-        `topk(scores_fn(), q_pos, k)`; captured when the context asks for it."""
+        `pick(k)` (scores, then their top-k); captured when the context asks for it."""
         if ctx.selection_replay is not None:
             chosen = ctx.selection_replay[self.layer_id]
             return torch.cat(chosen) if i < 0 else chosen[i]  # [t, topk], chosen in an earlier pass
         if self.indexer.topk is None:  # dense attention requested (evaluation contrast)
             return None
-        indices = topk(scores_fn(), q_pos, self.indexer.topk)  # [t, topk]
+        indices = pick(self.indexer.topk)  # [t, topk]
         if ctx.selection_capture is not None:
             parts = list(indices.split(1)) if i < 0 else [indices]
             ctx.selection_capture.setdefault(self.layer_id, []).extend(parts)
@@ -165,7 +166,7 @@ class MLAttention(nn.Module):
             selects = idx is not None and self._selects(ctx, i)
             if paged and selects:
                 scores = partial(self._paged_prefill_scores, ctx, i, idx[0][sl], idx[1][sl], q_pos)
-                indices = self._select(ctx, i, scores, q_pos, topk=_topk_fn(q_pos.device))
+                indices = self._select(ctx, i, partial(_pick, scores, q_pos))
                 if indices is not None:
                     outs.append(
                         self._attend_sparse_paged(ctx, i, q_nope[sl], q_pe[sl], q_pos, w_uk, w_uv, indices)
@@ -178,7 +179,7 @@ class MLAttention(nn.Module):
             indices = None
             if selects and not paged:
                 scores = partial(indexer_scores, idx[0][sl], idx_k, idx[1][sl], self.indexer.scale)
-                indices = self._select(ctx, i, scores, q_pos, topk=_topk_fn(q_pos.device))
+                indices = self._select(ctx, i, partial(_pick, scores, q_pos))
             # dense, and the chunk's tokens are the last of the cached rows: fused attention on the fast path
             if indices is None and _use_triton(kv.device) and ctx.cached_len(i) == kv.shape[0]:
                 outs.append(mla_prefill_sdpa(q_nope[sl], q_pe[sl], kv, w_uk, w_uv, self.scale))
@@ -276,7 +277,8 @@ class MLAttention(nn.Module):
                 page_size=ps,
                 key_scale=ctx.cache.index_scales(self.layer_id),
             )
-            indices = self._select(ctx, -1, scores, lens - 1, topk=_topk_fn(q_nope.device))
+            kernel = fast_topk(q_nope.device)  # takes the lengths (the query's position + 1) as they are
+            indices = self._select(ctx, -1, lambda k: kernel(scores(), lens, k))
         return mla_decode_paged(q_nope, q_pe, kv_pool, table, ps, lens, w_uk, w_uv, self.scale, indices)
 
     def _attend_decode_gathered(self, ctx, q_nope, q_pe, w_uk, w_uv, idx) -> torch.Tensor:
@@ -285,7 +287,7 @@ class MLAttention(nn.Module):
         indices = None
         if idx is not None:
             scores = partial(indexer_scores_batched, idx[0], idx_k, idx[1], self.indexer.scale)
-            indices = self._select(ctx, -1, scores, lens - 1)
+            indices = self._select(ctx, -1, lambda k: topk_select(scores(), lens - 1, k))
         return mla_decode_batched(q_nope, q_pe, kv, lens, w_uk, w_uv, self.scale, indices)  # [N, H, Dv]
 
     def _attend_rows(self, ctx, q_nope, q_pe, kv_new, idx) -> torch.Tensor:
@@ -432,6 +434,11 @@ def _topk_fn(device: torch.device):
         return topk_select
     kernel = fast_topk(device)
     return lambda scores, q_pos, k: kernel(scores, q_pos + 1, k)
+
+
+def _pick(scores_fn, q_pos: torch.Tensor, k: int) -> torch.Tensor:
+    """The top-k of `scores_fn()` [t, L] for queries at q_pos [t] (a `_select` pick)."""
+    return _topk_fn(q_pos.device)(scores_fn(), q_pos, k)
 
 
 def _rows_to_score(ctx, B: int, R: int, k: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:

@@ -36,11 +36,14 @@ ALL_EXPERTS = "all"  # shard id of a checkpoint tensor that holds every expert s
 # torch._grouped_mm (with the Triton combine at inference). On the H200 at mini's sizes, in CUDA graphs: T = 1024
 # 223 vs 227 us, T = 2048 322 vs 273 us, T = 4096 494 vs 386 us (`kestrel bench kernels`, session 8).
 TRITON_EXPERTS_MAX_PAIRS = 1024 * 6
-# Tokens up to which the fused router also computes the router's logits (route_hidden_triton); past it a matmul
-# computes them first (on CUDA the bf16 x3 split GEMM, `Router.inference_logits`). On the H200 at mini's sizes,
-# 24 calls in a CUDA graph, us a call (session 22, decode_kernels_check's small_kernels): T = 1 4.9 vs 7.7,
-# T = 16 6.0 vs 7.8, T = 64 7.8 vs 8.0, T = 128 11.0 vs 8.1.
-ROUTER_GEMV_MAX_TOKENS = 64
+# Tokens up to which the fused router also computes the router's logits (route_hidden_triton); past it, up to
+# ROUTER_DOT_MAX_TOKENS, a Triton kernel multiplies x by the weight's exact bf16 split (`router_logit_parts_triton`),
+# and past that cuBLAS's GEMM does (`Router.inference_logits`), each followed by the fused router. On the H200 at
+# mini's sizes, 24 calls in a CUDA graph, us a call, GEMV router / Triton split / cuBLAS split (session 25,
+# bench/results/2026-12-01-h200-session25.json): T = 1 4.6 / 6.0 / 8.3, 16 6.2 / 6.2 / 8.6, 64 7.9 / 7.0 / 8.7,
+# 128 11.4 / 7.9 / 8.7, 256 17.9 / 10.2 / 8.9, 1024 53.3 / 13.0 / 11.0. Every path picked the reference's experts.
+ROUTER_GEMV_MAX_TOKENS = 16
+ROUTER_DOT_MAX_TOKENS = 128
 # Tokens up to which the shared experts run on a side stream (KESTREL_MOE_OVERLAP_SHARED): decode sizes, where
 # neither the routed experts nor the shared ones fill the GPU (timed at batch 1 and 64).
 OVERLAP_SHARED_MAX_TOKENS = 256
@@ -99,7 +102,8 @@ class Router(nn.Module):
         on a near-tie can pick another expert than `forward` would). Train/rollout consistency in RL comes from
         routing replay (the rollout's ids replayed in training), not from equal logits; KESTREL_FUSED_OPS=off
         goes back to `forward`. parts=True: [T, S, E] partial logits that sum to them (S = 3, the products with
-        each part of the split; S = 1 where `forward` answers), for the fused router to add. The split lives in
+        each part of the split; up to ROUTER_DOT_MAX_TOKENS tokens, S slices of D from one Triton kernel; S = 1
+        where `forward` answers), for the fused router to add. The split lives in
         one buffer, refilled in place when the weight changes (an in-place update, or a checkpoint load through
         `_load_weight`), so captured CUDA graphs keep reading it."""
         assert not torch.is_grad_enabled(), "inference_logits has no backward: use forward"
@@ -117,6 +121,10 @@ class Router(nn.Module):
             else:
                 self._split = split
             self._split_key = key
+        if parts and x.shape[0] <= ROUTER_DOT_MAX_TOKENS:
+            from kestrel.ops.moe.triton_router import router_logit_parts_triton
+
+            return router_logit_parts_triton(x, self._split)  # [T, S, E]: slices of D
         out = router_logit_parts_bf16x3(x, self._split)  # [T, 3, E]
         return out if parts else out.sum(1)
 

@@ -84,7 +84,8 @@ class _DenseView:
         self.cache.ssm[layer_id][self.rows] = ssm.float()
         self.cache.conv[layer_id][self.rows] = conv.to(self.cache.conv[layer_id].dtype)
 
-    def write_kv(self, layer_id: int, kv: torch.Tensor, index_k: torch.Tensor | None) -> None:
+    def write_kv(self, layer_id: int, parts: tuple[torch.Tensor, ...], index_k: torch.Tensor | None) -> None:
+        kv = torch.cat(parts, dim=-1)  # [T, R + P]
         start = 0
         for r, p, n in zip(self.requests, self.prefix, self.new):
             self.cache.kv[layer_id][r, p : p + n] = kv[start : start + n]

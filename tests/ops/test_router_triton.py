@@ -85,3 +85,26 @@ def test_router_from_hidden_states_of_no_tokens():
         torch.zeros(0, 64, device=DEVICE), torch.ones(8, 64, device=DEVICE), None, 2, True, 1.0
     )
     assert w.shape == (0, 2) and i.shape == (0, 2)
+
+
+@pytest.mark.parametrize("T,D,E,programs", [(70, 200, 13, 128), (17, 256, 64, 4), (3, 96, 8, 128)])
+def test_router_dot_parts_sum_to_the_logits(T, D, E, programs):
+    """router_logit_parts_triton: bf16 x (rows strided, T and D past whole tiles, E not a power of two) times
+    the weight's exact bf16 split, as [T, S, E] partial logits. Their sum is the fp32 product within fp32's
+    rounding bound, with the same experts as the reference, and `route_triton` of them routes as `route`."""
+    from kestrel.ops.moe.router_gemm import split_bf16x3
+    from kestrel.ops.moe.triton_router import route_triton, router_logit_parts_triton
+
+    g = torch.Generator().manual_seed(T + D + E)
+    x = torch.randn(T, D + 5, generator=g).to(torch.bfloat16)[:, 2 : D + 2]
+    w = torch.randn(E, D, generator=g) * D**-0.5
+    got = router_logit_parts_triton(x.to(DEVICE), split_bf16x3(w).to(DEVICE), programs=programs).cpu()
+    assert got.dtype == torch.float32 and got.shape[0] == T and got.shape[2] == E
+    exact = x.double() @ w.double().t()  # [T, E]
+    bound = D * 2.0**-24 * (x.double().abs() @ w.double().abs().t())
+    assert ((got.double().sum(1) - exact).abs() <= bound).all()
+    b = 0.01 * torch.randn(E, generator=g)
+    ref_w, ref_i = route(x.float() @ w.t(), b, min(6, E), True, 2.5)
+    got_w, got_i = route_triton(got.to(DEVICE), b.to(DEVICE), min(6, E), True, 2.5)
+    assert torch.equal(got_i.cpu(), ref_i)
+    assert torch.allclose(got_w.cpu(), ref_w, atol=1e-5, rtol=1e-4)

@@ -4,6 +4,7 @@ from kestrel.ops.mla.naive import (
     mla_attention_rows,
     mla_decode_batched,
     split_kv_b,
+    write_rows,
 )
 
 __all__ = [
@@ -12,4 +13,5 @@ __all__ = [
     "mla_attention_rows",
     "mla_decode_batched",
     "split_kv_b",
+    "write_rows",
 ]

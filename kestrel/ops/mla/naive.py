@@ -16,6 +16,22 @@ from __future__ import annotations
 import torch
 
 from kestrel.ops.dsa.naive import selection_mask
+from kestrel.utils.fuse import fused
+
+
+@fused("kestrel.ops.mla.triton_write:write_rows_triton")
+def write_rows(
+    pool: torch.Tensor,
+    rows: torch.Tensor,
+    parts: tuple[torch.Tensor, ...],
+    index_pool: torch.Tensor | None = None,
+    index_keys: torch.Tensor | None = None,
+) -> None:
+    """The latent cache write: pool[rows[t]] = token t's parts side by side (c_kv [T, R], then k_pe [T, P]),
+    in pool's dtype; with index_pool, index_pool[rows[t]] = index_keys[t] [T, DI] as well. rows [T] int64."""
+    pool[rows] = torch.cat(parts, dim=-1).to(pool.dtype)
+    if index_pool is not None:
+        index_pool[rows] = index_keys.to(index_pool.dtype)
 
 
 def split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, nope_dim: int, v_dim: int):

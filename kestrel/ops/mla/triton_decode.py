@@ -528,8 +528,11 @@ def absorbed(q_nope: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, laten
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(dt))  # [H, B, R]
     o_lat = torch.empty(H, B, R, dtype=dt, device=q_nope.device)  # [H, B, R]: the layout the next bmm wants
     latent_attention(q_lat.transpose(0, 1), o_lat.transpose(0, 1))  # [B, H, R] views
-    o = torch.bmm(o_lat, w_uv.to(dt).transpose(1, 2))  # [H, B, Dv]
-    return o.transpose(0, 1).contiguous()  # [B, H, Dv]
+    o = torch.empty(B, H, w_uv.shape[1], dtype=dt, device=q_nope.device)  # [B, H, Dv]
+    torch.bmm(
+        o_lat, w_uv.to(dt).transpose(1, 2), out=o.transpose(0, 1)
+    )  # written as [H, B, Dv]: no copy after
+    return o
 
 
 def decode_bytes(

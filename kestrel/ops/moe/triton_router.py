@@ -74,6 +74,66 @@ def _router_partial_kernel(
 
 
 @triton.jit
+def _router_dot_kernel(
+    x, parts, partial, T, D, E, stride_x, S, BT: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+    DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Program (b, s): tokens b * BT .. b * BT + BT - 1, hidden slice [s * BD, (s + 1) * BD): x's bf16 tile times
+    the three bf16 parts of the router weight (hi, mid, lo: parts [3E, D]), each product exact in the fp32
+    accumulator, hi's dot first, into partial[t, s, :BE]."""
+    pdl_begin(PDL)
+    ts = tl.program_id(0) * BT + tl.arange(0, BT)
+    ds = tl.program_id(1) * BD + tl.arange(0, BD)
+    es = tl.arange(0, BE)
+    tmask, dmask = ts < T, ds < D
+    xt = tl.load(
+        x + ts[:, None].to(tl.int64) * stride_x + ds[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0
+    )
+    if DOT_F32:  # Triton's CPU interpreter misreads bf16 dot operands: fp32 there (the products stay exact)
+        xt = xt.to(tl.float32)
+    acc = tl.zeros([BT, BE], dtype=tl.float32)
+    for p in tl.static_range(3):
+        w = tl.load(
+            parts + (p * E + es)[:, None] * D + ds[None, :],
+            mask=(es < E)[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        if DOT_F32:
+            w = w.to(tl.float32)
+        acc = tl.dot(xt, tl.trans(w), acc=acc, input_precision="ieee" if DOT_F32 else "tf32")  # [BT, BE]
+    tl.store(
+        partial + (ts[:, None].to(tl.int64) * S + tl.program_id(1)) * BE + es[None, :],
+        acc,
+        mask=tmask[:, None],
+    )
+
+
+def router_logit_parts_triton(x: torch.Tensor, parts: torch.Tensor, programs: int = 128) -> torch.Tensor:
+    """`router_gemm.router_logit_parts_bf16x3(x, parts)` in one Triton kernel, summed differently: x [T, D] bf16
+    (rows may be strided), parts = split_bf16x3(w) [3E, D] bf16 -> [T, S, E] fp32 partial logits over S slices of
+    D (each slice's three part products added in its fp32 accumulator), which `route_triton` adds in a fixed
+    order. Blocks of 16-64 tokens; slices 32-512 wide, about `programs` programs in all. For decode batches
+    past the GEMV router's (17-128 tokens, kestrel.layers.moe.ROUTER_DOT_MAX_TOKENS): there it beats cuBLAS's
+    GEMM and the sum after it (at 64 tokens on mini 7.0 against 8.7 us a call); from 256 tokens the sum over
+    its many slices costs more than cuBLAS's GEMM saves."""
+    T, D = x.shape
+    E = parts.shape[0] // 3
+    assert parts.shape == (3 * E, D) and parts.dtype == x.dtype == torch.bfloat16 and x.stride(1) == 1
+    BE = triton.next_power_of_2(E)
+    BT = min(64, max(16, triton.next_power_of_2(T)))
+    blocks = triton.cdiv(T, BT)
+    BD = min(512, max(32, triton.next_power_of_2(triton.cdiv(D, max(1, programs // blocks)))))
+    S = triton.cdiv(D, BD)
+    partial = torch.empty(T, S, BE, dtype=torch.float32, device=x.device)  # [T, S, BE]
+    if T:
+        _router_dot_kernel[(blocks, S)](
+            x, parts.contiguous(), partial, T, D, E, x.stride(0), S, BT=BT, BD=BD, BE=BE, DOT_F32=not x.is_cuda,
+            **pdl_args(partial),
+        )  # fmt: skip
+    return partial[:, :, :E]
+
+
+@triton.jit
 def _router_sum_kernel(
     partial,
     bias,
