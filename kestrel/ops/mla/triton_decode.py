@@ -529,9 +529,8 @@ def absorbed(q_nope: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, laten
     o_lat = torch.empty(H, B, R, dtype=dt, device=q_nope.device)  # [H, B, R]: the layout the next bmm wants
     latent_attention(q_lat.transpose(0, 1), o_lat.transpose(0, 1))  # [B, H, R] views
     o = torch.empty(B, H, w_uv.shape[1], dtype=dt, device=q_nope.device)  # [B, H, Dv]
-    torch.bmm(
-        o_lat, w_uv.to(dt).transpose(1, 2), out=o.transpose(0, 1)
-    )  # written as [H, B, Dv]: no copy after
+    # written through its [H, B, Dv] view: no copy into the layout the caller wants after the bmm
+    torch.bmm(o_lat, w_uv.to(dt).transpose(1, 2), out=o.transpose(0, 1))
     return o
 
 
