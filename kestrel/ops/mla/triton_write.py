@@ -43,7 +43,8 @@ def write_rows_triton(
 ) -> None:
     """`naive.write_rows`, same arguments and effect: two parts of [T, *] in the pool's dtype with unit column
     stride (rows may be strided, as k_pe's slice of the projection), pools with unit column stride; anything
-    else (a cast, more parts) goes to the reference. Rows must be distinct (each token has its own cache row)."""
+    else (a cast, more parts) goes to the reference. Rows are distinct but for a decode graph's padding rows, which
+    all write the dummy page's row 0: one of their writes lands there, as with the reference's indexed copy."""
     fits = len(parts) == 2 and all(p.dim() == 2 and p.stride(1) == 1 and p.dtype == pool.dtype for p in parts)
     fits = fits and pool.dim() == 2 and pool.stride(1) == 1 and rows.dim() == 1
     has_index = index_pool is not None
