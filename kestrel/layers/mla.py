@@ -16,8 +16,9 @@ from torch import nn
 from kestrel.config import ModelConfig
 from kestrel.env import env_field
 from kestrel.layers.context import get_forward_context
+from kestrel.layers.indexer import LATENT_NORM_EPS, Indexer
 from kestrel.layers.linear import ColumnLinear, Linear, RowLinear
-from kestrel.layers.norm import LayerNorm, RMSNorm
+from kestrel.layers.norm import RMSNorm
 from kestrel.ops.activation import sigmoid_gate
 from kestrel.ops.dsa import (
     fast_topk,
@@ -32,43 +33,9 @@ from kestrel.ops.mla.sdpa_prefill import mla_prefill_sdpa
 from kestrel.utils.device import to_device_async
 from kestrel.utils.dist import parallel_state
 
-# DeepSeek's MLA and indexer norms use a fixed eps (transformers and the reference code agree).
-LATENT_NORM_EPS = 1e-6
 # Prefill chunks of at least this many tokens score the indexer keys with the prefill kernel (blocks of 64 query
 # rows share each key tile); shorter ones with the per-row decode kernel, which packs the heads into its dot.
 PREFILL_SCORES_MIN_ROWS = 16
-
-
-class Indexer(nn.Module):
-    """DSA lightning indexer (model-spec 2.3), NoPE: I[t, s] = sum_j w[t, j] relu(q[t, j] . k[s]) / sqrt(DI)."""
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.n_heads, self.head_dim, self.topk = (
-            config.index_n_heads,
-            config.index_head_dim,
-            config.index_topk,
-        )
-        self.scale = self.head_dim**-0.5  # of the q . k dot products
-        self.config_topk = config.index_topk  # `topk` may be switched off (None = dense) and back
-        q_in = config.q_lora_rank or config.hidden_size  # reads the MLA q latent when there is one
-        q_out = self.n_heads * self.head_dim
-        if config.q_lora_rank:
-            self.wq_b = Linear(q_in, q_out, dtype=dtype)
-        else:
-            self.wq = Linear(q_in, q_out, dtype=dtype)
-        self.wk = Linear(config.hidden_size, self.head_dim, dtype=dtype)
-        self.k_norm = LayerNorm(self.head_dim, LATENT_NORM_EPS, dtype=dtype)
-        self.weights_proj = Linear(config.hidden_size, self.n_heads, dtype=dtype)
-
-    def keys(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, DI]
-        return self.k_norm(self.wk(x))
-
-    def queries(self, x: torch.Tensor, c_q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        q = self.wq_b(c_q) if hasattr(self, "wq_b") else self.wq(x)
-        q = q.view(x.shape[0], self.n_heads, self.head_dim)  # [T, HI, DI]
-        w = self.weights_proj(x).float() * self.n_heads**-0.5  # [T, HI]
-        return q, w
 
 
 class MLAttention(nn.Module):
