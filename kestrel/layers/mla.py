@@ -95,12 +95,13 @@ class MLAttention(nn.Module):
 
         w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, H, self.nope_dim, self.v_dim)  # [H, Dn, R], [H, Dv, R]
         idx = (idx_q, idx_w, idx_k_new) if self.indexer is not None else None
-        if ctx.cache is not None and ctx.decode:  # reads the rows just written from the cache
+        decode = ctx.cache is not None and ctx.decode  # reads the rows just written from the cache
+        kv_new = None if decode else torch.cat([c_kv, k_pe], dim=-1)  # [T, R + Pr]
+        if decode:
             out = self._attend_decode(ctx, q_nope, q_pe, w_uk, w_uv, idx)
         elif ctx.cache is None and ctx.row_len is not None:
-            out = self._attend_rows(ctx, q_nope, q_pe, torch.cat([c_kv, k_pe], dim=-1), idx)
+            out = self._attend_rows(ctx, q_nope, q_pe, kv_new, idx)
         else:
-            kv_new = torch.cat([c_kv, k_pe], dim=-1)  # [T, R + Pr]
             out = self._attend_per_sequence(ctx, q_nope, q_pe, kv_new, w_uk, w_uv, idx)
 
         if hasattr(self, "g_proj"):

@@ -120,9 +120,11 @@ def router_logit_parts_triton(x: torch.Tensor, parts: torch.Tensor, programs: in
     E = parts.shape[0] // 3
     assert parts.shape == (3 * E, D) and parts.dtype == x.dtype == torch.bfloat16 and x.stride(1) == 1
     BE = triton.next_power_of_2(E)
-    BT = min(64, max(16, triton.next_power_of_2(T)))
+    BT = min(64, max(16, triton.next_power_of_2(T)), max(16, 8192 // BE))  # the [BT, BE] fp32 accumulator
     blocks = triton.cdiv(T, BT)
-    BD = min(512, max(32, triton.next_power_of_2(triton.cdiv(D, max(1, programs // blocks)))))
+    wanted = triton.next_power_of_2(triton.cdiv(D, max(1, programs // blocks)))
+    # slices 32-512 wide, narrower for many experts: a part's [BE, BD] tile stays small
+    BD = min(512, max(32, wanted), max(32, 16384 // BE))
     S = triton.cdiv(D, BD)
     partial = torch.empty(T, S, BE, dtype=torch.float32, device=x.device)  # [T, S, BE]
     if T:
@@ -194,7 +196,7 @@ def route_triton(
         top_k,
         renormalize,
         scaling_factor,
-        BS=triton.next_power_of_2(S),
+        BS=min(triton.next_power_of_2(S), max(1, 8192 // triton.next_power_of_2(E))),  # [BS, BE] a step
     )
 
 
