@@ -14,7 +14,8 @@ Sections:
               off, and the same weights on the CPU (where the bf16 error comes from)
   foundation  parity, then `generate` on mini (API and CLI)
   kda_layers  each KDA layer, fast vs reference on the same input (the kernels' error, no compounding)
-  gpu_tests   every op test on the device (kernels vs references, fla-core gradients, graphs) and HiCache on CUDA
+  gpu_tests   every op test on the device (kernels vs references, fla-core gradients, graphs), HiCache and
+              the overlap schedule on CUDA
   engine_decode  engine decode tokens/s on mini at batch 64/8/1, CUDA graphs on and off
   profile_decode where a decode step's GPU time goes (torch.profiler, top kernels)
   engine_bench   offline throughput (512 x 1K/256) and the transformers peer at batch 64
@@ -783,13 +784,15 @@ def _kestrel_throughput(engine, prompts: list[list[int]], new_tokens: int) -> di
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     # Where the time goes, step by step: each step's prefill tokens and decode rows (recorded as the runner
-    # gets its batch) and its wall time (a step ends when its tokens reach the host, so no extra sync).
+    # gets its batch) and its wall time (a step ends when its tokens reach the host, so no extra sync; under
+    # the overlap schedule a call also launches the decode step after it, whose rows it records too).
     shapes, times, forward = [], [], engine.runner.forward
     _sync()
     start, produced, first_decode = time.perf_counter(), 0, None
     try:
-        engine.runner.forward = lambda batch: (
-            shapes.append((sum(c.end - c.start for c in batch.prefill), len(batch.decode))) or forward(batch)
+        engine.runner.forward = lambda batch, *ids: (
+            shapes.append((sum(c.end - c.start for c in batch.prefill), len(batch.decode)))
+            or forward(batch, *ids)
         )
         for i, p in enumerate(prompts):
             engine.add_request(p, params, f"t{i}-{time.perf_counter_ns()}")
@@ -799,6 +802,8 @@ def _kestrel_throughput(engine, prompts: list[list[int]], new_tokens: int) -> di
             times.append(time.perf_counter() - t)
             if len(shapes) == n:  # a step that ran no forward
                 shapes.append((0, 0))
+            if len(shapes) > n + 1:  # the overlap schedule's first decode call: its step and the next
+                shapes[n:] = [(sum(s[0] for s in shapes[n:]), max(s[1] for s in shapes[n:]))]
             produced += sum(len(o.new_token_ids) for o in outs)
             if (
                 first_decode is None
@@ -836,7 +841,8 @@ def _kestrel_throughput(engine, prompts: list[list[int]], new_tokens: int) -> di
 
 def engine_bench() -> dict:
     """Issue 3's benchmark: offline throughput (512 requests, 1K in / 256 out) and the transformers peer on
-    the same kimi_linear checkpoint at batch 64, plus Kestrel on the full mini (DSA)."""
+    the same kimi_linear checkpoint at batch 64, plus Kestrel on the full mini (DSA). Kestrel's runs go again
+    with the overlap schedule off (`_no_overlap`), on the same engine."""
     import shutil
 
     from kestrel.config import EngineConfig
@@ -873,6 +879,9 @@ def engine_bench() -> dict:
     ratio = result[ours]["output_tokens_per_s"] / result[peer]["output_tokens_per_s"]
     result[f"ratio_kestrel_over_transformers_batch{batch}"] = ratio
     print("ratio", ratio, flush=True)
+    engine.overlap = False
+    result[f"{ours}_no_overlap"] = _kestrel_throughput(engine, prompts[:batch], new)
+    print(f"kestrel kimi_linear b{batch}, no overlap", json.dumps(result[f"{ours}_no_overlap"]), flush=True)
     del engine
     shutil.rmtree(path, ignore_errors=True)
     torch.cuda.empty_cache()
@@ -881,6 +890,9 @@ def engine_bench() -> dict:
     dsa = f"kestrel_{S.model}_dsa_{n}_requests"
     result[dsa] = _kestrel_throughput(engine, prompts, new)
     print(f"kestrel {S.model}+DSA {n}", json.dumps(result[dsa]), flush=True)
+    engine.overlap = False
+    result[f"{dsa}_no_overlap"] = _kestrel_throughput(engine, prompts, new)
+    print(f"kestrel {S.model}+DSA {n}, no overlap", json.dumps(result[f"{dsa}_no_overlap"]), flush=True)
     return result
 
 
@@ -1057,7 +1069,8 @@ def gpu_tests() -> dict:
         "tests/ops/test_packed_conv.py::test_fla_conv_matches_reference",
         "tests/test_fuse.py",
     ]
-    rest = ["tests/ops", "tests/engine/test_hicache.py", *(f"--deselect={t}" for t in first[:2])]
+    rest = ["tests/ops", "tests/engine/test_hicache.py", "tests/engine/test_overlap.py"]
+    rest += [f"--deselect={t}" for t in first[:2]]
     returncodes = []
     with log_path.open("w") as log:
         for targets in (first, rest):

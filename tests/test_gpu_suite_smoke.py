@@ -31,8 +31,10 @@ EXPECTED = {
         "workload",
         "transformers_batch4",
         "kestrel_kimi_linear_batch4",
+        "kestrel_kimi_linear_batch4_no_overlap",
         "ratio_kestrel_over_transformers_batch4",
         "kestrel_tiny_dsa_8_requests",
+        "kestrel_tiny_dsa_8_requests_no_overlap",
     },
     "bench_kernels": {"ceilings", "kernels"},
     "bench_decode": {"ceilings", "runs"},
@@ -102,7 +104,8 @@ def test_smoke_figures_are_real(sections):
     assert sections["profile_decode"]["top_kernels"]
     packed = sections["prefill_bench"]["cases"]["2x64"]
     assert packed["tokens"] == 128 and packed["step_s"] > 0 and packed["top_kernels"]
-    assert sections["engine_bench"]["kestrel_tiny_dsa_8_requests"]["output_tokens"] == 8 * 8
+    for run in ("kestrel_tiny_dsa_8_requests", "kestrel_tiny_dsa_8_requests_no_overlap"):
+        assert sections["engine_bench"][run]["output_tokens"] == 8 * 8
     floor = sections["parity_floor"]["tiny"]  # the conditioned init is the one whose bf16 floor is small
     assert floor["conditioned"]["reference_bf16_fp32_reductions"]["norm_rel"] < 0.02
     kernels = sections["bench_kernels"]["kernels"]

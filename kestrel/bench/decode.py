@@ -2,10 +2,11 @@
 
 Requests are placed directly in decode at a given context (slots and pages allocated, the pools filled with
 random values: a decode step's time does not depend on them), so 128K contexts need no prefill. Per batch
-size the step is timed through `Engine.step()` (what a user gets: scheduling, sampling and Python included)
-and as the bare CUDA-graph replay. MBU = bytes a step must move / step time / measured copy bandwidth, with
-bytes = weights touched (every dense weight, the experts the batch hits, the LM head) + KDA state read and
-written + the MLA/DSA cache read (indexer keys of every position, latent rows of the selected ones).
+size the step is timed through `Engine.step()` (what a user gets: scheduling, sampling and Python included),
+with the engine's overlap schedule and without it, and as the bare CUDA-graph replay. MBU = bytes a step
+must move / step time / measured copy bandwidth, with bytes = weights touched (every dense weight, the experts
+the batch hits, the LM head) + KDA state read and written + the MLA/DSA cache read (indexer keys of every
+position, latent rows of the selected ones).
 With --profile, each point's replayed step is also broken down by kernel (torch.profiler over a few replays):
 the kernels' summed time against the replay's, their count, and the kernels that took the most time, each
 with its share of the step and a category (KDA, MoE, MLA, DSA, matmul, ...): where the step's time goes.
@@ -181,17 +182,23 @@ def _print_profile(prof: dict) -> None:
 def _time_decode(
     engine: Engine, b: int, context: int, steps: int, dense: bool, ceilings: dict, profile: bool = False
 ) -> dict:
-    """One (batch, mode) point: the step through Engine.step() (host-timed, everything a user gets) and the
+    """One (batch, mode) point: the step through Engine.step() (host-timed, everything a user gets), under the
+    engine's overlap schedule and then with it off (each step read back before the next is launched), and the
     bare CUDA-graph replay (GPU-timed)."""
-    reqs = place_in_decode(engine, b, context, steps + 4)
-    for _ in range(3):
-        engine.step()
-    synchronize(engine.device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    synchronize(engine.device)
-    step_ms = 1000 * (time.perf_counter() - start) / steps
+    reqs = place_in_decode(engine, b, context, 2 * steps + 8)
+    step_ms = {}
+    for overlap in (True, False):
+        engine.overlap = overlap
+        for _ in range(3):
+            engine.step()
+        synchronize(engine.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        synchronize(engine.device)
+        step_ms[overlap] = 1000 * (time.perf_counter() - start) / steps
+    engine.overlap = not engine.config.disable_overlap_schedule
+    step_ms, plain_ms = step_ms[True], step_ms[False]
     runner, replay_ms = engine.runner, None
     if runner.use_cuda_graph and b <= runner.graph_sizes[-1]:
         runner._replay(reqs)  # load this batch into the graph's inputs once; then time the replay alone
@@ -205,6 +212,7 @@ def _time_decode(
         "attention": "dense MLA" if dense else "DSA",
         "index_keys": "fp8" if engine.kv_pool.index_fp8 else "bf16",
         "step_ms": step_ms,
+        "step_ms_no_overlap": plain_ms,
         "graph_replay_ms": replay_ms,
         "tokens_per_s": b / (step_ms * 1e-3),
         "bytes": parts,
@@ -215,7 +223,8 @@ def _time_decode(
         run["profile"] = profile_replay(graph.replay)
     print(
         f"decode b={b:4d} ctx={context:6d} {run['attention']:9s} step {step_ms:7.2f} ms "
-        f"(replay {replay_ms or float('nan'):6.2f} ms)  {run['tokens_per_s']:9.0f} tok/s  MBU {run['mbu']:5.1%}",
+        f"(no overlap {plain_ms:6.2f}, replay {replay_ms or float('nan'):6.2f} ms)  "
+        f"{run['tokens_per_s']:9.0f} tok/s  MBU {run['mbu']:5.1%}",
         flush=True,
     )
     if "profile" in run:

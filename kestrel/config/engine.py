@@ -28,6 +28,8 @@ class EngineConfig:
     max_model_len: int | None = None  # context limit (default: the model's, capped by the KV pool)
     chunked_prefill_size: int = 8192  # tokens per step (prefill chunks + decode tokens)
     disable_cuda_graph: bool = False
+    # launch each decode step before the one in front of it is read back (Engine's overlap schedule)
+    disable_overlap_schedule: bool = False
     cuda_graph_max_bs: int = 256
     max_queued_requests: int = 4096  # server: past this many waiting requests, answer 503
     enable_prefix_cache: bool = True  # radix tree over KV pages + KDA state checkpoints

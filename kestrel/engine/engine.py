@@ -1,6 +1,15 @@
 """The engine: requests in, tokens out, one step at a time (schedule, forward, sample, postprocess).
 
 Single-threaded; `kestrel.engine.async_engine.AsyncEngine` runs it in its own thread for the server.
+
+The overlap schedule (on unless `disable_overlap_schedule`): while a decode step runs on the device, the host
+already launches the next one, whose input tokens are the device tensor the step in flight samples into, and
+only then waits for the step in flight and post-processes it. The host's scheduling, staging and
+post-processing hide behind the device's step instead of adding to it. It runs where the next step is the same
+decode batch one position further and no request needs the host's token lists to sample (penalties, logprobs);
+elsewhere a step runs, samples and lands before the next is scheduled. A request that stops on a sampled token
+(EOS, a stop token or string) has computed one more token by the time the host sees it: that token is dropped,
+and its KV row lands past the prefix the cache keeps.
 """
 
 from __future__ import annotations
@@ -9,6 +18,7 @@ import logging
 import random
 import time
 import uuid
+from dataclasses import dataclass
 
 import torch
 
@@ -19,7 +29,7 @@ from kestrel.cache.state_pool import StatePool, copy_state
 from kestrel.config import EngineConfig
 from kestrel.engine.memory import plan_memory
 from kestrel.engine.outputs import StepOutput
-from kestrel.engine.request import Request
+from kestrel.engine.request import Request, Status
 from kestrel.engine.runner import ModelRunner
 from kestrel.engine.sampler import Sampler
 from kestrel.engine.sampling_params import SamplingParams
@@ -28,7 +38,7 @@ from kestrel.layers.mla import set_dense_attention
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
 from kestrel.tokenizer import IncrementalDetokenizer, Tokenizer, tokenizer_for
-from kestrel.utils.device import resolve_device, resolve_dtype
+from kestrel.utils.device import resolve_device, resolve_dtype, to_device_async
 from kestrel.utils.errors import KestrelError
 
 log = logging.getLogger("kestrel.engine")
@@ -41,6 +51,17 @@ class RequestError(KestrelError):
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param, self.code = param, code
+
+
+@dataclass
+class InFlight:
+    """A decode step launched and not yet read back: its batch, its tokens on the device, their host copy (pinned
+    on CUDA), and the event recorded after that copy (None on the CPU, where everything has run already)."""
+
+    batch: Batch
+    tokens: torch.Tensor
+    host: torch.Tensor
+    copied: torch.cuda.Event | None
 
 
 class Engine:
@@ -103,6 +124,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[Request] = []
+        self.overlap = not config.disable_overlap_schedule
+        self.in_flight: InFlight | None = None  # the overlap schedule's step on the device
         self.runner.capture_graphs()
 
     def warm_up(self, prompt_tokens: int = 4096) -> float:
@@ -205,35 +228,80 @@ class Engine:
         """Requests to run, or outputs to deliver, or loads from the lower cache tiers still to land (whose
         paths stay locked until a step sees them done)."""
         loads = self.cache is not None and bool(self.cache.loads)
-        return self.scheduler.has_work() or bool(self._aborted) or loads
+        return self.scheduler.has_work() or bool(self._aborted) or loads or self.in_flight is not None
 
     # -- one step ---------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
-        if batch.empty:
-            if self.cache is not None:
-                self.cache.wait_for_loads()  # a queued request may be waiting for its prefix to come up
-            return self._finish_outputs([])
-        self._restore_checkpoints(batch)
-        self._plan_saves(batch)
-        logits = self.runner.forward(batch)
-        tokens, logprobs = self.sampler(logits, batch.sampled)
-        return self._postprocess(batch, tokens, logprobs)
+        """Run one step and return its outputs. Under the overlap schedule a decode step's outputs come from the
+        call after the one that launched it, which also launches the step after it where it can."""
+        if self.in_flight is None:
+            batch = self.scheduler.schedule()
+            if batch.empty:
+                if self.cache is not None:
+                    self.cache.wait_for_loads()  # a queued request may be waiting for its prefix to come up
+                return self._finish_outputs([])
+            self._restore_checkpoints(batch)
+            self._plan_saves(batch)
+            logits = self.runner.forward(batch)
+            if not (self.overlap and not batch.prefill and self.sampler.can_run_ahead(batch.decode)):
+                tokens, logprobs = self.sampler(logits, batch.sampled)
+                self._advance(batch)
+                return self._finish_outputs(self._record(batch.sampled, tokens, logprobs))
+            self.in_flight = self._launch(batch, logits, ahead=0)
+        landing, self.in_flight = self.in_flight, None
+        nxt = self.scheduler.schedule_ahead(landing.batch.decode) if self.overlap else None
+        if nxt is not None:
+            ids = landing.tokens
+            if len(nxt.decode) < len(landing.batch.decode):  # requests left out: their rows go
+                keep = set(nxt.decode)
+                rows = [i for i, r in enumerate(landing.batch.decode) if r in keep]
+                ids = ids.index_select(0, to_device_async(torch.tensor(rows), ids.device))
+            self.in_flight = self._launch(nxt, self.runner.forward(nxt, decode_ids=ids), ahead=1)
+        return self._land(landing)
 
-    def _postprocess(self, batch: Batch, tokens: list[int], logprobs) -> list[StepOutput]:
+    def _launch(self, batch: Batch, logits: torch.Tensor, ahead: int) -> InFlight:
+        """Sample a decode step on the device and start its tokens' copy to the host; the step's bookkeeping
+        that needs no token (positions, KDA checkpoints) is done now, ahead of the next step on the stream."""
+        tokens = self.sampler.tokens(logits, batch.decode, ahead)
+        host, copied = tokens, None
+        if tokens.is_cuda:
+            host = tokens.to("cpu", non_blocking=True)  # into pinned memory
+            copied = torch.cuda.Event()
+            copied.record()
+        self._advance(batch)
+        return InFlight(batch, tokens, host, copied)
+
+    def _land(self, step: InFlight) -> list[StepOutput]:
+        """Wait for an in-flight step's tokens and post-process them; requests that finished meanwhile (an abort,
+        or a stop found by the step before) get nothing. A step launched after it whose requests have all
+        finished by now is dropped unread: nothing in it is anyone's."""
+        if step.copied is not None:
+            step.copied.synchronize()
+        live = [(r, t) for r, t in zip(step.batch.decode, step.host.tolist()) if r.status is Status.RUNNING]
+        outputs = self._record([r for r, _ in live], [t for _, t in live], [None] * len(live))
+        after = self.in_flight
+        if after is not None and all(r.status is not Status.RUNNING for r in after.batch.decode):
+            self.in_flight = None
+        return self._finish_outputs(outputs)
+
+    def _advance(self, batch: Batch) -> None:
+        """What a step computed is in the cache now: positions move on, checkpoints are saved."""
         for req in batch.decode:
             req.num_computed += 1
         for chunk in batch.prefill:
             chunk.request.num_computed = chunk.end
         self._save_checkpoints(batch)
+
+    def _record(self, reqs: list[Request], tokens: list[int], logprobs) -> list[StepOutput]:
+        """Each request's new token (and logprob) appended, its stop conditions checked, its output built."""
         outputs = []
-        for req, token, lp in zip(batch.sampled, tokens, logprobs):
+        for req, token, lp in zip(reqs, tokens, logprobs):
             req.output_ids.append(token)
             if lp is not None:
                 req.logprobs.append(lp)
             self._check_stop(req, token)
             outputs.append(self._output(req, [token], [lp] if lp is not None else None))
-        return self._finish_outputs(outputs)
+        return outputs
 
     # -- prefix cache: KDA checkpoints ---------------------------------------------------------------------
     def _restore_checkpoints(self, batch: Batch) -> None:

@@ -3,7 +3,10 @@ and returns the logits of the requests that sample this step.
 
 Prefill chunks run packed (varlen, no padding) through the per-sequence path. Decode runs every request at
 once through the batched path, which has no host syncs; on CUDA it is captured in graphs per batch-size
-bucket and replayed (`use_cuda_graph=False`, or `--disable-cuda-graph`, runs it eagerly).
+bucket and replayed (`use_cuda_graph=False`, or `--disable-cuda-graph`, runs it eagerly). Staging a decode step
+does not wait for the device either (its host values go up through pinned memory), and its input tokens may be
+given as a device tensor: the engine launches a decode step before it has read back the tokens of the step in
+front of it (the overlap schedule).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from kestrel.engine.request import Request
 from kestrel.engine.scheduler import Batch, PrefillChunk
 from kestrel.layers.context import ForwardContext, forward_context
 from kestrel.models.kimi import KimiForCausalLM
+from kestrel.utils.device import to_device_async
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
@@ -47,11 +51,12 @@ class ModelRunner:
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda" and bool(self.graph_sizes)
 
     @torch.no_grad()
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """Logits [len(batch.sampled), V] fp32, rows in `batch.sampled` order."""
+    def forward(self, batch: Batch, decode_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(batch.sampled), V] fp32, rows in `batch.sampled` order. `decode_ids` [len(batch.decode)],
+        on the device: the decode requests' input tokens, where the host's lists do not have them yet."""
         rows = []
         if batch.decode:
-            rows.append(self._decode(batch.decode))
+            rows.append(self._decode(batch.decode, decode_ids))
         sampling = [c for c in batch.prefill if c.samples]
         if batch.prefill:
             logits = self._prefill(batch.prefill)
@@ -98,12 +103,14 @@ class ModelRunner:
         rows = _write_rows(table, pos, ps)
         return ids, pos, slots, table, lens, rows
 
-    def _decode(self, reqs: list[Request]) -> torch.Tensor:
+    def _decode(self, reqs: list[Request], ids: torch.Tensor | None = None) -> torch.Tensor:
         n = len(reqs)
         if self.use_cuda_graph and n <= self.graph_sizes[-1]:
-            return self._replay(reqs)[:n]
+            return self._replay(reqs, ids)[:n]
         width = max(len(r.pages) for r in reqs)
-        tensors = [t.to(self.device) for t in self._decode_inputs(reqs, width, n)]
+        tensors = [to_device_async(t, self.device) for t in self._decode_inputs(reqs, width, n)]
+        if ids is not None:
+            tensors[0] = ids
         return self._decode_forward(*tensors)
 
     def _decode_forward(self, ids, pos, slots, table, lens, rows) -> torch.Tensor:
@@ -144,8 +151,9 @@ class ModelRunner:
         torch.cuda.synchronize()
         self.capture_graphs()
 
-    def _stage(self, reqs: list[Request], bs: int) -> None:
-        """Load a decode batch into the graphs' static inputs (padded to the bucket size bs).
+    def _stage(self, reqs: list[Request], bs: int, ids: torch.Tensor | None = None) -> None:
+        """Load a decode batch into the graphs' static inputs (padded to the bucket size bs); `ids` [len(reqs)] on
+        the device replaces the tokens from the request lists.
 
         The page table comes from `slot_pages`, a device table with one row per state slot holding its
         request's pages: a step sends only the pages requests gained since their last step (one per request
@@ -170,30 +178,32 @@ class ModelRunner:
             new_pages += r.pages[start:]
             self._sent[r.slot] = (r.pages, len(r.pages))
         if new_pages:
-            where = torch.tensor([rows, cols]).to(self.device)
-            self.slot_pages[where[0], where[1]] = torch.tensor(new_pages).to(
-                self.device, self.slot_pages.dtype
-            )
-        ids, pos, slots, table, lens, write_rows = (t[:bs] for t in self.static)
-        for dst, src in zip((ids, pos, slots), _token_inputs(reqs, bs)):
+            where = to_device_async(torch.tensor([rows, cols, new_pages]), self.device)
+            self.slot_pages[where[0], where[1]] = where[2].to(self.slot_pages.dtype)
+        static_ids, pos, slots, table, lens, write_rows = (t[:bs] for t in self.static)
+        host = to_device_async(torch.stack(_token_inputs(reqs, bs)), self.device)  # [3, bs], one copy up
+        for dst, src in zip((static_ids, pos, slots), host):
             dst.copy_(src)
+        if ids is not None:
+            static_ids[: len(reqs)].copy_(ids)
         torch.index_select(self.slot_pages, 0, slots, out=table)
         torch.add(pos, 1, out=lens)
         write_rows.copy_(_write_rows(table, pos, self.kv_pool.page_size))
 
-    def _replay(self, reqs: list[Request]) -> torch.Tensor:
+    def _replay(self, reqs: list[Request], ids: torch.Tensor | None = None) -> torch.Tensor:
         bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, len(reqs))]
-        self._stage(reqs, bs)
+        self._stage(reqs, bs, ids)
         self.graphs[bs].replay()
         return self.static_out[bs]
 
 
 def _token_inputs(reqs: list[Request], size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decode batch's ids, positions and state slots [size] (CPU); rows past len(reqs) are padding: token 0 at
-    position 0 in the dummy slot 0."""
+    position 0 in the dummy slot 0. A decode step computes position num_computed (the request's last token; a
+    step launched ahead computes the one its in-flight step is sampling, which the engine passes as ids)."""
     pad = [0] * (size - len(reqs))
     ids = torch.tensor([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs] + pad)
-    pos = torch.tensor([r.num_tokens - 1 for r in reqs] + pad)
+    pos = torch.tensor([r.num_computed for r in reqs] + pad)
     return ids, pos, torch.tensor([r.slot for r in reqs] + pad)
 
 

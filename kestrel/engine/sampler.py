@@ -2,6 +2,11 @@
 
 Legend: B sampled requests, V vocabulary. Penalties, temperature, top-k/top-p/min-p and the seeded noise are
 batched ops (kestrel.ops.sampling); greedy rows take the argmax of the penalized logits.
+
+`tokens()` stays on the device and never waits for it (its per-request values go up through pinned memory), so
+the engine can sample a step it runs ahead of the host (`ahead`: outputs the request has that its output_ids do
+not show yet). Penalties and logprobs read the host's token lists, so requests that ask for them do not run
+ahead (`can_run_ahead`).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import torch
 from kestrel.engine.outputs import TokenLogprob
 from kestrel.engine.request import Request
 from kestrel.ops.sampling.naive import apply_penalties, greedy, process_logits, sample
+from kestrel.utils.device import to_device_async
 
 
 def _needs_penalties(r: Request) -> bool:
@@ -27,30 +33,38 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         if not reqs:
             return [], []
+        token_list = self.tokens(logits, reqs).tolist()
+        return token_list, self._logprobs(logits.float(), token_list, reqs)
+
+    @staticmethod
+    def can_run_ahead(reqs: list[Request]) -> bool:
+        """Whether these requests can be sampled before their last token is on the host."""
+        return not any(_needs_penalties(r) or r.params.logprobs is not None for r in reqs)
+
+    def tokens(self, logits: torch.Tensor, reqs: list[Request], ahead: int = 0) -> torch.Tensor:
+        """The next token of each request [B] int64, on the logits' device, with no host sync."""
         dev = logits.device
-        raw = logits.float()  # [B, V]
-        x = raw
+        x = logits.float()  # [B, V]
         if any(_needs_penalties(r) for r in reqs):
             x = self._penalize(x, reqs)
-        x = self._suppress_early_stops(x, reqs)
+        x = self._suppress_early_stops(x, reqs, ahead)
         tokens = greedy(x)  # [B]; sampled rows are overwritten below
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rows:  # the full-vocabulary sort and noise only for the rows that sample
-            f = lambda vals, dt=torch.float32: torch.tensor(vals, dtype=dt, device=dev)  # noqa: E731
             sub = [reqs[i] for i in rows]
+            f = lambda vals, dt=torch.float32: to_device_async(torch.tensor(vals, dtype=dt), dev)  # noqa: E731
+            idx = f(rows, torch.int64)
             probs = process_logits(
-                x[rows],
+                x.index_select(0, idx),
                 f([r.params.temperature for r in sub]),
                 f([r.params.top_k for r in sub], torch.int64),
                 f([r.params.top_p for r in sub]),
                 f([r.params.min_p for r in sub]),
             )
-            drawn = sample(
-                probs, f([r.seed for r in sub], torch.int64), f([len(r.output_ids) for r in sub], torch.int64)
-            )
-            tokens[rows] = drawn
-        token_list = tokens.tolist()
-        return token_list, self._logprobs(raw, token_list, reqs)
+            steps = [len(r.output_ids) + ahead for r in sub]
+            drawn = sample(probs, f([r.seed for r in sub], torch.int64), f(steps, torch.int64))
+            tokens = tokens.index_copy(0, idx, drawn)
+        return tokens
 
     def _penalize(self, x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         B, V = x.shape
@@ -71,18 +85,20 @@ class Sampler:
             f([r.params.presence_penalty for r in reqs]),
         )
 
-    def _suppress_early_stops(self, x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _suppress_early_stops(self, x: torch.Tensor, reqs: list[Request], ahead: int = 0) -> torch.Tensor:
         """Before min_tokens outputs, EOS and stop token ids cannot be sampled (vLLM semantics)."""
-        rows = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_tokens]
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, r in enumerate(reqs):
+            if len(r.output_ids) + ahead < r.params.min_tokens:
+                eos = () if r.params.ignore_eos else self.eos_token_ids
+                banned = [*r.params.stop_token_ids, *eos]
+                rows += [i] * len(banned)
+                cols += banned
         if not rows:
             return x
-        x = x.clone()
-        for i in rows:
-            r = reqs[i]
-            banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(self.eos_token_ids))
-            if banned:
-                x[i, torch.tensor(banned, device=x.device)] = float("-inf")
-        return x
+        where = to_device_async(torch.tensor([rows, cols]), x.device)
+        return x.index_put((where[0], where[1]), torch.full((), float("-inf"), device=x.device))
 
     def _logprobs(
         self, raw: torch.Tensor, tokens: list[int], reqs: list[Request]

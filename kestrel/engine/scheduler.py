@@ -13,6 +13,11 @@ loaded back to the GPU; it stays in the queue meanwhile and the requests behind 
 the hold that keeps its prefix on the GPU until the request is admitted, are the cache's: no tensors here. At most
 `LOADS_AHEAD` requests (and the head of the queue) hold loaded prefixes at once; if nothing can run because of
 them, they let go.
+
+`schedule_ahead` plans the decode step that follows one still on the device (the engine's overlap schedule): the
+same requests, one position further, before the tokens of the step in flight are known. It only plans where the
+plain schedule would run that same decode batch (nobody waiting who could be admitted, nobody prefilling) and
+every page can be had without preempting; otherwise the engine lands the step in flight and schedules as usual.
 """
 
 from __future__ import annotations
@@ -103,6 +108,27 @@ class Scheduler:
         request.finish_reason, request.stop_reason = reason, stop_reason
 
     # -- one step ---------------------------------------------------------------------------------------
+    def schedule_ahead(self, in_flight: list[Request]) -> Batch | None:
+        """The decode batch after the in-flight decode step over `in_flight`, whose tokens the host has not read
+        yet (their num_computed already counts that step). Requests finished meanwhile (aborted) and those that
+        step brings to their length limit are left out; one that stops on a token it samples is found out only
+        when the step lands, and its token from this batch is dropped. None where the plain schedule should
+        decide the next step."""
+        admissible = len(self.running) < self.max_running and self.state_pool.num_free_slots > 0
+        if self.waiting and (admissible or (self.cache is not None and self.cache.tiers is not None)):
+            return None  # an admission or a lower-tier load may be due: the plain schedule decides
+        live = [r for r in in_flight if r.status is Status.RUNNING]
+        if len(live) != len(self.running):
+            return None  # a running request is not decoding: it needs a prefill chunk
+        batch = Batch()
+        for req in live:
+            if req.num_computed + 1 >= req.max_total_tokens:
+                continue  # the step in flight gives it its last token
+            if not self._ensure_pages(req, preempt=False):
+                return None
+            batch.decode.append(req)
+        return batch if batch.decode else None
+
     def schedule(self) -> Batch:
         if self.cache is not None:
             self.cache.poll_loads()
@@ -222,16 +248,18 @@ class Scheduler:
             if self.cache.insert_with_checkpoint(req.all_ids[:end], req.pages, req.track_slot):
                 req.track_slot = None  # now the tree's
 
-    def _ensure_pages(self, req: Request) -> bool:
-        """Pages for every token up to the one this step computes; preempt (LIFO) to get them.
-        False when `req` itself had to be preempted."""
-        while len(req.pages) < self.kv_pool.pages_for(req.num_tokens):
+    def _ensure_pages(self, req: Request, preempt: bool = True) -> bool:
+        """Pages for every token up to the one this step computes (position num_computed); preempt (LIFO) to
+        get them. False when `req` itself had to be preempted, or (preempt=False) a page could not be had."""
+        while len(req.pages) < self.kv_pool.pages_for(req.num_computed + 1):
             page = self.kv_pool.alloc(1)
             if page is None and self.cache is not None and self.cache.evict_pages(1):
                 page = self.kv_pool.alloc(1)
             if page is not None:
                 req.pages += page
                 continue
+            if not preempt:
+                return False
             victim = self.running[-1]
             self.preempt(victim)
             if victim is req:

@@ -137,6 +137,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="tokens per step (prefill chunks + decode)",
     )
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="read each decode step back before launching the next (default: launch it first)",
+    )
     p.add_argument("--disable-prefix-cache", action="store_true", help="no radix prefix cache")
     p.add_argument(
         "--checkpoint-interval",

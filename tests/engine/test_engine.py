@@ -241,9 +241,13 @@ def test_graph_inputs_from_the_slot_page_table(model, monkeypatch):
     seen = {"steps": 0, "compared": 0}
     eager = runner._decode
 
-    def decode(reqs):  # inside Engine.step, after the scheduler gave every request its page for this token
-        runner._stage(reqs, size)
+    def decode(
+        reqs, ids=None
+    ):  # inside Engine.step, after the scheduler gave each request its page for this token
+        runner._stage(reqs, size, ids)
         fresh = runner._decode_inputs(reqs, runner.max_pages, size)
+        if ids is not None:  # a step launched ahead: its tokens come from the step before it, on the device
+            fresh[0][: len(reqs)] = ids
         for k in (0, 1, 2, 4, 5):  # ids, positions, slots, lengths, write rows
             assert torch.equal(runner.static[k][:size], fresh[k])
         for j, r in enumerate(reqs):
@@ -259,7 +263,7 @@ def test_graph_inputs_from_the_slot_page_table(model, monkeypatch):
                 t.copy_(s)
             torch.testing.assert_close(staged, full, rtol=0, atol=0)
             seen["compared"] += 1
-        return eager(reqs)
+        return eager(reqs, ids)
 
     monkeypatch.setattr(runner, "_decode", decode)
     for i, n in enumerate((5, 23, 37)):
