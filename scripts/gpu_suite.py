@@ -197,7 +197,6 @@ SMOKE = Sizes(
         "moe": [{"tokens": 4, "experts": 8, "top_k": 2, "hidden": 64, "inter": 32}],
         "kda_decode": [{"batch": 2, "heads": 2, "dim": 16}],
         "kda_conv_prefill": [{"tokens": 40, "seqs": 3, "channels": 48, "width": 56}],
-        "greedy": [{"batch": 3, "vocab": 5000}],
     },
     decode_bench_batches=(1, 2),
     decode_bench_fp8_batches=(1,),

@@ -1,7 +1,7 @@
 """`kestrel bench kernels`: each fast-path kernel on the GPU — its time, the bytes it must move and its FLOPs,
 the achieved bandwidth or FLOP rate against the ceilings measured in the same run, and, where one exists,
 the plain-PyTorch peer timed beside it (with a check that both give the same answer). The benchmarks live by
-op family (kernels_dsa, kernels_moe, kernels_kda, kernels_sampling); this module holds their cases and runs them."""
+op family (kernels_dsa, kernels_moe, kernels_kda); this module holds their cases and runs them."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from kestrel.bench.kernels_dsa import (
 )
 from kestrel.bench.kernels_kda import bench_kda_conv_prefill, bench_kda_decode
 from kestrel.bench.kernels_moe import bench_moe, bench_router
-from kestrel.bench.kernels_sampling import bench_greedy
 from kestrel.bench.roofline import device_name, measure_ceilings, require_cuda
 
 # The shapes of `kestrel bench kernels` (the H200's): keyword arguments of each bench_* function.
@@ -45,7 +44,6 @@ KERNEL_CASES = {
     "moe": [{"tokens": t} for t in (1, 64, 256, 1024, 2048, 4096, 8192, 32768)],
     "kda_decode": [{"batch": b} for b in (1, 64, 256)],
     "kda_conv_prefill": [{"tokens": 32768}],
-    "greedy": [{"batch": b} for b in (1, 64, 256)],
 }
 _BENCHES = {
     "topk": bench_topk,
@@ -57,7 +55,6 @@ _BENCHES = {
     "moe": bench_moe,
     "kda_decode": bench_kda_decode,
     "kda_conv_prefill": bench_kda_conv_prefill,
-    "greedy": bench_greedy,
 }
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.utils.fuse import fused
-
 _MASK32 = 0xFFFFFFFF
 
 
@@ -93,7 +91,6 @@ def sample(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> tor
     return torch.argmax(probs / exponential_noise(seeds, steps, probs.shape[-1]), dim=-1)
 
 
-@fused("kestrel.ops.sampling.triton_greedy:greedy_triton")
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim of logits [B, V] -> [B]; ties go to the lowest token id."""
+    """argmax over the last dim; ties go to the lowest token id."""
     return torch.argmax(logits, dim=-1)
