@@ -790,9 +790,9 @@ def _kestrel_throughput(engine, prompts: list[list[int]], new_tokens: int) -> di
     _sync()
     start, produced, first_decode = time.perf_counter(), 0, None
     try:
-        engine.runner.forward = lambda batch, *ids: (
+        engine.runner.forward = lambda batch, **ids: (
             shapes.append((sum(c.end - c.start for c in batch.prefill), len(batch.decode)))
-            or forward(batch, *ids)
+            or forward(batch, **ids)
         )
         for i, p in enumerate(prompts):
             engine.add_request(p, params, f"t{i}-{time.perf_counter_ns()}")
