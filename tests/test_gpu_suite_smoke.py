@@ -31,9 +31,11 @@ EXPECTED = {
         "workload",
         "transformers_batch4",
         "kestrel_kimi_linear_batch4",
+        "kestrel_kimi_linear_batch4_first_run",
         "kestrel_kimi_linear_batch4_no_overlap",
         "ratio_kestrel_over_transformers_batch4",
         "kestrel_tiny_dsa_8_requests",
+        "kestrel_tiny_dsa_8_requests_first_run",
         "kestrel_tiny_dsa_8_requests_no_overlap",
     },
     "bench_kernels": {"ceilings", "kernels"},
@@ -104,7 +106,11 @@ def test_smoke_figures_are_real(sections):
     assert sections["profile_decode"]["top_kernels"]
     packed = sections["prefill_bench"]["cases"]["2x64"]
     assert packed["tokens"] == 128 and packed["step_s"] > 0 and packed["top_kernels"]
-    for run in ("kestrel_tiny_dsa_8_requests", "kestrel_tiny_dsa_8_requests_no_overlap"):
+    for run in (
+        "kestrel_tiny_dsa_8_requests",
+        "kestrel_tiny_dsa_8_requests_first_run",
+        "kestrel_tiny_dsa_8_requests_no_overlap",
+    ):
         assert sections["engine_bench"][run]["output_tokens"] == 8 * 8
     floor = sections["parity_floor"]["tiny"]  # the conditioned init is the one whose bf16 floor is small
     assert floor["conditioned"]["reference_bf16_fp32_reductions"]["norm_rel"] < 0.02
