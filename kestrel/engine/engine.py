@@ -8,8 +8,9 @@ only then waits for the step in flight and post-processes it. The host's schedul
 post-processing hide behind the device's step instead of adding to it. It runs where the next step is the same
 decode batch one position further and no request needs the host's token lists to sample (penalties, logprobs);
 elsewhere a step runs, samples and lands before the next is scheduled. A request that stops on a sampled token
-(EOS, a stop token or string) has computed one more token by the time the host sees it: that token is dropped,
-and its KV row lands past the prefix the cache keeps.
+(EOS, a stop token or string) has computed one more step by the time the host sees it: the token it sampled is
+dropped, while its KV row and state (the stop token's own, correct) may go into the prefix cache with the rest.
+The next step is planned before the step in flight lands, so a slot that step frees is taken one step later.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import torch
 from kestrel.cache.hicache import HiCache
 from kestrel.cache.kv_pool import KVPool
 from kestrel.cache.radix import RadixCache
-from kestrel.cache.state_pool import StatePool, copy_state
+from kestrel.cache.state_pool import StatePool
 from kestrel.config import EngineConfig
+from kestrel.engine.checkpoints import Checkpoints
 from kestrel.engine.memory import plan_memory
 from kestrel.engine.outputs import StepOutput
 from kestrel.engine.request import Request, Status
@@ -81,7 +83,7 @@ class Engine:
             mc, self.plan.num_pages, config.page_size, dtype, self.device, config.index_key_dtype == "fp8"
         )
         self.state_pool = StatePool(mc, self.plan.num_slots, dtype, self.device)
-        self.cache = None
+        self.cache, self.checkpoints = None, None
         if config.enable_prefix_cache:
             self.checkpoint_pool = StatePool(
                 mc, self.plan.num_checkpoints, dtype, self.device, zero_on_alloc=False
@@ -102,6 +104,9 @@ class Engine:
                     f", disk tier in {tiers.disk.dir} ({config.hicache_disk_bytes} B)" if tiers.disk else "",
                 )
             self.cache = RadixCache(self.kv_pool, self.checkpoint_pool, config.page_size, tiers)
+            self.checkpoints = Checkpoints(
+                self.cache, self.state_pool, self.checkpoint_pool, config.page_size
+            )
         self.scheduler = Scheduler(
             self.kv_pool,
             self.state_pool,
@@ -221,6 +226,7 @@ class Engine:
         if request is None or request.is_finished:
             return False
         self.scheduler.abort(request)
+        self._detok.pop(request_id, None)
         self._aborted.append(request)
         return True
 
@@ -240,8 +246,8 @@ class Engine:
                 if self.cache is not None:
                     self.cache.wait_for_loads()  # a queued request may be waiting for its prefix to come up
                 return self._finish_outputs([])
-            self._restore_checkpoints(batch)
-            self._plan_saves(batch)
+            if self.checkpoints is not None:
+                self.checkpoints.before_step(batch)
             logits = self.runner.forward(batch)
             if not (self.overlap and not batch.prefill and self.sampler.can_run_ahead(batch.decode)):
                 tokens, logprobs = self.sampler(logits, batch.sampled)
@@ -290,7 +296,8 @@ class Engine:
             req.num_computed += 1
         for chunk in batch.prefill:
             chunk.request.num_computed = chunk.end
-        self._save_checkpoints(batch)
+        if self.checkpoints is not None:
+            self.checkpoints.after_step(batch)
 
     def _record(self, reqs: list[Request], tokens: list[int], logprobs) -> list[StepOutput]:
         """Each request's new token (and logprob) appended, its stop conditions checked, its output built."""
@@ -302,58 +309,6 @@ class Engine:
             self._check_stop(req, token)
             outputs.append(self._output(req, [token], [lp] if lp is not None else None))
         return outputs
-
-    # -- prefix cache: KDA checkpoints ---------------------------------------------------------------------
-    def _restore_checkpoints(self, batch: Batch) -> None:
-        """A request resuming from a cached prefix starts from a copy of the checkpoint's state."""
-        for chunk in batch.prefill:
-            req = chunk.request
-            if req.restore_from is not None:
-                copy_state(self.checkpoint_pool, req.restore_from, self.state_pool, req.slot)
-                req.restore_from = None
-                self.cache.unpin(req.cache_node)  # the checkpoint may go now: the state is in the slot
-
-    def _plan_saves(self, batch: Batch) -> None:
-        """A checkpoint slot for each planned checkpoint inside a prefill chunk (none left: that one is
-        skipped); the KDA layers write the states there during the step."""
-        if self.cache is None:
-            return
-        for chunk in batch.prefill:
-            inside = [p for p in chunk.request.checkpoint_at if chunk.start < p < chunk.end]
-            chunk.saves = [(p, slot) for p in inside if (slot := self._checkpoint_slot()) is not None]
-
-    def _checkpoint_slot(self) -> int | None:
-        slot = self.checkpoint_pool.alloc()
-        if slot is None and self.cache.evict_checkpoints(1):
-            slot = self.checkpoint_pool.alloc()
-        return slot
-
-    def _cache_checkpoint(self, req: Request, length: int, slot: int) -> None:
-        """The request's first `length` tokens into the tree with the checkpoint in `slot` (freed if the tree
-        already holds one there)."""
-        if not self.cache.insert_with_checkpoint(req.all_ids[:length], req.pages, slot):
-            self.checkpoint_pool.free(slot)
-
-    def _save_checkpoints(self, batch: Batch) -> None:
-        """After the step: prefill chunks that ended at a planned position save their state into the tree with
-        their KV; decode steps that completed a page keep the state in the request's tracking slot."""
-        if self.cache is None:
-            return
-        for chunk in batch.prefill:
-            req = chunk.request
-            for p, slot in chunk.saves:  # saved inside the chunk during the step
-                self._cache_checkpoint(req, p, slot)
-            if chunk.end in req.checkpoint_at and (slot := self._checkpoint_slot()) is not None:
-                copy_state(self.state_pool, req.slot, self.checkpoint_pool, slot)
-                self._cache_checkpoint(req, chunk.end, slot)
-        ps = self.kv_pool.page_size
-        for req in batch.decode:
-            if req.num_computed % ps == 0:
-                if req.track_slot is None:
-                    req.track_slot = self._checkpoint_slot()
-                if req.track_slot is not None:
-                    copy_state(self.state_pool, req.slot, self.checkpoint_pool, req.track_slot)
-                    req.track_len = req.num_computed
 
     def flush_cache(self) -> dict:
         """Drop every cached prefix no running request uses, in every tier; returns what was freed:

@@ -153,7 +153,7 @@ def test_abort_while_in_flight(model):
     others are untouched, and the pools come back whole."""
     engine = _engine(model, True)
     base = _free(engine)
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=["\x00never"])
     prompts = {rid: _prompt(20 + i, 40 + i) for i, rid in enumerate("abc")}
     for rid, p in prompts.items():
         engine.add_request(p, params, rid)
@@ -169,6 +169,7 @@ def test_abort_while_in_flight(model):
             if o.finished:
                 finished[o.request_id] = o.finish_reason
     assert finished == {"a": "length", "b": "abort", "c": "length"}
+    assert not engine._detok  # each stop-string detokenizer went with its request, the aborted one too
     assert out["b"] == generate(model, prompts["b"], 4)
     for rid in "ac":
         assert out[rid] == generate(model, prompts[rid], 30), rid
@@ -200,14 +201,19 @@ def test_stops_found_a_step_late_keep_the_cache_right(model):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_steady_decode_step_never_waits_for_the_stream():
-    """Under the overlap schedule a steady decode step (greedy and seeded sampling, with min_tokens) stages,
-    launches and samples without a single stream sync: torch's sync debug mode raises on any."""
+    """Under the overlap schedule a steady decode step (greedy and seeded sampling, with min_tokens banning a stop
+    token id) stages, launches and samples without a single stream sync: torch's sync debug mode raises on any."""
     net = build_model("tiny", dtype=torch.bfloat16, device="cuda", seed=SEED)
     engine = Engine(EngineConfig(model="tiny", page_size=4, max_running_requests=8), model=net)
     for i in range(4):
         sampled = i % 2 == 1
         params = SamplingParams(
-            temperature=0.8 if sampled else 0, max_tokens=40, seed=i, min_tokens=20, ignore_eos=True
+            temperature=0.8 if sampled else 0,
+            max_tokens=40,
+            seed=i,
+            min_tokens=20,
+            ignore_eos=True,
+            stop_token_ids=[7],
         )
         engine.add_request(_prompt(30 + i, i), params)
     for _ in range(4):  # prefill, then the first decode steps
