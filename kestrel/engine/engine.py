@@ -10,7 +10,8 @@ decode batch one position further and no request needs the host's token lists to
 elsewhere a step runs, samples and lands before the next is scheduled. A request that stops on a sampled token
 (EOS, a stop token or string) has computed one more step by the time the host sees it: the token it sampled is
 dropped, while its KV row and state (the stop token's own, correct) may go into the prefix cache with the rest.
-The next step is planned before the step in flight lands, so a slot that step frees is taken one step later.
+The next step is planned before the step in flight lands: a slot that a stop frees is taken one step later than
+without the overlap (one that a length limit frees is known ahead, and the plain schedule takes it at once).
 """
 
 from __future__ import annotations

@@ -114,10 +114,13 @@ class Scheduler:
         step brings to their length limit are left out; one that stops on a token it samples is found out only
         when the step lands, and its token from this batch is dropped. None where the plain schedule should
         decide the next step."""
-        admissible = len(self.running) < self.max_running and self.state_pool.num_free_slots > 0
-        if self.waiting and (admissible or (self.cache is not None and self.cache.tiers is not None)):
-            return None  # an admission or a lower-tier load may be due: the plain schedule decides
         live = [r for r in in_flight if r.status is Status.RUNNING]
+        if self.waiting:
+            admissible = len(self.running) < self.max_running and self.state_pool.num_free_slots > 0
+            tiers = self.cache is not None and self.cache.tiers is not None
+            frees = any(r.num_computed + 1 >= r.max_total_tokens for r in live)  # a slot, once the step lands
+            if admissible or tiers or frees:
+                return None  # an admission or a lower-tier load may be due: the plain schedule decides
         if len(live) != len(self.running):
             return None  # a running request is not decoding: it needs a prefill chunk
         batch = Batch()

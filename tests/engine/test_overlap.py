@@ -148,6 +148,26 @@ def test_switching_the_overlap_off_mid_run(model):
     assert out == generate(model, prompt, 20)
 
 
+def test_a_slot_freed_by_a_length_finish_admits_as_soon_as_plain(model):
+    """Two slots, three requests: when a running request reaches its length limit, the waiting one starts on the
+    same step call as under the plain schedule (not a step later), and every output comes on the same call."""
+    jobs = {
+        "a": (_prompt(9, 70), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)),
+        "c": (_prompt(11, 71), SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)),
+        "b": (_prompt(6, 72), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)),
+    }
+    timelines = []
+    for overlap in (False, True):
+        engine = _engine(model, overlap, max_running_requests=2)
+        for rid, (prompt, params) in jobs.items():
+            engine.add_request(prompt, params, rid)
+        timeline = []
+        while engine.has_unfinished():
+            timeline.append(sorted((o.request_id, tuple(o.new_token_ids)) for o in engine.step()))
+        timelines.append(timeline)
+    assert timelines[0] == timelines[1]
+
+
 def test_abort_while_in_flight(model):
     """A request aborted while its step is on the device gets one final abort output and nothing after it; the
     others are untouched, and the pools come back whole."""
