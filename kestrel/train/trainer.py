@@ -26,6 +26,7 @@ from kestrel.layers.context import ForwardContext, forward_context
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
 from kestrel.models.weights import save_checkpoint
+from kestrel.ops.loss import token_losses
 from kestrel.tokenizer import checkpoint_tokenizer_dir, load_tokenizer
 from kestrel.train.bpe import build_tokenizer
 from kestrel.train.data import DEFAULT_WEIGHTS, MixtureConfig, PackedBatches, Prefetch
@@ -314,11 +315,12 @@ class Trainer:
         ctx.extras.update(dsa_dense=self.step < cfg.dsa_dense_steps, indexer_kl=kl_terms)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"), forward_context(ctx):
-            logits = model(ids)  # [B*R, V]
         targets = batch.target_ids.to(dev, non_blocking=True).flatten()
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"), forward_context(ctx):
+            hidden = model.model(ids)  # [B*R, D]
+            # the LM head and the loss together: chunked over tokens where the logits would be large
+            losses = token_losses(hidden, model.lm_head.weight, targets)  # [B*R] fp32
         weight = batch.loss_weight.to(dev, non_blocking=True).flatten()
-        losses = F.cross_entropy(logits.float(), targets, reduction="none")  # [B*R]
         lm = _weighted_mean(losses, weight)  # masked_loss
         family_ids = batch.family_ids.to(dev, non_blocking=True).flatten()
         by_family = family_losses(losses.detach(), weight > 0, family_ids, len(self.data.family_names))

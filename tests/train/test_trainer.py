@@ -61,6 +61,31 @@ def test_steps_on_a_fixed_batch_lower_the_loss(tmp_path, byte_tok):
             assert torch.isfinite(p.grad).all(), name
 
 
+def test_a_step_with_the_loss_chunked_is_the_same(tmp_path, byte_tok, monkeypatch):
+    """One training step with the LM head and loss chunked over tokens (forced, several chunks) and not: the same
+    loss and the same gradients of every parameter as the optimizer gets them."""
+    import kestrel.ops.loss as lm_loss
+
+    results = []
+    for above in (2**62, 0):
+        monkeypatch.setattr(lm_loss, "CHUNK_ABOVE", above)
+        monkeypatch.setattr(lm_loss, "CHUNK_ELEMENTS", 60_000)  # 234 of the step's 1024 tokens a chunk
+        trainer = Trainer(_cfg(tmp_path / f"run{above}", byte_tok, dsa_dense_steps=0))
+        grads = {}
+
+        def capture(*a, step=trainer.opt.step, model=trainer.model, into=grads, **k):
+            into.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            return step(*a, **k)
+
+        trainer.opt.step = capture
+        results.append((trainer.train_step(next(trainer.data))[0], grads))
+    (lm_plain, plain), (lm_chunked, chunked) = results
+    assert abs(lm_plain - lm_chunked) < 1e-5
+    assert plain.keys() == chunked.keys() and "lm_head.weight" in plain
+    for name, g in plain.items():
+        assert (chunked[name] - g).norm() <= 1e-4 * g.norm() + 1e-9, name
+
+
 def test_one_step_gives_finite_nonzero_gradients(tmp_path, byte_tok):
     trainer = Trainer(_cfg(tmp_path, byte_tok))
     with torch.no_grad():  # AttnRes queries start at zero, which zeroes their norms' gradient

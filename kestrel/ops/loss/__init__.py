@@ -1,0 +1,24 @@
+"""The LM loss from the last hidden states: the plain form, or chunked over tokens where the logits would be
+large (`CHUNK_ABOVE` elements; `mini`'s 129K vocabulary over one 8704-token row is past it, the demo model's
+5K vocabulary over its batches is not)."""
+
+from __future__ import annotations
+
+import torch
+
+from kestrel.ops.loss.chunked import chunked_linear_cross_entropy
+from kestrel.ops.loss.naive import linear_cross_entropy
+
+CHUNK_ABOVE = 2**30  # logits elements: 4 GiB in fp32
+CHUNK_ELEMENTS = 2**27  # a chunk's logits: 512 MiB in fp32
+
+
+def token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy [T] fp32 of hidden [T, D] through the LM head weight [V, D] against targets [T]."""
+    T, V = hidden.shape[0], weight.shape[0]
+    if T * V <= CHUNK_ABOVE:
+        return linear_cross_entropy(hidden, weight, targets)
+    return chunked_linear_cross_entropy(hidden, weight, targets, max(1, CHUNK_ELEMENTS // V))
+
+
+__all__ = ["CHUNK_ABOVE", "chunked_linear_cross_entropy", "linear_cross_entropy", "token_losses"]
