@@ -45,6 +45,7 @@ def _run(
         for rid in arrivals.get(step, []):
             engine.add_request(jobs[rid][0], jobs[rid][1], rid)
         for o in engine.step():
+            assert o.request_id not in finished, "an output after the request finished"
             out[o.request_id] += o.new_token_ids
             if o.finished:
                 finished[o.request_id] = o.finish_reason

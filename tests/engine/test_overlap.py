@@ -13,6 +13,7 @@ from kestrel.engine.engine import Engine
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.models.generate import generate
 from kestrel.models.loader import build_model
+from tests.engine.test_engine import _run
 
 SEED = 7
 
@@ -43,25 +44,6 @@ def _count_ahead(engine: Engine) -> dict:
 
     engine.runner.forward = counted
     return seen
-
-
-def _run(engine: Engine, jobs: dict, arrivals: dict[int, list[str]] | None = None):
-    """Submit jobs (some at given step numbers), step until done; request_id -> tokens, and -> finish reason."""
-    arrivals = arrivals or {0: list(jobs)}
-    out = {rid: [] for rid in jobs}
-    reasons: dict[str, str] = {}
-    step = 0
-    while step <= max(arrivals) or engine.has_unfinished():
-        for rid in arrivals.get(step, []):
-            engine.add_request(jobs[rid][0], jobs[rid][1], rid)
-        for o in engine.step():
-            assert o.request_id not in reasons, "an output after the request finished"
-            out[o.request_id] += o.new_token_ids
-            if o.finished:
-                reasons[o.request_id] = o.finish_reason
-        step += 1
-        assert step < 10_000
-    return out, reasons
 
 
 def _free(engine: Engine) -> tuple[int, int]:
