@@ -91,6 +91,7 @@ def test_serve_flags_reach_the_engine_config(tmp_path):
     assert (c.hicache_host_bytes, c.hicache_disk_dir, c.hicache_disk_bytes) == (2**29, str(tmp_path), 2**31)
     assert (c.checkpoint_interval, c.num_checkpoints, c.enable_prefix_cache) == (128, 32, True)
     assert not config("--disable-prefix-cache").enable_prefix_cache
+    assert not c.disable_overlap_schedule and config("--disable-overlap-schedule").disable_overlap_schedule
     with pytest.raises(KestrelError, match="go together"):
         config("--hicache-host-gb", "1", "--hicache-disk-dir", str(tmp_path))
     with pytest.raises(KestrelError, match="enable_prefix_cache"):
