@@ -16,8 +16,9 @@ them, they let go.
 
 `schedule_ahead` plans the decode step that follows one still on the device (the engine's overlap schedule): the
 same requests, one position further, before the tokens of the step in flight are known. It only plans where the
-plain schedule would run that same decode batch (nobody waiting who could be admitted, nobody prefilling) and
-every page can be had without preempting; otherwise the engine lands the step in flight and schedules as usual.
+plain schedule would run that same decode batch (nobody waiting who could be admitted now or by a slot that step
+frees at its length limit, nobody prefilling) and every page can be had without preempting; otherwise the engine
+lands the step in flight and schedules as usual.
 """
 
 from __future__ import annotations
