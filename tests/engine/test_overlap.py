@@ -13,7 +13,7 @@ from kestrel.engine.engine import Engine
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.models.generate import generate
 from kestrel.models.loader import build_model
-from tests.engine.test_engine import _run
+from tests.engine.test_engine import _baseline, _prompt, _run
 
 SEED = 7
 
@@ -29,10 +29,6 @@ def _engine(model, overlap: bool, **kw) -> Engine:
     return Engine(EngineConfig(model="tiny", disable_overlap_schedule=not overlap, **kw), model=model)
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def _count_ahead(engine: Engine) -> dict:
     """Wrap the runner so that the decode steps launched ahead (given their tokens on the device) are counted."""
     seen = {"ahead": 0}
@@ -44,13 +40,6 @@ def _count_ahead(engine: Engine) -> dict:
 
     engine.runner.forward = counted
     return seen
-
-
-def _free(engine: Engine) -> tuple[int, int]:
-    cached = engine.cache.num_pages if engine.cache is not None else 0
-    if engine.cache is not None:
-        engine.cache.check()
-    return engine.kv_pool.num_free_pages + cached, engine.state_pool.num_free_slots
 
 
 def test_overlap_gives_the_plain_schedules_tokens(model):
@@ -80,7 +69,7 @@ def test_overlap_gives_the_plain_schedules_tokens(model):
     plain = _engine(model, False)
     want, want_reasons = _run(plain, jobs, arrivals)
     engine = _engine(model, True)
-    base = _free(engine)
+    base = _baseline(engine)
     seen = _count_ahead(engine)
     got, reasons = _run(engine, jobs, arrivals)
     assert got == want and reasons == want_reasons
@@ -88,7 +77,7 @@ def test_overlap_gives_the_plain_schedules_tokens(model):
     assert reasons["stop_id"] == reasons["stop_str"] == "stop" and len(got["stop_id"]) < 24
     assert len(got["min_tokens"]) >= 5
     assert seen["ahead"] >= 15, seen
-    assert engine.in_flight is None and _free(engine) == base
+    assert engine.in_flight is None and _baseline(engine) == base
 
 
 def test_penalties_and_logprobs_run_unoverlapped_beside_greedy(model):
@@ -154,7 +143,7 @@ def test_abort_while_in_flight(model):
     """A request aborted while its step is on the device gets one final abort output and nothing after it; the
     others are untouched, and the pools come back whole."""
     engine = _engine(model, True)
-    base = _free(engine)
+    base = _baseline(engine)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=["\x00never"])
     prompts = {rid: _prompt(20 + i, 40 + i) for i, rid in enumerate("abc")}
     for rid, p in prompts.items():
@@ -175,7 +164,7 @@ def test_abort_while_in_flight(model):
     assert out["b"] == generate(model, prompts["b"], 4)
     for rid in "ac":
         assert out[rid] == generate(model, prompts[rid], 30), rid
-    assert _free(engine) == base
+    assert _baseline(engine) == base
 
 
 def test_stops_found_a_step_late_keep_the_cache_right(model):
@@ -184,7 +173,7 @@ def test_stops_found_a_step_late_keep_the_cache_right(model):
     resume the next turn exactly like an engine with neither the overlap nor the cache."""
     on = _engine(model, True, enable_prefix_cache=True)
     off = _engine(model, False, enable_prefix_cache=False)
-    base = _free(on)
+    base = _baseline(on)
     for i in range(8):
         prompt = _prompt(9 + i, 60 + i)
         free = generate(model, prompt, 12)
@@ -198,7 +187,7 @@ def test_stops_found_a_step_late_keep_the_cache_right(model):
     assert on.cache_stats()["cache_hit_tokens"] > 0
     assert on.in_flight is None
     on.flush_cache()
-    assert _free(on) == base
+    assert _baseline(on) == base
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
