@@ -250,7 +250,8 @@ class Engine:
             if self.checkpoints is not None:
                 self.checkpoints.before_step(batch)
             logits = self.runner.forward(batch)
-            if not (self.overlap and not batch.prefill and self.sampler.can_run_ahead(batch.decode)):
+            ahead = self.overlap and not batch.prefill and self.sampler.can_run_ahead(batch.decode)
+            if not ahead:
                 tokens, logprobs = self.sampler(logits, batch.sampled)
                 self._advance(batch)
                 return self._finish_outputs(self._record(batch.sampled, tokens, logprobs))

@@ -116,18 +116,18 @@ class Scheduler:
         when the step lands, and its token from this batch is dropped. None where the plain schedule should
         decide the next step."""
         live = [r for r in in_flight if r.status is Status.RUNNING]
+        last = {r for r in live if r.num_computed + 1 >= r.max_total_tokens}  # the step in flight ends them
         if self.waiting:
             admissible = len(self.running) < self.max_running and self.state_pool.num_free_slots > 0
             tiers = self.cache is not None and self.cache.tiers is not None
-            frees = any(r.num_computed + 1 >= r.max_total_tokens for r in live)  # a slot, once the step lands
-            if admissible or tiers or frees:
+            if admissible or tiers or last:  # (`last` frees slots once the step lands)
                 return None  # an admission or a lower-tier load may be due: the plain schedule decides
         if len(live) != len(self.running):
             return None  # a running request is not decoding: it needs a prefill chunk
         batch = Batch()
         for req in live:
-            if req.num_computed + 1 >= req.max_total_tokens:
-                continue  # the step in flight gives it its last token
+            if req in last:
+                continue
             if not self._ensure_pages(req, preempt=False):
                 return None
             batch.decode.append(req)
