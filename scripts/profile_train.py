@@ -257,6 +257,9 @@ def main() -> None:
         if phase in phases:
             result[phase] = _phase(trainer, part, dense=phase == "dense", top=args.top)
             result[phase]["mfu_vs_989"] = trainer.mfu(result[phase]["tokens_per_s"])
+            result[phase]["queued_mfu_vs_989"] = trainer.mfu(result[phase]["queued_tokens_per_s"])
+            if torch.cuda.is_available():
+                result[phase]["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     faulthandler.cancel_dump_traceback_later()
     text = json.dumps(result, indent=1)
     print(text)

@@ -118,3 +118,75 @@ def test_layer_norm_trains_through_its_fused_form(device):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-4)
     with torch.no_grad():
         torch.testing.assert_close(layer_norm(*twins, 1e-6), ref, rtol=1e-5, atol=1e-5)
+
+
+def _saved_by_backward(fn, *args):
+    """fn(*args) under autograd, with every tensor its graph keeps for the backward recorded: (output,
+    [(shape, dtype)])."""
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return out, saved
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])])
+def test_attnres_over_the_bank_keeps_no_stack_for_the_backward(device, monkeypatch):
+    """Training's memory: AttnRes over the bank's separate sources keeps the sources for the backward, not their
+    [S, T, D] stack (the stacked form, for contrast, keeps it), and gives the values and gradients of autograd
+    through the op (its backward recomputes the mix, compiled here)."""
+    from kestrel.layers.attnres import ResProj, mix_norm
+    from kestrel.layers.norm import RMSNorm
+    from kestrel.ops.attnres import attnres_mix_norm
+
+    monkeypatch.setenv("KESTREL_COMPILE_TRAIN", "1")
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    S, T, D = 4, 24, 32
+    proj, norm, out_norm = ResProj(D).to(device), RMSNorm(D, 1e-5).to(device), RMSNorm(D, 1e-5).to(device)
+    for p in (proj.weight, norm.weight, out_norm.weight):
+        p.data.copy_(torch.randn(p.shape, generator=g))
+    sources = [torch.randn(T, D, generator=g).to(device).requires_grad_(True) for _ in range(S)]
+    out, saved = _saved_by_backward(mix_norm, sources, proj, norm, out_norm)
+    assert saved and max(torch.Size(s).numel() for s, _ in saved) == T * D, saved
+    _, saved_stacked = _saved_by_backward(mix_norm, torch.stack(sources), proj, norm, out_norm)
+    assert max(torch.Size(s).numel() for s, _ in saved_stacked) == S * T * D  # what the list form avoids
+    twins = [s.detach().clone().requires_grad_(True) for s in sources]
+    weights = [p.detach().clone().requires_grad_(True) for p in (proj.weight, norm.weight, out_norm.weight)]
+    ref = attnres_mix_norm.eager(torch.stack(twins), weights[0].view(-1), weights[1], 1e-5, weights[2], 1e-5)
+    torch.testing.assert_close(out, ref)
+    (out * out.detach()).sum().backward()
+    (ref * ref.detach()).sum().backward()
+    for got, want in zip([*sources, proj.weight, norm.weight, out_norm.weight], [*twins, *weights]):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])])
+def test_compiled_moe_combine_keeps_its_rows_in_bf16(device, monkeypatch):
+    """Training's memory: the MoE combine, compiled, keeps the experts' bf16 rows for its backward, not an fp32
+    [M, Din] copy of them, and gives the eager values and gradients."""
+    from kestrel.ops.moe.grouped import combine_pairs
+
+    monkeypatch.setenv("KESTREL_COMPILE_TRAIN", "1")
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(6)
+    T, A, E, D = 8, 3, 5, 32
+    ids = torch.randint(-1, E, (T, A), generator=g).to(device)  # -1: another rank's expert (adds nothing)
+    weights = torch.rand(T, A, generator=g).to(device).requires_grad_(True)
+    order = torch.argsort(ids.flatten(), stable=True)
+    y = torch.randn(T * A, D, generator=g).to(device, torch.bfloat16).requires_grad_(True)
+    out, saved = _saved_by_backward(combine_pairs, y, order, weights, ids, E)
+    assert not any(dt == torch.float32 and torch.Size(s).numel() >= T * A * D for s, dt in saved), saved
+    _, saved_eager = _saved_by_backward(combine_pairs.eager, y, order, weights, ids, E)
+    assert any(dt == torch.float32 and torch.Size(s).numel() == T * A * D for s, dt in saved_eager)
+    y2, w2 = y.detach().clone().requires_grad_(True), weights.detach().clone().requires_grad_(True)
+    ref = combine_pairs.eager(y2, order, w2, ids, E)
+    torch.testing.assert_close(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    torch.testing.assert_close(y.grad, y2.grad)
+    torch.testing.assert_close(weights.grad, w2.grad, rtol=1e-4, atol=1e-4)

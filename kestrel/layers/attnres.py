@@ -8,7 +8,7 @@ from torch import nn
 
 from kestrel.layers.linear import set_loader
 from kestrel.layers.norm import RMSNorm
-from kestrel.ops.attnres import attnres_mix, attnres_mix_norm
+from kestrel.ops.attnres import attnres_mix, attnres_mix_norm, attnres_mix_norm_sources
 
 
 class ResProj(nn.Module):
@@ -31,6 +31,10 @@ def mix_norm(
     """out_norm(mix(sources, proj, norm)): the mix and the consumer's pre-norm (or the final norm), one op."""
     if len(sources) == 1:
         return out_norm(sources[0])  # softmax over one source is 1
+    if isinstance(sources, list) and torch.is_grad_enabled():  # training's bank: the backward keeps no stack
+        return attnres_mix_norm_sources(
+            sources, proj.weight.view(-1), norm.weight, norm.eps, out_norm.weight, out_norm.eps
+        )
     return attnres_mix_norm(
         _stacked(sources), proj.weight.view(-1), norm.weight, norm.eps, out_norm.weight, out_norm.eps
     )
