@@ -73,6 +73,11 @@ class KimiModel(nn.Module):
         if not torch.is_grad_enabled():
             return self._forward_attn_res_buffer(x0)
         block = self.config.attn_res_block_size
+        kind = x0.device.type
+        if torch.is_autocast_enabled(kind):
+            # the bank in one dtype, as at inference (bf16 weights give a bf16 embedding): the layers' outputs come
+            # in the autocast dtype, and an fp32 x0 would make every stack of the bank, and its gradients, fp32
+            x0 = x0.to(torch.get_autocast_dtype(kind))
         bank: list[torch.Tensor] = []
         partial = x0
         for i, layer in enumerate(self.layers):

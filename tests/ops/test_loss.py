@@ -66,3 +66,24 @@ def test_token_losses_chunks_only_past_the_threshold(monkeypatch):
         token_losses(hidden, weight, targets), linear_cross_entropy(hidden, weight, targets)
     )
     assert calls == [3000 // 301]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_chunked_on_cuda_under_bf16_autocast():
+    """The CUDA form (each chunk's softmax work compiled into one kernel over the bf16 logits, the weight's gradient
+    accumulated in fp32 inside cuBLAS) against the plain form under the same autocast."""
+    from kestrel.ops.loss.chunked import fp32_accumulate_works
+
+    assert fp32_accumulate_works()  # else the slower product-then-add path runs (still correct)
+    hidden, weight, targets, scale = (t.cuda() for t in _inputs(T=300, D=64, V=5003, seed=2))
+    hidden, weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want, (gh, gw) = _grads(linear_cross_entropy, hidden, weight, targets, scale)
+        got, (ch, cw) = _grads(
+            lambda h, w, t: chunked_linear_cross_entropy(h, w, t, 128), hidden, weight, targets, scale
+        )
+    assert cw.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    for a, b in ((ch, gh), (cw, gw)):
+        assert (a - b).norm() / b.norm() < 2e-2
