@@ -25,8 +25,9 @@ restore)
         tar xzf .triton-cache/autotune.tgz -C "$CACHE" \
             && echo "triton cache: $(find "$CACHE" -name '*.autotune.json' | wc -l) autotuning results restored (no binaries)"
     elif [ -f scripts/triton-autotune-h200.tgz ]; then
-        # committed (14 KB): the autotuning results of demo run 8 (H200, triton 3.6, 2026-12-01); results of
-        # kernels whose source changed since are simply not looked up
+        # committed (23 KB): the autotuning results of demo run 8 (H200, triton 3.6, 2026-12-01) and of mini's
+        # training (session 27: its first step 300 s cold, 55-62 s with them); results of kernels whose source
+        # changed since are simply not looked up
         tar xzf scripts/triton-autotune-h200.tgz -C "$CACHE" \
             && echo "triton cache: $(find "$CACHE" -name '*.autotune.json' | wc -l) committed autotuning results restored"
     else
