@@ -378,3 +378,25 @@ def test_router_logits_stay_fp32_under_autocast():
         logits = router(x)
     assert logits.dtype == torch.float32
     assert torch.allclose(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [0, 1, 7])
+def test_pair_rows_gradient_sums_each_tokens_rows(T, dtype):
+    """Training's gather of each (token, slot) pair's row: x[order // A], with the gradient autograd gives that
+    indexing (the sum of each token's A rows), by a copy and a reduction instead of a sorted scatter."""
+    from kestrel.ops.moe.grouped import _PairRows
+
+    g = torch.Generator().manual_seed(13)
+    A, D = 3, 16
+    order = torch.argsort(torch.randint(0, 5, (T * A,), generator=g), stable=True)
+    x = torch.randn(T, D, generator=g).to(dtype).requires_grad_()
+    twin = x.detach().clone().requires_grad_()
+    rows = _PairRows.apply(x, order, A)
+    want = twin[order // A]
+    assert torch.equal(rows, want)
+    up = torch.randn(T * A, D, generator=g).to(dtype)
+    rows.backward(up)
+    want.backward(up)
+    tol = {} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(x.grad, twin.grad, **tol)

@@ -1,8 +1,9 @@
 """AttnRes mixing over training's bank, the sources given apart, with a backward that recomputes the mix.
 
 Autograd through `attnres_mix_norm` keeps its stacked input [S, T, D] for the backward (compiled or eager), one
-fp32 copy of its sources per consumer. On `mini` that is 168 source slices over 49 consumers, about 12 GB for one
-8704-token row, while the bank holds every source anyway. Here the forward runs without autograd (on CUDA: the
+copy of its sources per consumer. On `mini` that is 168 source slices over 49 consumers, about 12 GB for one
+8704-token row in fp32 (the bank was fp32 until its x0 took the autocast dtype), while the bank holds every source
+anyway. Here the forward runs without autograd (on CUDA: the
 Triton kernel the engine runs) and keeps only the sources; the backward stacks them again and differentiates the
 op (compiled in training on CUDA). The extra cost is one more pass of the mix in the backward.
 """

@@ -44,15 +44,17 @@ def _softmax_grad(
     return (g * grad[:, None].float()).to(logits.dtype)
 
 
+_CHUNK_FUNCTIONS = {"lse": _lse_and_target, "grad": _softmax_grad}
+
+
 @functools.cache
 def _kernel(name: str):
     """The CUDA form of a chunk function: compiled, one kernel over the chunk (a shape per chunk length)."""
-    return torch.compile({"lse": _lse_and_target, "grad": _softmax_grad}[name], dynamic=False)
+    return torch.compile(_CHUNK_FUNCTIONS[name], dynamic=False)
 
 
 def _run(name: str, *args):
-    fn = {"lse": _lse_and_target, "grad": _softmax_grad}[name]
-    return _kernel(name)(*args) if args[0].is_cuda else fn(*args)
+    return _kernel(name)(*args) if args[0].is_cuda else _CHUNK_FUNCTIONS[name](*args)
 
 
 @functools.cache

@@ -78,11 +78,15 @@ def moe_experts_grouped(
         use_grouped_mm = _use_grouped_mm(x, w2) and env_field("moe_grouped_mm") == "auto"
     flat_ids = ids.reshape(-1)  # [M]
     order = torch.argsort(flat_ids, stable=True)  # [M]  expert-major, then token order
-    token = order // A  # [M]
     experts = torch.arange(E, device=ids.device, dtype=flat_ids.dtype)  # [E]
     offs = torch.searchsorted(flat_ids[order], experts, right=True, out_int32=True)  # [E] cumulative ends
 
-    gate_up = _grouped_linear(x[token], w13, offs, use_grouped_mm)  # [M, 2I]
+    # [M, Din]: each pair's token row (in training through _PairRows, whose backward needs no sort)
+    if x.requires_grad and torch.is_grad_enabled():
+        rows = _PairRows.apply(x, order, A)
+    else:
+        rows = x[order // A]
+    gate_up = _grouped_linear(rows, w13, offs, use_grouped_mm)  # [M, 2I]
     h = glu_act(gate_up, act, situ_beta, situ_linear_beta)  # [M, I]
     y = _grouped_linear(h, w2, offs, use_grouped_mm)  # [M, Din]
     if triton_combine is None:
@@ -94,6 +98,24 @@ def moe_experts_grouped(
 
         return combine_sorted(y, order, weights, ids, E).to(x.dtype)
     return combine_pairs(y, order, weights, ids, E).to(x.dtype)
+
+
+class _PairRows(torch.autograd.Function):
+    """x[order // A]: each (token, slot) pair's token row, in `order` (a permutation of the T * A pairs). Its backward
+    sums each token's A rows by a copy to the pairs' own rows and a reduction, as `combine_pairs` does, instead of
+    autograd's accumulating scatter of x[token] (a sort, then a scatter: 13 ms a step on `mini` at two rows)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, A: int) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        ctx.A = A
+        return x[order // A]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (order,) = ctx.saved_tensors
+        pairs = torch.empty_like(grad).index_copy_(0, order, grad)  # [M, Din] in (token, slot) order
+        return pairs.view(-1, ctx.A, grad.shape[1]).sum(1), None, None
 
 
 @fused()
