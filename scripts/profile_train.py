@@ -255,6 +255,8 @@ def main() -> None:
     }
     for phase, part in (("dense", batches[:4]), ("sparse", batches[4:])):
         if phase in phases:
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()  # max_memory_gib: this phase's peak
             result[phase] = _phase(trainer, part, dense=phase == "dense", top=args.top)
             result[phase]["mfu_vs_989"] = trainer.mfu(result[phase]["tokens_per_s"])
             result[phase]["queued_mfu_vs_989"] = trainer.mfu(result[phase]["queued_tokens_per_s"])

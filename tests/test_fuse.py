@@ -134,34 +134,49 @@ def _saved_by_backward(fn, *args):
     return out, saved
 
 
+@pytest.mark.parametrize("frozen", [False, True])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])])
-def test_attnres_over_the_bank_keeps_no_stack_for_the_backward(device, monkeypatch):
+def test_attnres_over_the_bank_keeps_no_stack_for_the_backward(device, frozen, monkeypatch):
     """Training's memory: AttnRes over the bank's separate sources keeps the sources for the backward, not their
     [S, T, D] stack (the stacked form, for contrast, keeps it), and gives the values and gradients of autograd
-    through the op (its backward recomputes the mix, compiled here)."""
+    through the op (its backward recomputes the mix, compiled here), also where some inputs need no gradient
+    (frozen: the first source, like an embedding, and the source norm's weight)."""
+    from torch._dynamo.utils import counters
+
     from kestrel.layers.attnres import ResProj, mix_norm
     from kestrel.layers.norm import RMSNorm
     from kestrel.ops.attnres import attnres_mix_norm
 
     monkeypatch.setenv("KESTREL_COMPILE_TRAIN", "1")
     torch._dynamo.reset()
+    counters.clear()
     g = torch.Generator().manual_seed(5)
     S, T, D = 4, 24, 32
     proj, norm, out_norm = ResProj(D).to(device), RMSNorm(D, 1e-5).to(device), RMSNorm(D, 1e-5).to(device)
     for p in (proj.weight, norm.weight, out_norm.weight):
         p.data.copy_(torch.randn(p.shape, generator=g))
-    sources = [torch.randn(T, D, generator=g).to(device).requires_grad_(True) for _ in range(S)]
+    norm.weight.requires_grad_(not frozen)
+    sources = [
+        torch.randn(T, D, generator=g).to(device).requires_grad_(i > 0 or not frozen) for i in range(S)
+    ]
     out, saved = _saved_by_backward(mix_norm, sources, proj, norm, out_norm)
     assert saved and max(torch.Size(s).numel() for s, _ in saved) == T * D, saved
     _, saved_stacked = _saved_by_backward(mix_norm, torch.stack(sources), proj, norm, out_norm)
     assert max(torch.Size(s).numel() for s, _ in saved_stacked) == S * T * D  # what the list form avoids
-    twins = [s.detach().clone().requires_grad_(True) for s in sources]
-    weights = [p.detach().clone().requires_grad_(True) for p in (proj.weight, norm.weight, out_norm.weight)]
-    ref = attnres_mix_norm.eager(torch.stack(twins), weights[0].view(-1), weights[1], 1e-5, weights[2], 1e-5)
+    leaves = [*sources, proj.weight, norm.weight, out_norm.weight]
+    twins = [t.detach().clone().requires_grad_(t.requires_grad) for t in leaves]
+    ref = attnres_mix_norm.eager(
+        torch.stack(twins[:S]), twins[S].view(-1), twins[S + 1], 1e-5, twins[S + 2], 1e-5
+    )
     torch.testing.assert_close(out, ref)
+    counters.clear()
     (out * out.detach()).sum().backward()
+    assert counters["stats"]["unique_graphs"] > 0  # the backward's recomputed mix ran compiled
     (ref * ref.detach()).sum().backward()
-    for got, want in zip([*sources, proj.weight, norm.weight, out_norm.weight], [*twins, *weights]):
+    for got, want in zip(leaves, twins):
+        if not want.requires_grad:
+            assert got.grad is None
+            continue
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
 
 
@@ -190,3 +205,25 @@ def test_compiled_moe_combine_keeps_its_rows_in_bf16(device, monkeypatch):
     ref.square().sum().backward()
     torch.testing.assert_close(y.grad, y2.grad)
     torch.testing.assert_close(weights.grad, w2.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_training_bank_is_in_the_autocast_dtype(monkeypatch):
+    """Under autocast (training on the GPU), every AttnRes mix of the training forward gets its sources in the
+    autocast dtype, the embedding's x0 included, as at inference with bf16 weights; without autocast, fp32."""
+    import kestrel.layers.attnres as attnres
+
+    model = init_random_weights(KimiForCausalLM(preset_config("tiny")), seed=2)
+    ids = torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(0))
+    seen = []
+    real = attnres.attnres_mix_norm_sources
+
+    def spy(sources, *args):
+        seen.append({s.dtype for s in sources})
+        return real(sources, *args)
+
+    monkeypatch.setattr(attnres, "attnres_mix_norm_sources", spy)
+    for autocast, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        seen.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(ids)
+        assert seen and all(kinds == {dtype} for kinds in seen), (autocast, seen)

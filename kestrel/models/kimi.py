@@ -77,6 +77,7 @@ class KimiModel(nn.Module):
         if torch.is_autocast_enabled(kind):
             # the bank in one dtype, as at inference (bf16 weights give a bf16 embedding): the layers' outputs come
             # in the autocast dtype, and an fp32 x0 would make every stack of the bank, and its gradients, fp32
+            # (x0 is only ever a source: the partial sums start from the first layer's output)
             x0 = x0.to(torch.get_autocast_dtype(kind))
         bank: list[torch.Tensor] = []
         partial = x0

@@ -40,7 +40,7 @@ def fused(fast: str | None = None) -> Callable[[Callable], Callable]:
                 if mode == "off" or (mode == "auto" and not (isinstance(x, torch.Tensor) and x.is_cuda)):
                     return fn(*args, **kwargs)
                 if compiled is None:
-                    _raise_recompile_limit()
+                    raise_recompile_limit()
                     compiled = torch.compile(fn, dynamic=False, fullgraph=True)
                 return compiled(*args, **kwargs)
             if (
@@ -74,7 +74,7 @@ def _resolve(spec: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
-def _raise_recompile_limit() -> None:
+def raise_recompile_limit() -> None:
     config = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(config, name):

@@ -25,6 +25,7 @@ class _MixNormSources(torch.autograd.Function):
             return attnres_mix_norm(torch.stack(sources), query, norm_weight, eps, out_weight, out_eps)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # its recomputed graph is not kept: no double backward
     def backward(ctx, grad):
         needs = [*ctx.needs_input_grad[:3], *ctx.needs_input_grad[5:]]
         inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]

@@ -21,6 +21,9 @@ import functools
 
 import torch
 
+from kestrel.env import env_field
+from kestrel.utils.fuse import raise_recompile_limit
+
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     kind = x.device.type
@@ -49,12 +52,17 @@ _CHUNK_FUNCTIONS = {"lse": _lse_and_target, "grad": _softmax_grad}
 
 @functools.cache
 def _kernel(name: str):
-    """The CUDA form of a chunk function: compiled, one kernel over the chunk (a shape per chunk length)."""
+    """The CUDA form of a chunk function: compiled, one kernel over the chunk. One graph per chunk length: a
+    training run has two (its rows, and the last chunk's remainder); other token counts add theirs."""
+    raise_recompile_limit()
     return torch.compile(_CHUNK_FUNCTIONS[name], dynamic=False)
 
 
 def _run(name: str, *args):
-    return _kernel(name)(*args) if args[0].is_cuda else _CHUNK_FUNCTIONS[name](*args)
+    """A chunk function, compiled on CUDA unless KESTREL_COMPILE_TRAIN is off."""
+    if args[0].is_cuda and env_field("compile_train") != "off":
+        return _kernel(name)(*args)
+    return _CHUNK_FUNCTIONS[name](*args)
 
 
 @functools.cache
