@@ -9,7 +9,10 @@ of each phase (torch.profiler).
         # one phase, with every thread's stack printed each 30 s: where a slow first step is (compiling or running)
 
 Each phase reports torch.compile's graph counts after it (`compiled_graphs`): a count that grows with the steps
-is a recompilation at every step.
+is a recompilation at every step; its peak memory (`max_memory_gib`); and its attention accounting (`attention`):
+the MFU counts each token attending to half its row, and beside it are the pairs the batches' documents need
+(each document causal on its own; at most top-k keys a query in the sparse phase) and the MFU with those counted,
+the fair figure for a kernel that skips other documents' keys (`KESTREL_TRAIN_ATTENTION=flex`).
 """
 
 from __future__ import annotations
@@ -192,6 +195,30 @@ def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
     }
 
 
+def _attention_accounting(trainer: Trainer, batches: list, phase: dict, sparse: bool) -> dict:
+    """The MFU's attention FLOPs beside what the batches' documents need: `flops_per_token` counts each token
+    attending to half its row (row_len / 2 keys, the usual convention for packed rows); a kernel that skips
+    other documents' keys does each document's causal pairs only (and sparse DSA training at most top-k keys a
+    query). `queued_mfu_document_causal` is the queued steps' MFU with those pairs counted instead."""
+    from kestrel.train.trainer import attention_flops_per_pair, visible_pairs_per_token
+
+    model = trainer.model
+    topk = model.config.index_topk if sparse else None
+    seqlens = [
+        b - a for batch in batches for a, b in zip(batch.cu_seqlens.tolist(), batch.cu_seqlens.tolist()[1:])
+    ]
+    counted = trainer.cfg.row_len / 2
+    needed = visible_pairs_per_token(seqlens, topk)
+    per_pair = attention_flops_per_pair(model)
+    flops = trainer.flops_per_token - per_pair * counted + per_pair * needed
+    return {
+        "pairs_per_token_counted": counted,
+        "pairs_per_token_document_causal": needed,
+        "flops_per_token_document_causal": flops,
+        "queued_mfu_document_causal": phase["queued_tokens_per_s"] * flops / 989e12,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch-rows", type=int, default=16)
@@ -260,6 +287,9 @@ def main() -> None:
             result[phase] = _phase(trainer, part, dense=phase == "dense", top=args.top)
             result[phase]["mfu_vs_989"] = trainer.mfu(result[phase]["tokens_per_s"])
             result[phase]["queued_mfu_vs_989"] = trainer.mfu(result[phase]["queued_tokens_per_s"])
+            result[phase]["attention"] = _attention_accounting(
+                trainer, part, result[phase], sparse=phase == "sparse"
+            )
             if torch.cuda.is_available():
                 result[phase]["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     faulthandler.cancel_dump_traceback_later()

@@ -65,6 +65,24 @@ def flops_per_token(model: KimiForCausalLM, row_len: int) -> float:
     return 6 * active + 3 * attention
 
 
+def attention_flops_per_pair(model: KimiForCausalLM) -> float:
+    """Training FLOPs of one visible (query, key) pair, summed over the MLA layers: `flops_per_token` counts
+    row_len / 2 such pairs a token."""
+    c = model.config
+    return 6 * len(c.mla_layer_ids) * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim)
+
+
+def visible_pairs_per_token(seqlens: list[int], topk: int | None = None) -> float:
+    """The mean number of keys a token's query sees when each packed document is causal on its own (what a
+    kernel that skips other documents' keys computes; `flops_per_token` counts the whole row's causal half),
+    with `topk` at most that many (DSA sparse training)."""
+    pairs = 0
+    for n in seqlens:
+        full = n if topk is None else min(n, topk)  # queries up to `full` see all their causal past
+        pairs += full * (full + 1) // 2 + (n - full) * (topk or 0)
+    return pairs / max(sum(seqlens), 1)
+
+
 def masked_loss(logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Weighted mean cross-entropy. logits [T, V], targets [T], weight [T]: 0 off the loss mask, else the
     token's weight (a bool mask gives the plain mean over the masked positions). With family loss weights

@@ -287,3 +287,23 @@ def test_history_has_each_familys_loss_and_the_plot_shows_them(tmp_path, byte_to
         [{k: v for k, v in r.items() if k != "loss_by_family"} for r in trainer.history], tmp_path / "one.png"
     )
     assert width > 1.5 * matplotlib.image.imread(tmp_path / "one.png").shape[1]  # the family panel beside
+
+
+def test_attention_pairs_by_document():
+    """The attention accounting beside the MFU's convention (half the row a token): each packed document causal on
+    its own, and at most top-k keys a query in sparse training; one pair's FLOPs are what `flops_per_token` counts
+    per key of the row's half."""
+    from kestrel.models.kimi import KimiForCausalLM
+    from kestrel.presets import preset_config
+    from kestrel.train.trainer import attention_flops_per_pair, flops_per_token, visible_pairs_per_token
+
+    assert visible_pairs_per_token([4]) == (1 + 2 + 3 + 4) / 4
+    assert visible_pairs_per_token([4], topk=2) == (1 + 2 + 2 + 2) / 4
+    assert visible_pairs_per_token([3, 1]) == (1 + 2 + 3 + 1) / 4
+    assert visible_pairs_per_token([3, 1], topk=8) == visible_pairs_per_token([3, 1])
+    model = KimiForCausalLM(preset_config("tiny"))
+    per_pair = attention_flops_per_pair(model)
+    assert per_pair > 0
+    assert flops_per_token(model, 512) - flops_per_token(model, 256) == pytest.approx(
+        per_pair * (512 - 256) / 2
+    )
