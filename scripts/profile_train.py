@@ -200,13 +200,12 @@ def _attention_accounting(trainer: Trainer, batches: list, phase: dict, sparse: 
     attending to half its row (row_len / 2 keys, the usual convention for packed rows); a kernel that skips
     other documents' keys does each document's causal pairs only (and sparse DSA training at most top-k keys a
     query). `queued_mfu_document_causal` is the queued steps' MFU with those pairs counted instead."""
-    from kestrel.train.trainer import attention_flops_per_pair, visible_pairs_per_token
+    from kestrel.train.flops import attention_flops_per_pair, visible_pairs_per_token
 
     model = trainer.model
     topk = model.config.index_topk if sparse else None
-    seqlens = [
-        b - a for batch in batches for a, b in zip(batch.cu_seqlens.tolist(), batch.cu_seqlens.tolist()[1:])
-    ]
+    bounds = [batch.cu_seqlens.tolist() for batch in batches]
+    seqlens = [b - a for seg in bounds for a, b in zip(seg, seg[1:])]
     counted = trainer.cfg.row_len / 2
     needed = visible_pairs_per_token(seqlens, topk)
     per_pair = attention_flops_per_pair(model)

@@ -41,7 +41,7 @@ from kestrel.layers.mla import set_dense_attention
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
 from kestrel.tokenizer import IncrementalDetokenizer, Tokenizer, tokenizer_for
-from kestrel.utils.device import resolve_device, resolve_dtype, to_device_async
+from kestrel.utils.device import resolve_device, resolve_dtype, to_device_async, to_host_async
 from kestrel.utils.errors import KestrelError
 
 log = logging.getLogger("kestrel.engine")
@@ -271,11 +271,7 @@ class Engine:
         """Sample a decode step on the device and start its tokens' copy to the host; the step's bookkeeping
         that needs no token (positions, KDA checkpoints) is done now, ahead of the next step on the stream."""
         tokens = self.sampler.tokens(logits, batch.decode, ahead)
-        host, copied = tokens, None
-        if tokens.is_cuda:
-            host = tokens.to("cpu", non_blocking=True)  # into pinned memory
-            copied = torch.cuda.Event()
-            copied.record()
+        host, copied = to_host_async(tokens)
         self._advance(batch)
         return InFlight(batch, tokens, host, copied)
 

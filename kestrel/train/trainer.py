@@ -30,7 +30,8 @@ from kestrel.ops.loss import token_losses
 from kestrel.tokenizer import checkpoint_tokenizer_dir, load_tokenizer
 from kestrel.train.bpe import build_tokenizer
 from kestrel.train.data import DEFAULT_WEIGHTS, MixtureConfig, PackedBatches, Prefetch
-from kestrel.utils.device import resolve_device
+from kestrel.train.flops import flops_per_token
+from kestrel.utils.device import resolve_device, to_host_async
 from kestrel.utils.errors import CheckpointError
 
 STATE_FILE = "trainer_state.pt"
@@ -46,41 +47,6 @@ def lr_at(step: int, cfg: TrainConfig, elapsed_s: float = 0.0) -> float:
         progress = max(progress, elapsed_s / cfg.time_budget_s)
     cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
-
-
-def flops_per_token(model: KimiForCausalLM, row_len: int) -> float:
-    """Training FLOPs per token: 6 x active matmul parameters (routed experts counted at top-k, the embedding
-    lookup not at all) plus attention: 6 x (QK^T + PV) over an average causal context of row_len / 2."""
-    c = model.config
-    active = 0
-    for name, p in model.named_parameters():
-        if name == "model.embed_tokens.weight" or p.dim() < 2:
-            continue
-        if ".experts." in name:
-            active += p.numel() * c.num_experts_per_token / c.num_experts
-        else:
-            active += p.numel()
-    heads_dim = c.num_attention_heads * (c.qk_head_dim + c.v_head_dim)
-    attention = len(c.mla_layer_ids) * 2 * heads_dim * row_len / 2
-    return 6 * active + 3 * attention
-
-
-def attention_flops_per_pair(model: KimiForCausalLM) -> float:
-    """Training FLOPs of one visible (query, key) pair, summed over the MLA layers: `flops_per_token` counts
-    row_len / 2 such pairs a token."""
-    c = model.config
-    return 6 * len(c.mla_layer_ids) * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim)
-
-
-def visible_pairs_per_token(seqlens: list[int], topk: int | None = None) -> float:
-    """The mean number of keys a token's query sees when each packed document is causal on its own (what a
-    kernel that skips other documents' keys computes; `flops_per_token` counts the whole row's causal half),
-    with `topk` at most that many (DSA sparse training)."""
-    pairs = 0
-    for n in seqlens:
-        full = n if topk is None else min(n, topk)  # queries up to `full` see all their causal past
-        pairs += full * (full + 1) // 2 + (n - full) * (topk or 0)
-    return pairs / max(sum(seqlens), 1)
 
 
 def masked_loss(logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -125,14 +91,7 @@ class StepFigures:
     `float()` of a device tensor waits for everything queued after the step too)."""
 
     def __init__(self, values: torch.Tensor):
-        self._event = None
-        if values.is_cuda:
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-            values = host
-        self._values = values
+        self._values, self._event = to_host_async(values)
 
     def read(self) -> list[float]:
         if self._event is not None:

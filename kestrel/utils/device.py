@@ -35,6 +35,19 @@ def to_device_async(t: torch.Tensor, device: torch.device | str) -> torch.Tensor
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def to_host_async(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A device tensor's copy in pinned host memory, queued behind the work launched so far without waiting for
+    it, and the event that marks the copy done (synchronize it before reading the copy); on the CPU the tensor
+    itself and None."""
+    if not t.is_cuda:
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -295,7 +295,7 @@ def test_attention_pairs_by_document():
     per key of the row's half."""
     from kestrel.models.kimi import KimiForCausalLM
     from kestrel.presets import preset_config
-    from kestrel.train.trainer import attention_flops_per_pair, flops_per_token, visible_pairs_per_token
+    from kestrel.train.flops import attention_flops_per_pair, flops_per_token, visible_pairs_per_token
 
     assert visible_pairs_per_token([4]) == (1 + 2 + 3 + 4) / 4
     assert visible_pairs_per_token([4], topk=2) == (1 + 2 + 2 + 2) / 4

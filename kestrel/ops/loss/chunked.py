@@ -47,22 +47,19 @@ def _softmax_grad(
     return (g * grad[:, None].float()).to(logits.dtype)
 
 
-_CHUNK_FUNCTIONS = {"lse": _lse_and_target, "grad": _softmax_grad}
-
-
 @functools.cache
-def _kernel(name: str):
+def _compiled(fn):
     """The CUDA form of a chunk function: compiled, one kernel over the chunk. One graph per chunk length: a
     training run has two (its rows, and the last chunk's remainder); other token counts add theirs."""
     raise_recompile_limit()
-    return torch.compile(_CHUNK_FUNCTIONS[name], dynamic=False)
+    return torch.compile(fn, dynamic=False)
 
 
-def _run(name: str, *args):
+def _run(fn, *args):
     """A chunk function, compiled on CUDA unless KESTREL_COMPILE_TRAIN is off."""
     if args[0].is_cuda and env_field("compile_train") != "off":
-        return _kernel(name)(*args)
-    return _CHUNK_FUNCTIONS[name](*args)
+        return _compiled(fn)(*args)
+    return fn(*args)
 
 
 @functools.cache
@@ -95,7 +92,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         lse = torch.empty_like(losses)
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, h.shape[0], rows):
-                lse_c, picked = _run("lse", h[s : s + rows] @ w.t(), targets[s : s + rows])
+                lse_c, picked = _run(_lse_and_target, h[s : s + rows] @ w.t(), targets[s : s + rows])
                 lse[s : s + rows] = lse_c
                 losses[s : s + rows] = lse_c - picked
         ctx.save_for_backward(h, w, targets, lse)
@@ -111,7 +108,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             for s in range(0, h.shape[0], ctx.rows):
                 e = s + ctx.rows
                 hc = h[s:e]
-                g = _run("grad", hc @ w.t(), lse[s:e], targets[s:e], grad_losses[s:e])  # [C, V]
+                g = _run(_softmax_grad, hc @ w.t(), lse[s:e], targets[s:e], grad_losses[s:e])  # [C, V]
                 grad_h[s:e] = g @ w
                 _accumulate(grad_w, g, hc)
         return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None

@@ -114,8 +114,7 @@ class _PairRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (order,) = ctx.saved_tensors
-        pairs = torch.empty_like(grad).index_copy_(0, order, grad)  # [M, Din] in (token, slot) order
-        return pairs.view(-1, ctx.A, grad.shape[1]).sum(1), None, None
+        return _sum_to_tokens(grad, order, ctx.A), None, None
 
 
 @fused()
@@ -126,15 +125,20 @@ def combine_pairs(
     tokens: [T, Din] fp32 (ids, weights [T, A]; ids outside [0, num_experts) add nothing). One op, so that in
     training (compiled) its backward keeps y as it came (bf16) rather than its fp32 copy times the weights
     ([M, Din] x 4 bytes a layer: on `mini`, 24 x 428 MB over one 8704-token row)."""
-    T, A = ids.shape
+    A = ids.shape[1]
     flat_ids = ids.reshape(-1)  # [M]
     w = weights.reshape(-1)[order, None].float()  # [M, 1]
     in_range = ((flat_ids >= 0) & (flat_ids < num_experts))[order, None]  # [M, 1] (ids < 0 sort first)
     y = torch.where(in_range, y.float() * w, 0.0)  # [M, Din] expert-major
-    # back to (token, slot) order, then each token's A rows summed in slot order: a copy to distinct rows and a
-    # reduction, with no atomics (index_add_ into T rows serializes on repeated tokens and sums in no set order)
-    pairs = torch.empty_like(y).index_copy_(0, order, y)  # [M, Din]
-    return pairs.view(T, A, y.shape[1]).sum(1)
+    return _sum_to_tokens(y, order, A)
+
+
+def _sum_to_tokens(rows: torch.Tensor, order: torch.Tensor, A: int) -> torch.Tensor:
+    """Expert-major pair rows [M, Din] (row r is pair order[r]) -> [T, Din]: back to (token, slot) order, then
+    each token's A rows summed in slot order: a copy to distinct rows and a reduction, with no atomics (index_add_
+    into T rows serializes on repeated tokens and sums in no set order)."""
+    pairs = torch.empty_like(rows).index_copy_(0, order, rows)  # [M, Din]
+    return pairs.view(-1, A, rows.shape[1]).sum(1)
 
 
 @functools.cache
