@@ -389,8 +389,8 @@ def _use_triton(device: torch.device) -> bool:
 
 
 def _use_flex(device: torch.device, row_len: int) -> bool:
-    """KESTREL_TRAIN_ATTENTION=flex: training's row attention through FlexAttention, on CUDA for rows of a
-    multiple of its 128-token blocks; sdpa (the default): the dense masked kernel."""
+    """KESTREL_TRAIN_ATTENTION=flex (the default): training's row attention through FlexAttention, on CUDA for
+    rows of a multiple of its 128-token blocks; sdpa: the dense masked kernel."""
     return device.type == "cuda" and row_len % 128 == 0 and env_field("train_attention") == "flex"
 
 

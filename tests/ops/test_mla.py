@@ -274,26 +274,30 @@ def _rows_mask(B: int, R: int, sparse: bool, seed: int) -> torch.Tensor:
     return allowed
 
 
+@pytest.mark.parametrize("widths", [(96, 64), (192, 128)], ids=["demo", "mini"])
 @pytest.mark.parametrize("sparse", [False, True])
-def test_flex_rows_equal_dense_masked_attention(sparse):
+def test_flex_rows_equal_dense_masked_attention(sparse, widths):
     """Training's FlexAttention path (KESTREL_TRAIN_ATTENTION=flex) against the dense masked SDPA, with qk and v
-    widths that differ (96 and 64, as the demo's MLA) and rows of 3 blocks of 128. On a GPU compiled, in bf16,
-    outputs and gradients; on the CPU flex's eager form, outputs only (it has no CPU backward)."""
+    widths that differ (the demo's MLA and mini's) and rows of 3 blocks of 128. On a GPU compiled, in bf16, with
+    the tuned tiles where they apply (the H200), outputs and gradients; on the CPU flex's eager form, outputs only
+    (it has no CPU backward)."""
     from kestrel.ops.mla.flex_rows import flex_attention_rows
 
     cuda = torch.cuda.is_available()
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     B, H, R = 2, 3, 384
     g = torch.Generator().manual_seed(5)
-    q, k = (torch.randn(B, H, R, 96, generator=g).to(dev, dtype).requires_grad_(cuda) for _ in range(2))
-    v = torch.randn(B, H, R, 64, generator=g).to(dev, dtype).requires_grad_(cuda)
+    q, k = (
+        torch.randn(B, H, R, widths[0], generator=g).to(dev, dtype).requires_grad_(cuda) for _ in range(2)
+    )
+    v = torch.randn(B, H, R, widths[1], generator=g).to(dev, dtype).requires_grad_(cuda)
     allowed = _rows_mask(B, R, sparse, seed=6).to(dev)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=0.1)
     got = flex_attention_rows(q, k, v, allowed, 0.1, compiled=cuda)
     tol = dict(rtol=2e-2, atol=2e-2) if cuda else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, ref, **tol)
     if cuda:
-        probe = torch.randn(B, H, R, 64, generator=g).to(dev, dtype)
+        probe = torch.randn(B, H, R, widths[1], generator=g).to(dev, dtype)
         grads_ref = torch.autograd.grad((ref * probe).sum(), (q, k, v))
         grads = torch.autograd.grad((got * probe).sum(), (q, k, v))
         for a, b in zip(grads, grads_ref):

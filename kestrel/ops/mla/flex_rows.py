@@ -59,10 +59,12 @@ def flex_attention_rows(
     scale: float,
     compiled: bool = True,
     block: int = 128,
+    kernel_options: dict | None = None,
 ) -> torch.Tensor:
     """q, k [B, H, R, Dq], v [B, H, R, Dv], allowed [B, R, R] bool (query t may see key s; every query at least
     itself) -> o [B, H, R, Dv] in q.dtype: softmax(q k^T * scale, masked to `allowed`) v. compiled=False runs
-    flex's eager form (the CPU tests; slow, no fused kernel)."""
+    flex's eager form (the CPU tests; slow, no fused kernel). kernel_options: flex's tiles, warps and stages
+    (`fwd_`/`bwd_` prefixed; scripts/bench_train_attention.py times them); None: `tuned_options`; {}: torch's."""
     from torch.nn.attention.flex_attention import flex_attention
 
     R = allowed.shape[1]
@@ -74,4 +76,29 @@ def flex_attention_rows(
 
     mask = block_mask_from_dense(allowed, block, visible)
     attend = _compiled() if compiled else flex_attention
-    return attend(q, k, v, block_mask=mask, scale=scale)
+    options = tuned_options(q, v) if kernel_options is None else kernel_options
+    return attend(q, k, v, block_mask=mask, scale=scale, kernel_options=options or None)
+
+
+# The backward's tiles on the H200 (sm90) for query/key widths of 129-192 and value widths up to 128: dk/dv in
+# 32 x 128 tiles, dq in 128 x 32, 3 stages, 8 warps. At mini's widths (192, 128; 16 heads, 2 rows of 8704 tokens
+# of the training mixture) forward and backward took 6.4 ms against 10.2 ms with torch's default (64 x 64 tiles,
+# 2 stages, 4 warps) and 24.0 ms for the dense masked SDPA; at the demo's (96, 64; 6 heads, 8 rows) 8.9 ms against
+# torch's 8.3 ms, so narrower heads keep torch's (scripts/bench_train_attention.py, session 28). Wider tiles or
+# more stages do not fit the 227 KB of shared memory at mini's widths.
+_SM90_BWD = {
+    "bwd_BLOCK_M1": 32,
+    "bwd_BLOCK_N1": 128,
+    "bwd_BLOCK_M2": 128,
+    "bwd_BLOCK_N2": 32,
+    "bwd_num_stages": 3,
+    "bwd_num_warps": 8,
+}
+
+
+def tuned_options(q: torch.Tensor, v: torch.Tensor) -> dict:
+    """The kernel options timed fastest for these widths on this GPU ({}: torch's defaults)."""
+    if q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0):
+        if 128 < q.shape[-1] <= 192 and v.shape[-1] <= 128:
+            return _SM90_BWD
+    return {}
