@@ -183,25 +183,34 @@ def test_attnres_over_the_bank_keeps_no_stack_for_the_backward(device, frozen, m
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])])
 def test_compiled_moe_combine_keeps_its_rows_in_bf16(device, monkeypatch):
     """Training's memory: the MoE combine, compiled, keeps the experts' bf16 rows for its backward, not an fp32
-    [M, Din] copy of them, and gives the eager values and gradients."""
+    [M, Din] copy of them (its plain-autograd reference, for contrast, keeps one), and gives the reference's values
+    and gradients."""
+    from torch._dynamo.utils import counters
+
     from kestrel.ops.moe.grouped import combine_pairs
 
     monkeypatch.setenv("KESTREL_COMPILE_TRAIN", "1")
     torch._dynamo.reset()
+    counters.clear()
     g = torch.Generator().manual_seed(6)
     T, A, E, D = 8, 3, 5, 32
     ids = torch.randint(-1, E, (T, A), generator=g).to(device)  # -1: another rank's expert (adds nothing)
     weights = torch.rand(T, A, generator=g).to(device).requires_grad_(True)
     order = torch.argsort(ids.flatten(), stable=True)
+    inv = torch.argsort(order)
     y = torch.randn(T * A, D, generator=g).to(device, torch.bfloat16).requires_grad_(True)
-    out, saved = _saved_by_backward(combine_pairs, y, order, weights, ids, E)
+    out, saved = _saved_by_backward(combine_pairs, y, order, inv, weights, ids, E)
+    assert counters["stats"]["unique_graphs"] > 0  # the forward ran compiled
+    assert any(dt == torch.bfloat16 and torch.Size(s).numel() == T * A * D for s, dt in saved), saved
     assert not any(dt == torch.float32 and torch.Size(s).numel() >= T * A * D for s, dt in saved), saved
-    _, saved_eager = _saved_by_backward(combine_pairs.eager, y, order, weights, ids, E)
+    _, saved_eager = _saved_by_backward(combine_pairs.eager, y, order, inv, weights, ids, E)
     assert any(dt == torch.float32 and torch.Size(s).numel() == T * A * D for s, dt in saved_eager)
     y2, w2 = y.detach().clone().requires_grad_(True), weights.detach().clone().requires_grad_(True)
-    ref = combine_pairs.eager(y2, order, w2, ids, E)
+    ref = combine_pairs.eager(y2, order, inv, w2, ids, E)
     torch.testing.assert_close(out, ref)
+    counters.clear()
     out.square().sum().backward()
+    assert counters["stats"]["unique_graphs"] > 0  # the backward's gathers ran compiled
     ref.square().sum().backward()
     torch.testing.assert_close(y.grad, y2.grad)
     torch.testing.assert_close(weights.grad, w2.grad, rtol=1e-4, atol=1e-4)

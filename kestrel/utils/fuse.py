@@ -28,21 +28,13 @@ def fused(fast: str | None = None) -> Callable[[Callable], Callable]:
     imports no Triton), with the op's own signature."""
 
     def wrap(fn: Callable) -> Callable:
-        compiled = None
         first = next(iter(inspect.signature(fn).parameters))  # the argument that picks the path
 
         @functools.wraps(fn)
         def op(*args, **kwargs):
-            nonlocal compiled
             x = args[0] if args else kwargs.get(first)  # passed by keyword too
             if _records(args, kwargs):
-                mode = env_field("compile_train")
-                if mode == "off" or (mode == "auto" and not (isinstance(x, torch.Tensor) and x.is_cuda)):
-                    return fn(*args, **kwargs)
-                if compiled is None:
-                    raise_recompile_limit()
-                    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
-                return compiled(*args, **kwargs)
+                return for_training(fn, x)(*args, **kwargs)
             if (
                 fast is not None
                 and isinstance(x, torch.Tensor)
@@ -58,6 +50,22 @@ def fused(fast: str | None = None) -> Callable[[Callable], Callable]:
         return op
 
     return wrap
+
+
+def for_training(fn: Callable, x) -> Callable:
+    """fn as training runs it on x (the argument that picks the path): compiled where KESTREL_COMPILE_TRAIN is on,
+    or auto and x is a CUDA tensor; as written otherwise. `fused` ops use it while autograd records; an
+    autograd.Function calls it for the pieces of its forward and backward, which autograd does not record."""
+    mode = env_field("compile_train")
+    if mode == "on" or (mode == "auto" and isinstance(x, torch.Tensor) and x.is_cuda):
+        return _compiled(fn)
+    return fn
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    raise_recompile_limit()
+    return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
 def _records(args: tuple, kwargs: dict) -> bool:

@@ -380,23 +380,110 @@ def test_router_logits_stay_fp32_under_autocast():
     assert torch.allclose(logits, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [0, 1, 7])
-def test_pair_rows_gradient_sums_each_tokens_rows(T, dtype):
+# ---------------------------------------------------------------- training's moves between pairs and rows
+
+
+def _pairs_and_rows(T, A, E, D, seed, dtype):
+    """ids [T, A] with repeated experts and ids outside [0, E) (-1 and E: other ranks' experts), the expert-major
+    order [M] and its inverse [M], weights [T, A] fp32 and expert rows y [M, D]."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, E + 1, (T, A), generator=g)
+    if T:
+        ids[0] = 1  # one expert in every slot of a token
+        ids[-1, 0] = -1
+        ids[T // 2, -1] = E
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    inv = torch.argsort(order)
+    weights = torch.rand(T, A, generator=g)
+    y = torch.randn(T * A, D, generator=g).to(dtype)
+    return ids, order, inv, weights, y
+
+
+def _combine_by_scatter(y, order, weights, ids, E):
+    """The combine as first written, in fp64: each expert-major row weighted, then added into its token's row."""
+    T, A = ids.shape
+    flat = ids.reshape(-1)
+    in_range = ((flat >= 0) & (flat < E))[order, None]  # [M, 1]
+    rows = torch.where(in_range, y.double() * weights.reshape(-1)[order, None].double(), 0.0)  # [M, D]
+    return torch.zeros(T, y.shape[1], dtype=torch.float64).index_add_(0, order // A, rows)
+
+
+PAIR_CASES = [(0, 2), (1, 1), (5, 1), (9, 3)]  # (T, A)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,A", PAIR_CASES)
+def test_pair_rows_gradient_sums_each_tokens_rows(T, A, dtype):
     """Training's gather of each (token, slot) pair's row: x[order // A], with the gradient autograd gives that
-    indexing (the sum of each token's A rows), by a copy and a reduction instead of a sorted scatter."""
+    indexing (the sum of each token's A rows), gathered by the inverse order instead of scattered."""
     from kestrel.ops.moe.grouped import _PairRows
 
-    g = torch.Generator().manual_seed(13)
-    A, D = 3, 16
-    order = torch.argsort(torch.randint(0, 5, (T * A,), generator=g), stable=True)
-    x = torch.randn(T, D, generator=g).to(dtype).requires_grad_()
+    _, order, inv, _, up = _pairs_and_rows(T, A, E=4, D=16, seed=13, dtype=dtype)
+    x = torch.randn(T, 16, generator=torch.Generator().manual_seed(14)).to(dtype).requires_grad_()
     twin = x.detach().clone().requires_grad_()
-    rows = _PairRows.apply(x, order, A)
+    rows = _PairRows.apply(x, order, inv, A)
     want = twin[order // A]
     assert torch.equal(rows, want)
-    up = torch.randn(T * A, D, generator=g).to(dtype)
     rows.backward(up)
     want.backward(up)
-    tol = {} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    assert x.grad.dtype == dtype
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {}
     torch.testing.assert_close(x.grad, twin.grad, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,A", PAIR_CASES)
+def test_combine_pairs_equals_the_scatter_form(T, A, dtype):
+    """The combine (fp32 by definition) and its gathered gradients for y and the weights against the weighted
+    index_add_ in fp64 through autograd, also for its plain-autograd reference; rows of ids outside [0, E) hold
+    NaN here (no expert wrote them) and reach neither the sum nor the weights' gradient."""
+    from kestrel.ops.moe.grouped import combine_pairs
+
+    E, D = 4, 16
+    ids, order, inv, weights, y = _pairs_and_rows(T, A, E, D, seed=15, dtype=dtype)
+    foreign = ((ids < 0) | (ids >= E)).reshape(-1)[order, None]  # [M, 1]
+    up = torch.randn(T, D, generator=torch.Generator().manual_seed(16))
+    y_ref, w_ref = y.double().requires_grad_(), weights.double().requires_grad_()
+    ref = _combine_by_scatter(y_ref, order, w_ref, ids, E)
+    ref.backward(up.double())
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    for op in (combine_pairs, combine_pairs.eager):
+        y_nan = y.masked_fill(foreign, float("nan")).requires_grad_()
+        w = weights.clone().requires_grad_()
+        out = op(y_nan, order, inv, w, ids, E)
+        assert out.dtype == torch.float32 and out.shape == (T, D)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+        out.backward(up)
+        torch.testing.assert_close(w.grad.double(), w_ref.grad, rtol=1e-5, atol=1e-5)
+        assert y_nan.grad.dtype == dtype
+        torch.testing.assert_close(y_nan.grad.double(), y_ref.grad, **tol)
+    with torch.no_grad():  # inference: the sum alone
+        torch.testing.assert_close(combine_pairs(y.masked_fill(foreign, 0), order, inv, weights, ids, E), out)
+
+
+def test_pair_moves_compiled_equal_eager(monkeypatch):
+    """KESTREL_COMPILE_TRAIN=on compiles the pair gather's backward and the combine's sum and gradients (on the CPU
+    too; auto: on CUDA): the eager values and gradients, bf16 rows as in training."""
+    from torch._dynamo.utils import counters
+
+    from kestrel.ops.moe.grouped import _PairRows, combine_pairs
+
+    T, A, E, D = 8, 3, 5, 32
+    ids, order, inv, weights, _ = _pairs_and_rows(T, A, E, D, seed=17, dtype=torch.bfloat16)
+    x0 = torch.randn(T, D, generator=torch.Generator().manual_seed(18)).bfloat16()
+
+    def run():
+        x, w = x0.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = combine_pairs(_PairRows.apply(x, order, inv, A).square(), order, inv, w, ids, E)
+        out.square().sum().backward()
+        return out, x.grad, w.grad
+
+    monkeypatch.setenv("KESTREL_COMPILE_TRAIN", "off")
+    want = run()
+    monkeypatch.setenv("KESTREL_COMPILE_TRAIN", "on")
+    torch._dynamo.reset()
+    counters.clear()
+    got = run()
+    assert counters["stats"]["unique_graphs"] == 4  # the sum, its two gradients, the pair rows' gradient
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3)

@@ -6,7 +6,9 @@ size, Din expert input width. Expert weights are stacked as in `naive`: w13 [E, 
 The rows are sorted by expert id on the device, so expert e owns rows offs[e - 1]:offs[e] (offs = cumulative
 end offsets, offs[-1] = M). On CUDA in bf16, torch._grouped_mm multiplies every group in one kernel; elsewhere
 a loop over all E experts (E comes from a weight shape, not from the data) computes each expert on every row
-and keeps its own rows, which is wasteful but has no data-dependent shapes.
+and keeps its own rows, which is wasteful but has no data-dependent shapes. Rows move between (token, slot) order
+and expert order by gathers only, by the sort's order one way and its inverse the other, in training's backward
+too: the scatter form (rows copied to pair order, then summed) took 45 ms of a 620 ms training step on `mini`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 
 from kestrel.env import env_field
 from kestrel.ops.activation import glu_act
-from kestrel.utils.fuse import fused
+from kestrel.utils.fuse import for_training
 
 
 def _grouped_linear_fallback(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -76,69 +78,120 @@ def moe_experts_grouped(
     E = w13.shape[0]
     if use_grouped_mm is None:
         use_grouped_mm = _use_grouped_mm(x, w2) and env_field("moe_grouped_mm") == "auto"
-    flat_ids = ids.reshape(-1)  # [M]
-    order = torch.argsort(flat_ids, stable=True)  # [M]  expert-major, then token order
-    experts = torch.arange(E, device=ids.device, dtype=flat_ids.dtype)  # [E]
-    offs = torch.searchsorted(flat_ids[order], experts, right=True, out_int32=True)  # [E] cumulative ends
-
-    # [M, Din]: each pair's token row (in training through _PairRows, whose backward needs no sort)
-    if x.requires_grad and torch.is_grad_enabled():
-        rows = _PairRows.apply(x, order, A)
-    else:
-        rows = x[order // A]
-    gate_up = _grouped_linear(rows, w13, offs, use_grouped_mm)  # [M, 2I]
-    h = glu_act(gate_up, act, situ_beta, situ_linear_beta)  # [M, I]
-    y = _grouped_linear(h, w2, offs, use_grouped_mm)  # [M, Din]
     if triton_combine is None:
         triton_combine = (
             x.is_cuda and not torch.is_grad_enabled() and x.dtype in (torch.bfloat16, torch.float16)
         )
+    training = x.requires_grad and torch.is_grad_enabled()
+    flat_ids = ids.reshape(-1)  # [M]
+    order = torch.argsort(flat_ids, stable=True)  # [M]  expert-major, then token: row r is pair order[r]
+    experts = torch.arange(E, device=ids.device, dtype=flat_ids.dtype)  # [E]
+    offs = torch.searchsorted(flat_ids[order], experts, right=True, out_int32=True)  # [E] cumulative ends
+    inv = None  # [M] pair p is row inv[p]: rows go back to their pairs by a gather too, never a scatter
+    if training or not triton_combine:
+        inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+    # [M, Din]: each pair's token row (in training through _PairRows, whose backward is a gather)
+    rows = _PairRows.apply(x, order, inv, A) if training else x[order // A]
+    gate_up = _grouped_linear(rows, w13, offs, use_grouped_mm)  # [M, 2I]
+    h = glu_act(gate_up, act, situ_beta, situ_linear_beta)  # [M, I]
+    y = _grouped_linear(h, w2, offs, use_grouped_mm)  # [M, Din]
     if triton_combine:
         from kestrel.ops.moe.triton_experts import combine_sorted
 
         return combine_sorted(y, order, weights, ids, E).to(x.dtype)
-    return combine_pairs(y, order, weights, ids, E).to(x.dtype)
+    return combine_pairs(y, order, inv, weights, ids, E).to(x.dtype)
 
 
 class _PairRows(torch.autograd.Function):
-    """x[order // A]: each (token, slot) pair's token row, in `order` (a permutation of the T * A pairs). Its backward
-    sums each token's A rows by a copy to the pairs' own rows and a reduction, as `combine_pairs` does, instead of
-    autograd's accumulating scatter of x[token] (a sort, then a scatter: 13 ms a step on `mini` at two rows)."""
+    """x[order // A]: each (token, slot) pair's token row, expert-major. Its backward gathers each token's A rows
+    (by inv) and sums them, one kernel where compiled, instead of autograd's accumulating scatter into x's rows (a
+    sort, then a scatter: 13 ms a step on `mini` at two rows) or a copy back to pair order and a sum (21 ms)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, order: torch.Tensor, A: int) -> torch.Tensor:
-        ctx.save_for_backward(order)
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, A: int) -> torch.Tensor:
+        ctx.save_for_backward(inv)
         ctx.A = A
         return x[order // A]
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        (order,) = ctx.saved_tensors
-        return _sum_to_tokens(grad, order, ctx.A), None, None
+        (inv,) = ctx.saved_tensors
+        return for_training(_sum_slots, grad)(grad, inv, ctx.A), None, None, None
 
 
-@fused()
+def _sum_slots(rows: torch.Tensor, inv: torch.Tensor, A: int) -> torch.Tensor:
+    """Expert-major rows [M, D] -> [T, D] in their dtype: each token's A rows summed in fp32 (fp64 stays)."""
+    acc = torch.promote_types(rows.dtype, torch.float32)
+    return rows[inv.view(-1, A)].sum(1, dtype=acc).to(rows.dtype)  # [T, A, D] -> [T, D]
+
+
 def combine_pairs(
-    y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int
+    y: torch.Tensor,
+    order: torch.Tensor,
+    inv: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    num_experts: int,
 ) -> torch.Tensor:
-    """The experts' rows y [M, Din] (expert-major: row r is pair order[r]) weighted and summed back to their
-    tokens: [T, Din] fp32 (ids, weights [T, A]; ids outside [0, num_experts) add nothing). One op, so that in
-    training (compiled) its backward keeps y as it came (bf16) rather than its fp32 copy times the weights
-    ([M, Din] x 4 bytes a layer: on `mini`, 24 x 428 MB over one 8704-token row)."""
-    A = ids.shape[1]
-    flat_ids = ids.reshape(-1)  # [M]
-    w = weights.reshape(-1)[order, None].float()  # [M, 1]
-    in_range = ((flat_ids >= 0) & (flat_ids < num_experts))[order, None]  # [M, 1] (ids < 0 sort first)
-    y = torch.where(in_range, y.float() * w, 0.0)  # [M, Din] expert-major
-    return _sum_to_tokens(y, order, A)
+    """The experts' rows y [M, Din] (row r is pair order[r], pair p is row inv[p]) weighted and summed back to
+    their tokens: [T, Din] fp32 (ids, weights [T, A]; ids outside [0, num_experts) add nothing). In training, an
+    autograd.Function whose forward and backward are gathers and whose backward keeps y as it came (bf16), not its
+    fp32 product with the weights ([M, Din] x 4 bytes a layer: on `mini`, 24 x 428 MB over one 8704-token row).
+    `combine_pairs.eager`: the same sum through plain autograd (a scatter backward), the reference."""
+    in_range = (ids >= 0) & (ids < num_experts)  # [T, A]
+    if torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad):
+        return _CombinePairs.apply(y, weights, in_range, order, inv)
+    return _weighted_sum(y, weights, in_range, inv)
 
 
-def _sum_to_tokens(rows: torch.Tensor, order: torch.Tensor, A: int) -> torch.Tensor:
-    """Expert-major pair rows [M, Din] (row r is pair order[r]) -> [T, Din]: back to (token, slot) order, then
-    each token's A rows summed in slot order: a copy to distinct rows and a reduction, with no atomics (index_add_
-    into T rows serializes on repeated tokens and sums in no set order)."""
-    pairs = torch.empty_like(rows).index_copy_(0, order, rows)  # [M, Din]
-    return pairs.view(-1, A, rows.shape[1]).sum(1)
+def _combine_eager(y, order, inv, weights, ids, num_experts):
+    """`combine_pairs` as plain autograd differentiates it (its backward scatters and keeps y's fp32 copy)."""
+    return _weighted_sum(y, weights, (ids >= 0) & (ids < num_experts), inv)
+
+
+combine_pairs.eager = _combine_eager
+
+
+class _CombinePairs(torch.autograd.Function):
+    """`combine_pairs` in training: the sum, y's gradient (gathered by order) and the weights' (gathered by inv),
+    each one kernel where compiled (`for_training`)."""
+
+    @staticmethod
+    def forward(ctx, y, weights, in_range, order, inv):
+        ctx.save_for_backward(y, weights, in_range, order, inv)
+        return for_training(_weighted_sum, y)(y, weights, in_range, inv)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        y, weights, in_range, order, inv = ctx.saved_tensors
+        grad_y = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_y = for_training(_grad_rows, grad)(grad, weights, in_range, order, y.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = for_training(_grad_weights, grad)(grad, y, in_range, inv).to(weights.dtype)
+        return grad_y, grad_w, None, None, None
+
+
+def _weighted_sum(y, weights, in_range, inv) -> torch.Tensor:
+    """[T, Din] fp32: sum over slots a of weights[t, a] * y[inv[t * A + a]] where in_range[t, a]."""
+    rows = y[inv.view(in_range.shape)].float()  # [T, A, Din]
+    # torch.where, not a product with the mask: rows of ids outside [0, E) hold no expert's output (inf, NaN)
+    return (torch.where(in_range[..., None], rows, 0.0) * weights[..., None].float()).sum(1)
+
+
+def _grad_rows(grad, weights, in_range, order, dtype: torch.dtype) -> torch.Tensor:
+    """d out / d y [M, Din] in dtype: row r (pair p = order[r]) gets p's weight times its token's gradient."""
+    w = torch.where(in_range, weights.float(), 0.0).view(-1)[order, None]  # [M, 1]
+    return (w * grad[order // in_range.shape[1]]).to(dtype)
+
+
+def _grad_weights(grad, y, in_range, inv) -> torch.Tensor:
+    """d out / d weights [T, A] fp32: <grad[t], y[inv[t * A + a]]> where in_range[t, a]."""
+    rows = y[inv.view(in_range.shape)].float()  # [T, A, Din]
+    return torch.where(in_range, (rows * grad[:, None]).sum(-1), 0.0)
 
 
 @functools.cache
