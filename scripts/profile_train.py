@@ -5,6 +5,8 @@ of each phase (torch.profiler).
 
     python3 scripts/profile_train.py --batch-rows 16 --row-len 8704 --out $OUT/profile_train.json
     python3 scripts/profile_train.py --model mini --batch-rows 2 --row-len 8704   # the loop on a larger model
+    python3 scripts/profile_train.py --model mini --batch-rows 2 --row-len 8704 --grad-accum 2
+        # two batches a step, each its own forward and backward, one optimizer step
     KESTREL_TRAIN_ATTENTION=flex python3 scripts/profile_train.py --phases dense --stack-every 30
         # one phase, with every thread's stack printed each 30 s: where a slow first step is (compiling or running)
 
@@ -91,7 +93,12 @@ def _compile_stats() -> dict:
     return {"unique_graphs": stats.get("unique_graphs", 0), "calls_captured": stats.get("calls_captured", 0)}
 
 
-def _host_syncs(trainer: Trainer, batch) -> dict:
+def _pinned(step: list) -> list:
+    """A step's batches pinned, as the loop's are (on CUDA)."""
+    return [b.pin_memory() for b in step] if torch.cuda.is_available() else step
+
+
+def _host_syncs(trainer: Trainer, step: list) -> dict:
     """One step queued with torch's sync debug mode on: every place it waits for the GPU that torch reports (a
     read-back, a blocking copy, an op whose output size depends on the data), by message and the innermost
     Kestrel and fla frames of the stack. Syncs of the backward are reported at its `backward()` call. The
@@ -118,7 +125,7 @@ def _host_syncs(trainer: Trainer, batch) -> dict:
         warnings.showwarning = show
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            trainer.launch_step(batch.pin_memory())  # pinned, as the loop's batches are
+            trainer.launch_step(_pinned(step))
         finally:
             torch.cuda.set_sync_debug_mode("default")
     _sync()
@@ -126,18 +133,19 @@ def _host_syncs(trainer: Trainer, batch) -> dict:
     return {"count": sum(sites.values()), "sites": found}
 
 
-def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
+def _phase(trainer: Trainer, steps: list, dense: bool, top: int) -> dict:
+    """steps: 4 lists of grad_accum batches: the first compiles, two are timed, the last is profiled."""
     trainer.step = 0 if dense else trainer.cfg.dsa_dense_steps
     name = "dense" if dense else "sparse"
     print(f"{name}: first step (compilation, autotuning) ...", flush=True)
     t0 = time.perf_counter()
-    trainer.train_step(batches[0])  # warm-up (compilation, autotuning, allocator)
+    trainer.train_step(steps[0])  # warm-up (compilation, autotuning, allocator)
     _sync()
     first_s = time.perf_counter() - t0
     after_first = _compile_stats()
     print(f"{name}: first step {first_s:.1f} s, compiled {after_first}", flush=True)
     times = []
-    for b in batches[1:3]:
+    for b in steps[1:3]:
         t0 = time.perf_counter()
         trainer.train_step(b)
         _sync()
@@ -145,22 +153,22 @@ def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
         print(f"{name}: step {times[-1]:.3f} s", flush=True)
     # the loop's way: each step queued, then the one before it read back (Trainer.train)
     t0, before = time.perf_counter(), None
-    for b in batches[1:3]:
-        queued = trainer.launch_step(b.pin_memory() if torch.cuda.is_available() else b)
+    for b in steps[1:3]:
+        queued = trainer.launch_step(_pinned(b))
         if before is not None:
             before.read()
         before = queued
     before.read()
     queued_s = (time.perf_counter() - t0) / 2
     print(f"{name}: queued steps {queued_s:.3f} s each", flush=True)
-    syncs = _host_syncs(trainer, batches[3]) if torch.cuda.is_available() else None
+    syncs = _host_syncs(trainer, steps[3]) if torch.cuda.is_available() else None
     if syncs is not None:
         print(f"{name}: {syncs['count']} host syncs in one step", flush=True)
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts, record_shapes=True) as prof:
-        trainer.train_step(batches[3])
+        trainer.train_step(steps[3])
         _sync()
     from torch.autograd import DeviceType
 
@@ -169,12 +177,13 @@ def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
     by_gpu = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:top]
     by_calls = sorted(events, key=lambda e: e.count, reverse=True)[:top]
     modules = [e for e in events if e.key.startswith("fwd::")]
+    tokens = sum(b.input_ids.numel() for b in steps[0])  # a step's (every batch has batch_rows x row_len)
     return {
         "first_step_s": first_s,
         "step_s": times,
-        "tokens_per_s": batches[0].input_ids.numel() / (sum(times) / len(times)),
+        "tokens_per_s": tokens / (sum(times) / len(times)),
         "queued_step_s": queued_s,
-        "queued_tokens_per_s": batches[0].input_ids.numel() / queued_s,
+        "queued_tokens_per_s": tokens / queued_s,
         "host_syncs": syncs,
         "top_gpu_kernels": [
             {"name": e.key[:90], "gpu_ms": e.self_device_time_total / 1e3, "calls": e.count} for e in by_gpu
@@ -195,7 +204,7 @@ def _phase(trainer: Trainer, batches: list, dense: bool, top: int) -> dict:
     }
 
 
-def _attention_accounting(trainer: Trainer, batches: list, phase: dict, sparse: bool) -> dict:
+def _attention_accounting(trainer: Trainer, steps: list, phase: dict, sparse: bool) -> dict:
     """The MFU's attention FLOPs beside what the batches' documents need: `flops_per_token` counts each token
     attending to half its row (row_len / 2 keys, the usual convention for packed rows); a kernel that skips
     other documents' keys does each document's causal pairs only (and sparse DSA training at most top-k keys a
@@ -204,7 +213,7 @@ def _attention_accounting(trainer: Trainer, batches: list, phase: dict, sparse: 
 
     model = trainer.model
     topk = model.config.index_topk if sparse else None
-    bounds = [batch.cu_seqlens.tolist() for batch in batches]
+    bounds = [batch.cu_seqlens.tolist() for step in steps for batch in step]
     seqlens = [b - a for seg in bounds for a, b in zip(seg, seg[1:])]
     counted = trainer.cfg.row_len / 2
     needed = visible_pairs_per_token(seqlens, topk)
@@ -221,6 +230,9 @@ def _attention_accounting(trainer: Trainer, batches: list, phase: dict, sparse: 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch-rows", type=int, default=16)
+    ap.add_argument(
+        "--grad-accum", type=int, default=1, help="batches a step (each its own forward and backward)"
+    )
     ap.add_argument("--row-len", type=int, default=8704)
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--top", type=int, default=15)
@@ -239,6 +251,8 @@ def main() -> None:
     phases = args.phases.split(",")
     if not phases or set(phases) - {"dense", "sparse"}:
         ap.error(f"--phases: choose from dense, sparse (got {args.phases!r})")
+    if args.grad_accum < 1:
+        ap.error(f"--grad-accum must be >= 1 (got {args.grad_accum})")
     if args.stack_every > 0:
         faulthandler.dump_traceback_later(args.stack_every, repeat=True)
     from kestrel.presets import preset_config, preset_names, shipped_model_dir
@@ -256,6 +270,7 @@ def main() -> None:
         tokenizer=args.tokenizer or (str(shipped) if shipped is not None else None),
         steps=1000,
         batch_rows=args.batch_rows,
+        grad_accum=args.grad_accum,
         row_len=args.row_len,
         retrieval_lengths=(2048, 8192) if args.row_len > 8192 else (2048,),
         dsa_dense_steps=500,
@@ -267,8 +282,9 @@ def main() -> None:
     _label_dsa_training(trainer.model)
     setup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    batches = [next(trainer.data) for _ in range(8)]
-    data_s = (time.perf_counter() - t0) / 8
+    n = args.grad_accum
+    steps = [[next(trainer.data) for _ in range(n)] for _ in range(8)]
+    data_s = (time.perf_counter() - t0) / (8 * n)
     print(f"setup {setup_s:.1f} s, data {data_s:.2f} s/batch", flush=True)
     result = {
         "command": " ".join(sys.argv),
@@ -276,10 +292,10 @@ def main() -> None:
         "parameters": sum(p.numel() for p in trainer.model.parameters()),
         "setup_s": setup_s,
         "data_s_per_batch": data_s,
-        "docs_per_batch": len(batches[0].cu_seqlens) - 1,
+        "docs_per_batch": len(steps[0][0].cu_seqlens) - 1,
         "flops_per_token": trainer.flops_per_token,
     }
-    for phase, part in (("dense", batches[:4]), ("sparse", batches[4:])):
+    for phase, part in (("dense", steps[:4]), ("sparse", steps[4:])):
         if phase in phases:
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()  # max_memory_gib: this phase's peak

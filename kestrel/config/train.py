@@ -19,7 +19,8 @@ class TrainConfig:
     )
     seed: int = 0
     steps: int = 1000
-    batch_rows: int = 16  # B: rows per step
+    batch_rows: int = 16  # B: rows per batch
+    grad_accum: int = 1  # batches per optimizer step (each a forward and backward; their gradients add up)
     row_len: int = 4096  # R: tokens per row (documents never cross rows)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -59,6 +60,7 @@ class TrainConfig:
         checks = [
             (self.steps >= 1, "steps must be >= 1"),
             (self.batch_rows >= 1 and self.row_len >= 16, "batch_rows >= 1 and row_len >= 16"),
+            (self.grad_accum >= 1, "grad_accum must be >= 1"),
             (self.lr > 0 and 0 <= self.min_lr_ratio <= 1, "lr > 0 and min_lr_ratio in [0, 1]"),
             (self.warmup_steps >= 0 and self.dsa_dense_steps >= 0, "warmup and dsa_dense steps must be >= 0"),
             (self.grad_clip > 0, "grad_clip must be > 0"),

@@ -260,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--steps", type=_positive_int, default=1000)
     t.add_argument("--batch-rows", type=_positive_int, default=16)
+    t.add_argument(
+        "--grad-accum",
+        type=_positive_int,
+        default=1,
+        help="batches of --batch-rows rows per optimizer step, each a forward and backward of its own (default 1)",
+    )
     t.add_argument("--row-len", type=_positive_int, default=4096)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--warmup-steps", type=int, default=100)

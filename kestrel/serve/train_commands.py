@@ -32,6 +32,7 @@ def cmd_train(args) -> int:
         seed=args.seed,
         steps=args.steps,
         batch_rows=args.batch_rows,
+        grad_accum=args.grad_accum,
         row_len=args.row_len,
         lr=args.lr,
         warmup_steps=args.warmup_steps,

@@ -5,8 +5,12 @@ next-token cross-entropy + the DSA indexer's KL) -> backward -> clip -> AdamW st
 update -> log -> checkpoint. DSA is trained the DeepSeek-V3.2 way: a dense warm-up in which attention sees every
 visible token and the indexer learns to match it by KL, then sparse training over the indexer's top-k.
 
-Deliberately left out: gradient accumulation, data parallelism (one device), mixed-length curriculum beyond the
-retrieval lengths of TrainConfig, and activation checkpointing (the demo model is small).
+A step may take several batches (`grad_accum`): each is a forward and backward of its own, their gradients add up
+to those of one batch of all their rows (the loss is the weighted mean over all their loss tokens), and one
+optimizer step follows, so AdamW, the clipping and the bias update are paid once for all of them.
+
+Deliberately left out: data parallelism (one device), mixed-length curriculum beyond the retrieval lengths of
+TrainConfig, and activation checkpointing (the demo model is small).
 """
 
 from __future__ import annotations
@@ -64,11 +68,20 @@ def _weighted_mean(losses: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def family_losses(losses: torch.Tensor, mask: torch.Tensor, family_ids: torch.Tensor, n: int) -> torch.Tensor:
     """The plain mean of the token losses [T] on the loss mask [T] per family (family_ids [T], -1 for none):
     [n], NaN for a family without a loss token in the batch. On the device, without a sync."""
+    sums, counts = family_loss_sums(losses, mask, family_ids, n)
+    return sums / counts  # 0 / 0 = NaN where the batch has none
+
+
+def family_loss_sums(
+    losses: torch.Tensor, mask: torch.Tensor, family_ids: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`family_losses`' sums of the token losses and counts of loss tokens per family ([n] each), which add up
+    over the batches of a step."""
     keep = mask & (family_ids >= 0)
     ids = family_ids.clamp(min=0)
     sums = losses.new_zeros(n).index_add_(0, ids, torch.where(keep, losses, 0.0))
     counts = losses.new_zeros(n).index_add_(0, ids, keep.to(losses.dtype))
-    return sums / counts  # 0 / 0 = NaN where the batch has none
+    return sums, counts
 
 
 def mixture_config(cfg: TrainConfig) -> MixtureConfig:
@@ -107,7 +120,8 @@ def update_expert_biases(
     over-loaded ones, by `rate` each step. Returns the worst max-load / mean-load ratio over the layers, a
     0-dim tensor on the model's device (1 without MoE layers; read it when the step is done: no sync here)."""
     worst = None
-    for layer_id, ids in routing.items():
+    for layer_id, ids in routing.items():  # ids: one tensor [T, A], or a list of them (a step's batches)
+        ids = torch.cat([t.flatten() for t in ids]) if isinstance(ids, list) else ids
         gate = model.model.layers[layer_id].mlp.gate
         E = gate.e_score_correction_bias.numel()
         load = torch.zeros(E, device=ids.device).index_add_(
@@ -205,13 +219,14 @@ class Trainer:
         try:
             while self.step < cfg.steps:
                 t0 = time.perf_counter()
-                batch, data_state = next(prefetch)
+                batches, states = zip(*(next(prefetch) for _ in range(cfg.grad_accum)))
                 waited = time.perf_counter() - t0
+                step_tokens = sum(b.input_ids.numel() for b in batches)
                 lr = lr_at(self.step, cfg, self.train_seconds)
-                figures = self.launch_step(batch, lr)
-                # the model holds this batch's update once the stream gets to it: the step counts from here
-                self._data_state = data_state
-                tokens_done += batch.input_ids.numel()
+                figures = self.launch_step(list(batches), lr)
+                # the model holds these batches' update once the stream gets to them: the step counts from here
+                self._data_state = states[-1]
+                tokens_done += step_tokens
                 unread.append(
                     ({"step": self.step, "lr": lr, "tokens": tokens_done, "data_wait_s": waited}, figures)
                 )
@@ -223,7 +238,7 @@ class Trainer:
                     start, first_tokens = time.perf_counter(), tokens_done
                     first_step_s = start - run_start
                 else:
-                    timed_tokens += batch.input_ids.numel()
+                    timed_tokens += step_tokens
                     data_wait_s += waited
                     read(keep=1)  # the step before this one: waits for it, not for this one
                     self.train_seconds = clock()
@@ -273,16 +288,44 @@ class Trainer:
         self.history.append(record)
 
     def train_step(self, batch, lr: float | None = None) -> tuple[float, float, float]:
-        """One optimizer step on `batch`: (LM loss, indexer KL, worst expert load ratio), read back when the
-        step is done."""
+        """One optimizer step on `batch` (or a list of batches, their gradients summed): (LM loss, indexer KL,
+        worst expert load ratio), read back when the step is done."""
         lm, kl, imbalance = self.launch_step(batch, lr).read()[:3]
         return lm, kl, imbalance
 
     def launch_step(self, batch, lr: float | None = None) -> StepFigures:
         """`train_step` that does not wait for the step: on a GPU the host can queue the next step while this one
-        runs (the loop reads each step's figures after queuing the next)."""
+        runs (the loop reads each step's figures after queuing the next). A list of batches is one step over
+        all their rows, one forward and backward a batch: the LM loss is the weighted mean over all of them, the
+        KL the mean of theirs, the MoE bias update and the figures over all their tokens."""
         cfg, model, dev = self.cfg, self.model, self.device
-        lr = lr_at(self.step, cfg) if lr is None else lr
+        batches = batch if isinstance(batch, list) else [batch]
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(self.step, cfg) if lr is None else lr
+        weights = [b.loss_weight.to(dev, non_blocking=True).flatten() for b in batches]
+        total = torch.stack([w.sum() for w in weights]).sum().clamp(min=1e-6)  # all the step's loss weight
+        n = len(self.data.family_names)
+        lm, kl = torch.zeros((), device=dev), torch.zeros((), device=dev)
+        sums, counts = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+        routing: dict[int, list[torch.Tensor]] = {}
+        for b, weight in zip(batches, weights):
+            part = self._forward_backward(b, weight, total, len(batches))
+            lm, kl = lm + part[0], kl + part[1]
+            sums, counts = sums + part[2][0], counts + part[2][1]
+            for layer_id, ids in part[3].items():
+                routing.setdefault(layer_id, []).append(ids)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        imbalance = update_expert_biases(model, routing, cfg.bias_update_rate)
+        head = torch.stack([lm, kl, imbalance.float()])
+        return StepFigures(torch.cat([head, sums / counts]))  # 0 / 0 = NaN for a family without loss tokens
+
+    def _forward_backward(self, batch, weight: torch.Tensor, total: torch.Tensor, parts: int):
+        """One batch of a step: forward, its share of the step's loss (its weighted loss sum over the step's
+        total weight `total`, plus the KL over the step's `parts` batches), backward. Returns that share's LM
+        loss and KL (detached), the family loss sums and counts, and the MoE layers' routing ids."""
+        cfg, model, dev = self.cfg, self.model, self.device
         ids = batch.input_ids.to(dev, non_blocking=True).flatten()  # [B*R] (pinned by the loop's Prefetch)
         seg = batch.cu_seqlens.tolist()
         ctx = ForwardContext.build([b - a for a, b in zip(seg, seg[1:])], device=dev)
@@ -290,26 +333,18 @@ class Trainer:
         ctx.routing_capture = {}
         kl_terms: list = []
         ctx.extras.update(dsa_dense=self.step < cfg.dsa_dense_steps, indexer_kl=kl_terms)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
         targets = batch.target_ids.to(dev, non_blocking=True).flatten()
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"), forward_context(ctx):
             hidden = model.model(ids)  # [B*R, D]
             # the LM head and the loss together: chunked over tokens where the logits would be large
             losses = token_losses(hidden, model.lm_head.weight, targets)  # [B*R] fp32
-        weight = batch.loss_weight.to(dev, non_blocking=True).flatten()
-        lm = _weighted_mean(losses, weight)  # masked_loss
+        lm = (losses * weight).sum() / total  # masked_loss, over the step's batches
         family_ids = batch.family_ids.to(dev, non_blocking=True).flatten()
-        by_family = family_losses(losses.detach(), weight > 0, family_ids, len(self.data.family_names))
-        kl = sum(kl_terms) / max(len(kl_terms), 1) if kl_terms else torch.zeros((), device=dev)
+        by_family = family_loss_sums(losses.detach(), weight > 0, family_ids, len(self.data.family_names))
+        kl = sum(kl_terms) / (len(kl_terms) * parts) if kl_terms else torch.zeros((), device=dev)
         (lm + cfg.indexer_kl_weight * kl).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
         moe = {k: v for k, v in ctx.routing_capture.items() if model.config.mlp_types[k] == MOE}
-        imbalance = update_expert_biases(model, moe, cfg.bias_update_rate)
-        head = torch.stack([lm.detach(), kl.detach().float(), imbalance.float()])
-        return StepFigures(torch.cat([head, by_family.float()]))
+        return lm.detach(), kl.detach().float(), by_family, moe
 
     def mfu(self, tokens_per_s: float, peak_tflops: float = 989.0) -> float:
         """Model FLOP utilization against the H200's dense bf16 peak (the run's measured matmul rate is

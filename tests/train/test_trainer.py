@@ -86,6 +86,72 @@ def test_a_step_with_the_loss_chunked_is_the_same(tmp_path, byte_tok, monkeypatc
         assert (chunked[name] - g).norm() <= 1e-4 * g.norm() + 1e-9, name
 
 
+def _rows(batch) -> list:
+    """A packed batch as batches of one row each (documents never cross rows)."""
+    from dataclasses import replace
+
+    R, bounds, out = batch.input_ids.shape[1], batch.cu_seqlens.tolist(), []
+    for i in range(batch.input_ids.shape[0]):
+        cuts = [b - i * R for b in bounds if i * R <= b <= (i + 1) * R]
+        rows = {
+            n: getattr(batch, n)[i : i + 1] for n in ("input_ids", "target_ids", "loss_mask", "loss_weight")
+        }
+        rows.update({n: getattr(batch, n)[i : i + 1] for n in ("valid_mask", "position_ids", "family_ids")})
+        out.append(
+            replace(
+                batch,
+                **rows,
+                cu_seqlens=torch.tensor(cuts, dtype=batch.cu_seqlens.dtype),
+                max_seqlen=max(b - a for a, b in zip(cuts, cuts[1:])),
+                num_documents=len(cuts) - 1,
+                num_loss_tokens=int(batch.loss_mask[i].sum()),
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense-warmup", "sparse"])
+def test_accumulated_batches_step_as_one_batch_of_their_rows(tmp_path, byte_tok, dense):
+    """A step over two one-row batches (grad_accum) gets the gradients, the loss, the KL, the expert load and
+    the family losses of a step over one batch of both rows: the loss is the weighted mean over all the step's
+    loss tokens, not the mean of the batches' means (the rows hold different numbers of loss tokens)."""
+    results = []
+    for split in (False, True):
+        trainer = Trainer(_cfg(tmp_path / f"run{split}", byte_tok, dsa_dense_steps=100 if dense else 0))
+        batch = next(trainer.data)
+        assert batch.loss_weight[0].sum() != batch.loss_weight[1].sum()  # a mean of means would differ
+        grads = {}
+
+        def capture(*a, step=trainer.opt.step, model=trainer.model, into=grads, **k):
+            into.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            return step(*a, **k)
+
+        trainer.opt.step = capture
+        figures = trainer.launch_step(_rows(batch) if split else batch).read()
+        state = trainer.model.state_dict()
+        bias = torch.cat([t.flatten() for n, t in state.items() if n.endswith("e_score_correction_bias")])
+        results.append((figures, grads, bias))
+    (whole, g_whole, b_whole), (split, g_split, b_split) = results
+    assert whole[1] > 0 if dense else True  # the KL is in the loss during the warm-up
+    torch.testing.assert_close(torch.tensor(split), torch.tensor(whole), rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert g_whole.keys() == g_split.keys() and "lm_head.weight" in g_whole
+    for name, g in g_whole.items():
+        assert (g_split[name] - g).norm() <= 1e-4 * g.norm() + 1e-8, name
+    assert b_whole.abs().sum() > 0 and torch.equal(b_split, b_whole)  # the loads of both rows at once
+
+
+def test_the_loop_takes_grad_accum_batches_a_step(tmp_path, byte_tok):
+    trainer = Trainer(_cfg(tmp_path, byte_tok, steps=2, grad_accum=2))
+    trainer.train()
+    assert [r["tokens"] for r in trainer.history] == [2 * 2 * 512, 4 * 2 * 512]
+    twin = Trainer(_cfg(tmp_path / "twin", byte_tok))
+    for _ in range(4):
+        next(twin.data)
+    assert torch.equal(next(trainer.data).input_ids, next(twin.data).input_ids)  # 4 batches used, no more
+    with pytest.raises(ConfigError, match="grad_accum"):
+        _cfg(tmp_path, byte_tok, grad_accum=0)
+
+
 def test_one_step_gives_finite_nonzero_gradients(tmp_path, byte_tok):
     trainer = Trainer(_cfg(tmp_path, byte_tok))
     with torch.no_grad():  # AttnRes queries start at zero, which zeroes their norms' gradient
