@@ -73,7 +73,8 @@ class Env:
     batch 1, session 20) | fla (fla-core's fused_recurrent_kda_fwd)."""
     kda_no_recompute: bool
     """KESTREL_KDA_NO_RECOMPUTE: training keeps fla chunk_kda's forward intermediates for the backward instead of
-    recomputing them (fla's advice for small models; off until its GPU gradient test has run)."""
+    recomputing them (fla's advice for small models; off: its GPU gradient test passed on 2026-11-30, but its
+    effect on a training step's time and memory is not measured yet)."""
     kda_recurrent_prefill: int
     """KESTREL_KDA_RECURRENT_PREFILL: at inference on the fla backend, a prefill step of at most this many KDA
     tokens (all its sequences together) runs fla's fused recurrent kernel, one launch per layer, instead of the
@@ -110,7 +111,8 @@ class Env:
     kernels), 64 4.54 / 4.40, 256 7.22 / 7.04."""
     kda_safe_gate: bool
     """KESTREL_KDA_SAFE_GATE: fla chunk_kda's faster path for gates bounded in [-5, 0) (K3's lower-bound gate),
-    used only where the model's gate is bounded (off until its GPU test has run)."""
+    used only where the model's gate is bounded (off: its GPU gradient test passed on 2026-11-30, but its effect
+    on a training step's time is not measured yet)."""
     compile_train: str
     """KESTREL_COMPILE_TRAIN=auto|on|off (1/0 too): torch.compile the small fp32 elementwise ops (norms, gates,
     activations, AttnRes mixing) when autograd records, i.e. in training, so that each runs as one fused kernel
@@ -121,7 +123,8 @@ class Env:
     """KESTREL_TRAIN_ATTENTION: the MLA attention of training's row-packed documents on CUDA: flex (the default:
     FlexAttention over the blocks the mask leaves visible, kestrel.ops.mla.flex_rows; rows of a multiple of 128
     tokens, else sdpa) | sdpa (one dense masked kernel over every row's R x R pairs). On `mini`, 2 rows of 8704
-    tokens, the training step took 0.619 s with flex against 0.685 s with sdpa (session 28)."""
+    tokens, the training step took 0.619 s with flex (torch's tiles) against 0.685 s with sdpa in the same call
+    (session 28); the tuned tiles took flex's forward and backward from 10.2 to 6.4 ms a layer."""
     fused_ops: str
     """KESTREL_FUSED_OPS: inference on CUDA runs the norms, GLU activations and AttnRes mixing as one Triton
     kernel each (kestrel.utils.fuse): auto | off (the plain-torch references)."""

@@ -7,14 +7,15 @@ of each phase (torch.profiler).
     python3 scripts/profile_train.py --model mini --batch-rows 2 --row-len 8704   # the loop on a larger model
     python3 scripts/profile_train.py --model mini --batch-rows 2 --row-len 8704 --grad-accum 2
         # two batches a step, each its own forward and backward, one optimizer step
-    KESTREL_TRAIN_ATTENTION=flex python3 scripts/profile_train.py --phases dense --stack-every 30
+    python3 scripts/profile_train.py --phases dense --stack-every 30
         # one phase, with every thread's stack printed each 30 s: where a slow first step is (compiling or running)
 
 Each phase reports torch.compile's graph counts after it (`compiled_graphs`): a count that grows with the steps
 is a recompilation at every step; its peak memory (`max_memory_gib`); and its attention accounting (`attention`):
 the MFU counts each token attending to half its row, and beside it are the pairs the batches' documents need
 (each document causal on its own; at most top-k keys a query in the sparse phase) and the MFU with those counted,
-the fair figure for a kernel that skips other documents' keys (`KESTREL_TRAIN_ATTENTION=flex`).
+the fair figure for a kernel that skips other documents' keys (flex, the default; `KESTREL_TRAIN_ATTENTION=sdpa`
+computes every pair of the row).
 """
 
 from __future__ import annotations

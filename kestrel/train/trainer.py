@@ -22,7 +22,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from kestrel.config import MOE, TrainConfig
@@ -35,6 +34,7 @@ from kestrel.tokenizer import checkpoint_tokenizer_dir, load_tokenizer
 from kestrel.train.bpe import build_tokenizer
 from kestrel.train.data import DEFAULT_WEIGHTS, MixtureConfig, PackedBatches, Prefetch
 from kestrel.train.flops import flops_per_token
+from kestrel.train.objective import family_loss_sums, loss_weight_total, weighted_loss_sum
 from kestrel.utils.device import resolve_device, to_host_async
 from kestrel.utils.errors import CheckpointError
 
@@ -53,37 +53,6 @@ def lr_at(step: int, cfg: TrainConfig, elapsed_s: float = 0.0) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
-def masked_loss(logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Weighted mean cross-entropy. logits [T, V], targets [T], weight [T]: 0 off the loss mask, else the
-    token's weight (a bool mask gives the plain mean over the masked positions). With family loss weights
-    (--retrieval-loss-weight) the logged `loss` is this weighted mean, not comparable with unweighted runs'."""
-    return _weighted_mean(F.cross_entropy(logits.float(), targets, reduction="none"), weight)
-
-
-def _weighted_mean(losses: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    weight = weight.to(losses.dtype)
-    return (losses * weight).sum() / weight.sum().clamp(min=1e-6)
-
-
-def family_losses(losses: torch.Tensor, mask: torch.Tensor, family_ids: torch.Tensor, n: int) -> torch.Tensor:
-    """The plain mean of the token losses [T] on the loss mask [T] per family (family_ids [T], -1 for none):
-    [n], NaN for a family without a loss token in the batch. On the device, without a sync."""
-    sums, counts = family_loss_sums(losses, mask, family_ids, n)
-    return sums / counts  # 0 / 0 = NaN where the batch has none
-
-
-def family_loss_sums(
-    losses: torch.Tensor, mask: torch.Tensor, family_ids: torch.Tensor, n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`family_losses`' sums of the token losses and counts of loss tokens per family ([n] each), which add up
-    over the batches of a step."""
-    keep = mask & (family_ids >= 0)
-    ids = family_ids.clamp(min=0)
-    sums = losses.new_zeros(n).index_add_(0, ids, torch.where(keep, losses, 0.0))
-    counts = losses.new_zeros(n).index_add_(0, ids, keep.to(losses.dtype))
-    return sums, counts
-
-
 def mixture_config(cfg: TrainConfig) -> MixtureConfig:
     """The task mixture `kestrel train` draws its batches from, as its retrieval options set it."""
     return MixtureConfig(
@@ -99,7 +68,7 @@ def mixture_config(cfg: TrainConfig) -> MixtureConfig:
 class StepFigures:
     """A queued training step's figures, in order: its (weighted) mean LM loss, the DSA indexer's KL averaged
     over the MLA layers, the worst max / mean expert load over the MoE layers, then each task family's plain
-    mean LM loss (NaN for a family without loss tokens in the batch). On CUDA they are copied to pinned host
+    mean LM loss (NaN for a family without loss tokens in the step's batches). On CUDA they are copied to pinned host
     memory behind the step's kernels and an event marks the copy, so `read()` waits for this step only (a
     `float()` of a device tensor waits for everything queued after the step too)."""
 
@@ -114,7 +83,7 @@ class StepFigures:
 
 @torch.no_grad()
 def update_expert_biases(
-    model: KimiForCausalLM, routing: dict[int, torch.Tensor], rate: float
+    model: KimiForCausalLM, routing: dict[int, torch.Tensor | list[torch.Tensor]], rate: float
 ) -> torch.Tensor:
     """Aux-loss-free balancing (DeepSeek-V3): raise the selection bias of under-loaded experts, lower the
     over-loaded ones, by `rate` each step. Returns the worst max-load / mean-load ratio over the layers, a
@@ -202,7 +171,7 @@ class Trainer:
         # Batches are packed (and pinned) a few ahead in a thread while the GPU runs a step; the stream ahead of
         # the step is wound back to the step's when the loop ends, and a checkpoint saves the step's state.
         self._data_state = self.data.state_dict()  # where the stream stands when no step has run
-        prefetch = Prefetch(self.data, depth=2, pin=self.device.type == "cuda")
+        prefetch = Prefetch(self.data, depth=2 * cfg.grad_accum, pin=self.device.type == "cuda")  # 2 steps
         # Each step is queued before the step before it is read back (its loss, KL, expert load and family
         # losses), so that on a GPU the host prepares and launches step n while step n - 1 runs. `unread`: the
         # steps queued and not read yet, as (record, figures); all are read before every checkpoint.
@@ -299,11 +268,14 @@ class Trainer:
         all their rows, one forward and backward a batch: the LM loss is the weighted mean over all of them, the
         KL the mean of theirs, the MoE bias update and the figures over all their tokens."""
         cfg, model, dev = self.cfg, self.model, self.device
-        batches = batch if isinstance(batch, list) else [batch]
+        batches = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+        if not batches:
+            raise ValueError("launch_step: a step needs at least one batch")
+        self.opt.zero_grad(set_to_none=True)  # nothing left over from a step an exception cut short
         for group in self.opt.param_groups:
             group["lr"] = lr_at(self.step, cfg) if lr is None else lr
         weights = [b.loss_weight.to(dev, non_blocking=True).flatten() for b in batches]
-        total = torch.stack([w.sum() for w in weights]).sum().clamp(min=1e-6)  # all the step's loss weight
+        total = loss_weight_total(weights)
         n = len(self.data.family_names)
         lm, kl = torch.zeros((), device=dev), torch.zeros((), device=dev)
         sums, counts = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
@@ -338,7 +310,7 @@ class Trainer:
             hidden = model.model(ids)  # [B*R, D]
             # the LM head and the loss together: chunked over tokens where the logits would be large
             losses = token_losses(hidden, model.lm_head.weight, targets)  # [B*R] fp32
-        lm = (losses * weight).sum() / total  # masked_loss, over the step's batches
+        lm = weighted_loss_sum(losses, weight) / total  # masked_loss, over the step's batches
         family_ids = batch.family_ids.to(dev, non_blocking=True).flatten()
         by_family = family_loss_sums(losses.detach(), weight > 0, family_ids, len(self.data.family_names))
         kl = sum(kl_terms) / (len(kl_terms) * parts) if kl_terms else torch.zeros((), device=dev)

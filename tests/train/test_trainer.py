@@ -11,15 +11,8 @@ import torch
 from kestrel.config import EngineConfig, TrainConfig
 from kestrel.engine.engine import Engine
 from kestrel.tokenizer import save_byte_tokenizer
-from kestrel.train.trainer import (
-    STATE_FILE,
-    Trainer,
-    family_losses,
-    lr_at,
-    masked_loss,
-    plot_loss,
-    update_expert_biases,
-)
+from kestrel.train.objective import family_losses, masked_loss
+from kestrel.train.trainer import STATE_FILE, Trainer, lr_at, plot_loss, update_expert_biases
 from kestrel.utils.errors import CheckpointError, ConfigError
 
 
@@ -150,6 +143,8 @@ def test_the_loop_takes_grad_accum_batches_a_step(tmp_path, byte_tok):
     assert torch.equal(next(trainer.data).input_ids, next(twin.data).input_ids)  # 4 batches used, no more
     with pytest.raises(ConfigError, match="grad_accum"):
         _cfg(tmp_path, byte_tok, grad_accum=0)
+    with pytest.raises(ValueError, match="at least one batch"):
+        trainer.launch_step([])
 
 
 def test_one_step_gives_finite_nonzero_gradients(tmp_path, byte_tok):

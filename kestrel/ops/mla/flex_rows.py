@@ -84,8 +84,9 @@ def flex_attention_rows(
 # 32 x 128 tiles, dq in 128 x 32, 3 stages, 8 warps. At mini's widths (192, 128; 16 heads, 2 rows of 8704 tokens
 # of the training mixture) forward and backward took 6.4 ms against 10.2 ms with torch's default (64 x 64 tiles,
 # 2 stages, 4 warps) and 24.0 ms for the dense masked SDPA; at the demo's (96, 64; 6 heads, 8 rows) 8.9 ms against
-# torch's 8.3 ms, so narrower heads keep torch's (scripts/bench_train_attention.py, session 28). Wider tiles or
-# more stages do not fit the 227 KB of shared memory at mini's widths.
+# torch's 8.3 ms, so narrower heads keep torch's (scripts/bench_train_attention.py, session 28). At mini's widths
+# 64 x 128 tiles fit in 2 stages (6.6 ms), not in 3, nor do 128 x 128 forward tiles (227 KB of shared memory).
+# bf16 / fp16 only: torch keeps fp32 to 16 x 16 tiles in one stage.
 _SM90_BWD = {
     "bwd_BLOCK_M1": 32,
     "bwd_BLOCK_N1": 128,
@@ -98,7 +99,11 @@ _SM90_BWD = {
 
 def tuned_options(q: torch.Tensor, v: torch.Tensor) -> dict:
     """The kernel options timed fastest for these widths on this GPU ({}: torch's defaults)."""
-    if q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0):
-        if 128 < q.shape[-1] <= 192 and v.shape[-1] <= 128:
-            return _SM90_BWD
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        if (
+            torch.cuda.get_device_capability(q.device) == (9, 0)
+            and 128 < q.shape[-1] <= 192
+            and v.shape[-1] <= 128
+        ):
+            return dict(_SM90_BWD)
     return {}

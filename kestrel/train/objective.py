@@ -1,0 +1,50 @@
+"""The training objective's token-level parts: the weighted mean cross-entropy over the loss mask, and the plain
+mean loss of each task family that the loop logs beside it (sums and counts, so that a step of several batches
+adds them up)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def masked_loss(logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Weighted mean cross-entropy. logits [T, V], targets [T], weight [T]: 0 off the loss mask, else the
+    token's weight (a bool mask gives the plain mean over the masked positions). With family loss weights
+    (--retrieval-loss-weight) the logged `loss` is this weighted mean, not comparable with unweighted runs'."""
+    return _weighted_mean(F.cross_entropy(logits.float(), targets, reduction="none"), weight)
+
+
+def _weighted_mean(losses: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    weight = weight.to(losses.dtype)
+    return weighted_loss_sum(losses, weight) / loss_weight_total([weight])
+
+
+def weighted_loss_sum(losses: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum(losses * weight) over one batch's tokens [T]: over `loss_weight_total` of the step's batches, their
+    weighted mean loss."""
+    return (losses * weight).sum()
+
+
+def loss_weight_total(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The loss weight of all of a step's batches (each [T]), kept off zero: the weighted mean's denominator."""
+    return torch.stack([w.sum() for w in weights]).sum().clamp(min=1e-6)
+
+
+def family_losses(losses: torch.Tensor, mask: torch.Tensor, family_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """The plain mean of the token losses [T] on the loss mask [T] per family (family_ids [T], -1 for none):
+    [n], NaN for a family without a loss token in the batch. On the device, without a sync."""
+    sums, counts = family_loss_sums(losses, mask, family_ids, n)
+    return sums / counts  # 0 / 0 = NaN where the batch has none
+
+
+def family_loss_sums(
+    losses: torch.Tensor, mask: torch.Tensor, family_ids: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`family_losses`' sums of the token losses and counts of loss tokens per family ([n] each), which add up
+    over the batches of a step."""
+    keep = mask & (family_ids >= 0)
+    ids = family_ids.clamp(min=0)
+    sums = losses.new_zeros(n).index_add_(0, ids, torch.where(keep, losses, 0.0))
+    counts = losses.new_zeros(n).index_add_(0, ids, keep.to(losses.dtype))
+    return sums, counts
