@@ -7,6 +7,7 @@ of each phase (torch.profiler).
     python3 scripts/profile_train.py --model mini --batch-rows 2 --row-len 8704   # the loop on a larger model
     python3 scripts/profile_train.py --model mini --batch-rows 2 --row-len 8704 --grad-accum 2
         # two batches a step, each its own forward and backward, one optimizer step
+    python3 scripts/profile_train.py --model mini --batch-rows 2 --row-len 8704 --timed-steps 6   # steadier figures
     python3 scripts/profile_train.py --phases dense --stack-every 30
         # one phase, with every thread's stack printed each 30 s: where a slow first step is (compiling or running)
 
@@ -135,7 +136,8 @@ def _host_syncs(trainer: Trainer, step: list) -> dict:
 
 
 def _phase(trainer: Trainer, steps: list, dense: bool, top: int) -> dict:
-    """steps: 4 lists of grad_accum batches: the first compiles, two are timed, the last is profiled."""
+    """steps: lists of grad_accum batches: the first compiles, the last is profiled, those between are timed (read
+    back one by one, then queued as the loop runs them)."""
     trainer.step = 0 if dense else trainer.cfg.dsa_dense_steps
     name = "dense" if dense else "sparse"
     print(f"{name}: first step (compilation, autotuning) ...", flush=True)
@@ -146,7 +148,8 @@ def _phase(trainer: Trainer, steps: list, dense: bool, top: int) -> dict:
     after_first = _compile_stats()
     print(f"{name}: first step {first_s:.1f} s, compiled {after_first}", flush=True)
     times = []
-    for b in steps[1:3]:
+    timed = steps[1:-1]
+    for b in timed:
         t0 = time.perf_counter()
         trainer.train_step(b)
         _sync()
@@ -154,22 +157,22 @@ def _phase(trainer: Trainer, steps: list, dense: bool, top: int) -> dict:
         print(f"{name}: step {times[-1]:.3f} s", flush=True)
     # the loop's way: each step queued, then the one before it read back (Trainer.train)
     t0, before = time.perf_counter(), None
-    for b in steps[1:3]:
+    for b in timed:
         queued = trainer.launch_step(_pinned(b))
         if before is not None:
             before.read()
         before = queued
     before.read()
-    queued_s = (time.perf_counter() - t0) / 2
+    queued_s = (time.perf_counter() - t0) / len(timed)
     print(f"{name}: queued steps {queued_s:.3f} s each", flush=True)
-    syncs = _host_syncs(trainer, steps[3]) if torch.cuda.is_available() else None
+    syncs = _host_syncs(trainer, steps[-1]) if torch.cuda.is_available() else None
     if syncs is not None:
         print(f"{name}: {syncs['count']} host syncs in one step", flush=True)
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts, record_shapes=True) as prof:
-        trainer.train_step(steps[3])
+        trainer.train_step(steps[-1])
         _sync()
     from torch.autograd import DeviceType
 
@@ -234,6 +237,7 @@ def main() -> None:
     ap.add_argument(
         "--grad-accum", type=int, default=1, help="batches a step (each its own forward and backward)"
     )
+    ap.add_argument("--timed-steps", type=int, default=2, help="steps timed in each phase, after the first")
     ap.add_argument("--row-len", type=int, default=8704)
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--top", type=int, default=15)
@@ -252,8 +256,8 @@ def main() -> None:
     phases = args.phases.split(",")
     if not phases or set(phases) - {"dense", "sparse"}:
         ap.error(f"--phases: choose from dense, sparse (got {args.phases!r})")
-    if args.grad_accum < 1:
-        ap.error(f"--grad-accum must be >= 1 (got {args.grad_accum})")
+    if args.grad_accum < 1 or args.timed_steps < 1:
+        ap.error(f"--grad-accum and --timed-steps must be >= 1 (got {args.grad_accum}, {args.timed_steps})")
     if args.stack_every > 0:
         faulthandler.dump_traceback_later(args.stack_every, repeat=True)
     from kestrel.presets import preset_config, preset_names, shipped_model_dir
@@ -284,8 +288,9 @@ def main() -> None:
     setup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     n = args.grad_accum
-    steps = [[next(trainer.data) for _ in range(n)] for _ in range(8)]
-    data_s = (time.perf_counter() - t0) / (8 * n)
+    per_phase = args.timed_steps + 2  # the first (compiling), the timed ones, the profiled one
+    steps = [[next(trainer.data) for _ in range(n)] for _ in range(2 * per_phase)]
+    data_s = (time.perf_counter() - t0) / (2 * per_phase * n)
     print(f"setup {setup_s:.1f} s, data {data_s:.2f} s/batch", flush=True)
     result = {
         "command": " ".join(sys.argv),
@@ -296,7 +301,7 @@ def main() -> None:
         "docs_per_batch": len(steps[0][0].cu_seqlens) - 1,
         "flops_per_token": trainer.flops_per_token,
     }
-    for phase, part in (("dense", steps[:4]), ("sparse", steps[4:])):
+    for phase, part in (("dense", steps[:per_phase]), ("sparse", steps[per_phase:])):
         if phase in phases:
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()  # max_memory_gib: this phase's peak
