@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 5's training MFU on `mini` (2 rows of 8704 tokens, dense warm-up and sparse phases), in one device call:
-# the loop as it is, beside each option that may raise it, in the same call so that the figures compare:
+# Issue 5's training MFU on `mini` (2 rows of 8704 tokens, dense warm-up and sparse phases): the loop as it is
+# beside each option that may raise it, the variants named timed one after another in the same device call:
 #   base        the defaults
 #   accum2      --grad-accum 2: two batches a step, one optimizer step (AdamW + clipping ~38 ms, session 28)
 #   kda         KESTREL_KDA_SAFE_GATE=1 KESTREL_KDA_NO_RECOMPUTE=1: fla's bounded-gate kernels and no recompute in
@@ -8,8 +8,9 @@
 #   kda_accum2  both
 # Each writes $OUT/mini_<name>.json (scripts/profile_train.py: queued steps, MFU two ways, peak memory, profile).
 # On the device, from the repository root, with `.whl` carried (scripts/fetch_wheels.sh):
-#   bash scripts/gpu_train_mfu.sh            all four (~7 min with the committed autotuning results)
-#   bash scripts/gpu_train_mfu.sh base kda   some of them
+#   bash scripts/gpu_train_mfu.sh base accum2       two of them (~4-5 min with the committed autotuning results)
+#   bash scripts/gpu_train_mfu.sh kda kda_accum2    (fla's bounded-gate kernels compile and autotune cold: minutes)
+#   bash scripts/gpu_train_mfu.sh                   all four: may pass the device tool's 10 minutes a call
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
