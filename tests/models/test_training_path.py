@@ -167,12 +167,14 @@ def test_document_causal_mask_keeps_each_token_to_its_own_document():
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: torch.cuda's sync debug mode is the check"
 )
-def test_training_step_queues_without_a_host_sync(tmp_path):
+@pytest.mark.parametrize("accum", [1, 2], ids=["one-batch", "two-batches-a-step"])
+def test_training_step_queues_without_a_host_sync(tmp_path, accum):
     """A whole training step on the GPU (the context, the forward with fla's varlen KDA and conv, the sparse
     DSA selection, the backward, AdamW, the expert-bias update, the figures' copy) is queued without waiting for
     the work queued before it, once the kernels are compiled: the host can launch the next step while this one
     runs (Trainer.train). Torch reports every sync; the only ones allowed are the blocking copies of fla's chunk
-    index, which `_warm_chunk_index` runs on a side stream with nothing else queued."""
+    index, which `_warm_chunk_index` runs on a side stream with nothing else queued. Also for a step of two
+    batches (--grad-accum 2: their loss weight summed, their routing and family figures gathered)."""
     import traceback
     import warnings
 
@@ -194,9 +196,11 @@ def test_training_step_queues_without_a_host_sync(tmp_path):
         device="cuda",
     )
     trainer = Trainer(cfg)
-    batches = [next(trainer.data).pin_memory() for _ in range(3)]  # pinned, as the loop's are
-    trainer.train_step(batches[0])  # compiles and autotunes (which syncs)
-    trainer.train_step(batches[1])
+    # pinned, as the loop's batches are; with accum 1 a batch alone, as launch_step took it before --grad-accum
+    steps = [[next(trainer.data).pin_memory() for _ in range(accum)] for _ in range(3)]
+    steps = [step[0] if accum == 1 else step for step in steps]
+    trainer.train_step(steps[0])  # compiles and autotunes (which syncs)
+    trainer.train_step(steps[1])
     torch.cuda.synchronize()
     syncs = []
 
@@ -212,7 +216,7 @@ def test_training_step_queues_without_a_host_sync(tmp_path):
         warnings.showwarning = show
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            figures = trainer.launch_step(batches[2])
+            figures = trainer.launch_step(steps[2])
             caught = len(syncs)
             torch.ones(1, device="cuda").item()  # a control: a sync the filter above must catch
         finally:
