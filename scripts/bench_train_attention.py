@@ -95,12 +95,13 @@ def document_lengths(rows: int, row_len: int) -> list[list[int]]:
 
 
 def document_causal(docs: list[list[int]], row_len: int, device) -> torch.Tensor:
-    """[B, R, R] bool: the same visibility `MLAttention._attend_rows` builds (each document causal on its own)."""
-    ids = torch.stack([torch.repeat_interleave(torch.arange(len(d)), torch.tensor(d)) for d in docs]).to(
-        device
-    )  # [B, R]
-    causal = torch.ones(row_len, row_len, dtype=torch.bool, device=device).tril()
-    return (ids[:, :, None] == ids[:, None, :]) & causal
+    """[B, R, R] bool: the visibility `MLAttention._attend_rows` builds (each document causal on its own), by the
+    layer's own function."""
+    from kestrel.layers.context import ForwardContext
+    from kestrel.layers.mla import _build_document_causal
+
+    ctx = ForwardContext.build([n for row in docs for n in row], device=device)
+    return _build_document_causal(ctx, len(docs), row_len)
 
 
 def _sdpa(q, k, v, allowed, scale):

@@ -18,9 +18,7 @@ def flops_per_token(model: KimiForCausalLM, row_len: int) -> float:
             active += p.numel() * c.num_experts_per_token / c.num_experts
         else:
             active += p.numel()
-    heads_dim = c.num_attention_heads * (c.qk_head_dim + c.v_head_dim)
-    attention = len(c.mla_layer_ids) * 2 * heads_dim * row_len / 2
-    return 6 * active + 3 * attention
+    return 6 * active + attention_flops_per_pair(model) * row_len / 2
 
 
 def attention_flops_per_pair(model: KimiForCausalLM) -> float:

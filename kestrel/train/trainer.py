@@ -83,14 +83,13 @@ class StepFigures:
 
 @torch.no_grad()
 def update_expert_biases(
-    model: KimiForCausalLM, routing: dict[int, torch.Tensor | list[torch.Tensor]], rate: float
+    model: KimiForCausalLM, routing: dict[int, torch.Tensor], rate: float
 ) -> torch.Tensor:
     """Aux-loss-free balancing (DeepSeek-V3): raise the selection bias of under-loaded experts, lower the
     over-loaded ones, by `rate` each step. Returns the worst max-load / mean-load ratio over the layers, a
     0-dim tensor on the model's device (1 without MoE layers; read it when the step is done: no sync here)."""
     worst = None
-    for layer_id, ids in routing.items():  # ids: one tensor [T, A], or a list of them (a step's batches)
-        ids = torch.cat([t.flatten() for t in ids]) if isinstance(ids, list) else ids
+    for layer_id, ids in routing.items():
         gate = model.model.layers[layer_id].mlp.gate
         E = gate.e_score_correction_bias.numel()
         load = torch.zeros(E, device=ids.device).index_add_(
@@ -276,16 +275,11 @@ class Trainer:
             group["lr"] = lr_at(self.step, cfg) if lr is None else lr
         weights = [b.loss_weight.to(dev, non_blocking=True).flatten() for b in batches]
         total = loss_weight_total(weights)
-        n = len(self.data.family_names)
-        lm, kl = torch.zeros((), device=dev), torch.zeros((), device=dev)
-        sums, counts = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
-        routing: dict[int, list[torch.Tensor]] = {}
-        for b, weight in zip(batches, weights):
-            part = self._forward_backward(b, weight, total, len(batches))
-            lm, kl = lm + part[0], kl + part[1]
-            sums, counts = sums + part[2][0], counts + part[2][1]
-            for layer_id, ids in part[3].items():
-                routing.setdefault(layer_id, []).append(ids)
+        parts = [self._forward_backward(b, w, total, len(batches)) for b, w in zip(batches, weights)]
+        lm, kl, sums, counts, moe = zip(*parts)  # each over the step's batches
+        one = len(parts) == 1  # the loop's usual step: its batch's figures as they are, no kernel to add them
+        lm, kl, sums, counts = (x[0] if one else torch.stack(x).sum(0) for x in (lm, kl, sums, counts))
+        routing = {layer: moe[0][layer] if one else torch.cat([m[layer] for m in moe]) for layer in moe[0]}
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -296,7 +290,7 @@ class Trainer:
     def _forward_backward(self, batch, weight: torch.Tensor, total: torch.Tensor, parts: int):
         """One batch of a step: forward, its share of the step's loss (its weighted loss sum over the step's
         total weight `total`, plus the KL over the step's `parts` batches), backward. Returns that share's LM
-        loss and KL (detached), the family loss sums and counts, and the MoE layers' routing ids."""
+        loss and KL (detached), the family loss sums and counts, and the MoE layers' routing ids [T, A]."""
         cfg, model, dev = self.cfg, self.model, self.device
         ids = batch.input_ids.to(dev, non_blocking=True).flatten()  # [B*R] (pinned by the loop's Prefetch)
         seg = batch.cu_seqlens.tolist()
@@ -312,11 +306,11 @@ class Trainer:
             losses = token_losses(hidden, model.lm_head.weight, targets)  # [B*R] fp32
         lm = weighted_loss_sum(losses, weight) / total  # masked_loss, over the step's batches
         family_ids = batch.family_ids.to(dev, non_blocking=True).flatten()
-        by_family = family_loss_sums(losses.detach(), weight > 0, family_ids, len(self.data.family_names))
+        sums, counts = family_loss_sums(losses.detach(), weight > 0, family_ids, len(self.data.family_names))
         kl = sum(kl_terms) / (len(kl_terms) * parts) if kl_terms else torch.zeros((), device=dev)
         (lm + cfg.indexer_kl_weight * kl).backward()
         moe = {k: v for k, v in ctx.routing_capture.items() if model.config.mlp_types[k] == MOE}
-        return lm.detach(), kl.detach().float(), by_family, moe
+        return lm.detach(), kl.detach().float(), sums, counts, moe
 
     def mfu(self, tokens_per_s: float, peak_tflops: float = 989.0) -> float:
         """Model FLOP utilization against the H200's dense bf16 peak (the run's measured matmul rate is

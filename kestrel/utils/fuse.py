@@ -58,12 +58,14 @@ def for_training(fn: Callable, x) -> Callable:
     autograd.Function calls it for the pieces of its forward and backward, which autograd does not record."""
     mode = env_field("compile_train")
     if mode == "on" or (mode == "auto" and isinstance(x, torch.Tensor) and x.is_cuda):
-        return _compiled(fn)
+        return compiled(fn)
     return fn
 
 
 @functools.cache
-def _compiled(fn: Callable) -> Callable:
+def compiled(fn: Callable) -> Callable:
+    """fn through torch.compile, once per function (static shapes: one graph per shape it meets, up to the raised
+    recompile limit)."""
     raise_recompile_limit()
     return torch.compile(fn, dynamic=False, fullgraph=True)
 

@@ -22,7 +22,7 @@ import functools
 import torch
 
 from kestrel.env import env_field
-from kestrel.utils.fuse import raise_recompile_limit
+from kestrel.utils.fuse import compiled
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -47,18 +47,11 @@ def _softmax_grad(
     return (g * grad[:, None].float()).to(logits.dtype)
 
 
-@functools.cache
-def _compiled(fn):
-    """The CUDA form of a chunk function: compiled, one kernel over the chunk. One graph per chunk length: a
-    training run has two (its rows, and the last chunk's remainder); other token counts add theirs."""
-    raise_recompile_limit()
-    return torch.compile(fn, dynamic=False)
-
-
 def _run(fn, *args):
-    """A chunk function, compiled on CUDA unless KESTREL_COMPILE_TRAIN is off."""
+    """A chunk function, compiled on CUDA unless KESTREL_COMPILE_TRAIN is off: one kernel over the chunk, one graph
+    per chunk length (a training run has two: its rows, and the last chunk's remainder)."""
     if args[0].is_cuda and env_field("compile_train") != "off":
-        return _compiled(fn)(*args)
+        return compiled(fn)(*args)
     return fn(*args)
 
 
