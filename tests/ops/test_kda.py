@@ -242,7 +242,9 @@ def test_fla_backend_matches_naive(op, lower_bound, lens, recurrent_prefill, mon
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("disable_recompute,safe_gate", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize(
+    "disable_recompute,safe_gate", [(False, False), (True, False), (False, True), (True, True)]
+)
 def test_fla_chunk_gradients_match_the_reference(disable_recompute, safe_gate, monkeypatch):
     """Training runs fla's chunk_kda backward: its gradients (q, k, v, g, beta, initial state) against autograd
     through the fp32 reference, on packed sequences, with and without fla's recompute."""
