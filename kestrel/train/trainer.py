@@ -29,12 +29,12 @@ from kestrel.layers.context import ForwardContext, forward_context
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
 from kestrel.models.weights import save_checkpoint
-from kestrel.ops.loss import token_losses
+from kestrel.ops.loss import weighted_token_losses
 from kestrel.tokenizer import checkpoint_tokenizer_dir, load_tokenizer
 from kestrel.train.bpe import build_tokenizer
 from kestrel.train.data import DEFAULT_WEIGHTS, MixtureConfig, PackedBatches, Prefetch
 from kestrel.train.flops import flops_per_token
-from kestrel.train.objective import family_loss_sums, loss_weight_total, weighted_loss_sum
+from kestrel.train.objective import family_loss_sums, loss_weight_total
 from kestrel.utils.device import resolve_device, to_host_async
 from kestrel.utils.errors import CheckpointError
 
@@ -302,11 +302,12 @@ class Trainer:
         targets = batch.target_ids.to(dev, non_blocking=True).flatten()
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"), forward_context(ctx):
             hidden = model.model(ids)  # [B*R, D]
-            # the LM head and the loss together: chunked over tokens where the logits would be large
-            losses = token_losses(hidden, model.lm_head.weight, targets)  # [B*R] fp32
-        lm = weighted_loss_sum(losses, weight) / total  # masked_loss, over the step's batches
+            # the LM head and the loss together (losses [B*R] fp32): chunked over tokens where the logits would be
+            # large, then with the gradients computed in the forward (the loss weights are known before it)
+            loss_sum, losses = weighted_token_losses(hidden, model.lm_head.weight, targets, weight)
+        lm = loss_sum / total  # masked_loss, over the step's batches
         family_ids = batch.family_ids.to(dev, non_blocking=True).flatten()
-        sums, counts = family_loss_sums(losses.detach(), weight > 0, family_ids, len(self.data.family_names))
+        sums, counts = family_loss_sums(losses, weight > 0, family_ids, len(self.data.family_names))
         kl = sum(kl_terms) / (len(kl_terms) * parts) if kl_terms else torch.zeros((), device=dev)
         (lm + cfg.indexer_kl_weight * kl).backward()
         moe = {k: v for k, v in ctx.routing_capture.items() if model.config.mlp_types[k] == MOE}

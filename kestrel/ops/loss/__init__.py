@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.ops.loss.chunked import chunked_linear_cross_entropy
+from kestrel.ops.loss.chunked import chunked_linear_cross_entropy, chunked_weighted_cross_entropy
 from kestrel.ops.loss.naive import linear_cross_entropy
 
 CHUNK_ABOVE = 2**30  # logits elements: 4 GiB in fp32
@@ -21,4 +21,26 @@ def token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
     return chunked_linear_cross_entropy(hidden, weight, targets, max(1, CHUNK_ELEMENTS // V))
 
 
-__all__ = ["CHUNK_ABOVE", "chunked_linear_cross_entropy", "linear_cross_entropy", "token_losses"]
+def weighted_token_losses(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_losses` for a loss that is their weighted sum: (sum(losses * token_weights), 0-dim fp32 with
+    autograd; the per-token losses [T] fp32, without autograd). token_weights [T] (0 off the loss mask) are
+    constants, with no gradient: so the gradient of each token's logits, token_weights * (softmax - one_hot), is
+    known in the forward, and where the logits are chunked the forward computes the gradients of the hidden states
+    and of the weight with it, sparing the backward a second pass over the logits (and their matmul)."""
+    T, V = hidden.shape[0], weight.shape[0]
+    if T * V <= CHUNK_ABOVE:
+        losses = linear_cross_entropy(hidden, weight, targets)
+        return (losses * token_weights.detach().float()).sum(), losses.detach()
+    return chunked_weighted_cross_entropy(hidden, weight, targets, token_weights, max(1, CHUNK_ELEMENTS // V))
+
+
+__all__ = [
+    "CHUNK_ABOVE",
+    "chunked_linear_cross_entropy",
+    "chunked_weighted_cross_entropy",
+    "linear_cross_entropy",
+    "token_losses",
+    "weighted_token_losses",
+]

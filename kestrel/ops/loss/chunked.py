@@ -7,10 +7,15 @@ only each token's log-sum-exp; the backward computes each chunk's logits again, 
 the chunk's share of the gradients of the hidden states and of the weight. The matmuls run in the autocast dtype
 where autocast is on (bf16 on the GPU, as the LM head does), the softmax in fp32.
 
+Where the loss is a weighted sum of the token losses with weights known before the forward (training's), the
+gradient of each chunk's logits is known as soon as its softmax is: `chunked_weighted_cross_entropy` computes the
+gradients of the hidden states and of the weight in the forward, chunk by chunk, and its backward only scales them.
+Three matmuls a chunk instead of four, and no logits computed twice.
+
 On CUDA each chunk's softmax work is one compiled kernel reading the bf16 logits (the log-sum-exp and the target's
-logit; the gradient), with no fp32 copy of them, and the weight's gradient accumulates in fp32 inside the matmul
-(cuBLAS with beta = 1): the eager form spent 65 of its 115 ms a step on `mini` at two rows in those copies and
-additions (session 27's profile).
+logit; the gradient; or all three at once), with no fp32 copy of them, and the weight's gradient accumulates in
+fp32 inside the matmul (cuBLAS with beta = 1): the eager form spent 65 of its 115 ms a step on `mini` at two rows
+in those copies and additions (session 27's profile).
 
 Legend: T tokens, D hidden size, V vocabulary, C rows a chunk.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from kestrel.env import env_field
 from kestrel.utils.fuse import compiled
@@ -45,6 +51,15 @@ def _softmax_grad(
     cols = torch.arange(logits.shape[1], device=logits.device)
     g = torch.where(cols[None, :] == targets[:, None], g - 1.0, g)
     return (g * grad[:, None].float()).to(logits.dtype)
+
+
+def _lse_target_and_grad(
+    logits: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_lse_and_target` and `_softmax_grad` of one chunk together (one kernel when compiled): log-sum-exp [C] and
+    the target's logit [C] in fp32, d loss / d logits [C, V] in logits' dtype for the token weights `grad` [C]."""
+    lse, picked = _lse_and_target(logits, targets)
+    return lse, picked, _softmax_grad(logits, lse, targets, grad)
 
 
 def _run(fn, *args):
@@ -107,8 +122,47 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
 
 
+class _ChunkedWeightedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, token_weights, rows: int, dtype: torch.dtype):
+        h, w = hidden.to(dtype), weight.to(dtype)
+        token_weights = token_weights.float()
+        losses = torch.empty(h.shape[0], device=h.device, dtype=torch.float32)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(w.shape, device=w.device, dtype=torch.float32)
+        with torch.autocast(h.device.type, enabled=False):
+            for s in range(0, h.shape[0], rows):
+                e = s + rows
+                hc = h[s:e]
+                logits = hc @ w.t()  # [C, V]
+                lse, picked, g = _run(_lse_target_and_grad, logits, targets[s:e], token_weights[s:e])
+                losses[s:e] = lse - picked
+                grad_h[s:e] = g @ w
+                _accumulate(grad_w, g, hc)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        ctx.mark_non_differentiable(losses)
+        return (losses * token_weights).sum(), losses
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_sum, _grad_losses):
+        grad_h, grad_w = ctx.saved_tensors  # the Function's own, called once: grad_w scaled in place
+        grad_h = (grad_h.float() * grad_sum).to(ctx.dtypes[0])  # [T, D] (the scale not rounded to bf16)
+        return grad_h, grad_w.mul_(grad_sum).to(ctx.dtypes[1]), None, None, None, None
+
+
 def chunked_linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int
 ) -> torch.Tensor:
     """Per-token loss [T] fp32, as `naive.linear_cross_entropy`, `rows` tokens' logits at a time."""
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, rows, _compute_dtype(hidden))
+
+
+def chunked_weighted_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_weights: torch.Tensor, rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weighted_token_losses` (see there), `rows` tokens' logits at a time, the gradients computed in the forward:
+    (sum of losses * token_weights, 0-dim fp32 with autograd; the per-token losses [T] fp32, without)."""
+    dtype = _compute_dtype(hidden)
+    return _ChunkedWeightedCrossEntropy.apply(hidden, weight, targets, token_weights, rows, dtype)
