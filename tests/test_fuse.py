@@ -134,50 +134,85 @@ def _saved_by_backward(fn, *args):
     return out, saved
 
 
+def _bank_chain(mix_norm_bank, x0, weights, mixers, block):
+    """AttnRes's schedule over a bank (kestrel.models.kimi's training forward) with tanh(h @ W) for sublayers:
+    the output mix and every sublayer's input."""
+    from kestrel.ops.attnres import Bank
+
+    bank, partial = Bank(x0, -(-len(weights) // block) + 1), x0
+    for i, (w, (attn_mix, mlp_mix)) in enumerate(zip(weights, mixers)):
+        closes = i % block == 0
+        if closes:
+            bank.close(partial)
+        a = torch.tanh(mix_norm_bank(bank, None if closes else partial, *attn_mix) @ w)
+        partial = a if closes else partial + a
+        partial = partial + torch.tanh(mix_norm_bank(bank, partial, *mlp_mix) @ w.t())
+    return mix_norm_bank(bank, partial, *mixers[-1][0])
+
+
 @pytest.mark.parametrize("frozen", [False, True])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])])
-def test_attnres_over_the_bank_keeps_no_stack_for_the_backward(device, frozen, monkeypatch):
-    """Training's memory: AttnRes over the bank's separate sources keeps the sources for the backward, not their
-    [S, T, D] stack (the stacked form, for contrast, keeps it), and gives the values and gradients of autograd
-    through the op (its backward recomputes the mix, compiled here), also where some inputs need no gradient
-    (frozen: the first source, like an embedding, and the source norm's weight)."""
+def test_attnres_bank_trains_like_autograd_through_the_stacked_sources(device, frozen, monkeypatch):
+    """Training's AttnRes bank (entries in one buffer, the mix's backward written out, compiled here, adding the
+    entries' gradients into one buffer, each handed to autograd by its first consumer) gives the values and
+    gradients of autograd through the stacked sources, over a chain of blocks (5 layers in blocks of 2), also
+    where some inputs need no gradient (frozen: x0, like an embedding, and the source norms' weights). A mix keeps
+    no [S, T, D] stack for its backward (the stacked form, for contrast, does)."""
     from torch._dynamo.utils import counters
 
-    from kestrel.layers.attnres import ResProj, mix_norm
+    from kestrel.layers.attnres import ResProj, mix_norm, mix_norm_bank
     from kestrel.layers.norm import RMSNorm
-    from kestrel.ops.attnres import attnres_mix_norm
 
     monkeypatch.setenv("KESTREL_COMPILE_TRAIN", "1")
     torch._dynamo.reset()
     counters.clear()
     g = torch.Generator().manual_seed(5)
-    S, T, D = 4, 24, 32
-    proj, norm, out_norm = ResProj(D).to(device), RMSNorm(D, 1e-5).to(device), RMSNorm(D, 1e-5).to(device)
-    for p in (proj.weight, norm.weight, out_norm.weight):
-        p.data.copy_(torch.randn(p.shape, generator=g))
-    norm.weight.requires_grad_(not frozen)
-    sources = [
-        torch.randn(T, D, generator=g).to(device).requires_grad_(i > 0 or not frozen) for i in range(S)
-    ]
-    out, saved = _saved_by_backward(mix_norm, sources, proj, norm, out_norm)
-    assert saved and max(torch.Size(s).numel() for s, _ in saved) == T * D, saved
-    _, saved_stacked = _saved_by_backward(mix_norm, torch.stack(sources), proj, norm, out_norm)
-    assert max(torch.Size(s).numel() for s, _ in saved_stacked) == S * T * D  # what the list form avoids
-    leaves = [*sources, proj.weight, norm.weight, out_norm.weight]
-    twins = [t.detach().clone().requires_grad_(t.requires_grad) for t in leaves]
-    ref = attnres_mix_norm.eager(
-        torch.stack(twins[:S]), twins[S].view(-1), twins[S + 1], 1e-5, twins[S + 2], 1e-5
-    )
-    torch.testing.assert_close(out, ref)
+    L, T, D = 5, 24, 32
+
+    def mixer():
+        proj, norm, out_norm = ResProj(D).to(device), RMSNorm(D, 1e-5).to(device), RMSNorm(D, 1e-5).to(device)
+        for p in (proj.weight, norm.weight, out_norm.weight):
+            p.data.copy_(torch.randn(p.shape, generator=g))
+        norm.weight.requires_grad_(not frozen)
+        return proj, norm, out_norm
+
+    mixers = [(mixer(), mixer()) for _ in range(L)] + [(mixer(), None)]
+    weights = [(torch.randn(D, D, generator=g) / D**0.5).to(device).requires_grad_(True) for _ in range(L)]
+    x0 = torch.randn(T, D, generator=g).to(device).requires_grad_(not frozen)
+
+    def stacked(
+        bank, partial, proj, norm, out_norm
+    ):  # the reference: the layer's mix over the stacked sources
+        return mix_norm([*bank.sources, *([] if partial is None else [partial])], proj, norm, out_norm)
+
+    modules = [m for pair in mixers for mix in pair if mix for m in mix]
+    leaves = [x0, *weights, *(p for m in modules for p in m.parameters())]
+    out = _bank_chain(mix_norm_bank, x0, weights, mixers, 2)
     counters.clear()
     (out * out.detach()).sum().backward()
-    assert counters["stats"]["unique_graphs"] > 0  # the backward's recomputed mix ran compiled
+    assert counters["stats"]["unique_graphs"] > 0  # the mixes' backward ran compiled
+    got = [t.grad for t in leaves]
+    for t in leaves:
+        t.grad = None
+    ref = _bank_chain(stacked, x0, weights, mixers, 2)
+    torch.testing.assert_close(out, ref)
     (ref * ref.detach()).sum().backward()
-    for got, want in zip(leaves, twins):
-        if not want.requires_grad:
-            assert got.grad is None
+    for t, grad in zip(leaves, got):
+        if not t.requires_grad:
+            assert grad is None and t.grad is None
             continue
-        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(grad, t.grad, rtol=1e-3, atol=1e-4)
+    # what one mix keeps for its backward: nothing of the entries' size times S
+    from kestrel.ops.attnres import Bank
+
+    bank = Bank(x0.detach(), 4)
+    sources = [torch.randn(T, D, generator=g).to(device).requires_grad_(True) for _ in range(4)]
+    for s in sources[:3]:
+        bank.close(s)
+    _, saved = _saved_by_backward(mix_norm_bank, bank, sources[3], *mixers[0][0])
+    assert saved and max(torch.Size(s).numel() for s, _ in saved) == T * D, saved
+    _, saved_stacked = _saved_by_backward(mix_norm, sources, *mixers[0][0])
+    assert max(torch.Size(s).numel() for s, _ in saved_stacked) == 4 * T * D  # what the bank avoids
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])])
@@ -217,22 +252,22 @@ def test_compiled_moe_combine_keeps_its_rows_in_bf16(device, monkeypatch):
 
 
 def test_training_bank_is_in_the_autocast_dtype(monkeypatch):
-    """Under autocast (training on the GPU), every AttnRes mix of the training forward gets its sources in the
-    autocast dtype, the embedding's x0 included, as at inference with bf16 weights; without autocast, fp32."""
-    import kestrel.layers.attnres as attnres
+    """Under autocast (training on the GPU), the AttnRes bank of the training forward, the embedding's x0 included,
+    is in the autocast dtype, as at inference with bf16 weights; without autocast, fp32."""
+    from kestrel.ops.attnres import Bank
 
     model = init_random_weights(KimiForCausalLM(preset_config("tiny")), seed=2)
     ids = torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(0))
     seen = []
-    real = attnres.attnres_mix_norm_sources
+    real = Bank.close
 
-    def spy(sources, *args):
-        seen.append({s.dtype for s in sources})
-        return real(sources, *args)
+    def spy(bank, partial):
+        seen.append((bank.buf.dtype, partial.dtype))
+        return real(bank, partial)
 
-    monkeypatch.setattr(attnres, "attnres_mix_norm_sources", spy)
+    monkeypatch.setattr(Bank, "close", spy)
     for autocast, dtype in ((True, torch.bfloat16), (False, torch.float32)):
         seen.clear()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             model(ids)
-        assert seen and all(kinds == {dtype} for kinds in seen), (autocast, seen)
+        assert seen and all(kinds == (dtype, dtype) for kinds in seen), (autocast, seen)

@@ -8,7 +8,7 @@ from torch import nn
 
 from kestrel.layers.linear import set_loader
 from kestrel.layers.norm import RMSNorm
-from kestrel.ops.attnres import attnres_mix, attnres_mix_norm, attnres_mix_norm_sources
+from kestrel.ops.attnres import Bank, attnres_mix, attnres_mix_norm
 
 
 class ResProj(nn.Module):
@@ -31,13 +31,18 @@ def mix_norm(
     """out_norm(mix(sources, proj, norm)): the mix and the consumer's pre-norm (or the final norm), one op."""
     if len(sources) == 1:
         return out_norm(sources[0])  # softmax over one source is 1
-    if isinstance(sources, list) and torch.is_grad_enabled():  # training's bank: the backward keeps no stack
-        return attnres_mix_norm_sources(
-            sources, proj.weight.view(-1), norm.weight, norm.eps, out_norm.weight, out_norm.eps
-        )
     return attnres_mix_norm(
         _stacked(sources), proj.weight.view(-1), norm.weight, norm.eps, out_norm.weight, out_norm.eps
     )
+
+
+def mix_norm_bank(
+    bank: Bank, partial: torch.Tensor | None, proj: ResProj, norm: RMSNorm, out_norm: RMSNorm
+) -> torch.Tensor:
+    """`mix_norm` over training's bank: its entries, and the running sum where given."""
+    if len(bank) + (partial is not None) == 1:
+        return out_norm(partial if partial is not None else bank.sources[0])  # softmax over one source is 1
+    return bank.mix_norm(partial, proj.weight.view(-1), norm.weight, norm.eps, out_norm.weight, out_norm.eps)
 
 
 def _stacked(sources: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:

@@ -11,13 +11,14 @@ import torch
 from torch import nn
 
 from kestrel.config import KDA, MOE, ModelConfig
-from kestrel.layers.attnres import ResProj, mix_norm
+from kestrel.layers.attnres import ResProj, mix_norm, mix_norm_bank
 from kestrel.layers.context import ForwardContext, forward_context, has_forward_context
 from kestrel.layers.kda import KimiDeltaAttention
 from kestrel.layers.linear import Linear, set_loader
 from kestrel.layers.mla import MLAttention
 from kestrel.layers.moe import DenseMLP, MoE
 from kestrel.layers.norm import RMSNorm
+from kestrel.ops.attnres import Bank
 
 
 class DecoderLayer(nn.Module):
@@ -69,34 +70,37 @@ class KimiModel(nn.Module):
     def _forward_attn_res(self, x0: torch.Tensor) -> torch.Tensor:
         """K3 block schedule (model-spec 4.2): a bank of completed block sums, plus the running partial sum.
         A layer whose index is a multiple of the block size closes the previous block into the bank.
-        With autograd on, the bank is a list (every mix stacks its sources); at inference it is one buffer."""
+        With autograd on, the bank is a `Bank` (its entries in one buffer, their gradients added up in another)
+        and the partial sum a tensor autograd follows; at inference both live in one buffer."""
         if not torch.is_grad_enabled():
             return self._forward_attn_res_buffer(x0)
         block = self.config.attn_res_block_size
         kind = x0.device.type
         if torch.is_autocast_enabled(kind):
             # the bank in one dtype, as at inference (bf16 weights give a bf16 embedding): the layers' outputs come
-            # in the autocast dtype, and an fp32 x0 would make every stack of the bank, and its gradients, fp32
+            # in the autocast dtype, and an fp32 x0 would make the bank, and its gradients, fp32
             # (x0 is only ever a source: the partial sums start from the first layer's output)
             x0 = x0.to(torch.get_autocast_dtype(kind))
-        bank: list[torch.Tensor] = []
+        bank = Bank(x0, -(-len(self.layers) // block) + 1)
         partial = x0
         for i, layer in enumerate(self.layers):
-            if i % block == 0:
-                bank.append(partial)
-                sources = bank
-            else:
-                sources = bank + [partial]
-            h = mix_norm(
-                sources, layer.self_attention_res_proj, layer.self_attention_res_norm, layer.input_layernorm
+            closes = i % block == 0  # the partial sum closes into the bank
+            if closes:
+                bank.close(partial)
+            h = mix_norm_bank(
+                bank,
+                None if closes else partial,
+                layer.self_attention_res_proj,
+                layer.self_attention_res_norm,
+                layer.input_layernorm,
             )
             a = layer.self_attn(h)
-            partial = a if i % block == 0 else partial + a
-            h = mix_norm(
-                bank + [partial], layer.mlp_res_proj, layer.mlp_res_norm, layer.post_attention_layernorm
+            partial = a if closes else partial + a
+            h = mix_norm_bank(
+                bank, partial, layer.mlp_res_proj, layer.mlp_res_norm, layer.post_attention_layernorm
             )
             partial = partial + layer.mlp(h)
-        return mix_norm(bank + [partial], self.output_attn_res_proj, self.output_attn_res_norm, self.norm)
+        return mix_norm_bank(bank, partial, self.output_attn_res_proj, self.output_attn_res_norm, self.norm)
 
     def _forward_attn_res_buffer(self, x0: torch.Tensor) -> torch.Tensor:
         """`_forward_attn_res` at inference, bit for bit: the bank and the partial sum live in one buffer
