@@ -21,14 +21,12 @@ from kestrel.utils.fuse import for_training
 
 
 class Bank:
-    """The entries (x0, then each completed block sum) of one training forward: `buf[:n]` [n, T, D], the row
-    `buf[n]` the running sum of the mix being computed; `grad` [slots, T, D] the entries' gradients, added up by
-    the mixes' backwards (zeros until the first)."""
+    """The entries (x0, then each completed block sum) of one training forward: `rows.buf[:n]` [n, T, D], the row
+    `rows.buf[n]` the running sum of the mix being computed; `rows.grad` the entries' gradients."""
 
     def __init__(self, x0: torch.Tensor, slots: int):
-        self.buf = x0.new_empty(slots, *x0.shape)  # [slots, T, D], outside autograd
-        self.grad: torch.Tensor | None = None
-        self.sources: list[torch.Tensor] = []  # the entries as autograd knows them
+        self.rows = _Rows(x0.new_empty(slots, *x0.shape))  # [slots, T, D], outside autograd
+        self.sources: list[torch.Tensor] = []  # the entries as autograd knows them (the forward's only)
         self.read = 0  # entries [0, read) have a mix that owns their gradient
 
     def __len__(self) -> int:
@@ -36,9 +34,9 @@ class Bank:
 
     def close(self, partial: torch.Tensor) -> None:
         """A completed block sum (or x0) becomes the next entry."""
-        assert len(self.sources) < self.buf.shape[0] - 1, "the bank is full"
+        assert len(self.sources) < self.rows.buf.shape[0] - 1, "the bank is full"
         with torch.no_grad():
-            self.buf[len(self.sources)].copy_(partial)
+            self.rows.buf[len(self.sources)].copy_(partial)
         self.sources.append(partial)
 
     def mix_norm(
@@ -55,7 +53,18 @@ class Bank:
         n = len(self.sources)
         owned = self.sources[self.read : n]  # entries no mix read before: this one hands on their gradient
         self.read = n
-        return _BankMixNorm.apply(self, n, query, norm_weight, out_weight, eps, out_eps, partial, *owned)
+        return _BankMixNorm.apply(self.rows, n, query, norm_weight, out_weight, eps, out_eps, partial, *owned)
+
+
+class _Rows:
+    """What the mixes' backwards share: the entries `buf` [slots, T, D] and their gradients `grad` (zeros until
+    the first backward). Plain tensors only: a tensor of the graph kept on a Function's context (as the entries in
+    `Bank.sources` would be) makes a reference cycle through autograd's nodes, and the step's activations then
+    live until Python's cycle collector runs (on mini, 10-20 GB more at the peak, session 29)."""
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf = buf
+        self.grad: torch.Tensor | None = None
 
     def grad_rows(self) -> torch.Tensor:
         if self.grad is None:
@@ -66,13 +75,13 @@ class Bank:
 class _BankMixNorm(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, bank: Bank, n: int, query, norm_weight, out_weight, eps: float, out_eps: float, partial, *owned
+        ctx, rows: _Rows, n: int, query, norm_weight, out_weight, eps: float, out_eps: float, partial, *owned
     ):
-        src = bank.buf[:n]  # [n, T, D]
+        src = rows.buf[:n]  # [n, T, D]
         if partial is not None:
-            bank.buf[n].copy_(partial)
-            src = bank.buf[: n + 1]  # [S, T, D]
-        ctx.bank, ctx.n, ctx.owned, ctx.eps, ctx.out_eps = bank, n, len(owned), eps, out_eps
+            rows.buf[n].copy_(partial)
+            src = rows.buf[: n + 1]  # [S, T, D]
+        ctx.rows, ctx.n, ctx.owned, ctx.eps, ctx.out_eps = rows, n, len(owned), eps, out_eps
         ctx.save_for_backward(query, norm_weight, out_weight, partial)
         # fp32 math by definition (autocast would run its scores' matmul in bf16); no autograd: the fast kernel
         with torch.autocast(src.device.type, enabled=False):
@@ -82,11 +91,11 @@ class _BankMixNorm(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         query, norm_weight, out_weight, partial = ctx.saved_tensors
-        bank, n = ctx.bank, ctx.n
-        acc = bank.grad_rows()
+        rows, n = ctx.rows, ctx.n
+        acc = rows.grad_rows()
         backward = for_training(mix_norm_backward, grad)
         g_partial, g_query, g_norm, g_out = backward(
-            bank.buf, acc, n, partial, query, norm_weight, out_weight, ctx.eps, ctx.out_eps, grad
+            rows.buf, acc, n, partial, query, norm_weight, out_weight, ctx.eps, ctx.out_eps, grad
         )
         owned = [acc[i] for i in range(n - ctx.owned, n)]  # complete: every later mix's backward has run
         return None, None, g_query, g_norm, g_out, None, None, g_partial, *owned
