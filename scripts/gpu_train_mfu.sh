@@ -2,14 +2,15 @@
 # Issue 5's training MFU on `mini` (2 rows of 8704 tokens, dense warm-up and sparse phases): the loop as it is
 # beside each option that may raise it, the variants named timed one after another in the same device call:
 #   base        the defaults
-#   accum2      --grad-accum 2: two batches a step, one optimizer step (AdamW + clipping ~38 ms, session 28)
-#   kda         KESTREL_KDA_SAFE_GATE=1 KESTREL_KDA_NO_RECOMPUTE=1: fla's bounded-gate kernels and no recompute in
-#               the backward (KDA was 71 ms of the 0.563 s step in session 28; both passed their GPU gradient test)
-#   kda_accum2  both
+#   accum2      --grad-accum 2: two batches a step, one optimizer step (session 29: 1.012 s a step of two batches
+#               against 0.579 s a step of one)
+#   kda_recompute         KESTREL_KDA_SAFE_GATE=0 KESTREL_KDA_NO_RECOMPUTE=0: fla's general-gate kernels, and the
+#                         backward recomputing the forward's intermediates (the defaults before session 29, whose
+#                         measurement made both on the default: 0.579 -> 0.511 s)
+#   kda_recompute_accum2  both
 # Each writes $OUT/mini_<name>.json (scripts/profile_train.py: queued steps, MFU two ways, peak memory, profile).
 # On the device, from the repository root, with `.whl` carried (scripts/fetch_wheels.sh):
 #   bash scripts/gpu_train_mfu.sh base accum2       two of them (~4-5 min with the committed autotuning results)
-#   bash scripts/gpu_train_mfu.sh kda kda_accum2    (fla's bounded-gate kernels compile and autotune cold: minutes)
 #   bash scripts/gpu_train_mfu.sh                   all four: may pass the device tool's 10 minutes a call
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,9 +27,9 @@ one() {  # one NAME: the options of that variant, then its profile
     case "$1" in
         base) ;;
         accum2) extra=(--grad-accum 2) ;;
-        kda) envs=(KESTREL_KDA_SAFE_GATE=1 KESTREL_KDA_NO_RECOMPUTE=1) ;;
-        kda_accum2) envs=(KESTREL_KDA_SAFE_GATE=1 KESTREL_KDA_NO_RECOMPUTE=1) extra=(--grad-accum 2) ;;
-        *) echo "unknown variant $1 (base, accum2, kda, kda_accum2)" >&2; return 2 ;;
+        kda_recompute) envs=(KESTREL_KDA_SAFE_GATE=0 KESTREL_KDA_NO_RECOMPUTE=0) ;;
+        kda_recompute_accum2) envs=(KESTREL_KDA_SAFE_GATE=0 KESTREL_KDA_NO_RECOMPUTE=0) extra=(--grad-accum 2) ;;
+        *) echo "unknown variant $1 (base, accum2, kda_recompute, kda_recompute_accum2)" >&2; return 2 ;;
     esac
     echo "== $1 at ${SECONDS} s"
     env "${envs[@]}" timeout 240 python3 scripts/profile_train.py --model mini --batch-rows 2 --row-len 8704 \
@@ -47,7 +48,7 @@ if Path(sys.argv[1]).exists():
 EOF
 }
 
-for name in "${@:-base accum2 kda kda_accum2}"; do
+for name in "${@:-base accum2 kda_recompute kda_recompute_accum2}"; do
     for n in $name; do one "$n"; done
 done
 echo "done at ${SECONDS} s"

@@ -240,6 +240,20 @@ def test_attnres_bank_is_freed_with_its_graph_without_the_cycle_collector():
             gc.enable()
 
 
+def test_attnres_bank_refuses_a_second_backward():
+    """The entries' gradients add up in one buffer over a backward: a second backward through the same graph
+    (retain_graph) would add onto the first's, so it is refused."""
+    from kestrel.layers.attnres import ResProj, mix_norm_bank
+    from kestrel.layers.norm import RMSNorm
+
+    D = 16
+    x0 = torch.randn(8, D, requires_grad=True)
+    out, _ = _bank_chain_refs(mix_norm_bank, x0, (ResProj(D), RMSNorm(D, 1e-5), RMSNorm(D, 1e-5)))
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        out.sum().backward()
+
+
 def _bank_chain_refs(mix_norm_bank, x0, mixer):
     """Two blocks over a bank, and weak references to the bank, its rows and an entry."""
     import weakref

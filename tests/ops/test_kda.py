@@ -221,7 +221,8 @@ def test_l2norm_and_gated_rms_norm():
 @pytest.mark.parametrize("lens", [[1, 63, 64, 130, 300], [1] * 8], ids=["prefill", "decode"])
 @pytest.mark.parametrize("recurrent_prefill", ["0", "1024"], ids=["chunked", "short-recurrent"])
 def test_fla_backend_matches_naive(op, lower_bound, lens, recurrent_prefill, monkeypatch):
-    """Both forms of fla's `chunk`: the chunked kernels, and the recurrent one it runs for a short prefill."""
+    """Both forms of fla's `chunk`: the chunked kernels (with a bounded gate, fla's bounded-gate kernels, on by
+    default), and the recurrent one it runs for a short prefill."""
     pytest.importorskip("fla.ops.kda")
     monkeypatch.setenv("KESTREL_KDA_RECURRENT_PREFILL", recurrent_prefill)
     from kestrel.ops.kda import fla
@@ -234,7 +235,8 @@ def test_fla_backend_matches_naive(op, lower_bound, lens, recurrent_prefill, mon
     g = g.float()  # the gate stays fp32, as the model produces it
     kwargs = dict(initial_state=h0, output_final_state=True, use_qk_l2norm=True, cu_seqlens=cu_seqlens)
     o_ref, s_ref = recurrent_kda(q, k, v, g, beta, **kwargs)
-    o, s = getattr(fla, op)(q, k, v, g, beta, **kwargs)
+    bound = dict(gate_lower_bound=lower_bound) if op == "chunk" else {}
+    o, s = getattr(fla, op)(q, k, v, g, beta, **kwargs, **bound)
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32 and s.shape == h0.shape
     assert rel_err(o, o_ref) <= 2e-2
     assert rel_err(s, s_ref) <= 2e-2

@@ -35,6 +35,9 @@ class Bank:
     def close(self, partial: torch.Tensor) -> None:
         """A completed block sum (or x0) becomes the next entry."""
         assert len(self.sources) < self.rows.buf.shape[0] - 1, "the bank is full"
+        assert partial.dtype == self.rows.buf.dtype, (
+            f"a {partial.dtype} entry in a {self.rows.buf.dtype} bank"
+        )
         with torch.no_grad():
             self.rows.buf[len(self.sources)].copy_(partial)
         self.sources.append(partial)
@@ -79,6 +82,9 @@ class _BankMixNorm(torch.autograd.Function):
     ):
         src = rows.buf[:n]  # [n, T, D]
         if partial is not None:
+            assert partial.dtype == rows.buf.dtype, (
+                f"a {partial.dtype} running sum over a {rows.buf.dtype} bank"
+            )
             rows.buf[n].copy_(partial)
             src = rows.buf[: n + 1]  # [S, T, D]
         ctx.rows, ctx.n, ctx.owned, ctx.eps, ctx.out_eps = rows, n, len(owned), eps, out_eps
@@ -90,6 +96,11 @@ class _BankMixNorm(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
+        if getattr(ctx, "ran", False):  # the entries' gradients would add onto the first pass's
+            raise RuntimeError(
+                "a second backward through training's AttnRes bank (retain_graph) is not supported"
+            )
+        ctx.ran = True
         query, norm_weight, out_weight, partial = ctx.saved_tensors
         rows, n = ctx.rows, ctx.n
         acc = rows.grad_rows()
