@@ -112,8 +112,9 @@ class Env:
     kernels), 64 4.54 / 4.40, 256 7.22 / 7.04."""
     kda_safe_gate: bool
     """KESTREL_KDA_SAFE_GATE: fla chunk_kda's faster path for gates bounded in [-5, 0) (K3's lower-bound gate),
-    used only where the model's gate is bounded (prefill and training). On by default: see
-    KESTREL_KDA_NO_RECOMPUTE for the two together on a training step."""
+    used only where the model's gate is bounded, and only in training (where autograd records: its forward and
+    gradients passed their GPU test; inference's prefill keeps the general kernels, whose outputs the engine's
+    GPU tests cover). On by default: see KESTREL_KDA_NO_RECOMPUTE for the two together on a training step."""
     compile_train: str
     """KESTREL_COMPILE_TRAIN=auto|on|off (1/0 too): torch.compile the small fp32 elementwise ops (norms, gates,
     activations, AttnRes mixing) when autograd records, i.e. in training, so that each runs as one fused kernel

@@ -57,7 +57,7 @@ def chunk(
     disable_recompute keeps the forward's intermediates for the backward instead of recomputing them, which
     fla recommends for small models (default: KESTREL_KDA_NO_RECOMPUTE, when autograd records).
     gate_lower_bound: the bound lb < 0 the caller's gates keep to (g in (lb, 0), K3's gate); with lb >= -5 and
-    KESTREL_KDA_SAFE_GATE on, fla's faster kernels for bounded gates run.
+    KESTREL_KDA_SAFE_GATE on, fla's faster kernels for bounded gates run in training.
     cu_seqlens_cpu: the offsets' host copy: fla's chunk index is then built on the host and moved on a side
     stream (`_warm_chunk_index`), so the call does not wait for the work queued before it.
     At inference, at most KESTREL_KDA_RECURRENT_PREFILL tokens in all run `recurrent` instead: the same result
@@ -70,9 +70,10 @@ def chunk(
         return recurrent(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens
         )
-    safe_gate = env_field("kda_safe_gate") and gate_lower_bound is not None and -5 <= gate_lower_bound < 0
+    bounded = gate_lower_bound is not None and -5 <= gate_lower_bound < 0
+    safe_gate = env_field("kda_safe_gate") and bounded and grad  # training only: see env.py
     if disable_recompute is None:
-        disable_recompute = env_field("kda_no_recompute") and torch.is_grad_enabled() and q.requires_grad
+        disable_recompute = env_field("kda_no_recompute") and grad
     if initial_state is not None:
         initial_state = initial_state.float()  # chunk_kda asserts an fp32 initial state
     if cu_seqlens is not None and cu_seqlens_cpu is not None:  # chunk_kda's own call, by keyword
