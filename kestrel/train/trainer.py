@@ -35,6 +35,7 @@ from kestrel.train.bpe import build_tokenizer
 from kestrel.train.data import DEFAULT_WEIGHTS, MixtureConfig, PackedBatches, Prefetch
 from kestrel.train.flops import flops_per_token
 from kestrel.train.objective import family_loss_sums, loss_weight_total
+from kestrel.train.optim import clipped_step
 from kestrel.utils.device import resolve_device, to_host_async
 from kestrel.utils.errors import CheckpointError
 
@@ -280,8 +281,7 @@ class Trainer:
         one = len(parts) == 1  # the loop's usual step: its batch's figures as they are, no kernel to add them
         lm, kl, sums, counts = (x[0] if one else torch.stack(x).sum(0) for x in (lm, kl, sums, counts))
         routing = {layer: moe[0][layer] if one else torch.cat([m[layer] for m in moe]) for layer in moe[0]}
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        self.opt.step()
+        clipped_step(self.opt, cfg.grad_clip)
         self.opt.zero_grad(set_to_none=True)
         imbalance = update_expert_biases(model, routing, cfg.bias_update_rate)
         head = torch.stack([lm, kl, imbalance.float()])
