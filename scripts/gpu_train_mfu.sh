@@ -4,6 +4,7 @@
 #   base        the defaults
 #   accum2      --grad-accum 2: two batches a step, one optimizer step (session 29: 1.012 s a step of two batches
 #               against 0.579 s a step of one)
+#   accum4      --grad-accum 4 (the same memory as 2: each batch's activations go with its backward)
 #   kda_recompute         KESTREL_KDA_SAFE_GATE=0 KESTREL_KDA_NO_RECOMPUTE=0: fla's general-gate kernels, and the
 #                         backward recomputing the forward's intermediates (the defaults before session 29, whose
 #                         measurement made both on the default: 0.579 -> 0.511 s)
@@ -27,9 +28,10 @@ one() {  # one NAME: the options of that variant, then its profile
     case "$1" in
         base) ;;
         accum2) extra=(--grad-accum 2) ;;
+        accum4) extra=(--grad-accum 4) ;;
         kda_recompute) envs=(KESTREL_KDA_SAFE_GATE=0 KESTREL_KDA_NO_RECOMPUTE=0) ;;
         kda_recompute_accum2) envs=(KESTREL_KDA_SAFE_GATE=0 KESTREL_KDA_NO_RECOMPUTE=0) extra=(--grad-accum 2) ;;
-        *) echo "unknown variant $1 (base, accum2, kda_recompute, kda_recompute_accum2)" >&2; return 2 ;;
+        *) echo "unknown variant $1 (base, accum2, accum4, kda_recompute, kda_recompute_accum2)" >&2; return 2 ;;
     esac
     echo "== $1 at ${SECONDS} s"
     env "${envs[@]}" timeout 240 python3 scripts/profile_train.py --model mini --batch-rows 2 --row-len 8704 \
