@@ -17,13 +17,7 @@ def masked_loss(logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tenso
 
 def _weighted_mean(losses: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     weight = weight.to(losses.dtype)
-    return weighted_loss_sum(losses, weight) / loss_weight_total([weight])
-
-
-def weighted_loss_sum(losses: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """sum(losses * weight) over one batch's tokens [T]: over `loss_weight_total` of the step's batches, their
-    weighted mean loss."""
-    return (losses * weight).sum()
+    return (losses * weight).sum() / loss_weight_total([weight])
 
 
 def loss_weight_total(weights: list[torch.Tensor]) -> torch.Tensor:
@@ -34,18 +28,12 @@ def loss_weight_total(weights: list[torch.Tensor]) -> torch.Tensor:
     return total.clamp(min=1e-6)
 
 
-def family_losses(losses: torch.Tensor, mask: torch.Tensor, family_ids: torch.Tensor, n: int) -> torch.Tensor:
-    """The plain mean of the token losses [T] on the loss mask [T] per family (family_ids [T], -1 for none):
-    [n], NaN for a family without a loss token in the batch. On the device, without a sync."""
-    sums, counts = family_loss_sums(losses, mask, family_ids, n)
-    return sums / counts  # 0 / 0 = NaN where the batch has none
-
-
 def family_loss_sums(
     losses: torch.Tensor, mask: torch.Tensor, family_ids: torch.Tensor, n: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`family_losses`' sums of the token losses and counts of loss tokens per family ([n] each), which add up
-    over the batches of a step."""
+    """Per family (family_ids [T], -1 for none): the sum of the token losses [T] on the loss mask [T] and the count
+    of loss tokens ([n] each), which add up over the batches of a step; sums / counts is each family's plain mean
+    loss (0 / 0 = NaN for a family without loss tokens). On the device, without a sync."""
     keep = mask & (family_ids >= 0)
     ids = family_ids.clamp(min=0)
     sums = losses.new_zeros(n).index_add_(0, ids, torch.where(keep, losses, 0.0))

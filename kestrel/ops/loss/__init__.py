@@ -15,10 +15,10 @@ CHUNK_ELEMENTS = 2**27  # a chunk's logits: 512 MiB in fp32
 
 def token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token cross-entropy [T] fp32 of hidden [T, D] through the LM head weight [V, D] against targets [T]."""
-    T, V = hidden.shape[0], weight.shape[0]
-    if T * V <= CHUNK_ABOVE:
+    rows = _chunk_rows(hidden, weight)
+    if rows is None:
         return linear_cross_entropy(hidden, weight, targets)
-    return chunked_linear_cross_entropy(hidden, weight, targets, max(1, CHUNK_ELEMENTS // V))
+    return chunked_linear_cross_entropy(hidden, weight, targets, rows)
 
 
 def weighted_token_losses(
@@ -29,11 +29,17 @@ def weighted_token_losses(
     constants, with no gradient: so the gradient of each token's logits, token_weights * (softmax - one_hot), is
     known in the forward, and where the logits are chunked the forward computes the gradients of the hidden states
     and of the weight with it, sparing the backward a second pass over the logits (and their matmul)."""
-    T, V = hidden.shape[0], weight.shape[0]
-    if T * V <= CHUNK_ABOVE:
+    rows = _chunk_rows(hidden, weight)
+    if rows is None:
         losses = linear_cross_entropy(hidden, weight, targets)
         return (losses * token_weights.detach().float()).sum(), losses.detach()
-    return chunked_weighted_cross_entropy(hidden, weight, targets, token_weights, max(1, CHUNK_ELEMENTS // V))
+    return chunked_weighted_cross_entropy(hidden, weight, targets, token_weights, rows)
+
+
+def _chunk_rows(hidden: torch.Tensor, weight: torch.Tensor) -> int | None:
+    """Tokens a chunk where the [T, V] logits would pass CHUNK_ABOVE elements; None: the plain form."""
+    T, V = hidden.shape[0], weight.shape[0]
+    return None if T * V <= CHUNK_ABOVE else max(1, CHUNK_ELEMENTS // V)
 
 
 __all__ = [

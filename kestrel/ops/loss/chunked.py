@@ -27,8 +27,7 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-from kestrel.env import env_field
-from kestrel.utils.fuse import compiled
+from kestrel.utils.fuse import for_training
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -63,11 +62,10 @@ def _lse_target_and_grad(
 
 
 def _run(fn, *args):
-    """A chunk function, compiled on CUDA unless KESTREL_COMPILE_TRAIN is off: one kernel over the chunk, one graph
-    per chunk length (a training run has two: its rows, and the last chunk's remainder)."""
-    if args[0].is_cuda and env_field("compile_train") != "off":
-        return compiled(fn)(*args)
-    return fn(*args)
+    """A chunk function as training runs it (`for_training`: compiled on CUDA unless KESTREL_COMPILE_TRAIN is off):
+    one kernel over the chunk, one graph per chunk length (a training run has two: its rows, and the last chunk's
+    remainder)."""
+    return for_training(fn, args[0])(*args)
 
 
 @functools.cache
