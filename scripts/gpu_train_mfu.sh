@@ -5,6 +5,8 @@
 #   accum2      --grad-accum 2: two batches a step, one optimizer step (session 29: 1.012 s a step of two batches
 #               against 0.579 s a step of one)
 #   accum4      --grad-accum 4 (the same memory as 2: each batch's activations go with its backward)
+#   rows3       --batch-rows 3: half as much GPU work again for the same host work a step (session 30: the host
+#               sets the pace at 2 rows, the GPU idle 14% of a step)
 #   kda_recompute         KESTREL_KDA_SAFE_GATE=0 KESTREL_KDA_NO_RECOMPUTE=0: fla's general-gate kernels, and the
 #                         backward recomputing the forward's intermediates (the defaults before session 29, whose
 #                         measurement made both on the default: 0.579 -> 0.511 s)
@@ -24,17 +26,18 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 
 one() {  # one NAME: the options of that variant, then its profile
-    local extra=() envs=()
+    local extra=() envs=() rows=2
     case "$1" in
         base) ;;
+        rows3) rows=3 ;;
         accum2) extra=(--grad-accum 2) ;;
         accum4) extra=(--grad-accum 4) ;;
         kda_recompute) envs=(KESTREL_KDA_SAFE_GATE=0 KESTREL_KDA_NO_RECOMPUTE=0) ;;
         kda_recompute_accum2) envs=(KESTREL_KDA_SAFE_GATE=0 KESTREL_KDA_NO_RECOMPUTE=0) extra=(--grad-accum 2) ;;
-        *) echo "unknown variant $1 (base, accum2, accum4, kda_recompute, kda_recompute_accum2)" >&2; return 2 ;;
+        *) echo "unknown variant $1 (base, accum2, accum4, rows3, kda_recompute, kda_recompute_accum2)" >&2; return 2 ;;
     esac
     echo "== $1 at ${SECONDS} s"
-    env "${envs[@]}" timeout 240 python3 scripts/profile_train.py --model mini --batch-rows 2 --row-len 8704 \
+    env "${envs[@]}" timeout 240 python3 scripts/profile_train.py --model mini --batch-rows $rows --row-len 8704 \
         --workers 8 --phases dense,sparse --timed-steps 4 --top 30 "${extra[@]}" --out "$OUT/mini_$1.json" 2>&1 \
         | grep -E "^(setup|dense|sparse)|Error|error" | grep -v -i warn
     python3 - "$OUT/mini_$1.json" << 'EOF'
@@ -46,7 +49,8 @@ if Path(sys.argv[1]).exists():
         p = d.get(phase)
         if p:
             print(f"   {phase}: queued {p['queued_step_s']:.3f} s, MFU {p['queued_mfu_vs_989']:.1%} "
-                  f"(documents {p['attention']['queued_mfu_document_causal']:.1%}), peak {p['max_memory_gib']:.1f} GiB")
+                  f"(documents {p['attention']['queued_mfu_document_causal']:.1%}), peak {p['max_memory_gib']:.1f} GiB, "
+                  f"GPU busy {p['gpu_busy']['busy_fraction']:.1%}")
 EOF
 }
 

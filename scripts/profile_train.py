@@ -135,6 +135,81 @@ def _host_syncs(trainer: Trainer, step: list) -> dict:
     return {"count": sum(sites.values()), "sites": found}
 
 
+def _queued(trainer: Trainer, timed: list) -> tuple[float, float]:
+    """The loop's way: each step queued, then the one before it read back (Trainer.train). Returns the seconds a
+    step and the host's seconds a step in `launch_step` (its Python and launches; near the step's own when the
+    host, not the GPU, sets the pace)."""
+    t0, before, issue = time.perf_counter(), None, 0.0
+    for b in timed:
+        t1 = time.perf_counter()
+        queued = trainer.launch_step(_pinned(b))
+        issue += time.perf_counter() - t1
+        if before is not None:
+            before.read()
+        before = queued
+    before.read()
+    return (time.perf_counter() - t0) / len(timed), issue / len(timed)
+
+
+def _gpu_busy(trainer: Trainer, timed: list) -> dict:
+    """The queued steps again under a CUDA-only profiler (no CPU-side recording to slow the host): the share of
+    the span from their first kernel's start to their last kernel's end in which some kernel or copy ran. What
+    is missing is the GPU waiting on the host (launch overhead, Python, host syncs)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _queued(trainer, timed)
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    )
+    if not spans:
+        return {"busy_fraction": float("nan"), "span_ms": 0.0, "busy_ms": 0.0}
+    busy, (start, end) = 0.0, spans[0]
+    for s, e in spans[1:]:
+        if s > end:
+            busy, start = busy + end - start, s
+        end = max(end, e)
+    busy += end - start
+    span = max(e for _, e in spans) - spans[0][0]
+    return {"busy_fraction": busy / span, "span_ms": span / 1e3, "busy_ms": busy / 1e3, "kernels": len(spans)}
+
+
+def _host_profile(trainer: Trainer, timed: list, top: int) -> dict:
+    """The host's side of the queued steps (cProfile: its own overhead inflates the Python functions' times,
+    not the ops they call): the functions with the most time of their own (`self_ms`) and the most time within
+    them (`total_ms`), a step's worth each. Where a step's host time goes when the host sets the pace."""
+    import cProfile
+    import pstats
+
+    _sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    _queued(trainer, timed)
+    prof.disable()
+    stats = pstats.Stats(
+        prof
+    ).stats  # {(file, line, name): (calls, primitive calls, self s, total s, callers)}
+    n = len(timed)
+
+    def rows(key: int) -> list:
+        best = sorted(stats.items(), key=lambda kv: kv[1][key], reverse=True)[:top]
+        return [
+            {
+                "function": f"{Path(f).name}:{line}:{fn}",
+                "calls": c // n,
+                "self_ms": 1e3 * own / n,
+                "total_ms": 1e3 * total / n,
+            }
+            for (f, line, fn), (c, _, own, total, _) in best
+        ]
+
+    return {"by_self": rows(2), "by_total": rows(3)}
+
+
 def _phase(trainer: Trainer, steps: list, dense: bool, top: int) -> dict:
     """steps: lists of grad_accum batches: the first compiles, the last is profiled, those between are timed (read
     back one by one, then queued as the loop runs them)."""
@@ -155,16 +230,12 @@ def _phase(trainer: Trainer, steps: list, dense: bool, top: int) -> dict:
         _sync()
         times.append(time.perf_counter() - t0)
         print(f"{name}: step {times[-1]:.3f} s", flush=True)
-    # the loop's way: each step queued, then the one before it read back (Trainer.train)
-    t0, before = time.perf_counter(), None
-    for b in timed:
-        queued = trainer.launch_step(_pinned(b))
-        if before is not None:
-            before.read()
-        before = queued
-    before.read()
-    queued_s = (time.perf_counter() - t0) / len(timed)
-    print(f"{name}: queued steps {queued_s:.3f} s each", flush=True)
+    queued_s, issue_s = _queued(trainer, timed)
+    print(f"{name}: queued steps {queued_s:.3f} s each (the host's issue {issue_s:.3f} s)", flush=True)
+    busy = _gpu_busy(trainer, timed) if torch.cuda.is_available() else None
+    if busy is not None:
+        print(f"{name}: GPU busy {busy['busy_fraction']:.1%} of the queued steps' span", flush=True)
+    host = _host_profile(trainer, timed, top)
     syncs = _host_syncs(trainer, steps[-1]) if torch.cuda.is_available() else None
     if syncs is not None:
         print(f"{name}: {syncs['count']} host syncs in one step", flush=True)
@@ -188,6 +259,9 @@ def _phase(trainer: Trainer, steps: list, dense: bool, top: int) -> dict:
         "tokens_per_s": tokens / (sum(times) / len(times)),
         "queued_step_s": queued_s,
         "queued_tokens_per_s": tokens / queued_s,
+        "host_issue_s": issue_s,
+        "gpu_busy": busy,
+        "host_profile": host,
         "host_syncs": syncs,
         "top_gpu_kernels": [
             {"name": e.key[:90], "gpu_ms": e.self_device_time_total / 1e3, "calls": e.count} for e in by_gpu
