@@ -139,7 +139,7 @@ def _bank_chain(mix_norm_bank, x0, weights, mixers, block):
     the output mix and every sublayer's input."""
     from kestrel.ops.attnres import Bank
 
-    bank, partial = Bank(x0, -(-len(weights) // block) + 1), x0
+    bank, partial = Bank(x0, -(-len(weights) // block)), x0  # one entry a block, no spare
     for i, (w, (attn_mix, mlp_mix)) in enumerate(zip(weights, mixers)):
         closes = i % block == 0
         if closes:

@@ -81,7 +81,7 @@ class KimiModel(nn.Module):
             # in the autocast dtype, and an fp32 x0 would make the bank, and its gradients, fp32
             # (x0 is only ever a source: the partial sums start from the first layer's output)
             x0 = x0.to(torch.get_autocast_dtype(kind))
-        bank = Bank(x0, self._bank_slots())
+        bank = Bank(x0, self._bank_blocks())
         partial = x0
         for i, layer in enumerate(self.layers):
             closes = i % block == 0  # the partial sum closes into the bank
@@ -102,9 +102,9 @@ class KimiModel(nn.Module):
             partial = partial + layer.mlp(h)
         return mix_norm_bank(bank, partial, self.output_attn_res_proj, self.output_attn_res_norm, self.norm)
 
-    def _bank_slots(self) -> int:
-        """Rows of the AttnRes bank's buffer: one a block (x0 is the first), and the running sum's."""
-        return -(-len(self.layers) // self.config.attn_res_block_size) + 1
+    def _bank_blocks(self) -> int:
+        """Entries of the AttnRes bank: one a block (x0 is the first)."""
+        return -(-len(self.layers) // self.config.attn_res_block_size)
 
     def _forward_attn_res_buffer(self, x0: torch.Tensor) -> torch.Tensor:
         """`_forward_attn_res` at inference, bit for bit: the bank and the partial sum live in one buffer
@@ -112,7 +112,7 @@ class KimiModel(nn.Module):
         it instead of stacking copies of its sources (at 32K tokens on mini the stacks copied ~26 GB a step; in
         decode they were 48 launches a step)."""
         block = self.config.attn_res_block_size
-        buf = x0.new_empty(self._bank_slots(), *x0.shape)  # [blocks + 1, T, D]
+        buf = x0.new_empty(self._bank_blocks() + 1, *x0.shape)  # [blocks + 1, T, D]
         buf[0].copy_(x0)  # the partial sum before the first layer: x0
         nb = 0  # completed block sums: buf[:nb]; the partial sum: buf[nb]
         for i, layer in enumerate(self.layers):

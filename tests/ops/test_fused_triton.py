@@ -169,6 +169,11 @@ def test_attnres_mix_norm_matches_reference(dtype, S, T, D):
     torch.testing.assert_close(got, ref, **tol)
     two = rms_norm.eager(attnres_mix.eager(sources, query, weight, 1e-6), out_weight, 1e-5)
     assert torch.equal(ref, two)  # the reference is exactly the two ops
+    # the last source given apart (training's running sum), here a strided view of a wider tensor
+    wide = torch.cat([sources[-1], sources[-1]], dim=-1)[:, :D]  # [T, D], row stride 2D
+    apart = attnres_mix_norm_triton(sources[:-1], query, weight, 1e-6, out_weight, 1e-5, last=wide)
+    assert torch.equal(apart, got)
+    assert torch.equal(attnres_mix_norm.eager(sources[:-1], query, weight, 1e-6, out_weight, 1e-5, wide), ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -4,8 +4,9 @@ Inference keeps the bank of completed block sums in one buffer and mixes views o
 every mix stacked its sources, forward and again in its backward (on `mini`, 2 rows of 8704 tokens: 21.5 ms of
 `cat` in a 0.51 s step on the H200, session 29), and autograd added each entry's gradient from every consumer
 into it, one `add_` per pair (another 10.7 ms). Here an entry is copied into the buffer once, when its block
-closes; a mix reads the buffer, with the running sum copied into the row after the entries. The backward of a mix
-adds its gradients for the entries into one gradient buffer in the same pass that computes them, and each entry's
+closes; a mix reads the buffer's entries, and the running sum where it is (the fast kernel's `last`: copied into
+the buffer first, it cost 48 copies of [T, D] a step on mini). The backward of a mix adds its gradients for the
+entries into one gradient buffer in the same pass that computes them, and each entry's
 gradient reaches autograd once, through the entry's first consumer: every later mix depends on that consumer's
 output (through the running sum, or through a later entry that does), so autograd runs their backwards first.
 
@@ -21,8 +22,8 @@ from kestrel.utils.fuse import for_training
 
 
 class Bank:
-    """The entries (x0, then each completed block sum) of one training forward: `rows.buf[:n]` [n, T, D], the row
-    `rows.buf[n]` the running sum of the mix being computed; `rows.grad` the entries' gradients."""
+    """The entries (x0, then each completed block sum) of one training forward: `rows.buf[:n]` [n, T, D] of
+    `slots` (the model's block count); `rows.grad` the entries' gradients."""
 
     def __init__(self, x0: torch.Tensor, slots: int):
         self.rows = _Rows(x0.new_empty(slots, *x0.shape))  # [slots, T, D], outside autograd
@@ -34,7 +35,7 @@ class Bank:
 
     def close(self, partial: torch.Tensor) -> None:
         """A completed block sum (or x0) becomes the next entry."""
-        assert len(self.sources) < self.rows.buf.shape[0] - 1, "the bank is full"
+        assert len(self.sources) < self.rows.buf.shape[0], "the bank is full"
         assert partial.dtype == self.rows.buf.dtype, (
             f"a {partial.dtype} entry in a {self.rows.buf.dtype} bank"
         )
@@ -85,13 +86,11 @@ class _BankMixNorm(torch.autograd.Function):
             assert partial.dtype == rows.buf.dtype, (
                 f"a {partial.dtype} running sum over a {rows.buf.dtype} bank"
             )
-            rows.buf[n].copy_(partial)
-            src = rows.buf[: n + 1]  # [S, T, D]
         ctx.rows, ctx.n, ctx.owned, ctx.eps, ctx.out_eps = rows, n, len(owned), eps, out_eps
         ctx.save_for_backward(query, norm_weight, out_weight, partial)
         # fp32 math by definition (autocast would run its scores' matmul in bf16); no autograd: the fast kernel
         with torch.autocast(src.device.type, enabled=False):
-            return attnres_mix_norm(src, query, norm_weight, eps, out_weight, out_eps)
+            return attnres_mix_norm(src, query, norm_weight, eps, out_weight, out_eps, partial)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

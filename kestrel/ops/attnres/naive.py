@@ -38,10 +38,14 @@ def attnres_mix_norm(
     eps: float,
     out_weight: torch.Tensor,
     out_eps: float,
+    last: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`attnres_mix`, then the consumer's RMSNorm (out_weight, out_eps) of the mix rounded to sources.dtype: what
     every AttnRes consumer applies (model-spec 4.1: the sublayer's pre-norm, or the final norm). One op so that
     the fast path does both in one pass (a [T, D] write and read fewer per consumer: 48 of them in a prefill step
-    of `mini`). Returns [T, D] in sources.dtype."""
+    of `mini`). `last` [T, D], where given, is one more source after `sources` (training's running sum: the fast
+    path reads it where it is instead of a copy stacked with the rest). Returns [T, D] in sources.dtype."""
+    if last is not None:
+        sources = torch.cat([sources, last[None]])  # [S + 1, T, D]
     mixed = attnres_mix.eager(sources, query, norm_weight, eps)
     return rms_norm.eager(mixed, out_weight, out_eps)

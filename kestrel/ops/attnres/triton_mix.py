@@ -19,12 +19,14 @@ from kestrel.ops.pdl import pdl_args, pdl_begin
 
 @triton.jit
 def _mix_kernel(
-    src_ptr, q_ptr, w_ptr, ow_ptr, out_ptr, T, D, stride_s, stride_t, eps, out_eps,
-    S: tl.constexpr, SP: tl.constexpr, NORM: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False,
+    src_ptr, last_ptr, q_ptr, w_ptr, ow_ptr, out_ptr, T, D, stride_s, stride_t, stride_last, eps, out_eps,
+    S: tl.constexpr, SP: tl.constexpr, NORM: tl.constexpr, LAST: tl.constexpr, BD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program t: token t's S source rows in one [SP, BD] load (all in flight at once: at decode a program's
     time is its loads' latency, and a row at a time paid it S times), their logits, the softmax and the
-    weighted sum from registers."""
+    weighted sum from registers. With LAST, source S - 1 is read from `last_ptr` [T, D] (its own tensor, not a
+    row of `src_ptr`)."""
     pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
@@ -34,11 +36,15 @@ def _mix_kernel(
     q = tl.load(q_ptr + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(
         w_ptr + cols, mask=mask, other=0.0
     ).to(tl.float32)  # [BD] the norm weight folded into the query
+    in_src = (ss < S - 1) if LAST else live
     r = tl.load(
         src_ptr + ss[:, None].to(tl.int64) * stride_s + t * stride_t + cols[None, :],
-        mask=live[:, None] & mask[None, :],
+        mask=in_src[:, None] & mask[None, :],
         other=0.0,
     ).to(tl.float32)  # [SP, BD] the sources (rows past S: zeros)
+    if LAST:
+        row = tl.load(last_ptr + t * stride_last + cols, mask=mask, other=0.0).to(tl.float32)  # [BD]
+        r = tl.where((ss == S - 1)[:, None], row[None, :], r)
     e = tl.sum(r * q[None, :], axis=1) * tl.rsqrt(tl.sum(r * r, axis=1) / D + eps)  # [SP] logits
     e = tl.where(live, e, float("-inf"))
     p = tl.exp(e - tl.max(e, axis=0))  # [SP]
@@ -67,24 +73,35 @@ def attnres_mix_norm_triton(
     eps: float,
     out_weight: torch.Tensor,
     out_eps: float,
+    last: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`naive.attnres_mix_norm`: the mix and the consumer's RMSNorm (out_weight [D]) in the same pass."""
+    """`naive.attnres_mix_norm`: the mix and the consumer's RMSNorm (out_weight [D]) in the same pass; `last`
+    [T, D] read in place as the source after `sources`."""
     assert out_weight.numel() == sources.shape[-1], f"out_weight {out_weight.numel()}, D {sources.shape[-1]}"
-    return _mix(sources, query, norm_weight, eps, out_weight, out_eps)
+    return _mix(sources, query, norm_weight, eps, out_weight, out_eps, last)
 
 
-def _mix(sources, query, norm_weight, eps, out_weight, out_eps, num_warps: int | None = None) -> torch.Tensor:
+def _mix(
+    sources, query, norm_weight, eps, out_weight, out_eps, last=None, num_warps: int | None = None
+) -> torch.Tensor:
     S, T, D = sources.shape
     assert query.numel() == D and norm_weight.numel() == D, (
         f"query {query.numel()}, weight {norm_weight.numel()}, D {D}"
     )
     if sources.stride(-1) != 1:
         sources = sources.contiguous()
+    if last is not None:
+        assert last.shape == (T, D) and last.dtype == sources.dtype, (
+            f"last {tuple(last.shape)} {last.dtype}, sources {tuple(sources.shape)} {sources.dtype}"
+        )
+        last = last if last.stride(-1) == 1 else last.contiguous()
+        S += 1
     out = torch.empty(T, D, dtype=sources.dtype, device=sources.device)
     if T:
         BD, SP = triton.next_power_of_2(D), triton.next_power_of_2(S)
         _mix_kernel[(T,)](
             sources,
+            last if last is not None else sources,  # (not read without LAST)
             query.reshape(-1),
             norm_weight,
             out_weight if out_weight is not None else norm_weight,  # (not read without NORM)
@@ -93,11 +110,13 @@ def _mix(sources, query, norm_weight, eps, out_weight, out_eps, num_warps: int |
             D,
             sources.stride(0),
             sources.stride(1),
+            last.stride(0) if last is not None else 0,
             float(eps),
             float(out_eps),
             S=S,
             SP=SP,
             NORM=out_weight is not None,
+            LAST=last is not None,
             BD=BD,
             # 8 warps: 64 values a thread at 8 x 2048; twice the warps past that (128 a thread up to 16 x 4096;
             # wider tiles spill registers: still right, slower)
