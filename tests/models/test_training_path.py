@@ -90,6 +90,36 @@ def test_indexer_kl_goes_down_when_the_indexer_learns():
     assert losses[-1] < 0.7 * losses[0], losses
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_kl_scores_in_one_matmul_match_the_per_head_loop(autocast):
+    """The indexer KL's scores of its sampled queries (every head in one batched matmul) against the per-head
+    reference, values and gradients; under bf16 autocast (training's) each head's logits are rounded alike."""
+    model = _model()
+    layer = model.model.layers[model.config.mla_layer_ids[0]].self_attn
+    g = torch.Generator().manual_seed(3)
+    leaves = [
+        torch.randn(2, R, 4, 16, generator=g),
+        torch.randn(2, R, 4, generator=g),
+        torch.randn(2, R, 16, generator=g),
+    ]
+    picks = torch.tensor([63, 40, 17, 3, 0])
+    grads, outs = [], []
+    for fn in (layer._picked_index_scores, lambda q, w, k, p: layer._row_index_scores(q, w, k, picks=p)):
+        xs = [t.clone().requires_grad_(True) for t in leaves]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = fn(*xs, picks)
+        assert out.shape == (2, 5, R) and out.dtype == torch.float32
+        (out * torch.linspace(-1, 1, R)).sum().backward()
+        outs.append(out)
+        grads.append([x.grad for x in xs])
+    # under autocast the keys' gradient is one bf16 matmul over all heads (the loop's summed per head in fp32):
+    # ~3e-3 of its largest value apart
+    tol = dict(rtol=1e-5, atol=1e-5) if not autocast else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(outs[0], outs[1], **tol)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, **tol)
+
+
 def test_sparse_rows_select_through_the_triton_kernels(monkeypatch):
     """KESTREL_ATTN_BACKEND=triton (on CUDA, auto): sparse training scores the rows with the prefill indexer kernel
     and selects with the Triton top-k (here in Triton's interpreter); same scores on the visible positions and
