@@ -17,6 +17,11 @@ the MFU counts each token attending to half its row, and beside it are the pairs
 (each document causal on its own; at most top-k keys a query in the sparse phase) and the MFU with those counted,
 the fair figure for a kernel that skips other documents' keys (flex, the default; `KESTREL_TRAIN_ATTENTION=sdpa`
 computes every pair of the row).
+
+Who sets the pace: `gpu_busy` is the share of the queued steps' span in which some kernel ran (a CUDA-only
+profile; below 1, the GPU waited on the host), `host_issue_s` the host's seconds a step in `launch_step`,
+`host_profile` the host's functions by cProfile (the main thread's: autograd's own thread is not seen), and
+`op_sites` the Python call sites of one step's copying ops (cat, copy_, casts, clones, indexing).
 """
 
 from __future__ import annotations
@@ -210,6 +215,43 @@ def _host_profile(trainer: Trainer, timed: list, top: int) -> dict:
     return {"by_self": rows(2), "by_total": rows(3)}
 
 
+_SITE_OPS = ("cat", "copy_", "_to_copy", "clone", "index", "index_put_", "contiguous")
+
+
+def _op_sites(trainer: Trainer, step: list, top: int) -> list:
+    """Where the copying ops of one step come from: each call of `_SITE_OPS` (below autograd, so the backward's
+    too) counted by (op, first input's shape, the innermost two kestrel frames of the Python stack; none for
+    autograd's own formulas). The profile names an op and a shape, not its caller."""
+    import collections
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts = collections.Counter()
+
+    class Sites(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in _SITE_OPS:
+                first = args[0][0] if name == "cat" and args[0] else args[0] if args else None
+                shape = tuple(first.shape) if isinstance(first, torch.Tensor) else ()
+                frames = [f for f in traceback.extract_stack() if "/kestrel/" in f.filename]
+                site = " <- ".join(
+                    f"{'/'.join(Path(f.filename).parts[-2:])}:{f.lineno}" for f in frames[-2:][::-1]
+                )
+                counts[(name, str(shape), site or "(autograd)")] += 1
+            return func(*args, **(kwargs or {}))
+
+    _sync()
+    with Sites():
+        trainer.train_step(step)
+    _sync()
+    return [
+        {"op": op, "shape": shape, "site": site, "calls": n}
+        for (op, shape, site), n in counts.most_common(top)
+    ]
+
+
 def _phase(trainer: Trainer, steps: list, dense: bool, top: int) -> dict:
     """steps: lists of grad_accum batches: the first compiles, the last is profiled, those between are timed (read
     back one by one, then queued as the loop runs them)."""
@@ -236,6 +278,7 @@ def _phase(trainer: Trainer, steps: list, dense: bool, top: int) -> dict:
     if busy is not None:
         print(f"{name}: GPU busy {busy['busy_fraction']:.1%} of the queued steps' span", flush=True)
     host = _host_profile(trainer, timed, top)
+    sites = _op_sites(trainer, steps[-1], 2 * top)
     syncs = _host_syncs(trainer, steps[-1]) if torch.cuda.is_available() else None
     if syncs is not None:
         print(f"{name}: {syncs['count']} host syncs in one step", flush=True)
@@ -262,6 +305,7 @@ def _phase(trainer: Trainer, steps: list, dense: bool, top: int) -> dict:
         "host_issue_s": issue_s,
         "gpu_busy": busy,
         "host_profile": host,
+        "op_sites": sites,
         "host_syncs": syncs,
         "top_gpu_kernels": [
             {"name": e.key[:90], "gpu_ms": e.self_device_time_total / 1e3, "calls": e.count} for e in by_gpu
