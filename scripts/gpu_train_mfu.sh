@@ -6,7 +6,9 @@
 #               against 0.579 s a step of one)
 #   accum4      --grad-accum 4 (the same memory as 2: each batch's activations go with its backward)
 #   rows3       --batch-rows 3: half as much GPU work again for the same host work a step (session 30: the host
-#               sets the pace at 2 rows, the GPU idle 14% of a step)
+#               sets the pace at 2 rows, the GPU idle 14-25% of a step; 3 rows: x1.20-1.24, 124 GiB at the peak)
+#   rows3_accum2  both: at 3 rows the GPU sets the pace (busy 94-98%), so AdamW's ~32 ms a step, paid once for
+#               two batches, is GPU time saved (at 2 rows accumulation saved none: the host's time a batch stays)
 #   kda_recompute         KESTREL_KDA_SAFE_GATE=0 KESTREL_KDA_NO_RECOMPUTE=0: fla's general-gate kernels, and the
 #                         backward recomputing the forward's intermediates (the defaults before session 29, whose
 #                         measurement made both on the default: 0.579 -> 0.511 s)
@@ -14,7 +16,7 @@
 # Each writes $OUT/mini_<name>.json (scripts/profile_train.py: queued steps, MFU two ways, peak memory, profile).
 # On the device, from the repository root, with `.whl` carried (scripts/fetch_wheels.sh):
 #   bash scripts/gpu_train_mfu.sh base accum2       two of them (~4-5 min with the committed autotuning results)
-#   bash scripts/gpu_train_mfu.sh                   all four: may pass the device tool's 10 minutes a call
+#   bash scripts/gpu_train_mfu.sh                   rows3, rows3_accum2, base (~8-9 min on a fresh machine)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -30,11 +32,12 @@ one() {  # one NAME: the options of that variant, then its profile
     case "$1" in
         base) ;;
         rows3) rows=3 ;;
+        rows3_accum2) rows=3 extra=(--grad-accum 2) ;;
         accum2) extra=(--grad-accum 2) ;;
         accum4) extra=(--grad-accum 4) ;;
         kda_recompute) envs=(KESTREL_KDA_SAFE_GATE=0 KESTREL_KDA_NO_RECOMPUTE=0) ;;
         kda_recompute_accum2) envs=(KESTREL_KDA_SAFE_GATE=0 KESTREL_KDA_NO_RECOMPUTE=0) extra=(--grad-accum 2) ;;
-        *) echo "unknown variant $1 (base, accum2, accum4, rows3, kda_recompute, kda_recompute_accum2)" >&2; return 2 ;;
+        *) echo "unknown variant $1 (see the list above this script's code)" >&2; return 2 ;;
     esac
     echo "== $1 at ${SECONDS} s"
     env "${envs[@]}" timeout 240 python3 scripts/profile_train.py --model mini --batch-rows $rows --row-len 8704 \
@@ -54,7 +57,7 @@ if Path(sys.argv[1]).exists():
 EOF
 }
 
-for name in "${@:-base accum2 kda_recompute kda_recompute_accum2}"; do
+for name in "${@:-rows3 rows3_accum2 base}"; do
     for n in $name; do one "$n"; done
 done
 echo "done at ${SECONDS} s"
