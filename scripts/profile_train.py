@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kestrel.bench.profiling import ops_by_shape  # noqa: E402
+from kestrel.bench.profiling import busy_time, ops_by_shape  # noqa: E402
 from kestrel.config import TrainConfig  # noqa: E402
 from kestrel.train.trainer import Trainer  # noqa: E402
 
@@ -166,21 +166,18 @@ def _gpu_busy(trainer: Trainer, timed: list) -> dict:
     _sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _queued(trainer, timed)
-    spans = sorted(
+    spans = [
         (e.time_range.start, e.time_range.end)
         for e in prof.events()
         if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-    )
-    if not spans:
-        return {"busy_fraction": float("nan"), "span_ms": 0.0, "busy_ms": 0.0}
-    busy, (start, end) = 0.0, spans[0]
-    for s, e in spans[1:]:
-        if s > end:
-            busy, start = busy + end - start, s
-        end = max(end, e)
-    busy += end - start
-    span = max(e for _, e in spans) - spans[0][0]
-    return {"busy_fraction": busy / span, "span_ms": span / 1e3, "busy_ms": busy / 1e3, "kernels": len(spans)}
+    ]
+    busy, span = busy_time(spans)  # us
+    return {
+        "busy_fraction": busy / span if span else float("nan"),
+        "span_ms": span / 1e3,
+        "busy_ms": busy / 1e3,
+        "kernels": len(spans),
+    }
 
 
 def _host_profile(trainer: Trainer, timed: list, top: int) -> dict:
