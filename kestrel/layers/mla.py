@@ -100,7 +100,7 @@ class MLAttention(nn.Module):
         if decode:
             out = self._attend_decode(ctx, q_nope, q_pe, w_uk, w_uv, idx)
         elif ctx.cache is None and ctx.row_len is not None:
-            out = self._attend_rows(ctx, q_nope, q_pe, kv_new, idx)
+            out = self._attend_rows(ctx, q.view(T, H, -1), kv_new, idx)  # q whole: no split to cat again
         else:
             out = self._attend_per_sequence(ctx, q_nope, q_pe, kv_new, w_uk, w_uv, idx)
 
@@ -258,11 +258,12 @@ class MLAttention(nn.Module):
             indices = self._select(ctx, -1, lambda k: topk_select(scores(), lens - 1, k))
         return mla_decode_batched(q_nope, q_pe, kv, lens, w_uk, w_uv, self.scale, indices)  # [N, H, Dv]
 
-    def _attend_rows(self, ctx, q_nope, q_pe, kv_new, idx) -> torch.Tensor:
+    def _attend_rows(self, ctx, q, kv_new, idx) -> torch.Tensor:
         """Training: B rows of R tokens, documents never crossing rows (ctx.row_len). Each token sees the earlier
         tokens of its own document (and, in sparse mode, only the DSA selection among them). With
-        ctx.extras["indexer_kl"] a list, the indexer's KL loss against this attention is appended to it."""
-        T, H = q_nope.shape[:2]
+        ctx.extras["indexer_kl"] a list, the indexer's KL loss against this attention is appended to it.
+        q [T, H, Dn + Pr] as the projection lays it out (the attention reads it whole)."""
+        T, H = q.shape[:2]
         R = ctx.row_len
         B = T // R
         allowed = _document_causal(ctx, B, R)  # [B, R, R], shared by the step's MLA layers
@@ -272,19 +273,18 @@ class MLAttention(nn.Module):
                 allowed = allowed.clone()  # narrowed in place to this layer's selection
                 self._select_rows(ctx, q_i, w_i, k_i, allowed)
             if ctx.extras.get("indexer_kl") is not None:
+                q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
                 ctx.extras["indexer_kl"].append(
                     self._indexer_kl(q_nope, q_pe, kv_new, (q_i, w_i, k_i), allowed, B, R)
                 )
-        q_nope, q_pe = q_nope.view(B, R, H, -1), q_pe.view(B, R, H, -1)
         out = mla_attention_rows(
-            q_nope,
-            q_pe,
+            q.view(B, R, H, -1),
             kv_new.view(B, R, -1),
             self.kv_b_proj.weight,
             allowed,
             self.scale,
             self.v_dim,
-            flex=_use_flex(q_nope.device, R),
+            flex=_use_flex(q.device, R),
         )  # [B, R, H, Dv]
         return out.reshape(T, H, self.v_dim)
 

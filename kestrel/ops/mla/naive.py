@@ -164,8 +164,7 @@ def mla_decode_batched(
 
 
 def mla_attention_rows(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
+    q: torch.Tensor,
     kv: torch.Tensor,
     kv_b_weight: torch.Tensor,
     allowed: torch.Tensor,
@@ -177,16 +176,20 @@ def mla_attention_rows(
     scaled_dot_product_attention (a fused kernel on CUDA, the math path on CPU), or with flex through
     FlexAttention over the mask's visible blocks (kestrel.ops.mla.flex_rows; CUDA, R a multiple of 128).
 
-    q_nope [B, R, H, Dn], q_pe [B, R, H, P], kv [B, R, Rk + P] (the rows' own latent rows, [c_kv | k_pe]),
-    kv_b_weight [H * (Dn + Dv), Rk], allowed [B, R, R] bool (query t may attend key s; every query must allow
-    at least itself). Returns o [B, R, H, Dv] in q_nope.dtype.
+    q [B, R, H, Dn + P] ([q_nope | q_pe], as the query projection lays it out: no copy to join them), kv
+    [B, R, Rk + P] (the rows' own latent rows, [c_kv | k_pe]), kv_b_weight [H * (Dn + Dv), Rk], allowed
+    [B, R, R] bool (query t may attend key s; every query must allow at least itself). Returns o [B, R, H, Dv]
+    in q.dtype.
     """
-    B, R, H, Dn = q_nope.shape
-    P = q_pe.shape[-1]
+    B, R, H, Dq = q.shape
+    Dn = kv_b_weight.shape[0] // H - v_dim
+    P = Dq - Dn
+    assert kv.shape[-1] > P > 0, f"q width {Dq}, nope {Dn}, latent row {kv.shape[-1]}"
     c_kv, k_pe = kv.split([kv.shape[-1] - P, P], dim=-1)  # [B, R, Rk], [B, R, P]
     kvb = torch.nn.functional.linear(c_kv, kv_b_weight.to(c_kv.dtype)).view(B, R, H, Dn + v_dim)
     k_nope, v = kvb.split([Dn, v_dim], dim=-1)  # [B, R, H, Dn], [B, R, H, Dv]
-    q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, H, R, Dn + P]
+    out_dtype = q.dtype
+    q = q.transpose(1, 2)  # [B, H, R, Dn + P]
     k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, R, H, P)], dim=-1).transpose(
         1, 2
     )  # [B, H, R, Dn + P]
@@ -199,4 +202,4 @@ def mla_attention_rows(
         o = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed[:, None], scale=scale
         )  # [B, H, R, Dv]
-    return o.transpose(1, 2).to(q_nope.dtype)
+    return o.transpose(1, 2).to(out_dtype)
