@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 5's training MFU on `mini` (2 rows of 8704 tokens, dense warm-up and sparse phases): the loop as it is
+# Issue 5's training MFU on `mini` (rows of 8704 tokens, 2 a batch unless the variant says otherwise; dense warm-up
+# and sparse phases): the loop as it is
 # beside each option that may raise it, the variants named timed one after another in the same device call:
 #   base        the defaults
 #   accum2      --grad-accum 2: two batches a step, one optimizer step (session 29: 1.012 s a step of two batches
@@ -16,7 +17,8 @@
 # Each writes $OUT/mini_<name>.json (scripts/profile_train.py: queued steps, MFU two ways, peak memory, profile).
 # On the device, from the repository root, with `.whl` carried (scripts/fetch_wheels.sh):
 #   bash scripts/gpu_train_mfu.sh base accum2       two of them (~4-5 min with the committed autotuning results)
-#   bash scripts/gpu_train_mfu.sh                   rows3, rows3_accum2, base (~8-9 min on a fresh machine)
+#   bash scripts/gpu_train_mfu.sh                   rows3, rows3_accum2, base (~8-9 min on a fresh machine, near
+#                                                   the device tool's 10 minutes a call: split it if the compile is cold)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -212,37 +212,53 @@ def _host_profile(trainer: Trainer, timed: list, top: int) -> dict:
     return {"by_self": rows(2), "by_total": rows(3)}
 
 
-_SITE_OPS = ("cat", "copy_", "_to_copy", "clone", "index", "index_put_", "contiguous")
+_SITE_OPS = ("aten::cat", "aten::copy_", "aten::_to_copy", "aten::clone", "aten::index", "aten::index_put_")
 
 
 def _op_sites(trainer: Trainer, step: list, top: int) -> list:
-    """Where the copying ops of one step come from: each call of `_SITE_OPS` (below autograd, so the backward's
-    too) counted by (op, first input's shape, the innermost two kestrel frames of the Python stack; none for
-    autograd's own formulas). The profile names an op and a shape, not its caller."""
+    """Where the copying ops of one step come from: each call of `_SITE_OPS` counted by (op, first input's
+    shape, the innermost two kestrel functions around it, each as file(first line): name; "(autograd)" for
+    those autograd runs on its own thread on CUDA, the backward's formulas). A profile with stacks, so compiled
+    code stays compiled (a dispatch mode would turn torch.compile off, and flex attention's operator refuses
+    one). The profile's tables name an op and a shape, not its caller."""
     import collections
-    import traceback
+    import functools
 
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.profiler import ProfilerActivity, profile
 
+    import kestrel
+
+    root = Path(kestrel.__file__).resolve().parent
+
+    @functools.cache
+    def in_kestrel(name: str) -> str | None:  # "<file>(99): forward" -> "layers/mla.py(99): forward", or None
+        file = name.split("(", 1)[0]  # absolute, or shortened by the profiler to a sys.path entry's
+        path = Path(file) if Path(file).is_absolute() else root.parent / file
+        try:
+            return f"{path.resolve().relative_to(root)}{name[len(file) :]}"
+        except (ValueError, OSError):
+            return None
+
+    _sync()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
+            trainer.train_step(step)
+            _sync()
+    except Exception as e:  # a diagnosis: never the run's end
+        return [{"error": f"{type(e).__name__}: {e}"[:300]}]
     counts = collections.Counter()
-
-    class Sites(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name in _SITE_OPS:
-                first = args[0][0] if name == "cat" and args[0] else args[0] if args else None
-                shape = tuple(first.shape) if isinstance(first, torch.Tensor) else ()
-                frames = [f for f in traceback.extract_stack() if "/kestrel/" in f.filename]
-                site = " <- ".join(
-                    f"{'/'.join(Path(f.filename).parts[-2:])}:{f.lineno}" for f in frames[-2:][::-1]
-                )
-                counts[(name, str(shape), site or "(autograd)")] += 1
-            return func(*args, **(kwargs or {}))
-
-    _sync()
-    with Sites():
-        trainer.train_step(step)
-    _sync()
+    for e in prof.events():
+        if e.name not in _SITE_OPS:
+            continue
+        frames, up = [], e.cpu_parent  # with_stack: the Python calls are the op's ancestors, innermost first
+        while up is not None and len(frames) < 2:
+            frame = in_kestrel(up.name) if ".py(" in up.name else None
+            if frame is not None:
+                frames.append(frame)
+            up = up.cpu_parent
+        site = " <- ".join(frames) or "(autograd)"
+        shape = str(e.input_shapes[0]) if e.input_shapes else "[]"
+        counts[(e.name, shape, site)] += 1
     return [
         {"op": op, "shape": shape, "site": site, "calls": n}
         for (op, shape, site), n in counts.most_common(top)

@@ -341,9 +341,9 @@ class MLAttention(nn.Module):
         return out * self.indexer.scale
 
     def _picked_index_scores(self, q_i, w_i, k_i, picks: torch.Tensor) -> torch.Tensor:
-        """`_row_index_scores` of a few queries a row (the KL's samples: Q = 137 of 8704 on mini), every head in
-        one matmul: [B, Q, HI, R] is small at such Q, and the per-head loop cost ~10 ops a head forward and
-        backward (on mini 16 heads x 6 layers: ~1,400 launches a dense step, the host's time, not the GPU's).
+        """`_row_index_scores` of a few queries a row (the KL's samples: Q = 64 of 8704 on mini), every head in
+        one matmul: [B, Q, HI, R] is small at such Q, and the per-head loop cost ~20 launches a head forward and
+        backward (mini, 3 rows, session 30: 9,854 -> 7,682 launches a dense step; the host's time, it set the pace).
         q_i [B, R, HI, DI], w_i [B, R, HI], k_i [B, R, DI] -> [B, Q, R] fp32."""
         q = q_i[:, picks].float()  # [B, Q, HI, DI]
         B, Q, HI, DI = q.shape

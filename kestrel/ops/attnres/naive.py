@@ -46,6 +46,9 @@ def attnres_mix_norm(
     of `mini`). `last` [T, D], where given, is one more source after `sources` (training's running sum: the fast
     path reads it where it is instead of a copy stacked with the rest). Returns [T, D] in sources.dtype."""
     if last is not None:
+        assert last.shape == sources.shape[1:] and last.dtype == sources.dtype, (
+            f"last {tuple(last.shape)} {last.dtype}, sources {tuple(sources.shape)} {sources.dtype}"
+        )
         sources = torch.cat([sources, last[None]])  # [S + 1, T, D]
     mixed = attnres_mix.eager(sources, query, norm_weight, eps)
     return rms_norm.eager(mixed, out_weight, out_eps)
