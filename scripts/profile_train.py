@@ -192,9 +192,8 @@ def _host_profile(trainer: Trainer, timed: list, top: int) -> dict:
     prof.enable()
     _queued(trainer, timed)
     prof.disable()
-    stats = pstats.Stats(
-        prof
-    ).stats  # {(file, line, name): (calls, primitive calls, self s, total s, callers)}
+    # {(file, line, name): (calls, primitive calls, self s, total s, callers)}
+    stats = pstats.Stats(prof).stats
     n = len(timed)
 
     def rows(key: int) -> list:
