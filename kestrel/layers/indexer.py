@@ -1,10 +1,13 @@
 """The DSA lightning indexer's projections (model-spec 2.3): its queries (from the MLA q latent, or from the hidden
-states without one), per-head weights, and one normed key per token. Scoring and top-k are kestrel.ops.dsa's.
+states without one), per-head weights, and one normed key per token; and the scores of training's row-packed
+tokens (the sparse selection's and the KL's). Inference's scoring and the top-k are kestrel.ops.dsa's.
 
 Legend: T tokens, D hidden size, HI indexer heads, DI indexer head dim.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -47,3 +50,44 @@ class Indexer(nn.Module):
         q = q.view(x.shape[0], self.n_heads, self.head_dim)  # [T, HI, DI]
         w = self.weights_proj(x).float() * self.n_heads**-0.5  # [T, HI]
         return q, w
+
+    def row_scores_triton(self, q_i, w_i, k_i, picks: torch.Tensor) -> torch.Tensor:
+        """`row_scores` of one row's queries `picks` through the prefill indexer kernel (the one inference
+        scores with): the row's keys read once per block of queries, the heads summed on chip, NaN past each
+        query's position. q_i [R, HI, DI], w_i [R, HI], k_i [R, DI] -> [M, R] fp32. In place of the reference's
+        per-head fp32 GEMM and three passes over [M, R] (about 3 ms a row of 8704 tokens of the demo model on
+        the H200, most of sparse training's extra 60 ms a step, session 10's estimate)."""
+        from kestrel.ops.dsa.triton_scores import indexer_scores_prefill_triton
+
+        R = k_i.shape[0]
+        page = math.gcd(R, 64)  # the row's keys as pages of the kernel's paged layout, in order
+        pages = torch.arange(R // page, device=k_i.device)
+        # 64 x 64 tiles, as the shipped demo trained with: the 64 x 128 default was timed on inference's bf16
+        # scores only (fp32 queries at mini's sizes would not fit its 3 stages in shared memory)
+        return indexer_scores_prefill_triton(
+            q_i[picks], k_i.contiguous(), pages, picks + 1, w_i[picks], self.scale, page_size=page,
+            block_s=64,
+        )  # fmt: skip
+
+    def row_scores(self, q_i, w_i, k_i, picks: torch.Tensor | None = None) -> torch.Tensor:
+        """Indexer scores of row-packed tokens, one head at a time (no [B, R, HI, R] intermediate):
+        q_i [B, R, HI, DI], w_i [B, R, HI], k_i [B, R, DI] -> [B, Q, R] fp32 for the queries `picks` (all: Q = R)."""
+        if picks is not None:
+            q_i, w_i = q_i[:, picks], w_i[:, picks]
+        k = k_i.float().transpose(1, 2)  # [B, DI, R]
+        out = None
+        for j in range(q_i.shape[2]):
+            term = torch.bmm(q_i[:, :, j].float(), k).relu() * w_i[:, :, j, None].float()  # [B, Q, R]
+            out = term if out is None else out + term
+        return out * self.scale
+
+    def picked_scores(self, q_i, w_i, k_i, picks: torch.Tensor) -> torch.Tensor:
+        """`row_scores` of a few queries a row (the KL's samples: Q = 64 of 8704 on mini), every head in
+        one matmul: [B, Q, HI, R] is small at such Q, and the per-head loop cost ~20 launches a head forward and
+        backward (mini, 3 rows, session 30: 9,854 -> 7,682 launches a dense step; the host's time, it set the pace).
+        q_i [B, R, HI, DI], w_i [B, R, HI], k_i [B, R, DI] -> [B, Q, R] fp32."""
+        q = q_i[:, picks].float()  # [B, Q, HI, DI]
+        B, Q, HI, DI = q.shape
+        logits = torch.bmm(q.reshape(B, Q * HI, DI), k_i.float().transpose(1, 2)).relu()  # [B, Q * HI, R]
+        heads = logits.view(B, Q, HI, -1) * w_i[:, picks].float()[..., None]  # [B, Q, HI, R] fp32
+        return heads.sum(2) * self.scale

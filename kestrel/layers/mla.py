@@ -7,7 +7,6 @@ Per token the cache keeps the latent row [c_kv (R) | k_pe (Pr)] and, with DSA, o
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import torch
@@ -303,53 +302,12 @@ class MLAttention(nn.Module):
             if counts[b] == 0:
                 continue
             if triton:
-                scores = self._row_index_scores_triton(q_i[b], w_i[b], k_i[b], picks)  # [M, R]
+                scores = self.indexer.row_scores_triton(q_i[b], w_i[b], k_i[b], picks)  # [M, R]
             else:
-                scores = self._row_index_scores(q_i[b : b + 1], w_i[b : b + 1], k_i[b : b + 1], picks)[0]
+                scores = self.indexer.row_scores(q_i[b : b + 1], w_i[b : b + 1], k_i[b : b + 1], picks)[0]
             visible = allowed[b, picks]  # [M, R]
             chosen = selection_mask(topk(scores.masked_fill_(~visible, float("nan")), picks, k), R)
             allowed[b, picks] = visible & chosen
-
-    def _row_index_scores_triton(self, q_i, w_i, k_i, picks: torch.Tensor) -> torch.Tensor:
-        """`_row_index_scores` of one row's queries `picks` through the prefill indexer kernel (the one inference
-        scores with): the row's keys read once per block of queries, the heads summed on chip, NaN past each
-        query's position. q_i [R, HI, DI], w_i [R, HI], k_i [R, DI] -> [M, R] fp32. In place of the reference's
-        per-head fp32 GEMM and three passes over [M, R] (about 3 ms a row of 8704 tokens of the demo model on
-        the H200, most of sparse training's extra 60 ms a step, session 10's estimate)."""
-        from kestrel.ops.dsa.triton_scores import indexer_scores_prefill_triton
-
-        R = k_i.shape[0]
-        page = math.gcd(R, 64)  # the row's keys as pages of the kernel's paged layout, in order
-        pages = torch.arange(R // page, device=k_i.device)
-        # 64 x 64 tiles, as the shipped demo trained with: the 64 x 128 default was timed on inference's bf16
-        # scores only (fp32 queries at mini's sizes would not fit its 3 stages in shared memory)
-        return indexer_scores_prefill_triton(
-            q_i[picks], k_i.contiguous(), pages, picks + 1, w_i[picks], self.indexer.scale, page_size=page,
-            block_s=64,
-        )  # fmt: skip
-
-    def _row_index_scores(self, q_i, w_i, k_i, picks: torch.Tensor | None = None) -> torch.Tensor:
-        """Indexer scores of row-packed tokens, one head at a time (no [B, R, HI, R] intermediate):
-        q_i [B, R, HI, DI], w_i [B, R, HI], k_i [B, R, DI] -> [B, Q, R] fp32 for the queries `picks` (all: Q = R)."""
-        if picks is not None:
-            q_i, w_i = q_i[:, picks], w_i[:, picks]
-        k = k_i.float().transpose(1, 2)  # [B, DI, R]
-        out = None
-        for j in range(q_i.shape[2]):
-            term = torch.bmm(q_i[:, :, j].float(), k).relu() * w_i[:, :, j, None].float()  # [B, Q, R]
-            out = term if out is None else out + term
-        return out * self.indexer.scale
-
-    def _picked_index_scores(self, q_i, w_i, k_i, picks: torch.Tensor) -> torch.Tensor:
-        """`_row_index_scores` of a few queries a row (the KL's samples: Q = 64 of 8704 on mini), every head in
-        one matmul: [B, Q, HI, R] is small at such Q, and the per-head loop cost ~20 launches a head forward and
-        backward (mini, 3 rows, session 30: 9,854 -> 7,682 launches a dense step; the host's time, it set the pace).
-        q_i [B, R, HI, DI], w_i [B, R, HI], k_i [B, R, DI] -> [B, Q, R] fp32."""
-        q = q_i[:, picks].float()  # [B, Q, HI, DI]
-        B, Q, HI, DI = q.shape
-        logits = torch.bmm(q.reshape(B, Q * HI, DI), k_i.float().transpose(1, 2)).relu()  # [B, Q * HI, R]
-        heads = logits.view(B, Q, HI, -1) * w_i[:, picks].float()[..., None]  # [B, Q, HI, R] fp32
-        return heads.sum(2) * self.indexer.scale
 
     def _indexer_kl(self, q_nope, q_pe, kv_new, idx_rows, allowed, B, R, samples: int = 64) -> torch.Tensor:
         """KL of the indexer against the attention of a strided sample of queries per row (targets detached);
@@ -368,7 +326,7 @@ class MLAttention(nn.Module):
             att = att + torch.einsum("bqhp,bsp->bhqs", q_pe.view(B, R, H, -1)[:, picks].float(), k_pe)
             mask = allowed[:, picks]  # [B, Q, R]
             probs = torch.softmax((att * self.scale).masked_fill(~mask[:, None], float("-inf")), dim=-1)
-        scores = self._picked_index_scores(*idx_rows, picks)  # [B, Q, R]
+        scores = self.indexer.picked_scores(*idx_rows, picks)  # [B, Q, R]
         Q = picks.numel()
         return indexer_kl(
             probs.permute(0, 2, 1, 3).reshape(B * Q, H, R), scores.reshape(B * Q, R), mask.reshape(B * Q, R)

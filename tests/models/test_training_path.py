@@ -104,7 +104,7 @@ def test_kl_scores_in_one_matmul_match_the_per_head_loop(autocast):
     ]
     picks = torch.tensor([63, 40, 17, 3, 0])
     grads, outs = [], []
-    for fn in (layer._picked_index_scores, lambda q, w, k, p: layer._row_index_scores(q, w, k, picks=p)):
+    for fn in (layer.indexer.picked_scores, lambda q, w, k, p: layer.indexer.row_scores(q, w, k, picks=p)):
         xs = [t.clone().requires_grad_(True) for t in leaves]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = fn(*xs, picks)
@@ -135,8 +135,8 @@ def test_sparse_rows_select_through_the_triton_kernels(monkeypatch):
         torch.randn(R, 16, generator=g).to(dev),
     )
     picks = torch.tensor([3, 17, 40, 63], device=dev)
-    fast = layer._row_index_scores_triton(q_i, w_i, k_i, picks)  # [4, R]
-    ref = layer._row_index_scores(q_i[None], w_i[None], k_i[None], picks)[0]
+    fast = layer.indexer.row_scores_triton(q_i, w_i, k_i, picks)  # [4, R]
+    ref = layer.indexer.row_scores(q_i[None], w_i[None], k_i[None], picks)[0]
     causal = torch.arange(R, device=dev)[None, :] <= picks[:, None]
     assert torch.allclose(fast[causal], ref[causal], rtol=1e-5, atol=1e-5)
     assert fast[~causal].isnan().all()  # past each query: invalid, as the top-k reads it

@@ -6,9 +6,9 @@ every mix stacked its sources, forward and again in its backward (on `mini`, 2 r
 into it, one `add_` per pair (another 10.7 ms). Here an entry is copied into the buffer once, when its block
 closes; a mix reads the buffer's entries, and the running sum where it is (the fast kernel's `last`: copied into
 the buffer first, it cost 48 copies of [T, D] a step on mini). The backward of a mix adds its gradients for the
-entries into one gradient buffer in the same pass that computes them, and each entry's
-gradient reaches autograd once, through the entry's first consumer: every later mix depends on that consumer's
-output (through the running sum, or through a later entry that does), so autograd runs their backwards first.
+entries into one gradient buffer in the same pass that computes them, and each entry's gradient reaches autograd
+once, through the entry's first consumer: every later mix depends on that consumer's output (through the running
+sum, or through a later entry that does), so autograd runs their backwards first.
 
 Legend: S sources (n entries, plus the running sum where one is given), T tokens, D hidden.
 """
@@ -81,11 +81,7 @@ class _BankMixNorm(torch.autograd.Function):
     def forward(
         ctx, rows: _Rows, n: int, query, norm_weight, out_weight, eps: float, out_eps: float, partial, *owned
     ):
-        src = rows.buf[:n]  # [n, T, D]
-        if partial is not None:
-            assert partial.dtype == rows.buf.dtype, (
-                f"a {partial.dtype} running sum over a {rows.buf.dtype} bank"
-            )
+        src = rows.buf[:n]  # [n, T, D] (the op asserts the running sum's shape and dtype against it)
         ctx.rows, ctx.n, ctx.owned, ctx.eps, ctx.out_eps = rows, n, len(owned), eps, out_eps
         ctx.save_for_backward(query, norm_weight, out_weight, partial)
         # fp32 math by definition (autocast would run its scores' matmul in bf16); no autograd: the fast kernel

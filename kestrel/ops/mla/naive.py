@@ -188,7 +188,6 @@ def mla_attention_rows(
     c_kv, k_pe = kv.split([kv.shape[-1] - P, P], dim=-1)  # [B, R, Rk], [B, R, P]
     kvb = torch.nn.functional.linear(c_kv, kv_b_weight.to(c_kv.dtype)).view(B, R, H, Dn + v_dim)
     k_nope, v = kvb.split([Dn, v_dim], dim=-1)  # [B, R, H, Dn], [B, R, H, Dv]
-    out_dtype = q.dtype
     q = q.transpose(1, 2)  # [B, H, R, Dn + P]
     k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, R, H, P)], dim=-1).transpose(
         1, 2
@@ -202,4 +201,4 @@ def mla_attention_rows(
         o = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed[:, None], scale=scale
         )  # [B, H, R, Dv]
-    return o.transpose(1, 2).to(out_dtype)
+    return o.transpose(1, 2).to(q.dtype)
