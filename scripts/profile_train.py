@@ -211,15 +211,17 @@ def _host_profile(trainer: Trainer, timed: list, top: int) -> dict:
     return {"by_self": rows(2), "by_total": rows(3)}
 
 
+_NODE = "autograd::engine::evaluate_function: "  # the profiler's range around each backward node it runs
 _SITE_OPS = ("aten::cat", "aten::copy_", "aten::_to_copy", "aten::clone", "aten::index", "aten::index_put_")
 
 
 def _op_sites(trainer: Trainer, step: list, top: int) -> list:
     """Where the copying ops of one step come from: each call of `_SITE_OPS` counted by (op, first input's
-    shape, the innermost two kestrel functions around it, each as file(first line): name; "(autograd)" for
-    those autograd runs on its own thread on CUDA, the backward's formulas). A profile with stacks, so compiled
-    code stays compiled (a dispatch mode would turn torch.compile off, and flex attention's operator refuses
-    one). The profile's tables name an op and a shape, not its caller."""
+    shape, the innermost two kestrel functions around it, each as file(first line): name, up to the backward
+    node that ran it, "(backward) CatBackward0", if any: on CUDA autograd runs the backward on its own thread,
+    without Python frames; "(no kestrel frame)" for an op with neither). A profile
+    with stacks, so compiled code stays compiled (a dispatch mode would turn torch.compile off, and flex
+    attention's operator refuses one). The profile's tables name an op and a shape, not its caller."""
     import collections
     import functools
 
@@ -251,11 +253,14 @@ def _op_sites(trainer: Trainer, step: list, top: int) -> list:
             continue
         frames, up = [], e.cpu_parent  # with_stack: the Python calls are the op's ancestors, innermost first
         while up is not None and len(frames) < 2:
+            if up.name.startswith(_NODE):  # the backward node that ran it: the outermost name worth giving
+                frames.append(f"(backward) {up.name[len(_NODE) :]}")
+                break
             frame = in_kestrel(up.name) if ".py(" in up.name else None
             if frame is not None:
                 frames.append(frame)
             up = up.cpu_parent
-        site = " <- ".join(frames) or "(autograd)"
+        site = " <- ".join(frames) or "(no kestrel frame)"
         shape = str(e.input_shapes[0]) if e.input_shapes else "[]"
         counts[(e.name, shape, site)] += 1
     return [
@@ -286,27 +291,15 @@ def _phase(trainer: Trainer, steps: list, dense: bool, top: int) -> dict:
         print(f"{name}: step {times[-1]:.3f} s", flush=True)
     queued_s, issue_s = _queued(trainer, timed)
     print(f"{name}: queued steps {queued_s:.3f} s each (the host's issue {issue_s:.3f} s)", flush=True)
-    busy = _gpu_busy(trainer, timed) if torch.cuda.is_available() else None
-    if busy is not None:
+    cuda = torch.cuda.is_available()
+    busy = _diagnosis(_gpu_busy, trainer, timed) if cuda else None
+    if busy is not None and "error" not in busy:
         print(f"{name}: GPU busy {busy['busy_fraction']:.1%} of the queued steps' span", flush=True)
-    host = _host_profile(trainer, timed, top)
-    sites = _op_sites(trainer, steps[-1], 2 * top)
-    syncs = _host_syncs(trainer, steps[-1]) if torch.cuda.is_available() else None
-    if syncs is not None:
+    host = _diagnosis(_host_profile, trainer, timed, top)
+    sites = _diagnosis(_op_sites, trainer, steps[-1], 2 * top)
+    syncs = _diagnosis(_host_syncs, trainer, steps[-1]) if cuda else None
+    if syncs is not None and "error" not in syncs:
         print(f"{name}: {syncs['count']} host syncs in one step", flush=True)
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts, record_shapes=True) as prof:
-        trainer.train_step(steps[-1])
-        _sync()
-    from torch.autograd import DeviceType
-
-    events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]  # not the CPU ops that launched them
-    by_gpu = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:top]
-    by_calls = sorted(events, key=lambda e: e.count, reverse=True)[:top]
-    modules = [e for e in events if e.key.startswith("fwd::")]
     tokens = sum(b.input_ids.numel() for b in steps[0])  # a step's (every batch has batch_rows x row_len)
     return {
         "first_step_s": first_s,
@@ -319,6 +312,38 @@ def _phase(trainer: Trainer, steps: list, dense: bool, top: int) -> dict:
         "host_profile": host,
         "op_sites": sites,
         "host_syncs": syncs,
+        "profile": _diagnosis(_profiled_step, trainer, steps[-1], top),
+        "compiled_graphs": {"after_first_step": after_first, "after_phase": _compile_stats()},
+    }
+
+
+def _diagnosis(fn, *args):
+    """fn(*args), or {"error": ...} where it fails (out of memory, a profiler's limit): a diagnosis after the
+    timing must not lose the phase's measurements."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def _profiled_step(trainer: Trainer, step: list, top: int) -> dict:
+    """One step under the profiler (CPU and CUDA): its top kernels, the forward's modules, the most called
+    ops, the ops by shape, and the kernels' total time and launches."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts, record_shapes=True) as prof:
+        trainer.train_step(step)
+        _sync()
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]  # not the CPU ops that launched them
+    by_gpu = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    by_calls = sorted(events, key=lambda e: e.count, reverse=True)[:top]
+    modules = [e for e in events if e.key.startswith("fwd::")]
+    return {
         "top_gpu_kernels": [
             {"name": e.key[:90], "gpu_ms": e.self_device_time_total / 1e3, "calls": e.count} for e in by_gpu
         ],
@@ -334,7 +359,6 @@ def _phase(trainer: Trainer, steps: list, dense: bool, top: int) -> dict:
         "top_ops_by_shape": ops_by_shape(prof, top, time_key="gpu_ms"),
         "kernel_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
         "kernel_launches": sum(e.count for e in kernels),
-        "compiled_graphs": {"after_first_step": after_first, "after_phase": _compile_stats()},
     }
 
 
@@ -443,11 +467,10 @@ def main() -> None:
             )
             if torch.cuda.is_available():
                 result[phase]["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            if args.out:  # each phase as it ends: a later failure keeps the earlier phases
+                Path(args.out).write_text(json.dumps(result, indent=1))
     faulthandler.cancel_dump_traceback_later()
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
