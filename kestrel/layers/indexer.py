@@ -51,10 +51,13 @@ class Indexer(nn.Module):
         w = self.weights_proj(x).float() * self.n_heads**-0.5  # [T, HI]
         return q, w
 
-    def row_scores_triton(self, q_i, w_i, k_i, picks: torch.Tensor) -> torch.Tensor:
+    def row_scores_triton(
+        self, q_i, w_i, k_i, picks: torch.Tensor, starts: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`row_scores` of one row's queries `picks` through the prefill indexer kernel (the one inference
         scores with): the row's keys read once per block of queries, the heads summed on chip, NaN past each
-        query's position. q_i [R, HI, DI], w_i [R, HI], k_i [R, DI] -> [M, R] fp32. In place of the reference's
+        query's position and, with `starts` [M], before it (key tiles no query of a block sees are skipped).
+        q_i [R, HI, DI], w_i [R, HI], k_i [R, DI] -> [M, R] fp32. In place of the reference's
         per-head fp32 GEMM and three passes over [M, R] (about 3 ms a row of 8704 tokens of the demo model on
         the H200, most of sparse training's extra 60 ms a step, session 10's estimate)."""
         from kestrel.ops.dsa.triton_scores import indexer_scores_prefill_triton
@@ -66,7 +69,7 @@ class Indexer(nn.Module):
         # scores only (fp32 queries at mini's sizes would not fit its 3 stages in shared memory)
         return indexer_scores_prefill_triton(
             q_i[picks], k_i.contiguous(), pages, picks + 1, w_i[picks], self.scale, page_size=page,
-            block_s=64,
+            block_s=64, starts=starts,
         )  # fmt: skip
 
     def row_scores(self, q_i, w_i, k_i, picks: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,7 +24,7 @@ from kestrel.ops.dsa import (
     indexer_kl,
     indexer_scores,
     indexer_scores_batched,
-    selection_mask,
+    keep_selected_,
     topk_select,
 )
 from kestrel.ops.mla import mla_attention_absorbed, mla_attention_rows, mla_decode_batched, split_kv_b
@@ -289,25 +289,26 @@ class MLAttention(nn.Module):
 
     @torch.no_grad()  # the selection is not differentiable: no graph for the score matrix
     def _select_rows(self, ctx, q_i, w_i, k_i, allowed: torch.Tensor) -> None:
-        """Sparse training: narrow `allowed` [B, R, R] in place to each query's DSA top-k. Only queries with
-        more than top-k visible tokens (deep in a long document) can lose any, so only their rows are scored.
-        Which those are is read off the host's copy of the positions: no device sync in the loop."""
+        """Sparse training: narrow `allowed` [B, R, R] (the document-causal mask) in place to each query's DSA
+        top-k. Only queries with more than top-k visible tokens (deep in a long document) can lose any, so only
+        their rows are scored, over their own document's keys (NaN elsewhere). Which queries those are, and
+        where their documents start, is read off the host's copy of the positions: no device sync in the loop."""
         B, R, k = allowed.shape[0], allowed.shape[1], self.indexer.topk
-        flat, counts = _rows_to_score(ctx, B, R, k, allowed.device)
-        topk, triton = _topk_fn(allowed.device), _use_triton(allowed.device)
+        flat, first, counts = _rows_to_score(ctx, B, R, k, allowed.device)
+        topk, keep, triton = _topk_fn(allowed.device), _keep_fn(allowed.device), _use_triton(allowed.device)
         start = 0
         for b in range(B):
-            picks = flat[start : start + counts[b]]  # [M] query positions within row b
+            picks, starts = flat[start : start + counts[b]], first[start : start + counts[b]]  # [M] each
             start += counts[b]
             if counts[b] == 0:
                 continue
             if triton:
-                scores = self.indexer.row_scores_triton(q_i[b], w_i[b], k_i[b], picks)  # [M, R]
+                scores = self.indexer.row_scores_triton(q_i[b], w_i[b], k_i[b], picks, starts)  # [M, R]
             else:
                 scores = self.indexer.row_scores(q_i[b : b + 1], w_i[b : b + 1], k_i[b : b + 1], picks)[0]
-            visible = allowed[b, picks]  # [M, R]
-            chosen = selection_mask(topk(scores.masked_fill_(~visible, float("nan")), picks, k), R)
-            allowed[b, picks] = visible & chosen
+                cols = torch.arange(R, device=scores.device)
+                scores.masked_fill_((cols < starts[:, None]) | (cols > picks[:, None]), float("nan"))
+            keep(allowed[b], picks, topk(scores, picks, k))
 
     def _indexer_kl(self, q_nope, q_pe, kv_new, idx_rows, allowed, B, R, samples: int = 64) -> torch.Tensor:
         """KL of the indexer against the attention of a strided sample of queries per row (targets detached);
@@ -373,22 +374,35 @@ def _topk_fn(device: torch.device):
     return lambda scores, q_pos, k: kernel(scores, q_pos + 1, k)
 
 
+def _keep_fn(device: torch.device):
+    """`keep_selected_` for masks on `device`: the Triton kernel where the attention backend is Triton."""
+    if not _use_triton(device):
+        return keep_selected_
+    from kestrel.ops.dsa.triton_select import keep_selected_triton
+
+    return keep_selected_triton
+
+
 def _pick(scores_fn, q_pos: torch.Tensor, k: int) -> torch.Tensor:
     """The top-k of `scores_fn()` [t, L] for queries at q_pos [t] (a `_select` pick)."""
     return _topk_fn(q_pos.device)(scores_fn(), q_pos, k)
 
 
-def _rows_to_score(ctx, B: int, R: int, k: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+def _rows_to_score(
+    ctx, B: int, R: int, k: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, list]:
     """The queries sparse training must select for, per row: those whose position in the document is >= k
     (more than k visible tokens). Read off the host's positions, so no device sync; built once per forward
-    (ctx.extras) and shared by its MLA layers. Returns their positions within their rows, row after row, on
-    `device` ([sum(counts)]), and their count in each row ([B], host)."""
+    (ctx.extras) and shared by its MLA layers. Returns their positions within their rows, row after row, and
+    where their documents start within those rows, on `device` ([sum(counts)] each), and their count in each
+    row ([B], host)."""
     key = ("dsa_rows_to_score", k)
     cached = ctx.extras.get(key)
     if cached is None:
-        need = ctx.host_positions().view(B, R) >= k  # [B, R] (CPU)
-        flat = to_device_async(need.nonzero()[:, 1], device)  # one copy, not waiting for the stream
-        cached = ctx.extras[key] = (flat, need.sum(1).tolist())
+        positions = ctx.host_positions().view(B, R)  # [B, R] (CPU): each token's position in its document
+        rows, cols = (positions >= k).nonzero().unbind(1)
+        both = to_device_async(torch.stack([cols, cols - positions[rows, cols]]), device)  # one copy, no wait
+        cached = ctx.extras[key] = (both[0], both[1], torch.bincount(rows, minlength=B).tolist())
     return cached
 
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from kestrel.ops.dsa import by_position, indexer_scores_batched, topk_select
+from kestrel.ops.dsa import by_position, indexer_scores_batched, keep_selected_, topk_select
 from tests.ops.graph_check import assert_replay_matches_eager
 
 if not torch.cuda.is_available():
@@ -48,6 +48,7 @@ indexer_scores_triton, indexer_scores_paged_triton, indexer_scores_prefill_trito
     _scores.indexer_scores_prefill_triton,
 )
 topk_triton = _load("kestrel.ops.dsa.triton_topk").topk_triton
+keep_selected_triton = _load("kestrel.ops.dsa.triton_select").keep_selected_triton
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 NAN, INF = float("nan"), float("inf")
@@ -281,6 +282,64 @@ def test_prefill_scores_unfilled_past_every_row_then_topk():
     assert (got[~live] == 12345.0).all() and (~live).any()
     assert (cols < lens[:, None]).to(DEVICE)[~live].sum() == 0  # nothing visible was left out
     run_topk(got, lens, 7, **SMALL_TILES)
+
+
+@pytest.mark.parametrize("fill_past", [True, False])
+def test_prefill_scores_with_document_starts(fill_past):
+    """starts (training's packed rows): positions before each row's start are NaN as those past its length
+    are, the rest equal the scores without starts, and a key tile before every row's start of its block (rows
+    32-39: start 45, tiles of 16) is stored as NaN, not skipped; the top-k then selects inside the documents."""
+    page_size, maxp, HI, DI, t, first = 4, 21, 3, 24, 40, 5
+    _, pool, page_table, _, _ = paged_inputs([first + t - 1], page_size, maxp, HI, DI, seed=4)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(t, HI, DI, generator=g).to(torch.bfloat16)
+    w = torch.randn(t, HI, generator=g).to(torch.bfloat16)
+    lens = torch.arange(first, first + t)  # row r sees positions up to first - 1 + r
+    starts = torch.tensor([0] * 13 + [17] * 17 + [41] * 2 + [45] * 8)  # each row's document's first position
+    dev = [x.to(DEVICE) for x in (q, pool, page_table[0], lens, w)]
+    tiles = dict(page_size=page_size, block_m=16, block_s=16)
+    plain = indexer_scores_prefill_triton(*dev, 0.25, **tiles)
+    out = poisoned(tuple(plain.shape), torch.float32, 12345.0)
+    got = indexer_scores_prefill_triton(
+        *dev, 0.25, **tiles, starts=starts.to(DEVICE), fill_past=fill_past, out=out
+    )
+    cols = torch.arange(plain.shape[1])[None, :]
+    inside = ((cols >= starts[:, None]) & (cols < lens[:, None])).to(DEVICE)
+    seen = (cols < lens[:, None]).to(DEVICE)
+    torch.testing.assert_close(got[inside], plain[inside], rtol=0, atol=0)
+    assert got[seen & ~inside].isnan().all() and (seen & ~inside).sum() > 16 * 8
+    if fill_past:
+        assert got[~seen].isnan().all()
+    picked = topk_triton(got, lens.to(DEVICE), 7, **SMALL_TILES).cpu()
+    assert ((picked >= starts[:, None]) | (picked < 0)).all()
+    want = by_position(topk_select(torch.where(inside, plain, NAN).cpu(), lens - 1, 7))
+    assert torch.equal(picked, want)
+
+
+@pytest.mark.parametrize("k", [5, 16, 37])
+def test_keep_selected_matches_the_reference(k):
+    """keep_selected_triton: each picked row keeps only its True positions that its list names (-1 padding,
+    positions already False stay False), rows not picked are untouched; rows strided, picks unordered."""
+    g = torch.Generator().manual_seed(k)
+    N, L, M = 30, 70, 12
+    base = torch.rand(N, L + 9, generator=g) < 0.7
+    picks = torch.randperm(N, generator=g)[:M]
+    indices = torch.stack([torch.randperm(L, generator=g)[:k] for _ in range(M)])  # [M, k]
+    indices[torch.rand(M, k, generator=g) < 0.2] = -1
+    want = keep_selected_(base[:, :L].clone(), picks, indices)
+    big = base.to(DEVICE)
+    got = keep_selected_triton(big[:, :L], picks.to(DEVICE), indices.to(DEVICE))
+    assert got.data_ptr() == big.data_ptr()  # in place
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(big[:, L:].cpu(), base[:, L:])  # past the view: untouched
+    assert keep_selected_triton(big[:, :L], picks[:0].to(DEVICE), indices[:0].to(DEVICE)) is not None  # M = 0
+
+
+def test_keep_selected_reference_semantics():
+    """naive.keep_selected_: row 1 keeps {0, 3} of its True positions {0, 2, 3} (4 was never True; -1 pads)."""
+    mask = torch.tensor([[1, 1, 0, 1, 0], [1, 0, 1, 1, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)
+    keep_selected_(mask, torch.tensor([1]), torch.tensor([[0, 3, 4, -1]]))
+    assert mask.tolist() == [[1, 1, 0, 1, 0], [1, 0, 0, 1, 0], [0, 1, 1, 1, 1]]
 
 
 # ---------------------------------------------------------------- exact top-k

@@ -8,6 +8,7 @@ from kestrel.ops.dsa.naive import (
     indexer_kl,
     indexer_scores,
     indexer_scores_batched,
+    keep_selected_,
     selection_mask,
     topk_select,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "indexer_kl",
     "indexer_scores",
     "indexer_scores_batched",
+    "keep_selected_",
     "selection_mask",
     "topk_select",
 ]

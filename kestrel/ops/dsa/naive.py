@@ -91,6 +91,14 @@ def selection_mask(indices: torch.Tensor, length: int) -> torch.Tensor:
     return mask[:, :length]  # [T, length]
 
 
+def keep_selected_(mask: torch.Tensor, picks: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """In place: row picks[m] of mask [N, L] (bool) keeps only those of its True positions that indices[m] lists
+    ([M, k], -1 = unused); the other rows are left as they are. Sparse training's narrowing of a row's
+    visibility to the DSA selection. Returns mask."""
+    mask[picks] = mask[picks] & selection_mask(indices, mask.shape[1])
+    return mask
+
+
 def indexer_kl(attn_probs: torch.Tensor, index_scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """The DSA indexer's training loss (DeepSeek-V3.2): KL(p || softmax(I)) per query, summed over queries.
 

@@ -269,6 +269,7 @@ def _indexer_prefill_kernel(
     k_ptr,  # [rows, DI] the layer's paged index keys
     pages_ptr,  # [P] the sequence's pages
     lens_ptr,  # [T] each query row's causal length
+    starts_ptr,  # [T] each query row's first visible position (HAS_STARTS; else unused)
     key_scale_ptr,  # FP8 keys: [rows] fp32 per-token scales (else unused)
     out_ptr,  # [T, L] fp32
     scale,
@@ -289,17 +290,25 @@ def _indexer_prefill_kernel(
     KEY_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FILL_PAST: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
 ):
     """Scores of BM query rows of one sequence against BS of its key positions: the key tile is gathered once
-    and multiplied against every row's heads in turn ([BM, DP] x [DP, BS] on the tensor cores). Without
-    FILL_PAST a tile past every row's length stores nothing (its NaNs are not written)."""
-    s = tl.program_id(0) * BS + tl.arange(0, BS)  # [BS] key positions
+    and multiplied against every row's heads in turn ([BM, DP] x [DP, BS] on the tensor cores). A tile no row
+    sees (past every row's length, or before every row's start) is not computed: its NaNs are stored, except
+    past every row's length without FILL_PAST."""
+    lo = tl.program_id(0) * BS
+    s = lo + tl.arange(0, BS)  # [BS] key positions
     r = tl.program_id(1) * BM + tl.arange(0, BM)  # [BM] query rows
     rmask = r < T
     n = tl.minimum(tl.load(lens_ptr + r, mask=rmask, other=0), L)  # [BM] visible positions of each row
+    if HAS_STARTS:
+        n0 = tl.load(starts_ptr + r, mask=rmask, other=L)  # [BM] the first of them
+    else:
+        n0 = tl.zeros([BM], dtype=tl.int64)
     d = tl.arange(0, DP)
     acc = tl.zeros([BM, BS], dtype=tl.float32)
-    live = tl.program_id(0) * BS < tl.max(n, axis=0)
+    past = lo >= tl.max(n, axis=0)
+    live = (lo + BS > tl.min(n0, axis=0)) & (lo < tl.max(n, axis=0))
     if live:  # a key of this tile is visible to one of the rows
         kvalid = s < tl.max(n, axis=0)
         page = tl.load(pages_ptr + s // page_size, mask=kvalid, other=0)
@@ -327,10 +336,10 @@ def _indexer_prefill_kernel(
         acc = acc * scale
         if KEY_SCALE:  # relu(q . (c k)) = c relu(q . k) for c > 0: the key's scale applies after the sum
             acc = acc * tl.load(key_scale_ptr + rows, mask=kvalid, other=1.0)[None, :]
-    out = tl.where(s[None, :] < n[:, None], acc, float("nan"))
+    out = tl.where((s[None, :] < n[:, None]) & (s[None, :] >= n0[:, None]), acc, float("nan"))
     store = rmask[:, None] & (s[None, :] < L)
     if not FILL_PAST:
-        store = tl.where(live, store, False)
+        store = tl.where(past, False, store)
     tl.store(out_ptr + r[:, None].to(tl.int64) * stride_ot + s[None, :], out, mask=store)
 
 
@@ -350,6 +359,7 @@ def indexer_scores_prefill_triton(
     num_warps: int = PREFILL_WARPS,
     num_stages: int = PREFILL_STAGES,
     fill_past: bool = True,
+    starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill indexer scores of one sequence's T query rows over its paged keys, each row with its causal
     length: q_idx [T, HI, DI], k_pool [rows, DI] (FP8 with `key_scale` as in `indexer_scores_paged_triton`),
@@ -359,7 +369,9 @@ def indexer_scores_prefill_triton(
     for a consumer that reads each row's first lens[t] only, as `topk_triton` does (it saves a prefill of T
     rows about T^2 / 2 x 4 bytes of writes). block_s None: PREFILL_BLOCK_S for 16-bit dots, 64 where the dot
     runs in fp32 (twice the bytes a tile: at mini's 128-wide heads, 64 x 128 fp32 tiles in 3 stages would need
-    ~288 KiB of shared memory, past the H200's 227 KiB).
+    ~288 KiB of shared memory, past the H200's 227 KiB). `starts` [T] (training's packed rows: each query's
+    document begins there) makes the positions before starts[t] NaN too, and a key tile before every row's
+    start of its block is not computed.
 
     The decode kernel run with every prefill token as a row reads the sequence's keys once per token (T x L x
     2 DI bytes: ~45 ms of an 8 x 4096-token prefill step of `mini` on the H200); here a key tile is read once
@@ -368,6 +380,7 @@ def indexer_scores_prefill_triton(
     assert weights.shape == (T, HI) and lens.shape == (T,), (
         f"weights {tuple(weights.shape)}, lens {tuple(lens.shape)}"
     )
+    assert starts is None or starts.shape == (T,), f"starts {tuple(starts.shape)}"
     assert pages.dim() == 1 and k_pool.dim() == 2 and k_pool.shape[1] == DI, f"pages {tuple(pages.shape)}"
     assert q_idx.stride(-1) == 1 and weights.stride(-1) == 1 and k_pool.stride(-1) == 1
     L = pages.shape[0] * page_size
@@ -390,6 +403,7 @@ def indexer_scores_prefill_triton(
         k_pool,
         pages.contiguous(),
         lens.to(torch.int64),
+        lens if starts is None else starts.to(torch.int64),  # a placeholder pointer without starts
         key_scale if fp8 else lens,  # a placeholder pointer without FP8 keys
         out,
         float(scale),
@@ -410,6 +424,7 @@ def indexer_scores_prefill_triton(
         KEY_SCALE=fp8,
         DOT_PRECISION="ieee" if upcast else "tf32",
         FILL_PAST=fill_past,
+        HAS_STARTS=starts is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
