@@ -9,7 +9,11 @@
 #   rows3       --batch-rows 3: half as much GPU work again for the same host work a step (session 30: the host
 #               sets the pace at 2 rows, the GPU idle 14-25% of a step; 3 rows: x1.20-1.24, 124 GiB at the peak)
 #   rows3_accum2  both: at 3 rows the GPU sets the pace (busy 94-98%), so AdamW's ~32 ms a step, paid once for
-#               two batches, is GPU time saved (at 2 rows accumulation saved none: the host's time a batch stays)
+#               two batches, is GPU time saved (at 2 rows accumulation saved none: the host's time a batch stays;
+#               session 31: 26.0% / 24.9%, then out of memory in its profile, before the grouped experts' saving)
+#   rows4       --batch-rows 4: fits only with the grouped experts keeping x, not its gathered rows, for their
+#               backward (session 31, estimated: 15-19 GB less at 3 rows, not yet measured; 3 rows peaked at
+#               125 GiB before)
 #   kda_recompute         KESTREL_KDA_SAFE_GATE=0 KESTREL_KDA_NO_RECOMPUTE=0: fla's general-gate kernels, and the
 #                         backward recomputing the forward's intermediates (the defaults before session 29, whose
 #                         measurement made both on the default: 0.579 -> 0.511 s)
@@ -35,6 +39,7 @@ one() {  # one NAME: the options of that variant, then its profile
         base) ;;
         rows3) rows=3 ;;
         rows3_accum2) rows=3 extra=(--grad-accum 2) ;;
+        rows4) rows=4 ;;
         accum2) extra=(--grad-accum 2) ;;
         accum4) extra=(--grad-accum 4) ;;
         kda_recompute) envs=(KESTREL_KDA_SAFE_GATE=0 KESTREL_KDA_NO_RECOMPUTE=0) ;;

@@ -25,13 +25,17 @@ from kestrel.utils.fuse import for_training
 
 def _grouped_linear_fallback(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Row r of group g (offs[g - 1] <= r < offs[g]) times w[g].T. a [M, K], w [E, N, K] -> [M, N]."""
-    row = torch.arange(a.shape[0], device=a.device, dtype=offs.dtype)  # [M]
-    group = torch.searchsorted(offs, row, right=True)  # [M]  rows past offs[-1] get group E: left at zero
+    group = _row_groups(offs, a.shape[0])  # [M]  rows past offs[-1] get group E: left at zero
     out = a.new_zeros(a.shape[0], w.shape[1])  # [M, N]
     for e in range(w.shape[0]):
         # torch.where, not a multiply by the mask: another group's overflow (inf, NaN) must not leak in.
         out = torch.where((group == e)[:, None], F.linear(a, w[e]), out)  # [M, N]
     return out
+
+
+def _row_groups(offs: torch.Tensor, M: int) -> torch.Tensor:
+    """[M]: the group of each of M rows by the cumulative ends offs [E] (rows past offs[-1]: E, no group)."""
+    return torch.searchsorted(offs, torch.arange(M, device=offs.device, dtype=offs.dtype), right=True)
 
 
 def _use_grouped_mm(a: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -91,9 +95,12 @@ def moe_experts_grouped(
     if training or not triton_combine:
         inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
-    # [M, Din]: each pair's token row (in training through _PairRows, whose backward is a gather)
-    rows = _PairRows.apply(x, order, inv, A) if training else x[order // A]
-    gate_up = _grouped_linear(rows, w13, offs, use_grouped_mm)  # [M, 2I]
+    # [M, 2I]: each pair's token row x[order // A] times its expert's up-projection (in training through
+    # _GatherUp, which keeps x, not those rows, for its backward)
+    if training:
+        gate_up = _GatherUp.apply(x, w13, order, inv, offs, A, use_grouped_mm)
+    else:
+        gate_up = _grouped_linear(x[order // A], w13, offs, use_grouped_mm)
     h = glu_act(gate_up, act, situ_beta, situ_linear_beta)  # [M, I]
     y = _grouped_linear(h, w2, offs, use_grouped_mm)  # [M, Din]
     if triton_combine:
@@ -103,22 +110,45 @@ def moe_experts_grouped(
     return combine_pairs(y, order, inv, weights, ids, E).to(x.dtype)
 
 
-class _PairRows(torch.autograd.Function):
-    """x[order // A]: each (token, slot) pair's token row, expert-major. Its backward gathers each token's A rows
-    (by inv) and sums them, one kernel where compiled, instead of autograd's accumulating scatter into x's rows (a
-    sort, then a scatter: 13 ms a step on `mini` at two rows) or a copy back to pair order and a sum (21 ms)."""
+class _GatherUp(torch.autograd.Function):
+    """_grouped_linear(x[order // A], w13, offs): each (token, slot) pair's token row, expert-major, times its
+    expert's up-projection. For its backward it keeps x [T, Din], not the gathered rows [M, Din] (A times x's
+    size; on `mini` at 3 rows of 8704, 642 MB a layer, 15 GB a step), and gathers them again for the weights'
+    gradient. x's gradient gathers each token's A rows (by inv) and sums them, one kernel where compiled, instead
+    of autograd's accumulating scatter into x's rows (a sort, then a scatter: 13 ms a step on `mini` at two rows)
+    or a copy back to pair order and a sum (21 ms)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, A: int) -> torch.Tensor:
-        ctx.save_for_backward(inv)
-        ctx.A = A
-        return x[order // A]
+    def forward(ctx, x, w13, order, inv, offs, A: int, grouped_mm: bool) -> torch.Tensor:
+        ctx.save_for_backward(x, w13, order, inv, offs)
+        ctx.A, ctx.grouped_mm = A, grouped_mm
+        return _grouped_linear(x[order // A], w13, offs, grouped_mm)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        (inv,) = ctx.saved_tensors
-        return for_training(_sum_slots, grad)(grad, inv, ctx.A), None, None, None
+        x, w13, order, inv, offs = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:  # [M, Din] rows' gradients, then each token's A of them summed
+            rows = _grouped_linear(grad, w13.transpose(1, 2), offs, ctx.grouped_mm)
+            grad_x = for_training(_sum_slots, rows)(rows, inv, ctx.A)
+        if ctx.needs_input_grad[1]:
+            grad_w = _grouped_weight_grad(
+                grad, x[order // ctx.A].to(grad.dtype), offs, w13.shape[0], ctx.grouped_mm
+            )
+            grad_w = grad_w.to(w13.dtype)
+        return grad_x, grad_w, None, None, None, None, None
+
+
+def _grouped_weight_grad(grad: torch.Tensor, a: torch.Tensor, offs: torch.Tensor, E: int, grouped_mm: bool):
+    """The weights' gradient of _grouped_linear(a, w, offs): [E, N, K], group g's grad[rows of g].T @ a[rows of g]
+    (grad [M, N], a [M, K], rows past offs[-1] in no group), in grad's dtype."""
+    if grouped_mm:
+        return torch._grouped_mm(grad.t(), a, offs=offs)  # [N, M] x [M, K] in groups along M
+    group = _row_groups(offs, a.shape[0])
+    mine = [(group == e)[:, None] for e in range(E)]
+    # torch.where, not a product with the mask: another group's rows (inf, NaN) must not leak in
+    return torch.stack([torch.where(m, grad, 0).t() @ torch.where(m, a, 0) for m in mine])
 
 
 def _sum_slots(rows: torch.Tensor, inv: torch.Tensor, A: int) -> torch.Tensor:
