@@ -45,10 +45,10 @@ class TrainConfig:
     # tokens) among 271; 0.2 gives 8.7 among 196 (the rows are full of long documents already)
     retrieval_weight: float = 0.1
     # share of retrieval training problems in which a distractor's code shares its first 1-4 digits with the
-    # asked one (tasks.Retrieval); held-out sets keep none
+    # asked one (train.retrieval.Retrieval); held-out sets keep none
     retrieval_shared_prefix: float = 0.0
     # (lo, hi): distractor facts per retrieval training problem, drawn uniformly; None keeps the level's (1-3);
-    # hi <= 32, tasks.Retrieval.MAX_DISTRACTORS
+    # hi <= 32, train.retrieval.Retrieval.MAX_DISTRACTORS
     retrieval_distractors: tuple[int, int] | None = None
     # a shared-prefix problem (retrieval_shared_prefix) gives every distractor a shared prefix, not one
     retrieval_shared_all: bool = False

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kestrel.tokenizer import Tokenizer
-from kestrel.train.tasks import Example
+from kestrel.train.family import Example
 
 END_OF_TURN = "<|im_end|>"
 

@@ -4,7 +4,7 @@ Dimension letters: B rows per batch, T tokens per row, N documents (plus one pad
 
 - `Mixture.example(seed, index)` is a pure function of (seed, index): the family is picked by a hash of both,
   then the family generates from the same pair. Train uses seeds `[0, HELDOUT_SEED_OFFSET)`, held-out the same
-  seeds shifted by `HELDOUT_SEED_OFFSET`; see `kestrel.train.tasks` for why their prompts never overlap.
+  seeds shifted by `HELDOUT_SEED_OFFSET`; see `kestrel.train.family` for why their prompts never overlap.
 - `PackedBatches` packs documents first-fit from a small look-ahead buffer into rows of exactly T tokens; a
   document never crosses rows, the rest of a row is padding with loss mask 0. Documents longer than T are
   skipped (`num_skipped` counts them). Its state (next index, buffered indices) resumes the exact stream.
@@ -27,7 +27,9 @@ import torch
 
 from kestrel.tokenizer import Tokenizer, load_tokenizer
 from kestrel.train.chat_format import assistant_text, render
-from kestrel.train.tasks import HELDOUT_SEED_OFFSET, Example, Family, Retrieval, derive_seed, make_family
+from kestrel.train.family import HELDOUT_SEED_OFFSET, Example, Family, derive_seed
+from kestrel.train.retrieval import Retrieval
+from kestrel.train.tasks import make_family
 
 # Per document; a 2K-token retrieval document weighs about 20 arithmetic ones in tokens.
 DEFAULT_WEIGHTS = dict(chain_sum=1.0, basic_arithmetic=1.0, gsm_symbolic=1.0, countdown=1.0, retrieval=0.1)
@@ -51,9 +53,9 @@ class MixtureConfig:
     system: str | None = None  # an optional system message in every conversation
     # the share of retrieval problems with a distractor whose code shares the asked code's first digits
     retrieval_shared_prefix: float = 0.0
-    # (lo, hi): the number of distractor facts per retrieval problem, over the level's (tasks.Retrieval)
+    # (lo, hi): the number of distractor facts per retrieval problem, over the level's (retrieval.Retrieval)
     retrieval_distractors: tuple[int, int] | None = None
-    # a shared-prefix problem gives every distractor a shared prefix, not one (tasks.Retrieval)
+    # a shared-prefix problem gives every distractor a shared prefix, not one (retrieval.Retrieval)
     retrieval_shared_all: bool = False
     # family -> weight of its documents' loss tokens in the weighted mean loss (1.0 where absent); unlike
     # `weights` it costs no compute: it shifts the gradient toward a family without drawing more of it

@@ -3,7 +3,7 @@
 Every family has `generate(seed, index) -> Example`, deterministic for (seed, index), and `check(meta, answer)`;
 the module-level `verify(example_or_meta, completion)` pulls the last `Answer: ...` line out of a completion
 and scores it. Four families wrap reasoning-gym generators and add worked steps a small model can imitate;
-`retrieval` (long context) is written here.
+`retrieval` (long context) is Kestrel's own, in `kestrel.train.retrieval`.
 
 Difficulty: each family has one knob, `level`, naming a preset in its `LEVELS` table:
 
@@ -16,110 +16,23 @@ Difficulty: each family has one knob, `level`, naming a preset in its `LEVELS` t
 
 (* = the default level.) Retrieval's other knob is `context_tokens` per call: 2K is easy, 8K medium, 32K hard.
 
-Held-out split: seeds at or above `HELDOUT_SEED_OFFSET` are the held-out namespace. Small problem spaces
-(a 3-term 1-digit chain sum) would repeat across any two seed ranges, so a problem's identity (its `key`, e.g.
-the expression) is also hashed into one of `HELDOUT_BUCKETS` buckets: held-out seeds only produce problems of
-bucket 0, train seeds never do. Train and held-out prompts are therefore disjoint at any sample size.
+The held-out split and what every family builds on: `kestrel.train.family`; `retrieval`: `kestrel.train.retrieval`.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
-import hashlib
 import operator
-import random
 import re
-from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from kestrel.train.filler import FillerStream, person_name
+from kestrel.train.family import Draft, Example, Family
+from kestrel.train.retrieval import Retrieval
 
-HELDOUT_SEED_OFFSET = 10**9
-HELDOUT_BUCKETS = 8
-_MAX_ATTEMPTS = 1000
 _LONG_DECIMAL = re.compile(r"\d\.\d{4,}")
 _ANSWER_LINE = re.compile(r"^\s*Answer:[ \t]*(.*?)\s*$", re.MULTILINE)
-
-
-@dataclass(frozen=True)
-class Example:
-    family: str
-    prompt: str
-    reasoning: str  # worked steps, without the final answer line
-    answer: str
-    meta: dict[str, Any] = field(default_factory=dict)  # JSON-serializable; holds what `verify` needs
-    # A tail of `prompt` that training also predicts (the retrieval question: its name must be copied from the
-    # facts, the skill the answer needs); "" trains on the assistant turn only.
-    trained_prompt_tail: str = ""
-
-    def __post_init__(self):
-        if not self.prompt.endswith(self.trained_prompt_tail):
-            raise ValueError(f"trained_prompt_tail {self.trained_prompt_tail!r} is not a tail of the prompt")
-
-
-@dataclass(frozen=True)
-class _Draft:
-    """A drawn problem before rendering; `key` is its identity for the train / held-out partition."""
-
-    key: str
-    data: dict[str, Any]
-
-
-def is_heldout_seed(seed: int) -> bool:
-    if seed < 0:
-        raise ValueError(f"seeds are non-negative, got {seed}")
-    return seed >= HELDOUT_SEED_OFFSET
-
-
-def derive_seed(*parts) -> int:
-    """A 64-bit seed from any reprable parts, stable across processes (unlike `hash`)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
-def _in_heldout_bucket(key: str) -> bool:
-    return derive_seed("split", key) % HELDOUT_BUCKETS == 0
-
-
-class Family:
-    """A task family: draw a problem from a derived seed, keep it if it falls on the seed's side of the split,
-    render its prompt, steps and answer."""
-
-    name: ClassVar[str]
-    LEVELS: ClassVar[dict[str, dict[str, Any]]]
-    DEFAULT_LEVEL: ClassVar[str]
-
-    def __init__(self, level: str | None = None):
-        self.level = level or self.DEFAULT_LEVEL
-        if self.level not in self.LEVELS:
-            raise ValueError(f"{self.name}: unknown level {self.level!r}; choose from {sorted(self.LEVELS)}")
-        self.settings = self.LEVELS[self.level]
-
-    def generate(self, seed: int, index: int, **kwargs) -> Example:
-        heldout = is_heldout_seed(seed)
-        for attempt in range(_MAX_ATTEMPTS):
-            draft = self._draw(derive_seed(self.name, seed, index, attempt))
-            if draft is not None and _in_heldout_bucket(draft.key) == heldout:
-                return self._finish(draft, **kwargs)
-        raise RuntimeError(f"{self.name}: no problem found for seed {seed}, index {index}")
-
-    def _draw(self, sub_seed: int) -> _Draft | None:
-        """A problem, or None when the level's filter rejects it."""
-        raise NotImplementedError
-
-    def _finish(self, draft: _Draft, **kwargs) -> Example:
-        raise NotImplementedError
-
-    def check(self, meta: dict, answer: str) -> bool:
-        raise NotImplementedError
-
-    def _example(
-        self, prompt: str, reasoning: str, answer: str, trained_prompt_tail: str = "", **meta
-    ) -> Example:
-        meta = {"family": self.name, "level": self.level, "answer": answer, **meta}
-        return Example(self.name, prompt, reasoning, answer, meta, trained_prompt_tail)
 
 
 # ---- arithmetic helpers -------------------------------------------------------------------------------------
@@ -211,7 +124,7 @@ class ChainSum(_ReasoningGymFamily):
 
     def _draw(self, sub_seed):
         entry = self._entry(sub_seed, **self.settings)
-        return _Draft(entry["metadata"]["expression"], entry)
+        return Draft(entry["metadata"]["expression"], entry)
 
     def _finish(self, draft):
         expression = draft.key
@@ -246,7 +159,7 @@ class BasicArithmetic(_ReasoningGymFamily):
     def _draw(self, sub_seed):
         config = dict(operators=("+", "-", "*"), allow_parentheses=False, allow_negation=False)
         entry = self._entry(sub_seed, **self.settings, **config)
-        return _Draft(entry["metadata"]["expression"], entry)
+        return Draft(entry["metadata"]["expression"], entry)
 
     def _finish(self, draft):
         terms = draft.key.split()
@@ -285,7 +198,7 @@ class GsmSymbolic(_ReasoningGymFamily):
             return None
         if _int_answer(entry["answer"]) is None or _LONG_DECIMAL.search(entry["question"] + "\n".join(steps)):
             return None  # a few templates print float noise such as 27.916666666666668
-        return _Draft(entry["question"], {**entry, "steps": steps})
+        return Draft(entry["question"], {**entry, "steps": steps})
 
     def _finish(self, draft):
         return self._example(draft.key, "\n".join(draft.data["steps"]), draft.data["answer"])
@@ -315,7 +228,7 @@ class Countdown(_ReasoningGymFamily):
         if value != target or any("/" in s.split("=")[1] for s in steps):  # keep integer intermediates only
             return None
         key = f"{sorted(numbers)} -> {target}"
-        return _Draft(key, {"entry": entry, "expression": expression, "steps": steps})
+        return Draft(key, {"entry": entry, "expression": expression, "steps": steps})
 
     def _finish(self, draft):
         entry = draft.data["entry"]
@@ -327,134 +240,6 @@ class Countdown(_ReasoningGymFamily):
     def check(self, meta, answer):
         entry = {"answer": meta["answer"], "metadata": {"numbers": meta["numbers"], "target": meta["target"]}}
         return _scorer(self.rg_name).score_answer(answer, entry) == 1.0
-
-
-class Retrieval(Family):
-    """Long-context lookup: facts `The code of <name> is <5-digit number>.` scattered over seeded filler text,
-    the question `What is the code of <name>?` at the end, and distractor facts about other people.
-
-    Length: with a `tokenizer` the prompt is fitted to `context_tokens` tokens of it (within `TOLERANCE`);
-    without one, characters are counted at `CHARS_PER_TOKEN` per token, about what the demo's 8K BPE gives on
-    this filler.
-
-    `shared_prefix` (training only; held-out sets keep 0): the share of problems in which one distractor's code
-    starts with the same 1-4 digits as the asked code. The demo model copies a code digit by digit and, where
-    another code shares its first digit, half the time goes on with that code instead (session 10's diagnosis,
-    scripts/retrieval_diagnosis.py); these problems make the rest of the code depend on where it was found.
-
-    `shared_all` (training only): a shared-prefix problem gives every distractor a code sharing 1-4 of the asked
-    code's first digits (each its own length), so that copying on from the previous digit is ambiguous at every
-    shared digit and only the name tells the codes apart.
-
-    `distractors` (training only): (lo, hi) overrides the level's number of distractor facts, drawn uniformly;
-    more distractors make more of the codes share the asked code's first digit by chance (with 8, 61% of problems)."""
-
-    name = "retrieval"
-    LEVELS = {
-        "easy": dict(distractors=(1, 1), related_names=False),
-        "medium": dict(distractors=(1, 3), related_names=False),
-        "hard": dict(distractors=(3, 3), related_names=True),
-    }
-    DEFAULT_LEVEL = "medium"
-    MAX_DISTRACTORS = 32
-    CHARS_PER_TOKEN = 5.0
-    TOLERANCE = 0.03
-    HEAD = "Read the text below and answer the question at the end.\n\n"
-
-    def __init__(
-        self,
-        level: str | None = None,
-        tokenizer=None,
-        context_tokens: int = 2048,
-        shared_prefix: float = 0.0,
-        distractors: tuple[int, int] | None = None,
-        shared_all: bool = False,
-    ):
-        super().__init__(level)
-        if not 0.0 <= shared_prefix <= 1.0:
-            raise ValueError(f"retrieval: shared_prefix {shared_prefix} must be in [0, 1]")
-        if distractors is not None:
-            lo, hi = distractors
-            if not 1 <= lo <= hi <= self.MAX_DISTRACTORS:
-                raise ValueError(
-                    f"retrieval: distractors {lo},{hi} must satisfy 1 <= lo <= hi <= {self.MAX_DISTRACTORS}"
-                )
-            self.settings = {**self.settings, "distractors": (lo, hi)}
-        self.tokenizer = tokenizer
-        self.context_tokens = context_tokens
-        self.shared_prefix = shared_prefix
-        self.shared_all = shared_all
-
-    def _draw(self, sub_seed):
-        rng = random.Random(sub_seed)
-        first, last = person_name(rng)
-        lo, hi = self.settings["distractors"]
-        others: list[tuple[str, str]] = []
-        count = rng.randint(lo, hi)
-        while len(others) < count:
-            other = person_name(rng)
-            if self.settings["related_names"]:  # share the first or the family name with the asked person
-                other = (first, other[1]) if rng.random() < 0.5 else (other[0], last)
-            if other != (first, last) and other not in others:
-                others.append(other)
-        codes = rng.sample(range(10000, 100000), 1 + len(others))
-        # no draw at 0: held-out sets stay as they were
-        if self.shared_prefix and rng.random() < self.shared_prefix:
-            if self.shared_all:
-                for i in range(1, len(codes)):
-                    codes[i] = _code_sharing_prefix(rng, codes, rng.randint(1, 4))
-            else:  # (the right side draws first: the stream of runs 4-6)
-                codes[rng.randrange(1, len(codes))] = _code_sharing_prefix(rng, codes, rng.randint(1, 4))
-        names = [f"{first} {last}"] + [f"{a} {b}" for a, b in others]
-        return _Draft(f"{names[0]}={codes[0]}", {"names": names, "codes": codes, "seed": rng.getrandbits(64)})
-
-    def _finish(self, draft, context_tokens: int | None = None):
-        context_tokens = context_tokens or self.context_tokens
-        names, codes = draft.data["names"], draft.data["codes"]
-        rng = random.Random(draft.data["seed"])
-        facts = [f"The code of {n} is {c}." for n, c in zip(names, codes)]
-        rng.shuffle(facts)
-        places = [rng.random() for _ in facts]  # relative positions in the filler
-        question = f"\n\nQuestion: What is the code of {names[0]}?"
-        filler = FillerStream(rng)
-
-        def render(n: int) -> str:
-            parts = [self.HEAD]
-            slots = sorted(zip((int(p * n) for p in places), facts))
-            for i, (s, sep) in enumerate(filler.sentences(n)):
-                while slots and slots[0][0] == i:
-                    parts.append(slots.pop(0)[1] + " ")
-                parts.append(s + sep)
-            parts.extend(f + " " for _, f in slots)
-            return "".join(parts).rstrip() + question
-
-        fixed_chars = len(self.HEAD) + len(question) + sum(len(f) + 1 for f in facts)
-        n = filler.count_for_chars(max(1, int(context_tokens * self.CHARS_PER_TOKEN) - fixed_chars))
-        prompt = render(n)
-        if self.tokenizer is not None:  # rescale the sentence count by the measured tokens per sentence
-            for _ in range(6):
-                length = len(self.tokenizer.encode(prompt))
-                if abs(length - context_tokens) <= self.TOLERANCE * context_tokens:
-                    break
-                n = max(1, round(n * context_tokens / length))
-                prompt = render(n)
-        reasoning = f"The text says: The code of {names[0]} is {codes[0]}."
-        return self._example(
-            prompt, reasoning, str(codes[0]), question.lstrip(), name=names[0], context_tokens=context_tokens
-        )
-
-    def check(self, meta, answer):
-        return answer.strip() == meta["answer"]
-
-
-def _code_sharing_prefix(rng: random.Random, codes: list[int], n: int) -> int:
-    """A 5-digit code that starts with exactly the first n digits of codes[0] and is none of `codes`."""
-    asked = str(codes[0])
-    while True:
-        nxt = rng.choice([d for d in "0123456789" if d != asked[n]])  # the first digit that differs
-        code = int(asked[:n] + nxt + "".join(rng.choice("0123456789") for _ in range(4 - n)))
-        if code not in codes:
-            return code
 
 
 FAMILIES: dict[str, type[Family]] = {

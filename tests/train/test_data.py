@@ -22,7 +22,8 @@ from kestrel.train.data import (
     split_seed,
     write_corpus,
 )
-from kestrel.train.tasks import FAMILIES, HELDOUT_SEED_OFFSET, Example, extract_answer, make_family, verify
+from kestrel.train.family import HELDOUT_SEED_OFFSET, Example
+from kestrel.train.tasks import FAMILIES, extract_answer, make_family, verify
 
 ARITHMETIC = ["chain_sum", "basic_arithmetic", "gsm_symbolic", "countdown"]
 SMALL_RETRIEVAL = dict(context_tokens=256)
