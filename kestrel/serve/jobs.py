@@ -1,0 +1,139 @@
+"""What the HTTP layer keeps per server and per request: `Server` (the engine, the tokenizer, the served name,
+the API key, the metrics; model and key checks, encoding and submission with their HTTP errors) and `Job` (the
+engine requests behind one HTTP request and their choices as they stream)."""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from kestrel.engine.async_engine import AsyncEngine, EngineDead, Overloaded, RequestGroup
+from kestrel.engine.engine import RequestError
+from kestrel.engine.outputs import StepOutput
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.serve.choice import ChoiceState
+from kestrel.serve.errors import APIError, bad_request
+from kestrel.serve.metrics import ServerMetrics
+from kestrel.serve.protocol import child_params
+
+RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait
+
+
+class Job:
+    """The engine requests behind one HTTP request: prompts x n choices, choice index = prompt * n + sample."""
+
+    def __init__(
+        self,
+        server: Server,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        prefixes: list[str] | None = None,
+        field_names: dict[str, str] | None = None,
+    ):
+        """`field_names`: the request's names for the engine's `prompt` and `max_tokens`, for error bodies."""
+        children = child_params(params)
+        self.server, self.prompts = server, prompts
+        self.id = uuid.uuid4().hex
+        items = [(prompt, child) for prompt in prompts for child in children]
+        self.group: RequestGroup = server.submit(items, self.id, field_names or {})
+        prefixes = prefixes or [""] * len(prompts)
+        self.choices = [
+            ChoiceState(server.tokenizer, prompt, child, prefix)
+            for prompt, prefix in zip(prompts, prefixes)
+            for child in children
+        ]
+        self._prompt_of = [i for i in range(len(prompts)) for _ in children]
+
+    async def events(self) -> AsyncIterator[tuple[int, str, StepOutput, ChoiceState]]:
+        """(choice index, new text, the engine output, the choice) for each output, until all finish."""
+        metrics, arrival = self.server.metrics, self.group.arrival_time
+        try:
+            async for index, out in self.group:
+                choice = self.choices[index]
+                if choice.finished:
+                    continue
+                first, last = choice.first_token_time, choice.last_token_time
+                piece = choice.update(out)
+                metrics.on_tokens(arrival, first, last, len(out.new_token_ids))
+                if choice.finished:
+                    metrics.on_finished(arrival, out.num_prompt_tokens, choice.finish_reason)
+                    if not out.finished:  # a stop string found here first
+                        self.group.abort(index)
+                yield index, piece, out, choice
+        except EngineDead:
+            self._count_unfinished("error")
+            raise
+        finally:
+            self._count_unfinished("abort")  # the client went away
+            self.group.close()
+
+    def _count_unfinished(self, reason: str) -> None:
+        for index, choice in enumerate(self.choices):
+            if not choice.finished:
+                choice.finished, choice.finish_reason = True, reason
+                self.server.metrics.on_finished(self.group.arrival_time, self.prompt_len(index), reason)
+
+    async def drain(self) -> None:
+        async for _ in self.events():
+            pass
+
+    def prompt_len(self, index: int) -> int:
+        return len(self.prompts[self._prompt_of[index]])
+
+    def usage(self) -> dict:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class Server:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None):
+        self.engine, self.model_name, self.api_key = engine, served_model_name, api_key
+        self.tokenizer = engine.engine.tokenizer
+        self.metrics = ServerMetrics(engine.stats)
+        self.created = int(time.time())
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def encode(self, text: str, param: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text)
+        except ValueError as e:
+            raise bad_request(str(e), param=param) from None
+
+    def submit(self, items, request_id: str, field_names: dict[str, str]) -> RequestGroup:
+        try:
+            return self.engine.submit(items, request_id)
+        except RequestError as e:
+            raise bad_request(str(e), param=field_names.get(e.param, e.param), code=e.code) from None
+        except Overloaded as e:
+            raise APIError(
+                503, str(e), code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}
+            ) from None
+        except EngineDead as e:
+            raise APIError(503, str(e), code="engine_unavailable") from None
+
+    async def check_key(self, request: Request) -> None:  # async: FastAPI runs sync dependencies in threads
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "missing or invalid API key (send Authorization: Bearer <key>)",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )

@@ -1,0 +1,144 @@
+"""The response bodies of the HTTP layer: the OpenAI chat and completion streams (SSE chunks, `data: [DONE]` at
+the end, an error event instead of a cut connection), the native /generate result and stream, and the shared
+head of every OpenAI body."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from kestrel.engine.async_engine import EngineDead
+from kestrel.serve.choice import chat_logprobs, completion_logprobs
+from kestrel.serve.errors import error_body
+from kestrel.serve.jobs import Job, Server
+from kestrel.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+
+log = logging.getLogger("kestrel.serve")
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def body_head(server: Server, job: Job, prefix: str, kind: str) -> dict:
+    """The fields every OpenAI body and chunk starts with: id, object, created, model."""
+    return {
+        "id": f"{prefix}-{job.id}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": server.model_name,
+    }
+
+
+def sse(events: AsyncIterator[str]) -> StreamingResponse:
+    """A server-sent-events response of `events` (each already `data: ...\n\n`), unbuffered by proxies."""
+    return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+def _event(data: dict | str) -> str:
+    if isinstance(data, str):
+        return f"data: {data}\n\n"
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _stream_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """End a stream with an error event (then [DONE]) instead of cutting the connection."""
+    try:
+        async for e in events:
+            yield e
+    except EngineDead as e:
+        yield _event(error_body(str(e), "server_error", code="engine_unavailable"))
+        yield _event("[DONE]")
+    except Exception:
+        log.exception("error while streaming a response")
+        yield _event(error_body("internal server error", "server_error"))
+        yield _event("[DONE]")
+
+
+async def chat_stream(server: Server, job: Job, req: ChatCompletionRequest) -> AsyncIterator[str]:
+    head = body_head(server, job, "chatcmpl", "chat.completion.chunk")
+    usage = {"usage": None} if req.include_usage else {}
+
+    async def events():
+        for i in range(len(job.choices)):
+            delta = {"role": "assistant", "content": ""}
+            yield _event({**head, "choices": [_chunk_choice(i, delta, None, None)], **usage})
+        async for index, piece, out, choice in job.events():
+            logprobs = None
+            if req.logprobs and out.new_logprobs:
+                logprobs = {"content": chat_logprobs(server.tokenizer, out.new_logprobs)}
+            if not (piece or logprobs or choice.finished):
+                continue  # text held back (a partial character or a possible stop string)
+            delta = {"content": piece} if piece else {}
+            reason = choice.finish_reason if choice.finished else None
+            yield _event({**head, "choices": [_chunk_choice(index, delta, logprobs, reason)], **usage})
+        if req.include_usage:
+            yield _event({**head, "choices": [], "usage": job.usage()})
+        yield _event("[DONE]")
+
+    async for e in _stream_errors(events()):
+        yield e
+
+
+def _chunk_choice(index: int, delta: dict, logprobs, finish_reason) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+async def completion_stream(server: Server, job: Job, req: CompletionRequest) -> AsyncIterator[str]:
+    head = body_head(server, job, "cmpl", "text_completion")
+    usage = {"usage": None} if req.include_usage else {}
+
+    def chunk(index, text, logprobs, reason):
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        return _event({**head, "choices": [choice], **usage})
+
+    async def events():
+        for i, choice in enumerate(job.choices):
+            if choice.text:  # echo
+                yield chunk(i, choice.text, None, None)
+        async for index, piece, out, choice in job.events():
+            logprobs = None
+            if req.logprobs is not None and out.new_logprobs:
+                n = len(out.new_logprobs)
+                logprobs = completion_logprobs(server.tokenizer, out.new_logprobs, choice.text_offsets[-n:])
+            if not (piece or logprobs or choice.finished):
+                continue
+            yield chunk(index, piece, logprobs, choice.finish_reason if choice.finished else None)
+        if req.include_usage:
+            yield _event({**head, "choices": [], "usage": job.usage()})
+        yield _event("[DONE]")
+
+    async for e in _stream_errors(events()):
+        yield e
+
+
+def native_result(server: Server, job: Job, index: int, req: GenerateRequest) -> dict:
+    c = job.choices[index]
+    reason = None
+    if c.finish_reason == "length":
+        reason = {"type": "length", "length": len(c.token_ids)}
+    elif c.finish_reason is not None:
+        reason = {"type": c.finish_reason, "matched": c.stop_reason}
+    meta = {
+        "id": job.group.request_ids[index],
+        "finish_reason": reason,
+        "prompt_tokens": job.prompt_len(index),
+        "completion_tokens": len(c.token_ids),
+    }
+    if req.return_logprob:
+        meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in c.logprobs]
+        if req.top_logprobs_num:
+            meta["output_top_logprobs"] = [[[v, t] for t, v in lp.top] for lp in c.logprobs]
+    return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
+
+
+async def generate_stream(server: Server, job: Job, req: GenerateRequest) -> AsyncIterator[str]:
+    async def events():
+        async for index, piece, out, choice in job.events():
+            if piece or out.new_token_ids or choice.finished:
+                yield _event({**native_result(server, job, index, req), "index": index})
+        yield _event("[DONE]")
+
+    async for e in _stream_errors(events()):
+        yield e
