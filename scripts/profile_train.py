@@ -221,7 +221,8 @@ def _op_sites(trainer: Trainer, step: list, top: int) -> list:
     node that ran it, "(backward) CatBackward0", if any: on CUDA autograd runs the backward on its own thread,
     without Python frames; "(no kestrel frame)" for an op with neither). A profile
     with stacks, so compiled code stays compiled (a dispatch mode would turn torch.compile off, and flex
-    attention's operator refuses one). The profile's tables name an op and a shape, not its caller."""
+    attention's operator refuses one). The profile's tables name an op and a shape, not its caller. On the H200
+    with torch 2.11 (session 31) the forward's ops came without Python frames: only the backward's nodes named."""
     import collections
     import functools
 
@@ -241,12 +242,9 @@ def _op_sites(trainer: Trainer, step: list, top: int) -> list:
             return None
 
     _sync()
-    try:
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
-            trainer.train_step(step)
-            _sync()
-    except Exception as e:  # a diagnosis: never the run's end
-        return [{"error": f"{type(e).__name__}: {e}"[:300]}]
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
+        trainer.train_step(step)
+        _sync()
     counts = collections.Counter()
     for e in prof.events():
         if e.name not in _SITE_OPS:
@@ -319,13 +317,15 @@ def _phase(trainer: Trainer, steps: list, dense: bool, top: int) -> dict:
 
 def _diagnosis(fn, *args):
     """fn(*args), or {"error": ...} where it fails (out of memory, a profiler's limit): a diagnosis after the
-    timing must not lose the phase's measurements."""
+    timing must not lose the phase's measurements. A step cut short leaves its gradients for the next step's
+    start to drop (`Trainer.launch_step`); the cache is emptied once the failure's traceback is gone."""
     try:
         return fn(*args)
     except Exception as e:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return {"error": f"{type(e).__name__}: {e}"[:300]}
+        error = f"{type(e).__name__}: {e}"[:300]
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"error": error}
 
 
 def _profiled_step(trainer: Trainer, step: list, top: int) -> dict:

@@ -56,7 +56,8 @@ class Indexer(nn.Module):
     ) -> torch.Tensor:
         """`row_scores` of one row's queries `picks` through the prefill indexer kernel (the one inference
         scores with): the row's keys read once per block of queries, the heads summed on chip, NaN past each
-        query's position and, with `starts` [M], before it (key tiles no query of a block sees are skipped).
+        query's position and, with `starts` [M], before starts[m] (a block's key tiles outside [its least start, its
+        greatest position] are not computed).
         q_i [R, HI, DI], w_i [R, HI], k_i [R, DI] -> [M, R] fp32. In place of the reference's
         per-head fp32 GEMM and three passes over [M, R] (about 3 ms a row of 8704 tokens of the demo model on
         the H200, most of sparse training's extra 60 ms a step, session 10's estimate)."""

@@ -390,7 +390,7 @@ def _pick(scores_fn, q_pos: torch.Tensor, k: int) -> torch.Tensor:
 
 def _rows_to_score(
     ctx, B: int, R: int, k: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, list]:
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """The queries sparse training must select for, per row: those whose position in the document is >= k
     (more than k visible tokens). Read off the host's positions, so no device sync; built once per forward
     (ctx.extras) and shared by its MLA layers. Returns their positions within their rows, row after row, and

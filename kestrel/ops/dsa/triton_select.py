@@ -5,8 +5,8 @@ row instead of the reference's [M, L] gather, [M, L + 1] scatter, AND and [M, L]
 Legend: N rows and L columns of the mask, M picked rows, k = index_topk.
 
 One program a picked row: it reads the row's bits at its k selected positions, clears the row, and writes those
-bits back; the CTA barriers between the three order one program's reads and writes of the same bytes across
-its threads. Picked rows must be distinct (two programs would race on one row; the sparse selection picks each
+bits back; the CTA barriers between these three phases order one program's reads and writes of the same bytes
+across its threads. Picked rows must be distinct (two programs would race on one row; the sparse selection picks each
 query once). Bytes a row: L written, k x 9 read, k written.
 """
 
