@@ -219,10 +219,10 @@ def _op_sites(trainer: Trainer, step: list, top: int) -> list:
     """Where the copying ops of one step come from: each call of `_SITE_OPS` counted by (op, first input's
     shape, the innermost two kestrel functions around it, each as file(first line): name, up to the backward
     node that ran it, "(backward) CatBackward0", if any: on CUDA autograd runs the backward on its own thread,
-    without Python frames; "(no kestrel frame)" for an op with neither). A profile
-    with stacks, so compiled code stays compiled (a dispatch mode would turn torch.compile off, and flex
-    attention's operator refuses one). The profile's tables name an op and a shape, not its caller. On the H200
-    with torch 2.11 (session 31) the forward's ops came without Python frames: only the backward's nodes named."""
+    without Python frames; "(no kestrel frame)" for an op with neither). A profile with stacks, so compiled code
+    stays compiled (a dispatch mode would turn torch.compile off, and flex attention's operator refuses one).
+    The profile's tables name an op and a shape, not its caller. On the H200 with torch 2.11 (session 31) the
+    forward's ops came without Python frames: only the backward's nodes were named."""
     import collections
     import functools
 

@@ -79,11 +79,16 @@ def by_position(indices: torch.Tensor) -> torch.Tensor:
     return torch.where(listed == big, -1, listed)
 
 
+def check_selection(indices: torch.Tensor, length: int) -> None:
+    """That every entry of a selection is a position in [0, length) or the -1 padding. Checked on the device
+    without a host sync (sparse training checks each row's): on CUDA a failure is a device-side assert, reported
+    at a later sync and fatal to the process; on the CPU a RuntimeError at once."""
+    torch._assert_async(((indices >= -1) & (indices < length)).all(), "selection index out of range")
+
+
 def selection_mask(indices: torch.Tensor, length: int) -> torch.Tensor:
     """indices [T, k] (-1 = unused) -> bool mask [T, length], True at selected positions."""
-    # Checked on the device without a host sync (sparse training calls this per row). On CUDA a failure is a
-    # device-side assert, reported at a later sync and fatal to the process; on the CPU a RuntimeError at once.
-    torch._assert_async(((indices >= -1) & (indices < length)).all(), "selection index out of range")
+    check_selection(indices, length)
     T = indices.shape[0]
     mask = torch.zeros(T, length + 1, dtype=torch.bool, device=indices.device)  # [T, length + 1]
     # The extra column `length` soaks up the -1 padding.

@@ -307,10 +307,11 @@ def _indexer_prefill_kernel(
         n0 = tl.zeros([BM], dtype=tl.int64)
     d = tl.arange(0, DP)
     acc = tl.zeros([BM, BS], dtype=tl.float32)
-    past = lo >= tl.max(n, axis=0)
-    live = (lo + BS > tl.min(n0, axis=0)) & (lo < tl.max(n, axis=0))
+    n_max = tl.max(n, axis=0)  # the block's furthest row
+    past = lo >= n_max
+    live = (lo + BS > tl.min(n0, axis=0)) & (lo < n_max)
     if live:  # a key of this tile is visible to one of the rows
-        kvalid = s < tl.max(n, axis=0)
+        kvalid = s < n_max
         page = tl.load(pages_ptr + s // page_size, mask=kvalid, other=0)
         rows = page.to(tl.int64) * page_size + s % page_size  # [BS]
         k = tl.load(

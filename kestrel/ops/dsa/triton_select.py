@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.ops.dsa.naive import check_selection
+
 MAX_K = 16384  # the selection held in registers: one program's BK indices and bits
 
 
@@ -40,12 +42,12 @@ def _keep_selected_kernel(
 def keep_selected_triton(mask: torch.Tensor, picks: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """`naive.keep_selected_`: mask [N, L] bool (rows may be strided, columns contiguous), picks [M] distinct
     row numbers, indices [M, k] (-1 = unused; a position outside [-1, L) is a device-side assert, as in
-    `naive.selection_mask`). In place; returns mask."""
+    `naive.check_selection`). In place; returns mask."""
     N, L = mask.shape
     M, K = indices.shape
     assert mask.dtype == torch.bool and mask.stride(1) == 1, f"mask {mask.dtype}, strides {mask.stride()}"
     assert picks.shape == (M,) and K <= MAX_K, f"picks {tuple(picks.shape)}, indices {tuple(indices.shape)}"
-    torch._assert_async(((indices >= -1) & (indices < L)).all(), "selection index out of range")
+    check_selection(indices, L)
     if M == 0:
         return mask
     indices = indices if indices.stride(1) == 1 else indices.contiguous()
