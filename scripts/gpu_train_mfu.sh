@@ -10,10 +10,11 @@
 #               sets the pace at 2 rows, the GPU idle 14-25% of a step; 3 rows: x1.20-1.24, 124 GiB at the peak)
 #   rows3_accum2  both: at 3 rows the GPU sets the pace (busy 94-98%), so AdamW's ~32 ms a step, paid once for
 #               two batches, is GPU time saved (at 2 rows accumulation saved none: the host's time a batch stays;
-#               session 31: 26.0% / 24.9%, then out of memory in its profile, before the grouped experts' saving)
-#   rows4       --batch-rows 4: fits only with the grouped experts keeping x, not its gathered rows, for their
-#               backward (session 31, estimated: 15-19 GB less at 3 rows, not yet measured; 3 rows peaked at
-#               125 GiB before)
+#               session 31: 26.0% / 24.9%, then out of memory in its profile; session 32, with the grouped
+#               experts' saving: 25.3% / 23.9%, 120 GiB, the host setting the sparse pace)
+#   rows4       --batch-rows 4: fits since the grouped experts keep x, not its gathered rows, for their backward
+#               (3 rows peak at 106 GiB, 124 before; 4 rows at 130). Session 32, three machines: 25.2-25.7% dense,
+#               24.3-25.5% sparse, the GPU busy 95-99%: mini's setting
 #   kda_recompute         KESTREL_KDA_SAFE_GATE=0 KESTREL_KDA_NO_RECOMPUTE=0: fla's general-gate kernels, and the
 #                         backward recomputing the forward's intermediates (the defaults before session 29, whose
 #                         measurement made both on the default: 0.579 -> 0.511 s)
@@ -21,8 +22,8 @@
 # Each writes $OUT/mini_<name>.json (scripts/profile_train.py: queued steps, MFU two ways, peak memory, profile).
 # On the device, from the repository root, with `.whl` carried (scripts/fetch_wheels.sh):
 #   bash scripts/gpu_train_mfu.sh base accum2       two of them (~4-5 min with the committed autotuning results)
-#   bash scripts/gpu_train_mfu.sh                   rows3, rows3_accum2, base (~8-9 min on a fresh machine, near
-#                                                   the device tool's 10 minutes a call: split it if the compile is cold)
+#   bash scripts/gpu_train_mfu.sh                   rows4, rows3 (~6 min on a fresh machine: the first compiles
+#                                                   cold for ~100 s)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -64,7 +65,7 @@ if Path(sys.argv[1]).exists():
 EOF
 }
 
-for name in "${@:-rows3 rows3_accum2 base}"; do
+for name in "${@:-rows4 rows3}"; do
     for n in $name; do one "$n"; done
 done
 echo "done at ${SECONDS} s"
