@@ -137,8 +137,9 @@ class ChatCompletionRequest(_SamplingFields):
         try:
             return self.sampling_params(max_tokens, logprobs)
         except _FieldError as e:
-            param = {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_field}.get(e.param, e.param)
-            raise bad_request(str(e), param=param) from None
+            raise e.as_request_error(
+                {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_field}
+            ) from None
 
     @property
     def max_tokens_field(self) -> str:
@@ -182,7 +183,7 @@ class CompletionRequest(_SamplingFields):
         try:
             return self.sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
         except _FieldError as e:
-            raise bad_request(str(e), param=e.param) from None
+            raise e.as_request_error({}) from None
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt as text or token ids."""
@@ -259,7 +260,7 @@ class GenerateRequest(_Strict):
         except _FieldError as e:
             native = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}.get(e.param, e.param)
             param = "top_logprobs_num" if e.param == "logprobs" else f"sampling_params.{native}"
-            raise bad_request(str(e).replace(e.param, native, 1), param=param) from None
+            raise e.as_request_error({e.param: param}) from None
 
 
 def parse(model: type[BaseModel], body: bytes):
@@ -276,6 +277,12 @@ class _FieldError(ValueError):
     def __init__(self, message: str):
         super().__init__(message)
         self.param = message.split(" ", 1)[0]
+
+    def as_request_error(self, renamed: dict[str, str]):
+        """The 400 for this field, named (param and message) as the request spells it: `renamed` maps
+        SamplingParams' field names to the request's."""
+        param = renamed.get(self.param, self.param)
+        return bad_request(param + str(self)[len(self.param) :], param=param)
 
 
 def make_sampling_params(**kwargs) -> SamplingParams:

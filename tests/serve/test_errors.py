@@ -143,6 +143,27 @@ def test_bad_generate_requests_are_400(server, case):
     assert_error(httpx.post(f"{server.url}/generate", json=body, timeout=30), 400, param)
 
 
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+        ("/v1/chat/completions", _chat(max_tokens=None, max_completion_tokens=0), "max_completion_tokens"),
+        ("/v1/completions", {"prompt": "a", "logprobs": 50}, "logprobs"),
+        ("/generate", {"text": "a", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+        (
+            "/generate",
+            {"text": "a", "sampling_params": {"max_new_tokens": 0}},
+            "sampling_params.max_new_tokens",
+        ),
+    ],
+)
+def test_a_bad_value_is_named_as_the_request_spells_it(server, route, body, param):
+    """The engine's SamplingParams names its own fields (logprobs, max_tokens); the message names the field the
+    request gave, as `param` does."""
+    err = assert_error(httpx.post(f"{server.url}{route}", json=body, timeout=30), 400, param)
+    assert err["message"].startswith(param + " "), err
+
+
 def test_unknown_model_is_404(server):
     r = httpx.post(f"{server.url}/v1/chat/completions", json=_chat(model="gpt-5"), timeout=30)
     assert_error(r, 404, "model", "model_not_found")
