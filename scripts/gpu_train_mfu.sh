@@ -15,6 +15,9 @@
 #   rows4       --batch-rows 4: fits since the grouped experts keep x, not its gathered rows, for their backward
 #               (3 rows peak at 106 GiB, 124 before; 4 rows at 130). Session 32, three machines: 25.2-25.7% dense,
 #               24.3-25.5% sparse, the GPU busy 95-99%: mini's setting
+#   rows4_accum2  both; rows5  --batch-rows 5: fit only with the experts' down-projection and combine keeping
+#               their rows h [M, I], not their output y [M, Din] (`combine_down`, session 32: ~22 GB less at 4 rows
+#               by the tensors' sizes, not yet measured; 4 rows peaked at 130 GiB before)
 #   kda_recompute         KESTREL_KDA_SAFE_GATE=0 KESTREL_KDA_NO_RECOMPUTE=0: fla's general-gate kernels, and the
 #                         backward recomputing the forward's intermediates (the defaults before session 29, whose
 #                         measurement made both on the default: 0.579 -> 0.511 s)
@@ -41,6 +44,8 @@ one() {  # one NAME: the options of that variant, then its profile
         rows3) rows=3 ;;
         rows3_accum2) rows=3 extra=(--grad-accum 2) ;;
         rows4) rows=4 ;;
+        rows4_accum2) rows=4 extra=(--grad-accum 2) ;;
+        rows5) rows=5 ;;
         accum2) extra=(--grad-accum 2) ;;
         accum4) extra=(--grad-accum 4) ;;
         kda_recompute) envs=(KESTREL_KDA_SAFE_GATE=0 KESTREL_KDA_NO_RECOMPUTE=0) ;;

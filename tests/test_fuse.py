@@ -270,39 +270,44 @@ def _bank_chain_refs(mix_norm_bank, x0, mixer):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])])
-def test_compiled_moe_combine_keeps_its_rows_in_bf16(device, monkeypatch):
-    """Training's memory: the MoE combine, compiled, keeps the experts' bf16 rows for its backward, not an fp32
-    [M, Din] copy of them (its plain-autograd reference, for contrast, keeps one), and gives the reference's values
-    and gradients."""
+def test_compiled_moe_combine_keeps_no_rows_of_the_experts_width(device, monkeypatch):
+    """Training's memory: the MoE's down-projection and combine, compiled, keep the experts' bf16 rows h [M, I] for
+    their backward, not their output y [M, Din] in any dtype (the plain-autograd reference, for contrast, keeps y
+    and an fp32 copy of it), and give the reference's values and gradients."""
     from torch._dynamo.utils import counters
 
-    from kestrel.ops.moe.grouped import combine_pairs
+    from kestrel.ops.moe.grouped import combine_down
 
     monkeypatch.setenv("KESTREL_COMPILE_TRAIN", "1")
     torch._dynamo.reset()
     counters.clear()
     g = torch.Generator().manual_seed(6)
-    T, A, E, D = 8, 3, 5, 32
+    T, A, E, D, I = 8, 3, 5, 32, 8
     ids = torch.randint(-1, E, (T, A), generator=g).to(device)  # -1: another rank's expert (adds nothing)
     weights = torch.rand(T, A, generator=g).to(device).requires_grad_(True)
     order = torch.argsort(ids.flatten(), stable=True)
     inv = torch.argsort(order)
-    y = torch.randn(T * A, D, generator=g).to(device, torch.bfloat16).requires_grad_(True)
-    out, saved = _saved_by_backward(combine_pairs, y, order, inv, weights, ids, E)
+    offs = torch.searchsorted(ids.flatten()[order], torch.arange(E, device=device), right=True).to(
+        torch.int32
+    )
+    h = torch.randn(T * A, I, generator=g).to(device, torch.bfloat16).requires_grad_(True)
+    w2 = (torch.randn(E, D, I, generator=g) / I**0.5).to(device).requires_grad_(True)
+    args = (offs, order, inv)
+    out, saved = _saved_by_backward(combine_down, h, w2, *args, weights, ids, False)
     assert counters["stats"]["unique_graphs"] > 0  # the forward ran compiled
-    assert any(dt == torch.bfloat16 and torch.Size(s).numel() == T * A * D for s, dt in saved), saved
-    assert not any(dt == torch.float32 and torch.Size(s).numel() >= T * A * D for s, dt in saved), saved
-    _, saved_eager = _saved_by_backward(combine_pairs.eager, y, order, inv, weights, ids, E)
+    assert ((T * A, I), torch.bfloat16) in saved, saved
+    assert not [s for s, _ in saved if s[:1] == (T * A,) and torch.Size(s).numel() >= T * A * D], saved
+    _, saved_eager = _saved_by_backward(combine_down.eager, h, w2, *args, weights, ids, False)
     assert any(dt == torch.float32 and torch.Size(s).numel() == T * A * D for s, dt in saved_eager)
-    y2, w2 = y.detach().clone().requires_grad_(True), weights.detach().clone().requires_grad_(True)
-    ref = combine_pairs.eager(y2, order, inv, w2, ids, E)
+    refs = [t.detach().clone().requires_grad_(True) for t in (h, w2, weights)]
+    ref = combine_down.eager(refs[0], refs[1], *args, refs[2], ids, False)
     torch.testing.assert_close(out, ref)
     counters.clear()
     out.square().sum().backward()
-    assert counters["stats"]["unique_graphs"] > 0  # the backward's gathers ran compiled
+    assert counters["stats"]["unique_graphs"] > 0  # the backward's gathers and products ran compiled
     ref.square().sum().backward()
-    torch.testing.assert_close(y.grad, y2.grad)
-    torch.testing.assert_close(weights.grad, w2.grad, rtol=1e-4, atol=1e-4)
+    for got, want in zip((h, w2, weights), refs):  # bf16 products rounded in other places: by norm
+        assert float((got.grad - want.grad).float().norm()) <= 1e-2 * float(want.grad.float().norm())
 
 
 def test_training_bank_is_in_the_autocast_dtype(monkeypatch):

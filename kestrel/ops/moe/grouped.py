@@ -102,12 +102,12 @@ def moe_experts_grouped(
     else:
         gate_up = _grouped_linear(x[order // A], w13, offs, use_grouped_mm)
     h = glu_act(gate_up, act, situ_beta, situ_linear_beta)  # [M, I]
-    y = _grouped_linear(h, w2, offs, use_grouped_mm)  # [M, Din]
     if triton_combine:
         from kestrel.ops.moe.triton_experts import combine_sorted
 
+        y = _grouped_linear(h, w2, offs, use_grouped_mm)  # [M, Din]
         return combine_sorted(y, order, weights, ids, E).to(x.dtype)
-    return combine_pairs(y, order, inv, weights, ids, E).to(x.dtype)
+    return combine_down(h, w2, offs, order, inv, weights, ids, use_grouped_mm).to(x.dtype)
 
 
 class _GatherUp(torch.autograd.Function):
@@ -157,52 +157,61 @@ def _sum_slots(rows: torch.Tensor, inv: torch.Tensor, A: int) -> torch.Tensor:
     return rows[inv.view(-1, A)].sum(1, dtype=acc).to(rows.dtype)  # [T, A, D] -> [T, D]
 
 
-def combine_pairs(
-    y: torch.Tensor,
+def combine_down(
+    h: torch.Tensor,
+    w2: torch.Tensor,
+    offs: torch.Tensor,
     order: torch.Tensor,
     inv: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    num_experts: int,
+    grouped_mm: bool,
 ) -> torch.Tensor:
-    """The experts' rows y [M, Din] (row r is pair order[r], pair p is row inv[p]) weighted and summed back to
-    their tokens: [T, Din] fp32 (ids, weights [T, A]; ids outside [0, num_experts) add nothing). In training, an
-    autograd.Function whose forward and backward are gathers and whose backward keeps y as it came (bf16), not its
-    fp32 product with the weights ([M, Din] x 4 bytes a layer: on `mini`, 24 x 428 MB over one 8704-token row).
-    `combine_pairs.eager`: the same sum through plain autograd (a scatter backward), the reference."""
-    in_range = (ids >= 0) & (ids < num_experts)  # [T, A]
-    if torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad):
-        return _CombinePairs.apply(y, weights, in_range, order, inv)
-    return _weighted_sum(y, weights, in_range, inv)
+    """The experts' down-projection of their rows, y = _grouped_linear(h, w2, offs) [M, Din] (row r is pair order[r],
+    pair p is row inv[p]), weighted and summed back to the tokens: [T, Din] fp32 (ids, weights [T, A]; ids outside
+    [0, E) add nothing). In training, an autograd.Function whose backward keeps h [M, I], not y (Din / I times h's
+    size: on `mini` at 4 rows of 8704, 855 MB a layer, 20 GB a step), nor w2 in h's dtype: the weights' gradient
+    <grad[t], y[p]> is taken as <grad[t] w2, h[p]>, from the product that h's gradient needs anyway.
+    `combine_down.eager`: the same sum through plain autograd (it keeps y, and an fp32 copy of its rows)."""
+    in_range = (ids >= 0) & (ids < w2.shape[0])  # [T, A]
+    if torch.is_grad_enabled() and (h.requires_grad or w2.requires_grad or weights.requires_grad):
+        return _CombineDown.apply(h, w2, weights, in_range, order, inv, offs, grouped_mm)
+    return _weighted_sum(_grouped_linear(h, w2, offs, grouped_mm), weights, in_range, inv)
 
 
-def _combine_eager(y, order, inv, weights, ids, num_experts):
-    """`combine_pairs` as plain autograd differentiates it (its backward scatters and keeps y's fp32 copy)."""
-    return _weighted_sum(y, weights, (ids >= 0) & (ids < num_experts), inv)
+def _combine_down_eager(h, w2, offs, order, inv, weights, ids, grouped_mm):
+    """`combine_down` as plain autograd differentiates it (the reference)."""
+    in_range = (ids >= 0) & (ids < w2.shape[0])
+    return _weighted_sum(_grouped_linear(h, w2, offs, grouped_mm), weights, in_range, inv)
 
 
-combine_pairs.eager = _combine_eager
+combine_down.eager = _combine_down_eager
 
 
-class _CombinePairs(torch.autograd.Function):
-    """`combine_pairs` in training: the sum, y's gradient (gathered by order) and the weights' (gathered by inv),
-    each one kernel where compiled (`for_training`)."""
+class _CombineDown(torch.autograd.Function):
+    """`combine_down` in training. Forward: the down-projection, then the weighted sum (one kernel where
+    compiled, `for_training`), y dropped. Backward: each row's token gradient gathered (unweighted) and multiplied
+    by its expert's w2 once; from that product [M, I], h's gradient (times the row's weight), the weights' gradient
+    (its dot with h) and the weighted h for w2's gradient, in one compiled kernel."""
 
     @staticmethod
-    def forward(ctx, y, weights, in_range, order, inv):
-        ctx.save_for_backward(y, weights, in_range, order, inv)
+    def forward(ctx, h, w2, weights, in_range, order, inv, offs, grouped_mm: bool):
+        ctx.save_for_backward(h, w2, weights, in_range, order, inv, offs)
+        ctx.grouped_mm = grouped_mm
+        y = _grouped_linear(h, w2, offs, grouped_mm)  # [M, Din]
         return for_training(_weighted_sum, y)(y, weights, in_range, inv)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        y, weights, in_range, order, inv = ctx.saved_tensors
-        grad_y = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_y = for_training(_grad_rows, grad)(grad, weights, in_range, order, y.dtype)
+        h, w2, weights, in_range, order, inv, offs = ctx.saved_tensors
+        rows = for_training(_token_rows, grad)(grad, in_range, order, h.dtype)  # [M, Din]
+        back = _grouped_linear(rows, w2.transpose(1, 2), offs, ctx.grouped_mm)  # [M, I]: grad[t] w2
+        grad_h, weighted_h, grad_w = for_training(_down_grads, back)(back, h, weights, in_range, order, inv)
+        grad_w2 = None
         if ctx.needs_input_grad[1]:
-            grad_w = for_training(_grad_weights, grad)(grad, y, in_range, inv).to(weights.dtype)
-        return grad_y, grad_w, None, None, None
+            grad_w2 = _grouped_weight_grad(rows, weighted_h, offs, w2.shape[0], ctx.grouped_mm).to(w2.dtype)
+        return grad_h, grad_w2, grad_w.to(weights.dtype), None, None, None, None, None
 
 
 def _weighted_sum(y, weights, in_range, inv) -> torch.Tensor:
@@ -212,16 +221,25 @@ def _weighted_sum(y, weights, in_range, inv) -> torch.Tensor:
     return (torch.where(in_range[..., None], rows, 0.0) * weights[..., None].float()).sum(1)
 
 
-def _grad_rows(grad, weights, in_range, order, dtype: torch.dtype) -> torch.Tensor:
-    """d out / d y [M, Din] in dtype: row r (pair p = order[r]) gets p's weight times its token's gradient."""
-    w = torch.where(in_range, weights.float(), 0.0).view(-1)[order, None]  # [M, 1]
-    return (w * grad[order // in_range.shape[1]]).to(dtype)
+def _token_rows(grad, in_range, order, dtype: torch.dtype) -> torch.Tensor:
+    """[M, Din] in dtype: row r (pair p = order[r]) gets its token's gradient, unweighted (0 for ids outside
+    [0, E))."""
+    keep = in_range.view(-1)[order, None]  # [M, 1]
+    return torch.where(keep, grad[order // in_range.shape[1]], 0.0).to(dtype)
 
 
-def _grad_weights(grad, y, in_range, inv) -> torch.Tensor:
-    """d out / d weights [T, A] fp32: <grad[t], y[inv[t * A + a]]> where in_range[t, a]."""
-    rows = y[inv.view(in_range.shape)].float()  # [T, A, Din]
-    return torch.where(in_range, (rows * grad[:, None]).sum(-1), 0.0)
+def _down_grads(back, h, weights, in_range, order, inv):
+    """From back = rows x w2 [M, I] (each row's token gradient through its expert's down-projection): h's
+    gradient (back times the row's weight) and the weighted h for w2's gradient, both in h's dtype, and the
+    weights' gradient [T, A] fp32 (<back, h> a row: <grad[t], y[p]>). torch.where, not products with a mask: rows
+    of ids outside [0, E) may hold anything (no expert wrote them) and must reach none of the three."""
+    keep = in_range.view(-1)[order, None]  # [M, 1]
+    w = torch.where(keep, weights.float().view(-1)[order, None], 0.0)  # [M, 1]
+    back32, h32 = back.float(), h.float()
+    grad_h = torch.where(keep, w * back32, 0.0).to(h.dtype)
+    weighted_h = torch.where(keep, w * h32, 0.0).to(h.dtype)
+    dots = (back32 * h32).sum(-1)  # [M]
+    return grad_h, weighted_h, torch.where(in_range, dots[inv.view(in_range.shape)], 0.0)
 
 
 @functools.cache
