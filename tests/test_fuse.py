@@ -272,8 +272,8 @@ def _bank_chain_refs(mix_norm_bank, x0, mixer):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])])
 def test_compiled_moe_combine_keeps_no_rows_of_the_experts_width(device, monkeypatch):
     """Training's memory: the MoE's down-projection and combine, compiled, keep the experts' bf16 rows h [M, I] for
-    their backward, not their output y [M, Din] in any dtype (the plain-autograd reference, for contrast, keeps y
-    and an fp32 copy of it), and give the reference's values and gradients."""
+    their backward, not their output y [M, Din] in any dtype (the plain-autograd reference, for contrast, keeps an
+    fp32 copy of y's rows gathered to [T, A, Din]), and give the reference's values and gradients."""
     from torch._dynamo.utils import counters
 
     from kestrel.ops.moe.grouped import combine_down

@@ -172,7 +172,8 @@ def combine_down(
     [0, E) add nothing). In training, an autograd.Function whose backward keeps h [M, I], not y (Din / I times h's
     size: on `mini` at 4 rows of 8704, 855 MB a layer, 20 GB a step), nor w2 in h's dtype: the weights' gradient
     <grad[t], y[p]> is taken as <grad[t] w2, h[p]>, from the product that h's gradient needs anyway.
-    `combine_down.eager`: the same sum through plain autograd (it keeps y, and an fp32 copy of its rows)."""
+    `combine_down.eager`: the same through plain autograd (it keeps w2 in h's dtype and an fp32 copy of y's rows
+    gathered to [T, A, Din])."""
     in_range = (ids >= 0) & (ids < w2.shape[0])  # [T, A]
     if torch.is_grad_enabled() and (h.requires_grad or w2.requires_grad or weights.requires_grad):
         return _CombineDown.apply(h, w2, weights, in_range, order, inv, offs, grouped_mm)
@@ -192,7 +193,7 @@ class _CombineDown(torch.autograd.Function):
     """`combine_down` in training. Forward: the down-projection, then the weighted sum (one kernel where
     compiled, `for_training`), y dropped. Backward: each row's token gradient gathered (unweighted) and multiplied
     by its expert's w2 once; from that product [M, I], h's gradient (times the row's weight), the weights' gradient
-    (its dot with h) and the weighted h for w2's gradient, in one compiled kernel."""
+    (its dot with h) and the weighted h for w2's gradient, in one compiled graph."""
 
     @staticmethod
     def forward(ctx, h, w2, weights, in_range, order, inv, offs, grouped_mm: bool):
@@ -205,7 +206,7 @@ class _CombineDown(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         h, w2, weights, in_range, order, inv, offs = ctx.saved_tensors
-        rows = for_training(_token_rows, grad)(grad, in_range, order, h.dtype)  # [M, Din]
+        rows = for_training(_token_rows, grad)(grad, order, in_range.shape[1], h.dtype)  # [M, Din]
         back = _grouped_linear(rows, w2.transpose(1, 2), offs, ctx.grouped_mm)  # [M, I]: grad[t] w2
         grad_h, weighted_h, grad_w = for_training(_down_grads, back)(back, h, weights, in_range, order, inv)
         grad_w2 = None
@@ -221,11 +222,10 @@ def _weighted_sum(y, weights, in_range, inv) -> torch.Tensor:
     return (torch.where(in_range[..., None], rows, 0.0) * weights[..., None].float()).sum(1)
 
 
-def _token_rows(grad, in_range, order, dtype: torch.dtype) -> torch.Tensor:
-    """[M, Din] in dtype: row r (pair p = order[r]) gets its token's gradient, unweighted (0 for ids outside
-    [0, E))."""
-    keep = in_range.view(-1)[order, None]  # [M, 1]
-    return torch.where(keep, grad[order // in_range.shape[1]], 0.0).to(dtype)
+def _token_rows(grad, order, A: int, dtype: torch.dtype) -> torch.Tensor:
+    """[M, Din] in dtype: row r (pair p = order[r]) gets its token's gradient, unweighted (rows of ids outside
+    [0, E) too: `_down_grads` keeps them out of every gradient)."""
+    return grad[order // A].to(dtype)
 
 
 def _down_grads(back, h, weights, in_range, order, inv):
@@ -233,9 +233,10 @@ def _down_grads(back, h, weights, in_range, order, inv):
     gradient (back times the row's weight) and the weighted h for w2's gradient, both in h's dtype, and the
     weights' gradient [T, A] fp32 (<back, h> a row: <grad[t], y[p]>). torch.where, not products with a mask: rows
     of ids outside [0, E) may hold anything (no expert wrote them) and must reach none of the three."""
+    acc = torch.promote_types(h.dtype, torch.float32)  # fp64 stays
     keep = in_range.view(-1)[order, None]  # [M, 1]
-    w = torch.where(keep, weights.float().view(-1)[order, None], 0.0)  # [M, 1]
-    back32, h32 = back.float(), h.float()
+    w = torch.where(keep, weights.to(acc).view(-1)[order, None], 0.0)  # [M, 1]
+    back32, h32 = back.to(acc), h.to(acc)
     grad_h = torch.where(keep, w * back32, 0.0).to(h.dtype)
     weighted_h = torch.where(keep, w * h32, 0.0).to(h.dtype)
     dots = (back32 * h32).sum(-1)  # [M]
