@@ -53,6 +53,48 @@ def test_compiled_training_step_equals_eager(device, monkeypatch):
         assert err <= 1e-4, (name, err.item())
 
 
+def _nodes_between(out: torch.Tensor, source: torch.Tensor) -> list[str]:
+    """The names of the autograd nodes on the paths from out back to source (source's own node excluded)."""
+    seen, names, stack = {source.grad_fn}, [], [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(n for n, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("act", ["silu", "situ"])
+def test_compiled_glu_writes_its_gradient_in_one_piece(act, monkeypatch):
+    """glu_act while autograd records, compiled: the eager values and gradients, and no split of gate_up in the
+    autograd graph (whose backward would concatenate the halves' gradients: a cat a MoE layer)."""
+    from kestrel.ops.activation import glu_act
+
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(16, 10, generator=g, requires_grad=True)
+    x, probe = torch.randn(12, 10, generator=g), torch.randn(12, 8, generator=g)
+
+    def run():
+        weight.grad = None
+        gate_up = (x @ weight.t()).bfloat16()  # [12, 2I], a projection's output
+        out = glu_act(gate_up, act)
+        nodes = _nodes_between(out, gate_up)
+        (out.float() * probe).sum().backward()
+        return out, weight.grad, nodes
+
+    monkeypatch.setenv("KESTREL_COMPILE_TRAIN", "off")
+    want, want_grad, eager_nodes = run()
+    assert any("Split" in n for n in eager_nodes), eager_nodes  # the contrast: chunk's backward concatenates
+    monkeypatch.setenv("KESTREL_COMPILE_TRAIN", "1")
+    torch._dynamo.reset()
+    got, got_grad, nodes = run()
+    assert not any("Split" in n for n in nodes), nodes
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-2, atol=1e-2)
+
+
 def test_inference_keeps_the_eager_op(monkeypatch):
     monkeypatch.setenv("KESTREL_COMPILE_TRAIN", "1")
     x, w = torch.randn(3, 8), torch.randn(8)

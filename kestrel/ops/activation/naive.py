@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kestrel.utils.fuse import fused
+from kestrel.utils.fuse import for_training, fused
 
 
 @fused("kestrel.ops.activation.triton_act:swiglu_triton")
@@ -35,10 +35,24 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 def glu_act(gate_up: torch.Tensor, act: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
-    """Split `[..., 2I]` into gate and up halves and apply `act` ('silu' or 'situ')."""
+    """Split `[..., 2I]` into gate and up halves and apply `act` ('silu' or 'situ').
+
+    While autograd records, the split and the activation go through `for_training` as one function (compiled on
+    CUDA): its backward writes gate_up's gradient in one piece, where the two halves' gradients would otherwise be
+    concatenated by the split's backward (a `cat` of [M, 2I] a MoE layer, routed and shared: 48 a step on
+    `mini`). Without autograd, the halves go to `swiglu` / `situ` (their Triton kernels at inference)."""
+    if act not in ("silu", "situ"):
+        raise ValueError(f"unknown activation {act!r}")
+    if torch.is_grad_enabled() and gate_up.requires_grad:
+        return for_training(_glu_eager, gate_up)(gate_up, act, situ_beta, situ_linear_beta)
     gate, up = gate_up.chunk(2, dim=-1)
     if act == "silu":
         return swiglu(gate, up)
-    if act == "situ":
-        return situ(gate, up, situ_beta, situ_linear_beta)
-    raise ValueError(f"unknown activation {act!r}")
+    return situ(gate, up, situ_beta, situ_linear_beta)
+
+
+def _glu_eager(gate_up: torch.Tensor, act: str, situ_beta: float, situ_linear_beta: float) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    if act == "silu":
+        return swiglu.eager(gate, up)
+    return situ.eager(gate, up, situ_beta, situ_linear_beta)
