@@ -433,7 +433,7 @@ def test_gather_up_equals_autograd_through_the_gathered_rows(T, A, dtype, use_gr
     w = torch.randn(E, N, D, generator=g).requires_grad_()  # fp32 master weights, cast to x's dtype inside
     up = torch.randn(T * A, N, generator=g).to(dtype)
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    got = _GatherUp.apply(x, w, order, inv, offs, A, use_grouped_mm)
+    got = _GatherUp.apply(x, w, order, inv, offs, torch.ones(T, A, dtype=torch.bool), use_grouped_mm)
     want = _grouped_linear(x2[order // A], w2, offs, use_grouped_mm)
     assert got.dtype == dtype and torch.equal(got, want)
     got.backward(up)
@@ -542,6 +542,35 @@ def _check_combine_down(T, A, dtype, use_grouped_mm, seed, poison=None):
     torch.testing.assert_close(got, out)
 
 
+@pytest.mark.parametrize("use_grouped_mm", _grouped_paths())
+def test_training_gradients_ignore_rows_no_expert_wrote(use_grouped_mm, monkeypatch):
+    """Ids outside [0, E) (another rank's experts) add nothing in training's gradients either: with every grouped
+    product's rows past offs[-1] NaN (torch._grouped_mm may leave them unwritten), the gradients of x, the
+    weights and the routing weights are finite and those of the run without NaN."""
+    from kestrel.ops.moe import grouped
+
+    x, w13, w2, weights, _ = _random_moe(T=6, D=16, I=8, E=4, A=2, seed=21, dtype=torch.float32)
+    ids = torch.tensor([[0, 3], [4, 1], [2, -1], [1, 2], [4, 0], [3, 2]])  # 4 = E and -1: not these experts
+
+    def grads():
+        given = [t.clone().requires_grad_() for t in (x, w13, w2, weights)]
+        out = grouped.moe_experts_grouped(*given, ids, "silu", use_grouped_mm=use_grouped_mm)
+        out.square().sum().backward()
+        return [t.grad for t in given]
+
+    want = grads()
+    linear = grouped._grouped_linear
+
+    def unwritten(a, w, offs, grouped_mm):
+        out = linear(a, w, offs, grouped_mm)
+        return out.index_fill(0, torch.arange(int(offs[-1]), out.shape[0]), float("nan"))
+
+    monkeypatch.setattr(grouped, "_grouped_linear", unwritten)
+    for got, ref in zip(grads(), want):
+        assert bool(torch.isfinite(got).all())
+        torch.testing.assert_close(got, ref)
+
+
 def test_pair_moves_compiled_equal_eager(monkeypatch):
     """KESTREL_COMPILE_TRAIN=on compiles the pair gather's backward and the combine's sum and gradients (on the CPU
     too; auto: on CUDA): the eager values and gradients, bf16 rows as in training."""
@@ -562,7 +591,7 @@ def test_pair_moves_compiled_equal_eager(monkeypatch):
             weights.clone().requires_grad_(),
             w2_0.clone().requires_grad_(),
         )
-        up = _GatherUp.apply(x, w13, order, inv, offs, A, False)
+        up = _GatherUp.apply(x, w13, order, inv, offs, (ids >= 0) & (ids < E), False)
         out = combine_down(up.square(), w2, offs, order, inv, w, ids, False)
         out.square().sum().backward()
         return out, x.grad, w.grad, w2.grad

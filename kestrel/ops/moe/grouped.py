@@ -98,7 +98,8 @@ def moe_experts_grouped(
     # [M, 2I]: each pair's token row x[order // A] times its expert's up-projection (in training through
     # _GatherUp, which keeps x, not those rows, for its backward)
     if training:
-        gate_up = _GatherUp.apply(x, w13, order, inv, offs, A, use_grouped_mm)
+        in_range = (ids >= 0) & (ids < E)  # [T, A]
+        gate_up = _GatherUp.apply(x, w13, order, inv, offs, in_range, use_grouped_mm)
     else:
         gate_up = _grouped_linear(x[order // A], w13, offs, use_grouped_mm)
     h = glu_act(gate_up, act, situ_beta, situ_linear_beta)  # [M, I]
@@ -116,25 +117,27 @@ class _GatherUp(torch.autograd.Function):
     size; on `mini` at 3 rows of 8704, 642 MB a layer, 15 GB a step), and gathers them again for the weights'
     gradient. x's gradient gathers each token's A rows (by inv) and sums them, one kernel where compiled, instead
     of autograd's accumulating scatter into x's rows (a sort, then a scatter: 13 ms a step on `mini` at two rows)
-    or a copy back to pair order and a sum (21 ms)."""
+    or a copy back to pair order and a sum (21 ms). in_range [T, A]: the pairs whose id is one of these experts
+    (the others, another rank's, add nothing to x's gradient, whatever their rows hold)."""
 
     @staticmethod
-    def forward(ctx, x, w13, order, inv, offs, A: int, grouped_mm: bool) -> torch.Tensor:
-        ctx.save_for_backward(x, w13, order, inv, offs)
-        ctx.A, ctx.grouped_mm = A, grouped_mm
-        return _grouped_linear(x[order // A], w13, offs, grouped_mm)
+    def forward(ctx, x, w13, order, inv, offs, in_range, grouped_mm: bool) -> torch.Tensor:
+        ctx.save_for_backward(x, w13, order, inv, offs, in_range)
+        ctx.grouped_mm = grouped_mm
+        return _grouped_linear(x[order // in_range.shape[1]], w13, offs, grouped_mm)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        x, w13, order, inv, offs = ctx.saved_tensors
+        x, w13, order, inv, offs, in_range = ctx.saved_tensors
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # [M, Din] rows' gradients, then each token's A of them summed
             rows = _grouped_linear(grad, w13.transpose(1, 2), offs, ctx.grouped_mm)
-            grad_x = for_training(_sum_slots, rows)(rows, inv, ctx.A)
+            grad_x = for_training(_sum_slots, rows)(rows, inv, in_range)
         if ctx.needs_input_grad[1]:
+            A = in_range.shape[1]
             grad_w = _grouped_weight_grad(
-                grad, x[order // ctx.A].to(grad.dtype), offs, w13.shape[0], ctx.grouped_mm
+                grad, x[order // A].to(grad.dtype), offs, w13.shape[0], ctx.grouped_mm
             )
             grad_w = grad_w.to(w13.dtype)
         return grad_x, grad_w, None, None, None, None, None
@@ -151,10 +154,13 @@ def _grouped_weight_grad(grad: torch.Tensor, a: torch.Tensor, offs: torch.Tensor
     return torch.stack([torch.where(m, grad, 0).t() @ torch.where(m, a, 0) for m in mine])
 
 
-def _sum_slots(rows: torch.Tensor, inv: torch.Tensor, A: int) -> torch.Tensor:
-    """Expert-major rows [M, D] -> [T, D] in their dtype: each token's A rows summed in fp32 (fp64 stays)."""
+def _sum_slots(rows: torch.Tensor, inv: torch.Tensor, in_range: torch.Tensor) -> torch.Tensor:
+    """Expert-major rows [M, D] -> [T, D] in their dtype: each token's rows of pairs in range ([T, A]) summed in fp32
+    (fp64 stays). torch.where, not a product with the mask: the other rows may hold anything (torch._grouped_mm
+    may leave the rows past offs[-1] unwritten)."""
     acc = torch.promote_types(rows.dtype, torch.float32)
-    return rows[inv.view(-1, A)].sum(1, dtype=acc).to(rows.dtype)  # [T, A, D] -> [T, D]
+    mine = torch.where(in_range[..., None], rows[inv.view(in_range.shape)], 0)  # [T, A, D]
+    return mine.sum(1, dtype=acc).to(rows.dtype)
 
 
 def combine_down(
