@@ -33,7 +33,7 @@ def fused(fast: str | None = None) -> Callable[[Callable], Callable]:
         @functools.wraps(fn)
         def op(*args, **kwargs):
             x = args[0] if args else kwargs.get(first)  # passed by keyword too
-            if _records(args, kwargs):
+            if records(*args, *kwargs.values()):
                 return for_training(fn, x)(*args, **kwargs)
             if (
                 fast is not None
@@ -70,12 +70,12 @@ def compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
-def _records(args: tuple, kwargs: dict) -> bool:
-    """Whether autograd records this call: grad mode on and a tensor argument that requires grad (a forward
-    without no_grad over frozen inputs takes the inference path)."""
+def records(*args) -> bool:
+    """Whether autograd records a call on these arguments: grad mode on and a tensor among them that requires
+    grad (a forward without no_grad over frozen inputs takes the inference path)."""
     if not torch.is_grad_enabled():
         return False
-    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values()))
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 
 @functools.cache

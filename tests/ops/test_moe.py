@@ -491,13 +491,27 @@ def test_combine_down_equals_the_scatter_form(T, A, dtype, use_grouped_mm, monke
     _check_combine_down(T, A, dtype, use_grouped_mm, seed=15, poison=monkeypatch)
 
 
+def _leave_rows_past_the_groups_nan(monkeypatch):
+    """Every grouped product's rows past offs[-1] NaN from here on, as torch._grouped_mm may leave them unwritten."""
+    from kestrel.ops.moe import grouped
+
+    linear = grouped._grouped_linear
+
+    def unwritten(a, w, offs, grouped_mm):
+        out = linear(a, w, offs, grouped_mm)
+        return out.index_fill(0, torch.arange(int(offs[-1]), out.shape[0]), float("nan"))
+
+    monkeypatch.setattr(grouped, "_grouped_linear", unwritten)
+
+
 def _check_combine_down(T, A, dtype, use_grouped_mm, seed, poison=None):
     from kestrel.ops.moe import grouped
 
     E, D, I = 4, 16, 8
     ids, order, inv, weights, _ = _pairs_and_rows(T, A, E, D, seed=seed, dtype=dtype)
     offs = torch.searchsorted(ids.reshape(-1)[order], torch.arange(E), right=True).to(torch.int32)
-    foreign = ((ids < 0) | (ids >= E)).reshape(-1)[order]  # [M]
+    in_range = (ids >= 0) & (ids < E)  # [T, A]
+    foreign = ~in_range.reshape(-1)[order]  # [M]
     g = torch.Generator().manual_seed(seed + 1)
     h = torch.randn(T * A, I, generator=g).to(dtype)
     w2 = torch.randn(E, D, I, generator=g).to(dtype).float()  # fp32 master weights holding h's dtype's values
@@ -517,18 +531,12 @@ def _check_combine_down(T, A, dtype, use_grouped_mm, seed, poison=None):
 
     if poison is not None:
         h = h.masked_fill(foreign[:, None], float("nan"))
-        linear = grouped._grouped_linear
-
-        def unwritten(a, w, offs, grouped_mm):
-            out = linear(a, w, offs, grouped_mm)
-            return out.index_fill(0, torch.arange(int(offs[-1]), out.shape[0]), float("nan"))
-
-        poison.setattr(grouped, "_grouped_linear", unwritten)
+        _leave_rows_past_the_groups_nan(poison)
     # the reference through torch._grouped_mm's own backward leaves h's rows past offs[-1] (ids >= E) unwritten
     plain = poison is None and not use_grouped_mm
     for op in (grouped.combine_down, grouped.combine_down.eager) if plain else (grouped.combine_down,):
         hh, ww2, w = (t.clone().requires_grad_() for t in (h, w2, weights))
-        out = op(hh, ww2, offs, order, inv, w, ids, use_grouped_mm)
+        out = op(hh, ww2, offs, order, inv, w, in_range, use_grouped_mm)
         assert out.dtype == torch.float32 and out.shape == (T, D)
         close(out, ref)
         out.backward(up)
@@ -538,7 +546,7 @@ def _check_combine_down(T, A, dtype, use_grouped_mm, seed, poison=None):
         assert bool(((w.grad.double() - w_ref.grad).abs() <= bound).all()), (w.grad, w_ref.grad)
         assert not hh.grad[foreign].any()
     with torch.no_grad():  # inference: the product and the sum alone
-        got = grouped.combine_down(h, w2, offs, order, inv, weights, ids, use_grouped_mm)
+        got = grouped.combine_down(h, w2, offs, order, inv, weights, in_range, use_grouped_mm)
     torch.testing.assert_close(got, out)
 
 
@@ -559,13 +567,7 @@ def test_training_gradients_ignore_rows_no_expert_wrote(use_grouped_mm, monkeypa
         return [t.grad for t in given]
 
     want = grads()
-    linear = grouped._grouped_linear
-
-    def unwritten(a, w, offs, grouped_mm):
-        out = linear(a, w, offs, grouped_mm)
-        return out.index_fill(0, torch.arange(int(offs[-1]), out.shape[0]), float("nan"))
-
-    monkeypatch.setattr(grouped, "_grouped_linear", unwritten)
+    _leave_rows_past_the_groups_nan(monkeypatch)
     for got, ref in zip(grads(), want):
         assert bool(torch.isfinite(got).all())
         torch.testing.assert_close(got, ref)
@@ -584,6 +586,7 @@ def test_pair_moves_compiled_equal_eager(monkeypatch):
     x0 = torch.randn(T, D, generator=torch.Generator().manual_seed(18)).bfloat16()
     w13 = torch.randn(E, D, D, generator=torch.Generator().manual_seed(19))
     w2_0 = torch.randn(E, D, D, generator=torch.Generator().manual_seed(20)) / D**0.5
+    in_range = (ids >= 0) & (ids < E)
 
     def run():
         x, w, w2 = (
@@ -591,8 +594,8 @@ def test_pair_moves_compiled_equal_eager(monkeypatch):
             weights.clone().requires_grad_(),
             w2_0.clone().requires_grad_(),
         )
-        up = _GatherUp.apply(x, w13, order, inv, offs, (ids >= 0) & (ids < E), False)
-        out = combine_down(up.square(), w2, offs, order, inv, w, ids, False)
+        up = _GatherUp.apply(x, w13, order, inv, offs, in_range, False)
+        out = combine_down(up.square(), w2, offs, order, inv, w, in_range, False)
         out.square().sum().backward()
         return out, x.grad, w.grad, w2.grad
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kestrel.utils.fuse import for_training, fused
+from kestrel.utils.fuse import for_training, fused, records
 
 
 @fused("kestrel.ops.activation.triton_act:swiglu_triton")
@@ -43,16 +43,15 @@ def glu_act(gate_up: torch.Tensor, act: str, situ_beta: float = 4.0, situ_linear
     `mini`). Without autograd, the halves go to `swiglu` / `situ` (their Triton kernels at inference)."""
     if act not in ("silu", "situ"):
         raise ValueError(f"unknown activation {act!r}")
-    if torch.is_grad_enabled() and gate_up.requires_grad:
-        return for_training(_glu_eager, gate_up)(gate_up, act, situ_beta, situ_linear_beta)
-    gate, up = gate_up.chunk(2, dim=-1)
-    if act == "silu":
-        return swiglu(gate, up)
-    return situ(gate, up, situ_beta, situ_linear_beta)
+    if records(gate_up):
+        return for_training(_glu, gate_up)(gate_up, act, situ_beta, situ_linear_beta, True)
+    return _glu(gate_up, act, situ_beta, situ_linear_beta, False)
 
 
-def _glu_eager(gate_up: torch.Tensor, act: str, situ_beta: float, situ_linear_beta: float) -> torch.Tensor:
+def _glu(gate_up: torch.Tensor, act: str, situ_beta: float, situ_linear_beta: float, eager: bool):
+    """The halves through the activation: as written (eager: inside the one compiled function of training) or as
+    the fused ops pick (their Triton kernels at inference)."""
     gate, up = gate_up.chunk(2, dim=-1)
     if act == "silu":
-        return swiglu.eager(gate, up)
-    return situ.eager(gate, up, situ_beta, situ_linear_beta)
+        return (swiglu.eager if eager else swiglu)(gate, up)
+    return (situ.eager if eager else situ)(gate, up, situ_beta, situ_linear_beta)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from kestrel.env import env_field
 from kestrel.ops.activation import glu_act
-from kestrel.utils.fuse import for_training
+from kestrel.utils.fuse import for_training, records
 
 
 def _grouped_linear_fallback(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -91,14 +91,15 @@ def moe_experts_grouped(
     order = torch.argsort(flat_ids, stable=True)  # [M]  expert-major, then token: row r is pair order[r]
     experts = torch.arange(E, device=ids.device, dtype=flat_ids.dtype)  # [E]
     offs = torch.searchsorted(flat_ids[order], experts, right=True, out_int32=True)  # [E] cumulative ends
-    inv = None  # [M] pair p is row inv[p]: rows go back to their pairs by a gather too, never a scatter
+    # inv [M]: pair p is row inv[p] (rows go back to their pairs by a gather too, never a scatter)
+    inv = in_range = None
     if training or not triton_combine:
         inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        in_range = (ids >= 0) & (ids < E)  # [T, A]: the pairs whose expert is one of these
 
     # [M, 2I]: each pair's token row x[order // A] times its expert's up-projection (in training through
     # _GatherUp, which keeps x, not those rows, for its backward)
     if training:
-        in_range = (ids >= 0) & (ids < E)  # [T, A]
         gate_up = _GatherUp.apply(x, w13, order, inv, offs, in_range, use_grouped_mm)
     else:
         gate_up = _grouped_linear(x[order // A], w13, offs, use_grouped_mm)
@@ -108,7 +109,7 @@ def moe_experts_grouped(
 
         y = _grouped_linear(h, w2, offs, use_grouped_mm)  # [M, Din]
         return combine_sorted(y, order, weights, ids, E).to(x.dtype)
-    return combine_down(h, w2, offs, order, inv, weights, ids, use_grouped_mm).to(x.dtype)
+    return combine_down(h, w2, offs, order, inv, weights, in_range, use_grouped_mm).to(x.dtype)
 
 
 class _GatherUp(torch.autograd.Function):
@@ -170,25 +171,24 @@ def combine_down(
     order: torch.Tensor,
     inv: torch.Tensor,
     weights: torch.Tensor,
-    ids: torch.Tensor,
+    in_range: torch.Tensor,
     grouped_mm: bool,
 ) -> torch.Tensor:
     """The experts' down-projection of their rows, y = _grouped_linear(h, w2, offs) [M, Din] (row r is pair order[r],
-    pair p is row inv[p]), weighted and summed back to the tokens: [T, Din] fp32 (ids, weights [T, A]; ids outside
-    [0, E) add nothing). In training, an autograd.Function whose backward keeps h [M, I], not y (Din / I times h's
-    size: on `mini` at 4 rows of 8704, 855 MB a layer, 20 GB a step), nor w2 in h's dtype: the weights' gradient
+    pair p is row inv[p]), weighted and summed back to the tokens: [T, Din] fp32 (weights [T, A]; pairs not
+    in_range [T, A], those of ids outside [0, E), add nothing). In training, an autograd.Function whose backward
+    keeps h [M, I], not y (Din / I times h's size: on `mini` at 4 rows of 8704, 855 MB a layer, 20 GB a step),
+    nor w2 in h's dtype: the weights' gradient
     <grad[t], y[p]> is taken as <grad[t] w2, h[p]>, from the product that h's gradient needs anyway.
     `combine_down.eager`: the same through plain autograd (it keeps w2 in h's dtype and an fp32 copy of y's rows
     gathered to [T, A, Din])."""
-    in_range = (ids >= 0) & (ids < w2.shape[0])  # [T, A]
-    if torch.is_grad_enabled() and (h.requires_grad or w2.requires_grad or weights.requires_grad):
+    if records(h, w2, weights):
         return _CombineDown.apply(h, w2, weights, in_range, order, inv, offs, grouped_mm)
-    return _weighted_sum(_grouped_linear(h, w2, offs, grouped_mm), weights, in_range, inv)
+    return _combine_down_eager(h, w2, offs, order, inv, weights, in_range, grouped_mm)
 
 
-def _combine_down_eager(h, w2, offs, order, inv, weights, ids, grouped_mm):
-    """`combine_down` as plain autograd differentiates it (the reference)."""
-    in_range = (ids >= 0) & (ids < w2.shape[0])
+def _combine_down_eager(h, w2, offs, order, inv, weights, in_range, grouped_mm):
+    """`combine_down` as written, and as plain autograd differentiates it (the reference)."""
     return _weighted_sum(_grouped_linear(h, w2, offs, grouped_mm), weights, in_range, inv)
 
 
