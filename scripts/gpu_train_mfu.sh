@@ -38,13 +38,13 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 
 one() {  # one NAME: the options of that variant, then its profile
-    local extra=() envs=() rows=2
+    local extra=() envs=() rows=2 limit=240  # seconds; two batches a step take longer
     case "$1" in
         base) ;;
         rows3) rows=3 ;;
-        rows3_accum2) rows=3 extra=(--grad-accum 2) ;;
+        rows3_accum2) rows=3 extra=(--grad-accum 2) limit=300 ;;
         rows4) rows=4 ;;
-        rows4_accum2) rows=4 extra=(--grad-accum 2) ;;
+        rows4_accum2) rows=4 extra=(--grad-accum 2) limit=330 ;;
         rows5) rows=5 ;;
         accum2) extra=(--grad-accum 2) ;;
         accum4) extra=(--grad-accum 4) ;;
@@ -53,7 +53,7 @@ one() {  # one NAME: the options of that variant, then its profile
         *) echo "unknown variant $1 (see the list above this script's code)" >&2; return 2 ;;
     esac
     echo "== $1 at ${SECONDS} s"
-    env "${envs[@]}" timeout 240 python3 scripts/profile_train.py --model mini --batch-rows $rows --row-len 8704 \
+    env "${envs[@]}" timeout $limit python3 scripts/profile_train.py --model mini --batch-rows $rows --row-len 8704 \
         --workers 8 --phases dense,sparse --timed-steps 4 --top 30 "${extra[@]}" --out "$OUT/mini_$1.json" 2>&1 \
         | grep -E "^(setup|dense|sparse)|Error|error" | grep -v -i warn
     python3 - "$OUT/mini_$1.json" << 'EOF'
