@@ -13,11 +13,11 @@
 #               session 31: 26.0% / 24.9%, then out of memory in its profile; session 32, with the grouped
 #               experts' saving: 25.3% / 23.9%, 120 GiB, the host setting the sparse pace)
 #   rows4       --batch-rows 4: fits since the grouped experts keep x, not its gathered rows, for their backward
-#               (3 rows peak at 106 GiB, 124 before; 4 rows at 130). Session 32, three machines: 25.2-25.7% dense,
-#               24.3-25.5% sparse, the GPU busy 95-99%: mini's setting
-#   rows4_accum2  both; rows5  --batch-rows 5: fit only with the experts' down-projection and combine keeping
-#               their rows h [M, I], not their output y [M, Din] (`combine_down`, session 32: ~22 GB less at 4 rows
-#               by the tensors' sizes, not yet measured; 4 rows peaked at 130 GiB before)
+#               (3 rows peak at 106 GiB, 124 before). Session 32, three machines: 25.2-25.7% dense, 24.3-25.5%
+#               sparse, 130 GiB; session 33, with `combine_down` (the experts' down-projection and combine keep
+#               h [M, I], not y [M, Din]), two machines: 25.9-26.0% in both phases, 110 GiB: mini's setting
+#   rows4_accum2  both (session 33: 26.7% / 26.6%, 122 GiB)
+#   rows5       --batch-rows 5, which fits since `combine_down` (session 33: 26.2-26.4% on two machines, 128 GiB)
 #   kda_recompute         KESTREL_KDA_SAFE_GATE=0 KESTREL_KDA_NO_RECOMPUTE=0: fla's general-gate kernels, and the
 #                         backward recomputing the forward's intermediates (the defaults before session 29, whose
 #                         measurement made both on the default: 0.579 -> 0.511 s)
