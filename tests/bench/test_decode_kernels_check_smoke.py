@@ -6,20 +6,37 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+import shutil
 import sys
+import tempfile
 from pathlib import Path
+
+import pytest
+
+from tests import early
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_decode_kernels_check_smoke(tmp_path):
-    out = tmp_path / "decode_kernels.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+def _start() -> early.Child:
+    """The script in a child started when collection ends (tests/early.py), on one thread."""
+    out = Path(tempfile.mkdtemp(prefix="decode_kernels_check-")) / "decode_kernels.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(ROOT / "scripts" / "decode_kernels_check.py"), "--smoke", "--out", str(out)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    return early.spawn(cmd, env=env)
+
+
+early.register("decode_kernels_check", _start)
+
+
+@pytest.mark.early("decode_kernels_check")
+def test_decode_kernels_check_smoke():
+    child = early.child("decode_kernels_check")
+    returncode, _, stderr = child.result(timeout=300)
+    assert returncode == 0, stderr[-2000:]
+    out = Path(child.proc.args[-1])  # the --out file _start named
     result = json.loads(out.read_text())
+    shutil.rmtree(out.parent, ignore_errors=True)
     assert "errors" not in result, result.get("errors")
     sorts = {k: v for k, v in result["moe_sort"].items() if k.startswith("M=")}
     assert len(sorts) == 3
