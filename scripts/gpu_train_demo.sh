@@ -24,6 +24,10 @@
 # Runs 13 / 14 (session 19, 2026-12-01-demo-train-run13-14.json) fit both stages' whole processes in 15 minutes
 # (876 s) by time budgets: stage 1 STEPS=4000 BUDGET=550, stage 2 STEPS=2000 BUDGET=230 (the schedule runs over
 # the budget; the steps are only a cap).
+# Session 33 measured the demo's step at 16 rows (ROWS=16): 708 / 642 K tokens/s dense / sparse against 495 / 411 K
+# at 8 rows, where the host sets the pace (bench/results/2026-12-02-h200-session33.json, call 5). Not yet trained
+# with: run 13's two budgets at ROWS=16, with the warm-up and dense steps halved to keep their tokens (WARMUP=25
+# DENSE=200 in stage 1, WARMUP=10 in stage 2), would see ~1.6x run 11's tokens in the same 15 minutes.
 # Knobs: MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED DISTRACTORS SHARED_ALL (1, the default: --retrieval-shared-all; 0: run 6's data)
 #   RLOSS (--retrieval-loss-weight, default 1)
 #   LR WARMUP DENSE BUDGET WORKERS SEED
