@@ -1,7 +1,6 @@
 """scripts/gpu_suite.py --smoke: every section of the GPU script runs its code on the CPU at tiny sizes, so that
 a Python error in a section shows up here rather than in rented GPU minutes. One run of the script (a
-child process, started when collection ends: tests/early.py; the sections set KESTREL_* variables), then one
-check per section: no error anywhere in its JSON,
+subprocess: the sections set KESTREL_* variables), then one check per section: no error anywhere in its JSON,
 and the figures it exists to produce."""
 
 from __future__ import annotations
@@ -9,14 +8,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
+import signal
+import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
-
-from tests import early
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,28 +57,23 @@ EXPECTED = {
 }
 
 
-def _start() -> early.Child:
-    """The whole smoke run in a child started when collection ends (tests/early.py), on one thread: torch's
-    second thread would take the core the rest of the suite runs on (session 24: with two threads, starting it
-    early made the suite slower)."""
-    out = Path(tempfile.mkdtemp(prefix="gpu_suite_smoke-"))
-    cmd = [sys.executable, "scripts/gpu_suite.py", "--smoke", "--sections", "all", "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return early.spawn(cmd, cwd=ROOT, env=env)
-
-
-early.register("gpu_suite_smoke", _start)
-
-
 @pytest.fixture(scope="module")
-def sections() -> dict:
-    child = early.child("gpu_suite_smoke")
-    # its own process group: on a timeout the servers it started go down with it
-    returncode, _, stderr = child.result(timeout=900)
-    assert returncode == 0, stderr[-3000:]
-    out = Path(child.proc.args[-1])  # the --out folder _start made
+def sections(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("gpu_suite_smoke")
+    cmd = [sys.executable, "scripts/gpu_suite.py", "--smoke", "--sections", "all", "--out", str(out)]
+    # its own process group: on a timeout the servers it started go down with it (~30 s idle, minutes on a
+    # loaded 2-core machine)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        _, stderr = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, stderr[-3000:]
     record = json.loads((out / "gpu_suite.json").read_text())
-    shutil.rmtree(out, ignore_errors=True)
     assert record["gpu"].startswith("none") and set(record["sections"]) == set(EXPECTED)
     return record["sections"]
 
@@ -96,7 +88,6 @@ def _errors(value, where: str = "") -> list[str]:
     return []
 
 
-@pytest.mark.early("gpu_suite_smoke")
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_section_runs_on_cpu(sections, name):
     section = sections[name]
@@ -104,7 +95,6 @@ def test_section_runs_on_cpu(sections, name):
     assert EXPECTED[name] <= set(section), EXPECTED[name] - set(section)
 
 
-@pytest.mark.early("gpu_suite_smoke")
 def test_smoke_figures_are_real(sections):
     """Beyond "no exception": each section really did its work at the smoke sizes."""
     foundation = sections["foundation"]
