@@ -10,6 +10,8 @@ some other way) starts the child itself when it first asks for it.
 On the 2-core CPU machine (session 24, clean clones, `.ci/run`): the whole suite 773 and 812 s serially, 683 s
 with these two children early (one thread each); the GPU suite's CPU smoke run (servers, torch on two threads)
 started early as well made it 949 s: a child that wants both cores slows the suite more than it saves.
+Session 33: that smoke run early on one thread gave 813 s against 830 (noise) while the tests it ran beside
+slowed 2-9x, so it stays in its fixture; decode_kernels_check's interpreted smoke run (~23 s) is a third child.
 
 Output goes to temporary files, not pipes: a child that prints more than a pipe holds would otherwise block
 until its test reads it.
