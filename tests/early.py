@@ -65,6 +65,12 @@ def spawn(cmd: list[str], **kwargs) -> Child:
     return Child(proc, out, err)
 
 
+def spawn_interpreted(cmd: list[str]) -> Child:
+    """`spawn(cmd)` with Triton's interpreter on and one thread: the interpreter's work is Python's, and the
+    suite runs on the other core meanwhile."""
+    return spawn(cmd, env={**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"})
+
+
 def register(key: str, start: Callable[[], Child]) -> None:
     """Register how to start the child `key` (a test module, at import)."""
     _STARTERS[key] = start

@@ -5,7 +5,6 @@ tile gives the reference's answer."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -21,9 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def _start() -> early.Child:
     """The script in a child started when collection ends (tests/early.py), on one thread."""
     out = Path(tempfile.mkdtemp(prefix="decode_kernels_check-")) / "decode_kernels.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(ROOT / "scripts" / "decode_kernels_check.py"), "--smoke", "--out", str(out)]
-    return early.spawn(cmd, env=env)
+    return early.spawn_interpreted(cmd)
 
 
 early.register("decode_kernels_check", _start)

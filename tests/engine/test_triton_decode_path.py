@@ -6,7 +6,6 @@ because TRITON_INTERPRET must be set before Triton is first imported."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
@@ -72,9 +71,7 @@ print(json.dumps(result))
 
 def _start(script: str) -> early.Child:
     """The script in a fresh interpreter with TRITON_INTERPRET=1 (started when collection ends: tests/early.py)."""
-    # one thread: the interpreter's work is Python's, and the suite runs on the other core meanwhile
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    return early.spawn([sys.executable, "-c", script], env=env)
+    return early.spawn_interpreted([sys.executable, "-c", script])
 
 
 def _result(key: str) -> dict:

@@ -399,6 +399,11 @@ def _pairs_and_rows(T, A, E, D, seed, dtype):
     return ids, order, inv, weights, y
 
 
+def _offs(ids, order, E):
+    """The groups' cumulative ends [E] int32 of the expert-major rows (ids outside [0, E) past offs[-1])."""
+    return torch.searchsorted(ids.reshape(-1)[order], torch.arange(E), right=True).to(torch.int32)
+
+
 def _combine_by_scatter(y, order, weights, ids, E):
     """The combine as first written, in fp64: each expert-major row weighted, then added into its token's row."""
     T, A = ids.shape
@@ -428,7 +433,7 @@ def test_gather_up_equals_autograd_through_the_gathered_rows(T, A, dtype, use_gr
     ids = torch.randint(1, E, (T, A), generator=g)  # expert 0 gets nothing
     order = torch.argsort(ids.reshape(-1), stable=True)
     inv = torch.argsort(order)
-    offs = torch.searchsorted(ids.reshape(-1)[order], torch.arange(E), right=True).to(torch.int32)
+    offs = _offs(ids, order, E)
     x = torch.randn(T, D, generator=g).to(dtype).requires_grad_()
     w = torch.randn(E, N, D, generator=g).requires_grad_()  # fp32 master weights, cast to x's dtype inside
     up = torch.randn(T * A, N, generator=g).to(dtype)
@@ -509,7 +514,7 @@ def _check_combine_down(T, A, dtype, use_grouped_mm, seed, poison=None):
 
     E, D, I = 4, 16, 8
     ids, order, inv, weights, _ = _pairs_and_rows(T, A, E, D, seed=seed, dtype=dtype)
-    offs = torch.searchsorted(ids.reshape(-1)[order], torch.arange(E), right=True).to(torch.int32)
+    offs = _offs(ids, order, E)
     in_range = (ids >= 0) & (ids < E)  # [T, A]
     foreign = ~in_range.reshape(-1)[order]  # [M]
     g = torch.Generator().manual_seed(seed + 1)
@@ -582,7 +587,7 @@ def test_pair_moves_compiled_equal_eager(monkeypatch):
 
     T, A, E, D = 8, 3, 5, 32
     ids, order, inv, weights, _ = _pairs_and_rows(T, A, E, D, seed=17, dtype=torch.bfloat16)
-    offs = torch.searchsorted(ids.reshape(-1)[order], torch.arange(E), right=True).to(torch.int32)
+    offs = _offs(ids, order, E)
     x0 = torch.randn(T, D, generator=torch.Generator().manual_seed(18)).bfloat16()
     w13 = torch.randn(E, D, D, generator=torch.Generator().manual_seed(19))
     w2_0 = torch.randn(E, D, D, generator=torch.Generator().manual_seed(20)) / D**0.5
