@@ -110,6 +110,13 @@ class Env:
     (so KESTREL_MOE_OVERLAP_SHARED and KESTREL_MOE_SORT_FIRST apply only where it does not). On by default:
     mini's decode step on the H200 (session 21, CUDA-graph replay, off / on) batch 1 2.29 / 2.15 ms (618 / 522
     kernels), 64 4.54 / 4.40, 256 7.22 / 7.04."""
+    moe_fused_decode: bool
+    """KESTREL_MOE_FUSED_DECODE: at inference on CUDA, up to kestrel.layers.moe.FUSED_DECODE_MAX_TOKENS tokens, a
+    MoE layer with one expert group, no latent MoE, one device's experts and a shared MLP of the experts' width
+    (or none) runs whole in one launch (kestrel.ops.moe.triton_decode: router, routed and shared experts,
+    combine, residual add; grid barriers between the phases) instead of six. Off by default: on the H200
+    (session 34, mini's sizes, a CUDA graph of 24 layers) the one launch took 28.7 us a layer against the six
+    launches' 23.0 (5.3 us of bytes), and mini's batch-1 decode step 1.82 against 1.67 ms (graph replay)."""
     kda_safe_gate: bool
     """KESTREL_KDA_SAFE_GATE: fla chunk_kda's faster path for gates bounded in [-5, 0) (K3's lower-bound gate),
     used only where the model's gate is bounded, and only in training (where autograd records: its forward and
@@ -170,6 +177,7 @@ _READERS = {
     "moe_overlap_shared": lambda: _bool("KESTREL_MOE_OVERLAP_SHARED", True),
     "moe_sort_first": lambda: _bool("KESTREL_MOE_SORT_FIRST", True),
     "moe_fuse_shared": lambda: _bool("KESTREL_MOE_FUSE_SHARED", True),
+    "moe_fused_decode": lambda: _bool("KESTREL_MOE_FUSED_DECODE", False),
     "sparse_prefill": lambda: _str("KESTREL_SPARSE_PREFILL", "auto", ("auto", "rows", "expanded")),
     "compile_train": lambda: _switch("KESTREL_COMPILE_TRAIN", "auto"),
     "fused_ops": lambda: _str("KESTREL_FUSED_OPS", "auto", ("auto", "off")),

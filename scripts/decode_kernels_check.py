@@ -31,6 +31,8 @@ timed on the device in one run, one JSON result:
 8. `pdl`: a chain of 200 dependent decode kernels in one CUDA graph with programmatic dependent launch off and on
    (kestrel.ops.pdl), us a kernel.
 9. `gemv`: decode's linear layers through cuBLAS against the Triton GEMV (kestrel.ops.linear), us a projection.
+10. `moe_fused`: the MoE layer at batch 1 in one launch (kestrel.ops.moe.triton_decode) against the six it replaces,
+   its tiles and grid swept, us a layer in a graph of 24 layers against the bytes at the copy rate.
 Each section catches its own exceptions; the JSON is rewritten after every section. `--smoke` runs every section at
 tiny sizes on the CPU under TRITON_INTERPRET=1 (the figures mean nothing there).
 """
@@ -684,13 +686,97 @@ def gemv(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
             print(f"gemv {N}x{K} B={B}: {entry}", flush=True)
 
 
+def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
+    """The MoE layer at batch 1 in one launch (kestrel.ops.moe.triton_decode.moe_decode_triton) against the six
+    it replaces (route_hidden_triton's two, then moe_experts_triton with the shared expert and the residual add
+    in its launches: sort, gate_up, down, combine), at mini's sizes: 64 experts of 2048 x 256, top-6, one shared
+    expert, fp32 router. Each is timed per layer in a CUDA graph of 24 layers' weights (no L2 reuse between
+    calls, as in a step) against the bytes it must read (the 7 experts hit and the router's weight) at the copy
+    rate; the one launch's tiles and grid are swept, each checked against the six launches (the same experts,
+    the output within bf16 rounding) and for barriers that gave up."""
+    from kestrel.ops.moe.triton_decode import TILES, _sync_buffer, moe_decode_triton
+    from kestrel.ops.moe.triton_experts import moe_experts_triton
+    from kestrel.ops.moe.triton_router import route_hidden_triton
+
+    E, A, D, I, layers, T = 64, 6, 2048, 256, CALLS_PER_STEP, 1
+    # session 34's first sweep (ks 1-4, bn_g and bn_d 8-32, 4 warps, one or half a program an SM) found these
+    # four tile sets the fastest; warps and programs an SM swept over them
+    sets = [
+        dict(ks=2, bn_g=16, bn_d=16),
+        dict(ks=4, bn_g=32, bn_d=16),
+        dict(ks=2, bn_g=32, bn_d=32, bk_g=512),
+        dict(ks=4, bn_g=16, bn_d=16),
+    ]
+    sweep = {"warps": (4, 8, 16), "per_sm": (1, 2)}
+    if smoke:
+        E, A, D, I, layers = 8, 2, 64, 32, 2
+        sets, sweep = [dict(ks=1), dict(ks=2)], {"warps": (4,), "per_sm": (1,)}
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def r(*shape, fan_in=1, dt=dtype):
+        return (torch.randn(*shape, generator=g, device=device) / fan_in**0.5).to(dt)
+
+    nets = [
+        dict(router=r(E, D, fan_in=D, dt=torch.float32), bias=0.1 * r(E, dt=torch.float32),
+             w13=r(E, 2 * I, D, fan_in=D), w2=r(E, D, I, fan_in=I), shared=(r(2 * I, D, fan_in=D), r(D, I, fan_in=I)))
+        for _ in range(layers)
+    ]  # fmt: skip
+    x, residual = r(T, D), r(T, D)
+
+    def six(n, out):
+        w, ids = route_hidden_triton(x, n["router"], n["bias"], A, True, 2.5)
+        moe_experts_triton(x, n["w13"], n["w2"], w, ids, "situ", shared=n["shared"], out=out, accumulate=True)
+        return out, w, ids
+
+    def one(n, out, **kw):
+        return moe_decode_triton(
+            x, n["router"], n["bias"], A, True, 2.5, n["w13"], n["w2"], "situ", shared=n["shared"], out=out,
+            accumulate=True, **kw,
+        )  # fmt: skip
+
+    outs = [residual.clone() for _ in range(layers)]  # each call adds into its own residual, as in a step
+    want, _, want_ids = six(nets[0], residual.clone())
+    floor_us = 1e6 * ((A + 1) * 3 * D * I * 2 + E * D * 4) / (ceilings["copy_TBps"] * 1e12)
+    entry = result["moe_fused"] = {"experts": E, "top_k": A, "hidden": D, "inter": I, "tokens": T}
+    entry["floor_us"] = floor_us
+    entry["six_launches_us"] = calls_us([functools.partial(six, n, o) for n, o in zip(nets, outs)], device)
+    rows = entry["one_launch"] = []
+    for base in sets:
+        for values in itertools.product(*sweep.values()):
+            tiles = base | dict(zip(sweep, values))
+            row = dict(tiles)
+            try:
+                got, _, ids = one(nets[0], residual.clone(), tiles=tiles)
+                delta, ref = (got - residual).float(), (want - residual).float()
+                row["same_experts"] = bool(torch.equal(ids, want_ids))
+                row["rel_err"] = ((delta - ref).norm() / ref.norm()).item()
+                row["close"] = row["same_experts"] and row["rel_err"] < 1e-2
+                kw = dict(tiles=tiles)
+                row["us"] = calls_us([functools.partial(one, n, o, **kw) for n, o in zip(nets, outs)], device)
+                row["floor_share"] = floor_us / row["us"]
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                    row["barrier_gave_up"] = bool(_sync_buffer(x.device)[3].item())
+            except Exception as e:  # noqa: BLE001
+                row["error"] = repr(e)[:200]
+            rows.append(row)
+    entry["default_tiles"] = TILES
+    entry["best"] = _best(rows)
+    print(
+        f"moe_fused T=1: floor {floor_us:.1f} us, six launches {entry['six_launches_us']:.1f} us a layer, "
+        f"one launch best {entry['best']}",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "decode_kernels.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (TRITON_INTERPRET=1)")
     parser.add_argument(
         "--sections",
-        default="moe_sort,mla_decode,mla_layout,moe_tiles,kda_step,moe_anatomy,small_kernels,pdl,gemv",
+        default="moe_sort,mla_decode,mla_layout,moe_tiles,kda_step,moe_anatomy,small_kernels,pdl,gemv,moe_fused",
     )
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -722,6 +808,7 @@ def main() -> None:
         "small_kernels": lambda: small_kernels(result, device, args.smoke, ceilings),
         "pdl": lambda: pdl(result, device, args.smoke),
         "gemv": lambda: gemv(result, device, args.smoke, ceilings),
+        "moe_fused": lambda: moe_fused(result, device, args.smoke, ceilings),
     }
     for name in args.sections.split(","):
         try:

@@ -47,6 +47,9 @@ ROUTER_DOT_MAX_TOKENS = 128
 # Tokens up to which the shared experts run on a side stream (KESTREL_MOE_OVERLAP_SHARED): decode sizes, where
 # neither the routed experts nor the shared ones fill the GPU (timed at batch 1 and 64).
 OVERLAP_SHARED_MAX_TOKENS = 256
+# Tokens up to which the whole layer runs in one launch (KESTREL_MOE_FUSED_DECODE, `MoE._whole_in_one_launch`):
+# batch-1 decode, the case the kernel was written and timed for.
+FUSED_DECODE_MAX_TOKENS = 1
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -232,15 +235,18 @@ class MoE(nn.Module):
     def _shared_in_experts(self, x: torch.Tensor, experts) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The shared MLP's (gate_up [2I, D], down [D, I]) weights where the routed experts' Triton kernels can
         run it as one more expert every token takes (KESTREL_MOE_FUSE_SHARED), at decode sizes (up to
-        OVERLAP_SHARED_MAX_TOKENS tokens: the sizes it was timed at): this rank's shard of it has their width
-        and input (one shared expert, no latent MoE; under tensor parallelism its partial output is added as
-        the unfused path adds it, and the caller reduces both alike) and their dtype. Else None."""
+        OVERLAP_SHARED_MAX_TOKENS tokens: the sizes it was timed at) where `_shared_as_expert` allows. Else None."""
+        if not _is_triton_experts(experts) or x.shape[0] > OVERLAP_SHARED_MAX_TOKENS:
+            return None
+        return self._shared_as_expert() if env_field("moe_fuse_shared") else None
+
+    def _shared_as_expert(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The shared MLP's (gate_up [2I, D], down [D, I]) where it can run as one more routed expert: one shared
+        expert, no latent MoE; this rank's shard of it has the experts' width and input (under tensor
+        parallelism its partial output is added as the unfused path adds it, and the caller reduces both alike)
+        and their dtype. Else None."""
         mlp = self.shared_experts
-        if mlp is None or not _is_triton_experts(experts) or hasattr(self, "routed_expert_down_proj"):
-            return None
-        if x.shape[0] > OVERLAP_SHARED_MAX_TOKENS:
-            return None
-        if not env_field("moe_fuse_shared"):
+        if mlp is None or hasattr(self, "routed_expert_down_proj"):
             return None
         gate_up, down, w13 = mlp.gate_up_proj.weight, mlp.down_proj.weight, self.experts.w13
         _, two_i, din = w13.shape
@@ -249,6 +255,46 @@ class MoE(nn.Module):
         if not gate_up.dtype == down.dtype == w13.dtype == self.experts.w2.dtype:
             return None
         return gate_up, down
+
+    def _whole_in_one_launch(self, x: torch.Tensor, add_to: torch.Tensor | None, ctx) -> torch.Tensor | None:
+        """`forward`'s result from one kernel (kestrel.ops.moe.triton_decode: router, routed and shared experts,
+        combine, residual add) where it applies: KESTREL_MOE_FUSED_DECODE, up to FUSED_DECODE_MAX_TOKENS tokens,
+        one rank (every expert here, no tensor-parallel shards), no latent MoE, the shared MLP as one more expert
+        (`_shared_as_expert`, KESTREL_MOE_FUSE_SHARED) or none, x in the experts' dtype. Else None: the caller
+        runs the layer as usual."""
+        if x.shape[0] > FUSED_DECODE_MAX_TOKENS or not env_field("moe_fused_decode"):
+            return None
+        if env_field("moe_decode_kernel") != "auto" or hasattr(self, "routed_expert_down_proj"):
+            return None
+        ps = parallel_state()
+        w13, w2 = self.experts.w13, self.experts.w2
+        if ps.tp_size != 1 or ps.ep_size != 1 or not x.dtype == w13.dtype == w2.dtype:
+            return None
+        shared = self._shared_as_expert() if env_field("moe_fuse_shared") else None
+        if self.shared_experts is not None and shared is None:
+            return None
+        from kestrel.ops.moe.triton_decode import moe_decode_triton
+
+        into = add_to is not None and add_to.is_contiguous() and add_to.dtype == x.dtype
+        out, _, ids = moe_decode_triton(
+            x,
+            self.gate.weight,
+            self.gate.e_score_correction_bias,
+            self.top_k,
+            self.renormalize,
+            self.scaling,
+            w13,
+            w2,
+            self.act,
+            self.beta,
+            self.linear_beta,
+            shared=shared,
+            out=add_to if into else None,
+            accumulate=into,
+        )
+        if ctx is not None and ctx.routing_capture is not None:
+            ctx.routing_capture[self.layer_id] = ids
+        return out if add_to is None or into else add_to.add_(out)
 
     def forward(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:  # [T, D]
         """The block's output [T, D]; with add_to [T, D], add_to += it (in place, rounded as `add_`) and
@@ -261,6 +307,9 @@ class MoE(nn.Module):
         fused = (
             x.is_cuda and self.groups == 1 and not torch.is_grad_enabled() and fused_ops_on() and not replay
         )
+        whole = self._whole_in_one_launch(x, add_to, ctx) if fused else None
+        if whole is not None:
+            return whole
         if fused and x.shape[0] <= ROUTER_GEMV_MAX_TOKENS:
             from kestrel.ops.moe.triton_router import route_hidden_triton
 

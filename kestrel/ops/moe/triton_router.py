@@ -17,23 +17,12 @@ from kestrel.ops.pdl import pdl_args, pdl_begin
 
 
 @triton.jit
-def _select(
-    x,
-    cols,
-    mask,
-    t,
-    bias,
-    weights_out,
-    ids_out,
-    scaling,
-    HAS_BIAS: tl.constexpr,
-    RENORM: tl.constexpr,
-    A: tl.constexpr,
-    BA: tl.constexpr,
+def _pick(
+    x, cols, mask, bias, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, A: tl.constexpr, BA: tl.constexpr
 ):
-    """Routing of token t from its fp32 logits x [BE]: sigmoid, the biased top-A (the first maximum on ties),
-    the weights renormalized (or not) and scaled, stored best first. The A picks stay in registers ([BA])
-    until one store each."""
+    """A token's routing from its fp32 logits x [BE]: sigmoid, the biased top-A (the first maximum on ties), the
+    weights renormalized (or not), unscaled. Returns (weights [BA] fp32, ids [BA] int64), best first; slots past
+    A hold zeros."""
     s = tl.sigmoid(x)  # [BE] the scores the weights come from
     sel = s
     if HAS_BIAS:
@@ -50,6 +39,27 @@ def _select(
         sel = tl.where(cols == best, float("-inf"), sel)
     if RENORM:
         w_top = w_top / (tl.sum(w_top, axis=0) + 1e-20)  # slots past A hold zeros
+    return w_top, id_top
+
+
+@triton.jit
+def _select(
+    x,
+    cols,
+    mask,
+    t,
+    bias,
+    weights_out,
+    ids_out,
+    scaling,
+    HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+    A: tl.constexpr,
+    BA: tl.constexpr,
+):
+    """`_pick` for token t, its scaled weights and ids stored best first (one store each)."""
+    w_top, id_top = _pick(x, cols, mask, bias, HAS_BIAS, RENORM, A, BA)
+    slots = tl.arange(0, BA)
     tl.store(weights_out + t * A + slots, w_top * scaling, mask=slots < A)
     tl.store(ids_out + t * A + slots, id_top, mask=slots < A)
 

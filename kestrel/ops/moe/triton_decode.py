@@ -1,0 +1,373 @@
+"""The whole MoE layer of a decode step in one launch: router, routed experts, shared expert, combine and the
+residual add. `moe_decode_triton` is, in one kernel, what the layer otherwise runs as six (the router's two,
+`route_hidden_triton`; the pair sort, gate_up, down and combine of `moe_experts_triton` with the shared expert
+in its launches): issue 4's first step towards a decode step of few launches.
+
+Legend: T tokens (decode: 1), D hidden width (= the experts' input), E experts, A experts per token, I expert
+width, SL = A (+ 1 with a shared expert) slots a token's experts fill, S slices of D the router's logits are
+summed over, KS slices of D each gate/up product is summed over.
+
+One grid of at most one program per SM, all resident at once, walks three phases; a grid barrier (an atomic
+counter each program adds to, then waits on) separates them:
+    router:   partial[t, s] = x[t, slice s] . router_weight[:, slice s]                 T * S items   [T, S, E]
+    gate_up:  every program sums partial[t] in a fixed order and routes (top-A with the correction bias, as
+              `triton_router._pick`: the same weights and ids in every program, no barrier for them);
+              gu[t, a, ks] = x[t, slice ks] . w13[e_a, tile]   (gate and up, fp32)       T * SL * I / BN * KS
+    down:     h = act(gate, up) from the KS partial sums, rounded as the reference;
+              out[t, tile] (+)= sum_a w_a * (h_a . w2[e_a, tile]) in slot order (+ the shared expert's)
+                                                                                         T * D / BN items
+The rounding is `moe_experts_triton`'s (gate and up in x's dtype, the activation in fp32, h and each expert's
+output in x's dtype, the fp32 weighted sum in slot order; the shared expert's output and the residual each
+added to the rounded sum, rounded again); its only differences from the six launches are summation orders
+(the router's logits over slices of another width, gate/up over KS slices of D).
+
+The barriers need every program resident: the grid is at most the SM count and a program holds one SM's
+share of registers at most; the counters (`_sync`, one small buffer a device, left at zero by every launch)
+are reset by the kernel itself, so CUDA graphs replay it as is. A barrier that waits past MAX_SPIN polls
+(seconds: a grid that cannot all be resident) gives up and sets sync[3], which the tests check. Triton's CPU
+interpreter runs a program to its end before the next starts, so a barrier would never open there: on the
+CPU (and with phased=True) the three phases run as three launches of the same kernel, and the tests on the
+GPU compare the one launch with them, bit for bit.
+
+Inference only (no autograd); one dtype for x and every expert weight; the router weight and bias fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.ops.activation.triton_act import glu
+from kestrel.ops.moe.triton_experts import _rounded
+from kestrel.ops.moe.triton_router import _pick
+from kestrel.ops.pdl import pdl_args, pdl_begin
+
+MAX_SPIN = 1 << 22  # polls of a barrier's counter before it gives up (~1 us each)
+_sync: dict[
+    torch.device, torch.Tensor
+] = {}  # device -> its barrier counters [4] int32, zero between launches
+# (router slice, gate/up K slices, gate/up tile and K step, down tile and K step): the defaults on the GPU
+# and warps a program, programs an SM (the grid: at most what the GPU holds at once)
+TILES = dict(bd=64, ks=2, bn_g=16, bk_g=256, bn_d=16, bk_d=128, warps=4, per_sm=1)
+
+
+def _sync_buffer(device: torch.device) -> torch.Tensor:
+    """The device's barrier counters: [0] and [1] the two barriers', [2] the programs done, [3] a barrier gave
+    up (a grid not all resident). Every launch leaves [0:3] at zero."""
+    if device not in _sync:
+        _sync[device] = torch.zeros(4, dtype=torch.int32, device=device)
+    return _sync[device]
+
+
+@triton.jit
+def _grid_sync(sync, k, nprog, MAX_SPIN: tl.constexpr):
+    """Wait until all nprog programs have reached barrier k; every store before it is then visible to every
+    program after it (release on the arrival, acquire on the polls)."""
+    tl.debug_barrier()  # this program's threads have all stored
+    tl.atomic_add(sync + k, 1, sem="release", scope="gpu")
+    arrived = tl.atomic_add(sync + k, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (arrived < nprog) & (spins < MAX_SPIN):
+        arrived = tl.atomic_add(sync + k, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if arrived < nprog:
+        tl.atomic_xchg(sync + 3, 1, sem="relaxed", scope="gpu")  # gave up: the results are wrong
+    tl.debug_barrier()
+
+
+@triton.jit
+def _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS):
+    """Token t's routing from its S partial logits, added in a fixed order (every program gets the same bits):
+    (weights [BA] fp32, scaled; ids [BA] int64). Read past L1: other programs wrote them in this launch."""
+    cols = tl.arange(0, BE)
+    acc = tl.zeros([BE], dtype=tl.float32)
+    for s0 in range(0, S, BS):
+        rows = s0 + tl.arange(0, BS)
+        p = tl.load(
+            partial + (t * S + rows[:, None]) * BE + cols[None, :],
+            mask=(rows < S)[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        acc += tl.sum(p, axis=0)
+    w_top, id_top = _pick(acc, cols, cols < E, bias, HAS_BIAS, RENORM, A, BA)
+    return w_top * scaling, id_top
+
+
+@triton.jit
+def _router_phase(x, router_w, partial, pid, nprog, T, D, E, S, BE: tl.constexpr, BD: tl.constexpr):
+    """The router's partial logits, every expert at once, a slice of D an item: partial[t, s] [BE]."""
+    cols = tl.arange(0, BE)
+    for item in range(pid, T * S, nprog):
+        t = item // S
+        ds = (item % S) * BD + tl.arange(0, BD)
+        dmask = ds < D
+        xv = tl.load(x + t * D + ds, mask=dmask, other=0.0).to(tl.float32)  # [BD]
+        w = tl.load(
+            router_w + cols[:, None] * D + ds[None, :],
+            mask=(cols < E)[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        tl.store(partial + item * BE + cols, tl.sum(w.to(tl.float32) * xv[None, :], axis=1))
+
+
+@triton.jit
+def _gate_up_phase(
+    x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling,
+    A: tl.constexpr, SL: tl.constexpr, BA: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr, KS: tl.constexpr,
+    KCH: tl.constexpr, BN_G: tl.constexpr, BK_G: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+):  # fmt: skip
+    """Gate and up, fp32, into gu[t, a, ks]: an item is (token, slot, tile of I, slice of D); program 0 stores
+    the routing."""
+    slots = tl.arange(0, BA)
+    NG = tl.cdiv(I, BN_G)
+    per_token = SL * NG * KS
+    for t in range(0, T):
+        w_top, id_top = _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS)
+        if pid == 0:
+            tl.store(weights_out + t * A + slots, w_top, mask=slots < A)
+            tl.store(ids_out + t * A + slots, id_top, mask=slots < A)
+        first = (pid - (t * per_token) % nprog + nprog) % nprog  # this program's first item of token t
+        for j in range(first, per_token, nprog):
+            a = j // (NG * KS)
+            n = (j // KS) % NG
+            ks = j % KS
+            e = tl.sum(tl.where(slots == a, id_top, 0), axis=0)
+            w_e = tl.where(a == A, ws13, w13 + e * 2 * I * D)  # [2I, D]: a == A only with SHARED
+            cols = n * BN_G + tl.arange(0, BN_G)  # [BN_G] units of I
+            cmask = cols < I
+            acc_g = tl.zeros([BN_G], dtype=tl.float32)
+            acc_u = tl.zeros([BN_G], dtype=tl.float32)
+            for k0 in range(0, KCH, BK_G):
+                kk = k0 + tl.arange(0, BK_G)
+                ds = ks * KCH + kk
+                kmask = (kk < KCH) & (ds < D)
+                xv = tl.load(x + t * D + ds, mask=kmask, other=0.0).to(tl.float32)  # [BK_G]
+                wmask = cmask[:, None] & kmask[None, :]
+                g = tl.load(w_e + cols[:, None].to(tl.int64) * D + ds[None, :], mask=wmask, other=0.0)
+                u = tl.load(w_e + (I + cols[:, None]).to(tl.int64) * D + ds[None, :], mask=wmask, other=0.0)
+                acc_g += tl.sum(g.to(tl.float32) * xv[None, :], axis=1)
+                acc_u += tl.sum(u.to(tl.float32) * xv[None, :], axis=1)
+            row = gu + ((t * SL + a) * KS + ks) * 2 * I  # [2, I]: gate, then up
+            tl.store(row + cols, acc_g, mask=cmask)
+            tl.store(row + I + cols, acc_u, mask=cmask)
+
+
+@triton.jit
+def _down_phase(
+    x, w2, ws2, gu, weights_out, ids_out, out, pid, nprog, T, D, I: tl.constexpr, beta, linear_beta,
+    A: tl.constexpr, SL: tl.constexpr, BA: tl.constexpr, KS: tl.constexpr, BN_D: tl.constexpr,
+    BK_D: tl.constexpr, SITU: tl.constexpr, SHARED: tl.constexpr, ACCUMULATE: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """Down and combine into out: an item is (token, tile of D), every slot in slot order; the activation from
+    gu's partial sums, the rounding as the reference's. I is a constant: the loop over it unrolls, every load
+    of an item issued before the math waits on one."""
+    slots = tl.arange(0, BA)
+    dt = x.dtype.element_ty
+    ND = tl.cdiv(D, BN_D)
+    for t in range(0, T):
+        # the routing program 0 stored in the gate_up phase (before the barrier, or the launch before)
+        w_top = tl.load(weights_out + t * A + slots, mask=slots < A, other=0.0, cache_modifier=".cg")
+        id_top = tl.load(ids_out + t * A + slots, mask=slots < A, other=0, cache_modifier=".cg")
+        first = (pid - (t * ND) % nprog + nprog) % nprog
+        for n in range(first, ND, nprog):
+            cols = n * BN_D + tl.arange(0, BN_D)  # [BN_D] output units
+            cmask = cols < D
+            total = tl.zeros([BN_D], dtype=tl.float32)
+            shared_y = tl.zeros([BN_D], dtype=tl.float32)
+            for a in tl.static_range(SL):
+                e = tl.sum(tl.where(slots == a, id_top, 0), axis=0)
+                if a == A:
+                    w_e = ws2  # [D, I]
+                else:
+                    w_e = w2 + e * D * I
+                row = gu + (t * SL + a) * KS * 2 * I
+                acc = tl.zeros([BN_D], dtype=tl.float32)
+                for k0 in tl.static_range(0, I, BK_D):
+                    ki = k0 + tl.arange(0, BK_D)
+                    kmask = ki < I
+                    g = tl.zeros([BK_D], dtype=tl.float32)
+                    u = tl.zeros([BK_D], dtype=tl.float32)
+                    for ks in tl.static_range(KS):  # the D slices' partial sums, in order
+                        g += tl.load(row + ks * 2 * I + ki, mask=kmask, other=0.0, cache_modifier=".cg")
+                        u += tl.load(row + ks * 2 * I + I + ki, mask=kmask, other=0.0, cache_modifier=".cg")
+                    h = glu(_rounded(g, dt, BF16), _rounded(u, dt, BF16), beta, linear_beta, SITU)
+                    h = _rounded(h, dt, BF16)  # [BK_D] as the reference's h in x's dtype
+                    w = tl.load(
+                        w_e + cols[:, None].to(tl.int64) * I + ki[None, :],
+                        mask=cmask[:, None] & kmask[None, :],
+                        other=0.0,
+                    )
+                    acc += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
+                y = _rounded(acc, dt, BF16)  # the expert's output in x's dtype
+                if a == A:
+                    shared_y = y
+                else:
+                    total += tl.sum(tl.where(slots == a, w_top, 0.0), axis=0) * y
+            if SHARED:
+                total = _rounded(total, dt, BF16) + shared_y
+            if ACCUMULATE:
+                before = tl.load(out + t * D + cols, mask=cmask, other=0.0).to(tl.float32)
+                total = _rounded(total, dt, BF16) + before
+            total = _rounded(total, dt, BF16)
+            tl.store(out + t * D + cols, total.to(dt), mask=cmask)
+
+
+@triton.jit
+def _moe_decode_kernel(
+    x,
+    router_w,
+    bias,
+    w13,
+    w2,
+    ws13,
+    ws2,
+    partial,
+    gu,
+    weights_out,
+    ids_out,
+    out,
+    sync,
+    T,
+    D,
+    E,
+    I: tl.constexpr,
+    S,
+    scaling,
+    beta,
+    linear_beta,
+    A: tl.constexpr,
+    BA: tl.constexpr,
+    BE: tl.constexpr,
+    BS: tl.constexpr,
+    BD: tl.constexpr,
+    KS: tl.constexpr,
+    KCH: tl.constexpr,
+    BN_G: tl.constexpr,
+    BK_G: tl.constexpr,
+    BN_D: tl.constexpr,
+    BK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+    SITU: tl.constexpr,
+    SHARED: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    BF16: tl.constexpr,
+    PHASE: tl.constexpr,
+    MAX_SPIN: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """PHASE 0: all three phases with the grid barriers between them; 1, 2, 3: only the router, gate_up or
+    down phase (three launches, no barrier: the CPU interpreter's way)."""
+    pdl_begin(PDL)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    SL: tl.constexpr = A + SHARED  # the slots: the routed experts', then the shared expert's
+    if PHASE == 0 or PHASE == 1:
+        _router_phase(x, router_w, partial, pid, nprog, T, D, E, S, BE, BD)
+    if PHASE == 0:
+        _grid_sync(sync, 0, nprog, MAX_SPIN)
+    if PHASE == 0 or PHASE == 2:
+        _gate_up_phase(
+            x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling,
+            A, SL, BA, BE, BS, KS, KCH, BN_G, BK_G, HAS_BIAS, RENORM,
+        )  # fmt: skip
+    if PHASE == 0:
+        _grid_sync(sync, 1, nprog, MAX_SPIN)
+        if pid == 0:  # every program has left barrier 0: ready for the next launch
+            tl.atomic_xchg(sync, 0, sem="relaxed", scope="gpu")
+    if PHASE == 0 or PHASE == 3:
+        _down_phase(
+            x, w2, ws2, gu, weights_out, ids_out, out, pid, nprog, T, D, I, beta, linear_beta,
+            A, SL, BA, KS, BN_D, BK_D, SITU, SHARED, ACCUMULATE, BF16,
+        )  # fmt: skip
+    if PHASE == 0:  # the last program out leaves the counters at zero
+        done = tl.atomic_add(sync + 2, 1, sem="acq_rel", scope="gpu")
+        if done == nprog - 1:
+            tl.atomic_xchg(sync + 1, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sync + 2, 0, sem="relaxed", scope="gpu")
+
+
+def moe_decode_triton(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    renormalize: bool,
+    scaling_factor: float,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    act: str,
+    situ_beta: float = 4.0,
+    situ_linear_beta: float = 25.0,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    programs: int | None = None,
+    phased: bool | None = None,
+    tiles: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MoE layer on x [T, D] in one launch: `route_hidden_triton(x, router_weight, correction_bias, top_k,
+    renormalize, scaling_factor)`, then `moe_experts_triton(x, w13, w2, weights, ids, act, situ_beta,
+    situ_linear_beta, shared=shared, out=out, accumulate=accumulate)`. w13 [E, 2I, D], w2 [E, D, I] and the
+    shared expert's (ws13 [2I, D], ws2 [D, I]) in x's dtype; router_weight [E, D] and correction_bias [E] fp32.
+    programs: the grid (None: the SM count times TILES' per_sm, or 3 on the CPU; never more than there are
+    items);
+    phased: three launches instead of one (None: on the CPU only); tiles: overrides of TILES.
+    Returns (out [T, D] in x's dtype, weights [T, A] fp32, ids [T, A] int64)."""
+    T, D = x.shape
+    E, two_i, D13 = w13.shape
+    I = two_i // 2
+    assert router_weight.shape == (E, D) and D13 == D and w2.shape == (E, D, I), (
+        f"router {tuple(router_weight.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, x {tuple(x.shape)}"
+    )
+    assert w13.dtype == w2.dtype == x.dtype, f"x {x.dtype}, experts {w13.dtype} / {w2.dtype}: one dtype"
+    if act not in ("silu", "situ"):
+        raise ValueError(f"unknown activation {act!r}")
+    if shared is not None:
+        ws13, ws2 = (w.contiguous() for w in shared)
+        assert ws13.shape == (2 * I, D) and ws2.shape == (D, I) and ws13.dtype == ws2.dtype == x.dtype, (
+            f"shared expert {tuple(ws13.shape)}, {tuple(ws2.shape)}: needs the routed experts' width and dtype"
+        )
+    else:
+        ws13, ws2 = w13, w2  # not read
+    if out is None:
+        assert not accumulate, "accumulate adds into a given out"
+        out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    assert out.shape == (T, D) and out.dtype == x.dtype and out.is_contiguous()
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    if T == 0:
+        return out, weights, ids
+    x, router_weight = x.contiguous(), router_weight.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    t = TILES | (tiles or {})
+    BE, BA = triton.next_power_of_2(E), triton.next_power_of_2(top_k)
+    BD = min(t["bd"], triton.next_power_of_2(D))
+    S = triton.cdiv(D, BD)
+    KS = t["ks"]
+    KCH = triton.cdiv(triton.cdiv(D, KS), t["bk_g"]) * t["bk_g"]  # D's slice a gate/up item sums over
+    SL = top_k + (shared is not None)
+    partial = torch.empty(T, S, BE, dtype=torch.float32, device=x.device)  # [T, S, BE]
+    gu = torch.empty(T, SL, KS, 2, I, dtype=torch.float32, device=x.device)  # gate and up, per D slice
+    items = max(T * S, T * SL * triton.cdiv(I, t["bn_g"]) * KS, T * triton.cdiv(D, t["bn_d"]))
+    if programs is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 3
+        programs = sms * t["per_sm"]
+    programs = max(1, min(programs, items))
+    if phased is None:
+        phased = not x.is_cuda
+    sync = _sync_buffer(x.device) if not phased else weights  # not read when phased
+    bias = correction_bias if correction_bias is not None else router_weight  # unused without HAS_BIAS
+    for phase in (1, 2, 3) if phased else (0,):
+        _moe_decode_kernel[(programs,)](
+            x, router_weight, bias, w13, w2, ws13, ws2, partial, gu, weights, ids, out, sync,
+            T, D, E, I, S, float(scaling_factor), float(situ_beta), float(situ_linear_beta),
+            A=top_k, BA=BA, BE=BE, BS=min(triton.next_power_of_2(S), max(1, 8192 // BE)), BD=BD, KS=KS, KCH=KCH,
+            BN_G=t["bn_g"], BK_G=t["bk_g"], BN_D=t["bn_d"], BK_D=t["bk_d"],
+            HAS_BIAS=correction_bias is not None, RENORM=renormalize, SITU=act == "situ",
+            SHARED=shared is not None, ACCUMULATE=accumulate, BF16=x.dtype == torch.bfloat16, PHASE=phase,
+            MAX_SPIN=MAX_SPIN, num_warps=t["warps"], **pdl_args(out),
+        )  # fmt: skip
+    return out, weights, ids

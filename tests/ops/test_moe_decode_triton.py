@@ -1,0 +1,198 @@
+"""The MoE layer in one launch (kestrel.ops.moe.triton_decode) against the plain-torch router and experts.
+
+Without CUDA the kernel runs in Triton's interpreter as its three phases, three launches (a grid barrier cannot
+open there); with CUDA the same cases run as one launch, and the `gpu` tests add that the one launch equals the
+three bit for bit, leaves its barrier counters at zero, replays in a CUDA graph, and that the MoE layer at
+batch 1 takes it (KESTREL_MOE_FUSED_DECODE) with the routing the reference picks.
+
+Legend: T tokens, D hidden width, E experts, A experts per token, I expert width.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.ops.moe import glu_mlp, moe_experts, route
+from tests.ops.graph_check import assert_replay_matches_eager
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# partial tiles, two D slices of gate/up, several K steps, at D=40, I=24
+SMALL = dict(bd=16, ks=2, bn_g=16, bk_g=16, bn_d=16, bk_d=16)
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _layer(T, D, I, E, dtype, seed):
+    """x, router weight [E, D] and bias (fp32), routed experts (w13, w2), a shared expert (ws13, ws2), a residual."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, fan_in=1):
+        return torch.randn(*shape, generator=g) / fan_in**0.5
+
+    x, residual = r(T, D), r(T, D)
+    router, bias = r(E, D, fan_in=D), 0.1 * r(E)
+    w13, w2 = r(E, 2 * I, D, fan_in=D), r(E, D, I, fan_in=I)
+    s13, s2 = r(2 * I, D, fan_in=D), r(D, I, fan_in=I)
+    to = dict(device=DEVICE, dtype=dtype)
+    return dict(
+        x=x.to(**to),
+        router=router.to(DEVICE),
+        bias=bias.to(DEVICE),
+        w13=w13.to(**to),
+        w2=w2.to(**to),
+        shared=(s13.to(**to), s2.to(**to)),
+        residual=residual.to(**to),
+    )
+
+
+def _reference(p, A, act, shared, accumulate, scaling=2.5):
+    """The layer as the plain-torch ops compute it: fp32 router, routed experts, the shared MLP, the residual;
+    each sum in x's dtype, as the layer adds them."""
+    weights, ids = route(p["x"].float() @ p["router"].t(), p["bias"], A, True, scaling)
+    out = moe_experts(p["x"], p["w13"], p["w2"], weights, ids, act)
+    if shared:
+        out = out + glu_mlp(p["x"], *p["shared"], act)
+    if accumulate:
+        out = p["residual"] + out
+    return out, weights, ids
+
+
+def _run(p, A, act, shared, accumulate, **kw):
+    from kestrel.ops.moe.triton_decode import moe_decode_triton
+
+    out = p["residual"].clone() if accumulate else torch.full_like(p["x"], float("nan"))
+    return moe_decode_triton(
+        p["x"], p["router"], p["bias"], A, True, 2.5, p["w13"], p["w2"], act,
+        shared=p["shared"] if shared else None, out=out, accumulate=accumulate, **kw,
+    )  # fmt: skip
+
+
+def _assert_close(got, want):
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # rounded where the reference rounds: a flipped last bit of gate/up, h or an expert's output apart
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "T,act,shared,accumulate",
+    [(1, "situ", True, True), (1, "silu", False, False), (2, "situ", False, True), (2, "silu", True, False)],
+)
+def test_matches_router_and_experts(T, act, shared, accumulate, dtype):
+    p = _layer(T, D=40, I=24, E=5, dtype=dtype, seed=T + 3 * shared)
+    out, weights, ids = _run(p, 3, act, shared, accumulate, tiles=SMALL)
+    want, want_w, want_ids = _reference(p, 3, act, shared, accumulate)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+    _assert_close(out, want)
+
+
+@pytest.mark.parametrize("programs", [1, 2, 64])
+def test_any_grid_and_default_tiles(programs):
+    """One program walking every item, a few, more than there are items (clipped); and the GPU's tiles, larger
+    than every dimension here."""
+    p = _layer(1, D=40, I=24, E=6, dtype=torch.float32, seed=9)
+    want = _reference(p, 4, "situ", True, False)[0]
+    for tiles in (SMALL, None):
+        out, _, _ = _run(p, 4, "situ", True, False, tiles=tiles, programs=programs)
+        _assert_close(out, want)
+
+
+def test_no_tokens_and_bad_input():
+    p = _layer(1, D=40, I=24, E=5, dtype=torch.float32, seed=1)
+    empty = {**p, "x": p["x"][:0], "residual": p["residual"][:0]}
+    out, weights, ids = _run(empty, 3, "silu", True, True)
+    assert out.shape == (0, 40) and weights.shape == ids.shape == (0, 3)
+    with pytest.raises(ValueError, match="unknown activation"):
+        _run(p, 3, "gelu", True, False)
+    with pytest.raises(AssertionError, match="one dtype"):
+        _run({**p, "w2": p["w2"].double()}, 3, "silu", False, False)
+
+
+# ---------------------------------------------------------------- CUDA: one launch, graphs, the layer
+
+MINI = dict(D=2048, I=256, E=64)  # presets._MINI: hidden 2048, 64 experts of width 256, top-6, one shared
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("T", [1, 3])
+def test_one_launch_equals_three_at_mini_sizes(T):
+    """The grid barriers: one launch gives the three phased launches' bits, leaves the counters at zero with
+    no barrier given up, and is deterministic; both match the reference within bf16's rounding."""
+    from kestrel.ops.moe.triton_decode import _sync_buffer
+
+    p = _layer(T, dtype=torch.bfloat16, seed=40 + T, **MINI)
+    one = _run(p, 6, "situ", True, True)
+    three = _run(p, 6, "situ", True, True, phased=True)
+    torch.cuda.synchronize()
+    assert _sync_buffer(p["x"].device).tolist() == [0, 0, 0, 0]
+    for a, b in zip(one, three):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(one, _run(p, 6, "situ", True, True))), "not deterministic"
+    want, _, want_ids = _reference(p, 6, "situ", True, True)
+    assert torch.equal(one[2], want_ids)
+    delta = one[0].float() - p["residual"].float()  # the layer's own output, without the residual
+    rel = ((delta - (want.float() - p["residual"].float())).norm() / delta.norm()).item()
+    assert rel < 1e-2, rel
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_graph_replay():
+    """Captured once, replayed on new hidden states and a new residual: the routing and the output follow."""
+    p = _layer(1, dtype=torch.bfloat16, seed=50, **MINI)
+
+    def layer(x, residual):
+        return _run({**p, "x": x, "residual": residual}, 6, "situ", True, True)
+
+    assert_replay_matches_eager(layer, (p["x"], p["residual"]), (torch.randn_like(p["x"]), p["residual"] * 2))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_moe_layer_takes_it_at_batch_1(monkeypatch):
+    """KESTREL_MOE_FUSED_DECODE: a MoE layer with a shared MLP of the experts' width (tiny without its latent
+    MoE and its expert groups) at one token runs the one launch; its output and captured routing match the
+    layer's six launches (KESTREL_MOE_FUSED_DECODE=0), the residual added in place either way; two tokens never
+    take it."""
+    from kestrel.layers.context import ForwardContext, forward_context
+    from kestrel.layers.moe import MoE
+    from kestrel.ops.moe import triton_decode
+    from kestrel.presets import preset_config
+    from tests.ops.test_moe_triton import _randomize
+
+    config = preset_config("tiny").replace(
+        routed_expert_hidden_size=None, latent_moe_use_norm=False, num_expert_group=1, topk_group=1
+    )
+    moe = MoE(config, layer_id=1, dtype=torch.bfloat16).cuda()
+    g = torch.Generator(device="cuda").manual_seed(6)
+    calls = []
+    real = triton_decode.moe_decode_triton
+    monkeypatch.setattr(triton_decode, "moe_decode_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        _randomize(moe, g)
+        x = torch.randn(1, config.hidden_size, generator=g, device="cuda").bfloat16()
+        residual = torch.randn_like(x)
+        outs, routes = {}, {}
+        for on in ("0", "1"):
+            monkeypatch.setenv("KESTREL_MOE_FUSED_DECODE", on)
+            ctx = ForwardContext(
+                positions=torch.zeros(1, dtype=torch.int64, device="cuda"),
+                cu_seqlens=torch.tensor([0, 1], device="cuda"),
+                new_lens=[1],
+                prefix_lens=[0],
+                routing_capture={},
+            )
+            with forward_context(ctx):
+                into = residual.clone()
+                assert moe(x, add_to=into) is into
+            outs[on], routes[on] = into, ctx.routing_capture[1]
+        assert calls == [1]
+        assert torch.equal(routes["0"], routes["1"])
+        rel = ((outs["1"] - outs["0"]).float().norm() / (outs["0"] - residual).float().norm()).item()
+        assert rel < 1e-2, rel
+        moe(torch.randn(2, config.hidden_size, device="cuda").bfloat16())
+        assert calls == [1]
