@@ -139,7 +139,7 @@ def _gate_up_phase(
             cmask = cols < I
             acc_g = tl.zeros([BN_G], dtype=tl.float32)
             acc_u = tl.zeros([BN_G], dtype=tl.float32)
-            for k0 in range(0, KCH, BK_G):
+            for k0 in tl.static_range(0, KCH, BK_G):  # unrolled: the item's loads all in flight at once
                 kk = k0 + tl.arange(0, BK_G)
                 ds = ks * KCH + kk
                 kmask = (kk < KCH) & (ds < D)
