@@ -221,7 +221,7 @@ class Countdown(_ReasoningGymFamily):
     DEFAULT_LEVEL = "medium"
 
     def _draw(self, sub_seed):
-        entry = self._entry(sub_seed, **self.settings)
+        entry = _countdown_entry(sub_seed, **self.settings)
         numbers, target = entry["metadata"]["numbers"], entry["metadata"]["target"]
         expression = ast.unparse(ast.parse(entry["answer"], mode="eval"))  # uniform spacing: `21 * 37 / 3`
         value, steps = _evaluate_with_steps(expression)
@@ -240,6 +240,68 @@ class Countdown(_ReasoningGymFamily):
     def check(self, meta, answer):
         entry = {"answer": meta["answer"], "metadata": {"numbers": meta["numbers"], "target": meta["target"]}}
         return _scorer(self.rg_name).score_answer(answer, entry) == 1.0
+
+
+def _countdown_entry(seed: int, **settings) -> dict:
+    """reasoning-gym's `create_dataset("countdown", size=1, seed=seed, **settings)[0]`, the same dict, about 10x
+    faster (`_fast_countdown`)."""
+    config_cls, dataset_cls = _fast_countdown()
+    return dataset_cls(config_cls(seed=seed, size=1, **settings))[0]
+
+
+@functools.cache
+def _fast_countdown():
+    """(reasoning-gym's CountdownConfig, its CountdownDataset with the expression search in Python integers).
+    reasoning-gym builds every candidate expression in sympy and evaluates it by substitution, about 7 ms a
+    problem (three quarters of the demo's data workers' time at 256-1024-token retrieval, session 34); here the
+    candidates are folded left to right in integers, drawing from the generator exactly as reasoning-gym does
+    (the numbers, each operator, the shuffled divisor candidates), so each seed gives the same problem, and
+    sympy only prints the accepted expression (tests/test_tasks.py compares the two over many seeds)."""
+    _reasoning_gym()
+    import sympy
+    from reasoning_gym.games.countdown import CountdownConfig, CountdownDataset
+
+    def printed(numbers: list[int], ops: list[str]) -> str:
+        """The expression as reasoning-gym prints it: sympy's form of x_0 op x_1 op ..., names then numbers."""
+        syms = sympy.symbols(f"x_{0}:{len(numbers)}")
+        expr = syms[0]
+        for op, sym in zip(ops, syms[1:]):
+            expr = {"+": expr + sym, "-": expr - sym, "*": expr * sym, "/": expr / sym}[op]
+        text = str(expr)
+        for name, number in sorted(
+            ((s.name, str(n)) for s, n in zip(syms, numbers)), key=lambda r: -len(r[0])
+        ):
+            text = text.replace(name, number)  # the longest names first, as reasoning-gym replaces them
+        return text
+
+    class FastCountdown(CountdownDataset):
+        def _generate_expression(self, rng):
+            cfg = self.config
+            terms = rng.randint(cfg.min_numbers, cfg.max_numbers)
+            for _ in range(100):
+                numbers = [rng.randint(cfg.min_value, cfg.max_value) for _ in range(terms)]
+                value, ops = numbers[0], []
+                for i in range(1, terms):
+                    op = rng.choice(cfg.operators)
+                    if op == "/" and numbers[i] == 0:
+                        op = "+"
+                    elif op == "/":  # a later number that divides the value so far, else a subtraction
+                        remaining = [n for n in numbers[i:] if n != 0]
+                        rng.shuffle(remaining)
+                        divisor = next((d for d in remaining if value % d == 0), None)
+                        if divisor is None:
+                            op = "-"
+                        else:
+                            numbers[i] = divisor
+                    value = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}[
+                        op
+                    ](value, numbers[i])  # exact: a division only where it divides
+                    ops.append(op)
+                if cfg.min_target <= value <= cfg.max_target:
+                    return printed(numbers, ops), numbers, value
+            raise ValueError("Failed to generate valid expression after 100 attempts")
+
+    return CountdownConfig, FastCountdown
 
 
 FAMILIES: dict[str, type[Family]] = {

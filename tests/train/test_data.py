@@ -137,6 +137,20 @@ def test_countdown_steps_reach_the_target():
         assert "Final answer format" not in ex.prompt
 
 
+@pytest.mark.parametrize("level", ["easy", "medium", "hard"])
+def test_countdown_problems_are_reasoning_gyms(level):
+    """The integer search (`tasks._fast_countdown`) gives reasoning-gym's own item for every seed: the same
+    numbers, target, printed expression and prompt, divisions and their fallbacks included."""
+    from kestrel.train.tasks import Countdown, _countdown_entry, _reasoning_gym
+
+    settings, divisions = Countdown.LEVELS[level], 0
+    for seed in range(0, 60 * 7919, 7919):
+        want = _reasoning_gym().create_dataset("countdown", size=1, seed=seed, **settings)[0]
+        assert _countdown_entry(seed, **settings) == want, seed
+        divisions += "/" in want["answer"]
+    assert divisions >= 3  # the seeds reach the divisor search (6-15 of 60 a level)
+
+
 # ---- retrieval ------------------------------------------------------------------------------------------------
 
 
