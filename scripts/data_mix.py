@@ -7,7 +7,8 @@ batch. CPU only, from the data pipeline alone (no model), so recipes can be comp
 
 A recipe is NAME=LENGTHS@RETRIEVAL_WEIGHT (the --retrieval-lengths and --retrieval-weight of `kestrel train`);
 the other knobs are run 7's (--retrieval-shared-prefix 0.5 --retrieval-distractors 1,8 --retrieval-shared-all,
-8 rows x 8704 tokens, seed 7, the shipped tokenizer).
+8 rows x 8704 tokens, seed 7, the shipped tokenizer). --rate-seconds S also times each recipe's batches, as
+the trainer's prefetch thread takes them (--workers N worker processes): the tokens a second the data can feed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import datetime
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,10 +43,11 @@ def parse_recipe(text: str) -> tuple[str, tuple[int, ...], float]:
     return name, *parsed
 
 
-def batch_mix(
-    lengths: tuple[int, ...], weight: float, batches: int, tokenizer, rows: int, row_len: int
-) -> dict:
-    # the mixture `kestrel train` draws from with this recipe and run 7's other retrieval options
+def recipe_batches(
+    lengths: tuple[int, ...], weight: float, tokenizer, rows: int, row_len: int, workers: int = 0
+) -> PackedBatches:
+    """The batches `kestrel train` draws with this recipe and run 7's other retrieval options (tokenizer: a
+    folder where workers > 0)."""
     cfg = TrainConfig(
         out_dir="unused",
         batch_rows=rows,
@@ -56,7 +59,28 @@ def batch_mix(
         retrieval_distractors=(1, 8),
         retrieval_shared_all=True,
     )
-    data = PackedBatches(tokenizer, rows, row_len, mixture_config(cfg), seed=cfg.seed)
+    return PackedBatches(tokenizer, rows, row_len, mixture_config(cfg), seed=cfg.seed, num_workers=workers)
+
+
+def batch_rate(data: PackedBatches, seconds: float) -> dict:
+    """Tokens (padding included) a second the batches come at, after the first (the workers' start)."""
+    next(data)
+    started, batches = time.perf_counter(), 0
+    while time.perf_counter() - started < seconds:
+        next(data)
+        batches += 1
+    elapsed = time.perf_counter() - started
+    return {
+        "batches": batches,
+        "seconds": round(elapsed, 3),
+        "tokens_per_s": round(batches * data.batch_size * data.seq_len / elapsed),
+    }
+
+
+def batch_mix(
+    lengths: tuple[int, ...], weight: float, batches: int, tokenizer, rows: int, row_len: int
+) -> dict:
+    data = recipe_batches(lengths, weight, tokenizer, rows, row_len)
     names = data.family_names
     docs, tokens, loss_tokens = ({n: 0 for n in names} for _ in range(3))
     all_tokens = all_loss = 0
@@ -90,10 +114,14 @@ def main() -> None:
     ap.add_argument("--batch-rows", type=int, default=8)
     ap.add_argument("--row-len", type=int, default=8704)
     ap.add_argument("--tokenizer", default="kestrel/data/kestrel-demo")
+    ap.add_argument("--rate-seconds", type=float, default=0, help="also time each recipe's batches this long")
+    ap.add_argument("--workers", type=int, default=0, help="data worker processes for --rate-seconds")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.batches < 1:
         ap.error("--batches must be at least 1")
+    if args.rate_seconds < 0 or args.workers < 0:
+        ap.error("--rate-seconds and --workers must not be negative")
     tokenizer = load_tokenizer(args.tokenizer)
     result = {
         "command": "python3 scripts/data_mix.py " + " ".join(sys.argv[1:]),
@@ -107,6 +135,18 @@ def main() -> None:
         name, lengths, weight = parse_recipe(text)
         mix = batch_mix(lengths, weight, args.batches, tokenizer, args.batch_rows, args.row_len)
         result["recipes"][name] = mix
+        if args.rate_seconds:
+            data = recipe_batches(
+                lengths, weight, args.tokenizer, args.batch_rows, args.row_len, args.workers
+            )
+            try:
+                mix["rate"] = {"workers": args.workers, **batch_rate(data, args.rate_seconds)}
+            finally:
+                data.close()
+            print(
+                f"{name}: {mix['rate']['tokens_per_s'] / 1e3:.0f} K tokens/s with {args.workers} workers",
+                flush=True,
+            )
         docs = mix["documents_per_batch"]
         print(
             f"{name}: {sum(docs.values()):.0f} documents a batch, {docs.get('retrieval', 0):.1f} retrieval "

@@ -31,3 +31,12 @@ def test_shorter_retrieval_documents_fit_more_lookups_in_a_batch():
         assert sum(result["token_share"].values()) <= 1.0
         assert sum(result["loss_token_share"].values()) == pytest.approx(1.0, abs=0.01)
     assert short["documents_per_batch"]["retrieval"] > 2 * long["documents_per_batch"]["retrieval"] > 0
+
+
+def test_batch_rate_times_the_batches():
+    mix = _load()
+    tok = load_tokenizer(str(shipped_model_dir()))
+    rate = mix.batch_rate(mix.recipe_batches((256,), 1.0, tok, rows=1, row_len=2048), seconds=0.2)
+    assert rate["batches"] >= 1 and rate["tokens_per_s"] == pytest.approx(
+        rate["batches"] * 2048 / rate["seconds"], rel=0.02
+    )
