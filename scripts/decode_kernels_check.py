@@ -686,14 +686,15 @@ def gemv(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
             print(f"gemv {N}x{K} B={B}: {entry}", flush=True)
 
 
-def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
+def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambda: None) -> None:
     """The MoE layer at batch 1 in one launch (kestrel.ops.moe.triton_decode.moe_decode_triton) against the six
     it replaces (route_hidden_triton's two, then moe_experts_triton with the shared expert and the residual add
     in its launches: sort, gate_up, down, combine), at mini's sizes: 64 experts of 2048 x 256, top-6, one shared
     expert, fp32 router. Each is timed per layer in a CUDA graph of 24 layers' weights (no L2 reuse between
     calls, as in a step) against the bytes it must read (the 7 experts hit and the router's weight) at the copy
     rate; the one launch's tiles and grid are swept, each checked against the six launches (the same experts,
-    the output within bf16 rounding) and for barriers that gave up."""
+    the output within bf16 rounding) and for barriers that gave up. `save` writes the JSON after each
+    configuration: a run cut by its time limit keeps the rows it has (session 34 lost a whole sweep so)."""
     from kestrel.ops.moe.triton_decode import TILES, _sync_buffer, moe_decode_triton
     from kestrel.ops.moe.triton_experts import moe_experts_triton
     from kestrel.ops.moe.triton_router import route_hidden_triton
@@ -763,6 +764,7 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
         except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:200]
         rows.append(row)
+        save()
     entry["default_tiles"] = TILES
     entry["best"] = _best(rows)
     print(
@@ -810,7 +812,7 @@ def main() -> None:
         "small_kernels": lambda: small_kernels(result, device, args.smoke, ceilings),
         "pdl": lambda: pdl(result, device, args.smoke),
         "gemv": lambda: gemv(result, device, args.smoke, ceilings),
-        "moe_fused": lambda: moe_fused(result, device, args.smoke, ceilings),
+        "moe_fused": lambda: moe_fused(result, device, args.smoke, ceilings, save),
     }
     for name in args.sections.split(","):
         try:
