@@ -25,9 +25,14 @@
 # (876 s) by time budgets: stage 1 STEPS=4000 BUDGET=550, stage 2 STEPS=2000 BUDGET=230 (the schedule runs over
 # the budget; the steps are only a cap).
 # Session 33 measured the demo's step at 16 rows (ROWS=16): 708 / 642 K tokens/s dense / sparse against 495 / 411 K
-# at 8 rows, where the host sets the pace (bench/results/2026-12-02-h200-session33.json, call 5). Not yet trained
-# with: run 13's two budgets at ROWS=16, with the warm-up and dense steps halved to keep their tokens (WARMUP=25
-# DENSE=200 in stage 1, WARMUP=10 in stage 2), would see ~1.6x run 11's tokens in the same 15 minutes.
+# at 8 rows, where the host sets the pace (bench/results/2026-12-02-h200-session33.json, call 5). Run 15 (session
+# 34) is run 13's two budgets at ROWS=16, with the warm-up and dense steps halved to keep their tokens (WARMUP=25
+# DENSE=200 in stage 1, WARMUP=10 in stage 2; stage 2 as run 11c: RLEN=256,256,512,512,1024,2048,8192 LR=1e-3
+# DENSE=0 SEED=8 STEPS=2000 BUDGET=230 MODEL=<stage 1>/checkpoint, through `after`): its stage 1 ran 473 K tokens/s
+# for 9 minutes, then its machine was lost. The data workers were the suspect (reasoning-gym's countdown took 3/4
+# of their time); countdown now draws the same problems ~10x faster (bench/results/2026-12-03-data-rate-cpu.json).
+# Check the pipeline on the device first: python3 scripts/data_mix.py --recipe r=256,256,512,512,1024@1
+#   --batch-rows 16 --rate-seconds 20 --workers 12  (it must beat the step's 708 K tokens/s).
 # Knobs: MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED DISTRACTORS SHARED_ALL (1, the default: --retrieval-shared-all; 0: run 6's data)
 #   RLOSS (--retrieval-loss-weight, default 1)
 #   LR WARMUP DENSE BUDGET WORKERS SEED
