@@ -14,6 +14,7 @@ Dimension letters: B rows per batch, T tokens per row, N documents (plus one pad
 
 from __future__ import annotations
 
+import collections
 import multiprocessing
 import queue
 import signal
@@ -236,14 +237,16 @@ class PackedBatches:
             spec = (self._tokenizer_source, self.config, self._render.family_seed)
             ctx = multiprocessing.get_context("spawn")
             self._pool = ctx.Pool(self.num_workers, initializer=_worker_init, initargs=(spec,))
-        block = chunk * self.num_workers * 2
-        tasks = lambda first: [(i, chunk) for i in range(first, first + block, chunk)]
-        submit = lambda first: self._pool.map_async(_worker_render, tasks(first))
-        pending, start = submit(start), start + block
+        # Chunks of `chunk` documents in flight, four a worker, oldest first: the oldest is handed on in stream
+        # order when done and a new one submitted at once, so a slow chunk delays only the hand-off, never the
+        # other workers. (Until session 34 a block of two chunks a worker was submitted only once the block
+        # before had finished whole: every worker waited for the block's slowest chunk.)
+        window: collections.deque = collections.deque()
         while True:
-            results, pending, start = pending.get(), submit(start), start + block
-            for docs in results:
-                yield from (Document(*d) for d in docs)
+            while len(window) < 4 * self.num_workers:
+                window.append(self._pool.apply_async(_worker_render, ((start, chunk),)))
+                start += chunk
+            yield from (Document(*d) for d in window.popleft().get())
 
     def _fill_buffer(self) -> None:
         if self._source is None:
