@@ -30,7 +30,8 @@
 # DENSE=200 in stage 1, WARMUP=10 in stage 2; stage 2 as run 11c: RLEN=256,256,512,512,1024,2048,8192 LR=1e-3
 # DENSE=0 SEED=8 STEPS=2000 BUDGET=230 MODEL=<stage 1>/checkpoint, through `after`): its stage 1 ran 473 K tokens/s
 # for 9 minutes, then its machine was lost. The data workers were the suspect (reasoning-gym's countdown took 3/4
-# of their time); countdown now draws the same problems ~10x faster (bench/results/2026-12-03-data-rate-cpu.json).
+# of their time); countdown now draws the same problems ~10x faster and the workers keep chunks in flight instead
+# of waiting for each block's slowest: 2.2-2.4x the tokens/s on the development machine (2026-12-03-data-rate-cpu.json).
 # Check the pipeline on the device first: python3 scripts/data_mix.py --recipe r=256,256,512,512,1024@1
 #   --batch-rows 16 --rate-seconds 20 --workers 12  (it must beat the step's 708 K tokens/s).
 # Knobs: MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED DISTRACTORS SHARED_ALL (1, the default: --retrieval-shared-all; 0: run 6's data)
