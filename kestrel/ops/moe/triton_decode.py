@@ -49,7 +49,7 @@ import triton.language as tl
 
 from kestrel.ops.activation.triton_act import glu
 from kestrel.ops.moe.triton_experts import _rounded
-from kestrel.ops.moe.triton_router import _pick
+from kestrel.ops.moe.triton_router import _pick, _slice_logits, _summed_logits
 from kestrel.ops.pdl import pdl_args, pdl_begin
 
 MAX_SPIN = 1 << 22  # polls of a barrier's counter before it gives up (~1 us each)
@@ -90,16 +90,7 @@ def _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, B
     """Token t's routing from its S partial logits, added in a fixed order (every program gets the same bits):
     (weights [BA] fp32, scaled; ids [BA] int64). Read past L1: other programs wrote them in this launch."""
     cols = tl.arange(0, BE)
-    acc = tl.zeros([BE], dtype=tl.float32)
-    for s0 in range(0, S, BS):
-        rows = s0 + tl.arange(0, BS)
-        p = tl.load(
-            partial + (t * S + rows[:, None]) * BE + cols[None, :],
-            mask=(rows < S)[:, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        acc += tl.sum(p, axis=0)
+    acc = _summed_logits(partial + t * S * BE, S, BE, E, BE, BS, ".cg")
     w_top, id_top = _pick(acc, cols, cols < E, bias, HAS_BIAS, RENORM, A, BA)
     return w_top * scaling, id_top
 
@@ -107,18 +98,9 @@ def _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, B
 @triton.jit
 def _router_phase(x, router_w, partial, pid, nprog, T, D, E, S, BE: tl.constexpr, BD: tl.constexpr):
     """The router's partial logits, every expert at once, a slice of D an item: partial[t, s] [BE]."""
-    cols = tl.arange(0, BE)
     for item in range(pid, T * S, nprog):
-        t = item // S
-        ds = (item % S) * BD + tl.arange(0, BD)
-        dmask = ds < D
-        xv = tl.load(x + t * D + ds, mask=dmask, other=0.0).to(tl.float32)  # [BD]
-        w = tl.load(
-            router_w + cols[:, None] * D + ds[None, :],
-            mask=(cols < E)[:, None] & dmask[None, :],
-            other=0.0,
-        )
-        tl.store(partial + item * BE + cols, tl.sum(w.to(tl.float32) * xv[None, :], axis=1))
+        logits = _slice_logits(x + (item // S) * D, router_w, item % S, E, D, BE, BD)
+        tl.store(partial + item * BE + tl.arange(0, BE), logits)
 
 
 @triton.jit

@@ -65,6 +65,38 @@ def _select(
 
 
 @triton.jit
+def _slice_logits(x_row, weight, s, E, D, BE: tl.constexpr, BD: tl.constexpr):
+    """A token's fp32 logits [BE] over the hidden slice [s * BD, (s + 1) * BD), every expert at once (x_row: the
+    token's hidden row)."""
+    cols = tl.arange(0, BE)
+    ds = s * BD + tl.arange(0, BD)
+    dmask = ds < D
+    x = tl.load(x_row + ds, mask=dmask, other=0.0).to(tl.float32)  # [BD]
+    w = tl.load(
+        weight + cols[:, None] * D + ds[None, :], mask=(cols < E)[:, None] & dmask[None, :], other=0.0
+    )
+    return tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+
+
+@triton.jit
+def _summed_logits(partial_row, S, stride_s, E, BE: tl.constexpr, BS: tl.constexpr, CACHE: tl.constexpr = ""):
+    """A token's logits [BE]: its S partial sums (partial_row[s * stride_s + e]) added in a fixed order (the
+    same bits on every run and in every program); CACHE the loads' cache modifier."""
+    cols = tl.arange(0, BE)
+    acc = tl.zeros([BE], dtype=tl.float32)
+    for s0 in range(0, S, BS):
+        rows = s0 + tl.arange(0, BS)
+        p = tl.load(
+            partial_row + rows[:, None] * stride_s + cols[None, :],
+            mask=(rows < S)[:, None] & (cols < E)[None, :],
+            other=0.0,
+            cache_modifier=CACHE,
+        )
+        acc += tl.sum(p.to(tl.float32), axis=0)
+    return acc
+
+
+@triton.jit
 def _router_partial_kernel(
     h, weight, partial, E, D, stride_h, S, BE: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False
 ):
@@ -73,14 +105,8 @@ def _router_partial_kernel(
     pdl_begin(PDL)
     t = tl.program_id(0)
     s = tl.program_id(1)
-    cols = tl.arange(0, BE)
-    ds = s * BD + tl.arange(0, BD)
-    dmask = ds < D
-    x = tl.load(h + t.to(tl.int64) * stride_h + ds, mask=dmask, other=0.0).to(tl.float32)  # [BD]
-    w = tl.load(
-        weight + cols[:, None] * D + ds[None, :], mask=(cols < E)[:, None] & dmask[None, :], other=0.0
-    )
-    tl.store(partial + (t.to(tl.int64) * S + s) * BE + cols, tl.sum(w.to(tl.float32) * x[None, :], axis=1))
+    logits = _slice_logits(h + t.to(tl.int64) * stride_h, weight, s, E, D, BE, BD)
+    tl.store(partial + (t.to(tl.int64) * S + s) * BE + tl.arange(0, BE), logits)
 
 
 @triton.jit
@@ -169,15 +195,7 @@ def _router_sum_kernel(
     pdl_begin(PDL)
     t = tl.program_id(0)
     cols = tl.arange(0, BE)
-    acc = tl.zeros([BE], dtype=tl.float32)
-    for s0 in range(0, S, BS):
-        rows = s0 + tl.arange(0, BS)
-        p = tl.load(
-            partial + t.to(tl.int64) * stride_t + rows[:, None] * stride_s + cols[None, :],
-            mask=(rows < S)[:, None] & (cols < E)[None, :],
-            other=0.0,
-        )
-        acc += tl.sum(p.to(tl.float32), axis=0)
+    acc = _summed_logits(partial + t.to(tl.int64) * stride_t, S, stride_s, E, BE, BS)
     _select(acc, cols, cols < E, t, bias, weights_out, ids_out, scaling, HAS_BIAS, RENORM, A, BA)
 
 
