@@ -103,8 +103,9 @@ json.dump({'process_wall_s': round(b - a, 1)}, open('$RUN/wall.json', 'w'))" && 
     tail -c 2500 $RUN/eval.log
     # issue 2's figure on the trained weights: fast path vs reference logits (not timed against anything)
     # (PARITY_S=0 skips it: `timeout 0` would mean no limit)
-    if [ "${PARITY_S:-150}" -gt 0 ]; then
-        timeout "${PARITY_S:-150}" python3 scripts/gpu_suite.py --sections parity \
+    parity_s=${PARITY_S:-150}
+    if [ "$parity_s" -gt 0 ]; then
+        timeout "$parity_s" python3 scripts/gpu_suite.py --sections parity \
             --parity-models "$RUN/checkpoint" --out $RUN > $RUN/parity.log 2>&1
         tail -c 1500 $RUN/parity.log
     fi
