@@ -79,9 +79,11 @@ def _slice_logits(x_row, weight, s, E, D, BE: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def _summed_logits(partial_row, S, stride_s, E, BE: tl.constexpr, BS: tl.constexpr, CACHE: tl.constexpr = ""):
+def _summed_logits(partial_row, S, stride_s, E, BE: tl.constexpr, BS: tl.constexpr, CACHE: tl.constexpr):
     """A token's logits [BE]: its S partial sums (partial_row[s * stride_s + e]) added in a fixed order (the
-    same bits on every run and in every program); CACHE the loads' cache modifier."""
+    same bits on every run and in every program); CACHE the loads' cache modifier ("" for none). CACHE has no
+    default on purpose: compiled Triton 3.6 passes a called helper's string default as a plain str, not a
+    constexpr, and fails (the interpreter does not: CI passed, the H200 failed, session 37)."""
     cols = tl.arange(0, BE)
     acc = tl.zeros([BE], dtype=tl.float32)
     for s0 in range(0, S, BS):
@@ -195,7 +197,7 @@ def _router_sum_kernel(
     pdl_begin(PDL)
     t = tl.program_id(0)
     cols = tl.arange(0, BE)
-    acc = _summed_logits(partial + t.to(tl.int64) * stride_t, S, stride_s, E, BE, BS)
+    acc = _summed_logits(partial + t.to(tl.int64) * stride_t, S, stride_s, E, BE, BS, "")
     _select(acc, cols, cols < E, t, bias, weights_out, ids_out, scaling, HAS_BIAS, RENORM, A, BA)
 
 
