@@ -6,7 +6,9 @@
 #                                     PREV's checkpoint (a second stage, e.g. RUN=/tmp/run13c ... after /tmp/run13a)
 #   scripts/gpu_train_demo.sh finish  evaluate and copy the run (checkpoint shards, eval, loss PNG) to $OUT,
 #                                     with the Triton cache (scripts/triton_cache.sh) for the next machine
-#   scripts/gpu_train_demo.sh ship    copy only the run's checkpoint shards to $OUT
+#   scripts/gpu_train_demo.sh ship    copy the run's checkpoint shards and its records (NAME-meta.tgz) to $OUT
+#   scripts/gpu_train_demo.sh unpack FILES_AT DEST   here: rebuild DEST/checkpoint from what `ship` brought back,
+#                                     to carry into the next call (MODEL=DEST/checkpoint ... start)
 #   scripts/gpu_train_demo.sh pick RUN...  copy each run's eval.json and the better run's shards to $OUT
 # Two runs side by side on the 2-GPU machine: give each its own RUN folder and GPU (CUDA_VISIBLE_DEVICES), e.g.
 #   RUN=/tmp/run-a GPU=0 START_WAIT=5 ... start; RUN=/tmp/run-b GPU=1 ... start     (then wait on each RUN)
@@ -32,6 +34,14 @@
 # for 9 minutes, then its machine was lost. The data workers were the suspect (reasoning-gym's countdown took 3/4
 # of their time); countdown now draws the same problems ~10x faster and the workers keep chunks in flight instead
 # of waiting for each block's slowest: 2.2-2.4x the tokens/s on the development machine (2026-12-03-data-rate-cpu.json).
+# Run 16 (sessions 36-37, 2026-12-03) was that recipe with the faster pipeline: stage 1 ran 607-674 K tokens/s
+# (MFU 7.4-8.2%) on four machines, and all four were taken away between one call and the next, warm when the
+# call returned. A run that needs the same machine for two calls is a bet; one call a stage is not:
+#   call 1:  RUN=/tmp/r-a BUDGET=500 ... START_WAIT=1 start; RUN=/tmp/r-a wait 540; RUN=/tmp/r-a ship
+#   here:    scripts/gpu_train_demo.sh unpack <files_at> runs/r-a      (then carry runs/r-a beside .whl)
+#   call 2:  RUN=/tmp/r-c MODEL=runs/r-a/checkpoint BUDGET=230 ... start; wait; EVAL_S=200 ... finish
+# (stage 1's whole process must fit one call: ~50 s before its first step, ~25 s of starting and saving; a lost
+# machine then costs one stage and a start-up, not the run).
 # Check the pipeline on the device first: python3 scripts/data_mix.py --recipe r=256,256,512,512,1024@1
 #   --batch-rows 16 --rate-seconds 20 --workers 12  (it must beat the step's 708 K tokens/s).
 # Knobs: MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED DISTRACTORS SHARED_ALL (1, the default: --retrieval-shared-all; 0: run 6's data)
@@ -51,6 +61,20 @@ export TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1
 # whether this run's training is still going (by its pid: a pgrep on the command line would also find the
 # shell that runs this script)
 running() { kill -0 "$(cat $RUN/train.pid 2> /dev/null)" 2> /dev/null; }
+# the run's records to $OUT/NAME-meta.tgz, all but weights and optimizer state (the checkpoint's config, index
+# and tokenizer among them); what the run has of these: a continued run trains no tokenizer, a cut parity run
+# writes no gpu_suite.json
+# the whole process's wall clock (start's wall_start and wall_end) to $RUN/wall.json
+write_wall() {
+    python3 -c "import json; a, b = (float(open(f'$RUN/wall_{n}').read()) for n in ('start', 'end')); \
+json.dump({'process_wall_s': round(b - a, 1)}, open('$RUN/wall.json', 'w'))"
+}
+pack_records() {
+    write_wall 2> /dev/null
+    (cd $RUN && tar czf "$OUT/$NAME-meta.tgz" --exclude='*.safetensors' --exclude='*.pt' $(ls -d checkpoint tokenizer \
+        eval.json eval.log loss.png train_summary.json history.json train.log env.txt gpu_suite.json parity.log wall.json \
+        2> /dev/null))
+}
 case "${1:-}" in
 start)
     # once a machine: a second run started beside the first must not rewrite what the first is importing
@@ -96,8 +120,7 @@ finish)
         echo "training in $RUN is still running (it writes its last checkpoint when it ends): wait first" >&2
         exit 1
     fi
-    python3 -c "import json, sys; a, b = (float(open(f'$RUN/wall_{n}').read()) for n in ('start', 'end')); \
-json.dump({'process_wall_s': round(b - a, 1)}, open('$RUN/wall.json', 'w'))" && cat $RUN/wall.json && echo
+    write_wall && cat $RUN/wall.json && echo
     timeout "${EVAL_S:-200}" python3 -m kestrel.serve.cli eval --model $RUN/checkpoint --num 200 \
         --num-retrieval "${NUMR:-50}" --retrieval-lengths 2048,8192,32768 --out $RUN/eval.json > $RUN/eval.log 2>&1
     tail -c 2500 $RUN/eval.log
@@ -111,15 +134,29 @@ json.dump({'process_wall_s': round(b - a, 1)}, open('$RUN/wall.json', 'w'))" && 
     fi
     # $OUT takes at most 8 files of 16 MiB: the weight shards as they are, everything else in one archive
     [ "${SHIP:-1}" = 1 ] && cp $RUN/checkpoint/model*.safetensors "$OUT/"
-    # what the run has of these (a continued run trains no tokenizer; a cut parity run writes no gpu_suite.json)
-    (cd $RUN && tar czf "$OUT/$NAME-meta.tgz" --exclude='*.safetensors' --exclude='*.pt' $(ls -d checkpoint tokenizer \
-        eval.json eval.log loss.png train_summary.json history.json train.log env.txt gpu_suite.json parity.log wall.json \
-        2> /dev/null))
+    pack_records
     [ "${SHIP:-1}" = 1 ] && scripts/triton_cache.sh save  # only if it fits beside the shards (8 files, 64 MiB)
     ls -la "$OUT"
     ;;
 ship)
-    cp $RUN/checkpoint/model*.safetensors "$OUT/" && ls -la "$OUT"
+    if running; then
+        echo "training in $RUN is still running (it writes its last checkpoint when it ends): wait first" >&2
+        exit 1
+    fi
+    cp $RUN/checkpoint/model*.safetensors "$OUT/" && pack_records && ls -la "$OUT"
+    ;;
+unpack)
+    # here, not on the device: $2 the folder a call's files came back in, $3 the new run folder
+    src=${2:?usage: $0 unpack FILES_AT DEST}; dest=${3:?usage: $0 unpack FILES_AT DEST}
+    meta=$(ls "$src"/*-meta.tgz 2> /dev/null | head -1)
+    [ -n "$meta" ] || { echo "no *-meta.tgz in $src: was it brought back by ship or finish?" >&2; exit 1; }
+    ls "$src"/model*.safetensors > /dev/null 2>&1 || { echo "no checkpoint shards in $src" >&2; exit 1; }
+    mkdir -p "$dest" && tar xzf "$meta" -C "$dest" && cp "$src"/model*.safetensors "$dest/checkpoint/" || exit 1
+    # every shard the index names must be there (a call's $OUT takes at most 8 files of 16 MiB)
+    python3 -c "import json, os, sys; d = sys.argv[1]; idx = json.load(open(f'{d}/model.safetensors.index.json')); \
+missing = sorted(set(idx['weight_map'].values()) - set(os.listdir(d))); sys.exit(f'missing shards: {missing}' if missing else 0)" \
+        "$dest/checkpoint" || exit 1
+    echo "$dest/checkpoint: $(du -sh "$dest/checkpoint" | cut -f1); carry $dest and train on with MODEL=$dest/checkpoint"
     ;;
 pick)
     # after `finish` (SHIP=0) on each run folder named: ship the better by issue 5's rule, every eval beside it
@@ -130,7 +167,7 @@ pick)
     cp "$best"/checkpoint/model*.safetensors "$OUT/" && ls -la "$OUT"
     ;;
 *)
-    echo "usage: $0 start|wait N|after PREV [N]|finish|ship|pick RUN..." >&2
+    echo "usage: $0 start|wait N|after PREV [N]|finish|ship|unpack FILES_AT DEST|pick RUN..." >&2
     exit 2
     ;;
 esac
