@@ -693,8 +693,10 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
     expert, fp32 router. Each is timed per layer in a CUDA graph of 24 layers' weights (no L2 reuse between
     calls, as in a step) against the bytes it must read (the 7 experts hit and the router's weight) at the copy
     rate; the one launch's tiles and grid are swept, each checked against the six launches (the same experts,
-    the output within bf16 rounding) and for barriers that gave up. `save` writes the JSON after each
-    configuration: a run cut by its time limit keeps the rows it has (session 34 lost a whole sweep so)."""
+    the output within bf16 rounding) and for barriers that gave up; the best then runs as three launches with
+    no barrier (phased), to show what the barriers cost (session 37: its second version lost to the six).
+    `save` writes the JSON after each configuration: a run cut by its time limit keeps the rows it has
+    (session 34 lost a whole sweep so)."""
     from kestrel.ops.moe.triton_decode import TILES, _sync_buffer, moe_decode_triton
     from kestrel.ops.moe.triton_experts import moe_experts_triton
     from kestrel.ops.moe.triton_router import route_hidden_triton
@@ -766,10 +768,22 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
         rows.append(row)
         save()
     entry["default_tiles"] = TILES
-    entry["best"] = _best(rows)
+    best = entry["best"] = _best(rows)
+    if best is not None:
+        # the best tiles again as three launches, one a phase, with no grid barrier: what the two barriers cost
+        # beside two launches' overhead (the phases' work and bytes are the same)
+        tiles = {k: best[k] for k in configs[0]}
+        kw = dict(tiles=tiles, phased=True)
+        got, _, ids = one(nets[0], residual.clone(), tiles=tiles)
+        got3, _, ids3 = one(nets[0], residual.clone(), **kw)
+        entry["best_phased"] = {
+            "us": calls_us([functools.partial(one, n, o, **kw) for n, o in zip(nets, outs)], device),
+            "same_bits_as_one_launch": bool(torch.equal(got, got3) and torch.equal(ids, ids3)),
+        }
+        save()
     print(
         f"moe_fused T=1: floor {floor_us:.1f} us, six launches {entry['six_launches_us']:.1f} us a layer, "
-        f"one launch best {entry['best']}",
+        f"one launch best {best}, the same as three launches {entry.get('best_phased')}",
         flush=True,
     )
 

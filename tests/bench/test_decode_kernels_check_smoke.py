@@ -72,3 +72,9 @@ def test_decode_kernels_check_smoke():
     assert all(entry["same_bits"] for entry in result["pdl"]["batches"].values()), result["pdl"]
     gemv = result["gemv"]
     assert len(gemv) == 4 and all(entry["close"] for entry in gemv.values()), gemv
+    fused = result["moe_fused"]
+    assert fused["one_launch"] and all(r["close"] for r in fused["one_launch"]), fused["one_launch"]
+    assert fused["best"] is not None and fused["six_launches_us"] > 0
+    # off the GPU the one launch already runs phased: the same code, so the same bits
+    phased = fused["best_phased"]
+    assert phased["us"] > 0 and phased["same_bits_as_one_launch"], phased
