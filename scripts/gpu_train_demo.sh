@@ -37,9 +37,9 @@
 # Run 16 (sessions 36-37, 2026-12-03) was that recipe with the faster pipeline: stage 1 ran 607-674 K tokens/s
 # (MFU 7.4-8.2%) on four machines, and all four were taken away between one call and the next, warm when the
 # call returned. A run that needs the same machine for two calls is a bet; one call a stage is not:
-#   call 1:  RUN=/tmp/r-a BUDGET=500 ... START_WAIT=1 start; RUN=/tmp/r-a wait 540; RUN=/tmp/r-a ship
+#   call 1:  RUN=/tmp/r-a BUDGET=490 ... START_WAIT=1 start; RUN=/tmp/r-a wait 560; RUN=/tmp/r-a ship
 #   here:    scripts/gpu_train_demo.sh unpack <files_at> runs/r-a      (then carry runs/r-a beside .whl)
-#   call 2:  RUN=/tmp/r-c MODEL=runs/r-a/checkpoint BUDGET=230 ... start; wait; EVAL_S=200 ... finish
+#   call 2:  RUN=/tmp/r-c MODEL=runs/r-a/checkpoint BUDGET=260 ... start; wait; EVAL_S=200 ... finish
 # (stage 1's whole process must fit one call: ~50 s before its first step, ~25 s of starting and saving; a lost
 # machine then costs one stage and a start-up, not the run).
 # Check the pipeline on the device first: python3 scripts/data_mix.py --recipe r=256,256,512,512,1024@1
@@ -61,16 +61,23 @@ export TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1
 # whether this run's training is still going (by its pid: a pgrep on the command line would also find the
 # shell that runs this script)
 running() { kill -0 "$(cat $RUN/train.pid 2> /dev/null)" 2> /dev/null; }
-# the run's records to $OUT/NAME-meta.tgz, all but weights and optimizer state (the checkpoint's config, index
-# and tokenizer among them); what the run has of these: a continued run trains no tokenizer, a cut parity run
-# writes no gpu_suite.json
+# stop unless the run's training has ended (it writes its last checkpoint when it ends)
+require_ended() {
+    if running; then
+        echo "training in $RUN is still running (it writes its last checkpoint when it ends): wait first" >&2
+        exit 1
+    fi
+}
 # the whole process's wall clock (start's wall_start and wall_end) to $RUN/wall.json
 write_wall() {
     python3 -c "import json; a, b = (float(open(f'$RUN/wall_{n}').read()) for n in ('start', 'end')); \
 json.dump({'process_wall_s': round(b - a, 1)}, open('$RUN/wall.json', 'w'))"
 }
+# the run's records to $OUT/NAME-meta.tgz, all but weights and optimizer state (the checkpoint's config, index
+# and tokenizer among them); what the run has of these: a continued run trains no tokenizer, a cut parity run
+# writes no gpu_suite.json
 pack_records() {
-    write_wall 2> /dev/null
+    [ -f $RUN/wall.json ] || write_wall 2> /dev/null  # `finish` has written it
     (cd $RUN && tar czf "$OUT/$NAME-meta.tgz" --exclude='*.safetensors' --exclude='*.pt' $(ls -d checkpoint tokenizer \
         eval.json eval.log loss.png train_summary.json history.json train.log env.txt gpu_suite.json parity.log wall.json \
         2> /dev/null))
@@ -116,10 +123,7 @@ wait)
     tail -c 1500 $RUN/train.log
     ;;
 finish)
-    if running; then
-        echo "training in $RUN is still running (it writes its last checkpoint when it ends): wait first" >&2
-        exit 1
-    fi
+    require_ended
     write_wall && cat $RUN/wall.json && echo
     timeout "${EVAL_S:-200}" python3 -m kestrel.serve.cli eval --model $RUN/checkpoint --num 200 \
         --num-retrieval "${NUMR:-50}" --retrieval-lengths 2048,8192,32768 --out $RUN/eval.json > $RUN/eval.log 2>&1
@@ -139,10 +143,7 @@ finish)
     ls -la "$OUT"
     ;;
 ship)
-    if running; then
-        echo "training in $RUN is still running (it writes its last checkpoint when it ends): wait first" >&2
-        exit 1
-    fi
+    require_ended
     cp $RUN/checkpoint/model*.safetensors "$OUT/" && pack_records && ls -la "$OUT"
     ;;
 unpack)
