@@ -8,7 +8,7 @@
 #                                     with the Triton cache (scripts/triton_cache.sh) for the next machine
 #   scripts/gpu_train_demo.sh ship    copy the run's checkpoint shards and its records (NAME-meta.tgz) to $OUT
 #   scripts/gpu_train_demo.sh unpack FILES_AT DEST   here: rebuild DEST/checkpoint from what `ship` brought back,
-#                                     to carry into the next call (MODEL=DEST/checkpoint ... start)
+#                                     to take into the next call (run 17's recipe below says how)
 #   scripts/gpu_train_demo.sh pick RUN...  copy each run's eval.json and the better run's shards to $OUT
 # Two runs side by side on the 2-GPU machine: give each its own RUN folder and GPU (CUDA_VISIBLE_DEVICES), e.g.
 #   RUN=/tmp/run-a GPU=0 START_WAIT=5 ... start; RUN=/tmp/run-b GPU=1 ... start     (then wait on each RUN)
@@ -19,7 +19,8 @@
 # on the machine, which keeps it only while the machine stays held: call again within the idle window.
 # Every knob is an environment variable (defaults: run 7, session 13, 2026-11-30, with the shipped tokenizer,
 # TOKENIZER=kestrel/data/kestrel-demo; TOKENIZER= (empty) trains a new BPE first, as run 8 did by accident,
-# 2026-12-01). The shipped model, run 11 (session 17, bench/results/2026-12-01-demo-train-run11.json), is two runs:
+# 2026-12-01). The shipped model is run 17 (session 38, bench/results/2026-12-04-demo-train-run17.json: the
+# one-call-a-stage recipe below). The one before it, run 11 (session 17, 2026-12-01-demo-train-run11.json), was:
 #   RUN=/tmp/run11a RLEN=256,256,512,512,1024 ... start   (then wait, finish)
 #   RUN=/tmp/run11c MODEL=/tmp/run11a/checkpoint STEPS=1100 LR=1e-3 WARMUP=20 DENSE=0 BUDGET=260 SEED=8 ... start
 #   (both evaluated with EVAL_S=300 NUMR=100 ... finish: 100 held-out retrieval prompts a length)
@@ -36,12 +37,16 @@
 # of waiting for each block's slowest: 2.2-2.4x the tokens/s on the development machine (2026-12-03-data-rate-cpu.json).
 # Run 16 (sessions 36-37, 2026-12-03) was that recipe with the faster pipeline: stage 1 ran 607-674 K tokens/s
 # (MFU 7.4-8.2%) on four machines, and all four were taken away between one call and the next, warm when the
-# call returned. A run that needs the same machine for two calls is a bet; one call a stage is not:
-#   call 1:  RUN=/tmp/r-a BUDGET=490 ... START_WAIT=1 start; RUN=/tmp/r-a wait 560; RUN=/tmp/r-a ship
-#   here:    scripts/gpu_train_demo.sh unpack <files_at> runs/r-a      (then carry runs/r-a beside .whl)
-#   call 2:  RUN=/tmp/r-c MODEL=runs/r-a/checkpoint BUDGET=260 ... start; wait; EVAL_S=200 ... finish
-# (stage 1's whole process must fit one call: ~50 s before its first step, ~25 s of starting and saving; a lost
-# machine then costs one stage and a start-up, not the run).
+# call returned. A run that needs the same machine for two calls is a bet; one call a stage is not. Run 17
+# (session 38), shipped, was run 16's knobs this way (828 s of whole processes; 8K retrieval 91%):
+#   call 1:  RUN=/tmp/r-a BUDGET=480 ... START_WAIT=1 start; RUN=/tmp/r-a wait 585; RUN=/tmp/r-a ship
+#   here:    scripts/gpu_train_demo.sh unpack <files_at> runs/r-a; cp runs/r-a/checkpoint/* kestrel/data/kestrel-demo/
+#   call 2:  RUN=/tmp/r-c MODEL=kestrel/data/kestrel-demo BUDGET=220 ... START_WAIT=1 start; RUN=/tmp/r-c wait 380;
+#            RUN=/tmp/r-c EVAL_S=200 NUMR=100 PARITY_S=0 finish      (carry .whl only)
+# (stage 1's whole process must fit one call: its first step took 76 s on a cold machine, ~15 s more go to starting
+# and saving; a lost machine then costs one stage and a start-up, not the run). The stage-1 shards replace the
+# shipped ones in the tree for call 2 because the carry limit (64 MiB: the tree, 45 MB with the shipped model, and
+# .whl, 16 MB) has no room for a second checkpoint; `git checkout kestrel/data/kestrel-demo` puts them back.
 # Check the pipeline on the device first: python3 scripts/data_mix.py --recipe r=256,256,512,512,1024@1
 #   --batch-rows 16 --rate-seconds 20 --workers 12  (it must beat the step's 708 K tokens/s).
 # Knobs: MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED DISTRACTORS SHARED_ALL (1, the default: --retrieval-shared-all; 0: run 6's data)
@@ -157,7 +162,8 @@ unpack)
     python3 -c "import json, os, sys; d = sys.argv[1]; idx = json.load(open(f'{d}/model.safetensors.index.json')); \
 missing = sorted(set(idx['weight_map'].values()) - set(os.listdir(d))); sys.exit(f'missing shards: {missing}' if missing else 0)" \
         "$dest/checkpoint" || exit 1
-    echo "$dest/checkpoint: $(du -sh "$dest/checkpoint" | cut -f1); carry $dest and train on with MODEL=$dest/checkpoint"
+    echo "$dest/checkpoint: $(du -sh "$dest/checkpoint" | cut -f1); to train on it in the next call, copy it over" \
+        "kestrel/data/kestrel-demo (the carry has no room for a second checkpoint) and start with MODEL=kestrel/data/kestrel-demo"
     ;;
 pick)
     # after `finish` (SHIP=0) on each run folder named: ship the better by issue 5's rule, every eval beside it
