@@ -694,7 +694,9 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
     calls, as in a step) against the bytes it must read (the 7 experts hit and the router's weight) at the copy
     rate; the one launch's tiles and grid are swept, each checked against the six launches (the same experts,
     the output within bf16 rounding) and for barriers that gave up; the best then runs as three launches with
-    no barrier (phased), to show what the barriers cost (session 37: its second version lost to the six).
+    no barrier (phased), to show what the barriers cost (session 37: its second version lost to the six;
+    session 38: the three launches 38.7 us against the one's 30.9, so not the barriers), then each phase alone
+    beside the six launches' router and experts (`by_phase`): which phase loses the time.
     `save` writes the JSON after each configuration: a run cut by its time limit keeps the rows it has
     (session 34 lost a whole sweep so)."""
     from kestrel.ops.moe.triton_decode import TILES, _sync_buffer, moe_decode_triton
@@ -781,9 +783,48 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
             "same_bits_as_one_launch": bool(torch.equal(got, got3) and torch.equal(ids, ids3)),
         }
         save()
+        # each phase alone (its inputs left by a whole phased call in the layer's scratch) beside the six
+        # launches' two parts, the router's two launches and the experts' four: where the time goes
+        scratch = [{} for _ in nets]
+        for n, o, sc in zip(nets, outs, scratch):
+            one(n, o, scratch=sc, **kw)
+        per_layer = list(zip(nets, outs, scratch))
+        phase_us = {
+            name: calls_us(
+                [functools.partial(one, n, o, phases=(phase,), scratch=sc, **kw) for n, o, sc in per_layer],
+                device,
+            )
+            for phase, name in ((1, "router"), (2, "gate_up_and_routing"), (3, "down_and_combine"))
+        }
+        routing = [route_hidden_triton(x, n["router"], n["bias"], A, True, 2.5) for n in nets]
+        route_calls = [
+            functools.partial(route_hidden_triton, x, n["router"], n["bias"], A, True, 2.5) for n in nets
+        ]
+        expert_calls = [
+            functools.partial(
+                moe_experts_triton,
+                x,
+                n["w13"],
+                n["w2"],
+                w,
+                i,
+                "situ",
+                shared=n["shared"],
+                out=o,
+                accumulate=True,
+            )
+            for n, o, (w, i) in zip(nets, outs, routing)
+        ]
+        entry["by_phase"] = {
+            "one_launch_phases_us": phase_us,
+            "six_router_us": calls_us(route_calls, device),
+            "six_experts_us": calls_us(expert_calls, device),
+        }
+        save()
     print(
         f"moe_fused T=1: floor {floor_us:.1f} us, six launches {entry['six_launches_us']:.1f} us a layer, "
-        f"one launch best {best}, the same as three launches {entry.get('best_phased')}",
+        f"one launch best {best}, the same as three launches {entry.get('best_phased')}, by phase "
+        f"{entry.get('by_phase')}",
         flush=True,
     )
 

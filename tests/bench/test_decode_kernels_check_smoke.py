@@ -78,3 +78,7 @@ def test_decode_kernels_check_smoke():
     # off the GPU the one launch already runs phased: the same code, so the same bits
     phased = fused["best_phased"]
     assert phased["us"] > 0 and phased["same_bits_as_one_launch"], phased
+    by_phase = fused["by_phase"]
+    assert set(by_phase["one_launch_phases_us"]) == {"router", "gate_up_and_routing", "down_and_combine"}
+    assert all(us > 0 for us in by_phase["one_launch_phases_us"].values()), by_phase
+    assert by_phase["six_router_us"] > 0 and by_phase["six_experts_us"] > 0, by_phase

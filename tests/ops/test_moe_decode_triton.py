@@ -100,6 +100,23 @@ def test_any_grid_and_default_tiles(programs):
         _assert_close(out, want)
 
 
+def test_phases_apart_through_scratch():
+    """Each phase launched alone, in order, its inputs handed on in one scratch dict: the same bits as the three
+    phases in one call; a scratch of other shapes, or phases apart without phased, are refused."""
+    p = _layer(2, D=40, I=24, E=5, dtype=torch.float32, seed=11)
+    whole = _run(p, 3, "situ", True, True, tiles=SMALL, phased=True)
+    scratch = {}
+    for phase in (1, 2, 3):
+        apart = _run(p, 3, "situ", True, True, tiles=SMALL, phased=True, phases=(phase,), scratch=scratch)
+    for a, b in zip(whole, apart):
+        assert torch.equal(a, b)
+    assert set(scratch) == {"weights", "ids", "partial", "gu"}
+    with pytest.raises(AssertionError, match="scratch of other shapes"):
+        _run(p, 3, "situ", True, True, tiles={**SMALL, "ks": 1}, phased=True, phases=(3,), scratch=scratch)
+    with pytest.raises(AssertionError, match="phased"):
+        _run(p, 3, "situ", True, True, tiles=SMALL, phased=False, phases=(1,))
+
+
 def test_no_tokens_and_bad_input():
     p = _layer(1, D=40, I=24, E=5, dtype=torch.float32, seed=1)
     empty = {**p, "x": p["x"][:0], "residual": p["residual"][:0]}

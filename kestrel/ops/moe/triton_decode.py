@@ -37,8 +37,9 @@ in the down phase, took 28.7 us at its best tiles (ks 2, bn_g 16, bn_d 16, a pro
 launches' 23.0 (5.3 us of bytes at the copy rate), with their experts and their output bit for bit; mini's
 batch-1 step 1.82 ms against 1.67 (graph replay). Hence KESTREL_MOE_FUSED_DECODE is off by default. The present
 version (each gate/up item's K steps unrolled, the down phase reading the stored routing, warps and K steps a
-knob) passed its CUDA tests and is not yet timed: each phase is one dependent chain of loads per program, and
-more bytes in flight per SM (wider items, more warps) is what the next sweep tries.
+knob) took 30.5 us at the same tiles (session 37; 8 and 16 warps, deeper unrolls: 34-93 us), and the same tiles
+as three launches with no barrier 38.7 us against its 30.9 (session 38): the barriers are not what it loses to
+the six launches, the phases' own work is. `phases` and `scratch` let one phase be timed alone.
 """
 
 from __future__ import annotations
@@ -298,6 +299,8 @@ def moe_decode_triton(
     programs: int | None = None,
     phased: bool | None = None,
     tiles: dict | None = None,
+    phases: tuple[int, ...] = (1, 2, 3),
+    scratch: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MoE layer on x [T, D] in one launch: `route_hidden_triton(x, router_weight, correction_bias, top_k,
     renormalize, scaling_factor)`, then `moe_experts_triton(x, w13, w2, weights, ids, act, situ_beta,
@@ -306,6 +309,10 @@ def moe_decode_triton(
     programs: the grid (None: the SM count times TILES' per_sm, or 3 on the CPU; never more than there are
     items);
     phased: three launches instead of one (None: on the CPU only); tiles: overrides of TILES.
+    phases: when phased, only these of the three (1 router, 2 gate/up and routing, 3 down and combine), to time
+    one phase alone (scripts/decode_kernels_check.py); what a phase reads from the others is in scratch.
+    scratch: a dict the buffers the phases hand on are kept in between calls (partial logits, gate/up partial
+    sums, the routing; filled on first use, for one set of shapes); None: new buffers each call.
     Returns (out [T, D] in x's dtype, weights [T, A] fp32, ids [T, A] int64)."""
     T, D = x.shape
     E, two_i, D13 = w13.shape
@@ -327,8 +334,14 @@ def moe_decode_triton(
         assert not accumulate, "accumulate adds into a given out"
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     assert out.shape == (T, D) and out.dtype == x.dtype and out.is_contiguous()
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    if phased is None:
+        phased = not x.is_cuda
+    assert set(phases) <= {1, 2, 3} and (phased or tuple(phases) == (1, 2, 3)), (
+        f"phases {phases}: of 1-3, phased"
+    )
+    bufs = {} if scratch is None else scratch
+    weights = bufs.setdefault("weights", torch.empty(T, top_k, dtype=torch.float32, device=x.device))
+    ids = bufs.setdefault("ids", torch.empty(T, top_k, dtype=torch.int64, device=x.device))
     if T == 0:
         return out, weights, ids
     x, router_weight = x.contiguous(), router_weight.contiguous()
@@ -340,18 +353,20 @@ def moe_decode_triton(
     KS = t["ks"]
     KCH = triton.cdiv(triton.cdiv(D, KS), t["bk_g"]) * t["bk_g"]  # D's slice a gate/up item sums over
     SL = top_k + (shared is not None)
-    partial = torch.empty(T, S, BE, dtype=torch.float32, device=x.device)  # [T, S, BE]
-    gu = torch.empty(T, SL, KS, 2, I, dtype=torch.float32, device=x.device)  # gate and up, per D slice
+    partial = bufs.setdefault(
+        "partial", torch.empty(T, S, BE, dtype=torch.float32, device=x.device)
+    )  # [T, S, BE]
+    # gate and up, per D slice
+    gu = bufs.setdefault("gu", torch.empty(T, SL, KS, 2, I, dtype=torch.float32, device=x.device))
+    assert partial.shape == (T, S, BE) and gu.shape == (T, SL, KS, 2, I), "scratch of other shapes or tiles"
     items = max(T * S, T * SL * triton.cdiv(I, t["bn_g"]) * KS, T * triton.cdiv(D, t["bn_d"]))
     if programs is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 3
         programs = sms * t["per_sm"]
     programs = max(1, min(programs, items))
-    if phased is None:
-        phased = not x.is_cuda
     sync = _sync_buffer(x.device) if not phased else weights  # not read when phased
     bias = correction_bias if correction_bias is not None else router_weight  # unused without HAS_BIAS
-    for phase in (1, 2, 3) if phased else (0,):
+    for phase in phases if phased else (0,):
         _moe_decode_kernel[(programs,)](
             x, router_weight, bias, w13, w2, ws13, ws2, partial, gu, weights, ids, out, sync,
             T, D, E, I, S, float(scaling_factor), float(situ_beta), float(situ_linear_beta),
