@@ -827,7 +827,14 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
             )
             for n, o, (w, i) in zip(nets, outs, routing)
         ]
+        rate = ceilings["copy_TBps"] * 1e12 / 1e6  # bytes a microsecond
         entry["by_phase"] = {
+            # each phase's bytes at the copy rate: the router's fp32 weight; the 7 experts' gate and up; their down
+            "floors_us": {
+                "router": E * D * 4 / rate,
+                "gate_up_and_routing": (A + 1) * 2 * I * D * 2 / rate,
+                "down_and_combine": (A + 1) * D * I * 2 / rate,
+            },
             "one_launch_phases_us": phase_us,
             "six_router_us": calls_us(route_calls, device),
             "six_experts_us": calls_us(expert_calls, device),

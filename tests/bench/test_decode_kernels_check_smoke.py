@@ -82,3 +82,4 @@ def test_decode_kernels_check_smoke():
     assert set(by_phase["one_launch_phases_us"]) == {"router", "gate_up_and_routing", "down_and_combine"}
     assert all(us > 0 for us in by_phase["one_launch_phases_us"].values()), by_phase
     assert by_phase["six_router_us"] > 0 and by_phase["six_experts_us"] > 0, by_phase
+    assert set(by_phase["floors_us"]) == set(by_phase["one_launch_phases_us"]), by_phase
