@@ -43,6 +43,7 @@
 #   here:    scripts/gpu_train_demo.sh unpack <files_at> runs/r-a; cp runs/r-a/checkpoint/* kestrel/data/kestrel-demo/
 #   call 2:  RUN=/tmp/r-c MODEL=kestrel/data/kestrel-demo BUDGET=220 ... START_WAIT=1 start; RUN=/tmp/r-c wait 380;
 #            RUN=/tmp/r-c EVAL_S=200 NUMR=100 PARITY_S=0 finish      (carry .whl only)
+#   (200 s of eval cut run 17's 32K dense pass at 62 of 100 prompts: EVAL_S=260 takes it whole, ~30 s more)
 # (stage 1's whole process must fit one call: its first step took 76 s on a cold machine, ~15 s more go to starting
 # and saving; a lost machine then costs one stage and a start-up, not the run). The stage-1 shards replace the
 # shipped ones in the tree for call 2 because the carry limit (64 MiB: the tree, 45 MB with the shipped model, and
