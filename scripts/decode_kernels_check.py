@@ -753,30 +753,34 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
     entry["floor_us"] = floor_us
     entry["six_launches_us"] = calls_us([functools.partial(six, n, o) for n, o in zip(nets, outs)], device)
     rows = entry["one_launch"] = []
+
+    def gave_up() -> bool:
+        """Whether a barrier gave up since the last look (a grid not all resident: its results are wrong);
+        the counters then zeroed, since late programs may have left one raised."""
+        if device != "cuda":
+            return False
+        sync = _sync_buffer(x.device)
+        if not sync[3].item():
+            return False
+        sync.zero_()
+        return True
+
     for tiles in configs:
         row = dict(tiles)
         try:
             got, _, ids = one(nets[0], residual.clone(), tiles=tiles)
-            if device == "cuda":  # a grid not all resident: its barriers gave up (seconds each); not timed
-                sync = _sync_buffer(x.device)
-                row["barrier_gave_up"] = bool(sync[3].item())
-                if row["barrier_gave_up"]:
-                    sync.zero_()  # late programs may have left a counter raised
-                    row["close"] = False
-                    rows.append(row)
-                    save()
-                    continue
-            delta, ref = (got - residual).float(), (want - residual).float()
-            row["same_experts"] = bool(torch.equal(ids, want_ids))
-            row["rel_err"] = ((delta - ref).norm() / ref.norm()).item()
-            row["close"] = row["same_experts"] and row["rel_err"] < 1e-2
-            kw = dict(tiles=tiles)
-            row["us"] = calls_us([functools.partial(one, n, o, **kw) for n, o in zip(nets, outs)], device)
-            row["floor_share"] = floor_us / row["us"]
-            if device == "cuda":
-                torch.cuda.synchronize()
-                row["barrier_gave_up"] = bool(_sync_buffer(x.device)[3].item())
-                row["close"] = row["close"] and not row["barrier_gave_up"]  # its timing is of wrong results
+            # a grid whose barriers gave up (seconds each) is recorded, not timed
+            row["barrier_gave_up"] = gave_up()
+            row["close"] = False
+            if not row["barrier_gave_up"]:
+                delta, ref = (got - residual).float(), (want - residual).float()
+                row["same_experts"] = bool(torch.equal(ids, want_ids))
+                row["rel_err"] = ((delta - ref).norm() / ref.norm()).item()
+                kw = dict(tiles=tiles)
+                row["us"] = calls_us([functools.partial(one, n, o, **kw) for n, o in zip(nets, outs)], device)
+                row["floor_share"] = floor_us / row["us"]
+                row["barrier_gave_up"] = gave_up()  # its timing would be of wrong results
+                row["close"] = row["same_experts"] and row["rel_err"] < 1e-2 and not row["barrier_gave_up"]
         except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:200]
         rows.append(row)
@@ -808,10 +812,10 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
             )
             for phase, name in ((1, "router"), (2, "gate_up_and_routing"), (3, "down_and_combine"))
         }
-        routing = [route_hidden_triton(x, n["router"], n["bias"], A, True, 2.5) for n in nets]
         route_calls = [
             functools.partial(route_hidden_triton, x, n["router"], n["bias"], A, True, 2.5) for n in nets
         ]
+        routing = [route() for route in route_calls]
         expert_calls = [
             functools.partial(
                 moe_experts_triton,

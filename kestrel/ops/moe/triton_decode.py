@@ -340,8 +340,13 @@ def moe_decode_triton(
         f"phases {phases}: of 1-3, phased"
     )
     bufs = {} if scratch is None else scratch
-    weights = bufs.setdefault("weights", torch.empty(T, top_k, dtype=torch.float32, device=x.device))
-    ids = bufs.setdefault("ids", torch.empty(T, top_k, dtype=torch.int64, device=x.device))
+
+    def buffer(name: str, *shape: int, dtype=torch.float32) -> torch.Tensor:  # scratch's, or a new one
+        if name not in bufs:
+            bufs[name] = torch.empty(*shape, dtype=dtype, device=x.device)
+        return bufs[name]
+
+    weights, ids = buffer("weights", T, top_k), buffer("ids", T, top_k, dtype=torch.int64)
     if T == 0:
         return out, weights, ids
     x, router_weight = x.contiguous(), router_weight.contiguous()
@@ -353,11 +358,8 @@ def moe_decode_triton(
     KS = t["ks"]
     KCH = triton.cdiv(triton.cdiv(D, KS), t["bk_g"]) * t["bk_g"]  # D's slice a gate/up item sums over
     SL = top_k + (shared is not None)
-    partial = bufs.setdefault(
-        "partial", torch.empty(T, S, BE, dtype=torch.float32, device=x.device)
-    )  # [T, S, BE]
-    # gate and up, per D slice
-    gu = bufs.setdefault("gu", torch.empty(T, SL, KS, 2, I, dtype=torch.float32, device=x.device))
+    partial = buffer("partial", T, S, BE)  # [T, S, BE]
+    gu = buffer("gu", T, SL, KS, 2, I)  # gate and up, per D slice
     assert partial.shape == (T, S, BE) and gu.shape == (T, SL, KS, 2, I), "scratch of other shapes or tiles"
     items = max(T * S, T * SL * triton.cdiv(I, t["bn_g"]) * KS, T * triton.cdiv(D, t["bn_d"]))
     if programs is None:
