@@ -114,9 +114,10 @@ class Env:
     """KESTREL_MOE_FUSED_DECODE: at inference on CUDA, up to kestrel.layers.moe.FUSED_DECODE_MAX_TOKENS tokens, a
     MoE layer with one expert group, no latent MoE, one device's experts and a shared MLP of the experts' width
     (or none) runs whole in one launch (kestrel.ops.moe.triton_decode: router, routed and shared experts,
-    combine, residual add; grid barriers between the phases) instead of six. Off by default: on the H200
-    (session 34, mini's sizes, a CUDA graph of 24 layers) the one launch took 28.7 us a layer against the six
-    launches' 23.0 (5.3 us of bytes), and mini's batch-1 decode step 1.82 against 1.67 ms (graph replay)."""
+    combine, residual add; grid barriers between the phases) instead of six. On by default since session 39: on
+    the H200 (mini's sizes, a CUDA graph of 24 layers) the one launch took 20.4 us a layer against the six
+    launches' 22.9 (5.3 us of bytes), and mini's batch-1 decode step 1.59 against 1.67 ms (graph replay);
+    sessions 34-38's versions had lost to the six (28-31 us)."""
     kda_safe_gate: bool
     """KESTREL_KDA_SAFE_GATE: fla chunk_kda's faster path for gates bounded in [-5, 0) (K3's lower-bound gate),
     used only where the model's gate is bounded, and only in training (where autograd records: its forward and
@@ -177,7 +178,7 @@ _READERS = {
     "moe_overlap_shared": lambda: _bool("KESTREL_MOE_OVERLAP_SHARED", True),
     "moe_sort_first": lambda: _bool("KESTREL_MOE_SORT_FIRST", True),
     "moe_fuse_shared": lambda: _bool("KESTREL_MOE_FUSE_SHARED", True),
-    "moe_fused_decode": lambda: _bool("KESTREL_MOE_FUSED_DECODE", False),
+    "moe_fused_decode": lambda: _bool("KESTREL_MOE_FUSED_DECODE", True),
     "sparse_prefill": lambda: _str("KESTREL_SPARSE_PREFILL", "auto", ("auto", "rows", "expanded")),
     "compile_train": lambda: _switch("KESTREL_COMPILE_TRAIN", "auto"),
     "fused_ops": lambda: _str("KESTREL_FUSED_OPS", "auto", ("auto", "off")),

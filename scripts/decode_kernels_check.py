@@ -696,7 +696,8 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
     the output within bf16 rounding) and for barriers that gave up; the best then runs as three launches with
     no barrier (phased), to show what the barriers cost (session 37: its second version lost to the six;
     session 38: the three launches 38.7 us against the one's 30.9, so not the barriers), then each phase alone
-    beside the six launches' router and experts (`by_phase`): which phase loses the time.
+    beside the six launches' router and experts (`by_phase`): which phase loses the time (session 39: both
+    expert phases, 3-8x their floors).
     `save` writes the JSON after each configuration: a run cut by its time limit keeps the rows it has
     (session 34 lost a whole sweep so)."""
     from kestrel.ops.moe.triton_decode import TILES, _sync_buffer, moe_decode_triton
@@ -706,19 +707,28 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
     E, A, D, I, layers, T = 64, 6, 2048, 256, CALLS_PER_STEP, 1
     # session 34's first sweep (ks 1-4, bn_g and bn_d 8-32, 4 warps, one or half a program an SM) put ks 2-4,
     # bn_g 16-32, bn_d 16 first; session 37's (8 and 16 warps a program, one to four K steps unrolled) found
-    # nothing faster than 4 warps (8 warps 53-92 us, 16 warps 34-55, the best 30.5). Not yet tried: several
-    # 4-warp programs an SM, whose loads interleave with no reduction across their warps; with items enough
-    # for every program (ks 4: 448 gate/up items; bn_d 8: 256 down items). A barrier over a grid that is not
-    # all resident gives up, which the row records.
-    sets = [
-        dict(ks=2, bn_g=16, bk_g=256, bn_d=16),
-        dict(ks=4, bn_g=16, bk_g=256, bn_d=8),
-        dict(ks=4, bn_g=8, bk_g=256, bn_d=8),
-    ]
-    sweep = {"warps": (4,), "per_sm": (2, 3, 4)}
-    configs = [dict(ks=2, bn_g=16, bk_g=256, bn_d=16, warps=4, per_sm=1)] + [  # the sweeps' best first
-        base | dict(zip(sweep, v)) for base in sets for v in itertools.product(*sweep.values())
-    ]
+    # nothing faster than 4 warps; session 38's (2-4 programs an SM) 28.0 us at best against 30.9. Session 39's
+    # by_phase put gate/up at 15.6 us (floor 3.5) and down at 13.7 (floor 1.7): the down phase now loads every
+    # routed slot's tile at once, and ks 1 lets a gate/up item finish h. Its sets: small down tiles (bn_d 4-8,
+    # 256-512 items) and gate/up items small enough to keep their loads in registers (bn_g 4-8 x all of D).
+    # Session 39's first run of it: 20.4 us at ks 1, bn_g 4 (bk_g 512), bn_d 4 (bk_d 256), 4 programs an SM of 4
+    # warps (six launches 22.9): smaller items and more programs won. Around that: 1-2 rows an item, 4-16
+    # programs an SM, 2 warps (calls 3-4: bk_g 256 the best, 18.8 us, now the default; the grid is capped at
+    # the items, 512). The sweep is around the defaults.
+    center = {k: TILES[k] for k in ("ks", "bn_g", "bk_g", "bn_d", "bk_d", "warps", "per_sm")}
+    configs = [center] + [
+        center | change
+        for change in (
+            dict(per_sm=6), dict(per_sm=8),
+            dict(bn_g=2, bk_g=1024), dict(bn_g=2, bk_g=1024, per_sm=8),
+            dict(bn_d=2), dict(bn_d=2, per_sm=8),
+            dict(bn_g=2, bk_g=1024, bn_d=2, per_sm=8),
+            dict(bk_g=512), dict(bk_d=128),
+            dict(warps=2, per_sm=8), dict(warps=2, per_sm=12), dict(warps=2, per_sm=16),
+            dict(warps=2, bn_g=2, bk_g=1024, bn_d=2, per_sm=16),
+            dict(ks=2, bn_g=8, bk_g=512),
+        )
+    ]  # fmt: skip
     if smoke:
         E, A, D, I, layers = 8, 2, 64, 32, 2
         configs = [dict(ks=1), dict(ks=2)]
@@ -768,7 +778,9 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
     for tiles in configs:
         row = dict(tiles)
         try:
-            got, _, ids = one(nets[0], residual.clone(), tiles=tiles)
+            launch = {}
+            got, _, ids = one(nets[0], residual.clone(), tiles=tiles, launch=launch)
+            row["programs"] = launch["programs"]  # capped at what the SMs hold at once
             # a grid whose barriers gave up (seconds each) is recorded, not timed
             row["barrier_gave_up"] = gave_up()
             row["close"] = False

@@ -20,6 +20,8 @@ pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # partial tiles, two D slices of gate/up, several K steps, at D=40, I=24
 SMALL = dict(bd=16, ks=2, bn_g=16, bk_g=16, bn_d=16, bk_d=16)
+# the whole of D in each gate/up item, which then stores h itself; down tiles of 4 output rows
+WHOLE_D = dict(SMALL, ks=1, bn_g=8, bn_d=4)
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -75,14 +77,15 @@ def _assert_close(got, want):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("tiles", [SMALL, WHOLE_D], ids=["ks2", "ks1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "T,act,shared,accumulate",
     [(1, "situ", True, True), (1, "silu", False, False), (2, "situ", False, True), (2, "silu", True, False)],
 )
-def test_matches_router_and_experts(T, act, shared, accumulate, dtype):
+def test_matches_router_and_experts(T, act, shared, accumulate, dtype, tiles):
     p = _layer(T, D=40, I=24, E=5, dtype=dtype, seed=T + 3 * shared)
-    out, weights, ids = _run(p, 3, act, shared, accumulate, tiles=SMALL)
+    out, weights, ids = _run(p, 3, act, shared, accumulate, tiles=tiles)
     want, want_w, want_ids = _reference(p, 3, act, shared, accumulate)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
@@ -95,7 +98,7 @@ def test_any_grid_and_default_tiles(programs):
     than every dimension here."""
     p = _layer(1, D=40, I=24, E=6, dtype=torch.float32, seed=9)
     want = _reference(p, 4, "situ", True, False)[0]
-    for tiles in (SMALL, None):
+    for tiles in (SMALL, WHOLE_D, None):
         out, _, _ = _run(p, 4, "situ", True, False, tiles=tiles, programs=programs)
         _assert_close(out, want)
 
@@ -154,6 +157,25 @@ def test_one_launch_equals_three_at_mini_sizes(T):
     delta = one[0].float() - p["residual"].float()  # the layer's own output, without the residual
     rel = ((delta - (want.float() - p["residual"].float())).norm() / delta.norm()).item()
     assert rel < 1e-2, rel
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_grid_never_larger_than_the_gpu_holds():
+    """Asked for more programs than the SMs hold at once (1-row tiles: 2048 down items; 32 programs an SM of 4
+    warps), the launch takes only what fits: its barriers open, and it gives the phased launches' bits."""
+    from kestrel.ops.moe.triton_decode import _sync_buffer
+
+    p = _layer(1, dtype=torch.bfloat16, seed=60, **MINI)
+    tiles = dict(ks=1, bn_g=1, bk_g=2048, bn_d=1, bk_d=256, per_sm=32)
+    launch = {}
+    one = _run(p, 6, "situ", True, True, tiles=tiles, launch=launch)
+    three = _run(p, 6, "situ", True, True, tiles=tiles, phased=True)
+    torch.cuda.synchronize()
+    assert _sync_buffer(p["x"].device).tolist() == [0, 0, 0, 0]
+    assert launch["programs"] < 2048, launch
+    for a, b in zip(one, three):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -7,39 +7,42 @@ Legend: T tokens (decode: 1), D hidden width (= the experts' input), E experts, 
 width, SL = A (+ 1 with a shared expert) slots a token's experts fill, S slices of D the router's logits are
 summed over, KS slices of D each gate/up product is summed over.
 
-One grid of at most one program per SM, all resident at once, walks three phases; a grid barrier (an atomic
-counter each program adds to, then waits on) separates them:
+One grid, every program resident at once, walks three phases; a grid barrier (an atomic counter each program
+adds to, then waits on) separates them:
     router:   partial[t, s] = x[t, slice s] . router_weight[:, slice s]                 T * S items   [T, S, E]
     gate_up:  every program sums partial[t] in a fixed order and routes (top-A with the correction bias, as
               `triton_router._pick`: the same weights and ids in every program, no barrier for them; program 0
               stores them); gu[t, a, ks] = x[t, slice ks] . w13[e_a, tile]  (gate, up; fp32)  T * SL * I / BN * KS
-    down:     the routing program 0 stored; h = act(gate, up) from the KS partial sums, rounded as the
-              reference; out[t, tile] (+)= sum_a w_a * (h_a . w2[e_a, tile]) in slot order (+ the shared
-              expert's)                                                                  T * D / BN items
+              With one slice (ks 1, the default) an item has the whole sum and stores h = act(gate, up) itself.
+    down:     the routing program 0 stored; h (stored, or made from the KS partial sums); every routed slot's
+              weight tile in one load [BA, BN, BK] issued before h is read; out[t, tile] (+)= sum_a w_a *
+              (h_a . w2[e_a, tile]) in slot order (+ the shared expert's)                T * D / BN items
 The rounding is `moe_experts_triton`'s (gate and up in x's dtype, the activation in fp32, h and each expert's
 output in x's dtype, the fp32 weighted sum in slot order; the shared expert's output and the residual each
 added to the rounded sum, rounded again); its only differences from the six launches are summation orders
 (the router's logits over slices of another width, gate/up over KS slices of D).
 
-The barriers need every program resident: the grid is at most the SM count and a program holds one SM's
-share of registers at most; the counters (`_sync`, one small buffer a device, left at zero by every launch)
-are reset by the kernel itself, so CUDA graphs replay it as is. A barrier that waits past MAX_SPIN polls
-(seconds: a grid that cannot all be resident) gives up and sets sync[3], which the tests check. Triton's CPU
-interpreter runs a program to its end before the next starts, so a barrier would never open there: on the
-CPU (and with phased=True) the three phases run as three launches of the same kernel, and the tests on the
-GPU compare the one launch with them, bit for bit.
+The barriers need every program resident: the grid is at most what the SMs hold at once, which the first
+launch of each set of constants reads from the compiled kernel (its registers, threads and shared memory:
+`_programs_an_sm`), and at most the items. The counters (`_sync`, one small buffer a device, left at zero by
+every launch) are reset by the kernel itself, so CUDA graphs replay it as is; two launches must not run at
+once on one device (one stream: a decode step). A barrier that waits past MAX_SPIN polls (seconds: a grid
+that cannot all be resident) gives up and sets sync[3], which the tests check. Triton's CPU interpreter runs
+a program to its end before the next starts, so a barrier would never open there: on the CPU (and with
+phased=True) the three phases run as three launches of the same kernel, and the tests on the GPU compare the
+one launch with them, bit for bit.
 
 Inference only (no autograd); one dtype for x and every expert weight; the router weight and bias fp32.
 
-Measured on the H200 (session 34, scripts/decode_kernels_check.py --sections moe_fused; mini's sizes, a CUDA
-graph of 24 layers' weights, us a layer): the first version, 4 warps, K steps in a loop, the routing recomputed
-in the down phase, took 28.7 us at its best tiles (ks 2, bn_g 16, bn_d 16, a program an SM) against the six
-launches' 23.0 (5.3 us of bytes at the copy rate), with their experts and their output bit for bit; mini's
-batch-1 step 1.82 ms against 1.67 (graph replay). Hence KESTREL_MOE_FUSED_DECODE is off by default. The present
-version (each gate/up item's K steps unrolled, the down phase reading the stored routing, warps and K steps a
-knob) took 30.5 us at the same tiles (session 37; 8 and 16 warps, deeper unrolls: 34-93 us), and the same tiles
-as three launches with no barrier 38.7 us against its 30.9 (session 38): the barriers are not what it loses to
-the six launches, the phases' own work is. `phases` and `scratch` let one phase be timed alone.
+Measured on the H200 (scripts/decode_kernels_check.py --sections moe_fused; mini's sizes, a CUDA graph of 24
+layers' weights, us a layer; the six launches 22.9, 5.3 us of bytes at the copy rate). Sessions 34-38's
+versions (one program an SM, large tiles, each down item's slots one after another) lost to the six: 28-31 us.
+Session 39 timed each phase alone (gate/up 15.6 us against 3.5 of bytes, down 13.7 against 1.7), then: the
+down phase's slots in one load (13.7 -> 6.4 us alone), gate/up items of 4 rows x all of D finishing h, four
+4-warp programs an SM (512, one item each): **18.8-20.4 us** a layer, the six launches' experts and output bit
+for bit; mini's batch-1 step 1.66 -> 1.57 ms (graph replay), so it is on by default (KESTREL_MOE_FUSED_DECODE).
+The shared expert's gate/up beside the router (it needs no routing) was slower: 21.5 us. `phases` and
+`scratch` let one phase be timed alone.
 """
 
 from __future__ import annotations
@@ -59,7 +62,20 @@ _sync: dict[
 ] = {}  # device -> its barrier counters [4] int32, zero between launches
 # (router slice, gate/up K slices, gate/up tile and K step, down tile and K step): the defaults on the GPU
 # and warps a program, programs an SM (the grid: at most what the GPU holds at once)
-TILES = dict(bd=64, ks=2, bn_g=16, bk_g=256, bn_d=16, bk_d=128, warps=4, per_sm=1)
+TILES = dict(bd=64, ks=1, bn_g=4, bk_g=256, bn_d=4, bk_d=256, warps=4, per_sm=4)
+_fits: dict[tuple, int] = {}  # a launch's shapes and constants -> how many of its programs an SM holds
+
+
+def _programs_an_sm(compiled, warps: int, device: torch.device) -> int:
+    """How many programs of a compiled kernel one SM holds at once: by its registers (allocated per warp in
+    blocks of 256), threads, shared memory (1 KB a block reserved) and the 32 blocks an SM takes."""
+    compiled._init_handles()  # loads the binary: n_regs is read from it
+    props = torch.cuda.get_device_properties(device)
+    regs_a_warp = -(-compiled.n_regs * 32 // 256) * 256
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // max(1, regs_a_warp * warps)
+    by_threads = props.max_threads_per_multi_processor // (32 * warps)
+    by_shared = props.shared_memory_per_multiprocessor // (compiled.metadata.shared + 1024)
+    return min(by_regs, by_threads, by_shared, 32)
 
 
 def _sync_buffer(device: torch.device) -> torch.Tensor:
@@ -105,13 +121,46 @@ def _router_phase(x, router_w, partial, pid, nprog, T, D, E, S, BE: tl.constexpr
 
 
 @triton.jit
+def _gate_up_item(
+    x, w_e, gu, t, a, n, ks, D, I, beta, linear_beta, SL: tl.constexpr, KS: tl.constexpr, KCH: tl.constexpr,
+    BN_G: tl.constexpr, BK_G: tl.constexpr, SITU: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """One gate/up item: token t, slot a's expert w_e [2I, D], tile n of I, slice ks of D, into gu[t, a, ks]
+    (fp32; with one slice, KS 1, the whole sum: h itself, rounded as the reference, in the gate half)."""
+    dt = x.dtype.element_ty
+    cols = n * BN_G + tl.arange(0, BN_G)  # [BN_G] units of I
+    cmask = cols < I
+    acc_g = tl.zeros([BN_G], dtype=tl.float32)
+    acc_u = tl.zeros([BN_G], dtype=tl.float32)
+    for k0 in tl.static_range(0, KCH, BK_G):  # unrolled: the item's loads all in flight at once
+        kk = k0 + tl.arange(0, BK_G)
+        ds = ks * KCH + kk
+        kmask = (kk < KCH) & (ds < D)
+        xv = tl.load(x + t * D + ds, mask=kmask, other=0.0).to(tl.float32)  # [BK_G]
+        wmask = cmask[:, None] & kmask[None, :]
+        g = tl.load(w_e + cols[:, None].to(tl.int64) * D + ds[None, :], mask=wmask, other=0.0)
+        u = tl.load(w_e + (I + cols[:, None]).to(tl.int64) * D + ds[None, :], mask=wmask, other=0.0)
+        acc_g += tl.sum(g.to(tl.float32) * xv[None, :], axis=1)
+        acc_u += tl.sum(u.to(tl.float32) * xv[None, :], axis=1)
+    row = gu + ((t * SL + a) * KS + ks) * 2 * I  # [2, I]: gate, then up
+    if KS == 1:
+        h = glu(_rounded(acc_g, dt, BF16), _rounded(acc_u, dt, BF16), beta, linear_beta, SITU)
+        tl.store(row + cols, _rounded(h, dt, BF16), mask=cmask)
+    else:
+        tl.store(row + cols, acc_g, mask=cmask)
+        tl.store(row + I + cols, acc_u, mask=cmask)
+
+
+@triton.jit
 def _gate_up_phase(
-    x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling,
+    x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling, beta, linear_beta,
     A: tl.constexpr, SL: tl.constexpr, BA: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr, KS: tl.constexpr,
     KCH: tl.constexpr, BN_G: tl.constexpr, BK_G: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+    SITU: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
-    """Gate and up, fp32, into gu[t, a, ks]: an item is (token, slot, tile of I, slice of D); program 0 stores
-    the routing."""
+    """The gate/up items (token, slot, tile of I, slice of D) after the routing every program computes from the
+    partial logits; program 0 stores the routing. (The shared expert's items beside the router's instead, in
+    the programs it leaves idle, made the layer slower: 21.5 against 20.4 us, session 39.)"""
     slots = tl.arange(0, BA)
     NG = tl.cdiv(I, BN_G)
     per_token = SL * NG * KS
@@ -123,27 +172,33 @@ def _gate_up_phase(
         first = (pid - (t * per_token) % nprog + nprog) % nprog  # this program's first item of token t
         for j in range(first, per_token, nprog):
             a = j // (NG * KS)
-            n = (j // KS) % NG
-            ks = j % KS
             e = tl.sum(tl.where(slots == a, id_top, 0), axis=0)
             w_e = tl.where(a == A, ws13, w13 + e * 2 * I * D)  # [2I, D]: a == A only with SHARED
-            cols = n * BN_G + tl.arange(0, BN_G)  # [BN_G] units of I
-            cmask = cols < I
-            acc_g = tl.zeros([BN_G], dtype=tl.float32)
-            acc_u = tl.zeros([BN_G], dtype=tl.float32)
-            for k0 in tl.static_range(0, KCH, BK_G):  # unrolled: the item's loads all in flight at once
-                kk = k0 + tl.arange(0, BK_G)
-                ds = ks * KCH + kk
-                kmask = (kk < KCH) & (ds < D)
-                xv = tl.load(x + t * D + ds, mask=kmask, other=0.0).to(tl.float32)  # [BK_G]
-                wmask = cmask[:, None] & kmask[None, :]
-                g = tl.load(w_e + cols[:, None].to(tl.int64) * D + ds[None, :], mask=wmask, other=0.0)
-                u = tl.load(w_e + (I + cols[:, None]).to(tl.int64) * D + ds[None, :], mask=wmask, other=0.0)
-                acc_g += tl.sum(g.to(tl.float32) * xv[None, :], axis=1)
-                acc_u += tl.sum(u.to(tl.float32) * xv[None, :], axis=1)
-            row = gu + ((t * SL + a) * KS + ks) * 2 * I  # [2, I]: gate, then up
-            tl.store(row + cols, acc_g, mask=cmask)
-            tl.store(row + I + cols, acc_u, mask=cmask)
+            _gate_up_item(
+                x, w_e, gu, t, a, (j // KS) % NG, j % KS, D, I, beta, linear_beta, SL, KS, KCH,
+                BN_G, BK_G, SITU, BF16,
+            )  # fmt: skip
+
+
+@triton.jit
+def _h_rows(
+    gu, rows, rmask, ki, kmask, I: tl.constexpr, KS: tl.constexpr, dt: tl.constexpr, beta, linear_beta,
+    SITU: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """h [R, BK] fp32 of the slot rows `rows` [R] (t * SL + slot) over I's columns ki: read as the gate/up
+    phase stored it (KS 1), or made from its KS partial sums added in order and rounded as the reference.
+    Read past L1: other programs wrote them in this launch."""
+    base = gu + rows[:, None] * KS * 2 * I + ki[None, :]
+    mask = rmask[:, None] & kmask[None, :]
+    if KS == 1:
+        return tl.load(base, mask=mask, other=0.0, cache_modifier=".cg")
+    g = tl.zeros(base.shape, dtype=tl.float32)
+    u = tl.zeros(base.shape, dtype=tl.float32)
+    for ks in tl.static_range(KS):
+        g += tl.load(base + ks * 2 * I, mask=mask, other=0.0, cache_modifier=".cg")
+        u += tl.load(base + ks * 2 * I + I, mask=mask, other=0.0, cache_modifier=".cg")
+    h = glu(_rounded(g, dt, BF16), _rounded(u, dt, BF16), beta, linear_beta, SITU)
+    return _rounded(h, dt, BF16)
 
 
 @triton.jit
@@ -152,53 +207,52 @@ def _down_phase(
     A: tl.constexpr, SL: tl.constexpr, BA: tl.constexpr, KS: tl.constexpr, BN_D: tl.constexpr,
     BK_D: tl.constexpr, SITU: tl.constexpr, SHARED: tl.constexpr, ACCUMULATE: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
-    """Down and combine into out: an item is (token, tile of D), every slot in slot order; the activation from
-    gu's partial sums, the rounding as the reference's. I is a constant: the loop over it unrolls, every load
-    of an item issued before the math waits on one."""
+    """Down and combine into out: an item is (token, tile of D). Every routed slot's weight tile is one load
+    [BA, BN_D, BK_D], issued before h, so an item's loads are all in flight at once (one slot after another,
+    each waiting on the last slot's math, took 13.7 us a layer: session 39); the shared expert's beside it.
+    Then each expert's output rounded, and the weighted sum in slot order, as the reference's."""
     slots = tl.arange(0, BA)
+    smask = slots < A
     dt = x.dtype.element_ty
     ND = tl.cdiv(D, BN_D)
     for t in range(0, T):
         # the routing program 0 stored in the gate_up phase (before the barrier, or the launch before)
-        w_top = tl.load(weights_out + t * A + slots, mask=slots < A, other=0.0, cache_modifier=".cg")
-        id_top = tl.load(ids_out + t * A + slots, mask=slots < A, other=0, cache_modifier=".cg")
+        w_top = tl.load(weights_out + t * A + slots, mask=smask, other=0.0, cache_modifier=".cg")
+        id_top = tl.load(ids_out + t * A + slots, mask=smask, other=0, cache_modifier=".cg")
+        experts = w2 + id_top * D * I  # [BA] each slot's [D, I]
         first = (pid - (t * ND) % nprog + nprog) % nprog
         for n in range(first, ND, nprog):
             cols = n * BN_D + tl.arange(0, BN_D)  # [BN_D] output units
             cmask = cols < D
-            total = tl.zeros([BN_D], dtype=tl.float32)
-            shared_y = tl.zeros([BN_D], dtype=tl.float32)
-            for a in tl.static_range(SL):
-                e = tl.sum(tl.where(slots == a, id_top, 0), axis=0)
-                if a == A:
-                    w_e = ws2  # [D, I]
-                else:
-                    w_e = w2 + e * D * I
-                row = gu + (t * SL + a) * KS * 2 * I
-                acc = tl.zeros([BN_D], dtype=tl.float32)
-                for k0 in tl.static_range(0, I, BK_D):
-                    ki = k0 + tl.arange(0, BK_D)
-                    kmask = ki < I
-                    g = tl.zeros([BK_D], dtype=tl.float32)
-                    u = tl.zeros([BK_D], dtype=tl.float32)
-                    for ks in tl.static_range(KS):  # the D slices' partial sums, in order
-                        g += tl.load(row + ks * 2 * I + ki, mask=kmask, other=0.0, cache_modifier=".cg")
-                        u += tl.load(row + ks * 2 * I + I + ki, mask=kmask, other=0.0, cache_modifier=".cg")
-                    h = glu(_rounded(g, dt, BF16), _rounded(u, dt, BF16), beta, linear_beta, SITU)
-                    h = _rounded(h, dt, BF16)  # [BK_D] as the reference's h in x's dtype
-                    w = tl.load(
-                        w_e + cols[:, None].to(tl.int64) * I + ki[None, :],
+            acc = tl.zeros([BA, BN_D], dtype=tl.float32)
+            acc_s = tl.zeros([BN_D], dtype=tl.float32)
+            for k0 in tl.static_range(0, I, BK_D):
+                ki = k0 + tl.arange(0, BK_D)
+                kmask = ki < I
+                w = tl.load(
+                    experts[:, None, None] + cols[None, :, None].to(tl.int64) * I + ki[None, None, :],
+                    mask=smask[:, None, None] & cmask[None, :, None] & kmask[None, None, :],
+                    other=0.0,
+                )  # [BA, BN_D, BK_D]
+                if SHARED:
+                    ws = tl.load(
+                        ws2 + cols[:, None].to(tl.int64) * I + ki[None, :],
                         mask=cmask[:, None] & kmask[None, :],
                         other=0.0,
-                    )
-                    acc += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
-                y = _rounded(acc, dt, BF16)  # the expert's output in x's dtype
-                if a == A:
-                    shared_y = y
-                else:
-                    total += tl.sum(tl.where(slots == a, w_top, 0.0), axis=0) * y
+                    )  # [BN_D, BK_D]
+                h = _h_rows(gu, t * SL + slots, smask, ki, kmask, I, KS, dt, beta, linear_beta, SITU, BF16)
+                acc += tl.sum(w.to(tl.float32) * h[:, None, :], axis=2)
+                if SHARED:
+                    row_s = t * SL + A + tl.arange(0, 1)  # the shared slot's row, as a [1] tensor
+                    h_s = _h_rows(gu, row_s, row_s >= 0, ki, kmask, I, KS, dt, beta, linear_beta, SITU, BF16)
+                    acc_s += tl.sum(ws.to(tl.float32) * h_s, axis=1)
+            y = _rounded(acc, dt, BF16)  # [BA, BN_D] each expert's output in x's dtype
+            total = tl.zeros([BN_D], dtype=tl.float32)
+            for a in tl.static_range(A):  # in slot order (a row picked out exactly: the others add zeros)
+                y_a = tl.sum(tl.where(slots[:, None] == a, y, 0.0), axis=0)
+                total += tl.sum(tl.where(slots == a, w_top, 0.0), axis=0) * y_a
             if SHARED:
-                total = _rounded(total, dt, BF16) + shared_y
+                total = _rounded(total, dt, BF16) + _rounded(acc_s, dt, BF16)
             if ACCUMULATE:
                 before = tl.load(out + t * D + cols, mask=cmask, other=0.0).to(tl.float32)
                 total = _rounded(total, dt, BF16) + before
@@ -262,8 +316,8 @@ def _moe_decode_kernel(
         _grid_sync(sync, 0, nprog, MAX_SPIN)
     if PHASE == 0 or PHASE == 2:
         _gate_up_phase(
-            x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling,
-            A, SL, BA, BE, BS, KS, KCH, BN_G, BK_G, HAS_BIAS, RENORM,
+            x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling, beta,
+            linear_beta, A, SL, BA, BE, BS, KS, KCH, BN_G, BK_G, HAS_BIAS, RENORM, SITU, BF16,
         )  # fmt: skip
     if PHASE == 0:
         _grid_sync(sync, 1, nprog, MAX_SPIN)
@@ -301,6 +355,7 @@ def moe_decode_triton(
     tiles: dict | None = None,
     phases: tuple[int, ...] = (1, 2, 3),
     scratch: dict | None = None,
+    launch: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MoE layer on x [T, D] in one launch: `route_hidden_triton(x, router_weight, correction_bias, top_k,
     renormalize, scaling_factor)`, then `moe_experts_triton(x, w13, w2, weights, ids, act, situ_beta,
@@ -313,6 +368,7 @@ def moe_decode_triton(
     one phase alone (scripts/decode_kernels_check.py); what a phase reads from the others is in scratch.
     scratch: a dict the buffers the phases hand on are kept in between calls (partial logits, gate/up partial
     sums, the routing; filled on first use, for one set of shapes); None: new buffers each call.
+    launch: a dict given the grid launched ("programs"), for the benchmarks.
     Returns (out [T, D] in x's dtype, weights [T, A] fp32, ids [T, A] int64)."""
     T, D = x.shape
     E, two_i, D13 = w13.shape
@@ -361,21 +417,37 @@ def moe_decode_triton(
     partial = buffer("partial", T, S, BE)  # [T, S, BE]
     gu = buffer("gu", T, SL, KS, 2, I)  # gate and up, per D slice
     assert partial.shape == (T, S, BE) and gu.shape == (T, SL, KS, 2, I), "scratch of other shapes or tiles"
-    items = max(T * S, T * SL * triton.cdiv(I, t["bn_g"]) * KS, T * triton.cdiv(D, t["bn_d"]))
+    gate_up_items = T * triton.cdiv(I, t["bn_g"]) * KS  # an expert's
+    items = max(
+        T * S + (shared is not None) * gate_up_items, top_k * gate_up_items, T * triton.cdiv(D, t["bn_d"])
+    )
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 3
     if programs is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 3
         programs = sms * t["per_sm"]
     programs = max(1, min(programs, items))
     sync = _sync_buffer(x.device) if not phased else weights  # not read when phased
     bias = correction_bias if correction_bias is not None else router_weight  # unused without HAS_BIAS
+    args = (
+        x, router_weight, bias, w13, w2, ws13, ws2, partial, gu, weights, ids, out, sync,
+        T, D, E, I, S, float(scaling_factor), float(situ_beta), float(situ_linear_beta),
+    )  # fmt: skip
+    consts = dict(
+        A=top_k, BA=BA, BE=BE, BS=min(triton.next_power_of_2(S), max(1, 8192 // BE)), BD=BD, KS=KS, KCH=KCH,
+        BN_G=t["bn_g"], BK_G=t["bk_g"], BN_D=t["bn_d"], BK_D=t["bk_d"],
+        HAS_BIAS=correction_bias is not None, RENORM=renormalize, SITU=act == "situ",
+        SHARED=shared is not None, ACCUMULATE=accumulate, BF16=x.dtype == torch.bfloat16,
+        MAX_SPIN=MAX_SPIN, num_warps=t["warps"], **pdl_args(out),
+    )  # fmt: skip
+    if not phased:  # the barriers wait for every program: never more than the SMs hold at once
+        key = (x.device, x.dtype, T, D, E, I, tuple(sorted(consts.items())))
+        if key not in _fits:
+            compiled = _moe_decode_kernel.warmup(*args, grid=(programs,), PHASE=0, **consts)
+            _fits[key] = _programs_an_sm(compiled, t["warps"], x.device)
+        if _fits[key] < 1:
+            raise RuntimeError(f"moe_decode_triton: tiles {t} need more than one SM holds; use smaller ones")
+        programs = min(programs, _fits[key] * sms)
+    if launch is not None:
+        launch["programs"] = programs
     for phase in phases if phased else (0,):
-        _moe_decode_kernel[(programs,)](
-            x, router_weight, bias, w13, w2, ws13, ws2, partial, gu, weights, ids, out, sync,
-            T, D, E, I, S, float(scaling_factor), float(situ_beta), float(situ_linear_beta),
-            A=top_k, BA=BA, BE=BE, BS=min(triton.next_power_of_2(S), max(1, 8192 // BE)), BD=BD, KS=KS, KCH=KCH,
-            BN_G=t["bn_g"], BK_G=t["bk_g"], BN_D=t["bn_d"], BK_D=t["bk_d"],
-            HAS_BIAS=correction_bias is not None, RENORM=renormalize, SITU=act == "situ",
-            SHARED=shared is not None, ACCUMULATE=accumulate, BF16=x.dtype == torch.bfloat16, PHASE=phase,
-            MAX_SPIN=MAX_SPIN, num_warps=t["warps"], **pdl_args(out),
-        )  # fmt: skip
+        _moe_decode_kernel[(programs,)](*args, PHASE=phase, **consts)
     return out, weights, ids
