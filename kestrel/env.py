@@ -115,8 +115,8 @@ class Env:
     MoE layer with one expert group, no latent MoE, one device's experts and a shared MLP of the experts' width
     (or none) runs whole in one launch (kestrel.ops.moe.triton_decode: router, routed and shared experts,
     combine, residual add; grid barriers between the phases) instead of six. On by default since session 39: on
-    the H200 (mini's sizes, a CUDA graph of 24 layers) the one launch took 20.4 us a layer against the six
-    launches' 22.9 (5.3 us of bytes), and mini's batch-1 decode step 1.59 against 1.67 ms (graph replay);
+    the H200 (mini's sizes, a CUDA graph of 24 layers) the one launch takes 18.1 us a layer against the six
+    launches' 22.9 (5.3 us of bytes), and mini's batch-1 decode step 1.56 against 1.67 ms (graph replay);
     sessions 34-38's versions had lost to the six (28-31 us)."""
     kda_safe_gate: bool
     """KESTREL_KDA_SAFE_GATE: fla chunk_kda's faster path for gates bounded in [-5, 0) (K3's lower-bound gate),

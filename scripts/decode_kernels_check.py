@@ -714,24 +714,19 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
     # Session 39's first run of it: 20.4 us at ks 1, bn_g 4 (bk_g 512), bn_d 4 (bk_d 256), 4 programs an SM of 4
     # warps (six launches 22.9): smaller items and more programs won. Around that: 1-2 rows an item, 4-16
     # programs an SM, 2 warps (calls 3-4: bk_g 256 the best, 18.8 us, now the default; the grid is capped at
-    # the items, 512). The sweep is around the defaults.
-    center = {k: TILES[k] for k in ("ks", "bn_g", "bk_g", "bn_d", "bk_d", "warps", "per_sm")}
+    # the items, 512). The sweep is around the defaults, with gate/up's K steps reduced once (defer) or each.
+    center = {k: TILES[k] for k in ("ks", "bn_g", "bk_g", "bn_d", "bk_d", "warps", "per_sm", "defer")}
     configs = [center] + [
         center | change
         for change in (
-            dict(per_sm=6), dict(per_sm=8),
-            dict(bn_g=2, bk_g=1024), dict(bn_g=2, bk_g=1024, per_sm=8),
-            dict(bn_d=2), dict(bn_d=2, per_sm=8),
-            dict(bn_g=2, bk_g=1024, bn_d=2, per_sm=8),
-            dict(bk_g=512), dict(bk_d=128),
-            dict(warps=2, per_sm=8), dict(warps=2, per_sm=12), dict(warps=2, per_sm=16),
-            dict(warps=2, bn_g=2, bk_g=1024, bn_d=2, per_sm=16),
-            dict(ks=2, bn_g=8, bk_g=512),
+            dict(defer=1), dict(defer=1, bk_g=512), dict(defer=1, bk_g=128), dict(defer=1, bn_g=8, bk_g=128),
+            dict(defer=1, bn_g=2, bk_g=512), dict(bk_g=512), dict(bk_d=128), dict(bn_d=2, per_sm=8),
+            dict(warps=2, per_sm=8), dict(warps=2, per_sm=8, defer=1),
         )
     ]  # fmt: skip
     if smoke:
         E, A, D, I, layers = 8, 2, 64, 32, 2
-        configs = [dict(ks=1), dict(ks=2)]
+        configs = [dict(ks=1), dict(ks=1, defer=1), dict(ks=2)]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(0)
 

@@ -22,6 +22,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(bd=16, ks=2, bn_g=16, bk_g=16, bn_d=16, bk_d=16)
 # the whole of D in each gate/up item, which then stores h itself; down tiles of 4 output rows
 WHOLE_D = dict(SMALL, ks=1, bn_g=8, bn_d=4)
+DEFERRED = dict(WHOLE_D, defer=1)  # gate/up's K steps reduced once
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -77,7 +78,7 @@ def _assert_close(got, want):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("tiles", [SMALL, WHOLE_D], ids=["ks2", "ks1"])
+@pytest.mark.parametrize("tiles", [SMALL, WHOLE_D, DEFERRED], ids=["ks2", "ks1", "ks1-deferred"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "T,act,shared,accumulate",

@@ -39,10 +39,11 @@ layers' weights, us a layer; the six launches 22.9, 5.3 us of bytes at the copy 
 versions (one program an SM, large tiles, each down item's slots one after another) lost to the six: 28-31 us.
 Session 39 timed each phase alone (gate/up 15.6 us against 3.5 of bytes, down 13.7 against 1.7), then: the
 down phase's slots in one load (13.7 -> 6.4 us alone), gate/up items of 4 rows x all of D finishing h, four
-4-warp programs an SM (512, one item each): **18.8-20.4 us** a layer, the six launches' experts and output bit
-for bit; mini's batch-1 step 1.66 -> 1.57 ms (graph replay), so it is on by default (KESTREL_MOE_FUSED_DECODE).
-The shared expert's gate/up beside the router (it needs no routing) was slower: 21.5 us. `phases` and
-`scratch` let one phase be timed alone.
+4-warp programs an SM (512, one item each): 18.8-20.4 us a layer; gate/up's K steps reduced once at the end
+(defer; 12.4 -> 9.2 us alone): **18.1 us**, the six launches' experts and output bit for bit. mini's batch-1
+step 1.67 -> 1.56 ms (graph replay), so it is on by default (KESTREL_MOE_FUSED_DECODE). The shared expert's
+gate/up beside the router (it needs no routing) was slower: 21.5 us. `phases` and `scratch` let one phase be
+timed alone.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ _sync: dict[
     torch.device, torch.Tensor
 ] = {}  # device -> its barrier counters [4] int32, zero between launches
 # (router slice, gate/up K slices, gate/up tile and K step, down tile and K step): the defaults on the GPU
-# and warps a program, programs an SM (the grid: at most what the GPU holds at once)
-TILES = dict(bd=64, ks=1, bn_g=4, bk_g=256, bn_d=4, bk_d=256, warps=4, per_sm=4)
+# and warps a program, programs an SM (the grid: at most what the GPU holds at once); defer: a gate/up item
+# adds its K steps' products elementwise and reduces once, instead of reducing each step
+TILES = dict(bd=64, ks=1, bn_g=4, bk_g=512, bn_d=4, bk_d=256, warps=4, per_sm=4, defer=1)
 _fits: dict[tuple, int] = {}  # a launch's shapes and constants -> how many of its programs an SM holds
 
 
@@ -123,15 +125,19 @@ def _router_phase(x, router_w, partial, pid, nprog, T, D, E, S, BE: tl.constexpr
 @triton.jit
 def _gate_up_item(
     x, w_e, gu, t, a, n, ks, D, I, beta, linear_beta, SL: tl.constexpr, KS: tl.constexpr, KCH: tl.constexpr,
-    BN_G: tl.constexpr, BK_G: tl.constexpr, SITU: tl.constexpr, BF16: tl.constexpr,
+    BN_G: tl.constexpr, BK_G: tl.constexpr, SITU: tl.constexpr, BF16: tl.constexpr, DEFER: tl.constexpr,
 ):  # fmt: skip
     """One gate/up item: token t, slot a's expert w_e [2I, D], tile n of I, slice ks of D, into gu[t, a, ks]
     (fp32; with one slice, KS 1, the whole sum: h itself, rounded as the reference, in the gate half)."""
     dt = x.dtype.element_ty
     cols = n * BN_G + tl.arange(0, BN_G)  # [BN_G] units of I
     cmask = cols < I
-    acc_g = tl.zeros([BN_G], dtype=tl.float32)
-    acc_u = tl.zeros([BN_G], dtype=tl.float32)
+    if DEFER:  # products added elementwise across the K steps, reduced once at the end
+        part_g = tl.zeros([BN_G, BK_G], dtype=tl.float32)
+        part_u = tl.zeros([BN_G, BK_G], dtype=tl.float32)
+    else:  # each K step reduced as it comes
+        acc_g = tl.zeros([BN_G], dtype=tl.float32)
+        acc_u = tl.zeros([BN_G], dtype=tl.float32)
     for k0 in tl.static_range(0, KCH, BK_G):  # unrolled: the item's loads all in flight at once
         kk = k0 + tl.arange(0, BK_G)
         ds = ks * KCH + kk
@@ -140,8 +146,15 @@ def _gate_up_item(
         wmask = cmask[:, None] & kmask[None, :]
         g = tl.load(w_e + cols[:, None].to(tl.int64) * D + ds[None, :], mask=wmask, other=0.0)
         u = tl.load(w_e + (I + cols[:, None]).to(tl.int64) * D + ds[None, :], mask=wmask, other=0.0)
-        acc_g += tl.sum(g.to(tl.float32) * xv[None, :], axis=1)
-        acc_u += tl.sum(u.to(tl.float32) * xv[None, :], axis=1)
+        if DEFER:
+            part_g += g.to(tl.float32) * xv[None, :]
+            part_u += u.to(tl.float32) * xv[None, :]
+        else:
+            acc_g += tl.sum(g.to(tl.float32) * xv[None, :], axis=1)
+            acc_u += tl.sum(u.to(tl.float32) * xv[None, :], axis=1)
+    if DEFER:
+        acc_g = tl.sum(part_g, axis=1)
+        acc_u = tl.sum(part_u, axis=1)
     row = gu + ((t * SL + a) * KS + ks) * 2 * I  # [2, I]: gate, then up
     if KS == 1:
         h = glu(_rounded(acc_g, dt, BF16), _rounded(acc_u, dt, BF16), beta, linear_beta, SITU)
@@ -156,7 +169,7 @@ def _gate_up_phase(
     x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling, beta, linear_beta,
     A: tl.constexpr, SL: tl.constexpr, BA: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr, KS: tl.constexpr,
     KCH: tl.constexpr, BN_G: tl.constexpr, BK_G: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-    SITU: tl.constexpr, BF16: tl.constexpr,
+    SITU: tl.constexpr, BF16: tl.constexpr, DEFER: tl.constexpr,
 ):  # fmt: skip
     """The gate/up items (token, slot, tile of I, slice of D) after the routing every program computes from the
     partial logits; program 0 stores the routing. (The shared expert's items beside the router's instead, in
@@ -176,7 +189,7 @@ def _gate_up_phase(
             w_e = tl.where(a == A, ws13, w13 + e * 2 * I * D)  # [2I, D]: a == A only with SHARED
             _gate_up_item(
                 x, w_e, gu, t, a, (j // KS) % NG, j % KS, D, I, beta, linear_beta, SL, KS, KCH,
-                BN_G, BK_G, SITU, BF16,
+                BN_G, BK_G, SITU, BF16, DEFER,
             )  # fmt: skip
 
 
@@ -294,6 +307,7 @@ def _moe_decode_kernel(
     BK_G: tl.constexpr,
     BN_D: tl.constexpr,
     BK_D: tl.constexpr,
+    DEFER: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr,
     SITU: tl.constexpr,
@@ -317,7 +331,7 @@ def _moe_decode_kernel(
     if PHASE == 0 or PHASE == 2:
         _gate_up_phase(
             x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling, beta,
-            linear_beta, A, SL, BA, BE, BS, KS, KCH, BN_G, BK_G, HAS_BIAS, RENORM, SITU, BF16,
+            linear_beta, A, SL, BA, BE, BS, KS, KCH, BN_G, BK_G, HAS_BIAS, RENORM, SITU, BF16, DEFER,
         )  # fmt: skip
     if PHASE == 0:
         _grid_sync(sync, 1, nprog, MAX_SPIN)
@@ -433,7 +447,7 @@ def moe_decode_triton(
     )  # fmt: skip
     consts = dict(
         A=top_k, BA=BA, BE=BE, BS=min(triton.next_power_of_2(S), max(1, 8192 // BE)), BD=BD, KS=KS, KCH=KCH,
-        BN_G=t["bn_g"], BK_G=t["bk_g"], BN_D=t["bn_d"], BK_D=t["bk_d"],
+        BN_G=t["bn_g"], BK_G=t["bk_g"], BN_D=t["bn_d"], BK_D=t["bk_d"], DEFER=bool(t["defer"]),
         HAS_BIAS=correction_bias is not None, RENORM=renormalize, SITU=act == "situ",
         SHARED=shared is not None, ACCUMULATE=accumulate, BF16=x.dtype == torch.bfloat16,
         MAX_SPIN=MAX_SPIN, num_warps=t["warps"], **pdl_args(out),
