@@ -686,6 +686,40 @@ def gemv(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
             print(f"gemv {N}x{K} B={B}: {entry}", flush=True)
 
 
+def _traced(one, nets, outs, device, rounds: int = 3) -> dict:
+    """The one launch traced (kestrel.ops.moe.triton_decode.trace_summary: each program's SM clock and the ns
+    timer at its phases' edges), each layer's weights in turn, eager launches one at a time: the spans inside
+    the kernel, each the median over the calls of the programs' median and largest, and when the first and
+    the last program reached each point."""
+    from kestrel.ops.moe.triton_decode import TRACE_POINTS, TRACE_SPANS, trace_summary
+
+    trace = torch.zeros(4096, 16, dtype=torch.int64, device=device)
+    calls = []
+    for _ in range(rounds):
+        for n, o in zip(nets, outs):
+            launch = {}
+            one(n, o, trace=trace, launch=launch)
+            torch.cuda.synchronize()
+            calls.append(trace_summary(trace, launch["programs"]))
+
+    def median(values) -> float:
+        return float(torch.tensor(values, dtype=torch.float64).median())
+
+    return {
+        "calls": len(calls),
+        "programs": calls[-1]["programs"],
+        "clock_ghz": median([c["clock_ghz"] for c in calls]),
+        "spans_us": {
+            name: {q: median([c["spans_us"][name][q] for c in calls]) for q in ("median", "max")}
+            for name in TRACE_SPANS
+        },
+        "reached_us": {
+            name: {q: median([c["reached_us"][name][q] for c in calls]) for q in ("first", "last")}
+            for name in TRACE_POINTS
+        },
+    }
+
+
 def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambda: None) -> None:
     """The MoE layer at batch 1 in one launch (kestrel.ops.moe.triton_decode.moe_decode_triton) against the six
     it replaces (route_hidden_triton's two, then moe_experts_triton with the shared expert and the residual add
@@ -697,7 +731,8 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
     no barrier (phased), to show what the barriers cost (session 37: its second version lost to the six;
     session 38: the three launches 38.7 us against the one's 30.9, so not the barriers), then each phase alone
     beside the six launches' router and experts (`by_phase`): which phase loses the time (session 39: both
-    expert phases, 3-8x their floors).
+    expert phases, 3-8x their floors); then, on CUDA, the best traced inside (`trace`: each phase's and each
+    barrier's span in the programs, from their clocks).
     `save` writes the JSON after each configuration: a run cut by its time limit keeps the rows it has
     (session 34 lost a whole sweep so)."""
     from kestrel.ops.moe.triton_decode import TILES, _sync_buffer, moe_decode_triton
@@ -851,10 +886,13 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
             "six_experts_us": calls_us(expert_calls, device),
         }
         save()
+        if device == "cuda":  # (the interpreter runs no inline PTX)
+            entry["trace"] = _traced(functools.partial(one, tiles=tiles), nets, outs, x.device)
+            save()
     print(
         f"moe_fused T=1: floor {floor_us:.1f} us, six launches {entry['six_launches_us']:.1f} us a layer, "
         f"one launch best {best}, the same as three launches {entry.get('best_phased')}, by phase "
-        f"{entry.get('by_phase')}",
+        f"{entry.get('by_phase')}, traced spans {entry.get('trace', {}).get('spans_us')}",
         flush=True,
     )
 

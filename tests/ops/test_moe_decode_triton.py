@@ -132,6 +132,27 @@ def test_no_tokens_and_bad_input():
         _run({**p, "w2": p["w2"].double()}, 3, "silu", False, False)
 
 
+def test_trace_summary_reads_spans_and_arrivals():
+    """Two programs at 2 GHz: their clocks' spans in us (median, largest) and when each point was first and
+    last reached on the ns timer; a trace on the CPU (the interpreter runs no inline PTX) is refused."""
+    from kestrel.ops.moe.triton_decode import TRACE_SPANS, trace_summary
+
+    steps = torch.tensor([[1.0, 2, 3, 4, 5, 6, 7], [3.0, 2, 1, 4, 5, 6, 9]])  # us a span, per program
+    at = torch.cat([torch.zeros(2, 1), steps.cumsum(1)], 1)  # us at each point from the program's start
+    at[1] += 0.5  # the second program starts half a microsecond later
+    trace = torch.cat([(at * 2000).long() + 10**6, (at * 1000).long() + 10**9], 1)  # cycles, ns
+    got = trace_summary(trace, 2)
+    assert abs(got["clock_ghz"] - 2.0) < 1e-9
+    assert got["spans_us"]["router"] == {"median": 1.0, "max": 3.0}  # torch's median: the lower of two
+    assert got["spans_us"][TRACE_SPANS[-1]]["max"] == 9.0
+    assert got["reached_us"]["start"] == {"first": 0.0, "last": 0.5}
+    assert got["reached_us"]["end"] == {"first": 28.0, "last": 30.5}
+    p = _layer(1, D=40, I=24, E=5, dtype=torch.float32, seed=2)
+    if DEVICE == "cpu":
+        with pytest.raises(AssertionError, match="one launch on CUDA"):
+            _run(p, 3, "situ", True, True, trace=torch.zeros(8, 16, dtype=torch.int64))
+
+
 # ---------------------------------------------------------------- CUDA: one launch, graphs, the layer
 
 MINI = dict(D=2048, I=256, E=64)  # presets._MINI: hidden 2048, 64 experts of width 256, top-6, one shared
@@ -177,6 +198,32 @@ def test_grid_never_larger_than_the_gpu_holds():
     assert launch["programs"] < 2048, launch
     for a, b in zip(one, three):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_traced_launch_gives_the_same_bits_and_ordered_stamps():
+    """A traced launch (each program's clock and timer at every point) computes what the untraced one does;
+    every program's stamps rise through the points, and no program passes a barrier before the last one
+    reached it."""
+    from kestrel.ops.moe.triton_decode import trace_summary
+
+    p = _layer(1, dtype=torch.bfloat16, seed=70, **MINI)
+    launch = {}
+    plain = _run(p, 6, "situ", True, True, launch=launch)
+    trace = torch.zeros(4096, 16, dtype=torch.int64, device="cuda")
+    traced = _run(p, 6, "situ", True, True, trace=trace)
+    for a, b in zip(plain, traced):
+        assert torch.equal(a, b)
+    n = launch["programs"]
+    stamps = trace[:n].cpu()
+    assert (stamps[:, 1:8] >= stamps[:, 0:7]).all() and (stamps[:, 9:16] >= stamps[:, 8:15]).all()
+    assert (
+        stamps[:, 10].min() >= stamps[:, 9].max()
+    )  # barrier 0: passed after the last router program arrived
+    assert stamps[:, 13].min() >= stamps[:, 12].max()  # barrier 1 alike
+    got = trace_summary(trace, n)
+    assert 0.5 < got["clock_ghz"] < 3.0, got
 
 
 @pytest.mark.gpu

@@ -68,6 +68,46 @@ TILES = dict(bd=64, ks=1, bn_g=4, bk_g=512, bn_d=4, bk_d=256, warps=4, per_sm=4,
 _fits: dict[tuple, int] = {}  # a launch's shapes and constants -> how many of its programs an SM holds
 
 
+# the points a traced launch stamps (moe_decode_triton(trace=...)), and the spans between them
+TRACE_POINTS = ("start", "router done", "barrier 0 passed", "routed", "gate/up done", "barrier 1 passed",
+                "down done", "end")  # fmt: skip
+TRACE_SPANS = (
+    "router",
+    "barrier 0 wait",
+    "routing",
+    "gate/up items",
+    "barrier 1 wait",
+    "down and combine",
+    "exit",
+)
+
+
+def trace_summary(trace: torch.Tensor, programs: int) -> dict:
+    """What a traced launch's programs spent between its points: each span's median and largest over the
+    programs, in us (the SM clock's cycles over the ns timer's, summed over every program); and when the first
+    and the last program reached each point, in us from the first start."""
+    t = trace[:programs].detach().cpu().double()
+    cycles, ns = t[:, :8], t[:, 8:]
+    ghz = ((cycles[:, -1] - cycles[:, 0]).sum() / (ns[:, -1] - ns[:, 0]).sum().clamp(min=1)).item()
+    spans = (cycles[:, 1:] - cycles[:, :-1]) / ghz / 1e3  # [programs, 7] us
+    start = ns[:, 0].min()
+    return {
+        "programs": programs,
+        "clock_ghz": ghz,
+        "spans_us": {
+            name: {"median": spans[:, i].median().item(), "max": spans[:, i].max().item()}
+            for i, name in enumerate(TRACE_SPANS)
+        },
+        "reached_us": {
+            name: {
+                "first": (ns[:, i].min() - start).item() / 1e3,
+                "last": (ns[:, i].max() - start).item() / 1e3,
+            }
+            for i, name in enumerate(TRACE_POINTS)
+        },
+    }
+
+
 def _programs_an_sm(compiled, warps: int, device: torch.device) -> int:
     """How many programs of a compiled kernel one SM holds at once: by its registers (allocated per warp in
     blocks of 256), threads, shared memory (1 KB a block reserved) and the 32 blocks an SM takes."""
@@ -102,6 +142,21 @@ def _grid_sync(sync, k, nprog, MAX_SPIN: tl.constexpr):
     if arrived < nprog:
         tl.atomic_xchg(sync + 3, 1, sem="relaxed", scope="gpu")  # gave up: the results are wrong
     tl.debug_barrier()
+
+
+@triton.jit
+def _stamp(row, k: tl.constexpr, TRACE: tl.constexpr):
+    """With TRACE, this program's SM clock (%clock64) and the GPU's timer in ns (%globaltimer) at point k, into
+    row[k] and row[8 + k] (TRACE_POINTS names the points). CUDA only: the interpreter runs no inline PTX."""
+    if TRACE:
+        cycles = tl.inline_asm_elementwise(
+            "mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+        ns = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+        tl.store(row + k, cycles)
+        tl.store(row + 8 + k, ns)
 
 
 @triton.jit
@@ -169,7 +224,7 @@ def _gate_up_phase(
     x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling, beta, linear_beta,
     A: tl.constexpr, SL: tl.constexpr, BA: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr, KS: tl.constexpr,
     KCH: tl.constexpr, BN_G: tl.constexpr, BK_G: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-    SITU: tl.constexpr, BF16: tl.constexpr, DEFER: tl.constexpr,
+    SITU: tl.constexpr, BF16: tl.constexpr, DEFER: tl.constexpr, trace_row, TRACE: tl.constexpr,
 ):  # fmt: skip
     """The gate/up items (token, slot, tile of I, slice of D) after the routing every program computes from the
     partial logits; program 0 stores the routing. (The shared expert's items beside the router's instead, in
@@ -182,6 +237,8 @@ def _gate_up_phase(
         if pid == 0:
             tl.store(weights_out + t * A + slots, w_top, mask=slots < A)
             tl.store(ids_out + t * A + slots, id_top, mask=slots < A)
+        if t == 0:
+            _stamp(trace_row, 3, TRACE)  # the first token routed
         first = (pid - (t * per_token) % nprog + nprog) % nprog  # this program's first item of token t
         for j in range(first, per_token, nprog):
             a = j // (NG * KS)
@@ -308,6 +365,8 @@ def _moe_decode_kernel(
     BN_D: tl.constexpr,
     BK_D: tl.constexpr,
     DEFER: tl.constexpr,
+    trace,
+    TRACE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr,
     SITU: tl.constexpr,
@@ -323,30 +382,38 @@ def _moe_decode_kernel(
     pdl_begin(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    row = trace + pid * 16  # this program's trace (TRACE only)
+    _stamp(row, 0, TRACE)
     SL: tl.constexpr = A + SHARED  # the slots: the routed experts', then the shared expert's
     if PHASE == 0 or PHASE == 1:
         _router_phase(x, router_w, partial, pid, nprog, T, D, E, S, BE, BD)
+        _stamp(row, 1, TRACE)
     if PHASE == 0:
         _grid_sync(sync, 0, nprog, MAX_SPIN)
+        _stamp(row, 2, TRACE)
     if PHASE == 0 or PHASE == 2:
         _gate_up_phase(
             x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling, beta,
-            linear_beta, A, SL, BA, BE, BS, KS, KCH, BN_G, BK_G, HAS_BIAS, RENORM, SITU, BF16, DEFER,
+            linear_beta, A, SL, BA, BE, BS, KS, KCH, BN_G, BK_G, HAS_BIAS, RENORM, SITU, BF16, DEFER, row, TRACE,
         )  # fmt: skip
+        _stamp(row, 4, TRACE)
     if PHASE == 0:
         _grid_sync(sync, 1, nprog, MAX_SPIN)
         if pid == 0:  # every program has left barrier 0: ready for the next launch
             tl.atomic_xchg(sync, 0, sem="relaxed", scope="gpu")
+        _stamp(row, 5, TRACE)
     if PHASE == 0 or PHASE == 3:
         _down_phase(
             x, w2, ws2, gu, weights_out, ids_out, out, pid, nprog, T, D, I, beta, linear_beta,
             A, SL, BA, KS, BN_D, BK_D, SITU, SHARED, ACCUMULATE, BF16,
         )  # fmt: skip
+        _stamp(row, 6, TRACE)
     if PHASE == 0:  # the last program out leaves the counters at zero
         done = tl.atomic_add(sync + 2, 1, sem="acq_rel", scope="gpu")
         if done == nprog - 1:
             tl.atomic_xchg(sync + 1, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(sync + 2, 0, sem="relaxed", scope="gpu")
+    _stamp(row, 7, TRACE)
 
 
 def moe_decode_triton(
@@ -370,6 +437,7 @@ def moe_decode_triton(
     phases: tuple[int, ...] = (1, 2, 3),
     scratch: dict | None = None,
     launch: dict | None = None,
+    trace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MoE layer on x [T, D] in one launch: `route_hidden_triton(x, router_weight, correction_bias, top_k,
     renormalize, scaling_factor)`, then `moe_experts_triton(x, w13, w2, weights, ids, act, situ_beta,
@@ -383,6 +451,8 @@ def moe_decode_triton(
     scratch: a dict the buffers the phases hand on are kept in between calls (partial logits, gate/up partial
     sums, the routing; filled on first use, for one set of shapes); None: new buffers each call.
     launch: a dict given the grid launched ("programs"), for the benchmarks.
+    trace: int64 [at least the grid, 16] on CUDA, one launch only: each program's clock and timer at the
+    TRACE_POINTS (row[k], row[8 + k]; `trace_summary` reads them), for the benchmarks.
     Returns (out [T, D] in x's dtype, weights [T, A] fp32, ids [T, A] int64)."""
     T, D = x.shape
     E, two_i, D13 = w13.shape
@@ -431,10 +501,7 @@ def moe_decode_triton(
     partial = buffer("partial", T, S, BE)  # [T, S, BE]
     gu = buffer("gu", T, SL, KS, 2, I)  # gate and up, per D slice
     assert partial.shape == (T, S, BE) and gu.shape == (T, SL, KS, 2, I), "scratch of other shapes or tiles"
-    gate_up_items = T * triton.cdiv(I, t["bn_g"]) * KS  # an expert's
-    items = max(
-        T * S + (shared is not None) * gate_up_items, top_k * gate_up_items, T * triton.cdiv(D, t["bn_d"])
-    )
+    items = max(T * S, T * SL * triton.cdiv(I, t["bn_g"]) * KS, T * triton.cdiv(D, t["bn_d"]))  # each phase's
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 3
     if programs is None:
         programs = sms * t["per_sm"]
@@ -448,20 +515,27 @@ def moe_decode_triton(
     consts = dict(
         A=top_k, BA=BA, BE=BE, BS=min(triton.next_power_of_2(S), max(1, 8192 // BE)), BD=BD, KS=KS, KCH=KCH,
         BN_G=t["bn_g"], BK_G=t["bk_g"], BN_D=t["bn_d"], BK_D=t["bk_d"], DEFER=bool(t["defer"]),
+        TRACE=trace is not None,
         HAS_BIAS=correction_bias is not None, RENORM=renormalize, SITU=act == "situ",
         SHARED=shared is not None, ACCUMULATE=accumulate, BF16=x.dtype == torch.bfloat16,
         MAX_SPIN=MAX_SPIN, num_warps=t["warps"], **pdl_args(out),
     )  # fmt: skip
+    stamps = trace if trace is not None else sync  # (not read without a trace)
     if not phased:  # the barriers wait for every program: never more than the SMs hold at once
         key = (x.device, x.dtype, T, D, E, I, tuple(sorted(consts.items())))
         if key not in _fits:
-            compiled = _moe_decode_kernel.warmup(*args, grid=(programs,), PHASE=0, **consts)
+            compiled = _moe_decode_kernel.warmup(*args, grid=(programs,), PHASE=0, trace=stamps, **consts)
             _fits[key] = _programs_an_sm(compiled, t["warps"], x.device)
         if _fits[key] < 1:
             raise RuntimeError(f"moe_decode_triton: tiles {t} need more than one SM holds; use smaller ones")
         programs = min(programs, _fits[key] * sms)
     if launch is not None:
         launch["programs"] = programs
+    if trace is not None:
+        assert x.is_cuda and not phased, "trace: one launch on CUDA (the interpreter runs no inline PTX)"
+        assert trace.dtype == torch.int64 and trace.shape[0] >= programs and trace.shape[1] == 16, (
+            f"trace {tuple(trace.shape)} {trace.dtype}: int64 [>= {programs}, 16]"
+        )
     for phase in phases if phased else (0,):
-        _moe_decode_kernel[(programs,)](*args, PHASE=phase, **consts)
+        _moe_decode_kernel[(programs,)](*args, PHASE=phase, trace=stamps, **consts)
     return out, weights, ids
