@@ -746,17 +746,18 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
     # by_phase put gate/up at 15.6 us (floor 3.5) and down at 13.7 (floor 1.7): the down phase now loads every
     # routed slot's tile at once, and ks 1 lets a gate/up item finish h. Its sets: small down tiles (bn_d 4-8,
     # 256-512 items) and gate/up items small enough to keep their loads in registers (bn_g 4-8 x all of D).
-    # Session 39's first run of it: 20.4 us at ks 1, bn_g 4 (bk_g 512), bn_d 4 (bk_d 256), 4 programs an SM of 4
-    # warps (six launches 22.9): smaller items and more programs won. Around that: 1-2 rows an item, 4-16
-    # programs an SM, 2 warps (calls 3-4: bk_g 256 the best, 18.8 us, now the default; the grid is capped at
-    # the items, 512). The sweep is around the defaults, with gate/up's K steps reduced once (defer) or each.
-    center = {k: TILES[k] for k in ("ks", "bn_g", "bk_g", "bn_d", "bk_d", "warps", "per_sm", "defer")}
+    # Session 39's runs of it: 20.4 us at ks 1, bn_g 4, bk_g 512, bn_d 4, bk_d 256, four 4-warp programs an SM
+    # (six launches 22.9); 18.8 at bk_g 256; 2-row items, 2 warps, 6-16 programs an SM no better (the grid is
+    # capped at the items, 512); gate/up's K steps reduced once (defer) at bk_g 512: 18.1, the default since.
+    # The sweep is around the defaults; next (not yet run on a GPU): the routing's picks packed (packed_pick).
+    center = {
+        k: TILES[k] for k in ("ks", "bn_g", "bk_g", "bn_d", "bk_d", "warps", "per_sm", "defer", "packed_pick")
+    }
     configs = [center] + [
         center | change
         for change in (
-            dict(defer=1), dict(defer=1, bk_g=512), dict(defer=1, bk_g=128), dict(defer=1, bn_g=8, bk_g=128),
-            dict(defer=1, bn_g=2, bk_g=512), dict(bk_g=512), dict(bk_d=128), dict(bn_d=2, per_sm=8),
-            dict(warps=2, per_sm=8), dict(warps=2, per_sm=8, defer=1),
+            dict(packed_pick=1), dict(defer=0), dict(bk_g=256), dict(bk_g=1024), dict(bn_g=2),
+            dict(bn_g=8, bk_g=256), dict(bk_d=128), dict(warps=2, per_sm=8),
         )
     ]  # fmt: skip
     if smoke:

@@ -63,8 +63,9 @@ _sync: dict[
 ] = {}  # device -> its barrier counters [4] int32, zero between launches
 # (router slice, gate/up K slices, gate/up tile and K step, down tile and K step): the defaults on the GPU
 # and warps a program, programs an SM (the grid: at most what the GPU holds at once); defer: a gate/up item
-# adds its K steps' products elementwise and reduces once, instead of reducing each step
-TILES = dict(bd=64, ks=1, bn_g=4, bk_g=512, bn_d=4, bk_d=256, warps=4, per_sm=4, defer=1)
+# adds its K steps' products elementwise and reduces once, instead of reducing each step; packed_pick: the
+# routing's top-A by one int64 max a pick (`_pick_packed`), not yet timed on a GPU
+TILES = dict(bd=64, ks=1, bn_g=4, bk_g=512, bn_d=4, bk_d=256, warps=4, per_sm=4, defer=1, packed_pick=0)
 _fits: dict[tuple, int] = {}  # a launch's shapes and constants -> how many of its programs an SM holds
 
 
@@ -160,12 +161,45 @@ def _stamp(row, k: tl.constexpr, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS):
+def _pick_packed(
+    x, cols, mask, bias, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, A: tl.constexpr, BA: tl.constexpr,
+    BE: tl.constexpr,
+):  # fmt: skip
+    """`triton_router._pick` (the same ids, weights and tie rule: the lowest expert id among equal scores) with
+    one reduction a pick instead of two: each expert's biased score and id packed in one int64 (the score's
+    bits made to order as signed integers, above BE - 1 - id), whose max is the pick; the A weights gathered
+    at the end in one reduction. (-0.0 ranks below +0.0 here, equal in `_pick`.)"""
+    s = tl.sigmoid(x)
+    sel = s
+    if HAS_BIAS:
+        sel = s + tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
+    sel = tl.where(mask, sel, float("-inf"))
+    bits = sel.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats' magnitude bits flipped
+    key = (ordered.to(tl.int64) << 32) | (BE - 1 - cols).to(tl.int64)
+    slots = tl.arange(0, BA)
+    id_top = tl.zeros([BA], dtype=tl.int64)
+    for a in tl.static_range(A):
+        best = (BE - 1) - (tl.max(key, axis=0) & 0x7FFFFFFF)  # the low word: BE - 1 - id < 2**31
+        id_top = tl.where(slots == a, best, id_top)
+        key = tl.where(cols == best, -9223372036854775807 - 1, key)
+    picked = (cols[None, :] == id_top[:, None]) & (slots < A)[:, None]
+    w_top = tl.sum(tl.where(picked, s[None, :], 0.0), axis=1)  # [BA]
+    if RENORM:
+        w_top = w_top / (tl.sum(w_top, axis=0) + 1e-20)
+    return w_top, id_top
+
+
+@triton.jit
+def _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS, PACKED: tl.constexpr):
     """Token t's routing from its S partial logits, added in a fixed order (every program gets the same bits):
     (weights [BA] fp32, scaled; ids [BA] int64). Read past L1: other programs wrote them in this launch."""
     cols = tl.arange(0, BE)
     acc = _summed_logits(partial + t * S * BE, S, BE, E, BE, BS, ".cg")
-    w_top, id_top = _pick(acc, cols, cols < E, bias, HAS_BIAS, RENORM, A, BA)
+    if PACKED:
+        w_top, id_top = _pick_packed(acc, cols, cols < E, bias, HAS_BIAS, RENORM, A, BA, BE)
+    else:
+        w_top, id_top = _pick(acc, cols, cols < E, bias, HAS_BIAS, RENORM, A, BA)
     return w_top * scaling, id_top
 
 
@@ -224,7 +258,8 @@ def _gate_up_phase(
     x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling, beta, linear_beta,
     A: tl.constexpr, SL: tl.constexpr, BA: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr, KS: tl.constexpr,
     KCH: tl.constexpr, BN_G: tl.constexpr, BK_G: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-    SITU: tl.constexpr, BF16: tl.constexpr, DEFER: tl.constexpr, trace_row, TRACE: tl.constexpr,
+    SITU: tl.constexpr, BF16: tl.constexpr, DEFER: tl.constexpr, PACKED: tl.constexpr, trace_row,
+    TRACE: tl.constexpr,
 ):  # fmt: skip
     """The gate/up items (token, slot, tile of I, slice of D) after the routing every program computes from the
     partial logits; program 0 stores the routing. (The shared expert's items beside the router's instead, in
@@ -233,7 +268,7 @@ def _gate_up_phase(
     NG = tl.cdiv(I, BN_G)
     per_token = SL * NG * KS
     for t in range(0, T):
-        w_top, id_top = _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS)
+        w_top, id_top = _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS, PACKED)
         if pid == 0:
             tl.store(weights_out + t * A + slots, w_top, mask=slots < A)
             tl.store(ids_out + t * A + slots, id_top, mask=slots < A)
@@ -365,6 +400,7 @@ def _moe_decode_kernel(
     BN_D: tl.constexpr,
     BK_D: tl.constexpr,
     DEFER: tl.constexpr,
+    PACKED: tl.constexpr,
     trace,
     TRACE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -394,7 +430,8 @@ def _moe_decode_kernel(
     if PHASE == 0 or PHASE == 2:
         _gate_up_phase(
             x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling, beta,
-            linear_beta, A, SL, BA, BE, BS, KS, KCH, BN_G, BK_G, HAS_BIAS, RENORM, SITU, BF16, DEFER, row, TRACE,
+            linear_beta, A, SL, BA, BE, BS, KS, KCH, BN_G, BK_G, HAS_BIAS, RENORM, SITU, BF16, DEFER, PACKED, row,
+            TRACE,
         )  # fmt: skip
         _stamp(row, 4, TRACE)
     if PHASE == 0:
@@ -515,6 +552,7 @@ def moe_decode_triton(
     consts = dict(
         A=top_k, BA=BA, BE=BE, BS=min(triton.next_power_of_2(S), max(1, 8192 // BE)), BD=BD, KS=KS, KCH=KCH,
         BN_G=t["bn_g"], BK_G=t["bk_g"], BN_D=t["bn_d"], BK_D=t["bk_d"], DEFER=bool(t["defer"]),
+        PACKED=bool(t["packed_pick"]),
         TRACE=trace is not None,
         HAS_BIAS=correction_bias is not None, RENORM=renormalize, SITU=act == "situ",
         SHARED=shared is not None, ACCUMULATE=accumulate, BF16=x.dtype == torch.bfloat16,
