@@ -750,9 +750,7 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
     # (six launches 22.9); 18.8 at bk_g 256; 2-row items, 2 warps, 6-16 programs an SM no better (the grid is
     # capped at the items, 512); gate/up's K steps reduced once (defer) at bk_g 512: 18.1, the default since.
     # The sweep is around the defaults; next (not yet run on a GPU): the routing's picks packed (packed_pick).
-    center = {
-        k: TILES[k] for k in ("ks", "bn_g", "bk_g", "bn_d", "bk_d", "warps", "per_sm", "defer", "packed_pick")
-    }
+    center = {k: v for k, v in TILES.items() if k != "bd"}
     configs = [center] + [
         center | change
         for change in (

@@ -242,9 +242,7 @@ def test_traced_launch_gives_the_same_bits_and_ordered_stamps():
     n = launch["programs"]
     stamps = trace[:n].cpu()
     assert (stamps[:, 1:8] >= stamps[:, 0:7]).all() and (stamps[:, 9:16] >= stamps[:, 8:15]).all()
-    assert (
-        stamps[:, 10].min() >= stamps[:, 9].max()
-    )  # barrier 0: passed after the last router program arrived
+    assert stamps[:, 10].min() >= stamps[:, 9].max()  # barrier 0 passed after the last arrival
     assert stamps[:, 13].min() >= stamps[:, 12].max()  # barrier 1 alike
     got = trace_summary(trace, n)
     assert 0.5 < got["clock_ghz"] < 3.0, got

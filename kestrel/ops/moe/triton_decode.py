@@ -54,7 +54,7 @@ import triton.language as tl
 
 from kestrel.ops.activation.triton_act import glu
 from kestrel.ops.moe.triton_experts import _rounded
-from kestrel.ops.moe.triton_router import _pick, _slice_logits, _summed_logits
+from kestrel.ops.moe.triton_router import _pick, _scores, _slice_logits, _summed_logits
 from kestrel.ops.pdl import pdl_args, pdl_begin
 
 MAX_SPIN = 1 << 22  # polls of a barrier's counter before it gives up (~1 us each)
@@ -72,15 +72,8 @@ _fits: dict[tuple, int] = {}  # a launch's shapes and constants -> how many of i
 # the points a traced launch stamps (moe_decode_triton(trace=...)), and the spans between them
 TRACE_POINTS = ("start", "router done", "barrier 0 passed", "routed", "gate/up done", "barrier 1 passed",
                 "down done", "end")  # fmt: skip
-TRACE_SPANS = (
-    "router",
-    "barrier 0 wait",
-    "routing",
-    "gate/up items",
-    "barrier 1 wait",
-    "down and combine",
-    "exit",
-)
+TRACE_SPANS = ("router", "barrier 0 wait", "routing", "gate/up items", "barrier 1 wait", "down and combine",
+               "exit")  # fmt: skip
 
 
 def trace_summary(trace: torch.Tensor, programs: int) -> dict:
@@ -169,11 +162,7 @@ def _pick_packed(
     one reduction a pick instead of two: each expert's biased score and id packed in one int64 (the score's
     bits made to order as signed integers, above BE - 1 - id), whose max is the pick; the A weights gathered
     at the end in one reduction. (-0.0 ranks below +0.0 here, equal in `_pick`.)"""
-    s = tl.sigmoid(x)
-    sel = s
-    if HAS_BIAS:
-        sel = s + tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
-    sel = tl.where(mask, sel, float("-inf"))
+    s, sel = _scores(x, cols, mask, bias, HAS_BIAS)
     bits = sel.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats' magnitude bits flipped
     key = (ordered.to(tl.int64) << 32) | (BE - 1 - cols).to(tl.int64)
@@ -560,7 +549,7 @@ def moe_decode_triton(
     )  # fmt: skip
     stamps = trace if trace is not None else sync  # (not read without a trace)
     if not phased:  # the barriers wait for every program: never more than the SMs hold at once
-        key = (x.device, x.dtype, T, D, E, I, tuple(sorted(consts.items())))
+        key = (x.device, x.dtype, T, D, E, I, *consts.items())  # (consts: built in one order)
         if key not in _fits:
             compiled = _moe_decode_kernel.warmup(*args, grid=(programs,), PHASE=0, trace=stamps, **consts)
             _fits[key] = _programs_an_sm(compiled, t["warps"], x.device)
