@@ -749,12 +749,17 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
     # Session 39's runs of it: 20.4 us at ks 1, bn_g 4, bk_g 512, bn_d 4, bk_d 256, four 4-warp programs an SM
     # (six launches 22.9); 18.8 at bk_g 256; 2-row items, 2 warps, 6-16 programs an SM no better (the grid is
     # capped at the items, 512); gate/up's K steps reduced once (defer) at bk_g 512: 18.1, the default since.
-    # The sweep is around the defaults; next (not yet run on a GPU): the routing's picks packed (packed_pick).
-    center = {k: v for k, v in TILES.items() if k != "bd"}
+    # Session 40's trace of it (programs' clocks): after the router (1.3 us) and barrier 0 (~0.8 us past the
+    # last arrival) each program's routing takes 2.0-3.3 us before its gate/up loads go out; gate/up items 4.4,
+    # barrier 1 ~1 us, down 3-5. Tried there and dropped: the routing's picks by one int64 max each (18.13
+    # against 18.08 us), L2 prefetches of the router's and shared expert's weights before the PDL wait (17.96
+    # against 18.12) and of each program's routed down tiles once routed (19.40); nor were wider router slices
+    # (fewer partial logits to read and add when routing: bd 128 18.73, bd 256 24.81 against bd 64's 18.08).
+    center = dict(TILES)
     configs = [center] + [
         center | change
         for change in (
-            dict(packed_pick=1), dict(defer=0), dict(bk_g=256), dict(bk_g=1024), dict(bn_g=2),
+            dict(bd=128), dict(bd=256), dict(defer=0), dict(bk_g=256), dict(bk_g=1024), dict(bn_g=2),
             dict(bn_g=8, bk_g=256), dict(bk_d=128), dict(warps=2, per_sm=8),
         )
     ]  # fmt: skip

@@ -23,7 +23,6 @@ SMALL = dict(bd=16, ks=2, bn_g=16, bk_g=16, bn_d=16, bk_d=16)
 # the whole of D in each gate/up item, which then stores h itself; down tiles of 4 output rows
 WHOLE_D = dict(SMALL, ks=1, bn_g=8, bn_d=4)
 DEFERRED = dict(WHOLE_D, defer=1)  # gate/up's K steps reduced once
-PACKED = dict(DEFERRED, packed_pick=1)  # the routing's picks by one int64 max each
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -79,9 +78,7 @@ def _assert_close(got, want):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize(
-    "tiles", [SMALL, WHOLE_D, DEFERRED, PACKED], ids=["ks2", "ks1", "ks1-deferred", "ks1-deferred-packed"]
-)
+@pytest.mark.parametrize("tiles", [SMALL, WHOLE_D, DEFERRED], ids=["ks2", "ks1", "ks1-deferred"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "T,act,shared,accumulate",
@@ -133,27 +130,6 @@ def test_no_tokens_and_bad_input():
         _run(p, 3, "gelu", True, False)
     with pytest.raises(AssertionError, match="one dtype"):
         _run({**p, "w2": p["w2"].double()}, 3, "silu", False, False)
-
-
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_packed_pick_breaks_ties_as_the_plain_one(renormalize):
-    """Experts with equal router rows (equal scores: the lowest id wins), negative and positive biased scores,
-    fewer experts than the tile: the packed picks give the plain picks' ids and weights, bit for bit."""
-    from kestrel.ops.moe.triton_decode import moe_decode_triton
-
-    p = _layer(1, D=40, I=24, E=7, dtype=torch.float32, seed=21)
-    router = p["router"].clone()
-    router[4], router[5] = router[1], router[1]  # three experts tied
-    bias = torch.tensor([-2.0, 0.5, -0.3, 0.0, 0.5, 0.5, -1.0], device=router.device)
-    got = {}
-    for packed in (0, 1):
-        got[packed] = moe_decode_triton(
-            p["x"], router, bias, 4, renormalize, 2.5, p["w13"], p["w2"], "situ", shared=p["shared"],
-            tiles=dict(DEFERRED, packed_pick=packed),
-        )  # fmt: skip
-    for a, b in zip(got[0], got[1]):
-        assert torch.equal(a, b)
-    assert got[1][2][0, :3].tolist() == [1, 4, 5], got[1][2]  # the tie, lowest id first
 
 
 def test_trace_summary_reads_spans_and_arrivals():

@@ -43,7 +43,12 @@ down phase's slots in one load (13.7 -> 6.4 us alone), gate/up items of 4 rows x
 (defer; 12.4 -> 9.2 us alone): **18.1 us**, the six launches' experts and output bit for bit. mini's batch-1
 step 1.67 -> 1.56 ms (graph replay), so it is on by default (KESTREL_MOE_FUSED_DECODE). The shared expert's
 gate/up beside the router (it needs no routing) was slower: 21.5 us. `phases` and `scratch` let one phase be
-timed alone.
+timed alone, and `trace` stamps each program's clock at the phases' edges (session 40, 18.1 us a layer: the
+router done by 1.3 us, barrier 0 passed ~0.8 us later, each program's routing 2.0-3.3 us before its gate/up
+loads go out, gate/up done by 10.0, barrier 1 ~1 us, down done by 16.4). Tried there, no faster, dropped: the
+routing's top-A by one packed int64 max a pick (18.13 against 18.08 us); L2 prefetches of the router's and the
+shared expert's weights before the PDL wait (17.96 against 18.12) and of each program's routed down tiles once
+it has routed (19.40); wider router slices, fewer partial logits to add when routing (bd 128: 18.73 us).
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ import triton.language as tl
 
 from kestrel.ops.activation.triton_act import glu
 from kestrel.ops.moe.triton_experts import _rounded
-from kestrel.ops.moe.triton_router import _pick, _scores, _slice_logits, _summed_logits
+from kestrel.ops.moe.triton_router import _pick, _slice_logits, _summed_logits
 from kestrel.ops.pdl import pdl_args, pdl_begin
 
 MAX_SPIN = 1 << 22  # polls of a barrier's counter before it gives up (~1 us each)
@@ -63,9 +68,8 @@ _sync: dict[
 ] = {}  # device -> its barrier counters [4] int32, zero between launches
 # (router slice, gate/up K slices, gate/up tile and K step, down tile and K step): the defaults on the GPU
 # and warps a program, programs an SM (the grid: at most what the GPU holds at once); defer: a gate/up item
-# adds its K steps' products elementwise and reduces once, instead of reducing each step; packed_pick: the
-# routing's top-A by one int64 max a pick (`_pick_packed`), not yet timed on a GPU
-TILES = dict(bd=64, ks=1, bn_g=4, bk_g=512, bn_d=4, bk_d=256, warps=4, per_sm=4, defer=1, packed_pick=0)
+# adds its K steps' products elementwise and reduces once, instead of reducing each step
+TILES = dict(bd=64, ks=1, bn_g=4, bk_g=512, bn_d=4, bk_d=256, warps=4, per_sm=4, defer=1)
 _fits: dict[tuple, int] = {}  # a launch's shapes and constants -> how many of its programs an SM holds
 
 
@@ -154,41 +158,12 @@ def _stamp(row, k: tl.constexpr, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _pick_packed(
-    x, cols, mask, bias, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, A: tl.constexpr, BA: tl.constexpr,
-    BE: tl.constexpr,
-):  # fmt: skip
-    """`triton_router._pick` (the same ids, weights and tie rule: the lowest expert id among equal scores) with
-    one reduction a pick instead of two: each expert's biased score and id packed in one int64 (the score's
-    bits made to order as signed integers, above BE - 1 - id), whose max is the pick; the A weights gathered
-    at the end in one reduction. (-0.0 ranks below +0.0 here, equal in `_pick`.)"""
-    s, sel = _scores(x, cols, mask, bias, HAS_BIAS)
-    bits = sel.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats' magnitude bits flipped
-    key = (ordered.to(tl.int64) << 32) | (BE - 1 - cols).to(tl.int64)
-    slots = tl.arange(0, BA)
-    id_top = tl.zeros([BA], dtype=tl.int64)
-    for a in tl.static_range(A):
-        best = (BE - 1) - (tl.max(key, axis=0) & 0x7FFFFFFF)  # the low word: BE - 1 - id < 2**31
-        id_top = tl.where(slots == a, best, id_top)
-        key = tl.where(cols == best, -9223372036854775807 - 1, key)
-    picked = (cols[None, :] == id_top[:, None]) & (slots < A)[:, None]
-    w_top = tl.sum(tl.where(picked, s[None, :], 0.0), axis=1)  # [BA]
-    if RENORM:
-        w_top = w_top / (tl.sum(w_top, axis=0) + 1e-20)
-    return w_top, id_top
-
-
-@triton.jit
-def _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS, PACKED: tl.constexpr):
+def _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS):
     """Token t's routing from its S partial logits, added in a fixed order (every program gets the same bits):
     (weights [BA] fp32, scaled; ids [BA] int64). Read past L1: other programs wrote them in this launch."""
     cols = tl.arange(0, BE)
     acc = _summed_logits(partial + t * S * BE, S, BE, E, BE, BS, ".cg")
-    if PACKED:
-        w_top, id_top = _pick_packed(acc, cols, cols < E, bias, HAS_BIAS, RENORM, A, BA, BE)
-    else:
-        w_top, id_top = _pick(acc, cols, cols < E, bias, HAS_BIAS, RENORM, A, BA)
+    w_top, id_top = _pick(acc, cols, cols < E, bias, HAS_BIAS, RENORM, A, BA)
     return w_top * scaling, id_top
 
 
@@ -247,7 +222,7 @@ def _gate_up_phase(
     x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling, beta, linear_beta,
     A: tl.constexpr, SL: tl.constexpr, BA: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr, KS: tl.constexpr,
     KCH: tl.constexpr, BN_G: tl.constexpr, BK_G: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-    SITU: tl.constexpr, BF16: tl.constexpr, DEFER: tl.constexpr, PACKED: tl.constexpr, trace_row,
+    SITU: tl.constexpr, BF16: tl.constexpr, DEFER: tl.constexpr, trace_row,
     TRACE: tl.constexpr,
 ):  # fmt: skip
     """The gate/up items (token, slot, tile of I, slice of D) after the routing every program computes from the
@@ -257,7 +232,7 @@ def _gate_up_phase(
     NG = tl.cdiv(I, BN_G)
     per_token = SL * NG * KS
     for t in range(0, T):
-        w_top, id_top = _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS, PACKED)
+        w_top, id_top = _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS)
         if pid == 0:
             tl.store(weights_out + t * A + slots, w_top, mask=slots < A)
             tl.store(ids_out + t * A + slots, id_top, mask=slots < A)
@@ -389,7 +364,6 @@ def _moe_decode_kernel(
     BN_D: tl.constexpr,
     BK_D: tl.constexpr,
     DEFER: tl.constexpr,
-    PACKED: tl.constexpr,
     trace,
     TRACE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -419,8 +393,7 @@ def _moe_decode_kernel(
     if PHASE == 0 or PHASE == 2:
         _gate_up_phase(
             x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling, beta,
-            linear_beta, A, SL, BA, BE, BS, KS, KCH, BN_G, BK_G, HAS_BIAS, RENORM, SITU, BF16, DEFER, PACKED, row,
-            TRACE,
+            linear_beta, A, SL, BA, BE, BS, KS, KCH, BN_G, BK_G, HAS_BIAS, RENORM, SITU, BF16, DEFER, row, TRACE,
         )  # fmt: skip
         _stamp(row, 4, TRACE)
     if PHASE == 0:
@@ -541,7 +514,6 @@ def moe_decode_triton(
     consts = dict(
         A=top_k, BA=BA, BE=BE, BS=min(triton.next_power_of_2(S), max(1, 8192 // BE)), BD=BD, KS=KS, KCH=KCH,
         BN_G=t["bn_g"], BK_G=t["bk_g"], BN_D=t["bn_d"], BK_D=t["bk_d"], DEFER=bool(t["defer"]),
-        PACKED=bool(t["packed_pick"]),
         TRACE=trace is not None,
         HAS_BIAS=correction_bias is not None, RENORM=renormalize, SITU=act == "situ",
         SHARED=shared is not None, ACCUMULATE=accumulate, BF16=x.dtype == torch.bfloat16,
