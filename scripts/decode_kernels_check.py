@@ -648,6 +648,33 @@ def pdl(result: dict, device: str, smoke: bool) -> None:
         print(f"pdl B={B}: {entry}", flush=True)
 
 
+def argmax(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
+    """The greedy rows' argmax over mini's vocabulary (129,280) at batch 1 / 64 / 256, on the bf16 logits the
+    decode graphs end with (and fp32): torch.argmax against the two Triton kernels
+    (kestrel.ops.sampling.triton_argmax) at each chunk width, one call a graph replay, the logits' bytes at the
+    copy rate beside them; the same indices."""
+    from kestrel.ops.sampling.triton_argmax import argmax_triton
+
+    V, batches, blocks = (
+        (5000, (1, 3), (1024, 2048)) if smoke else (129280, (1, 64, 256), (1024, 2048, 4096, 8192))
+    )
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = result["argmax"] = {"vocab": V, "batches": {}}
+    for B in batches:
+        for dtype in (torch.bfloat16, torch.float32) if device == "cuda" else (torch.float32,):
+            x = torch.randn(B, V, generator=g, device=device).to(dtype)
+            want = torch.argmax(x, -1)
+            entry = rows["batches"][f"{B} {str(dtype)[6:]}"] = {
+                "floor_us": 1e6 * x.numel() * x.element_size() / (ceilings["copy_TBps"] * 1e12),
+                "torch_us": calls_us([functools.partial(torch.argmax, x, -1)], device),
+                "triton_us": {
+                    block: calls_us([functools.partial(argmax_triton, x, block)], device) for block in blocks
+                },
+                "same": all(torch.equal(argmax_triton(x, block), want) for block in blocks),
+            }
+            print(f"argmax B={B} {dtype}: {entry}", flush=True)
+
+
 def _norm_then_linear(x, norm_w, w):
     from kestrel.ops.linear import linear
     from kestrel.ops.norm.triton_norm import rms_norm_triton
@@ -907,7 +934,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (TRITON_INTERPRET=1)")
     parser.add_argument(
         "--sections",
-        default="moe_sort,mla_decode,mla_layout,moe_tiles,kda_step,moe_anatomy,small_kernels,pdl,gemv,moe_fused",
+        default="moe_sort,mla_decode,mla_layout,moe_tiles,kda_step,moe_anatomy,small_kernels,pdl,gemv,moe_fused,argmax",
     )
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -940,6 +967,7 @@ def main() -> None:
         "pdl": lambda: pdl(result, device, args.smoke),
         "gemv": lambda: gemv(result, device, args.smoke, ceilings),
         "moe_fused": lambda: moe_fused(result, device, args.smoke, ceilings, save),
+        "argmax": lambda: argmax(result, device, args.smoke, ceilings),
     }
     for name in args.sections.split(","):
         try:

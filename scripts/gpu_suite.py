@@ -669,7 +669,8 @@ def _graph_matches_eager(engine) -> bool:
     bs = runner.graph_sizes[bisect.bisect_left(runner.graph_sizes, len(reqs))]
     slots = torch.tensor([r.slot for r in reqs], device="cuda")
     saved = {k: (pool.ssm[k][slots].clone(), pool.conv[k][slots].clone()) for k in pool.ssm}
-    replayed = runner._replay(reqs)[: len(reqs)].clone()
+    logits, argmax = runner._replay(reqs)
+    replayed, replayed_argmax = logits[: len(reqs)].clone(), argmax[: len(reqs)].clone()
     for k, (ssm, conv) in saved.items():
         pool.ssm[k][slots], pool.conv[k][slots] = ssm, conv
     inputs = [t.to("cuda") for t in runner._decode_inputs(reqs, runner.max_pages, bs)]
@@ -677,7 +678,7 @@ def _graph_matches_eager(engine) -> bool:
         eager = runner._decode_forward(*inputs)[: len(reqs)]
     for k, (ssm, conv) in saved.items():
         pool.ssm[k][slots], pool.conv[k][slots] = ssm, conv
-    return bool(torch.equal(replayed, eager))
+    return bool(torch.equal(replayed, eager) and torch.equal(replayed_argmax, eager.argmax(-1)))
 
 
 def engine_decode() -> dict:

@@ -252,7 +252,7 @@ class Engine:
             logits = self.runner.forward(batch)
             ahead = self.overlap and not batch.prefill and self.sampler.can_run_ahead(batch.decode)
             if not ahead:
-                tokens, logprobs = self.sampler(logits, batch.sampled)
+                tokens, logprobs = self.sampler(logits, batch.sampled, argmax=self.runner.argmax)
                 self._advance(batch)
                 return self._finish_outputs(self._record(batch.sampled, tokens, logprobs))
             self.in_flight = self._launch(batch, logits, ahead=0)
@@ -270,7 +270,7 @@ class Engine:
     def _launch(self, batch: Batch, logits: torch.Tensor, ahead: int) -> InFlight:
         """Sample a decode step on the device and start its tokens' copy to the host; the step's bookkeeping
         that needs no token (positions, KDA checkpoints) is done now, ahead of the next step on the stream."""
-        tokens = self.sampler.tokens(logits, batch.decode, ahead)
+        tokens = self.sampler.tokens(logits, batch.decode, ahead, argmax=self.runner.argmax)
         host, copied = to_host_async(tokens)
         self._advance(batch)
         return InFlight(batch, tokens, host, copied)

@@ -23,6 +23,7 @@ from kestrel.engine.request import Request
 from kestrel.engine.scheduler import Batch, PrefillChunk
 from kestrel.layers.context import ForwardContext, forward_context
 from kestrel.models.kimi import KimiForCausalLM
+from kestrel.ops.sampling import argmax
 from kestrel.utils.device import to_device_async
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -43,26 +44,36 @@ class ModelRunner:
         self.model, self.kv_pool, self.state_pool = model, kv_pool, state_pool
         self.checkpoint_pool = checkpoint_pool  # the prefix cache's: mid-chunk KDA checkpoints go there
         self.slot_pages: torch.Tensor | None = None  # decode graphs: each state slot's pages (see _stage)
+        self.static_tokens: torch.Tensor | None = None  # decode graphs: ids, positions, slots [3, size]
         self._sent: dict[int, tuple[list[int], int]] = {}  # slot -> (its request's page list, pages sent)
         self.device = model.lm_head.weight.device
         self.max_pages = kv_pool.pages_for(max_context)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.argmax: torch.Tensor | None = None  # the last forward's, from its decode graph (see forward)
         self.graph_sizes = tuple(sorted(s for s in graph_batch_sizes if s <= max_batch))
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda" and bool(self.graph_sizes)
 
     @torch.no_grad()
     def forward(self, batch: Batch, decode_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [len(batch.sampled), V] fp32, rows in `batch.sampled` order. `decode_ids` [len(batch.decode)],
-        on the device: the decode requests' input tokens, where the host's lists do not have them yet."""
+        """Logits [len(batch.sampled), V] in the model's dtype, rows in `batch.sampled` order. `decode_ids`
+        [len(batch.decode)], on the device: the decode requests' input tokens, where the host's lists do not have
+        them yet.
+        `self.argmax` is then their rows' argmax where a decode graph computed it (a decode-only step
+        replayed), else None; both are the graph's buffers, valid until the next forward."""
         rows = []
+        self.argmax = None
         if batch.decode:
-            rows.append(self._decode(batch.decode, decode_ids))
+            logits, best = self._decode(batch.decode, decode_ids)
+            rows.append(logits)
+            self.argmax = best if not batch.prefill else None
         sampling = [c for c in batch.prefill if c.samples]
         if batch.prefill:
             logits = self._prefill(batch.prefill)
             if sampling:
                 rows.append(logits)
-        return torch.cat(rows).float() if rows else torch.empty(0)
+        if not rows:
+            return torch.empty(0)
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     # -- prefill ----------------------------------------------------------------------------------------
     def _prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
@@ -103,15 +114,19 @@ class ModelRunner:
         rows = _write_rows(table, pos, ps)
         return ids, pos, slots, table, lens, rows
 
-    def _decode(self, reqs: list[Request], ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _decode(
+        self, reqs: list[Request], ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decode requests' logits [n, V] and, from a graph, their argmax [n] (eagerly: None)."""
         n = len(reqs)
         if self.use_cuda_graph and n <= self.graph_sizes[-1]:
-            return self._replay(reqs, ids)[:n]
+            logits, best = self._replay(reqs, ids)
+            return logits[:n], best[:n]
         width = max(len(r.pages) for r in reqs)
         tensors = [to_device_async(t, self.device) for t in self._decode_inputs(reqs, width, n)]
         if ids is not None:
             tensors[0] = ids
-        return self._decode_forward(*tensors)
+        return self._decode_forward(*tensors), None
 
     def _decode_forward(self, ids, pos, slots, table, lens, rows) -> torch.Tensor:
         n = ids.shape[0]
@@ -123,21 +138,32 @@ class ModelRunner:
     # -- CUDA graphs ------------------------------------------------------------------------------------
     @torch.no_grad()  # no autograd history on the pools: capture writes KV like any decode step
     def capture_graphs(self) -> None:
-        """Capture one decode graph per batch-size bucket (largest first, sharing one memory pool)."""
+        """Capture one decode graph per batch-size bucket (largest first, sharing one memory pool). Each graph
+        ends with the logits' argmax (what greedy rows take; `kestrel.ops.sampling.argmax`): inside the graph
+        it costs the host no launch (torch's argmax eagerly took ~30-50 us a step at batch 1, session 26)."""
         if not self.use_cuda_graph:
             return
-        size = self.graph_sizes[-1]
-        self.static = [t.to(self.device) for t in self._decode_inputs([], self.max_pages, size)]
-        self.static_out: dict[int, torch.Tensor] = {}
+        size, dev = self.graph_sizes[-1], self.device
+        ids, pos, slots, table, lens, rows = self._decode_inputs([], self.max_pages, size)
+        self.static_tokens = torch.stack([ids, pos, slots]).to(dev)  # [3, size]: one copy up a step (_stage)
+        self.static = [*self.static_tokens, table.to(dev), lens.to(dev), rows.to(dev)]
+        if self.slot_pages is None:  # kept by a recapture: its rows are the pages already sent (`_sent`)
+            self.slot_pages = torch.zeros(
+                self.state_pool.num_slots + 1, self.max_pages, dtype=table.dtype, device=dev
+            )
+        self.static_out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bs -> logits, argmax
         pool = None
         for bs in reversed(self.graph_sizes):
             args = [t[:bs] for t in self.static]
             for _ in range(2):  # warm up (Triton autotuning, lazy init) outside the capture
+                self._page_inputs(*args)
                 self._decode_forward(*args)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.static_out[bs] = self._decode_forward(*args)
+                self._page_inputs(*args)
+                logits = self._decode_forward(*args)
+                self.static_out[bs] = (logits, argmax(logits))
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
@@ -151,20 +177,24 @@ class ModelRunner:
         torch.cuda.synchronize()
         self.capture_graphs()
 
-    def _stage(self, reqs: list[Request], bs: int, ids: torch.Tensor | None = None) -> None:
-        """Load a decode batch into the graphs' static inputs (padded to the bucket size bs); `ids` [len(reqs)] on
-        the device replaces the tokens from the request lists.
+    def _page_inputs(self, ids, pos, slots, table, lens, rows) -> None:
+        """Inside a decode graph, from the staged positions and slots: each row's page table (its slot's row of
+        `slot_pages`), its length, and the pool row its token's KV goes to."""
+        torch.index_select(self.slot_pages, 0, slots, out=table)
+        torch.add(pos, 1, out=lens)
+        rows.copy_(_write_rows(table, pos, self.kv_pool.page_size))
 
-        The page table comes from `slot_pages`, a device table with one row per state slot holding its
-        request's pages: a step sends only the pages requests gained since their last step (one per request
-        every page_size tokens) and gathers the batch's rows on the device. Building the whole table from the
-        request lists every step cost milliseconds of host time (256 rows x 2,049 pages at 128K context: 48 ms
-        on this CPU). Entries past a row's pages are stale but valid page ids; no kernel reads a page past a
-        row's length. Padding rows take the dummy slot 0, whose row stays page 0."""
-        if self.slot_pages is None:
-            self.slot_pages = torch.zeros(
-                self.state_pool.num_slots + 1, self.max_pages, dtype=self.static[3].dtype, device=self.device
-            )
+    def _stage(self, reqs: list[Request], ids: torch.Tensor | None = None) -> None:
+        """Load a decode batch into the graphs' static inputs (padded); `ids` [len(reqs)] on the device replaces
+        the tokens from the request lists.
+
+        The tokens, positions and slots go up in one copy; the graph itself gathers each row's page table from
+        `slot_pages`, a device table with one row per state slot holding its request's pages
+        (`_page_inputs`). A step sends only the pages requests gained since their last step (one per request
+        every page_size tokens). Building the whole table from the request lists every step cost milliseconds
+        of host time (256 rows x 2,049 pages at 128K context: 48 ms on this CPU), and computing it here took
+        a handful of eager kernels a step. Entries past a row's pages are stale but valid page ids; no kernel
+        reads a page past a row's length. Padding rows take the dummy slot 0, whose row stays page 0."""
         rows: list[int] = []
         cols: list[int] = []
         new_pages: list[int] = []
@@ -180,19 +210,17 @@ class ModelRunner:
         if new_pages:
             where = to_device_async(torch.tensor([rows, cols, new_pages]), self.device)
             self.slot_pages[where[0], where[1]] = where[2].to(self.slot_pages.dtype)
-        static_ids, pos, slots, table, lens, write_rows = (t[:bs] for t in self.static)
-        host = to_device_async(torch.stack(_token_inputs(reqs, bs)), self.device)  # [3, bs], one copy up
-        for dst, src in zip((static_ids, pos, slots), host):
-            dst.copy_(src)
+        host = torch.stack(_token_inputs(reqs, self.static_tokens.shape[1]))  # [3, size], rows past bs unread
+        pinned = host.pin_memory() if self.static_tokens.is_cuda else host  # pinned: no wait for the stream
+        self.static_tokens.copy_(pinned, non_blocking=True)
         if ids is not None:
-            static_ids[: len(reqs)].copy_(ids)
-        torch.index_select(self.slot_pages, 0, slots, out=table)
-        torch.add(pos, 1, out=lens)
-        write_rows.copy_(_write_rows(table, pos, self.kv_pool.page_size))
+            self.static[0][: len(reqs)].copy_(ids)
 
-    def _replay(self, reqs: list[Request], ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _replay(
+        self, reqs: list[Request], ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, len(reqs))]
-        self._stage(reqs, bs, ids)
+        self._stage(reqs, ids)
         self.graphs[bs].replay()
         return self.static_out[bs]
 

@@ -29,26 +29,31 @@ class Sampler:
         self.eos_token_ids = tuple(eos_token_ids)
 
     def __call__(
-        self, logits: torch.Tensor, reqs: list[Request]
+        self, logits: torch.Tensor, reqs: list[Request], argmax: torch.Tensor | None = None
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         if not reqs:
             return [], []
-        token_list = self.tokens(logits, reqs).tolist()
-        return token_list, self._logprobs(logits.float(), token_list, reqs)
+        token_list = self.tokens(logits, reqs, argmax=argmax).tolist()
+        return token_list, self._logprobs(logits, token_list, reqs)
 
     @staticmethod
     def can_run_ahead(reqs: list[Request]) -> bool:
         """Whether these requests can be sampled before their last token is on the host."""
         return not any(_needs_penalties(r) or r.params.logprobs is not None for r in reqs)
 
-    def tokens(self, logits: torch.Tensor, reqs: list[Request], ahead: int = 0) -> torch.Tensor:
-        """The next token of each request [B] int64, on the logits' device, with no host sync."""
+    def tokens(
+        self, logits: torch.Tensor, reqs: list[Request], ahead: int = 0, argmax: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The next token of each request [B] int64, on the logits' device, with no host sync. logits [B, V] in
+        any float dtype (the model's: what is computed on them is in fp32). argmax [B]: the logits rows'
+        argmax where already computed (the runner's decode graph), taken for the greedy rows unless a penalty
+        or an early-stop ban changes the logits."""
         dev = logits.device
-        x = logits.float()  # [B, V]
+        x = logits
         if any(_needs_penalties(r) for r in reqs):
-            x = self._penalize(x, reqs)
+            x = self._penalize(x.float(), reqs)
         x = self._suppress_early_stops(x, reqs, ahead)
-        tokens = greedy(x)  # [B]; sampled rows are overwritten below
+        tokens = argmax if argmax is not None and x is logits else greedy(x)  # [B]; sampled rows overwritten
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rows:  # the full-vocabulary sort and noise only for the rows that sample
             sub = [reqs[i] for i in rows]
@@ -98,7 +103,9 @@ class Sampler:
         if not rows:
             return x
         where = to_device_async(torch.tensor([rows, cols]), x.device)
-        return x.index_put((where[0], where[1]), torch.full((), float("-inf"), device=x.device))
+        return x.index_put(
+            (where[0], where[1]), torch.full((), float("-inf"), dtype=x.dtype, device=x.device)
+        )
 
     def _logprobs(
         self, raw: torch.Tensor, tokens: list[int], reqs: list[Request]
@@ -108,7 +115,7 @@ class Sampler:
         out: list[TokenLogprob | None] = [None] * len(reqs)
         if not rows:
             return out
-        lp = torch.log_softmax(raw[rows], dim=-1)  # [b, V]
+        lp = torch.log_softmax(raw[rows].float(), dim=-1)  # [b, V] fp32
         k = max(reqs[i].params.logprobs for i in rows)
         top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
         chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=lp.device)[:, None])[:, 0]

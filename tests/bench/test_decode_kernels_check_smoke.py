@@ -83,3 +83,5 @@ def test_decode_kernels_check_smoke():
     assert all(us > 0 for us in by_phase["one_launch_phases_us"].values()), by_phase
     assert by_phase["six_router_us"] > 0 and by_phase["six_experts_us"] > 0, by_phase
     assert set(by_phase["floors_us"]) == set(by_phase["one_launch_phases_us"]), by_phase
+    picks = result["argmax"]["batches"]
+    assert len(picks) == 2 and all(e["same"] and len(e["triton_us"]) == 2 for e in picks.values()), picks

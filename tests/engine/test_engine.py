@@ -228,12 +228,15 @@ def test_bad_requests_are_refused(model):
 
 def test_graph_inputs_from_the_slot_page_table(model, monkeypatch):
     """The decode graphs' inputs come from a device page table kept per state slot, sent only the pages each
-    request gained since its last step (all of them for a new request in the slot): they equal the inputs built
-    from the request lists, and the step computes the same logits although the columns past a row's pages
-    hold stale page ids (another request's), which no kernel reads."""
+    request gained since its last step (all of them for a new request in the slot), gathered by the graph's
+    first kernels (`_page_inputs`): they equal the inputs built from the request lists, and the step computes
+    the same logits although the columns past a row's pages hold stale page ids (another request's), which no
+    kernel reads."""
     engine = _engine(model, page_size=4, max_running_requests=3)
     runner, size = engine.runner, 4
-    runner.static = list(runner._decode_inputs([], runner.max_pages, size))
+    ids, pos, slots, table, lens, rows = runner._decode_inputs([], runner.max_pages, size)
+    runner.static_tokens = torch.stack([ids, pos, slots])
+    runner.static = [*runner.static_tokens, table, lens, rows]
     runner.slot_pages = torch.randint(
         1, engine.kv_pool.num_pages, (engine.state_pool.num_slots + 1, runner.max_pages)
     )
@@ -245,7 +248,8 @@ def test_graph_inputs_from_the_slot_page_table(model, monkeypatch):
     def decode(
         reqs, ids=None
     ):  # inside Engine.step, after the scheduler gave each request its page for this token
-        runner._stage(reqs, size, ids)
+        runner._stage(reqs, ids)
+        runner._page_inputs(*[t[:size] for t in runner.static])  # the graph's first kernels
         fresh = runner._decode_inputs(reqs, runner.max_pages, size)
         if ids is not None:  # a step launched ahead: its tokens come from the step before it, on the device
             fresh[0][: len(reqs)] = ids

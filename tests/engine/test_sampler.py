@@ -1,0 +1,91 @@
+"""The sampler given the logits' argmax from the runner's decode graph: greedy rows take it only where nothing
+changed their logits (no penalty, no early-stop ban); sampled rows are drawn from the logits either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.engine.request import Request
+from kestrel.engine.sampler import Sampler
+from kestrel.engine.sampling_params import SamplingParams
+
+V = 16
+
+
+def _req(**params) -> Request:
+    return Request("r", [3, 4], SamplingParams(**params), seed=5, max_total_tokens=64)
+
+
+def _logits() -> torch.Tensor:
+    x = torch.zeros(3, V)
+    x[:, 7] = 5.0  # every row's argmax is 7, but for the given one below
+    return x
+
+
+def test_greedy_rows_take_the_given_argmax():
+    """A given argmax that is not the logits' own (a stand-in, to see which one is taken) goes to the greedy
+    rows; the sampled row is drawn from the logits as without it."""
+    sampler = Sampler(eos_token_ids=(1,))
+    reqs = [_req(temperature=0), _req(temperature=1.0, top_k=1), _req(temperature=0)]
+    given = torch.tensor([9, 9, 9])
+    assert sampler.tokens(_logits(), reqs, argmax=given).tolist() == [9, 7, 9]
+    assert sampler.tokens(_logits(), reqs).tolist() == [7, 7, 7]
+    assert sampler(_logits(), reqs, argmax=given)[0] == [9, 7, 9]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_changed_logits_ignore_the_given_argmax(dtype):
+    """A penalty or an early-stop ban on any row changes the logits the argmax was taken from: every row's
+    greedy token is then the changed logits' own. In the model's dtype too (the runner hands bf16 logits)."""
+    sampler = Sampler(eos_token_ids=(7,))
+    given = torch.tensor([9, 9, 9])
+    banned = [_req(temperature=0), _req(temperature=0, min_tokens=2), _req(temperature=0)]
+    got = sampler.tokens(_logits().to(dtype), banned, argmax=given).tolist()
+    assert got[0] == got[2] == 7 and got[1] != 7  # only the second row bans the EOS (7)
+    penalized = [_req(temperature=0), _req(temperature=0, presence_penalty=1.0), _req(temperature=0)]
+    assert sampler.tokens(_logits().to(dtype), penalized, argmax=given).tolist() == [7, 7, 7]
+    sampled = [
+        _req(temperature=0.5, seed=1, min_tokens=3),
+        _req(temperature=0, logprobs=2),
+        _req(temperature=0),
+    ]
+    tokens, logprobs = sampler(_logits().to(dtype), sampled, argmax=given)
+    assert tokens[0] != 7 and tokens[1:] == [7, 7] and logprobs[1].token_id == 7 and logprobs[0] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_graphs_hand_on_their_logits_argmax():
+    """tiny on CUDA with decode graphs, greedy and seeded requests together: every decode step's forward hands
+    on the argmax of the logits it returns, and the overlap schedule (which samples from it ahead) gives the
+    plain schedule's tokens."""
+    from kestrel.config import EngineConfig
+    from kestrel.engine.engine import Engine
+    from kestrel.models.loader import build_model
+    from tests.engine.test_engine import _prompt, _run
+
+    net = build_model("tiny", dtype=torch.bfloat16, device="cuda", seed=3)
+    jobs = {
+        f"r{i}": (_prompt(20 + i, i), SamplingParams(temperature=0.7 * (i % 2), seed=i, max_tokens=24))
+        for i in range(5)
+    }
+    tokens = {}
+    for overlap in (True, False):
+        config = EngineConfig(
+            model="tiny", page_size=4, max_running_requests=8, disable_overlap_schedule=not overlap
+        )
+        engine = Engine(config, model=net)
+        checked = []
+        forward = engine.runner.forward
+
+        def counted(batch, decode_ids=None, forward=forward, engine=engine, checked=checked):
+            logits = forward(batch, decode_ids)
+            if engine.runner.argmax is not None:
+                checked.append(torch.equal(engine.runner.argmax, logits.argmax(-1)))
+            return logits
+
+        engine.runner.forward = counted
+        tokens[overlap] = _run(engine, jobs)[0]
+        assert len(checked) > 10 and all(checked), (overlap, checked)
+    assert tokens[True] == tokens[False]
