@@ -3,7 +3,8 @@
 Requests are placed directly in decode at a given context (slots and pages allocated, the pools filled with
 random values: a decode step's time does not depend on them), so 128K contexts need no prefill. Per batch
 size the step is timed through `Engine.step()` (what a user gets: scheduling, sampling and Python included),
-with the engine's overlap schedule and without it, and as the bare CUDA-graph replay. MBU = bytes a step
+with the engine's overlap schedule and without it, and as the bare CUDA-graph replay (since session 40 the graph
+also gathers its page table and ends with the greedy rows' argmax, work that ran outside it before). MBU = bytes a step
 must move / step time / measured copy bandwidth, with bytes = weights touched (every dense weight, the experts
 the batch hits, the LM head) + KDA state read and written + the MLA/DSA cache read (indexer keys of every
 position, latent rows of the selected ones).
