@@ -1,6 +1,6 @@
 """The rows' argmax in Triton (kestrel.ops.sampling.triton_argmax) against torch.argmax (`naive.greedy`): the
 same index on random rows, widths that do not divide the chunks, ties within and across chunks, -0.0 beside
-+0.0, -inf rows, NaN, bf16. Without CUDA the kernels run in Triton's interpreter; the output starts poisoned."""
++0.0, -inf rows, NaN, bf16. Without CUDA the kernels run in Triton's interpreter."""
 
 from __future__ import annotations
 
