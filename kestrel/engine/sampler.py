@@ -51,7 +51,7 @@ class Sampler:
         dev = logits.device
         x = logits
         if any(_needs_penalties(r) for r in reqs):
-            x = self._penalize(x.float(), reqs)
+            x = self._penalize(x, reqs)  # fp32 out
         x = self._suppress_early_stops(x, reqs, ahead)
         tokens = argmax if argmax is not None and x is logits else greedy(x)  # [B]; sampled rows overwritten
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]

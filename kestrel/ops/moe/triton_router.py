@@ -17,24 +17,17 @@ from kestrel.ops.pdl import pdl_args, pdl_begin
 
 
 @triton.jit
-def _scores(x, cols, mask, bias, HAS_BIAS: tl.constexpr):
-    """From fp32 logits x [BE]: the scores the weights come from (sigmoid) and the ones the top-A is picked by
-    (plus the correction bias; -inf past the experts)."""
-    s = tl.sigmoid(x)
-    sel = s
-    if HAS_BIAS:
-        sel = s + tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
-    return s, tl.where(mask, sel, float("-inf"))
-
-
-@triton.jit
 def _pick(
     x, cols, mask, bias, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, A: tl.constexpr, BA: tl.constexpr
 ):
     """A token's routing from its fp32 logits x [BE]: sigmoid, the biased top-A (the first maximum on ties), the
     weights renormalized (or not), unscaled. Returns (weights [BA] fp32, ids [BA] int64), best first; slots past
     A hold zeros."""
-    s, sel = _scores(x, cols, mask, bias, HAS_BIAS)
+    s = tl.sigmoid(x)  # [BE] the scores the weights come from
+    sel = s
+    if HAS_BIAS:
+        sel = s + tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
+    sel = tl.where(mask, sel, float("-inf"))
     slots = tl.arange(0, BA)
     w_top = tl.zeros([BA], dtype=tl.float32)
     id_top = tl.zeros([BA], dtype=tl.int64)
