@@ -42,14 +42,22 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(self.head_dim, LATENT_NORM_EPS, dtype=dtype)
         self.weights_proj = Linear(config.hidden_size, self.n_heads, dtype=dtype)
 
-    def keys(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, DI]
-        return self.k_norm(self.wk(x))
+    def from_x(self, x: torch.Tensor) -> list[tuple[torch.Tensor, Linear]]:
+        """The projections of the hidden states x [T, D], as (input, layer) pairs for `apply_many`: the queries'
+        (without a q latent), the key's, the head weights'. The caller runs them beside its own."""
+        return [*([(x, self.wq)] if hasattr(self, "wq") else []), (x, self.wk), (x, self.weights_proj)]
 
-    def queries(self, x: torch.Tensor, c_q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        q = self.wq_b(c_q) if hasattr(self, "wq_b") else self.wq(x)
-        q = q.view(x.shape[0], self.n_heads, self.head_dim)  # [T, HI, DI]
-        w = self.weights_proj(x).float() * self.n_heads**-0.5  # [T, HI]
-        return q, w
+    def from_q_latent(self, c_q: torch.Tensor | None) -> list[tuple[torch.Tensor, Linear]]:
+        """The queries' projection of the MLA q latent c_q [T, Rq], where the model has one."""
+        return [(c_q, self.wq_b)] if hasattr(self, "wq_b") else []
+
+    def finish(
+        self, q_raw: torch.Tensor, k_raw: torch.Tensor, w_raw: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections' outputs [T, HI * DI], [T, DI], [T, HI] -> the new keys [T, DI] (normed), the queries
+        [T, HI, DI] and the head weights [T, HI] (fp32, scaled)."""
+        q = q_raw.view(q_raw.shape[0], self.n_heads, self.head_dim)
+        return self.k_norm(k_raw), q, w_raw.float() * self.n_heads**-0.5
 
     def row_scores_triton(
         self, q_i, w_i, k_i, picks: torch.Tensor, starts: torch.Tensor | None = None

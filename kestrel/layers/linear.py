@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kestrel.ops.linear import linear
+from kestrel.ops.linear import linear, linear_many
 from kestrel.utils.dist import parallel_state
 
 
@@ -50,6 +50,12 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight)
+
+
+def apply_many(pairs: Sequence[tuple[torch.Tensor, Linear]]) -> list[torch.Tensor]:
+    """[layer(x) for x, layer in pairs]: layers reading one input (x, or x.detach()) in one launch at decode
+    (`kestrel.ops.linear.linear_many`)."""
+    return linear_many([(x, layer.weight) for x, layer in pairs])
 
 
 class ColumnLinear(Linear):

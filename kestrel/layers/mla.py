@@ -16,7 +16,7 @@ from kestrel.config import ModelConfig
 from kestrel.env import env_field
 from kestrel.layers.context import get_forward_context
 from kestrel.layers.indexer import LATENT_NORM_EPS, Indexer
-from kestrel.layers.linear import ColumnLinear, Linear, RowLinear
+from kestrel.layers.linear import ColumnLinear, Linear, RowLinear, apply_many
 from kestrel.layers.norm import RMSNorm
 from kestrel.ops.activation import sigmoid_gate
 from kestrel.ops.dsa import (
@@ -71,26 +71,31 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, D]
         ctx = get_forward_context()
         T, H = x.shape[0], self.num_heads
-        c_q = None
+        # Every projection of x in one launch at decode (`apply_many`): q (or its latent), the latent row, the
+        # output gate, the indexer's. The indexer learns only from its own KL loss (model-spec 2.3): its inputs
+        # are cut from the graph.
+        gate = [(x, self.g_proj)] if hasattr(self, "g_proj") else []
+        idx_x = self.indexer.from_x(x.detach()) if self.indexer is not None else []
+        first = self.q_a_proj if hasattr(self, "q_a_proj") else self.q_proj
+        q, kv_a, *rest = apply_many([(x, first), (x, self.kv_a_proj_with_mqa), *gate, *idx_x])
+        g = rest.pop(0) if gate else None  # [T, H * Dv]
         if hasattr(self, "q_a_proj"):
-            c_q = self.q_a_layernorm(self.q_a_proj(x))  # [T, Rq]
-            q = self.q_b_proj(c_q)
-        else:
-            q = self.q_proj(x)
+            c_q = self.q_a_layernorm(q)  # [T, Rq]
+            idx_q = self.indexer.from_q_latent(c_q.detach()) if self.indexer is not None else []
+            q, *rest_q = apply_many([(c_q, self.q_b_proj), *idx_q])
+            rest = rest_q + rest  # the indexer's queries, key, weights
         q_nope, q_pe = q.view(T, H, -1).split(
             [self.nope_dim, self.rope_dim], dim=-1
         )  # [T, H, Dn], [T, H, Pr]
 
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)  # [T, R]; a latent row is [c_kv | k_pe]
-        # The indexer learns only from its own KL loss (model-spec 2.3): its inputs are cut from the graph.
-        x_idx, c_q_idx = x.detach(), (c_q.detach() if c_q is not None else None)
-        idx_k_new = self.indexer.keys(x_idx) if self.indexer is not None else None  # [T, DI]
+        # [T, DI], [T, HI, DI], [T, HI]
+        idx_k_new, idx_q, idx_w = (
+            self.indexer.finish(*rest) if self.indexer is not None else (None, None, None)
+        )
         if ctx.cache is not None:
             ctx.cache.write_kv(self.layer_id, (c_kv, k_pe), idx_k_new)
-        idx_q, idx_w = (
-            self.indexer.queries(x_idx, c_q_idx) if self.indexer is not None else (None, None)
-        )  # [T, HI, DI]
 
         w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, H, self.nope_dim, self.v_dim)  # [H, Dn, R], [H, Dv, R]
         idx = (idx_q, idx_w, idx_k_new) if self.indexer is not None else None
@@ -103,8 +108,8 @@ class MLAttention(nn.Module):
         else:
             out = self._attend_per_sequence(ctx, q_nope, q_pe, kv_new, w_uk, w_uv, idx)
 
-        if hasattr(self, "g_proj"):
-            out = sigmoid_gate(out, self.g_proj(x))  # [T, H, Dv]
+        if g is not None:
+            out = sigmoid_gate(out, g)  # [T, H, Dv]
         return self.o_proj(out.reshape(T, H * self.v_dim))
 
     def _select(self, ctx, i: int, pick) -> torch.Tensor:

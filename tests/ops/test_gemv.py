@@ -20,7 +20,7 @@ from kestrel.ops import linear as linear_ops  # noqa: E402
 
 if "kestrel.ops.linear.triton_gemv" in sys.modules:  # decorated in the mode chosen above
     importlib.reload(sys.modules["kestrel.ops.linear.triton_gemv"])
-from kestrel.ops.linear.triton_gemv import gemv_triton  # noqa: E402
+from kestrel.ops.linear.triton_gemv import SEGMENTS, gemv_many_triton, gemv_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -49,6 +49,59 @@ def test_gemv_strided_rows_and_leading_dims():
     got = gemv_triton(x, w)
     assert got.shape == (2, 3, 48)
     _close(got, F.linear(x, w))
+
+
+@pytest.mark.parametrize(
+    "M,Ns,K", [(1, (17, 1, 40, 33, 5, 64), 100), (4, (48, 16), 64), (8, (8, 130, 3), 200)]
+)
+def test_gemv_many_matches_linear(M, Ns, K):
+    """Several weights in one launch: each output its own weight's product, whatever the widths (a width of 1,
+    widths that split a tile, more than one tile), over leading dims."""
+    g = torch.Generator().manual_seed(M + K)
+    x = torch.randn(2, M, K, generator=g).to(DEVICE, DTYPE)[:, :M]
+    ws = [torch.randn(n, K, generator=g).to(DEVICE, DTYPE) for n in Ns]
+    outs = gemv_many_triton(x, ws)
+    assert len(outs) == len(ws)
+    for got, w in zip(outs, ws):
+        assert got.shape == (2, M, w.shape[0]) and got.is_contiguous()
+        _close(got, F.linear(x, w))
+
+
+def test_gemv_many_refuses_what_it_cannot_take():
+    x = torch.zeros(1, 32, device=DEVICE, dtype=DTYPE)
+    w = torch.zeros(8, 32, device=DEVICE, dtype=DTYPE)
+    with pytest.raises(AssertionError, match="one launch takes"):
+        gemv_many_triton(x, [w] * (SEGMENTS + 1))
+    with pytest.raises(AssertionError, match="for width 32"):
+        gemv_many_triton(x, [w, torch.zeros(8, 16, device=DEVICE, dtype=DTYPE)])
+
+
+def test_linear_many_merges_one_input_only(monkeypatch):
+    """One launch where every pair reads one tensor's data and the GEMV applies to each; else a linear a pair
+    (a launch of one weight, not counted), and a detached input keeps its weight's gradient away from x."""
+    from kestrel.ops.linear import triton_gemv
+
+    launches = []
+    real = triton_gemv.gemv_many_triton
+    monkeypatch.setattr(
+        triton_gemv,
+        "gemv_many_triton",
+        lambda x, ws: launches.extend([len(ws)] * (len(ws) > 1)) or real(x, ws),
+    )
+    monkeypatch.setattr(linear_ops, "gemv_applies", lambda x, w: not torch.is_grad_enabled())
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 64, generator=g).to(DEVICE, DTYPE)
+    ws = [torch.randn(n, 64, generator=g).to(DEVICE, DTYPE) for n in (24, 8, 40)]
+    with torch.no_grad():
+        outs = linear_ops.linear_many([(x, ws[0]), (x.detach(), ws[1]), (x, ws[2])])
+        assert launches == [3]
+        for got, w in zip(outs, ws):
+            _close(got, F.linear(x, w))
+        linear_ops.linear_many([(x, ws[0]), (x.clone(), ws[1])])  # two inputs: two linears
+        assert launches == [3]
+    xg = x.clone().requires_grad_()
+    a, b = linear_ops.linear_many([(xg, ws[0]), (xg.detach(), ws[1])])  # autograd records: one linear each
+    assert launches == [3] and a.requires_grad and not b.requires_grad
 
 
 def test_linear_picks_the_gemv_only_where_it_applies(monkeypatch):
@@ -124,3 +177,29 @@ def test_gemv_chain_in_a_graph(M, K):
                                (K,), norm_w.float(), 1e-6).bfloat16(), w2)  # fmt: skip
     _close(chain(x), want)
     assert_replay_matches_eager(chain, [x.clone()], [torch.randn_like(x)])
+
+
+@cuda
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_gemv_many_mla_shapes_in_a_graph(M):
+    """mini's MLA projections of x in one launch after an RMSNorm (q, kv_a, g, the indexer's q, k, weights), a
+    graph replay on fresh inputs against eager, and each output against F.linear."""
+    from kestrel.ops.norm.triton_norm import rms_norm_triton
+    from tests.ops.graph_check import assert_replay_matches_eager
+
+    K = 2048
+    g = torch.Generator(device="cuda").manual_seed(M)
+    ws = [
+        torch.randn(n, K, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+        for n in (3072, 576, 2048, 2048, 128, 16)
+    ]
+    norm_w = torch.rand(K, generator=g, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def step(a):
+        return tuple(gemv_many_triton(rms_norm_triton(a, norm_w, 1e-6), ws))
+
+    x = torch.randn(M, K, generator=g, device="cuda", dtype=torch.bfloat16)
+    h = F.rms_norm(x.float(), (K,), norm_w.float(), 1e-6).bfloat16()
+    for got, w in zip(step(x), ws):
+        _close(got, F.linear(h, w))
+    assert_replay_matches_eager(step, [x.clone()], [torch.randn_like(x)])

@@ -1,8 +1,11 @@
 """`linear(x, W)`: y = x W^T, through the Triton GEMV of `triton_gemv` for a few rows at inference where PDL is
 on (decode on Hopper: each projection a graph node that launches with PDL and asks for its weights before it
-waits), else through `naive.linear_reference` (cuBLAS)."""
+waits), else through `naive.linear_reference` (cuBLAS). `linear_many`: one input's projections, in one GEMV launch
+where it applies."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -43,4 +46,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear_reference(x, weight)
 
 
-__all__ = ["GEMV_MAX_N", "GEMV_MAX_ROWS", "gemv_applies", "linear", "linear_reference"]
+def linear_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """[linear(x_i, W_i)] for (x_i, W_i) in pairs. Where every x_i is one tensor's data (x and x.detach(), say)
+    and the GEMV applies to each pair, in one launch (`gemv_many_triton`); else one `linear` a pair, so that
+    autograd sees each x_i as given (a detached input stays cut from the graph)."""
+    from kestrel.ops.linear.triton_gemv import SEGMENTS
+
+    x = pairs[0][0] if pairs else None
+    if (
+        1 < len(pairs) <= SEGMENTS
+        and all(_same_data(xi, x) for xi, _ in pairs)
+        and all(gemv_applies(xi, w) for xi, w in pairs)
+    ):
+        from kestrel.ops.linear.triton_gemv import gemv_many_triton
+
+        return gemv_many_triton(x, [w for _, w in pairs])
+    return [linear(xi, w) for xi, w in pairs]
+
+
+def _same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
+
+
+__all__ = ["GEMV_MAX_N", "GEMV_MAX_ROWS", "gemv_applies", "linear", "linear_many", "linear_reference"]

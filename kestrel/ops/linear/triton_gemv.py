@@ -9,10 +9,15 @@ the next kernel launch, then asks for its whole weight slice into L2 (one bulk p
 waits for the kernel before it: weights do not depend on it, so they stream in while it ends, and the loop
 reads them from L2.
 
+One launch may take several weights of one input (`gemv_many_triton`, up to SEGMENTS): their slices are the
+grid's programs one weight after another, and each program picks its weight, output and width from its index.
+A small projection alone costs a whole launch (4-5 us at batch 1 however few its bytes); side by side they cost
+their bytes.
+
 Where it runs: `kestrel.ops.linear.linear`, from every `Linear` layer at inference up to GEMV_MAX_ROWS rows
-where PDL is on (`gemv_applies`). cuBLAS's kernels for one row read mini's projections at a fraction of the
-copy rate (84 calls of ~5 us at batch 1 in session 19's profile, for 0.30 ms of weights at the copy rate) and
-cannot launch with PDL.
+where PDL is on (`gemv_applies`), and `linear_many` (MLA's projections of its input). cuBLAS's kernels for one
+row read mini's projections at a fraction of the copy rate (84 calls of ~5 us at batch 1 in session 19's
+profile, for 0.30 ms of weights at the copy rate) and cannot launch with PDL.
 """
 
 from __future__ import annotations
@@ -23,14 +28,43 @@ import triton.language as tl
 
 from kestrel.ops.pdl import l2_prefetch, pdl_args, pdl_launch_next, pdl_wait
 
+# weights one launch takes at most (MLA's projections of x: q, kv_a, g, the indexer's q, k, weights)
+SEGMENTS = 6
+
+
+@triton.jit
+def _pick(pid, seg_first, seg_w, seg_out, seg_n, first, w, out, N):
+    """Segment s's weight, output and width where program `pid` is at or past its first program."""
+    take = pid >= seg_first
+    return (
+        tl.where(take, seg_first, first),
+        tl.where(take, seg_w, w),
+        tl.where(take, seg_out, out),
+        tl.where(take, seg_n, N),
+    )
+
 
 @triton.jit
 def _gemv_kernel(
-    x, w, out, M, N, K, stride_xm, stride_om,
+    x, M, K, stride_xm,
+    w0, out0, n0, w1, out1, n1, w2, out2, n2, w3, out3, n3, w4, out4, n4, w5, out5, n5,
+    first1, first2, first3, first4, first5,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    SEGS: tl.constexpr = 1, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
-    cols = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] output features = weight rows
+    pid = tl.program_id(0)
+    first, w, out, N = pid * 0, w0, out0, n0  # segment 0 from program 0; the later ones from first1, ...
+    if SEGS > 1:
+        first, w, out, N = _pick(pid, first1, w1, out1, n1, first, w, out, N)
+    if SEGS > 2:
+        first, w, out, N = _pick(pid, first2, w2, out2, n2, first, w, out, N)
+    if SEGS > 3:
+        first, w, out, N = _pick(pid, first3, w3, out3, n3, first, w, out, N)
+    if SEGS > 4:
+        first, w, out, N = _pick(pid, first4, w4, out4, n4, first, w, out, N)
+    if SEGS > 5:
+        first, w, out, N = _pick(pid, first5, w5, out5, n5, first, w, out, N)
+    cols = (pid - first) * BN + tl.arange(0, BN)  # [BN] output features = weight rows
     nmask = cols < N
     w_rows = w + cols[:, None].to(tl.int64) * K  # [BN, 1]
     pdl_launch_next(PDL)
@@ -50,8 +84,8 @@ def _gemv_kernel(
         if DOT_F32:
             xt, wt = xt.to(tl.float32), wt.to(tl.float32)
         acc = tl.dot(xt, tl.trans(wt), acc=acc, input_precision=PRECISION)  # [BM, BN]
-    tl.store(
-        out + m[:, None] * stride_om + cols[None, :],
+    tl.store(  # each output is a fresh [M, N] of its segment
+        out + m[:, None] * N + cols[None, :],
         acc.to(out.dtype.element_ty),
         mask=mmask[:, None] & nmask[None, :],
     )
@@ -65,38 +99,61 @@ def _gemv_kernel(
 PREFETCH_MAX_BYTES = 8 << 20
 
 
-def gemv_triton(
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, **knobs) -> torch.Tensor:
+    """x [..., K] (at most 16 rows), weight [N, K] contiguous -> [..., N] in x.dtype, fp32 sums (`gemv_many_triton`
+    of one weight)."""
+    return gemv_many_triton(x, [weight], **knobs)[0]
+
+
+def gemv_many_triton(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weights: list[torch.Tensor],
     block_n: int | None = None,
     block_k: int = 256,
     num_warps: int = 4,
     num_stages: int = 4,
     prefetch: bool | None = None,
-) -> torch.Tensor:
-    """x [..., K] (at most 16 rows), weight [N, K] contiguous -> [..., N] in x.dtype, fp32 sums. block_n None:
-    64 from 2048 outputs up, else 32; prefetch (the weight slice into L2 before the PDL wait, where PDL is on)
-    None: up to PREFETCH_MAX_BYTES of weights."""
+) -> list[torch.Tensor]:
+    """x [..., K] (at most 16 rows) times each of up to SEGMENTS weights [N_i, K] (contiguous, x's dtype) in one
+    launch -> [[..., N_i]] in x.dtype, fp32 sums: each weight's slices are programs of the same grid, so a layer's
+    projections of one input cost one launch and their weights stream side by side (MLA's six at batch 1 on the
+    H200: 11.0 us against 33.0 as six launches, session 41). block_n None: 64 from 2048 outputs in all up, else 32;
+    prefetch (each slice into L2 before the PDL wait, where PDL is on) None: up to PREFETCH_MAX_BYTES of weights
+    in all."""
     K = x.shape[-1]
-    N = weight.shape[0]
-    assert weight.shape == (N, K) and weight.is_contiguous(), f"weight {tuple(weight.shape)} for width {K}"
+    assert 0 < len(weights) <= SEGMENTS, f"{len(weights)} weights: one launch takes 1 to {SEGMENTS}"
+    for w in weights:
+        assert w.dim() == 2 and w.shape[1] == K and w.is_contiguous(), (
+            f"weight {tuple(w.shape)} for width {K}"
+        )
+        assert w.dtype == weights[0].dtype, "one launch takes weights of one dtype"
     rows = x.reshape(-1, K)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     M = rows.shape[0]
     assert M <= 16, f"{M} rows: the GEMV takes at most 16"
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M and N:
-        pdl = pdl_args(out)
-        row_bytes = K * weight.element_size()
-        block_n = block_n or (64 if N >= 2048 else 32)
-        prefetch = prefetch if prefetch is not None else N * row_bytes <= PREFETCH_MAX_BYTES
+    outs = [torch.empty(M, w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
+    segs = [(w, o) for w, o in zip(weights, outs) if w.shape[0]]
+    if M and segs:
+        pdl = pdl_args(rows)
+        row_bytes = K * weights[0].element_size()
+        total = sum(w.shape[0] for w, _ in segs)
+        block_n = block_n or (64 if total >= 2048 else 32)
+        prefetch = prefetch if prefetch is not None else total * row_bytes <= PREFETCH_MAX_BYTES
+        aligned = row_bytes % 16 == 0 and all(w.data_ptr() % 16 == 0 for w, _ in segs)
         dot_f32 = x.dtype == torch.float32 or not x.is_cuda  # the CPU interpreter's tl.dot misreads bf16
-        _gemv_kernel[(triton.cdiv(N, block_n),)](
-            rows, weight, out, M, N, K, rows.stride(0), out.stride(0),
+        firsts = [0]  # each segment's first program
+        for w, _ in segs:
+            firsts.append(firsts[-1] + triton.cdiv(w.shape[0], block_n))
+        args = []
+        for s in range(SEGMENTS):  # the unused segments repeat the first (never selected: SEGS says how many)
+            w, o = segs[s] if s < len(segs) else segs[0]
+            args += [w, o, w.shape[0]]
+        _gemv_kernel[(firsts[len(segs)],)](
+            rows, M, K, rows.stride(0), *args, *[firsts[min(s, len(segs) - 1)] for s in range(1, SEGMENTS)],
             BM=16, BN=block_n, BK=min(block_k, max(16, triton.next_power_of_2(K))), DOT_F32=dot_f32,
-            PRECISION="ieee" if dot_f32 else "tf32",
-            PREFETCH=row_bytes if prefetch and pdl and row_bytes % 16 == 0 and weight.data_ptr() % 16 == 0 else 0,
+            PRECISION="ieee" if dot_f32 else "tf32", SEGS=len(segs),
+            PREFETCH=row_bytes if prefetch and pdl and aligned else 0,
             num_warps=num_warps, num_stages=num_stages, **pdl,
         )  # fmt: skip
-    return out.view(*x.shape[:-1], N)
+    return [o.view(*x.shape[:-1], o.shape[1]) for o in outs]
