@@ -26,14 +26,27 @@ def mix(sources: list[torch.Tensor] | torch.Tensor, proj: ResProj, norm: RMSNorm
 
 
 def mix_norm(
-    sources: list[torch.Tensor] | torch.Tensor, proj: ResProj, norm: RMSNorm, out_norm: RMSNorm
+    sources: list[torch.Tensor] | torch.Tensor,
+    proj: ResProj,
+    norm: RMSNorm,
+    out_norm: RMSNorm,
+    update: torch.Tensor | None = None,
+    accumulate: bool = True,
 ) -> torch.Tensor:
-    """out_norm(mix(sources, proj, norm)): the mix and the consumer's pre-norm (or the final norm), one op."""
+    """out_norm(mix(sources, proj, norm)): the mix and the consumer's pre-norm (or the final norm), one op.
+    `update` [T, D] first goes into the last source in place, added (`accumulate`) or copied (sources: a view of
+    inference's buffer, not a list)."""
+    if update is not None:
+        assert isinstance(sources, torch.Tensor), "an update goes into a tensor's rows in place"
+        if len(sources) == 1:  # softmax over one source is 1: no mix to take the update
+            sources[0].add_(update) if accumulate else sources[0].copy_(update)
+            update = None
     if len(sources) == 1:
-        return out_norm(sources[0])  # softmax over one source is 1
+        return out_norm(sources[0])
     return attnres_mix_norm(
-        _stacked(sources), proj.weight.view(-1), norm.weight, norm.eps, out_norm.weight, out_norm.eps
-    )
+        _stacked(sources), proj.weight.view(-1), norm.weight, norm.eps, out_norm.weight, out_norm.eps,
+        update=update, accumulate=accumulate,
+    )  # fmt: skip
 
 
 def mix_norm_bank(

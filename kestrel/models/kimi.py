@@ -123,12 +123,14 @@ class KimiModel(nn.Module):
                 sources, layer.self_attention_res_proj, layer.self_attention_res_norm, layer.input_layernorm
             )
             a = layer.self_attn(h)
-            if closes:
-                buf[nb].copy_(a)  # a new partial sum
-            else:
-                buf[nb].add_(a)
+            # buf[nb] = a (a new partial sum) or += a, inside the mix that reads it
             h = mix_norm(
-                buf[: nb + 1], layer.mlp_res_proj, layer.mlp_res_norm, layer.post_attention_layernorm
+                buf[: nb + 1],
+                layer.mlp_res_proj,
+                layer.mlp_res_norm,
+                layer.post_attention_layernorm,
+                update=a,
+                accumulate=not closes,
             )
             # buf[nb] += the block's output (inside the MoE's last kernel, or add_)
             layer.mlp(h, add_to=buf[nb])

@@ -177,6 +177,38 @@ def test_attnres_mix_norm_matches_reference(dtype, S, T, D):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("accumulate", [True, False])
+@pytest.mark.parametrize("S,T,D", [(2, 1, 40), (3, 5, 64), (5, 2, 2048)])
+def test_attnres_mix_norm_takes_the_update_in_place(dtype, accumulate, S, T, D):
+    """A sublayer's output added to (or copied over) the last source as the kernel reads the sources: the same
+    buffer afterwards as torch's add_ / copy_ (bit for bit: one rounding of the fp32 sum), the untouched sources
+    the same, and the mix of the updated sources; the buffer's rows past T (another batch's) left alone."""
+    buf = _randn(S, T + 2, D, dtype=dtype, seed=S + T + D, scale=2.0)
+    update = _randn(T, D, dtype=dtype, seed=D, scale=1.5)
+    query = _randn(D, dtype=dtype, seed=21, scale=0.5)
+    weight, out_weight = _randn(D, dtype=dtype, seed=22), _randn(D, dtype=dtype, seed=23)
+    want_buf = buf.clone()
+    ref = attnres_mix_norm.eager(
+        want_buf[:, :T], query, weight, 1e-6, out_weight, 1e-5, update=update, accumulate=accumulate
+    )
+    if accumulate:
+        assert torch.equal(want_buf[-1, :T], (buf[-1, :T].float() + update.float()).to(dtype))
+    else:
+        assert torch.equal(want_buf[-1, :T], update)
+    got = attnres_mix_norm_triton(
+        buf[:, :T], query, weight, 1e-6, out_weight, 1e-5, update=update, accumulate=accumulate
+    )
+    if DEVICE == "cuda" or dtype == torch.float32:
+        assert torch.equal(buf, want_buf)
+    else:  # Triton's interpreter rounds fp32 to bf16 toward zero (the GPU to nearest even): one ulp apart at most
+        torch.testing.assert_close(buf, want_buf, rtol=2**-7, atol=0)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 and D > 1024 else TOL[dtype]
+    torch.testing.assert_close(got, ref, **tol)
+    fresh = attnres_mix_norm_triton(buf[:, :T].contiguous(), query, weight, 1e-6, out_weight, 1e-5)
+    assert torch.equal(got, fresh)  # the same kernel's mix of the sources it updated
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,H,D", [(1, 2, 8), (37, 3, 64), (300, 4, 40)])  # 300 x 160 spans two programs
 def test_sigmoid_gate_matches_reference(dtype, T, H, D):
     x = _randn(T, H, D, dtype=dtype, seed=T + H, scale=2.0)

@@ -39,12 +39,23 @@ def attnres_mix_norm(
     out_weight: torch.Tensor,
     out_eps: float,
     last: torch.Tensor | None = None,
+    update: torch.Tensor | None = None,
+    accumulate: bool = True,
 ) -> torch.Tensor:
     """`attnres_mix`, then the consumer's RMSNorm (out_weight, out_eps) of the mix rounded to sources.dtype: what
     every AttnRes consumer applies (model-spec 4.1: the sublayer's pre-norm, or the final norm). One op so that
     the fast path does both in one pass (a [T, D] write and read fewer per consumer: 48 of them in a prefill step
     of `mini`). `last` [T, D], where given, is one more source after `sources` (training's running sum: the fast
-    path reads it where it is instead of a copy stacked with the rest). Returns [T, D] in sources.dtype."""
+    path reads it where it is instead of a copy stacked with the rest). `update` [T, D], where given, first goes
+    into the last source in place: added to it (`accumulate`) or copied over it (inference's running sum taking a
+    sublayer's output: the fast path does it as it reads the sources, one launch fewer). Returns [T, D] in
+    sources.dtype."""
+    if update is not None:
+        assert last is None, "update goes into the last of `sources`: not with `last`"
+        if accumulate:
+            sources[-1].add_(update)
+        else:
+            sources[-1].copy_(update)
     if last is not None:
         assert last.shape == sources.shape[1:] and last.dtype == sources.dtype, (
             f"last {tuple(last.shape)} {last.dtype}, sources {tuple(sources.shape)} {sources.dtype}"

@@ -21,12 +21,14 @@ from kestrel.ops.pdl import pdl_args, pdl_begin
 def _mix_kernel(
     src_ptr, last_ptr, q_ptr, w_ptr, ow_ptr, out_ptr, T, D, stride_s, stride_t, stride_last, eps, out_eps,
     S: tl.constexpr, SP: tl.constexpr, NORM: tl.constexpr, LAST: tl.constexpr, BD: tl.constexpr,
-    PDL: tl.constexpr = False,
+    UPDATE: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program t: token t's S source rows in one [SP, BD] load (all in flight at once: at decode a program's
     time is its loads' latency, and a row at a time paid it S times), their logits, the softmax and the
     weighted sum from registers. With LAST, source S - 1 is read from `last_ptr` [T, D] (its own tensor, not a
-    row of `src_ptr`)."""
+    row of `src_ptr`). With UPDATE 1 / 2, row t of `last_ptr` is added to / copied over source S - 1 first,
+    rounded to the sources' dtype as torch's add_ / copy_ leave it, and stored back there (program t owns row
+    t)."""
     pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
@@ -45,6 +47,14 @@ def _mix_kernel(
     if LAST:
         row = tl.load(last_ptr + t * stride_last + cols, mask=mask, other=0.0).to(tl.float32)  # [BD]
         r = tl.where((ss == S - 1)[:, None], row[None, :], r)
+    if UPDATE:
+        is_last = (ss == S - 1)[:, None]
+        row = tl.load(last_ptr + t * stride_last + cols, mask=mask, other=0.0).to(tl.float32)  # [BD]
+        if UPDATE == 1:
+            row += tl.sum(tl.where(is_last, r, 0.0), axis=0)  # the running sum plus the sublayer's output
+        row = row.to(src_ptr.dtype.element_ty)
+        tl.store(src_ptr + (S - 1) * stride_s + t * stride_t + cols, row, mask=mask)
+        r = tl.where(is_last, row.to(tl.float32)[None, :], r)
     e = tl.sum(r * q[None, :], axis=1) * tl.rsqrt(tl.sum(r * r, axis=1) / D + eps)  # [SP] logits
     e = tl.where(live, e, float("-inf"))
     p = tl.exp(e - tl.max(e, axis=0))  # [SP]
@@ -74,28 +84,45 @@ def attnres_mix_norm_triton(
     out_weight: torch.Tensor,
     out_eps: float,
     last: torch.Tensor | None = None,
+    update: torch.Tensor | None = None,
+    accumulate: bool = True,
 ) -> torch.Tensor:
     """`naive.attnres_mix_norm`: the mix and the consumer's RMSNorm (out_weight [D]) in the same pass; `last`
-    [T, D] read in place as the source after `sources`."""
+    [T, D] read in place as the source after `sources`; `update` [T, D] added to (`accumulate`) or copied over
+    the last source, in place, as the sources are read."""
     assert out_weight.numel() == sources.shape[-1], f"out_weight {out_weight.numel()}, D {sources.shape[-1]}"
+    if update is not None:
+        assert last is None, "update goes into the last of `sources`: not with `last`"
+        return _mix(sources, query, norm_weight, eps, out_weight, out_eps, update, 1 if accumulate else 2)
     return _mix(sources, query, norm_weight, eps, out_weight, out_eps, last)
 
 
 def _mix(
-    sources, query, norm_weight, eps, out_weight, out_eps, last=None, num_warps: int | None = None
+    sources,
+    query,
+    norm_weight,
+    eps,
+    out_weight,
+    out_eps,
+    last=None,
+    update: int = 0,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
+    """With update 1 / 2, `last` goes into the last source (added / copied) instead of being one more."""
     S, T, D = sources.shape
     assert query.numel() == D and norm_weight.numel() == D, (
         f"query {query.numel()}, weight {norm_weight.numel()}, D {D}"
     )
-    if sources.stride(-1) != 1:
+    if update:  # written in place: the sources must be the caller's own memory
+        assert sources.stride(-1) == 1, "sources updated in place need a unit last stride"
+    elif sources.stride(-1) != 1:
         sources = sources.contiguous()
     if last is not None:
         assert last.shape == (T, D) and last.dtype == sources.dtype, (
             f"last {tuple(last.shape)} {last.dtype}, sources {tuple(sources.shape)} {sources.dtype}"
         )
         last = last if last.stride(-1) == 1 else last.contiguous()
-        S += 1
+        S += not update
     out = torch.empty(T, D, dtype=sources.dtype, device=sources.device)
     if T:
         BD, SP = triton.next_power_of_2(D), triton.next_power_of_2(S)
@@ -116,8 +143,9 @@ def _mix(
             S=S,
             SP=SP,
             NORM=out_weight is not None,
-            LAST=last is not None,
+            LAST=last is not None and not update,
             BD=BD,
+            UPDATE=update,
             # 8 warps: 64 values a thread at 8 x 2048; twice the warps past that (128 a thread up to 16 x 4096;
             # wider tiles spill registers: still right, slower)
             num_warps=num_warps or (16 if SP * BD > 16384 else min(8, max(1, BD // 256))),
