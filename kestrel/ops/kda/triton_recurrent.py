@@ -18,7 +18,12 @@ matter: mini's batch-256 step moves 5.0 GB of KDA state through 18 layers. Loadi
 wait (it overlaps the kernel before; no kernel of the step writes it) was slower on the H200 (session 24, 18
 layers in a graph at batch 256: 80.6 us a layer against 76.3): not kept. The state's loads and stores marked
 evict-first: 77.5 -> 75.0 us a layer at batch 256, 23.3 -> 22.6 at 64, the same bits (session 24; streaming
-stores alone 76.5).
+stores alone 76.5). Tried and dropped (session 41): the conv step inside this kernel's launch, each program
+computing its head's q and k and its own v columns from the windows, the last of a head's value blocks to arrive
+(an acq_rel count a slot and head) writing the q and k windows. 18 launches a step fewer, yet mini's replayed step
+at 4K was slower, each against the session's starting tree in the same call: batch 1 1.495 against 1.577 ms
+(without it, another call: 1.456 against 1.590), batch 256 7.683 against 6.406 (without it: 6.347 against 6.399).
+Its fp32 conv outputs were also not the conv kernel's bits (the taps' sum reduced in another tile shape).
 """
 
 from __future__ import annotations

@@ -96,6 +96,10 @@ def _gemv_kernel(
 # CUDA graph, block_n 16 / 32 / 64 x block_k 128 / 256 x 2-4 stages x prefetch on / off. 64 weight rows a program
 # (32 below 2048 outputs: more programs), 256-wide steps, 4 stages; the L2 prefetch paid up to 8 MB of weights
 # (2048 x 1024 at batch 1: 4.6 against 5.4 us without) and cost above (3072 x 2048 at batch 1: 8.5 against 7.8).
+# Swept again in session 41 (2026-12-04, .session script in bench/results/2026-12-04-h200-session41.json) on the
+# step's projections at batch 1 and 16 (KDA's q|k|v|f_a|b|g 4232 x 2048, MLA's six merged 7888 x 2048, the o
+# projections, KDA's f_b), block_n 16-128 x 4 / 8 warps x prefetch on / off: these defaults were the best or within
+# 0.02 us of it on every shape (e.g. the six merged at batch 1 11.05 us, 8 warps 16.45, block_n 32 22.3).
 PREFETCH_MAX_BYTES = 8 << 20
 
 
