@@ -17,6 +17,9 @@ from kestrel.ops.pdl import pdl_args
 # cuBLAS, which reads them at the copy rate).
 GEMV_MAX_ROWS = 16
 GEMV_MAX_N = 16384
+# Weights one GEMV launch takes at most (`linear_many`; MLA's projections of x: q, kv_a, the output gate, the indexer's
+# q, k and weights).
+GEMV_MAX_WEIGHTS = 6
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -50,11 +53,9 @@ def linear_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torc
     """[linear(x_i, W_i)] for (x_i, W_i) in pairs. Where every x_i is one tensor's data (x and x.detach(), say)
     and the GEMV applies to each pair, in one launch (`gemv_many_triton`); else one `linear` a pair, so that
     autograd sees each x_i as given (a detached input stays cut from the graph)."""
-    from kestrel.ops.linear.triton_gemv import SEGMENTS
-
     x = pairs[0][0] if pairs else None
     if (
-        1 < len(pairs) <= SEGMENTS
+        1 < len(pairs) <= GEMV_MAX_WEIGHTS
         and all(_same_data(xi, x) for xi, _ in pairs)
         and all(gemv_applies(xi, w) for xi, w in pairs)
     ):
@@ -73,4 +74,12 @@ def _same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-__all__ = ["GEMV_MAX_N", "GEMV_MAX_ROWS", "gemv_applies", "linear", "linear_many", "linear_reference"]
+__all__ = [
+    "GEMV_MAX_N",
+    "GEMV_MAX_ROWS",
+    "GEMV_MAX_WEIGHTS",
+    "gemv_applies",
+    "linear",
+    "linear_many",
+    "linear_reference",
+]

@@ -9,7 +9,7 @@ the next kernel launch, then asks for its whole weight slice into L2 (one bulk p
 waits for the kernel before it: weights do not depend on it, so they stream in while it ends, and the loop
 reads them from L2.
 
-One launch may take several weights of one input (`gemv_many_triton`, up to SEGMENTS): their slices are the
+One launch may take several weights of one input (`gemv_many_triton`, up to GEMV_MAX_WEIGHTS): their slices are the
 grid's programs one weight after another, and each program picks its weight, output and width from its index.
 A small projection alone costs a whole launch (4-5 us at batch 1 however few its bytes); side by side they cost
 their bytes.
@@ -26,10 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.ops.linear import GEMV_MAX_WEIGHTS as SEGMENTS
 from kestrel.ops.pdl import l2_prefetch, pdl_args, pdl_launch_next, pdl_wait
-
-# weights one launch takes at most (MLA's projections of x: q, kv_a, g, the indexer's q, k, weights)
-SEGMENTS = 6
 
 
 @triton.jit
