@@ -30,7 +30,8 @@ timed on the device in one run, one JSON result:
    256, against their bytes and the launch floor in the same graph.
 8. `pdl`: a chain of 200 dependent decode kernels in one CUDA graph with programmatic dependent launch off and on
    (kestrel.ops.pdl), us a kernel.
-9. `gemv`: decode's linear layers through cuBLAS against the Triton GEMV (kestrel.ops.linear), us a projection.
+9. `gemv`: decode's linear layers through cuBLAS against the Triton GEMV (kestrel.ops.linear), us a projection;
+   and MLA's six projections of one input as six GEMV launches against one (`gemv_merged`).
 10. `moe_fused`: the MoE layer at batch 1 in one launch (kestrel.ops.moe.triton_decode) against the six it replaces,
    its tiles and grid swept, us a layer in a graph of 24 layers against the bytes at the copy rate.
 Each section catches its own exceptions; the JSON is rewritten after every section. `--smoke` runs every section at
@@ -711,6 +712,42 @@ def gemv(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
                     entry[f"{mode}_us"] = calls_us(calls, device)
             entry["close"] = bool(torch.allclose(outs["auto"], outs["off"], rtol=2e-2, atol=2e-2))
             print(f"gemv {N}x{K} B={B}: {entry}", flush=True)
+    gemv_merged(result, device, smoke, ceilings, layers, batches)
+
+
+def gemv_merged(result: dict, device: str, smoke: bool, ceilings: dict, layers: int, batches: tuple) -> None:
+    """MLA's projections of one input (mini: q 3072, kv_a 576, the output gate 2048, the indexer's q 2048, k 128
+    and weights 16, all of 2048 inputs) after an RMSNorm: a GEMV launch apiece against one launch of all six
+    (`gemv_many_triton`, as the layer runs them at decode), a layer's weights apiece in one CUDA graph; us a
+    layer against the weights' bytes at the copy rate; whether the two give the same bits."""
+    from kestrel.ops.linear.triton_gemv import gemv_many_triton, gemv_triton
+    from kestrel.ops.norm.triton_norm import rms_norm_triton
+
+    Ns, K = ((48, 16, 32, 8), 64) if smoke else ((3072, 576, 2048, 2048, 128, 16), 2048)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(1)
+    sets = [
+        [(torch.randn(n, K, generator=g, device=device) * 0.02).to(dtype) for n in Ns] for _ in range(layers)
+    ]
+    norm_w = torch.ones(K, device=device, dtype=dtype)
+    rows = result["gemv_merged"] = {"shapes": [[n, K] for n in Ns]}
+
+    def apart(x, ws):
+        h = rms_norm_triton(x, norm_w, 1e-6)
+        return [gemv_triton(h, w) for w in ws]
+
+    def merged(x, ws):
+        return gemv_many_triton(rms_norm_triton(x, norm_w, 1e-6), ws)
+
+    for B in batches:
+        x = torch.randn(B, K, generator=g, device=device).to(dtype)
+        entry = rows[f"B={B}"] = {
+            "floor_us": 1e6 * sum(Ns) * K * sets[0][0].element_size() / (ceilings["copy_TBps"] * 1e12)
+        }
+        entry["apart_us"] = calls_us([functools.partial(apart, x, ws) for ws in sets], device)
+        entry["one_launch_us"] = calls_us([functools.partial(merged, x, ws) for ws in sets], device)
+        entry["same"] = all(torch.equal(a, b) for a, b in zip(apart(x, sets[0]), merged(x, sets[0])))
+        print(f"gemv merged B={B}: {entry}", flush=True)
 
 
 def _traced(one, nets, outs, device, rounds: int = 3) -> dict:

@@ -22,7 +22,8 @@ import triton.language as tl
 from kestrel.ops.pdl import pdl_args, pdl_begin
 
 # a chunk's width: 2048 (64 a row of mini's 129K vocabulary, 16 values a thread of 4 warps) up to BV_WIDE_FROM rows,
-# else 8192 (fewer, longer programs: 34.4 against 39.4 us at 256 rows, session 40)
+# else 8192 (fewer, longer programs: 34.4 against 39.4 us at 256 rows, session 40). Session 41 swept widths 2048-16384 x
+# 4 / 8 / 16 warps at 64 and 256 rows: nothing beat these (256 rows: 34.3 us, the best other 34.6; the bytes 15.6)
 BV, BV_WIDE, BV_WIDE_FROM = 2048, 8192, 128
 
 
@@ -61,9 +62,9 @@ def _rows_kernel(best, out, C, BC: tl.constexpr, PDL: tl.constexpr = False):
     tl.store(out + b, 2147483647 - (packed & 4294967295))
 
 
-def argmax_triton(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
+def argmax_triton(x: torch.Tensor, block: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """x [B, V] (fp32, bf16 or fp16; rows contiguous) -> [B] int64, torch.argmax(x, -1). block: a chunk's width
-    (a power of two; None: BV, or BV_WIDE from BV_WIDE_FROM rows)."""
+    (a power of two; None: BV, or BV_WIDE from BV_WIDE_FROM rows); num_warps: the chunk kernel's."""
     assert x.dim() == 2 and x.stride(-1) == 1, (
         f"logits {tuple(x.shape)} with stride {x.stride()}: rows [B, V]"
     )
@@ -76,6 +77,6 @@ def argmax_triton(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
     C = triton.cdiv(V, block)
     best = torch.empty(B, C, dtype=torch.int64, device=x.device)
     pdl = pdl_args(out)
-    _chunk_kernel[(B, C)](x, best, V, C, x.stride(0), BV=block, num_warps=4, **pdl)
+    _chunk_kernel[(B, C)](x, best, V, C, x.stride(0), BV=block, num_warps=num_warps, **pdl)
     _rows_kernel[(B,)](best, out, C, BC=triton.next_power_of_2(C), num_warps=1, **pdl)
     return out
