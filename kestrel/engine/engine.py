@@ -6,10 +6,11 @@ The overlap schedule (on unless `disable_overlap_schedule`): while a decode step
 already launches the next one, whose input tokens are the device tensor the step in flight samples into, and
 only then waits for the step in flight and post-processes it. The host's scheduling, staging and
 post-processing hide behind the device's step instead of adding to it. It runs where the next step is the same
-decode batch one position further and no request needs the host's token lists to sample (penalties, logprobs);
-elsewhere a step runs, samples and lands before the next is scheduled. A request that stops on a sampled token
-(EOS, a stop token or string) has computed one more step by the time the host sees it: the token it sampled is
-dropped, while its KV row and state (the stop token's own, correct) may go into the prefix cache with the rest.
+decode batch one position further and no request needs the host's token lists to sample (penalties; logprobs
+are computed on the device and come up with the tokens); elsewhere a step runs, samples and lands before the
+next is scheduled. A request that stops on a sampled token (EOS, a stop token or string) has computed one more
+step by the time the host sees it: the token it sampled is dropped, while its KV row and state (the stop token's
+own, correct) may go into the prefix cache with the rest.
 The next step is planned before the step in flight lands: a slot that a stop frees is taken one step later than
 without the overlap (one that a length limit frees is known ahead, and the plain schedule takes it at once).
 """
@@ -59,12 +60,14 @@ class RequestError(KestrelError):
 @dataclass
 class InFlight:
     """A decode step launched and not yet read back: its batch, its tokens on the device, their host copy (pinned
-    on CUDA), and the event recorded after that copy (None on the CPU, where everything has run already)."""
+    on CUDA), the host copies of the logprobs its requests ask for (`Sampler.logprob_rows`' tuple, or None), and
+    the event recorded after those copies (None on the CPU, where everything has run already)."""
 
     batch: Batch
     tokens: torch.Tensor
     host: torch.Tensor
     copied: torch.cuda.Event | None
+    logprobs: tuple | None = None
 
 
 class Engine:
@@ -271,9 +274,15 @@ class Engine:
         """Sample a decode step on the device and start its tokens' copy to the host; the step's bookkeeping
         that needs no token (positions, KDA checkpoints) is done now, ahead of the next step on the stream."""
         tokens = self.sampler.tokens(logits, batch.decode, ahead, argmax=self.runner.argmax)
+        found = self.sampler.logprob_rows(logits, tokens, batch.decode)
+        if (
+            found is not None
+        ):  # each copy queued behind the last: the tokens' event, recorded after, covers them
+            rows, *parts = found
+            found = (rows, *(to_host_async(t)[0] for t in parts))
         host, copied = to_host_async(tokens)
         self._advance(batch)
-        return InFlight(batch, tokens, host, copied)
+        return InFlight(batch, tokens, host, copied, found)
 
     def _land(self, step: InFlight) -> list[StepOutput]:
         """Wait for an in-flight step's tokens and post-process them; requests that finished meanwhile (an abort,
@@ -281,8 +290,12 @@ class Engine:
         finished by now is dropped unread: nothing in it is anyone's."""
         if step.copied is not None:
             step.copied.synchronize()
-        live = [(r, t) for r, t in zip(step.batch.decode, step.host.tolist()) if r.status is Status.RUNNING]
-        outputs = self._record([r for r, _ in live], [t for _, t in live], [None] * len(live))
+        tokens = step.host.tolist()
+        logprobs = self.sampler.logprobs(step.logprobs, tokens, step.batch.decode)
+        live = [
+            (r, t, lp) for r, t, lp in zip(step.batch.decode, tokens, logprobs) if r.status is Status.RUNNING
+        ]
+        outputs = self._record([r for r, _, _ in live], [t for _, t, _ in live], [lp for _, _, lp in live])
         after = self.in_flight
         if after is not None and all(r.status is not Status.RUNNING for r in after.batch.decode):
             self.in_flight = None

@@ -5,8 +5,8 @@ batched ops (kestrel.ops.sampling); greedy rows take the argmax of the penalized
 
 `tokens()` stays on the device and never waits for it (its per-request values go up through pinned memory), so
 the engine can sample a step it runs ahead of the host (`ahead`: outputs the request has that its output_ids do
-not show yet). Penalties and logprobs read the host's token lists, so requests that ask for them do not run
-ahead (`can_run_ahead`).
+not show yet). So does `logprob_rows()`, the logprobs of the tokens on the device; `logprobs()` reads them on the
+host. Penalties read the host's token lists, so requests that ask for them do not run ahead (`can_run_ahead`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,15 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         if not reqs:
             return [], []
-        token_list = self.tokens(logits, reqs, argmax=argmax).tolist()
-        return token_list, self._logprobs(logits, token_list, reqs)
+        tokens = self.tokens(logits, reqs, argmax=argmax)
+        rows = self.logprob_rows(logits, tokens, reqs)
+        token_list = tokens.tolist()
+        return token_list, self.logprobs(rows, token_list, reqs)
 
     @staticmethod
     def can_run_ahead(reqs: list[Request]) -> bool:
         """Whether these requests can be sampled before their last token is on the host."""
-        return not any(_needs_penalties(r) or r.params.logprobs is not None for r in reqs)
+        return not any(_needs_penalties(r) for r in reqs)
 
     def tokens(
         self, logits: torch.Tensor, reqs: list[Request], ahead: int = 0, argmax: torch.Tensor | None = None
@@ -107,18 +109,30 @@ class Sampler:
             (where[0], where[1]), torch.full((), float("-inf"), dtype=x.dtype, device=x.device)
         )
 
-    def _logprobs(
-        self, raw: torch.Tensor, tokens: list[int], reqs: list[Request]
-    ) -> list[TokenLogprob | None]:
-        """Logprobs of the model's distribution (before penalties and temperature), like vLLM's default."""
+    def logprob_rows(self, raw: torch.Tensor, tokens: torch.Tensor, reqs: list[Request]) -> tuple | None:
+        """The logprobs the requests ask for, on the device, with no host sync: of the model's distribution
+        (before penalties and temperature, like vLLM's default), the sampled tokens' [b] and the top k [b, k]
+        (values, ids), k the most any row asks for, for the rows that ask; None when no row does. tokens [B]
+        on raw's device."""
         rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        out: list[TokenLogprob | None] = [None] * len(reqs)
         if not rows:
-            return out
-        lp = torch.log_softmax(raw[rows].float(), dim=-1)  # [b, V] fp32
+            return None
+        if len(rows) < len(reqs):
+            idx = to_device_async(torch.tensor(rows), raw.device)
+            raw, tokens = raw.index_select(0, idx), tokens.index_select(0, idx)
+        lp = torch.log_softmax(raw.float(), dim=-1)  # [b, V] fp32
         k = max(reqs[i].params.logprobs for i in rows)
         top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
-        chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=lp.device)[:, None])[:, 0]
+        return rows, lp.gather(1, tokens[:, None])[:, 0], top_v, top_i
+
+    @staticmethod
+    def logprobs(found: tuple | None, tokens: list[int], reqs: list[Request]) -> list[TokenLogprob | None]:
+        """`logprob_rows`' tensors (on the host, or read back here) as each request's TokenLogprob (None for the
+        rows that ask for none)."""
+        out: list[TokenLogprob | None] = [None] * len(reqs)
+        if found is None:
+            return out
+        rows, chosen, top_v, top_i = found
         chosen, top_v, top_i = chosen.tolist(), top_v.tolist(), top_i.tolist()
         for j, i in enumerate(rows):
             n = reqs[i].params.logprobs

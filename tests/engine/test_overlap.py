@@ -80,16 +80,15 @@ def test_overlap_gives_the_plain_schedules_tokens(model):
     assert engine.in_flight is None and _baseline(engine) == base
 
 
-def test_penalties_and_logprobs_run_unoverlapped_beside_greedy(model):
-    """A request that reads the host's token lists (penalties, logprobs) keeps its batch on the plain schedule
-    while it runs; once it finishes, the others run ahead again."""
+def test_penalties_run_unoverlapped_beside_greedy(model):
+    """A request with penalties (which read the host's token lists) keeps its batch on the plain schedule while it
+    runs; once it finishes, the others run ahead again."""
     jobs = {
         "greedy": (_prompt(10, 8), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)),
         "penalized": (
             _prompt(10, 9),
             SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, frequency_penalty=2.0),
         ),
-        "logprobs": (_prompt(7, 3), SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)),
     }
     want, _ = _run(_engine(model, False), jobs)
     engine = _engine(model, True)
@@ -97,6 +96,44 @@ def test_penalties_and_logprobs_run_unoverlapped_beside_greedy(model):
     got, _ = _run(engine, jobs)
     assert got == want
     assert 5 <= seen["ahead"] <= 14, seen  # greedy alone for its last ~13 steps
+
+
+def test_logprobs_run_ahead_with_the_plain_schedules_values(model):
+    """Logprobs are computed on the device with the tokens and come up with them: requests that ask for them (top
+    2, top 0, one beside a request that asks for none, a sampled one) run ahead, and every token's logprob and
+    top alternatives equal the plain schedule's."""
+    jobs = {
+        "top2": (_prompt(10, 30), SamplingParams(temperature=0, max_tokens=14, logprobs=2, ignore_eos=True)),
+        "top0": (_prompt(7, 31), SamplingParams(temperature=0, max_tokens=9, logprobs=0, ignore_eos=True)),
+        "none": (_prompt(12, 32), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)),
+        "sampled": (
+            _prompt(9, 33),
+            SamplingParams(temperature=0.8, top_k=20, max_tokens=12, seed=5, logprobs=3, ignore_eos=True),
+        ),
+    }
+
+    def run(engine):
+        for rid, (prompt, params) in jobs.items():
+            engine.add_request(prompt, params, rid)
+        out = {rid: [] for rid in jobs}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += (
+                    [(t, None) for t in o.new_token_ids]
+                    if o.new_logprobs is None
+                    else [(lp.token_id, (lp.logprob, lp.top)) for lp in o.new_logprobs]
+                )
+        return out
+
+    want = run(_engine(model, False))
+    engine = _engine(model, True)
+    seen = _count_ahead(engine)
+    got = run(engine)
+    assert got == want
+    assert all(lp is not None for rid in ("top2", "top0", "sampled") for _, lp in got[rid])
+    assert all(len(top) == 2 for _, (_, top) in got["top2"]) and all(top == [] for _, (_, top) in got["top0"])
+    assert all(lp is None for _, lp in got["none"])
+    assert seen["ahead"] >= 10, seen
 
 
 def test_switching_the_overlap_off_mid_run(model):
@@ -193,7 +230,8 @@ def test_stops_found_a_step_late_keep_the_cache_right(model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_steady_decode_step_never_waits_for_the_stream():
     """Under the overlap schedule a steady decode step (greedy and seeded sampling, with min_tokens banning a stop
-    token id) stages, launches and samples without a single stream sync: torch's sync debug mode raises on any."""
+    token id, two requests with logprobs) stages, launches and samples without a single stream sync: torch's sync
+    debug mode raises on any."""
     net = build_model("tiny", dtype=torch.bfloat16, device="cuda", seed=SEED)
     engine = Engine(EngineConfig(model="tiny", page_size=4, max_running_requests=8), model=net)
     for i in range(4):
@@ -205,6 +243,7 @@ def test_steady_decode_step_never_waits_for_the_stream():
             min_tokens=20,
             ignore_eos=True,
             stop_token_ids=[7],
+            logprobs=i if i >= 2 else None,
         )
         engine.add_request(_prompt(30 + i, i), params)
     for _ in range(4):  # prefill, then the first decode steps
