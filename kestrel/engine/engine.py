@@ -6,9 +6,9 @@ The overlap schedule (on unless `disable_overlap_schedule`): while a decode step
 already launches the next one, whose input tokens are the device tensor the step in flight samples into, and
 only then waits for the step in flight and post-processes it. The host's scheduling, staging and
 post-processing hide behind the device's step instead of adding to it. It runs where the next step is the same
-decode batch one position further and no request needs the host's token lists to sample (penalties; logprobs
-are computed on the device and come up with the tokens); elsewhere a step runs, samples and lands before the
-next is scheduled. A request that stops on a sampled token (EOS, a stop token or string) has computed one more
+decode batch one position further (penalties count the token still in flight on the device; logprobs are
+computed on the device and come up with the tokens); elsewhere a step runs, samples and lands before the next
+is scheduled. A request that stops on a sampled token (EOS, a stop token or string) has computed one more
 step by the time the host sees it: the token it sampled is dropped, while its KV row and state (the stop token's
 own, correct) may go into the prefix cache with the rest.
 The next step is planned before the step in flight lands: a slot that a stop frees is taken one step later than
@@ -253,7 +253,7 @@ class Engine:
             if self.checkpoints is not None:
                 self.checkpoints.before_step(batch)
             logits = self.runner.forward(batch)
-            ahead = self.overlap and not batch.prefill and self.sampler.can_run_ahead(batch.decode)
+            ahead = self.overlap and not batch.prefill
             if not ahead:
                 tokens, logprobs = self.sampler(logits, batch.sampled, argmax=self.runner.argmax)
                 self._advance(batch)
@@ -267,13 +267,16 @@ class Engine:
                 keep = set(nxt.decode)
                 rows = [i for i, r in enumerate(landing.batch.decode) if r in keep]
                 ids = ids.index_select(0, to_device_async(torch.tensor(rows), ids.device))
-            self.in_flight = self._launch(nxt, self.runner.forward(nxt, decode_ids=ids), ahead=1)
+            self.in_flight = self._launch(nxt, self.runner.forward(nxt, decode_ids=ids), ahead=1, pending=ids)
         return self._land(landing)
 
-    def _launch(self, batch: Batch, logits: torch.Tensor, ahead: int) -> InFlight:
+    def _launch(
+        self, batch: Batch, logits: torch.Tensor, ahead: int, pending: torch.Tensor | None = None
+    ) -> InFlight:
         """Sample a decode step on the device and start its tokens' copy to the host; the step's bookkeeping
-        that needs no token (positions, KDA checkpoints) is done now, ahead of the next step on the stream."""
-        tokens = self.sampler.tokens(logits, batch.decode, ahead, argmax=self.runner.argmax)
+        that needs no token (positions, KDA checkpoints) is done now, ahead of the next step on the stream.
+        pending: with ahead = 1, the tokens of the step in flight (its requests' outputs not on the host yet)."""
+        tokens = self.sampler.tokens(logits, batch.decode, ahead, argmax=self.runner.argmax, pending=pending)
         found = self.sampler.logprob_rows(logits, tokens, batch.decode)
         if (
             found is not None

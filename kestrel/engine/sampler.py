@@ -5,8 +5,8 @@ batched ops (kestrel.ops.sampling); greedy rows take the argmax of the penalized
 
 `tokens()` stays on the device and never waits for it (its per-request values go up through pinned memory), so
 the engine can sample a step it runs ahead of the host (`ahead`: outputs the request has that its output_ids do
-not show yet). So does `logprob_rows()`, the logprobs of the tokens on the device; `logprobs()` reads them on the
-host. Penalties read the host's token lists, so requests that ask for them do not run ahead (`can_run_ahead`).
+not show yet; their last token, still on the device, is `pending` to the penalties). So does `logprob_rows()`, the
+logprobs of the tokens on the device; `logprobs()` reads them on the host.
 """
 
 from __future__ import annotations
@@ -38,22 +38,23 @@ class Sampler:
         token_list = tokens.tolist()
         return token_list, self.logprobs(rows, token_list, reqs)
 
-    @staticmethod
-    def can_run_ahead(reqs: list[Request]) -> bool:
-        """Whether these requests can be sampled before their last token is on the host."""
-        return not any(_needs_penalties(r) for r in reqs)
-
     def tokens(
-        self, logits: torch.Tensor, reqs: list[Request], ahead: int = 0, argmax: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        ahead: int = 0,
+        argmax: torch.Tensor | None = None,
+        pending: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The next token of each request [B] int64, on the logits' device, with no host sync. logits [B, V] in
         any float dtype (the model's: what is computed on them is in fp32). argmax [B]: the logits rows'
         argmax where already computed (the runner's decode graph), taken for the greedy rows unless a penalty
-        or an early-stop ban changes the logits."""
+        or an early-stop ban changes the logits. pending [B]: with ahead = 1, each request's output that is on the
+        device only (the step in flight's token), which the penalties count."""
         dev = logits.device
         x = logits
         if any(_needs_penalties(r) for r in reqs):
-            x = self._penalize(x, reqs)  # fp32 out
+            x = self._penalize(x, reqs, pending)  # fp32 out
         x = self._suppress_early_stops(x, reqs, ahead)
         tokens = argmax if argmax is not None and x is logits else greedy(x)  # [B]; sampled rows overwritten
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
@@ -73,16 +74,28 @@ class Sampler:
             tokens = tokens.index_copy(0, idx, drawn)
         return tokens
 
-    def _penalize(self, x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _penalize(
+        self, x: torch.Tensor, reqs: list[Request], pending: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`apply_penalties` with each request's output counts and seen tokens (prompt and output), built on the
+        device from the host's lists (one copy up, no sync) plus `pending`, the outputs not on the host yet."""
         B, V = x.shape
-        counts = torch.zeros(B, V, device=x.device)
-        seen = torch.zeros(B, V, dtype=torch.bool, device=x.device)
-        for i, r in enumerate(reqs):
-            if r.output_ids:
-                out = torch.tensor(r.output_ids, device=x.device)
-                counts[i].index_add_(0, out, torch.ones(len(out), device=x.device))
-            seen[i, torch.tensor(r.all_ids, device=x.device)] = True
-        f = lambda vals: torch.tensor(vals, dtype=torch.float32, device=x.device)  # noqa: E731
+        dev = x.device
+        out_rows = [i for i, r in enumerate(reqs) for _ in r.output_ids]
+        out_ids = [t for r in reqs for t in r.output_ids]
+        seen_rows = [i for i, r in enumerate(reqs) for _ in r.all_ids]
+        seen_ids = [t for r in reqs for t in r.all_ids]
+        up = to_device_async(torch.tensor([out_rows + seen_rows, out_ids + seen_ids], dtype=torch.int64), dev)
+        o, sn = up[:, : len(out_ids)], up[:, len(out_ids) :]
+        counts = torch.zeros(B, V, device=dev)
+        seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
+        counts.index_put_((o[0], o[1]), torch.ones(len(out_ids), device=dev), accumulate=True)
+        seen.index_put_((sn[0], sn[1]), torch.ones((), dtype=torch.bool, device=dev))
+        if pending is not None:
+            rows = torch.arange(B, device=dev)
+            counts.index_put_((rows, pending), torch.ones(B, device=dev), accumulate=True)
+            seen.index_put_((rows, pending), torch.ones((), dtype=torch.bool, device=dev))
+        f = lambda vals: to_device_async(torch.tensor(vals, dtype=torch.float32), dev)  # noqa: E731
         return apply_penalties(
             x,
             counts,

@@ -80,14 +80,27 @@ def test_overlap_gives_the_plain_schedules_tokens(model):
     assert engine.in_flight is None and _baseline(engine) == base
 
 
-def test_penalties_run_unoverlapped_beside_greedy(model):
-    """A request with penalties (which read the host's token lists) keeps its batch on the plain schedule while it
-    runs; once it finishes, the others run ahead again."""
+def test_penalties_run_ahead_with_the_plain_schedules_tokens(model):
+    """Penalties count each request's outputs: the host's lists plus the token of the step in flight, on the device
+    only (`pending`). Frequency, presence and repetition penalties, greedy and sampled, beside a request with none:
+    they run ahead, with the plain schedule's tokens; the penalties change what is sampled."""
+    params = dict(max_tokens=16, ignore_eos=True)
     jobs = {
-        "greedy": (_prompt(10, 8), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)),
-        "penalized": (
-            _prompt(10, 9),
-            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, frequency_penalty=2.0),
+        "greedy": (_prompt(10, 8), SamplingParams(temperature=0, **params)),
+        # a negative penalty: each output is sampled again, so every step counts the token still in flight
+        "frequency": (_prompt(10, 8), SamplingParams(temperature=0, frequency_penalty=-2.0, **params)),
+        "presence": (_prompt(11, 9), SamplingParams(temperature=0, presence_penalty=1.5, **params)),
+        # the token in flight decides this one's 8th token (left uncounted, the 8th differs: checked by hand)
+        "presence_in_flight": (
+            _prompt(10, 10),
+            SamplingParams(temperature=0, presence_penalty=-0.5, **params),
+        ),
+        "repetition": (_prompt(9, 10), SamplingParams(temperature=0, repetition_penalty=1.8, **params)),
+        "sampled": (
+            _prompt(8, 11),
+            SamplingParams(
+                temperature=0.9, top_k=30, seed=4, frequency_penalty=0.7, presence_penalty=0.4, **params
+            ),
         ),
     }
     want, _ = _run(_engine(model, False), jobs)
@@ -95,7 +108,8 @@ def test_penalties_run_unoverlapped_beside_greedy(model):
     seen = _count_ahead(engine)
     got, _ = _run(engine, jobs)
     assert got == want
-    assert 5 <= seen["ahead"] <= 14, seen  # greedy alone for its last ~13 steps
+    assert got["frequency"] != got["greedy"] and len(set(got["frequency"])) < 4  # the same prompt, repeated
+    assert seen["ahead"] >= 10, seen
 
 
 def test_logprobs_run_ahead_with_the_plain_schedules_values(model):
@@ -230,8 +244,8 @@ def test_stops_found_a_step_late_keep_the_cache_right(model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_steady_decode_step_never_waits_for_the_stream():
     """Under the overlap schedule a steady decode step (greedy and seeded sampling, with min_tokens banning a stop
-    token id, two requests with logprobs) stages, launches and samples without a single stream sync: torch's sync
-    debug mode raises on any."""
+    token id, two requests with logprobs, one with a penalty) stages, launches and samples without a single stream
+    sync: torch's sync debug mode raises on any."""
     net = build_model("tiny", dtype=torch.bfloat16, device="cuda", seed=SEED)
     engine = Engine(EngineConfig(model="tiny", page_size=4, max_running_requests=8), model=net)
     for i in range(4):
@@ -244,6 +258,7 @@ def test_steady_decode_step_never_waits_for_the_stream():
             ignore_eos=True,
             stop_token_ids=[7],
             logprobs=i if i >= 2 else None,
+            frequency_penalty=0.5 if i == 3 else 0.0,
         )
         engine.add_request(_prompt(30 + i, i), params)
     for _ in range(4):  # prefill, then the first decode steps
