@@ -8,6 +8,8 @@ also gathers its page table and ends with the greedy rows' argmax, work that ran
 must move / step time / measured copy bandwidth, with bytes = weights touched (every dense weight, the experts
 the batch hits, the LM head) + KDA state read and written + the MLA/DSA cache read (indexer keys of every
 position, latent rows of the selected ones).
+With --sampling logprobs / penalties the requests also ask for top-5 logprobs, or frequency and presence
+penalties: the sampler's extra work a step, which the overlap schedule still hides behind the device (session 41).
 With --profile, each point's replayed step is also broken down by kernel (torch.profiler over a few replays):
 the kernels' summed time against the replay's, their count, and the kernels that took the most time, each
 with its share of the step and a category (KDA, MoE, MLA, DSA, matmul, ...): where the step's time goes.
@@ -66,8 +68,20 @@ def step_bytes(
     return parts
 
 
-def place_in_decode(engine: Engine, batch: int, context: int, steps: int, seed: int = 0) -> list[Request]:
-    """`batch` requests that have `context` tokens cached and are ready to decode `steps` tokens."""
+# what the benchmark's requests ask beside greedy decoding (`--sampling`): each makes the sampler do more a step,
+# and under the overlap schedule it still runs ahead of the host
+SAMPLING = {
+    "greedy": {},
+    "logprobs": {"logprobs": 5},
+    "penalties": {"frequency_penalty": 0.5, "presence_penalty": 0.5},
+}
+
+
+def place_in_decode(
+    engine: Engine, batch: int, context: int, steps: int, seed: int = 0, sampling: str = "greedy"
+) -> list[Request]:
+    """`batch` requests that have `context` tokens cached and are ready to decode `steps` tokens, greedy, with what
+    SAMPLING[sampling] adds."""
     g = torch.Generator().manual_seed(seed)
     vocab = engine.model.config.vocab_size
     reqs = []
@@ -76,7 +90,7 @@ def place_in_decode(engine: Engine, batch: int, context: int, steps: int, seed: 
         req = Request(
             f"bench-{seed}-{i}",
             prompt,
-            SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True, **SAMPLING[sampling]),
             seed,
             context + steps + 8,
         )
@@ -181,12 +195,19 @@ def _print_profile(prof: dict) -> None:
 
 
 def _time_decode(
-    engine: Engine, b: int, context: int, steps: int, dense: bool, ceilings: dict, profile: bool = False
+    engine: Engine,
+    b: int,
+    context: int,
+    steps: int,
+    dense: bool,
+    ceilings: dict,
+    profile: bool = False,
+    sampling: str = "greedy",
 ) -> dict:
     """One (batch, mode) point: the step through Engine.step() (host-timed, everything a user gets), under the
     engine's overlap schedule and then with it off (each step read back before the next is launched), and the
     bare CUDA-graph replay (GPU-timed)."""
-    reqs = place_in_decode(engine, b, context, 2 * steps + 8)
+    reqs = place_in_decode(engine, b, context, 2 * steps + 8, sampling=sampling)
     step_ms, configured = {}, engine.overlap
     for overlap in (True, False):
         engine.overlap = overlap
@@ -211,6 +232,7 @@ def _time_decode(
         "batch": b,
         "context": context,
         "attention": "dense MLA" if dense else "DSA",
+        "sampling": sampling,
         "index_keys": "fp8" if engine.kv_pool.index_fp8 else "bf16",
         "step_ms": step_ms,
         "step_ms_no_overlap": plain_ms,
@@ -253,6 +275,7 @@ def decode_bench(
     index_key_dtype: str = "auto",
     device: str = "cuda",
     profile: bool = False,
+    sampling: str = "greedy",
 ) -> dict:
     """On CUDA, or on the CPU at small sizes (the smoke run of scripts/gpu_suite.py: no graph replay)."""
     if torch.device(device).type == "cuda":
@@ -279,7 +302,7 @@ def decode_bench(
         for dense in modes:  # outside: each switch recaptures the decode graphs
             engine.set_dense_attention(dense)
             for b in batch_sizes:
-                runs.append(_time_decode(engine, b, context, steps, dense, ceilings, profile))
+                runs.append(_time_decode(engine, b, context, steps, dense, ceilings, profile, sampling))
         engine.set_dense_attention(False)
         engine = None  # noqa: F841 - free its pools before the next context
         torch.cuda.empty_cache()
@@ -304,6 +327,7 @@ def cmd_bench_decode(args) -> int:
         not args.no_dense,
         args.index_key_dtype,
         profile=args.profile,
+        sampling=args.sampling,
     )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

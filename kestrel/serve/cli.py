@@ -348,6 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--profile", action="store_true", help="break each replayed step down by kernel (torch.profiler)"
     )
+    d.add_argument(
+        "--sampling",
+        choices=["greedy", "logprobs", "penalties"],
+        default="greedy",
+        help="what the requests ask beside greedy tokens: top-5 logprobs, or frequency and presence penalties",
+    )
     d.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     d.set_defaults(func=_bench("decode"))
     k = benchmarks.add_parser(

@@ -46,3 +46,17 @@ def test_decode_profile_categories():
     assert _category("nvjet_tst_128x64_64x8_1x1_v_bz_TNT") == "matmul"
     assert _category("void at::native::unrolled_elementwise_kernel<direct_copy>") == "copy / elementwise"
     assert _category("something_new") == "other"
+
+
+@pytest.mark.parametrize("sampling", ["logprobs", "penalties"])
+def test_decode_bench_requests_can_ask_for_logprobs_or_penalties(sampling):
+    """`bench decode --sampling`: the placed requests ask for top-5 logprobs or penalties, and the step is timed
+    with the overlap schedule and without it (on the CPU at tiny sizes: the code runs, the figures mean nothing)."""
+    from kestrel.bench.decode import SAMPLING, decode_bench
+
+    result = decode_bench(
+        "tiny", batches=(2,), contexts=(16,), steps=3, dense_contrast=False, device="cpu", sampling=sampling
+    )
+    (run,) = result["runs"]
+    assert run["sampling"] == sampling and SAMPLING[sampling]
+    assert run["step_ms"] > 0 and run["step_ms_no_overlap"] > 0
