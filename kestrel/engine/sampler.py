@@ -27,6 +27,9 @@ def _needs_penalties(r: Request) -> bool:
 class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...]):
         self.eos_token_ids = tuple(eos_token_ids)
+        # id(request) -> (the request, its prompt's ids on the device), uploaded once for the penalties' seen tokens;
+        # an entry lives while its request is in the penalized rows (holding it: its id is not reused meanwhile)
+        self._prompts: dict[int, tuple[Request, torch.Tensor]] = {}
 
     def __call__(
         self, logits: torch.Tensor, reqs: list[Request], argmax: torch.Tensor | None = None
@@ -78,23 +81,31 @@ class Sampler:
         self, x: torch.Tensor, reqs: list[Request], pending: torch.Tensor | None = None
     ) -> torch.Tensor:
         """`apply_penalties` with each request's output counts and seen tokens (prompt and output), built on the
-        device from the host's lists (one copy up, no sync) plus `pending`, the outputs not on the host yet."""
+        device with no sync: each prompt uploaded once (kept while its request is penalized), the outputs from the
+        host's lists in one copy, plus `pending`, the outputs not on the host yet."""
         B, V = x.shape
         dev = x.device
+        prompts = [self._prompt_ids(r, dev) for r in reqs]
+        self._prompts = {id(r): (r, p) for r, p in zip(reqs, prompts)}  # these rows' own: the rest go
         out_rows = [i for i, r in enumerate(reqs) for _ in r.output_ids]
         out_ids = [t for r in reqs for t in r.output_ids]
-        seen_rows = [i for i, r in enumerate(reqs) for _ in r.all_ids]
-        seen_ids = [t for r in reqs for t in r.all_ids]
-        up = to_device_async(torch.tensor([out_rows + seen_rows, out_ids + seen_ids], dtype=torch.int64), dev)
-        o, sn = up[:, : len(out_ids)], up[:, len(out_ids) :]
+        n = len(out_ids)
+        up = to_device_async(
+            torch.tensor(out_rows + out_ids + [p.numel() for p in prompts], dtype=torch.int64), dev
+        )
+        out_rows, out_ids, lens = up[:n], up[n : 2 * n], up[2 * n :]
+        one = torch.ones((), dtype=torch.bool, device=dev)
         counts = torch.zeros(B, V, device=dev)
         seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
-        counts.index_put_((o[0], o[1]), torch.ones(len(out_ids), device=dev), accumulate=True)
-        seen.index_put_((sn[0], sn[1]), torch.ones((), dtype=torch.bool, device=dev))
+        counts.index_put_((out_rows, out_ids), torch.ones(n, device=dev), accumulate=True)
+        seen.index_put_((out_rows, out_ids), one)
+        total = sum(p.numel() for p in prompts)
+        prompt_rows = torch.repeat_interleave(torch.arange(B, device=dev), lens, output_size=total)
+        seen.index_put_((prompt_rows, torch.cat(prompts)), one)
         if pending is not None:
             rows = torch.arange(B, device=dev)
             counts.index_put_((rows, pending), torch.ones(B, device=dev), accumulate=True)
-            seen.index_put_((rows, pending), torch.ones((), dtype=torch.bool, device=dev))
+            seen.index_put_((rows, pending), one)
         f = lambda vals: to_device_async(torch.tensor(vals, dtype=torch.float32), dev)  # noqa: E731
         return apply_penalties(
             x,
@@ -104,6 +115,13 @@ class Sampler:
             f([r.params.frequency_penalty for r in reqs]),
             f([r.params.presence_penalty for r in reqs]),
         )
+
+    def _prompt_ids(self, r: Request, dev: torch.device) -> torch.Tensor:
+        """r's prompt ids on the device: kept from an earlier step, or uploaded (no sync)."""
+        req, kept = self._prompts.get(id(r), (None, None))
+        if req is not r or kept.device != dev or kept.numel() != len(r.prompt_ids):
+            kept = to_device_async(torch.tensor(r.prompt_ids, dtype=torch.int64), dev)
+        return kept
 
     def _suppress_early_stops(self, x: torch.Tensor, reqs: list[Request], ahead: int = 0) -> torch.Tensor:
         """Before min_tokens outputs, EOS and stop token ids cannot be sampled (vLLM semantics)."""

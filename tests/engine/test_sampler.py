@@ -1,5 +1,6 @@
 """The sampler given the logits' argmax from the runner's decode graph: greedy rows take it only where nothing
-changed their logits (no penalty, no early-stop ban); sampled rows are drawn from the logits either way."""
+changed their logits (no penalty, no early-stop ban); sampled rows are drawn from the logits either way. The
+penalties' counts built on the device equal the reference's from the full token lists."""
 
 from __future__ import annotations
 
@@ -52,6 +53,42 @@ def test_changed_logits_ignore_the_given_argmax(dtype):
     ]
     tokens, logprobs = sampler(_logits().to(dtype), sampled, argmax=given)
     assert tokens[0] != 7 and tokens[1:] == [7, 7] and logprobs[1].token_id == 7 and logprobs[0] is None
+
+
+def test_penalties_count_prompts_outputs_and_the_pending_tokens():
+    """The penalties' counts and seen tokens, built on the device (each prompt uploaded once and kept, the outputs
+    in one copy, the pending tokens of a step in flight added): the reference formula on counts built by hand from
+    the full token lists, over steps in a row, with a request leaving and a new one taking its row."""
+    from kestrel.ops.sampling.naive import apply_penalties
+
+    sampler = Sampler(eos_token_ids=(1,))
+    g = torch.Generator().manual_seed(0)
+    params = dict(temperature=0, frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.4)
+    reqs = [
+        Request("a", [3, 4, 4], SamplingParams(**params), seed=1, max_total_tokens=64),
+        Request("b", [5], SamplingParams(**params), seed=2, max_total_tokens=64),
+    ]
+    reqs[0].output_ids = [4, 9]
+
+    def want(x, reqs, pending):
+        counts, seen = torch.zeros(len(reqs), V), torch.zeros(len(reqs), V, dtype=torch.bool)
+        for i, r in enumerate(reqs):
+            outs = r.output_ids + ([pending[i]] if pending is not None else [])
+            for t in outs:
+                counts[i, t] += 1
+            seen[i, r.prompt_ids + outs] = True
+        f = lambda k: torch.tensor([getattr(r.params, k) for r in reqs])  # noqa: E731
+        return apply_penalties(
+            x, counts, seen, f("repetition_penalty"), f("frequency_penalty"), f("presence_penalty")
+        )
+
+    for step, pending in enumerate([None, [9, 5], [2, 5]]):
+        if step == 2:  # "b" leaves; a new request, same id, another prompt of the same length, takes its row
+            reqs[1] = Request("b", [6], SamplingParams(**params), seed=3, max_total_tokens=64)
+        x = torch.randn(2, V, generator=g) * 3
+        p = None if pending is None else torch.tensor(pending)
+        torch.testing.assert_close(sampler._penalize(x, reqs, p), want(x, reqs, pending), rtol=0, atol=0)
+        reqs[0].output_ids.append(7)
 
 
 @pytest.mark.gpu
