@@ -278,9 +278,8 @@ class Engine:
         pending: with ahead = 1, the tokens of the step in flight (its requests' outputs not on the host yet)."""
         tokens = self.sampler.tokens(logits, batch.decode, ahead, argmax=self.runner.argmax, pending=pending)
         found = self.sampler.logprob_rows(logits, tokens, batch.decode)
-        if (
-            found is not None
-        ):  # each copy queued behind the last: the tokens' event, recorded after, covers them
+        if found is not None:
+            # each copy is queued behind the last: the tokens' event, recorded after them, covers them all
             rows, *parts = found
             found = (rows, *(to_host_async(t)[0] for t in parts))
         host, copied = to_host_async(tokens)
