@@ -89,21 +89,18 @@ class Sampler:
         self._prompts = {id(r): (r, p) for r, p in zip(reqs, prompts)}  # these rows' own: the rest go
         out_rows = [i for i, r in enumerate(reqs) for _ in r.output_ids]
         out_ids = [t for r in reqs for t in r.output_ids]
-        n = len(out_ids)
-        up = to_device_async(
-            torch.tensor(out_rows + out_ids + [p.numel() for p in prompts], dtype=torch.int64), dev
-        )
-        out_rows, out_ids, lens = up[:n], up[n : 2 * n], up[2 * n :]
+        n, lens = len(out_ids), [p.numel() for p in prompts]
+        up = to_device_async(torch.tensor(out_rows + out_ids + lens, dtype=torch.int64), dev)
+        out_rows, out_ids = up[:n], up[n : 2 * n]
         one = torch.ones((), dtype=torch.bool, device=dev)
+        rows = torch.arange(B, device=dev)
         counts = torch.zeros(B, V, device=dev)
         seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
         counts.index_put_((out_rows, out_ids), torch.ones(n, device=dev), accumulate=True)
         seen.index_put_((out_rows, out_ids), one)
-        total = sum(p.numel() for p in prompts)
-        prompt_rows = torch.repeat_interleave(torch.arange(B, device=dev), lens, output_size=total)
+        prompt_rows = torch.repeat_interleave(rows, up[2 * n :], output_size=sum(lens))
         seen.index_put_((prompt_rows, torch.cat(prompts)), one)
         if pending is not None:
-            rows = torch.arange(B, device=dev)
             counts.index_put_((rows, pending), torch.ones(B, device=dev), accumulate=True)
             seen.index_put_((rows, pending), one)
         f = lambda vals: to_device_async(torch.tensor(vals, dtype=torch.float32), dev)  # noqa: E731
@@ -119,9 +116,7 @@ class Sampler:
     def _prompt_ids(self, r: Request, dev: torch.device) -> torch.Tensor:
         """r's prompt ids on the device: kept from an earlier step, or uploaded (no sync)."""
         req, kept = self._prompts.get(id(r), (None, None))
-        if req is not r or kept.device != dev or kept.numel() != len(r.prompt_ids):
-            kept = to_device_async(torch.tensor(r.prompt_ids, dtype=torch.int64), dev)
-        return kept
+        return kept if req is r else to_device_async(torch.tensor(r.prompt_ids, dtype=torch.int64), dev)
 
     def _suppress_early_stops(self, x: torch.Tensor, reqs: list[Request], ahead: int = 0) -> torch.Tensor:
         """Before min_tokens outputs, EOS and stop token ids cannot be sampled (vLLM semantics)."""
