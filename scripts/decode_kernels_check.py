@@ -676,6 +676,63 @@ def argmax(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
             print(f"argmax B={B} {dtype}: {entry}", flush=True)
 
 
+def sampling(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
+    """The sampler's per-step work beside the decode graph, mini's vocabulary (129,280), bf16 logits, batch 1 / 64
+    / 256, one call a graph replay: the top-5 logprobs and sampled tokens' by torch (log_softmax of an fp32 copy,
+    topk, gather: `naive.token_logprobs`) against the two Triton kernels (`token_logprobs_triton`); frequency and
+    presence penalties over [B, V] (`naive.apply_penalties`, a dense seen mask) against the seen tokens only
+    (`naive.apply_penalties_at`), 4,096 prompt tokens and 40 outputs a row; the logits' bytes at the copy rate
+    beside them. The values are compared (logprobs: largest difference; penalties: bit for bit)."""
+    from kestrel.ops.sampling import naive
+    from kestrel.ops.sampling.triton_logprobs import token_logprobs_triton
+
+    V, batches, prompt, outputs = (5000, (1, 3), 64, 4) if smoke else (129280, (1, 64, 256), 4096, 40)
+    g = torch.Generator(device=device).manual_seed(0)
+    res = result["sampling"] = {"vocab": V, "k": 5, "prompt": prompt, "outputs": outputs, "batches": {}}
+    for B in batches:
+        x = (torch.randn(B, V, generator=g, device=device) * 3).to(torch.bfloat16)
+        tokens = torch.randint(0, V, (B,), generator=g, device=device)
+        ref = naive.token_logprobs(x, tokens, 5)
+        got = token_logprobs_triton(x, tokens, 5)
+        ids = torch.randint(0, V, (B, prompt + outputs), generator=g, device=device)
+        rows = torch.arange(B, device=device)[:, None].expand_as(ids).reshape(-1)
+        counts = torch.zeros(B, V, device=device)
+        out_rows = torch.arange(B, device=device).repeat_interleave(
+            outputs
+        )  # the outputs: every row's last ids
+        counts.index_put_(
+            (out_rows, ids[:, prompt:].reshape(-1)), torch.ones(B * outputs, device=device), accumulate=True
+        )
+        seen = torch.zeros(B, V, dtype=torch.bool, device=device)
+        seen[rows, ids.reshape(-1)] = True
+        params = [torch.full((B,), v, device=device) for v in (1.0, 0.5, 0.3)]
+        dense = functools.partial(naive.apply_penalties, x, counts, seen, *params)
+        at = functools.partial(naive.apply_penalties_at, x, counts, rows, ids.reshape(-1), *params)
+        entry = res["batches"][B] = {
+            "floor_us": 1e6 * x.numel() * x.element_size() / (ceilings["copy_TBps"] * 1e12),
+            "logprobs_torch_us": calls_us([functools.partial(naive.token_logprobs, x, tokens, 5)], device),
+            "logprobs_triton_us": calls_us([functools.partial(token_logprobs_triton, x, tokens, 5)], device),
+            "logprobs_k20_torch_us": calls_us(
+                [functools.partial(naive.token_logprobs, x, tokens, 20)], device
+            ),
+            "logprobs_k20_triton_us": calls_us(
+                [functools.partial(token_logprobs_triton, x, tokens, 20)], device
+            ),
+            "logprobs_triton_us_by_block": {
+                block: calls_us([functools.partial(token_logprobs_triton, x, tokens, 5, block=block)], device)
+                for block in ((1024, 2048) if smoke else (2048, 4096, 8192))
+            },
+            "logprobs_max_diff": max(
+                (a.float() - b.float()).abs().max().item() for a, b in zip(ref[:2], got[:2])
+            ),
+            "logprobs_same_ids": bool(torch.equal(x.gather(1, ref[2]), x.gather(1, got[2]))),
+            "penalties_dense_us": calls_us([dense], device),
+            "penalties_at_seen_us": calls_us([at], device),
+            "penalties_same": bool(torch.equal(dense(), at())),
+        }
+        print(f"sampling B={B}: {entry}", flush=True)
+
+
 def _norm_then_linear(x, norm_w, w):
     from kestrel.ops.linear import linear
     from kestrel.ops.norm.triton_norm import rms_norm_triton
@@ -971,7 +1028,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (TRITON_INTERPRET=1)")
     parser.add_argument(
         "--sections",
-        default="moe_sort,mla_decode,mla_layout,moe_tiles,kda_step,moe_anatomy,small_kernels,pdl,gemv,moe_fused,argmax",
+        default="moe_sort,mla_decode,mla_layout,moe_tiles,kda_step,moe_anatomy,small_kernels,pdl,gemv,moe_fused,argmax,"
+        "sampling",
     )
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -1005,6 +1063,7 @@ def main() -> None:
         "gemv": lambda: gemv(result, device, args.smoke, ceilings),
         "moe_fused": lambda: moe_fused(result, device, args.smoke, ceilings, save),
         "argmax": lambda: argmax(result, device, args.smoke, ceilings),
+        "sampling": lambda: sampling(result, device, args.smoke, ceilings),
     }
     for name in args.sections.split(","):
         try:

@@ -15,8 +15,25 @@ import torch
 
 from kestrel.engine.outputs import TokenLogprob
 from kestrel.engine.request import Request
-from kestrel.ops.sampling.naive import apply_penalties, greedy, process_logits, sample
+from kestrel.ops.sampling import argmax as rows_argmax
+from kestrel.ops.sampling import token_logprobs
+from kestrel.ops.sampling.naive import apply_penalties, apply_penalties_at, greedy, process_logits, sample
 from kestrel.utils.device import to_device_async
+
+# Up to this many rows the penalties run over [B, V] with a dense seen mask and the penalized rows' argmax is torch's;
+# past it only the seen tokens change (`apply_penalties_at`) and the argmax is Triton's (kestrel.ops.sampling). On
+# the H200 (session 42, mini at 4K, `kestrel bench decode --sampling penalties`; the overlap schedule): at batch 1
+# the step waits for the host, and the seen-tokens form made it slower, 1.97 against 1.69 ms; at 256 rows the
+# device decides, 6.90 against 7.81 ms (the penalties alone at 64 / 256 rows, graph replays: 96 / 288 against
+# 272 / 1041 us; at one row 53 against 30).
+PENALTIES_DENSE_MAX_ROWS = 16
+
+
+_PENALTIES = (
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)  # SamplingParams' fields, in order
 
 
 def _needs_penalties(r: Request) -> bool:
@@ -59,7 +76,10 @@ class Sampler:
         if any(_needs_penalties(r) for r in reqs):
             x = self._penalize(x, reqs, pending)  # fp32 out
         x = self._suppress_early_stops(x, reqs, ahead)
-        tokens = argmax if argmax is not None and x is logits else greedy(x)  # [B]; sampled rows overwritten
+        if argmax is not None and x is logits:
+            tokens = argmax  # [B]; sampled rows overwritten below
+        else:
+            tokens = greedy(x) if len(reqs) <= PENALTIES_DENSE_MAX_ROWS else rows_argmax(x)
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rows:  # the full-vocabulary sort and noise only for the rows that sample
             sub = [reqs[i] for i in rows]
@@ -80,9 +100,10 @@ class Sampler:
     def _penalize(
         self, x: torch.Tensor, reqs: list[Request], pending: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """`apply_penalties` with each request's output counts and seen tokens (prompt and output), built on the
-        device with no sync: each prompt uploaded once (kept while its request is penalized), the outputs from the
-        host's lists in one copy, plus `pending`, the outputs not on the host yet."""
+        """`apply_penalties` (up to PENALTIES_DENSE_MAX_ROWS rows) or `apply_penalties_at` with each request's
+        output counts and seen tokens (prompt and output), built on the device with no sync: each prompt uploaded
+        once (kept while its request is penalized), the outputs from the host's lists in one copy, plus `pending`,
+        the outputs not on the host yet."""
         B, V = x.shape
         dev = x.device
         prompts = [self._prompt_ids(r, dev) for r in reqs]
@@ -92,26 +113,24 @@ class Sampler:
         n, lens = len(out_ids), [p.numel() for p in prompts]
         up = to_device_async(torch.tensor(out_rows + out_ids + lens, dtype=torch.int64), dev)
         out_rows, out_ids = up[:n], up[n : 2 * n]
-        one = torch.ones((), dtype=torch.bool, device=dev)
         rows = torch.arange(B, device=dev)
         counts = torch.zeros(B, V, device=dev)
-        seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
         counts.index_put_((out_rows, out_ids), torch.ones(n, device=dev), accumulate=True)
-        seen.index_put_((out_rows, out_ids), one)
-        prompt_rows = torch.repeat_interleave(rows, up[2 * n :], output_size=sum(lens))
-        seen.index_put_((prompt_rows, torch.cat(prompts)), one)
+        # the seen tokens: each row's prompt and outputs (repeats and all), and the token still in flight
+        seen_rows = [out_rows, torch.repeat_interleave(rows, up[2 * n :], output_size=sum(lens))]
+        seen_ids = [out_ids, *prompts]
         if pending is not None:
             counts.index_put_((rows, pending), torch.ones(B, device=dev), accumulate=True)
-            seen.index_put_((rows, pending), one)
+            seen_rows.append(rows)
+            seen_ids.append(pending)
         f = lambda vals: to_device_async(torch.tensor(vals, dtype=torch.float32), dev)  # noqa: E731
-        return apply_penalties(
-            x,
-            counts,
-            seen,
-            f([r.params.repetition_penalty for r in reqs]),
-            f([r.params.frequency_penalty for r in reqs]),
-            f([r.params.presence_penalty for r in reqs]),
-        )
+        params = [f([getattr(r.params, name) for r in reqs]) for name in _PENALTIES]
+        seen_rows, seen_ids = torch.cat(seen_rows), torch.cat(seen_ids)
+        if B > PENALTIES_DENSE_MAX_ROWS:
+            return apply_penalties_at(x, counts, seen_rows, seen_ids, *params)
+        seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
+        seen.index_put_((seen_rows, seen_ids), torch.ones((), dtype=torch.bool, device=dev))
+        return apply_penalties(x, counts, seen, *params)
 
     def _prompt_ids(self, r: Request, dev: torch.device) -> torch.Tensor:
         """r's prompt ids on the device: kept from an earlier step, or uploaded (no sync)."""
@@ -143,13 +162,9 @@ class Sampler:
         rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if not rows:
             return None
-        if len(rows) < len(reqs):
-            idx = to_device_async(torch.tensor(rows), raw.device)
-            raw, tokens = raw.index_select(0, idx), tokens.index_select(0, idx)
-        lp = torch.log_softmax(raw.float(), dim=-1)  # [b, V] fp32
+        idx = to_device_async(torch.tensor(rows), raw.device) if len(rows) < len(reqs) else None
         k = max(reqs[i].params.logprobs for i in rows)
-        top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
-        return rows, lp.gather(1, tokens[:, None])[:, 0], top_v, top_i
+        return rows, *token_logprobs(raw, tokens, k, idx)
 
     @staticmethod
     def logprobs(found: tuple | None, tokens: list[int], reqs: list[Request]) -> list[TokenLogprob | None]:

@@ -85,3 +85,7 @@ def test_decode_kernels_check_smoke():
     assert set(by_phase["floors_us"]) == set(by_phase["one_launch_phases_us"]), by_phase
     picks = result["argmax"]["batches"]
     assert len(picks) == 2 and all(e["same"] and len(e["triton_us"]) == 2 for e in picks.values()), picks
+    sampling = result["sampling"]["batches"]
+    assert len(sampling) == 2, sampling
+    for entry in sampling.values():
+        assert entry["logprobs_same_ids"] and entry["logprobs_max_diff"] < 1e-5 and entry["penalties_same"], entry

@@ -55,12 +55,16 @@ def test_changed_logits_ignore_the_given_argmax(dtype):
     assert tokens[0] != 7 and tokens[1:] == [7, 7] and logprobs[1].token_id == 7 and logprobs[0] is None
 
 
-def test_penalties_count_prompts_outputs_and_the_pending_tokens():
+@pytest.mark.parametrize("dense_max_rows", [16, 0])
+def test_penalties_count_prompts_outputs_and_the_pending_tokens(monkeypatch, dense_max_rows):
     """The penalties' counts and seen tokens, built on the device (each prompt uploaded once and kept, the outputs
     in one copy, the pending tokens of a step in flight added): the reference formula on counts built by hand from
-    the full token lists, over steps in a row, with a request leaving and a new one taking its row."""
+    the full token lists, over steps in a row, with a request leaving and a new one taking its row. Over [B, V]
+    (a few rows) and at the seen tokens only (PENALTIES_DENSE_MAX_ROWS 0: many rows' form), the same values."""
+    from kestrel.engine import sampler as sampler_module
     from kestrel.ops.sampling.naive import apply_penalties
 
+    monkeypatch.setattr(sampler_module, "PENALTIES_DENSE_MAX_ROWS", dense_max_rows)
     sampler = Sampler(eos_token_ids=(1,))
     g = torch.Generator().manual_seed(0)
     params = dict(temperature=0, frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.4)

@@ -91,6 +91,39 @@ def sample(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> tor
     return torch.argmax(probs / exponential_noise(seeds, steps, probs.shape[-1]), dim=-1)
 
 
+def apply_penalties_at(
+    logits: torch.Tensor,
+    output_counts: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
+    """`apply_penalties` computed only where it changes anything: at the seen tokens (rows[i], cols[i]), every
+    token of each row's prompt and output, repeats allowed (each writes the same value), instead of over [B, V]
+    with a dense seen mask (ten passes over the rows: 1.45 ms a step at 256 rows of mini's vocabulary, session
+    42). A new fp32 tensor; the same values (a column that is not seen keeps its logit, where `apply_penalties`
+    subtracts zeros from it: equal, except that -0.0 may come out +0.0 there)."""
+    x = logits.to(torch.float32, copy=True)
+    v = x[rows, cols]
+    rep = repetition[rows]
+    v = torch.where(v > 0, v / rep, v * rep)
+    counts = output_counts[rows, cols].float()
+    x[rows, cols] = v - frequency[rows] * counts - presence[rows] * (counts > 0).float()
+    return x
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logprobs of logits [B, V] (fp32 log_softmax): each row's tokens[b]'s [B], and its top k (values
+    [B, k], ids [B, k] int64)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+    return lp.gather(1, tokens[:, None])[:, 0], top_v, top_i
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim; ties go to the lowest token id."""
     return torch.argmax(logits, dim=-1)
