@@ -20,12 +20,13 @@ from kestrel.ops.sampling import token_logprobs
 from kestrel.ops.sampling.naive import apply_penalties, apply_penalties_at, greedy, process_logits, sample
 from kestrel.utils.device import to_device_async
 
-# Up to this many rows the penalties run over [B, V] with a dense seen mask and the penalized rows' argmax is torch's;
-# past it only the seen tokens change (`apply_penalties_at`) and the argmax is Triton's (kestrel.ops.sampling). On
-# the H200 (session 42, mini at 4K, `kestrel bench decode --sampling penalties`; the overlap schedule): at batch 1
-# the step waits for the host, and the seen-tokens form made it slower, 1.97 against 1.69 ms; at 256 rows the
-# device decides, 6.90 against 7.81 ms (the penalties alone at 64 / 256 rows, graph replays: 96 / 288 against
-# 272 / 1041 us; at one row 53 against 30).
+# Up to this many rows the penalties run over [B, V] with a dense seen mask, and the argmax of logits the sampler
+# changed (penalties, early-stop bans) is torch's; past it only the seen tokens change (`apply_penalties_at`) and
+# that argmax is Triton's (kestrel.ops.sampling; the same ids). On the H200 (session 42, mini at 4K, `kestrel bench
+# decode --sampling penalties`; the overlap schedule): at batch 1 the step waits for the host, and the seen-tokens
+# form with the Triton argmax made it slower, 1.97 against 1.69 ms; at 256 rows the device decides, 6.90 against
+# 7.81 ms (the penalties alone at 64 / 256 rows, graph replays: 96 / 288 against 272 / 1041 us; at one row 53
+# against 30).
 PENALTIES_DENSE_MAX_ROWS = 16
 
 

@@ -130,3 +130,31 @@ def test_decode_graphs_hand_on_their_logits_argmax():
         tokens[overlap] = _run(engine, jobs)[0]
         assert len(checked) > 10 and all(checked), (overlap, checked)
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_many_rows_take_the_seen_tokens_penalties_and_the_triton_argmax(monkeypatch):
+    """Past PENALTIES_DENSE_MAX_ROWS rows on CUDA, penalized and early-stop-banned logits go through the penalties
+    at the seen tokens and the Triton argmax: the CPU's tokens (torch's argmax), and the dense form's on CUDA."""
+    from kestrel.engine import sampler as sampler_module
+
+    g = torch.Generator().manual_seed(2)
+    W = 3000
+    reqs = []
+    for i in range(sampler_module.PENALTIES_DENSE_MAX_ROWS + 5):
+        params = dict(temperature=0, min_tokens=3 if i % 7 == 0 else 0)
+        if i % 3:
+            params |= dict(frequency_penalty=0.8, presence_penalty=0.5, repetition_penalty=1.5)
+        r = Request(f"r{i}", torch.randint(0, W, (40,), generator=g).tolist(), SamplingParams(**params), seed=i,
+                    max_total_tokens=128)  # fmt: skip
+        r.output_ids = torch.randint(0, W, (5,), generator=g).tolist()
+        reqs.append(r)
+    logits = (torch.randn(len(reqs), W, generator=g) * 2).to(torch.bfloat16)
+    for r in reqs[::2]:  # each row's best logit among its seen tokens, for the penalties to decide
+        logits[reqs.index(r), r.output_ids[0]] = 9.0
+    want = Sampler(eos_token_ids=(1,)).tokens(logits, reqs)
+    got = Sampler(eos_token_ids=(1,)).tokens(logits.cuda(), reqs)
+    assert got.tolist() == want.tolist()
+    monkeypatch.setattr(sampler_module, "PENALTIES_DENSE_MAX_ROWS", len(reqs))
+    assert Sampler(eos_token_ids=(1,)).tokens(logits.cuda(), reqs).tolist() == want.tolist()

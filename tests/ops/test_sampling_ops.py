@@ -18,7 +18,7 @@ def _check_logprobs(x: torch.Tensor, tokens: torch.Tensor, k: int, rows: list[in
     pytest.importorskip("triton")
     from kestrel.ops.sampling.triton_logprobs import token_logprobs_triton
 
-    idx = None if rows is None else torch.tensor(rows, device=x.device)
+    idx = None if rows is None else torch.tensor(rows, dtype=torch.int64, device=x.device)
     chosen, top_v, top_i = token_logprobs_triton(x, tokens, k, idx, **kw)
     sel = slice(None) if rows is None else rows
     raw = x.cpu().double()[sel]
@@ -60,6 +60,17 @@ def test_rows_picked_out_and_other_chunk_widths():
     for block in (1024, 8192):
         _check_logprobs(x, tokens, 4, rows=[4, 1], block=block)
     _check_logprobs(x, tokens, 3, rows=[])
+    # rows and tokens of another dtype or stride are read as given
+    from kestrel.ops.sampling.triton_logprobs import token_logprobs_triton
+
+    strided = torch.stack([tokens, tokens.flip(0)], 1)[:, 1]
+    rows32 = torch.tensor([3, 0], dtype=torch.int32, device=DEVICE)
+    got = token_logprobs_triton(x, strided, 2, rows32)
+    want = token_logprobs_triton(x, strided.contiguous(), 2, rows32.long())
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    torch.testing.assert_close(
+        got[0].cpu().double(), torch.log_softmax(x.cpu().double(), -1)[[3, 0], strided.cpu()[[3, 0]]]
+    )
 
 
 def test_ties_across_chunks_and_minus_infinity():
@@ -108,8 +119,9 @@ def _penalty_case(B: int, V: int, seed: int):
     for b in range(B):
         prompt = torch.randint(0, V, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g)
         out = torch.randint(0, V, (int(torch.randint(0, 20, (1,), generator=g)),), generator=g)
-        if b == 0:
-            prompt = torch.cat([prompt, torch.arange(5)])
+        if b == 0:  # the special values seen; token 3 twice in the prompt and twice more in the output
+            prompt = torch.cat([prompt, torch.arange(5), torch.tensor([3])])
+            out = torch.cat([out, torch.tensor([3, 3])])
         for t in out.tolist():
             counts[b, t] += 1
         ids = torch.cat([prompt, out])
@@ -130,8 +142,9 @@ def test_penalties_at_the_seen_tokens_equal_the_dense_ones(dtype):
     dense = naive.apply_penalties(logits, counts, seen, rep, freq, pres)
     at = naive.apply_penalties_at(logits, counts, rows, cols, rep, freq, pres)
     assert at.dtype == torch.float32 and at is not logits
-    same = (at == dense) | (at.isnan() & dense.isnan())
+    same = at.view(torch.int32) == dense.view(torch.int32)  # bit for bit: -0.0 is not +0.0 here (no NaN in)
     assert bool(same.all()), (at[~same], dense[~same])
+    assert counts[0, 3] >= 2 and len(set(zip(rows.tolist(), cols.tolist()))) < rows.numel()  # repeats seen
     assert torch.equal(logits, before)  # the logits themselves untouched
     if DEVICE == "cuda":
         on = [t.to(DEVICE) for t in (logits, counts, rows, cols, rep, freq, pres)]

@@ -7,7 +7,8 @@ Legend: B rows, b of them asked for, V vocabulary, C chunks of BV a row, k the t
 The first kernel's program (j, c) reads chunk c of row rows[j] once: its max m_c and sum of exp(x - m_c), and its
 k best columns (the argmax kernel's int64 keys, `triton_argmax._key`: the value's key above its column reversed,
 so the first column wins ties; k maxima, each one masked out once found). The second's program j adds the
-chunks' sums in chunk order (s = sum_c s_c exp(m_c - m), m the row's max) and takes the row's k best of the
+chunks' sums (s = sum_c s_c exp(m_c - m), m the row's max; one fixed reduction: the same bits every run) and takes
+the row's k best of the
 C x k candidates; each value is (x - m) - log(s), torch's log_softmax form, from x read again at its column.
 Against torch the values differ by the sum's order and the exponent's approximation (a few ulps of fp32; torch's
 own CPU log_softmax is ~1e-5 off an fp64 one at 129K columns, these kernels ~1e-7); ties in the top k go to the
@@ -66,7 +67,7 @@ def _rows_kernel(
     x, rows, tokens, stats, cand, chosen, top_v, top_i, C, k, stride,
     KMAX: tl.constexpr, BC: tl.constexpr, BQ: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Program j: row rows[j]'s log-sum-exp from its chunks' (in chunk order), the sampled token's logprob
+    """Program j: row rows[j]'s log-sum-exp from its chunks', the sampled token's logprob
     (tokens[rows[j]]) and the k best of the C x k candidates with theirs."""
     pdl_begin(PDL)
     j = tl.program_id(0).to(tl.int64)
@@ -94,8 +95,9 @@ def _rows_kernel(
 def token_logprobs_triton(
     x: torch.Tensor, tokens: torch.Tensor, k: int, rows: torch.Tensor | None = None, block: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [B, V] logits (fp32, bf16 or fp16; rows contiguous), tokens [B] int64 (each row's sampled token), k in
-    [0, MAX_TOP] and <= V, rows [b] int64 on x's device (the rows asked for; None: all). Returns (chosen [b],
+    """x [B, V] logits (fp32, bf16 or fp16; rows contiguous), tokens [B] (each row's sampled token, in [0, V): not
+    checked, that would wait for the device), k in [0, MAX_TOP] and <= V, rows [b] on x's device (the rows asked
+    for; None: all). Returns (chosen [b],
     top values [b, k], fp32, top ids [b, k] int64): `naive.token_logprobs(x[rows], tokens[rows], k)`.
     block: a chunk's width (a power of two; None: BV)."""
     assert x.dim() == 2 and x.stride(-1) == 1, (
@@ -106,6 +108,10 @@ def token_logprobs_triton(
     assert tokens.shape == (B,), f"tokens {tuple(tokens.shape)}: one a row of {B}"
     if rows is None:
         rows = torch.arange(B, device=x.device)
+    rows, tokens = (
+        rows.to(torch.int64).contiguous(),
+        tokens.to(torch.int64).contiguous(),
+    )  # read as int64 at stride 1
     b = rows.numel()
     dev = x.device
     chosen = torch.empty(b, dtype=torch.float32, device=dev)
