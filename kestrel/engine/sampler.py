@@ -30,11 +30,8 @@ from kestrel.utils.device import to_device_async
 PENALTIES_DENSE_MAX_ROWS = 16
 
 
-_PENALTIES = (
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-)  # SamplingParams' fields, in order
+# SamplingParams' penalty fields, in `apply_penalties`' order
+_PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
 def _needs_penalties(r: Request) -> bool:

@@ -102,9 +102,9 @@ def apply_penalties_at(
 ) -> torch.Tensor:
     """`apply_penalties` computed only where it changes anything: at the seen tokens (rows[i], cols[i]), every
     token of each row's prompt and output, repeats allowed (each writes the same value), instead of over [B, V]
-    with a dense seen mask (ten passes over the rows: 1.45 ms a step at 256 rows of mini's vocabulary, session
-    42). A new fp32 tensor; the same values (a column that is not seen keeps its logit, where `apply_penalties`
-    subtracts zeros from it: equal, except that -0.0 may come out +0.0 there)."""
+    with a dense seen mask (ten passes over the rows: on the H200 1041 us at 256 rows of mini's vocabulary, against
+    288 here; session 42). A new fp32 tensor; the same values (a column that is not seen keeps its logit, where
+    `apply_penalties` subtracts zeros from it: equal, except that -0.0 may come out +0.0 there)."""
     x = logits.to(torch.float32, copy=True)
     v = x[rows, cols]
     rep = repetition[rows]

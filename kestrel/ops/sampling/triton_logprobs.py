@@ -8,8 +8,8 @@ The first kernel's program (j, c) reads chunk c of row rows[j] once: its max m_c
 k best columns (the argmax kernel's int64 keys, `triton_argmax._key`: the value's key above its column reversed,
 so the first column wins ties; k maxima, each one masked out once found). The second's program j adds the
 chunks' sums (s = sum_c s_c exp(m_c - m), m the row's max; one fixed reduction: the same bits every run) and takes
-the row's k best of the
-C x k candidates; each value is (x - m) - log(s), torch's log_softmax form, from x read again at its column.
+the row's k best of the C x k candidates; each value is (x - m) - log(s), torch's log_softmax form, from x read
+again at its column.
 Against torch the values differ by the sum's order and the exponent's approximation (a few ulps of fp32; torch's
 own CPU log_softmax is ~1e-5 off an fp64 one at 129K columns, these kernels ~1e-7); ties in the top k go to the
 first column (torch.topk leaves their order unspecified).
@@ -97,9 +97,8 @@ def token_logprobs_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B, V] logits (fp32, bf16 or fp16; rows contiguous), tokens [B] (each row's sampled token, in [0, V): not
     checked, that would wait for the device), k in [0, MAX_TOP] and <= V, rows [b] on x's device (the rows asked
-    for; None: all). Returns (chosen [b],
-    top values [b, k], fp32, top ids [b, k] int64): `naive.token_logprobs(x[rows], tokens[rows], k)`.
-    block: a chunk's width (a power of two; None: BV)."""
+    for; None: all). Returns (chosen [b], top values [b, k], both fp32, top ids [b, k] int64):
+    `naive.token_logprobs(x[rows], tokens[rows], k)`. block: a chunk's width (a power of two; None: BV)."""
     assert x.dim() == 2 and x.stride(-1) == 1, (
         f"logits {tuple(x.shape)} with stride {x.stride()}: rows [B, V]"
     )
@@ -108,10 +107,8 @@ def token_logprobs_triton(
     assert tokens.shape == (B,), f"tokens {tuple(tokens.shape)}: one a row of {B}"
     if rows is None:
         rows = torch.arange(B, device=x.device)
-    rows, tokens = (
-        rows.to(torch.int64).contiguous(),
-        tokens.to(torch.int64).contiguous(),
-    )  # read as int64 at stride 1
+    # the kernels read both as int64 at stride 1
+    rows, tokens = rows.to(torch.int64).contiguous(), tokens.to(torch.int64).contiguous()
     b = rows.numel()
     dev = x.device
     chosen = torch.empty(b, dtype=torch.float32, device=dev)
