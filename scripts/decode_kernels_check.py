@@ -312,19 +312,18 @@ def _moe_layer_us(device: str, weights_of: list, x, w, ids, **kw) -> float:
     return calls_us(calls, device)
 
 
-def moe_tiles(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
+def moe_tiles(result: dict, device: str, smoke: bool, ceilings: dict, tokens: tuple = (1, 64, 256)) -> None:
     """The routed experts' Triton launch knobs (moe_experts_triton's block_m, block_n, block_k, num_stages; 4
     warps) at mini's sizes (64 experts of 2048 x 256, top-6, and the shared expert of the same width in the
-    same launches, as the MoE layer runs them), tokens 1, 64 and 256. Two sweeps, each against the defaults:
-    gate_up's knobs (down at its default tiles; block_m, the pairs a block, is both kernels'), then down's
-    (gate_up at its default). Each configuration's output is
-    checked against the default's and timed per layer in a CUDA graph of 8 layers' weights (no L2 reuse between
-    calls, as in a step) against the bytes of the experts hit (the shared one included) at the copy rate. The
-    batch-256 step spent 1.76 ms in 24 layers' experts (73 us a layer; session 21) against 48 us of bytes."""
+    same launches, as the MoE layer runs them), `tokens` (--moe-tokens; 1, 64 and 256). Two sweeps, each against
+    the defaults: gate_up's knobs (down at its default tiles; block_m, the pairs a block, is both kernels'), then
+    down's (gate_up at its default). Each configuration's output is checked against the default's and timed per
+    layer in a CUDA graph of 8 layers' weights (no L2 reuse between calls, as in a step) against the bytes of the
+    experts hit (the shared one included) at the copy rate. The batch-256 step spent 1.76 ms in 24 layers' experts
+    (73 us a layer; session 21) against 48 us of bytes."""
     from kestrel.ops.moe.triton_experts import _tiles, moe_experts_triton
 
     E, A, D, I, layers = 64, 6, 2048, 256, 8
-    tokens = (1, 64, 256)
     gate_up_grid = {
         "block_m": (16, 32, 64),
         # 16 added in session 42, not yet run: at 256 tokens 64 gives ~480 programs, ~1.2 waves if 3 fit an SM
@@ -1034,6 +1033,12 @@ def main() -> None:
         default="moe_sort,mla_decode,mla_layout,moe_tiles,kda_step,moe_anatomy,small_kernels,pdl,gemv,moe_fused,argmax,"
         "sampling",
     )
+    parser.add_argument(
+        "--moe-tokens",
+        type=lambda v: [int(t) for t in v.split(",")],
+        default=[1, 64, 256],
+        help="moe_tiles: the token counts to sweep (comma-separated)",
+    )
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
@@ -1058,7 +1063,7 @@ def main() -> None:
         "moe_sort": lambda: moe_sort(result, device, args.smoke),
         "mla_decode": lambda: mla_decode(result, device, args.smoke, ceilings),
         "mla_layout": lambda: mla_layout(result, device, args.smoke, ceilings),
-        "moe_tiles": lambda: moe_tiles(result, device, args.smoke, ceilings),
+        "moe_tiles": lambda: moe_tiles(result, device, args.smoke, ceilings, tuple(args.moe_tokens)),
         "kda_step": lambda: kda_step(result, device, args.smoke, ceilings),
         "moe_anatomy": lambda: moe_anatomy(result, device, args.smoke, ceilings),
         "small_kernels": lambda: small_kernels(result, device, args.smoke, ceilings),
