@@ -101,7 +101,7 @@ class Sampler:
         """`apply_penalties` (up to PENALTIES_DENSE_MAX_ROWS rows) or `apply_penalties_at` with each request's
         output counts and seen tokens (prompt and output), built on the device with no sync: each prompt uploaded
         once (kept while its request is penalized), the outputs from the host's lists in one copy, plus `pending`,
-        the outputs not on the host yet."""
+        the outputs not on the host yet; the parameters in another copy."""
         B, V = x.shape
         dev = x.device
         prompts = [self._prompt_ids(r, dev) for r in reqs]
@@ -110,20 +110,22 @@ class Sampler:
         out_ids = [t for r in reqs for t in r.output_ids]
         n, lens = len(out_ids), [p.numel() for p in prompts]
         up = to_device_async(torch.tensor(out_rows + out_ids + lens, dtype=torch.int64), dev)
-        out_rows, out_ids = up[:n], up[n : 2 * n]
         rows = torch.arange(B, device=dev)
+        # the seen tokens: the counted ones first (each row's outputs, then the token still in flight), then each
+        # row's prompt (repeats and all)
+        in_flight_rows, in_flight = ([rows], [pending]) if pending is not None else ([], [])
+        prompt_rows = rows.repeat_interleave(up[2 * n :], output_size=sum(lens))
+        seen_rows = torch.cat([up[:n], *in_flight_rows, prompt_rows])
+        seen_ids = torch.cat([up[n : 2 * n], *in_flight, *prompts])
+        counted = n + B * len(in_flight)
         counts = torch.zeros(B, V, device=dev)
-        counts.index_put_((out_rows, out_ids), torch.ones(n, device=dev), accumulate=True)
-        # the seen tokens: each row's prompt and outputs (repeats and all), and the token still in flight
-        seen_rows = [out_rows, torch.repeat_interleave(rows, up[2 * n :], output_size=sum(lens))]
-        seen_ids = [out_ids, *prompts]
-        if pending is not None:
-            counts.index_put_((rows, pending), torch.ones(B, device=dev), accumulate=True)
-            seen_rows.append(rows)
-            seen_ids.append(pending)
-        f = lambda vals: to_device_async(torch.tensor(vals, dtype=torch.float32), dev)  # noqa: E731
-        params = [f([getattr(r.params, name) for r in reqs]) for name in _PENALTIES]
-        seen_rows, seen_ids = torch.cat(seen_rows), torch.cat(seen_ids)
+        counts.index_put_(
+            (seen_rows[:counted], seen_ids[:counted]), torch.ones(counted, device=dev), accumulate=True
+        )
+        # [3, B]: one copy up for the three penalties
+        params = to_device_async(
+            torch.tensor([[getattr(r.params, k) for r in reqs] for k in _PENALTIES], dtype=torch.float32), dev
+        )
         if B > PENALTIES_DENSE_MAX_ROWS:
             return apply_penalties_at(x, counts, seen_rows, seen_ids, *params)
         seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
