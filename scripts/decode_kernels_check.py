@@ -697,17 +697,15 @@ def sampling(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
         ids = torch.randint(0, V, (B, prompt + outputs), generator=g, device=device)
         rows = torch.arange(B, device=device)[:, None].expand_as(ids).reshape(-1)
         counts = torch.zeros(B, V, device=device)
-        out_rows = torch.arange(B, device=device).repeat_interleave(
-            outputs
-        )  # the outputs: every row's last ids
+        # the outputs: every row's last ids
+        out_rows = torch.arange(B, device=device).repeat_interleave(outputs)
         counts.index_put_(
             (out_rows, ids[:, prompt:].reshape(-1)), torch.ones(B * outputs, device=device), accumulate=True
         )
         seen = torch.zeros(B, V, dtype=torch.bool, device=device)
         seen[rows, ids.reshape(-1)] = True
-        params = [
-            torch.full((B,), v, device=device) for v in (1.3, 0.5, 0.3)
-        ]  # repetition, frequency, presence
+        # repetition, frequency, presence
+        params = [torch.full((B,), v, device=device) for v in (1.3, 0.5, 0.3)]
         dense = functools.partial(naive.apply_penalties, x, counts, seen, *params)
         at = functools.partial(naive.apply_penalties_at, x, counts, rows, ids.reshape(-1), *params)
         entry = res["batches"][B] = {
