@@ -52,9 +52,9 @@ class Sampler:
         if not reqs:
             return [], []
         tokens = self.tokens(logits, reqs, argmax=argmax)
-        rows = self.logprob_rows(logits, tokens, reqs)
+        found = self.logprob_rows(logits, tokens, reqs)
         token_list = tokens.tolist()
-        return token_list, self.logprobs(rows, token_list, reqs)
+        return token_list, self.logprobs(found, token_list, reqs)
 
     def tokens(
         self,

@@ -39,7 +39,10 @@ def mix_norm(
     if update is not None:
         assert isinstance(sources, torch.Tensor), "an update goes into a tensor's rows in place"
         if len(sources) == 1:  # softmax over one source is 1: no mix to take the update
-            sources[0].add_(update) if accumulate else sources[0].copy_(update)
+            if accumulate:
+                sources[0].add_(update)
+            else:
+                sources[0].copy_(update)
             update = None
     if len(sources) == 1:
         return out_norm(sources[0])

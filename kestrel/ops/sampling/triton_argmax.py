@@ -39,17 +39,28 @@ def _key(x):
 
 
 @triton.jit
+def _packed(v, cols, live):
+    """fp32 values v at columns cols -> int64 keys, one max away from the best: the value's key above 2**31 - 1 -
+    its column (the first column among equals wins); the lowest int64 where not live. `_column` undoes it."""
+    packed = _key(v).to(tl.int64) * 4294967296 + (2147483647 - cols).to(tl.int64)
+    return tl.where(live, packed, -9223372036854775807 - 1)
+
+
+@triton.jit
+def _column(packed):
+    """The column a `_packed` key was made at."""
+    return 2147483647 - (packed & 4294967295)
+
+
+@triton.jit
 def _chunk_kernel(x, best, V, C, stride, BV: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (b, c): the best of row b's chunk c, as one int64: the value's key above 2**31 - 1 - its column
-    (so one max finds it, and the first column among equals)."""
+    """Program (b, c): the best of row b's chunk c, as one int64 (`_packed`)."""
     pdl_begin(PDL)
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * BV + tl.arange(0, BV)
     v = tl.load(x + b * stride + cols, mask=cols < V, other=0.0).to(tl.float32)
-    packed = _key(v).to(tl.int64) * 4294967296 + (2147483647 - cols).to(tl.int64)
-    packed = tl.where(cols < V, packed, -9223372036854775807 - 1)
-    tl.store(best + b * C + c, tl.max(packed, axis=0))
+    tl.store(best + b * C + c, tl.max(_packed(v, cols, cols < V), axis=0))
 
 
 @triton.jit
@@ -59,7 +70,7 @@ def _rows_kernel(best, out, C, BC: tl.constexpr, PDL: tl.constexpr = False):
     b = tl.program_id(0).to(tl.int64)
     cs = tl.arange(0, BC)
     packed = tl.max(tl.load(best + b * C + cs, mask=cs < C, other=-9223372036854775807 - 1), axis=0)
-    tl.store(out + b, 2147483647 - (packed & 4294967295))
+    tl.store(out + b, _column(packed))
 
 
 def argmax_triton(x: torch.Tensor, block: int | None = None, num_warps: int = 4) -> torch.Tensor:

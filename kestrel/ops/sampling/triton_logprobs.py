@@ -5,8 +5,8 @@ log_softmax's [b, V] output, each of them a full pass over the rows at the copy 
 Legend: B rows, b of them asked for, V vocabulary, C chunks of BV a row, k the top logprobs asked (<= 20).
 
 The first kernel's program (j, c) reads chunk c of row rows[j] once: its max m_c and sum of exp(x - m_c), and its
-k best columns (the argmax kernel's int64 keys, `triton_argmax._key`: the value's key above its column reversed,
-so the first column wins ties; k maxima, each one masked out once found). The second's program j adds the
+k best columns (the argmax kernel's int64 keys, `triton_argmax._packed`: the value's key above its column
+reversed, so the first column wins ties; k maxima, each one masked out once found). The second's program j adds the
 chunks' sums (s = sum_c s_c exp(m_c - m), m the row's max; one fixed reduction: the same bits every run) and takes
 the row's k best of the C x k candidates; each value is (x - m) - log(s), torch's log_softmax form, from x read
 again at its column.
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kestrel.ops.pdl import pdl_args, pdl_begin
-from kestrel.ops.sampling.triton_argmax import _key
+from kestrel.ops.sampling.triton_argmax import _column, _packed
 
 MAX_TOP = 20  # the most top logprobs a row may ask (SamplingParams' limit, OpenAI's)
 BV = 2048  # a chunk's width
@@ -38,14 +38,18 @@ BV = 2048  # a chunk's width
 
 @triton.jit
 def _chunk_kernel(
-    x, rows, stats, cand, V, C, k, stride, KMAX: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False
-):
-    """Program (j, c): chunk c of row rows[j]: stats[j, c] = (max, sum of exp(x - max)); cand[j, c, :k] its k
-    best as int64 keys, best first (the lowest key where the chunk has fewer than k columns)."""
+    x, rows, stats, cand, V, C, k, stride, KMAX: tl.constexpr, BV: tl.constexpr, ROWS: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Program (j, c): chunk c of row rows[j] (ROWS; else row j): stats[j, c] = (max, sum of exp(x - max));
+    cand[j, c, :k] its k best as int64 keys, best first (the lowest key where the chunk has fewer than k
+    columns)."""
     pdl_begin(PDL)
     j = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    r = tl.load(rows + j)
+    r = j
+    if ROWS:
+        r = tl.load(rows + j)
     cols = c * BV + tl.arange(0, BV)
     live = cols < V
     v = tl.load(x + r * stride + cols, mask=live, other=float("-inf")).to(tl.float32)
@@ -54,8 +58,7 @@ def _chunk_kernel(
     s = tl.where(m == float("-inf"), 0.0, s)  # every column -inf: nothing to add (not -inf - -inf)
     tl.store(stats + (j * C + c) * 2, m)
     tl.store(stats + (j * C + c) * 2 + 1, s)
-    packed = _key(v).to(tl.int64) * 4294967296 + (2147483647 - cols).to(tl.int64)
-    packed = tl.where(live, packed, -9223372036854775807 - 1)
+    packed = _packed(v, cols, live)
     for i in range(0, k):
         best = tl.max(packed, axis=0)
         tl.store(cand + (j * C + c) * KMAX + i, best)
@@ -65,13 +68,15 @@ def _chunk_kernel(
 @triton.jit
 def _rows_kernel(
     x, rows, tokens, stats, cand, chosen, top_v, top_i, C, k, stride,
-    KMAX: tl.constexpr, BC: tl.constexpr, BQ: tl.constexpr, PDL: tl.constexpr = False,
+    KMAX: tl.constexpr, BC: tl.constexpr, BQ: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Program j: row rows[j]'s log-sum-exp from its chunks', the sampled token's logprob
-    (tokens[rows[j]]) and the k best of the C x k candidates with theirs."""
+    """Program j: row r = rows[j]'s (ROWS; else j's) log-sum-exp from its chunks', the sampled token's logprob
+    (tokens[r]) and the k best of the C x k candidates with theirs."""
     pdl_begin(PDL)
     j = tl.program_id(0).to(tl.int64)
-    r = tl.load(rows + j)
+    r = j
+    if ROWS:
+        r = tl.load(rows + j)
     cs = tl.arange(0, BC)
     m_c = tl.load(stats + (j * C + cs) * 2, mask=cs < C, other=float("-inf"))
     s_c = tl.load(stats + (j * C + cs) * 2 + 1, mask=cs < C, other=0.0)
@@ -86,7 +91,7 @@ def _rows_kernel(
     )
     for i in range(0, k):
         best = tl.max(packed, axis=0)
-        col = 2147483647 - (best & 4294967295)
+        col = _column(best)
         tl.store(top_i + j * k + i, col)
         tl.store(top_v + j * k + i, (tl.load(row + col).to(tl.float32) - m) - log_s)
         packed = tl.where(packed == best, -9223372036854775807 - 1, packed)
@@ -105,11 +110,11 @@ def token_logprobs_triton(
     B, V = x.shape
     assert 0 <= k <= min(MAX_TOP, V), f"top {k} logprobs of {V} columns: at most {MAX_TOP}"
     assert tokens.shape == (B,), f"tokens {tuple(tokens.shape)}: one a row of {B}"
-    if rows is None:
-        rows = torch.arange(B, device=x.device)
-    # the kernels read both as int64 at stride 1
-    rows, tokens = rows.to(torch.int64).contiguous(), tokens.to(torch.int64).contiguous()
-    b = rows.numel()
+    # the kernels read both as int64 at stride 1 (no rows: every row, read in place)
+    tokens = tokens.to(torch.int64).contiguous()
+    picked = rows is not None
+    rows = rows.to(torch.int64).contiguous() if picked else tokens  # (tokens: a stand-in, never read)
+    b = rows.numel() if picked else B
     dev = x.device
     chosen = torch.empty(b, dtype=torch.float32, device=dev)
     top_v = torch.empty(b, k, dtype=torch.float32, device=dev)
@@ -122,10 +127,10 @@ def token_logprobs_triton(
     cand = torch.empty(b, C, MAX_TOP, dtype=torch.int64, device=dev)
     pdl = pdl_args(chosen)
     _chunk_kernel[(b, C)](
-        x, rows, stats, cand, V, C, k, x.stride(0), KMAX=MAX_TOP, BV=block, num_warps=4, **pdl
+        x, rows, stats, cand, V, C, k, x.stride(0), KMAX=MAX_TOP, BV=block, ROWS=picked, num_warps=4, **pdl
     )
     _rows_kernel[(b,)](
         x, rows, tokens, stats, cand, chosen, top_v, top_i, C, k, x.stride(0), KMAX=MAX_TOP,
-        BC=triton.next_power_of_2(C), BQ=triton.next_power_of_2(C * MAX_TOP), num_warps=4, **pdl,
+        BC=triton.next_power_of_2(C), BQ=triton.next_power_of_2(C * MAX_TOP), ROWS=picked, num_warps=4, **pdl,
     )  # fmt: skip
     return chosen, top_v, top_i
