@@ -876,12 +876,15 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
     # against 18.08 us), L2 prefetches of the router's and shared expert's weights before the PDL wait (17.96
     # against 18.12) and of each program's routed down tiles once routed (19.40); nor were wider router slices
     # (fewer partial logits to read and add when routing: bd 128 18.73, bd 256 24.81 against bd 64's 18.08).
+    # Session 43: each program's down weights loaded once it has routed and held in registers through barrier 1
+    # (early 1: before its gate/up items; 2: after them; 0: after the barrier, as before): 17.61 us at early 2
+    # against 18.05 at 0; early 1 fell back to 0 at these tiles (3 programs an SM), taken at bn_d 8 (20.55).
     center = dict(TILES)
     configs = [center] + [
         center | change
         for change in (
-            dict(bd=128), dict(bd=256), dict(defer=0), dict(bk_g=256), dict(bk_g=1024), dict(bn_g=2),
-            dict(bn_g=8, bk_g=256), dict(bk_d=128), dict(warps=2, per_sm=8),
+            dict(early=0), dict(early=1), dict(bd=128), dict(defer=0), dict(bk_g=256), dict(bn_g=8, bk_g=256),
+            dict(bn_d=8), dict(bn_d=8, early=0), dict(warps=2, per_sm=8),
         )
     ]  # fmt: skip
     if smoke:
@@ -936,6 +939,7 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
             launch = {}
             got, _, ids = one(nets[0], residual.clone(), tiles=tiles, launch=launch)
             row["programs"] = launch["programs"]  # capped at what the SMs hold at once
+            row["early_taken"] = launch["early"]
             # a grid whose barriers gave up (seconds each) is recorded, not timed
             row["barrier_gave_up"] = gave_up()
             row["close"] = False

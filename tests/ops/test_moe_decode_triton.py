@@ -121,6 +121,29 @@ def test_phases_apart_through_scratch():
         _run(p, 3, "situ", True, True, tiles=SMALL, phased=False, phases=(1,))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's one-program launch")
+@pytest.mark.parametrize("early", [0, 1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_program_launch_equals_the_phases_on_the_cpu(early, dtype):
+    """The one-launch path (both grid barriers, PHASE 0) in the interpreter, whose only grid is one program:
+    with a down tile over all of D and I one K step, the down weights loaded before the gate/up items (early
+    1), after them (2) or after barrier 1 (0); each the phased launches' bits. Larger grids are refused."""
+    from kestrel.ops.moe.triton_decode import _sync_buffer
+
+    p = _layer(1, D=40, I=24, E=6, dtype=dtype, seed=21 + early)
+    tiles = dict(WHOLE_D, bn_d=64, bk_d=32, early=early)
+    launch = {}
+    one = _run(p, 4, "situ", True, True, tiles=tiles, phased=False, programs=1, launch=launch)
+    assert launch == {"programs": 1, "early": early}
+    three = _run(p, 4, "situ", True, True, tiles=tiles, phased=True, programs=1)
+    for a, b in zip(one, three):
+        assert torch.equal(a, b)
+    assert _sync_buffer(p["x"].device).tolist() == [0, 0, 0, 0]
+    _assert_close(one[0], _reference(p, 4, "situ", True, True)[0])
+    with pytest.raises(AssertionError, match="one program"):
+        _run(p, 4, "situ", True, True, tiles=tiles, phased=False, programs=2)
+
+
 def test_no_tokens_and_bad_input():
     p = _layer(1, D=40, I=24, E=5, dtype=torch.float32, seed=1)
     empty = {**p, "x": p["x"][:0], "residual": p["residual"][:0]}
@@ -160,20 +183,30 @@ MINI = dict(D=2048, I=256, E=64)  # presets._MINI: hidden 2048, 64 experts of wi
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("T", [1, 3])
-def test_one_launch_equals_three_at_mini_sizes(T):
+@pytest.mark.parametrize(
+    "T,tiles,taken",
+    [(1, {}, 2), (1, dict(early=0), 0), (1, dict(early=1, bn_d=8), 1), (1, dict(early=1), None), (3, {}, 0)],
+    ids=["1-early2", "1-early0", "1-early1", "1-early1-fallback", "3"],
+)
+def test_one_launch_equals_three_at_mini_sizes(T, tiles, taken):
     """The grid barriers: one launch gives the three phased launches' bits, leaves the counters at zero with
-    no barrier given up, and is deterministic; both match the reference within bf16's rounding."""
+    no barrier given up, and is deterministic; both match the reference within bf16's rounding. At one token
+    the down weights' loads go out after the gate/up items (early 2, the default), before them (1: with down
+    tiles of 8 rows, 256 items; at 4 rows the registers held may leave room for too few programs, and none go
+    early) or after barrier 1 (0); three tokens take none early."""
     from kestrel.ops.moe.triton_decode import _sync_buffer
 
     p = _layer(T, dtype=torch.bfloat16, seed=40 + T, **MINI)
-    one = _run(p, 6, "situ", True, True)
+    launch = {}
+    one = _run(p, 6, "situ", True, True, tiles=tiles, launch=launch)
+    assert launch["early"] == taken or (taken is None and launch["early"] in (0, 1)), launch
     three = _run(p, 6, "situ", True, True, phased=True)
     torch.cuda.synchronize()
     assert _sync_buffer(p["x"].device).tolist() == [0, 0, 0, 0]
     for a, b in zip(one, three):
         assert torch.equal(a, b)
-    assert all(torch.equal(a, b) for a, b in zip(one, _run(p, 6, "situ", True, True))), "not deterministic"
+    again = _run(p, 6, "situ", True, True, tiles=tiles)
+    assert all(torch.equal(a, b) for a, b in zip(one, again)), "not deterministic"
     want, _, want_ids = _reference(p, 6, "situ", True, True)
     assert torch.equal(one[2], want_ids)
     delta = one[0].float() - p["residual"].float()  # the layer's own output, without the residual

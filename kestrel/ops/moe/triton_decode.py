@@ -49,6 +49,11 @@ loads go out, gate/up done by 10.0, barrier 1 ~1 us, down done by 16.4). Tried t
 routing's top-A by one packed int64 max a pick (18.13 against 18.08 us); L2 prefetches of the router's and the
 shared expert's weights before the PDL wait (17.96 against 18.12) and of each program's routed down tiles once
 it has routed (19.40); wider router slices, fewer partial logits to add when routing (bd 128: 18.73 us).
+Session 43 loads each program's down tiles into registers once its gate/up items are done and holds them
+through barrier 1 (TILES' early 2): 18.05 -> **17.61 us** a layer, the same bits; barrier 1's wait grows
+(the loads land before the arrival's release) and the down phase after it falls from ~5 to 2.8 us. Loaded
+before the gate/up items (early 1) the registers held leave room for 3 programs an SM, too few for the 512
+down items. mini's batch-1 step was level within the noise: 1.432-1.445 ms either way.
 """
 
 from __future__ import annotations
@@ -69,7 +74,10 @@ _sync: dict[
 # (router slice, gate/up K slices, gate/up tile and K step, down tile and K step): the defaults on the GPU
 # and warps a program, programs an SM (the grid: at most what the GPU holds at once); defer: a gate/up item
 # adds its K steps' products elementwise and reduces once, instead of reducing each step
-TILES = dict(bd=64, ks=1, bn_g=4, bk_g=512, bn_d=4, bk_d=256, warps=4, per_sm=4, defer=1)
+# early: with one token, each program's down weights loaded before its gate/up items (1) or after them (2),
+# held through barrier 1 (0: loaded after it), where the grid holds every down item and I is one K step (1
+# holds them through the gate/up items too: at the defaults 3 programs an SM then, too few, so none early)
+TILES = dict(bd=64, ks=1, bn_g=4, bk_g=512, bn_d=4, bk_d=256, warps=4, per_sm=4, defer=1, early=2)
 _fits: dict[tuple, int] = {}  # a launch's shapes and constants -> how many of its programs an SM holds
 
 
@@ -218,6 +226,27 @@ def _gate_up_item(
 
 
 @triton.jit
+def _gate_up_items(
+    x, w13, ws13, gu, id_top, t, pid, nprog, D, I, beta, linear_beta, A: tl.constexpr, SL: tl.constexpr,
+    BA: tl.constexpr, KS: tl.constexpr, KCH: tl.constexpr, BN_G: tl.constexpr, BK_G: tl.constexpr,
+    SITU: tl.constexpr, BF16: tl.constexpr, DEFER: tl.constexpr,
+):  # fmt: skip
+    """This program's gate/up items (slot, tile of I, slice of D) of token t, routed to the experts id_top."""
+    slots = tl.arange(0, BA)
+    NG = tl.cdiv(I, BN_G)
+    per_token = SL * NG * KS
+    first = (pid - (t * per_token) % nprog + nprog) % nprog  # this program's first item of token t
+    for j in range(first, per_token, nprog):
+        a = j // (NG * KS)
+        e = tl.sum(tl.where(slots == a, id_top, 0), axis=0)
+        w_e = tl.where(a == A, ws13, w13 + e * 2 * I * D)  # [2I, D]: a == A only with SHARED
+        _gate_up_item(
+            x, w_e, gu, t, a, (j // KS) % NG, j % KS, D, I, beta, linear_beta, SL, KS, KCH,
+            BN_G, BK_G, SITU, BF16, DEFER,
+        )  # fmt: skip
+
+
+@triton.jit
 def _gate_up_phase(
     x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling, beta, linear_beta,
     A: tl.constexpr, SL: tl.constexpr, BA: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr, KS: tl.constexpr,
@@ -228,25 +257,24 @@ def _gate_up_phase(
     """The gate/up items (token, slot, tile of I, slice of D) after the routing every program computes from the
     partial logits; program 0 stores the routing. (The shared expert's items beside the router's instead, in
     the programs it leaves idle, made the layer slower: 21.5 against 20.4 us, session 39.)"""
-    slots = tl.arange(0, BA)
-    NG = tl.cdiv(I, BN_G)
-    per_token = SL * NG * KS
     for t in range(0, T):
         w_top, id_top = _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS)
-        if pid == 0:
-            tl.store(weights_out + t * A + slots, w_top, mask=slots < A)
-            tl.store(ids_out + t * A + slots, id_top, mask=slots < A)
+        _store_routing(weights_out, ids_out, w_top, id_top, t, pid, A, BA)
         if t == 0:
             _stamp(trace_row, 3, TRACE)  # the first token routed
-        first = (pid - (t * per_token) % nprog + nprog) % nprog  # this program's first item of token t
-        for j in range(first, per_token, nprog):
-            a = j // (NG * KS)
-            e = tl.sum(tl.where(slots == a, id_top, 0), axis=0)
-            w_e = tl.where(a == A, ws13, w13 + e * 2 * I * D)  # [2I, D]: a == A only with SHARED
-            _gate_up_item(
-                x, w_e, gu, t, a, (j // KS) % NG, j % KS, D, I, beta, linear_beta, SL, KS, KCH,
-                BN_G, BK_G, SITU, BF16, DEFER,
-            )  # fmt: skip
+        _gate_up_items(
+            x, w13, ws13, gu, id_top, t, pid, nprog, D, I, beta, linear_beta, A, SL, BA, KS, KCH, BN_G, BK_G,
+            SITU, BF16, DEFER,
+        )  # fmt: skip
+
+
+@triton.jit
+def _store_routing(weights_out, ids_out, w_top, id_top, t, pid, A: tl.constexpr, BA: tl.constexpr):
+    """Program 0 stores token t's routing (every program computed the same)."""
+    slots = tl.arange(0, BA)
+    if pid == 0:
+        tl.store(weights_out + t * A + slots, w_top, mask=slots < A)
+        tl.store(ids_out + t * A + slots, id_top, mask=slots < A)
 
 
 @triton.jit
@@ -271,6 +299,72 @@ def _h_rows(
 
 
 @triton.jit
+def _down_tiles(
+    w2, ws2, id_top, smask, cols, cmask, ki, kmask, D, I: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
+    SHARED: tl.constexpr,
+):  # fmt: skip
+    """One K step of a down item's weights: every routed slot's tile in one load [BA, BN_D, BK_D] (the experts
+    id_top's rows cols, columns ki of I) and the shared expert's [BN_D, BK_D] (zeros without one)."""
+    experts = w2 + id_top * D * I  # [BA] each slot's [D, I]
+    w = tl.load(
+        experts[:, None, None] + cols[None, :, None].to(tl.int64) * I + ki[None, None, :],
+        mask=smask[:, None, None] & cmask[None, :, None] & kmask[None, None, :],
+        other=0.0,
+    )
+    if SHARED:
+        ws = tl.load(
+            ws2 + cols[:, None].to(tl.int64) * I + ki[None, :],
+            mask=cmask[:, None] & kmask[None, :],
+            other=0.0,
+        )
+    else:
+        ws = tl.zeros([BN_D, BK_D], dtype=w.dtype)
+    return w, ws
+
+
+@triton.jit
+def _down_sums(
+    w, ws, acc, acc_s, gu, t, ki, kmask, beta, linear_beta, I: tl.constexpr, A: tl.constexpr, SL: tl.constexpr,
+    BA: tl.constexpr, KS: tl.constexpr, SITU: tl.constexpr, SHARED: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """One K step's products added into acc [BA, BN_D] (each routed slot's) and acc_s [BN_D] (the shared
+    expert's): h of token t's slots at columns ki, read after the weights' loads went out."""
+    slots = tl.arange(0, BA)
+    smask = slots < A
+    dt = w.dtype
+    h = _h_rows(gu, t * SL + slots, smask, ki, kmask, I, KS, dt, beta, linear_beta, SITU, BF16)
+    acc += tl.sum(w.to(tl.float32) * h[:, None, :], axis=2)
+    if SHARED:
+        row_s = t * SL + A + tl.arange(0, 1)  # the shared slot's row, as a [1] tensor
+        h_s = _h_rows(gu, row_s, row_s >= 0, ki, kmask, I, KS, dt, beta, linear_beta, SITU, BF16)
+        acc_s += tl.sum(ws.to(tl.float32) * h_s, axis=1)
+    return acc, acc_s
+
+
+@triton.jit
+def _down_store(
+    acc, acc_s, w_top, out, t, cols, cmask, D, A: tl.constexpr, BA: tl.constexpr, SHARED: tl.constexpr,
+    ACCUMULATE: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """Each expert's output rounded, their weighted sum in slot order (as the reference's), the shared expert's
+    and the residual added: out[t, cols]."""
+    slots = tl.arange(0, BA)
+    dt = out.dtype.element_ty
+    y = _rounded(acc, dt, BF16)  # [BA, BN_D] each expert's output in x's dtype
+    total = tl.zeros(acc_s.shape, dtype=tl.float32)
+    for a in tl.static_range(A):  # in slot order (a row picked out exactly: the others add zeros)
+        y_a = tl.sum(tl.where(slots[:, None] == a, y, 0.0), axis=0)
+        total += tl.sum(tl.where(slots == a, w_top, 0.0), axis=0) * y_a
+    if SHARED:
+        total = _rounded(total, dt, BF16) + _rounded(acc_s, dt, BF16)
+    if ACCUMULATE:
+        before = tl.load(out + t * D + cols, mask=cmask, other=0.0).to(tl.float32)
+        total = _rounded(total, dt, BF16) + before
+    total = _rounded(total, dt, BF16)
+    tl.store(out + t * D + cols, total.to(dt), mask=cmask)
+
+
+@triton.jit
 def _down_phase(
     x, w2, ws2, gu, weights_out, ids_out, out, pid, nprog, T, D, I: tl.constexpr, beta, linear_beta,
     A: tl.constexpr, SL: tl.constexpr, BA: tl.constexpr, KS: tl.constexpr, BN_D: tl.constexpr,
@@ -282,13 +376,11 @@ def _down_phase(
     Then each expert's output rounded, and the weighted sum in slot order, as the reference's."""
     slots = tl.arange(0, BA)
     smask = slots < A
-    dt = x.dtype.element_ty
     ND = tl.cdiv(D, BN_D)
     for t in range(0, T):
         # the routing program 0 stored in the gate_up phase (before the barrier, or the launch before)
         w_top = tl.load(weights_out + t * A + slots, mask=smask, other=0.0, cache_modifier=".cg")
         id_top = tl.load(ids_out + t * A + slots, mask=smask, other=0, cache_modifier=".cg")
-        experts = w2 + id_top * D * I  # [BA] each slot's [D, I]
         first = (pid - (t * ND) % nprog + nprog) % nprog
         for n in range(first, ND, nprog):
             cols = n * BN_D + tl.arange(0, BN_D)  # [BN_D] output units
@@ -298,35 +390,11 @@ def _down_phase(
             for k0 in tl.static_range(0, I, BK_D):
                 ki = k0 + tl.arange(0, BK_D)
                 kmask = ki < I
-                w = tl.load(
-                    experts[:, None, None] + cols[None, :, None].to(tl.int64) * I + ki[None, None, :],
-                    mask=smask[:, None, None] & cmask[None, :, None] & kmask[None, None, :],
-                    other=0.0,
-                )  # [BA, BN_D, BK_D]
-                if SHARED:
-                    ws = tl.load(
-                        ws2 + cols[:, None].to(tl.int64) * I + ki[None, :],
-                        mask=cmask[:, None] & kmask[None, :],
-                        other=0.0,
-                    )  # [BN_D, BK_D]
-                h = _h_rows(gu, t * SL + slots, smask, ki, kmask, I, KS, dt, beta, linear_beta, SITU, BF16)
-                acc += tl.sum(w.to(tl.float32) * h[:, None, :], axis=2)
-                if SHARED:
-                    row_s = t * SL + A + tl.arange(0, 1)  # the shared slot's row, as a [1] tensor
-                    h_s = _h_rows(gu, row_s, row_s >= 0, ki, kmask, I, KS, dt, beta, linear_beta, SITU, BF16)
-                    acc_s += tl.sum(ws.to(tl.float32) * h_s, axis=1)
-            y = _rounded(acc, dt, BF16)  # [BA, BN_D] each expert's output in x's dtype
-            total = tl.zeros([BN_D], dtype=tl.float32)
-            for a in tl.static_range(A):  # in slot order (a row picked out exactly: the others add zeros)
-                y_a = tl.sum(tl.where(slots[:, None] == a, y, 0.0), axis=0)
-                total += tl.sum(tl.where(slots == a, w_top, 0.0), axis=0) * y_a
-            if SHARED:
-                total = _rounded(total, dt, BF16) + _rounded(acc_s, dt, BF16)
-            if ACCUMULATE:
-                before = tl.load(out + t * D + cols, mask=cmask, other=0.0).to(tl.float32)
-                total = _rounded(total, dt, BF16) + before
-            total = _rounded(total, dt, BF16)
-            tl.store(out + t * D + cols, total.to(dt), mask=cmask)
+                w, ws = _down_tiles(w2, ws2, id_top, smask, cols, cmask, ki, kmask, D, I, BN_D, BK_D, SHARED)
+                acc, acc_s = _down_sums(
+                    w, ws, acc, acc_s, gu, t, ki, kmask, beta, linear_beta, I, A, SL, BA, KS, SITU, SHARED, BF16
+                )  # fmt: skip
+            _down_store(acc, acc_s, w_top, out, t, cols, cmask, D, A, BA, SHARED, ACCUMULATE, BF16)
 
 
 @triton.jit
@@ -364,6 +432,7 @@ def _moe_decode_kernel(
     BN_D: tl.constexpr,
     BK_D: tl.constexpr,
     DEFER: tl.constexpr,
+    EARLY: tl.constexpr,
     trace,
     TRACE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -377,7 +446,10 @@ def _moe_decode_kernel(
     PDL: tl.constexpr = False,
 ):
     """PHASE 0: all three phases with the grid barriers between them; 1, 2, 3: only the router, gate_up or
-    down phase (three launches, no barrier: the CPU interpreter's way)."""
+    down phase (three launches, no barrier: the CPU interpreter's way). EARLY (PHASE 0 with one token, at most
+    one down item a program and one K step of it): each program issues its down item's weight loads once it has
+    routed, before its gate/up items (1) or after them (2), and holds them in registers through barrier 1, so
+    the down phase after it waits only for h (the same products in the same order: the phased launches' bits)."""
     pdl_begin(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -390,23 +462,58 @@ def _moe_decode_kernel(
     if PHASE == 0:
         _grid_sync(sync, 0, nprog, MAX_SPIN)
         _stamp(row, 2, TRACE)
-    if PHASE == 0 or PHASE == 2:
-        _gate_up_phase(
-            x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling, beta,
-            linear_beta, A, SL, BA, BE, BS, KS, KCH, BN_G, BK_G, HAS_BIAS, RENORM, SITU, BF16, DEFER, row, TRACE,
+    if PHASE == 0 and EARLY > 0:
+        w_top, id_top = _route_token(partial, bias, 0, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS)
+        _store_routing(weights_out, ids_out, w_top, id_top, 0, pid, A, BA)
+        _stamp(row, 3, TRACE)
+        smask = tl.arange(0, BA) < A
+        cols = pid * BN_D + tl.arange(0, BN_D)  # this program's down item: pid (none past the D / BN_D items)
+        cmask = cols < D
+        ki = tl.arange(0, BK_D)
+        kmask = ki < I
+        if EARLY == 1:
+            w_dn, ws_dn = _down_tiles(
+                w2, ws2, id_top, smask, cols, cmask, ki, kmask, D, I, BN_D, BK_D, SHARED
+            )
+        _gate_up_items(
+            x, w13, ws13, gu, id_top, 0, pid, nprog, D, I, beta, linear_beta, A, SL, BA, KS, KCH, BN_G, BK_G,
+            SITU, BF16, DEFER,
         )  # fmt: skip
+        if EARLY == 2:
+            w_dn, ws_dn = _down_tiles(
+                w2, ws2, id_top, smask, cols, cmask, ki, kmask, D, I, BN_D, BK_D, SHARED
+            )
         _stamp(row, 4, TRACE)
-    if PHASE == 0:
         _grid_sync(sync, 1, nprog, MAX_SPIN)
         if pid == 0:  # every program has left barrier 0: ready for the next launch
             tl.atomic_xchg(sync, 0, sem="relaxed", scope="gpu")
         _stamp(row, 5, TRACE)
-    if PHASE == 0 or PHASE == 3:
-        _down_phase(
-            x, w2, ws2, gu, weights_out, ids_out, out, pid, nprog, T, D, I, beta, linear_beta,
-            A, SL, BA, KS, BN_D, BK_D, SITU, SHARED, ACCUMULATE, BF16,
+        acc = tl.zeros([BA, BN_D], dtype=tl.float32)
+        acc_s = tl.zeros([BN_D], dtype=tl.float32)
+        acc, acc_s = _down_sums(
+            w_dn, ws_dn, acc, acc_s, gu, 0, ki, kmask, beta, linear_beta, I, A, SL, BA, KS, SITU, SHARED, BF16
         )  # fmt: skip
+        _down_store(acc, acc_s, w_top, out, 0, cols, cmask, D, A, BA, SHARED, ACCUMULATE, BF16)
         _stamp(row, 6, TRACE)
+    else:
+        if PHASE == 0 or PHASE == 2:
+            _gate_up_phase(
+                x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling, beta,
+                linear_beta, A, SL, BA, BE, BS, KS, KCH, BN_G, BK_G, HAS_BIAS, RENORM, SITU, BF16, DEFER, row,
+                TRACE,
+            )  # fmt: skip
+            _stamp(row, 4, TRACE)
+        if PHASE == 0:
+            _grid_sync(sync, 1, nprog, MAX_SPIN)
+            if pid == 0:  # every program has left barrier 0: ready for the next launch
+                tl.atomic_xchg(sync, 0, sem="relaxed", scope="gpu")
+            _stamp(row, 5, TRACE)
+        if PHASE == 0 or PHASE == 3:
+            _down_phase(
+                x, w2, ws2, gu, weights_out, ids_out, out, pid, nprog, T, D, I, beta, linear_beta,
+                A, SL, BA, KS, BN_D, BK_D, SITU, SHARED, ACCUMULATE, BF16,
+            )  # fmt: skip
+            _stamp(row, 6, TRACE)
     if PHASE == 0:  # the last program out leaves the counters at zero
         done = tl.atomic_add(sync + 2, 1, sem="acq_rel", scope="gpu")
         if done == nprog - 1:
@@ -444,12 +551,14 @@ def moe_decode_triton(
     shared expert's (ws13 [2I, D], ws2 [D, I]) in x's dtype; router_weight [E, D] and correction_bias [E] fp32.
     programs: the grid (None: the SM count times TILES' per_sm, or 3 on the CPU; never more than there are
     items);
-    phased: three launches instead of one (None: on the CPU only); tiles: overrides of TILES.
+    phased: three launches instead of one (None: on the CPU only, where one launch takes one program: the
+    interpreter runs a program to its end before the next starts); tiles: overrides of TILES.
     phases: when phased, only these of the three (1 router, 2 gate/up and routing, 3 down and combine), to time
     one phase alone (scripts/decode_kernels_check.py); what a phase reads from the others is in scratch.
     scratch: a dict the buffers the phases hand on are kept in between calls (partial logits, gate/up partial
     sums, the routing; filled on first use, for one set of shapes); None: new buffers each call.
-    launch: a dict given the grid launched ("programs"), for the benchmarks.
+    launch: a dict given the grid launched ("programs") and where the down loads went ("early"), for the
+    benchmarks.
     trace: int64 [at least the grid, 16] on CUDA, one launch only: each program's clock and timer at the
     TRACE_POINTS (row[k], row[8 + k]; `trace_summary` reads them), for the benchmarks.
     Returns (out [T, D] in x's dtype, weights [T, A] fp32, ids [T, A] int64)."""
@@ -520,16 +629,37 @@ def moe_decode_triton(
         MAX_SPIN=MAX_SPIN, num_warps=t["warps"], **pdl_args(out),
     )  # fmt: skip
     stamps = trace if trace is not None else sync  # (not read without a trace)
-    if not phased:  # the barriers wait for every program: never more than the SMs hold at once
-        key = (x.device, x.dtype, T, D, E, I, *consts.items())  # (consts: built in one order)
-        if key not in _fits:
-            compiled = _moe_decode_kernel.warmup(*args, grid=(programs,), PHASE=0, trace=stamps, **consts)
-            _fits[key] = _programs_an_sm(compiled, t["warps"], x.device)
-        if _fits[key] < 1:
-            raise RuntimeError(f"moe_decode_triton: tiles {t} need more than one SM holds; use smaller ones")
-        programs = min(programs, _fits[key] * sms)
+    ND = triton.cdiv(D, t["bn_d"])  # the down items of a token
+
+    def early(programs: int) -> int:
+        """The early down loads' mode (TILES' early), where they apply: one token, one down item a program."""
+        return t["early"] if not phased and T == 1 and ND <= programs and I <= t["bk_d"] else 0
+
+    consts["EARLY"] = early(programs)
+    if not phased and not x.is_cuda:
+        # the interpreter runs each program to its end before the next: a barrier opens only with one program
+        assert programs == 1, "one launch on the CPU: one program (phased runs any grid)"
+    elif not phased:  # the barriers wait for every program: never more than the SMs hold at once
+
+        def fits() -> int:  # the programs the GPU holds at once, read from the compiled kernel
+            key = (x.device, x.dtype, T, D, E, I, *consts.items())  # (consts: built in one order)
+            if key not in _fits:
+                compiled = _moe_decode_kernel.warmup(*args, grid=(programs,), PHASE=0, trace=stamps, **consts)
+                _fits[key] = _programs_an_sm(compiled, t["warps"], x.device)
+            if _fits[key] < 1:
+                raise RuntimeError(
+                    f"moe_decode_triton: tiles {t} need more than one SM holds; use smaller tiles"
+                )
+            return _fits[key] * sms
+
+        held = fits()
+        if consts["EARLY"] and not early(min(programs, held)):
+            # the loads held in registers leave room for too few programs: without them
+            consts["EARLY"] = 0
+            held = fits()
+        programs = min(programs, held)
     if launch is not None:
-        launch["programs"] = programs
+        launch.update(programs=programs, early=consts["EARLY"])
     if trace is not None:
         assert x.is_cuda and not phased, "trace: one launch on CUDA (the interpreter runs no inline PTX)"
         assert trace.dtype == torch.int64 and trace.shape[0] >= programs and trace.shape[1] == 16, (
