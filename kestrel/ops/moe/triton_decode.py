@@ -50,10 +50,11 @@ routing's top-A by one packed int64 max a pick (18.13 against 18.08 us); L2 pref
 shared expert's weights before the PDL wait (17.96 against 18.12) and of each program's routed down tiles once
 it has routed (19.40); wider router slices, fewer partial logits to add when routing (bd 128: 18.73 us).
 Session 43 loads each program's down tiles into registers once its gate/up items are done and holds them
-through barrier 1 (TILES' early 2): 18.05 -> **17.61 us** a layer, the same bits; barrier 1's wait grows
-(the loads land before the arrival's release) and the down phase after it falls from ~5 to 2.8 us. Loaded
-before the gate/up items (early 1) the registers held leave room for 3 programs an SM, too few for the 512
-down items. mini's batch-1 step was level within the noise: 1.432-1.445 ms either way.
+through barrier 1 (TILES' early 2): 18.05 -> **17.61 us** a layer (17.89 -> 17.40 in a second call), the
+same bits; barrier 1's wait grows (the loads land before the arrival's release) and the down phase after it
+falls from ~5 to 2.8 us. Loaded before the gate/up items (early 1) the registers held leave room for 3
+programs an SM, too few for the 512 down items. mini's batch-1 step was level within the noise: 1.432-1.445
+ms either way. Barriers polled by volatile loads instead of atomics were slower (19.98-20.44 us).
 """
 
 from __future__ import annotations
@@ -77,8 +78,7 @@ _sync: dict[
 # early: with one token, each program's down weights loaded before its gate/up items (1) or after them (2),
 # held through barrier 1 (0: loaded after it), where the grid holds every down item and I is one K step (1
 # holds them through the gate/up items too: at the defaults 3 programs an SM then, too few, so none early)
-# poll: how a barrier waits (_grid_sync's POLL; 2 on CUDA only)
-TILES = dict(bd=64, ks=1, bn_g=4, bk_g=512, bn_d=4, bk_d=256, warps=4, per_sm=4, defer=1, early=2, poll=0)
+TILES = dict(bd=64, ks=1, bn_g=4, bk_g=512, bn_d=4, bk_d=256, warps=4, per_sm=4, defer=1, early=2)
 _fits: dict[tuple, int] = {}  # a launch's shapes and constants -> how many of its programs an SM holds
 
 
@@ -136,26 +136,17 @@ def _sync_buffer(device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def _grid_sync(sync, k, nprog, MAX_SPIN: tl.constexpr, POLL: tl.constexpr):
+def _grid_sync(sync, k, nprog, MAX_SPIN: tl.constexpr):
     """Wait until all nprog programs have reached barrier k; every store before it is then visible to every
-    program after it (release on the arrival, acquire after the wait). POLL 0: each poll an acquiring atomic;
-    1: plain volatile loads (no L2 atomic a poll), then one acquiring atomic; 2: volatile loads, then a fence
-    (CUDA only: inline PTX)."""
+    program after it (release on the arrival, acquire on the polls; the arrival's own result is the first
+    poll). Polled by plain volatile loads instead, then one acquiring atomic or a fence, the layer was slower:
+    19.98 / 20.44 against 17.40 us (session 43)."""
     tl.debug_barrier()  # this program's threads have all stored
     arrived = tl.atomic_add(sync + k, 1, sem="acq_rel", scope="gpu") + 1
     spins = 0
     while (arrived < nprog) & (spins < MAX_SPIN):
-        if POLL == 0:
-            arrived = tl.atomic_add(sync + k, 0, sem="acquire", scope="gpu")
-        else:
-            arrived = tl.load(sync + k, volatile=True)
-        spins += 1
-    if POLL == 1:
         arrived = tl.atomic_add(sync + k, 0, sem="acquire", scope="gpu")
-    if POLL == 2:  # the polls' last read, then this fence: an acquire of every arrival's release
-        tl.inline_asm_elementwise(
-            "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-        )
+        spins += 1
     if arrived < nprog:
         tl.atomic_xchg(sync + 3, 1, sem="relaxed", scope="gpu")  # gave up: the results are wrong
     tl.debug_barrier()
@@ -454,7 +445,6 @@ def _moe_decode_kernel(
     BF16: tl.constexpr,
     PHASE: tl.constexpr,
     MAX_SPIN: tl.constexpr,
-    POLL: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """PHASE 0: all three phases with the grid barriers between them; 1, 2, 3: only the router, gate_up or
@@ -472,7 +462,7 @@ def _moe_decode_kernel(
         _router_phase(x, router_w, partial, pid, nprog, T, D, E, S, BE, BD)
         _stamp(row, 1, TRACE)
     if PHASE == 0:
-        _grid_sync(sync, 0, nprog, MAX_SPIN, POLL)
+        _grid_sync(sync, 0, nprog, MAX_SPIN)
         _stamp(row, 2, TRACE)
     if PHASE == 0 and EARLY > 0:
         w_top, id_top = _route_token(partial, bias, 0, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS)
@@ -496,7 +486,7 @@ def _moe_decode_kernel(
                 w2, ws2, id_top, smask, cols, cmask, ki, kmask, D, I, BN_D, BK_D, SHARED
             )
         _stamp(row, 4, TRACE)
-        _grid_sync(sync, 1, nprog, MAX_SPIN, POLL)
+        _grid_sync(sync, 1, nprog, MAX_SPIN)
         if pid == 0:  # every program has left barrier 0: ready for the next launch
             tl.atomic_xchg(sync, 0, sem="relaxed", scope="gpu")
         _stamp(row, 5, TRACE)
@@ -516,7 +506,7 @@ def _moe_decode_kernel(
             )  # fmt: skip
             _stamp(row, 4, TRACE)
         if PHASE == 0:
-            _grid_sync(sync, 1, nprog, MAX_SPIN, POLL)
+            _grid_sync(sync, 1, nprog, MAX_SPIN)
             if pid == 0:  # every program has left barrier 0: ready for the next launch
                 tl.atomic_xchg(sync, 0, sem="relaxed", scope="gpu")
             _stamp(row, 5, TRACE)
@@ -638,7 +628,7 @@ def moe_decode_triton(
         TRACE=trace is not None,
         HAS_BIAS=correction_bias is not None, RENORM=renormalize, SITU=act == "situ",
         SHARED=shared is not None, ACCUMULATE=accumulate, BF16=x.dtype == torch.bfloat16,
-        MAX_SPIN=MAX_SPIN, POLL=t["poll"], num_warps=t["warps"], **pdl_args(out),
+        MAX_SPIN=MAX_SPIN, num_warps=t["warps"], **pdl_args(out),
     )  # fmt: skip
     stamps = trace if trace is not None else sync  # (not read without a trace)
     ND = triton.cdiv(D, t["bn_d"])  # the down items of a token
@@ -648,11 +638,9 @@ def moe_decode_triton(
         return t["early"] if not phased and T == 1 and ND <= programs and I <= t["bk_d"] else 0
 
     consts["EARLY"] = early(programs)
-    assert t["poll"] in (0, 1, 2), f"poll {t['poll']}: 0, 1 or 2"
     if not phased and not x.is_cuda:
         # the interpreter runs each program to its end before the next: a barrier opens only with one program
         assert programs == 1, "one launch on the CPU: one program (phased runs any grid)"
-        assert t["poll"] < 2, "poll 2 fences in inline PTX: CUDA only"
     elif not phased:  # the barriers wait for every program: never more than the SMs hold at once
 
         def fits() -> int:  # the programs the GPU holds at once, read from the compiled kernel
