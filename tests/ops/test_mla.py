@@ -261,6 +261,33 @@ def test_sdpa_prefill_equals_absorbed(dtype, L, T):
     torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("L,T", [(1024, 1024), (1024, 256)], ids=["from-0", "after-prefix"])
+def test_sdpa_prefill_takes_a_fused_kernel_on_cuda(L, T):
+    """mini's widths (qk 192, v 128) in bf16, with torch's math path ruled out: a fused kernel must take the
+    call (3-D inputs fell back to math: fp32 GEMMs and softmax, session 43), and it equals the reference."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kestrel.ops.mla.sdpa_prefill import mla_prefill_sdpa
+
+    heads, dn, p, dv, r = 16, 128, 64, 128, 512
+    g = torch.Generator(device="cuda").manual_seed(L + T)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    q_nope, q_pe, kv = rnd(T, heads, dn), rnd(T, heads, p), rnd(L, r + p)
+    w_uk, w_uv = rnd(heads, dn, r, scale=r**-0.5), rnd(heads, dv, r, scale=r**-0.5)
+    scale = (dn + p) ** -0.5
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    with sdpa_kernel(fused):
+        got = mla_prefill_sdpa(q_nope, q_pe, kv, w_uk, w_uv, scale)
+    pos = torch.arange(L - T, L, device="cuda")
+    ref = mla_attention_absorbed(*(x.double() for x in (q_nope, q_pe, kv, w_uk, w_uv)), pos, scale)
+    torch.testing.assert_close(got.double(), ref, rtol=3e-2, atol=3e-2)
+
+
 def _rows_mask(B: int, R: int, sparse: bool, seed: int) -> torch.Tensor:
     """[B, R, R] document-causal visibility of random packed documents, optionally thinned (every query keeps
     itself), as training's dense warm-up and its sparse DSA steps build it."""

@@ -44,11 +44,16 @@ def mla_prefill_sdpa(
     assert T <= L, f"{T} queries over {L} cached rows: the chunk's own rows must be in the cache"
     k_nope, k_pe, v = expand_history(kv_cache, w_uk, w_uv, q_nope.dtype)  # [L, H, Dn], [L, P], [L, H, Dv]
     k_nope, v = k_nope.transpose(0, 1), v.transpose(0, 1)  # [H, L, Dn], [H, L, Dv]
-    k = torch.cat([k_nope, k_pe[None].expand(H, L, P)], dim=-1)  # [H, L, Dn + P]
-    q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [H, T, Dn + P]
+    # [1, H, *, *]: torch's fused kernels take 4-D inputs only; 3-D ones went to the math path, which runs bf16
+    # in fp32 GEMMs and a [H, T, L] softmax (session 43's engine prefill profile: 19 of its 66 ms at 8 x 1024)
+    k = torch.cat([k_nope, k_pe[None].expand(H, L, P)], dim=-1)[None]  # [1, H, L, Dn + P]
+    q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)[None]  # [1, H, T, Dn + P]
+    v = v[
+        None
+    ]  # [1, H, L, Dv]: Dv != Dn + P, so the memory-efficient kernel on CUDA (flash needs them equal)
     if T == L:  # a chunk from position 0: plain causal attention
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:  # after a cached prefix: query t (position L - T + t) sees rows 0..L - T + t
         visible = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=L - T)  # [T, L]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
-    return o.transpose(0, 1)  # [T, H, Dv]
+    return o[0].transpose(0, 1)  # [T, H, Dv]
