@@ -263,7 +263,9 @@ def test_sdpa_prefill_equals_absorbed(dtype, L, T):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("L,T", [(1024, 1024), (1024, 256)], ids=["from-0", "after-prefix"])
+@pytest.mark.parametrize(
+    "L,T", [(1024, 1024), (1024, 256), (1003, 201)], ids=["from-0", "after-prefix", "odd"]
+)
 def test_sdpa_prefill_takes_a_fused_kernel_on_cuda(L, T):
     """mini's widths (qk 192, v 128) in bf16, with torch's math path ruled out: a fused kernel must take the
     call (3-D inputs fell back to math: fp32 GEMMs and softmax, session 43), and it equals the reference."""

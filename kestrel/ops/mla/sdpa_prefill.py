@@ -5,7 +5,7 @@ L cached tokens (positions L - T .. L - 1).
 The absorbed form is the decode form: for a prefill chunk it multiplies in the R-wide latent space (R = 512 with
 P = 64 against Dn + P = 192 and Dv = 128 expanded), in fp32, and materializes [T, H, L] scores. Here keys and
 values are expanded once per chunk (W_UK and W_UV on the latent rows) and attention runs in the input dtype in
-one fused kernel (flash or memory-efficient on CUDA). Legend as in naive.py.
+one fused kernel (on CUDA the memory-efficient one: flash needs v as wide as q and k). Legend as in naive.py.
 """
 
 from __future__ import annotations
@@ -48,9 +48,8 @@ def mla_prefill_sdpa(
     # in fp32 GEMMs and a [H, T, L] softmax (session 43's engine prefill profile: 19 of its 66 ms at 8 x 1024)
     k = torch.cat([k_nope, k_pe[None].expand(H, L, P)], dim=-1)[None]  # [1, H, L, Dn + P]
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)[None]  # [1, H, T, Dn + P]
-    v = v[
-        None
-    ]  # [1, H, L, Dv]: Dv != Dn + P, so the memory-efficient kernel on CUDA (flash needs them equal)
+    # [1, H, L, Dv]: Dv != Dn + P, so the memory-efficient kernel on CUDA (flash needs them equal)
+    v = v[None]
     if T == L:  # a chunk from position 0: plain causal attention
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:  # after a cached prefix: query t (position L - T + t) sees rows 0..L - T + t

@@ -551,8 +551,8 @@ def moe_decode_triton(
     renormalize, scaling_factor)`, then `moe_experts_triton(x, w13, w2, weights, ids, act, situ_beta,
     situ_linear_beta, shared=shared, out=out, accumulate=accumulate)`. w13 [E, 2I, D], w2 [E, D, I] and the
     shared expert's (ws13 [2I, D], ws2 [D, I]) in x's dtype; router_weight [E, D] and correction_bias [E] fp32.
-    programs: the grid (None: the SM count times TILES' per_sm, or 3 on the CPU; never more than there are
-    items);
+    programs: the grid (None: the SM count times TILES' per_sm; on the CPU 3 times per_sm phased, 1 in one
+    launch; never more than there are items);
     phased: three launches instead of one (None: on the CPU only, where one launch takes one program: the
     interpreter runs a program to its end before the next starts); tiles: overrides of TILES.
     phases: when phased, only these of the three (1 router, 2 gate/up and routing, 3 down and combine), to time
@@ -613,8 +613,8 @@ def moe_decode_triton(
     assert partial.shape == (T, S, BE) and gu.shape == (T, SL, KS, 2, I), "scratch of other shapes or tiles"
     items = max(T * S, T * SL * triton.cdiv(I, t["bn_g"]) * KS, T * triton.cdiv(D, t["bn_d"]))  # each phase's
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 3
-    if programs is None:
-        programs = sms * t["per_sm"]
+    if programs is None:  # (one launch on the CPU: one program, below)
+        programs = sms * t["per_sm"] if phased or x.is_cuda else 1
     programs = max(1, min(programs, items))
     sync = _sync_buffer(x.device) if not phased else weights  # not read when phased
     bias = correction_bias if correction_bias is not None else router_weight  # unused without HAS_BIAS
@@ -637,6 +637,7 @@ def moe_decode_triton(
         """The early down loads' mode (TILES' early), where they apply: one token, one down item a program."""
         return t["early"] if not phased and T == 1 and ND <= programs and I <= t["bk_d"] else 0
 
+    assert t["early"] in (0, 1, 2), f"early {t['early']}: 0, 1 or 2"
     consts["EARLY"] = early(programs)
     if not phased and not x.is_cuda:
         # the interpreter runs each program to its end before the next: a barrier opens only with one program
@@ -648,10 +649,6 @@ def moe_decode_triton(
             if key not in _fits:
                 compiled = _moe_decode_kernel.warmup(*args, grid=(programs,), PHASE=0, trace=stamps, **consts)
                 _fits[key] = _programs_an_sm(compiled, t["warps"], x.device)
-            if _fits[key] < 1:
-                raise RuntimeError(
-                    f"moe_decode_triton: tiles {t} need more than one SM holds; use smaller tiles"
-                )
             return _fits[key] * sms
 
         held = fits()
@@ -659,6 +656,8 @@ def moe_decode_triton(
             # the loads held in registers leave room for too few programs: without them
             consts["EARLY"] = 0
             held = fits()
+        if held < 1:
+            raise RuntimeError(f"moe_decode_triton: tiles {t} need more than one SM holds; use smaller tiles")
         programs = min(programs, held)
     if launch is not None:
         launch.update(programs=programs, early=consts["EARLY"])
