@@ -94,6 +94,15 @@ class PagedCacheView:
         index_k = self.kv_pool.read_index(layer_id, rows) if self.kv_pool.index_k else None
         return self.kv_pool.kv[layer_id][rows], index_k
 
+    def read_kv_run(self, layer_id: int, first: int, count: int, length: int) -> torch.Tensor:
+        """Latent KV [count, length, R + P] of sequences first .. first + count - 1, positions 0..length-1 of
+        each (no indexer keys), in one gather from their page-table rows."""
+        ps = self.kv_pool.page_size
+        pool = self.kv_pool.kv[layer_id]
+        paged = pool.view(-1, ps, pool.shape[-1])  # [pages + 1, page, R + P]
+        pages = self.page_table[first : first + count, : -(-length // ps)]  # [count, n]
+        return paged[pages].reshape(count, -1, pool.shape[-1])[:, :length]
+
     def read_kv_batched(self, layer_id: int):
         """(kv [N, maxp * page, R + P], index keys [N, maxp * page, DI] or None, lens [N]); rows past lens[i]
         are padding (another sequence's or the dummy page's data) that the attention masks out."""

@@ -117,6 +117,26 @@ for attn in ("torch", "triton"):
             for o in engine.step():
                 out.setdefault(o.request_id, []).extend(o.new_token_ids)
     result[attn] = out
+# fresh prompts arriving together, in one chunk: runs of one length attend in one call (three of 6 tokens, two
+# of 9), the lone one of 5 alone
+import kestrel.layers.mla as mla_layer
+batched_calls = []
+real_sdpa = mla_layer.mla_prefill_sdpa
+mla_layer.mla_prefill_sdpa = lambda q, *a: (batched_calls.append(q.dim() == 4), real_sdpa(q, *a))[1]
+g = torch.Generator().manual_seed(2)
+fresh = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (6, 6, 6, 9, 9, 5)]
+for attn in ("torch", "triton"):
+    os.environ["KESTREL_ATTN_BACKEND"] = attn
+    engine = Engine(EngineConfig(model="tiny", page_size=4, chunked_prefill_size=64), model=model)
+    out = {}
+    for i, p in enumerate(fresh):
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), str(i))
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    result["fresh_" + attn] = out
+result["batched_calls"] = sum(batched_calls)
+result["single_calls"] = len(batched_calls) - sum(batched_calls)
 print(json.dumps(result))
 """
 
@@ -130,3 +150,10 @@ def test_dense_prefill_path_matches_torch_path():
     prefix) and prefix-cache hits through fused attention (mla_prefill_sdpa), decode through the paged kernel."""
     result = _result("dense_prefill_path")
     assert result["triton"] == result["torch"]
+    # fresh prompts in one chunk: two runs (3 x 6 and 2 x 9 tokens) a MLA layer in one call each, the lone
+    # prompt of 5 alone; the same tokens as the torch path
+    assert result["fresh_triton"] == result["fresh_torch"]
+    assert all(len(v) == 5 for v in result["fresh_torch"].values())
+    layers = result["batched_calls"] // 2
+    assert layers >= 1 and result["batched_calls"] == 2 * layers, result
+    assert result["single_calls"] >= layers, result

@@ -261,6 +261,23 @@ def test_sdpa_prefill_equals_absorbed(dtype, L, T):
     torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("L,T", [(13, 13), (21, 6)], ids=["from-0", "after-prefix"])
+def test_sdpa_prefill_batched_equals_one_sequence_at_a_time(L, T):
+    """G sequences of one shape in one call ([G, T, H, *] queries over [G, L, R + P] rows): each sequence's
+    output as its own call gives it (fp64: the same sums, one GEMM over all rows or one a sequence)."""
+    from kestrel.ops.mla.sdpa_prefill import mla_prefill_sdpa
+
+    q_pos = list(range(L - T, L))
+    seqs = [make_inputs(L, q_pos, seed=100 + g) for g in range(3)]
+    w_uk, w_uv = split_kv_b(seqs[0][3], H, DN, DV)
+    q_nope, q_pe, kv = (torch.stack([s_[j] for s_ in seqs]) for j in range(3))
+    got = mla_prefill_sdpa(q_nope, q_pe, kv, w_uk, w_uv, SCALE)
+    assert got.shape == (3, T, H, DV)
+    for g, (qn, qp, kv_g, _, _) in enumerate(seqs):
+        one = mla_prefill_sdpa(qn, qp, kv_g, w_uk, w_uv, SCALE)
+        torch.testing.assert_close(got[g], one, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(

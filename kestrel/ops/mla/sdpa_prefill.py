@@ -37,22 +37,28 @@ def mla_prefill_sdpa(
     scale: float,
 ) -> torch.Tensor:
     """q_nope [T, H, Dn], q_pe [T, H, P] of the chunk's tokens, the last T of kv_cache [L, R + P]; w_uk [H, Dn, R],
-    w_uv [H, Dv, R]. Returns o [T, H, Dv] in q_nope.dtype: each query attends causally to rows 0..its position."""
-    T, H, _ = q_nope.shape
+    w_uv [H, Dv, R]. Returns o [T, H, Dv] in q_nope.dtype: each query attends causally to rows 0..its position.
+    Batched: q_nope [G, T, H, Dn], q_pe [G, T, H, P], kv_cache [G, L, R + P] -> o [G, T, H, Dv], G sequences of
+    one shape in one call (their keys and values expanded in one GEMM each)."""
+    batched = q_nope.dim() == 4
+    if not batched:
+        q_nope, q_pe, kv_cache = q_nope[None], q_pe[None], kv_cache[None]
+    G, T, H, Dn = q_nope.shape
     P = q_pe.shape[-1]
-    L = kv_cache.shape[0]
+    L = kv_cache.shape[1]
     assert T <= L, f"{T} queries over {L} cached rows: the chunk's own rows must be in the cache"
-    k_nope, k_pe, v = expand_history(kv_cache, w_uk, w_uv, q_nope.dtype)  # [L, H, Dn], [L, P], [L, H, Dv]
-    k_nope, v = k_nope.transpose(0, 1), v.transpose(0, 1)  # [H, L, Dn], [H, L, Dv]
-    # [1, H, *, *]: torch's fused kernels take 4-D inputs only; 3-D ones went to the math path, which runs bf16
-    # in fp32 GEMMs and a [H, T, L] softmax (session 43's engine prefill profile: 19 of its 66 ms at 8 x 1024)
-    k = torch.cat([k_nope, k_pe[None].expand(H, L, P)], dim=-1)[None]  # [1, H, L, Dn + P]
-    q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)[None]  # [1, H, T, Dn + P]
-    # [1, H, L, Dv]: Dv != Dn + P, so the memory-efficient kernel on CUDA (flash needs them equal)
-    v = v[None]
+    # [G * L, H, Dn], [G * L, P], [G * L, H, Dv]
+    k_nope, k_pe, v = expand_history(kv_cache.reshape(G * L, -1), w_uk, w_uv, q_nope.dtype)
+    # [G, H, *, *]: torch's fused kernels take 4-D inputs only; 3-D ones went to the math path, which runs bf16
+    # in fp32 GEMMs and a [H, T, L] softmax (session 43's engine prefill profile: 14 of its 66 ms at 8 x 1024).
+    # Dv != Dn + P, so on CUDA the memory-efficient kernel takes them (flash needs v as wide as q and k)
+    k_nope, v = k_nope.view(G, L, H, Dn).transpose(1, 2), v.view(G, L, H, -1).transpose(1, 2)
+    k = torch.cat([k_nope, k_pe.view(G, 1, L, P).expand(G, H, L, P)], dim=-1)  # [G, H, L, Dn + P]
+    q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [G, H, T, Dn + P]
     if T == L:  # a chunk from position 0: plain causal attention
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:  # after a cached prefix: query t (position L - T + t) sees rows 0..L - T + t
         visible = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=L - T)  # [T, L]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
-    return o[0].transpose(0, 1)  # [T, H, Dv]
+    o = o.transpose(1, 2)  # [G, T, H, Dv]
+    return o if batched else o[0]
