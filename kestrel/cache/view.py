@@ -89,9 +89,9 @@ class PagedCacheView:
             self._read_rows[seq] = (pages * ps + torch.arange(ps, device=pages.device)).flatten()[:L]
         return self._read_rows[seq]
 
-    def read_kv(self, layer_id: int, seq: int):
+    def read_kv(self, layer_id: int, seq: int, index: bool = True):
         rows = self.read_rows(seq)
-        index_k = self.kv_pool.read_index(layer_id, rows) if self.kv_pool.index_k else None
+        index_k = self.kv_pool.read_index(layer_id, rows) if self.kv_pool.index_k and index else None
         return self.kv_pool.kv[layer_id][rows], index_k
 
     def read_kv_run(self, layer_id: int, first: int, count: int, length: int) -> torch.Tensor:

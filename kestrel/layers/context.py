@@ -52,9 +52,17 @@ class CacheView(Protocol):
         them side by side), and their indexer keys [T, DI]."""
         ...
 
-    def read_kv(self, layer_id: int, seq: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def read_kv(
+        self, layer_id: int, seq: int, index: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Latent KV [L, R + P] and indexer keys [L, DI] of sequence `seq`, positions 0..L-1, new tokens
-        included (L = prefix_lens[seq] + new_lens[seq])."""
+        included (L = prefix_lens[seq] + new_lens[seq]); the keys None without `index` (dense attention reads
+        none)."""
+        ...
+
+    def read_kv_run(self, layer_id: int, first: int, count: int, length: int) -> torch.Tensor:
+        """Latent KV [count, length, R + P] of sequences first .. first + count - 1, positions 0..length-1 of
+        each (paged caches: the dense prefill's runs of fresh sequences of one length)."""
         ...
 
     def read_kv_batched(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:

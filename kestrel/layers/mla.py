@@ -159,7 +159,8 @@ class MLAttention(nn.Module):
                     )
                     continue
             if ctx.cache is not None:
-                kv, idx_k = ctx.cache.read_kv(self.layer_id, i)  # [L, R + Pr], [L, DI]
+                # [L, R + Pr], and [L, DI] where the selection is scored from them (None otherwise)
+                kv, idx_k = ctx.cache.read_kv(self.layer_id, i, index=selects and not paged)
             else:
                 kv, idx_k = kv_new[sl], (idx[2][sl] if idx is not None else None)
             indices = None

@@ -98,7 +98,7 @@ class _DenseView:
         index_k = self.cache.index_k[layer_id][self.rows] if self.cache.index_k else None
         return self.cache.kv[layer_id][self.rows], index_k, lens
 
-    def read_kv(self, layer_id: int, seq: int):
+    def read_kv(self, layer_id: int, seq: int, index: bool = True):
         r, length = self.requests[seq], self.prefix[seq] + self.new[seq]
-        index_k = self.cache.index_k[layer_id][r, :length] if self.cache.index_k else None
+        index_k = self.cache.index_k[layer_id][r, :length] if self.cache.index_k and index else None
         return self.cache.kv[layer_id][r, :length], index_k

@@ -1,13 +1,38 @@
-"""On CUDA, the dense MLA prefill's runs (neighbouring fresh sequences of one length attending in one call,
-`MLAttention._fresh_dense_runs`) give the tokens of the same prefill one sequence at a time. The CPU's check of
-the same path, through Triton's interpreter, is tests/engine/test_triton_decode_path.py."""
+"""The dense MLA prefill's runs (neighbouring fresh sequences of one length attending in one call,
+`MLAttention._fresh_dense_runs`): their latent rows in one read; on CUDA, the tokens of the same prefill one
+sequence at a time. The CPU's check of the engine's path, through Triton's interpreter, is
+tests/engine/test_triton_decode_path.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_read_kv_run_equals_each_sequence_read():
+    """A run's latent rows in one gather equal each sequence's own read (pages out of order, a last page part
+    full); a read without `index` brings no indexer keys."""
+    from kestrel.cache.kv_pool import KVPool
+    from kestrel.cache.view import PagedCacheView
+    from kestrel.presets import preset_config
+
+    config = preset_config("tiny")  # DSA: indexer keys beside the latent rows
+    pool = KVPool(config, num_pages=12, page_size=4, dtype=torch.float32, device="cpu")
+    layer = config.mla_layer_ids[0]
+    g = torch.Generator().manual_seed(0)
+    pool.kv[layer].copy_(torch.randn(pool.kv[layer].shape, generator=g))
+    pool.index_k[layer].copy_(torch.randn(pool.index_k[layer].shape, generator=g))
+    table = torch.tensor([[3, 7, 1], [2, 9, 11], [5, 4, 6]])  # 10 tokens each: 3 pages of 4
+    none = torch.empty(0, dtype=torch.int64)
+    view = PagedCacheView(pool, None, none, none, page_table=table, lens=torch.full((3,), 10), ends=[10] * 3)
+    run = view.read_kv_run(layer, 1, 2, 10)
+    assert run.shape == (2, 10, config.kv_cache_dim)
+    for j, seq in enumerate((1, 2)):
+        assert torch.equal(run[j], view.read_kv(layer, seq)[0])
+    assert view.read_kv(layer, 0, index=False)[1] is None
+    assert view.read_kv(layer, 0)[1].shape == (10, config.index_head_dim)
 
 
 def _tokens(model, prompts) -> dict:
@@ -25,6 +50,8 @@ def _tokens(model, prompts) -> dict:
     return out
 
 
+@pytest.mark.gpu
+@requires_cuda
 def test_runs_give_the_tokens_of_one_sequence_at_a_time(monkeypatch):
     from kestrel.layers.mla import MLAttention
     from kestrel.models.kimi import KimiForCausalLM
