@@ -62,7 +62,8 @@ class CacheView(Protocol):
 
     def read_kv_run(self, layer_id: int, first: int, count: int, length: int) -> torch.Tensor:
         """Latent KV [count, length, R + P] of sequences first .. first + count - 1, positions 0..length-1 of
-        each (paged caches: the dense prefill's runs of fresh sequences of one length)."""
+        each: the dense prefill's runs of fresh sequences of one length. Paged caches only (the runs are taken
+        on the paged fast path)."""
         ...
 
     def read_kv_batched(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:

@@ -281,11 +281,14 @@ def test_sdpa_prefill_batched_equals_one_sequence_at_a_time(L, T):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
-    "L,T", [(1024, 1024), (1024, 256), (1003, 201)], ids=["from-0", "after-prefix", "odd"]
+    "L,T,G",
+    [(1024, 1024, 0), (1024, 256, 0), (1003, 201, 0), (1024, 1024, 3), (517, 517, 2)],
+    ids=["from-0", "after-prefix", "odd", "batched", "batched-odd"],
 )
-def test_sdpa_prefill_takes_a_fused_kernel_on_cuda(L, T):
+def test_sdpa_prefill_takes_a_fused_kernel_on_cuda(L, T, G):
     """mini's widths (qk 192, v 128) in bf16, with torch's math path ruled out: a fused kernel must take the
-    call (3-D inputs fell back to math: fp32 GEMMs and softmax, session 43), and it equals the reference."""
+    call, one sequence or G of one shape (3-D inputs fell back to math: fp32 GEMMs and softmax, session 43), and
+    it equals the reference."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from kestrel.ops.mla.sdpa_prefill import mla_prefill_sdpa
@@ -296,15 +299,18 @@ def test_sdpa_prefill_takes_a_fused_kernel_on_cuda(L, T):
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
 
-    q_nope, q_pe, kv = rnd(T, heads, dn), rnd(T, heads, p), rnd(L, r + p)
+    lead = (G,) if G else ()  # G sequences of one shape in one call, or one sequence unbatched
+    q_nope, q_pe, kv = rnd(*lead, T, heads, dn), rnd(*lead, T, heads, p), rnd(*lead, L, r + p)
     w_uk, w_uv = rnd(heads, dn, r, scale=r**-0.5), rnd(heads, dv, r, scale=r**-0.5)
     scale = (dn + p) ** -0.5
     fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
     with sdpa_kernel(fused):
         got = mla_prefill_sdpa(q_nope, q_pe, kv, w_uk, w_uv, scale)
     pos = torch.arange(L - T, L, device="cuda")
-    ref = mla_attention_absorbed(*(x.double() for x in (q_nope, q_pe, kv, w_uk, w_uv)), pos, scale)
-    torch.testing.assert_close(got.double(), ref, rtol=3e-2, atol=3e-2)
+    seqs = zip(q_nope, q_pe, kv) if G else [(q_nope, q_pe, kv)]
+    for g, (qn, qp, kv_g) in enumerate(seqs):
+        ref = mla_attention_absorbed(*(x.double() for x in (qn, qp, kv_g, w_uk, w_uv)), pos, scale)
+        torch.testing.assert_close((got[g] if G else got).double(), ref, rtol=3e-2, atol=3e-2)
 
 
 def _rows_mask(B: int, R: int, sparse: bool, seed: int) -> torch.Tensor:
