@@ -7,6 +7,7 @@ Per token the cache keeps the latent row [c_kv (R) | k_pe (Pr)] and, with DSA, o
 
 from __future__ import annotations
 
+import itertools
 from functools import partial
 
 import torch
@@ -180,16 +181,18 @@ class MLAttention(nn.Module):
         """Runs of 2 or more neighbouring sequences that attend the same way in one call: each prefilled from
         position 0 (no cached prefix), densely (no DSA selection), all of one length. {first: (count, length)}.
         One call a run instead of a handful of launches a sequence (mini's 8 x 1024 prefill step: 48 calls)."""
+
+        def length(
+            i: int,
+        ) -> int | None:  # what a fresh dense sequence shares with its run; None for the others
+            fresh_dense = ctx.prefix_lens[i] == 0 and (idx is None or not self._selects(ctx, i))
+            return ctx.new_lens[i] if fresh_dense else None
+
         runs: dict[int, tuple[int, int]] = {}
-        first = None
-        for i in range(ctx.num_seqs + 1):
-            fits = i < ctx.num_seqs and ctx.prefix_lens[i] == 0 and (idx is None or not self._selects(ctx, i))
-            if first is not None and (not fits or ctx.new_lens[i] != ctx.new_lens[first]):
-                if i - first > 1:
-                    runs[first] = (i - first, ctx.new_lens[first])
-                first = None
-            if fits and first is None:
-                first = i
+        for shared, group in itertools.groupby(range(ctx.num_seqs), key=length):
+            members = list(group)
+            if shared is not None and len(members) > 1:
+                runs[members[0]] = (len(members), shared)
         return runs
 
     def _selects(self, ctx, i: int) -> bool:

@@ -17,14 +17,13 @@ import torch.nn.functional as F
 def expand_history(
     kv: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Latent rows kv [L, R + P] -> per-head keys [L, H, Dn], rope keys [L, P] and values [L, H, Dv] in dtype
-    (one GEMM each for keys and values). w_uk [H, Dn, R], w_uv [H, Dv, R]."""
+    """Latent rows kv [..., L, R + P] -> per-head keys [..., L, H, Dn], rope keys [..., L, P] and values
+    [..., L, H, Dv] in dtype (one GEMM each for keys and values). w_uk [H, Dn, R], w_uv [H, Dv, R]."""
     H, Dn, R = w_uk.shape
     Dv = w_uv.shape[1]
-    L = kv.shape[0]
-    c_kv, k_pe = kv.to(dtype).split([R, kv.shape[1] - R], dim=-1)  # [L, R], [L, P]
-    k = (c_kv @ w_uk.to(dtype).reshape(H * Dn, R).T).view(L, H, Dn)  # [L, H, Dn]
-    v = (c_kv @ w_uv.to(dtype).reshape(H * Dv, R).T).view(L, H, Dv)  # [L, H, Dv]
+    c_kv, k_pe = kv.to(dtype).split([R, kv.shape[-1] - R], dim=-1)  # [..., L, R], [..., L, P]
+    k = (c_kv @ w_uk.to(dtype).reshape(H * Dn, R).T).unflatten(-1, (H, Dn))  # [..., L, H, Dn]
+    v = (c_kv @ w_uv.to(dtype).reshape(H * Dv, R).T).unflatten(-1, (H, Dv))  # [..., L, H, Dv]
     return k, k_pe.contiguous(), v
 
 
@@ -43,17 +42,17 @@ def mla_prefill_sdpa(
     batched = q_nope.dim() == 4
     if not batched:
         q_nope, q_pe, kv_cache = q_nope[None], q_pe[None], kv_cache[None]
-    G, T, H, Dn = q_nope.shape
+    G, T, H, _ = q_nope.shape
     P = q_pe.shape[-1]
     L = kv_cache.shape[1]
     assert T <= L, f"{T} queries over {L} cached rows: the chunk's own rows must be in the cache"
-    # [G * L, H, Dn], [G * L, P], [G * L, H, Dv]
-    k_nope, k_pe, v = expand_history(kv_cache.reshape(G * L, -1), w_uk, w_uv, q_nope.dtype)
+    # [G, L, H, Dn], [G, L, P], [G, L, H, Dv]
+    k_nope, k_pe, v = expand_history(kv_cache, w_uk, w_uv, q_nope.dtype)
     # [G, H, *, *]: torch's fused kernels take 4-D inputs only; 3-D ones went to the math path, which runs bf16
     # in fp32 GEMMs and a [H, T, L] softmax (session 43's engine prefill profile: 14 of its 66 ms at 8 x 1024).
     # Dv != Dn + P, so on CUDA the memory-efficient kernel takes them (flash needs v as wide as q and k)
-    k_nope, v = k_nope.view(G, L, H, Dn).transpose(1, 2), v.view(G, L, H, -1).transpose(1, 2)
-    k = torch.cat([k_nope, k_pe.view(G, 1, L, P).expand(G, H, L, P)], dim=-1)  # [G, H, L, Dn + P]
+    k_nope, v = k_nope.transpose(1, 2), v.transpose(1, 2)
+    k = torch.cat([k_nope, k_pe[:, None].expand(G, H, L, P)], dim=-1)  # [G, H, L, Dn + P]
     q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [G, H, T, Dn + P]
     if T == L:  # a chunk from position 0: plain causal attention
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
