@@ -146,6 +146,7 @@ def test_one_program_launch_equals_the_phases_on_the_cpu(early, dtype):
         _run(p, 4, "situ", True, True, tiles={**tiles, "early": 3}, phased=False)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's one-program launch")
 def test_one_program_launch_of_two_tokens_on_the_cpu():
     """Two tokens in one launch on the CPU (the default grid there: one program; no early loads): the phased
     launches' bits."""
