@@ -13,7 +13,7 @@ from kestrel.config import ModelConfig
 from kestrel.layers.context import get_forward_context
 from kestrel.layers.linear import ColumnLinear, RowLinear, ShapeMismatch, copy_checked, set_loader
 from kestrel.layers.norm import RMSNorm
-from kestrel.ops.kda import gated_rms_norm, get_kda_backend, kda_gate
+from kestrel.ops.kda import F_B_MAX_ROWS, gated_rms_norm, get_kda_backend, kda_gate
 from kestrel.utils.dist import parallel_state
 
 QKV = ("q", "k", "v")
@@ -71,7 +71,6 @@ class KimiDeltaAttention(nn.Module):
         cache, backend = ctx.cache, get_kda_backend(x.device)
         # [T, 3P], [T, K], [T, H], [T, P or K] (the output gate): views of one matmul's rows
         qkv, f_a, b, gate = self.in_proj(x).split(self.in_split, dim=-1)
-        f = self.f_b_proj(f_a)  # [T, P] the raw forget projection
 
         if cache is not None and ctx.decode:
             # Decode: one token per sequence, laid out as N sequences of length 1; the conv windows and the
@@ -80,21 +79,26 @@ class KimiDeltaAttention(nn.Module):
             # q, k, v come out as planes [3, N, P], each contiguous: the recurrence needs no copies of them
             planes = backend.conv_step_inplace(qkv, self.conv_weight, conv_pool, slots, planes=3)
             q, k, v = (t.reshape(T, 1, H, K) for t in planes)
-            # the decay gate and beta's sigmoid are computed inside the recurrence's kernel
+            # the decay gate and beta's sigmoid are computed inside the recurrence's kernel; for a few
+            # sequences the raw forget projection too (f_b's weight instead of its own launch)
+            fold = T <= F_B_MAX_ROWS
+            f = f_a.unsqueeze(1) if fold else self.f_b_proj(f_a).view(T, 1, H, K)
             o = backend.recurrent_inplace(
                 q,
                 k,
                 v,
-                f.view(T, 1, H, K),
+                f,
                 b.reshape(T, 1, H),
                 ssm_pool,
                 slots,
                 use_qk_l2norm=True,
                 gate=(self.A_log, self.dt_bias, self.lower_bound),
                 beta_logits=True,
+                f_b=self.f_b_proj.weight if fold else None,
             )
         else:
             # Prefill / training: packed varlen sequences (B = 1), states read from and written to the cache.
+            f = self.f_b_proj(f_a)  # [T, P] the raw forget projection
             beta = torch.sigmoid(b.float())  # [T, H]
             ssm, conv = cache.kda_state(self.layer_id) if cache is not None else (None, None)
             cu_seqlens, N = ctx.cu_seqlens, ctx.cu_seqlens.numel() - 1

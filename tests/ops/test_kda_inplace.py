@@ -144,6 +144,42 @@ def test_triton_recurrent_inplace_in_bf16_as_the_layer_calls_it():
     assert torch.allclose(pool, ref_pool, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("K,K_f,V", [(16, 16, 16), (24, 20, 40)])  # partial tiles: K, K_f not 2^n
+def test_triton_recurrent_inplace_projects_the_forget_gate_itself(K, K_f, V, dtype):
+    """With f_b, g is f_a and each program makes its head's raw forget projection f_a f_b^T (what the layer does
+    for a few sequences, `F_B_MAX_ROWS`): the reference, which projects first, and the kernel given the projection
+    made outside (the GEMV's rounding: bf16 to bf16, so the same decay)."""
+    from kestrel.ops.kda.triton_recurrent import recurrent_inplace
+
+    g = torch.Generator().manual_seed(K + K_f + V)
+    N, H, S = 3, 2, 5
+    q, k = (torch.randn(N, 1, H, K, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    v = torch.randn(N, 1, H, V, generator=g).to(dtype).to(DEVICE)
+    f_a = torch.randn(N, 1, K_f, generator=g).to(dtype).to(DEVICE)
+    f_b = (torch.randn(H * K, K_f, generator=g) * 3).to(dtype).to(DEVICE)  # some past softplus's threshold
+    b = torch.randn(N, 1, H, generator=g).to(dtype).to(DEVICE)
+    A_log = torch.rand(H, generator=g).to(DEVICE)
+    dt_bias = torch.randn(H * K, generator=g).to(DEVICE)
+    pool = torch.randn(S, H, K, V, generator=g).to(DEVICE)
+    slots = torch.tensor([3, 0, 4], device=DEVICE)
+    params = dict(use_qk_l2norm=True, gate=(A_log, dt_bias, None), beta_logits=True)
+    pools = [pool.clone() for _ in range(3)]
+    ref = naive.recurrent_inplace(q, k, v, f_a, b, pools[0], slots, f_b=f_b, **params)
+    got = recurrent_inplace(q, k, v, f_a, b, pools[1], slots, f_b=f_b, **params)
+    f = torch.nn.functional.linear(f_a, f_b).view(N, 1, H, K)
+    apart = recurrent_inplace(q, k, v, f, b, pools[2], slots, **params)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    assert got.shape == (N, 1, H, V) and got.dtype == dtype
+    assert torch.allclose(got.float(), ref.float(), **tol) and torch.allclose(
+        got.float(), apart.float(), **tol
+    )
+    assert torch.allclose(pools[1], pools[0], **tol) and torch.allclose(pools[1], pools[2], **tol)
+    assert torch.equal(pools[1][[1, 2]], pool[[1, 2]])  # slots not in the batch: untouched
+    with pytest.raises(AssertionError, match="f_a"):
+        recurrent_inplace(q, k, v, f, b, pools[1], slots, f_b=f_b, **params)
+
+
 @pytest.mark.parametrize("choice", ["triton", "fla"])
 def test_the_fla_backend_decodes_with_our_step_unless_asked(monkeypatch, choice):
     """KESTREL_KDA_DECODE: the fla backend's decode step on the slots is ours by default, fla-core's on request."""

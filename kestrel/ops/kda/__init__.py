@@ -26,7 +26,14 @@ from kestrel.ops.kda.naive import (
     short_conv_step,
 )
 
+# Up to this many sequences the KDA layer's decode hands the recurrence f_b's weight (`recurrent_inplace(f_b=)`)
+# instead of projecting f_a itself: each program of our Triton step multiplies its head's [K, K_f] slice of f_b by
+# f_a, loading the slice before its PDL wait, and the GEMV's launch (~2 us a layer at batch 1) is gone. Past a few
+# sequences its programs, each re-reading its head's slice, would read more from L2 than the GEMV reads from HBM.
+F_B_MAX_ROWS = 4
+
 __all__ = [
+    "F_B_MAX_ROWS",
     "KDABackend",
     "chunk_kda",
     "gated_rms_norm",

@@ -140,13 +140,16 @@ def recurrent_inplace(
     use_qk_l2norm: bool = False,
     gate: tuple | None = None,
     beta_logits: bool = False,
+    f_b: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode on the state slots themselves: q, k [N, 1, H, K], v [N, 1, H, V], g [N, 1, H, K], beta [N, 1, H];
     state_pool [S, H, K, V] fp32; the state of sequence n is read from and written back to slot slots[n]
     (fla's continuous-batching mode). Returns o [N, 1, H, V] in v.dtype.
     gate = (A_log [H], dt_bias [H * K], lower_bound or None): g is the raw forget projection and the kernel
     makes the decay itself (`naive.kda_gate`'s formula); beta_logits: the kernel applies beta's sigmoid. Each
-    saves the launch of an elementwise kernel a layer."""
+    saves the launch of an elementwise kernel a layer. f_b: g is f_a, projected here first (`naive`'s contract)."""
+    if f_b is not None:  # g is f_a [N, 1, K_f]: the raw forget projection first
+        g = torch.nn.functional.linear(g, f_b).view(q.shape)
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     # the internal entry point indexes raw pointers: it needs contiguous inputs (the public one copies)

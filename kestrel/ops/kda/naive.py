@@ -288,11 +288,15 @@ def recurrent_inplace(
     use_qk_l2norm: bool = False,
     gate: tuple | None = None,
     beta_logits: bool = False,
+    f_b: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`recurrent_kda` for one token per sequence on the slots of `state_pool` [S, H, K, V]: gather, step,
     scatter back. The contract of the fast backend's in-place kernel. Returns o [N, 1, H, V].
     gate = (A_log, dt_bias, lower_bound): g is the raw forget projection, made the decay by `kda_gate` (the fast
-    kernel does it inside); beta_logits: beta is before its sigmoid."""
+    kernel does it inside); beta_logits: beta is before its sigmoid; f_b [H * K, K_f]: g is f_a [N, 1, K_f] and
+    the raw forget projection f_a f_b^T (the fast kernel makes it inside, `triton_recurrent.F_B_MAX_ROWS`)."""
+    if f_b is not None:  # g is f_a [N, 1, K_f]: the raw forget projection first
+        g = torch.nn.functional.linear(g, f_b).view(q.shape)
     if gate is not None:
         g = kda_gate(g, *gate)
     if beta_logits:

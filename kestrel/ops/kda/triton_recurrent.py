@@ -13,7 +13,9 @@ Per (sequence, head), model-spec 1.3 for one token, fp32 inside:
     S'   =  Diag(exp g) S;   u = beta (v - S'^T k);   S = S' + k u^T;   o = S^T q
 
 A program holds a [K, BV] block of one head's fp32 state: it reads it once, writes it once, and recomputes the
-head's q, k and gate itself (K values: nothing beside the state's 4 K BV bytes). The state is all the bytes that
+head's q, k and gate itself (K values: nothing beside the state's 4 K BV bytes). For a few sequences
+(`kestrel.ops.kda.F_B_MAX_ROWS`) it makes the raw forget projection too, from f_a and its head's rows of f_b
+(loaded before the PDL wait), in place of the f_b GEMV's launch. The state is all the bytes that
 matter: mini's batch-256 step moves 5.0 GB of KDA state through 18 layers. Loading the state before the PDL
 wait (it overlaps the kernel before; no kernel of the step writes it) was slower on the H200 (session 24, 18
 layers in a graph at batch 256: 80.6 us a layer against 76.3): not kept. The state's loads and stores marked
@@ -32,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.ops.pdl import pdl_args, pdl_begin
+from kestrel.ops.pdl import pdl_args, pdl_launch_next, pdl_wait
 
 
 @triton.jit
@@ -45,6 +47,7 @@ def _recurrent_step_kernel(
     state,
     slots,
     o,
+    f_b,
     A_log,
     dt_bias,
     lower_bound,
@@ -66,19 +69,31 @@ def _recurrent_step_kernel(
     stride_ss,
     stride_sh,
     stride_sk,
+    K_F,
     BK: tl.constexpr,
     BV: tl.constexpr,
     L2NORM: tl.constexpr,
     GATE: tl.constexpr,
     LOWER_BOUND: tl.constexpr,
     BETA_SIGMOID: tl.constexpr,
+    BKF: tl.constexpr = 16,
+    FOLD_F_B: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
-    pdl_begin(PDL)
     i_v, h, n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     ok_k, ok_v = offs_k < K, offs_v < V
+    pdl_launch_next(PDL)
+    if FOLD_F_B:  # the head's rows of f_b [H * K, K_F]: weights, which no kernel writes, so before the wait
+        offs_f = tl.arange(0, BKF)
+        ok_f = offs_f < K_F
+        w_fb = tl.load(
+            f_b + (h * K + offs_k)[:, None].to(tl.int64) * K_F + offs_f[None, :],
+            mask=ok_k[:, None] & ok_f[None, :],
+            other=0.0,
+        )  # [BK, BKF]
+    pdl_wait(PDL)
     slot = tl.load(slots + n).to(tl.int64)
     live = (offs_v * 0 + slot) >= 0  # [BV]; a negative slot: nothing read or written, o = 0
     s_ptr = state + slot * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
@@ -90,7 +105,11 @@ def _recurrent_step_kernel(
     bq = tl.load(q + n * stride_qn + h * stride_qh + offs_k, mask=ok_k, other=0.0).to(tl.float32)
     bk = tl.load(k + n * stride_kn + h * stride_kh + offs_k, mask=ok_k, other=0.0).to(tl.float32)
     bv = tl.load(v + n * stride_vn + h * stride_vh + offs_v, mask=ok_v, other=0.0).to(tl.float32)
-    bg = tl.load(g + n * stride_gn + h * stride_gh + offs_k, mask=ok_k, other=0.0).to(tl.float32)
+    if FOLD_F_B:  # g is f_a [N, 1, K_F]: the raw forget projection f_a f_b^T, rounded as a GEMV rounds it
+        f_a = tl.load(g + n * stride_gn + offs_f, mask=ok_f, other=0.0).to(tl.float32)
+        bg = tl.sum(w_fb.to(tl.float32) * f_a[None, :], 1).to(g.dtype.element_ty).to(tl.float32)  # [BK]
+    else:
+        bg = tl.load(g + n * stride_gn + h * stride_gh + offs_k, mask=ok_k, other=0.0).to(tl.float32)
     b = tl.load(beta + n * stride_bn + h * stride_bh).to(tl.float32)
     if L2NORM:
         bq = bq / tl.sqrt(tl.sum(bq * bq, 0) + 1e-6)
@@ -140,6 +159,7 @@ def recurrent_inplace(
     use_qk_l2norm: bool = False,
     gate: tuple | None = None,
     beta_logits: bool = False,
+    f_b: torch.Tensor | None = None,
     *,
     block_v: int | None = None,
     num_warps: int = 4,
@@ -148,10 +168,23 @@ def recurrent_inplace(
     with a unit last stride: no copies); state_pool [S, H, K, V] fp32, sequence n's state at slot slots[n]
     (distinct slots; a negative slot is skipped and gives o = 0). gate = (A_log [H], dt_bias [H * K], lower_bound
     or None): g is the raw forget projection; beta_logits: beta is before its sigmoid. Returns o [N, 1, H, V] in
-    v.dtype. block_v value columns a program (None: `choose_block_v`), num_warps its warps."""
+    v.dtype. f_b [H * K, K_F] (contiguous, g's dtype): g is f_a [N, 1, K_F] and the raw forget projection is
+    f_a f_b^T, made in the kernel (`kestrel.ops.kda.F_B_MAX_ROWS`). block_v value columns a program (None:
+    `choose_block_v`), num_warps its warps."""
     N, _, H, K = q.shape
     V = v.shape[-1]
-    assert k.shape == q.shape == g.shape and v.shape == (N, 1, H, V) and beta.shape == (N, 1, H)
+    K_F = 1
+    if f_b is not None:
+        K_F = f_b.shape[-1]
+        assert f_b.shape == (H * K, K_F) and f_b.is_contiguous(), (
+            f"f_b {tuple(f_b.shape)}: [H * K, K_F] contiguous"
+        )
+        assert g.shape == (N, 1, K_F) and f_b.dtype == g.dtype, (
+            "with f_b, g is f_a [N, 1, K_F] of f_b's dtype"
+        )
+    else:
+        assert g.shape == q.shape, "g [N, 1, H, K]"
+    assert k.shape == q.shape and v.shape == (N, 1, H, V) and beta.shape == (N, 1, H)
     assert state_pool.shape[1:] == (H, K, V) and state_pool.stride(-1) == 1, "state_pool [S, H, K, V]"
     assert state_pool.dtype == torch.float32, "the state is fp32"
     assert all(t.stride(-1) == 1 for t in (q, k, v, g)), "unit last stride"
@@ -170,15 +203,16 @@ def recurrent_inplace(
     block_v = block_v or choose_block_v(N, V)
     grid = (triton.cdiv(V, block_v), H, N)
     _recurrent_step_kernel[grid](
-        q, k, v, g, beta, state_pool, slots, o, A_log, dt_bias,
+        q, k, v, g, beta, state_pool, slots, o, g if f_b is None else f_b, A_log, dt_bias,
         0.0 if lower_bound is None else float(lower_bound),
         K**-0.5 if scale is None else float(scale),
         K, V,
-        q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2), g.stride(0), g.stride(2),
+        q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2), g.stride(0), g.stride(-2),
         beta.stride(0), beta.stride(2), o.stride(0), o.stride(2),
-        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
+        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), K_F,
         BK=triton.next_power_of_2(K), BV=block_v, L2NORM=use_qk_l2norm, GATE=gate is not None,
-        LOWER_BOUND=lower_bound is not None, BETA_SIGMOID=beta_logits, num_warps=num_warps,
+        LOWER_BOUND=lower_bound is not None, BETA_SIGMOID=beta_logits,
+        BKF=max(16, triton.next_power_of_2(K_F)), FOLD_F_B=f_b is not None, num_warps=num_warps,
         **pdl_args(o),
     )  # fmt: skip
     return o
