@@ -13,8 +13,7 @@ from kestrel.config import ModelConfig
 from kestrel.layers.context import get_forward_context
 from kestrel.layers.linear import ColumnLinear, RowLinear, ShapeMismatch, copy_checked, set_loader
 from kestrel.layers.norm import RMSNorm
-from kestrel.ops.kda import F_B_MAX_ROWS, get_kda_backend, kda_gate
-from kestrel.ops.linear import linear_gated
+from kestrel.ops.kda import F_B_MAX_ROWS, gated_rms_norm, get_kda_backend, kda_gate
 from kestrel.utils.dist import parallel_state
 
 QKV = ("q", "k", "v")
@@ -138,10 +137,8 @@ class KimiDeltaAttention(nn.Module):
                 cache.set_kda_state(self.layer_id, ssm_out, conv_out)
 
         gate = gate if self.full_rank_gate else self.g_b_proj(gate)  # [T, P]: the output gate
-        # the norm-gate over each head's V, then o_proj: one launch at decode (the GEMV makes the norm-gate)
-        return linear_gated(
-            o.reshape(T, self.proj_dim), self.o_proj.weight, gate, self.o_norm.weight, self.eps
-        )
+        o = gated_rms_norm(o.view(T, H, K), gate.view(T, H, K), self.o_norm.weight, self.eps)  # [T, H, V]
+        return self.o_proj(o.reshape(T, self.proj_dim))
 
     # -- weight loading ---------------------------------------------------------------------------------
     def _load_conv(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str) -> None:

@@ -19,6 +19,7 @@ from kestrel.layers.context import get_forward_context
 from kestrel.layers.indexer import LATENT_NORM_EPS, Indexer
 from kestrel.layers.linear import ColumnLinear, Linear, RowLinear, apply_many
 from kestrel.layers.norm import RMSNorm
+from kestrel.ops.activation import sigmoid_gate
 from kestrel.ops.dsa import (
     fast_topk,
     indexer_kl,
@@ -27,7 +28,6 @@ from kestrel.ops.dsa import (
     keep_selected_,
     topk_select,
 )
-from kestrel.ops.linear import linear_gated
 from kestrel.ops.mla import mla_attention_absorbed, mla_attention_rows, mla_decode_batched, split_kv_b
 from kestrel.ops.mla.sdpa_prefill import mla_prefill_sdpa
 from kestrel.utils.device import to_device_async
@@ -109,10 +109,9 @@ class MLAttention(nn.Module):
         else:
             out = self._attend_per_sequence(ctx, q_nope, q_pe, kv_new, w_uk, w_uv, idx)
 
-        out = out.reshape(T, H * self.v_dim)
-        if g is not None:  # the output gate, then o_proj: one launch at decode (the GEMV makes the gate)
-            return linear_gated(out, self.o_proj.weight, g)
-        return self.o_proj(out)
+        if g is not None:
+            out = sigmoid_gate(out, g)  # [T, H, Dv]
+        return self.o_proj(out.reshape(T, H * self.v_dim))
 
     def _select(self, ctx, i: int, pick) -> torch.Tensor:
         """DSA selection of sequence i (or of the whole decode batch, i = -1): replayed, or computed by

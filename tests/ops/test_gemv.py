@@ -67,43 +67,6 @@ def test_gemv_many_matches_linear(M, Ns, K):
         _close(got, F.linear(x, w))
 
 
-@pytest.mark.parametrize("M,N,K,G", [(1, 40, 256, 128), (3, 17, 96, 32), (5, 64, 520, 8), (16, 8, 64, 64)])
-@pytest.mark.parametrize("norm", [False, True], ids=["sigmoid", "norm"])
-def test_gemv_makes_the_output_gate_in_its_loop(M, N, K, G, norm):
-    """The weights read x * sigmoid(gate) (MLA), or the gated RMSNorm of x over groups of G (KDA's heads: a group
-    per tile, several, tiles past K, K not a power of two), made from x's tiles: the two ops apart, then F.linear.
-    The gate's rows are strided (a column slice, as the layers hand it)."""
-    from kestrel.ops.activation import sigmoid_gate
-    from kestrel.ops.kda.naive import gated_rms_norm
-
-    g = torch.Generator().manual_seed(M * 100 + K + norm)
-    x = torch.randn(M, K, generator=g).to(DEVICE, DTYPE)
-    gate = (torch.randn(M, K + 24, generator=g) * 2).to(DEVICE, DTYPE)[:, 8 : 8 + K]
-    w = torch.randn(N, K, generator=g).to(DEVICE, DTYPE)
-    nw = torch.randn(G, generator=g).to(DEVICE, DTYPE) if norm else None
-    if norm:
-        y = gated_rms_norm(x.view(M, K // G, G), gate.reshape(M, K // G, G), nw, 1e-5).view(M, K)
-    else:
-        y = sigmoid_gate(x, gate)
-    got = gemv_triton(x, w, gate=gate, norm_weight=nw, eps=1e-5)
-    _close(got, F.linear(y, w))
-    with torch.no_grad():  # the dispatcher: the fused launch where the GEMV applies, else the ops apart
-        _close(linear_ops.linear_gated(x, w, gate, nw, 1e-5), F.linear(y, w))
-
-
-def test_gemv_gate_refuses_what_it_cannot_take():
-    x = torch.zeros(2, 96, device=DEVICE, dtype=DTYPE)
-    w = torch.zeros(8, 96, device=DEVICE, dtype=DTYPE)
-    with pytest.raises(AssertionError, match="gate"):
-        gemv_triton(x, w, gate=torch.zeros(2, 48, device=DEVICE, dtype=DTYPE))
-    with pytest.raises(AssertionError, match="groups of 24"):  # not a power of two
-        gemv_triton(x, w, gate=x, norm_weight=torch.ones(24, device=DEVICE, dtype=DTYPE))
-    with pytest.raises(AssertionError, match="groups of 512"):  # wider than a tile
-        gemv_triton(torch.zeros(1, 1024, device=DEVICE, dtype=DTYPE), torch.zeros(8, 1024, device=DEVICE, dtype=DTYPE),
-                    gate=torch.zeros(1, 1024, device=DEVICE, dtype=DTYPE),
-                    norm_weight=torch.ones(512, device=DEVICE, dtype=DTYPE))  # fmt: skip
-
-
 def test_gemv_many_refuses_what_it_cannot_take():
     x = torch.zeros(1, 32, device=DEVICE, dtype=DTYPE)
     w = torch.zeros(8, 32, device=DEVICE, dtype=DTYPE)
@@ -189,26 +152,6 @@ def test_gemv_mini_shapes(M, N, K):
     w = torch.randn(N, K, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(M, K, generator=g, device="cuda", dtype=torch.bfloat16)
     _close(gemv_triton(x, w), F.linear(x, w))
-
-
-@cuda
-@pytest.mark.parametrize("M", [1, 4, 16])
-@pytest.mark.parametrize(
-    "K,G", [(1024, 128), (2048, None)]
-)  # mini's KDA o (8 heads of 128), MLA o (gate only)
-def test_gemv_gate_mini_shapes(M, K, G):
-    from kestrel.ops.activation import sigmoid_gate
-    from kestrel.ops.kda.naive import gated_rms_norm
-
-    g = torch.Generator(device="cuda").manual_seed(M + K)
-    w = torch.randn(2048, K, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
-    x, gate = (torch.randn(M, K, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    nw = torch.rand(G, generator=g, device="cuda", dtype=torch.bfloat16) + 0.5 if G else None
-    if G:
-        y = gated_rms_norm(x.view(M, -1, G), gate.view(M, -1, G), nw, 1e-6).view(M, K)
-    else:
-        y = sigmoid_gate(x, gate)
-    _close(gemv_triton(x, w, gate=gate, norm_weight=nw, eps=1e-6), F.linear(y, w))
 
 
 @cuda

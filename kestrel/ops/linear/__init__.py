@@ -1,8 +1,7 @@
 """`linear(x, W)`: y = x W^T, through the Triton GEMV of `triton_gemv` for a few rows at inference where PDL is
 on (decode on Hopper: each projection a graph node that launches with PDL and asks for its weights before it
 waits), else through `naive.linear_reference` (cuBLAS). `linear_many`: one input's projections, in one GEMV launch
-where it applies. `linear_gated`: an output projection of gated activations (MLA's sigmoid gate, KDA's norm-gate),
-the gate made inside the GEMV's loop where it applies."""
+where it applies."""
 
 from __future__ import annotations
 
@@ -66,38 +65,6 @@ def linear_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torc
     return [linear(xi, w) for xi, w in pairs]
 
 
-def linear_gated(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    gate: torch.Tensor,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-) -> torch.Tensor:
-    """linear(y, W) for y = x * sigmoid(gate) (`sigmoid_gate`), or, with norm_weight [G], the gated RMSNorm of x
-    over each group of G columns (`gated_rms_norm`: KDA's heads). x, gate [..., K] (gate's rows may be strided).
-    Where the GEMV applies, y is made from x's tiles inside its loop: one launch, not two (decode's output
-    projections); the two apart elsewhere."""
-    from kestrel.ops.activation import sigmoid_gate
-    from kestrel.ops.kda.naive import gated_rms_norm
-
-    K = x.shape[-1]
-    fits = gate.dtype == x.dtype and gate.shape == x.shape
-    if fits and norm_weight is not None:
-        from kestrel.ops.linear.triton_gemv import prologue_fits
-
-        fits = prologue_fits(K, norm_weight.numel())
-    if fits and gemv_applies(x, weight):
-        from kestrel.ops.linear.triton_gemv import gemv_triton
-
-        return gemv_triton(x, weight, gate=gate, norm_weight=norm_weight, eps=eps)
-    if norm_weight is None:
-        return linear(sigmoid_gate(x, gate), weight)
-    groups = (*x.shape[:-1], K // norm_weight.numel(), norm_weight.numel())
-    return linear(
-        gated_rms_norm(x.view(groups), gate.reshape(groups), norm_weight, eps).view(x.shape), weight
-    )
-
-
 def _same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.data_ptr() == b.data_ptr()
@@ -113,7 +80,6 @@ __all__ = [
     "GEMV_MAX_WEIGHTS",
     "gemv_applies",
     "linear",
-    "linear_gated",
     "linear_many",
     "linear_reference",
 ]

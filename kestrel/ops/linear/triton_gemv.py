@@ -43,33 +43,12 @@ def _pick(pid, seg_first, seg_w, seg_out, seg_n, first, w, out, N):
 
 
 @triton.jit
-def _prologue(xt, gate, nw, eps, m, ks, stride_gm, tile_mask, PRO: tl.constexpr, GROUP: tl.constexpr):
-    """x's [BM, BK] tile as the projection reads it: as loaded (PRO 0); times sigmoid(gate), the sigmoid rounded
-    to x's dtype first (PRO 1, `sigmoid_gate`); or RMS-normalized over each group of GROUP columns, times the norm
-    weight and sigmoid(gate) (PRO 2, `gated_rms_norm`; the tile holds whole groups). Rounded to x's dtype."""
-    if PRO == 0:
-        return xt
-    sig = tl.sigmoid(
-        tl.load(gate + m[:, None] * stride_gm + ks[None, :], mask=tile_mask, other=0.0).to(tl.float32)
-    )
-    if PRO == 1:
-        return (xt.to(tl.float32) * sig.to(xt.dtype).to(tl.float32)).to(xt.dtype)
-    BM: tl.constexpr = xt.shape[0]
-    BK: tl.constexpr = xt.shape[1]
-    x3 = tl.reshape(xt.to(tl.float32), [BM, BK // GROUP, GROUP])
-    x3 = x3 * tl.rsqrt(tl.sum(x3 * x3, 2) / GROUP + eps)[:, :, None]
-    w = tl.load(nw + ks % GROUP).to(tl.float32)  # [BK]
-    return (w[None, :] * tl.reshape(x3, [BM, BK]) * sig).to(xt.dtype)
-
-
-@triton.jit
 def _gemv_kernel(
-    x, M, K, stride_xm, gate, stride_gm, nw, eps,
+    x, M, K, stride_xm,
     w0, out0, n0, w1, out1, n1, w2, out2, n2, w3, out3, n3, w4, out4, n4, w5, out5, n5,
     first1, first2, first3, first4, first5,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    SEGS: tl.constexpr = 1, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, PRO: tl.constexpr = 0,
-    GROUP: tl.constexpr = 1,
+    SEGS: tl.constexpr = 1, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     pid = tl.program_id(0)
     first, w, out, N = pid * 0, w0, out0, n0  # segment 0 from program 0; the later ones from first1, ...
@@ -96,9 +75,9 @@ def _gemv_kernel(
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         kmask = ks < K
-        tile_mask = mmask[:, None] & kmask[None, :]
-        xt = tl.load(x + m[:, None] * stride_xm + ks[None, :], mask=tile_mask, other=0.0)
-        xt = _prologue(xt, gate, nw, eps, m, ks, stride_gm, tile_mask, PRO, GROUP)
+        xt = tl.load(
+            x + m[:, None] * stride_xm + ks[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0
+        )
         wt = tl.load(w_rows + ks[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BN, BK]
         if DOT_F32:
             xt, wt = xt.to(tl.float32), wt.to(tl.float32)
@@ -122,13 +101,6 @@ def _gemv_kernel(
 PREFETCH_MAX_BYTES = 8 << 20
 
 
-def prologue_fits(K: int, group: int, block_k: int = 256) -> bool:
-    """Whether the gated RMSNorm over groups of `group` columns can run in the GEMV's loop: each K step's tile
-    (min(block_k, K rounded up to 2^n) wide) holds whole groups, a power of two of them."""
-    bk = min(block_k, max(16, triton.next_power_of_2(K)))
-    return group > 0 and group & (group - 1) == 0 and K % group == 0 and bk % group == 0
-
-
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, **knobs) -> torch.Tensor:
     """x [..., K] (at most 16 rows), weight [N, K] contiguous -> [..., N] in x.dtype, fp32 sums (`gemv_many_triton`
     of one weight)."""
@@ -143,18 +115,13 @@ def gemv_many_triton(
     num_warps: int = 4,
     num_stages: int = 4,
     prefetch: bool | None = None,
-    gate: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
 ) -> list[torch.Tensor]:
     """x [..., K] (at most 16 rows) times each of up to SEGMENTS weights [N_i, K] (contiguous, x's dtype) in one
     launch -> [[..., N_i]] in x.dtype, fp32 sums: each weight's slices are programs of the same grid, so a layer's
     projections of one input cost one launch and their weights stream side by side (MLA's six at batch 1 on the
     H200: 11.0 us against 33.0 as six launches, session 41). block_n None: 64 from 2048 outputs in all up, else 32;
     prefetch (each slice into L2 before the PDL wait, where PDL is on) None: up to PREFETCH_MAX_BYTES of weights
-    in all. With gate (x's shape, rows may be strided), the weights read x * sigmoid(gate) (`sigmoid_gate`); with
-    norm_weight [G] too, the gated RMSNorm over each group of G columns (`gated_rms_norm`, eps): made in the
-    loop from x's tiles (`prologue_fits`), in place of a launch of its own."""
+    in all."""
     K = x.shape[-1]
     assert 0 < len(weights) <= SEGMENTS, f"{len(weights)} weights: one launch takes 1 to {SEGMENTS}"
     for w in weights:
@@ -167,19 +134,6 @@ def gemv_many_triton(
         rows = rows.contiguous()
     M = rows.shape[0]
     assert M <= 16, f"{M} rows: the GEMV takes at most 16"
-    pro, group, gate_rows, nw = 0, 1, rows, rows  # no prologue: placeholders, never read
-    if gate is not None:
-        assert gate.shape == x.shape, f"gate {tuple(gate.shape)} for x {tuple(x.shape)}"
-        gate_rows = gate.reshape(-1, K)
-        if gate_rows.stride(-1) != 1:
-            gate_rows = gate_rows.contiguous()
-        pro = 1
-        if norm_weight is not None:
-            group = norm_weight.numel()
-            assert prologue_fits(K, group, block_k), (
-                f"the norm's groups of {group} in tiles of {block_k} of {K}"
-            )
-            pro, nw = 2, norm_weight
     outs = [torch.empty(M, w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
     segs = [(w, o) for w, o in zip(weights, outs) if w.shape[0]]
     if M and segs:
@@ -198,11 +152,10 @@ def gemv_many_triton(
             w, o = segs[s] if s < len(segs) else segs[0]
             args += [w, o, w.shape[0]]
         _gemv_kernel[(firsts[len(segs)],)](
-            rows, M, K, rows.stride(0), gate_rows, gate_rows.stride(0), nw, float(eps), *args,
-            *[firsts[min(s, len(segs) - 1)] for s in range(1, SEGMENTS)],
+            rows, M, K, rows.stride(0), *args, *[firsts[min(s, len(segs) - 1)] for s in range(1, SEGMENTS)],
             BM=16, BN=block_n, BK=min(block_k, max(16, triton.next_power_of_2(K))), DOT_F32=dot_f32,
             PRECISION="ieee" if dot_f32 else "tf32", SEGS=len(segs),
-            PREFETCH=row_bytes if prefetch and pdl and aligned else 0, PRO=pro, GROUP=group,
+            PREFETCH=row_bytes if prefetch and pdl and aligned else 0,
             num_warps=num_warps, num_stages=num_stages, **pdl,
         )  # fmt: skip
     return [o.view(*x.shape[:-1], o.shape[1]) for o in outs]
