@@ -98,6 +98,10 @@ def _gemv_kernel(
 # step's projections at batch 1 and 16 (KDA's q|k|v|f_a|b|g 4232 x 2048, MLA's six merged 7888 x 2048, the o
 # projections, KDA's f_b), block_n 16-128 x 4 / 8 warps x prefetch on / off: these defaults were the best or within
 # 0.02 us of it on every shape (e.g. the six merged at batch 1 11.05 us, 8 warps 16.45, block_n 32 22.3).
+# Tried and dropped (session 44, mini at 4K on the H200): the output projections making their gated input in the
+# loop (MLA's x * sigmoid(gate), KDA's gated RMSNorm over each head, from each K step's tile of x and of the gate),
+# 24 launches a step fewer, yet the replayed step was slower: batch 1 1.583-1.587 ms against 1.422 with the gates'
+# own launches, batch 4 2.250-2.266 against 1.925.
 PREFETCH_MAX_BYTES = 8 << 20
 
 
