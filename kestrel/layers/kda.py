@@ -80,7 +80,7 @@ class KimiDeltaAttention(nn.Module):
             planes = backend.conv_step_inplace(qkv, self.conv_weight, conv_pool, slots, planes=3)
             q, k, v = (t.reshape(T, 1, H, K) for t in planes)
             # the decay gate and beta's sigmoid are computed inside the recurrence's kernel; for a few
-            # sequences the raw forget projection too (f_b's weight instead of its own launch)
+            # sequences (up to F_B_MAX_ROWS) the raw forget projection too, from f_b's weight: no launch of its own
             fold = T <= F_B_MAX_ROWS
             f = f_a.unsqueeze(1) if fold else self.f_b_proj(f_a).view(T, 1, H, K)
             o = backend.recurrent_inplace(

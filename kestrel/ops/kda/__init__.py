@@ -26,11 +26,12 @@ from kestrel.ops.kda.naive import (
     short_conv_step,
 )
 
-# Up to this many sequences the KDA layer's decode hands the recurrence f_b's weight (`recurrent_inplace(f_b=)`)
-# instead of projecting f_a itself: each program of our Triton step multiplies its head's [K, K_f] slice of f_b by
-# f_a, loading the slice before its PDL wait, and the GEMV's launch (~2 us a layer at batch 1) is gone. Past a few
-# sequences its programs, each re-reading its head's slice, would read more from L2 than the GEMV reads from HBM.
-F_B_MAX_ROWS = 4
+# Up to this many sequences (the GEMV's rows, `kestrel.ops.linear.GEMV_MAX_ROWS`) the KDA layer's decode hands the
+# recurrence f_b's weight (`recurrent_inplace(f_b=)`) instead of projecting f_a itself: each program of our Triton
+# step multiplies its head's [K, K_f] slice of f_b by f_a, loading the slice before its PDL wait, and the GEMV's
+# launch is gone (18 a step on mini). mini's replayed step at 4K on the H200 with / without (session 44): batch 1
+# 1.396-1.398 / 1.422 ms, 4 1.890-1.900 / 1.925, 8 2.210-2.213 / 2.228-2.242, 16 2.617-2.622 / 2.631-2.643.
+F_B_MAX_ROWS = 16
 
 __all__ = [
     "F_B_MAX_ROWS",

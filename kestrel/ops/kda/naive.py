@@ -294,7 +294,7 @@ def recurrent_inplace(
     scatter back. The contract of the fast backend's in-place kernel. Returns o [N, 1, H, V].
     gate = (A_log, dt_bias, lower_bound): g is the raw forget projection, made the decay by `kda_gate` (the fast
     kernel does it inside); beta_logits: beta is before its sigmoid; f_b [H * K, K_f]: g is f_a [N, 1, K_f] and
-    the raw forget projection f_a f_b^T (the fast kernel makes it inside, `triton_recurrent.F_B_MAX_ROWS`)."""
+    the raw forget projection f_a f_b^T (the fast kernel makes it inside, `kestrel.ops.kda.F_B_MAX_ROWS`)."""
     if f_b is not None:  # g is f_a [N, 1, K_f]: the raw forget projection first
         g = torch.nn.functional.linear(g, f_b).view(q.shape)
     if gate is not None:

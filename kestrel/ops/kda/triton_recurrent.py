@@ -13,7 +13,7 @@ Per (sequence, head), model-spec 1.3 for one token, fp32 inside:
     S'   =  Diag(exp g) S;   u = beta (v - S'^T k);   S = S' + k u^T;   o = S^T q
 
 A program holds a [K, BV] block of one head's fp32 state: it reads it once, writes it once, and recomputes the
-head's q, k and gate itself (K values: nothing beside the state's 4 K BV bytes). For a few sequences
+head's q, k and gate itself (K values: nothing beside the state's 4 K BV bytes). For up to 16 sequences
 (`kestrel.ops.kda.F_B_MAX_ROWS`) it makes the raw forget projection too, from f_a and its head's rows of f_b
 (loaded before the PDL wait), in place of the f_b GEMV's launch. The state is all the bytes that
 matter: mini's batch-256 step moves 5.0 GB of KDA state through 18 layers. Loading the state before the PDL
