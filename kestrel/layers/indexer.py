@@ -31,6 +31,7 @@ class Indexer(nn.Module):
             config.index_topk,
         )
         self.scale = self.head_dim**-0.5  # of the q . k dot products
+        self.weight_scale = self.n_heads**-0.5  # of the head weights
         self.config_topk = config.index_topk  # `topk` may be switched off (None = dense) and back
         q_in = config.q_lora_rank or config.hidden_size  # reads the MLA q latent when there is one
         q_out = self.n_heads * self.head_dim
@@ -52,12 +53,17 @@ class Indexer(nn.Module):
         return [(c_q, self.wq_b)] if hasattr(self, "wq_b") else []
 
     def finish(
-        self, q_raw: torch.Tensor, k_raw: torch.Tensor, w_raw: torch.Tensor
+        self, q_raw: torch.Tensor, k_raw: torch.Tensor, w_raw: torch.Tensor, scaled: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The projections' outputs [T, HI * DI], [T, DI], [T, HI] -> the new keys [T, DI] (normed), the queries
-        [T, HI, DI] and the head weights [T, HI] (fp32, scaled)."""
+        [T, HI, DI] and the head weights [T, HI]: fp32 times `weight_scale`, or as projected where not `scaled`
+        (decode's scores kernel scales them as it reads them: two launches a layer fewer)."""
         q = q_raw.view(q_raw.shape[0], self.n_heads, self.head_dim)
-        return self.k_norm(k_raw), q, w_raw.float() * self.n_heads**-0.5
+        return self.k_norm(k_raw), q, (self.head_weights(w_raw) if scaled else w_raw)
+
+    def head_weights(self, w_raw: torch.Tensor) -> torch.Tensor:
+        """The head weights as the scores take them: [T, HI] fp32 times `weight_scale`."""
+        return w_raw.float() * self.weight_scale
 
     def row_scores_triton(
         self, q_i, w_i, k_i, picks: torch.Tensor, starts: torch.Tensor | None = None

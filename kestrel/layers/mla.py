@@ -91,16 +91,16 @@ class MLAttention(nn.Module):
 
         c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)  # [T, R]; a latent row is [c_kv | k_pe]
-        # [T, DI], [T, HI, DI], [T, HI]
+        decode = ctx.cache is not None and ctx.decode  # reads the rows just written from the cache
+        # [T, DI], [T, HI, DI], [T, HI] (decode: the head weights as projected, scaled where the scores read them)
         idx_k_new, idx_q, idx_w = (
-            self.indexer.finish(*rest) if self.indexer is not None else (None, None, None)
+            self.indexer.finish(*rest, scaled=not decode) if self.indexer is not None else (None, None, None)
         )
         if ctx.cache is not None:
             ctx.cache.write_kv(self.layer_id, (c_kv, k_pe), idx_k_new)
 
         w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, H, self.nope_dim, self.v_dim)  # [H, Dn, R], [H, Dv, R]
         idx = (idx_q, idx_w, idx_k_new) if self.indexer is not None else None
-        decode = ctx.cache is not None and ctx.decode  # reads the rows just written from the cache
         kv_new = None if decode else torch.cat([c_kv, k_pe], dim=-1)  # [T, R + Pr]
         if decode:
             out = self._attend_decode(ctx, q_nope, q_pe, w_uk, w_uv, idx)
@@ -282,6 +282,7 @@ class MLAttention(nn.Module):
                 self.indexer.scale,
                 page_size=ps,
                 key_scale=ctx.cache.index_scales(self.layer_id),
+                weights_scale=self.indexer.weight_scale,  # idx[1] as projected
             )
             kernel = fast_topk(q_nope.device)  # takes the lengths (the query's position + 1) as they are
             indices = self._select(ctx, -1, lambda k: kernel(scores(), lens, k))
@@ -292,7 +293,8 @@ class MLAttention(nn.Module):
         kv, idx_k, lens = ctx.cache.read_kv_batched(self.layer_id)  # [N, Lmax, R + Pr], [N, Lmax, DI], [N]
         indices = None
         if idx is not None:
-            scores = partial(indexer_scores_batched, idx[0], idx_k, idx[1], self.indexer.scale)
+            w = self.indexer.head_weights(idx[1])  # idx[1] as projected at decode
+            scores = partial(indexer_scores_batched, idx[0], idx_k, w, self.indexer.scale)
             indices = self._select(ctx, -1, lambda k: topk_select(scores(), lens - 1, k))
         return mla_decode_batched(q_nope, q_pe, kv, lens, w_uk, w_uv, self.scale, indices)  # [N, H, Dv]
 

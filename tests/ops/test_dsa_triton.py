@@ -165,6 +165,22 @@ def test_scores_paged_match_gathered_reference(page_size, maxp, lens):
     check_scores(got, q, gather_pages(pool, page_table, page_size), w, lens, DI**-0.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scores_paged_scale_the_weights_as_projected(dtype):
+    """Decode hands the head weights over as projected, with their factor (`Indexer.finish(scaled=False)`): the
+    scores are those of the weights cast to fp32 and scaled first, bit for bit."""
+    page_size, maxp, HI, DI = 4, 10, 6, 32
+    q, pool, page_table, lens, w = paged_inputs([1, 40, 37, 13], page_size, maxp, HI, DI, seed=8, dtype=dtype)
+    args = [t.to(DEVICE) for t in (q, pool, page_table, lens)]
+    factor = HI**-0.5
+    got = indexer_scores_paged_triton(*args, w.to(DEVICE), 0.25, page_size=page_size, weights_scale=factor)
+    want = indexer_scores_paged_triton(*args, w.to(DEVICE).float() * factor, 0.25, page_size=page_size)
+    assert torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0))
+    check_scores(
+        got, q.float(), gather_pages(pool, page_table, page_size).float(), w.float() * factor, lens, 0.25
+    )
+
+
 @pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
 def test_scores_paged_fp8_keys_match_the_dequantized_reference(query_dtype):
     """FP8 keys with one scale per token (KVPool(index_fp8=True)): the kernel's scores equal the reference

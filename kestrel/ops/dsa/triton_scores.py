@@ -53,6 +53,7 @@ def _indexer_scores_kernel(
     key_scale_ptr,  # paged FP8 keys: [rows] fp32 per-token scales (else unused)
     out_ptr,  # [B, L] fp32
     scale,
+    w_scale,  # the weights' own factor, applied in fp32 (1.0 for weights handed over scaled)
     L,
     page_size,
     tiles_per_prog,
@@ -86,7 +87,7 @@ def _indexer_scores_kernel(
         mask=(h[:, None] < HI) & (d[None, :] < DI),
         other=0.0,
     )  # [HP, DP]
-    w = tl.load(w_ptr + b * stride_wb + h, mask=h < HI, other=0.0).to(tl.float32)  # [HP]
+    w = tl.load(w_ptr + b * stride_wb + h, mask=h < HI, other=0.0).to(tl.float32) * w_scale  # [HP]
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -128,6 +129,7 @@ def _launch(
     stride_kr,
     out,
     key_scale=None,
+    w_scale=1.0,
 ):
     B, HI, DI = q_idx.shape
     assert weights.shape == (B, HI), f"weights {tuple(weights.shape)} != {(B, HI)}"
@@ -153,6 +155,7 @@ def _launch(
         key_scale if fp8 else lens,  # a placeholder pointer without FP8 keys
         out,
         float(scale),
+        float(w_scale),
         L,
         page_size,
         tiles_per_prog,
@@ -225,14 +228,17 @@ def indexer_scores_paged_triton(
     page_size: int,
     key_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    weights_scale: float = 1.0,
 ) -> torch.Tensor:
     """Decode indexer scores reading the keys through the page table (the layout of kestrel.cache.kv_pool).
 
     q_idx [B, HI, DI], k_pool [rows, DI] (one layer's `KVPool.index_k`; FP8 E4M3 with `key_scale` [rows, 1]
     or [rows] fp32, one scale per token, when the pool keeps FP8 keys), page_table [B, maxp] (int32 or
     int64; position p of sequence b is row page_table[b, p // page_size] * page_size + p % page_size),
-    lens [B], weights [B, HI]. Returns [B, maxp * page_size] fp32 (written into `out` when given), the width
-    `read_kv_batched` gives: the scores on s < lens[b], NaN beyond.
+    lens [B], weights [B, HI]: fp32 and scaled, or as projected (bf16, say) with weights_scale, which the kernel
+    applies to them in fp32 (the same products as `weights.float() * weights_scale`, two launches fewer). Returns
+    [B, maxp * page_size] fp32 (written into `out` when given), the width `read_kv_batched` gives: the scores on
+    s < lens[b], NaN beyond.
     """
     B, maxp = page_table.shape
     assert k_pool.dim() == 2 and k_pool.shape[1] == q_idx.shape[2], f"k_pool {tuple(k_pool.shape)}"
@@ -259,6 +265,7 @@ def indexer_scores_paged_triton(
         k_pool.stride(0),
         out,
         key_scale,
+        weights_scale,
     )
 
 
