@@ -236,7 +236,9 @@ def indexer_scores_paged_triton(
     or [rows] fp32, one scale per token, when the pool keeps FP8 keys), page_table [B, maxp] (int32 or
     int64; position p of sequence b is row page_table[b, p // page_size] * page_size + p % page_size),
     lens [B], weights [B, HI]: fp32 and scaled, or as projected (bf16, say) with weights_scale, which the kernel
-    applies to them in fp32 (the same products as `weights.float() * weights_scale`, two launches fewer). Returns
+    applies to them in fp32 (the same products as `weights.float() * weights_scale`, two launches fewer: mini's
+    replayed step at 4K on the H200, session 44, batch 1 1.415 against 1.429-1.434 ms, 256 6.309 against
+    6.350-6.353). Returns
     [B, maxp * page_size] fp32 (written into `out` when given), the width `read_kv_batched` gives: the scores on
     s < lens[b], NaN beyond.
     """
