@@ -8,7 +8,7 @@ import torch
 
 from kestrel.cache.kv_pool import KVPool
 from kestrel.cache.state_pool import StatePool
-from kestrel.ops.mla.naive import write_rows
+from kestrel.ops.mla.naive import write_norms, write_rows
 from kestrel.ops.quant import dequantize_fp8_rows
 
 
@@ -72,14 +72,32 @@ class PagedCacheView:
     def set_kda_state(self, layer_id: int, ssm: torch.Tensor, conv: torch.Tensor) -> None:
         _store_states(self.state_pool, layer_id, self.slots, ssm, conv)
 
-    def write_kv(self, layer_id: int, parts: tuple[torch.Tensor, ...], index_k: torch.Tensor | None) -> None:
+    def write_kv(
+        self,
+        layer_id: int,
+        parts: tuple[torch.Tensor, ...],
+        index_k: torch.Tensor | None,
+        kv_norm: tuple | None = None,
+        index_norm: tuple | None = None,
+    ) -> None:
+        """The protocol's `write_kv`; kv_norm and index_norm as in `naive.write_rows`: on the fast path the write
+        kernel norms each row as it stores it."""
         pool = self.kv_pool
         if index_k is None or pool.index_fp8:  # FP8 keys are quantized with their scales apart
+            parts, index_k = write_norms(parts, index_k, kv_norm, index_norm)
             write_rows(pool.kv[layer_id], self.write_rows, parts)
             if index_k is not None:
                 pool.write_index(layer_id, self.write_rows, index_k)
-        else:  # one launch for both pools on the fast path
-            write_rows(pool.kv[layer_id], self.write_rows, parts, pool.index_k[layer_id], index_k)
+        else:  # one launch for both pools (and the norms) on the fast path
+            write_rows(
+                pool.kv[layer_id],
+                self.write_rows,
+                parts,
+                pool.index_k[layer_id],
+                index_k,
+                kv_norm,
+                index_norm,
+            )
 
     def read_rows(self, seq: int) -> torch.Tensor:
         """Pool rows [L] of sequence seq's positions 0..L-1 (L = ends[seq]), from its page-table row."""

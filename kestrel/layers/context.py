@@ -47,9 +47,17 @@ class CacheView(Protocol):
         sequences): the decode path advances the states in place."""
         ...
 
-    def write_kv(self, layer_id: int, parts: tuple[torch.Tensor, ...], index_k: torch.Tensor | None) -> None:
+    def write_kv(
+        self,
+        layer_id: int,
+        parts: tuple[torch.Tensor, ...],
+        index_k: torch.Tensor | None,
+        kv_norm: tuple | None = None,
+        index_norm: tuple | None = None,
+    ) -> None:
         """Store the latent KV of this batch's new tokens, given as its parts (c_kv [T, R], k_pe [T, P]: a row is
-        them side by side), and their indexer keys [T, DI]."""
+        them side by side), and their indexer keys [T, DI]. kv_norm (weight, eps) / index_norm (weight, bias, eps):
+        c_kv and the keys come before their norms, which the write applies (`kestrel.ops.mla.naive.write_rows`)."""
         ...
 
     def read_kv(

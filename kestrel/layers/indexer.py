@@ -53,13 +53,20 @@ class Indexer(nn.Module):
         return [(c_q, self.wq_b)] if hasattr(self, "wq_b") else []
 
     def finish(
-        self, q_raw: torch.Tensor, k_raw: torch.Tensor, w_raw: torch.Tensor, scaled: bool = True
+        self, q_raw: torch.Tensor, k_raw: torch.Tensor, w_raw: torch.Tensor, decode: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The projections' outputs [T, HI * DI], [T, DI], [T, HI] -> the new keys [T, DI] (normed), the queries
-        [T, HI, DI] and the head weights [T, HI]: fp32 times `weight_scale`, or as projected where not `scaled`
-        (decode's scores kernel scales them as it reads them: two launches a layer fewer)."""
+        [T, HI, DI] and the head weights [T, HI] (fp32 times `weight_scale`). At decode the keys and the weights
+        stay as projected: the cache write norms the keys (`key_norm`) and the scores kernel scales the weights as
+        it reads them, each in a launch it makes anyway (four launches a layer fewer)."""
         q = q_raw.view(q_raw.shape[0], self.n_heads, self.head_dim)
-        return self.k_norm(k_raw), q, (self.head_weights(w_raw) if scaled else w_raw)
+        if decode:
+            return k_raw, q, w_raw
+        return self.k_norm(k_raw), q, self.head_weights(w_raw)
+
+    def key_norm(self) -> tuple:
+        """The keys' LayerNorm as the cache write takes it: (weight, bias, eps)."""
+        return self.k_norm.weight, self.k_norm.bias, self.k_norm.eps
 
     def head_weights(self, w_raw: torch.Tensor) -> torch.Tensor:
         """The head weights as the scores take them: [T, HI] fp32 times `weight_scale`."""

@@ -89,18 +89,27 @@ class MLAttention(nn.Module):
             [self.nope_dim, self.rope_dim], dim=-1
         )  # [T, H, Dn], [T, H, Pr]
 
-        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)  # [T, R]; a latent row is [c_kv | k_pe]
+        c_kv, k_pe = kv_a.split(
+            [self.kv_lora_rank, self.rope_dim], dim=-1
+        )  # a latent row is [normed c_kv | k_pe]
         decode = ctx.cache is not None and ctx.decode  # reads the rows just written from the cache
-        # [T, DI], [T, HI, DI], [T, HI] (decode: the head weights as projected, scaled where the scores read them)
+        # [T, DI], [T, HI, DI], [T, HI]; at decode the keys before their norm and the head weights as projected
+        # (the cache write norms the keys and c_kv, the scores kernel scales the weights)
         idx_k_new, idx_q, idx_w = (
-            self.indexer.finish(*rest, scaled=not decode) if self.indexer is not None else (None, None, None)
+            self.indexer.finish(*rest, decode=decode) if self.indexer is not None else (None, None, None)
         )
-        if ctx.cache is not None:
-            ctx.cache.write_kv(self.layer_id, (c_kv, k_pe), idx_k_new)
+        if decode:
+            kv_norm = (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
+            index_norm = self.indexer.key_norm() if self.indexer is not None else None
+            ctx.cache.write_kv(self.layer_id, (c_kv, k_pe), idx_k_new, kv_norm, index_norm)
+        else:
+            c_kv = self.kv_a_layernorm(c_kv)  # [T, R]
+            if ctx.cache is not None:
+                ctx.cache.write_kv(self.layer_id, (c_kv, k_pe), idx_k_new)
 
         w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, H, self.nope_dim, self.v_dim)  # [H, Dn, R], [H, Dv, R]
-        idx = (idx_q, idx_w, idx_k_new) if self.indexer is not None else None
+        # (decode's attention reads the keys from the cache: their unnormed copy goes no further)
+        idx = (idx_q, idx_w, None if decode else idx_k_new) if self.indexer is not None else None
         kv_new = None if decode else torch.cat([c_kv, k_pe], dim=-1)  # [T, R + Pr]
         if decode:
             out = self._attend_decode(ctx, q_nope, q_pe, w_uk, w_uv, idx)

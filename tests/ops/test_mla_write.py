@@ -58,3 +58,44 @@ def test_write_rows_casts_and_falls_back():
     write_rows.eager(want, rows, three)
     write_rows_triton(pool, rows, three)
     assert torch.equal(pool.nan_to_num(), want.nan_to_num()) and torch.equal(pool.isnan(), want.isnan())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,R,P,DI", [(7, 40, 8, 24), (3, 512, 64, 128)])  # widths not 2^n: masked tails
+def test_write_rows_applies_the_norms(T, R, P, DI, dtype):
+    """Decode hands c_kv and the indexer keys over before their norms (the RMSNorm's weight and eps, the
+    LayerNorm's weight, bias and eps): the kernel norms each row as it stores it, as the reference's norms then
+    its write do; with the indexer keys, and without them (the keys' norm then ignored by the reference too)."""
+    from kestrel.ops.mla.naive import write_norms
+    from kestrel.ops.mla.triton_write import write_rows_triton
+    from kestrel.ops.norm import layer_norm, rms_norm
+
+    c_kv, k_pe, keys, rows, pool, index_pool = _case(T, R, P, DI, 17, dtype, seed=3)
+    g = torch.Generator().manual_seed(4)
+    c_kv, keys = c_kv * 3 + 1, keys * 2 - 0.5  # offsets: the LayerNorm's mean matters
+    kv_norm = ((torch.rand(R, generator=g) + 0.5).to(DEVICE, dtype), 1e-6)
+    index_norm = (
+        (torch.rand(DI, generator=g) + 0.5).to(DEVICE, dtype),
+        torch.randn(DI, generator=g).to(DEVICE, dtype),
+        1e-5,
+    )
+    want, want_index = pool.clone(), index_pool.clone()
+    write_rows.eager(want, rows, (c_kv, k_pe), want_index, keys, kv_norm, index_norm)
+    apart, apart_index = pool.clone(), index_pool.clone()  # the norms' own ops, then the plain write
+    parts, normed = write_norms((c_kv, k_pe), keys, kv_norm, index_norm)
+    assert torch.equal(parts[0], rms_norm(c_kv, *kv_norm)) and torch.equal(
+        normed, layer_norm(keys, *index_norm)
+    )
+    write_rows.eager(apart, rows, parts, apart_index, normed)
+    assert torch.equal(want.nan_to_num(), apart.nan_to_num()) and torch.equal(
+        want_index.nan_to_num(), apart_index.nan_to_num()
+    )
+    write_rows_triton(pool, rows, (c_kv, k_pe), index_pool, keys, kv_norm, index_norm)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    assert torch.equal(pool.isnan(), want.isnan()) and torch.equal(index_pool.isnan(), want_index.isnan())
+    torch.testing.assert_close(pool.nan_to_num().float(), want.nan_to_num().float(), **tol)
+    torch.testing.assert_close(index_pool.nan_to_num().float(), want_index.nan_to_num().float(), **tol)
+    assert torch.equal(pool[rows][:, R:], k_pe.to(dtype))  # k_pe is stored as given
+    alone = torch.full_like(pool, float("nan"))  # no indexer keys: c_kv's norm only
+    write_rows_triton(alone, rows, (c_kv, k_pe), kv_norm=kv_norm)
+    torch.testing.assert_close(alone.nan_to_num().float(), want.nan_to_num().float(), **tol)

@@ -26,12 +26,32 @@ def write_rows(
     parts: tuple[torch.Tensor, ...],
     index_pool: torch.Tensor | None = None,
     index_keys: torch.Tensor | None = None,
+    kv_norm: tuple | None = None,
+    index_norm: tuple | None = None,
 ) -> None:
     """The latent cache write: pool[rows[t]] = token t's parts side by side (c_kv [T, R], then k_pe [T, P]),
-    in pool's dtype; with index_pool, index_pool[rows[t]] = index_keys[t] [T, DI] as well. rows [T] int64."""
+    in pool's dtype; with index_pool, index_pool[rows[t]] = index_keys[t] [T, DI] as well. rows [T] int64.
+    kv_norm (weight [R], eps): the first part is c_kv before its RMSNorm, applied here; index_norm (weight [DI],
+    bias [DI], eps): the keys before their LayerNorm, likewise (decode writes them so: the fast kernel norms
+    each row as it stores it, no launch of their own)."""
+    parts, index_keys = write_norms(parts, index_keys, kv_norm, index_norm)
     pool[rows] = torch.cat(parts, dim=-1).to(pool.dtype)
     if index_pool is not None:
         index_pool[rows] = index_keys.to(index_pool.dtype)
+
+
+def write_norms(
+    parts: tuple[torch.Tensor, ...], index_keys: torch.Tensor | None, kv_norm=None, index_norm=None
+):
+    """(parts, index_keys) as the cache stores them: c_kv (the first part) RMS-normed with kv_norm (weight, eps),
+    the keys layer-normed with index_norm (weight, bias, eps); as given where a norm is None."""
+    from kestrel.ops.norm import layer_norm, rms_norm
+
+    if kv_norm is not None:
+        parts = (rms_norm(parts[0], *kv_norm), *parts[1:])
+    if index_norm is not None and index_keys is not None:
+        index_keys = layer_norm(index_keys, *index_norm)
+    return parts, index_keys
 
 
 def split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, nope_dim: int, v_dim: int):
