@@ -84,9 +84,9 @@ class PagedCacheView:
         kernel norms each row as it stores it."""
         pool = self.kv_pool
         if index_k is None or pool.index_fp8:  # FP8 keys are quantized with their scales apart
-            parts, index_k = write_norms(parts, index_k, kv_norm, index_norm)
-            write_rows(pool.kv[layer_id], self.write_rows, parts)
+            write_rows(pool.kv[layer_id], self.write_rows, parts, kv_norm=kv_norm)
             if index_k is not None:
+                _, index_k = write_norms((), index_k, None, index_norm)
                 pool.write_index(layer_id, self.write_rows, index_k)
         else:  # one launch for both pools (and the norms) on the fast path
             write_rows(

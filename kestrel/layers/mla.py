@@ -89,9 +89,8 @@ class MLAttention(nn.Module):
             [self.nope_dim, self.rope_dim], dim=-1
         )  # [T, H, Dn], [T, H, Pr]
 
-        c_kv, k_pe = kv_a.split(
-            [self.kv_lora_rank, self.rope_dim], dim=-1
-        )  # a latent row is [normed c_kv | k_pe]
+        # a latent row is [c_kv RMS-normed | k_pe]
+        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         decode = ctx.cache is not None and ctx.decode  # reads the rows just written from the cache
         # [T, DI], [T, HI, DI], [T, HI]; at decode the keys before their norm and the head weights as projected
         # (the cache write norms the keys and c_kv, the scores kernel scales the weights)
