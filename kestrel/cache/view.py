@@ -8,7 +8,7 @@ import torch
 
 from kestrel.cache.kv_pool import KVPool
 from kestrel.cache.state_pool import StatePool
-from kestrel.ops.mla.naive import write_norms, write_rows
+from kestrel.ops.mla.naive import WriteNorms, write_norms, write_rows
 from kestrel.ops.quant import dequantize_fp8_rows
 
 
@@ -73,15 +73,10 @@ class PagedCacheView:
         _store_states(self.state_pool, layer_id, self.slots, ssm, conv)
 
     def write_kv(
-        self,
-        layer_id: int,
-        parts: tuple[torch.Tensor, ...],
-        index_k: torch.Tensor | None,
-        kv_norm: tuple | None = None,
-        index_norm: tuple | None = None,
+        self, layer_id: int, parts: tuple, index_k: torch.Tensor | None, norms: WriteNorms | None = None
     ) -> None:
-        """The protocol's `write_kv`; kv_norm and index_norm as in `naive.write_rows`: on the fast path the write
-        kernel norms each row as it stores it."""
+        """The protocol's `write_kv`: on the fast path the write kernel applies `norms` to each row as it stores it."""
+        kv_norm, index_norm = norms or (None, None)
         pool = self.kv_pool
         if index_k is None or pool.index_fp8:  # FP8 keys are quantized with their scales apart
             write_rows(pool.kv[layer_id], self.write_rows, parts, kv_norm=kv_norm)

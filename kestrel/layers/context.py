@@ -15,11 +15,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kestrel.utils.device import to_device_async
+
+if TYPE_CHECKING:
+    from kestrel.ops.mla.naive import WriteNorms
 
 
 class CacheView(Protocol):
@@ -48,16 +51,11 @@ class CacheView(Protocol):
         ...
 
     def write_kv(
-        self,
-        layer_id: int,
-        parts: tuple[torch.Tensor, ...],
-        index_k: torch.Tensor | None,
-        kv_norm: tuple | None = None,
-        index_norm: tuple | None = None,
+        self, layer_id: int, parts: tuple, index_k: torch.Tensor | None, norms: WriteNorms | None = None
     ) -> None:
         """Store the latent KV of this batch's new tokens, given as its parts (c_kv [T, R], k_pe [T, P]: a row is
-        them side by side), and their indexer keys [T, DI]. kv_norm (weight, eps) / index_norm (weight, bias, eps):
-        c_kv and the keys come before their norms, which the write applies (`kestrel.ops.mla.naive.write_rows`)."""
+        them side by side), and their indexer keys [T, DI]. With `norms` (decode) c_kv and the keys come before
+        their norms, which the write applies (`kestrel.ops.mla.naive.write_rows`)."""
         ...
 
     def read_kv(

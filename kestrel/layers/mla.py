@@ -29,6 +29,7 @@ from kestrel.ops.dsa import (
     topk_select,
 )
 from kestrel.ops.mla import mla_attention_absorbed, mla_attention_rows, mla_decode_batched, split_kv_b
+from kestrel.ops.mla.naive import WriteNorms
 from kestrel.ops.mla.sdpa_prefill import mla_prefill_sdpa
 from kestrel.utils.device import to_device_async
 from kestrel.utils.dist import parallel_state
@@ -100,7 +101,7 @@ class MLAttention(nn.Module):
         if decode:
             kv_norm = (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
             index_norm = self.indexer.key_norm() if self.indexer is not None else None
-            ctx.cache.write_kv(self.layer_id, (c_kv, k_pe), idx_k_new, kv_norm, index_norm)
+            ctx.cache.write_kv(self.layer_id, (c_kv, k_pe), idx_k_new, WriteNorms(kv_norm, index_norm))
         else:
             c_kv = self.kv_a_layernorm(c_kv)  # [T, R]
             if ctx.cache is not None:

@@ -11,7 +11,7 @@ import torch
 
 from kestrel.config import ModelConfig
 from kestrel.layers.context import ForwardContext
-from kestrel.ops.mla.naive import write_norms
+from kestrel.ops.mla.naive import WriteNorms, write_norms
 
 
 class DenseCache:
@@ -86,14 +86,9 @@ class _DenseView:
         self.cache.conv[layer_id][self.rows] = conv.to(self.cache.conv[layer_id].dtype)
 
     def write_kv(
-        self,
-        layer_id: int,
-        parts: tuple[torch.Tensor, ...],
-        index_k: torch.Tensor | None,
-        kv_norm: tuple | None = None,
-        index_norm: tuple | None = None,
+        self, layer_id: int, parts: tuple, index_k: torch.Tensor | None, norms: WriteNorms | None = None
     ) -> None:
-        parts, index_k = write_norms(parts, index_k, kv_norm, index_norm)
+        parts, index_k = write_norms(parts, index_k, *(norms or ()))
         kv = torch.cat(parts, dim=-1)  # [T, R + P]
         start = 0
         for r, p, n in zip(self.requests, self.prefix, self.new):

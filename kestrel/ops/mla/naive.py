@@ -13,6 +13,8 @@ Selected rows past q_pos[t] stay hidden (the selection is intersected with the c
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kestrel.ops.dsa.naive import selection_mask
@@ -38,6 +40,14 @@ def write_rows(
     pool[rows] = torch.cat(parts, dim=-1).to(pool.dtype)
     if index_pool is not None:
         index_pool[rows] = index_keys.to(index_pool.dtype)
+
+
+class WriteNorms(NamedTuple):
+    """The norms a decode step's cache write applies to the new rows (`CacheView.write_kv`): c_kv's RMSNorm
+    (weight, eps) and the indexer keys' LayerNorm (weight, bias, eps); None: that part comes normed."""
+
+    kv: tuple | None = None
+    index: tuple | None = None
 
 
 def write_norms(
