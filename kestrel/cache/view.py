@@ -8,7 +8,8 @@ import torch
 
 from kestrel.cache.kv_pool import KVPool
 from kestrel.cache.state_pool import StatePool
-from kestrel.ops.mla.naive import WriteNorms, write_norms, write_rows
+from kestrel.ops.mla.naive import WriteNorms, write_rows
+from kestrel.ops.norm import layer_norm
 from kestrel.ops.quant import dequantize_fp8_rows
 
 
@@ -81,7 +82,8 @@ class PagedCacheView:
         if index_k is None or pool.index_fp8:  # FP8 keys are quantized with their scales apart
             write_rows(pool.kv[layer_id], self.write_rows, parts, kv_norm=kv_norm)
             if index_k is not None:
-                _, index_k = write_norms((), index_k, None, index_norm)
+                if index_norm is not None:
+                    index_k = layer_norm(index_k, *index_norm)
                 pool.write_index(layer_id, self.write_rows, index_k)
         else:  # one launch for both pools (and the norms) on the fast path
             write_rows(

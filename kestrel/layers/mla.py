@@ -191,9 +191,8 @@ class MLAttention(nn.Module):
         position 0 (no cached prefix), densely (no DSA selection), all of one length. {first: (count, length)}.
         One call a run instead of a handful of launches a sequence (mini's 8 x 1024 prefill step: 48 calls)."""
 
-        def length(
-            i: int,
-        ) -> int | None:  # what a fresh dense sequence shares with its run; None for the others
+        def length(i: int) -> int | None:
+            """What a fresh dense sequence shares with its run; None for the others."""
             fresh_dense = ctx.prefix_lens[i] == 0 and (idx is None or not self._selects(ctx, i))
             return ctx.new_lens[i] if fresh_dense else None
 

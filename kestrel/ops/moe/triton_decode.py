@@ -464,7 +464,7 @@ def _moe_decode_kernel(
     if PHASE == 0:
         _grid_sync(sync, 0, nprog, MAX_SPIN)
         _stamp(row, 2, TRACE)
-    if PHASE == 0 and EARLY > 0:
+    if PHASE == 0 and EARLY > 0:  # one token: this program's down item, its weights held through barrier 1
         w_top, id_top = _route_token(partial, bias, 0, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS)
         _store_routing(weights_out, ids_out, w_top, id_top, 0, pid, A, BA)
         _stamp(row, 3, TRACE)
@@ -485,37 +485,32 @@ def _moe_decode_kernel(
             w_dn, ws_dn = _down_tiles(
                 w2, ws2, id_top, smask, cols, cmask, ki, kmask, D, I, BN_D, BK_D, SHARED
             )
+    elif PHASE == 0 or PHASE == 2:
+        _gate_up_phase(
+            x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling, beta,
+            linear_beta, A, SL, BA, BE, BS, KS, KCH, BN_G, BK_G, HAS_BIAS, RENORM, SITU, BF16, DEFER, row, TRACE,
+        )  # fmt: skip
+    if PHASE == 0 or PHASE == 2:
         _stamp(row, 4, TRACE)
+    if PHASE == 0:
         _grid_sync(sync, 1, nprog, MAX_SPIN)
         if pid == 0:  # every program has left barrier 0: ready for the next launch
             tl.atomic_xchg(sync, 0, sem="relaxed", scope="gpu")
         _stamp(row, 5, TRACE)
+    if PHASE == 0 and EARLY > 0:
         acc = tl.zeros([BA, BN_D], dtype=tl.float32)
         acc_s = tl.zeros([BN_D], dtype=tl.float32)
         acc, acc_s = _down_sums(
             w_dn, ws_dn, acc, acc_s, gu, 0, ki, kmask, beta, linear_beta, I, A, SL, BA, KS, SITU, SHARED, BF16
         )  # fmt: skip
         _down_store(acc, acc_s, w_top, out, 0, cols, cmask, D, A, BA, SHARED, ACCUMULATE, BF16)
+    elif PHASE == 0 or PHASE == 3:
+        _down_phase(
+            x, w2, ws2, gu, weights_out, ids_out, out, pid, nprog, T, D, I, beta, linear_beta,
+            A, SL, BA, KS, BN_D, BK_D, SITU, SHARED, ACCUMULATE, BF16,
+        )  # fmt: skip
+    if PHASE == 0 or PHASE == 3:
         _stamp(row, 6, TRACE)
-    else:
-        if PHASE == 0 or PHASE == 2:
-            _gate_up_phase(
-                x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling, beta,
-                linear_beta, A, SL, BA, BE, BS, KS, KCH, BN_G, BK_G, HAS_BIAS, RENORM, SITU, BF16, DEFER, row,
-                TRACE,
-            )  # fmt: skip
-            _stamp(row, 4, TRACE)
-        if PHASE == 0:
-            _grid_sync(sync, 1, nprog, MAX_SPIN)
-            if pid == 0:  # every program has left barrier 0: ready for the next launch
-                tl.atomic_xchg(sync, 0, sem="relaxed", scope="gpu")
-            _stamp(row, 5, TRACE)
-        if PHASE == 0 or PHASE == 3:
-            _down_phase(
-                x, w2, ws2, gu, weights_out, ids_out, out, pid, nprog, T, D, I, beta, linear_beta,
-                A, SL, BA, KS, BN_D, BK_D, SITU, SHARED, ACCUMULATE, BF16,
-            )  # fmt: skip
-            _stamp(row, 6, TRACE)
     if PHASE == 0:  # the last program out leaves the counters at zero
         done = tl.atomic_add(sync + 2, 1, sem="acq_rel", scope="gpu")
         if done == nprog - 1:
