@@ -15,7 +15,7 @@ Sections:
   foundation  parity, then `generate` on mini (API and CLI)
   kda_layers  each KDA layer, fast vs reference on the same input (the kernels' error, no compounding)
   gpu_tests   every op test on the device (kernels vs references, fla-core gradients, graphs), HiCache and
-              the overlap schedule on CUDA
+              the overlap schedule on CUDA (--gpu-tests-parts: a share of them, for calls too short for all)
   engine_decode  engine decode tokens/s on mini at batch 64/8/1, CUDA graphs on and off
   profile_decode where a decode step's GPU time goes (torch.profiler, top kernels)
   engine_bench   offline throughput (512 x 1K/256) and the transformers peer at batch 64
@@ -46,7 +46,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 from kestrel.env import env_overrides  # noqa: E402
 
 
@@ -1057,10 +1058,50 @@ def prefill_bench() -> dict:
     return result
 
 
+GPU_TEST_PARTS = ["switches", "fuse", "rest"]  # --gpu-tests-parts
+_SWITCH_TESTS = [
+    "tests/ops/test_kda.py::test_fla_chunk_gradients_match_the_reference",
+    "tests/ops/test_packed_conv.py::test_fla_conv_matches_reference",
+]
+
+
+def gpu_test_targets(parts: list[str]) -> list[list[str]]:
+    """pytest arguments for each part: `switches` (the fla-core tests that decide the training run's fast-path
+    switches), `fuse` (the compiled training ops' CUDA cases; on the device machine their CPU cases, inductor's
+    C++ build of a training step, ran past the 560 s the whole section had, session 42), `rest` (every other op
+    test, HiCache and the overlap schedule on CUDA), or `rest:K/N`: the K-th of N runs of rest's files in path
+    order, for calls too short for all of it (on a cold Triton cache the three parts took over 570 s, session
+    45: `switches` alone 446 s)."""
+    rest_files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests" / "ops").glob("test_*.py"))
+    rest_files += ["tests/engine/test_hicache.py", "tests/engine/test_overlap.py"]
+    targets = []
+    for part in parts:
+        name, _, share = part.partition(":")
+        if name == "switches" and not share:
+            targets.append(list(_SWITCH_TESTS))
+        elif name == "fuse" and not share:
+            targets.append(["tests/test_fuse.py", "-m", "gpu"])
+        elif name == "rest":
+            k, n = 1, 1
+            if share:
+                match = re.fullmatch(r"(\d+)/(\d+)", share)
+                k, n = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+                if not 1 <= k <= n <= len(rest_files):
+                    raise ValueError(
+                        f"gpu tests part {part!r}: want rest:K/N with 1 <= K <= N <= {len(rest_files)}"
+                    )
+            files = rest_files[(k - 1) * len(rest_files) // n : k * len(rest_files) // n]
+            targets.append(files + [f"--deselect={t}" for t in _SWITCH_TESTS])
+        else:
+            raise ValueError(f"gpu tests part {part!r}: choose from switches, fuse, rest, rest:K/N")
+    return targets
+
+
 def gpu_tests() -> dict:
     """Every op test on the device: the `gpu`-marked ones (mini sizes, CUDA graphs, fla-core gradients) and
     the kernel tests that run their tiny cases compiled when CUDA is there (on CPU they run interpreted);
-    plus HiCache's CUDA path (pinned host tier, copy streams) and the compiled training ops.
+    plus HiCache's CUDA path (pinned host tier, copy streams) and the compiled training ops. The parts of
+    --gpu-tests-parts (`gpu_test_targets`) run in that order, one pytest each.
 
     The tests that decide the training run's fast-path switches run first, and pytest writes one line per test
     straight into $OUT/gpu_tests.log, so a call that runs out of time still returns every outcome so far (the
@@ -1070,18 +1111,9 @@ def gpu_tests() -> dict:
     The smoke run only collects them (every target named here exists): on the CPU they are CI's own suite."""
     collect_only = [] if S.device == "cuda" else ["--collect-only"]
     log_path = OUT / "gpu_tests.log"
-    first = [
-        "tests/ops/test_kda.py::test_fla_chunk_gradients_match_the_reference",
-        "tests/ops/test_packed_conv.py::test_fla_conv_matches_reference",
-    ]
-    # the compiled training ops: their CUDA cases only (the CPU ones are CI's; on the device machine the first,
-    # inductor's C++ build of a training step, ran past the 560 s the whole section had, session 42)
-    fuse = ["tests/test_fuse.py", "-m", "gpu"]
-    rest = ["tests/ops", "tests/engine/test_hicache.py", "tests/engine/test_overlap.py"]
-    rest += [f"--deselect={t}" for t in first]
     returncodes = []
     with log_path.open("w") as log:
-        for targets in (first, fuse, rest):
+        for targets in gpu_test_targets(GPU_TEST_PARTS):
             # -v (over the project's -q): one line per test as it ends, `<node id> PASSED|FAILED|...`, so a
             # killed run's log still names every outcome so far; -rfEs: failures, errors and skip reasons at the
             # end; durations: where the time goes
@@ -1094,7 +1126,8 @@ def gpu_tests() -> dict:
     counts = {word: sum(v == word for v in outcomes.values()) for word in sorted(set(outcomes.values()))}
     failed = [test for test, outcome in outcomes.items() if outcome in ("FAILED", "ERROR")]
     print("gpu tests:", returncodes, counts, *failed, sep="\n  ", flush=True)
-    result = {"returncodes": returncodes, "counts": counts, "failed": failed, "outcomes": outcomes}
+    result = {"parts": list(GPU_TEST_PARTS), "returncodes": returncodes, "counts": counts, "failed": failed}
+    result["outcomes"] = outcomes
     if collect_only:
         result["skipped"] = "running the tests: on the CPU they are the CI suite itself (collected only)"
     return result
@@ -1494,6 +1527,12 @@ def main() -> None:
         help="bench_kernels: only these of kestrel.bench.kernels.KERNEL_CASES (comma-separated; default all)",
     )
     parser.add_argument(
+        "--gpu-tests-parts",
+        default=",".join(GPU_TEST_PARTS),
+        help="gpu_tests: which parts, in order: switches, fuse, rest, or rest:K/N (the K-th of N runs of rest's "
+        "files) for calls too short for the whole section",
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="every section's code on the CPU at tiny sizes (no figures)"
     )
     args = parser.parse_args()
@@ -1514,6 +1553,11 @@ def main() -> None:
         if unknown:
             parser.error(f"--kernels: unknown {unknown}; choose from {sorted(KERNEL_CASES)}")
         S = dataclasses.replace(S, kernel_cases={k: (S.kernel_cases or KERNEL_CASES)[k] for k in chosen})
+    try:
+        gpu_test_targets(args.gpu_tests_parts.split(","))
+    except ValueError as e:
+        parser.error(f"--gpu-tests-parts: {e}")
+    GPU_TEST_PARTS[:] = args.gpu_tests_parts.split(",")
     PARITY_MODELS[:] = (args.parity_models or S.parity_models).split(",")
     PARITY_INIT[0] = args.parity_init
     if args.agent_concurrency:

@@ -23,7 +23,7 @@ EXPECTED = {
     "foundation": {"parity", "generate_tiny", "cli_generate_tiny"},
     "kda_layers": {"tiny"},
     "parity_floor": {"tiny"},
-    "gpu_tests": {"returncodes", "counts", "outcomes", "failed", "skipped"},
+    "gpu_tests": {"parts", "returncodes", "counts", "outcomes", "failed", "skipped"},
     "engine_decode": {"moe_grouped_mm", "plan", "batches", "prefill_4x64_s", "skipped"},
     "profile_decode": {"wall_ms_per_step", "cuda_ms_per_step", "kernel_launches_per_step", "top_kernels"},
     "prefill_bench": {"ceilings", "cases"},
@@ -139,13 +139,36 @@ def test_smoke_figures_are_real(sections):
     assert [level["concurrency"] for level in sweep] == [1, 2] and all(level["num_ok"] > 0 for level in sweep)
 
 
-def test_gpu_tests_log_parser_reads_a_cut_log(monkeypatch):
+@pytest.fixture
+def gpu_suite(monkeypatch):
+    """scripts/gpu_suite.py as a module, for its helpers (no section runs)."""
+    spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "scripts" / "gpu_suite.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_suite", module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_tests_parts_split_the_rest_whole(gpu_suite):
+    """rest:K/N runs cover rest's files once each, in order, each run deselecting the switch tests; the
+    default parts are the whole section; a malformed part is refused before any GPU time goes."""
+    (whole,) = gpu_suite.gpu_test_targets(["rest"])
+    files = [t for t in whole if not t.startswith("--")]
+    assert "tests/ops/test_mla_triton.py" in files and files[-1] == "tests/engine/test_overlap.py"
+    runs = gpu_suite.gpu_test_targets(["rest:1/3", "rest:2/3", "rest:3/3"])
+    assert [t for run in runs for t in run if not t.startswith("--")] == files
+    assert all(run[-2:] == [f"--deselect={t}" for t in gpu_suite._SWITCH_TESTS] for run in runs)
+    assert all(len(run) > 2 for run in runs)
+    parts = gpu_suite.gpu_test_targets(gpu_suite.GPU_TEST_PARTS)
+    assert parts[0] == gpu_suite._SWITCH_TESTS and parts[1][0] == "tests/test_fuse.py" and parts[2] == whole
+    for bad in ("rest:0/2", "rest:3/2", "rest:2", "switches:1/2", "ops"):
+        with pytest.raises(ValueError, match="gpu tests part"):
+            gpu_suite.gpu_test_targets([bad])
+
+
+def test_gpu_tests_log_parser_reads_a_cut_log(gpu_suite):
     """gpu_tests reads outcomes from pytest -v lines, so a log cut off mid-run (the call's time ran out) still
     names every test that ended; the last word wins (passed, then failed in teardown: an error)."""
-    spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "scripts" / "gpu_suite.py")
-    gpu_suite = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_suite", gpu_suite)  # its dataclasses look their module up there
-    spec.loader.exec_module(gpu_suite)
     log = """============================= test session starts ==============================
 tests/ops/test_kda.py::test_fla_chunk_gradients_match_the_reference[True-False] PASSED [  5%]
 tests/ops/test_kda.py::test_fla_chunk_gradients_match_the_reference[False-True] FAILED [ 10%]
