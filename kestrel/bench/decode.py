@@ -138,7 +138,9 @@ def profile_replay(replay, reps: int = 5, top: int = 20) -> dict:
     each counted, so the summed time can exceed the step's (busy_share > 1); under 1, the rest is the GPU
     idling between kernels. With programmatic dependent launch (kestrel.ops.pdl, on by default on Hopper) a
     kernel starts while the one before it ends and its span includes its wait for it (mini's batch-1 step summed
-    323% of its replay, session 23): for each kernel's own time, profile with KESTREL_PDL=off."""
+    323% of its replay, session 23): for each kernel's own time, profile with KESTREL_PDL=off. That also
+    changes the kernels: without PDL the projections up to 16 rows take cuBLAS instead of our GEMV
+    (kestrel.ops.linear), so the matmul rows of such a profile are cuBLAS's (session 45)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
