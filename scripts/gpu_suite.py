@@ -1076,20 +1076,16 @@ def gpu_test_targets(parts: list[str]) -> list[list[str]]:
     rest_files += ["tests/engine/test_hicache.py", "tests/engine/test_overlap.py"]
     targets = []
     for part in parts:
-        name, _, share = part.partition(":")
-        if name == "switches" and not share:
+        if part == "switches":
             targets.append(list(_SWITCH_TESTS))
-        elif name == "fuse" and not share:
+        elif part == "fuse":
             targets.append(["tests/test_fuse.py", "-m", "gpu"])
-        elif name == "rest":
-            k, n = 1, 1
-            if share:
-                match = re.fullmatch(r"(\d+)/(\d+)", share)
-                k, n = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
-                if not 1 <= k <= n <= len(rest_files):
-                    raise ValueError(
-                        f"gpu tests part {part!r}: want rest:K/N with 1 <= K <= N <= {len(rest_files)}"
-                    )
+        elif share := re.fullmatch(r"rest(?::(\d+)/(\d+))?", part):
+            k, n = (int(share[1]), int(share[2])) if share[1] else (1, 1)
+            if not 1 <= k <= n <= len(rest_files):
+                raise ValueError(
+                    f"gpu tests part {part!r}: want rest:K/N with 1 <= K <= N <= {len(rest_files)}"
+                )
             files = rest_files[(k - 1) * len(rest_files) // n : k * len(rest_files) // n]
             targets.append(files + [f"--deselect={t}" for t in _SWITCH_TESTS])
         else:
@@ -1126,8 +1122,13 @@ def gpu_tests() -> dict:
     counts = {word: sum(v == word for v in outcomes.values()) for word in sorted(set(outcomes.values()))}
     failed = [test for test, outcome in outcomes.items() if outcome in ("FAILED", "ERROR")]
     print("gpu tests:", returncodes, counts, *failed, sep="\n  ", flush=True)
-    result = {"parts": list(GPU_TEST_PARTS), "returncodes": returncodes, "counts": counts, "failed": failed}
-    result["outcomes"] = outcomes
+    result = {
+        "parts": list(GPU_TEST_PARTS),
+        "returncodes": returncodes,
+        "counts": counts,
+        "failed": failed,
+        "outcomes": outcomes,
+    }
     if collect_only:
         result["skipped"] = "running the tests: on the CPU they are the CI suite itself (collected only)"
     return result

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from kestrel.ops.dsa.naive import selection_mask
+from kestrel.ops.norm import layer_norm, rms_norm
 from kestrel.utils.fuse import fused
 
 
@@ -55,8 +56,6 @@ def write_norms(
 ):
     """(parts, index_keys) as the cache stores them: c_kv (the first part) RMS-normed with kv_norm (weight, eps),
     the keys layer-normed with index_norm (weight, bias, eps); as given where a norm is None."""
-    from kestrel.ops.norm import layer_norm, rms_norm
-
     if kv_norm is not None:
         parts = (rms_norm(parts[0], *kv_norm), *parts[1:])
     if index_norm is not None and index_keys is not None:
