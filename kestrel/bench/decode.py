@@ -12,7 +12,9 @@ With --sampling logprobs / penalties the requests also ask for top-5 logprobs, o
 penalties: the sampler's extra work a step, which the overlap schedule still hides behind the device (session 41).
 With --profile, each point's replayed step is also broken down by kernel (torch.profiler over a few replays):
 the kernels' summed time against the replay's, their count, and the kernels that took the most time, each
-with its share of the step and a category (KDA, MoE, MLA, DSA, matmul, ...): where the step's time goes.
+with its share of the step and a category (KDA, MoE, MLA, DSA, matmul, ...): where the step's time goes; and the
+step's launches against its bytes: the kernel count times the cost of one dependent launch measured in the same
+run (`roofline.measure_launch_floor`), beside the bytes' time at the copy rate.
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ from pathlib import Path
 
 import torch
 
-from kestrel.bench.roofline import device_name, measure_ceilings, require_cuda, synchronize, time_ms
+from kestrel.bench.roofline import (
+    device_name,
+    launch_floor_share,
+    measure_ceilings,
+    measure_launch_floor,
+    require_cuda,
+    synchronize,
+    time_ms,
+)
 from kestrel.config import MOE, EngineConfig
 from kestrel.engine.engine import Engine
 from kestrel.engine.request import Request, Status
@@ -180,7 +190,7 @@ def profile_replay(replay, reps: int = 5, top: int = 20) -> dict:
     }
 
 
-def _print_profile(prof: dict) -> None:
+def _print_profile(prof: dict, floor: dict | None = None) -> None:
     busy = prof["busy_share"]
     print(
         f"  kernels: {prof['kernels_per_step']:.0f} a step, {prof['kernel_ms_per_step']:.2f} ms of "
@@ -188,6 +198,13 @@ def _print_profile(prof: dict) -> None:
         + ", ".join(f"{cat} {ms:.2f}" for cat, ms in prof["by_category_ms"].items()),
         flush=True,
     )
+    if floor:
+        print(
+            f"  launches: {floor['kernels']:.0f} x {floor['floor_us']:.2f} us = {floor['launches_ms']:.3f} ms a step "
+            f"beside {floor['bytes_ms_at_copy']:.3f} ms of bytes at the copy rate (MBU {floor['mbu_if_added']:.0%} "
+            "if the two added up)",
+            flush=True,
+        )
     for k in prof["top_kernels"][:10]:
         print(
             f"    {k['ms_per_step']:6.3f} ms {k['share_of_replay']:5.1%} x{k['calls_per_step']:4.0f}  "
@@ -246,6 +263,13 @@ def _time_decode(
     }
     if profile and replay_ms:
         run["profile"] = profile_replay(graph.replay)
+        if ceilings.get("launch_floor_us"):
+            run["launch_floor"] = launch_floor_share(
+                run["profile"]["kernels_per_step"],
+                ceilings["launch_floor_us"],
+                parts["total"],
+                ceilings["copy_TBps"],
+            )
     print(
         f"decode b={b:4d} ctx={context:6d} {run['attention']:9s} step {step_ms:7.2f} ms "
         f"(no overlap {plain_ms:6.2f}, replay {replay_ms or float('nan'):6.2f} ms)  "
@@ -253,7 +277,7 @@ def _time_decode(
         flush=True,
     )
     if "profile" in run:
-        _print_profile(run["profile"])
+        _print_profile(run["profile"], run.get("launch_floor"))
     for r in reqs:
         engine.abort(r.request_id)
     engine.step()
@@ -283,6 +307,8 @@ def decode_bench(
     if torch.device(device).type == "cuda":
         require_cuda("kestrel bench decode")
     ceilings = measure_ceilings(device)
+    if profile:
+        ceilings["launch_floor_us"] = measure_launch_floor(device)
     net = build_model(model, dtype=torch.bfloat16, device=device, seed=0, init_on_device=True)
     max_batch = max(batches)
     runs = []

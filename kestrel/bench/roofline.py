@@ -1,5 +1,6 @@
 """The ceilings every GPU figure is reported against, measured in the same run: device-to-device copy
-bandwidth (bytes read + written) and a large bf16 matmul rate; and median timers for GPU work (queued calls, or
+bandwidth (bytes read + written) and a large bf16 matmul rate (and, for decode, the time one dependent launch
+costs in a CUDA graph); and median timers for GPU work (queued calls, or
 calls replayed from one CUDA graph as decode runs them).
 
 Other devices (the CPU smoke run of scripts/gpu_suite.py) get small sizes and a wall-clock timer: the same
@@ -80,6 +81,44 @@ def measure_ceilings(device: str = "cuda") -> dict:
     return {
         "copy_TBps": 2 * n / (copy_ms * 1e-3) / 1e12,
         "bf16_matmul_TFLOPs": 2 * m**3 / (mm_ms * 1e-3) / 1e12,
+    }
+
+
+def measure_launch_floor(device: str = "cuda", kernels: int = 200, width: int = 2048) -> float | None:
+    """Microseconds a kernel costs in a chain of `kernels` dependent decode kernels that do almost nothing
+    (RMSNorm, then the sigmoid gate, of one row `width` wide, each reading the one before), replayed from one
+    CUDA graph with programmatic dependent launch as the engine launches them (kestrel.ops.pdl): the least a
+    launch adds to a decode step, however few bytes it moves. None off CUDA (no graphs there).
+    On the H200: 0.93 us with PDL, 1.59-1.60 without (sessions 23 and 46)."""
+    if torch.device(device).type != "cuda":
+        return None
+    from kestrel.ops.activation.triton_act import sigmoid_gate_triton
+    from kestrel.ops.norm.triton_norm import rms_norm_triton
+
+    g = torch.Generator(device=device).manual_seed(0)
+    w = (torch.rand(width, generator=g, device=device) + 0.5).to(torch.bfloat16)
+    x, gate = torch.randn(2, 1, width, generator=g, device=device).to(torch.bfloat16)
+
+    def chain() -> None:
+        y = x
+        for _ in range(kernels // 2):
+            y = sigmoid_gate_triton(rms_norm_triton(y, w, 1e-6), gate)
+
+    return 1000 * graph_ms([chain]) / (kernels // 2 * 2)
+
+
+def launch_floor_share(kernels: float, floor_us: float, total_bytes: float, copy_TBps: float) -> dict:
+    """A step's launches against its bytes: `kernels` launches at `floor_us` each (`measure_launch_floor`) and
+    `total_bytes` at the copy rate, in ms a step, and the MBU the step would reach if the two added up (an
+    estimate, not a bound: a kernel's weight loads issued before its PDL wait overlap the boundary)."""
+    launches_ms = kernels * floor_us / 1e3
+    bytes_ms = total_bytes / (copy_TBps * 1e12) * 1e3
+    return {
+        "kernels": kernels,
+        "floor_us": floor_us,
+        "launches_ms": launches_ms,
+        "bytes_ms_at_copy": bytes_ms,
+        "mbu_if_added": bytes_ms / (bytes_ms + launches_ms),
     }
 
 

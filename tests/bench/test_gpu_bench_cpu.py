@@ -48,6 +48,19 @@ def test_decode_profile_categories():
     assert _category("something_new") == "other"
 
 
+def test_launch_floor_share():
+    """--profile's launches against bytes: 244 launches of 0.93 us beside 1.77 GB at 4.27 TB/s (session 46's
+    batch-1 step) are 0.227 ms beside 0.415 ms; off CUDA there is no graph to time a launch in."""
+    from kestrel.bench.roofline import launch_floor_share, measure_launch_floor
+
+    share = launch_floor_share(244, 0.93, 1.773e9, 4.274)
+    assert share["launches_ms"] == pytest.approx(0.22692)
+    assert share["bytes_ms_at_copy"] == pytest.approx(0.41484, rel=1e-4)
+    assert share["mbu_if_added"] == pytest.approx(0.41484 / (0.41484 + 0.22692), rel=1e-4)
+    if not torch.cuda.is_available():
+        assert measure_launch_floor("cpu") is None
+
+
 @pytest.mark.parametrize("sampling", ["logprobs", "penalties"])
 def test_decode_bench_requests_can_ask_for_logprobs_or_penalties(sampling):
     """`bench decode --sampling`: the placed requests ask for top-5 logprobs or penalties, and the step is timed
