@@ -1,7 +1,7 @@
 """The ceilings every GPU figure is reported against, measured in the same run: device-to-device copy
 bandwidth (bytes read + written) and a large bf16 matmul rate (and, for decode, the time one dependent launch
-costs in a CUDA graph); and median timers for GPU work (queued calls, or
-calls replayed from one CUDA graph as decode runs them).
+costs in a CUDA graph); and median timers for GPU work (queued calls, or calls replayed from one CUDA graph as
+decode runs them).
 
 Other devices (the CPU smoke run of scripts/gpu_suite.py) get small sizes and a wall-clock timer: the same
 code runs, the figures mean nothing."""
@@ -87,9 +87,9 @@ def measure_ceilings(device: str = "cuda") -> dict:
 def measure_launch_floor(device: str = "cuda", kernels: int = 200, width: int = 2048) -> float | None:
     """Microseconds a kernel costs in a chain of `kernels` dependent decode kernels that do almost nothing
     (RMSNorm, then the sigmoid gate, of one row `width` wide, each reading the one before), replayed from one
-    CUDA graph with programmatic dependent launch as the engine launches them (kestrel.ops.pdl): the least a
-    launch adds to a decode step, however few bytes it moves. None off CUDA (no graphs there).
-    On the H200: 0.93 us with PDL, 1.59-1.60 without (sessions 23 and 46)."""
+    CUDA graph, launched as the engine launches them (with programmatic dependent launch where kestrel.ops.pdl
+    has it on): the least a launch adds to a decode step, however few bytes it moves. None off CUDA (no graphs
+    there). On the H200: 0.93-0.98 us with PDL, 1.59-1.60 with KESTREL_PDL=off (sessions 23 and 46)."""
     if torch.device(device).type != "cuda":
         return None
     from kestrel.ops.activation.triton_act import sigmoid_gate_triton
