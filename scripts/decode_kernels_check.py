@@ -621,8 +621,7 @@ def pdl(result: dict, device: str, smoke: bool) -> None:
     """Programmatic dependent launch (kestrel.ops.pdl) on a chain of dependent decode kernels: RMSNorm then the
     sigmoid gate, 100 times, each reading the one before, at mini's width and batch 1 / 64 / 256, in one CUDA
     graph with KESTREL_PDL=off and auto; the two chains' outputs compared bit for bit."""
-    from kestrel.ops.activation.triton_act import sigmoid_gate_triton
-    from kestrel.ops.norm.triton_norm import rms_norm_triton
+    from kestrel.bench.roofline import dependent_chain
 
     D, links, batches = (64, 4, (1, 3)) if smoke else (2048, 100, (1, 64, 256))
     g = torch.Generator(device=device).manual_seed(0)
@@ -635,10 +634,7 @@ def pdl(result: dict, device: str, smoke: bool) -> None:
         outs = {}
 
         def chain(x=x, gate=gate, outs=outs, key="off"):
-            y = x
-            for _ in range(links):
-                y = sigmoid_gate_triton(rms_norm_triton(y, w, 1e-6), gate)
-            outs[key] = y
+            outs[key] = dependent_chain(x, w, gate, links)
 
         entry = rows["batches"][B] = {}
         for mode in ("off", "auto"):

@@ -84,27 +84,29 @@ def measure_ceilings(device: str = "cuda") -> dict:
     }
 
 
-def measure_launch_floor(device: str = "cuda", kernels: int = 200, width: int = 2048) -> float | None:
-    """Microseconds a kernel costs in a chain of `kernels` dependent decode kernels that do almost nothing
-    (RMSNorm, then the sigmoid gate, of one row `width` wide, each reading the one before), replayed from one
-    CUDA graph, launched as the engine launches them (with programmatic dependent launch where kestrel.ops.pdl
-    has it on): the least a launch adds to a decode step, however few bytes it moves. None off CUDA (no graphs
-    there). On the H200: 0.93-0.98 us with PDL, 1.59-1.60 with KESTREL_PDL=off (sessions 23 and 46)."""
-    if torch.device(device).type != "cuda":
-        return None
+def dependent_chain(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, links: int) -> torch.Tensor:
+    """`links` x (RMSNorm, then the sigmoid gate): 2 * links decode kernels in a row that do almost nothing,
+    each reading the one before (`measure_launch_floor`; scripts/decode_kernels_check.py's pdl section)."""
     from kestrel.ops.activation.triton_act import sigmoid_gate_triton
     from kestrel.ops.norm.triton_norm import rms_norm_triton
 
+    for _ in range(links):
+        x = sigmoid_gate_triton(rms_norm_triton(x, weight, 1e-6), gate)
+    return x
+
+
+def measure_launch_floor(device: str = "cuda", links: int = 100, width: int = 2048) -> float | None:
+    """Microseconds a kernel costs in `dependent_chain` (2 * links kernels on one row `width` wide) replayed from
+    one CUDA graph, launched as the engine launches them (with programmatic dependent launch where
+    kestrel.ops.pdl has it on): the least a launch adds to a decode step, however few bytes it moves. None off
+    CUDA (no graphs there). On the H200: 0.93-0.98 us with PDL, 1.59-1.60 with KESTREL_PDL=off (sessions 23 and
+    46)."""
+    if torch.device(device).type != "cuda":
+        return None
     g = torch.Generator(device=device).manual_seed(0)
     w = (torch.rand(width, generator=g, device=device) + 0.5).to(torch.bfloat16)
     x, gate = torch.randn(2, 1, width, generator=g, device=device).to(torch.bfloat16)
-
-    def chain() -> None:
-        y = x
-        for _ in range(kernels // 2):
-            y = sigmoid_gate_triton(rms_norm_triton(y, w, 1e-6), gate)
-
-    return 1000 * graph_ms([chain]) / (kernels // 2 * 2)
+    return 1000 * graph_ms([lambda: dependent_chain(x, w, gate, links)]) / (2 * links)
 
 
 def launch_floor_share(kernels: float, floor_us: float, total_bytes: float, copy_TBps: float) -> dict:
