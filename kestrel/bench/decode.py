@@ -250,6 +250,7 @@ def _time_decode(
     run = {
         "batch": b,
         "context": context,
+        "max_model_len": engine.plan.max_model_len,
         "attention": "dense MLA" if dense else "DSA",
         "sampling": sampling,
         "index_keys": "fp8" if engine.kv_pool.index_fp8 else "bf16",
@@ -271,7 +272,7 @@ def _time_decode(
                 ceilings["copy_TBps"],
             )
     print(
-        f"decode b={b:4d} ctx={context:6d} {run['attention']:9s} step {step_ms:7.2f} ms "
+        f"decode b={b:4d} ctx={context:6d} (max {run['max_model_len']}) {run['attention']:9s} step {step_ms:7.2f} ms "
         f"(no overlap {plain_ms:6.2f}, replay {replay_ms or float('nan'):6.2f} ms)  "
         f"{run['tokens_per_s']:9.0f} tok/s  MBU {run['mbu']:5.1%}",
         flush=True,
@@ -302,8 +303,12 @@ def decode_bench(
     device: str = "cuda",
     profile: bool = False,
     sampling: str = "greedy",
+    max_model_len: int | None = None,
 ) -> dict:
-    """On CUDA, or on the CPU at small sizes (the smoke run of scripts/gpu_suite.py: no graph replay)."""
+    """On CUDA, or on the CPU at small sizes (the smoke run of scripts/gpu_suite.py: no graph replay).
+    `max_model_len`: the engine's context limit at every point (None: each context + steps + 64, the least that
+    holds its requests). A server's default is the model's own, and decode's graphs, their page tables and the
+    indexer's scores, are as wide as the limit: this measures a short context on such an engine."""
     if torch.device(device).type == "cuda":
         require_cuda("kestrel bench decode")
     ceilings = measure_ceilings(device)
@@ -315,11 +320,16 @@ def decode_bench(
     for asked in contexts:
         # a request holds context + steps + 12 tokens: stay inside the model's position limit
         context = min(asked, net.config.max_position_embeddings - steps - 64)
+        if max_model_len is not None and max_model_len < context + steps + 64:
+            raise ValueError(
+                f"max_model_len {max_model_len} cannot hold a request of context {context} and {steps} steps: "
+                f"it needs at least {context + steps + 64}"
+            )
         batch_sizes = [b for b in batches if b * (context + steps + 64) <= 4 * 1024 * 1024] or [1]
         cfg = EngineConfig(
             model=model,
             max_running_requests=max(batch_sizes),
-            max_model_len=context + steps + 64,
+            max_model_len=max_model_len or context + steps + 64,
             enable_prefix_cache=False,
             cuda_graph_max_bs=max(batch_sizes),
             index_key_dtype=index_key_dtype,
@@ -356,6 +366,7 @@ def cmd_bench_decode(args) -> int:
         args.index_key_dtype,
         profile=args.profile,
         sampling=args.sampling,
+        max_model_len=args.max_model_len,
     )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -291,6 +291,7 @@ class MLAttention(nn.Module):
                 page_size=ps,
                 key_scale=ctx.cache.index_scales(self.layer_id),
                 weights_scale=self.indexer.weight_scale,  # idx[1] as projected
+                fill_past=False,  # the top-k reads each row's first lens[b] scores only
             )
             kernel = fast_topk(q_nope.device)  # takes the lengths (the query's position + 1) as they are
             indices = self._select(ctx, -1, lambda k: kernel(scores(), lens, k))

@@ -340,6 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=_positive_int, default=24)
     d.add_argument("--no-dense", action="store_true", help="skip the dense-MLA contrast")
     d.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        help="the engine's context limit at every point (default: each context plus the steps, the least "
+        "that holds it); `kestrel serve` defaults to the model's own, and decode's graphs are that wide",
+    )
+    d.add_argument(
         "--index-key-dtype",
         choices=["auto", "fp8"],
         default="auto",

@@ -73,3 +73,19 @@ def test_decode_bench_requests_can_ask_for_logprobs_or_penalties(sampling):
     (run,) = result["runs"]
     assert run["sampling"] == sampling and SAMPLING[sampling]
     assert run["step_ms"] > 0 and run["step_ms_no_overlap"] > 0
+
+
+def test_decode_bench_on_an_engine_with_a_longer_limit():
+    """`bench decode --max-model-len`: every point runs on an engine of that context limit (a server's default
+    is the model's own); a limit too short for a point's requests is refused, naming the least it needs."""
+    from kestrel.bench.decode import decode_bench
+
+    result = decode_bench(
+        "tiny", batches=(2,), contexts=(16,), steps=3, dense_contrast=False, device="cpu", max_model_len=512
+    )
+    (run,) = result["runs"]
+    assert run["max_model_len"] == 512 and run["context"] == 16 and run["step_ms"] > 0
+    tight = decode_bench("tiny", batches=(1,), contexts=(16,), steps=3, dense_contrast=False, device="cpu")
+    assert tight["runs"][0]["max_model_len"] == 16 + 3 + 64
+    with pytest.raises(ValueError, match="needs at least 83"):
+        decode_bench("tiny", batches=(1,), contexts=(16,), steps=3, device="cpu", max_model_len=82)

@@ -159,6 +159,28 @@ def test_ignores_garbage_past_lens():
 
 
 @requires_kernel
+def test_short_rows_in_a_wide_buffer():
+    """Decode's graphs hand over scores as wide as the engine's longest context, unwritten past each row's
+    length: short rows beside long ones. The cluster variant does a row of fewer than CLUSTER_MIN_L valid scores
+    in its first block alone and splits the longer ones; every variant selects the reference's set."""
+    g = torch.Generator().manual_seed(12)
+    L = 131072
+    lens = torch.tensor([4096, 1, 0, 32767, 32768, L, 2049, 40000])
+    scores = torch.randn(len(lens), L, generator=g)
+    scores[torch.arange(L)[None, :] >= lens[:, None]] = 1e30  # what the unwritten part may hold
+    for k in (1, 2048):
+        run_topk(scores, lens, k)
+
+
+def test_the_kernels_split_threshold_is_the_pickers():
+    """The cluster variant's row split (cuda_topk.cu's SPLIT_MIN_N) is where choose_variant starts to pick it."""
+    import re
+
+    split = re.search(r"constexpr int SPLIT_MIN_N = (\d+);", cuda_topk.SOURCE.read_text())
+    assert split and int(split.group(1)) == cuda_topk.CLUSTER_MIN_L
+
+
+@requires_kernel
 def test_non_contiguous_rows_and_unaligned_starts():
     g = torch.Generator().manual_seed(10)
     wide = torch.randn(6, 4131, generator=g).cuda()  # views of it reach the kernel as views

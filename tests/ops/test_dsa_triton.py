@@ -165,6 +165,37 @@ def test_scores_paged_match_gathered_reference(page_size, maxp, lens):
     check_scores(got, q, gather_pages(pool, page_table, page_size), w, lens, DI**-0.5)
 
 
+@pytest.mark.parametrize("fill_past", [True, False])
+def test_scores_paged_short_rows_in_a_wide_buffer(monkeypatch, fill_past):
+    """Decode's graphs are as wide as the engine's longest context, so most of a short row's key tiles lie past
+    its length: the kernel skips them (each program walks several tiles here, TARGET_PROGRAMS lowered so that a
+    tiny case does). The valid positions equal the reference; the tiles wholly past a row's length hold NaN, or
+    with fill_past=False what `out` held; the tail of the tile a row ends in is NaN either way; and the top-k,
+    which reads each row's first lens only, selects the reference's set."""
+    monkeypatch.setattr(_scores, "TARGET_PROGRAMS", 2)
+    page_size, maxp, HI, DI = 16, 72, 3, 16  # L = 1152: 9 tiles of 128, 4 a program, 3 programs a row
+    q, pool, page_table, lens, w = paged_inputs([5, 600, 1152, 0, 129], page_size, maxp, HI, DI, seed=11)
+    L = maxp * page_size
+    out = poisoned((len(lens), L), torch.float32, 12345.0)
+    got = indexer_scores_paged_triton(
+        *(t.to(DEVICE) for t in (q, pool, page_table, lens, w)),
+        DI**-0.5,
+        page_size=page_size,
+        out=out,
+        fill_past=fill_past,
+    ).cpu()
+    pos = torch.arange(L)[None, :]
+    valid = pos < lens[:, None]
+    dead = pos // _scores.BLOCK_S * _scores.BLOCK_S >= lens[:, None]  # [B, L] tiles wholly past the row
+    ref = indexer_scores_batched(
+        q.float(), gather_pages(pool, page_table, page_size).float(), w.float(), DI**-0.5
+    )
+    torch.testing.assert_close(got[valid], ref[valid], rtol=1e-5, atol=1e-5)
+    assert got[~valid & ~dead].isnan().all()
+    assert got[dead].isnan().all() if fill_past else (got[dead] == 12345.0).all()
+    run_topk(got, lens, 8, **SMALL_TILES)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_scores_paged_scale_the_weights_as_projected(dtype):
     """Decode hands the head weights over as projected, with their factor (`Indexer.finish(scaled=False)`): the

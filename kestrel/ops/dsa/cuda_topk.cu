@@ -340,46 +340,17 @@ __device__ void select(const Src& src, uint32_t T, uint32_t need, uint32_t n_sel
     }
 }
 
-// One row per CL blocks (CL = 2: a cluster, each block reading half the row's slots and keeping its own
-// candidates; the histograms are summed through distributed shared memory, so both blocks take every branch
-// alike, and the second block's output ranks start after the first block's keys > T and == T). NT threads a
-// block. Launched with programmatic dependent launch (sm_90+, `pdl`), the kernel lets the next one launch at
-// once and waits for the one before it before its first read.
+// One row by CL blocks, this one its `rank` (CL = 2: a cluster, each block reading half the row's slots and
+// keeping its own candidates; the histograms are summed through distributed shared memory, `peer` being the
+// other block's, so both blocks take every branch alike, and the second block's output ranks start after the
+// first block's keys > T and == T). NT threads a block. n valid scores from row_ptr; k selected into out_row.
 template <int R, bool PREFETCH, int CL, int NT>
-__global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
-    const float* __restrict__ scores,  // [B, L], row stride stride_s
-    long long stride_s,
-    int L,
-    const void* __restrict__ lens,  // [B] int32 or int64
-    int lens_is_64,
-    int k,
-    long long* __restrict__ out,  // [B, k], row stride stride_o
-    long long stride_o,
-    int cap) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // no-ops on a plain launch
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-    extern __shared__ uint4 dyn_smem[];
-    uint32_t* ckey = reinterpret_cast<uint32_t*>(dyn_smem);  // [cap], cap % 4 == 0
-    int* cpos = reinterpret_cast<int*>(ckey + cap);  // [cap]
-    __shared__ uint32_t hist[NB * R];
-    __shared__ Shared sh;
-
-    const int rank = blockIdx.x % CL;  // the block's part of the row
-    const uint32_t* peer = hist;  // the other block's histogram (CL = 2)
-#if __CUDA_ARCH__ >= 900
-    if constexpr (CL == 2) peer = cooperative_groups::this_cluster().map_shared_rank(hist, rank ^ 1);
-#endif
-    const long long b = blockIdx.x / CL;
-    const long long len = lens_is_64 ? static_cast<const long long*>(lens)[b] : static_cast<const int*>(lens)[b];
-    const int n = (int)min(max(len, 0LL), (long long)L);
-    const float* row_ptr = scores + b * stride_s;
+__device__ __forceinline__ void topk_row(const float* row_ptr, int n, int k, long long* out_row, int cap, int rank,
+    uint32_t* hist, const uint32_t* peer, Shared& sh, uint32_t* ckey, int* cpos) {
     const int head = (int)((reinterpret_cast<uintptr_t>(row_ptr) >> 2) & 3);
     const int slots = n > 0 ? (n + head + 3) >> 2 : 0, part = (slots + CL - 1) / CL;
     const Row row{reinterpret_cast<const float4*>(row_ptr - head), head, n, min(rank * part, slots),
         min((rank + 1) * part, slots)};
-    long long* out_row = out + b * stride_o;
     // select's starting counts of keys > T and == T: 0 in the first block, the first block's counts in the second
     auto before = [&](uint32_t first_part) { return rank == 0 ? 0u : first_part; };
 
@@ -432,6 +403,55 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
     const Threshold t3 = digit_pass<NT, R, CL>(cands, hist, peer, sh, 10, prefix, 0, NB / 2, need);
     select<NT>(cands, (prefix << 10) | t3.digit, need - t3.above, n_sel, before(f_above + t3.f_above), before(t3.f_at),
         out_row, sh);
+}
+
+// Rows of scores [B, L], one per CL blocks (`topk_row`). Launched with programmatic dependent launch (sm_90+,
+// `pdl`), the kernel lets the next one launch at once and waits for the one before it before its first read.
+// With CL = 2 a row of fewer than SPLIT_MIN_N valid scores is done by the cluster's first block alone, as with
+// CL = 1 (the second returns at once, before any distributed shared-memory access): the variant is chosen by
+// the scores' width, and decode's graphs are as wide as the engine's longest context, so a short row in a wide
+// buffer would otherwise pay the cluster's barriers (4096 of 131072 scores on the H200: 20.0 us, variant 0
+// 16.9). SPLIT_MIN_N is cuda_topk.py's CLUSTER_MIN_L, the width from which the second block pays.
+constexpr int SPLIT_MIN_N = 32768;
+
+template <int R, bool PREFETCH, int CL, int NT>
+__global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
+    const float* __restrict__ scores,  // [B, L], row stride stride_s
+    long long stride_s,
+    int L,
+    const void* __restrict__ lens,  // [B] int32 or int64
+    int lens_is_64,
+    int k,
+    long long* __restrict__ out,  // [B, k], row stride stride_o
+    long long stride_o,
+    int cap) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // no-ops on a plain launch
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    extern __shared__ uint4 dyn_smem[];
+    uint32_t* ckey = reinterpret_cast<uint32_t*>(dyn_smem);  // [cap], cap % 4 == 0
+    int* cpos = reinterpret_cast<int*>(ckey + cap);  // [cap]
+    __shared__ uint32_t hist[NB * R];
+    __shared__ Shared sh;
+
+    const int rank = blockIdx.x % CL;  // the block's part of the row
+    const long long b = blockIdx.x / CL;
+    const long long len = lens_is_64 ? static_cast<const long long*>(lens)[b] : static_cast<const int*>(lens)[b];
+    const int n = (int)min(max(len, 0LL), (long long)L);
+    const float* row_ptr = scores + b * stride_s;
+    long long* out_row = out + b * stride_o;
+    if constexpr (CL == 2) {
+        if (n < SPLIT_MIN_N) {
+            if (rank == 0) topk_row<R, PREFETCH, 1, NT>(row_ptr, n, k, out_row, cap, 0, hist, hist, sh, ckey, cpos);
+            return;
+        }
+    }
+    const uint32_t* peer = hist;  // the other block's histogram (CL = 2)
+#if __CUDA_ARCH__ >= 900
+    if constexpr (CL == 2) peer = cooperative_groups::this_cluster().map_shared_rank(hist, rank ^ 1);
+#endif
+    topk_row<R, PREFETCH, CL, NT>(row_ptr, n, k, out_row, cap, rank, hist, peer, sh, ckey, cpos);
 }
 
 // Kernel variants, for measuring on the device which helps (scripts/topk_cuda_check.py times each):

@@ -16,8 +16,9 @@ once more (mostly from L2) to copy the keys at or above the threshold digit to s
 the last two digits and the final selection work on that copy. Rows whose threshold digit holds more than the
 shared-memory capacity (24576 candidates on the H200; heavy ties, an all-equal row) take one or two more
 digits from the row instead (never when L <= the capacity). Any k >= 1 works: the output is written straight
-to global memory. Variant 5 splits each row over a cluster of two blocks (compute capability 9.0+), which
-`topk_cuda` picks for few wide rows (`choose_variant`). Where the Triton kernels launch with programmatic
+to global memory. Variant 5 splits each row of at least CLUSTER_MIN_L valid scores over a cluster of two
+blocks (compute capability 9.0+; a shorter row is done by the first block alone), which `topk_cuda` picks for
+few wide rows (`choose_variant`). Where the Triton kernels launch with programmatic
 dependent launch (kestrel.ops.pdl: Hopper), so does this one: it may start while the indexer's scores kernel
 ends, and waits for it before its first read.
 
@@ -230,7 +231,8 @@ def choose_variant(B: int, L: int, sms: int, cluster: bool) -> int:
     pay (L >= CLUSTER_MIN_L); 256 threads a row for short rows (L <= SHORT_MAX_L), and up to MEDIUM_MAX_L where
     there are more rows than SMs, else 512 there; else the default (1024). L is the scores' width (decode's
     graphs pad it to the longest context the engine takes, so a short row in a wide buffer takes the choice of
-    the wide one). Host-only: no device sync, graph safe.
+    the wide one; the cluster variant then does a row of fewer than CLUSTER_MIN_L valid scores in one block, as
+    the default does: cuda_topk.cu's SPLIT_MIN_N). Host-only: no device sync, graph safe.
     On the H200 (session 24; the sweep's source and figures: bench/results/2026-12-01-h200-session24.json),
     k = 2048, randn, L2 flushed, us for 1024 / 512 / 256 threads a row: 256 rows of 4096 30.6 / 25.2 / 19.7, 1
     row 15.6 / 12.6 / 12.5; 256 rows of 8192 32.0 / 26.8 / 23.4, 64 rows 16.7 / 14.0 / 17.7; prefill's 4096 rows
@@ -239,7 +241,8 @@ def choose_variant(B: int, L: int, sms: int, cluster: bool) -> int:
     On the H200 (132 SMs; scripts/topk_cuda_check.py rows_sweep, 2026-12-01, session 19), k = 2048, full rows,
     cluster vs variant 0: 1 row of 16384 21.2 vs 18.1 us, of 32768 21.6 vs 23.7, of 131072 36.9 vs 54.4; 64
     rows of 32768 24.0 vs 24.8, of 131072 43.1 vs 57.8; 128 rows of 131072 78.6 vs 69.0. A row of 4096 valid
-    scores in a 131072-wide buffer: 20.0 vs 16.9 us (the cost of deciding by width)."""
+    scores in a 131072-wide buffer: 20.0 vs 16.9 us (the cost of deciding by width, before the cluster variant
+    did such rows in one block)."""
     if cluster and L >= CLUSTER_MIN_L and 2 * B <= sms:
         return CLUSTER_VARIANT
     if L <= SHORT_MAX_L or (L <= MEDIUM_MAX_L and B > sms):

@@ -15,7 +15,8 @@ Program layout: grid (cdiv(L, BS * tiles_per_prog), B). A program loads q [HP, D
 `tiles_per_prog` key tiles: gather keys [BS, DP] (one 2*DI-byte row per position: paged rows are
 page_table[b, s // page_size] * page_size + s % page_size, kestrel.cache.kv_pool), logits = q @ k^T
 [HP, BS] on the tensor cores (bf16 in, fp32 accumulate), relu, weight, sum over heads, store BS fp32 scores.
-Bytes per sequence: lens[b] * (2 * DI + 4) plus L * 4 for the padded stores; at HI = 64, DI = 128 the dot is
+Tiles wholly past lens[b] only store their NaNs (or nothing, fill_past=False). Bytes per sequence:
+lens[b] * (2 * DI + 4), plus (L - lens[b]) * 4 for the padded stores; at HI = 64, DI = 128 the dot is
 64 FLOP per key byte, under the H200 ridge (~184), so the kernel is bandwidth-bound on the key reads:
 B = 64 rows of 131072 keys are 2.2 GB, ~0.51 ms at the 4.25 TB/s copy ceiling; one row of 4096 keys is
 1 MB, launch-bound. The key gathers are pipelined with cp.async across the tile loop.
@@ -73,6 +74,7 @@ def _indexer_scores_kernel(
     UPCAST: tl.constexpr,  # compute the dot in fp32
     KEY_SCALE: tl.constexpr,  # FP8 keys with one scale per token (paged only)
     DOT_PRECISION: tl.constexpr,
+    FILL_PAST: tl.constexpr,  # store NaN at the tiles past n too (else they are left unwritten)
     PDL: tl.constexpr = False,
 ):
     pdl_begin(PDL)
@@ -91,8 +93,12 @@ def _indexer_scores_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    for t in range(tiles_per_prog):
-        s = (pid * tiles_per_prog + t) * BS + tl.arange(0, BS)  # [BS]
+    # The program's tiles holding a position below n; the rest cost no loads and no dot (a short row in a wide
+    # buffer: decode's graphs are as wide as the engine's longest context).
+    first = pid * tiles_per_prog
+    live = tl.minimum(tl.maximum(n - first * BS + BS - 1, 0) // BS, tiles_per_prog)
+    for t in range(live):
+        s = (first + t) * BS + tl.arange(0, BS)  # [BS]
         valid = s < n
         if PAGED:
             page = tl.load(page_table_ptr + b * stride_ptb + s // page_size, mask=valid, other=0)
@@ -113,6 +119,10 @@ def _indexer_scores_kernel(
             score = score * tl.load(key_scale_ptr + rows, mask=valid, other=1.0)
         score = tl.where(valid, score, float("nan"))
         tl.store(out_ptr + b * stride_ob + s, score, mask=s < L)
+    if FILL_PAST:
+        for t in range(live, tiles_per_prog):
+            s = (first + t) * BS + tl.arange(0, BS)
+            tl.store(out_ptr + b * stride_ob + s, float("nan"), mask=s < L)
 
 
 def _launch(
@@ -130,6 +140,7 @@ def _launch(
     out,
     key_scale=None,
     w_scale=1.0,
+    fill_past=True,
 ):
     B, HI, DI = q_idx.shape
     assert weights.shape == (B, HI), f"weights {tuple(weights.shape)} != {(B, HI)}"
@@ -175,6 +186,7 @@ def _launch(
         UPCAST=upcast,
         KEY_SCALE=fp8,
         DOT_PRECISION="ieee" if upcast else "tf32",
+        FILL_PAST=fill_past,
         num_stages=NUM_STAGES,
         **pdl_args(out),
     )
@@ -229,6 +241,7 @@ def indexer_scores_paged_triton(
     key_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     weights_scale: float = 1.0,
+    fill_past: bool = True,
 ) -> torch.Tensor:
     """Decode indexer scores reading the keys through the page table (the layout of kestrel.cache.kv_pool).
 
@@ -240,7 +253,10 @@ def indexer_scores_paged_triton(
     replayed step at 4K on the H200, session 44, batch 1 1.415 against 1.429-1.434 ms, 256 6.309 against
     6.350-6.353). Returns
     [B, maxp * page_size] fp32 (written into `out` when given), the width `read_kv_batched` gives: the scores on
-    s < lens[b], NaN beyond.
+    s < lens[b], NaN beyond; with fill_past=False the key tiles wholly past lens[b] are left unwritten (for a
+    top-k that reads each row's first lens[b] only, as decode's does). Either way those tiles load no keys and
+    compute nothing: decode's graphs are as wide as the engine's longest context, and a short row pays for its
+    own tiles only.
     """
     B, maxp = page_table.shape
     assert k_pool.dim() == 2 and k_pool.shape[1] == q_idx.shape[2], f"k_pool {tuple(k_pool.shape)}"
@@ -268,6 +284,7 @@ def indexer_scores_paged_triton(
         out,
         key_scale,
         weights_scale,
+        fill_past,
     )
 
 
