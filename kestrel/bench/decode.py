@@ -288,7 +288,10 @@ def _time_decode(
 @torch.no_grad()
 def fill_pools(engine: Engine) -> None:
     for t in (*engine.kv_pool.kv.values(), *engine.kv_pool.index_k.values()):
-        t.copy_((torch.randn(t.shape, device=t.device) * 0.5).to(t.dtype))  # FP8 keys have no normal_()
+        # a slice at a time: an fp32 copy of a whole pool does not fit beside the pools (the pools take what
+        # memory the plan leaves, and at a long limit the plan leaves less)
+        for part in t.view(-1).split(1 << 26):
+            part.copy_((torch.randn(part.shape, device=t.device) * 0.5).to(t.dtype))  # FP8 has no normal_()
     for t in engine.state_pool.ssm.values():
         t.normal_(0, 0.05)
 

@@ -85,6 +85,7 @@ def bench_topk(
 def bench_indexer(
     ceilings: dict, batch: int, context: int, heads: int, dim: int, page: int = 64, device: str = "cuda"
 ) -> dict:
+    """Decode's indexer scores (fill_past=False, as the layer calls them) over full rows of `context` keys."""
     from kestrel.ops.dsa.naive import indexer_scores_batched
     from kestrel.ops.dsa.triton_scores import indexer_scores_paged_triton
 
@@ -95,7 +96,10 @@ def bench_indexer(
     q = torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16)
     w = torch.randn(batch, heads, device=device)
     ms = time_ms(
-        lambda: indexer_scores_paged_triton(q, pool, table, lens, w, dim**-0.5, page_size=page), device
+        lambda: indexer_scores_paged_triton(
+            q, pool, table, lens, w, dim**-0.5, page_size=page, fill_past=False
+        ),
+        device,
     )
     keys = pool.view(-1, page, dim)[table].reshape(batch, pages * page, dim)
     peer_ms = time_ms(lambda: indexer_scores_batched(q, keys, w, dim**-0.5), device)

@@ -540,3 +540,36 @@ def test_paged_scores_and_topk_cuda_graph():
         return scores.nan_to_num(nan=-1.0), topk_triton(scores, lens, topk)
 
     assert_replay_matches_eager(step, first, fresh)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_paged_scores_work_list_real_size_in_a_graph():
+    """Decode's form (fill_past=False): one wave of programs over the rows' live tiles, at decode's real shapes,
+    a batch of short rows in a 131072-wide buffer with a few long ones. Its scores are the NaN-filling form's
+    bit for bit on every valid position (the same tiles, the same math), the tiles past each row stay as they
+    were, and a CUDA graph replay with new lengths equals eager."""
+    page_size, maxp, HI, DI, B = 64, 2048, 16, 128, 64
+    lens = [4096] * (B - 4) + [131072, 1, 0, 70001]
+    q, pool, page_table, lens, w = paged_inputs(lens, page_size, maxp, HI, DI, seed=12)
+    q, pool, page_table, lens, w = (t.cuda() for t in (q, pool, page_table, lens, w))
+    L = maxp * page_size
+    filled = indexer_scores_paged_triton(q, pool, page_table, lens, w, DI**-0.5, page_size=page_size)
+    out = torch.full((B, L), 12345.0, device="cuda")
+    got = indexer_scores_paged_triton(
+        q, pool, page_table, lens, w, DI**-0.5, page_size=page_size, out=out, fill_past=False
+    )
+    pos = torch.arange(L, device="cuda")[None, :]
+    valid = pos < lens[:, None]
+    dead = pos // _scores.BLOCK_S * _scores.BLOCK_S >= lens[:, None]
+    assert torch.equal(got[valid], filled[valid])
+    assert (got[dead] == 12345.0).all() and got[~valid & ~dead].isnan().all()
+
+    def step(q, pool, page_table, lens, w):
+        scores = indexer_scores_paged_triton(
+            q, pool, page_table, lens, w, DI**-0.5, page_size=page_size, fill_past=False
+        )
+        return scores.masked_fill(torch.arange(L, device="cuda")[None, :] >= lens[:, None], -1.0)
+
+    fresh = (q.flip(0), pool, page_table.flip(0), lens.flip(0), w.flip(0))
+    assert_replay_matches_eager(step, (q, pool, page_table, lens, w), fresh)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.ops.occupancy import programs_an_sm
 from kestrel.ops.pdl import pdl_args, pdl_begin
 
 # Key positions a tile, the tile loop's pipeline depth, and the most tiles a program walks. On the H200 (session
@@ -42,22 +43,31 @@ BLOCK_S, NUM_STAGES, MAX_TILES_PER_PROG = 128, 2, 4
 # tile: a wider tile reads them half as often); 128-row tiles were slower.
 PREFILL_BLOCK_M, PREFILL_BLOCK_S, PREFILL_WARPS, PREFILL_STAGES = 64, 128, 4, 3
 TARGET_PROGRAMS = 1024  # enough programs to fill 132 SMs several times over before tiles are merged
+# Without the NaNs past each row's length (decode's scores, fill_past=False) the kernel walks a work list: one
+# wave of programs shares out the live items of every row, so that a short row in a wide buffer (decode's graphs
+# are as wide as the engine's longest context) costs its own tiles only, not a program per item of the width.
+# Up to this many rows (the list's bookkeeping is a [B] vector in each program); under the interpreter this
+# many programs, so that each walks several items.
+WORK_LIST_MAX_ROWS, WORK_LIST_CPU_PROGRAMS = 1024, 3
+_held: dict = {}  # (device, dtypes, constants) -> the programs the GPU holds at once
 
 
 @triton.jit
-def _indexer_scores_kernel(
-    q_ptr,  # [B, HI, DI]
-    w_ptr,  # [B, HI]
-    k_ptr,  # paged: [rows, DI]; dense: [B, L, DI]
-    page_table_ptr,  # paged: [B, maxp]
-    lens_ptr,  # [B] int64
-    key_scale_ptr,  # paged FP8 keys: [rows] fp32 per-token scales (else unused)
-    out_ptr,  # [B, L] fp32
+def _score_tiles(
+    q_ptr,
+    w_ptr,
+    k_ptr,
+    page_table_ptr,
+    key_scale_ptr,
+    out_ptr,
+    b,  # the row (int64)
+    n,  # its valid positions
+    first,  # its first key tile to score
+    live,  # how many (each holding a position below n)
     scale,
-    w_scale,  # the weights' own factor, applied in fp32 (1.0 for weights handed over scaled)
+    w_scale,
     L,
     page_size,
-    tiles_per_prog,
     stride_qb,
     stride_qh,
     stride_wb,
@@ -71,17 +81,12 @@ def _indexer_scores_kernel(
     DP: tl.constexpr,
     BS: tl.constexpr,
     PAGED: tl.constexpr,
-    UPCAST: tl.constexpr,  # compute the dot in fp32
-    KEY_SCALE: tl.constexpr,  # FP8 keys with one scale per token (paged only)
+    UPCAST: tl.constexpr,
+    KEY_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    FILL_PAST: tl.constexpr,  # store NaN at the tiles past n too (else they are left unwritten)
-    PDL: tl.constexpr = False,
 ):
-    pdl_begin(PDL)
-    pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    n = tl.minimum(tl.load(lens_ptr + b), L)  # valid positions of this sequence
-
+    """Row b's scores on key tiles first .. first + live - 1: q [HP, DP] and w [HP] loaded once, then a tile at
+    a time the keys gathered, q @ k^T, relu, weighted, summed over heads; NaN past n in the last tile."""
     h = tl.arange(0, HP)
     d = tl.arange(0, DP)
     q = tl.load(
@@ -92,11 +97,6 @@ def _indexer_scores_kernel(
     w = tl.load(w_ptr + b * stride_wb + h, mask=h < HI, other=0.0).to(tl.float32) * w_scale  # [HP]
     if UPCAST:
         q = q.to(tl.float32)
-
-    # The program's tiles holding a position below n; the rest cost no loads and no dot (a short row in a wide
-    # buffer: decode's graphs are as wide as the engine's longest context).
-    first = pid * tiles_per_prog
-    live = tl.minimum(tl.maximum(n - first * BS + BS - 1, 0) // BS, tiles_per_prog)
     for t in range(live):
         s = (first + t) * BS + tl.arange(0, BS)  # [BS]
         valid = s < n
@@ -119,7 +119,75 @@ def _indexer_scores_kernel(
             score = score * tl.load(key_scale_ptr + rows, mask=valid, other=1.0)
         score = tl.where(valid, score, float("nan"))
         tl.store(out_ptr + b * stride_ob + s, score, mask=s < L)
-    if FILL_PAST:
+
+
+@triton.jit
+def _indexer_scores_kernel(
+    q_ptr,  # [B, HI, DI]
+    w_ptr,  # [B, HI]
+    k_ptr,  # paged: [rows, DI]; dense: [B, L, DI]
+    page_table_ptr,  # paged: [B, maxp]
+    lens_ptr,  # [B] int64
+    key_scale_ptr,  # paged FP8 keys: [rows] fp32 per-token scales (else unused)
+    out_ptr,  # [B, L] fp32
+    scale,
+    w_scale,  # the weights' own factor, applied in fp32 (1.0 for weights handed over scaled)
+    B,
+    L,
+    page_size,
+    tiles_per_prog,
+    stride_qb,
+    stride_qh,
+    stride_wb,
+    stride_kb,
+    stride_kr,
+    stride_ptb,
+    stride_ob,
+    HI: tl.constexpr,
+    DI: tl.constexpr,
+    HP: tl.constexpr,
+    DP: tl.constexpr,
+    BS: tl.constexpr,
+    PAGED: tl.constexpr,
+    UPCAST: tl.constexpr,  # compute the dot in fp32
+    KEY_SCALE: tl.constexpr,  # FP8 keys with one scale per token (paged only)
+    DOT_PRECISION: tl.constexpr,
+    WORK_LIST: tl.constexpr,  # grid (programs,) over the rows' live items; else grid (chunks, B), NaN past n
+    BP: tl.constexpr,  # WORK_LIST: B padded to a power of two
+    PDL: tl.constexpr = False,
+):
+    """An item is tiles_per_prog key tiles of one row. WORK_LIST: the items holding a position below their row's
+    length, numbered row after row, shared out among the programs in turn (pid, pid + programs, ...); the tiles
+    past each row's length are neither scored nor written. Else one program an item of the [B, L] buffer: the
+    tiles past the row's length only store NaN."""
+    pdl_begin(PDL)
+    chunk = tiles_per_prog * BS
+    if WORK_LIST:
+        r = tl.arange(0, BP)
+        n_rows = tl.minimum(tl.maximum(tl.load(lens_ptr + r, mask=r < B, other=0), 0), L)  # [BP]
+        items = (n_rows + chunk - 1) // chunk  # [BP] each row's live items
+        ends = tl.cumsum(items, 0)  # [BP] one past each row's last item
+        for item in range(tl.program_id(0), tl.sum(items, 0), tl.num_programs(0)):
+            row = tl.sum((ends <= item).to(tl.int32), 0)  # the first row whose items end past it
+            here = r == row
+            n = tl.sum(tl.where(here, n_rows, 0), 0)
+            first = (item - tl.sum(tl.where(here, ends - items, 0), 0)) * tiles_per_prog
+            live = tl.minimum((n - first * BS + BS - 1) // BS, tiles_per_prog)
+            _score_tiles(
+                q_ptr, w_ptr, k_ptr, page_table_ptr, key_scale_ptr, out_ptr, row.to(tl.int64), n, first, live,
+                scale, w_scale, L, page_size, stride_qb, stride_qh, stride_wb, stride_kb, stride_kr,
+                stride_ptb, stride_ob, HI, DI, HP, DP, BS, PAGED, UPCAST, KEY_SCALE, DOT_PRECISION,
+            )  # fmt: skip
+    else:
+        b = tl.program_id(1).to(tl.int64)
+        n = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), L)  # valid positions of this sequence
+        first = tl.program_id(0) * tiles_per_prog
+        live = tl.minimum(tl.maximum(n - first * BS + BS - 1, 0) // BS, tiles_per_prog)
+        _score_tiles(
+            q_ptr, w_ptr, k_ptr, page_table_ptr, key_scale_ptr, out_ptr, b, n, first, live,
+            scale, w_scale, L, page_size, stride_qb, stride_qh, stride_wb, stride_kb, stride_kr,
+            stride_ptb, stride_ob, HI, DI, HP, DP, BS, PAGED, UPCAST, KEY_SCALE, DOT_PRECISION,
+        )  # fmt: skip
         for t in range(live, tiles_per_prog):
             s = (first + t) * BS + tl.arange(0, BS)
             tl.store(out_ptr + b * stride_ob + s, float("nan"), mask=s < L)
@@ -154,29 +222,18 @@ def _launch(
     lens = lens.to(torch.int64)
     tiles = triton.cdiv(L, BLOCK_S)
     tiles_per_prog = max(1, min(MAX_TILES_PER_PROG, tiles * B // TARGET_PROGRAMS))
-    grid = (triton.cdiv(tiles, tiles_per_prog), B)
+    chunks = triton.cdiv(tiles, tiles_per_prog)
+    work_list = not fill_past and B <= WORK_LIST_MAX_ROWS
     fp8 = key_scale is not None
     upcast = _upcast(q_idx, keys, fp8)
-    _indexer_scores_kernel[grid](
-        q_idx,
-        weights,
-        keys,
-        page_table,
-        lens,
+    args = (
+        q_idx, weights, keys, page_table, lens,
         key_scale if fp8 else lens,  # a placeholder pointer without FP8 keys
-        out,
-        float(scale),
-        float(w_scale),
-        L,
-        page_size,
-        tiles_per_prog,
-        q_idx.stride(0),
-        q_idx.stride(1),
-        weights.stride(0),
-        stride_kb,
-        stride_kr,
-        page_table.stride(0),
+        out, float(scale), float(w_scale), B, L, page_size, tiles_per_prog,
+        q_idx.stride(0), q_idx.stride(1), weights.stride(0), stride_kb, stride_kr, page_table.stride(0),
         out.stride(0),
+    )  # fmt: skip
+    consts = dict(
         HI=HI,
         DI=DI,
         HP=max(16, triton.next_power_of_2(HI)),
@@ -186,11 +243,28 @@ def _launch(
         UPCAST=upcast,
         KEY_SCALE=fp8,
         DOT_PRECISION="ieee" if upcast else "tf32",
-        FILL_PAST=fill_past,
+        WORK_LIST=work_list,
+        BP=triton.next_power_of_2(B) if work_list else 1,
+        num_warps=4,
         num_stages=NUM_STAGES,
         **pdl_args(out),
     )
+    grid = (min(chunks * B, _resident(args, consts, q_idx.device)),) if work_list else (chunks, B)
+    _indexer_scores_kernel[grid](*args, **consts)
     return out
+
+
+def _resident(args, consts: dict, device: torch.device) -> int:
+    """The work list's programs: as many as the GPU holds at once (one wave, read from the compiled kernel),
+    WORK_LIST_CPU_PROGRAMS under the interpreter."""
+    if device.type != "cuda":
+        return WORK_LIST_CPU_PROGRAMS
+    key = (device, *(t.dtype for t in args[:3]), *consts.items())
+    if key not in _held:
+        compiled = _indexer_scores_kernel.warmup(*args, grid=(1,), **consts)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        _held[key] = sms * programs_an_sm(compiled, consts["num_warps"], device)
+    return _held[key]
 
 
 def _upcast(q_idx: torch.Tensor, keys: torch.Tensor, fp8: bool) -> bool:
@@ -253,10 +327,10 @@ def indexer_scores_paged_triton(
     replayed step at 4K on the H200, session 44, batch 1 1.415 against 1.429-1.434 ms, 256 6.309 against
     6.350-6.353). Returns
     [B, maxp * page_size] fp32 (written into `out` when given), the width `read_kv_batched` gives: the scores on
-    s < lens[b], NaN beyond; with fill_past=False the key tiles wholly past lens[b] are left unwritten (for a
-    top-k that reads each row's first lens[b] only, as decode's does). Either way those tiles load no keys and
-    compute nothing: decode's graphs are as wide as the engine's longest context, and a short row pays for its
-    own tiles only.
+    s < lens[b], NaN beyond. With fill_past=False the key tiles wholly past lens[b] are left unwritten (for a
+    top-k that reads each row's first lens[b] only, as decode's does; past WORK_LIST_MAX_ROWS rows they are
+    still NaN), and one wave of programs walks the rows' live tiles: decode's graphs are as wide as the engine's
+    longest context, and a short row then costs its own tiles only, not a program for each of the width's.
     """
     B, maxp = page_table.shape
     assert k_pool.dim() == 2 and k_pool.shape[1] == q_idx.shape[2], f"k_pool {tuple(k_pool.shape)}"

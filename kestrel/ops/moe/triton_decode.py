@@ -22,15 +22,15 @@ output in x's dtype, the fp32 weighted sum in slot order; the shared expert's ou
 added to the rounded sum, rounded again); its only differences from the six launches are summation orders
 (the router's logits over slices of another width, gate/up over KS slices of D).
 
-The barriers need every program resident: the grid is at most what the SMs hold at once, which the first
-launch of each set of constants reads from the compiled kernel (its registers, threads and shared memory:
-`_programs_an_sm`), and at most the items. The counters (`_sync`, one small buffer a device, left at zero by
-every launch) are reset by the kernel itself, so CUDA graphs replay it as is; two launches must not run at
-once on one device (one stream: a decode step). A barrier that waits past MAX_SPIN polls (seconds: a grid
-that cannot all be resident) gives up and sets sync[3], which the tests check. Triton's CPU interpreter runs
+The barriers need every program resident: the grid is at most what the SMs hold at once, which the first launch
+of each set of constants reads from the compiled kernel (its registers, threads and shared memory:
+`kestrel.ops.occupancy.programs_an_sm`), and at most the items. The counters (`_sync`, one small buffer a device,
+left at zero by every launch) are reset by the kernel itself, so CUDA graphs replay it as is; two launches must
+not run at once on one device (one stream: a decode step). A barrier that waits past MAX_SPIN polls (seconds: a
+grid that cannot all be resident) gives up and sets sync[3], which the tests check. Triton's CPU interpreter runs
 a program to its end before the next starts, so a barrier would never open there: on the CPU (and with
-phased=True) the three phases run as three launches of the same kernel, and the tests on the GPU compare the
-one launch with them, bit for bit.
+phased=True) the three phases run as three launches of the same kernel, and the tests on the GPU compare the one
+launch with them, bit for bit.
 
 Inference only (no autograd); one dtype for x and every expert weight; the router weight and bias fp32.
 
@@ -66,6 +66,7 @@ import triton.language as tl
 from kestrel.ops.activation.triton_act import glu
 from kestrel.ops.moe.triton_experts import _rounded
 from kestrel.ops.moe.triton_router import _pick, _slice_logits, _summed_logits
+from kestrel.ops.occupancy import programs_an_sm
 from kestrel.ops.pdl import pdl_args, pdl_begin
 
 MAX_SPIN = 1 << 22  # polls of a barrier's counter before it gives up (~1 us each)
@@ -113,18 +114,6 @@ def trace_summary(trace: torch.Tensor, programs: int) -> dict:
             for i, name in enumerate(TRACE_POINTS)
         },
     }
-
-
-def _programs_an_sm(compiled, warps: int, device: torch.device) -> int:
-    """How many programs of a compiled kernel one SM holds at once: by its registers (allocated per warp in
-    blocks of 256), threads, shared memory (1 KB a block reserved) and the 32 blocks an SM takes."""
-    compiled._init_handles()  # loads the binary: n_regs is read from it
-    props = torch.cuda.get_device_properties(device)
-    regs_a_warp = -(-compiled.n_regs * 32 // 256) * 256
-    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // max(1, regs_a_warp * warps)
-    by_threads = props.max_threads_per_multi_processor // (32 * warps)
-    by_shared = props.shared_memory_per_multiprocessor // (compiled.metadata.shared + 1024)
-    return min(by_regs, by_threads, by_shared, 32)
 
 
 def _sync_buffer(device: torch.device) -> torch.Tensor:
@@ -643,7 +632,7 @@ def moe_decode_triton(
             key = (x.device, x.dtype, T, D, E, I, *consts.items())  # (consts: built in one order)
             if key not in _fits:
                 compiled = _moe_decode_kernel.warmup(*args, grid=(programs,), PHASE=0, trace=stamps, **consts)
-                _fits[key] = _programs_an_sm(compiled, t["warps"], x.device)
+                _fits[key] = programs_an_sm(compiled, t["warps"], x.device)
             return _fits[key] * sms
 
         held = fits()
