@@ -164,7 +164,8 @@ def _indexer_scores_kernel(
     chunk = tiles_per_prog * BS
     if WORK_LIST:
         r = tl.arange(0, BP)
-        n_rows = tl.minimum(tl.maximum(tl.load(lens_ptr + r, mask=r < B, other=0), 0), L)  # [BP]
+        # positions in int32 (L < 2^31): the page index's division and modulo in int64 cost the kernel ~1.5x
+        n_rows = tl.minimum(tl.maximum(tl.load(lens_ptr + r, mask=r < B, other=0), 0), L).to(tl.int32)  # [BP]
         items = (n_rows + chunk - 1) // chunk  # [BP] each row's live items
         ends = tl.cumsum(items, 0)  # [BP] one past each row's last item
         for item in range(tl.program_id(0), tl.sum(items, 0), tl.num_programs(0)):
@@ -180,7 +181,9 @@ def _indexer_scores_kernel(
             )  # fmt: skip
     else:
         b = tl.program_id(1).to(tl.int64)
-        n = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), L)  # valid positions of this sequence
+        n = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), L).to(
+            tl.int32
+        )  # valid positions (int32, as above)
         first = tl.program_id(0) * tiles_per_prog
         live = tl.minimum(tl.maximum(n - first * BS + BS - 1, 0) // BS, tiles_per_prog)
         _score_tiles(
