@@ -272,7 +272,7 @@ def rows_sweep(result: dict) -> None:
     rows = result["rows_sweep"] = {"k": k, "sms": sms, "cluster_min_l": cuda_topk.CLUSTER_MIN_L}
     shapes = [(L, B, L) for L in (4096, 131072) for B in (1, 16, 64, 128, 256)]
     shapes += [(L, B, L) for L in (8192, 16384, 32768, 65536) for B in (1, 64)]
-    shapes += [(131072, B, 4096) for B in (1, 64)]
+    shapes += [(131072, B, 4096) for B in (1, 64, 256)]
     for L, B, valid in shapes:
         scores = scores_of("randn", B, L)
         lens = torch.full((B,), valid, device="cuda")

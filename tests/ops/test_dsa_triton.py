@@ -170,9 +170,11 @@ def test_scores_paged_short_rows_in_a_wide_buffer(monkeypatch, fill_past):
     """Decode's graphs are as wide as the engine's longest context, so most of a short row's key tiles lie past
     its length: the kernel skips them (each program walks several tiles here, TARGET_PROGRAMS lowered so that a
     tiny case does). The valid positions equal the reference; the tiles wholly past a row's length hold NaN, or
-    with fill_past=False what `out` held; the tail of the tile a row ends in is NaN either way; and the top-k,
-    which reads each row's first lens only, selects the reference's set."""
+    with fill_past=False (the work list, WORK_LIST_MIN_L lowered to this width) what `out` held; the tail of the
+    tile a row ends in is NaN either way; the top-k, which reads each row's first lens only, selects the
+    reference's set; and below WORK_LIST_MIN_L fill_past=False takes the grid over the width, NaN past each row."""
     monkeypatch.setattr(_scores, "TARGET_PROGRAMS", 2)
+    monkeypatch.setattr(_scores, "WORK_LIST_MIN_L", 1024)  # the work list at a tiny width
     page_size, maxp, HI, DI = 16, 72, 3, 16  # L = 1152: 9 tiles of 128, 4 a program, 3 programs a row
     q, pool, page_table, lens, w = paged_inputs([5, 600, 1152, 0, 129], page_size, maxp, HI, DI, seed=11)
     L = maxp * page_size
@@ -194,6 +196,16 @@ def test_scores_paged_short_rows_in_a_wide_buffer(monkeypatch, fill_past):
     assert got[~valid & ~dead].isnan().all()
     assert got[dead].isnan().all() if fill_past else (got[dead] == 12345.0).all()
     run_topk(got, lens, 8, **SMALL_TILES)
+    if not fill_past:  # narrower than WORK_LIST_MIN_L: the grid over the width, NaN past every row
+        monkeypatch.setattr(_scores, "WORK_LIST_MIN_L", L + 1)
+        narrow = indexer_scores_paged_triton(
+            *(t.to(DEVICE) for t in (q, pool, page_table, lens, w)),
+            DI**-0.5,
+            page_size=page_size,
+            out=poisoned((len(lens), L), torch.float32, 12345.0),
+            fill_past=False,
+        ).cpu()
+        assert torch.equal(narrow[valid], got[valid]) and narrow[~valid].isnan().all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

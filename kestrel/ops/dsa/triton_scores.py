@@ -43,12 +43,19 @@ BLOCK_S, NUM_STAGES, MAX_TILES_PER_PROG = 128, 2, 4
 # tile: a wider tile reads them half as often); 128-row tiles were slower.
 PREFILL_BLOCK_M, PREFILL_BLOCK_S, PREFILL_WARPS, PREFILL_STAGES = 64, 128, 4, 3
 TARGET_PROGRAMS = 1024  # enough programs to fill 132 SMs several times over before tiles are merged
-# Without the NaNs past each row's length (decode's scores, fill_past=False) the kernel walks a work list: one
-# wave of programs shares out the live items of every row, so that a short row in a wide buffer (decode's graphs
-# are as wide as the engine's longest context) costs its own tiles only, not a program per item of the width.
-# Up to this many rows (the list's bookkeeping is a [B] vector in each program); under the interpreter this
-# many programs, so that each walks several items.
-WORK_LIST_MAX_ROWS, WORK_LIST_CPU_PROGRAMS = 1024, 3
+# Without the NaNs past each row's length (decode's scores, fill_past=False) over a buffer at least
+# WORK_LIST_MIN_L wide, the kernel walks a work list: one wave of programs shares out the live items of every row,
+# so that a short row in a wide buffer (decode's graphs are as wide as the engine's longest context) costs its own
+# tiles only, not a program per item of the width. Up to WORK_LIST_MAX_ROWS rows (the list's bookkeeping is a [B]
+# vector in each program); under the interpreter WORK_LIST_CPU_PROGRAMS programs, so that each walks several
+# items. On the H200 (session 47, scripts in bench/results/2026-12-04-h200-session47.json; 16 heads of 128, six
+# calls in a CUDA graph), us a call, grid of the width's items / work list: rows of 4096 in a 131072-wide buffer,
+# 1 / 64 / 256 rows 5.0 / 75.9 / 274.7 against 3.5 / 22.8 / 74.5 (the session's starting kernel, which also
+# scored the dead tiles: 7.4 / 381.6 / 1517.5); in a 4096-wide one equal (2.9-3.0 / 22.9-24.0 / 73.3-74.2); full
+# rows of 131072, 1 / 64, 10.2 / 508.5 against 12.0 / 539.1 (the list's one wave walks each item's tiles after
+# the last; the grid overlaps them). Below WORK_LIST_MIN_L the grid's dead items are few, and decode's step at
+# 4K context, 4K-wide, was 0.6% slower through the list at 256 rows (6.39-6.41 against 6.36-6.37 ms).
+WORK_LIST_MIN_L, WORK_LIST_MAX_ROWS, WORK_LIST_CPU_PROGRAMS = 16384, 1024, 3
 _held: dict = {}  # (device, dtypes, constants) -> the programs the GPU holds at once
 
 
@@ -226,7 +233,7 @@ def _launch(
     tiles = triton.cdiv(L, BLOCK_S)
     tiles_per_prog = max(1, min(MAX_TILES_PER_PROG, tiles * B // TARGET_PROGRAMS))
     chunks = triton.cdiv(tiles, tiles_per_prog)
-    work_list = not fill_past and B <= WORK_LIST_MAX_ROWS
+    work_list = not fill_past and L >= WORK_LIST_MIN_L and B <= WORK_LIST_MAX_ROWS
     fp8 = key_scale is not None
     upcast = _upcast(q_idx, keys, fp8)
     args = (
@@ -330,10 +337,11 @@ def indexer_scores_paged_triton(
     replayed step at 4K on the H200, session 44, batch 1 1.415 against 1.429-1.434 ms, 256 6.309 against
     6.350-6.353). Returns
     [B, maxp * page_size] fp32 (written into `out` when given), the width `read_kv_batched` gives: the scores on
-    s < lens[b], NaN beyond. With fill_past=False the key tiles wholly past lens[b] are left unwritten (for a
-    top-k that reads each row's first lens[b] only, as decode's does; past WORK_LIST_MAX_ROWS rows they are
-    still NaN), and one wave of programs walks the rows' live tiles: decode's graphs are as wide as the engine's
-    longest context, and a short row then costs its own tiles only, not a program for each of the width's.
+    s < lens[b], NaN beyond. With fill_past=False (for a top-k that reads each row's first lens[b] only, as
+    decode's does) over at least WORK_LIST_MIN_L positions and up to WORK_LIST_MAX_ROWS rows, one wave of programs
+    walks the rows' live tiles and leaves the tiles wholly past lens[b] unwritten: decode's graphs are as wide as
+    the engine's longest context, and a short row then costs its own tiles only, not a program for each of the
+    width's (elsewhere those tiles are NaN, as with fill_past=True).
     """
     B, maxp = page_table.shape
     assert k_pool.dim() == 2 and k_pool.shape[1] == q_idx.shape[2], f"k_pool {tuple(k_pool.shape)}"
