@@ -410,8 +410,9 @@ __device__ __forceinline__ void topk_row(const float* row_ptr, int n, int k, lon
 // With CL = 2 a row of fewer than SPLIT_MIN_N valid scores is done by the cluster's first block alone, as with
 // CL = 1 (the second returns at once, before any distributed shared-memory access): the variant is chosen by
 // the scores' width, and decode's graphs are as wide as the engine's longest context, so a short row in a wide
-// buffer would otherwise pay the cluster's barriers (4096 of 131072 scores on the H200: 20.0 us, variant 0
-// 16.9). SPLIT_MIN_N is cuda_topk.py's CLUSTER_MIN_L, the width from which the second block pays.
+// buffer would otherwise pay the cluster's barriers (4096 of 131072 scores on the H200, session 47: 18.6 us
+// split, 17.2 in one block; 64 rows 20.0 / 16.9). SPLIT_MIN_N is cuda_topk.py's CLUSTER_MIN_L, the width from
+// which the second block pays.
 constexpr int SPLIT_MIN_N = 32768;
 
 template <int R, bool PREFETCH, int CL, int NT>

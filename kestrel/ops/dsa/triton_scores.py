@@ -11,11 +11,13 @@ summation order inside the dot, so close rather than bit-equal). Padded position
 "invalid" (naive.py): `topk_select(scores, lens - 1, k)` and a top-k that ignores lens pick the same set, and
 the keys behind padded positions (another sequence's pages or the dummy page 0) are never read.
 
-Program layout: grid (cdiv(L, BS * tiles_per_prog), B). A program loads q [HP, DP] and w [HP] once and walks
-`tiles_per_prog` key tiles: gather keys [BS, DP] (one 2*DI-byte row per position: paged rows are
+Program layout: grid (cdiv(L, BS * tiles_per_prog), B), a program an item of `tiles_per_prog` key tiles of one
+row; or, for decode's scores over a wide buffer (fill_past=False, L >= WORK_LIST_MIN_L), one wave of programs
+walking the rows' live items in turn (`_indexer_scores_kernel`'s WORK_LIST). An item loads q [HP, DP] and w [HP]
+once and walks its key tiles: gather keys [BS, DP] (one 2*DI-byte row per position: paged rows are
 page_table[b, s // page_size] * page_size + s % page_size, kestrel.cache.kv_pool), logits = q @ k^T
 [HP, BS] on the tensor cores (bf16 in, fp32 accumulate), relu, weight, sum over heads, store BS fp32 scores.
-Tiles wholly past lens[b] only store their NaNs (or nothing, fill_past=False). Bytes per sequence:
+Tiles wholly past lens[b] only store their NaNs (or nothing, on the work list). Bytes per sequence:
 lens[b] * (2 * DI + 4), plus (L - lens[b]) * 4 for the padded stores; at HI = 64, DI = 128 the dot is
 64 FLOP per key byte, under the H200 ridge (~184), so the kernel is bandwidth-bound on the key reads:
 B = 64 rows of 131072 keys are 2.2 GB, ~0.51 ms at the 4.25 TB/s copy ceiling; one row of 4096 keys is
