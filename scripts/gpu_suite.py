@@ -90,6 +90,9 @@ class Sizes:
     decode_bench_batches: tuple[int, ...]
     decode_bench_fp8_batches: tuple[int, ...]
     decode_bench_contexts: tuple[int, ...]
+    decode_serve_limit: (
+        int  # bench_decode's short-context points also on an engine of this limit (serve's default)
+    )
     # cache_targets
     history: int  # cached history tokens before the timed turn
     append: int  # tokens the timed turn appends
@@ -132,6 +135,7 @@ H200 = Sizes(
     decode_bench_batches=(1, 8, 64, 256),
     decode_bench_fp8_batches=(1, 8),
     decode_bench_contexts=(4096, 131072),
+    decode_serve_limit=131072,
     history=32768,
     append=500,
     ttft_max_len=40000,
@@ -202,6 +206,7 @@ SMOKE = Sizes(
     decode_bench_batches=(1, 2),
     decode_bench_fp8_batches=(1,),
     decode_bench_contexts=(64, 8192),  # past tiny's 4K positions: clamped, as 128K is on mini
+    decode_serve_limit=1024,
     history=256,
     append=32,
     ttft_max_len=512,
@@ -1459,7 +1464,8 @@ def bench_kernels() -> dict:
 
 def bench_decode() -> dict:
     """Issue 4's decode targets: MBU at batch 1 and 256 (4K context), and the DSA step at 128K against 4K
-    (batch 1 and 8), with dense MLA beside it."""
+    (batch 1 and 8), with dense MLA beside it; then the 4K points on an engine of `kestrel serve`'s default
+    limit (decode's graphs that wide: session 47 found batch 256 at half the tight limit's speed there)."""
     from kestrel.bench.decode import decode_bench
 
     os.environ["KESTREL_MOE_GROUPED_MM"] = _probe_grouped_mm()
@@ -1470,6 +1476,14 @@ def bench_decode() -> dict:
         S.model, batches=S.decode_bench_fp8_batches, dense_contrast=False, index_key_dtype="fp8", **sizes
     )
     result["runs"] += fp8["runs"]
+    wide = decode_bench(
+        S.model,
+        batches=S.decode_bench_batches,
+        dense_contrast=False,
+        max_model_len=S.decode_serve_limit,
+        **{**sizes, "contexts": S.decode_bench_contexts[:1]},
+    )
+    result["runs"] += wide["runs"]
     return result
 
 

@@ -132,6 +132,10 @@ def test_smoke_figures_are_real(sections):
     assert prefill["expanded_kernel"]["causal_no_selection"]["ms"] > 0
     decode_runs = sections["bench_decode"]["runs"]
     assert {(r["context"], r["index_keys"]) for r in decode_runs} >= {(4028, "bf16"), (4028, "fp8")}
+    assert {r["max_model_len"] for r in decode_runs if r["context"] == 64} == {
+        64 + 4 + 64,
+        1024,
+    }  # tight, serve's
     for config in ("enough_memory", "gpu_25pct_no_host", "gpu_25pct_host"):
         assert sections["cache_targets"][config]["ttft_s"]["n"] > 0
     assert sections["cache_targets"]["profiled_hit"]["top_kernels"]
