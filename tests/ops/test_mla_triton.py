@@ -214,6 +214,30 @@ def test_split_equals_unsplit(sparse, nan_workspace):
     assert rel_err(one, reference_o_lat(q_lat, q_pe, pool, pt, ps, lens, indices)) <= 1e-5
 
 
+def test_dense_splits_share_each_rows_own_positions(monkeypatch):
+    """Dense decode in a page table far wider than the rows (decode's graphs are as wide as the engine's longest
+    context): each row's positions are shared out among the splits by its own length, not by the table's width,
+    so a short row keeps several splits busy. Row 0's 37 positions in 16-wide tiles over 4 splits: 16 + 16 + 5, a
+    fourth split empty (a chunk of the 1024-wide table would leave it all to the first); the result is the
+    reference's."""
+    real, seen = td._partials, []
+
+    def keep(*args):
+        part, lse = real(*args)
+        seen.append(lse.fill_(NAN))
+        return part.fill_(NAN), lse
+
+    monkeypatch.setattr(td, "_partials", keep)
+    q_lat, q_pe, pool, pt, ps, lens, _ = make_case([37, 5, 0], False, ps=16, maxp=64, seed=9)
+    out = td.sparse_mla_decode(q_lat, q_pe, pool, pt, ps, lens, None, SCALE, num_splits=4, block_n=16)
+    (lse,) = seen  # [B, splits, heads]
+    assert lse.shape[1] == 4
+    assert lse[0, :3].isfinite().all() and (lse[0, 3] == float("-inf")).all()
+    assert lse[1, :1].isfinite().all() and (lse[1, 1:] == float("-inf")).all()
+    assert (lse[2] == float("-inf")).all()
+    assert rel_err(out, reference_o_lat(q_lat, q_pe, pool, pt, ps, lens, None)) <= 1e-5
+
+
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
 def test_rows_in_several_launches(sparse):
     """More query rows than one launch takes (the grid limit): blocks of max_rows, the last one partial."""

@@ -19,11 +19,12 @@ included) cannot reach the output. Valid indices must be distinct within a row (
 one would count twice, where the reference counts it once. With indices=None the program runs over positions
 0..lens[b]-1: the dense path for contexts shorter than the top-k, where the selection would be everything.
 
-Softmax is online (running max and sum in fp32, base 2), accumulation in fp32. With S > 1 splits, program
-(head block, b, s) covers a contiguous chunk of the position list and writes its normalized partial output and
-log-sum-exp; a second kernel merges the S partials of each (b, h) by log-sum-exp weights. S is chosen from the
-static shapes only (B, heads, k or maxp * page_size), so a CUDA graph captures a fixed launch; batch 1 needs
-it to put more than one SM to work. A sequence with lens[b] = 0 (CUDA-graph padding) gets zeros.
+Softmax is online (running max and sum in fp32, base 2), accumulation in fp32. With S > 1 splits, program (head
+block, b, s) covers a contiguous chunk of the position list (dense: of the sequence's own lens[b] positions,
+whatever the page table's width) and writes its normalized partial output and log-sum-exp; a second kernel merges
+the S partials of each (b, h) by log-sum-exp weights. S is chosen from the static shapes only (B, heads, k or
+maxp * page_size), so a CUDA graph captures a fixed launch; batch 1 needs it to put more than one SM to work. A
+sequence with lens[b] = 0 (CUDA-graph padding) gets zeros.
 
 Bytes per decode step per DSA layer, `mini` (H=16, R=512, P=64, Dn=Dv=128, k=2048, bf16 cache, page 64,
 int64 indices and page table), from `decode_bytes` below; "kernel" = latent rows + indices + page-table
@@ -77,8 +78,9 @@ MAX_ROWS = 32768  # queries per launch: the grid's second dimension stops at 655
 
 @triton.jit
 def _pool_row(page_table_ptr, b, stride_ptb, pos, valid, page_size):
-    """Pool rows of positions pos [BN] of sequence b through its page table (0 where not valid), int64."""
-    pos = tl.where(valid, pos, 0)
+    """Pool rows of positions pos [BN] of sequence b through its page table (0 where not valid), int64. The
+    page index in int32 (positions are < 2**31): int64 division and modulo take many more instructions."""
+    pos = tl.where(valid, pos, 0).to(tl.int32)
     page = tl.load(page_table_ptr + b * stride_ptb + pos // page_size, mask=valid, other=0)
     return page.to(tl.int64) * page_size + pos % page_size  # int64: pools pass 2**31 B
 
@@ -187,12 +189,21 @@ def _decode_kernel(
     ).to(dot_dtype)  # [BH, BP]
 
     seq_len = tl.load(lens_ptr + b)
-    start = s * chunk
-    end = tl.minimum(start + chunk, num_positions)
-    if not HAS_INDICES or VALID_FIRST:
-        # dense: stop at the sequence's own length; indices with their valid entries first: those are distinct
-        # positions < seq_len, so none sits at a slot >= seq_len (a prefill row near the start skips the rest)
-        end = tl.minimum(end, seq_len)
+    if HAS_INDICES:
+        start = s * chunk
+        end = tl.minimum(start + chunk, num_positions)
+        if VALID_FIRST:
+            # indices with their valid entries first: those are distinct positions < seq_len, so none sits at a
+            # slot >= seq_len (a prefill row near the start skips the rest)
+            end = tl.minimum(end, seq_len)
+    else:
+        # dense: the splits share the sequence's own positions, whatever the page table's width (decode's graphs
+        # are as wide as the engine's longest context; a chunk of the width left a short sequence to its first
+        # split or two). Positions in int32: int64 ones make the page index's division and modulo 64-bit.
+        n_pos = tl.minimum(seq_len, num_positions).to(tl.int32)
+        chunk_b = tl.cdiv(tl.cdiv(n_pos, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        start = s * chunk_b
+        end = tl.minimum(start + chunk_b, n_pos)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max (base 2)
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2
