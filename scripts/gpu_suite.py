@@ -1476,10 +1476,9 @@ def bench_decode() -> dict:
         S.model, batches=S.decode_bench_fp8_batches, dense_contrast=False, index_key_dtype="fp8", **sizes
     )
     result["runs"] += fp8["runs"]
-    wide = decode_bench(
+    wide = decode_bench(  # dense MLA too: models without DSA decode through it
         S.model,
         batches=S.decode_bench_batches,
-        dense_contrast=False,
         max_model_len=S.decode_serve_limit,
         **{**sizes, "contexts": S.decode_bench_contexts[:1]},
     )
