@@ -275,7 +275,7 @@ def _resident(args, consts: dict, device: torch.device) -> int:
     if key not in _held:
         compiled = _indexer_scores_kernel.warmup(*args, grid=(1,), **consts)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        _held[key] = sms * programs_an_sm(compiled, consts["num_warps"], device)
+        _held[key] = sms * max(1, programs_an_sm(compiled, consts["num_warps"], device))
     return _held[key]
 
 
