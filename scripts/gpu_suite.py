@@ -90,9 +90,8 @@ class Sizes:
     decode_bench_batches: tuple[int, ...]
     decode_bench_fp8_batches: tuple[int, ...]
     decode_bench_contexts: tuple[int, ...]
-    decode_serve_limit: (
-        int  # bench_decode's short-context points also on an engine of this limit (serve's default)
-    )
+    # bench_decode's short-context points also run on an engine of this limit (serve's default)
+    decode_serve_limit: int
     # cache_targets
     history: int  # cached history tokens before the timed turn
     append: int  # tokens the timed turn appends
@@ -1480,7 +1479,7 @@ def bench_decode() -> dict:
         S.model,
         batches=S.decode_bench_batches,
         max_model_len=S.decode_serve_limit,
-        **{**sizes, "contexts": S.decode_bench_contexts[:1]},
+        **dict(sizes, contexts=S.decode_bench_contexts[:1]),
     )
     result["runs"] += wide["runs"]
     return result

@@ -70,9 +70,9 @@ def _score_tiles(
     key_scale_ptr,
     out_ptr,
     b,  # the row (int64)
-    n,  # its valid positions
-    first,  # its first key tile to score
-    live,  # how many (each holding a position below n)
+    n,  # its valid positions (int32)
+    first,  # the item's first key tile
+    tiles_per_prog,  # the item's tiles
     scale,
     w_scale,
     L,
@@ -94,8 +94,10 @@ def _score_tiles(
     KEY_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Row b's scores on key tiles first .. first + live - 1: q [HP, DP] and w [HP] loaded once, then a tile at
-    a time the keys gathered, q @ k^T, relu, weighted, summed over heads; NaN past n in the last tile."""
+    """Row b's scores on the item's tiles from `first` that hold a position below n (`live` of them, returned):
+    q [HP, DP] and w [HP] loaded once, then a tile at a time the keys gathered, q @ k^T, relu, weighted, summed
+    over heads; NaN past n in the last tile. The tiles after them cost nothing."""
+    live = tl.minimum(tl.maximum(n - first * BS + BS - 1, 0) // BS, tiles_per_prog)
     h = tl.arange(0, HP)
     d = tl.arange(0, DP)
     q = tl.load(
@@ -128,6 +130,7 @@ def _score_tiles(
             score = score * tl.load(key_scale_ptr + rows, mask=valid, other=1.0)
         score = tl.where(valid, score, float("nan"))
         tl.store(out_ptr + b * stride_ob + s, score, mask=s < L)
+    return live
 
 
 @triton.jit
@@ -182,21 +185,17 @@ def _indexer_scores_kernel(
             here = r == row
             n = tl.sum(tl.where(here, n_rows, 0), 0)
             first = (item - tl.sum(tl.where(here, ends - items, 0), 0)) * tiles_per_prog
-            live = tl.minimum((n - first * BS + BS - 1) // BS, tiles_per_prog)
             _score_tiles(
-                q_ptr, w_ptr, k_ptr, page_table_ptr, key_scale_ptr, out_ptr, row.to(tl.int64), n, first, live,
-                scale, w_scale, L, page_size, stride_qb, stride_qh, stride_wb, stride_kb, stride_kr,
+                q_ptr, w_ptr, k_ptr, page_table_ptr, key_scale_ptr, out_ptr, row.to(tl.int64), n, first,
+                tiles_per_prog, scale, w_scale, L, page_size, stride_qb, stride_qh, stride_wb, stride_kb, stride_kr,
                 stride_ptb, stride_ob, HI, DI, HP, DP, BS, PAGED, UPCAST, KEY_SCALE, DOT_PRECISION,
             )  # fmt: skip
     else:
         b = tl.program_id(1).to(tl.int64)
-        n = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), L).to(
-            tl.int32
-        )  # valid positions (int32, as above)
+        n = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 0), L).to(tl.int32)  # int32, as above
         first = tl.program_id(0) * tiles_per_prog
-        live = tl.minimum(tl.maximum(n - first * BS + BS - 1, 0) // BS, tiles_per_prog)
-        _score_tiles(
-            q_ptr, w_ptr, k_ptr, page_table_ptr, key_scale_ptr, out_ptr, b, n, first, live,
+        live = _score_tiles(
+            q_ptr, w_ptr, k_ptr, page_table_ptr, key_scale_ptr, out_ptr, b, n, first, tiles_per_prog,
             scale, w_scale, L, page_size, stride_qb, stride_qh, stride_wb, stride_kb, stride_kr,
             stride_ptb, stride_ob, HI, DI, HP, DP, BS, PAGED, UPCAST, KEY_SCALE, DOT_PRECISION,
         )  # fmt: skip
