@@ -669,16 +669,14 @@ def _graph_matches_eager(engine) -> bool:
     reqs = [r for r in engine.scheduler.running if r.in_decode][:3]
     if not reqs or not runner.use_cuda_graph:
         return False
-    import bisect
-
-    bs = runner.graph_sizes[bisect.bisect_left(runner.graph_sizes, len(reqs))]
+    width, bs = runner.graph_key(reqs)
     slots = torch.tensor([r.slot for r in reqs], device="cuda")
     saved = {k: (pool.ssm[k][slots].clone(), pool.conv[k][slots].clone()) for k in pool.ssm}
     logits, argmax = runner._replay(reqs)
     replayed, replayed_argmax = logits[: len(reqs)].clone(), argmax[: len(reqs)].clone()
     for k, (ssm, conv) in saved.items():
         pool.ssm[k][slots], pool.conv[k][slots] = ssm, conv
-    inputs = [t.to("cuda") for t in runner._decode_inputs(reqs, runner.max_pages, bs)]
+    inputs = [t.to("cuda") for t in runner._decode_inputs(reqs, width, bs)]
     with torch.no_grad():
         eager = runner._decode_forward(*inputs)[: len(reqs)]
     for k, (ssm, conv) in saved.items():

@@ -19,7 +19,6 @@ run (`roofline.measure_launch_floor`), beside the bytes' time at the copy rate.
 
 from __future__ import annotations
 
-import bisect
 import datetime
 import json
 import time
@@ -39,6 +38,7 @@ from kestrel.bench.roofline import (
 from kestrel.config import MOE, EngineConfig
 from kestrel.engine.engine import Engine
 from kestrel.engine.request import Request, Status
+from kestrel.engine.runner import SHORT_GRAPH_LEN
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
@@ -240,17 +240,19 @@ def _time_decode(
         step_ms[overlap] = 1000 * (time.perf_counter() - start) / steps
     engine.overlap = configured
     step_ms, plain_ms = step_ms[True], step_ms[False]
-    runner, replay_ms = engine.runner, None
+    runner, replay_ms, width = engine.runner, None, None
     if runner.use_cuda_graph and b <= runner.graph_sizes[-1]:
         runner._replay(reqs)  # load this batch into the graph's inputs once; then time the replay alone
-        graph = runner.graphs[runner.graph_sizes[bisect.bisect_left(runner.graph_sizes, b)]]
-        replay_ms = time_ms(graph.replay, warmup_ms=10, rep_ms=50)
+        key = runner.graph_key(reqs)
+        replay_ms = time_ms(runner.graphs[key].replay, warmup_ms=10, rep_ms=50)
+        width = key[0] * engine.kv_pool.page_size
     parts = step_bytes(engine.model, b, context, dense, engine.kv_pool.index_fp8)
     copy = ceilings["copy_TBps"] * 1e12
     run = {
         "batch": b,
         "context": context,
         "max_model_len": engine.plan.max_model_len,
+        "graph_width": width,  # tokens: the page table of the graph replayed (None: no graph)
         "attention": "dense MLA" if dense else "DSA",
         "sampling": sampling,
         "index_keys": "fp8" if engine.kv_pool.index_fp8 else "bf16",
@@ -263,7 +265,7 @@ def _time_decode(
         "mbu_graph_replay": parts["total"] / (replay_ms * 1e-3) / copy if replay_ms else None,
     }
     if profile and replay_ms:
-        run["profile"] = profile_replay(graph.replay)
+        run["profile"] = profile_replay(runner.graphs[key].replay)
         if ceilings.get("launch_floor_us"):
             run["launch_floor"] = launch_floor_share(
                 run["profile"]["kernels_per_step"],
@@ -272,7 +274,8 @@ def _time_decode(
                 ceilings["copy_TBps"],
             )
     print(
-        f"decode b={b:4d} ctx={context:6d} (max {run['max_model_len']}) {run['attention']:9s} step {step_ms:7.2f} ms "
+        f"decode b={b:4d} ctx={context:6d} (max {run['max_model_len']}, graph {width}) {run['attention']:9s} "
+        f"step {step_ms:7.2f} ms "
         f"(no overlap {plain_ms:6.2f}, replay {replay_ms or float('nan'):6.2f} ms)  "
         f"{run['tokens_per_s']:9.0f} tok/s  MBU {run['mbu']:5.1%}",
         flush=True,
@@ -307,11 +310,13 @@ def decode_bench(
     profile: bool = False,
     sampling: str = "greedy",
     max_model_len: int | None = None,
+    short_graph_len: int = SHORT_GRAPH_LEN,
 ) -> dict:
     """On CUDA, or on the CPU at small sizes (the smoke run of scripts/gpu_suite.py: no graph replay).
     `max_model_len`: the engine's context limit at every point (None: each context + steps + 64, the least that
     holds its requests). A server's default is the model's own, and decode's graphs, their page tables and the
-    indexer's scores, are as wide as the limit: this measures a short context on such an engine."""
+    indexer's scores, are as wide as the limit: this measures a short context on such an engine. `short_graph_len`:
+    the engine's `cuda_graph_short_len` (0: graphs of the whole limit only); each run records its graph's width."""
     if torch.device(device).type == "cuda":
         require_cuda("kestrel bench decode")
     ceilings = measure_ceilings(device)
@@ -336,6 +341,7 @@ def decode_bench(
             enable_prefix_cache=False,
             cuda_graph_max_bs=max(batch_sizes),
             index_key_dtype=index_key_dtype,
+            cuda_graph_short_len=short_graph_len,
         )
         engine = Engine(cfg, model=net)
         fill_pools(engine)
@@ -370,6 +376,7 @@ def cmd_bench_decode(args) -> int:
         profile=args.profile,
         sampling=args.sampling,
         max_model_len=args.max_model_len,
+        short_graph_len=args.cuda_graph_short_len,
     )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -31,6 +31,9 @@ class EngineConfig:
     # launch each decode step before the one in front of it is read back (Engine's overlap schedule)
     disable_overlap_schedule: bool = False
     cuda_graph_max_bs: int = 256
+    # decode graphs this many tokens wide beside those of the whole context limit, for steps whose contexts all
+    # fit (kestrel.engine.runner.graph_widths); 0: graphs of the whole limit only
+    cuda_graph_short_len: int = 8192
     max_queued_requests: int = 4096  # server: past this many waiting requests, answer 503
     enable_prefix_cache: bool = True  # radix tree over KV pages + KDA state checkpoints
     # save a KDA checkpoint every this many prefill tokens (a multiple of pages; chunks end there): by default
@@ -56,6 +59,8 @@ class EngineConfig:
             problems.append("kv_cache_bytes must be > 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             problems.append("max_model_len must be >= 2")
+        if self.cuda_graph_short_len < 0:
+            problems.append("cuda_graph_short_len must be >= 0")
         if self.chunked_prefill_size < 1:
             problems.append("chunked_prefill_size must be >= 1")
         if self.max_queued_requests < 1:

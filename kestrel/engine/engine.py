@@ -127,6 +127,7 @@ class Engine:
             use_cuda_graph=not config.disable_cuda_graph,
             max_batch=min(config.cuda_graph_max_bs, self.plan.num_slots),
             checkpoint_pool=self.checkpoint_pool if self.cache is not None else None,
+            short_graph_len=config.cuda_graph_short_len,
         )
         self.eos_token_ids = tuple(dict.fromkeys((*mc.eos_token_ids, *self.tokenizer.eos_token_ids)))
         self.sampler = Sampler(self.eos_token_ids)

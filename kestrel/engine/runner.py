@@ -3,7 +3,9 @@ and returns the logits of the requests that sample this step.
 
 Prefill chunks run packed (varlen, no padding) through the per-sequence path. Decode runs every request at
 once through the batched path, which has no host syncs; on CUDA it is captured in graphs per batch-size
-bucket and replayed (`use_cuda_graph=False`, or `--disable-cuda-graph`, runs it eagerly). Staging a decode step
+bucket and replayed (`use_cuda_graph=False`, or `--disable-cuda-graph`, runs it eagerly). On an engine whose
+context limit is long, each batch size has a second graph whose page table is only `short_graph_len` tokens wide,
+which steps whose every context fits take (`graph_widths`). Staging a decode step
 does not wait for the device either (its host values go up through pinned memory), and its input tokens may be
 given as a device tensor: the engine launches a decode step before it has read back the tokens of the step in
 front of it (the overlap schedule).
@@ -27,6 +29,23 @@ from kestrel.ops.sampling import argmax
 from kestrel.utils.device import to_device_async
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+# Decode graphs whose page table is this many tokens wide, beside those of the engine's whole limit: a graph's
+# kernels are sized by its width (the indexer's scores buffer, the DSA top-k's block per row), so at a short
+# context on a 131072-token engine (`kestrel serve`'s default on mini) the step ran wide kernels over empty
+# columns. See `graph_widths`.
+SHORT_GRAPH_LEN = 8192
+
+
+def graph_widths(max_pages: int, page_size: int, short_len: int, dsa_topk: int | None) -> tuple[int, ...]:
+    """The page-table widths (in pages, ascending) of the decode graphs captured for each batch size: the
+    engine's whole limit, `max_pages`, and a short width of `short_len` tokens where the limit is at least twice
+    that (below it one more capture a batch size buys little). Not where a DSA layer's top-k would take every
+    position of the short width (`dsa_topk` >= short_len): MLA decode picks its dense or sparse form by the
+    table's width, and the short graph would run the other one. short_len 0: one width."""
+    short = -(-short_len // page_size)
+    if short_len <= 0 or 2 * short > max_pages or (dsa_topk is not None and dsa_topk >= short * page_size):
+        return (max_pages,)
+    return (short, max_pages)
 
 
 class ModelRunner:
@@ -40,6 +59,7 @@ class ModelRunner:
         graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES,
         max_batch: int = 256,
         checkpoint_pool: StatePool | None = None,
+        short_graph_len: int = SHORT_GRAPH_LEN,
     ):
         self.model, self.kv_pool, self.state_pool = model, kv_pool, state_pool
         self.checkpoint_pool = checkpoint_pool  # the prefix cache's: mid-chunk KDA checkpoints go there
@@ -48,7 +68,11 @@ class ModelRunner:
         self._sent: dict[int, tuple[list[int], int]] = {}  # slot -> (its request's page list, pages sent)
         self.device = model.lm_head.weight.device
         self.max_pages = kv_pool.pages_for(max_context)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.short_graph_len = short_graph_len
+        self.widths: tuple[int, ...] = (
+            self.max_pages,
+        )  # the graphs' page-table widths (capture_graphs sets)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (width in pages, batch size) -> graph
         self.argmax: torch.Tensor | None = None  # the last forward's, from its decode graph (see forward)
         self.graph_sizes = tuple(sorted(s for s in graph_batch_sizes if s <= max_batch))
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda" and bool(self.graph_sizes)
@@ -138,35 +162,55 @@ class ModelRunner:
     # -- CUDA graphs ------------------------------------------------------------------------------------
     @torch.no_grad()  # no autograd history on the pools: capture writes KV like any decode step
     def capture_graphs(self) -> None:
-        """Capture one decode graph per batch-size bucket (largest first, sharing one memory pool). Each graph
-        ends with the logits' argmax (what greedy rows take; `kestrel.ops.sampling.argmax`): inside the graph
-        it costs the host no launch (torch's argmax eagerly took ~30-50 us a step at batch 1, session 26)."""
+        """Capture one decode graph per batch-size bucket and page-table width (`graph_widths`; widest and
+        largest first, sharing one memory pool). Each graph ends with the logits' argmax (what greedy rows take;
+        `kestrel.ops.sampling.argmax`): inside the graph it costs the host no launch (torch's argmax eagerly took
+        ~30-50 us a step at batch 1, session 26)."""
         if not self.use_cuda_graph:
             return
         size, dev = self.graph_sizes[-1], self.device
+        topks = [m.indexer.topk for m in self.model.modules() if getattr(m, "indexer", None) is not None]
+        topk = max((k for k in topks if k is not None), default=None)
+        self.widths = graph_widths(self.max_pages, self.kv_pool.page_size, self.short_graph_len, topk)
         ids, pos, slots, table, lens, rows = self._decode_inputs([], self.max_pages, size)
         self.static_tokens = torch.stack([ids, pos, slots]).to(dev)  # [3, size]: one copy up a step (_stage)
         self.static = [*self.static_tokens, table.to(dev), lens.to(dev), rows.to(dev)]
+        # each width's page table [size, width]; the other inputs are shared
+        self.tables = {w: table[:, :w].contiguous().to(dev) for w in self.widths}
         if self.slot_pages is None:  # kept by a recapture: its rows are the pages already sent (`_sent`)
             self.slot_pages = torch.zeros(
                 self.state_pool.num_slots + 1, self.max_pages, dtype=table.dtype, device=dev
             )
-        self.static_out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bs -> logits, argmax
+        # (width, bs) -> logits, argmax
+        self.static_out: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         pool = None
-        for bs in reversed(self.graph_sizes):
-            args = [t[:bs] for t in self.static]
-            for _ in range(2):  # warm up (Triton autotuning, lazy init) outside the capture
-                self._page_inputs(*args)
-                self._decode_forward(*args)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._page_inputs(*args)
-                logits = self._decode_forward(*args)
-                self.static_out[bs] = (logits, argmax(logits))
-            pool = graph.pool()
-            self.graphs[bs] = graph
+        for width in reversed(self.widths):
+            for bs in reversed(self.graph_sizes):
+                args = self._graph_inputs(width, bs)
+                for _ in range(2):  # warm up (Triton autotuning, lazy init) outside the capture
+                    self._page_inputs(*args)
+                    self._decode_forward(*args)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._page_inputs(*args)
+                    logits = self._decode_forward(*args)
+                    self.static_out[width, bs] = (logits, argmax(logits))
+                pool = graph.pool()
+                self.graphs[width, bs] = graph
         torch.cuda.synchronize()
+
+    def _graph_inputs(self, width: int, bs: int) -> list[torch.Tensor]:
+        """The static inputs of the (width, bs) graph: ids, positions, slots, page table, lens, write rows."""
+        ids, pos, slots, _, lens, rows = (t[:bs] for t in self.static)
+        return [ids, pos, slots, self.tables[width][:bs], lens, rows]
+
+    def graph_key(self, reqs: list[Request]) -> tuple[int, int]:
+        """The (width, batch size) of the graph that runs these decode requests: the smallest batch bucket that
+        holds them, and the narrowest width that holds every request's pages up to the position it computes."""
+        bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, len(reqs))]
+        need = max(r.num_computed for r in reqs) // self.kv_pool.page_size + 1
+        return self.widths[bisect.bisect_left(self.widths, need)], bs
 
     @torch.no_grad()
     def recapture_graphs(self) -> None:
@@ -180,7 +224,7 @@ class ModelRunner:
     def _page_inputs(self, ids, pos, slots, table, lens, rows) -> None:
         """Inside a decode graph, from the staged positions and slots: each row's page table (its slot's row of
         `slot_pages`), its length, and the pool row its token's KV goes to."""
-        torch.index_select(self.slot_pages, 0, slots, out=table)
+        torch.index_select(self.slot_pages[:, : table.shape[1]], 0, slots, out=table)
         torch.add(pos, 1, out=lens)
         rows.copy_(_write_rows(table, pos, self.kv_pool.page_size))
 
@@ -219,10 +263,10 @@ class ModelRunner:
     def _replay(
         self, reqs: list[Request], ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, len(reqs))]
+        key = self.graph_key(reqs)
         self._stage(reqs, ids)
-        self.graphs[bs].replay()
-        return self.static_out[bs]
+        self.graphs[key].replay()
+        return self.static_out[key]
 
 
 def _token_inputs(reqs: list[Request], size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -30,6 +30,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def _share(text: str) -> float:
     value = _non_negative_float(text)
     if value > 1:
@@ -137,6 +147,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="tokens per step (prefill chunks + decode)",
     )
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument(
+        "--cuda-graph-short-len",
+        type=_non_negative_int,
+        default=8192,
+        help="decode graphs this many tokens wide beside those of the whole context limit, taken by steps whose "
+        "contexts all fit (a short context then runs no kernel sized for the limit); 0: off",
+    )
     p.add_argument(
         "--disable-overlap-schedule",
         action="store_true",
@@ -345,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the engine's context limit at every point (default: each context plus the steps, the least "
         "that holds it); `kestrel serve` defaults to the model's own, and decode's graphs are that wide",
+    )
+    d.add_argument(
+        "--cuda-graph-short-len",
+        type=_non_negative_int,
+        default=8192,
+        help="as `kestrel serve`'s: the short decode graphs' width in tokens (0: graphs of the whole limit only)",
     )
     d.add_argument(
         "--index-key-dtype",

@@ -30,6 +30,7 @@ def engine_config(args):
         max_model_len=args.max_model_len,
         chunked_prefill_size=args.chunked_prefill_size,
         disable_cuda_graph=args.disable_cuda_graph,
+        cuda_graph_short_len=args.cuda_graph_short_len,
         disable_overlap_schedule=args.disable_overlap_schedule,
         max_queued_requests=getattr(args, "max_queued_requests", 4096),
         enable_prefix_cache=not args.disable_prefix_cache,
