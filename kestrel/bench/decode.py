@@ -38,7 +38,6 @@ from kestrel.bench.roofline import (
 from kestrel.config import MOE, EngineConfig
 from kestrel.engine.engine import Engine
 from kestrel.engine.request import Request, Status
-from kestrel.engine.runner import SHORT_GRAPH_LEN
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
@@ -310,7 +309,7 @@ def decode_bench(
     profile: bool = False,
     sampling: str = "greedy",
     max_model_len: int | None = None,
-    short_graph_len: int = SHORT_GRAPH_LEN,
+    short_graph_len: int = 0,
 ) -> dict:
     """On CUDA, or on the CPU at small sizes (the smoke run of scripts/gpu_suite.py: no graph replay).
     `max_model_len`: the engine's context limit at every point (None: each context + steps + 64, the least that

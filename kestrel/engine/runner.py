@@ -3,10 +3,10 @@ and returns the logits of the requests that sample this step.
 
 Prefill chunks run packed (varlen, no padding) through the per-sequence path. Decode runs every request at
 once through the batched path, which has no host syncs; on CUDA it is captured in graphs per batch-size
-bucket and replayed (`use_cuda_graph=False`, or `--disable-cuda-graph`, runs it eagerly). On an engine whose
-context limit is long, each batch size has a second graph whose page table is only `short_graph_len` tokens wide,
-which steps whose every context fits take (`graph_widths`). Staging a decode step
-does not wait for the device either (its host values go up through pinned memory), and its input tokens may be
+bucket and replayed (`use_cuda_graph=False`, or `--disable-cuda-graph`, runs it eagerly). With
+`short_graph_len` (`--cuda-graph-short-len`), on an engine whose context limit is long each batch size has a
+second graph whose page table is only that many tokens wide, which steps whose every context fits take
+(`graph_widths`). Staging a decode step does not wait for the device either (its host values go up through pinned memory), and its input tokens may be
 given as a device tensor: the engine launches a decode step before it has read back the tokens of the step in
 front of it (the overlap schedule).
 """
@@ -29,11 +29,6 @@ from kestrel.ops.sampling import argmax
 from kestrel.utils.device import to_device_async
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-# Decode graphs whose page table is this many tokens wide, beside those of the engine's whole limit: a graph's
-# kernels are sized by its width (the indexer's scores buffer, the DSA top-k's block per row), so at a short
-# context on a 131072-token engine (`kestrel serve`'s default on mini) the step ran wide kernels over empty
-# columns. See `graph_widths`.
-SHORT_GRAPH_LEN = 8192
 
 
 def graph_widths(max_pages: int, page_size: int, short_len: int, dsa_topk: int | None) -> tuple[int, ...]:
@@ -41,7 +36,14 @@ def graph_widths(max_pages: int, page_size: int, short_len: int, dsa_topk: int |
     engine's whole limit, `max_pages`, and a short width of `short_len` tokens where the limit is at least twice
     that (below it one more capture a batch size buys little). Not where a DSA layer's top-k would take every
     position of the short width (`dsa_topk` >= short_len): MLA decode picks its dense or sparse form by the
-    table's width, and the short graph would run the other one. short_len 0: one width."""
+    table's width, and the short graph would run the other one. short_len 0: one width.
+
+    Why: a graph's kernels are sized by its width (the indexer's scores buffer, the DSA top-k's block a row), so
+    at a short context on a 131072-token engine (`kestrel serve`'s default on mini) the step runs wide kernels
+    over empty columns. On the H200 (session 47) batch 1 at 4K took 1.47 ms against 1.42 on an engine sized to
+    the context, batch 256 6.51 against 6.36-6.41; the DSA top-k of a 4K row in a 131072-wide buffer 17.2 us
+    against 12.4 in a tight one. Off by default (short_len 0) until the short graphs are timed on a GPU (8192 is
+    the width to try: the top-k's 256- and 512-thread variants take rows up to 8704 wide)."""
     short = -(-short_len // page_size)
     if short_len <= 0 or 2 * short > max_pages or (dsa_topk is not None and dsa_topk >= short * page_size):
         return (max_pages,)
@@ -59,7 +61,7 @@ class ModelRunner:
         graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES,
         max_batch: int = 256,
         checkpoint_pool: StatePool | None = None,
-        short_graph_len: int = SHORT_GRAPH_LEN,
+        short_graph_len: int = 0,
     ):
         self.model, self.kv_pool, self.state_pool = model, kv_pool, state_pool
         self.checkpoint_pool = checkpoint_pool  # the prefix cache's: mid-chunk KDA checkpoints go there

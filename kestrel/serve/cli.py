@@ -150,9 +150,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cuda-graph-short-len",
         type=_non_negative_int,
-        default=8192,
-        help="decode graphs this many tokens wide beside those of the whole context limit, taken by steps whose "
-        "contexts all fit (a short context then runs no kernel sized for the limit); 0: off",
+        default=0,
+        help="decode graphs this many tokens wide (e.g. 8192) beside those of the whole context limit, taken by "
+        "steps whose contexts all fit, so that a short context runs no kernel sized for the limit; twice the "
+        "graphs to capture at start. Default 0: off (not yet timed on a GPU)",
     )
     p.add_argument(
         "--disable-overlap-schedule",
@@ -366,8 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--cuda-graph-short-len",
         type=_non_negative_int,
-        default=8192,
-        help="as `kestrel serve`'s: the short decode graphs' width in tokens (0: graphs of the whole limit only)",
+        default=0,
+        help="as `kestrel serve`'s: the short decode graphs' width in tokens (default 0: graphs of the whole "
+        "limit only)",
     )
     d.add_argument(
         "--index-key-dtype",
