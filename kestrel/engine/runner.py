@@ -6,9 +6,9 @@ once through the batched path, which has no host syncs; on CUDA it is captured i
 bucket and replayed (`use_cuda_graph=False`, or `--disable-cuda-graph`, runs it eagerly). With
 `short_graph_len` (`--cuda-graph-short-len`), on an engine whose context limit is long each batch size has a
 second graph whose page table is only that many tokens wide, which steps whose every context fits take
-(`graph_widths`). Staging a decode step does not wait for the device either (its host values go up through pinned memory), and its input tokens may be
-given as a device tensor: the engine launches a decode step before it has read back the tokens of the step in
-front of it (the overlap schedule).
+(`graph_widths`). Staging a decode step does not wait for the device either (its host values go up through
+pinned memory), and its input tokens may be given as a device tensor: the engine launches a decode step before
+it has read back the tokens of the step in front of it (the overlap schedule).
 """
 
 from __future__ import annotations
