@@ -92,6 +92,7 @@ class Sizes:
     decode_bench_contexts: tuple[int, ...]
     # bench_decode's short-context points also run on an engine of this limit (serve's default)
     decode_serve_limit: int
+    decode_short_graph_len: int  # the serve-limit points again with decode graphs this wide beside
     # cache_targets
     history: int  # cached history tokens before the timed turn
     append: int  # tokens the timed turn appends
@@ -135,6 +136,7 @@ H200 = Sizes(
     decode_bench_fp8_batches=(1, 8),
     decode_bench_contexts=(4096, 131072),
     decode_serve_limit=131072,
+    decode_short_graph_len=8192,
     history=32768,
     append=500,
     ttft_max_len=40000,
@@ -206,6 +208,7 @@ SMOKE = Sizes(
     decode_bench_fp8_batches=(1,),
     decode_bench_contexts=(64, 8192),  # past tiny's 4K positions: clamped, as 128K is on mini
     decode_serve_limit=1024,
+    decode_short_graph_len=128,
     history=256,
     append=32,
     ttft_max_len=512,
@@ -1462,7 +1465,8 @@ def bench_kernels() -> dict:
 def bench_decode() -> dict:
     """Issue 4's decode targets: MBU at batch 1 and 256 (4K context), and the DSA step at 128K against 4K
     (batch 1 and 8), with dense MLA beside it; then the 4K points on an engine of `kestrel serve`'s default
-    limit (decode's graphs that wide: session 47 found batch 256 at half the tight limit's speed there)."""
+    limit (decode's graphs that wide: session 47 found batch 256 at half the tight limit's speed there), and
+    those once more with short graphs beside (`--cuda-graph-short-len`)."""
     from kestrel.bench.decode import decode_bench
 
     os.environ["KESTREL_MOE_GROUPED_MM"] = _probe_grouped_mm()
@@ -1473,13 +1477,15 @@ def bench_decode() -> dict:
         S.model, batches=S.decode_bench_fp8_batches, dense_contrast=False, index_key_dtype="fp8", **sizes
     )
     result["runs"] += fp8["runs"]
-    wide = decode_bench(  # dense MLA too: models without DSA decode through it
-        S.model,
-        batches=S.decode_bench_batches,
-        max_model_len=S.decode_serve_limit,
-        **dict(sizes, contexts=S.decode_bench_contexts[:1]),
-    )
-    result["runs"] += wide["runs"]
+    for short in (0, S.decode_short_graph_len):
+        wide = decode_bench(  # dense MLA too: models without DSA decode through it
+            S.model,
+            batches=S.decode_bench_batches,
+            max_model_len=S.decode_serve_limit,
+            short_graph_len=short,
+            **dict(sizes, contexts=S.decode_bench_contexts[:1]),
+        )
+        result["runs"] += wide["runs"]
     return result
 
 

@@ -136,6 +136,8 @@ def test_smoke_figures_are_real(sections):
         64 + 4 + 64,
         1024,
     }  # tight, serve's
+    serve = [r for r in decode_runs if r["max_model_len"] == 1024]
+    assert sorted({r["short_graph_len"] for r in serve}) == [0, 128]  # with and without short graphs
     for config in ("enough_memory", "gpu_25pct_no_host", "gpu_25pct_host"):
         assert sections["cache_targets"][config]["ttft_s"]["n"] > 0
     assert sections["cache_targets"]["profiled_hit"]["top_kernels"]

@@ -251,6 +251,7 @@ def _time_decode(
         "batch": b,
         "context": context,
         "max_model_len": engine.plan.max_model_len,
+        "short_graph_len": engine.config.cuda_graph_short_len,
         "graph_width": width,  # tokens: the page table of the graph replayed (None: no graph)
         "attention": "dense MLA" if dense else "DSA",
         "sampling": sampling,
