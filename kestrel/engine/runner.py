@@ -176,9 +176,9 @@ class ModelRunner:
         self.widths = graph_widths(self.max_pages, self.kv_pool.page_size, self.short_graph_len, topk)
         ids, pos, slots, table, lens, rows = self._decode_inputs([], self.max_pages, size)
         self.static_tokens = torch.stack([ids, pos, slots]).to(dev)  # [3, size]: one copy up a step (_stage)
-        self.static = [*self.static_tokens, table.to(dev), lens.to(dev), rows.to(dev)]
         # each width's page table [size, width]; the other inputs are shared
         self.tables = {w: table[:, :w].contiguous().to(dev) for w in self.widths}
+        self.static = [*self.static_tokens, self.tables[self.max_pages], lens.to(dev), rows.to(dev)]
         if self.slot_pages is None:  # kept by a recapture: its rows are the pages already sent (`_sent`)
             self.slot_pages = torch.zeros(
                 self.state_pool.num_slots + 1, self.max_pages, dtype=table.dtype, device=dev
