@@ -71,9 +71,8 @@ class ModelRunner:
         self.device = model.lm_head.weight.device
         self.max_pages = kv_pool.pages_for(max_context)
         self.short_graph_len = short_graph_len
-        self.widths: tuple[int, ...] = (
-            self.max_pages,
-        )  # the graphs' page-table widths (capture_graphs sets)
+        # the decode graphs' page-table widths in pages, ascending (capture_graphs sets them: graph_widths)
+        self.widths: tuple[int, ...] = (self.max_pages,)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (width in pages, batch size) -> graph
         self.argmax: torch.Tensor | None = None  # the last forward's, from its decode graph (see forward)
         self.graph_sizes = tuple(sorted(s for s in graph_batch_sizes if s <= max_batch))
