@@ -34,6 +34,8 @@ timed on the device in one run, one JSON result:
    and MLA's six projections of one input as six GEMV launches against one (`gemv_merged`).
 10. `moe_fused`: the MoE layer at batch 1 in one launch (kestrel.ops.moe.triton_decode) against the six it replaces,
    its tiles and grid swept, us a layer in a graph of 24 layers against the bytes at the copy rate.
+11. `l2_ahead`: batch 1's projections fed from L2: a chain of mini's KDA projections with cold weights, with one
+   layer's weights (hot: the ceiling of prefetching) and with a paced side stream asking weights a few GEMVs ahead.
 Each section catches its own exceptions; the JSON is rewritten after every section. `--smoke` runs every section at
 tiny sizes on the CPU under TRITON_INTERPRET=1 (the figures mean nothing there).
 """
@@ -52,10 +54,13 @@ import traceback
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kestrel.bench.roofline import device_name, graph_ms, measure_ceilings, time_ms  # noqa: E402
 from kestrel.env import env_overrides  # noqa: E402
+from kestrel.ops.pdl import l2_prefetch  # noqa: E402
 
 CALLS_PER_STEP = 24  # mini's MoE layers: the sort runs once in each
 
@@ -803,6 +808,101 @@ def gemv_merged(result: dict, device: str, smoke: bool, ceilings: dict, layers: 
         print(f"gemv merged B={B}: {entry}", flush=True)
 
 
+_PREFETCH_ROWS = 64  # weight rows a program of `_prefetch_kernel` asks into L2
+
+
+@triton.jit
+def _prefetch_kernel(w, rows, K, ROW_BYTES: tl.constexpr, BR: tl.constexpr):
+    """Ask BR rows of a weight a program into L2 (one bulk prefetch a row; sm_90+), waiting for nothing. CUDA
+    only: the CPU's interpreter has no inline assembly."""
+    r = tl.minimum(tl.program_id(0) * BR + tl.arange(0, BR), rows - 1)
+    l2_prefetch(w + r.to(tl.int64) * K, ROW_BYTES)
+
+
+def _prefetch(w: torch.Tensor) -> None:
+    rows, K = w.shape
+    _prefetch_kernel[(-(-rows // _PREFETCH_ROWS),)](
+        w, rows, K, ROW_BYTES=K * w.element_size(), BR=_PREFETCH_ROWS, num_warps=1
+    )
+
+
+def _gemv_chain(layers: list, x: torch.Tensor, lead: int = 0, stream=None) -> torch.Tensor:
+    """x through each layer's (W_in, W_o): y = x W_in^T, then y's first W_o.shape[1] columns through W_o (a KDA
+    layer's in-projection and o-projection at decode). With `lead` > 0 (CUDA), a side stream asks the weights
+    of the GEMV `lead` places ahead into L2 as each GEMV ends: an event after GEMV j, on which the prefetch of
+    GEMV j + lead waits (graph edges pace it; the first `lead` go out at the start)."""
+    from kestrel.ops.linear.triton_gemv import gemv_triton
+
+    seq = [w for pair in layers for w in pair]  # the GEMVs' weights in launch order
+    main = torch.cuda.current_stream() if lead else None
+    if lead:
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            for w in seq[:lead]:
+                _prefetch(w)
+    h, j = x, 0
+    for w_in, w_o in layers:
+        for w in (w_in, w_o):
+            h = gemv_triton(h if w is w_in else h[:, : w_o.shape[1]], w)
+            if lead and j + lead < len(seq):
+                done = torch.cuda.Event()
+                done.record(main)
+                stream.wait_event(done)
+                with torch.cuda.stream(stream):
+                    _prefetch(seq[j + lead])
+            j += 1
+    if lead:
+        main.wait_stream(stream)
+    return h
+
+
+def l2_ahead(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
+    """What batch 1's projections would gain from weights already in L2: mini's KDA layer projections (the
+    in-projection q|k|v|f_a|b|g 4232 x 2048, then the o-projection 2048 x 1024 of its first 1024 columns), 24
+    layers chained in one CUDA graph, us a layer against the weights' bytes at the copy rate:
+    - cold: each layer its own weights, as the step reads them (each GEMV asks its own slice into L2 before its
+      PDL wait: the lead of one kernel it has today);
+    - hot: one layer's weights for all 24 (21 MB: they stay in L2), the ceiling of any prefetching;
+    - ahead k (CUDA): cold, with a side stream in the graph asking the weights of the GEMV k places ahead into L2
+      as each GEMV ends (graph edges pace it, nothing spins).
+    If hot is not well below cold, prefetching further ahead cannot pay and the GEMVs are bound by their launches
+    and latency; if it is, `ahead` shows how much of the gap a paced side stream takes. Outputs compared."""
+    (N_in, K_in), (N_o, K_o), layers = ((48, 32), (32, 16), 3) if smoke else ((4232, 2048), (2048, 1024), 24)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def weights():
+        return (
+            (torch.randn(N_in, K_in, generator=g, device=device) * 0.02).to(dtype),
+            (torch.randn(N_o, K_o, generator=g, device=device) * 0.05).to(dtype),
+        )
+
+    cold = [weights() for _ in range(layers)]
+    hot = [cold[0]] * layers
+    x = torch.randn(1, K_in, generator=g, device=device).to(dtype)
+    bytes_layer = (N_in * K_in + N_o * K_o) * cold[0][0].element_size()
+    entry = result["l2_ahead"] = {
+        "layers": layers,
+        "shapes": [[N_in, K_in], [N_o, K_o]],
+        "floor_us_a_layer": 1e6 * bytes_layer / (ceilings["copy_TBps"] * 1e12),
+    }
+    outs = {}
+
+    def run(key, chain_layers, lead=0, stream=None):
+        outs[key] = _gemv_chain(chain_layers, x, lead, stream)
+
+    for key, chain_layers in (("cold", cold), ("hot", hot)):
+        entry[f"{key}_us_a_layer"] = calls_us([functools.partial(run, key, chain_layers)], device) / layers
+    if device == "cuda":
+        stream = torch.cuda.Stream()
+        for lead in (2, 3, 4, 6):
+            key = f"ahead_{lead}"
+            call = functools.partial(run, key, cold, lead, stream)
+            entry[f"{key}_us_a_layer"] = calls_us([call], device) / layers
+            entry[f"{key}_same_bits"] = bool(torch.equal(outs[key], outs["cold"]))
+    print(f"l2_ahead: {entry}", flush=True)
+
+
 def _traced(one, nets, outs, device, rounds: int = 3) -> dict:
     """The one launch traced (kestrel.ops.moe.triton_decode.trace_summary: each program's SM clock and the ns
     timer at its phases' edges), each layer's weights in turn, eager launches one at a time: the spans inside
@@ -1031,7 +1131,7 @@ def main() -> None:
     parser.add_argument(
         "--sections",
         default="moe_sort,mla_decode,mla_layout,moe_tiles,kda_step,moe_anatomy,small_kernels,pdl,gemv,moe_fused,argmax,"
-        "sampling",
+        "sampling,l2_ahead",
     )
     parser.add_argument(
         "--moe-tokens",
@@ -1072,6 +1172,7 @@ def main() -> None:
         "moe_fused": lambda: moe_fused(result, device, args.smoke, ceilings, save),
         "argmax": lambda: argmax(result, device, args.smoke, ceilings),
         "sampling": lambda: sampling(result, device, args.smoke, ceilings),
+        "l2_ahead": lambda: l2_ahead(result, device, args.smoke, ceilings),
     }
     for name in args.sections.split(","):
         try:
