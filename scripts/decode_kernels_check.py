@@ -949,7 +949,8 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
     session 38: the three launches 38.7 us against the one's 30.9, so not the barriers), then each phase alone
     beside the six launches' router and experts (`by_phase`): which phase loses the time (session 39: both
     expert phases, 3-8x their floors); then, on CUDA, the best traced inside (`trace`: each phase's and each
-    barrier's span in the programs, from their clocks).
+    barrier's span in the programs, from their clocks). `best_hot_us`: the best over one layer's weights in every
+    call (L2-resident: how much of the layer is waiting on HBM).
     `save` writes the JSON after each configuration: a run cut by its time limit keeps the rows it has
     (session 34 lost a whole sweep so)."""
     from kestrel.ops.moe.triton_decode import TILES, _sync_buffer, moe_decode_triton
@@ -1067,6 +1068,11 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
             "us": calls_us([functools.partial(one, n, o, **kw) for n, o in zip(nets, outs)], device),
             "same_bits_as_one_launch": bool(torch.equal(got, got3) and torch.equal(ids, ids3)),
         }
+        # the best over one layer's weights in every call: its 7 experts hit and the router's weight (~23 MB)
+        # stay in L2, so this is the layer with no HBM latency on its weights: the ceiling of any prefetching
+        # (its routed experts cannot be asked for before the router has run)
+        hot = dict(tiles=tiles)
+        entry["best_hot_us"] = calls_us([functools.partial(one, nets[0], o, **hot) for o in outs], device)
         save()
         # each phase alone (its inputs left by a whole phased call in the layer's scratch) beside the six
         # launches' two parts, the router's two launches and the experts' four: where the time goes
