@@ -324,7 +324,7 @@ def decode_bench(
         ceilings["launch_floor_us"] = measure_launch_floor(device)
     net = build_model(model, dtype=torch.bfloat16, device=device, seed=0, init_on_device=True)
     max_batch = max(batches)
-    runs = []
+    runs, engines = [], []
     for asked in contexts:
         # a request holds context + steps + 12 tokens: stay inside the model's position limit
         context = min(asked, net.config.max_position_embeddings - steps - 64)
@@ -343,7 +343,19 @@ def decode_bench(
             index_key_dtype=index_key_dtype,
             cuda_graph_short_len=short_graph_len,
         )
-        engine = Engine(cfg, model=net)
+        start = time.perf_counter()
+        engine = Engine(cfg, model=net)  # plans and allocates the pools, captures the decode graphs
+        synchronize(device)
+        engines.append(
+            {
+                "context": context,
+                "max_model_len": engine.plan.max_model_len,
+                "short_graph_len": short_graph_len,
+                "setup_s": time.perf_counter() - start,
+                "decode_graphs": len(engine.runner.graphs),
+            }
+        )
+        print(f"engine: ctx={context} max {engine.plan.max_model_len}: {engines[-1]}", flush=True)
         fill_pools(engine)
         modes = [False, True] if dense_contrast and net.config.use_dsa else [False]
         for dense in modes:  # outside: each switch recaptures the decode graphs
@@ -361,6 +373,7 @@ def decode_bench(
         "ceilings": ceilings,
         "max_batch": max_batch,
         "steps": steps,
+        "engines": engines,  # each context's engine: its start's seconds (the graphs' capture included)
         "runs": runs,
     }
 
