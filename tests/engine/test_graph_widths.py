@@ -116,7 +116,9 @@ def test_graphs_of_both_widths_give_the_eager_tokens(short_len):
     """On CUDA: greedy requests whose contexts grow past the short width, with the decode graphs (short and whole
     width, or the whole only) against eager steps: the same tokens; with short graphs, both widths replayed."""
     model = build_model("tiny", dtype=torch.float32, device="cuda", seed=SEED)
-    jobs = [(_prompt(n, i), n) for i, n in enumerate((3, 7, 9, 30))]
+    # (prompt, tokens): the 30-token prompt decodes past the short width for its 3 tokens; then the others decode
+    # inside it until their contexts pass 16 tokens
+    jobs = [(_prompt(n, i), m) for i, (n, m) in enumerate(((3, 14), (7, 14), (9, 14), (30, 3)))]
     out = {}
     for graphs in (True, False):
         engine = Engine(
@@ -137,8 +139,8 @@ def test_graphs_of_both_widths_give_the_eager_tokens(short_len):
             assert engine.runner.widths == ((4, 64) if short_len else (64,))
             engine.runner.graph_key = _recorded(engine.runner.graph_key, keys)
         tokens = {}
-        for i, (ids, _) in enumerate(jobs):
-            engine.add_request(ids, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True), str(i))
+        for i, (ids, m) in enumerate(jobs):
+            engine.add_request(ids, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True), str(i))
         while engine.has_unfinished():
             for o in engine.step():
                 tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
