@@ -840,17 +840,15 @@ def _gemv_chain(layers: list, x: torch.Tensor, lead: int = 0, stream=None) -> to
         with torch.cuda.stream(stream):
             for w in seq[:lead]:
                 _prefetch(w)
-    h, j = x, 0
-    for w_in, w_o in layers:
-        for w in (w_in, w_o):
-            h = gemv_triton(h if w is w_in else h[:, : w_o.shape[1]], w)
-            if lead and j + lead < len(seq):
-                done = torch.cuda.Event()
-                done.record(main)
-                stream.wait_event(done)
-                with torch.cuda.stream(stream):
-                    _prefetch(seq[j + lead])
-            j += 1
+    h = x
+    for j, w in enumerate(seq):
+        h = gemv_triton(h[:, : w.shape[1]], w)  # the in-projection takes all of h
+        if lead and j + lead < len(seq):
+            done = torch.cuda.Event()
+            done.record(main)
+            stream.wait_event(done)
+            with torch.cuda.stream(stream):
+                _prefetch(seq[j + lead])
     if lead:
         main.wait_stream(stream)
     return h

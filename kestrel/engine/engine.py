@@ -38,7 +38,7 @@ from kestrel.engine.runner import ModelRunner
 from kestrel.engine.sampler import Sampler
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.engine.scheduler import Batch, Scheduler
-from kestrel.layers.mla import set_dense_attention
+from kestrel.layers.mla import dsa_topks, set_dense_attention
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
 from kestrel.tokenizer import IncrementalDetokenizer, Tokenizer, tokenizer_for
@@ -176,9 +176,7 @@ class Engine:
         flushed; the decode graphs captured the other mode's kernels, so they are captured again."""
         if self.has_unfinished():
             raise KestrelError("set_dense_attention needs an idle engine (requests are running)")
-        modes = {
-            m.indexer.topk is None for m in self.model.modules() if getattr(m, "indexer", None) is not None
-        }
+        modes = {k is None for k in dsa_topks(self.model)}
         if not modes or modes == {dense}:
             return  # no DSA layer, or already in that mode: keep the cache and the graphs
         set_dense_attention(self.model, dense)

@@ -24,6 +24,7 @@ from kestrel.cache.view import KDASaves, PagedCacheView
 from kestrel.engine.request import Request
 from kestrel.engine.scheduler import Batch, PrefillChunk
 from kestrel.layers.context import ForwardContext, forward_context
+from kestrel.layers.mla import dsa_topks
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.ops.sampling import argmax
 from kestrel.utils.device import to_device_async
@@ -169,19 +170,9 @@ class ModelRunner:
         ~30-50 us a step at batch 1, session 26)."""
         if not self.use_cuda_graph:
             return
-        size, dev = self.graph_sizes[-1], self.device
-        topks = [m.indexer.topk for m in self.model.modules() if getattr(m, "indexer", None) is not None]
-        topk = max((k for k in topks if k is not None), default=None)
+        topk = max((k for k in dsa_topks(self.model) if k is not None), default=None)
         self.widths = graph_widths(self.max_pages, self.kv_pool.page_size, self.short_graph_len, topk)
-        ids, pos, slots, table, lens, rows = self._decode_inputs([], self.max_pages, size)
-        self.static_tokens = torch.stack([ids, pos, slots]).to(dev)  # [3, size]: one copy up a step (_stage)
-        # each width's page table [size, width]; the other inputs are shared
-        self.tables = {w: table[:, :w].contiguous().to(dev) for w in self.widths}
-        self.static = [*self.static_tokens, self.tables[self.max_pages], lens.to(dev), rows.to(dev)]
-        if self.slot_pages is None:  # kept by a recapture: its rows are the pages already sent (`_sent`)
-            self.slot_pages = torch.zeros(
-                self.state_pool.num_slots + 1, self.max_pages, dtype=table.dtype, device=dev
-            )
+        self._static_inputs()
         # (width, bs) -> logits, argmax
         self.static_out: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         pool = None
@@ -201,6 +192,20 @@ class ModelRunner:
                 self.graphs[width, bs] = graph
         torch.cuda.synchronize()
 
+    def _static_inputs(self) -> None:
+        """The graphs' inputs, padded to the largest batch bucket, on the runner's device: ids, positions and slots
+        (`static_tokens` [3, size], one copy up a step in _stage), each width's page table (`tables`), lengths
+        and write rows (`static`: the whole width's table among them), and `slot_pages`."""
+        size, dev = self.graph_sizes[-1], self.device
+        ids, pos, slots, table, lens, rows = self._decode_inputs([], self.max_pages, size)
+        self.static_tokens = torch.stack([ids, pos, slots]).to(dev)
+        self.tables = {w: table[:, :w].contiguous().to(dev) for w in self.widths}
+        self.static = [*self.static_tokens, self.tables[self.max_pages], lens.to(dev), rows.to(dev)]
+        if self.slot_pages is None:  # kept by a recapture: its rows are the pages already sent (`_sent`)
+            self.slot_pages = torch.zeros(
+                self.state_pool.num_slots + 1, self.max_pages, dtype=table.dtype, device=dev
+            )
+
     def _graph_inputs(self, width: int, bs: int) -> list[torch.Tensor]:
         """The static inputs of the (width, bs) graph: ids, positions, slots, page table, lens, write rows."""
         ids, pos, slots, _, lens, rows = (t[:bs] for t in self.static)
@@ -210,6 +215,8 @@ class ModelRunner:
         """The (width, batch size) of the graph that runs these decode requests: the smallest batch bucket that
         holds them, and the narrowest width that holds every request's pages up to the position it computes."""
         bs = self.graph_sizes[bisect.bisect_left(self.graph_sizes, len(reqs))]
+        if len(self.widths) == 1:
+            return self.widths[0], bs
         need = max(r.num_computed for r in reqs) // self.kv_pool.page_size + 1
         return self.widths[bisect.bisect_left(self.widths, need)], bs
 

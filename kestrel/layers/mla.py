@@ -384,6 +384,11 @@ class MLAttention(nn.Module):
         ) / (B * Q)
 
 
+def dsa_topks(model: torch.nn.Module) -> list[int | None]:
+    """Each DSA layer's top-k as it stands (None: dense attention, `set_dense_attention`)."""
+    return [m.indexer.topk for m in model.modules() if isinstance(m, MLAttention) and m.indexer is not None]
+
+
 def set_dense_attention(model: torch.nn.Module, dense: bool) -> None:
     """Switch every DSA layer of `model` to dense attention over all visible tokens, or back to the
     indexer's top-k selection (the config's index_topk), in place: the sparse-vs-dense contrast of evals."""

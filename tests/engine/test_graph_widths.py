@@ -35,15 +35,6 @@ def test_config_rejects_a_negative_short_width():
         EngineConfig(cuda_graph_short_len=-1)
 
 
-def _fake_graph_inputs(runner, size: int) -> None:
-    """What capture_graphs sets up on CUDA, on the CPU: the static inputs and each width's page table."""
-    ids, pos, slots, table, lens, rows = runner._decode_inputs([], runner.max_pages, size)
-    runner.static_tokens = torch.stack([ids, pos, slots])
-    runner.static = [*runner.static_tokens, table, lens, rows]
-    runner.tables = {w: table[:, :w].contiguous() for w in runner.widths}
-    runner.slot_pages = torch.zeros(runner.state_pool.num_slots + 1, runner.max_pages, dtype=table.dtype)
-
-
 def test_short_width_stages_and_computes_what_the_whole_width_does(monkeypatch):
     """The tiny model (DSA top-8), a 256-token limit, 16-token short graphs: while every context fits 16 tokens
     the step takes the short width, past it the whole; at the short width the staged page table is the whole
@@ -60,7 +51,7 @@ def test_short_width_stages_and_computes_what_the_whole_width_does(monkeypatch):
     runner.graph_sizes = (size,)  # one padded bucket for the three requests
     runner.widths = graph_widths(runner.max_pages, 4, 16, 8)
     assert runner.widths == (4, 64)
-    _fake_graph_inputs(runner, size)
+    runner._static_inputs()  # what capture_graphs sets up on CUDA, here on the CPU
     pools = [t for d in (engine.state_pool.ssm, engine.state_pool.conv) for t in d.values()]
     seen = {"short": 0, "whole": 0}
     eager = runner._decode
