@@ -1064,6 +1064,7 @@ def prefill_bench() -> dict:
 
 
 GPU_TEST_PARTS = ["switches", "fuse", "rest"]  # --gpu-tests-parts
+GPU_TEST_WORKERS = [1]  # --gpu-tests-workers
 _SWITCH_TESTS = [
     "tests/ops/test_kda.py::test_fla_chunk_gradients_match_the_reference",
     "tests/ops/test_packed_conv.py::test_fla_conv_matches_reference",
@@ -1107,7 +1108,11 @@ def gpu_tests() -> dict:
     The tests that decide the training run's fast-path switches run first, and pytest writes one line per test
     straight into $OUT/gpu_tests.log, so a call that runs out of time still returns every outcome so far (the
     first device run of this section, 2026-11-30, ran past the 400 s it was given and returned nothing).
-    Pick a switch from the log: `grep -q '<test id>.* PASSED' gpu_tests.log`.
+    Pick a switch from the log: `_pytest_outcomes` reads it.
+
+    With --gpu-tests-workers N > 1, each part runs in N pytest-xdist processes sharing the one GPU (the image has
+    pytest-xdist): the section's time is mostly Triton compiling kernels on one CPU core (session 46: 1,100 s over
+    three calls for 873 tests), and the machine has 16. `xdist_args` says how.
 
     The smoke run only collects them (every target named here exists): on the CPU they are CI's own suite."""
     collect_only = [] if S.device == "cuda" else ["--collect-only"]
@@ -1120,6 +1125,8 @@ def gpu_tests() -> dict:
             # end; durations: where the time goes
             cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-v", "-rfEs", "--durations=25"]
             cmd += [*targets, "-p", "no:cacheprovider", "--tb=short", *collect_only]
+            if not collect_only:
+                cmd += xdist_args(GPU_TEST_WORKERS[0], log)
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
             returncodes.append(proc.returncode)
             log.flush()
@@ -1129,6 +1136,7 @@ def gpu_tests() -> dict:
     print("gpu tests:", returncodes, counts, *failed, sep="\n  ", flush=True)
     result = {
         "parts": list(GPU_TEST_PARTS),
+        "workers": GPU_TEST_WORKERS[0],
         "returncodes": returncodes,
         "counts": counts,
         "failed": failed,
@@ -1139,11 +1147,38 @@ def gpu_tests() -> dict:
     return result
 
 
+def xdist_args(workers: int, log=None) -> list[str]:
+    """pytest arguments that spread a part's tests over `workers` processes (none for one worker, or where
+    pytest-xdist is missing: then a line in `log` says so and the part runs in one process). Tests are dealt out
+    in collection order, in one contiguous share a worker, and an idle worker takes from another's tail
+    (`worksteal`, pytest-xdist >= 3.2; before it `load`, tests dealt one by one): the tests of one file mostly stay
+    in one process, which compiles their kernels once."""
+    if workers <= 1:
+        return []
+    try:
+        import xdist
+    except ImportError:
+        if log is not None:
+            log.write(f"gpu tests: pytest-xdist is not installed: one process, not {workers}\n")
+            log.flush()
+        return []
+    major, minor = (int(part) for part in re.findall(r"\d+", xdist.__version__)[:2])
+    return ["-n", str(workers), "--dist", "worksteal" if (major, minor) >= (3, 2) else "load"]
+
+
 def _pytest_outcomes(log: str) -> dict[str, str]:
     """node id -> PASSED | FAILED | ERROR | SKIPPED | XFAIL | XPASS, from pytest -v lines (the last word wins:
-    a test that fails in teardown after passing is an ERROR)."""
-    pattern = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
-    return {m.group(1): m.group(2) for line in log.splitlines() if (m := pattern.match(line))}
+    a test that fails in teardown after passing is an ERROR): `<node id> OUTCOME [ n%]` in one process,
+    `[gwK] [ n%] OUTCOME <node id>` from pytest-xdist's workers."""
+    plain = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+    worker = re.compile(r"^\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (tests/\S+::\S+)")
+    outcomes = {}
+    for line in log.splitlines():
+        if m := plain.match(line):
+            outcomes[m.group(1)] = m.group(2)
+        elif m := worker.match(line):
+            outcomes[m.group(2)] = m.group(1)
+    return outcomes
 
 
 def _ttft_ms(engine, prompt: list[int]) -> float:
@@ -1515,6 +1550,7 @@ def main() -> None:
     from kestrel.presets import (
         INIT_SCHEMES,
     )  # (imports no Triton: --smoke sets TRITON_INTERPRET after parsing)
+    from kestrel.serve.cli import _positive_int  # (nor does this)
 
     parser = argparse.ArgumentParser()
     parser.add_argument(
@@ -1550,6 +1586,13 @@ def main() -> None:
         "files) for calls too short for the whole section",
     )
     parser.add_argument(
+        "--gpu-tests-workers",
+        type=_positive_int,
+        default=1,
+        help="gpu_tests: pytest-xdist processes for each part, sharing the GPU (default 1: one process; the "
+        "compiles of Triton kernels, most of the section's time, then run side by side)",
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="every section's code on the CPU at tiny sizes (no figures)"
     )
     args = parser.parse_args()
@@ -1575,6 +1618,7 @@ def main() -> None:
     except ValueError as e:
         parser.error(f"--gpu-tests-parts: {e}")
     GPU_TEST_PARTS[:] = args.gpu_tests_parts.split(",")
+    GPU_TEST_WORKERS[0] = args.gpu_tests_workers
     PARITY_MODELS[:] = (args.parity_models or S.parity_models).split(",")
     PARITY_INIT[0] = args.parity_init
     if args.agent_concurrency:

@@ -23,7 +23,7 @@ EXPECTED = {
     "foundation": {"parity", "generate_tiny", "cli_generate_tiny"},
     "kda_layers": {"tiny"},
     "parity_floor": {"tiny"},
-    "gpu_tests": {"parts", "returncodes", "counts", "outcomes", "failed", "skipped"},
+    "gpu_tests": {"parts", "workers", "returncodes", "counts", "outcomes", "failed", "skipped"},
     "engine_decode": {"moe_grouped_mm", "plan", "batches", "prefill_4x64_s", "skipped"},
     "profile_decode": {"wall_ms_per_step", "cuda_ms_per_step", "kernel_launches_per_step", "top_kernels"},
     "prefill_bench": {"ceilings", "cases"},
@@ -61,6 +61,7 @@ EXPECTED = {
 def sections(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("gpu_suite_smoke")
     cmd = [sys.executable, "scripts/gpu_suite.py", "--smoke", "--sections", "all", "--out", str(out)]
+    cmd += ["--gpu-tests-workers", "2"]  # parsed and recorded (on the CPU the tests are collected only)
     # its own process group: on a timeout the servers it started go down with it (~30 s idle, minutes on a
     # loaded 2-core machine)
     proc = subprocess.Popen(
@@ -102,6 +103,7 @@ def test_smoke_figures_are_real(sections):
     assert foundation["parity"]["kestrel-demo"]["prompt"] == "held-out chat prompts, concatenated"
     assert foundation["cli_generate_tiny"]["returncode"] == 0
     assert sections["gpu_tests"]["returncodes"] == [0, 0, 0]  # every test target the GPU run names exists
+    assert sections["gpu_tests"]["workers"] == 2
     assert set(sections["engine_decode"]["batches"]) == {"4", "2", "1"}
     assert sections["profile_decode"]["top_kernels"]
     packed = sections["prefill_bench"]["cases"]["2x64"]
@@ -188,3 +190,37 @@ tests/ops/test_moe.py::test_grouped"""
         "tests/test_fuse.py::test_compiled_training_step_equals_eager[cuda]": "ERROR",
         "tests/ops/test_packed_conv.py::test_fla_conv_matches_reference[dtype0-False]": "SKIPPED",
     }
+
+
+def test_gpu_tests_log_parser_reads_xdist_workers_lines(gpu_suite):
+    """With --gpu-tests-workers, pytest-xdist writes `[gwK] [ n%] OUTCOME <node id>` as each test ends (the
+    node id alone, without an outcome, as it starts; a crashed worker's test FAILED)."""
+    log = """created: 8/8 workers
+tests/ops/test_gemv.py::test_a[1]
+[gw3] [  1%] PASSED tests/ops/test_gemv.py::test_a[1]
+[gw0] [ 12%] SKIPPED tests/ops/test_moe.py::test_b[fp64]
+[gw7] [100%] FAILED tests/ops/test_mla.py::test_c
+[gw1] [ 99%] ERROR tests/ops/test_mla.py::test_d
+FAILED tests/ops/test_mla.py::test_c - AssertionError"""
+    assert gpu_suite._pytest_outcomes(log) == {
+        "tests/ops/test_gemv.py::test_a[1]": "PASSED",
+        "tests/ops/test_moe.py::test_b[fp64]": "SKIPPED",
+        "tests/ops/test_mla.py::test_c": "FAILED",
+        "tests/ops/test_mla.py::test_d": "ERROR",
+    }
+
+
+def test_xdist_args(gpu_suite, monkeypatch):
+    """One worker: no xdist arguments. Several: `-n N` and worksteal from pytest-xdist 3.2 on (load before);
+    without pytest-xdist, none, and the log says the part runs in one process."""
+    import io
+    import types
+
+    assert gpu_suite.xdist_args(1) == []
+    for version, dist in (("3.8.0", "worksteal"), ("3.2.1", "worksteal"), ("3.1.0", "load"), ("2.5", "load")):
+        monkeypatch.setitem(sys.modules, "xdist", types.SimpleNamespace(__version__=version))
+        assert gpu_suite.xdist_args(8) == ["-n", "8", "--dist", dist]
+    monkeypatch.setitem(sys.modules, "xdist", None)  # import xdist raises ImportError
+    log = io.StringIO()
+    assert gpu_suite.xdist_args(8, log) == []
+    assert "pytest-xdist is not installed" in log.getvalue()
