@@ -393,4 +393,12 @@ def cmd_bench_decode(args) -> int:
     )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
+        try:
+            from kestrel.bench.decode_plot import plot_decode
+
+            print(f"wrote {args.out} and {plot_decode(result, Path(args.out).with_suffix('.png'))}")
+        except ImportError:
+            print(
+                f"wrote {args.out} (no matplotlib here: `kestrel bench plot-decode {args.out}` draws it elsewhere)"
+            )
     return 0

@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kestrel.bench import agent  # stdlib-only at import; httpx and matplotlib load when it runs
 
     bench = sub.add_parser(
-        "bench", help="benchmarks: agent (against a server), decode and kernels (on a GPU)"
+        "bench", help="benchmarks: agent (against a server), decode and kernels (on a GPU), plot-decode"
     )
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     a = benchmarks.add_parser("agent", help="multi-turn agentic sweep against any OpenAI-compatible server")
@@ -386,6 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     d.set_defaults(func=_bench("decode"))
+    pd = benchmarks.add_parser(
+        "plot-decode", help="draw a `bench decode` result: where each point's step goes (PNG)"
+    )
+    pd.add_argument("result", type=Path, help="the JSON `bench decode --out` wrote")
+    pd.add_argument("--out", type=Path, default=None, help="the PNG (default: the result's path, .png)")
+    pd.set_defaults(func=_bench("plot-decode"))
     k = benchmarks.add_parser(
         "kernels", help="each fast-path kernel vs the ceilings measured in the run (GPU)"
     )
@@ -400,6 +406,10 @@ def _bench(name: str):
             from kestrel.bench.decode import cmd_bench_decode
 
             return cmd_bench_decode(args)
+        if name == "plot-decode":
+            from kestrel.bench.decode_plot import cmd_plot_decode
+
+            return cmd_plot_decode(args)
         from kestrel.bench.kernels import cmd_bench_kernels
 
         return cmd_bench_kernels(args)
