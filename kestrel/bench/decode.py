@@ -353,6 +353,10 @@ def decode_bench(
                 "short_graph_len": short_graph_len,
                 "setup_s": time.perf_counter() - start,
                 "decode_graphs": len(engine.runner.graphs),
+                # tokens: the page tables of the captured graphs (a short width only where the limit allows it)
+                "graph_widths": [w * engine.kv_pool.page_size for w in engine.runner.widths]
+                if engine.runner.graphs
+                else [],
             }
         )
         print(f"engine: ctx={context} max {engine.plan.max_model_len}: {engines[-1]}", flush=True)

@@ -40,8 +40,11 @@ def _bar(run: dict, copy: float) -> dict:
     launches = floor["launches_ms"] if floor else None
     target = TARGETS.get((run["batch"], run["context"])) if run["attention"] == "DSA" else None
     label = f"batch {run['batch']}, {_tokens(run['context'])}, {run['attention']}"
-    if run.get("short_graph_len"):
-        label += f", graphs {_tokens(run['short_graph_len'])}"
+    limit, width = run.get("max_model_len"), run.get("graph_width")
+    if limit and limit > 2 * run["context"]:  # an engine of a longer limit than the point needs
+        label += f", limit {_tokens(limit)}"
+    if width and limit and width < limit:  # the step replayed a short graph
+        label += f", graph {_tokens(width)}"
     if run.get("sampling", "greedy") != "greedy":
         label += f", {run['sampling']}"
     return {

@@ -27,14 +27,16 @@ def _result() -> dict:
              "launch_floor": {"kernels": 244.0, "launches_ms": 0.238417}},
             {**run, "batch": 256, "step_ms": 6.41426, "graph_replay_ms": 6.33274,
              "bytes": {"total": 16349421631.9}, "launch_floor": {"kernels": 406.0, "launches_ms": 0.396711}},
-            {**run, "batch": 1, "context": 130984, "attention": "dense MLA", "short_graph_len": 8192,
-             "step_ms": 3.088, "bytes": {"total": 2.64e9}},
+            {**run, "batch": 1, "context": 130984, "attention": "dense MLA", "step_ms": 3.088,
+             "bytes": {"total": 2.64e9}},
+            {**run, "batch": 64, "max_model_len": 131072, "graph_width": 8192, "step_ms": 3.9,
+             "bytes": {"total": 9.1e9}},
         ],
     }  # fmt: skip
 
 
 def test_bars_cut_each_step_and_place_the_targets():
-    one, many, dense = bars(_result())
+    one, many, dense, short = bars(_result())
     assert one["bytes_ms"] == pytest.approx(1773310016.0 / 4.2517e12 * 1e3)  # 0.4171 ms
     assert one["bytes_ms"] / one["step_ms"] == pytest.approx(0.2923, abs=1e-4)  # session 46's MBU
     assert one["bytes_ms"] + one["launches_ms"] + one["rest_ms"] == pytest.approx(one["step_ms"])
@@ -43,7 +45,9 @@ def test_bars_cut_each_step_and_place_the_targets():
     assert one["target_ms"] == pytest.approx(one["bytes_ms"] / 0.70)
     assert dense["launches_ms"] is None and dense["replay_ms"] is None and dense["target_ms"] is None
     assert dense["rest_ms"] == pytest.approx(3.088 - dense["bytes_ms"])
-    assert (one["label"], dense["label"]) == ("batch 1, 4K, DSA", "batch 1, 127.9K, dense MLA, graphs 8K")
+    assert (one["label"], dense["label"]) == ("batch 1, 4K, DSA", "batch 1, 127.9K, dense MLA")
+    # on an engine of serve's default limit, replaying a short graph (`--cuda-graph-short-len`)
+    assert short["label"] == "batch 64, 4K, DSA, limit 128K, graph 8K" and short["target"] is None
 
 
 def test_plot_decode_draws_a_real_result(tmp_path):
