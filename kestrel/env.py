@@ -151,6 +151,10 @@ class Env:
     pdl: str
     """KESTREL_PDL: the decode step's Triton kernels launch with programmatic dependent launch on Hopper and later
     (kestrel.ops.pdl): auto | off."""
+    l2_ahead: str
+    """KESTREL_L2_AHEAD: decode steps of a few rows ask each layer's weights into L2 from a side stream before the
+    kernels that read them (kestrel.ops.l2_ahead; Hopper and later, where PDL is on): off (the default, until
+    timed on a GPU) | on."""
     cache_dir: str
     """KESTREL_CACHE_DIR: where Kestrel keeps what it builds on first use (the CUDA top-k's library, under
     cuda/); unset: ~/.cache/kestrel."""
@@ -186,6 +190,7 @@ _READERS = {
     "dsa_topk": lambda: _str("KESTREL_DSA_TOPK", "auto", ("auto", "cuda", "triton")),
     "gemv": lambda: _str("KESTREL_GEMV", "auto", ("auto", "off")),
     "pdl": lambda: _str("KESTREL_PDL", "auto", ("auto", "off")),
+    "l2_ahead": lambda: _str("KESTREL_L2_AHEAD", "off", ("off", "on")),
     "cache_dir": lambda: _path("KESTREL_CACHE_DIR"),
     "cuda_home": lambda: _path("CUDA_HOME") or _path("CUDA_PATH"),
 }

@@ -26,6 +26,9 @@ from kestrel.engine.scheduler import Batch, PrefillChunk
 from kestrel.layers.context import ForwardContext, forward_context
 from kestrel.layers.mla import dsa_topks
 from kestrel.models.kimi import KimiForCausalLM
+from kestrel.ops.l2_ahead import MAX_ROWS as L2_AHEAD_MAX_ROWS
+from kestrel.ops.l2_ahead import L2Ahead
+from kestrel.ops.l2_ahead import supported as l2_ahead_supported
 from kestrel.ops.sampling import argmax
 from kestrel.utils.device import to_device_async
 
@@ -78,6 +81,9 @@ class ModelRunner:
         self.argmax: torch.Tensor | None = None  # the last forward's, from its decode graph (see forward)
         self.graph_sizes = tuple(sorted(s for s in graph_batch_sizes if s <= max_batch))
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda" and bool(self.graph_sizes)
+        self._l2_ahead: L2Ahead | None = (
+            None  # its side stream, made at the first decode step that asks ahead
+        )
 
     @torch.no_grad()
     def forward(self, batch: Batch, decode_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -158,6 +164,12 @@ class ModelRunner:
         n = ids.shape[0]
         view = PagedCacheView(self.kv_pool, self.state_pool, slots, rows, page_table=table, lens=lens)
         ctx = ForwardContext(pos, torch.arange(n + 1, device=ids.device), [1] * n, [0] * n, view, decode=True)
+        if n <= L2_AHEAD_MAX_ROWS and l2_ahead_supported(
+            self.device
+        ):  # KESTREL_L2_AHEAD=on (read at capture)
+            if self._l2_ahead is None:
+                self._l2_ahead = L2Ahead(self.device)
+            ctx.extras["l2_ahead"] = self._l2_ahead
         with forward_context(ctx):
             return self.model(ids)
 

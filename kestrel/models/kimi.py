@@ -12,12 +12,13 @@ from torch import nn
 
 from kestrel.config import KDA, MOE, ModelConfig
 from kestrel.layers.attnres import ResProj, mix_norm, mix_norm_bank
-from kestrel.layers.context import ForwardContext, forward_context, has_forward_context
+from kestrel.layers.context import ForwardContext, forward_context, get_forward_context, has_forward_context
 from kestrel.layers.kda import KimiDeltaAttention
 from kestrel.layers.linear import Linear, set_loader
 from kestrel.layers.mla import MLAttention
 from kestrel.layers.moe import DenseMLP, MoE
 from kestrel.layers.norm import RMSNorm
+from kestrel.ops import l2_ahead
 from kestrel.ops.attnres import Bank
 
 
@@ -40,10 +41,29 @@ class DecoderLayer(nn.Module):
             )
             self.mlp_res_proj, self.mlp_res_norm = ResProj(D, dtype), RMSNorm(D, eps, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Pre-norm residual form: x + attn(norm(x)), then + mlp(norm(.))."""
+    def forward(self, x: torch.Tensor, ahead=None, after=None) -> torch.Tensor:
+        """Pre-norm residual form: x + attn(norm(x)), then + mlp(norm(.)). With `ahead` (kestrel.ops.l2_ahead),
+        this layer's MLP weights are asked into L2 before its attention, and the attention weights of `after` (the
+        next layer) before its MLP."""
+        if ahead is not None:
+            ahead.ask(self.weights_ahead()[1])
         x = x + self.self_attn(self.input_layernorm(x))
+        if ahead is not None and after is not None:
+            ahead.ask(after.weights_ahead()[0])
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def weights_ahead(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(the attention's, the MLP's but its routed experts') weights of at least MIN_BYTES, in module order: what a
+        decode step of a few rows asks into L2 ahead of the kernels that read them (kestrel.ops.l2_ahead). The
+        routed experts are left out: which ones a token takes is known only once it is routed."""
+        big = l2_ahead.MIN_BYTES  # read at each call: the tests lower it
+        attn = [p for p in self.self_attn.parameters() if p.numel() * p.element_size() >= big]
+        mlp = [
+            p
+            for name, p in self.mlp.named_parameters()
+            if p.numel() * p.element_size() >= big and not name.startswith("experts.")
+        ]
+        return attn, mlp
 
 
 class KimiModel(nn.Module):
@@ -62,8 +82,14 @@ class KimiModel(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> final normed hidden [T, D]
         x = self.embed_tokens(input_ids)
         if self.config.attn_res_block_size is None:
-            for layer in self.layers:
-                x = layer(x)
+            ahead = _l2_ahead()
+            if ahead is not None:
+                ahead.ask(self.layers[0].weights_ahead()[0])
+            for i, layer in enumerate(self.layers):
+                after = self.layers[i + 1] if i + 1 < len(self.layers) else None
+                x = layer(x, ahead, after) if ahead is not None else layer(x)
+            if ahead is not None:
+                ahead.join()
             return self.norm(x)
         return self._forward_attn_res(x)
 
@@ -115,14 +141,21 @@ class KimiModel(nn.Module):
         buf = x0.new_empty(self._bank_blocks() + 1, *x0.shape)  # [blocks + 1, T, D]
         buf[0].copy_(x0)  # the partial sum before the first layer: x0
         nb = 0  # completed block sums: buf[:nb]; the partial sum: buf[nb]
+        ahead = _l2_ahead()  # weights into L2 ahead (DecoderLayer.forward says when), or None
+        if ahead is not None:
+            ahead.ask(self.layers[0].weights_ahead()[0])
         for i, layer in enumerate(self.layers):
             closes = i % block == 0  # the partial sum closes into the bank
             nb += closes
             sources = buf[:nb] if closes else buf[: nb + 1]
+            if ahead is not None:
+                ahead.ask(layer.weights_ahead()[1])
             h = mix_norm(
                 sources, layer.self_attention_res_proj, layer.self_attention_res_norm, layer.input_layernorm
             )
             a = layer.self_attn(h)
+            if ahead is not None and i + 1 < len(self.layers):
+                ahead.ask(self.layers[i + 1].weights_ahead()[0])
             # buf[nb] = a (a new partial sum) or += a, inside the mix that reads it
             h = mix_norm(
                 buf[: nb + 1],
@@ -134,7 +167,15 @@ class KimiModel(nn.Module):
             )
             # buf[nb] += the block's output (inside the MoE's last kernel, or add_)
             layer.mlp(h, add_to=buf[nb])
+        if ahead is not None:
+            ahead.join()
         return mix_norm(buf[: nb + 1], self.output_attn_res_proj, self.output_attn_res_norm, self.norm)
+
+
+def _l2_ahead():
+    """The forward context's L2Ahead (kestrel.ops.l2_ahead: the runner sets one for decode steps of a few rows
+    where KESTREL_L2_AHEAD is on), or None."""
+    return get_forward_context().extras.get("l2_ahead") if has_forward_context() else None
 
 
 class KimiForCausalLM(nn.Module):
