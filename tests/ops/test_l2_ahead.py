@@ -9,15 +9,14 @@ import dataclasses
 import pytest
 import torch
 
-from kestrel.config import EngineConfig
 from kestrel.engine import runner as runner_module
-from kestrel.engine.engine import Engine
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.layers.context import ForwardContext, forward_context
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model, init_random_weights
 from kestrel.ops import l2_ahead
 from kestrel.presets import preset_config
+from tests.engine.test_engine import _engine, _prompt, _run
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -129,15 +128,9 @@ def test_runner_gives_decode_steps_of_few_rows_an_l2ahead(monkeypatch):
         monkeypatch.setattr(runner_module, "l2_ahead_supported", lambda device: on)
         monkeypatch.setattr(runner_module, "L2Ahead", make)
         model = build_model("tiny", seed=5)
-        engine = Engine(EngineConfig(model="tiny", page_size=4, max_running_requests=24), model=model)
-        tokens = {}
-        for i in range(n):
-            prompt = [(7 * i + j) % 200 + 3 for j in range(5 + i % 3)]
-            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), str(i))
-        while engine.has_unfinished():
-            for o in engine.step():
-                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-        return tokens
+        engine = _engine(model, max_running_requests=24)
+        greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        return _run(engine, {str(i): (_prompt(5 + i % 3, i), greedy) for i in range(n)})[0]
 
     for n in (3, l2_ahead.MAX_ROWS + 4):
         made.clear()
@@ -189,24 +182,9 @@ def test_engine_tokens_with_l2_ahead_on_cuda(monkeypatch, graphs):
     for on in ("off", "on"):
         monkeypatch.setenv("KESTREL_L2_AHEAD", on)
         model = build_model("tiny", dtype=torch.bfloat16, device="cuda", seed=5)
-        engine = Engine(
-            EngineConfig(
-                model="tiny",
-                device="cuda",
-                page_size=4,
-                max_running_requests=4,
-                disable_cuda_graph=not graphs,
-            ),
-            model=model,
-        )
-        tokens = {}
-        for i in range(3):
-            prompt = [(11 * i + j) % 200 + 3 for j in range(6 + i)]
-            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), str(i))
-        while engine.has_unfinished():
-            for o in engine.step():
-                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-        out[on] = tokens
+        engine = _engine(model, device="cuda", max_running_requests=4, disable_cuda_graph=not graphs)
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        out[on] = _run(engine, {str(i): (_prompt(6 + i, i), greedy) for i in range(3)})[0]
         if on == "on":
             assert engine.runner._l2_ahead is not None
     assert out["on"] == out["off"]
