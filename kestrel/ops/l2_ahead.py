@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kestrel.env import env_field
-from kestrel.ops.pdl import l2_prefetch, pdl_args
+from kestrel.ops.pdl import l2_prefetch, pdl_on
 
 MAX_ROWS = 16  # decode steps of at most this many rows ask ahead (the GEMV's rows: where weights dominate)
 MAX_BYTES = 24 << 20  # bytes an ask takes at most, its tensors in order (L2: 50 MB on the H200)
@@ -96,9 +96,7 @@ def segments(tensors: list[torch.Tensor], max_bytes: int = MAX_BYTES) -> list[tu
 
 def supported(device: torch.device) -> bool:
     """KESTREL_L2_AHEAD on, a CUDA device where PDL is on (Hopper and later: the bulk prefetch is sm_90)."""
-    if env_field("l2_ahead") != "on" or device.type != "cuda":  # the variable first: a bad value is an error
-        return False
-    return bool(pdl_args(torch.empty(0, device=device)))
+    return env_field("l2_ahead") == "on" and pdl_on(device)  # the variable first: a bad value is an error
 
 
 class L2Ahead:

@@ -96,10 +96,15 @@ def _supported(index: int) -> bool:
 def pdl_args(t: torch.Tensor) -> dict:
     """The launch arguments that turn PDL on for a kernel working on t's device ({"PDL": True,
     "launch_pdl": True}), or {} where it is off (see the module docstring)."""
-    if t.device.type != "cuda" or env_field("pdl") == "off":
-        return _OFF
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _ON if pdl_on(t.device) else _OFF
+
+
+def pdl_on(device: torch.device) -> bool:
+    """PDL is on for kernels on `device` (a Hopper or later GPU, KESTREL_PDL not off; see the module docstring)."""
+    if device.type != "cuda" or env_field("pdl") == "off":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
     on = _devices.get(index)
     if on is None:
         on = _devices[index] = _supported(index)
-    return _ON if on else _OFF
+    return on

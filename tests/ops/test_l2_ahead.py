@@ -152,7 +152,12 @@ def test_ask_runs_on_cuda_in_and_out_of_a_graph(monkeypatch):
     ws = [torch.randn(n, 2048, device=device, dtype=torch.bfloat16) for n in (4232, 7, 1024)]
     saved = [w.clone() for w in ws]
     ahead = l2_ahead.L2Ahead(device)
-    ahead.ask(ws)
+    for group in (
+        ws,
+        ws[:2],
+        [ws[2]],
+    ):  # eagerly, compiling each launch the graph takes (as capture_graphs warms up)
+        ahead.ask(group)
     ahead.join()
     torch.cuda.synchronize()
     x = torch.randn(2048, device=device)
