@@ -54,13 +54,10 @@ import traceback
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kestrel.bench.roofline import device_name, graph_ms, measure_ceilings, time_ms  # noqa: E402
 from kestrel.env import env_overrides  # noqa: E402
-from kestrel.ops.pdl import l2_prefetch  # noqa: E402
 
 CALLS_PER_STEP = 24  # mini's MoE layers: the sort runs once in each
 
@@ -808,49 +805,24 @@ def gemv_merged(result: dict, device: str, smoke: bool, ceilings: dict, layers: 
         print(f"gemv merged B={B}: {entry}", flush=True)
 
 
-_PREFETCH_ROWS = 64  # weight rows a program of `_prefetch_kernel` asks into L2
-
-
-@triton.jit
-def _prefetch_kernel(w, rows, K, ROW_BYTES: tl.constexpr, BR: tl.constexpr):
-    """Ask BR rows of a weight a program into L2 (one bulk prefetch a row; sm_90+), waiting for nothing. CUDA
-    only: the CPU's interpreter has no inline assembly."""
-    r = tl.minimum(tl.program_id(0) * BR + tl.arange(0, BR), rows - 1)
-    l2_prefetch(w + r.to(tl.int64) * K, ROW_BYTES)
-
-
-def _prefetch(w: torch.Tensor) -> None:
-    rows, K = w.shape
-    _prefetch_kernel[(-(-rows // _PREFETCH_ROWS),)](
-        w, rows, K, ROW_BYTES=K * w.element_size(), BR=_PREFETCH_ROWS, num_warps=1
-    )
-
-
-def _gemv_chain(layers: list, x: torch.Tensor, lead: int = 0, stream=None) -> torch.Tensor:
+def _gemv_chain(layers: list, x: torch.Tensor, ahead=None, lead: int = 0) -> torch.Tensor:
     """x through each layer's (W_in, W_o): y = x W_in^T, then y's first W_o.shape[1] columns through W_o (a KDA
-    layer's in-projection and o-projection at decode). With `lead` > 0 (CUDA), a side stream asks the weights
-    of the GEMV `lead` places ahead into L2 as each GEMV ends: an event after GEMV j, on which the prefetch of
-    GEMV j + lead waits (graph edges pace it; the first `lead` go out at the start)."""
+    layer's in-projection and o-projection at decode). With `ahead` (kestrel.ops.l2_ahead.L2Ahead, CUDA), the
+    weights of the GEMV `lead` places ahead are asked into L2 from its side stream as each GEMV ends (the first
+    `lead` at the start): the decode step's KESTREL_L2_AHEAD machinery, paced one GEMV at a time."""
     from kestrel.ops.linear.triton_gemv import gemv_triton
 
     seq = [w for pair in layers for w in pair]  # the GEMVs' weights in launch order
-    main = torch.cuda.current_stream() if lead else None
-    if lead:
-        stream.wait_stream(main)
-        with torch.cuda.stream(stream):
-            for w in seq[:lead]:
-                _prefetch(w)
+    if ahead is not None:
+        for w in seq[:lead]:
+            ahead.ask([w])
     h = x
     for j, w in enumerate(seq):
         h = gemv_triton(h[:, : w.shape[1]], w)  # the in-projection takes all of h
-        if lead and j + lead < len(seq):
-            done = torch.cuda.Event()
-            done.record(main)
-            stream.wait_event(done)
-            with torch.cuda.stream(stream):
-                _prefetch(seq[j + lead])
-    if lead:
-        main.wait_stream(stream)
+        if ahead is not None and j + lead < len(seq):
+            ahead.ask([seq[j + lead]])
+    if ahead is not None:
+        ahead.join()
     return h
 
 
@@ -862,7 +834,8 @@ def l2_ahead(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
       PDL wait: the lead of one kernel it has today);
     - hot: one layer's weights for all 24 (21 MB: they stay in L2), the ceiling of any prefetching;
     - ahead k (CUDA): cold, with a side stream in the graph asking the weights of the GEMV k places ahead into L2
-      as each GEMV ends (graph edges pace it, nothing spins).
+      as each GEMV ends (graph edges pace it, nothing spins): kestrel.ops.l2_ahead's L2Ahead, which the decode
+      step takes under KESTREL_L2_AHEAD=on.
     If hot is not well below cold, prefetching further ahead cannot pay and the GEMVs are bound by their launches
     and latency; if it is, `ahead` shows how much of the gap a paced side stream takes. Outputs compared."""
     (N_in, K_in), (N_o, K_o), layers = ((48, 32), (32, 16), 3) if smoke else ((4232, 2048), (2048, 1024), 24)
@@ -886,16 +859,18 @@ def l2_ahead(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
     }
     outs = {}
 
-    def run(key, chain_layers, lead=0, stream=None):
-        outs[key] = _gemv_chain(chain_layers, x, lead, stream)
+    def run(key, chain_layers, ahead=None, lead=0):
+        outs[key] = _gemv_chain(chain_layers, x, ahead, lead)
 
     for key, chain_layers in (("cold", cold), ("hot", hot)):
         entry[f"{key}_us_a_layer"] = calls_us([functools.partial(run, key, chain_layers)], device) / layers
     if device == "cuda":
-        stream = torch.cuda.Stream()
-        for lead in (2, 3, 4, 6):
+        from kestrel.ops.l2_ahead import L2Ahead
+
+        ahead = L2Ahead(torch.device(device))
+        for lead in (1, 2, 3, 4, 6):
             key = f"ahead_{lead}"
-            call = functools.partial(run, key, cold, lead, stream)
+            call = functools.partial(run, key, cold, ahead, lead)
             entry[f"{key}_us_a_layer"] = calls_us([call], device) / layers
             entry[f"{key}_same_bits"] = bool(torch.equal(outs[key], outs["cold"]))
     print(f"l2_ahead: {entry}", flush=True)
