@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
+import time
 
 import torch
+from tqdm import tqdm
 
 from kestrel.cache.kv_pool import KVPool
 from kestrel.cache.state_pool import StatePool
@@ -31,6 +34,8 @@ from kestrel.ops.l2_ahead import L2Ahead
 from kestrel.ops.l2_ahead import supported as l2_ahead_supported
 from kestrel.ops.sampling import argmax
 from kestrel.utils.device import to_device_async
+
+log = logging.getLogger("kestrel.engine")
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
@@ -187,22 +192,31 @@ class ModelRunner:
         self._static_inputs()
         # (width, bs) -> logits, argmax
         self.static_out: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        pool = None
-        for width in reversed(self.widths):
-            for bs in reversed(self.graph_sizes):
-                args = self._graph_inputs(width, bs)
-                for _ in range(2):  # warm up (Triton autotuning, lazy init) outside the capture
-                    self._page_inputs(*args)
-                    self._decode_forward(*args)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._page_inputs(*args)
-                    logits = self._decode_forward(*args)
-                    self.static_out[width, bs] = (logits, argmax(logits))
-                pool = graph.pool()
-                self.graphs[width, bs] = graph
+        pool, start = None, time.perf_counter()
+        keys = [(width, bs) for width in reversed(self.widths) for bs in reversed(self.graph_sizes)]
+        # a bar on a terminal (a big model's capture takes a while, short graphs double it), nothing in logs
+        for width, bs in tqdm(keys, desc="capturing decode graphs", unit="graph", disable=None, leave=False):
+            args = self._graph_inputs(width, bs)
+            for _ in range(2):  # warm up (Triton autotuning, lazy init) outside the capture
+                self._page_inputs(*args)
+                self._decode_forward(*args)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._page_inputs(*args)
+                logits = self._decode_forward(*args)
+                self.static_out[width, bs] = (logits, argmax(logits))
+            pool = graph.pool()
+            self.graphs[width, bs] = graph
         torch.cuda.synchronize()
+        log.info(
+            "decode graphs: %d captured in %.1f s (batch sizes %d-%d; page tables %s tokens wide)",
+            len(keys),
+            time.perf_counter() - start,
+            self.graph_sizes[0],
+            self.graph_sizes[-1],
+            " and ".join(str(w * self.kv_pool.page_size) for w in self.widths),
+        )
 
     def _static_inputs(self) -> None:
         """The graphs' inputs, padded to the largest batch bucket, on the runner's device: ids, positions and slots
