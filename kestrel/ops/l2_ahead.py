@@ -35,7 +35,7 @@ MAX_BYTES = 24 << 20  # bytes an ask takes at most, its tensors in order (L2: 50
 MAX_SEGMENTS = 8  # tensors an ask takes at most (one launch)
 MIN_BYTES = 1 << 16  # smaller weights (norms, biases) are not asked for
 CHUNK = 4096  # bytes a lane asks for (one bulk prefetch; the GEMV's rows are 2-8 KB)
-LANES = 64  # lanes a program (one warp)
+LANES = 64  # lanes a program (two warps: a lane a thread)
 
 
 @triton.jit
