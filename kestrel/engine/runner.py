@@ -86,9 +86,8 @@ class ModelRunner:
         self.argmax: torch.Tensor | None = None  # the last forward's, from its decode graph (see forward)
         self.graph_sizes = tuple(sorted(s for s in graph_batch_sizes if s <= max_batch))
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda" and bool(self.graph_sizes)
-        self._l2_ahead: L2Ahead | None = (
-            None  # its side stream, made at the first decode step that asks ahead
-        )
+        # KESTREL_L2_AHEAD's side stream, made at the first decode step that asks ahead
+        self._l2_ahead: L2Ahead | None = None
 
     @torch.no_grad()
     def forward(self, batch: Batch, decode_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,9 +168,8 @@ class ModelRunner:
         n = ids.shape[0]
         view = PagedCacheView(self.kv_pool, self.state_pool, slots, rows, page_table=table, lens=lens)
         ctx = ForwardContext(pos, torch.arange(n + 1, device=ids.device), [1] * n, [0] * n, view, decode=True)
-        if n <= L2_AHEAD_MAX_ROWS and l2_ahead_supported(
-            self.device
-        ):  # KESTREL_L2_AHEAD=on (read at capture)
+        # KESTREL_L2_AHEAD=on: read at each eager step, and at capture for the graphs
+        if n <= L2_AHEAD_MAX_ROWS and l2_ahead_supported(self.device):
             if self._l2_ahead is None:
                 self._l2_ahead = L2Ahead(self.device)
             ctx.extras["l2_ahead"] = self._l2_ahead

@@ -46,24 +46,23 @@ class DecoderLayer(nn.Module):
         this layer's MLP weights are asked into L2 before its attention, and the attention weights of `after` (the
         next layer) before its MLP."""
         if ahead is not None:
-            ahead.ask(self.weights_ahead()[1])
+            ahead.ask(self.mlp_weights_ahead())
         x = x + self.self_attn(self.input_layernorm(x))
         if ahead is not None and after is not None:
-            ahead.ask(after.weights_ahead()[0])
+            ahead.ask(after.attention_weights_ahead())
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def weights_ahead(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(the attention's, the MLP's but its routed experts') weights of at least MIN_BYTES, in module order: what a
         decode step of a few rows asks into L2 ahead of the kernels that read them (kestrel.ops.l2_ahead). The
         routed experts are left out: which ones a token takes is known only once it is routed."""
-        big = l2_ahead.MIN_BYTES  # read at each call: the tests lower it
-        attn = [p for p in self.self_attn.parameters() if p.numel() * p.element_size() >= big]
-        mlp = [
-            p
-            for name, p in self.mlp.named_parameters()
-            if p.numel() * p.element_size() >= big and not name.startswith("experts.")
-        ]
-        return attn, mlp
+        return self.attention_weights_ahead(), self.mlp_weights_ahead()
+
+    def attention_weights_ahead(self) -> list[torch.Tensor]:
+        return _big(self.self_attn.named_parameters())
+
+    def mlp_weights_ahead(self) -> list[torch.Tensor]:
+        return _big((n, p) for n, p in self.mlp.named_parameters() if not n.startswith("experts."))
 
 
 class KimiModel(nn.Module):
@@ -84,10 +83,9 @@ class KimiModel(nn.Module):
         if self.config.attn_res_block_size is None:
             ahead = _l2_ahead()
             if ahead is not None:
-                ahead.ask(self.layers[0].weights_ahead()[0])
+                ahead.ask(self.layers[0].attention_weights_ahead())
             for i, layer in enumerate(self.layers):
-                after = self.layers[i + 1] if i + 1 < len(self.layers) else None
-                x = layer(x, ahead, after) if ahead is not None else layer(x)
+                x = layer(x, ahead, self.layers[i + 1] if i + 1 < len(self.layers) else None)
             if ahead is not None:
                 ahead.join()
             return self.norm(x)
@@ -143,19 +141,19 @@ class KimiModel(nn.Module):
         nb = 0  # completed block sums: buf[:nb]; the partial sum: buf[nb]
         ahead = _l2_ahead()  # weights into L2 ahead (DecoderLayer.forward says when), or None
         if ahead is not None:
-            ahead.ask(self.layers[0].weights_ahead()[0])
+            ahead.ask(self.layers[0].attention_weights_ahead())
         for i, layer in enumerate(self.layers):
             closes = i % block == 0  # the partial sum closes into the bank
             nb += closes
             sources = buf[:nb] if closes else buf[: nb + 1]
             if ahead is not None:
-                ahead.ask(layer.weights_ahead()[1])
+                ahead.ask(layer.mlp_weights_ahead())
             h = mix_norm(
                 sources, layer.self_attention_res_proj, layer.self_attention_res_norm, layer.input_layernorm
             )
             a = layer.self_attn(h)
             if ahead is not None and i + 1 < len(self.layers):
-                ahead.ask(self.layers[i + 1].weights_ahead()[0])
+                ahead.ask(self.layers[i + 1].attention_weights_ahead())
             # buf[nb] = a (a new partial sum) or += a, inside the mix that reads it
             h = mix_norm(
                 buf[: nb + 1],
@@ -170,6 +168,11 @@ class KimiModel(nn.Module):
         if ahead is not None:
             ahead.join()
         return mix_norm(buf[: nb + 1], self.output_attn_res_proj, self.output_attn_res_norm, self.norm)
+
+
+def _big(named) -> list[torch.Tensor]:
+    """The tensors of (name, tensor) pairs of at least l2_ahead.MIN_BYTES (read at each call: the tests lower it)."""
+    return [p for _, p in named if p.numel() * p.element_size() >= l2_ahead.MIN_BYTES]
 
 
 def _l2_ahead():
