@@ -7,46 +7,64 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-
-def _str(name: str, default: str, choices: tuple[str, ...] | None = None) -> str:
-    value = os.environ.get(name, default).strip().lower()
-    if choices is not None and value not in choices:
-        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
-    return value
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _bool(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    return value.strip().lower() in ("1", "true", "yes", "on")
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable: its name, how its text reads, its default. kind:
+    - "choice": one of `choices`, any case;
+    - "flag": on (1, true, yes, on) or off (0, false, no, off), any case;
+    - "switch": auto, on or off (1 and 0 and the flag's other words too);
+    - "count": a whole number >= 0;
+    - "path": a filesystem path, as given (case kept), or "" where unset;
+    - "loose": Triton's own flags' rule (on for 1, true, yes, on, y; anything else off, never an error).
+    Unset or blank: the default. `fallback` is read where `name` is unset (CUDA_PATH after CUDA_HOME)."""
 
+    name: str
+    kind: str
+    default: str | bool | int
+    choices: tuple[str, ...] = ()
+    fallback: str | None = None
+    what: str = ""  # a few words for `kestrel env`'s table (the Env field's description says the rest)
 
-def _switch(name: str, default: str) -> str:
-    """auto | on | off, with 1/true/yes for on and 0/false/no for off; unset or empty: the default."""
-    value = os.environ.get(name, "").strip().lower() or default
-    value = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(value, value)
-    if value not in ("auto", "on", "off"):
-        raise ValueError(f"{name}={value!r}: expected auto, on or off (or 1 / 0)")
-    return value
+    def text(self) -> str:
+        """The variable's text as set ("" where unset), its fallback's where it is unset."""
+        value = os.environ.get(self.name, "").strip()
+        if not value and self.fallback:
+            value = os.environ.get(self.fallback, "").strip()
+        return value
 
+    def read(self):
+        """Its value, or ValueError naming the variable and what it takes."""
+        value = self.text()
+        if self.kind == "path" or not value:
+            return value or self.default
+        value = value.lower()
+        if self.kind == "choice" and value in self.choices:
+            return value
+        if self.kind == "loose":
+            return value in (*_ON, "y")
+        if self.kind == "flag" and value in _ON + _OFF:
+            return value in _ON
+        if self.kind == "switch":
+            value = "on" if value in _ON else "off" if value in _OFF else value
+            if value in ("auto", "on", "off"):
+                return value
+        if self.kind == "count" and value.isdigit():
+            return int(value)
+        raise ValueError(f"{self.name}={value!r}: expected {self.takes()}")
 
-def _path(name: str) -> str:
-    """A filesystem path, as given (case kept); unset or empty: ""."""
-    return os.environ.get(name, "").strip()
-
-
-def _int(name: str, default: int) -> int:
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        number = int(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r}: expected a whole number >= 0") from None
-    if number < 0:
-        raise ValueError(f"{name}={value!r}: expected a whole number >= 0")
-    return number
+    def takes(self) -> str:
+        """What the variable takes, in words."""
+        return {
+            "choice": " | ".join(self.choices),
+            "flag": "on | off, 1 | 0, true | false, yes | no",
+            "switch": "auto | on | off (1 | 0)",
+            "count": "a whole number >= 0",
+            "path": "a path",
+            "loose": "1 | 0 (Triton's rule: 1, true, yes, on, y are on)",
+        }[self.kind]
 
 
 @dataclass(frozen=True)
@@ -54,7 +72,8 @@ class Env:
     kda_backend: str
     """KESTREL_KDA_BACKEND: auto (fla-core on CUDA, reference elsewhere) | naive | fla."""
     log_level: str
-    """KESTREL_LOG_LEVEL: debug | info | warning | error."""
+    """KESTREL_LOG_LEVEL: the server's log level where `kestrel serve --log-level` is not given: debug | info |
+    warning | error."""
     attn_backend: str
     """KESTREL_ATTN_BACKEND: MLA/DSA decode over the paged cache: auto (Triton kernels on CUDA) | torch | triton."""
     moe_grouped_mm: str
@@ -166,44 +185,126 @@ class Env:
     can be exercised on a CPU (tests)."""
 
 
-# One reader per Env field: `read_env` runs them all, `env_field` one.
-_READERS = {
-    "kda_backend": lambda: _str("KESTREL_KDA_BACKEND", "auto", ("auto", "naive", "fla")),
-    "log_level": lambda: _str("KESTREL_LOG_LEVEL", "info", ("debug", "info", "warning", "error")),
-    "attn_backend": lambda: _str("KESTREL_ATTN_BACKEND", "auto", ("auto", "torch", "triton")),
-    "triton_interpret": lambda: _bool("TRITON_INTERPRET", False),
-    "moe_grouped_mm": lambda: _str("KESTREL_MOE_GROUPED_MM", "auto", ("auto", "off")),
-    "moe_decode_kernel": lambda: _str("KESTREL_MOE_DECODE_KERNEL", "auto", ("auto", "off")),
-    "kda_conv": lambda: _str("KESTREL_KDA_CONV", "auto", ("auto", "torch", "fla")),
-    "kda_decode": lambda: _str("KESTREL_KDA_DECODE", "triton", ("triton", "fla")),
-    "kda_no_recompute": lambda: _bool("KESTREL_KDA_NO_RECOMPUTE", True),
-    "kda_recurrent_prefill": lambda: _int("KESTREL_KDA_RECURRENT_PREFILL", 1024),
-    "kda_safe_gate": lambda: _bool("KESTREL_KDA_SAFE_GATE", True),
-    "moe_overlap_shared": lambda: _bool("KESTREL_MOE_OVERLAP_SHARED", True),
-    "moe_sort_first": lambda: _bool("KESTREL_MOE_SORT_FIRST", True),
-    "moe_fuse_shared": lambda: _bool("KESTREL_MOE_FUSE_SHARED", True),
-    "moe_fused_decode": lambda: _bool("KESTREL_MOE_FUSED_DECODE", True),
-    "sparse_prefill": lambda: _str("KESTREL_SPARSE_PREFILL", "auto", ("auto", "rows", "expanded")),
-    "compile_train": lambda: _switch("KESTREL_COMPILE_TRAIN", "auto"),
-    "fused_ops": lambda: _str("KESTREL_FUSED_OPS", "auto", ("auto", "off")),
-    "train_attention": lambda: _str("KESTREL_TRAIN_ATTENTION", "flex", ("flex", "sdpa")),
-    "dsa_topk": lambda: _str("KESTREL_DSA_TOPK", "auto", ("auto", "cuda", "triton")),
-    "gemv": lambda: _str("KESTREL_GEMV", "auto", ("auto", "off")),
-    "pdl": lambda: _str("KESTREL_PDL", "auto", ("auto", "off")),
-    "l2_ahead": lambda: _str("KESTREL_L2_AHEAD", "off", ("off", "on")),
-    "cache_dir": lambda: _path("KESTREL_CACHE_DIR"),
-    "cuda_home": lambda: _path("CUDA_HOME") or _path("CUDA_PATH"),
+def _choice(name: str, default: str, choices: tuple[str, ...], what: str) -> Variable:
+    assert default in choices, name
+    return Variable(name, "choice", default, choices, what=what)
+
+
+# One declared variable per Env field, in the order `kestrel env` lists them.
+VARIABLES: dict[str, Variable] = {
+    "kda_backend": _choice(
+        "KESTREL_KDA_BACKEND", "auto", ("auto", "naive", "fla"), what="KDA kernels (fla-core on CUDA)"
+    ),
+    "kda_conv": _choice(
+        "KESTREL_KDA_CONV", "auto", ("auto", "torch", "fla"), what="KDA short conv of prefill and training"
+    ),
+    "kda_decode": _choice(
+        "KESTREL_KDA_DECODE", "triton", ("triton", "fla"), what="KDA decode step on the state slots"
+    ),
+    "kda_recurrent_prefill": Variable(
+        "KESTREL_KDA_RECURRENT_PREFILL",
+        "count",
+        1024,
+        what="prefills of up to N KDA tokens run the recurrent kernel",
+    ),
+    "kda_no_recompute": Variable(
+        "KESTREL_KDA_NO_RECOMPUTE", "flag", True, what="training keeps chunk_kda's intermediates"
+    ),
+    "kda_safe_gate": Variable(
+        "KESTREL_KDA_SAFE_GATE", "flag", True, what="training: fla's kernels for bounded gates"
+    ),
+    "attn_backend": _choice(
+        "KESTREL_ATTN_BACKEND",
+        "auto",
+        ("auto", "torch", "triton"),
+        what="MLA/DSA kernels over the paged cache",
+    ),
+    "sparse_prefill": _choice(
+        "KESTREL_SPARSE_PREFILL", "auto", ("auto", "rows", "expanded"), what="DSA sparse prefill's form"
+    ),
+    "dsa_topk": _choice(
+        "KESTREL_DSA_TOPK", "auto", ("auto", "cuda", "triton"), what="the exact DSA top-k's kernel"
+    ),
+    "moe_grouped_mm": _choice(
+        "KESTREL_MOE_GROUPED_MM", "auto", ("auto", "off"), what="MoE experts through torch._grouped_mm"
+    ),
+    "moe_decode_kernel": _choice(
+        "KESTREL_MOE_DECODE_KERNEL", "auto", ("auto", "off"), what="MoE experts in Triton at decode sizes"
+    ),
+    "moe_overlap_shared": Variable(
+        "KESTREL_MOE_OVERLAP_SHARED", "flag", True, what="shared experts on a side stream"
+    ),
+    "moe_sort_first": Variable(
+        "KESTREL_MOE_SORT_FIRST", "flag", True, what="sort the routed pairs before that fork"
+    ),
+    "moe_fuse_shared": Variable(
+        "KESTREL_MOE_FUSE_SHARED", "flag", True, what="shared expert inside the routed launches"
+    ),
+    "moe_fused_decode": Variable(
+        "KESTREL_MOE_FUSED_DECODE", "flag", True, what="a batch-1 MoE layer in one launch"
+    ),
+    "fused_ops": _choice(
+        "KESTREL_FUSED_OPS", "auto", ("auto", "off"), what="norms, activations, mixing as one kernel each"
+    ),
+    "gemv": _choice(
+        "KESTREL_GEMV", "auto", ("auto", "off"), what="Triton GEMV for projections of up to 16 rows"
+    ),
+    "pdl": _choice("KESTREL_PDL", "auto", ("auto", "off"), what="programmatic dependent launch (Hopper)"),
+    "l2_ahead": _choice(
+        "KESTREL_L2_AHEAD", "off", ("off", "on"), what="decode asks weights into L2 ahead (untimed)"
+    ),
+    "compile_train": Variable(
+        "KESTREL_COMPILE_TRAIN", "switch", "auto", what="training compiles the small elementwise ops"
+    ),
+    "train_attention": _choice(
+        "KESTREL_TRAIN_ATTENTION", "flex", ("flex", "sdpa"), what="training's row attention"
+    ),
+    "log_level": _choice(
+        "KESTREL_LOG_LEVEL", "info", ("debug", "info", "warning", "error"), what="the server's log level"
+    ),
+    "cache_dir": Variable("KESTREL_CACHE_DIR", "path", "", what="where built kernels are kept"),
+    "cuda_home": Variable(
+        "CUDA_HOME", "path", "", fallback="CUDA_PATH", what="the CUDA toolkit (nvcc) for the top-k"
+    ),
+    "triton_interpret": Variable("TRITON_INTERPRET", "loose", False, what="Triton's interpreter (CPU tests)"),
 }
 
 
 def read_env() -> Env:
-    return Env(**{name: read() for name, read in _READERS.items()})
+    """Every variable's value; ValueError at the first bad one (`env_problems` lists them all)."""
+    return Env(**{field: variable.read() for field, variable in VARIABLES.items()})
+
+
+def env_problems() -> list[str]:
+    """One line for each variable whose text is not one it takes (nothing where all read): checked before a
+    command or an engine starts, so that a bad value is an error at once, not at the first step that reads it."""
+    problems = []
+    for variable in VARIABLES.values():
+        try:
+            variable.read()
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
+
+
+def check_env() -> None:
+    """A ConfigError naming every bad variable at once (see `env_problems`); nothing where all read."""
+    problems = env_problems()
+    if problems:
+        from kestrel.utils.errors import ConfigError
+
+        raise ConfigError(
+            "bad environment variable"
+            + ("s: " if len(problems) > 1 else ": ")
+            + "; ".join(problems)
+            + " (`kestrel env` lists every variable and what it takes)"
+        )
 
 
 def env_field(name: str):
     """One field of `Env`, its variable read alone: for the hot path (a layer's forward, each call), where
     `read_env()` parsing every variable takes about 10 us and this under 1."""
-    return _READERS[name]()
+    return VARIABLES[name].read()
 
 
 def fused_ops_on() -> bool:

@@ -1644,6 +1644,12 @@ def main() -> None:
         record["fla_core"] = getattr(fla, "__version__", "?")
     except ImportError:
         record["fla_core"] = None
+    try:  # `kestrel env --json` at the start: versions, the GPU, the fast paths, every variable (sections set some)
+        from kestrel.serve.env_report import report
+
+        record["env_at_start"] = report(S.device)
+    except Exception as e:  # a record without it, rather than no record
+        record["env_at_start"] = {"error": repr(e)}
     for name in sections:
         gc.collect()  # the previous section's engines and graphs: their memory back before the next plans its pools
         if torch.cuda.is_available():

@@ -346,7 +346,7 @@ def main() -> None:
 
     def build() -> None:
         result["gpu"] = torch.cuda.get_device_name()
-        nvcc = cuda_topk._nvcc()
+        nvcc = cuda_topk.find_nvcc()
         result["nvcc"] = nvcc and subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
         t0 = time.perf_counter()
         path = cuda_topk.build(verbose=True)

@@ -49,3 +49,71 @@ def test_env_overrides_restores_what_was_there(monkeypatch):
     with env_overrides({"KESTREL_PDL": "auto", "KESTREL_GEMV": "off"}):
         assert env_field("pdl") == "auto" and env_field("gemv") == "off"
     assert os.environ["KESTREL_PDL"] == "off" and "KESTREL_GEMV" not in os.environ
+
+
+@pytest.mark.parametrize(
+    "text, value", [("1", True), ("ON", True), (" yes ", True), ("true", True), ("0", False), ("off", False),
+                    ("No", False), ("false", False), ("", True)],
+)  # fmt: skip
+def test_flags_read_their_words(monkeypatch, text, value):
+    monkeypatch.setenv("KESTREL_MOE_FUSE_SHARED", text)  # default on: blank reads as the default
+    assert read_env().moe_fuse_shared is value
+
+
+@pytest.mark.parametrize(
+    "name", ["KESTREL_MOE_FUSE_SHARED", "KESTREL_KDA_SAFE_GATE", "KESTREL_COMPILE_TRAIN"]
+)
+def test_a_flag_set_to_another_word_is_an_error(monkeypatch, name):
+    """Before session 50 a flag set to anything but 1/true/yes/on read as off, silently."""
+    monkeypatch.setenv(name, "perhaps")
+    with pytest.raises(ValueError, match=f"{name}='perhaps': expected"):
+        read_env()
+
+
+def test_tritons_own_flag_keeps_tritons_rule(monkeypatch):
+    from kestrel.env import env_field
+
+    for text, on in (("y", True), ("1", True), ("whatever", False), ("", False)):
+        monkeypatch.setenv("TRITON_INTERPRET", text)
+        assert env_field("triton_interpret") is on
+
+
+def test_cuda_path_is_read_where_cuda_home_is_unset(monkeypatch):
+    from kestrel.env import env_field
+
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.setenv("CUDA_PATH", "/opt/Cuda")
+    assert env_field("cuda_home") == "/opt/Cuda"  # a path keeps its case
+    monkeypatch.setenv("CUDA_HOME", "/usr/local/cuda-12")
+    assert env_field("cuda_home") == "/usr/local/cuda-12"
+
+
+def test_every_bad_variable_is_named_at_once(monkeypatch):
+    from kestrel.env import check_env, env_problems
+    from kestrel.utils.errors import ConfigError
+
+    check_env()  # the test environment reads
+    monkeypatch.setenv("KESTREL_PDL", "maybe")
+    monkeypatch.setenv("KESTREL_KDA_RECURRENT_PREFILL", "-3")
+    problems = env_problems()
+    assert len(problems) == 2 and "KESTREL_PDL='maybe'" in problems[1] and "RECURRENT_PREFILL" in problems[0]
+    with pytest.raises(ConfigError, match=r"KESTREL_KDA_RECURRENT_PREFILL='-3'.*KESTREL_PDL='maybe'"):
+        check_env()
+
+
+def test_every_field_is_declared_described_and_labelled():
+    """Env's fields, the declared variables and their descriptions are one list (kestrel env shows all three)."""
+    import dataclasses
+
+    from kestrel.env import VARIABLES, Env
+    from kestrel.serve.env_report import variable_docs
+
+    fields = [f.name for f in dataclasses.fields(Env)]
+    assert sorted(fields) == sorted(VARIABLES)
+    docs = variable_docs()
+    assert sorted(docs) == sorted(fields)
+    for field, variable in VARIABLES.items():
+        assert variable.what and len(docs[field]) > 10, field
+        assert not docs[field].startswith(variable.name), field  # "NAME: " is cut off
+        if variable.kind == "choice":
+            assert variable.default in variable.choices, field

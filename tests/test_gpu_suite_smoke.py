@@ -76,6 +76,8 @@ def sections(tmp_path_factory) -> dict:
     assert proc.returncode == 0, stderr[-3000:]
     record = json.loads((out / "gpu_suite.json").read_text())
     assert record["gpu"].startswith("none") and set(record["sections"]) == set(EXPECTED)
+    env = record["env_at_start"]  # `kestrel env --json`'s report, for the device the suite ran on
+    assert env["fast_paths"]["device"] == "cpu" and "variables" in env, env
     return record["sections"]
 
 

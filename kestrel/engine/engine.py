@@ -38,6 +38,7 @@ from kestrel.engine.runner import ModelRunner
 from kestrel.engine.sampler import Sampler
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.engine.scheduler import Batch, Scheduler
+from kestrel.env import check_env
 from kestrel.layers.mla import dsa_topks, set_dense_attention
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
@@ -74,6 +75,7 @@ class Engine:
     def __init__(
         self, config: EngineConfig, model: KimiForCausalLM | None = None, tokenizer: Tokenizer | None = None
     ):
+        check_env()  # a bad KESTREL_* value: an error now, not at the first step that reads it
         self.config = config
         self.device = resolve_device(config.device) if model is None else model.lm_head.weight.device
         dtype = resolve_dtype(config.dtype, self.device) if model is None else model.lm_head.weight.dtype

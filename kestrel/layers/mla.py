@@ -141,7 +141,7 @@ class MLAttention(nn.Module):
         Triton) a DSA layer scores, selects and attends straight from the pools, with no gathered copy of the
         history, and neighbouring fresh dense sequences of one length attend in one call; otherwise the
         reference ops run on the gathered history."""
-        paged = getattr(ctx.cache, "page_table", None) is not None and _use_triton(q_nope.device)
+        paged = getattr(ctx.cache, "page_table", None) is not None and triton_attention(q_nope.device)
         runs = self._fresh_dense_runs(ctx, idx) if paged else {}
         outs = []
         attended = 0  # the sequences before this one are attended (a run takes several at once)
@@ -178,7 +178,7 @@ class MLAttention(nn.Module):
                 scores = partial(indexer_scores, idx[0][sl], idx_k, idx[1][sl], self.indexer.scale)
                 indices = self._select(ctx, i, partial(_pick, scores, q_pos))
             # dense, and the chunk's tokens are the last of the cached rows: fused attention on the fast path
-            if indices is None and _use_triton(kv.device) and ctx.cached_len(i) == kv.shape[0]:
+            if indices is None and triton_attention(kv.device) and ctx.cached_len(i) == kv.shape[0]:
                 outs.append(mla_prefill_sdpa(q_nope[sl], q_pe[sl], kv, w_uk, w_uv, self.scale))
                 continue
             outs.append(
@@ -264,7 +264,7 @@ class MLAttention(nn.Module):
 
     def _attend_decode(self, ctx, q_nope, q_pe, w_uk, w_uv, idx) -> torch.Tensor:
         """Decode: one query per sequence, every sequence at once, no host syncs (CUDA-graph safe)."""
-        if hasattr(ctx.cache, "paged") and _use_triton(q_nope.device):
+        if hasattr(ctx.cache, "paged") and triton_attention(q_nope.device):
             return self._attend_decode_paged(ctx, q_nope, q_pe, w_uk, w_uv, idx)
         return self._attend_decode_gathered(ctx, q_nope, q_pe, w_uk, w_uv, idx)
 
@@ -345,7 +345,11 @@ class MLAttention(nn.Module):
         where their documents start, is read off the host's copy of the positions: no device sync in the loop."""
         B, R, k = allowed.shape[0], allowed.shape[1], self.indexer.topk
         flat, first, counts = _rows_to_score(ctx, B, R, k, allowed.device)
-        topk, keep, triton = _topk_fn(allowed.device), _keep_fn(allowed.device), _use_triton(allowed.device)
+        topk, keep, triton = (
+            _topk_fn(allowed.device),
+            _keep_fn(allowed.device),
+            triton_attention(allowed.device),
+        )
         start = 0
         for b in range(B):
             picks, starts = flat[start : start + counts[b]], first[start : start + counts[b]]  # [M] each
@@ -404,7 +408,9 @@ def _own_pages(ctx, i: int, table: torch.Tensor, page_size: int, rows: int) -> t
     return table[i : i + 1, :pages].expand(rows, -1)
 
 
-def _use_triton(device: torch.device) -> bool:
+def triton_attention(device: torch.device) -> bool:
+    """MLA/DSA over the paged cache runs the Triton kernels on `device` (KESTREL_ATTN_BACKEND: auto, on CUDA),
+    else the plain-torch references."""
     choice = env_field("attn_backend")  # asked several times per layer and step: one variable, not all
     if choice == "torch":
         return False
@@ -423,7 +429,7 @@ def _topk_fn(device: torch.device):
     """The exact DSA top-k for scores on `device`, with `topk_select`'s signature (scores, q_pos, k): where the
     attention backend is Triton, the kernel `fast_topk` picks (KESTREL_DSA_TOPK); else the reference. The
     kernels select the same positions."""
-    if not _use_triton(device):
+    if not triton_attention(device):
         return topk_select
     kernel = fast_topk(device)
     return lambda scores, q_pos, k: kernel(scores, q_pos + 1, k)
@@ -431,7 +437,7 @@ def _topk_fn(device: torch.device):
 
 def _keep_fn(device: torch.device):
     """`keep_selected_` for masks on `device`: the Triton kernel where the attention backend is Triton."""
-    if not _use_triton(device):
+    if not triton_attention(device):
         return keep_selected_
     from kestrel.ops.dsa.triton_select import keep_selected_triton
 

@@ -14,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kestrel.env import check_env
 from kestrel.presets import INIT_SCHEMES
 from kestrel.serve.commands import cmd_chat, cmd_generate, cmd_init_random, cmd_serve, engine_config
 from kestrel.serve.train_commands import cmd_eval, cmd_train
@@ -252,7 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run throwaway requests before serving, so the first client does not wait for the kernels' "
         "compilation (auto: on CUDA only; the CPU paths compile nothing)",
     )
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument(
+        "--log-level",
+        default=None,
+        choices=["debug", "info", "warning", "error"],
+        help="the server's logging (default: KESTREL_LOG_LEVEL, else info)",
+    )
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("chat", help="chat with a model in the terminal (through the engine)")
@@ -342,6 +348,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kestrel.bench import agent  # stdlib-only at import; httpx and matplotlib load when it runs
 
+    v = sub.add_parser(
+        "env",
+        help="this machine's versions, GPUs and fast paths, and every KESTREL_* variable (for bug reports)",
+    )
+    v.add_argument("name", nargs="?", default=None, help="describe one variable (KESTREL_PDL, PDL or pdl)")
+    v.add_argument(
+        "--device", default=None, help="the device whose fast paths to list (default: cuda if any)"
+    )
+    v.add_argument("--json", action="store_true", help="print the report as JSON")
+    v.set_defaults(func=_env)
+
     bench = sub.add_parser(
         "bench", help="benchmarks: agent (against a server), decode and kernels (on a GPU), plot-decode"
     )
@@ -400,6 +417,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _env(args) -> int:
+    from kestrel.serve.env_report import cmd_env
+
+    return cmd_env(args)
+
+
 def _bench(name: str):
     def run(args) -> int:
         if name == "decode":
@@ -420,6 +443,8 @@ def _bench(name: str):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command != "env":  # which lists a bad variable beside the rest
+            check_env()
         if getattr(args, "builtin_model_default", False) and args.model is None:  # serve, generate, chat
             from kestrel.presets import builtin_model
 

@@ -128,12 +128,14 @@ def cmd_serve(args) -> int:
 
     from kestrel.engine.async_engine import AsyncEngine
     from kestrel.engine.engine import Engine
+    from kestrel.env import env_field
     from kestrel.serve.api import build_app
     from kestrel.utils.collector import freeze_startup_objects
 
     engine = Engine(engine_config(args))
+    log_level = args.log_level or env_field("log_level")
     # Configured after the engine is built, whose memory plan is printed below rather than logged twice.
-    logging.basicConfig(level=args.log_level.upper(), format="[kestrel] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level.upper(), format="[kestrel] %(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or args.model
     if args.warmup == "on" or (args.warmup == "auto" and engine.device.type == "cuda"):
         print("[kestrel] warming up (kernels compile on first use) ...", file=sys.stderr, flush=True)
@@ -155,9 +157,7 @@ def cmd_serve(args) -> int:
         file=sys.stderr,
     )
     try:
-        uvicorn.run(
-            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
-        )
+        uvicorn.run(app, host=args.host, port=args.port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
         async_engine.shutdown()
     return 0

@@ -58,7 +58,7 @@ def test_unavailable_without_cuda_does_not_raise(monkeypatch):
         monkeypatch.setattr(cuda_topk, "_lib", None)
         monkeypatch.setattr(torch.cuda, "is_available", lambda p=patch: p["is_available"])
         if "nvcc" in patch:
-            monkeypatch.setattr(cuda_topk, "_nvcc", lambda: None)
+            monkeypatch.setattr(cuda_topk, "find_nvcc", lambda: None)
         assert available() is False
         assert cuda_topk.UNAVAILABLE_REASON
     monkeypatch.undo()

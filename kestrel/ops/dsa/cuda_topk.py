@@ -79,7 +79,8 @@ CLUSTER_UNAVAILABLE_REASON: dict[int, str] = {}
 FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
 
 
-def _nvcc() -> str | None:
+def find_nvcc() -> str | None:
+    """The nvcc that builds the kernel: $CUDA_HOME/bin (or $CUDA_PATH/bin), /usr/local/cuda/bin, then PATH."""
     candidates = []
     cuda_home = env_field("cuda_home")
     if cuda_home:
@@ -98,7 +99,7 @@ def _cache_dir() -> Path:
 
 def build(verbose: bool = False) -> Path:
     """Compile cuda_topk.cu for the current device (cached) and return the shared library's path."""
-    nvcc = _nvcc()
+    nvcc = find_nvcc()
     if nvcc is None:
         raise RuntimeError("nvcc not found (CUDA_HOME/bin, /usr/local/cuda/bin, PATH)")
     major, minor = torch.cuda.get_device_capability()
