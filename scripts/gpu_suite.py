@@ -49,6 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from kestrel.env import env_overrides  # noqa: E402
+from kestrel.serve.env_report import report_or_error  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -1644,12 +1645,8 @@ def main() -> None:
         record["fla_core"] = getattr(fla, "__version__", "?")
     except ImportError:
         record["fla_core"] = None
-    try:  # `kestrel env --json` at the start: versions, the GPU, the fast paths, every variable (sections set some)
-        from kestrel.serve.env_report import report
-
-        record["env_at_start"] = report(S.device)
-    except Exception as e:  # a record without it, rather than no record
-        record["env_at_start"] = {"error": repr(e)}
+    # `kestrel env --json` at the start: versions, the GPU, the fast paths, every variable (sections set some)
+    record["env_at_start"] = report_or_error(S.device)
     for name in sections:
         gc.collect()  # the previous section's engines and graphs: their memory back before the next plans its pools
         if torch.cuda.is_available():

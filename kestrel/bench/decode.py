@@ -41,6 +41,7 @@ from kestrel.engine.request import Request, Status
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
+from kestrel.serve.env_report import report_or_error
 
 
 def step_bytes(
@@ -379,6 +380,7 @@ def decode_bench(
         "steps": steps,
         "engines": engines,  # each context's engine: its start's seconds (the graphs' capture included)
         "runs": runs,
+        "env": report_or_error(str(device)),  # the versions, the fast paths selected, every variable
     }
 
 

@@ -21,6 +21,7 @@ from kestrel.bench.kernels_dsa import (
 from kestrel.bench.kernels_kda import bench_kda_conv_prefill, bench_kda_decode
 from kestrel.bench.kernels_moe import bench_moe, bench_router
 from kestrel.bench.roofline import device_name, measure_ceilings, require_cuda
+from kestrel.serve.env_report import report_or_error
 
 # The shapes of `kestrel bench kernels` (the H200's): keyword arguments of each bench_* function.
 KERNEL_CASES = {
@@ -80,6 +81,7 @@ def kernels_bench(device: str = "cuda", cases: dict = KERNEL_CASES) -> dict:
         "torch": torch.__version__,
         "ceilings": ceilings,
         "kernels": results,
+        "env": report_or_error(str(device)),  # the versions, the fast paths selected, every variable
     }
 
 

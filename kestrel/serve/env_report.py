@@ -10,7 +10,8 @@ record. Three parts:
   error, and the command exits with status 1 after printing everything.
 
 `kestrel env NAME` prints one variable's whole description (NAME as `KESTREL_PDL`, `PDL` or `pdl`);
-`--json` prints the report as JSON (scripts/gpu_suite.py records it beside each run).
+`--json` prints the report as JSON; `kestrel bench decode` and `bench kernels` put it in their results, and
+scripts/gpu_suite.py in its record at the start of a run.
 """
 
 from __future__ import annotations
@@ -48,12 +49,12 @@ def variable_docs() -> dict[str, str]:
 
 def variables() -> list[dict]:
     """Every declared variable: its name, value (None where it is bad), text as set, default, what it takes,
-    its error, and its description."""
+    its description, and an "error" only where it is bad (the records' rule: an "error" key is a failure)."""
     docs = variable_docs()
     rows = []
     for field, var in kenv.VARIABLES.items():
         row = {"name": var.name, "field": field, "set": bool(var.text()), "text": var.text(),
-               "default": var.default, "takes": var.takes(), "value": None, "error": None,
+               "default": var.default, "takes": var.takes(), "value": None,
                "what": var.what, "doc": docs.get(field, "")}  # fmt: skip
         if var.fallback:
             row["name"] = f"{var.name} (or {var.fallback})"
@@ -168,6 +169,14 @@ def report(device: str | None = None) -> dict:
             "variables": variables()}  # fmt: skip
 
 
+def report_or_error(device: str | None = None) -> dict:
+    """`report`, or {"error": ...} where it fails: for a benchmark's record, which it must never cost."""
+    try:
+        return report(device)
+    except Exception as e:
+        return {"error": repr(e)}
+
+
 def format_report(rep: dict, width: int = 118) -> str:
     sw, dev, paths = rep["software"], rep["device"], rep["fast_paths"]
     lines = [f"Python {sw['python']} on {sw['platform']}, {dev['cpus']} CPUs"]
@@ -184,10 +193,10 @@ def format_report(rep: dict, width: int = 118) -> str:
     lines += ["", "Variables (* set here; `kestrel env NAME`: what one takes, and its whole description):"]
     rows = rep["variables"]
     w_name = max(len(r["name"]) for r in rows) + 2
-    w_value = max(8, *(len(_shown(r)) for r in rows if not r["error"]))
+    w_value = max(8, *(len(_shown(r)) for r in rows if not r.get("error")))
     for r in rows:
         mark = "*" if r["set"] else " "
-        if r["error"]:
+        if r.get("error"):
             lines.append(f"{mark} {r['name']:<{w_name}}ERROR {r['error']}")
             continue
         line = f"{mark} {r['name']:<{w_name}}{_shown(r):<{w_value}}  {r['what']}"
@@ -211,7 +220,7 @@ def describe(name: str) -> str:
     if row is None:
         known = ", ".join(kenv.VARIABLES[f].name for f in kenv.VARIABLES)
         raise ConfigError(f"unknown variable {name!r} (known: {known})")
-    value = f"ERROR {row['error']}" if row["error"] else _shown(row)
+    value = f"ERROR {row.get('error')}" if row.get("error") else _shown(row)
     default = {True: "on", False: "off", "": "-"}.get(row["default"], row["default"])
     head = [f"{row['name']} = {value}{' (set)' if row['set'] else ' (the default)'}",
             f"  default: {default}", f"  takes: {row['takes']}"]  # fmt: skip
@@ -224,7 +233,7 @@ def cmd_env(args) -> int:
         return 0
     rep = report(args.device)
     print(json.dumps(rep, indent=1, default=str) if args.json else format_report(rep))
-    bad = [r["error"] for r in rep["variables"] if r["error"]]
+    bad = [r.get("error") for r in rep["variables"] if r.get("error")]
     if bad:
         print(f"kestrel: error: {len(bad)} bad environment variable{'s' * (len(bad) > 1)}", file=sys.stderr)
         return 1
