@@ -1072,6 +1072,36 @@ _SWITCH_TESTS = [
 ]
 
 
+# The GPU-test files that build an Engine with the default memory plan (85% of the GPU's free memory for KV,
+# kept in torch's cache after the test): beside other processes on the one GPU they would starve them, so with
+# --gpu-tests-workers they run after the rest of their part, in one process (`worker_runs`).
+_ENGINE_TEST_FILES = (
+    "tests/ops/test_l2_ahead.py",
+    "tests/engine/test_hicache.py",
+    "tests/engine/test_overlap.py",
+)
+
+
+def worker_runs(targets: list[str], workers: int) -> list[tuple[list[str], int]]:
+    """A part's pytest arguments as (arguments, workers) runs: one run with `workers`, or, with more than one
+    worker, the part's Engine-building files (`_ENGINE_TEST_FILES`) split off into a second run of one process
+    (options such as --deselect and -m go to both runs; a run left without a file is dropped)."""
+    if workers <= 1:
+        return [(targets, workers)]
+
+    def is_file(arg: str) -> bool:
+        return arg.startswith("tests/")
+
+    def engine(arg: str) -> bool:
+        return arg.split("::")[0] in _ENGINE_TEST_FILES
+
+    options = [a for a in targets if not is_file(a)]
+    shared = [a for a in targets if is_file(a) and not engine(a)]
+    alone = [a for a in targets if is_file(a) and engine(a)]
+    runs = [(shared + options, workers), (alone + options, 1)]
+    return [(run, n) for run, n in runs if any(is_file(a) for a in run)]
+
+
 def gpu_test_targets(parts: list[str]) -> list[list[str]]:
     """pytest arguments for each part: `switches` (the fla-core tests that decide the training run's fast-path
     switches), `fuse` (the compiled training ops' CUDA cases; on the device machine their CPU cases, inductor's
@@ -1113,21 +1143,22 @@ def gpu_tests() -> dict:
 
     With --gpu-tests-workers N > 1, each part runs in N pytest-xdist processes sharing the one GPU (the image has
     pytest-xdist): the section's time is mostly Triton compiling kernels on one CPU core (session 46: 1,100 s over
-    three calls for 873 tests), and the machine has 16. `xdist_args` says how.
+    three calls for 873 tests), and the machine has 16. `xdist_args` says how; the files that build an Engine
+    with the default memory plan run after the rest of their part in one process (`worker_runs`).
 
     The smoke run only collects them (every target named here exists): on the CPU they are CI's own suite."""
     collect_only = [] if S.device == "cuda" else ["--collect-only"]
     log_path = OUT / "gpu_tests.log"
     returncodes = []
     with log_path.open("w") as log:
-        for targets in gpu_test_targets(GPU_TEST_PARTS):
+        workers = 1 if collect_only else GPU_TEST_WORKERS[0]
+        runs = [run for targets in gpu_test_targets(GPU_TEST_PARTS) for run in worker_runs(targets, workers)]
+        for targets, n in runs:
             # -v (over the project's -q): one line per test as it ends, `<node id> PASSED|FAILED|...`, so a
             # killed run's log still names every outcome so far; -rfEs: failures, errors and skip reasons at the
             # end; durations: where the time goes
             cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-v", "-rfEs", "--durations=25"]
-            cmd += [*targets, "-p", "no:cacheprovider", "--tb=short", *collect_only]
-            if not collect_only:
-                cmd += xdist_args(GPU_TEST_WORKERS[0], log)
+            cmd += [*targets, "-p", "no:cacheprovider", "--tb=short", *collect_only, *xdist_args(n, log)]
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
             returncodes.append(proc.returncode)
             log.flush()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -226,3 +227,24 @@ def test_xdist_args(gpu_suite, monkeypatch):
     log = io.StringIO()
     assert gpu_suite.xdist_args(8, log) == []
     assert "pytest-xdist is not installed" in log.getvalue()
+
+
+def test_engine_test_files_run_alone_beside_workers(gpu_suite):
+    """With several workers, the GPU-test files that build an Engine (each takes most of the GPU's free memory)
+    run in a second pytest of one process; every such file among the targets is listed."""
+    parts = gpu_suite.gpu_test_targets(["switches", "fuse", "rest"])
+    files = {a.split("::")[0] for targets in parts for a in targets if a.startswith("tests/")}
+    builds = {f for f in files if re.search(r"\b(Engine|_engine|LLM)\(", (ROOT / f).read_text())}
+    assert builds == set(gpu_suite._ENGINE_TEST_FILES) & files == set(gpu_suite._ENGINE_TEST_FILES)
+
+    rest = parts[2]
+    assert gpu_suite.worker_runs(rest, 1) == [(rest, 1)]
+    (shared, n), (alone, one) = gpu_suite.worker_runs(rest, 8)
+    assert (n, one) == (8, 1)
+    assert sorted(a for a in alone if a.startswith("tests/")) == sorted(gpu_suite._ENGINE_TEST_FILES)
+    assert not set(alone) & set(shared) - {a for a in rest if not a.startswith("tests/")}
+    assert sorted(set(shared) | set(alone)) == sorted(set(rest))
+    deselect = [a for a in rest if a.startswith("--deselect")]
+    assert deselect and all(d in shared and d in alone for d in deselect)
+    # a part without an Engine file stays one run; fuse's -m gpu goes with its file
+    assert gpu_suite.worker_runs(parts[1], 8) == [(parts[1], 8)]
