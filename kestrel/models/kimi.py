@@ -53,16 +53,18 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def weights_ahead(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(the attention's, the MLP's but its routed experts') weights of at least MIN_BYTES, in module order: what a
-        decode step of a few rows asks into L2 ahead of the kernels that read them (kestrel.ops.l2_ahead). The
-        routed experts are left out: which ones a token takes is known only once it is routed."""
+        """(the attention's, the MLP's but its routed experts') weights of at least MIN_BYTES, in the order a decode
+        step reads them (MLA's `weights_in_read_order`; module order elsewhere): what a decode step of a few rows
+        asks into L2 ahead of the kernels that read them (kestrel.ops.l2_ahead). The routed experts are left out:
+        which ones a token takes is known only once it is routed."""
         return self.attention_weights_ahead(), self.mlp_weights_ahead()
 
     def attention_weights_ahead(self) -> list[torch.Tensor]:
-        return _big(self.self_attn.named_parameters())
+        read_order = getattr(self.self_attn, "weights_in_read_order", None)  # MLA's; KDA's module order is it
+        return _big(read_order() if read_order else self.self_attn.parameters())
 
     def mlp_weights_ahead(self) -> list[torch.Tensor]:
-        return _big((n, p) for n, p in self.mlp.named_parameters() if not n.startswith("experts."))
+        return _big(p for n, p in self.mlp.named_parameters() if not n.startswith("experts."))
 
 
 class KimiModel(nn.Module):
@@ -170,9 +172,9 @@ class KimiModel(nn.Module):
         return mix_norm(buf[: nb + 1], self.output_attn_res_proj, self.output_attn_res_norm, self.norm)
 
 
-def _big(named) -> list[torch.Tensor]:
-    """The tensors of (name, tensor) pairs of at least l2_ahead.MIN_BYTES (read at each call: the tests lower it)."""
-    return [p for _, p in named if p.numel() * p.element_size() >= l2_ahead.MIN_BYTES]
+def _big(tensors) -> list[torch.Tensor]:
+    """The tensors of at least l2_ahead.MIN_BYTES, in order (read at each call: the tests lower it)."""
+    return [p for p in tensors if p.numel() * p.element_size() >= l2_ahead.MIN_BYTES]
 
 
 def _l2_ahead():

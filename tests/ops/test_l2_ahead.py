@@ -193,3 +193,21 @@ def test_engine_tokens_with_l2_ahead_on_cuda(monkeypatch, graphs):
         if on == "on":
             assert engine.runner._l2_ahead is not None
     assert out["on"] == out["off"]
+
+
+def test_an_mla_layer_asks_in_the_order_it_reads():
+    """mini's MLA layers: x's projections first (q, the latent row, the output gate, the indexer's, read in one
+    launch), then kv_b and o_proj; the 24 MB budget takes the first launch's weights and stops in the indexer's.
+    In module order it had stopped inside the gate and never asked the indexer's (session 50's review)."""
+    config = preset_config("mini")
+    with torch.device("meta"):
+        model = KimiForCausalLM(config, dtype=torch.bfloat16)
+    layer = model.model.layers[3]  # mini's first MLA layer
+    attn = layer.self_attn
+    names = {id(p): n for n, p in attn.named_parameters()}
+    order = [names[id(p)] for p in layer.attention_weights_ahead()]
+    first = ["q_proj", "kv_a_proj_with_mqa", "g_proj", "indexer.wq", "indexer.wk", "indexer.weights_proj"]
+    assert order == [f"{n}.weight" for n in [*first, "kv_b_proj", "o_proj"]]
+    assert sorted(map(id, attn.weights_in_read_order())) == sorted(map(id, attn.parameters()))
+    asked = [n for _, n in l2_ahead.segments(layer.attention_weights_ahead())]  # meta tensors: address 0
+    assert asked == [12 << 20, 2304 << 10, 8 << 20, (24 << 20) - (12 << 20) - (2304 << 10) - (8 << 20)]
