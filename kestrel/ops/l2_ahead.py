@@ -14,9 +14,9 @@ sm_90+; nothing waits for the data). The model (kestrel.models.kimi) asks, where
 `L2Ahead` (`extras["l2_ahead"]`, set by the runner for decode steps of at most MAX_ROWS rows): before layer i's
 attention, layer i's MLP weights other than the routed experts (its router and shared expert, read ~20-30 us
 later); before layer i's MLP, layer i + 1's attention weights (read after the MoE's ~17 us); at most MAX_BYTES an
-ask, in the order the layer reads them (an MLA layer's projections are 43 MB: L2 holds 50). `join()` makes the current stream
-wait for the side stream (a CUDA graph's capture must end joined). Prefetches change no value: the step's
-outputs are the same bits with or without them.
+ask, in the order the layer reads them (an MLA layer's projections are 43 MB: L2 holds 50). `join()` makes
+the current stream wait for the side stream (a CUDA graph's capture must end joined). Prefetches change no
+value: the step's outputs are the same bits with or without them.
 
 Legend: CHUNK bytes a lane, LANES lanes a program; SEGS tensors an ask (up to MAX_SEGMENTS).
 """
