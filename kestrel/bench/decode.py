@@ -354,6 +354,7 @@ def decode_bench(
                 "short_graph_len": short_graph_len,
                 "setup_s": time.perf_counter() - start,
                 "decode_graphs": len(engine.runner.graphs),
+                "graph_gib": engine.runner.graph_bytes / 2**30,  # what their capture kept reserved
                 # tokens: the page tables of the captured graphs (a short width only where the limit allows it)
                 "graph_widths": [w * engine.kv_pool.page_size for w in engine.runner.widths]
                 if engine.runner.graphs

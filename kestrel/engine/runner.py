@@ -88,6 +88,7 @@ class ModelRunner:
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda" and bool(self.graph_sizes)
         # KESTREL_L2_AHEAD's side stream, made at the first decode step that asks ahead
         self._l2_ahead: L2Ahead | None = None
+        self.graph_bytes = 0  # torch's reserved memory the last capture added (capture_graphs)
 
     @torch.no_grad()
     def forward(self, batch: Batch, decode_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -187,6 +188,7 @@ class ModelRunner:
             return
         topk = max((k for k in dsa_topks(self.model) if k is not None), default=None)
         self.widths = graph_widths(self.max_pages, self.kv_pool.page_size, self.short_graph_len, topk)
+        reserved = torch.cuda.memory_reserved(self.device)
         self._static_inputs()
         # (width, bs) -> logits, argmax
         self.static_out: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -207,10 +209,14 @@ class ModelRunner:
             pool = graph.pool()
             self.graphs[width, bs] = graph
         torch.cuda.synchronize()
+        # what the capture kept in torch's cache (its inputs, the graphs' pool with their outputs): the memory
+        # plan has no term for it, so short graphs' second set is seen here (and in bench decode's record)
+        self.graph_bytes = torch.cuda.memory_reserved(self.device) - reserved
         log.info(
-            "decode graphs: %d captured in %.1f s (batch sizes %d-%d; page tables %s tokens wide)",
+            "decode graphs: %d captured in %.1f s holding %.2f GiB (batch sizes %d-%d; page tables %s tokens wide)",
             len(keys),
             time.perf_counter() - start,
+            self.graph_bytes / 2**30,
             self.graph_sizes[0],
             self.graph_sizes[-1],
             " and ".join(str(w * self.kv_pool.page_size) for w in self.widths),

@@ -88,6 +88,7 @@ def test_decode_bench_on_an_engine_with_a_longer_limit():
     assert run["short_graph_len"] == 0 and run["graph_width"] is None  # the CPU replays no graph
     (engine,) = result["engines"]  # its start timed; no decode graphs on the CPU
     assert engine["max_model_len"] == 512 and engine["setup_s"] > 0 and engine["decode_graphs"] == 0
+    assert engine["graph_gib"] == 0  # no capture on the CPU
     assert engine["graph_widths"] == []
     tight = decode_bench("tiny", batches=(1,), contexts=(16,), steps=3, dense_contrast=False, device="cpu")
     assert tight["runs"][0]["max_model_len"] == 16 + 3 + 64

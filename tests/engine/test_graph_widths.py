@@ -128,6 +128,7 @@ def test_graphs_of_both_widths_give_the_eager_tokens(short_len):
         keys = []
         if graphs:
             assert engine.runner.widths == ((4, 64) if short_len else (64,))
+            assert engine.runner.graph_bytes > 0  # the capture's inputs and outputs, kept reserved
             engine.runner.graph_key = _recorded(engine.runner.graph_key, keys)
         tokens = {}
         for i, (ids, m) in enumerate(jobs):
