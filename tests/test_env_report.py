@@ -105,3 +105,12 @@ def test_the_readme_lists_every_variable():
     for field, variable in VARIABLES.items():
         if field not in ("triton_interpret",):  # Triton's own switch, for the tests
             assert f"`{variable.name}" in table, variable.name
+
+
+@pytest.mark.parametrize("device, words", [("nonsense", "not a device"), ("mps", "not supported")])
+def test_a_bad_device_is_one_line(capsys, device, words):
+    code, out, err = run(capsys, "env", "--device", device)
+    assert code == 1 and not out
+    assert (
+        err.startswith(f"kestrel: error: --device {device!r}: {words}") and len(err.strip().splitlines()) == 1
+    )

@@ -115,11 +115,8 @@ class L2Ahead:
         passed.record(torch.cuda.current_stream())
         self.stream.wait_event(passed)
         chunks = max(-(-n // CHUNK) for _, n in segs)
-        args = []
-        for s in range(
-            MAX_SEGMENTS
-        ):  # the unused segments repeat the first (never selected: SEGS says how many)
-            args += segs[s] if s < len(segs) else segs[0]
+        padded = segs + [segs[0]] * (MAX_SEGMENTS - len(segs))  # never read past SEGS (len(segs))
+        args = [a for seg in padded for a in seg]
         with torch.cuda.stream(self.stream):
             _ask_kernel[(-(-chunks // LANES), len(segs))](
                 *args, CHUNK=CHUNK, LANES=LANES, SEGS=len(segs), num_warps=LANES // 32

@@ -20,6 +20,7 @@ import ast
 import importlib.metadata
 import inspect
 import json
+import os
 import platform
 import sys
 import textwrap
@@ -91,8 +92,6 @@ def device_info() -> dict:
 
 
 def _cpus() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -105,9 +104,10 @@ def fast_paths(device) -> dict:
     from kestrel.ops.dsa.cuda_topk import find_nvcc
     from kestrel.ops.kda import get_kda_backend
     from kestrel.ops.l2_ahead import supported as l2_ahead_supported
+    from kestrel.ops.linear import gemv_on
     from kestrel.ops.pdl import pdl_on
+    from kestrel.utils.fuse import fast_applies
 
-    device = torch.device(device)
     cuda = device.type == "cuda"
 
     def answer(fn):
@@ -143,18 +143,14 @@ def fast_paths(device) -> dict:
     def pdl() -> str:
         return "on" if pdl_on(device) else "off"
 
-    def gemv() -> str:  # kestrel.ops.linear.gemv_applies' device part: PDL on and the variable at auto
-        return (
-            "triton (up to 16 rows)"
-            if pdl_on(device) and kenv.env_field("gemv") == "auto"
-            else "off (cuBLAS / torch)"
-        )
+    def gemv() -> str:
+        return "triton (up to 16 rows)" if gemv_on(device) else "off (cuBLAS / torch)"
 
     def l2_ahead() -> str:
         return "on" if l2_ahead_supported(device) else "off"
 
     def fused() -> str:
-        return "triton" if cuda and kenv.fused_ops_on() else "off (plain torch)"
+        return "triton" if fast_applies(torch.empty(0, device=device)) else "off (plain torch)"
 
     paths = {"kda": kda, "attention": attention, "dsa_topk": topk, "small_ops": fused, "pdl": pdl,
              "gemv": gemv, "l2_ahead": l2_ahead}  # fmt: skip
@@ -162,9 +158,10 @@ def fast_paths(device) -> dict:
 
 
 def report(device: str | None = None) -> dict:
-    import torch
+    """The whole report for a model on `device` (a --device name; None: cuda where there is one, else cpu)."""
+    from kestrel.utils.device import resolve_device
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(device or "auto")  # a bad name: KestrelError, one line
     return {"software": software(), "device": device_info(), "fast_paths": fast_paths(device),
             "variables": variables()}  # fmt: skip
 
@@ -214,12 +211,11 @@ def _shown(row: dict) -> str:
 def describe(name: str) -> str:
     """One variable's whole entry: `name` as its variable (any case, KESTREL_ prefix optional) or field."""
     key = name.strip().lower().removeprefix("kestrel_")
-    rows = {r["field"]: r for r in variables()}
-    by_name = {r["name"].split()[0].lower().removeprefix("kestrel_"): r for r in rows.values()}
-    row = rows.get(key) or by_name.get(key)
-    if row is None:
-        known = ", ".join(kenv.VARIABLES[f].name for f in kenv.VARIABLES)
+    fields = [f for f, v in kenv.VARIABLES.items() if key in (f, v.name.lower().removeprefix("kestrel_"))]
+    if not fields:
+        known = ", ".join(v.name for v in kenv.VARIABLES.values())
         raise ConfigError(f"unknown variable {name!r} (known: {known})")
+    row = next(r for r in variables() if r["field"] == fields[0])
     value = f"ERROR {row.get('error')}" if row.get("error") else _shown(row)
     default = {True: "on", False: "off", "": "-"}.get(row["default"], row["default"])
     head = [f"{row['name']} = {value}{' (set)' if row['set'] else ' (the default)'}",

@@ -35,13 +35,7 @@ def fused(fast: str | None = None) -> Callable[[Callable], Callable]:
             x = args[0] if args else kwargs.get(first)  # passed by keyword too
             if records(*args, *kwargs.values()):
                 return for_training(fn, x)(*args, **kwargs)
-            if (
-                fast is not None
-                and isinstance(x, torch.Tensor)
-                and x.is_cuda
-                and x.dtype != torch.float64
-                and fused_ops_on()
-            ):
+            if fast is not None and fast_applies(x):
                 return _resolve(fast)(*args, **kwargs)
             return fn(*args, **kwargs)
 
@@ -50,6 +44,12 @@ def fused(fast: str | None = None) -> Callable[[Callable], Callable]:
         return op
 
     return wrap
+
+
+def fast_applies(x) -> bool:
+    """An inference op on x (the argument that picks the path) runs its one-kernel Triton form: x a CUDA tensor,
+    not fp64, and KESTREL_FUSED_OPS at auto."""
+    return isinstance(x, torch.Tensor) and x.is_cuda and x.dtype != torch.float64 and fused_ops_on()
 
 
 def for_training(fn: Callable, x) -> Callable:

@@ -11,7 +11,7 @@ import torch
 
 from kestrel.env import env_field
 from kestrel.ops.linear.naive import linear_reference
-from kestrel.ops.pdl import pdl_args
+from kestrel.ops.pdl import pdl_on
 
 # Up to this many rows (tokens) the GEMV runs, and up to this many output features (the LM head's 129K stay with
 # cuBLAS, which reads them at the copy rate).
@@ -24,7 +24,7 @@ GEMV_MAX_WEIGHTS = 6
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Inference (autograd not recording, no autocast), 16-bit x and W of one dtype, W [N, K] contiguous with
-    N <= GEMV_MAX_N, at most GEMV_MAX_ROWS rows, KESTREL_GEMV on, and a GPU where PDL is on (`pdl_args`:
+    N <= GEMV_MAX_N, at most GEMV_MAX_ROWS rows, KESTREL_GEMV on, and a GPU where PDL is on (`gemv_on`:
     Hopper and later, the setup the GEMV was tuned and timed on; its 4-stage tiles need Hopper's shared memory).
     The path follows the row count: a token's projection may differ in the last bits between a batch of 16 and
     one of 17 (cuBLAS's own kernels change with the batch as well)."""
@@ -37,7 +37,12 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if weight.dim() != 2 or not weight.is_contiguous() or weight.shape[0] > GEMV_MAX_N:
         return False
-    return not torch.is_autocast_enabled("cuda") and bool(pdl_args(x)) and env_field("gemv") == "auto"
+    return not torch.is_autocast_enabled("cuda") and gemv_on(x.device)
+
+
+def gemv_on(device: torch.device) -> bool:
+    """The Triton GEMV may run on `device`: PDL is on there (Hopper and later) and KESTREL_GEMV is auto."""
+    return pdl_on(device) and env_field("gemv") == "auto"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
