@@ -1072,12 +1072,27 @@ _SWITCH_TESTS = [
 ]
 
 
+# The test files outside tests/ops with cases that run on CUDA alone (skipped on the CPU): `rest` runs them after
+# tests/ops. tests/test_gpu_suite_smoke.py finds every such file in tests/ and checks that it is here.
+_CUDA_TESTS_ELSEWHERE = (
+    "tests/engine/test_dense_prefill_runs.py",
+    "tests/engine/test_graph_widths.py",
+    "tests/engine/test_hicache.py",
+    "tests/engine/test_sampler.py",
+    "tests/models/test_training_path.py",
+    "tests/engine/test_overlap.py",
+)
+
+
 # The GPU-test files that build an Engine with the default memory plan (85% of the GPU's free memory for KV,
 # kept in torch's cache after the test): beside other processes on the one GPU they would starve them, so with
 # --gpu-tests-workers they run after the rest of their part, in one process (`worker_runs`).
 _ENGINE_TEST_FILES = (
     "tests/ops/test_l2_ahead.py",
+    "tests/engine/test_dense_prefill_runs.py",
+    "tests/engine/test_graph_widths.py",
     "tests/engine/test_hicache.py",
+    "tests/engine/test_sampler.py",
     "tests/engine/test_overlap.py",
 )
 
@@ -1106,11 +1121,11 @@ def gpu_test_targets(parts: list[str]) -> list[list[str]]:
     """pytest arguments for each part: `switches` (the fla-core tests that decide the training run's fast-path
     switches), `fuse` (the compiled training ops' CUDA cases; on the device machine their CPU cases, inductor's
     C++ build of a training step, ran past the 560 s the whole section had, session 42), `rest` (every other op
-    test, HiCache and the overlap schedule on CUDA), or `rest:K/N`: the K-th of N runs of rest's files in path
-    order, for calls too short for all of it (on a cold Triton cache the three parts took over 570 s, session
-    45: `switches` alone 446 s)."""
+    test, then the CUDA cases elsewhere: `_CUDA_TESTS_ELSEWHERE`), or `rest:K/N`: the K-th of N runs of rest's
+    files in that order, for calls too short for all of it (on a cold Triton cache the three parts took over
+    570 s, session 45: `switches` alone 446 s)."""
     rest_files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests" / "ops").glob("test_*.py"))
-    rest_files += ["tests/engine/test_hicache.py", "tests/engine/test_overlap.py"]
+    rest_files += list(_CUDA_TESTS_ELSEWHERE)
     targets = []
     for part in parts:
         if part == "switches":

@@ -248,3 +248,18 @@ def test_engine_test_files_run_alone_beside_workers(gpu_suite):
     assert deselect and all(d in shared and d in alone for d in deselect)
     # a part without an Engine file stays one run; fuse's -m gpu goes with its file
     assert gpu_suite.worker_runs(parts[1], 8) == [(parts[1], 8)]
+
+
+def test_every_cuda_only_test_is_a_gpu_test(gpu_suite):
+    """Every test file with cases that run on CUDA alone (marked gpu, or skipped where CUDA is not available) is
+    in a part of the GPU tests: a CUDA case outside them would never run anywhere (CI has no GPU)."""
+    cuda_only = re.compile(r"mark\.gpu\b|requires_cuda\b|skipif\(\s*not torch\.cuda\.is_available\(\)")
+    found = {
+        str(f.relative_to(ROOT))
+        for f in (ROOT / "tests").rglob("test_*.py")
+        if cuda_only.search(f.read_text()) and f.name != Path(__file__).name  # (this file: the pattern)
+    }
+    parts = gpu_suite.gpu_test_targets(gpu_suite.GPU_TEST_PARTS)
+    covered = {a.split("::")[0] for targets in parts for a in targets if a.startswith("tests/")}
+    assert "tests/models/test_training_path.py" in found  # (its skipif spans two lines)
+    assert found - covered == set()
