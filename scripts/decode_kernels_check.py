@@ -926,7 +926,7 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
     call (L2-resident: how much of the layer is waiting on HBM).
     `save` writes the JSON after each configuration: a run cut by its time limit keeps the rows it has
     (session 34 lost a whole sweep so)."""
-    from kestrel.ops.moe.triton_decode import TILES, _sync_buffer, moe_decode_triton
+    from kestrel.ops.moe.triton_decode import TILES, barrier_gave_up, moe_decode_triton
     from kestrel.ops.moe.triton_experts import moe_experts_triton
     from kestrel.ops.moe.triton_router import route_hidden_triton
 
@@ -994,16 +994,8 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
     entry["six_launches_us"] = calls_us([functools.partial(six, n, o) for n, o in zip(nets, outs)], device)
     rows = entry["one_launch"] = []
 
-    def gave_up() -> bool:
-        """Whether a barrier gave up since the last look (a grid not all resident: its results are wrong);
-        the counters then zeroed, since late programs may have left one raised."""
-        if device != "cuda":
-            return False
-        sync = _sync_buffer(x.device)
-        if not sync[3].item():
-            return False
-        sync.zero_()
-        return True
+    def gave_up() -> bool:  # since the last look (a grid not all resident: its results are wrong)
+        return device == "cuda" and barrier_gave_up(x.device)
 
     for tiles in configs:
         row = dict(tiles)

@@ -59,8 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         mark = "same" if differs_at is None else f"DIFFERS at token {differs_at}"
         print(f"{mark:>20}  {want['prompt'][:60]!r} -> {got.text[-40:]!r}", flush=True)
     same = sum(o["differs_at"] is None for o in outputs)
+    from kestrel.ops.moe.triton_decode import barrier_gave_up
+
+    gave_up = barrier_gave_up(llm.engine.device)  # the one-launch MoE's grid barrier: its results were wrong
     result = {
         "device": str(llm.engine.device),
+        "moe_barrier_gave_up": gave_up,
         "reference": Path(args.reference).name,
         "seconds": time.perf_counter() - start,
         "same": same,
@@ -70,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"served tokens: {same} of {len(outputs)} prompts the same as {result['reference']}")
-    return 0 if same == len(outputs) else 1
+    if gave_up:
+        print("the one-launch MoE's grid barrier gave up during the run (a grid not all resident)")
+    return 0 if same == len(outputs) and not gave_up else 1
 
 
 if __name__ == "__main__":

@@ -265,6 +265,12 @@ def _time_decode(
         "mbu": parts["total"] / (step_ms * 1e-3) / copy,
         "mbu_graph_replay": parts["total"] / (replay_ms * 1e-3) / copy if replay_ms else None,
     }
+    if (
+        engine.device.type == "cuda"
+    ):  # the one-launch MoE's grid barrier gave up: this point's tokens are wrong
+        from kestrel.ops.moe.triton_decode import barrier_gave_up
+
+        run["moe_barrier_gave_up"] = barrier_gave_up(engine.device)
     if profile and replay_ms:
         run["profile"] = profile_replay(runner.graphs[key].replay)
         if ceilings.get("launch_floor_us"):
@@ -281,6 +287,10 @@ def _time_decode(
         f"{run['tokens_per_s']:9.0f} tok/s  MBU {run['mbu']:5.1%}",
         flush=True,
     )
+    if run.get("moe_barrier_gave_up"):
+        print(
+            "WARNING: the one-launch MoE's grid barrier gave up during this point (a grid not all resident)"
+        )
     if "profile" in run:
         _print_profile(run["profile"], run.get("launch_floor"))
     for r in reqs:

@@ -335,3 +335,16 @@ def test_moe_layer_takes_it_at_batch_1(monkeypatch):
         assert rel < 1e-2, rel
         moe(torch.randn(2, config.hidden_size, device="cuda").bfloat16())
         assert calls == [1]
+
+
+def test_barrier_gave_up_reads_and_clears_the_flag():
+    """barrier_gave_up: sync[3] raised by a launch is reported once, and the counters are zeroed with it."""
+    from kestrel.ops.moe.triton_decode import _sync_buffer, barrier_gave_up
+
+    sync = _sync_buffer(torch.device("cpu"))
+    assert not barrier_gave_up("cpu")
+    sync[1], sync[3] = 5, 1  # a barrier's count left raised by late programs, and the flag
+    assert not barrier_gave_up("meta")  # no launch on that device
+    assert barrier_gave_up("cpu")
+    assert sync.tolist() == [0, 0, 0, 0]
+    assert not barrier_gave_up("cpu")

@@ -124,6 +124,19 @@ def _sync_buffer(device: torch.device) -> torch.Tensor:
     return _sync[device]
 
 
+def barrier_gave_up(device: torch.device | str) -> bool:
+    """Whether a launch on `device` gave up at a barrier since the last look (sync[3]: a grid not all resident,
+    whose results are wrong); its counters are then zeroed, since late programs may have left one raised. False
+    where no launch has run. The benchmarks and scripts/served_tokens.py record it."""
+    device = torch.device(device)
+    gave_up = False
+    for dev, sync in _sync.items():
+        if dev.type == device.type and device.index in (None, dev.index) and sync[3].item():
+            sync.zero_()
+            gave_up = True
+    return gave_up
+
+
 @triton.jit
 def _grid_sync(sync, k, nprog, MAX_SPIN: tl.constexpr):
     """Wait until all nprog programs have reached barrier k; every store before it is then visible to every
