@@ -1,0 +1,519 @@
+"""A session's device calls, committed: named jobs run in order inside one call's time, each skipped when less time
+is left than its estimate; every log and JSON goes into one tarball under $OUT (a call returns at most 8 files) and
+the figures that matter are printed at the end (a call's reply shows the last 12,000 characters of its output).
+
+    python3 scripts/gpu_calls.py [--label a] [--budget 560] [--workers 4] [--commit C] JOB...   # on the device
+    python3 scripts/gpu_calls.py --dry-run JOB...   # here: every command's options checked against its --help
+    python3 scripts/gpu_calls.py --list
+
+On the device (carry .whl, from scripts/fetch_wheels.sh) the script installs the wheels into /tmp/site, restores the
+Triton cache (scripts/triton_cache.sh) and runs each command with PYTHONPATH=/tmp/site:<repo>. What comes back:
+$OUT/<label>.tgz (every command's log and JSON, and calls.json) and $OUT/calls_<label>.json (what ran, its exit
+status and seconds, the figures printed). `summarize` prints the figures of returned files again:
+
+    python3 scripts/gpu_calls.py --summarize DIR_OR_TGZ...
+
+The jobs that close issue 4 (every GPU test and every figure at one commit, with the batch-1 account), in three
+calls issued back to back (a machine is given back 30 s after a call; a cold start costs about 2 minutes):
+    1. tests served topk                 2. decode prefill kernels served:KESTREL_L2_AHEAD=on
+    3. short ahead moe l2
+Each job's help (`--list`) says what it runs."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+CLI = [PY, "-m", "kestrel.serve.cli"]
+
+
+@dataclasses.dataclass
+class Run:
+    """One command of a job: its log is <results>/<tag>.log; `json` is the file it writes (relative to the results
+    folder), which `show` turns into the lines printed."""
+
+    tag: str
+    argv: list[str]
+    est_s: int  # skipped when less than this is left of the call's budget
+    json: str | None = None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    show: Callable[[dict], list[str]] | None = None
+
+
+# ---- what each result holds, in a few lines --------------------------------------------------------------------
+
+
+def show_decode(d: dict) -> list[str]:
+    """`bench decode`: every point's step, replay and MBU; the launches against the bytes; 128K over 4K."""
+    lines = [f"copy {d['ceilings']['copy_TBps']:.3f} TB/s"]
+    for r in d["runs"]:
+        line = (
+            f"b={r['batch']:<3} ctx={r['context']:<6} {r['attention']:9} max {r.get('max_model_len')} graph "
+            f"{r.get('graph_width')}: step {r['step_ms']:.3f} ms (replay {r['graph_replay_ms'] or float('nan'):.3f})"
+            f" MBU {r['mbu']:.1%} ({(r['mbu_graph_replay'] or 0):.1%})"
+        )
+        if "profile" in r:
+            line += f", {r['profile']['kernels_per_step']:.0f} kernels"
+        if "launch_floor" in r:
+            line += f", launches {r['launch_floor']['launches_ms']:.3f} ms"
+        if r.get("moe_barrier_gave_up"):
+            line += ", MoE BARRIER GAVE UP"
+        lines.append(line)
+    step = {
+        (r["batch"], r["context"], r["attention"], r.get("max_model_len")): r["step_ms"] for r in d["runs"]
+    }
+    for (b, ctx, attention, _), ms in step.items():
+        base = [v for (b2, c2, a2, _), v in step.items() if (b2, a2) == (b, attention) and c2 == 4096]
+        if ctx > 4096 and base:
+            lines.append(f"b={b} {attention}: ctx {ctx} / 4096 = {ms / base[0]:.2f}x")
+    for e in d.get("engines", []):
+        lines.append(
+            f"engine max {e['max_model_len']}: {e['setup_s']:.1f} s, graphs {e['decode_graphs']}, "
+            f"{e.get('graph_gib', 0):.2f} GiB"
+        )
+    return lines
+
+
+def show_gpu_tests(d: dict) -> list[str]:
+    t = d["sections"]["gpu_tests"]
+    if "error" in t:
+        return [f"error {t['error']}"]
+    return [f"returncodes {t['returncodes']}, {t['counts']}", *(f"FAILED {name}" for name in t["failed"])]
+
+
+def show_topk(d: dict) -> list[str]:
+    t = d["timing"]["randn"]
+    ours, peer = t["topk_cuda"]["cold_us"], t["torch_topk"]["cold_us"]
+    lines = [
+        f"{d['timing']['shape']} k={d['timing']['k']}: topk_cuda {ours:.1f} us, torch.topk {peer:.1f} us: "
+        f"{peer / ours:.2f}x"
+    ]
+    bad = [c for c in d.get("cases", []) if not all(v for k, v in c.items() if k.startswith("equal"))]
+    return lines + [f"{len(d.get('cases', []))} cases, {len(bad)} with a set unlike the reference's"]
+
+
+def show_prefill(d: dict) -> list[str]:
+    cases = d["sections"]["prefill_bench"]
+    if "error" in cases:
+        return [f"error {cases['error']}"]
+    cases = cases.get("cases", cases)
+    return [
+        f"{name}: {c['step_s'] * 1e3:.1f} ms, MFU {c['mfu_of_measured_matmul']:.1%}"
+        for name, c in cases.items()
+        if isinstance(c, dict) and "step_s" in c
+    ]
+
+
+def show_kernels(d: dict) -> list[str]:
+    lines = [
+        f"copy {d['ceilings']['copy_TBps']:.2f} TB/s, matmul {d['ceilings']['bf16_matmul_TFLOPs']:.0f} TFLOP/s"
+    ]
+    for k in d["kernels"]:
+        peer = f", {k['peer']} {k['peer_ms']:.3f} ms" if k.get("peer_ms") else ""
+        lines.append(
+            f"{k['kernel']}: {k['ms']:.3f} ms, {k['bandwidth_of_copy']:.0%} of copy, "
+            f"{k['flops_of_matmul']:.0%} of matmul{peer}"
+        )
+    return lines
+
+
+def show_served(d: dict) -> list[str]:
+    gave_up = ", MoE BARRIER GAVE UP" if d.get("moe_barrier_gave_up") else ""
+    return [
+        f"{d['same']} of {d['prompts']} prompts gave the reference's tokens ({d['seconds']:.1f} s){gave_up}"
+    ]
+
+
+def show_kernels_check(d: dict) -> list[str]:
+    """decode_kernels_check: the sections this script runs (moe_fused, l2_ahead, pdl)."""
+    lines = [f"{name} failed: {err.strip().splitlines()[-1]}" for name, err in d.get("errors", {}).items()]
+    if m := d.get("moe_fused"):
+        best = m.get("best") or {}
+        lines.append(
+            f"moe_fused: floor {m['floor_us']:.1f} us, six launches {m['six_launches_us']:.1f}, best "
+            f"{best.get('us', float('nan')):.1f}, best hot {m.get('best_hot_us', float('nan')):.1f}"
+        )
+    if a := d.get("l2_ahead"):
+        lines.append(
+            "l2_ahead us a layer: "
+            + ", ".join(
+                f"{k[: -len('_us_a_layer')]} {v:.2f}" for k, v in a.items() if k.endswith("_us_a_layer")
+            )
+        )
+        lines.append(f"  same bits: {all(v for k, v in a.items() if k.endswith('_same_bits'))}")
+    if p := d.get("pdl"):
+        lines += [
+            f"pdl b={b}: {v['auto_us_per_kernel']:.3f} us a kernel (off {v['off_us_per_kernel']:.3f})"
+            for b, v in p["batches"].items()
+        ]
+    return lines
+
+
+# ---- the jobs ----------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What every job's commands share: pytest-xdist workers for the tests, the folder the results go to."""
+
+    workers: int = 4
+    results: Path = Path("/tmp/gpu_calls")
+
+    def out(self, name: str) -> str:
+        return str(self.results / name)
+
+
+def _script(name: str) -> str:
+    return str(ROOT / "scripts" / name)
+
+
+def _decode(call: Call, tag: str, est: int, *options: str, env: dict | None = None) -> Run:
+    argv = [*CLI, "bench", "decode", *options, "--out", call.out(f"{tag}.json")]
+    return Run(tag, argv, est, f"{tag}.json", env or {}, show_decode)
+
+
+def _check(call: Call, tag: str, sections: str, est: int) -> Run:
+    argv = [PY, _script("decode_kernels_check.py"), "--sections", sections, "--out", call.out(f"{tag}.json")]
+    return Run(tag, argv, est, f"{tag}.json", show=show_kernels_check)
+
+
+def job_tests(arg: str | None, call: Call) -> list[Run]:
+    parts = arg or "switches,fuse,rest"
+    argv = [PY, _script("gpu_suite.py"), "--sections", "gpu_tests", "--gpu-tests-parts", parts]
+    argv += ["--gpu-tests-workers", str(call.workers), "--out", call.out("tests")]
+    return [Run("tests", argv, 240, "tests/gpu_suite.json", show=show_gpu_tests)]
+
+
+def job_served(arg: str | None, call: Call) -> list[Run]:
+    env = dict(pair.split("=", 1) for pair in arg.split(",")) if arg else {}
+    tag = "served" + "".join(f"_{k.removeprefix('KESTREL_').lower()}_{v}" for k, v in env.items())
+    argv = [PY, _script("served_tokens.py"), "--out", call.out(f"{tag}.json")]
+    return [Run(tag, argv, 45, f"{tag}.json", env, show_served)]
+
+
+def job_decode(arg: str | None, call: Call) -> list[Run]:
+    return [_decode(call, "decode", 110, "--batches", "1,256", "--contexts", "4096,131072", "--profile")]
+
+
+def job_topk(arg: str | None, call: Call) -> list[Run]:
+    argv = [PY, _script("topk_cuda_check.py"), "--out", call.out("topk.json")]
+    return [Run("topk", argv, 60, "topk.json", show=show_topk)]
+
+
+def job_prefill(arg: str | None, call: Call) -> list[Run]:
+    argv = [PY, _script("gpu_suite.py"), "--sections", "prefill_bench", "--out", call.out("prefill")]
+    return [Run("prefill", argv, 120, "prefill/gpu_suite.json", show=show_prefill)]
+
+
+def job_kernels(arg: str | None, call: Call) -> list[Run]:
+    argv = [*CLI, "bench", "kernels", "--out", call.out("kernels.json")]
+    return [Run("kernels", argv, 150, "kernels.json", show=show_kernels)]
+
+
+def job_short(arg: str | None, call: Call) -> list[Run]:
+    """4K contexts on an engine of serve's default limit (131072), with and without short decode graphs of 8192
+    tokens, alternating; dense MLA in the first pair."""
+    runs = []
+    for i, short in enumerate((8192, 0, 8192, 0)):
+        dense = [] if i < 2 else ["--no-dense"]
+        options = ["--batches", "1,64,256", "--contexts", "4096", "--max-model-len", "131072"]
+        runs.append(
+            _decode(
+                call, f"short{short}_{i // 2}", 90, *options, "--cuda-graph-short-len", str(short), *dense
+            )
+        )
+    return runs
+
+
+def job_ahead(arg: str | None, call: Call) -> list[Run]:
+    """Batch 1, 4 and 16 at 4K with KESTREL_L2_AHEAD off and on, alternating, the first pair profiled."""
+    runs = []
+    for i, state in enumerate(("on", "off", "on", "off")):
+        profile = ["--profile"] if i < 2 else []
+        options = ["--batches", "1,4,16", "--contexts", "4096", "--no-dense", *profile]
+        runs.append(_decode(call, f"ahead_{state}_{i // 2}", 60, *options, env={"KESTREL_L2_AHEAD": state}))
+    return runs
+
+
+JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {
+    "tests": (
+        "tests[:PARTS]: gpu_suite's GPU tests (PARTS as --gpu-tests-parts; --workers processes)",
+        job_tests,
+    ),
+    "served": ("served[:VAR=VAL,...]: the shipped model's greedy tokens against session 39's", job_served),
+    "decode": (
+        "decode: bench decode at batch 1 and 256, 4K and 128K, DSA and dense MLA, profiled",
+        job_decode,
+    ),
+    "topk": ("topk: scripts/topk_cuda_check.py (top-2048 of 64 x 131072 against torch.topk)", job_topk),
+    "prefill": ("prefill: gpu_suite's prefill_bench (packed 8 x 4096 and 1 x 32768: MFU)", job_prefill),
+    "kernels": (
+        "kernels: kestrel bench kernels (each kernel against the ceilings and its torch peer)",
+        job_kernels,
+    ),
+    "short": (
+        "short: bench decode at 4K on a 131072-token engine, short graphs of 8192 on and off",
+        job_short,
+    ),
+    "ahead": ("ahead: bench decode at batch 1, 4 and 16, KESTREL_L2_AHEAD on and off", job_ahead),
+    "moe": (
+        "moe: decode_kernels_check moe_fused (the one-launch MoE; best_hot_us: its weights in L2)",
+        lambda arg, call: [_check(call, "moe", "moe_fused", 90)],
+    ),
+    "l2": (
+        "l2: decode_kernels_check l2_ahead (batch 1's projections cold, hot, asked ahead)",
+        lambda arg, call: [_check(call, "l2", "l2_ahead", 40)],
+    ),
+    "pdl": (
+        "pdl: decode_kernels_check pdl (the launch floor with and without PDL)",
+        lambda arg, call: [_check(call, "pdl", "pdl", 30)],
+    ),
+}
+
+
+def plan(jobs: list[str], call: Call = Call()) -> list[Run]:
+    """The runs of `jobs` (NAME or NAME:ARG), in order; an unknown name raises ValueError."""
+    runs = []
+    for job in jobs:
+        name, _, arg = job.partition(":")
+        if name not in JOBS:
+            raise ValueError(f"unknown job {job!r}: choose from {', '.join(JOBS)}")
+        runs += JOBS[name][1](arg or None, call)
+    tags = [r.tag for r in runs]
+    if len(set(tags)) != len(tags):
+        raise ValueError(f"a job is named twice: {tags}")
+    return runs
+
+
+# ---- running them --------------------------------------------------------------------------------------------------
+
+
+def dry_run(runs: list[Run]) -> list[str]:
+    """Problems with the runs' commands, checked here without a GPU: the script exists, and every --option it is
+    given is one its --help lists (a typo would cost a device call)."""
+    problems, helps = [], {}
+    for run in runs:
+        words = run.argv[1:]
+        head = words[:2] if words[0] == "-m" else words[:1]
+        rest = words[len(head) :]
+        while rest and not rest[0].startswith("-"):  # subcommands: kestrel bench decode
+            head, rest = head + rest[:1], rest[1:]
+        if head[0] != "-m" and not (ROOT / head[0]).is_file():
+            problems.append(f"{run.tag}: no file {head[0]}")
+            continue
+        key = tuple(head)
+        if key not in helps:
+            out = subprocess.run([PY, *head, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+            helps[key] = out.stdout if out.returncode == 0 else None
+            if helps[key] is None:
+                problems.append(f"{run.tag}: {' '.join(head)} --help failed: {out.stderr.strip()[-300:]}")
+        for option in (w.split("=")[0] for w in rest if w.startswith("--")):
+            if helps[key] is not None and not re.search(rf"{re.escape(option)}\b", helps[key]):
+                problems.append(f"{run.tag}: {' '.join(head)} takes no {option}")
+    return problems
+
+
+def _setup(log) -> dict[str, str]:
+    """The device machine's environment: the carried wheels installed, the Triton cache restored."""
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        PYTHONWARNINGS="ignore",
+        TRITON_CACHE_DIR="/tmp/tc",
+        TRITON_CACHE_AUTOTUNING="1",
+    )
+    wheels = sorted(str(w) for w in (ROOT / ".whl").glob("*.whl"))
+    if wheels:
+        pip = [PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir"]
+        subprocess.run(
+            [*pip, "--upgrade", "--target", "/tmp/site", *wheels], stdout=log, stderr=subprocess.STDOUT
+        )
+        env["PYTHONPATH"] = f"/tmp/site:{ROOT}"
+    else:
+        env["PYTHONPATH"] = str(ROOT)
+    subprocess.run(["bash", "scripts/triton_cache.sh", "restore"], cwd=ROOT, env=env, stdout=log, stderr=log)
+    return env
+
+
+def _gpu_line() -> str:
+    try:
+        query = "--query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used"
+        return subprocess.run(
+            ["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout
+    except OSError:
+        return "no nvidia-smi"
+
+
+def _commit(given: str | None) -> str:
+    if given:
+        return given
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown (no .git on the device: pass --commit)"
+
+
+def shown(run: Run, results: Path) -> list[str]:
+    """The lines `run.show` makes of its JSON; its log's last lines where there is no JSON."""
+    path = results / run.json if run.json else None
+    if path is not None and path.is_file() and run.show is not None:
+        try:
+            return run.show(json.loads(path.read_text()))
+        except Exception as e:  # noqa: BLE001 - a summary must not lose the other runs'
+            return [f"(its JSON could not be summarized: {e!r})"]
+    log = results / f"{run.tag}.log"
+    return (
+        [f"(no JSON) {line}" for line in log.read_text(errors="replace").splitlines()[-6:]]
+        if log.is_file()
+        else []
+    )
+
+
+def execute(runs: list[Run], args) -> dict:
+    started = time.monotonic()
+    results = Path(args.results)
+    shutil.rmtree(results, ignore_errors=True)
+    results.mkdir(parents=True)
+    with (results / "setup.log").open("w") as log:
+        env = _setup(log) if args.setup else dict(os.environ, PYTHONPATH=str(ROOT))
+    record = {
+        "label": args.label,
+        "commit": _commit(args.commit),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": _gpu_line().strip(),
+        "jobs": args.jobs,
+        "budget_s": args.budget,
+        "runs": [],
+    }
+    print(f"{record['date']} {record['commit']} {record['gpu']}", flush=True)
+    for run in runs:
+        left = args.budget - (time.monotonic() - started)
+        entry = {"tag": run.tag, "command": " ".join(run.argv), "env": run.env}
+        record["runs"].append(entry)
+        if left < run.est_s:
+            entry["skipped"] = f"{left:.0f} s left, estimate {run.est_s} s"
+            print(f"== {run.tag} skipped: {entry['skipped']}", flush=True)
+            continue
+        t = time.monotonic()
+        with (results / f"{run.tag}.log").open("w") as log:
+            proc = subprocess.Popen(
+                run.argv,
+                cwd=ROOT,
+                env=dict(env, **run.env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            try:
+                entry["returncode"] = proc.wait(timeout=max(left - 5, 1))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # its children too (pytest's workers)
+                proc.wait()
+                entry["returncode"] = "timed out"
+        entry["wall_s"] = round(time.monotonic() - t, 1)
+        entry["shown"] = shown(run, results)
+        print(
+            f"== {run.tag} rc {entry['returncode']} in {entry['wall_s']} s",
+            *entry["shown"],
+            sep="\n  ",
+            flush=True,
+        )
+        (results / "calls.json").write_text(json.dumps(record, indent=1))
+    record["wall_s"] = round(time.monotonic() - started, 1)
+    (results / "calls.json").write_text(json.dumps(record, indent=1))
+    out = Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(results / "calls.json", out / f"calls_{args.label}.json")
+    with tarfile.open(out / f"{args.label}.tgz", "w:gz") as tar:
+        tar.add(results, arcname=args.label)
+    return record
+
+
+def summarize(paths: list[str]) -> None:
+    """Print the figures of returned results again: each calls.json found (in a folder or a .tgz), re-read."""
+    for path in map(Path, paths):
+        with tempfile.TemporaryDirectory() as tmp:
+            if path.suffix == ".tgz":
+                with tarfile.open(path) as tar:
+                    tar.extractall(tmp, filter="data")
+                path = Path(tmp)
+            for calls in sorted(path.rglob("calls.json")):
+                record = json.loads(calls.read_text())
+                print(f"# {record['label']} at {record['commit']}, {record['date']}: {record['gpu']}")
+                runs = {r.tag: r for r in plan(record["jobs"])}
+                for entry in record["runs"]:
+                    status = entry.get("skipped") or f"rc {entry['returncode']} in {entry['wall_s']} s"
+                    lines = shown(runs[entry["tag"]], calls.parent) if entry["tag"] in runs else []
+                    print(f"== {entry['tag']}: {status}", *lines, sep="\n  ")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("jobs", nargs="*", help="NAME or NAME:ARG (--list)")
+    parser.add_argument(
+        "--label", default="a", help="the call's name: $OUT/<label>.tgz, $OUT/calls_<label>.json"
+    )
+    parser.add_argument(
+        "--budget", type=int, default=560, help="seconds for the whole call (a run is 600 at most)"
+    )
+    parser.add_argument("--workers", type=int, default=4, help="tests: pytest-xdist processes on the one GPU")
+    parser.add_argument(
+        "--commit", default=None, help="recorded as the commit (the device's copy has no .git)"
+    )
+    parser.add_argument("--results", default="/tmp/gpu_calls", help="where the runs write, packed at the end")
+    parser.add_argument(
+        "--no-setup", dest="setup", action="store_false", help="no wheels installed, no Triton cache restored"
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check every command's options here; run nothing"
+    )
+    parser.add_argument("--list", action="store_true", help="the jobs and what each runs")
+    parser.add_argument(
+        "--summarize", nargs="+", metavar="PATH", help="print the figures of returned results"
+    )
+    args = parser.parse_args(argv)
+    if args.list:
+        print(*(help_ for help_, _ in JOBS.values()), sep="\n")
+        return 0
+    if args.summarize:
+        summarize(args.summarize)
+        return 0
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", args.label):
+        parser.error("--label: letters, digits, '.', '_' and '-' only (what the device returns)")
+    if not args.jobs:
+        parser.error("name at least one job (--list)")
+    try:
+        runs = plan(args.jobs, Call(args.workers, Path(args.results)))
+    except ValueError as e:
+        parser.error(str(e))
+    if args.dry_run:
+        for run in runs:
+            print(
+                f"{run.tag} (>= {run.est_s} s): {' '.join(f'{k}={v}' for k, v in run.env.items())} "
+                f"{' '.join(run.argv[1:])}".replace("  ", " ")
+            )
+        problems = dry_run(runs)
+        print(*problems or ["every command's options are its own"], sep="\n")
+        return 1 if problems else 0
+    record = execute(runs, args)
+    failed = [r["tag"] for r in record["runs"] if r.get("returncode") not in (0, None)]
+    print(f"done in {record['wall_s']} s; failed or cut: {failed or 'none'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""scripts/gpu_calls.py, the committed device calls: every job's commands take the options they are given (a typo
+would cost a device call), each result's summary reads the records the H200 returned, and a call runs, packs and
+summarizes its results (the `served` job, which runs on the CPU as well)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kestrel.presets import shipped_model_dir
+from tests.scripts import load_script
+
+calls = load_script("gpu_calls")
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def _record(session: str) -> dict:
+    return json.loads((RESULTS / f"2026-12-04-h200-session{session}.json").read_text())
+
+
+def test_every_job_plans_and_its_commands_take_their_options():
+    jobs = [f"{name}:KESTREL_L2_AHEAD=on" if name == "served" else name for name in calls.JOBS]
+    runs = calls.plan(jobs)
+    assert {r.tag for r in runs} >= {"tests", "decode", "topk", "prefill", "kernels", "served_l2_ahead_on"}
+    assert calls.dry_run(runs) == []
+
+
+def test_a_bad_option_or_job_is_caught_before_the_call():
+    bad = calls.Run("x", [calls.PY, calls._script("topk_cuda_check.py"), "--outt", "x.json"], 1)
+    missing = calls.Run("y", [calls.PY, calls._script("no_such_script.py")], 1)
+    assert calls.dry_run([bad, missing]) == [
+        "x: " + calls._script("topk_cuda_check.py") + " takes no --outt",
+        "y: no file " + calls._script("no_such_script.py"),
+    ]
+    with pytest.raises(ValueError, match="unknown job 'decod'"):
+        calls.plan(["decod"])
+    with pytest.raises(ValueError, match="named twice"):
+        calls.plan(["topk", "topk"])
+    with pytest.raises(SystemExit):
+        calls.main(["--label", "a/b", "topk"])
+
+
+def test_summaries_read_the_h200_records():
+    """Session 46's decode, top-k and prefill results and session 47's decode at serve's limit, as returned."""
+    a, b, c, _ = _record("46")["calls"]
+    decode = calls.show_decode(b["decode"])
+    assert decode[0] == "copy 4.274 TB/s"
+    assert any(
+        "b=1   ctx=4096   DSA" in line and "MBU 29.2%" in line and "244 kernels" in line for line in decode
+    )
+    assert "b=1 DSA: ctx 130984 / 4096 = 1.13x"  # (128K less the steps) in decode
+    topk = calls.show_topk(a["topk_cuda"])
+    assert "topk_cuda 42.3 us, torch.topk 192.4 us: 4.55x" in topk[0]
+    assert topk[1].endswith(", 0 with a set unlike the reference's")
+    prefill = calls.show_prefill({"sections": {"prefill_bench": {"cases": c["prefill"]}}})
+    assert prefill == ["8x4096: 184.0 ms, MFU 34.7%", "1x32768: 323.8 ms, MFU 32.8%"]
+    tests = calls.show_gpu_tests({"sections": {"gpu_tests": a["gpu_tests"]}})
+    assert tests == ["returncodes [0], {'PASSED': 8}"]
+    wide = calls.show_decode(_record("47")["calls"][0]["json"]["decode_new_tight"])
+    assert any(line.startswith("b=256 ctx=4096   DSA       max 4184") for line in wide)
+
+
+@pytest.mark.skipif(shipped_model_dir() is None, reason="the served job serves the shipped model")
+def test_a_call_runs_packs_and_summarizes(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    monkeypatch.setenv("OUT", str(out))
+    args = [
+        "served",
+        "pdl",
+        "--no-setup",
+        "--label",
+        "t",
+        "--budget",
+        "100",
+        "--results",
+        str(tmp_path / "r"),
+    ]
+    # a job that would outrun the budget is skipped, not run
+    monkeypatch.setitem(calls.JOBS, "pdl", ("", lambda arg, call: [calls.Run("pdl", ["false"], 10**6)]))
+    assert calls.main(args) == 0
+    record = json.loads((out / "calls_t.json").read_text())
+    served, pdl = record["runs"]
+    assert served["returncode"] == 0 and served["shown"][0].startswith("8 of 8 prompts")
+    assert pdl["skipped"].endswith("estimate 1000000 s")
+    capsys.readouterr()
+    calls.main(["--summarize", str(out / "t.tgz")])
+    printed = capsys.readouterr().out
+    assert "== served: rc 0" in printed and "8 of 8 prompts gave the reference's tokens" in printed
