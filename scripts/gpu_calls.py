@@ -443,8 +443,10 @@ def execute(runs: list[Run], args) -> dict:
     return record
 
 
-def summarize(paths: list[str]) -> None:
-    """Print the figures of returned results again: each calls.json found (in a folder or a .tgz), re-read."""
+def summarize(paths: list[str]) -> list[dict]:
+    """Print the figures of returned results again: each calls.json found (in a folder or a .tgz), re-read. Returns
+    each call's record with every run's JSON result in it (`result`), for the session's record in bench/results."""
+    found = []
     for path in map(Path, paths):
         with tempfile.TemporaryDirectory() as tmp:
             if path.suffix == ".tgz":
@@ -457,8 +459,15 @@ def summarize(paths: list[str]) -> None:
                 runs = {r.tag: r for r in plan(record["jobs"])}
                 for entry in record["runs"]:
                     status = entry.get("skipped") or f"rc {entry['returncode']} in {entry['wall_s']} s"
-                    lines = shown(runs[entry["tag"]], calls.parent) if entry["tag"] in runs else []
-                    print(f"== {entry['tag']}: {status}", *lines, sep="\n  ")
+                    run = runs.get(entry["tag"])
+                    print(
+                        f"== {entry['tag']}: {status}", *(shown(run, calls.parent) if run else []), sep="\n  "
+                    )
+                    result = calls.parent / run.json if run and run.json else None
+                    if result is not None and result.is_file():
+                        entry["result"] = json.loads(result.read_text())
+                found.append(record)
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -485,12 +494,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--summarize", nargs="+", metavar="PATH", help="print the figures of returned results"
     )
+    parser.add_argument(
+        "--record", metavar="FILE", help="with --summarize: write the calls and every run's JSON into FILE"
+    )
     args = parser.parse_args(argv)
     if args.list:
         print(*(help_ for help_, _ in JOBS.values()), sep="\n")
         return 0
     if args.summarize:
-        summarize(args.summarize)
+        found = summarize(args.summarize)
+        if args.record:
+            Path(args.record).write_text(json.dumps({"calls": found}, indent=1))
+            print(f"wrote {args.record}: {len(found)} calls, every run's result in it")
         return 0
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", args.label):
         parser.error("--label: letters, digits, '.', '_' and '-' only (what the device returns)")

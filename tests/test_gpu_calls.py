@@ -85,6 +85,8 @@ def test_a_call_runs_packs_and_summarizes(tmp_path, monkeypatch, capsys):
     assert served["returncode"] == 0 and served["shown"][0].startswith("8 of 8 prompts")
     assert pdl["skipped"].endswith("estimate 1000000 s")
     capsys.readouterr()
-    calls.main(["--summarize", str(out / "t.tgz")])
+    calls.main(["--summarize", str(out / "t.tgz"), "--record", str(tmp_path / "record.json")])
     printed = capsys.readouterr().out
     assert "== served: rc 0" in printed and "8 of 8 prompts gave the reference's tokens" in printed
+    (call,) = json.loads((tmp_path / "record.json").read_text())["calls"]
+    assert call["label"] == "t" and call["runs"][0]["result"]["same"] == 8 and "result" not in call["runs"][1]
