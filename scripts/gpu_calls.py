@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import re
@@ -53,6 +54,7 @@ class Run:
     json: str | None = None
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     show: Callable[[dict], list[str]] | None = None
+    cut: Callable[[Path], list[str]] | None = None  # what a run cut before its JSON left (the results folder)
 
 
 # ---- what each result holds, in a few lines --------------------------------------------------------------------
@@ -94,6 +96,27 @@ def show_gpu_tests(d: dict) -> list[str]:
     if "error" in t:
         return [f"error {t['error']}"]
     return [f"returncodes {t['returncodes']}, {t['counts']}", *(f"FAILED {name}" for name in t["failed"])]
+
+
+def cut_gpu_tests(results: Path) -> list[str]:
+    """The GPU tests cut by the budget (no JSON yet): the outcomes pytest wrote into their log, one line a test."""
+    log = results / "tests" / "gpu_tests.log"
+    if not log.is_file():
+        return ["(cut before any test ended)"]
+    outcomes = _gpu_suite()._pytest_outcomes(log.read_text(errors="replace"))
+    counts = {word: sum(v == word for v in outcomes.values()) for word in sorted(set(outcomes.values()))}
+    failed = [f"FAILED {name}" for name, v in outcomes.items() if v in ("FAILED", "ERROR")]
+    return [f"cut: {counts} so far", *failed]
+
+
+def _gpu_suite():
+    """scripts/gpu_suite.py as a module (its log parser; it imports torch)."""
+    spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "scripts" / "gpu_suite.py")
+    module = sys.modules.setdefault(
+        "gpu_suite", importlib.util.module_from_spec(spec)
+    )  # (its dataclasses look)
+    spec.loader.exec_module(module)
+    return module
 
 
 def show_topk(d: dict) -> list[str]:
@@ -196,7 +219,7 @@ def job_tests(arg: str | None, call: Call) -> list[Run]:
     parts = arg or "switches,fuse,rest"
     argv = [PY, _script("gpu_suite.py"), "--sections", "gpu_tests", "--gpu-tests-parts", parts]
     argv += ["--gpu-tests-workers", str(call.workers), "--out", call.out("tests")]
-    return [Run("tests", argv, 240, "tests/gpu_suite.json", show=show_gpu_tests)]
+    return [Run("tests", argv, 240, "tests/gpu_suite.json", show=show_gpu_tests, cut=cut_gpu_tests)]
 
 
 def job_served(arg: str | None, call: Call) -> list[Run]:
@@ -375,6 +398,8 @@ def shown(run: Run, results: Path) -> list[str]:
             return run.show(json.loads(path.read_text()))
         except Exception as e:  # noqa: BLE001 - a summary must not lose the other runs'
             return [f"(its JSON could not be summarized: {e!r})"]
+    if run.cut is not None:
+        return run.cut(results)
     log = results / f"{run.tag}.log"
     return (
         [f"(no JSON) {line}" for line in log.read_text(errors="replace").splitlines()[-6:]]

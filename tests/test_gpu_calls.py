@@ -90,3 +90,18 @@ def test_a_call_runs_packs_and_summarizes(tmp_path, monkeypatch, capsys):
     assert "== served: rc 0" in printed and "8 of 8 prompts gave the reference's tokens" in printed
     (call,) = json.loads((tmp_path / "record.json").read_text())["calls"]
     assert call["label"] == "t" and call["runs"][0]["result"]["same"] == 8 and "result" not in call["runs"][1]
+
+
+def test_cut_gpu_tests_read_their_log(tmp_path):
+    """The tests job cut by the budget leaves no JSON: its summary counts the outcomes in pytest's log so far."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "gpu_tests.log").write_text(
+        "tests/ops/test_a.py::test_x PASSED [ 10%]\n"
+        "[gw1] [ 20%] FAILED tests/ops/test_b.py::test_y[2]\n"
+        "[gw0] [ 30%] PASSED tests/ops/test_b.py::test_z\n"
+    )
+    (run,) = calls.plan(["tests"], calls.Call(results=tmp_path))
+    assert calls.shown(run, tmp_path) == [
+        "cut: {'FAILED': 1, 'PASSED': 2} so far",
+        "FAILED tests/ops/test_b.py::test_y[2]",
+    ]
