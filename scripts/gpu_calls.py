@@ -15,8 +15,10 @@ status and seconds, the figures printed). `summarize` prints the figures of retu
 
 The jobs that close issue 4 (every GPU test and every figure at one commit, with the batch-1 account), in three
 calls issued back to back (a machine is given back 30 s after a call; a cold start costs about 2 minutes):
-    1. tests served topk                 2. decode prefill kernels served:KESTREL_L2_AHEAD=on
-    3. short ahead moe l2
+    1. served topk tests                 2. decode prefill kernels served:KESTREL_L2_AHEAD=on
+    3. l2 moe ahead short
+The tests take what the call has left: where they are cut, the next call runs the parts not reached
+(tests:rest:2/2 and so on; the summary counts the outcomes so far from pytest's log).
 Each job's help (`--list`) says what it runs."""
 
 from __future__ import annotations
@@ -194,7 +196,7 @@ def show_kernels_check(d: dict) -> list[str]:
 class Call:
     """What every job's commands share: pytest-xdist workers for the tests, the folder the results go to."""
 
-    workers: int = 4
+    workers: int = 8  # the device machine has 16 cores; the Engine-building test files run alone after
     results: Path = Path("/tmp/gpu_calls")
 
     def out(self, name: str) -> str:
@@ -504,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget", type=int, default=560, help="seconds for the whole call (a run is 600 at most)"
     )
-    parser.add_argument("--workers", type=int, default=4, help="tests: pytest-xdist processes on the one GPU")
+    parser.add_argument("--workers", type=int, default=8, help="tests: pytest-xdist processes on the one GPU")
     parser.add_argument(
         "--commit", default=None, help="recorded as the commit (the device's copy has no .git)"
     )
