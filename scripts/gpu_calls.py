@@ -2,7 +2,7 @@
 is left than its estimate; every log and JSON goes into one tarball under $OUT (a call returns at most 8 files) and
 the figures that matter are printed at the end (a call's reply shows the last 12,000 characters of its output).
 
-    python3 scripts/gpu_calls.py [--label a] [--budget 560] [--workers 4] [--commit C] JOB...   # on the device
+    python3 scripts/gpu_calls.py [--label a] [--budget 560] [--workers 8] [--commit C] JOB...   # on the device
     python3 scripts/gpu_calls.py --dry-run JOB...   # here: every command's options checked against its --help
     python3 scripts/gpu_calls.py --list
 
