@@ -37,6 +37,7 @@ class LLM:
         """model: a checkpoint folder or preset name; None is the built-in model (kestrel-demo when installed)."""
         self.engine = Engine(EngineConfig(model=model or builtin_model(), **engine_args))
         self.tokenizer = self.engine.tokenizer
+        self._calls = 0  # generate() calls: their request ids
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: a string, a list of strings, a list of token ids, a list of token-id lists, or dicts
@@ -49,20 +50,32 @@ class LLM:
             raise ValueError(f"{len(params)} sampling_params for {len(items)} prompts")
         params = [as_sampling_params(p) for p in params]
         results, children = [], {}
-        for i, ((text, ids), p) in enumerate(zip(items, params)):
-            if ids is None:
-                ids = self.tokenizer.encode(text)
-            results.append(RequestOutput(str(i), text, ids, [None] * p.n))
-            base = p.seed
-            for j in range(p.n):
-                child = dataclasses.replace(p, n=1, seed=None if base is None else base + j)
-                rid = self.engine.add_request(ids, child, f"{i}-{j}")
-                children[rid] = (i, j, child)
+        self._calls += 1
+        try:  # a bad prompt or a failed step aborts this call's requests: the LLM stays usable
+            for i, ((text, ids), p) in enumerate(zip(items, params)):
+                if ids is None:
+                    ids = self.tokenizer.encode(text)
+                results.append(RequestOutput(str(i), text, ids, [None] * p.n))
+                for j, child in enumerate(p.children()):
+                    # ids of this call: an aborted request leaves the engine at its next step
+                    rid = self.engine.add_request(ids, child, f"{self._calls}-{i}-{j}")
+                    children[rid] = (i, j, child)
+            self._run(children, results, use_tqdm)
+        except BaseException:
+            for rid in children:
+                self.engine.abort(rid)
+            raise
+        return results
+
+    def _run(self, children: dict, results: list[RequestOutput], use_tqdm: bool) -> None:
+        """Step the engine until every request of `children` (id -> (prompt, sample, params)) has finished."""
         tokens = {rid: [] for rid in children}
         logprobs = {rid: [] for rid in children}
         bar = tqdm(total=len(children), desc="generate", disable=not use_tqdm, unit="req")
         while self.engine.has_unfinished():
             for out in self.engine.step():
+                if out.request_id not in children:  # an earlier call's, aborted when that call failed
+                    continue
                 tokens[out.request_id] += out.new_token_ids
                 logprobs[out.request_id] += out.new_logprobs or []
                 if out.finished:
@@ -72,7 +85,6 @@ class LLM:
                     )
                     bar.update(1)
         bar.close()
-        return results
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them."""

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
+
+# Temperatures below this sample greedily (vLLM's rule): the logits divided by 1e-40 overflow to inf, and the
+# softmax of infs is NaN.
+GREEDY_BELOW = 1e-5
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds go to the device as int64
+INT32_MAX = 2**31 - 1  # top_k and token ids go to the device as int32/int64 beside vocabularies far smaller
 
 
 @dataclass
@@ -40,9 +48,15 @@ class SamplingParams:
         """Raise ValueError naming the first bad field."""
         checks = [
             (isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
+            (
+                math.isfinite(self.temperature) and self.temperature >= 0,
+                "temperature must be a finite number >= 0",
+            ),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be >= 0 (or -1 for off)"),
+            (
+                isinstance(self.top_k, int) and 0 <= self.top_k <= INT32_MAX,
+                f"top_k must be in [0, {INT32_MAX}] (or -1 for off)",
+            ),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
@@ -52,16 +66,25 @@ class SamplingParams:
                 "max_tokens must be an integer >= 1",
             ),
             (isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens must be >= 0"),
+            (
+                self.max_tokens is None
+                or not isinstance(self.max_tokens, int)
+                or self.min_tokens <= self.max_tokens,
+                f"min_tokens must be <= max_tokens ({self.max_tokens})",
+            ),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (
-                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                all(isinstance(t, int) and 0 <= t <= INT32_MAX for t in self.stop_token_ids),
                 "stop_token_ids must be token ids",
             ),
             (
                 self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                 "logprobs must be in [0, 20]",
             ),
-            (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
+            (
+                self.seed is None or (isinstance(self.seed, int) and INT64_MIN <= self.seed <= INT64_MAX),
+                f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}]",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -69,4 +92,22 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
+
+    def children(self) -> list[SamplingParams]:
+        """n independent samples as n requests of n=1. With a seed, the first keeps it and the j-th takes
+        `child_seed(seed, j)`: reproducible, and seeds s and s + 1 share no sample (seed + j would)."""
+        seeds = [None] * self.n if self.seed is None else [child_seed(self.seed, j) for j in range(self.n)]
+        return [dataclasses.replace(self, n=1, seed=seed) for seed in seeds]
+
+
+def child_seed(seed: int, j: int) -> int:
+    """The j-th sample's seed of a request seeded `seed` (j = 0: the seed itself), an int64: SplitMix64's mix of
+    seed + j * the golden ratio."""
+    if j == 0:
+        return seed
+    z = (seed + j * 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    z ^= z >> 31
+    return z - 2**64 if z > INT64_MAX else z

@@ -18,7 +18,6 @@ from kestrel.engine.sampling_params import SamplingParams
 from kestrel.serve.choice import ChoiceState
 from kestrel.serve.errors import APIError, bad_request
 from kestrel.serve.metrics import ServerMetrics
-from kestrel.serve.protocol import child_params
 
 RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait
 
@@ -35,7 +34,7 @@ class Job:
         field_names: dict[str, str] | None = None,
     ):
         """`field_names`: the request's names for the engine's `prompt` and `max_tokens`, for error bodies."""
-        children = child_params(params)
+        children = params.children()
         self.server, self.prompts = server, prompts
         self.id = uuid.uuid4().hex
         items = [(prompt, child) for prompt in prompts for child in children]

@@ -7,7 +7,6 @@ ranges are checked once, by `SamplingParams`. Optional OpenAI fields accept null
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -291,14 +290,6 @@ def make_sampling_params(**kwargs) -> SamplingParams:
         return SamplingParams(**kwargs)
     except ValueError as e:
         raise _FieldError(str(e)) from None
-
-
-def child_params(params: SamplingParams) -> list[SamplingParams]:
-    """n independent samples as n engine requests; seeds seed, seed+1, ... keep them reproducible."""
-    base = params.seed
-    return [
-        dataclasses.replace(params, n=1, seed=None if base is None else base + j) for j in range(params.n)
-    ]
 
 
 # Unsupported fields and the values that ask for nothing (so they may be sent).

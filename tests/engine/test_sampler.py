@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kestrel.engine.engine import RequestError
 from kestrel.engine.request import Request
 from kestrel.engine.sampler import Sampler
 from kestrel.engine.sampling_params import SamplingParams
@@ -158,3 +159,39 @@ def test_many_rows_take_the_seen_tokens_penalties_and_the_triton_argmax(monkeypa
     assert got.tolist() == want.tolist()
     monkeypatch.setattr(sampler_module, "PENALTIES_DENSE_MAX_ROWS", len(reqs))
     assert Sampler(eos_token_ids=(1,)).tokens(logits.cuda(), reqs).tolist() == want.tolist()
+
+
+def test_sampling_params_bounds_and_child_seeds():
+    """Values the device cannot take are refused when the request is made; the samples of a seeded n > 1 request
+    take mixed seeds, in int64, the first the request's own."""
+    from kestrel.engine.sampling_params import INT64_MAX, INT64_MIN, child_seed
+
+    for bad in (
+        dict(seed=2**63),
+        dict(seed=INT64_MIN - 1),
+        dict(top_k=2**31),
+        dict(stop_token_ids=[2**31]),
+        dict(temperature=float("inf")),
+        dict(temperature=float("nan")),
+        dict(min_tokens=5, max_tokens=2),
+    ):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=1e-5).greedy
+    for seed in (INT64_MAX, INT64_MIN, 0, 42):
+        kids = SamplingParams(n=4, seed=seed).children()
+        assert [k.n for k in kids] == [1] * 4 and kids[0].seed == seed
+        assert len({k.seed for k in kids}) == 4 and all(INT64_MIN <= k.seed <= INT64_MAX for k in kids)
+    assert {child_seed(42, j) for j in range(4)}.isdisjoint({child_seed(43, j) for j in range(1, 4)} | {43})
+    assert [k.seed for k in SamplingParams(n=2).children()] == [None, None]
+
+
+def test_a_failed_generate_leaves_the_llm_usable():
+    """A bad prompt in one LLM.generate call aborts that call's requests: the next call runs."""
+    from kestrel.engine.llm import LLM
+
+    llm = LLM("tiny", device="cpu", max_model_len=64)
+    with pytest.raises(RequestError):
+        llm.generate(["Hello", list(range(100))], SamplingParams(max_tokens=2), use_tqdm=False)
+    (out,) = llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2 and not llm.engine.requests

@@ -85,6 +85,15 @@ CHAT_CASES = {
     ),
     "json response_format": (_chat(response_format={"type": "json_object"}), "response_format", None),
     "logit_bias": (_chat(logit_bias={"65": 10}), "logit_bias", "unsupported_parameter"),
+    # values past what the device takes: each once passed validation and failed the engine's step, and with it
+    # every later request (the engine went unhealthy)
+    "seed past int64": (_chat(seed=2**64 + 1), "seed", None),
+    "seed at 2**63": (_chat(seed=2**63), "seed", None),
+    "seed below int64": (_chat(seed=-(2**63) - 1), "seed", None),
+    "top_k past int32": (_chat(top_k=10**20), "top_k", None),
+    "stop_token_ids past int32": (_chat(stop_token_ids=[10**20]), "stop_token_ids", None),
+    "infinite temperature": (_chat(temperature=float("inf")), "temperature", None),
+    "min_tokens above max_tokens": (_chat(min_tokens=5, max_tokens=2), "min_tokens", None),
 }
 
 
@@ -162,6 +171,16 @@ def test_a_bad_value_is_named_as_the_request_spells_it(server, route, body, para
     request gave, as `param` does."""
     err = assert_error(httpx.post(f"{server.url}{route}", json=body, timeout=30), 400, param)
     assert err["message"].startswith(param + " "), err
+
+
+def test_extreme_seeds_serve_and_the_server_stays_healthy(server):
+    """The int64 bounds are valid seeds, n > 1 included (the later samples' seeds are mixed, not seed + j, which
+    overflowed past the top)."""
+    for seed in (2**63 - 1, -(2**63)):
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=_chat(seed=seed, n=3), timeout=60)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 3
+    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_unknown_model_is_404(server):

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from kestrel.engine.sampling_params import child_seed
 from tests.serve.conftest import MODEL
 
 CHAT = [{"role": "user", "content": "Hello there"}]
@@ -106,7 +107,17 @@ def test_seed_makes_sampling_reproducible(client):
     c = client.completions.create(seed=43, **kw).choices[0].text
     assert a == b and a != c
     two = client.completions.create(seed=42, n=2, **kw).choices
-    assert two[0].text == a and two[1].text == client.completions.create(seed=43, **kw).choices[0].text
+    # the second sample's seed is child_seed(42, 1), not 43: seeds 42 and 43 share no sample
+    second = client.completions.create(seed=child_seed(42, 1), **kw).choices[0].text
+    assert two[0].text == a and two[1].text == second != c
+
+
+def test_a_tiny_temperature_samples_greedily(client):
+    """Below 1e-5 a temperature is greedy (the logits divided by 1e-40 were inf, their softmax NaN: token 0)."""
+    kw = dict(model=MODEL, prompt="roll the dice", max_tokens=6)
+    greedy = client.completions.create(temperature=0, **kw).choices[0].text
+    for t in (1e-40, 5e-324, 1e-6):
+        assert client.completions.create(temperature=t, seed=3, **kw).choices[0].text == greedy
 
 
 def test_chat_logprobs(client):
