@@ -270,6 +270,23 @@ VARIABLES: dict[str, Variable] = {
 }
 
 
+# KESTREL_* names read outside Python: ./run's virtual environment (default .venv in the checkout)
+SHELL_VARIABLES = ("KESTREL_VENV",)
+
+
+def unknown_variables() -> list[str]:
+    """One line for each KESTREL_* variable set that nothing reads (a misspelling is otherwise silently the
+    default), with the closest known name where one is close."""
+    import difflib
+
+    known = [v.name for v in VARIABLES.values()] + list(SHELL_VARIABLES)
+    lines = []
+    for name in sorted(n for n in os.environ if n.startswith("KESTREL_") and n not in known):
+        close = difflib.get_close_matches(name, known, n=1)
+        lines.append(f"{name} is not a Kestrel variable" + (f" (did you mean {close[0]}?)" if close else ""))
+    return lines
+
+
 def read_env() -> Env:
     """Every variable's value; ValueError at the first bad one (`env_problems` lists them all)."""
     return Env(**{field: variable.read() for field, variable in VARIABLES.items()})
@@ -288,7 +305,12 @@ def env_problems() -> list[str]:
 
 
 def check_env() -> None:
-    """A ConfigError naming every bad variable at once (see `env_problems`); nothing where all read."""
+    """A ConfigError naming every bad variable at once (see `env_problems`); nothing where all read. A KESTREL_*
+    variable that nothing reads is a warning (`unknown_variables`)."""
+    import logging
+
+    for line in unknown_variables():
+        logging.getLogger("kestrel").warning("%s; `kestrel env` lists every variable", line)
     problems = env_problems()
     if problems:
         from kestrel.utils.errors import ConfigError

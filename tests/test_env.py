@@ -117,3 +117,18 @@ def test_every_field_is_declared_described_and_labelled():
         assert not docs[field].startswith(variable.name), field  # "NAME: " is cut off
         if variable.kind == "choice":
             assert variable.default in variable.choices, field
+
+
+def test_an_unknown_kestrel_variable_is_named_with_the_closest(monkeypatch, caplog):
+    """A misspelt KESTREL_* variable would silently leave the default: check_env warns, naming the closest known
+    one, and `kestrel env` lists it; ./run's KESTREL_VENV is known."""
+    from kestrel.env import check_env, unknown_variables
+
+    monkeypatch.setenv("KESTREL_PDLL", "off")
+    monkeypatch.setenv("KESTREL_VENV", "/tmp/venv")
+    assert unknown_variables() == ["KESTREL_PDLL is not a Kestrel variable (did you mean KESTREL_PDL?)"]
+    with caplog.at_level("WARNING", logger="kestrel"):
+        check_env()
+    assert "KESTREL_PDLL is not a Kestrel variable" in caplog.text
+    monkeypatch.delenv("KESTREL_PDLL")
+    assert unknown_variables() == []

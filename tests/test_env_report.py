@@ -33,7 +33,7 @@ def test_the_report_as_json(capsys, monkeypatch):
     code, out, _ = run(capsys, "env", "--json", "--device", "cpu")
     assert code == 0
     report = json.loads(out)
-    assert set(report) == {"software", "device", "fast_paths", "variables"}
+    assert set(report) == {"software", "device", "fast_paths", "variables", "unknown_variables"}
     assert report["fast_paths"]["device"] == "cpu" and report["software"]["torch"]
     gemv = next(r for r in report["variables"] if r["field"] == "gemv")
     assert gemv["set"] and gemv["value"] == "off" and gemv["text"] == "OFF" and gemv["default"] == "auto"

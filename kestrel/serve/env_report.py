@@ -163,7 +163,7 @@ def report(device: str | None = None) -> dict:
 
     device = resolve_device(device or "auto")  # a bad name: KestrelError, one line
     return {"software": software(), "device": device_info(), "fast_paths": fast_paths(device),
-            "variables": variables()}  # fmt: skip
+            "variables": variables(), "unknown_variables": kenv.unknown_variables()}  # fmt: skip
 
 
 def report_or_error(device: str | None = None) -> dict:
@@ -198,6 +198,7 @@ def format_report(rep: dict, width: int = 118) -> str:
             continue
         line = f"{mark} {r['name']:<{w_name}}{_shown(r):<{w_value}}  {r['what']}"
         lines.append(line if len(line) <= width else line[: width - 4].rstrip() + " ...")
+    lines += [f"! {line}" for line in rep.get("unknown_variables", [])]
     return "\n".join(lines)
 
 
