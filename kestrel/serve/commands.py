@@ -4,6 +4,9 @@ light."""
 
 from __future__ import annotations
 
+import errno
+import os
+import socket
 import sys
 import time
 
@@ -132,7 +135,13 @@ def cmd_serve(args) -> int:
     from kestrel.serve.api import build_app
     from kestrel.utils.collector import freeze_startup_objects
 
-    engine = Engine(engine_config(args))
+    config = engine_config(args)
+    sock = listen(args.host, args.port)  # before the model loads: a port in use is one line, at once
+    try:
+        engine = Engine(config)
+    except BaseException:
+        sock.close()
+        raise
     log_level = args.log_level or env_field("log_level")
     # Configured after the engine is built, whose memory plan is printed below rather than logged twice.
     logging.basicConfig(level=log_level.upper(), format="[kestrel] %(levelname)s %(name)s: %(message)s")
@@ -156,11 +165,51 @@ def cmd_serve(args) -> int:
         f"at http://{host}:{args.port}/v1{' (API key required)' if args.api_key else ''}",
         file=sys.stderr,
     )
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            """Ctrl-C or SIGTERM: uvicorn stops taking connections and waits for the open ones, so the engine
+            stops now, and every open stream ends with an error event and [DONE] (not cut after the graceful
+            timeout with a traceback in the log)."""
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first:
+                async_engine.shutdown()
+
+    server = Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=log_level, timeout_graceful_shutdown=5)
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # the Ctrl-C uvicorn re-raises once it has shut down: the way to stop a server
+        pass
     finally:
         async_engine.shutdown()
-    return 0
+        sock.close()
+    if not server.started:  # uvicorn logged why
+        return 1
+    # Out without the interpreter's teardown, whose garbage collection of Triton's compiled objects prints dozens
+    # of nanobind "leaked" lines after a clean Ctrl-C (the engine is shut down and the logs flushed here).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for uvicorn to serve on (SO_REUSEADDR, as uvicorn binds its own); KestrelError
+    naming the address where it cannot be had (in use, a host this machine is not)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise KestrelError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        why = "the port is in use (another server?)" if e.errno == errno.EADDRINUSE else e.strerror
+        raise KestrelError(f"cannot listen on {host}:{port}: {why}") from None
+    return sock
 
 
 def cmd_chat(args) -> int:

@@ -36,15 +36,7 @@ def test_serve_starts_answers_and_stops(tmp_path):
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        _wait_healthy(proc, port)
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
         assert [m["id"] for m in models["data"]] == ["kimi-tiny"]
         body = {"model": "kimi-tiny", "prompt": "hi", "max_tokens": 3}
@@ -56,6 +48,69 @@ def test_serve_starts_answers_and_stops(tmp_path):
     assert "memory plan: 4 state slots" in err and f"http://127.0.0.1:{port}/v1" in err
     assert "warmed up in" in err
     assert "Traceback" not in err
+
+
+def test_ctrl_c_ends_open_streams_with_an_error_event(tmp_path):
+    """Ctrl-C with a stream open: the stream ends with an error event and [DONE] at once (it was cut after the
+    5 s graceful timeout, with a CancelledError traceback in the log), the server exits 0, and no nanobind
+    "leaked" lines follow (the interpreter's teardown is skipped once the engine is shut down)."""
+    import threading
+
+    port = _free_port()
+    argv = ["--model", "tiny", "--port", str(port), "--max-running-requests", "2", "--page-size", "16"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kestrel.serve.cli", "serve", *argv, "--kv-cache-gb", "0.01"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    events, started = [], threading.Event()
+
+    def client():
+        body = {"prompt": "hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    events.append(line)
+                    started.set()
+
+    try:
+        _wait_healthy(proc, port)
+        reader = threading.Thread(target=client)
+        reader.start()
+        assert started.wait(30)
+    finally:
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    reader.join(10)
+    assert events[-1] == "data: [DONE]" and "the server is shutting down" in events[-2], events[-3:]
+    assert proc.returncode == 0 and time.monotonic() - stopped < 5, err
+    assert "Traceback" not in err and "nanobind" not in err, err
+
+
+def test_a_port_in_use_or_a_bad_host_is_one_line_before_the_model_loads(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = run(capsys, "serve", "--model", "tiny", "--port", str(port))
+        assert_one_line_error(code, err, 1, f"cannot listen on 127.0.0.1:{port}: the port is in use")
+    code, _, err = run(capsys, "serve", "--model", "tiny", "--host", "999.1.1.1", "--port", str(port))
+    assert_one_line_error(code, err, 1, "cannot listen on 999.1.1.1")
+
+
+def _wait_healthy(proc: subprocess.Popen, port: int) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
 
 
 def test_serve_bad_arguments_are_one_line_errors(capsys, tmp_path):
