@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kestrel.engine.async_engine import AsyncEngine, EngineDead
 from kestrel.serve.choice import chat_logprobs, completion_logprobs
 from kestrel.serve.errors import APIError, bad_request, error_body
-from kestrel.serve.jobs import Job, Server
+from kestrel.serve.jobs import MAX_REQUEST_MB, Job, Server
 from kestrel.serve.metrics import CONTENT_TYPE
 from kestrel.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, parse
 from kestrel.serve.streams import (
@@ -49,8 +49,13 @@ from kestrel.version import KESTREL_VERSION
 log = logging.getLogger("kestrel.serve")
 
 
-def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    server = Server(async_engine, served_model_name, api_key)
+def build_app(
+    async_engine: AsyncEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_request_mb: float = MAX_REQUEST_MB,
+) -> FastAPI:
+    server = Server(async_engine, served_model_name, api_key, max_request_mb)
     app = FastAPI(title="Kestrel", version=KESTREL_VERSION)
     app.state.server = server
     auth = [Depends(server.check_key)]
@@ -58,7 +63,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):
-        req = parse(ChatCompletionRequest, await request.body())
+        req = parse(ChatCompletionRequest, await server.read_body(request))
         server.check_model(req.model)
         params = req.to_sampling_params()
         try:
@@ -66,7 +71,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         except (ValueError, KestrelError) as e:
             raise bad_request(str(e), param="messages") from None
         names = {"prompt": "messages", "max_tokens": req.max_tokens_field}
-        job = Job(server, [server.encode(text, "messages")], params, field_names=names)
+        job = Job(server, await server.encode_off_loop([text], "messages"), params, field_names=names)
         if req.stream:
             return sse(chat_stream(server, job, req))
         if not await _finish_unless_disconnected(request, job):
@@ -93,10 +98,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
-        req = parse(CompletionRequest, await request.body())
+        req = parse(CompletionRequest, await server.read_body(request))
         server.check_model(req.model)
         params = req.to_sampling_params()
-        prompts = [server.encode(p, "prompt") if isinstance(p, str) else p for p in req.prompts()]
+        prompts = await server.encode_off_loop(req.prompts(), "prompt")
         prefixes = None
         if req.echo:
             prefixes = [p if isinstance(p, str) else server.tokenizer.decode(p) for p in req.prompts()]
@@ -123,10 +128,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
 
     @app.post("/generate", dependencies=auth)
     async def generate(request: Request):
-        req = parse(GenerateRequest, await request.body())
+        req = parse(GenerateRequest, await server.read_body(request))
         params = req.to_sampling_params()
         param = "text" if req.text is not None else "input_ids"
-        prompts = [server.encode(p, param) if isinstance(p, str) else p for p in req.prompts()]
+        prompts = await server.encode_off_loop(req.prompts(), param)
         names = {"prompt": param, "max_tokens": "sampling_params.max_new_tokens", "n": "sampling_params.n"}
         job = Job(server, prompts, params, field_names=names)
         if req.stream:

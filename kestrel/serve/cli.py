@@ -241,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", default=None, help="require Authorization: Bearer KEY (not on /health, /metrics)"
     )
     s.add_argument(
+        "--max-request-mb",
+        type=_positive_float,
+        default=64,
+        help="answer 413 to a request body larger than this (MiB), before reading it whole",
+    )
+    s.add_argument(
         "--max-queued-requests",
         type=_positive_int,
         default=4096,

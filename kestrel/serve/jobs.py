@@ -4,6 +4,7 @@ engine requests behind one HTTP request and their choices as they stream)."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 import uuid
@@ -89,9 +90,19 @@ class Job:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+MAX_REQUEST_MB = 64  # a request body past this is refused before it is read whole (413)
+
+
 class Server:
-    def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_name: str,
+        api_key: str | None,
+        max_request_mb: float = MAX_REQUEST_MB,
+    ):
         self.engine, self.model_name, self.api_key = engine, served_model_name, api_key
+        self.max_request_mb, self.max_request_bytes = max_request_mb, int(max_request_mb * 2**20)
         self.tokenizer = engine.engine.tokenizer
         self.metrics = ServerMetrics(engine.stats)
         self.created = int(time.time())
@@ -110,6 +121,33 @@ class Server:
             return self.tokenizer.encode(text)
         except ValueError as e:
             raise bad_request(str(e), param=param) from None
+
+    async def encode_off_loop(self, prompts: list, param: str) -> list[list[int]]:
+        """Each text prompt tokenized (token-id prompts as they are) in a worker thread: a long prompt takes
+        seconds (10 MB of text: 8 s), which on the event loop held up every other request and /health."""
+        return await asyncio.to_thread(
+            lambda: [self.encode(p, param) if isinstance(p, str) else p for p in prompts]
+        )
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request's body, or a 413 as soon as it passes `max_request_bytes` (by its declared length first,
+        reading nothing)."""
+        limit = self.max_request_bytes
+        too_large = APIError(
+            413,
+            f"the request body is larger than this server takes ({self.max_request_mb:g} MiB; --max-request-mb)",
+            code="request_too_large",
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def submit(self, items, request_id: str, field_names: dict[str, str]) -> RequestGroup:
         try:

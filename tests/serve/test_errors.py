@@ -183,6 +183,51 @@ def test_extreme_seeds_serve_and_the_server_stays_healthy(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+def test_a_body_past_the_limit_is_413_before_it_is_read(make_server):
+    """--max-request-mb: by the declared length, or while a chunked body (no length) streams in."""
+    s = make_server(max_request_mb=0.01, max_running_requests=2)
+    big = json.dumps(_chat(messages=[{"role": "user", "content": "x" * 20_000}]))
+    url = f"{s.url}/v1/chat/completions"
+    err = assert_error(httpx.post(url, content=big, timeout=30), 413, code="request_too_large")
+    assert "0.01 MiB" in err["message"] and "--max-request-mb" in err["message"]
+
+    def chunked():
+        for i in range(0, len(big), 1000):
+            yield big[i : i + 1000].encode()
+
+    assert_error(httpx.post(url, content=chunked(), timeout=30), 413, code="request_too_large")
+    assert httpx.post(url, json=_chat(), timeout=30).status_code == 200  # under the limit
+
+
+def test_tokenizing_holds_up_no_other_request(make_server):
+    """A prompt being tokenized (seconds for megabytes of text) runs off the event loop: /health answers
+    meanwhile. The tokenizer is held on an event here, so nothing depends on timing."""
+    import threading
+
+    s = make_server(max_running_requests=2)
+    release, entered = threading.Event(), threading.Event()
+    tokenizer = s.app.state.server.tokenizer
+    real = tokenizer.encode
+
+    def held(text, *a, **kw):
+        if text == "hold me":
+            entered.set()
+            assert release.wait(30)
+        return real(text, *a, **kw)
+
+    tokenizer.encode = held
+    try:
+        body = {"model": MODEL, "prompt": "hold me", "max_tokens": 2}
+        slow = threading.Thread(target=lambda: httpx.post(f"{s.url}/v1/completions", json=body, timeout=60))
+        slow.start()
+        assert entered.wait(30)
+        assert httpx.get(f"{s.url}/health", timeout=5).status_code == 200  # while the prompt is held
+    finally:
+        release.set()
+        tokenizer.encode = real
+    slow.join(30)
+
+
 def test_unknown_model_is_404(server):
     r = httpx.post(f"{server.url}/v1/chat/completions", json=_chat(model="gpt-5"), timeout=30)
     assert_error(r, 404, "model", "model_not_found")
