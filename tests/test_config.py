@@ -335,3 +335,13 @@ def test_demo_attn4_is_the_demo_with_half_its_layers_mla():
         "attn_res_block_size",
     )
     assert all(getattr(attn4, f) == getattr(demo, f) for f in same)
+
+
+def test_a_page_size_that_does_not_divide_the_checkpoint_interval_is_named():
+    from kestrel.config import EngineConfig
+    from kestrel.utils.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"checkpoint_interval \(8192\) must be a multiple of page_size \(7\)"
+    ):
+        EngineConfig(page_size=7)

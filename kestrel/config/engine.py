@@ -69,7 +69,11 @@ class EngineConfig:
         if self.checkpoint_interval < 0 or (
             self.checkpoint_interval and self.checkpoint_interval % self.page_size
         ):
-            problems.append("checkpoint_interval must be a multiple of page_size (0 = off)")
+            problems.append(
+                f"checkpoint_interval ({self.checkpoint_interval}) must be a multiple of page_size "
+                f"({self.page_size}): a page size dividing it, such as a power of 2, or another interval "
+                "(0 = no checkpoints)"
+            )
         if self.num_checkpoints is not None and self.num_checkpoints < 1:
             problems.append("num_checkpoints must be >= 1")
         if self.index_key_dtype not in ("auto", "fp8"):

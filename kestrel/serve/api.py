@@ -141,9 +141,8 @@ def build_app(
         results = [native_result(server, job, i, req) for i in range(len(job.choices))]
         return JSONResponse(results if req.batched or params.n > 1 else results[0])
 
-    @app.get("/v1/models", dependencies=auth)
-    async def models():
-        card = {
+    def model_card() -> dict:
+        return {
             "id": server.model_name,
             "object": "model",
             "created": server.created,
@@ -151,7 +150,15 @@ def build_app(
             "root": async_engine.engine.config.model,
             "max_model_len": async_engine.engine.plan.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}", dependencies=auth)
+    async def model(model: str):  # the openai client's models.retrieve(name)
+        server.check_model(model)
+        return model_card()
 
     @app.get("/health")
     async def health():

@@ -191,6 +191,9 @@ def test_echo_puts_the_prompt_first(client):
 def test_models(client):
     (card,) = client.models.list().data
     assert card.id == MODEL and card.object == "model"
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-5")
 
 
 def test_native_generate(server):
