@@ -195,6 +195,8 @@ class Engine:
         # the types through one set and the range through min/max (C loops: a 32K-token prompt in about a ms)
         if set(map(type, prompt_ids)) != {int} or not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
+            raise RequestError(f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")
         if len(prompt_ids) >= limit:
             raise RequestError(
                 f"the prompt has {len(prompt_ids)} tokens, but the context limit is {limit} (prompt + output)",

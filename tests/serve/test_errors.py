@@ -92,6 +92,7 @@ CHAT_CASES = {
     "seed below int64": (_chat(seed=-(2**63) - 1), "seed", None),
     "top_k past int32": (_chat(top_k=10**20), "top_k", None),
     "stop_token_ids past int32": (_chat(stop_token_ids=[10**20]), "stop_token_ids", None),
+    "stop_token_ids past the vocabulary": (_chat(stop_token_ids=[1, 999_999]), "stop_token_ids", None),
     "infinite temperature": (_chat(temperature=float("inf")), "temperature", None),
     "min_tokens above max_tokens": (_chat(min_tokens=5, max_tokens=2), "min_tokens", None),
 }
