@@ -345,7 +345,33 @@ def tokenizer_for(model: str, tokenizer: str | None = None) -> Tokenizer:
     if tokenizer is not None:
         return load_tokenizer(tokenizer)
     own = checkpoint_tokenizer_dir(model)
-    return load_tokenizer(str(own)) if own is not None else ByteTokenizer()
+    if own is not None:
+        return load_tokenizer(str(own))
+    _check_byte_tokenizer_fits(model)
+    return ByteTokenizer()
+
+
+def _check_byte_tokenizer_fits(model: str) -> None:
+    """A checkpoint folder without tokenizer.json whose vocabulary is larger than the byte tokenizer's: a
+    ConfigError (its ids would decode as garbage, silently)."""
+    import json
+    from pathlib import Path
+
+    from kestrel.presets import resolve_model
+    from kestrel.utils.errors import ConfigError
+
+    config = Path(resolve_model(model)) / "config.json"
+    try:
+        hf = json.loads(config.read_text())
+        vocab = hf.get("text_config", hf).get("vocab_size")  # (kimi_k3's layout nests the text model's)
+    except (OSError, ValueError, AttributeError):
+        return  # not a checkpoint folder (a preset), or one the loader reports on
+    byte_vocab = ByteTokenizer().vocab_size
+    if isinstance(vocab, int) and vocab > byte_vocab:
+        raise ConfigError(
+            f"{config.parent} has no tokenizer.json, and its vocabulary ({vocab} ids) is not the byte tokenizer's "
+            f"({byte_vocab}): put the checkpoint's tokenizer.json there, or pass --tokenizer"
+        )
 
 
 class IncrementalDetokenizer:

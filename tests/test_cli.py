@@ -390,3 +390,21 @@ def test_train_retrieval_loss_weight_argument(capsys):
         with pytest.raises(SystemExit):
             parse("--retrieval-loss-weight", bad)
         assert "--retrieval-loss-weight" in capsys.readouterr().err
+
+
+def test_seeds_and_workers_out_of_range_are_usage_errors(capsys):
+    """A seed past int64 was a traceback from torch's generator; --data-workers -1 one from multiprocessing."""
+    code, _, err = run(capsys, "generate", "--model", "tiny", "--prompt", "hi", "--seed", str(2**64))
+    assert_one_line_error(code, err, 2, "--seed", "[-2**63, 2**63 - 1]")
+    code, _, err = run(capsys, "train", "--out", "/tmp/unused", "--data-workers", "-1")
+    assert_one_line_error(code, err, 2, "--data-workers")
+
+
+def test_a_kv_cache_past_memory_is_one_line(capsys, monkeypatch):
+    """--kv-cache-gb larger than the machine's memory: one line naming the plan and the flags (the allocator's
+    traceback before)."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    code, _, err = run(capsys, "chat", "--model", "tiny", "--kv-cache-gb", "100000")
+    assert_one_line_error(code, err, 1, "the memory plan does not fit the CPU memory", "--kv-cache-gb")

@@ -324,3 +324,20 @@ def test_stop_string_matcher_random_splits():
         chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
         stops = rng.sample(["</s>", "\n\n", "lazy", "<|x|>", "zzz", "o"], rng.randint(1, 3))
         assert _stop_stream(chunks, stops) == _stop_reference(chunks, stops)
+
+
+def test_a_checkpoint_without_its_tokenizer_is_refused(tmp_path):
+    """A checkpoint folder without tokenizer.json whose vocabulary is larger than the byte tokenizer's would
+    decode its ids as garbage: a ConfigError naming the folder. One whose vocabulary fits takes the byte one."""
+    import json
+
+    from kestrel.tokenizer import ByteTokenizer, tokenizer_for
+    from kestrel.utils.errors import ConfigError
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "kimi_k3", "text_config": {"vocab_size": 5120}})
+    )
+    with pytest.raises(ConfigError, match="has no tokenizer.json, and its vocabulary \\(5120 ids\\)"):
+        tokenizer_for(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 261}))
+    assert isinstance(tokenizer_for(str(tmp_path)), ByteTokenizer)

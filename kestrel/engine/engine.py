@@ -44,7 +44,7 @@ from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
 from kestrel.tokenizer import IncrementalDetokenizer, Tokenizer, tokenizer_for
 from kestrel.utils.device import resolve_device, resolve_dtype, to_device_async, to_host_async
-from kestrel.utils.errors import KestrelError
+from kestrel.utils.errors import ConfigError, KestrelError
 
 log = logging.getLogger("kestrel.engine")
 
@@ -85,10 +85,18 @@ class Engine:
         mc = self.model.config
         self.plan = plan_memory(mc, config, dtype, self.device)
         log.info(self.plan.describe())
-        self.kv_pool = KVPool(
-            mc, self.plan.num_pages, config.page_size, dtype, self.device, config.index_key_dtype == "fp8"
-        )
-        self.state_pool = StatePool(mc, self.plan.num_slots, dtype, self.device)
+        try:
+            self.kv_pool = KVPool(
+                mc, self.plan.num_pages, config.page_size, dtype, self.device, config.index_key_dtype == "fp8"
+            )
+            self.state_pool = StatePool(mc, self.plan.num_slots, dtype, self.device)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            if "alloc" not in str(e).lower() and not isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+                raise
+            raise ConfigError(
+                f"the memory plan does not fit the {self.device.type.upper()} memory ({self.plan.describe()}): "
+                "a smaller --kv-cache-gb, --mem-fraction or --max-running-requests"
+            ) from None
         self.cache, self.checkpoints = None, None
         if config.enable_prefix_cache:
             self.checkpoint_pool = StatePool(

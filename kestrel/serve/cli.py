@@ -21,12 +21,12 @@ from kestrel.serve.train_commands import cmd_eval, cmd_train
 from kestrel.utils.errors import KestrelError
 
 
-def _int_at_least(text: str, low: int, what: str) -> int:
+def _int_at_least(text: str, low: int, what: str, high: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-    if value < low:
+    if value < low or (high is not None and value > high):
         raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
     return value
 
@@ -74,6 +74,11 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _seed(text: str) -> int:
+    """A seed: an integer in int64 (a larger one overflowed in torch's generator, a traceback)."""
+    return _int_at_least(text, -(2**63), "an integer in [-2**63, 2**63 - 1]", high=2**63 - 1)
+
+
 def _probability(text: str) -> float:
     value = _non_negative_float(text)
     if value > 1:
@@ -113,7 +118,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="auto: bfloat16 on CUDA, float32 on CPU",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of random preset weights and of sampling")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of random preset weights and of sampling")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -217,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="kimi_k3 (all features, DSA) or kimi_linear (loadable by transformers)",
     )
     r.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=_seed, default=0)
     r.add_argument(
         "--init",
         default="upstream",
@@ -336,9 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--checkpoint-every", type=_positive_int, default=500)
     t.add_argument("--time-budget-s", type=float, default=None, help="stop and checkpoint after this long")
-    t.add_argument("--data-workers", type=int, default=0)
+    t.add_argument("--data-workers", type=_non_negative_int, default=0)
     t.add_argument("--device", default="auto")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=_seed, default=0)
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="held-out accuracy per task family and retrieval by context length")

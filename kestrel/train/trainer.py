@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -337,7 +338,10 @@ class Trainer:
             "train_seconds": self.train_seconds,
             "config": asdict(self.cfg),
         }
-        torch.save(state, self.out / STATE_FILE)
+        # written beside, then renamed over: a run killed mid-save keeps its last whole state
+        partial = self.out / (STATE_FILE + ".partial")
+        torch.save(state, partial)
+        os.replace(partial, self.out / STATE_FILE)
         (self.out / "history.json").write_text(json.dumps(self.history))
         plot_loss(self.history, self.out / "loss.png")
         return ckpt
@@ -346,7 +350,13 @@ class Trainer:
         path = self.out / STATE_FILE
         if not path.exists():
             return
-        state = torch.load(path, map_location=self.device, weights_only=False)
+        try:
+            state = torch.load(path, map_location=self.device, weights_only=False)
+        except Exception as e:  # noqa: BLE001 - truncated, not a torch file, unpicklable: one line
+            raise CheckpointError(
+                f"{path}: the training state cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                "remove it to start over, or train into a new --out"
+            ) from None
         try:
             self.model.load_state_dict(state["model"])
             self.opt.load_state_dict(state["optimizer"])

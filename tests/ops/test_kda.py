@@ -17,6 +17,7 @@ from kestrel.ops.kda import (
     short_conv,
     short_conv_step,
 )
+from kestrel.utils.errors import ConfigError
 from tests.ops.graph_check import assert_replay_matches_eager
 
 H, K, V = 2, 16, 32
@@ -300,7 +301,7 @@ def test_backend_registry_on_cpu(monkeypatch):
     assert backend.name == "naive" and backend.chunk is chunk_kda and backend.recurrent is recurrent_kda
     monkeypatch.setenv("KESTREL_KDA_BACKEND", "fla")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # with the interpreter on, fla runs on the CPU
-    with pytest.raises(RuntimeError, match="KESTREL_KDA_BACKEND=fla needs a CUDA device"):
+    with pytest.raises(ConfigError, match="KESTREL_KDA_BACKEND=fla needs a CUDA device"):
         get_kda_backend(cpu)
 
 

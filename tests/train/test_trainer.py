@@ -217,6 +217,19 @@ def test_a_training_state_of_another_layout_is_one_clear_error(tmp_path, byte_to
         Trainer(_cfg(tmp_path / "run", byte_tok, steps=2))
 
 
+def test_an_unreadable_training_state_is_one_clear_error(tmp_path, byte_tok):
+    """A truncated trainer_state.pt (a run killed mid-save before saves went through a rename) or one of random
+    bytes stops the resume with a CheckpointError naming the file; saving leaves no partial file behind."""
+    Trainer(_cfg(tmp_path / "run", byte_tok, steps=1)).train()
+    path = tmp_path / "run" / STATE_FILE
+    assert not list((tmp_path / "run").glob("*.partial"))
+    whole = path.read_bytes()
+    for damaged in (whole[: len(whole) // 2], b"\x80\x04not a torch file"):
+        path.write_bytes(damaged)
+        with pytest.raises(CheckpointError, match="trainer_state.pt: the training state cannot be read"):
+            Trainer(_cfg(tmp_path / "run", byte_tok, steps=2))
+
+
 def test_time_budget_clock_survives_a_resume(tmp_path, byte_tok):
     """The budget's clock (which also drives the LR cosine) is saved: a resumed run keeps counting from where
     the first one stopped, and the first step of each run (compilation) is not counted."""

@@ -25,6 +25,7 @@ from kestrel.ops.kda.naive import (
     short_conv,
     short_conv_step,
 )
+from kestrel.utils.errors import ConfigError
 
 # Up to this many sequences (the GEMV's rows, `kestrel.ops.linear.GEMV_MAX_ROWS`) the KDA layer's decode hands the
 # recurrence f_b's weight (`recurrent_inplace(f_b=)`) instead of projecting f_a itself: each program of our Triton
@@ -100,14 +101,14 @@ def get_kda_backend(device: torch.device) -> KDABackend:
         return NAIVE
     if choice == "fla":
         if device.type != "cuda" and not env_field("triton_interpret"):
-            raise RuntimeError(
+            raise ConfigError(
                 f"KESTREL_KDA_BACKEND=fla needs a CUDA device, but the model is on {device}; "
                 "use KESTREL_KDA_BACKEND=naive or auto"
             )
         try:
             return _fla_backend()
         except ImportError as e:
-            raise RuntimeError(
+            raise ConfigError(
                 f"KESTREL_KDA_BACKEND=fla but fla-core / triton cannot be imported ({e}); "
                 "install fla-core>=0.6.0 and triton, or use KESTREL_KDA_BACKEND=naive"
             ) from e
