@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -373,6 +374,15 @@ class Trainer:
         self.data.load_state_dict(state["data"])
         self.step, self.history = state["step"], state["history"]
         self.train_seconds = state.get("train_seconds", 0.0)
+        saved, now = state.get("config", {}), asdict(self.cfg)
+        changed = sorted(k for k in now if k in saved and saved[k] != now[k] and k != "steps")
+        print(f"[kestrel] resuming {self.out} at step {self.step} of {self.cfg.steps}", file=sys.stderr)
+        if changed:
+            print(
+                "[kestrel] changed since the saved run: "
+                + ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in changed),
+                file=sys.stderr,
+            )
 
     def summary(self, seconds: float, tokens: int) -> dict:
         tps = tokens / max(seconds, 1e-9)

@@ -190,13 +190,17 @@ def test_continuing_a_checkpoint_keeps_its_tokenizer(tmp_path, byte_tok):
     assert saved == (ckpt / "tokenizer.json").read_text()
 
 
-def test_resume_reaches_the_same_weights(tmp_path, byte_tok):
+def test_resume_reaches_the_same_weights(tmp_path, byte_tok, capsys):
     straight = Trainer(_cfg(tmp_path / "a", byte_tok, steps=4))
     straight.train()
     first = Trainer(_cfg(tmp_path / "b", byte_tok, steps=2))
     first.train()
     resumed = Trainer(_cfg(tmp_path / "b", byte_tok, steps=4))
     assert resumed.step == 2
+    err = capsys.readouterr().err
+    assert "resuming" in err and "at step 2 of 4" in err and "changed since" not in err
+    Trainer(_cfg(tmp_path / "b", byte_tok, steps=4, lr=1e-4))
+    assert "changed since the saved run: lr " in capsys.readouterr().err
     resumed.train()
     for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.allclose(a, b, atol=1e-6), name
