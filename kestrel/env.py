@@ -272,6 +272,7 @@ VARIABLES: dict[str, Variable] = {
 
 # KESTREL_* names read outside Python: ./run's virtual environment (default .venv in the checkout)
 SHELL_VARIABLES = ("KESTREL_VENV",)
+_WARNED: set[str] = set()  # the unknown-variable lines check_env has logged
 
 
 def unknown_variables() -> list[str]:
@@ -310,7 +311,9 @@ def check_env() -> None:
     import logging
 
     for line in unknown_variables():
-        logging.getLogger("kestrel").warning("%s; `kestrel env` lists every variable", line)
+        if line not in _WARNED:  # once a process: a command checks, then its Engine does
+            _WARNED.add(line)
+            logging.getLogger("kestrel").warning("%s; `kestrel env` lists every variable", line)
     problems = env_problems()
     if problems:
         from kestrel.utils.errors import ConfigError

@@ -105,10 +105,9 @@ def cut_gpu_tests(results: Path) -> list[str]:
     log = results / "tests" / "gpu_tests.log"
     if not log.is_file():
         return ["(cut before any test ended)"]
-    outcomes = _gpu_suite()._pytest_outcomes(log.read_text(errors="replace"))
-    counts = {word: sum(v == word for v in outcomes.values()) for word in sorted(set(outcomes.values()))}
-    failed = [f"FAILED {name}" for name, v in outcomes.items() if v in ("FAILED", "ERROR")]
-    return [f"cut: {counts} so far", *failed]
+    suite = _gpu_suite()
+    counts, failed = suite.outcome_counts(suite._pytest_outcomes(log.read_text(errors="replace")))
+    return [f"cut: {counts} so far", *(f"FAILED {name}" for name in failed)]
 
 
 def _gpu_suite():

@@ -1178,8 +1178,7 @@ def gpu_tests() -> dict:
             returncodes.append(proc.returncode)
             log.flush()
     outcomes = _pytest_outcomes(log_path.read_text())
-    counts = {word: sum(v == word for v in outcomes.values()) for word in sorted(set(outcomes.values()))}
-    failed = [test for test, outcome in outcomes.items() if outcome in ("FAILED", "ERROR")]
+    counts, failed = outcome_counts(outcomes)
     print("gpu tests:", returncodes, counts, *failed, sep="\n  ", flush=True)
     result = {
         "parts": list(GPU_TEST_PARTS),
@@ -1211,6 +1210,12 @@ def xdist_args(workers: int, log=None) -> list[str]:
         return []
     major, minor = (int(part) for part in re.findall(r"\d+", xdist.__version__)[:2])
     return ["-n", str(workers), "--dist", "worksteal" if (major, minor) >= (3, 2) else "load"]
+
+
+def outcome_counts(outcomes: dict[str, str]) -> tuple[dict[str, int], list[str]]:
+    """How many tests ended each way, and the node ids of those that failed or errored."""
+    counts = {word: sum(v == word for v in outcomes.values()) for word in sorted(set(outcomes.values()))}
+    return counts, [test for test, outcome in outcomes.items() if outcome in ("FAILED", "ERROR")]
 
 
 def _pytest_outcomes(log: str) -> dict[str, str]:

@@ -265,11 +265,10 @@ def _time_decode(
         "mbu": parts["total"] / (step_ms * 1e-3) / copy,
         "mbu_graph_replay": parts["total"] / (replay_ms * 1e-3) / copy if replay_ms else None,
     }
-    if (
-        engine.device.type == "cuda"
-    ):  # the one-launch MoE's grid barrier gave up: this point's tokens are wrong
+    if engine.device.type == "cuda":
         from kestrel.ops.moe.triton_decode import barrier_gave_up
 
+        # the one-launch MoE's grid barrier gave up during this point: its tokens are wrong
         run["moe_barrier_gave_up"] = barrier_gave_up(engine.device)
     if profile and replay_ms:
         run["profile"] = profile_replay(runner.graphs[key].replay)

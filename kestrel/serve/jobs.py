@@ -102,7 +102,7 @@ class Server:
         max_request_mb: float = MAX_REQUEST_MB,
     ):
         self.engine, self.model_name, self.api_key = engine, served_model_name, api_key
-        self.max_request_mb, self.max_request_bytes = max_request_mb, int(max_request_mb * 2**20)
+        self.max_request_mb = max_request_mb
         self.tokenizer = engine.engine.tokenizer
         self.metrics = ServerMetrics(engine.stats)
         self.created = int(time.time())
@@ -130,24 +130,23 @@ class Server:
         )
 
     async def read_body(self, request: Request) -> bytes:
-        """The request's body, or a 413 as soon as it passes `max_request_bytes` (by its declared length first,
+        """The request's body, or a 413 as soon as it passes `max_request_mb` (by its declared length first,
         reading nothing)."""
-        limit = self.max_request_bytes
-        too_large = APIError(
-            413,
-            f"the request body is larger than this server takes ({self.max_request_mb:g} MiB; --max-request-mb)",
-            code="request_too_large",
-        )
+        limit = int(self.max_request_mb * 2**20)
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            raise too_large
+            raise self._too_large()
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise too_large
+                raise self._too_large()
             chunks.append(chunk)
         return b"".join(chunks)
+
+    def _too_large(self) -> APIError:
+        message = f"the request body is larger than this server takes ({self.max_request_mb:g} MiB; --max-request-mb)"
+        return APIError(413, message, code="request_too_large")
 
     def submit(self, items, request_id: str, field_names: dict[str, str]) -> RequestGroup:
         try:

@@ -104,6 +104,12 @@ def update_expert_biases(
     return torch.ones((), device=model.lm_head.weight.device) if worst is None else worst.clamp(min=1.0)
 
 
+def _first_line(e: BaseException) -> str:
+    """An exception's message, its first line (its type's name where it has none)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -355,7 +361,7 @@ class Trainer:
             state = torch.load(path, map_location=self.device, weights_only=False)
         except Exception as e:  # noqa: BLE001 - truncated, not a torch file, unpicklable: one line
             raise CheckpointError(
-                f"{path}: the training state cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                f"{path}: the training state cannot be read ({type(e).__name__}: {_first_line(e)[:160]}); "
                 "remove it to start over, or train into a new --out"
             ) from None
         try:
@@ -366,9 +372,8 @@ class Trainer:
             ValueError,
             KeyError,
         ) as e:  # another model, or another Kestrel's parameter layout
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointError(
-                f"{path}: this training state does not fit the model ({first[:200]}); resume it with the same "
+                f"{path}: this training state does not fit the model ({_first_line(e)[:200]}); resume it with the same "
                 "model and Kestrel version, or train into a new --out"
             ) from None
         self.data.load_state_dict(state["data"])
