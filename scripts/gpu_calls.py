@@ -249,11 +249,20 @@ def job_kernels(arg: str | None, call: Call) -> list[Run]:
     return [Run("kernels", argv, 150, "kernels.json", show=show_kernels)]
 
 
+def _count(arg: str | None, job: str) -> int:
+    """A job's number of runs: `job:N` (1 to 4; 4 without it), for a call too short for all four."""
+    if arg is None:
+        return 4
+    if not arg.isdigit() or not 1 <= int(arg) <= 4:
+        raise SystemExit(f"{job}:N takes a number of runs from 1 to 4, not {arg!r}")
+    return int(arg)
+
+
 def job_short(arg: str | None, call: Call) -> list[Run]:
     """4K contexts on an engine of serve's default limit (131072), with and without short decode graphs of 8192
-    tokens, alternating; dense MLA in the first pair."""
+    tokens, alternating; dense MLA in the first pair. `short:N` runs the first N."""
     runs = []
-    for i, short in enumerate((8192, 0, 8192, 0)):
+    for i, short in enumerate((8192, 0, 8192, 0)[: _count(arg, "short")]):
         dense = [] if i < 2 else ["--no-dense"]
         options = ["--batches", "1,64,256", "--contexts", "4096", "--max-model-len", "131072"]
         runs.append(
@@ -265,9 +274,10 @@ def job_short(arg: str | None, call: Call) -> list[Run]:
 
 
 def job_ahead(arg: str | None, call: Call) -> list[Run]:
-    """Batch 1, 4 and 16 at 4K with KESTREL_L2_AHEAD off and on, alternating, the first pair profiled."""
+    """Batch 1, 4 and 16 at 4K with KESTREL_L2_AHEAD off and on, alternating, the first pair profiled.
+    `ahead:N` runs the first N."""
     runs = []
-    for i, state in enumerate(("on", "off", "on", "off")):
+    for i, state in enumerate(("on", "off", "on", "off")[: _count(arg, "ahead")]):
         profile = ["--profile"] if i < 2 else []
         options = ["--batches", "1,4,16", "--contexts", "4096", "--no-dense", *profile]
         runs.append(_decode(call, f"ahead_{state}_{i // 2}", 60, *options, env={"KESTREL_L2_AHEAD": state}))
@@ -291,10 +301,13 @@ JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {
         job_kernels,
     ),
     "short": (
-        "short: bench decode at 4K on a 131072-token engine, short graphs of 8192 on and off",
+        "short[:N]: bench decode at 4K on a 131072-token engine, short graphs of 8192 on and off (N runs of 4)",
         job_short,
     ),
-    "ahead": ("ahead: bench decode at batch 1, 4 and 16, KESTREL_L2_AHEAD on and off", job_ahead),
+    "ahead": (
+        "ahead[:N]: bench decode at batch 1, 4 and 16, KESTREL_L2_AHEAD on and off (N runs of 4)",
+        job_ahead,
+    ),
     "moe": (
         "moe: decode_kernels_check moe_fused (the one-launch MoE; best_hot_us: its weights in L2)",
         lambda arg, call: [_check(call, "moe", "moe_fused", 90)],
