@@ -188,6 +188,10 @@ class ModelRunner:
             return
         topk = max((k for k in dsa_topks(self.model) if k is not None), default=None)
         self.widths = graph_widths(self.max_pages, self.kv_pool.page_size, self.short_graph_len, topk)
+        # each capture empties torch's cache on entering (torch.cuda.graph): emptied first, the cache's free
+        # blocks (a dropped engine's, say) are not counted as released by the capture (graph_bytes went negative,
+        # -52 GiB after another test's engine on the H200, session 52)
+        torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
         self._static_inputs()
         # (width, bs) -> logits, argmax
