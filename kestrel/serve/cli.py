@@ -86,6 +86,20 @@ def _probability(text: str) -> float:
     return value
 
 
+def _positive_share(text: str) -> float:
+    """A number in (0, 1]: --top-p (0 would keep no token) and --mem-fraction (no KV pages)."""
+    value = _probability(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected a number in (0, 1], got 0.0")
+    return value
+
+
+def _top_k(text: str) -> int:
+    """top-k: 0 or -1 for off, else how many tokens to keep."""
+    value = _int_at_least(text, -1, "an integer >= 0 (0 or -1 = off)")
+    return max(value, 0)
+
+
 def _port(text: str) -> int:
     value = _positive_int(text)
     if value > 65535:
@@ -132,7 +146,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="DSA indexer keys in the KV pool: the model dtype, or FP8 E4M3 with one scale per token",
     )
     p.add_argument(
-        "--mem-fraction", type=_probability, default=0.85, help="of the free GPU memory, for KV pages"
+        "--mem-fraction", type=_positive_share, default=0.85, help="of the free GPU memory, for KV pages"
     )
     p.add_argument(
         "--kv-cache-gb",
@@ -208,8 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-new-tokens", type=_positive_int, default=32)
     g.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=_probability, default=1.0)
+    g.add_argument("--top-k", type=_top_k, default=0, help="0 = off")
+    g.add_argument("--top-p", type=_positive_share, default=1.0)
     g.set_defaults(func=cmd_generate)
 
     r = sub.add_parser("init-random", help="write a random-weight checkpoint of a preset in HF format")
@@ -278,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="a system message to start the conversation with")
     c.add_argument("--max-new-tokens", type=_positive_int, default=256)
     c.add_argument("--temperature", type=_non_negative_float, default=0.7, help="0 = greedy")
-    c.add_argument("--top-p", type=_probability, default=1.0)
+    c.add_argument("--top-p", type=_positive_share, default=1.0)
     c.set_defaults(func=cmd_chat)
 
     t = sub.add_parser("train", help="train a model on the procedural task mixture (resumes from --out)")
