@@ -88,7 +88,15 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+            convs = [messages]
+        else:
+            convs = list(messages) if isinstance(messages, (list, tuple)) else [messages]
+        if not convs or not all(isinstance(c, list) and c and all(map(_is_message, c)) for c in convs):
+            raise ValueError(
+                'chat takes a conversation, a list of {"role": ..., "content": ...} dicts, or a list of '
+                f"conversations, not {_preview(messages)} (a plain prompt goes to generate())"
+            )
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -99,6 +107,15 @@ class LLM:
         return CompletionOutput(
             index, text, ids, out.finish_reason, out.stop_reason, lps if p.logprobs is not None else None
         )
+
+
+def _is_message(m) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+
+
+def _preview(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _normalize_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:

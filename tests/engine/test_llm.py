@@ -1,0 +1,33 @@
+"""The offline LLM API's chat(): conversations in, one output each; anything else is a clear ValueError."""
+
+import pytest
+
+from kestrel.engine.llm import LLM
+from kestrel.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny", device="cpu", max_model_len=128)
+
+
+def test_chat_takes_one_conversation_or_several(llm):
+    conv = [{"role": "user", "content": "hi"}]
+    (one,) = llm.chat(conv, GREEDY, use_tqdm=False)
+    both = llm.chat([conv, [{"role": "system", "content": "be brief"}, *conv]], GREEDY, use_tqdm=False)
+    assert len(both) == 2
+    assert both[0].outputs[0].token_ids == one.outputs[0].token_ids
+    assert both[1].prompt_token_ids != one.prompt_token_ids
+
+
+@pytest.mark.parametrize(
+    "messages",
+    ["hello", [], None, 5, ["hello"], [{"content": "no role"}], [[{"role": "user", "content": "x"}], "y"]],
+    ids=["str", "empty", "none", "int", "list-of-str", "no-role", "mixed"],
+)
+def test_chat_refuses_what_is_not_a_conversation(llm, messages):
+    with pytest.raises(ValueError, match=r"chat takes a conversation.*generate\(\)"):
+        llm.chat(messages, GREEDY, use_tqdm=False)
+    assert not llm.engine.requests
