@@ -414,3 +414,15 @@ def test_a_kv_cache_past_memory_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
     code, _, err = run(capsys, "chat", "--model", "tiny", "--kv-cache-gb", "100000")
     assert_one_line_error(code, err, 1, "the memory plan does not fit the CPU memory", "--kv-cache-gb")
+
+
+def test_eval_out_is_checked_before_the_run(capsys, tmp_path):
+    """`kestrel eval --out` that cannot be written stops at once, naming it (it failed after the whole run)."""
+    (tmp_path / "taken").mkdir()
+    for out, words in (
+        (tmp_path / "taken", ["--out", "is a folder"]),
+        (tmp_path / "nowhere" / "eval.json", ["--out", "does not exist"]),
+    ):
+        code, stdout, err = run(capsys, "eval", "--model", "tiny", "--out", str(out))
+        assert_one_line_error(code, err, 1, *words)
+        assert stdout == ""
