@@ -57,28 +57,35 @@ class TrainConfig:
     retrieval_loss_weight: float = 1.0
 
     def __post_init__(self):
+        d = self.retrieval_distractors
         checks = [
-            (self.steps >= 1, "steps must be >= 1"),
-            (self.batch_rows >= 1 and self.row_len >= 16, "batch_rows >= 1 and row_len >= 16"),
-            (self.grad_accum >= 1, "grad_accum must be >= 1"),
-            (self.lr > 0 and 0 <= self.min_lr_ratio <= 1, "lr > 0 and min_lr_ratio in [0, 1]"),
-            (self.warmup_steps >= 0 and self.dsa_dense_steps >= 0, "warmup and dsa_dense steps must be >= 0"),
-            (self.grad_clip > 0, "grad_clip must be > 0"),
+            (self.steps >= 1, f"steps must be >= 1, got {self.steps}"),
+            (self.batch_rows >= 1, f"batch_rows must be >= 1, got {self.batch_rows}"),
+            (self.row_len >= 16, f"row_len must be >= 16, got {self.row_len}"),
+            (self.grad_accum >= 1, f"grad_accum must be >= 1, got {self.grad_accum}"),
+            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}"),
+            (self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}"),
+            (self.dsa_dense_steps >= 0, f"dsa_dense_steps must be >= 0, got {self.dsa_dense_steps}"),
+            (self.grad_clip > 0, f"grad_clip must be > 0, got {self.grad_clip}"),
+            (self.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {self.checkpoint_every}"),
+            (self.log_every >= 1, f"log_every must be >= 1, got {self.log_every}"),
             (
-                self.checkpoint_every >= 1 and self.log_every >= 1,
-                "checkpoint_every and log_every must be >= 1",
+                all(n < self.row_len for n in self.retrieval_lengths),
+                f"retrieval_lengths must be shorter than row_len {self.row_len}, got {list(self.retrieval_lengths)}",
             ),
-            (all(n < self.row_len for n in self.retrieval_lengths), "retrieval_lengths must fit in row_len"),
-            (self.retrieval_weight >= 0, "retrieval_weight must be >= 0"),
-            (0 < self.retrieval_loss_weight < math.inf, "retrieval_loss_weight must be > 0 and finite"),
-            (0 <= self.retrieval_shared_prefix <= 1, "retrieval_shared_prefix must be in [0, 1]"),
+            (self.retrieval_weight >= 0, f"retrieval_weight must be >= 0, got {self.retrieval_weight}"),
             (
-                self.retrieval_distractors is None
-                or (
-                    len(self.retrieval_distractors) == 2
-                    and 1 <= self.retrieval_distractors[0] <= self.retrieval_distractors[1] <= 32
-                ),
-                "retrieval_distractors must be (lo, hi) with 1 <= lo <= hi <= 32",
+                0 < self.retrieval_loss_weight < math.inf,
+                f"retrieval_loss_weight must be > 0 and finite, got {self.retrieval_loss_weight}",
+            ),
+            (
+                0 <= self.retrieval_shared_prefix <= 1,
+                f"retrieval_shared_prefix must be in [0, 1], got {self.retrieval_shared_prefix}",
+            ),
+            (
+                d is None or (len(d) == 2 and 1 <= d[0] <= d[1] <= 32),
+                f"retrieval_distractors must be (lo, hi) with 1 <= lo <= hi <= 32, got {d}",
             ),
         ]
         bad = [msg for ok, msg in checks if not ok]

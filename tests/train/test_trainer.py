@@ -141,8 +141,10 @@ def test_the_loop_takes_grad_accum_batches_a_step(tmp_path, byte_tok):
     for _ in range(4):
         next(twin.data)
     assert torch.equal(next(trainer.data).input_ids, next(twin.data).input_ids)  # 4 batches used, no more
-    with pytest.raises(ConfigError, match="grad_accum"):
+    with pytest.raises(ConfigError, match="grad_accum must be >= 1, got 0"):
         _cfg(tmp_path, byte_tok, grad_accum=0)
+    with pytest.raises(ConfigError, match=r"lr must be > 0, got -0.1; .*row_len 512, got \[600\]"):
+        _cfg(tmp_path, byte_tok, lr=-0.1, retrieval_lengths=(600,))
     with pytest.raises(ValueError, match="at least one batch"):
         trainer.launch_step([])
 
@@ -284,7 +286,7 @@ def test_retrieval_knobs_reach_the_data(tmp_path, byte_tok):
     assert trainer.data.config.loss_weights == {"retrieval": 1.0}
     family = trainer.data._render.mixture.families["retrieval"]
     assert family.shared_prefix == 0.5 and family.settings["distractors"] == (2, 6) and family.shared_all
-    with pytest.raises(ConfigError, match="retrieval_distractors"):
+    with pytest.raises(ConfigError, match=r"retrieval_distractors.*got \(5, 2\)"):
         _cfg(tmp_path, byte_tok, retrieval_distractors=(5, 2))
 
 
