@@ -335,8 +335,31 @@ def test_wrong_shapes(broken):
 
     _edit(broken, corrupt)
     message = _load_error(broken)
-    assert "shape mismatch (3)" in message
+    assert "unusable (3)" in message and "missing" not in message  # listed once, as unusable
     assert "(65,)" in message and "(31, 64)" in message and "scalar" in message
+
+
+def test_integer_or_non_finite_weights(broken):
+    """A weight stored as integers, or holding NaN or infinity, is refused by name (both loaded silently)."""
+
+    def corrupt(t):
+        t[_name(t, "model.norm.weight")] = torch.ones(
+            t[_name(t, "model.norm.weight")].shape, dtype=torch.int32
+        )
+        for suffix, index, value in (
+            ("layers.0.self_attn.q_proj.weight", (3, 5), "nan"),
+            ("embed_tokens.weight", (0, 0), "inf"),
+        ):
+            name = _name(t, suffix)
+            t[name] = t[name].clone()
+            t[name][index] = float(value)
+
+    _edit(broken, corrupt)
+    message = _load_error(broken)
+    assert "missing" not in message
+    assert "torch.int32, model expects floating point" in message and "norm.weight" in message
+    assert "q_proj.weight: NaN or infinite values" in message
+    assert "embed_tokens.weight: NaN or infinite values" in message and "unusable (3)" in message
 
 
 def test_truncated_file(broken):
