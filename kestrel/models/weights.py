@@ -13,6 +13,7 @@ Writing emits the checkpoint layout of the model's `config.model_type` (Moonshot
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import defaultdict
 from collections.abc import Iterator
@@ -329,13 +330,23 @@ def save_checkpoint(
     for stale in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
         stale.unlink()
     if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+        _save(shards[0], path / "model.safetensors")
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / fname), metadata={"format": "pt"})
+        _save(shard, path / fname)
         weight_map.update({name: fname for name in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _save(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    """safetensors' save_file, with the mode any file written here gets (safetensors leaves it 0600: a
+    checkpoint saved for a server run by another user could not be read). The mode comes from an empty file
+    opened first, as the process's umask makes it (os.umask would change it for every thread to read it)."""
+    file.touch()
+    mode = file.stat().st_mode & 0o777
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    os.chmod(file, mode)

@@ -102,6 +102,15 @@ def test_sharded_save_writes_an_index_and_loads_exactly(saved, tmp_path):
     _assert_same_params(model, build_model(str(tmp_path)))
 
 
+def test_saved_weights_get_the_mode_of_the_other_files(saved, tmp_path):
+    """The weights are as readable as config.json (safetensors wrote them 0600), in one file or in shards."""
+    model, _ = saved
+    for shard_bytes in (None, 256 * 1024):
+        save_checkpoint(model, tmp_path, max_shard_bytes=shard_bytes)
+        config_mode = (tmp_path / "config.json").stat().st_mode & 0o777
+        assert {p.stat().st_mode & 0o777 for p in tmp_path.glob("*.safetensors")} == {config_mode}
+
+
 def test_bfloat16_model_round_trips(tmp_path):
     model = init_random_weights(KimiForCausalLM(preset_config("tiny"), torch.bfloat16))
     save_checkpoint(model, tmp_path)
