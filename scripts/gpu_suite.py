@@ -1123,7 +1123,8 @@ def gpu_test_targets(parts: list[str]) -> list[list[str]]:
     C++ build of a training step, ran past the 560 s the whole section had, session 42), `rest` (every other op
     test, then the CUDA cases elsewhere: `_CUDA_TESTS_ELSEWHERE`), or `rest:K/N`: the K-th of N runs of rest's
     files in that order, for calls too short for all of it (on a cold Triton cache the three parts took over
-    570 s, session 45: `switches` alone 446 s)."""
+    570 s, session 45: `switches` alone 446 s), or a test file or node id under tests/ as pytest takes it (the
+    few tests a session left unrun or failed)."""
     rest_files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests" / "ops").glob("test_*.py"))
     rest_files += list(_CUDA_TESTS_ELSEWHERE)
     targets = []
@@ -1140,8 +1141,14 @@ def gpu_test_targets(parts: list[str]) -> list[list[str]]:
                 )
             files = rest_files[(k - 1) * len(rest_files) // n : k * len(rest_files) // n]
             targets.append(files + [f"--deselect={t}" for t in _SWITCH_TESTS])
+        elif part.startswith("tests/"):
+            if not (ROOT / part.split("::")[0]).is_file():
+                raise ValueError(f"gpu tests part {part!r}: no such test file")
+            targets.append([part])
         else:
-            raise ValueError(f"gpu tests part {part!r}: choose from switches, fuse, rest, rest:K/N")
+            raise ValueError(
+                f"gpu tests part {part!r}: choose from switches, fuse, rest, rest:K/N, or a test file or node id"
+            )
     return targets
 
 
@@ -1635,7 +1642,7 @@ def main() -> None:
         "--gpu-tests-parts",
         default=",".join(GPU_TEST_PARTS),
         help="gpu_tests: which parts, in order: switches, fuse, rest, or rest:K/N (the K-th of N runs of rest's "
-        "files) for calls too short for the whole section",
+        "files) for calls too short for the whole section, or a test file or node id under tests/",
     )
     parser.add_argument(
         "--gpu-tests-workers",
