@@ -1609,7 +1609,7 @@ def main() -> None:
     from kestrel.presets import (
         INIT_SCHEMES,
     )  # (imports no Triton: --smoke sets TRITON_INTERPRET after parsing)
-    from kestrel.serve.cli import _positive_int  # (nor does this)
+    from kestrel.serve.arg_types import positive_int  # (nor does this)
 
     parser = argparse.ArgumentParser()
     parser.add_argument(
@@ -1646,7 +1646,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--gpu-tests-workers",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="gpu_tests: pytest-xdist processes for each part, sharing the GPU (default 1: one process; the "
         "compiles of Triton kernels, most of the section's time, then run side by side)",

@@ -16,105 +16,10 @@ from pathlib import Path
 
 from kestrel.env import check_env
 from kestrel.presets import INIT_SCHEMES
+from kestrel.serve import arg_types as types
 from kestrel.serve.commands import cmd_chat, cmd_generate, cmd_init_random, cmd_serve, engine_config
 from kestrel.serve.train_commands import cmd_eval, cmd_train
 from kestrel.utils.errors import KestrelError
-
-
-def _int_at_least(text: str, low: int, what: str, high: int | None = None) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-    if value < low or (high is not None and value > high):
-        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    return _int_at_least(text, 1, "a positive integer")
-
-
-def _non_negative_int(text: str) -> int:
-    return _int_at_least(text, 0, "an integer >= 0")
-
-
-def _share(text: str) -> float:
-    value = _non_negative_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"expected a share between 0 and 1, got {value}")
-    return value
-
-
-def _int_range(text: str) -> tuple[int, int]:
-    """`LO,HI` (or one number N for N,N): two positive integers, LO <= HI."""
-    parts = text.split(",")
-    if len(parts) not in (1, 2):
-        raise argparse.ArgumentTypeError(f"expected LO,HI, got {text!r}")
-    lo, hi = (_positive_int(p.strip()) for p in (parts * 2)[:2])
-    if lo > hi:
-        raise argparse.ArgumentTypeError(f"expected LO <= HI, got {text!r}")
-    return lo, hi
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _non_negative_float(text)
-    if value == 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
-    return value
-
-
-def _seed(text: str) -> int:
-    """A seed: an integer in int64 (a larger one overflowed in torch's generator, a traceback)."""
-    return _int_at_least(text, -(2**63), "an integer in [-2**63, 2**63 - 1]", high=2**63 - 1)
-
-
-def _probability(text: str) -> float:
-    value = _non_negative_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value}")
-    return value
-
-
-def _positive_share(text: str) -> float:
-    """A number in (0, 1]: --top-p (0 would keep no token) and --mem-fraction (no KV pages)."""
-    value = _probability(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("expected a number in (0, 1], got 0.0")
-    return value
-
-
-def _top_k(text: str) -> int:
-    """top-k: 0 or -1 for off, else how many tokens to keep."""
-    value = _int_at_least(text, -1, "an integer >= 0 (0 or -1 = off)")
-    return max(value, 0)
-
-
-def _port(text: str) -> int:
-    value = _positive_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number in [1, 65535], got {value}")
-    return value
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -132,13 +37,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="auto: bfloat16 on CUDA, float32 on CPU",
     )
-    p.add_argument("--seed", type=_seed, default=0, help="seed of random preset weights and of sampling")
+    p.add_argument("--seed", type=types.seed, default=0, help="seed of random preset weights and of sampling")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="folder with tokenizer.json (default: the model folder)")
-    p.add_argument("--max-running-requests", type=_positive_int, default=64, help="= KDA state slots")
-    p.add_argument("--page-size", type=_positive_int, default=64, help="tokens per KV page")
+    p.add_argument("--max-running-requests", type=types.positive_int, default=64, help="= KDA state slots")
+    p.add_argument("--page-size", type=types.positive_int, default=64, help="tokens per KV page")
     p.add_argument(
         "--index-key-dtype",
         choices=["auto", "fp8"],
@@ -146,28 +51,28 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="DSA indexer keys in the KV pool: the model dtype, or FP8 E4M3 with one scale per token",
     )
     p.add_argument(
-        "--mem-fraction", type=_positive_share, default=0.85, help="of the free GPU memory, for KV pages"
+        "--mem-fraction", type=types.positive_share, default=0.85, help="of the free GPU memory, for KV pages"
     )
     p.add_argument(
         "--kv-cache-gb",
-        type=_non_negative_float,
+        type=types.non_negative_float,
         default=None,
         help="KV pages' size in GiB (overrides --mem-fraction); the prefix cache's KDA checkpoints come on top "
         "(--num-checkpoints)",
     )
     p.add_argument(
-        "--max-model-len", type=_positive_int, default=None, help="context limit (prompt + output)"
+        "--max-model-len", type=types.positive_int, default=None, help="context limit (prompt + output)"
     )
     p.add_argument(
         "--chunked-prefill-size",
-        type=_positive_int,
+        type=types.positive_int,
         default=8192,
         help="tokens per step (prefill chunks + decode)",
     )
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument(
         "--cuda-graph-short-len",
-        type=_non_negative_int,
+        type=types.non_negative_int,
         default=0,
         help="decode graphs this many tokens wide (e.g. 8192) beside those of the whole context limit, taken by "
         "steps whose contexts all fit, so that a short context runs no kernel sized for the limit; twice the "
@@ -188,18 +93,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--num-checkpoints",
-        type=_positive_int,
+        type=types.positive_int,
         default=None,
         help="KDA checkpoint slots (default: 4 per running request, at least 16; on the GPU up to 1/8 of the cache)",
     )
     p.add_argument(
         "--hicache-host-gb",
-        type=_non_negative_float,
+        type=types.non_negative_float,
         default=0.0,
         help="host memory for prefixes evicted from the GPU (pinned with CUDA; 0 = off)",
     )
     p.add_argument("--hicache-disk-dir", default=None, help="folder for prefixes evicted from host memory")
-    p.add_argument("--hicache-disk-gb", type=_non_negative_float, default=0.0, help="size cap of that folder")
+    p.add_argument(
+        "--hicache-disk-gb", type=types.non_negative_float, default=0.0, help="size cap of that folder"
+    )
 
 
 _engine_config = engine_config  # the name tests/serve/test_hicache_server.py imports from here
@@ -220,10 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     g.add_argument("--prompt", required=True, help="the text to complete")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-new-tokens", type=_positive_int, default=32)
-    g.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=_top_k, default=0, help="0 = off")
-    g.add_argument("--top-p", type=_positive_share, default=1.0)
+    g.add_argument("--max-new-tokens", type=types.positive_int, default=32)
+    g.add_argument("--temperature", type=types.non_negative_float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=types.top_k, default=0, help="0 = off")
+    g.add_argument("--top-p", type=types.positive_share, default=1.0)
     g.set_defaults(func=cmd_generate)
 
     r = sub.add_parser("init-random", help="write a random-weight checkpoint of a preset in HF format")
@@ -236,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="kimi_k3 (all features, DSA) or kimi_linear (loadable by transformers)",
     )
     r.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    r.add_argument("--seed", type=_seed, default=0)
+    r.add_argument("--seed", type=types.seed, default=0)
     r.add_argument(
         "--init",
         default="upstream",
@@ -245,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         "residual outputs / sqrt(2 x layers) (a bf16 floor of ~1.5%% instead of ~12%% on mini)",
     )
     r.add_argument("--mxfp4", action="store_true", help="store routed experts as MXFP4 (kimi_k3 format)")
-    r.add_argument("--max-shard-mb", type=_positive_int, default=None, help="split weights into shards")
+    r.add_argument("--max-shard-mb", type=types.positive_int, default=None, help="split weights into shards")
     r.set_defaults(func=cmd_init_random)
 
     s = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible and native /generate)")
@@ -254,20 +161,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)"
     )
-    s.add_argument("--port", type=_port, default=8000)
+    s.add_argument("--port", type=types.port, default=8000)
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     s.add_argument(
         "--api-key", default=None, help="require Authorization: Bearer KEY (not on /health, /metrics)"
     )
     s.add_argument(
         "--max-request-mb",
-        type=_positive_float,
+        type=types.positive_float,
         default=64,
         help="answer 413 to a request body larger than this (MiB), before reading it whole",
     )
     s.add_argument(
         "--max-queued-requests",
-        type=_positive_int,
+        type=types.positive_int,
         default=4096,
         help="answer 503 (Retry-After) past this many requests waiting for a slot",
     )
@@ -290,9 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(c)
     _add_engine_args(c)
     c.add_argument("--system", default=None, help="a system message to start the conversation with")
-    c.add_argument("--max-new-tokens", type=_positive_int, default=256)
-    c.add_argument("--temperature", type=_non_negative_float, default=0.7, help="0 = greedy")
-    c.add_argument("--top-p", type=_positive_share, default=1.0)
+    c.add_argument("--max-new-tokens", type=types.positive_int, default=256)
+    c.add_argument("--temperature", type=types.non_negative_float, default=0.7, help="0 = greedy")
+    c.add_argument("--top-p", type=types.positive_share, default=1.0)
     c.set_defaults(func=cmd_chat)
 
     t = sub.add_parser("train", help="train a model on the procedural task mixture (resumes from --out)")
@@ -305,15 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--tokenizer", default=None, help="tokenizer folder (default: train a BPE into <out>/tokenizer)"
     )
-    t.add_argument("--steps", type=_positive_int, default=1000)
-    t.add_argument("--batch-rows", type=_positive_int, default=16)
+    t.add_argument("--steps", type=types.positive_int, default=1000)
+    t.add_argument("--batch-rows", type=types.positive_int, default=16)
     t.add_argument(
         "--grad-accum",
-        type=_positive_int,
+        type=types.positive_int,
         default=1,
         help="batches of --batch-rows rows per optimizer step, each a forward and backward of its own (default 1)",
     )
-    t.add_argument("--row-len", type=_positive_int, default=4096)
+    t.add_argument("--row-len", type=types.positive_int, default=4096)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--warmup-steps", type=int, default=100)
     t.add_argument("--dsa-dense-steps", type=int, default=200, help="dense warm-up steps before sparse DSA")
@@ -322,20 +229,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--retrieval-weight",
-        type=_non_negative_float,
+        type=types.non_negative_float,
         default=0.1,
         help="weight of the retrieval family in the draw, against 1.0 per arithmetic family (default 0.1)",
     )
     t.add_argument(
         "--retrieval-shared-prefix",
-        type=_share,
+        type=types.share,
         default=0.0,
         help="share (0-1) of retrieval problems in which a distractor's code starts with the asked code's first "
         "1-4 digits (default 0)",
     )
     t.add_argument(
         "--retrieval-distractors",
-        type=_int_range,
+        type=types.int_range,
         default=None,
         metavar="LO,HI",
         help="distractor facts per retrieval problem, drawn from LO..HI (default: the medium level's 1,3)",
@@ -348,24 +255,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--retrieval-loss-weight",
-        type=_positive_float,
+        type=types.positive_float,
         default=1.0,
         help="weight of the retrieval documents' loss tokens in the mean loss, against 1.0 for the other families "
         "(default 1.0); unlike --retrieval-weight it draws no more documents",
     )
-    t.add_argument("--checkpoint-every", type=_positive_int, default=500)
+    t.add_argument("--checkpoint-every", type=types.positive_int, default=500)
     t.add_argument("--time-budget-s", type=float, default=None, help="stop and checkpoint after this long")
-    t.add_argument("--data-workers", type=_non_negative_int, default=0)
+    t.add_argument("--data-workers", type=types.non_negative_int, default=0)
     t.add_argument("--device", default="auto")
-    t.add_argument("--seed", type=_seed, default=0)
+    t.add_argument("--seed", type=types.seed, default=0)
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="held-out accuracy per task family and retrieval by context length")
     e.add_argument("--model", required=True, help="checkpoint folder")
-    e.add_argument("--num", type=_positive_int, default=200, help="problems per family")
-    e.add_argument("--num-retrieval", type=_positive_int, default=50)
+    e.add_argument("--num", type=types.positive_int, default=200, help="problems per family")
+    e.add_argument("--num-retrieval", type=types.positive_int, default=50)
     e.add_argument("--retrieval-lengths", default="2048,8192,32768")
-    e.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    e.add_argument("--max-new-tokens", type=types.positive_int, default=256)
     e.add_argument("--no-dense-contrast", action="store_true", help="skip the dense-attention retrieval runs")
     e.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     e.add_argument("--device", default="auto")
@@ -393,20 +300,20 @@ def build_parser() -> argparse.ArgumentParser:
     a.set_defaults(func=agent.cmd_bench_agent)
     d = benchmarks.add_parser("decode", help="engine decode step vs the HBM roofline (GPU)")
     d.add_argument("--model", default="mini", help="preset or checkpoint folder (default: mini)")
-    d.add_argument("--batches", type=_int_list, default=[1, 64, 256], help="comma-separated batch sizes")
-    d.add_argument("--contexts", type=_int_list, default=[4096], help="comma-separated context lengths")
-    d.add_argument("--steps", type=_positive_int, default=24)
+    d.add_argument("--batches", type=types.int_list, default=[1, 64, 256], help="comma-separated batch sizes")
+    d.add_argument("--contexts", type=types.int_list, default=[4096], help="comma-separated context lengths")
+    d.add_argument("--steps", type=types.positive_int, default=24)
     d.add_argument("--no-dense", action="store_true", help="skip the dense-MLA contrast")
     d.add_argument(
         "--max-model-len",
-        type=_positive_int,
+        type=types.positive_int,
         default=None,
         help="the engine's context limit at every point (default: each context plus the steps, the least "
         "that holds it); `kestrel serve` defaults to the model's own, and decode's graphs are that wide",
     )
     d.add_argument(
         "--cuda-graph-short-len",
-        type=_non_negative_int,
+        type=types.non_negative_int,
         default=0,
         help="as `kestrel serve`'s: the short decode graphs' width in tokens (default 0: graphs of the whole "
         "limit only)",
