@@ -224,9 +224,15 @@ def job_tests(arg: str | None, call: Call) -> list[Run]:
 
 
 def job_served(arg: str | None, call: Call) -> list[Run]:
-    env = dict(pair.split("=", 1) for pair in arg.split(",")) if arg else {}
-    tag = "served" + "".join(f"_{k.removeprefix('KESTREL_').lower()}_{v}" for k, v in env.items())
-    argv = [PY, _script("served_tokens.py"), "--out", call.out(f"{tag}.json")]
+    """`served:VAR=VAL,--option=VAL,...`: variables for the run's environment, options for served_tokens.py."""
+    pairs = [pair.split("=", 1) for pair in arg.split(",")] if arg else []
+    if any(len(pair) != 2 for pair in pairs):
+        raise ValueError(f"served:{arg}: want NAME=VALUE pairs, comma-separated")
+    env = {k: v for k, v in pairs if not k.startswith("--")}
+    options = [f"{k}={v}" for k, v in pairs if k.startswith("--")]
+    tag = "served" + "".join(f"_{k.removeprefix('KESTREL_').lstrip('-').lower()}_{v}" for k, v in pairs)
+    tag = tag.replace("-", "_")
+    argv = [PY, _script("served_tokens.py"), *options, "--out", call.out(f"{tag}.json")]
     return [Run(tag, argv, 45, f"{tag}.json", env, show_served)]
 
 
@@ -289,7 +295,10 @@ JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {
         "tests[:PARTS]: gpu_suite's GPU tests (PARTS as --gpu-tests-parts; --workers processes)",
         job_tests,
     ),
-    "served": ("served[:VAR=VAL,...]: the shipped model's greedy tokens against session 39's", job_served),
+    "served": (
+        "served[:VAR=VAL,--option=VAL,...]: the shipped model's greedy tokens against session 39's",
+        job_served,
+    ),
     "decode": (
         "decode: bench decode at batch 1 and 256, 4K and 128K, DSA and dense MLA, profiled",
         job_decode,

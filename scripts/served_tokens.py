@@ -37,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=str(ROOT / "kestrel/data/kestrel-demo"))
     parser.add_argument("--reference", default=str(REFERENCE))
     parser.add_argument("--out", default=None, help="write the outputs and the comparison here (JSON)")
+    parser.add_argument(
+        "--cuda-graph-short-len",
+        type=int,
+        default=None,
+        help="decode graphs this many tokens wide beside the limit's (default: the engine's)",
+    )
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from kestrel.engine.llm import LLM
@@ -44,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 
     reference = json.loads(Path(args.reference).read_text())
     engine_args = {"max_running_requests": 1} | ({"device": args.device} if args.device else {})
+    if args.cuda_graph_short_len is not None:
+        engine_args["cuda_graph_short_len"] = args.cuda_graph_short_len
     llm = LLM(args.model, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=reference["max_tokens"])
     start = time.perf_counter()
@@ -62,8 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     from kestrel.ops.moe.triton_decode import barrier_gave_up
 
     gave_up = barrier_gave_up(llm.engine.device)  # the one-launch MoE's grid barrier: its results were wrong
+    page = llm.engine.config.page_size
     result = {
         "device": str(llm.engine.device),
+        # the decode graphs' widths in tokens (none without CUDA graphs): which graphs these tokens came through
+        "graph_widths": sorted({width * page for width, _ in llm.engine.runner.graphs}),
         "moe_barrier_gave_up": gave_up,
         "reference": Path(args.reference).name,
         "seconds": time.perf_counter() - start,

@@ -22,8 +22,11 @@ def _record(session: str) -> dict:
 
 def test_every_job_plans_and_its_commands_take_their_options():
     jobs = [f"{name}:KESTREL_L2_AHEAD=on" if name == "served" else name for name in calls.JOBS]
-    runs = calls.plan(jobs)
-    assert {r.tag for r in runs} >= {"tests", "decode", "topk", "prefill", "kernels", "served_l2_ahead_on"}
+    runs = calls.plan([*jobs, "served:--cuda-graph-short-len=8192"])
+    tags = {r.tag for r in runs}
+    assert tags >= {"tests", "decode", "topk", "prefill", "kernels", "served_l2_ahead_on"}
+    (short,) = [r for r in runs if r.tag == "served_cuda_graph_short_len_8192"]
+    assert "--cuda-graph-short-len=8192" in short.argv and not short.env
     assert calls.dry_run(runs) == []
 
 
@@ -38,6 +41,8 @@ def test_a_bad_option_or_job_is_caught_before_the_call():
         calls.plan(["decod"])
     with pytest.raises(ValueError, match="named twice"):
         calls.plan(["topk", "topk"])
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        calls.plan(["served:KESTREL_L2_AHEAD"])
     with pytest.raises(SystemExit):
         calls.main(["--label", "a/b", "topk"])
 

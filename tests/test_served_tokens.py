@@ -22,9 +22,10 @@ def test_first_difference():
 
 def test_cpu_gives_the_h200_tokens(tmp_path):
     out = tmp_path / "served.json"
-    assert served.main(["--device", "cpu", "--out", str(out)]) == 0
+    assert served.main(["--device", "cpu", "--cuda-graph-short-len", "64", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["same"] == result["prompts"] == 8
+    assert result["graph_widths"] == []  # no CUDA graphs on the CPU (on CUDA: 64 and the limit's width)
 
 
 def test_a_different_token_fails(tmp_path):
