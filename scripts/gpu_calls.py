@@ -260,7 +260,7 @@ def _count(arg: str | None, job: str) -> int:
     if arg is None:
         return 4
     if not arg.isdigit() or not 1 <= int(arg) <= 4:
-        raise SystemExit(f"{job}:N takes a number of runs from 1 to 4, not {arg!r}")
+        raise ValueError(f"{job}:N takes a number of runs from 1 to 4, not {arg!r}")
     return int(arg)
 
 

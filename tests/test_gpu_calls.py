@@ -43,6 +43,10 @@ def test_a_bad_option_or_job_is_caught_before_the_call():
         calls.plan(["topk", "topk"])
     with pytest.raises(ValueError, match="NAME=VALUE"):
         calls.plan(["served:KESTREL_L2_AHEAD"])
+    assert [r.tag for r in calls.plan(["short:2", "ahead:1"])] == ["short8192_0", "short0_0", "ahead_on_0"]
+    for bad in ("short:0", "short:5", "ahead:x"):
+        with pytest.raises(ValueError, match="from 1 to 4"):
+            calls.plan([bad])
     with pytest.raises(SystemExit):
         calls.main(["--label", "a/b", "topk"])
 

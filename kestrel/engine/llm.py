@@ -88,16 +88,17 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them."""
-        if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+        sequence = (list, tuple)
+        if isinstance(messages, sequence) and messages and isinstance(messages[0], dict):
             convs = [messages]
         else:
-            convs = list(messages) if isinstance(messages, (list, tuple)) else [messages]
-        if not convs or not all(isinstance(c, list) and c and all(map(_is_message, c)) for c in convs):
+            convs = list(messages) if isinstance(messages, sequence) else [messages]
+        if not convs or not all(isinstance(c, sequence) and c and all(map(_is_message, c)) for c in convs):
             raise ValueError(
                 'chat takes a conversation, a list of {"role": ..., "content": ...} dicts, or a list of '
                 f"conversations, not {_preview(messages)} (a plain prompt goes to generate())"
             )
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
+        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _completion(self, index, ids, lps, out, p: SamplingParams) -> CompletionOutput:
@@ -110,7 +111,9 @@ class LLM:
 
 
 def _is_message(m) -> bool:
-    return isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+    return isinstance(m, dict) and isinstance(
+        m.get("role"), str
+    )  # content may be absent: the template reads ""
 
 
 def _preview(value) -> str:

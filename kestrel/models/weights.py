@@ -175,6 +175,7 @@ def load_weights(model: KimiForCausalLM, path: str | Path) -> None:
                 halves[kind] = get()
                 if len(halves) == 2:  # MXFP4: both the packed nibbles and the E8M0 scales have arrived
                     del packed_halves[(pname, shard)]
+                    tried[pname].add(shard)  # unusable halves are reported as such, not also as missing
                     try:
                         w = unpack_mxfp4(halves["weight_packed"], halves["weight_scale"], torch.float32)
                     except (ValueError, RuntimeError) as e:
@@ -200,10 +201,10 @@ def load_weights(model: KimiForCausalLM, path: str | Path) -> None:
 def _finite(tensor: torch.Tensor) -> bool:
     """No NaN or infinity. A finite sum says so in one fast pass (NaN and infinity carry into any sum; isfinite
     on the CPU took ~20 s for mini's 3.3B weights, the sum under 1 s); only a sum that is not finite (or that
-    overflowed) is checked value by value. float8 is summed in float16, which holds every e4m3 value (torch has
-    no isfinite for float8_e4m3fn)."""
+    overflowed) is checked value by value. One-byte floats are checked in float32, which holds all their values
+    (torch has no isfinite for float8_e4m3fn)."""
     if tensor.element_size() == 1:
-        tensor = tensor.to(torch.float16)
+        tensor = tensor.to(torch.float32)
     return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
@@ -348,5 +349,9 @@ def _save(tensors: dict[str, torch.Tensor], file: Path) -> None:
     opened first, as the process's umask makes it (os.umask would change it for every thread to read it)."""
     file.touch()
     mode = file.stat().st_mode & 0o777
-    save_file(tensors, str(file), metadata={"format": "pt"})
+    try:
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    except BaseException:
+        file.unlink(missing_ok=True)  # no empty file left to read as a truncated checkpoint
+        raise
     os.chmod(file, mode)

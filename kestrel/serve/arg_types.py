@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from kestrel.engine.sampling_params import INT32_MAX
+
 
 def int_at_least(text: str, low: int, what: str, high: int | None = None) -> int:
     try:
@@ -81,8 +83,8 @@ def positive_share(text: str) -> float:
 
 
 def top_k(text: str) -> int:
-    """top-k: 0 or -1 for off, else how many tokens to keep."""
-    value = int_at_least(text, -1, "an integer >= 0 (0 or -1 = off)")
+    """top-k: 0 or -1 for off, else how many tokens to keep (at most int32's largest, as SamplingParams)."""
+    value = int_at_least(text, -1, f"an integer in [-1, {INT32_MAX}] (0 or -1 = off)", high=INT32_MAX)
     return max(value, 0)
 
 

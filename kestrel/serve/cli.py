@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kestrel.env import check_env
 from kestrel.presets import INIT_SCHEMES
-from kestrel.serve import arg_types as types
+from kestrel.serve import arg_types
 from kestrel.serve.commands import cmd_chat, cmd_generate, cmd_init_random, cmd_serve, engine_config
 from kestrel.serve.train_commands import cmd_eval, cmd_train
 from kestrel.utils.errors import KestrelError
@@ -37,13 +37,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="auto: bfloat16 on CUDA, float32 on CPU",
     )
-    p.add_argument("--seed", type=types.seed, default=0, help="seed of random preset weights and of sampling")
+    p.add_argument(
+        "--seed", type=arg_types.seed, default=0, help="seed of random preset weights and of sampling"
+    )
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="folder with tokenizer.json (default: the model folder)")
-    p.add_argument("--max-running-requests", type=types.positive_int, default=64, help="= KDA state slots")
-    p.add_argument("--page-size", type=types.positive_int, default=64, help="tokens per KV page")
+    p.add_argument(
+        "--max-running-requests", type=arg_types.positive_int, default=64, help="= KDA state slots"
+    )
+    p.add_argument("--page-size", type=arg_types.positive_int, default=64, help="tokens per KV page")
     p.add_argument(
         "--index-key-dtype",
         choices=["auto", "fp8"],
@@ -51,28 +55,31 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="DSA indexer keys in the KV pool: the model dtype, or FP8 E4M3 with one scale per token",
     )
     p.add_argument(
-        "--mem-fraction", type=types.positive_share, default=0.85, help="of the free GPU memory, for KV pages"
+        "--mem-fraction",
+        type=arg_types.positive_share,
+        default=0.85,
+        help="of the free GPU memory, for KV pages",
     )
     p.add_argument(
         "--kv-cache-gb",
-        type=types.non_negative_float,
+        type=arg_types.non_negative_float,
         default=None,
         help="KV pages' size in GiB (overrides --mem-fraction); the prefix cache's KDA checkpoints come on top "
         "(--num-checkpoints)",
     )
     p.add_argument(
-        "--max-model-len", type=types.positive_int, default=None, help="context limit (prompt + output)"
+        "--max-model-len", type=arg_types.positive_int, default=None, help="context limit (prompt + output)"
     )
     p.add_argument(
         "--chunked-prefill-size",
-        type=types.positive_int,
+        type=arg_types.positive_int,
         default=8192,
         help="tokens per step (prefill chunks + decode)",
     )
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument(
         "--cuda-graph-short-len",
-        type=types.non_negative_int,
+        type=arg_types.non_negative_int,
         default=0,
         help="decode graphs this many tokens wide (e.g. 8192) beside those of the whole context limit, taken by "
         "steps whose contexts all fit, so that a short context runs no kernel sized for the limit; twice the "
@@ -93,19 +100,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--num-checkpoints",
-        type=types.positive_int,
+        type=arg_types.positive_int,
         default=None,
         help="KDA checkpoint slots (default: 4 per running request, at least 16; on the GPU up to 1/8 of the cache)",
     )
     p.add_argument(
         "--hicache-host-gb",
-        type=types.non_negative_float,
+        type=arg_types.non_negative_float,
         default=0.0,
         help="host memory for prefixes evicted from the GPU (pinned with CUDA; 0 = off)",
     )
     p.add_argument("--hicache-disk-dir", default=None, help="folder for prefixes evicted from host memory")
     p.add_argument(
-        "--hicache-disk-gb", type=types.non_negative_float, default=0.0, help="size cap of that folder"
+        "--hicache-disk-gb", type=arg_types.non_negative_float, default=0.0, help="size cap of that folder"
     )
 
 
@@ -127,10 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     g.add_argument("--prompt", required=True, help="the text to complete")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-new-tokens", type=types.positive_int, default=32)
-    g.add_argument("--temperature", type=types.non_negative_float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=types.top_k, default=0, help="0 = off")
-    g.add_argument("--top-p", type=types.positive_share, default=1.0)
+    g.add_argument("--max-new-tokens", type=arg_types.positive_int, default=32)
+    g.add_argument("--temperature", type=arg_types.non_negative_float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=arg_types.top_k, default=0, help="0 = off")
+    g.add_argument("--top-p", type=arg_types.positive_share, default=1.0)
     g.set_defaults(func=cmd_generate)
 
     r = sub.add_parser("init-random", help="write a random-weight checkpoint of a preset in HF format")
@@ -143,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="kimi_k3 (all features, DSA) or kimi_linear (loadable by transformers)",
     )
     r.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    r.add_argument("--seed", type=types.seed, default=0)
+    r.add_argument("--seed", type=arg_types.seed, default=0)
     r.add_argument(
         "--init",
         default="upstream",
@@ -152,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         "residual outputs / sqrt(2 x layers) (a bf16 floor of ~1.5%% instead of ~12%% on mini)",
     )
     r.add_argument("--mxfp4", action="store_true", help="store routed experts as MXFP4 (kimi_k3 format)")
-    r.add_argument("--max-shard-mb", type=types.positive_int, default=None, help="split weights into shards")
+    r.add_argument(
+        "--max-shard-mb", type=arg_types.positive_int, default=None, help="split weights into shards"
+    )
     r.set_defaults(func=cmd_init_random)
 
     s = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible and native /generate)")
@@ -161,20 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)"
     )
-    s.add_argument("--port", type=types.port, default=8000)
+    s.add_argument("--port", type=arg_types.port, default=8000)
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     s.add_argument(
         "--api-key", default=None, help="require Authorization: Bearer KEY (not on /health, /metrics)"
     )
     s.add_argument(
         "--max-request-mb",
-        type=types.positive_float,
+        type=arg_types.positive_float,
         default=64,
         help="answer 413 to a request body larger than this (MiB), before reading it whole",
     )
     s.add_argument(
         "--max-queued-requests",
-        type=types.positive_int,
+        type=arg_types.positive_int,
         default=4096,
         help="answer 503 (Retry-After) past this many requests waiting for a slot",
     )
@@ -197,9 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(c)
     _add_engine_args(c)
     c.add_argument("--system", default=None, help="a system message to start the conversation with")
-    c.add_argument("--max-new-tokens", type=types.positive_int, default=256)
-    c.add_argument("--temperature", type=types.non_negative_float, default=0.7, help="0 = greedy")
-    c.add_argument("--top-p", type=types.positive_share, default=1.0)
+    c.add_argument("--max-new-tokens", type=arg_types.positive_int, default=256)
+    c.add_argument("--temperature", type=arg_types.non_negative_float, default=0.7, help="0 = greedy")
+    c.add_argument("--top-p", type=arg_types.positive_share, default=1.0)
     c.set_defaults(func=cmd_chat)
 
     t = sub.add_parser("train", help="train a model on the procedural task mixture (resumes from --out)")
@@ -212,15 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--tokenizer", default=None, help="tokenizer folder (default: train a BPE into <out>/tokenizer)"
     )
-    t.add_argument("--steps", type=types.positive_int, default=1000)
-    t.add_argument("--batch-rows", type=types.positive_int, default=16)
+    t.add_argument("--steps", type=arg_types.positive_int, default=1000)
+    t.add_argument("--batch-rows", type=arg_types.positive_int, default=16)
     t.add_argument(
         "--grad-accum",
-        type=types.positive_int,
+        type=arg_types.positive_int,
         default=1,
         help="batches of --batch-rows rows per optimizer step, each a forward and backward of its own (default 1)",
     )
-    t.add_argument("--row-len", type=types.positive_int, default=4096)
+    t.add_argument("--row-len", type=arg_types.positive_int, default=4096)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--warmup-steps", type=int, default=100)
     t.add_argument("--dsa-dense-steps", type=int, default=200, help="dense warm-up steps before sparse DSA")
@@ -229,20 +238,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--retrieval-weight",
-        type=types.non_negative_float,
+        type=arg_types.non_negative_float,
         default=0.1,
         help="weight of the retrieval family in the draw, against 1.0 per arithmetic family (default 0.1)",
     )
     t.add_argument(
         "--retrieval-shared-prefix",
-        type=types.share,
+        type=arg_types.share,
         default=0.0,
         help="share (0-1) of retrieval problems in which a distractor's code starts with the asked code's first "
         "1-4 digits (default 0)",
     )
     t.add_argument(
         "--retrieval-distractors",
-        type=types.int_range,
+        type=arg_types.int_range,
         default=None,
         metavar="LO,HI",
         help="distractor facts per retrieval problem, drawn from LO..HI (default: the medium level's 1,3)",
@@ -255,24 +264,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--retrieval-loss-weight",
-        type=types.positive_float,
+        type=arg_types.positive_float,
         default=1.0,
         help="weight of the retrieval documents' loss tokens in the mean loss, against 1.0 for the other families "
         "(default 1.0); unlike --retrieval-weight it draws no more documents",
     )
-    t.add_argument("--checkpoint-every", type=types.positive_int, default=500)
+    t.add_argument("--checkpoint-every", type=arg_types.positive_int, default=500)
     t.add_argument("--time-budget-s", type=float, default=None, help="stop and checkpoint after this long")
-    t.add_argument("--data-workers", type=types.non_negative_int, default=0)
+    t.add_argument("--data-workers", type=arg_types.non_negative_int, default=0)
     t.add_argument("--device", default="auto")
-    t.add_argument("--seed", type=types.seed, default=0)
+    t.add_argument("--seed", type=arg_types.seed, default=0)
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="held-out accuracy per task family and retrieval by context length")
     e.add_argument("--model", required=True, help="checkpoint folder")
-    e.add_argument("--num", type=types.positive_int, default=200, help="problems per family")
-    e.add_argument("--num-retrieval", type=types.positive_int, default=50)
+    e.add_argument("--num", type=arg_types.positive_int, default=200, help="problems per family")
+    e.add_argument("--num-retrieval", type=arg_types.positive_int, default=50)
     e.add_argument("--retrieval-lengths", default="2048,8192,32768")
-    e.add_argument("--max-new-tokens", type=types.positive_int, default=256)
+    e.add_argument("--max-new-tokens", type=arg_types.positive_int, default=256)
     e.add_argument("--no-dense-contrast", action="store_true", help="skip the dense-attention retrieval runs")
     e.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     e.add_argument("--device", default="auto")
@@ -300,20 +309,24 @@ def build_parser() -> argparse.ArgumentParser:
     a.set_defaults(func=agent.cmd_bench_agent)
     d = benchmarks.add_parser("decode", help="engine decode step vs the HBM roofline (GPU)")
     d.add_argument("--model", default="mini", help="preset or checkpoint folder (default: mini)")
-    d.add_argument("--batches", type=types.int_list, default=[1, 64, 256], help="comma-separated batch sizes")
-    d.add_argument("--contexts", type=types.int_list, default=[4096], help="comma-separated context lengths")
-    d.add_argument("--steps", type=types.positive_int, default=24)
+    d.add_argument(
+        "--batches", type=arg_types.int_list, default=[1, 64, 256], help="comma-separated batch sizes"
+    )
+    d.add_argument(
+        "--contexts", type=arg_types.int_list, default=[4096], help="comma-separated context lengths"
+    )
+    d.add_argument("--steps", type=arg_types.positive_int, default=24)
     d.add_argument("--no-dense", action="store_true", help="skip the dense-MLA contrast")
     d.add_argument(
         "--max-model-len",
-        type=types.positive_int,
+        type=arg_types.positive_int,
         default=None,
         help="the engine's context limit at every point (default: each context plus the steps, the least "
         "that holds it); `kestrel serve` defaults to the model's own, and decode's graphs are that wide",
     )
     d.add_argument(
         "--cuda-graph-short-len",
-        type=types.non_negative_int,
+        type=arg_types.non_negative_int,
         default=0,
         help="as `kestrel serve`'s: the short decode graphs' width in tokens (default 0: graphs of the whole "
         "limit only)",

@@ -26,9 +26,10 @@ def _check_writable(path: Path | None, flag: str) -> None:
         return
     if path.is_dir():
         raise KestrelError(f"{flag} {path}: is a folder; give a file name")
-    parent = path.parent if str(path.parent) else Path(".")
+    parent = path.parent
     if not parent.is_dir():
-        raise KestrelError(f"{flag} {path}: the folder {parent} does not exist")
+        what = "is not a folder" if parent.exists() else "does not exist"
+        raise KestrelError(f"{flag} {path}: {parent} {what}")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise KestrelError(f"{flag} {path}: not writable")
 

@@ -20,12 +20,24 @@ def test_chat_takes_one_conversation_or_several(llm):
     assert len(both) == 2
     assert both[0].outputs[0].token_ids == one.outputs[0].token_ids
     assert both[1].prompt_token_ids != one.prompt_token_ids
+    as_tuples = llm.chat((tuple(conv), [{"role": "assistant"}, *conv]), GREEDY, use_tqdm=False)  # content: ""
+    assert as_tuples[0].prompt_token_ids == one.prompt_token_ids and len(as_tuples) == 2
+    assert llm.chat(tuple(conv), GREEDY, use_tqdm=False)[0].prompt_token_ids == one.prompt_token_ids
 
 
 @pytest.mark.parametrize(
     "messages",
-    ["hello", [], None, 5, ["hello"], [{"content": "no role"}], [[{"role": "user", "content": "x"}], "y"]],
-    ids=["str", "empty", "none", "int", "list-of-str", "no-role", "mixed"],
+    [
+        "hello",
+        [],
+        None,
+        5,
+        ["hello"],
+        [{"content": "no role"}],
+        [{"role": 3, "content": "x"}],
+        [[{"role": "user", "content": "x"}], "y"],
+    ],
+    ids=["str", "empty", "none", "int", "list-of-str", "no-role", "bad-role", "mixed"],
 )
 def test_chat_refuses_what_is_not_a_conversation(llm, messages):
     with pytest.raises(ValueError, match=r"chat takes a conversation.*generate\(\)"):

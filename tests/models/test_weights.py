@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kestrel.config import ModelConfig
+from kestrel.models import weights
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model, init_random_weights
 from kestrel.models.weights import save_checkpoint
@@ -100,6 +101,18 @@ def test_sharded_save_writes_an_index_and_loads_exactly(saved, tmp_path):
     save_checkpoint(model, tmp_path)
     assert [p.name for p in tmp_path.glob("*.safetensors*")] == ["model.safetensors"]
     _assert_same_params(model, build_model(str(tmp_path)))
+
+
+def test_a_failed_save_leaves_no_weights_file(saved, tmp_path, monkeypatch):
+    """A save that fails (a full disk) leaves no empty weights file to be read as a truncated checkpoint."""
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(weights, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        save_checkpoint(saved[0], tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))
 
 
 def test_saved_weights_get_the_mode_of_the_other_files(saved, tmp_path):
@@ -428,7 +441,7 @@ def test_mxfp4_scale_of_the_wrong_shape(mxfp4_saved, tmp_path):
     scale = "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_scale"
     _edit(tmp_path, lambda t: t.update({scale: torch.zeros(64, 3, dtype=torch.uint8)}))
     message = _load_error(tmp_path)
-    assert scale in message and "MXFP4" in message
+    assert scale in message and "MXFP4" in message and "missing" not in message  # unusable, listed once
 
 
 def test_bad_config_in_a_checkpoint_folder(broken):
