@@ -170,10 +170,6 @@ class Env:
     pdl: str
     """KESTREL_PDL: the decode step's Triton kernels launch with programmatic dependent launch on Hopper and later
     (kestrel.ops.pdl): auto | off."""
-    l2_ahead: str
-    """KESTREL_L2_AHEAD: decode steps of a few rows ask each layer's weights into L2 from a side stream before the
-    kernels that read them (kestrel.ops.l2_ahead; Hopper and later, where PDL is on): off (the default, until
-    timed on a GPU) | on."""
     cache_dir: str
     """KESTREL_CACHE_DIR: where Kestrel keeps what it builds on first use (the CUDA top-k's library, under
     cuda/); unset: ~/.cache/kestrel."""
@@ -250,9 +246,6 @@ VARIABLES: dict[str, Variable] = {
         "KESTREL_GEMV", "auto", ("auto", "off"), what="Triton GEMV for projections of up to 16 rows"
     ),
     "pdl": _choice("KESTREL_PDL", "auto", ("auto", "off"), what="programmatic dependent launch (Hopper)"),
-    "l2_ahead": _choice(
-        "KESTREL_L2_AHEAD", "off", ("off", "on"), what="decode asks weights into L2 ahead (untimed)"
-    ),
     "compile_train": Variable(
         "KESTREL_COMPILE_TRAIN", "switch", "auto", what="training compiles the small elementwise ops"
     ),

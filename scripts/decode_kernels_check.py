@@ -34,8 +34,8 @@ timed on the device in one run, one JSON result:
    and MLA's six projections of one input as six GEMV launches against one (`gemv_merged`).
 10. `moe_fused`: the MoE layer at batch 1 in one launch (kestrel.ops.moe.triton_decode) against the six it replaces,
    its tiles and grid swept, us a layer in a graph of 24 layers against the bytes at the copy rate.
-11. `l2_ahead`: batch 1's projections fed from L2: a chain of mini's KDA projections with cold weights, with one
-   layer's weights (hot: the ceiling of prefetching) and with a paced side stream asking weights a few GEMVs ahead.
+11. `l2_ahead`: batch 1's projections fed from L2: a chain of mini's KDA projections with cold weights, and with one
+   layer's weights (hot: the ceiling of any prefetching).
 Each section catches its own exceptions; the JSON is rewritten after every section. `--smoke` runs every section at
 tiny sizes on the CPU under TRITON_INTERPRET=1 (the figures mean nothing there).
 """
@@ -805,24 +805,15 @@ def gemv_merged(result: dict, device: str, smoke: bool, ceilings: dict, layers: 
         print(f"gemv merged B={B}: {entry}", flush=True)
 
 
-def _gemv_chain(layers: list, x: torch.Tensor, ahead=None, lead: int = 0) -> torch.Tensor:
+def _gemv_chain(layers: list, x: torch.Tensor) -> torch.Tensor:
     """x through each layer's (W_in, W_o): y = x W_in^T, then y's first W_o.shape[1] columns through W_o (a KDA
-    layer's in-projection and o-projection at decode). With `ahead` (kestrel.ops.l2_ahead.L2Ahead, CUDA), the
-    weights of the GEMV `lead` places ahead are asked into L2 from its side stream as each GEMV ends (the first
-    `lead` at the start): the decode step's KESTREL_L2_AHEAD machinery, paced one GEMV at a time."""
+    layer's in-projection and o-projection at decode)."""
     from kestrel.ops.linear.triton_gemv import gemv_triton
 
-    seq = [w for pair in layers for w in pair]  # the GEMVs' weights in launch order
-    if ahead is not None:
-        for w in seq[:lead]:
-            ahead.ask([w])
     h = x
-    for j, w in enumerate(seq):
-        h = gemv_triton(h[:, : w.shape[1]], w)  # the in-projection takes all of h
-        if ahead is not None and j + lead < len(seq):
-            ahead.ask([seq[j + lead]])
-    if ahead is not None:
-        ahead.join()
+    for w_in, w_o in layers:
+        h = gemv_triton(h, w_in)  # the in-projection takes all of h
+        h = gemv_triton(h[:, : w_o.shape[1]], w_o)
     return h
 
 
@@ -831,13 +822,12 @@ def l2_ahead(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
     in-projection q|k|v|f_a|b|g 4232 x 2048, then the o-projection 2048 x 1024 of its first 1024 columns), 24
     layers chained in one CUDA graph, us a layer against the weights' bytes at the copy rate:
     - cold: each layer its own weights, as the step reads them (each GEMV asks its own slice into L2 before its
-      PDL wait: the lead of one kernel it has today);
-    - hot: one layer's weights for all 24 (21 MB: they stay in L2), the ceiling of any prefetching;
-    - ahead k (CUDA): cold, with a side stream in the graph asking the weights of the GEMV k places ahead into L2
-      as each GEMV ends (graph edges pace it, nothing spins): kestrel.ops.l2_ahead's L2Ahead, which the decode
-      step takes under KESTREL_L2_AHEAD=on.
-    If hot is not well below cold, prefetching further ahead cannot pay and the GEMVs are bound by their launches
-    and latency; if it is, `ahead` shows how much of the gap a paced side stream takes. Outputs compared."""
+      PDL wait: the lead of one kernel it has);
+    - hot: one layer's weights for all 24 (21 MB: they stay in L2), the ceiling of any prefetching.
+    Session 52 on the H200: floor 5.04, cold 11.15, hot 10.08 us: hot is barely below cold, so the GEMVs are
+    bound by their launches and latency, not by where their weights come from. A side stream asking the weights
+    of the GEMV 1 to 6 places ahead made each layer slower (14.3-14.5 us), and the decode step it was put into
+    (KESTREL_L2_AHEAD, sessions 49-52) 1-4% slower: both were removed."""
     (N_in, K_in), (N_o, K_o), layers = ((48, 32), (32, 16), 3) if smoke else ((4232, 2048), (2048, 1024), 24)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(0)
@@ -857,22 +847,9 @@ def l2_ahead(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
         "shapes": [[N_in, K_in], [N_o, K_o]],
         "floor_us_a_layer": 1e6 * bytes_layer / (ceilings["copy_TBps"] * 1e12),
     }
-    outs = {}
-
-    def run(key, chain_layers, ahead=None, lead=0):
-        outs[key] = _gemv_chain(chain_layers, x, ahead, lead)
-
     for key, chain_layers in (("cold", cold), ("hot", hot)):
-        entry[f"{key}_us_a_layer"] = calls_us([functools.partial(run, key, chain_layers)], device) / layers
-    if device == "cuda":
-        from kestrel.ops.l2_ahead import L2Ahead
-
-        ahead = L2Ahead(torch.device(device))
-        for lead in (1, 2, 3, 4, 6):
-            key = f"ahead_{lead}"
-            call = functools.partial(run, key, cold, ahead, lead)
-            entry[f"{key}_us_a_layer"] = calls_us([call], device) / layers
-            entry[f"{key}_same_bits"] = bool(torch.equal(outs[key], outs["cold"]))
+        call = functools.partial(_gemv_chain, chain_layers, x)
+        entry[f"{key}_us_a_layer"] = calls_us([call], device) / layers
     print(f"l2_ahead: {entry}", flush=True)
 
 

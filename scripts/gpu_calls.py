@@ -15,8 +15,8 @@ status and seconds, the figures printed). `summarize` prints the figures of retu
 
 The jobs that close issue 4 (every GPU test and every figure at one commit, with the batch-1 account), in three
 calls issued back to back (a machine is given back 30 s after a call; a cold start costs about 2 minutes):
-    1. served topk tests                 2. decode prefill kernels served:KESTREL_L2_AHEAD=on
-    3. l2 moe ahead short
+    1. served topk tests                 2. decode prefill kernels served:--cuda-graph-short-len=8192
+    3. l2 moe short
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
 (tests:rest:2/2 and so on; the summary counts the outcomes so far from pytest's log).
 Each job's help (`--list`) says what it runs."""
@@ -179,7 +179,6 @@ def show_kernels_check(d: dict) -> list[str]:
                 f"{k[: -len('_us_a_layer')]} {v:.2f}" for k, v in a.items() if k.endswith("_us_a_layer")
             )
         )
-        lines.append(f"  same bits: {all(v for k, v in a.items() if k.endswith('_same_bits'))}")
     if p := d.get("pdl"):
         lines += [
             f"pdl b={b}: {v['auto_us_per_kernel']:.3f} us a kernel (off {v['off_us_per_kernel']:.3f})"
@@ -279,17 +278,6 @@ def job_short(arg: str | None, call: Call) -> list[Run]:
     return runs
 
 
-def job_ahead(arg: str | None, call: Call) -> list[Run]:
-    """Batch 1, 4 and 16 at 4K with KESTREL_L2_AHEAD off and on, alternating, the first pair profiled.
-    `ahead:N` runs the first N."""
-    runs = []
-    for i, state in enumerate(("on", "off", "on", "off")[: _count(arg, "ahead")]):
-        profile = ["--profile"] if i < 2 else []
-        options = ["--batches", "1,4,16", "--contexts", "4096", "--no-dense", *profile]
-        runs.append(_decode(call, f"ahead_{state}_{i // 2}", 60, *options, env={"KESTREL_L2_AHEAD": state}))
-    return runs
-
-
 JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {
     "tests": (
         "tests[:PARTS]: gpu_suite's GPU tests (PARTS as --gpu-tests-parts; --workers processes)",
@@ -313,16 +301,12 @@ JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {
         "short[:N]: bench decode at 4K on a 131072-token engine, short graphs of 8192 on and off (N runs of 4)",
         job_short,
     ),
-    "ahead": (
-        "ahead[:N]: bench decode at batch 1, 4 and 16, KESTREL_L2_AHEAD on and off (N runs of 4)",
-        job_ahead,
-    ),
     "moe": (
         "moe: decode_kernels_check moe_fused (the one-launch MoE; best_hot_us: its weights in L2)",
         lambda arg, call: [_check(call, "moe", "moe_fused", 90)],
     ),
     "l2": (
-        "l2: decode_kernels_check l2_ahead (batch 1's projections cold, hot, asked ahead)",
+        "l2: decode_kernels_check l2_ahead (batch 1's projections, weights cold and hot in L2)",
         lambda arg, call: [_check(call, "l2", "l2_ahead", 40)],
     ),
     "pdl": (

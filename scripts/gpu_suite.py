@@ -1088,7 +1088,6 @@ _CUDA_TESTS_ELSEWHERE = (
 # kept in torch's cache after the test): beside other processes on the one GPU they would starve them, so with
 # --gpu-tests-workers they run after the rest of their part, in one process (`worker_runs`).
 _ENGINE_TEST_FILES = (
-    "tests/ops/test_l2_ahead.py",
     "tests/engine/test_dense_prefill_runs.py",
     "tests/engine/test_graph_widths.py",
     "tests/engine/test_hicache.py",

@@ -21,7 +21,7 @@ def test_the_report_lists_everything(capsys):
     code, out, err = run(capsys, "env")
     assert code == 0, err
     assert "torch " in out and "GPUs: " in out and "nvcc: " in out
-    for path in ("kda", "attention", "dsa_topk", "pdl", "gemv", "l2_ahead"):
+    for path in ("kda", "attention", "dsa_topk", "pdl", "gemv"):
         assert f"\n  {path} " in out
     for variable in VARIABLES.values():
         assert f" {variable.name}" in out

@@ -173,8 +173,8 @@ def test_gpu_tests_parts_split_the_rest_whole(gpu_suite):
     parts = gpu_suite.gpu_test_targets(gpu_suite.GPU_TEST_PARTS)
     assert parts[0] == gpu_suite._SWITCH_TESTS and parts[1][0] == "tests/test_fuse.py" and parts[2] == whole
     node = "tests/engine/test_graph_widths.py::test_graphs_of_both_widths_give_the_eager_tokens[16]"
-    assert gpu_suite.gpu_test_targets(["tests/ops/test_l2_ahead.py", node]) == [
-        ["tests/ops/test_l2_ahead.py"],
+    assert gpu_suite.gpu_test_targets(["tests/ops/test_gemv.py", node]) == [
+        ["tests/ops/test_gemv.py"],
         [node],
     ]
     for bad in ("rest:0/2", "rest:3/2", "rest:2", "switches:1/2", "ops", "tests/ops/test_nothing.py"):

@@ -29,9 +29,6 @@ from kestrel.engine.scheduler import Batch, PrefillChunk
 from kestrel.layers.context import ForwardContext, forward_context
 from kestrel.layers.mla import dsa_topks
 from kestrel.models.kimi import KimiForCausalLM
-from kestrel.ops.l2_ahead import MAX_ROWS as L2_AHEAD_MAX_ROWS
-from kestrel.ops.l2_ahead import L2Ahead
-from kestrel.ops.l2_ahead import supported as l2_ahead_supported
 from kestrel.ops.sampling import argmax
 from kestrel.utils.device import to_device_async
 
@@ -86,8 +83,6 @@ class ModelRunner:
         self.argmax: torch.Tensor | None = None  # the last forward's, from its decode graph (see forward)
         self.graph_sizes = tuple(sorted(s for s in graph_batch_sizes if s <= max_batch))
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda" and bool(self.graph_sizes)
-        # KESTREL_L2_AHEAD's side stream, made at the first decode step that asks ahead
-        self._l2_ahead: L2Ahead | None = None
         self.graph_bytes = 0  # torch's reserved memory the last capture added (capture_graphs)
 
     @torch.no_grad()
@@ -169,11 +164,6 @@ class ModelRunner:
         n = ids.shape[0]
         view = PagedCacheView(self.kv_pool, self.state_pool, slots, rows, page_table=table, lens=lens)
         ctx = ForwardContext(pos, torch.arange(n + 1, device=ids.device), [1] * n, [0] * n, view, decode=True)
-        # KESTREL_L2_AHEAD=on: read at each eager step, and at capture for the graphs
-        if n <= L2_AHEAD_MAX_ROWS and l2_ahead_supported(self.device):
-            if self._l2_ahead is None:
-                self._l2_ahead = L2Ahead(self.device)
-            ctx.extras["l2_ahead"] = self._l2_ahead
         with forward_context(ctx):
             return self.model(ids)
 

@@ -70,19 +70,6 @@ class MLAttention(nn.Module):
         self.o_proj = RowLinear(Hf * self.v_dim, D, dtype=dtype)
         self.indexer = Indexer(config, dtype) if config.use_dsa else None
 
-    def weights_in_read_order(self) -> list[torch.Tensor]:
-        """Every parameter, in the order a decode step reads them (what kestrel.ops.l2_ahead asks ahead, until its
-        budget runs out): x's projections, read in one launch (q or its latent, the latent row, the output gate,
-        the indexer's), then q_b, kv_b (W_UK and W_UV), o_proj, and the rest (norms). Module order would put
-        kv_b before the gate and the indexer last: on mini the 24 MB budget then stopped inside the gate and
-        never reached the indexer's projections, read first (session 50's review)."""
-        first = self.q_a_proj if hasattr(self, "q_a_proj") else self.q_proj
-        x_proj = [first, self.kv_a_proj_with_mqa, getattr(self, "g_proj", None), self.indexer]
-        later = [getattr(self, "q_b_proj", None), self.kv_b_proj, self.o_proj]
-        ordered = [p for m in x_proj + later if m is not None for p in m.parameters()]
-        seen = {id(p) for p in ordered}
-        return ordered + [p for p in self.parameters() if id(p) not in seen]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, D]
         ctx = get_forward_context()
         T, H = x.shape[0], self.num_heads

@@ -12,13 +12,12 @@ from torch import nn
 
 from kestrel.config import KDA, MOE, ModelConfig
 from kestrel.layers.attnres import ResProj, mix_norm, mix_norm_bank
-from kestrel.layers.context import ForwardContext, forward_context, get_forward_context, has_forward_context
+from kestrel.layers.context import ForwardContext, forward_context, has_forward_context
 from kestrel.layers.kda import KimiDeltaAttention
 from kestrel.layers.linear import Linear, set_loader
 from kestrel.layers.mla import MLAttention
 from kestrel.layers.moe import DenseMLP, MoE
 from kestrel.layers.norm import RMSNorm
-from kestrel.ops import l2_ahead
 from kestrel.ops.attnres import Bank
 
 
@@ -41,30 +40,10 @@ class DecoderLayer(nn.Module):
             )
             self.mlp_res_proj, self.mlp_res_norm = ResProj(D, dtype), RMSNorm(D, eps, dtype)
 
-    def forward(self, x: torch.Tensor, ahead=None, after=None) -> torch.Tensor:
-        """Pre-norm residual form: x + attn(norm(x)), then + mlp(norm(.)). With `ahead` (kestrel.ops.l2_ahead),
-        this layer's MLP weights are asked into L2 before its attention, and the attention weights of `after` (the
-        next layer) before its MLP."""
-        if ahead is not None:
-            ahead.ask(self.mlp_weights_ahead())
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Pre-norm residual form: x + attn(norm(x)), then + mlp(norm(.))."""
         x = x + self.self_attn(self.input_layernorm(x))
-        if ahead is not None and after is not None:
-            ahead.ask(after.attention_weights_ahead())
         return x + self.mlp(self.post_attention_layernorm(x))
-
-    def weights_ahead(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(the attention's, the MLP's but its routed experts') weights of at least MIN_BYTES, in the order a decode
-        step reads them (MLA's `weights_in_read_order`; module order elsewhere): what a decode step of a few rows
-        asks into L2 ahead of the kernels that read them (kestrel.ops.l2_ahead). The routed experts are left out:
-        which ones a token takes is known only once it is routed."""
-        return self.attention_weights_ahead(), self.mlp_weights_ahead()
-
-    def attention_weights_ahead(self) -> list[torch.Tensor]:
-        read_order = getattr(self.self_attn, "weights_in_read_order", None)  # MLA's; KDA's module order is it
-        return _big(read_order() if read_order else self.self_attn.parameters())
-
-    def mlp_weights_ahead(self) -> list[torch.Tensor]:
-        return _big(p for n, p in self.mlp.named_parameters() if not n.startswith("experts."))
 
 
 class KimiModel(nn.Module):
@@ -83,13 +62,8 @@ class KimiModel(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> final normed hidden [T, D]
         x = self.embed_tokens(input_ids)
         if self.config.attn_res_block_size is None:
-            ahead = _l2_ahead()
-            if ahead is not None:
-                ahead.ask(self.layers[0].attention_weights_ahead())
-            for i, layer in enumerate(self.layers):
-                x = layer(x, ahead, self.layers[i + 1] if i + 1 < len(self.layers) else None)
-            if ahead is not None:
-                ahead.join()
+            for layer in self.layers:
+                x = layer(x)
             return self.norm(x)
         return self._forward_attn_res(x)
 
@@ -141,21 +115,14 @@ class KimiModel(nn.Module):
         buf = x0.new_empty(self._bank_blocks() + 1, *x0.shape)  # [blocks + 1, T, D]
         buf[0].copy_(x0)  # the partial sum before the first layer: x0
         nb = 0  # completed block sums: buf[:nb]; the partial sum: buf[nb]
-        ahead = _l2_ahead()  # weights into L2 ahead (DecoderLayer.forward says when), or None
-        if ahead is not None:
-            ahead.ask(self.layers[0].attention_weights_ahead())
         for i, layer in enumerate(self.layers):
             closes = i % block == 0  # the partial sum closes into the bank
             nb += closes
             sources = buf[:nb] if closes else buf[: nb + 1]
-            if ahead is not None:
-                ahead.ask(layer.mlp_weights_ahead())
             h = mix_norm(
                 sources, layer.self_attention_res_proj, layer.self_attention_res_norm, layer.input_layernorm
             )
             a = layer.self_attn(h)
-            if ahead is not None and i + 1 < len(self.layers):
-                ahead.ask(self.layers[i + 1].attention_weights_ahead())
             # buf[nb] = a (a new partial sum) or += a, inside the mix that reads it
             h = mix_norm(
                 buf[: nb + 1],
@@ -167,20 +134,7 @@ class KimiModel(nn.Module):
             )
             # buf[nb] += the block's output (inside the MoE's last kernel, or add_)
             layer.mlp(h, add_to=buf[nb])
-        if ahead is not None:
-            ahead.join()
         return mix_norm(buf[: nb + 1], self.output_attn_res_proj, self.output_attn_res_norm, self.norm)
-
-
-def _big(tensors) -> list[torch.Tensor]:
-    """The tensors of at least l2_ahead.MIN_BYTES, in order (read at each call: the tests lower it)."""
-    return [p for p in tensors if p.numel() * p.element_size() >= l2_ahead.MIN_BYTES]
-
-
-def _l2_ahead():
-    """The forward context's L2Ahead (kestrel.ops.l2_ahead: the runner sets one for decode steps of a few rows
-    where KESTREL_L2_AHEAD is on), or None."""
-    return get_forward_context().extras.get("l2_ahead") if has_forward_context() else None
 
 
 class KimiForCausalLM(nn.Module):

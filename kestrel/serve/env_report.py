@@ -103,7 +103,6 @@ def fast_paths(device) -> dict:
     from kestrel.layers.mla import triton_attention
     from kestrel.ops.dsa.cuda_topk import find_nvcc
     from kestrel.ops.kda import get_kda_backend
-    from kestrel.ops.l2_ahead import supported as l2_ahead_supported
     from kestrel.ops.linear import gemv_on
     from kestrel.ops.pdl import pdl_on
     from kestrel.utils.fuse import fast_applies
@@ -146,14 +145,11 @@ def fast_paths(device) -> dict:
     def gemv() -> str:
         return "triton (up to 16 rows)" if gemv_on(device) else "off (cuBLAS / torch)"
 
-    def l2_ahead() -> str:
-        return "on" if l2_ahead_supported(device) else "off"
-
     def fused() -> str:
         return "triton" if fast_applies(torch.empty(0, device=device)) else "off (plain torch)"
 
     paths = {"kda": kda, "attention": attention, "dsa_topk": topk, "small_ops": fused, "pdl": pdl,
-             "gemv": gemv, "l2_ahead": l2_ahead}  # fmt: skip
+             "gemv": gemv}  # fmt: skip
     return {"device": str(device), **{name: answer(fn) for name, fn in paths.items()}}
 
 

@@ -78,7 +78,7 @@ def test_decode_kernels_check_smoke():
     # off the GPU the one launch already runs phased: the same code, so the same bits
     phased = fused["best_phased"]
     assert phased["us"] > 0 and phased["same_bits_as_one_launch"], phased
-    ahead = result["l2_ahead"]  # the side stream's prefetches are CUDA only: cold and hot here
+    ahead = result["l2_ahead"]
     assert ahead["cold_us_a_layer"] > 0 and ahead["hot_us_a_layer"] > 0 and ahead["layers"] == 3, ahead
     by_phase = fused["by_phase"]
     assert set(by_phase["one_launch_phases_us"]) == {"router", "gate_up_and_routing", "down_and_combine"}
