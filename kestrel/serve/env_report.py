@@ -5,7 +5,7 @@ record. Three parts:
 - the device: the GPUs torch sees (name, compute capability, memory) or none, and the nvcc that would build
   the CUDA top-k;
 - the fast paths a model on the device takes, as the functions the layers call answer them (KDA backend,
-  attention kernels, DSA top-k, PDL, the GEMV, L2 ahead), then every variable of `kestrel.env` with its value,
+  attention kernels, DSA top-k, PDL, the GEMV), then every variable of `kestrel.env` with its value,
   whether it is set, its default and what it takes. A variable set to a value it does not take is listed as an
   error, and the command exits with status 1 after printing everything.
 
