@@ -111,9 +111,8 @@ class LLM:
 
 
 def _is_message(m) -> bool:
-    return isinstance(m, dict) and isinstance(
-        m.get("role"), str
-    )  # content may be absent: the template reads ""
+    """A dict with a role (its content may be absent: the chat template reads "")."""
+    return isinstance(m, dict) and isinstance(m.get("role"), str)
 
 
 def _preview(value) -> str:
