@@ -229,8 +229,9 @@ def job_served(arg: str | None, call: Call) -> list[Run]:
         raise ValueError(f"served:{arg}: want NAME=VALUE pairs, comma-separated")
     env = {k: v for k, v in pairs if not k.startswith("--")}
     options = [f"{k}={v}" for k, v in pairs if k.startswith("--")]
-    tag = "served" + "".join(f"_{k.removeprefix('KESTREL_').lstrip('-').lower()}_{v}" for k, v in pairs)
-    tag = tag.replace("-", "_")
+    tag = "served" + "".join(
+        f"_{k.removeprefix('KESTREL_').strip('-')}_{v}" for k, v in pairs
+    ).lower().replace("-", "_")
     argv = [PY, _script("served_tokens.py"), *options, "--out", call.out(f"{tag}.json")]
     return [Run(tag, argv, 45, f"{tag}.json", env, show_served)]
 

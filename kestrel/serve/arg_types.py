@@ -67,16 +67,9 @@ def seed(text: str) -> int:
     return int_at_least(text, -(2**63), "an integer in [-2**63, 2**63 - 1]", high=2**63 - 1)
 
 
-def probability(text: str) -> float:
-    value = non_negative_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value}")
-    return value
-
-
 def positive_share(text: str) -> float:
     """A number in (0, 1]: --top-p (0 would keep no token) and --mem-fraction (no KV pages)."""
-    value = probability(text)
+    value = share(text)
     if value == 0:
         raise argparse.ArgumentTypeError("expected a number in (0, 1], got 0.0")
     return value
