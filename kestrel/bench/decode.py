@@ -320,7 +320,7 @@ def decode_bench(
     profile: bool = False,
     sampling: str = "greedy",
     max_model_len: int | None = None,
-    short_graph_len: int = 0,
+    short_graph_len: int = EngineConfig.cuda_graph_short_len,
 ) -> dict:
     """On CUDA, or on the CPU at small sizes (the smoke run of scripts/gpu_suite.py: no graph replay).
     `max_model_len`: the engine's context limit at every point (None: each context + steps + 64, the least that

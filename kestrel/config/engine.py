@@ -32,9 +32,9 @@ class EngineConfig:
     disable_overlap_schedule: bool = False
     cuda_graph_max_bs: int = 256
     # decode graphs this many tokens wide beside those of the whole context limit, for steps whose contexts all
-    # fit (kestrel.engine.runner.graph_widths; e.g. 8192); 0: graphs of the whole limit only (the default until
-    # the short ones are timed on a GPU)
-    cuda_graph_short_len: int = 0
+    # fit (kestrel.engine.runner.graph_widths; none where the limit is below twice this); 0: graphs of the whole
+    # limit only
+    cuda_graph_short_len: int = 8192
     max_queued_requests: int = 4096  # server: past this many waiting requests, answer 503
     enable_prefix_cache: bool = True  # radix tree over KV pages + KDA state checkpoints
     # save a KDA checkpoint every this many prefill tokens (a multiple of pages; chunks end there): by default

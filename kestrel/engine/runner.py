@@ -48,8 +48,10 @@ def graph_widths(max_pages: int, page_size: int, short_len: int, dsa_topk: int |
     at a short context on a 131072-token engine (`kestrel serve`'s default on mini) the step runs wide kernels
     over empty columns. On the H200 (session 47) batch 1 at 4K took 1.47 ms against 1.42 on an engine sized to
     the context, batch 256 6.51 against 6.36-6.41; the DSA top-k of a 4K row in a 131072-wide buffer 17.2 us
-    against 12.4 in a tight one. Off by default (short_len 0) until the short graphs are timed on a GPU (8192 is
-    the width to try: the top-k's 256- and 512-thread variants take rows up to 8704 wide)."""
+    against 12.4 in a tight one. With graphs 8192 wide beside (session 52, three alternating pairs), batch 1 / 64 /
+    256 at 4K: 1.410 / 3.896 / 6.336 ms against 1.470 / 3.945 / 6.423, for 15 more graphs and 0.29 GiB; 8192 is
+    EngineConfig's default since session 53, when their CUDA test's tokens matched (8192: the top-k's 256- and
+    512-thread variants take rows up to 8704 wide)."""
     short = -(-short_len // page_size)
     if short_len <= 0 or 2 * short > max_pages or (dsa_topk is not None and dsa_topk >= short * page_size):
         return (max_pages,)

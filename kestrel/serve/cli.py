@@ -14,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kestrel.config import EngineConfig
 from kestrel.env import check_env
 from kestrel.presets import INIT_SCHEMES
 from kestrel.serve import arg_types
@@ -80,10 +81,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cuda-graph-short-len",
         type=arg_types.non_negative_int,
-        default=0,
-        help="decode graphs this many tokens wide (e.g. 8192) beside those of the whole context limit, taken by "
-        "steps whose contexts all fit, so that a short context runs no kernel sized for the limit; twice the "
-        "graphs to capture at start. Default 0: off (not yet timed on a GPU)",
+        default=EngineConfig.cuda_graph_short_len,
+        help="decode graphs this many tokens wide beside those of the whole context limit (where it is at least "
+        "twice this), taken by steps whose contexts all fit, so that a short context runs no kernel sized for the "
+        "limit; twice the graphs to capture at start. 0: graphs of the whole limit only (default %(default)s)",
     )
     p.add_argument(
         "--disable-overlap-schedule",
@@ -327,9 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--cuda-graph-short-len",
         type=arg_types.non_negative_int,
-        default=0,
-        help="as `kestrel serve`'s: the short decode graphs' width in tokens (default 0: graphs of the whole "
-        "limit only)",
+        default=EngineConfig.cuda_graph_short_len,
+        help="as `kestrel serve`'s: the short decode graphs' width in tokens (default %(default)s; 0: graphs of "
+        "the whole limit only)",
     )
     d.add_argument(
         "--index-key-dtype",
