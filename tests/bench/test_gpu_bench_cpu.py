@@ -79,13 +79,15 @@ def test_decode_bench_on_an_engine_with_a_longer_limit():
     """`bench decode --max-model-len`: every point runs on an engine of that context limit (a server's default
     is the model's own); a limit too short for a point's requests is refused, naming the least it needs."""
     from kestrel.bench.decode import decode_bench
+    from kestrel.config import EngineConfig
 
     result = decode_bench(
         "tiny", batches=(2,), contexts=(16,), steps=3, dense_contrast=False, device="cpu", max_model_len=512
     )
     (run,) = result["runs"]
     assert run["max_model_len"] == 512 and run["context"] == 16 and run["step_ms"] > 0
-    assert run["short_graph_len"] == 0 and run["graph_width"] is None  # the CPU replays no graph
+    # the engine's default short width recorded (too wide for this limit: no short graphs); the CPU replays none
+    assert run["short_graph_len"] == EngineConfig.cuda_graph_short_len == 8192 and run["graph_width"] is None
     (engine,) = result["engines"]  # its start timed; no decode graphs on the CPU
     assert engine["max_model_len"] == 512 and engine["setup_s"] > 0 and engine["decode_graphs"] == 0
     assert engine["graph_gib"] == 0  # no capture on the CPU
