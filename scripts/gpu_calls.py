@@ -15,7 +15,7 @@ status and seconds, the figures printed). `summarize` prints the figures of retu
 
 The jobs that close issue 4 (every GPU test and every figure at one commit, with the batch-1 account), in three
 calls issued back to back (a machine is given back 30 s after a call; a cold start costs about 2 minutes):
-    1. served topk tests                 2. decode prefill kernels served:--cuda-graph-short-len=8192
+    1. served topk tests                 2. decode prefill kernels served:--cuda-graph-short-len=0
     3. l2 moe short
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
 (tests:rest:2/2 and so on; the summary counts the outcomes so far from pytest's log).
