@@ -35,7 +35,8 @@ timed on the device in one run, one JSON result:
 10. `moe_fused`: the MoE layer at batch 1 in one launch (kestrel.ops.moe.triton_decode) against the six it replaces,
    its tiles and grid swept, us a layer in a graph of 24 layers against the bytes at the copy rate.
 11. `l2_ahead`: batch 1's projections fed from L2: a chain of mini's KDA projections with cold weights, and with one
-   layer's weights (hot: the ceiling of any prefetching).
+   layer's weights (hot: the ceiling of any prefetching); and the chain as one persistent launch that asks L2 for
+   the stages ahead (kestrel.ops.linear.triton_chain), swept.
 Each section catches its own exceptions; the JSON is rewritten after every section. `--smoke` runs every section at
 tiny sizes on the CPU under TRITON_INTERPRET=1 (the figures mean nothing there).
 """
@@ -827,7 +828,9 @@ def l2_ahead(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
     Session 52 on the H200: floor 5.04, cold 11.15, hot 10.08 us: hot is barely below cold, so the GEMVs are
     bound by their launches and latency, not by where their weights come from. A side stream asking the weights
     of the GEMV 1 to 6 places ahead made each layer slower (14.3-14.5 us), and the decode step it was put into
-    (KESTREL_L2_AHEAD, sessions 49-52) 1-4% slower: both were removed."""
+    (KESTREL_L2_AHEAD, sessions 49-52) 1-4% slower: both were removed.
+    - persistent: the 48 GEMVs as one launch whose programs ask L2 for the stages ahead themselves and wait on a
+      counter a stage (`_persistent_chain`, session 53): what a batch-1 megakernel would make of the projections."""
     (N_in, K_in), (N_o, K_o), layers = ((48, 32), (32, 16), 3) if smoke else ((4232, 2048), (2048, 1024), 24)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(0)
@@ -851,6 +854,49 @@ def l2_ahead(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
         call = functools.partial(_gemv_chain, chain_layers, x)
         entry[f"{key}_us_a_layer"] = calls_us([call], device) / layers
     print(f"l2_ahead: {entry}", flush=True)
+    entry["persistent"] = _persistent_chain([w for pair in cold for w in pair], x, layers, device, smoke)
+    best = min((r for r in entry["persistent"] if r.get("ok")), key=lambda r: r["us_a_layer"], default=None)
+    entry["persistent_best"] = best
+    print(f"l2_ahead persistent best: {best}", flush=True)
+
+
+def _persistent_chain(weights: list, x: torch.Tensor, layers: int, device: str, smoke: bool) -> list[dict]:
+    """The same chain as one persistent launch (kestrel.ops.linear.triton_chain: each program asks L2 for its
+    weights `ahead` stages past the next while the stage in front ends), its tiles, L2 lead and grid swept; each
+    configuration checked against the plain-torch chain and timed in a CUDA graph (its counters' memset included),
+    us a layer."""
+    from kestrel.ops.linear.triton_chain import GemvChain, gemv_chain_reference
+
+    want = gemv_chain_reference(x, weights)[-1].float()
+    if device == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        configs = [dict(block_n=bn, ahead=a, programs=sms) for bn in (16, 32, 64) for a in (0, 2, 4)]
+        configs += [dict(block_n=32, ahead=1, programs=sms), dict(block_n=32, ahead=8, programs=sms)]
+        configs += [
+            dict(block_n=16, ahead=2, programs=2 * sms),
+            dict(block_n=32, ahead=2, num_warps=8, programs=sms),
+        ]
+    else:
+        configs = [dict(block_n=16, ahead=0)]
+    rows = []
+    for config in configs:
+        row = dict(config)
+        try:
+            chain = GemvChain(weights, x.shape[0], **config)
+            chain.input.copy_(x)
+            got = chain().float()
+            row["ahead_applied"] = chain.consts["AHEAD"]
+            row["rel_err"] = ((got - want).norm() / want.norm()).item()
+            row["gave_up"] = chain.gave_up()
+            row["ok"] = row["rel_err"] < 2e-2 and not row["gave_up"]
+            row["us_a_layer"] = calls_us([chain], device) / layers
+            row["gave_up"] = row["gave_up"] or chain.gave_up()
+            del chain
+        except Exception as e:  # noqa: BLE001 (a configuration the GPU cannot hold: recorded, the sweep goes on)
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        print(f"l2_ahead persistent {row}", flush=True)
+        rows.append(row)
+    return rows
 
 
 def _traced(one, nets, outs, device, rounds: int = 3) -> dict:

@@ -179,6 +179,11 @@ def show_kernels_check(d: dict) -> list[str]:
                 f"{k[: -len('_us_a_layer')]} {v:.2f}" for k, v in a.items() if k.endswith("_us_a_layer")
             )
         )
+        if best := a.get("persistent_best"):
+            knobs = ", ".join(
+                f"{k} {best[k]}" for k in ("block_n", "ahead", "programs", "num_warps") if k in best
+            )
+            lines.append(f"l2_ahead persistent best: {best['us_a_layer']:.2f} us a layer ({knobs})")
     if p := d.get("pdl"):
         lines += [
             f"pdl b={b}: {v['auto_us_per_kernel']:.3f} us a kernel (off {v['off_us_per_kernel']:.3f})"
@@ -307,8 +312,9 @@ JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {
         lambda arg, call: [_check(call, "moe", "moe_fused", 90)],
     ),
     "l2": (
-        "l2: decode_kernels_check l2_ahead (batch 1's projections, weights cold and hot in L2)",
-        lambda arg, call: [_check(call, "l2", "l2_ahead", 40)],
+        "l2: decode_kernels_check l2_ahead (batch 1's projections, weights cold and hot in L2, and as one persistent "
+        "launch that asks L2 for the stages ahead, swept)",
+        lambda arg, call: [_check(call, "l2", "l2_ahead", 120)],
     ),
     "pdl": (
         "pdl: decode_kernels_check pdl (the launch floor with and without PDL)",
