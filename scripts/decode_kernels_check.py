@@ -854,13 +854,13 @@ def l2_ahead(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
         call = functools.partial(_gemv_chain, chain_layers, x)
         entry[f"{key}_us_a_layer"] = calls_us([call], device) / layers
     print(f"l2_ahead: {entry}", flush=True)
-    entry["persistent"] = _persistent_chain([w for pair in cold for w in pair], x, layers, device, smoke)
+    entry["persistent"] = _persistent_chain([w for pair in cold for w in pair], x, layers, device)
     best = min((r for r in entry["persistent"] if r.get("ok")), key=lambda r: r["us_a_layer"], default=None)
     entry["persistent_best"] = best
     print(f"l2_ahead persistent best: {best}", flush=True)
 
 
-def _persistent_chain(weights: list, x: torch.Tensor, layers: int, device: str, smoke: bool) -> list[dict]:
+def _persistent_chain(weights: list, x: torch.Tensor, layers: int, device: str) -> list[dict]:
     """The same chain as one persistent launch (kestrel.ops.linear.triton_chain: each program asks L2 for its
     weights `ahead` stages past the next while the stage in front ends), its tiles, L2 lead and grid swept; each
     configuration checked against the plain-torch chain and timed in a CUDA graph (its counters' memset included),

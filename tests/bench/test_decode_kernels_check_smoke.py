@@ -80,9 +80,8 @@ def test_decode_kernels_check_smoke():
     assert phased["us"] > 0 and phased["same_bits_as_one_launch"], phased
     ahead = result["l2_ahead"]
     assert ahead["cold_us_a_layer"] > 0 and ahead["hot_us_a_layer"] > 0 and ahead["layers"] == 3, ahead
-    (persistent,) = ahead[
-        "persistent"
-    ]  # one program on the CPU: the chain's code runs, checked against torch
+    # one program on the CPU: the chain's code runs, checked against torch
+    (persistent,) = ahead["persistent"]
     assert persistent["ok"] and persistent["us_a_layer"] > 0 and ahead["persistent_best"] == persistent, ahead
     by_phase = fused["by_phase"]
     assert set(by_phase["one_launch_phases_us"]) == {"router", "gate_up_and_routing", "down_and_combine"}
