@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.ops.grid_sync import grid_arrive, grid_wait
 from kestrel.ops.occupancy import programs_an_sm
 from kestrel.ops.pdl import l2_prefetch, pdl_on
 
@@ -90,19 +91,11 @@ def _chain_kernel(
                 mask=mmask[:, None] & nmask[None, :],
             )
         if s + 1 < S:
-            tl.debug_barrier()  # this program's threads have all stored
-            # acq_rel: the last to arrive reads every count from its own add, and must see the others' stores
-            arrived = tl.atomic_add(sync + s, 1, sem="acq_rel", scope="gpu") + 1
+            arrived = grid_arrive(sync + s)
             if AHEAD > 0:
                 if s + 1 + AHEAD < S:  # the weights AHEAD stages past the next, asked while the others finish
                     _prefetch_stage(w, meta, s + 1 + AHEAD, pid, nprog, BN, ELEM)
-            spins = 0
-            while (arrived < nprog) & (spins < MAX_SPIN):
-                arrived = tl.atomic_add(sync + s, 0, sem="acquire", scope="gpu")
-                spins += 1
-            if arrived < nprog:
-                tl.atomic_xchg(sync + S, 1, sem="relaxed", scope="gpu")  # gave up: the results are wrong
-            tl.debug_barrier()
+            grid_wait(sync + s, arrived, nprog, sync + S, MAX_SPIN)
 
 
 class GemvChain:

@@ -64,6 +64,7 @@ import triton
 import triton.language as tl
 
 from kestrel.ops.activation.triton_act import glu
+from kestrel.ops.grid_sync import grid_arrive, grid_wait
 from kestrel.ops.moe.triton_experts import _rounded
 from kestrel.ops.moe.triton_router import _pick, _slice_logits, _summed_logits
 from kestrel.ops.occupancy import programs_an_sm
@@ -139,19 +140,8 @@ def barrier_gave_up(device: torch.device | str) -> bool:
 
 @triton.jit
 def _grid_sync(sync, k, nprog, MAX_SPIN: tl.constexpr):
-    """Wait until all nprog programs have reached barrier k; every store before it is then visible to every
-    program after it (release on the arrival, acquire on the polls; the arrival's own result is the first
-    poll). Polled by plain volatile loads instead, then one acquiring atomic or a fence, the layer was slower:
-    19.98 / 20.44 against 17.40 us (session 43)."""
-    tl.debug_barrier()  # this program's threads have all stored
-    arrived = tl.atomic_add(sync + k, 1, sem="acq_rel", scope="gpu") + 1
-    spins = 0
-    while (arrived < nprog) & (spins < MAX_SPIN):
-        arrived = tl.atomic_add(sync + k, 0, sem="acquire", scope="gpu")
-        spins += 1
-    if arrived < nprog:
-        tl.atomic_xchg(sync + 3, 1, sem="relaxed", scope="gpu")  # gave up: the results are wrong
-    tl.debug_barrier()
+    """Wait until all nprog programs have reached barrier k (kestrel.ops.grid_sync); sync[3] says one gave up."""
+    grid_wait(sync + k, grid_arrive(sync + k), nprog, sync + 3, MAX_SPIN)
 
 
 @triton.jit
