@@ -858,17 +858,22 @@ def l2_ahead(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
     best = min((r for r in entry["persistent"] if r.get("ok")), key=lambda r: r["us_a_layer"], default=None)
     entry["persistent_best"] = best
     print(f"l2_ahead persistent best: {best}", flush=True)
+    # the same stages on 64 x 64 weights (8 KB each): what the counters cost a layer with next to no bytes
+    n = min(64, K_in)
+    tiny = [(torch.randn(n, n, generator=g, device=device) * 0.1).to(dtype) for _ in range(2 * layers)]
+    entry["barriers_only"] = _persistent_chain(tiny, x[:, :n], layers, device, [dict(block_n=16, ahead=0)])
+    print(f"l2_ahead barriers only: {entry['barriers_only']}", flush=True)
 
 
-def _persistent_chain(weights: list, x: torch.Tensor, layers: int, device: str) -> list[dict]:
+def _persistent_chain(weights: list, x: torch.Tensor, layers: int, device: str, configs=None) -> list[dict]:
     """The same chain as one persistent launch (kestrel.ops.linear.triton_chain: each program asks L2 for its
     weights `ahead` stages past the next while the stage in front ends), its tiles, L2 lead and grid swept; each
     configuration checked against the plain-torch chain and timed in a CUDA graph (its counters' memset included),
-    us a layer."""
+    us a layer. `configs` replaces the sweep (CUDA: programs default to one an SM)."""
     from kestrel.ops.linear.triton_chain import GemvChain, gemv_chain_reference
 
     want = gemv_chain_reference(x, weights)[-1].float()
-    if device == "cuda":
+    if configs is None and device == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         configs = [dict(block_n=bn, ahead=a, programs=sms) for bn in (16, 32, 64) for a in (0, 2, 4)]
         configs += [dict(block_n=32, ahead=1, programs=sms), dict(block_n=32, ahead=8, programs=sms)]
@@ -876,7 +881,7 @@ def _persistent_chain(weights: list, x: torch.Tensor, layers: int, device: str) 
             dict(block_n=16, ahead=2, programs=2 * sms),
             dict(block_n=32, ahead=2, num_warps=8, programs=sms),
         ]
-    else:
+    elif configs is None:
         configs = [dict(block_n=16, ahead=0)]
     rows = []
     for config in configs:

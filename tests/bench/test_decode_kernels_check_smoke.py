@@ -83,6 +83,8 @@ def test_decode_kernels_check_smoke():
     # one program on the CPU: the chain's code runs, checked against torch
     (persistent,) = ahead["persistent"]
     assert persistent["ok"] and persistent["us_a_layer"] > 0 and ahead["persistent_best"] == persistent, ahead
+    (barriers,) = ahead["barriers_only"]
+    assert barriers["ok"] and barriers["us_a_layer"] > 0, ahead
     by_phase = fused["by_phase"]
     assert set(by_phase["one_launch_phases_us"]) == {"router", "gate_up_and_routing", "down_and_combine"}
     assert all(us > 0 for us in by_phase["one_launch_phases_us"].values()), by_phase
