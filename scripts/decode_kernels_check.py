@@ -875,12 +875,17 @@ def _persistent_chain(weights: list, x: torch.Tensor, layers: int, device: str, 
     want = gemv_chain_reference(x, weights)[-1].float()
     if configs is None and device == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        configs = [dict(block_n=bn, ahead=a, programs=sms) for bn in (16, 32, 64) for a in (0, 2, 4)]
-        configs += [dict(block_n=32, ahead=1, programs=sms), dict(block_n=32, ahead=8, programs=sms)]
+        # session 54 (H100): with one K step at a time and neither own nor 2 programs an SM, 31-45 us a layer
+        configs = [dict(block_n=bn, ahead=a, programs=sms) for bn in (16, 64) for a in (0, 2)]
         configs += [
-            dict(block_n=16, ahead=2, programs=2 * sms),
-            dict(block_n=32, ahead=2, num_warps=8, programs=sms),
+            dict(block_n=bn, block_k=bk, ahead=a, own=True, programs=sms)
+            for bn in (16, 32) for bk in (256, 1024) for a in (0, 2)
+        ]  # fmt: skip
+        configs += [
+            dict(block_n=16, block_k=2048, ahead=a, own=True, num_warps=8, programs=sms) for a in (0, 2)
         ]
+        configs += [dict(block_n=32, block_k=1024, ahead=0, programs=sms)]  # a longer K step alone
+        configs += [dict(block_n=16, ahead=a, own=True, programs=2 * sms) for a in (0, 2)]
     elif configs is None:
         configs = [dict(block_n=16, ahead=0)]
     rows = []

@@ -81,11 +81,15 @@ def test_chain_compiles_for_hopper():
         from kestrel.ops.linear.triton_chain import MAX_SPIN, _chain_kernel
         sig = dict(w="*bf16", acts="*bf16", meta="*i64", sync="*i32", M="i32", S="i32", nprog="i32")
         for ahead in (0, 2):
-            consts = dict(BM=16, BN=32, BK=256, AHEAD=ahead, ELEM=2, DOT_F32=False, PRECISION="tf32",
+            consts = dict(BM=16, BN=32, BK=256, AHEAD=ahead, OWN=False, ELEM=2, DOT_F32=False, PRECISION="tf32",
                           MAX_SPIN=MAX_SPIN)
             src = ASTSource(fn=_chain_kernel, signature=sig | dict.fromkeys(consts, "constexpr"), constexprs=consts)
             ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
             assert ("cp.async.bulk.prefetch.L2" in ptx) == (ahead > 0), ahead
+            consts["OWN"] = True
+            src = ASTSource(fn=_chain_kernel, signature=sig | dict.fromkeys(consts, "constexpr"), constexprs=consts)
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+            assert "cp.async.bulk.prefetch.L2" in ptx, "own: a stage's rows asked before they are read"
             assert "atom.global.gpu.acq_rel.add" in ptx, "the arrival orders the stage's stores"
         """
     )
@@ -95,15 +99,15 @@ def test_chain_compiles_for_hopper():
 
 
 @cuda
-@pytest.mark.parametrize("ahead", [0, 1, 3])
+@pytest.mark.parametrize("ahead,own", [(0, False), (0, True), (1, False), (3, True)])
 @pytest.mark.parametrize("block_n", [16, 32])
-def test_chain_on_every_sm(ahead, block_n):
+def test_chain_on_every_sm(ahead, own, block_n):
     """A grid of every SM, most programs with no tile in the small stages; mini-like widths beside the odd ones."""
     shapes = [(4232, 2048), (2048, 1024), *SHAPES[:1], (37, 37)] * 2
     shapes[4] = (4232, 37)  # each K at most the stage before's N
     weights = _weights(shapes, ahead)
     x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(1)).to(DEVICE, DTYPE)
-    chain = GemvChain(weights, 1, block_n=block_n, ahead=ahead)
+    chain = GemvChain(weights, 1, block_n=block_n, ahead=ahead, own=own)
     assert chain.programs == torch.cuda.get_device_properties(0).multi_processor_count
     _run_and_check(chain, weights, x)
     again = [o.clone() for o in chain.outputs]

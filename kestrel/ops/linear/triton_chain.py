@@ -11,7 +11,8 @@ Legend: S stages, M rows (at most 16), stage s a weight W_s [N_s, K_s]; P progra
 rows a tile, BK a K step. Stage 0 reads the chain's input [M, K_0]; stage s > 0 reads the first K_s columns of stage
 s - 1's output (K_s <= N_{s-1}); each stage writes [M, N_s] rounded once from fp32 sums, as `gemv_triton` does.
 
-Every program walks every stage: its tiles t = pid, pid + P, ... of the stage's N_s / BN, then it arrives at the
+Every program walks every stage: its tiles t = pid, pid + P, ... of the stage's N_s / BN (with OWN, first asking L2
+for all their rows at once, so the K loop, one step at a time, reads from L2), then it arrives at the
 stage's counter (release), asks L2 for its tiles of stage s + 1 + AHEAD (a bulk prefetch a weight row, sm_90+;
 weights never depend on the chain), and waits until every program has arrived (acquire) before reading the
 stage's output. The counters are zeroed before each launch (a memset: CUDA graphs replay it); a wait past
@@ -52,8 +53,8 @@ def _prefetch_stage(w, meta, s, pid, nprog, BN: tl.constexpr, ELEM: tl.constexpr
 @triton.jit
 def _chain_kernel(
     w, acts, meta, sync, M, S, nprog,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, AHEAD: tl.constexpr, ELEM: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, MAX_SPIN: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, AHEAD: tl.constexpr, OWN: tl.constexpr,
+    ELEM: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, MAX_SPIN: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     m = tl.arange(0, BM)
@@ -68,6 +69,8 @@ def _chain_kernel(
         out_off = tl.load(meta + s * META + 3)
         N = tl.load(meta + s * META + 4)
         K = tl.load(meta + s * META + 5)
+        if OWN:  # all of this stage's rows asked at once: the K loop below then reads them from L2
+            _prefetch_stage(w, meta, s, pid, nprog, BN, ELEM)
         for t in range(pid, tl.cdiv(N, BN), nprog):
             cols = t * BN + tl.arange(0, BN)
             nmask = cols < N
@@ -102,8 +105,9 @@ class GemvChain:
     """Stages of GEMVs chained (module docstring) over static buffers: fill `input` [M, K_0], call, read `outputs`
     (each stage's [M, N_s], views of one buffer, rewritten by each call). The weights are copied into one flat
     buffer. block_n rows a tile, block_k a K step, ahead the stages whose weights a program asks L2 for past the
-    next one (0: none; CUDA sm_90+ only), programs the grid (None: one a streaming multiprocessor, each must be
-    resident at once; on the CPU one)."""
+    next one (0: none; CUDA sm_90+ only), own whether a program asks L2 for all its rows of a stage before it
+    reads them (as `gemv_triton` does before its PDL wait; CUDA sm_90+ only), programs the grid (None: one a
+    streaming multiprocessor, each must be resident at once; on the CPU one)."""
 
     def __init__(
         self,
@@ -113,6 +117,7 @@ class GemvChain:
         block_n: int = 32,
         block_k: int = 256,
         ahead: int = 2,
+        own: bool = False,
         programs: int | None = None,
         num_warps: int = 4,
         num_stages: int = 4,
@@ -146,7 +151,8 @@ class GemvChain:
         aligned = all(b % 16 == 0 for b in row_bytes)  # bulk prefetches: 16-byte sizes and addresses
         self.consts = dict(
             BM=16, BN=block_n, BK=min(block_k, max(16, triton.next_power_of_2(max(w.shape[1] for w in weights)))),
-            AHEAD=ahead if pdl_on(self.device) and aligned else 0, ELEM=first.element_size(), DOT_F32=dot_f32,
+            AHEAD=ahead if pdl_on(self.device) and aligned else 0, OWN=own and pdl_on(self.device) and aligned,
+            ELEM=first.element_size(), DOT_F32=dot_f32,
             PRECISION="ieee" if dot_f32 else "tf32", MAX_SPIN=MAX_SPIN, num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         if not cuda:
