@@ -861,7 +861,11 @@ def l2_ahead(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
     # the same stages on 64 x 64 weights (8 KB each): what the counters cost a layer with next to no bytes
     n = min(64, K_in)
     tiny = [(torch.randn(n, n, generator=g, device=device) * 0.1).to(dtype) for _ in range(2 * layers)]
-    entry["barriers_only"] = _persistent_chain(tiny, x[:, :n], layers, device, [dict(block_n=16, ahead=0)])
+    grids = [dict(block_n=16, ahead=0)]
+    if device == "cuda":  # the counters' cost as the programs that arrive at each grow
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        grids = [dict(block_n=16, ahead=0, programs=p * sms) for p in (1, 2, 4, 8)]
+    entry["barriers_only"] = _persistent_chain(tiny, x[:, :n], layers, device, grids)
     print(f"l2_ahead barriers only: {entry['barriers_only']}", flush=True)
 
 
@@ -875,17 +879,16 @@ def _persistent_chain(weights: list, x: torch.Tensor, layers: int, device: str, 
     want = gemv_chain_reference(x, weights)[-1].float()
     if configs is None and device == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        # session 54 (H100): with one K step at a time and neither own nor 2 programs an SM, 31-45 us a layer
-        configs = [dict(block_n=bn, ahead=a, programs=sms) for bn in (16, 64) for a in (0, 2)]
+        # session 54 (H100, bench/results/2026-12-05-h100-session54.json): one program an SM, 31-56 us a layer
+        # whatever the tiles, K step, L2 requests (own, ahead) or warps; two an SM 30.2. Neither this kernel's K
+        # loop nor gemv_triton's is pipelined (no cp.async in their sm_90 PTX): the launches keep their loads in
+        # flight with many programs an SM, so the grid is swept here, up to what an SM holds
+        configs = [dict(block_n=16, ahead=0, own=True, programs=p * sms) for p in (1, 2, 4, 8)]
+        configs += [dict(block_n=32, ahead=0, own=True, programs=p * sms) for p in (2, 4)]
         configs += [
-            dict(block_n=bn, block_k=bk, ahead=a, own=True, programs=sms)
-            for bn in (16, 32) for bk in (256, 1024) for a in (0, 2)
-        ]  # fmt: skip
-        configs += [
-            dict(block_n=16, block_k=2048, ahead=a, own=True, num_warps=8, programs=sms) for a in (0, 2)
+            dict(block_n=16, ahead=1, own=True, programs=4 * sms),
+            dict(block_n=16, ahead=0, programs=4 * sms),
         ]
-        configs += [dict(block_n=32, block_k=1024, ahead=0, programs=sms)]  # a longer K step alone
-        configs += [dict(block_n=16, ahead=a, own=True, programs=2 * sms) for a in (0, 2)]
     elif configs is None:
         configs = [dict(block_n=16, ahead=0)]
     rows = []
