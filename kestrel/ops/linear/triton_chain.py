@@ -1,6 +1,6 @@
-"""A chain of dependent GEMVs in one persistent launch: issue 4's experiment towards a batch-1 megakernel. Not
-on the model's path: `scripts/decode_kernels_check.py --sections l2_ahead` times it against the GEMV launches the
-decode step runs (`kestrel.ops.linear.triton_gemv`).
+"""A chain of dependent GEMVs in one persistent launch: issue 4's experiment towards a batch-1 megakernel, slower
+than the launches it would replace (measured below). Not on the model's path: `scripts/decode_kernels_check.py
+--sections l2_ahead` times it against the GEMV launches the decode step runs (`kestrel.ops.linear.triton_gemv`).
 
 Why: at batch 1 mini's decode step is bound by each kernel's latency, not by its bytes (bench/results/HISTORY.md,
 session 52's account: the attention projections' 48 GEMV launches take 11.15 us a layer against 5.04 of weights
@@ -18,6 +18,17 @@ weights never depend on the chain), and waits until every program has arrived (a
 stage's output. The counters are zeroed before each launch (a memset: CUDA graphs replay it); a wait past
 MAX_SPIN polls (a grid not all resident) gives up and raises the flag `gave_up` reads. Triton's CPU interpreter
 runs a program to its end before the next starts, so on the CPU the chain runs with one program.
+
+Measured (session 54, H100, bench/results/2026-12-05-h100-session54.json; us a layer, the launches and the floor in
+the same runs): floor 7.13, the 48 GEMV launches 12.8-12.9 (weights in L2: 10.3-10.4); this chain at best 23.4 (16
+rows a tile, 4 programs an SM, no L2 requests), one program an SM 31-56 whatever the tile, K step, warps or L2
+requests, and the L2 requests (own, ahead) slower in every grid (4 programs an SM: 29.5 with own). The same 48
+stages on 8 KB weights cost 4.9 a layer at 1, 2 and 4 programs an SM: 2.45 us a dependent stage (an arrival, the
+polls and the next stage's first reads, a few L2 round trips), against the ~2.9 us a GEMV launch adds to its bytes
+(12.85 / 2 - 3.56). So even with its GEMVs at their bytes' time a chain of counters would save at most ~1 us a
+layer: a persistent kernel only pays off by putting more work between its waits, not by replacing each launch
+with a wait. Neither this K loop nor `gemv_triton`'s is software-pipelined by Triton (no cp.async in their sm_90
+PTX); the launches keep loads in flight with many programs an SM.
 
 The weights live in one flat buffer (`GemvChain` packs them; a megakernel would pack a model's at load), the
 activations in another, each stage's place in a table of offsets (`meta`), so one launch addresses any number of
