@@ -879,7 +879,7 @@ def _persistent_chain(weights: list, x: torch.Tensor, layers: int, device: str, 
     want = gemv_chain_reference(x, weights)[-1].float()
     if configs is None and device == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        # session 54 (H100, bench/results/2026-12-05-h100-session54.json): one program an SM, 31-56 us a layer
+        # session 54 (H100, bench/results/2026-12-05-h100-session54.json): one program an SM, 31-63 us a layer
         # whatever the tiles, K step, L2 requests (own, ahead) or warps; two an SM 30.2. Neither this kernel's K
         # loop nor gemv_triton's is pipelined (no cp.async in their sm_90 PTX): the launches keep their loads in
         # flight with many programs an SM, so the grid is swept here, up to what an SM holds

@@ -21,7 +21,7 @@ runs a program to its end before the next starts, so on the CPU the chain runs w
 
 Measured (session 54, H100, bench/results/2026-12-05-h100-session54.json; us a layer, the launches and the floor in
 the same runs): floor 7.13, the 48 GEMV launches 12.8-12.9 (weights in L2: 10.3-10.4); this chain at best 23.4 (16
-rows a tile, 4 programs an SM, no L2 requests), one program an SM 31-56 whatever the tile, K step, warps or L2
+rows a tile, 4 programs an SM, no L2 requests), one program an SM 31-63 whatever the tile, K step, warps or L2
 requests, and the L2 requests (own, ahead) slower in every grid (4 programs an SM: 29.5 with own). The same 48
 stages on 8 KB weights cost 4.9 a layer at 1, 2 and 4 programs an SM: 2.45 us a dependent stage (an arrival, the
 polls and the next stage's first reads, a few L2 round trips), against the ~2.9 us a GEMV launch adds to its bytes
@@ -127,7 +127,7 @@ class GemvChain:
         *,
         block_n: int = 32,
         block_k: int = 256,
-        ahead: int = 2,
+        ahead: int = 0,
         own: bool = False,
         programs: int | None = None,
         num_warps: int = 4,
