@@ -67,21 +67,25 @@ def process_logits(
     """fp32 logits [B, V] -> probabilities [B, V] after temperature, top-k, top-p and min-p, per row.
 
     temperature [B] > 0 (greedy rows are the caller's business: give them 1.0); top_k [B] int (0 = off);
-    top_p [B] (1 = off); min_p [B] (0 = off). Ties at the top-k / top-p cut keep every tied token.
+    top_p [B] (1 = off); min_p [B] (0 = off). Ties at the top-k / top-p cut keep every tied token; each row keeps
+    at least its most likely token. The cuts compare logits, not probabilities: a softmax of the sorted logits
+    sums in another order than one of the unsorted, and compared with each other the last kept token could fall
+    below its own cut (a row with one token kept then had none, and sampled token 0). A +inf logit (a repetition
+    penalty near 0 divides by it) counts as the largest finite one, a NaN as -inf.
     """
     x = logits.float() / temperature[:, None]
+    x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
     V = x.shape[-1]
     sorted_x, _ = x.sort(dim=-1, descending=True)  # [B, V]
     k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))  # [B]
     kth = sorted_x.gather(1, (k - 1).long()[:, None])  # [B, 1]
-    x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    sorted_p = torch.softmax(sorted_x.masked_fill(sorted_x < kth, float("-inf")), dim=-1)  # [B, V] descending
+    sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+    sorted_p = torch.softmax(sorted_x, dim=-1)  # [B, V] descending
     before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each sorted entry
     keep_sorted = before < top_p[:, None]  # the smallest prefix whose mass reaches top_p
     n_keep = keep_sorted.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
-    cut = sorted_p.gather(1, n_keep - 1)  # [B, 1] probability of the last kept entry
-    probs = probs.masked_fill(probs < cut, 0.0)
+    cut = torch.maximum(sorted_x.gather(1, n_keep - 1), kth)  # [B, 1] the logit of the last kept entry
+    probs = torch.softmax(x.masked_fill(x < cut, float("-inf")), dim=-1)
     probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs / probs.sum(-1, keepdim=True)
 
