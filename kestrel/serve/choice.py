@@ -29,6 +29,7 @@ class ChoiceState:
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.text_offsets: list[int] = []  # where each token's text starts in `text`
+        self.decoded = len(prefix)  # the text decoded so far, stop-string tails held back or not
         self.finished = False
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -39,14 +40,16 @@ class ChoiceState:
         """Take one output; returns the text it adds."""
         if self.finished:  # ended here first; the engine's last words for it are not shown
             return ""
-        offset = len(self.text)
         self.token_ids += out.new_token_ids
-        self.text_offsets += [offset] * len(out.new_token_ids)
         self.logprobs += out.new_logprobs or []
         if out.new_token_ids:
             self.first_token_time = self.first_token_time or time.monotonic()
             self.last_token_time = time.monotonic()
-        piece = self.detokenizer.add(out.new_token_ids)
+        piece = ""
+        for token in out.new_token_ids:  # one at a time: each token's own offset
+            self.text_offsets.append(self.decoded)
+            text = self.detokenizer.add([token])
+            piece, self.decoded = piece + text, self.decoded + len(text)
         if out.finished:
             piece += self.detokenizer.flush()
         stopped = False
