@@ -410,12 +410,14 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Cuts streamed text at the first stop string, holding back any tail that may begin one."""
+    """Cuts streamed text at the first stop string (after it with `include`), holding back any tail that may
+    begin one."""
 
-    def __init__(self, stop_strings: list[str]):
+    def __init__(self, stop_strings: list[str], include: bool = False):
         if any(not s for s in stop_strings):
             raise ValueError("stop strings must be non-empty")
         self.stop_strings = list(stop_strings)
+        self.include = include
         self.stopped = False
         self._held = ""
 
@@ -424,10 +426,11 @@ class StopStringMatcher:
         if self.stopped:
             return "", True
         text = self._held + new_text
-        hits = [i for i in (text.find(s) for s in self.stop_strings) if i >= 0]
+        hits = [(i, -len(s)) for i, s in ((text.find(s), s) for s in self.stop_strings) if i >= 0]
         if hits:
             self.stopped, self._held = True, ""
-            return text[: min(hits)], True
+            at, minus_len = min(hits)  # the first to start; of those starting there, the longest
+            return text[: at - minus_len if self.include else at], True
         keep = max((self._partial_match(text, s) for s in self.stop_strings), default=0)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], False

@@ -13,6 +13,7 @@ from kestrel.engine.engine import Engine
 from kestrel.engine.outputs import CompletionOutput, RequestOutput
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.presets import builtin_model
+from kestrel.tokenizer import StopStringMatcher
 
 _SGLANG_NAMES = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop_token_ids"}
 
@@ -102,9 +103,14 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _completion(self, index, ids, lps, out, p: SamplingParams) -> CompletionOutput:
-        text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+        """The finished choice: its text without its stop string or stop token's text (unless
+        include_stop_str_in_output), its ids with the stop token (as vLLM's)."""
+        shown = ids[:-1] if out.stopped_by_token and not p.include_stop_str_in_output else ids
+        text = self.tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)
         if isinstance(out.stop_reason, str):
-            text = truncate_at_stop(text, p.stop, p.include_stop_str_in_output)
+            matcher = StopStringMatcher(p.stop, p.include_stop_str_in_output)
+            text, stopped = matcher.feed(text)
+            text += "" if stopped else matcher.flush()
         return CompletionOutput(
             index, text, ids, out.finish_reason, out.stop_reason, lps if p.logprobs is not None else None
         )
@@ -140,12 +146,3 @@ def _normalize_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
         else:
             raise ValueError(f"cannot read prompt {p!r}")
     return items
-
-
-def truncate_at_stop(text: str, stops: list[str], include: bool) -> str:
-    """Cut `text` at the earliest stop string (keeping the stop string itself when `include`)."""
-    hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
-    if not hits:
-        return text
-    i, s = min(hits)
-    return text[: i + (len(s) if include else 0)]

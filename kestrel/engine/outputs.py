@@ -27,6 +27,11 @@ class StepOutput:
     num_prompt_tokens: int
     num_output_tokens: int
 
+    @property
+    def stopped_by_token(self) -> bool:
+        """Whether this ends its request at a stop token (EOS, or one of stop_token_ids): its last token."""
+        return self.finished and self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
+
 
 @dataclass
 class CompletionOutput:

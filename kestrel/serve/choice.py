@@ -23,7 +23,10 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 class ChoiceState:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams, prefix: str = ""):
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
-        self.matcher = StopStringMatcher(params.stop) if params.stop else None
+        self.matcher = (
+            StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
+        )
+        self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self.text = prefix  # what the client has been sent (echo puts the prompt first)
         self.token_ids: list[int] = []
@@ -46,10 +49,13 @@ class ChoiceState:
             self.first_token_time = self.first_token_time or time.monotonic()
             self.last_token_time = time.monotonic()
         piece = ""
-        for token in out.new_token_ids:  # one at a time: each token's own offset
+        # a stop token's text (EOS or one of stop_token_ids) is not shown, as in vLLM, unless asked for
+        shown = len(out.new_token_ids) - (out.stopped_by_token and not self.include_stop)
+        for token in out.new_token_ids[:shown]:  # one at a time: each token's own offset
             self.text_offsets.append(self.decoded)
             text = self.detokenizer.add([token])
             piece, self.decoded = piece + text, self.decoded + len(text)
+        self.text_offsets += [self.decoded] * (len(out.new_token_ids) - shown)
         if out.finished:
             piece += self.detokenizer.flush()
         stopped = False

@@ -57,6 +57,7 @@ class _SamplingFields(_Strict):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None  # the stop string, or stop token's text, kept at the end
     skip_special_tokens: bool | None = None
     # OpenAI fields this server does not implement: refused unless given their neutral value
     logit_bias: Any = None
@@ -78,6 +79,7 @@ class _SamplingFields(_Strict):
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
             "seed": self.seed,
             "skip_special_tokens": self.skip_special_tokens,
         }
@@ -211,6 +213,7 @@ class NativeSamplingParams(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     n: int | None = None
     seed: int | None = None

@@ -43,3 +43,17 @@ def test_chat_refuses_what_is_not_a_conversation(llm, messages):
     with pytest.raises(ValueError, match=r"chat takes a conversation.*generate\(\)"):
         llm.chat(messages, GREEDY, use_tqdm=False)
     assert not llm.engine.requests
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(llm, include):
+    """As vLLM: the ids end with the stop token, the text without it (with include_stop_str_in_output, with it)."""
+    free = llm.generate("abc", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    ids = free[0].outputs[0].token_ids
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])  # the first time this token comes
+    params = SamplingParams(
+        temperature=0, max_tokens=8, stop_token_ids=[ids[k]], include_stop_str_in_output=include
+    )
+    (out,) = llm.generate("abc", params, use_tqdm=False)[0].outputs
+    assert out.token_ids == ids[: k + 1] and out.finish_reason == "stop" and out.stop_reason == ids[k]
+    assert out.text == llm.tokenizer.decode(ids[: k + 1 if include else k])

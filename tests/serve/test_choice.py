@@ -9,8 +9,8 @@ from kestrel.serve.choice import ChoiceState
 from kestrel.tokenizer import ByteTokenizer
 
 
-def _out(ids: list[int], finished: bool = False) -> StepOutput:
-    return StepOutput("r", ids, None, finished, "length" if finished else None, None, 1, 0)
+def _out(ids: list[int], finished: bool = False, reason: str = "length", stop=None) -> StepOutput:
+    return StepOutput("r", ids, None, finished, reason if finished else None, stop, 1, 0)
 
 
 @pytest.mark.parametrize("per_step", [1, 3])
@@ -28,3 +28,21 @@ def test_text_offsets_point_at_each_token_behind_held_back_text(per_step, prefix
     for i, offset in enumerate(choice.text_offsets):
         before = tok.decode(ids[:i]).rstrip("\ufffd")
         assert offset == len(prefix) + len(before), (i, choice.text_offsets)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_and_stop_string_shown_only_when_asked_for(include):
+    tok = ByteTokenizer()
+    ids = tok.encode("x = 12;")
+    params = SamplingParams(stop_token_ids=[ids[-1]], include_stop_str_in_output=include, max_tokens=64)
+    choice = ChoiceState(tok, [0], params)
+    choice.update(_out(ids[:3]))
+    choice.update(_out(ids[3:], finished=True, reason="stop", stop=ids[-1]))
+    assert choice.text == ("x = 12;" if include else "x = 12") and choice.token_ids == ids
+    assert choice.text_offsets == list(range(len(ids)))
+    # a stop string: cut before it, or after it with include
+    params = SamplingParams(stop=["12", "zz"], include_stop_str_in_output=include, max_tokens=64)
+    choice = ChoiceState(tok, [0], params)
+    for i in range(len(ids)):
+        choice.update(_out(ids[i : i + 1]))
+    assert choice.finish_reason == "stop" and choice.text == ("x = 12" if include else "x = ")
