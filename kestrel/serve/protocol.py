@@ -30,6 +30,10 @@ class ChatMessage(_Strict):
     # "developer" is OpenAI's newer name for "system" and is rendered as one.
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart] | None = None
+    name: str | None = (
+        None  # OpenAI's participant name: accepted, not rendered (the chat template has no place)
+    )
+    tool_calls: list[Any] | None = None  # accepted empty, as SDKs send it; tools are not implemented
 
 
 class StreamOptions(_Strict):
@@ -121,6 +125,9 @@ class ChatCompletionRequest(_SamplingFields):
         _refuse_unsupported(self, _NEUTRAL_CHAT)
         if not self.messages:
             raise bad_request("messages must not be empty", param="messages")
+        for i, m in enumerate(self.messages):
+            if m.tool_calls:
+                raise bad_request("tool calls are not supported", param=f"messages[{i}].tool_calls")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
         if (

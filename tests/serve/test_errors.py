@@ -83,6 +83,13 @@ CHAT_CASES = {
         "tools",
         "unsupported_parameter",
     ),
+    "an assistant turn's tool calls": (
+        _chat(
+            messages=[*USER, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}, *USER]
+        ),
+        "messages[1].tool_calls",
+        None,
+    ),
     "json response_format": (_chat(response_format={"type": "json_object"}), "response_format", None),
     "logit_bias": (_chat(logit_bias={"65": 10}), "logit_bias", "unsupported_parameter"),
     # values past what the device takes: each once passed validation and failed the engine's step, and with it

@@ -42,6 +42,17 @@ def test_chat_accepts_text_parts_and_max_completion_tokens(client):
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
 
+def test_chat_accepts_names_and_empty_tool_calls(client):
+    """What SDKs and agent frameworks send along: a participant's name, an assistant turn's empty tool_calls."""
+    plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, *CHAT]
+    sent = [{**plain[0], "name": "bob"}, {**plain[1], "tool_calls": []}, plain[2]]
+    got = [
+        client.chat.completions.create(model=MODEL, messages=m, max_tokens=4, **GREEDY) for m in (plain, sent)
+    ]
+    assert got[0].choices[0].message.content == got[1].choices[0].message.content
+    assert got[0].usage.prompt_tokens == got[1].usage.prompt_tokens
+
+
 def test_completion_single_and_batched_prompts(client):
     r = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, **GREEDY)
     assert r.object == "text_completion" and r.id.startswith("cmpl-")
