@@ -89,6 +89,7 @@ class AsyncEngine:
         self._groups: dict[str, RequestGroup] = {}  # request id -> its group, until its final output
         self._num_pending_adds = 0  # adds not yet handed to the engine
         self._num_waiting = 0  # the engine's waiting queue, as of the last command drain or step
+        self._num_running = 0  # its running requests, as of the same
         self._stopping = False
         self._stats = engine.stats()  # replaced (never mutated) by the engine thread after each step
         self._thread = threading.Thread(target=self._run, name="kestrel-engine", daemon=True)
@@ -127,8 +128,11 @@ class AsyncEngine:
         with self._cond:
             if self.error is not None or self._stopping:
                 raise EngineDead(self._dead_message())
-            queued = self._num_waiting + self._num_pending_adds
-            if queued + len(requests) > self.max_queued:
+            # those beyond what the engine's free slots take at its next step wait: at most max_queued of them
+            free = max(0, self.engine.config.max_running_requests - self._num_running)
+            ahead = self._num_waiting + self._num_pending_adds
+            queued = max(0, ahead - free)
+            if ahead + len(requests) - free > self.max_queued:
                 raise Overloaded(
                     f"the server is overloaded: {queued} requests are waiting (at most {self.max_queued}); "
                     "retry later"
@@ -203,11 +207,12 @@ class AsyncEngine:
                     commands, self._commands = self._commands, []
                     for command in commands:
                         self._apply(command)
-                    self._num_waiting = engine.stats()["num_waiting"]
+                    drained = engine.stats()
+                    self._num_waiting, self._num_running = drained["num_waiting"], drained["num_running"]
                 outputs = engine.step() if engine.has_unfinished() else []
                 stats = engine.stats()
                 with self._cond:
-                    self._num_waiting = stats["num_waiting"]
+                    self._num_waiting, self._num_running = stats["num_waiting"], stats["num_running"]
                     self._stats = stats
                     deliveries = self._route(outputs)
                 self._deliver(deliveries)

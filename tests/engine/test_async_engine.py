@@ -109,14 +109,16 @@ def test_overload_is_refused_before_queueing(model):
     engine.step = held_step
 
     async def main(ae):
+        # before any step: the first takes the free slot, the second the one place in the queue
         first = ae.submit([([1, 2, 3], GREEDY)])
-        with pytest.raises(Overloaded, match="overloaded"):
-            ae.submit([([4, 5, 6], GREEDY)])
+        second = ae.submit([([4, 5, 6], GREEDY)])
+        with pytest.raises(Overloaded, match="overloaded: 1 requests are waiting"):
+            ae.submit([([7, 8, 9], GREEDY)])
         gate.set()
-        outs = [o async for _, o in first]
-        assert outs[-1].finished
-        second = ae.submit([([4, 5, 6], GREEDY)])  # room again
-        assert [o async for _, o in second][-1].finish_reason == "length"
+        for group in (first, second):
+            assert [o async for _, o in group][-1].finish_reason == "length"
+        third = ae.submit([([7, 8, 9], GREEDY)])  # room again
+        assert [o async for _, o in third][-1].finish_reason == "length"
 
     with running(engine, max_queued=1) as ae:
         asyncio.run(main(ae))
