@@ -39,7 +39,7 @@ from kestrel.train.flops import flops_per_token
 from kestrel.train.objective import family_loss_sums, loss_weight_total
 from kestrel.train.optim import clipped_step
 from kestrel.utils.device import resolve_device, to_host_async
-from kestrel.utils.errors import CheckpointError
+from kestrel.utils.errors import CheckpointError, TrainingDiverged
 
 STATE_FILE = "trainer_state.pt"
 
@@ -263,6 +263,13 @@ class Trainer:
             loss=lm, indexer_kl=kl, max_expert_load=imbalance, loss_by_family=by_family, seconds=clock()
         )
         self.history.append(record)
+        if not math.isfinite(lm):
+            raise TrainingDiverged(
+                f"step {record['step']}: the loss is {lm} (the steps before it: "
+                f"{[round(r['loss'], 4) for r in self.history[-4:-1]]}); the run stops here and its last "
+                f"checkpoint in {self.out / 'checkpoint'} is kept. A lower --lr (this run's peak: {self.cfg.lr:g}) "
+                "or more warmup steps may help"
+            )
 
     def train_step(self, batch, lr: float | None = None) -> tuple[float, float, float]:
         """One optimizer step on `batch` (or a list of batches, their gradients summed): (LM loss, indexer KL,
@@ -330,6 +337,12 @@ class Trainer:
     def save(self) -> Path:
         """HF checkpoint (bf16, what the engine loads) + tokenizer + trainer state (fp32 master, optimizer)."""
         ckpt = self.out / "checkpoint"
+        bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:  # never over a good checkpoint
+            raise TrainingDiverged(
+                f"step {self.step}: {len(bad)} weight tensors hold NaN or infinite values ({bad[0]}, ...); "
+                f"not saved, the last checkpoint in {ckpt} is kept"
+            )
         # shards of at most 15 MiB: small enough to move between machines file by file
         save_checkpoint(self.model, ckpt, dtype=torch.bfloat16, max_shard_bytes=15 * 2**20)
         for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):

@@ -11,3 +11,7 @@ class ConfigError(KestrelError):
 
 class CheckpointError(KestrelError):
     """A checkpoint folder or file is missing, malformed, or does not match the model."""
+
+
+class TrainingDiverged(KestrelError):
+    """A training step's loss or the weights became NaN or infinite: the run stops, its last checkpoint kept."""

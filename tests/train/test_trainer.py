@@ -13,7 +13,7 @@ from kestrel.engine.engine import Engine
 from kestrel.tokenizer import save_byte_tokenizer
 from kestrel.train.objective import family_loss_sums, masked_loss
 from kestrel.train.trainer import STATE_FILE, Trainer, lr_at, plot_loss, update_expert_biases
-from kestrel.utils.errors import CheckpointError, ConfigError
+from kestrel.utils.errors import CheckpointError, ConfigError, TrainingDiverged
 
 
 @pytest.fixture(scope="module")
@@ -388,3 +388,21 @@ def test_attention_pairs_by_document():
     assert flops_per_token(model, 512) - flops_per_token(model, 256) == pytest.approx(
         per_pair * (512 - 256) / 2
     )
+
+
+def test_a_diverged_run_stops_and_keeps_its_last_checkpoint(tmp_path, byte_tok):
+    """A learning rate that blows the loss up to NaN: one clear error, and the good checkpoint is not overwritten."""
+    Trainer(_cfg(tmp_path / "r", byte_tok, steps=2)).train()
+    ckpt = tmp_path / "r" / "checkpoint"
+    saved = {p.name: p.read_bytes() for p in sorted(ckpt.iterdir())}
+    state = (tmp_path / "r" / STATE_FILE).read_bytes()
+    blown = Trainer(_cfg(tmp_path / "r", byte_tok, steps=8, lr=1e10, warmup_steps=0))
+    with pytest.raises(TrainingDiverged, match=r"NaN|nan|inf"):
+        blown.train()
+    assert {p.name: p.read_bytes() for p in sorted(ckpt.iterdir())} == saved
+    assert (tmp_path / "r" / STATE_FILE).read_bytes() == state
+    with torch.no_grad():  # a save of weights gone NaN is refused as well, whatever the loss said
+        next(blown.model.parameters()).fill_(float("nan"))
+    with pytest.raises(TrainingDiverged, match="not saved"):
+        blown.save()
+    assert {p.name: p.read_bytes() for p in sorted(ckpt.iterdir())} == saved
