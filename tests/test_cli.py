@@ -132,6 +132,19 @@ def test_init_random_kimi_linear_format(tmp_path, capsys):
     assert model.config.layer_pattern == "LLALLA" and model.lm_head.weight.dtype == torch.bfloat16
 
 
+def test_init_random_keeps_a_checkpoint_unless_told(tmp_path, capsys):
+    assert run(capsys, "init-random", "--preset", "tiny", "--out", str(tmp_path))[0] == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    code, _, err = run(capsys, "init-random", "--preset", "tiny", "--out", str(tmp_path), "--seed", "1")
+    assert (
+        code != 0 and "already holds a checkpoint" in err and "--overwrite" in err and "Traceback" not in err
+    )
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    args = ["init-random", "--preset", "tiny", "--out", str(tmp_path), "--seed", "1", "--overwrite"]
+    assert run(capsys, *args)[0] == 0
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} != before
+
+
 def test_init_random_conditioned(tmp_path, capsys):
     """--init conditioned writes the conditioned scheme's weights (those of build_model with the same seed)."""
     code, _, err = run(
@@ -246,6 +259,9 @@ def test_unknown_model_or_preset_name(capsys, tmp_path):
     assert_one_line_error(code, err, 1, "'huge'", "tiny")
     code, _, err = run(capsys, "init-random", "--preset", "huge", "--out", str(tmp_path / "m"))
     assert_one_line_error(code, err, 1, "unknown preset 'huge'")
+    assert not (tmp_path / "m").exists()
+    code, _, err = run(capsys, "init-random", "--preset", "demo", "--out", str(tmp_path / "m"))
+    assert_one_line_error(code, err, 1, "--preset demo", "kestrel train --model demo")
     assert not (tmp_path / "m").exists()
 
 

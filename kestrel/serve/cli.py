@@ -142,8 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     r = sub.add_parser("init-random", help="write a random-weight checkpoint of a preset in HF format")
-    r.add_argument("--preset", required=True, help="tiny | mini")
-    r.add_argument("--out", required=True, type=Path, help="output folder")
+    r.add_argument(
+        "--preset",
+        required=True,
+        help="tiny | mini (the demo presets train with their own tokenizer: `kestrel train`)",
+    )
+    r.add_argument(
+        "--out", required=True, type=Path, help="output folder (one holding a checkpoint: --overwrite)"
+    )
+    r.add_argument("--overwrite", action="store_true", help="replace the checkpoint already in --out")
     r.add_argument(
         "--format",
         default="kimi_k3",

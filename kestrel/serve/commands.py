@@ -102,6 +102,11 @@ def cmd_init_random(args) -> int:
     from kestrel.tokenizer import save_byte_tokenizer
 
     hf = preset_hf_config(args.preset, args.format)
+    if args.preset not in ("tiny", "mini"):  # a byte tokenizer is written beside the weights
+        raise KestrelError(
+            f"--preset {args.preset}: init-random writes tiny or mini (with a byte tokenizer); the demo presets "
+            "need their BPE tokenizer: `kestrel train --model " + args.preset + "` builds one"
+        )
     config = ModelConfig.from_dict(hf)
     if args.mxfp4:
         if args.format != "kimi_k3":
@@ -109,6 +114,12 @@ def cmd_init_random(args) -> int:
         config = config.replace(experts_mxfp4=True)
     if args.out.exists() and not args.out.is_dir():
         raise KestrelError(f"--out {args.out}: exists and is not a folder")
+    held = [p.name for p in args.out.glob("*") if p.name == "config.json" or p.suffix == ".safetensors"]
+    if held and not args.overwrite:
+        raise KestrelError(
+            f"--out {args.out} already holds a checkpoint ({', '.join(sorted(held)[:3])}); give --overwrite to "
+            "replace it, or another folder"
+        )
     model = init_random_weights(
         KimiForCausalLM(config, getattr(torch, args.dtype)), args.seed, scheme=args.init
     )
