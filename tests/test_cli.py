@@ -434,6 +434,24 @@ def test_a_kv_cache_past_memory_is_one_line(capsys, monkeypatch):
     assert_one_line_error(code, err, 1, "the memory plan does not fit the CPU memory", "--kv-cache-gb")
 
 
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--kv-cache-gb", "1e12"),  # a size past what torch can even compute
+        ("--max-running-requests", "100000000000000000"),
+        ("--num-checkpoints", "1000000000"),
+        ("--hicache-host-gb", "100000"),
+        ("--hicache-host-gb", "1e15"),
+    ],
+)
+def test_every_pool_past_memory_is_one_line_naming_its_flag(capsys, monkeypatch, flag, value):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    code, _, err = run(capsys, "chat", "--model", "tiny", flag, value)
+    assert_one_line_error(code, err, 1, "the memory plan does not fit the CPU memory", flag)
+
+
 def test_eval_out_is_checked_before_the_run(capsys, tmp_path):
     """`kestrel eval --out` that cannot be written stops at once, naming it (it failed after the whole run)."""
     (tmp_path / "taken").mkdir()

@@ -17,6 +17,7 @@ without the overlap (one that a length limit frees is known ahead, and the plain
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -72,6 +73,26 @@ class InFlight:
 
 
 class Engine:
+    @contextlib.contextmanager
+    def _allocating(self, smaller: str):
+        """Buffers of the memory plan allocated: one that does not fit (or whose size overflows) is a ConfigError
+        naming the options that shrink it, not a traceback."""
+        try:
+            yield
+        except (
+            RuntimeError,
+            MemoryError,
+            TypeError,
+            OverflowError,
+        ) as e:  # OutOfMemoryError is a RuntimeError
+            text = str(e).lower()
+            if not any(w in text for w in ("alloc", "overflow")) and not isinstance(e, MemoryError):
+                raise
+            raise ConfigError(
+                f"the memory plan does not fit the {self.device.type.upper()} memory ({self.plan.describe()}): "
+                f"a smaller {smaller}"
+            ) from None
+
     def __init__(
         self, config: EngineConfig, model: KimiForCausalLM | None = None, tokenizer: Tokenizer | None = None
     ):
@@ -85,32 +106,27 @@ class Engine:
         mc = self.model.config
         self.plan = plan_memory(mc, config, dtype, self.device)
         log.info(self.plan.describe())
-        try:
+        with self._allocating("--kv-cache-gb, --mem-fraction or --max-running-requests"):
             self.kv_pool = KVPool(
                 mc, self.plan.num_pages, config.page_size, dtype, self.device, config.index_key_dtype == "fp8"
             )
             self.state_pool = StatePool(mc, self.plan.num_slots, dtype, self.device)
-        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            if "alloc" not in str(e).lower() and not isinstance(e, (MemoryError, torch.OutOfMemoryError)):
-                raise
-            raise ConfigError(
-                f"the memory plan does not fit the {self.device.type.upper()} memory ({self.plan.describe()}): "
-                "a smaller --kv-cache-gb, --mem-fraction or --max-running-requests"
-            ) from None
         self.cache, self.checkpoints = None, None
         if config.enable_prefix_cache:
-            self.checkpoint_pool = StatePool(
-                mc, self.plan.num_checkpoints, dtype, self.device, zero_on_alloc=False
-            )
+            with self._allocating("--num-checkpoints"):
+                self.checkpoint_pool = StatePool(
+                    mc, self.plan.num_checkpoints, dtype, self.device, zero_on_alloc=False
+                )
             tiers = None
             if config.hicache_host_bytes:
-                tiers = HiCache(
-                    self.kv_pool,
-                    self.checkpoint_pool,
-                    config.hicache_host_bytes,
-                    config.hicache_disk_dir,
-                    config.hicache_disk_bytes,
-                )
+                with self._allocating("--hicache-host-gb"):
+                    tiers = HiCache(
+                        self.kv_pool,
+                        self.checkpoint_pool,
+                        config.hicache_host_bytes,
+                        config.hicache_disk_dir,
+                        config.hicache_disk_bytes,
+                    )
                 log.info(
                     "hicache: %d host blocks of %d B%s",
                     tiers.host.num_blocks,
