@@ -9,7 +9,7 @@ import os
 import re
 from abc import ABC, abstractmethod
 
-from kestrel.utils.errors import CheckpointError
+from kestrel.utils.errors import ChatTemplateError, CheckpointError
 
 BYTE_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")  # ids 256..260
 BYTE_CHAT_TEMPLATE = (
@@ -223,7 +223,7 @@ class HFTokenizer(Tokenizer):
                 eos_token=self.eos_token or "",
             )
         except TemplateError as e:
-            raise ValueError(f"chat template error: {e}") from None
+            raise ChatTemplateError(f"chat template error: {e}") from None
 
 
 def _read_json(file: str) -> dict:

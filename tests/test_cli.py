@@ -175,6 +175,7 @@ def test_init_random_mxfp4_on_tiny_is_refused(tmp_path, capsys):
         (["--max-new-tokens", "abc"], ["--max-new-tokens", "abc"]),
         (["--temperature", "-1"], ["--temperature"]),
         (["--temperature", "hot"], ["--temperature", "hot"]),
+        (["--temperature", "inf"], ["--temperature", "finite"]),
         (["--top-p", "2"], ["--top-p"]),
         (["--top-p", "-0.5"], ["--top-p"]),
         (["--top-p", "0"], ["--top-p", "(0, 1]"]),
@@ -190,6 +191,7 @@ def test_init_random_mxfp4_on_tiny_is_refused(tmp_path, capsys):
         "tokens-abc",
         "temp-neg",
         "temp-str",
+        "temp-inf",
         "top-p-2",
         "top-p-neg",
         "top-p-0",
@@ -462,3 +464,12 @@ def test_eval_out_is_checked_before_the_run(capsys, tmp_path):
         code, stdout, err = run(capsys, "eval", "--model", "tiny", "--out", str(out))
         assert_one_line_error(code, err, 1, *words)
         assert stdout == ""
+
+
+def test_a_chat_template_that_refuses_is_one_line(broken, capsys):
+    """Hugging Face templates raise on conversations they do not take (raise_exception): one line, no traceback."""
+    config = json.loads((broken / "tokenizer_config.json").read_text())
+    config["chat_template"] = '{{ raise_exception("roles must alternate") }}'
+    (broken / "tokenizer_config.json").write_text(json.dumps(config))
+    code, _, err = run(capsys, "generate", "--model", str(broken), "--chat", "--prompt", "hi")
+    assert_one_line_error(code, err, 1, "chat template error", "roles must alternate")

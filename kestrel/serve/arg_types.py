@@ -50,14 +50,14 @@ def non_negative_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {value}")
     return value
 
 
 def positive_float(text: str) -> float:
     value = non_negative_float(text)
-    if value == 0 or value == float("inf"):
+    if value == 0:
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
     return value
 

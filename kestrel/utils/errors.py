@@ -15,3 +15,8 @@ class CheckpointError(KestrelError):
 
 class TrainingDiverged(KestrelError):
     """A training step's loss or the weights became NaN or infinite: the run stops, its last checkpoint kept."""
+
+
+class ChatTemplateError(KestrelError, ValueError):
+    """A checkpoint's chat template refused the messages (raise_exception, or a template error): the CLI's one
+    line, the server's 400 (a ValueError, as the request's other faults)."""
