@@ -9,7 +9,7 @@ import os
 import re
 from abc import ABC, abstractmethod
 
-from kestrel.utils.errors import ChatTemplateError, CheckpointError
+from kestrel.utils.errors import ChatTemplateError, CheckpointError, ConfigError
 
 BYTE_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")  # ids 256..260
 BYTE_CHAT_TEMPLATE = (
@@ -447,3 +447,13 @@ class StopStringMatcher:
             if text.endswith(stop[:k]):
                 return k
         return 0
+
+
+def check_tokenizer_fits(tokenizer: Tokenizer, vocab_size: int) -> None:
+    """A ConfigError where the tokenizer has ids past the model's vocabulary (its prompts would fail at the first
+    request: most likely another model's tokenizer)."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary only {vocab_size}: "
+            "a tokenizer of another model? (--tokenizer)"
+        )

@@ -473,3 +473,17 @@ def test_a_chat_template_that_refuses_is_one_line(broken, capsys):
     (broken / "tokenizer_config.json").write_text(json.dumps(config))
     code, _, err = run(capsys, "generate", "--model", str(broken), "--chat", "--prompt", "hi")
     assert_one_line_error(code, err, 1, "chat template error", "roles must alternate")
+
+
+def test_another_models_tokenizer_is_one_line_before_any_prompt(capsys, monkeypatch):
+    """The shipped model's BPE tokenizer (4468 ids) beside tiny (261): refused when the engine starts, not at the
+    first prompt."""
+    import io
+
+    from kestrel.presets import shipped_model_dir
+
+    if shipped_model_dir() is None:
+        pytest.skip("no shipped model in this tree")
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    code, _, err = run(capsys, "chat", "--model", "tiny", "--tokenizer", str(shipped_model_dir()))
+    assert_one_line_error(code, err, 1, "the tokenizer has", "only 261", "--tokenizer")

@@ -43,7 +43,7 @@ from kestrel.env import check_env
 from kestrel.layers.mla import dsa_topks, set_dense_attention
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
-from kestrel.tokenizer import IncrementalDetokenizer, Tokenizer, tokenizer_for
+from kestrel.tokenizer import IncrementalDetokenizer, Tokenizer, check_tokenizer_fits, tokenizer_for
 from kestrel.utils.device import resolve_device, resolve_dtype, to_device_async, to_host_async
 from kestrel.utils.errors import ConfigError, KestrelError
 
@@ -104,6 +104,7 @@ class Engine:
         self.model.eval()
         self.tokenizer = tokenizer or tokenizer_for(config.model, config.tokenizer)
         mc = self.model.config
+        check_tokenizer_fits(self.tokenizer, mc.vocab_size)
         self.plan = plan_memory(mc, config, dtype, self.device)
         log.info(self.plan.describe())
         with self._allocating("--kv-cache-gb, --mem-fraction or --max-running-requests"):

@@ -32,7 +32,7 @@ from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
 from kestrel.models.weights import save_checkpoint
 from kestrel.ops.loss import weighted_token_losses
-from kestrel.tokenizer import checkpoint_tokenizer_dir, load_tokenizer
+from kestrel.tokenizer import check_tokenizer_fits, checkpoint_tokenizer_dir, load_tokenizer
 from kestrel.train.bpe import build_tokenizer
 from kestrel.train.data import DEFAULT_WEIGHTS, MixtureConfig, PackedBatches, Prefetch
 from kestrel.train.flops import flops_per_token
@@ -126,11 +126,7 @@ class Trainer:
         )
         self.tokenizer_dir = self._tokenizer_dir()  # trained to the model's vocabulary size when missing
         self.tokenizer = load_tokenizer(str(self.tokenizer_dir))
-        if self.model.config.vocab_size < self.tokenizer.vocab_size:
-            raise ValueError(
-                f"tokenizer has {self.tokenizer.vocab_size} tokens, the model only "
-                f"{self.model.config.vocab_size}"
-            )
+        check_tokenizer_fits(self.tokenizer, self.model.config.vocab_size)
         decay = [p for n, p in self.model.named_parameters() if p.requires_grad and p.dim() >= 2]
         rest = [p for n, p in self.model.named_parameters() if p.requires_grad and p.dim() < 2]
         self.opt = torch.optim.AdamW(
