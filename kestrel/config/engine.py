@@ -67,7 +67,7 @@ class EngineConfig:
         if self.max_queued_requests < 1:
             problems.append("max_queued_requests must be >= 1")
         if self.checkpoint_interval < 0 or (
-            self.checkpoint_interval and self.checkpoint_interval % self.page_size
+            self.checkpoint_interval and self.page_size >= 1 and self.checkpoint_interval % self.page_size
         ):
             problems.append(
                 f"checkpoint_interval ({self.checkpoint_interval}) must be a multiple of page_size "

@@ -131,8 +131,10 @@ def _normalize_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
         return [(prompts, None)]
     if isinstance(prompts, dict):
         prompts = [prompts]
-    if not isinstance(prompts, Sequence) or not prompts:
-        raise ValueError("prompts must be a string, token ids, or a non-empty list of them")
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)) or not prompts:
+        raise ValueError(
+            "prompts must be a string, token ids, or a non-empty list of them (bytes: decode them)"
+        )
     if all(isinstance(t, int) for t in prompts):
         return [(None, list(prompts))]
     items = []
@@ -140,8 +142,15 @@ def _normalize_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
         if isinstance(p, str):
             items.append((p, None))
         elif isinstance(p, dict):
-            items.append((p.get("prompt"), p.get("prompt_token_ids")))
-        elif isinstance(p, Sequence) and all(isinstance(t, int) for t in p):
+            text, ids = p.get("prompt"), p.get("prompt_token_ids")
+            if (text is None) == (ids is None) or not isinstance(text, (str, type(None))):
+                raise ValueError(f'a prompt dict holds "prompt" (a string) or "prompt_token_ids", not {p!r}')
+            items.append((text, ids))
+        elif (
+            isinstance(p, Sequence)
+            and not isinstance(p, (bytes, bytearray))
+            and all(isinstance(t, int) for t in p)
+        ):
             items.append((None, list(p)))
         else:
             raise ValueError(f"cannot read prompt {p!r}")

@@ -13,6 +13,10 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds go to the device as int64
 INT32_MAX = 2**31 - 1  # top_k and token ids go to the device as int32/int64 beside vocabularies far smaller
 
 
+_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_INTEGERS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -46,6 +50,14 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
+        for name in _NUMBERS + _INTEGERS:
+            value = getattr(self, name)
+            if value is None and name in ("max_tokens", "logprobs", "seed"):
+                continue
+            integer = isinstance(value, int) and not isinstance(value, bool)
+            if not integer and (name in _INTEGERS or not isinstance(value, float)):
+                kind = "an integer" if name in _INTEGERS else "a number"
+                raise ValueError(f"{name} must be {kind}, not {value!r}")
         checks = [
             (isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1"),
             (

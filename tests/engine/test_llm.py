@@ -57,3 +57,37 @@ def test_a_stop_tokens_text_is_left_out_unless_asked_for(llm, include):
     (out,) = llm.generate("abc", params, use_tqdm=False)[0].outputs
     assert out.token_ids == ids[: k + 1] and out.finish_reason == "stop" and out.stop_reason == ids[k]
     assert out.text == llm.tokenizer.decode(ids[: k + 1 if include else k])
+
+
+@pytest.mark.parametrize(
+    "prompts",
+    [b"Hi", [b"Hi"], {"foo": 1}, [{"prompt": 5}], [{"prompt": "a", "prompt_token_ids": [1]}], []],
+    ids=["bytes", "list-of-bytes", "dict-without-prompt", "dict-int-prompt", "dict-both", "empty"],
+)
+def test_generate_refuses_what_is_not_a_prompt(llm, prompts):
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert not llm.engine.requests
+
+
+@pytest.mark.parametrize(
+    "field,value,words",
+    [
+        ("temperature", "0.5", "temperature must be a number"),
+        ("top_p", "0.5", "top_p must be a number"),
+        ("n", True, "n must be an integer"),
+        ("max_tokens", True, "max_tokens must be an integer"),
+        ("seed", 1.5, "seed must be an integer"),
+    ],
+)
+def test_sampling_params_of_the_wrong_type_name_their_field(field, value, words):
+    with pytest.raises(ValueError, match=words):
+        SamplingParams(**{field: value})
+
+
+def test_page_size_zero_is_a_config_error_not_a_division_by_zero():
+    from kestrel.config import EngineConfig
+    from kestrel.utils.errors import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match="page_size must be >= 1"):
+        EngineConfig(model="tiny", page_size=0)
