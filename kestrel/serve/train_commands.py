@@ -4,10 +4,15 @@ the evaluator are imported when the command runs."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
 from kestrel.utils.errors import KestrelError
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -15,6 +20,8 @@ def _lengths(text: str) -> tuple[int, ...]:
         values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise KestrelError(f"expected comma-separated token counts, got {text!r}") from None
+    if not values:
+        raise KestrelError(f"expected at least one token count, got {text!r}")
     if any(v < 1 for v in values):
         raise KestrelError(f"token counts must be positive, got {text!r}")
     return values
@@ -67,7 +74,20 @@ def cmd_train(args) -> int:
         trainer = Trainer(cfg)
     except ValueError as e:
         raise KestrelError(str(e)) from None
-    summary = trainer.train()
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop saves like Ctrl-C
+    try:
+        summary = trainer.train()
+    except KeyboardInterrupt:
+        kept = (Path(args.out) / "checkpoint").is_dir()
+        where = (
+            f"checkpoint in {args.out}/checkpoint. The same command resumes from it"
+            if kept
+            else "no checkpoint"
+        )
+        print(f"[kestrel] stopped at step {trainer.step}; {where}", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     (Path(args.out) / "train_summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
     print(

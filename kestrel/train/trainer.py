@@ -231,6 +231,13 @@ class Trainer:
                     )
                 if out_of_time:
                     break
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through `kestrel train`: keep the steps done so far
+            if tokens_done:
+                read()
+                self.train_seconds = clock()
+                print(f"\n[kestrel] interrupted at step {self.step}: saving a checkpoint", file=sys.stderr)
+                self.save()
+            raise
         finally:
             try:  # an interrupted loop still records the steps it queued (the model has their updates)
                 read()

@@ -406,3 +406,21 @@ def test_a_diverged_run_stops_and_keeps_its_last_checkpoint(tmp_path, byte_tok):
     with pytest.raises(TrainingDiverged, match="not saved"):
         blown.save()
     assert {p.name: p.read_bytes() for p in sorted(ckpt.iterdir())} == saved
+
+
+def test_an_interrupted_run_saves_its_steps_and_resumes_from_them(tmp_path, byte_tok, monkeypatch):
+    """Ctrl-C (or SIGTERM through `kestrel train`) in the middle of a run: the steps done are saved."""
+    trainer = Trainer(_cfg(tmp_path / "i", byte_tok, steps=4))
+    launch, calls = trainer.launch_step, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "launch_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert (tmp_path / "i" / "checkpoint" / "config.json").exists()
+    assert Trainer(_cfg(tmp_path / "i", byte_tok, steps=4)).step == 2
