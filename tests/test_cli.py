@@ -487,3 +487,9 @@ def test_another_models_tokenizer_is_one_line_before_any_prompt(capsys, monkeypa
     monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
     code, _, err = run(capsys, "chat", "--model", "tiny", "--tokenizer", str(shipped_model_dir()))
     assert_one_line_error(code, err, 1, "the tokenizer has", "only 261", "--tokenizer")
+
+
+def test_an_empty_api_key_is_refused(capsys):
+    """`--api-key "$KEY"` with KEY unset: refused, not a server without authentication."""
+    code, _, err = run(capsys, "serve", "--api-key", "")
+    assert code == 2 and "--api-key" in err and "empty key" in err and "Traceback" not in err

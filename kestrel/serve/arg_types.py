@@ -96,3 +96,10 @@ def int_list(text: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def api_key(text: str) -> str:
+    """An API key: an empty one (an unset environment variable) would have turned the check off unseen."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty key; leave --api-key out to serve without one")
+    return text

@@ -181,7 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=arg_types.port, default=8000)
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     s.add_argument(
-        "--api-key", default=None, help="require Authorization: Bearer KEY (not on /health, /metrics)"
+        "--api-key",
+        type=arg_types.api_key,
+        default=None,
+        help="require Authorization: Bearer KEY (not on /health, /metrics)",
     )
     s.add_argument(
         "--max-request-mb",
