@@ -79,12 +79,8 @@ class Engine:
         naming the options that shrink it, not a traceback."""
         try:
             yield
-        except (
-            RuntimeError,
-            MemoryError,
-            TypeError,
-            OverflowError,
-        ) as e:  # OutOfMemoryError is a RuntimeError
+        # torch's OutOfMemoryError is a RuntimeError; a size past int64, a TypeError or an OverflowError
+        except (RuntimeError, MemoryError, TypeError, OverflowError) as e:
             text = str(e).lower()
             if not any(w in text for w in ("alloc", "overflow")) and not isinstance(e, MemoryError):
                 raise
