@@ -3,6 +3,7 @@ then KV pages from what is left, on the GPU from its free memory after a reserve
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,8 @@ from kestrel.cache.state_pool import StatePool
 from kestrel.config import EngineConfig, ModelConfig
 from kestrel.env import read_env
 from kestrel.utils.errors import KestrelError
+
+log = logging.getLogger(__name__)
 
 _CPU_KV_BYTES = 256 * 2**20
 
@@ -56,6 +59,13 @@ def plan_memory(
     )
     state = (cfg.max_running_requests + checkpoints) * per_slot
     max_len = min(model.max_position_embeddings, cfg.max_model_len or model.max_position_embeddings)
+    if cfg.max_model_len is not None and cfg.max_model_len > model.max_position_embeddings:
+        log.warning(
+            "max_model_len %d is past the model's %d positions: the context limit is %d",
+            cfg.max_model_len,
+            model.max_position_embeddings,
+            model.max_position_embeddings,
+        )
     if cfg.kv_cache_bytes is not None:
         kv_bytes = cfg.kv_cache_bytes
     elif device.type == "cuda":

@@ -68,3 +68,11 @@ def test_too_little_memory_names_the_knobs(free_gib):
     free_gib(3)
     with pytest.raises(KestrelError, match="max-running-requests"):
         _plan(max_running_requests=256)
+
+
+def test_a_limit_past_the_models_positions_is_capped_with_a_warning(free_gib, caplog):
+    config = preset_config("tiny")
+    with caplog.at_level("WARNING", logger="kestrel.engine.memory"):
+        plan = plan_memory(config, EngineConfig(model="tiny", max_model_len=10**8), torch.bfloat16, CUDA)
+    assert plan.max_model_len == config.max_position_embeddings
+    assert f"the context limit is {config.max_position_embeddings}" in caplog.text
