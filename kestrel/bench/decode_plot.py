@@ -14,6 +14,7 @@ read on one axis; its milliseconds are written beside it.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 # issue 4's decode targets: (batch, context) -> MBU, DSA attention
@@ -133,7 +134,7 @@ def cmd_plot_decode(args) -> int:
             result = result["decode"]  # a gpu_suite section, or a session record's call, holding the result
         path = plot_decode(result, args.out or Path(args.result).with_suffix(".png"))
     except (OSError, ValueError, KeyError, TypeError) as e:
-        print(f"kestrel bench plot-decode: {args.result}: {e.__class__.__name__}: {e}")
+        print(f"kestrel bench plot-decode: {args.result}: {e.__class__.__name__}: {e}", file=sys.stderr)
         return 2
     print(f"wrote {path}")
     return 0

@@ -11,6 +11,7 @@ and exit with status 1 (argparse usage errors: 2); a traceback means a bug in Ke
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -406,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
 
             args.model = builtin_model()
         return args.func(args)
+    except BrokenPipeError:  # `kestrel env | head`: the reader has gone, which is no error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush would raise again)
+        return 0
     except (KestrelError, OSError) as e:  # OSError: an unreadable or unwritable path the user gave
         print(f"kestrel: error: {e}", file=sys.stderr)
         return 1

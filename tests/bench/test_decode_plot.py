@@ -92,7 +92,7 @@ def test_plot_decode_refuses_what_is_no_decode_result(tmp_path, capsys):
         if text is not None:
             (tmp_path / name).write_text(text)
         assert main(["bench", "plot-decode", str(tmp_path / name)]) == 2
-        out = capsys.readouterr().out.strip().splitlines()
+        out = capsys.readouterr().err.strip().splitlines()  # errors on stderr
         assert len(out) == 1 and out[0].startswith(f"kestrel bench plot-decode: {tmp_path / name}: "), out
         assert says in out[0]
         assert not (tmp_path / name).with_suffix(".png").exists()
