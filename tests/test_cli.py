@@ -493,3 +493,16 @@ def test_an_empty_api_key_is_refused(capsys):
     """`--api-key "$KEY"` with KEY unset: refused, not a server without authentication."""
     code, _, err = run(capsys, "serve", "--api-key", "")
     assert code == 2 and "--api-key" in err and "empty key" in err and "Traceback" not in err
+
+
+def test_chat_without_a_chat_template_says_so_before_the_first_line(broken, capsys, monkeypatch):
+    import io
+
+    config = json.loads((broken / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (broken / "tokenizer_config.json").write_text(json.dumps(config))
+    stdin = io.StringIO("hi\n")
+    monkeypatch.setattr("sys.stdin", stdin)
+    code, _, err = run(capsys, "chat", "--model", str(broken))
+    assert_one_line_error(code, err, 1, "no chat template")
+    assert stdin.read() == "hi\n"  # refused before reading a line

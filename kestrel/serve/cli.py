@@ -231,7 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="demo", help="preset to start from (random init) or a checkpoint folder"
     )
     t.add_argument(
-        "--tokenizer", default=None, help="tokenizer folder (default: train a BPE into <out>/tokenizer)"
+        "--tokenizer",
+        default=None,
+        help="tokenizer folder (default: a --model checkpoint's own, else a BPE trained into <out>/tokenizer)",
     )
     t.add_argument("--steps", type=arg_types.positive_int, default=1000)
     t.add_argument("--batch-rows", type=arg_types.positive_int, default=16)

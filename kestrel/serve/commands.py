@@ -234,6 +234,8 @@ def cmd_chat(args) -> int:
     tokenizer = engine.tokenizer
     history = [{"role": "system", "content": args.system}] if args.system else []
     start = list(history)
+    # a tokenizer without a chat template (or one refusing a system turn): said now, not after the first line
+    tokenizer.apply_chat_template([*start, {"role": "user", "content": "hi"}], add_generation_prompt=True)
     print(f"[kestrel] chatting with {args.model} (empty line to quit, /reset to start over)", file=sys.stderr)
     while True:
         try:
