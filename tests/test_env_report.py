@@ -62,6 +62,12 @@ def test_one_variable_described(capsys, name):
     assert "programmatic dependent launch" in out
 
 
+def test_one_variable_as_json(capsys):
+    code, out, _ = run(capsys, "env", "--json", "pdl")
+    row = json.loads(out)
+    assert code == 0 and row["name"] == "KESTREL_PDL" and row["field"] == "pdl" and "takes" in row
+
+
 def test_an_unknown_variable_is_one_line(capsys):
     code, out, err = run(capsys, "env", "KESTREL_WARP_SPEED")
     assert code == 1 and not out

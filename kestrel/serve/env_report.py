@@ -205,14 +205,19 @@ def _shown(row: dict) -> str:
     return str(value) if value != "" else "-"
 
 
-def describe(name: str) -> str:
-    """One variable's whole entry: `name` as its variable (any case, KESTREL_ prefix optional) or field."""
+def variable(name: str) -> dict:
+    """One variable's row of the report: `name` as its variable (any case, KESTREL_ prefix optional) or field."""
     key = name.strip().lower().removeprefix("kestrel_")
     fields = [f for f, v in kenv.VARIABLES.items() if key in (f, v.name.lower().removeprefix("kestrel_"))]
     if not fields:
         known = ", ".join(v.name for v in kenv.VARIABLES.values())
         raise ConfigError(f"unknown variable {name!r} (known: {known})")
-    row = next(r for r in variables() if r["field"] == fields[0])
+    return next(r for r in variables() if r["field"] == fields[0])
+
+
+def describe(name: str) -> str:
+    """One variable's whole entry (`variable`), as text."""
+    row = variable(name)
     value = f"ERROR {row.get('error')}" if row.get("error") else _shown(row)
     default = {True: "on", False: "off", "": "-"}.get(row["default"], row["default"])
     head = [f"{row['name']} = {value}{' (set)' if row['set'] else ' (the default)'}",
@@ -222,7 +227,7 @@ def describe(name: str) -> str:
 
 def cmd_env(args) -> int:
     if args.name:
-        print(describe(args.name))
+        print(json.dumps(variable(args.name), indent=1, default=str) if args.json else describe(args.name))
         return 0
     rep = report(args.device)
     print(json.dumps(rep, indent=1, default=str) if args.json else format_report(rep))
