@@ -406,7 +406,9 @@ class Trainer:
             )
 
     def summary(self, seconds: float, tokens: int) -> dict:
-        tps = tokens / max(seconds, 1e-9)
+        """The run's figures. Its first step (compiling, autotuning) is not timed: with no step after it, the rate
+        is None, not 0."""
+        tps = tokens / max(seconds, 1e-9) if tokens else None
         last = self.history[-20:] if self.history else []
         return {
             "steps": self.step,
@@ -414,7 +416,7 @@ class Trainer:
             "tokens": tokens,
             "tokens_per_s": tps,
             "flops_per_token": self.flops_per_token,
-            "mfu_vs_989_tflops": self.mfu(tps),
+            "mfu_vs_989_tflops": self.mfu(tps) if tps is not None else None,
             "final_loss": sum(r["loss"] for r in last) / max(len(last), 1),
             "parameters": sum(p.numel() for p in self.model.parameters()),
         }

@@ -424,3 +424,9 @@ def test_an_interrupted_run_saves_its_steps_and_resumes_from_them(tmp_path, byte
         trainer.train()
     assert (tmp_path / "i" / "checkpoint" / "config.json").exists()
     assert Trainer(_cfg(tmp_path / "i", byte_tok, steps=4)).step == 2
+
+
+def test_a_one_step_run_has_no_rate_rather_than_zero(tmp_path, byte_tok):
+    """The first step (compiling) is not timed: one step alone gives no tokens/s, not 0."""
+    summary = Trainer(_cfg(tmp_path / "one", byte_tok, steps=1)).train()
+    assert summary["tokens_per_s"] is None and summary["mfu_vs_989_tflops"] is None and summary["steps"] == 1
