@@ -15,6 +15,7 @@ INT32_MAX = 2**31 - 1  # top_k and token ids go to the device as int32/int64 bes
 
 _NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _INTEGERS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed")
+_OPTIONAL = ("max_tokens", "logprobs", "seed")  # None: no limit, no logprobs, a random seed
 
 
 @dataclass
@@ -52,21 +53,21 @@ class SamplingParams:
         """Raise ValueError naming the first bad field."""
         for name in _NUMBERS + _INTEGERS:
             value = getattr(self, name)
-            if value is None and name in ("max_tokens", "logprobs", "seed"):
+            if value is None and name in _OPTIONAL:
                 continue
             integer = isinstance(value, int) and not isinstance(value, bool)
             if not integer and (name in _INTEGERS or not isinstance(value, float)):
                 kind = "an integer" if name in _INTEGERS else "a number"
                 raise ValueError(f"{name} must be {kind}, not {value!r}")
-        checks = [
-            (isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1"),
+        checks = [  # (the types are checked above)
+            (self.n >= 1, "n must be an integer >= 1"),
             (
                 math.isfinite(self.temperature) and self.temperature >= 0,
                 "temperature must be a finite number >= 0",
             ),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (
-                isinstance(self.top_k, int) and 0 <= self.top_k <= INT32_MAX,
+                0 <= self.top_k <= INT32_MAX,
                 f"top_k must be in [0, {INT32_MAX}] (or -1 for off)",
             ),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
@@ -74,14 +75,12 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (
-                self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+                self.max_tokens is None or self.max_tokens >= 1,
                 "max_tokens must be an integer >= 1",
             ),
-            (isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens must be >= 0"),
+            (self.min_tokens >= 0, "min_tokens must be >= 0"),
             (
-                self.max_tokens is None
-                or not isinstance(self.max_tokens, int)
-                or self.min_tokens <= self.max_tokens,
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
                 f"min_tokens must be <= max_tokens ({self.max_tokens})",
             ),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
@@ -90,11 +89,11 @@ class SamplingParams:
                 "stop_token_ids must be token ids",
             ),
             (
-                self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+                self.logprobs is None or 0 <= self.logprobs <= 20,
                 "logprobs must be in [0, 20]",
             ),
             (
-                self.seed is None or (isinstance(self.seed, int) and INT64_MIN <= self.seed <= INT64_MAX),
+                self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
                 f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}]",
             ),
         ]

@@ -30,9 +30,8 @@ class ChatMessage(_Strict):
     # "developer" is OpenAI's newer name for "system" and is rendered as one.
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart] | None = None
-    name: str | None = (
-        None  # OpenAI's participant name: accepted, not rendered (the chat template has no place)
-    )
+    # OpenAI's participant name: accepted, not rendered (the chat template has no place for it)
+    name: str | None = None
     tool_calls: list[Any] | None = None  # accepted empty, as SDKs send it; tools are not implemented
 
 

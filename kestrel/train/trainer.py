@@ -340,8 +340,9 @@ class Trainer:
     def save(self) -> Path:
         """HF checkpoint (bf16, what the engine loads) + tokenizer + trainer state (fp32 master, optimizer)."""
         ckpt = self.out / "checkpoint"
-        bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
-        if bad:  # never over a good checkpoint
+        finite = torch.stack([torch.isfinite(p).all() for p in self.model.parameters()]).all()  # one sync
+        if not finite:  # never over a good checkpoint
+            bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
             raise TrainingDiverged(
                 f"step {self.step}: {len(bad)} weight tensors hold NaN or infinite values ({bad[0]}, ...); "
                 f"not saved, the last checkpoint in {ckpt} is kept"
