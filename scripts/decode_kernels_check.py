@@ -37,6 +37,8 @@ timed on the device in one run, one JSON result:
 11. `l2_ahead`: batch 1's projections fed from L2: a chain of mini's KDA projections with cold weights, and with one
    layer's weights (hot: the ceiling of any prefetching); and the chain as one persistent launch that asks L2 for
    the stages ahead (kestrel.ops.linear.triton_chain), swept.
+12. `gemv_rows`: the GEMV's rows kernel (a program's whole weight slice in one load, before the PDL wait) against
+   its K-loop kernel on batch 1-4's projections, swept.
 Each section catches its own exceptions; the JSON is rewritten after every section. `--smoke` runs every section at
 tiny sizes on the CPU under TRITON_INTERPRET=1 (the figures mean nothing there).
 """
@@ -806,16 +808,114 @@ def gemv_merged(result: dict, device: str, smoke: bool, ceilings: dict, layers: 
         print(f"gemv merged B={B}: {entry}", flush=True)
 
 
-def _gemv_chain(layers: list, x: torch.Tensor) -> torch.Tensor:
+def _gemv_chain(layers: list, x: torch.Tensor, **knobs) -> torch.Tensor:
     """x through each layer's (W_in, W_o): y = x W_in^T, then y's first W_o.shape[1] columns through W_o (a KDA
-    layer's in-projection and o-projection at decode)."""
+    layer's in-projection and o-projection at decode); knobs for gemv_triton."""
     from kestrel.ops.linear.triton_gemv import gemv_triton
 
     h = x
     for w_in, w_o in layers:
-        h = gemv_triton(h, w_in)  # the in-projection takes all of h
-        h = gemv_triton(h[:, : w_o.shape[1]], w_o)
+        h = gemv_triton(h, w_in, **knobs)  # the in-projection takes all of h
+        h = gemv_triton(h[:, : w_o.shape[1]], w_o, **knobs)
     return h
+
+
+def gemv_rows(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
+    """The rows kernel (triton_gemv._gemv_rows_kernel: a program's whole slice of W in one load, issued before
+    the PDL wait with `early`) against the K-loop kernel (kernel="dot", the GEMV before session 55) on batch 1-4's
+    projections, us a layer against the weights' bytes at the copy rate, in one CUDA graph each:
+    - chain: l2_ahead's chain of mini's KDA projections (4232 x 2048 in, 2048 x 1024 out), 24 layers' weights
+      (cold: 24 x 21 MB do not stay in L2), and the best rows configuration on one layer's weights (hot);
+    - merged: MLA's six projections of one input (`gemv_merged`'s shapes) in one launch, after an RMSNorm, 24
+      layers' weights.
+    Batch 1 sweeps the rows kernel's tile (rows of W a program), warps and `early`; batches 2 and 4 take its
+    three best. Each output is compared with torch's (relative error)."""
+    from kestrel.ops.linear.triton_gemv import gemv_many_triton
+    from kestrel.ops.norm.triton_norm import rms_norm_triton
+
+    (N_in, K_in), (N_o, K_o), layers = ((48, 32), (32, 16), 3) if smoke else ((4232, 2048), (2048, 1024), 24)
+    Ns, K_m = ((48, 16, 32, 8), 64) if smoke else ((3072, 576, 2048, 2048, 128, 16), 2048)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def r(*shape, scale=0.02):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+    cold = [(r(N_in, K_in), r(N_o, K_o, scale=0.05)) for _ in range(layers)]
+    sets = [[r(n, K_m) for n in Ns] for _ in range(layers)]
+    norm_w = torch.ones(K_m, device=device, dtype=dtype)
+    size = torch.tensor([], dtype=dtype).element_size()
+    entry = result["gemv_rows"] = {
+        "layers": layers,
+        "chain_shapes": [[N_in, K_in], [N_o, K_o]],
+        "merged_shapes": [[n, K_m] for n in Ns],
+        "chain_floor_us_a_layer": 1e6 * (N_in * K_in + N_o * K_o) * size / (ceilings["copy_TBps"] * 1e12),
+        "merged_floor_us_a_layer": 1e6 * sum(Ns) * K_m * size / (ceilings["copy_TBps"] * 1e12),
+        "runs": [],
+    }
+
+    def torch_chain(x):
+        h = x.float()
+        for w_in, w_o in cold:
+            h = (h.to(dtype) @ w_in.T).float()
+            h = (h[:, : w_o.shape[1]].to(dtype) @ w_o.T).float()
+        return h
+
+    def merged(x, ws, **knobs):
+        return gemv_many_triton(rms_norm_triton(x, norm_w, 1e-6), ws, **knobs)
+
+    def run(B: int, knobs: dict, hot: bool = False) -> dict:
+        row = {"batch": B, **knobs}
+        try:
+            x = torch.randn(B, K_in, generator=g, device=device).to(dtype)
+            want = torch_chain(x)
+            got = _gemv_chain(cold, x, **knobs).float()
+            row["chain_rel_err"] = ((got - want).norm() / want.norm()).item()
+            row["chain_us_a_layer"] = (
+                calls_us([functools.partial(_gemv_chain, cold, x, **knobs)], device) / layers
+            )
+            if hot:
+                hot_layers = [cold[0]] * layers
+                call = functools.partial(_gemv_chain, hot_layers, x, **knobs)
+                row["chain_hot_us_a_layer"] = calls_us([call], device) / layers
+            xm = torch.randn(B, K_m, generator=g, device=device).to(dtype)
+            h = torch.nn.functional.rms_norm(xm.float(), (K_m,), norm_w.float(), 1e-6).to(dtype)
+            errs = [
+                ((o.float() - (h @ w.T).float()).norm() / (h @ w.T).float().norm()).item()
+                for o, w in zip(merged(xm, sets[0], **knobs), sets[0])
+            ]
+            row["merged_rel_err"] = max(errs)
+            row["merged_us_a_layer"] = calls_us(
+                [functools.partial(merged, xm, ws, **knobs) for ws in sets], device
+            )
+        except Exception as e:  # noqa: BLE001 (a configuration the GPU cannot hold: recorded, the sweep goes on)
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        print(f"gemv_rows {row}", flush=True)
+        entry["runs"].append(row)
+        return row
+
+    sweep = [dict(kernel="dot")]
+    tiles, warps = ((1, 4), (2,)) if smoke else ((4, 8, 16, 32), (4, 8))
+    sweep += [
+        dict(kernel="rows", rows_block_n=bn, rows_warps=w, early=early)
+        for bn in tiles
+        for w in warps
+        for early in (True, False)
+    ]
+    first = [run(1, knobs) for knobs in sweep]
+    ranked = sorted(
+        (r for r in first if r.get("kernel") == "rows" and "error" not in r),
+        key=lambda r: r["chain_us_a_layer"] + r["merged_us_a_layer"],
+    )
+    keys = ("kernel", "rows_block_n", "rows_warps", "early")
+    best = [{k: r[k] for k in keys} for r in ranked[:3]]
+    entry["best_batch_1"] = best[:1]
+    if best:
+        run(1, best[0], hot=True)
+    run(1, dict(kernel="dot"), hot=True)
+    for B in (2, 4):
+        for knobs in [dict(kernel="dot"), *best]:
+            run(B, knobs)
 
 
 def l2_ahead(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
@@ -1180,6 +1280,7 @@ def main() -> None:
         "argmax": lambda: argmax(result, device, args.smoke, ceilings),
         "sampling": lambda: sampling(result, device, args.smoke, ceilings),
         "l2_ahead": lambda: l2_ahead(result, device, args.smoke, ceilings),
+        "gemv_rows": lambda: gemv_rows(result, device, args.smoke, ceilings),
     }
     for name in args.sections.split(","):
         try:

@@ -184,6 +184,25 @@ def show_kernels_check(d: dict) -> list[str]:
                 f"{k} {best[k]}" for k in ("block_n", "ahead", "programs", "num_warps") if k in best
             )
             lines.append(f"l2_ahead persistent best: {best['us_a_layer']:.2f} us a layer ({knobs})")
+    if g := d.get("gemv_rows"):
+        lines.append(
+            f"gemv_rows floors us a layer: chain {g['chain_floor_us_a_layer']:.2f}, merged "
+            f"{g['merged_floor_us_a_layer']:.2f}"
+        )
+        for r in g["runs"]:
+            knobs = (
+                "dot"
+                if r.get("kernel") == "dot"
+                else (f"rows bn {r.get('rows_block_n')} w {r.get('rows_warps')} early {r.get('early')}")
+            )
+            if "error" in r:
+                lines.append(f"  b={r['batch']} {knobs}: {r['error'][:120]}")
+                continue
+            hot = f" (hot {r['chain_hot_us_a_layer']:.2f})" if "chain_hot_us_a_layer" in r else ""
+            lines.append(
+                f"  b={r['batch']} {knobs}: chain {r['chain_us_a_layer']:.2f}{hot}, merged "
+                f"{r['merged_us_a_layer']:.2f}; err {r['chain_rel_err']:.1e} / {r['merged_rel_err']:.1e}"
+            )
     if p := d.get("pdl"):
         lines += [
             f"pdl b={b}: {v['auto_us_per_kernel']:.3f} us a kernel (off {v['off_us_per_kernel']:.3f})"
@@ -284,6 +303,17 @@ def job_short(arg: str | None, call: Call) -> list[Run]:
     return runs
 
 
+def job_gemvab(arg: str | None, call: Call) -> list[Run]:
+    """bench decode at 4K, batch 1, 4 and 16, DSA only, with the GEMV's K-loop kernel for every row count
+    (KESTREL_GEMV=dot, the GEMV before session 55) and with the rows kernel up to 4 rows (auto), alternating.
+    `gemvab:N` runs the first N."""
+    runs = []
+    for i, mode in enumerate(("dot", "auto", "dot", "auto")[: _count(arg, "gemvab")]):
+        options = ["--batches", "1,4,16", "--contexts", "4096", "--no-dense"]
+        runs.append(_decode(call, f"gemv_{mode}_{i // 2}", 70, *options, env={"KESTREL_GEMV": mode}))
+    return runs
+
+
 JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {
     "tests": (
         "tests[:PARTS]: gpu_suite's GPU tests (PARTS as --gpu-tests-parts; --workers processes)",
@@ -315,6 +345,14 @@ JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {
         "l2: decode_kernels_check l2_ahead (batch 1's projections, weights cold and hot in L2, and as one persistent "
         "launch that asks L2 for the stages ahead, swept)",
         lambda arg, call: [_check(call, "l2", "l2_ahead", 120)],
+    ),
+    "rows": (
+        "rows: decode_kernels_check gemv_rows (the GEMV's rows kernel against its K-loop kernel at batch 1-4, swept)",
+        lambda arg, call: [_check(call, "rows", "gemv_rows", 90)],
+    ),
+    "gemvab": (
+        "gemvab[:N]: bench decode at 4K, batch 1/4/16, KESTREL_GEMV=dot and auto alternating (N runs of 4)",
+        job_gemvab,
     ),
     "pdl": (
         "pdl: decode_kernels_check pdl (the launch floor with and without PDL)",

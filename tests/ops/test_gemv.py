@@ -20,11 +20,24 @@ from kestrel.ops import linear as linear_ops  # noqa: E402
 
 if "kestrel.ops.linear.triton_gemv" in sys.modules:  # decorated in the mode chosen above
     importlib.reload(sys.modules["kestrel.ops.linear.triton_gemv"])
-from kestrel.ops.linear.triton_gemv import SEGMENTS, gemv_many_triton, gemv_triton  # noqa: E402
+from kestrel.ops.linear.triton_gemv import (  # noqa: E402
+    ROWS_MAX_M,
+    SEGMENTS,
+    gemv_many_triton,
+    gemv_triton,
+    rows_applies,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# the two kernels: "rows" (a few rows, each program's weights in one load) and "dot" (the K loop)
+KERNELS = ("rows", "dot")
+
+
+def _skip_unless_taken(kernel: str, M: int) -> None:
+    if kernel == "rows" and M > ROWS_MAX_M:
+        pytest.skip(f"the rows kernel takes up to {ROWS_MAX_M} rows")
 
 
 def _close(got, want):
@@ -34,12 +47,38 @@ def _close(got, want):
     )
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 17, 100), (3, 40, 300), (16, 1, 8), (5, 33, 520)])
-def test_gemv_matches_linear(M, N, K):
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize(
+    "M,N,K", [(1, 17, 100), (3, 40, 300), (16, 1, 8), (5, 33, 520), (4, 70, 1000), (2, 9, 3)]
+)
+def test_gemv_matches_linear(M, N, K, kernel):
+    _skip_unless_taken(kernel, M)
     g = torch.Generator().manual_seed(M * 1000 + N + K)
     x = torch.randn(M, K, generator=g).to(DEVICE, DTYPE)
     w = torch.randn(N, K, generator=g).to(DEVICE, DTYPE)
-    _close(gemv_triton(x, w), F.linear(x, w))
+    _close(gemv_triton(x, w, kernel=kernel), F.linear(x, w))
+
+
+@pytest.mark.parametrize("early", [True, False])
+@pytest.mark.parametrize("block_n", [1, 4, 64])
+def test_gemv_rows_tiles(block_n, early):
+    """The rows kernel at tiles that do not divide N, one row a program, and the load after the wait."""
+    g = torch.Generator().manual_seed(block_n)
+    x = torch.randn(3, 72, generator=g).to(DEVICE, DTYPE)
+    w = torch.randn(37, 72, generator=g).to(DEVICE, DTYPE)
+    got = gemv_triton(x, w, kernel="rows", rows_block_n=block_n, rows_warps=2, early=early)
+    _close(got, F.linear(x, w))
+
+
+def test_gemv_auto_picks_rows_for_a_few_rows(monkeypatch):
+    monkeypatch.delenv("KESTREL_GEMV", raising=False)
+    assert rows_applies(1, 2048) and rows_applies(ROWS_MAX_M, 1000)
+    assert not rows_applies(ROWS_MAX_M + 1, 2048) and not rows_applies(1, 8192)
+    monkeypatch.setenv("KESTREL_GEMV", "dot")
+    assert not rows_applies(1, 2048)
+    x = torch.zeros(ROWS_MAX_M + 1, 32, device=DEVICE, dtype=DTYPE)
+    with pytest.raises(AssertionError, match="the rows kernel takes up to"):
+        gemv_triton(x, torch.zeros(8, 32, device=DEVICE, dtype=DTYPE), kernel="rows")
 
 
 def test_gemv_strided_rows_and_leading_dims():
@@ -51,16 +90,18 @@ def test_gemv_strided_rows_and_leading_dims():
     _close(got, F.linear(x, w))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(
     "M,Ns,K", [(1, (17, 1, 40, 33, 5, 64), 100), (4, (48, 16), 64), (8, (8, 130, 3), 200)]
 )
-def test_gemv_many_matches_linear(M, Ns, K):
+def test_gemv_many_matches_linear(M, Ns, K, kernel):
     """Several weights in one launch: each output its own weight's product, whatever the widths (a width of 1,
     widths that split a tile, more than one tile), over leading dims."""
+    _skip_unless_taken(kernel, 2 * M)
     g = torch.Generator().manual_seed(M + K)
     x = torch.randn(2, M, K, generator=g).to(DEVICE, DTYPE)[:, :M]
     ws = [torch.randn(n, K, generator=g).to(DEVICE, DTYPE) for n in Ns]
-    outs = gemv_many_triton(x, ws)
+    outs = gemv_many_triton(x, ws, kernel=kernel)
     assert len(outs) == len(ws)
     for got, w in zip(outs, ws):
         assert got.shape == (2, M, w.shape[0]) and got.is_contiguous()
@@ -145,32 +186,35 @@ def test_linear_layer_routes_to_the_gemv(monkeypatch):
 
 
 @cuda
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("M", [1, 4, 16])
-@pytest.mark.parametrize("N,K", [(3072, 2048), (576, 2048), (2048, 1024), (8, 2048)])
-def test_gemv_mini_shapes(M, N, K):
+@pytest.mark.parametrize("N,K", [(3072, 2048), (576, 2048), (2048, 1024), (8, 2048), (4232, 2048), (7, 3000)])
+def test_gemv_mini_shapes(M, N, K, kernel):
+    _skip_unless_taken(kernel, M)
     g = torch.Generator(device="cuda").manual_seed(M + N)
     w = torch.randn(N, K, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(M, K, generator=g, device="cuda", dtype=torch.bfloat16)
-    _close(gemv_triton(x, w), F.linear(x, w))
+    _close(gemv_triton(x, w, kernel=kernel), F.linear(x, w))
 
 
 @cuda
-@pytest.mark.parametrize("M", [1, 5, 16])
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("M", [1, 2, 5, 16])
 @pytest.mark.parametrize("K", [1024, 2048])
-def test_gemv_chain_in_a_graph(M, K):
+def test_gemv_chain_in_a_graph(M, K, kernel):
     """As in a decode step: RMSNorm, then the GEMV, twice over, each kernel reading the one before (with PDL: the
     GEMV's prefetch before its wait, the norm's wait); a graph replay on fresh inputs against eager."""
     from kestrel.ops.norm.triton_norm import rms_norm_triton
     from tests.ops.graph_check import assert_replay_matches_eager
 
+    _skip_unless_taken(kernel, M)
     g = torch.Generator(device="cuda").manual_seed(M + K)
     w1, w2 = (torch.randn(K, K, generator=g, device="cuda", dtype=torch.bfloat16) * K**-0.5 for _ in range(2))
     norm_w = torch.rand(K, generator=g, device="cuda", dtype=torch.bfloat16) + 0.5
 
     def chain(a):
-        return gemv_triton(
-            rms_norm_triton(gemv_triton(rms_norm_triton(a, norm_w, 1e-6), w1), norm_w, 1e-6), w2
-        )
+        h = gemv_triton(rms_norm_triton(a, norm_w, 1e-6), w1, kernel=kernel)
+        return gemv_triton(rms_norm_triton(h, norm_w, 1e-6), w2, kernel=kernel)
 
     x = torch.randn(M, K, generator=g, device="cuda", dtype=torch.bfloat16)
     want = F.linear(F.rms_norm(F.linear(F.rms_norm(x.float(), (K,), norm_w.float(), 1e-6).bfloat16(), w1).float(),
@@ -180,13 +224,15 @@ def test_gemv_chain_in_a_graph(M, K):
 
 
 @cuda
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("M", [1, 3, 16])
-def test_gemv_many_mla_shapes_in_a_graph(M):
+def test_gemv_many_mla_shapes_in_a_graph(M, kernel):
     """mini's MLA projections of x in one launch after an RMSNorm (q, kv_a, g, the indexer's q, k, weights), a
     graph replay on fresh inputs against eager, and each output against F.linear."""
     from kestrel.ops.norm.triton_norm import rms_norm_triton
     from tests.ops.graph_check import assert_replay_matches_eager
 
+    _skip_unless_taken(kernel, M)
     K = 2048
     g = torch.Generator(device="cuda").manual_seed(M)
     ws = [
@@ -196,7 +242,7 @@ def test_gemv_many_mla_shapes_in_a_graph(M):
     norm_w = torch.rand(K, generator=g, device="cuda", dtype=torch.bfloat16) + 0.5
 
     def step(a):
-        return tuple(gemv_many_triton(rms_norm_triton(a, norm_w, 1e-6), ws))
+        return tuple(gemv_many_triton(rms_norm_triton(a, norm_w, 1e-6), ws, kernel=kernel))
 
     x = torch.randn(M, K, generator=g, device="cuda", dtype=torch.bfloat16)
     h = F.rms_norm(x.float(), (K,), norm_w.float(), 1e-6).bfloat16()

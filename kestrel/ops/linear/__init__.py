@@ -41,8 +41,8 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv_on(device: torch.device) -> bool:
-    """The Triton GEMV may run on `device`: PDL is on there (Hopper and later) and KESTREL_GEMV is auto."""
-    return pdl_on(device) and env_field("gemv") == "auto"
+    """The Triton GEMV may run on `device`: PDL is on there (Hopper and later) and KESTREL_GEMV is not off."""
+    return pdl_on(device) and env_field("gemv") != "off"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.env import env_field
 from kestrel.ops.linear import GEMV_MAX_WEIGHTS as SEGMENTS
 from kestrel.ops.pdl import l2_prefetch, pdl_args, pdl_launch_next, pdl_wait
 
@@ -89,6 +90,49 @@ def _gemv_kernel(
     )
 
 
+@triton.jit
+def _gemv_rows_kernel(
+    x, K, stride_xm,
+    w0, out0, n0, w1, out1, n1, w2, out2, n2, w3, out3, n3, w4, out4, n4, w5, out5, n5,
+    first1, first2, first3, first4, first5,
+    M: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr, SEGS: tl.constexpr = 1, PDL: tl.constexpr = False,
+    EARLY: tl.constexpr = True,
+):  # fmt: skip
+    """A few rows (M constexpr, decode at batch 1 to 4): program n's whole [BN, K] slice of W in one load, so all
+    its bytes are in flight at once (the K loop of `_gemv_kernel` waits on each step's load in turn: Triton
+    pipelines it not). With EARLY and PDL the load is issued before the wait for the kernel in front (weights
+    depend on no kernel): they arrive while it ends. Then x's rows, and each row's products summed in fp32."""
+    pid = tl.program_id(0)
+    first, w, out, N = pid * 0, w0, out0, n0
+    if SEGS > 1:
+        first, w, out, N = _pick(pid, first1, w1, out1, n1, first, w, out, N)
+    if SEGS > 2:
+        first, w, out, N = _pick(pid, first2, w2, out2, n2, first, w, out, N)
+    if SEGS > 3:
+        first, w, out, N = _pick(pid, first3, w3, out3, n3, first, w, out, N)
+    if SEGS > 4:
+        first, w, out, N = _pick(pid, first4, w4, out4, n4, first, w, out, N)
+    if SEGS > 5:
+        first, w, out, N = _pick(pid, first5, w5, out5, n5, first, w, out, N)
+    cols = (pid - first) * BN + tl.arange(0, BN)  # [BN] output features = weight rows
+    nmask = cols < N
+    ks = tl.arange(0, KP)
+    kmask = ks < K
+    ptrs = w + cols[:, None].to(tl.int64) * K + ks[None, :]
+    wmask = nmask[:, None] & kmask[None, :]
+    pdl_launch_next(PDL)
+    if EARLY:
+        wt = tl.load(ptrs, mask=wmask, other=0.0)  # [BN, KP]
+        pdl_wait(PDL)
+    else:
+        pdl_wait(PDL)
+        wt = tl.load(ptrs, mask=wmask, other=0.0)
+    for m in tl.static_range(M):
+        xv = tl.load(x + m * stride_xm + ks, mask=kmask, other=0.0).to(tl.float32)  # [KP]
+        acc = tl.sum(wt.to(tl.float32) * xv[None, :], axis=1)  # [BN]
+        tl.store(out + m * N + cols, acc.to(out.dtype.element_ty), mask=nmask)
+
+
 # Launch knobs from a sweep on the H200 (session 23, 2026-12-01; its configurations and times are in
 # bench/results/2026-12-01-h200-session23.json): mini's projections after an RMSNorm, 24 layers' weights in one
 # CUDA graph, block_n 16 / 32 / 64 x block_k 128 / 256 x 2-4 stages x prefetch on / off. 64 weight rows a program
@@ -105,6 +149,23 @@ def _gemv_kernel(
 PREFETCH_MAX_BYTES = 8 << 20
 
 
+# The rows kernel (`_gemv_rows_kernel`): up to ROWS_MAX_M rows and K up to ROWS_MAX_K (padded to a power of
+# two), a program's whole slice in one load of ROWS_TILE weights (BN = ROWS_TILE / K rows of W).
+ROWS_MAX_M = 4
+ROWS_MAX_K = 4096
+ROWS_TILE = 16384
+
+
+def rows_applies(M: int, K: int) -> bool:
+    """The rows kernel takes M rows of width K (KESTREL_GEMV=dot keeps every call on the K-loop kernel)."""
+    return 0 < M <= ROWS_MAX_M and triton.next_power_of_2(K) <= ROWS_MAX_K and env_field("gemv") != "dot"
+
+
+def rows_block(K: int) -> int:
+    """Weight rows a program of the rows kernel takes at width K: ROWS_TILE values in all, 1 to 64 rows."""
+    return max(1, min(64, ROWS_TILE // triton.next_power_of_2(K)))
+
+
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, **knobs) -> torch.Tensor:
     """x [..., K] (at most 16 rows), weight [N, K] contiguous -> [..., N] in x.dtype, fp32 sums (`gemv_many_triton`
     of one weight)."""
@@ -119,13 +180,20 @@ def gemv_many_triton(
     num_warps: int = 4,
     num_stages: int = 4,
     prefetch: bool | None = None,
+    kernel: str = "auto",
+    rows_block_n: int | None = None,
+    rows_warps: int = 8,
+    early: bool = True,
 ) -> list[torch.Tensor]:
     """x [..., K] (at most 16 rows) times each of up to SEGMENTS weights [N_i, K] (contiguous, x's dtype) in one
     launch -> [[..., N_i]] in x.dtype, fp32 sums: each weight's slices are programs of the same grid, so a layer's
     projections of one input cost one launch and their weights stream side by side (MLA's six at batch 1 on the
-    H200: 11.0 us against 33.0 as six launches, session 41). block_n None: 64 from 2048 outputs in all up, else 32;
-    prefetch (each slice into L2 before the PDL wait, where PDL is on) None: up to PREFETCH_MAX_BYTES of weights
-    in all."""
+    H200: 11.0 us against 33.0 as six launches, session 41).
+
+    kernel: "rows" (`_gemv_rows_kernel`: rows_block_n weight rows a program, None: `rows_block`; rows_warps;
+    early: the weights loaded before the PDL wait), "dot" (`_gemv_kernel`: block_n None: 64 from 2048 outputs in
+    all up, else 32; block_k, num_warps, num_stages; prefetch, each slice into L2 before the PDL wait where PDL
+    is on, None: up to PREFETCH_MAX_BYTES of weights in all), or "auto": rows where `rows_applies`, else dot."""
     K = x.shape[-1]
     assert 0 < len(weights) <= SEGMENTS, f"{len(weights)} weights: one launch takes 1 to {SEGMENTS}"
     for w in weights:
@@ -138,16 +206,21 @@ def gemv_many_triton(
         rows = rows.contiguous()
     M = rows.shape[0]
     assert M <= 16, f"{M} rows: the GEMV takes at most 16"
+    if kernel == "auto":
+        kernel = "rows" if rows_applies(M, K) else "dot"
+    assert kernel in ("rows", "dot"), f"kernel {kernel!r}: rows, dot or auto"
+    assert kernel == "dot" or M <= ROWS_MAX_M and triton.next_power_of_2(K) <= ROWS_MAX_K, (
+        f"the rows kernel takes up to {ROWS_MAX_M} rows of up to {ROWS_MAX_K} columns, not {M} x {K}"
+    )
     outs = [torch.empty(M, w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
     segs = [(w, o) for w, o in zip(weights, outs) if w.shape[0]]
     if M and segs:
         pdl = pdl_args(rows)
-        row_bytes = K * weights[0].element_size()
         total = sum(w.shape[0] for w, _ in segs)
-        block_n = block_n or (64 if total >= 2048 else 32)
-        prefetch = prefetch if prefetch is not None else total * row_bytes <= PREFETCH_MAX_BYTES
-        aligned = row_bytes % 16 == 0 and all(w.data_ptr() % 16 == 0 for w, _ in segs)
-        dot_f32 = x.dtype == torch.float32 or not x.is_cuda  # the CPU interpreter's tl.dot misreads bf16
+        if kernel == "rows":
+            block_n = rows_block_n or rows_block(K)
+        else:
+            block_n = block_n or (64 if total >= 2048 else 32)
         firsts = [0]  # each segment's first program
         for w, _ in segs:
             firsts.append(firsts[-1] + triton.cdiv(w.shape[0], block_n))
@@ -155,11 +228,22 @@ def gemv_many_triton(
         for s in range(SEGMENTS):  # the unused segments repeat the first (never selected: SEGS says how many)
             w, o = segs[s] if s < len(segs) else segs[0]
             args += [w, o, w.shape[0]]
-        _gemv_kernel[(firsts[len(segs)],)](
-            rows, M, K, rows.stride(0), *args, *[firsts[min(s, len(segs) - 1)] for s in range(1, SEGMENTS)],
-            BM=16, BN=block_n, BK=min(block_k, max(16, triton.next_power_of_2(K))), DOT_F32=dot_f32,
-            PRECISION="ieee" if dot_f32 else "tf32", SEGS=len(segs),
-            PREFETCH=row_bytes if prefetch and pdl and aligned else 0,
-            num_warps=num_warps, num_stages=num_stages, **pdl,
-        )  # fmt: skip
+        args += [firsts[min(s, len(segs) - 1)] for s in range(1, SEGMENTS)]
+        if kernel == "rows":
+            _gemv_rows_kernel[(firsts[len(segs)],)](
+                rows, K, rows.stride(0), *args, M=M, BN=block_n, KP=triton.next_power_of_2(K), SEGS=len(segs),
+                EARLY=early, num_warps=rows_warps, **pdl,
+            )  # fmt: skip
+        else:
+            row_bytes = K * weights[0].element_size()
+            prefetch = prefetch if prefetch is not None else total * row_bytes <= PREFETCH_MAX_BYTES
+            aligned = row_bytes % 16 == 0 and all(w.data_ptr() % 16 == 0 for w, _ in segs)
+            dot_f32 = x.dtype == torch.float32 or not x.is_cuda  # the CPU interpreter's tl.dot misreads bf16
+            _gemv_kernel[(firsts[len(segs)],)](
+                rows, M, K, rows.stride(0), *args,
+                BM=16, BN=block_n, BK=min(block_k, max(16, triton.next_power_of_2(K))), DOT_F32=dot_f32,
+                PRECISION="ieee" if dot_f32 else "tf32", SEGS=len(segs),
+                PREFETCH=row_bytes if prefetch and pdl and aligned else 0,
+                num_warps=num_warps, num_stages=num_stages, **pdl,
+            )  # fmt: skip
     return [o.view(*x.shape[:-1], o.shape[1]) for o in outs]
