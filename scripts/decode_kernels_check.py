@@ -895,7 +895,7 @@ def gemv_rows(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
         return row
 
     sweep = [dict(kernel="dot")]
-    tiles, warps = ((1, 4), (2,)) if smoke else ((4, 8, 16, 32), (4, 8))
+    tiles, warps = ((1, 4), (2,)) if smoke else ((2, 4, 8, 16), (4, 8))
     sweep += [
         dict(kernel="rows", rows_block_n=bn, rows_warps=w, early=early)
         for bn in tiles
