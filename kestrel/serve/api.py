@@ -3,7 +3,8 @@
 Endpoints
 - POST /v1/chat/completions, POST /v1/completions: OpenAI-compatible, streaming (SSE, ending `data: [DONE]`)
   or not; `n` choices, `stop`, `seed`, `logprobs`, `usage` (in a stream: a last chunk with `choices: []`
-  when `stream_options.include_usage`).
+  when `stream_options.include_usage`; the usage so far in every chunk too with vLLM's
+  `stream_options.continuous_usage_stats`).
 - POST /generate: native, SGLang-style (`text` or `input_ids`, a `sampling_params` dict with
   `max_new_tokens`); a stream sends each choice's whole text so far in every event (SGLang's default).
 - GET /v1/models, GET /health (503 once the engine thread has failed), GET /get_server_info (engine config,

@@ -37,6 +37,8 @@ class ChatMessage(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    # vLLM's extension: with include_usage, every chunk also carries the usage so far
+    continuous_usage_stats: bool | None = None
 
 
 class _SamplingFields(_Strict):
@@ -99,6 +101,11 @@ class _SamplingFields(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far (vLLM: continuous_usage_stats, taken with include_usage)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class ChatCompletionRequest(_SamplingFields):

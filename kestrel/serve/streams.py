@@ -58,12 +58,11 @@ async def _stream_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 async def chat_stream(server: Server, job: Job, req: ChatCompletionRequest) -> AsyncIterator[str]:
     head = body_head(server, job, "chatcmpl", "chat.completion.chunk")
-    usage = {"usage": None} if req.include_usage else {}
 
     async def events():
         for i in range(len(job.choices)):
             delta = {"role": "assistant", "content": ""}
-            yield _event({**head, "choices": [_chunk_choice(i, delta, None, None)], **usage})
+            yield _event({**head, "choices": [_chunk_choice(i, delta, None, None)], **_chunk_usage(job, req)})
         async for index, piece, out, choice in job.events():
             logprobs = None
             if req.logprobs and out.new_logprobs:
@@ -72,7 +71,8 @@ async def chat_stream(server: Server, job: Job, req: ChatCompletionRequest) -> A
                 continue  # text held back (a partial character or a possible stop string)
             delta = {"content": piece} if piece else {}
             reason = choice.finish_reason if choice.finished else None
-            yield _event({**head, "choices": [_chunk_choice(index, delta, logprobs, reason)], **usage})
+            choices = [_chunk_choice(index, delta, logprobs, reason)]
+            yield _event({**head, "choices": choices, **_chunk_usage(job, req)})
         if req.include_usage:
             yield _event({**head, "choices": [], "usage": job.usage()})
         yield _event("[DONE]")
@@ -81,17 +81,24 @@ async def chat_stream(server: Server, job: Job, req: ChatCompletionRequest) -> A
         yield e
 
 
+def _chunk_usage(job: Job, req: ChatCompletionRequest | CompletionRequest) -> dict:
+    """A content chunk's usage field: absent without include_usage, the usage so far with
+    continuous_usage_stats, else null (the last chunk, with no choices, carries the total)."""
+    if not req.include_usage:
+        return {}
+    return {"usage": job.usage() if req.continuous_usage else None}
+
+
 def _chunk_choice(index: int, delta: dict, logprobs, finish_reason) -> dict:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 async def completion_stream(server: Server, job: Job, req: CompletionRequest) -> AsyncIterator[str]:
     head = body_head(server, job, "cmpl", "text_completion")
-    usage = {"usage": None} if req.include_usage else {}
 
     def chunk(index, text, logprobs, reason):
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
-        return _event({**head, "choices": [choice], **usage})
+        return _event({**head, "choices": [choice], **_chunk_usage(job, req)})
 
     async def events():
         for i, choice in enumerate(job.choices):

@@ -94,6 +94,26 @@ def test_chat_stream_with_usage(client):
     assert text == full.choices[0].message.content
 
 
+def test_stream_with_continuous_usage(client):
+    """vLLM's continuous_usage_stats: every chunk carries the usage so far, the completion tokens never fall, and
+    the last chunk the total; without include_usage it adds nothing."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for create, kw in (
+        (client.chat.completions.create, {"messages": CHAT}),
+        (client.completions.create, {"prompt": "count with me"}),
+    ):
+        chunks = list(create(model=MODEL, max_tokens=6, stream=True, stream_options=options, **kw, **GREEDY))
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage is not None for c in chunks) and counts == sorted(counts)
+        assert counts[-1] == 6 and chunks[-1].choices == []
+        assert len({c.usage.prompt_tokens for c in chunks}) == 1
+        quiet = list(
+            create(model=MODEL, max_tokens=6, stream=True, stream_options={"continuous_usage_stats": True}, **kw,
+                   **GREEDY)
+        )  # fmt: skip
+        assert all(c.usage is None for c in quiet) and quiet[-1].choices
+
+
 def test_n_choices_in_a_stream_carry_their_index(client):
     stream = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=4, n=2, seed=11, temperature=1.0, stream=True
