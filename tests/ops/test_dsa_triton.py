@@ -9,18 +9,15 @@ Legend: B sequences, L score positions (Lmax), HI indexer heads, DI indexer head
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 
 import pytest
 import torch
 
 from kestrel.ops.dsa import by_position, indexer_scores_batched, keep_selected_, topk_select
 from tests.ops.graph_check import assert_replay_matches_eager
+from tests.ops.kernel_modules import load_kernels as _load  # sets TRITON_INTERPRET without CUDA
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is decorated: before the first import
 triton = pytest.importorskip("triton")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -32,13 +29,6 @@ if INTERPRET:
             "triton was imported before TRITON_INTERPRET=1 was set; run this file alone or export it",
             allow_module_level=True,
         )
-
-
-def _load(name):
-    """The kernel module, decorated in the mode chosen above even when something imported it earlier."""
-    fresh = name not in sys.modules
-    module = importlib.import_module(name)
-    return module if fresh else importlib.reload(module)
 
 
 _scores = _load("kestrel.ops.dsa.triton_scores")

@@ -5,29 +5,17 @@ would hold garbage and fail the comparison."""
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is decorated: before the first import
+from tests.ops.kernel_modules import load_kernels as _load  # sets TRITON_INTERPRET without CUDA
+
 triton = pytest.importorskip("triton")
 
 from kestrel.ops.activation.naive import sigmoid_gate, situ, swiglu  # noqa: E402
 from kestrel.ops.attnres.naive import attnres_mix, attnres_mix_norm  # noqa: E402
 from kestrel.ops.kda.naive import gated_rms_norm, kda_gate  # noqa: E402
 from kestrel.ops.norm.naive import layer_norm, rms_norm  # noqa: E402
-
-
-def _load(name):
-    """The kernel module, decorated in the mode chosen above even when something imported it earlier."""
-    fresh = name not in sys.modules
-    module = importlib.import_module(name)
-    return module if fresh else importlib.reload(module)
-
 
 _act = _load("kestrel.ops.activation.triton_act")
 situ_triton, swiglu_triton, sigmoid_gate_triton = (

@@ -4,22 +4,17 @@ Hopper. Outputs are fresh tensors: a column the kernel never writes fails the co
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is decorated: before the first import
+from tests.ops.kernel_modules import load_kernels  # sets TRITON_INTERPRET without CUDA
+
 triton = pytest.importorskip("triton")
 
 from kestrel.ops import linear as linear_ops  # noqa: E402
 
-if "kestrel.ops.linear.triton_gemv" in sys.modules:  # decorated in the mode chosen above
-    importlib.reload(sys.modules["kestrel.ops.linear.triton_gemv"])
+load_kernels("kestrel.ops.linear.triton_gemv")
 from kestrel.ops.linear.triton_gemv import (  # noqa: E402
     ROWS_MAX_M,
     SEGMENTS,

@@ -5,7 +5,6 @@ column the kernel never writes fails the comparison."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -14,12 +13,11 @@ import textwrap
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is decorated: before the first import
+from tests.ops.kernel_modules import load_kernels  # sets TRITON_INTERPRET without CUDA
+
 triton = pytest.importorskip("triton")
 
-if "kestrel.ops.linear.triton_chain" in sys.modules:  # decorated in the mode chosen above
-    importlib.reload(sys.modules["kestrel.ops.linear.triton_chain"])
+load_kernels("kestrel.ops.linear.triton_chain")
 from kestrel.ops.linear.triton_chain import GemvChain, gemv_chain_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
