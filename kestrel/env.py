@@ -166,10 +166,10 @@ class Env:
     gemv: str
     """KESTREL_GEMV: at inference on a GPU where PDL is on (Hopper and later), linear layers over at most
     kestrel.ops.linear.GEMV_MAX_ROWS rows run the Triton GEMV (kestrel.ops.linear.triton_gemv: launched with PDL,
-    its weights asked into L2 before it waits) instead of cuBLAS: auto | dot | off. auto: up to
-    triton_gemv.ROWS_MAX_M rows, each program's weights in one load issued before the wait (`_gemv_rows_kernel`),
-    more rows the K-loop kernel (`_gemv_kernel`, tl.dot over K steps); dot: the K-loop kernel for every row
-    count."""
+    its weights asked into L2 before it waits) instead of cuBLAS: auto | rows | off. auto: the K-loop kernel
+    (`_gemv_kernel`, tl.dot over K steps) for every row count; rows: up to triton_gemv.ROWS_MAX_M rows the rows
+    kernel (`_gemv_rows_kernel`, each program's weights in one load issued before the PDL wait; written in
+    session 55 and not yet run on a GPU: `scripts/gpu_calls.py rows gemvab` time it against auto)."""
     pdl: str
     """KESTREL_PDL: the decode step's Triton kernels launch with programmatic dependent launch on Hopper and later
     (kestrel.ops.pdl): auto | off."""
@@ -246,7 +246,7 @@ VARIABLES: dict[str, Variable] = {
         "KESTREL_FUSED_OPS", "auto", ("auto", "off"), what="norms, activations, mixing as one kernel each"
     ),
     "gemv": _choice(
-        "KESTREL_GEMV", "auto", ("auto", "dot", "off"), what="Triton GEMV for projections of up to 16 rows"
+        "KESTREL_GEMV", "auto", ("auto", "rows", "off"), what="Triton GEMV for projections of up to 16 rows"
     ),
     "pdl": _choice("KESTREL_PDL", "auto", ("auto", "off"), what="programmatic dependent launch (Hopper)"),
     "compile_train": Variable(

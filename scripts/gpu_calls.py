@@ -305,10 +305,10 @@ def job_short(arg: str | None, call: Call) -> list[Run]:
 
 def job_gemvab(arg: str | None, call: Call) -> list[Run]:
     """bench decode at 4K, batch 1, 4 and 16, DSA only, with the GEMV's K-loop kernel for every row count
-    (KESTREL_GEMV=dot, the GEMV before session 55) and with the rows kernel up to 4 rows (auto), alternating.
+    (KESTREL_GEMV=auto, the default) and with the rows kernel up to 4 rows (KESTREL_GEMV=rows), alternating.
     `gemvab:N` runs the first N."""
     runs = []
-    for i, mode in enumerate(("dot", "auto", "dot", "auto")[: _count(arg, "gemvab")]):
+    for i, mode in enumerate(("auto", "rows", "auto", "rows")[: _count(arg, "gemvab")]):
         options = ["--batches", "1,4,16", "--contexts", "4096", "--no-dense"]
         runs.append(_decode(call, f"gemv_{mode}_{i // 2}", 70, *options, env={"KESTREL_GEMV": mode}))
     return runs
@@ -351,7 +351,7 @@ JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {
         lambda arg, call: [_check(call, "rows", "gemv_rows", 90)],
     ),
     "gemvab": (
-        "gemvab[:N]: bench decode at 4K, batch 1/4/16, KESTREL_GEMV=dot and auto alternating (N runs of 4)",
+        "gemvab[:N]: bench decode at 4K, batch 1/4/16, KESTREL_GEMV=auto and rows alternating (N runs of 4)",
         job_gemvab,
     ),
     "pdl": (

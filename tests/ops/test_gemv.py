@@ -65,11 +65,12 @@ def test_gemv_rows_tiles(block_n, early):
     _close(got, F.linear(x, w))
 
 
-def test_gemv_auto_picks_rows_for_a_few_rows(monkeypatch):
-    monkeypatch.delenv("KESTREL_GEMV", raising=False)
+def test_gemv_rows_only_where_asked_and_taken(monkeypatch):
+    """KESTREL_GEMV=rows puts a few rows on the rows kernel; auto keeps the K-loop kernel for every row count."""
+    monkeypatch.setenv("KESTREL_GEMV", "rows")
     assert rows_applies(1, 2048) and rows_applies(ROWS_MAX_M, 1000)
     assert not rows_applies(ROWS_MAX_M + 1, 2048) and not rows_applies(1, 8192)
-    monkeypatch.setenv("KESTREL_GEMV", "dot")
+    monkeypatch.delenv("KESTREL_GEMV")
     assert not rows_applies(1, 2048)
     x = torch.zeros(ROWS_MAX_M + 1, 32, device=DEVICE, dtype=DTYPE)
     with pytest.raises(AssertionError, match="the rows kernel takes up to"):

@@ -9,6 +9,17 @@ the next kernel launch, then asks for its whole weight slice into L2 (one bulk p
 waits for the kernel before it: weights do not depend on it, so they stream in while it ends, and the loop
 reads them from L2.
 
+The rows kernel (`_gemv_rows_kernel`, session 55; up to ROWS_MAX_M rows, K up to ROWS_MAX_K): the K loop above
+waits on each step's load before the next goes out (Triton does not pipeline it: no cp.async in its sm_90 PTX),
+which fits what session 52 measured on the H200 at batch 1 (mini's KDA projections 11.15 us a layer from HBM,
+10.08 with the weights already in L2, 5.04 of bytes: latency, not bandwidth; not yet shown to be the cause). The
+rows kernel loads a program's
+whole [BN, K] slice at once, before the PDL wait, and sums each row's products in fp32 (no tl.dot): one round
+trip, overlapped with the kernel before. It has run only in Triton's interpreter and been compiled for sm_90
+on the CPU (BN 8 at 8 warps: 88 registers, no spills; BN 32 spills): no GPU was lent when it was written, so it
+runs only with KESTREL_GEMV=rows until `scripts/gpu_calls.py rows gemvab served:KESTREL_GEMV=rows` has timed it
+against the K loop and checked the served tokens.
+
 One launch may take several weights of one input (`gemv_many_triton`, up to GEMV_MAX_WEIGHTS): their slices are the
 grid's programs one weight after another, and each program picks its weight, output and width from its index.
 A small projection alone costs a whole launch (4-5 us at batch 1 however few its bytes); side by side they cost
@@ -157,8 +168,9 @@ ROWS_TILE = 16384
 
 
 def rows_applies(M: int, K: int) -> bool:
-    """The rows kernel takes M rows of width K (KESTREL_GEMV=dot keeps every call on the K-loop kernel)."""
-    return 0 < M <= ROWS_MAX_M and triton.next_power_of_2(K) <= ROWS_MAX_K and env_field("gemv") != "dot"
+    """`gemv_many_triton(kernel="auto")` runs the rows kernel on M rows of width K: KESTREL_GEMV=rows (not yet
+    the default: it has not run on a GPU, see the module docstring) and a shape it takes."""
+    return env_field("gemv") == "rows" and 0 < M <= ROWS_MAX_M and triton.next_power_of_2(K) <= ROWS_MAX_K
 
 
 def rows_block(K: int) -> int:
