@@ -6,7 +6,12 @@ to 255 registers and 720 bytes of stack; a per-segment loop brought it to 126 an
 
     python3 scripts/triton_sm90_check.py topk          # the DSA top-k kernels at their default tiles
     python3 scripts/triton_sm90_check.py kernel MODULE:NAME \
-        --sig '{"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}' --const '{"BLOCK": 1024}' [--warps 8] [--stages 3]
+        --sig '{"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}' --const '{"BLOCK": 1024}' \
+        [--warps 8] [--stages 3] [--div x_ptr,n] [--ptx ld.global --ptx griddepcontrol]
+
+--div takes parameters as multiples of 16 (Triton specializes pointers and ints so at launch when they are; without
+it the loads through them compile to scalar ones); --ptx prints the PTX lines holding a text, in order (session 55:
+the rows GEMV's weight loads, all 16-byte and before `griddepcontrol.wait`).
 
 The figures are those of the Triton imported. The CPU venv's is 3.9 and the GPU image's 3.6, and they differ
 (the top-k compact kernel: 103 registers in 3.9, 113 in 3.6); for the device's own figures, put 3.6 first:
@@ -37,18 +42,38 @@ from triton.compiler import ASTSource  # noqa: E402
 SM90 = GPUTarget("cuda", 90, 32)
 
 
-def resource_usage(fn, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3) -> dict:
-    """{'kernel', 'REG', 'STACK', 'SHARED', ...} of `fn` compiled for sm_90 (cuobjdump's resource usage line).
-    `signature` and `constexprs` may name parameters `fn` does not take (a preset shares them between
-    kernels); the constexprs need no entry in `signature`."""
+def compile_sm90(
+    fn, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3, divisible: tuple = ()
+):
+    """`fn` compiled for sm_90. `signature` and `constexprs` may name parameters `fn` does not take (a preset
+    shares them between kernels); the constexprs need no entry in `signature`. `divisible`: the parameters
+    (pointers, ints) to take as multiples of 16, as Triton specializes them at launch when they are (without it
+    a load through them compiles to scalar loads)."""
     constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
     signature = {
         k: "constexpr" if k in constexprs else signature[k] for k in fn.arg_names
     }  # in parameter order
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible if k in fn.arg_names}
     options = {"num_warps": num_warps, "num_stages": num_stages}
-    compiled = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=SM90, options=options
+    return triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+        target=SM90,
+        options=options,
     )
+
+
+def ptx_lines(compiled, pattern: str) -> list[str]:
+    """The PTX lines holding `pattern`, each with its line number: the order of loads, waits and barriers."""
+    return [
+        f"{i}: {line.strip()}" for i, line in enumerate(compiled.asm["ptx"].splitlines()) if pattern in line
+    ]
+
+
+def resource_usage(
+    fn, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3, divisible: tuple = ()
+) -> dict:
+    """{'kernel', 'REG', 'STACK', 'SHARED', ...} of `fn` compiled for sm_90 (cuobjdump's resource usage line)."""
+    compiled = compile_sm90(fn, signature, constexprs, num_warps, num_stages, divisible)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -92,7 +117,14 @@ def main() -> int:
     one.add_argument("--const", default="{}", help='{"PARAM": value} for the constexpr parameters')
     one.add_argument("--warps", type=int, default=4)
     one.add_argument("--stages", type=int, default=3)
+    one.add_argument(
+        "--div", default="", help="parameters to take as multiples of 16, comma-separated (as at launch)"
+    )
+    one.add_argument(
+        "--ptx", action="append", default=[], help="print the PTX lines holding this text (repeatable)"
+    )
     args = parser.parse_args()
+    divisible, patterns = (), []
     if args.what == "topk":
         kernels, sig, const, warps = topk_preset()
         stages = 3
@@ -100,8 +132,16 @@ def main() -> int:
         module, _, name = args.name.partition(":")
         kernels = [getattr(importlib.import_module(module), name)]
         sig, const, warps, stages = json.loads(args.sig), json.loads(args.const), args.warps, args.stages
+        divisible, patterns = tuple(filter(None, args.div.split(","))), args.ptx
     for fn in kernels:
-        print(json.dumps(resource_usage(fn, sig, const, num_warps=warps, num_stages=stages)), flush=True)
+        print(json.dumps(resource_usage(fn, sig, const, warps, stages, divisible)), flush=True)
+        if patterns:
+            compiled = compile_sm90(fn, sig, const, warps, stages, divisible)
+            lines = sorted(
+                {line for p in patterns for line in ptx_lines(compiled, p)},
+                key=lambda x: int(x.split(":")[0]),
+            )
+            print("\n".join(lines), flush=True)
     return 0
 
 

@@ -16,9 +16,9 @@ which fits what session 52 measured on the H200 at batch 1 (mini's KDA projectio
 rows kernel loads a program's
 whole [BN, K] slice at once, before the PDL wait, and sums each row's products in fp32 (no tl.dot): one round
 trip, overlapped with the kernel before. It has run only in Triton's interpreter and been compiled for sm_90
-on the CPU (BN 8 at 8 warps: 88 registers, no spills, its slice as eight 16-byte loads a thread, all before
-`griddepcontrol.wait`, where K and the pointers are multiples of 16 as Triton specializes them at launch; BN 32
-spills): no GPU was lent when it was written, so it
+on the CPU (`scripts/triton_sm90_check.py --div`: K and the pointers multiples of 16, as Triton specializes
+them at launch; BN 8 at 8 warps 48 registers, its slice as eight 16-byte loads a thread, all before
+`griddepcontrol.wait`; BN 16 at 8 warps 80; BN 32 255, spilling at 4 warps): no GPU was lent when it was written, so it
 runs only with KESTREL_GEMV=rows until `scripts/gpu_calls.py rows gemvab served:KESTREL_GEMV=rows` has timed it
 against the K loop and checked the served tokens.
 
