@@ -11,16 +11,15 @@ reads them from L2.
 
 The rows kernel (`_gemv_rows_kernel`, session 55; up to ROWS_MAX_M rows, K up to ROWS_MAX_K): the K loop above
 waits on each step's load before the next goes out (Triton does not pipeline it: no cp.async in its sm_90 PTX),
-which fits what session 52 measured on the H200 at batch 1 (mini's KDA projections 11.15 us a layer from HBM,
-10.08 with the weights already in L2, 5.04 of bytes: latency, not bandwidth; not yet shown to be the cause). The
-rows kernel loads a program's
-whole [BN, K] slice at once, before the PDL wait, and sums each row's products in fp32 (no tl.dot): one round
-trip, overlapped with the kernel before. It has run only in Triton's interpreter and been compiled for sm_90
-on the CPU (`scripts/triton_sm90_check.py --div`: K and the pointers multiples of 16, as Triton specializes
-them at launch; BN 8 at 8 warps 48 registers, its slice as eight 16-byte loads a thread, all before
-`griddepcontrol.wait`; BN 16 at 8 warps 80; BN 32 255, spilling at 4 warps): no GPU was lent when it was written, so it
-runs only with KESTREL_GEMV=rows until `scripts/gpu_calls.py rows gemvab served:KESTREL_GEMV=rows` has timed it
-against the K loop and checked the served tokens.
+which fits what session 52 measured on the H200 at batch 1 (mini's KDA projections 11.15 us a layer from HBM, 10.08
+with the weights already in L2, 5.04 of bytes: latency, not bandwidth; not yet shown to be the cause). The rows
+kernel loads a program's whole [BN, K] slice at once, before the PDL wait, and sums each row's products in fp32 (no
+tl.dot): one round trip, overlapped with the kernel before. It has run only in Triton's interpreter and been
+compiled for sm_90 on the CPU (`scripts/triton_sm90_check.py --div`: K and the pointers multiples of 16, as Triton
+specializes them at launch; BN 8 at 8 warps 48 registers, its slice as eight 16-byte loads a thread, all before
+`griddepcontrol.wait`; BN 16 at 8 warps 80; BN 32 255, spilling at 4 warps): no GPU was lent when it was written,
+so it runs only with KESTREL_GEMV=rows until `scripts/gpu_calls.py rows gemvab served:KESTREL_GEMV=rows` has timed
+it against the K loop and checked the served tokens.
 
 One launch may take several weights of one input (`gemv_many_triton`, up to GEMV_MAX_WEIGHTS): their slices are the
 grid's programs one weight after another, and each program picks its weight, output and width from its index.
@@ -112,8 +111,8 @@ def _gemv_rows_kernel(
     EARLY: tl.constexpr = True,
 ):  # fmt: skip
     """A few rows (M constexpr, decode at batch 1 to 4): program n's whole [BN, K] slice of W in one load, so all
-    its bytes are in flight at once (the K loop of `_gemv_kernel` waits on each step's load in turn: Triton
-    pipelines it not). With EARLY and PDL the load is issued before the wait for the kernel in front (weights
+    its bytes are in flight at once (the K loop of `_gemv_kernel` waits on each step's load in turn: Triton does
+    not pipeline it). With EARLY and PDL the load is issued before the wait for the kernel in front (weights
     depend on no kernel): they arrive while it ends. Then x's rows, and each row's products summed in fp32."""
     pid = tl.program_id(0)
     first, w, out, N = pid * 0, w0, out0, n0
