@@ -20,7 +20,8 @@ calls issued back to back (a machine is given back 30 s after a call; a cold sta
 Waiting for a GPU since session 55 (no device was lent): the rows GEMV against the K-loop one, kernels and steps,
 and the shipped model's tokens through it, in one call; then the tests it touches:
     a. rows gemvab served served:KESTREL_GEMV=rows
-    b. tests:tests/ops/test_gemv.py,tests/engine/test_sampler.py,tests/engine/test_overlap.py,tests/engine/test_engine.py
+    b. tests:tests/ops/test_gemv.py,tests/engine/test_sampler.py,tests/engine/test_overlap.py,\
+tests/engine/test_engine.py (one argument)
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
 (tests:rest:2/2 and so on; the summary counts the outcomes so far from pytest's log).
 Each job's help (`--list`) says what it runs."""

@@ -56,15 +56,13 @@ def _pick(pid, seg_first, seg_w, seg_out, seg_n, first, w, out, N):
 
 
 @triton.jit
-def _gemv_kernel(
-    x, M, K, stride_xm,
-    w0, out0, n0, w1, out1, n1, w2, out2, n2, w3, out3, n3, w4, out4, n4, w5, out5, n5,
-    first1, first2, first3, first4, first5,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    SEGS: tl.constexpr = 1, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+def _segment(
+    pid, w0, out0, n0, w1, out1, n1, w2, out2, n2, w3, out3, n3, w4, out4, n4, w5, out5, n5,
+    first1, first2, first3, first4, first5, SEGS: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    first, w, out, N = pid * 0, w0, out0, n0  # segment 0 from program 0; the later ones from first1, ...
+    """Program pid's segment (segment 0 from program 0, the later ones from first1, ...): its weight, output and
+    width, and the program's BN output features in it (weight rows)."""
+    first, w, out, N = pid * 0, w0, out0, n0
     if SEGS > 1:
         first, w, out, N = _pick(pid, first1, w1, out1, n1, first, w, out, N)
     if SEGS > 2:
@@ -75,7 +73,21 @@ def _gemv_kernel(
         first, w, out, N = _pick(pid, first4, w4, out4, n4, first, w, out, N)
     if SEGS > 5:
         first, w, out, N = _pick(pid, first5, w5, out5, n5, first, w, out, N)
-    cols = (pid - first) * BN + tl.arange(0, BN)  # [BN] output features = weight rows
+    return w, out, N, (pid - first) * BN + tl.arange(0, BN)
+
+
+@triton.jit
+def _gemv_kernel(
+    x, M, K, stride_xm,
+    w0, out0, n0, w1, out1, n1, w2, out2, n2, w3, out3, n3, w4, out4, n4, w5, out5, n5,
+    first1, first2, first3, first4, first5,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    SEGS: tl.constexpr = 1, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+):  # fmt: skip
+    w, out, N, cols = _segment(
+        tl.program_id(0), w0, out0, n0, w1, out1, n1, w2, out2, n2, w3, out3, n3, w4, out4, n4, w5, out5, n5,
+        first1, first2, first3, first4, first5, SEGS, BN,
+    )  # fmt: skip
     nmask = cols < N
     w_rows = w + cols[:, None].to(tl.int64) * K  # [BN, 1]
     pdl_launch_next(PDL)
@@ -114,19 +126,10 @@ def _gemv_rows_kernel(
     its bytes are in flight at once (the K loop of `_gemv_kernel` waits on each step's load in turn: Triton does
     not pipeline it). With EARLY and PDL the load is issued before the wait for the kernel in front (weights
     depend on no kernel): they arrive while it ends. Then x's rows, and each row's products summed in fp32."""
-    pid = tl.program_id(0)
-    first, w, out, N = pid * 0, w0, out0, n0
-    if SEGS > 1:
-        first, w, out, N = _pick(pid, first1, w1, out1, n1, first, w, out, N)
-    if SEGS > 2:
-        first, w, out, N = _pick(pid, first2, w2, out2, n2, first, w, out, N)
-    if SEGS > 3:
-        first, w, out, N = _pick(pid, first3, w3, out3, n3, first, w, out, N)
-    if SEGS > 4:
-        first, w, out, N = _pick(pid, first4, w4, out4, n4, first, w, out, N)
-    if SEGS > 5:
-        first, w, out, N = _pick(pid, first5, w5, out5, n5, first, w, out, N)
-    cols = (pid - first) * BN + tl.arange(0, BN)  # [BN] output features = weight rows
+    w, out, N, cols = _segment(
+        tl.program_id(0), w0, out0, n0, w1, out1, n1, w2, out2, n2, w3, out3, n3, w4, out4, n4, w5, out5, n5,
+        first1, first2, first3, first4, first5, SEGS, BN,
+    )  # fmt: skip
     nmask = cols < N
     ks = tl.arange(0, KP)
     kmask = ks < K
