@@ -170,6 +170,11 @@ class Env:
     (`_gemv_kernel`, tl.dot over K steps) for every row count; rows: up to triton_gemv.ROWS_MAX_M rows the rows
     kernel (`_gemv_rows_kernel`, each program's weights in one load issued before the PDL wait; written in
     session 55 and not yet run on a GPU: `scripts/gpu_calls.py rows gemvab` time it against auto)."""
+    gemv_gate: bool
+    """KESTREL_GEMV_GATE: with KESTREL_GEMV=rows, the output projections of KDA (its per-head norm-gate) and MLA
+    (its sigmoid gate) make their gated input inside the rows kernel's prologue (`gemv_many_triton(gate=)`), not
+    in a launch of their own: 24 launches a mini decode step fewer. Off by default: written in session 55 with
+    no GPU lent, not yet timed (`scripts/gpu_calls.py gemvab` runs auto, rows, and rows with this)."""
     pdl: str
     """KESTREL_PDL: the decode step's Triton kernels launch with programmatic dependent launch on Hopper and later
     (kestrel.ops.pdl): auto | off."""
@@ -247,6 +252,9 @@ VARIABLES: dict[str, Variable] = {
     ),
     "gemv": _choice(
         "KESTREL_GEMV", "auto", ("auto", "rows", "off"), what="Triton GEMV for projections of up to 16 rows"
+    ),
+    "gemv_gate": Variable(
+        "KESTREL_GEMV_GATE", "flag", False, what="output gates inside the rows GEMV (with KESTREL_GEMV=rows)"
     ),
     "pdl": _choice("KESTREL_PDL", "auto", ("auto", "off"), what="programmatic dependent launch (Hopper)"),
     "compile_train": Variable(

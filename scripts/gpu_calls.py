@@ -19,7 +19,7 @@ calls issued back to back (a machine is given back 30 s after a call; a cold sta
     3. l2 moe short
 Waiting for a GPU since session 55 (no device was lent): the rows GEMV against the K-loop one, kernels and steps,
 and the shipped model's tokens through it, in one call; then the tests it touches:
-    a. rows gemvab served served:KESTREL_GEMV=rows
+    a. rows gemvab served:KESTREL_GEMV=rows served:KESTREL_GEMV=rows,KESTREL_GEMV_GATE=1
     b. tests:tests/ops/test_gemv.py,tests/engine/test_sampler.py,tests/engine/test_overlap.py,\
 tests/engine/test_engine.py (one argument)
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
@@ -308,14 +308,24 @@ def job_short(arg: str | None, call: Call) -> list[Run]:
     return runs
 
 
+GEMV_MODES = (  # gemvab's runs, in order: the default, the rows kernel, and the rows kernel with the gates inside
+    ("auto", {"KESTREL_GEMV": "auto"}),
+    ("rows", {"KESTREL_GEMV": "rows"}),
+    ("gate", {"KESTREL_GEMV": "rows", "KESTREL_GEMV_GATE": "1"}),
+)
+
+
 def job_gemvab(arg: str | None, call: Call) -> list[Run]:
     """bench decode at 4K, batch 1, 4 and 16, DSA only, with the GEMV's K-loop kernel for every row count
-    (KESTREL_GEMV=auto, the default) and with the rows kernel up to 4 rows (KESTREL_GEMV=rows), alternating.
-    `gemvab:N` runs the first N."""
+    (KESTREL_GEMV=auto, the default), with the rows kernel up to 4 rows (KESTREL_GEMV=rows), and with the output
+    gates inside it too (KESTREL_GEMV_GATE=1), in turn. `gemvab:N` runs the first N of two rounds (3 without)."""
+    n = 3 if arg is None else int(arg) if arg.isdigit() and 1 <= int(arg) <= 6 else None
+    if n is None:
+        raise ValueError(f"gemvab:N takes a number of runs from 1 to 6, not {arg!r}")
     runs = []
-    for i, mode in enumerate(("auto", "rows", "auto", "rows")[: _count(arg, "gemvab")]):
+    for i, (mode, env) in enumerate((GEMV_MODES * 2)[:n]):
         options = ["--batches", "1,4,16", "--contexts", "4096", "--no-dense"]
-        runs.append(_decode(call, f"gemv_{mode}_{i // 2}", 70, *options, env={"KESTREL_GEMV": mode}))
+        runs.append(_decode(call, f"gemv_{mode}_{i // 3}", 70, *options, env=env))
     return runs
 
 
@@ -356,7 +366,7 @@ JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {
         lambda arg, call: [_check(call, "rows", "gemv_rows", 90)],
     ),
     "gemvab": (
-        "gemvab[:N]: bench decode at 4K, batch 1/4/16, KESTREL_GEMV=auto and rows alternating (N runs of 4)",
+        "gemvab[:N]: bench decode at 4K, batch 1/4/16: KESTREL_GEMV auto, rows, rows + KESTREL_GEMV_GATE (N of 6)",
         job_gemvab,
     ),
     "pdl": (

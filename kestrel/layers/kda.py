@@ -14,6 +14,7 @@ from kestrel.layers.context import get_forward_context
 from kestrel.layers.linear import ColumnLinear, RowLinear, ShapeMismatch, copy_checked, set_loader
 from kestrel.layers.norm import RMSNorm
 from kestrel.ops.kda import F_B_MAX_ROWS, gated_rms_norm, get_kda_backend, kda_gate
+from kestrel.ops.linear import gated_gemv_applies, linear_gated
 from kestrel.utils.dist import parallel_state
 
 QKV = ("q", "k", "v")
@@ -137,6 +138,9 @@ class KimiDeltaAttention(nn.Module):
                 cache.set_kda_state(self.layer_id, ssm_out, conv_out)
 
         gate = gate if self.full_rank_gate else self.g_b_proj(gate)  # [T, P]: the output gate
+        o = o.reshape(T, self.proj_dim)
+        if gated_gemv_applies(o, self.o_proj.weight):  # decode: the norm-gate inside the o projection's GEMV
+            return linear_gated(o, gate, self.o_proj.weight, (self.o_norm.weight, self.eps))
         o = gated_rms_norm(o.view(T, H, K), gate.view(T, H, K), self.o_norm.weight, self.eps)  # [T, H, V]
         return self.o_proj(o.reshape(T, self.proj_dim))
 

@@ -28,6 +28,7 @@ from kestrel.ops.dsa import (
     keep_selected_,
     topk_select,
 )
+from kestrel.ops.linear import gated_gemv_applies, linear_gated
 from kestrel.ops.mla import mla_attention_absorbed, mla_attention_rows, mla_decode_batched, split_kv_b
 from kestrel.ops.mla.naive import WriteNorms
 from kestrel.ops.mla.sdpa_prefill import mla_prefill_sdpa
@@ -118,9 +119,12 @@ class MLAttention(nn.Module):
         else:
             out = self._attend_per_sequence(ctx, q_nope, q_pe, kv_new, w_uk, w_uv, idx)
 
-        if g is not None:
-            out = sigmoid_gate(out, g)  # [T, H, Dv]
-        return self.o_proj(out.reshape(T, H * self.v_dim))
+        out = out.reshape(T, H * self.v_dim)
+        if g is None:
+            return self.o_proj(out)
+        if gated_gemv_applies(out, self.o_proj.weight):  # decode: the gate inside the o projection's GEMV
+            return linear_gated(out, g, self.o_proj.weight)
+        return self.o_proj(sigmoid_gate(out.view(T, H, self.v_dim), g).reshape(T, H * self.v_dim))
 
     def _select(self, ctx, i: int, pick) -> torch.Tensor:
         """DSA selection of sequence i (or of the whole decode batch, i = -1): replayed, or computed by

@@ -38,7 +38,8 @@ def test_topk_kernels_compile_for_sm90_without_spills():
 def test_rows_gemv_loads_its_weights_before_the_pdl_wait():
     """The rows GEMV (kestrel.ops.linear.triton_gemv) at mini's width for sm_90, with K and the pointers multiples
     of 16 as at launch: no spills, and its weight slice as 16-byte loads, every one before griddepcontrol.wait,
-    then x's after it (early); with early off, every load after the wait."""
+    then x's after it (early); with early off, every load after the wait; with KDA's norm-gate inside, the same
+    weight loads first."""
     triton = pytest.importorskip("triton")
     if not (Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump").exists():
         pytest.skip("this Triton has no bundled CUDA tools")
@@ -47,11 +48,22 @@ def test_rows_gemv_loads_its_weights_before_the_pdl_wait():
     for i in range(6):
         sig |= {f"w{i}": "*bf16", f"out{i}": "*bf16", f"n{i}": "i32"}
     sig |= {f"first{i}": "i32" for i in range(1, 6)}
-    for early in (True, False):
-        const = {"M": 1, "BN": 8, "KP": 2048, "SEGS": 1, "PDL": True, "EARLY": early}
+    sig |= {"gate": "*bf16", "stride_gm": "i32", "norm_w": "*bf16", "eps": "fp32"}
+    plain = {"M": 1, "BN": 8, "KP": 2048, "SEGS": 1, "PDL": True, "GATE": 0, "G": 1}
+    # mini's KDA o projection with its norm-gate inside (16 rows of 1024: eight 16-byte loads a thread too)
+    gated = {"M": 1, "BN": 16, "KP": 1024, "SEGS": 1, "PDL": True, "GATE": 2, "G": 128}
+    for const, early in ((plain, True), (plain, False), (gated, True)):
+        const = {**const, "EARLY": early}
         cmd = [sys.executable, str(ROOT / "scripts/triton_sm90_check.py"), "kernel"]
         cmd += ["kestrel.ops.linear.triton_gemv:_gemv_rows_kernel", "--sig", json.dumps(sig)]
-        cmd += ["--const", json.dumps(const), "--warps", "8", "--div", "x,K,stride_xm,w0,out0"]
+        cmd += [
+            "--const",
+            json.dumps(const),
+            "--warps",
+            "8",
+            "--div",
+            "x,K,stride_xm,w0,out0,gate,stride_gm,norm_w",
+        ]
         cmd += ["--ptx", "ld.global", "--ptx", "griddepcontrol.wait"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -60,7 +72,8 @@ def test_rows_gemv_loads_its_weights_before_the_pdl_wait():
         ptx = [line for line in proc.stdout.splitlines() if line[:1].isdigit()]
         wait = next(i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line)
         loads = [i for i, line in enumerate(ptx) if "ld.global" in line]
-        assert all("ld.global.v4" in ptx[i] for i in loads), ptx  # 16 bytes a load
+        assert all("ld.global.v" in ptx[i] for i in loads), ptx  # vector loads only
         before = [i for i in loads if i < wait]
-        # 8 x 2048 bf16 over 256 threads: eight 16-byte loads a thread, then x's one
-        assert (len(before), len(loads)) == ((8, 9) if early else (0, 9)), ptx
+        assert all("ld.global.v4" in ptx[i] for i in before), ptx  # the weights' 16 bytes a load
+        # 8 x 2048 bf16 over 256 threads: eight 16-byte loads a thread, then x's one (and the gate's, the norm's)
+        assert len(before) == (8 if early else 0) and len(loads) == (11 if const["GATE"] else 9), ptx

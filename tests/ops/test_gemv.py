@@ -104,6 +104,76 @@ def test_gemv_many_matches_linear(M, Ns, K, kernel):
         _close(got, F.linear(x, w))
 
 
+@pytest.mark.parametrize("M,K,G", [(1, 64, 16), (3, 96, 32), (4, 40, 8), (2, 64, None), (1, 100, None)])
+def test_gemv_rows_takes_the_output_gate(M, K, G):
+    """The rows kernel with the output gate in its prologue against the gate's own op, then F.linear: KDA's
+    per-head norm-gate (groups of G columns, K not a power of two included) and MLA's sigmoid gate."""
+    from kestrel.ops.activation.naive import sigmoid_gate
+    from kestrel.ops.kda.naive import gated_rms_norm
+
+    g = torch.Generator().manual_seed(M * 100 + K)
+    x = torch.randn(M, K, generator=g).to(DEVICE, DTYPE)
+    gate = (2 * torch.randn(2, M, K, generator=g)).to(DEVICE, DTYPE)[1]  # its own row stride
+    w = torch.randn(37, K, generator=g).to(DEVICE, DTYPE)
+    if G is None:
+        h, norm = sigmoid_gate(x, gate), None
+    else:
+        norm_w = (torch.rand(G, generator=g) + 0.5).to(DEVICE, DTYPE)
+        h = gated_rms_norm(x.view(M, K // G, G), gate.view(M, K // G, G), norm_w, 1e-5).view(M, K)
+        norm = (norm_w, 1e-5)
+    got = gemv_triton(x, w, kernel="rows", rows_block_n=8, gate=gate, norm=norm)
+    _close(got, F.linear(h, w))
+    with pytest.raises(AssertionError, match="the rows kernel only"):
+        gemv_triton(x, w, kernel="dot", gate=gate)
+
+
+def test_layers_take_their_output_gate_inside_the_gemv(monkeypatch):
+    """KDA's norm-gate and MLA's sigmoid gate inside the o projection's GEMV (where `gated_gemv_applies`: forced
+    here, on the CPU's interpreter) give the tiny model's logits of the gates' own ops, through 4 KDA and 2 MLA
+    layers."""
+    import kestrel.layers.kda as kda_layer
+    import kestrel.layers.mla as mla_layer
+    from kestrel.models.loader import build_model
+
+    model = build_model("tiny", seed=3)
+    ids = torch.tensor([5, 17, 99])
+    with torch.no_grad():
+        want = model(ids)
+    calls = []
+
+    def spy(x, gate, weight, norm=None):
+        calls.append(norm is not None)
+        return linear_ops.linear_gated(x, gate, weight, norm)
+
+    for module in (kda_layer, mla_layer):
+        monkeypatch.setattr(module, "gated_gemv_applies", lambda x, w: True)
+        monkeypatch.setattr(module, "linear_gated", spy)
+    with torch.no_grad():
+        got = model(ids)
+    assert sorted(calls) == [False] * 2 + [True] * 4  # 2 MLA layers (no norm), 4 KDA layers
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_gated_gemv_applies_only_where_asked(monkeypatch):
+    w = torch.zeros(8, 64, dtype=torch.bfloat16)
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    monkeypatch.setenv("KESTREL_GEMV", "rows")
+    monkeypatch.setenv("KESTREL_GEMV_GATE", "1")
+    assert not linear_ops.gated_gemv_applies(x, w)  # the CPU: never
+    if torch.cuda.is_available():
+        from kestrel.ops.pdl import pdl_args
+
+        xc, wc = x.cuda(), w.cuda()
+        tuned = bool(pdl_args(xc))
+        assert linear_ops.gated_gemv_applies(xc, wc) == tuned
+        assert not linear_ops.gated_gemv_applies(xc.expand(ROWS_MAX_M + 1, 64), wc)
+        monkeypatch.setenv("KESTREL_GEMV_GATE", "0")
+        assert not linear_ops.gated_gemv_applies(xc, wc)
+        monkeypatch.setenv("KESTREL_GEMV_GATE", "1")
+        monkeypatch.setenv("KESTREL_GEMV", "auto")
+        assert not linear_ops.gated_gemv_applies(xc, wc)
+
+
 def test_gemv_many_refuses_what_it_cannot_take():
     x = torch.zeros(1, 32, device=DEVICE, dtype=DTYPE)
     w = torch.zeros(8, 32, device=DEVICE, dtype=DTYPE)
@@ -244,4 +314,35 @@ def test_gemv_many_mla_shapes_in_a_graph(M, kernel):
     h = F.rms_norm(x.float(), (K,), norm_w.float(), 1e-6).bfloat16()
     for got, w in zip(step(x), ws):
         _close(got, F.linear(h, w))
+    assert_replay_matches_eager(step, [x.clone()], [torch.randn_like(x)])
+
+
+@cuda
+@pytest.mark.parametrize("M", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+def test_gemv_rows_output_gate_mini_shapes_in_a_graph(M, kind):
+    """mini's o projections with their gates inside the rows GEMV: KDA's (2048 x 1024, the norm-gate over heads
+    of 128, the gate a view of the in-projection's rows) and MLA's (2048 x 2048, sigmoid gate), against the
+    gates' own kernels then F.linear, and a graph replay on fresh inputs against eager."""
+    from kestrel.ops.activation import sigmoid_gate
+    from kestrel.ops.kda import gated_rms_norm
+    from tests.ops.graph_check import assert_replay_matches_eager
+
+    K = 1024 if kind == "kda" else 2048
+    g = torch.Generator(device="cuda").manual_seed(M)
+    w = torch.randn(2048, K, generator=g, device="cuda", dtype=torch.bfloat16) * K**-0.5
+    x = torch.randn(M, K, generator=g, device="cuda", dtype=torch.bfloat16)
+    rows = torch.randn(M, 4232, generator=g, device="cuda", dtype=torch.bfloat16)
+    gate = rows[:, 1000 : 1000 + K]  # strided rows, as the in-projection's split leaves them
+    norm = None
+    if kind == "kda":
+        norm = (torch.rand(128, generator=g, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-5)
+        h = gated_rms_norm(x.view(M, -1, 128), gate.reshape(M, -1, 128), *norm).view(M, K)
+    else:
+        h = sigmoid_gate(x.view(M, 16, 128), gate).view(M, K)
+
+    def step(a):
+        return gemv_triton(a, w, kernel="rows", gate=gate, norm=norm)
+
+    _close(step(x), F.linear(h, w))
     assert_replay_matches_eager(step, [x.clone()], [torch.randn_like(x)])

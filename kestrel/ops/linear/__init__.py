@@ -54,6 +54,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear_reference(x, weight)
 
 
+def gated_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`linear_gated` may take x W^T: the GEMV applies, KESTREL_GEMV=rows with KESTREL_GEMV_GATE on, and the
+    rows kernel takes x's rows and width."""
+    if not (gemv_applies(x, weight) and env_field("gemv_gate")):
+        return False
+    from kestrel.ops.linear.triton_gemv import rows_applies
+
+    return rows_applies(x.numel() // x.shape[-1], x.shape[-1])
+
+
+def linear_gated(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None
+) -> torch.Tensor:
+    """linear(h, W) where h is x through its output gate, made inside the GEMV (where `gated_gemv_applies`):
+    with norm = (weight [G], eps) KDA's `gated_rms_norm` over each group of G columns, else MLA's
+    `sigmoid_gate`. x, gate [..., K]."""
+    from kestrel.ops.linear.triton_gemv import gemv_triton
+
+    return gemv_triton(x, weight, kernel="rows", gate=gate, norm=norm)
+
+
 def linear_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
     """[linear(x_i, W_i)] for (x_i, W_i) in pairs. Where every x_i is one tensor's data (x and x.detach(), say)
     and the GEMV applies to each pair, in one launch (`gemv_many_triton`); else one `linear` a pair, so that
@@ -83,8 +104,10 @@ __all__ = [
     "GEMV_MAX_N",
     "GEMV_MAX_ROWS",
     "GEMV_MAX_WEIGHTS",
+    "gated_gemv_applies",
     "gemv_applies",
     "linear",
+    "linear_gated",
     "linear_many",
     "linear_reference",
 ]

@@ -115,17 +115,35 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _gated_row(xv, gate, norm_w, ks, kmask, eps, dt: tl.constexpr, GATE: tl.constexpr, G: tl.constexpr,
+               KP: tl.constexpr):  # fmt: skip
+    """A row of x [KP] fp32 through its output gate, rounded to dt as the gate's own op leaves it: GATE 1
+    x * sigmoid(gate) (MLA: the sigmoid rounded to dt, then the product); 2 RMSNorm over each group of G columns,
+    times norm_w [G] and sigmoid(gate), in fp32 (KDA's per-head norm-gate)."""
+    gv = tl.load(gate + ks, mask=kmask, other=0.0).to(tl.float32)
+    if GATE == 1:
+        y = xv * tl.sigmoid(gv).to(dt).to(tl.float32)
+    else:
+        groups = tl.reshape(xv, (KP // G, G))
+        inv = tl.rsqrt(tl.sum(groups * groups, axis=1) / G + eps)  # [KP // G]
+        normed = tl.reshape(groups * inv[:, None], (KP,))
+        y = tl.load(norm_w + ks % G).to(tl.float32) * normed * tl.sigmoid(gv)
+    return y.to(dt).to(tl.float32)
+
+
+@triton.jit
 def _gemv_rows_kernel(
     x, K, stride_xm,
     w0, out0, n0, w1, out1, n1, w2, out2, n2, w3, out3, n3, w4, out4, n4, w5, out5, n5,
-    first1, first2, first3, first4, first5,
+    first1, first2, first3, first4, first5, gate, stride_gm, norm_w, eps,
     M: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr, SEGS: tl.constexpr = 1, PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = True,
+    EARLY: tl.constexpr = True, GATE: tl.constexpr = 0, G: tl.constexpr = 1,
 ):  # fmt: skip
     """A few rows (M constexpr, decode at batch 1 to 4): program n's whole [BN, K] slice of W in one load, so all
     its bytes are in flight at once (the K loop of `_gemv_kernel` waits on each step's load in turn: Triton does
     not pipeline it). With EARLY and PDL the load is issued before the wait for the kernel in front (weights
-    depend on no kernel): they arrive while it ends. Then x's rows, and each row's products summed in fp32."""
+    depend on no kernel): they arrive while it ends. Then x's rows (with GATE, each through its output gate
+    first: `_gated_row`), and each row's products summed in fp32."""
     w, out, N, cols = _segment(
         tl.program_id(0), w0, out0, n0, w1, out1, n1, w2, out2, n2, w3, out3, n3, w4, out4, n4, w5, out5, n5,
         first1, first2, first3, first4, first5, SEGS, BN,
@@ -144,6 +162,8 @@ def _gemv_rows_kernel(
         wt = tl.load(ptrs, mask=wmask, other=0.0)
     for m in tl.static_range(M):
         xv = tl.load(x + m * stride_xm + ks, mask=kmask, other=0.0).to(tl.float32)  # [KP]
+        if GATE:
+            xv = _gated_row(xv, gate + m * stride_gm, norm_w, ks, kmask, eps, x.dtype.element_ty, GATE, G, KP)
         acc = tl.sum(wt.to(tl.float32) * xv[None, :], axis=1)  # [BN]
         tl.store(out + m * N + cols, acc.to(out.dtype.element_ty), mask=nmask)
 
@@ -200,6 +220,8 @@ def gemv_many_triton(
     rows_block_n: int | None = None,
     rows_warps: int = 8,
     early: bool = True,
+    gate: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
 ) -> list[torch.Tensor]:
     """x [..., K] (at most 16 rows) times each of up to SEGMENTS weights [N_i, K] (contiguous, x's dtype) in one
     launch -> [[..., N_i]] in x.dtype, fp32 sums: each weight's slices are programs of the same grid, so a layer's
@@ -209,7 +231,12 @@ def gemv_many_triton(
     kernel: "rows" (`_gemv_rows_kernel`: rows_block_n weight rows a program, None: `rows_block`; rows_warps;
     early: the weights loaded before the PDL wait), "dot" (`_gemv_kernel`: block_n None: 64 from 2048 outputs in
     all up, else 32; block_k, num_warps, num_stages; prefetch, each slice into L2 before the PDL wait where PDL
-    is on, None: up to PREFETCH_MAX_BYTES of weights in all), or "auto": rows where `rows_applies`, else dot."""
+    is on, None: up to PREFETCH_MAX_BYTES of weights in all), or "auto": rows where `rows_applies`, else dot.
+
+    gate (rows kernel only) [..., K] like x: x goes through its output gate first, inside the kernel: with norm
+    = (weight [G], eps), `gated_rms_norm` over each group of G columns (KDA's heads); without, `sigmoid_gate`
+    (MLA's). The gated x is rounded to x's dtype as those ops leave it; the norm's sum is reduced in another
+    order than the norm kernel's, so a value may differ from theirs in its last bit."""
     K = x.shape[-1]
     assert 0 < len(weights) <= SEGMENTS, f"{len(weights)} weights: one launch takes 1 to {SEGMENTS}"
     for w in weights:
@@ -223,8 +250,10 @@ def gemv_many_triton(
     M = rows.shape[0]
     assert M <= 16, f"{M} rows: the GEMV takes at most 16"
     if kernel == "auto":
-        kernel = "rows" if rows_applies(M, K) else "dot"
+        kernel = "rows" if rows_applies(M, K) or gate is not None else "dot"
     assert kernel in ("rows", "dot"), f"kernel {kernel!r}: rows, dot or auto"
+    assert gate is None or kernel == "rows", "an output gate goes through the rows kernel only"
+    assert norm is None or gate is not None, "a norm comes with a gate"
     assert kernel == "dot" or M <= ROWS_MAX_M and triton.next_power_of_2(K) <= ROWS_MAX_K, (
         f"the rows kernel takes up to {ROWS_MAX_M} rows of up to {ROWS_MAX_K} columns, not {M} x {K}"
     )
@@ -246,9 +275,25 @@ def gemv_many_triton(
             args += [w, o, w.shape[0]]
         args += [firsts[min(s, len(segs) - 1)] for s in range(1, SEGMENTS)]
         if kernel == "rows":
+            kp = triton.next_power_of_2(K)
+            gate_args, consts = (rows, 0, rows, 0.0), {}  # no gate: never read
+            if gate is not None:
+                g = gate.reshape(-1, K)
+                g = g if g.stride(-1) == 1 else g.contiguous()
+                assert g.shape == rows.shape, f"gate {tuple(gate.shape)} for x {tuple(x.shape)}"
+                consts = dict(GATE=1)
+                if norm is not None:
+                    norm_w, eps = norm
+                    G = norm_w.numel()
+                    assert K % G == 0 and G == triton.next_power_of_2(G) <= kp, (
+                        f"norm groups of {G} (a power of two dividing K) for K {K}"
+                    )
+                    gate_args, consts = (g, g.stride(0), norm_w.contiguous(), float(eps)), dict(GATE=2, G=G)
+                else:
+                    gate_args = (g, g.stride(0), g, 0.0)
             _gemv_rows_kernel[(firsts[len(segs)],)](
-                rows, K, rows.stride(0), *args, M=M, BN=block_n, KP=triton.next_power_of_2(K), SEGS=len(segs),
-                EARLY=early, num_warps=rows_warps, **pdl,
+                rows, K, rows.stride(0), *args, *gate_args, M=M, BN=block_n, KP=kp, SEGS=len(segs),
+                EARLY=early, num_warps=rows_warps, **consts, **pdl,
             )  # fmt: skip
         else:
             row_bytes = K * weights[0].element_size()
