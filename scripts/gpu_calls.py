@@ -18,10 +18,11 @@ calls issued back to back (a machine is given back 30 s after a call; a cold sta
     1. served topk tests                 2. decode prefill kernels served:--cuda-graph-short-len=0
     3. l2 moe short
 Waiting for a GPU since session 55 (no device was lent): the rows GEMV against the K-loop one, kernels and steps,
-and the shipped model's tokens through it, in one call; then the tests it touches:
-    a. rows gemvab served:KESTREL_GEMV=rows served:KESTREL_GEMV=rows,KESTREL_GEMV_GATE=1
-    b. tests:tests/ops/test_gemv.py,tests/engine/test_sampler.py,tests/engine/test_overlap.py,\
-tests/engine/test_engine.py (one argument)
+the MoE's router_early in moe_fused's sweep, and the shipped model's tokens through the rows GEMV, in one call;
+then the tests they touch:
+    a. rows moe gemvab served:KESTREL_GEMV=rows served:KESTREL_GEMV=rows,KESTREL_GEMV_GATE=1
+    b. served tests:tests/ops/test_gemv.py,tests/ops/test_moe_decode_triton.py,tests/ops/test_router_triton.py,\
+tests/engine/test_sampler.py,tests/engine/test_overlap.py,tests/engine/test_engine.py (tests: one argument)
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
 (tests:rest:2/2 and so on; the summary counts the outcomes so far from pytest's log).
 Each job's help (`--list`) says what it runs."""

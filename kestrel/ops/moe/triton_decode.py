@@ -55,6 +55,10 @@ same bits; barrier 1's wait grows (the loads land before the arrival's release) 
 falls from ~5 to 2.8 us. Loaded before the gate/up items (early 1) the registers held leave room for 3
 programs an SM, too few for the 512 down items. mini's batch-1 step was level within the noise: 1.432-1.445
 ms either way. Barriers polled by volatile loads instead of atomics were slower (19.98-20.44 us).
+Session 55 (no GPU lent): TILES' router_early loads each program's first router item's weights into registers
+before the PDL wait (session 40's L2 prefetch of them saved 0.16 us); its sm_90 PTX has the slice's eight 16-byte
+loads a thread before `griddepcontrol.wait`; the interpreter's tests give the same bits as without; off until
+scripts/decode_kernels_check.py's moe_fused (job `moe`) has timed it.
 """
 
 from __future__ import annotations
@@ -66,9 +70,9 @@ import triton.language as tl
 from kestrel.ops.activation.triton_act import glu
 from kestrel.ops.grid_sync import grid_arrive, grid_wait
 from kestrel.ops.moe.triton_experts import _rounded
-from kestrel.ops.moe.triton_router import _pick, _slice_logits, _summed_logits
+from kestrel.ops.moe.triton_router import _pick, _slice_dot, _slice_logits, _slice_weights, _summed_logits
 from kestrel.ops.occupancy import programs_an_sm
-from kestrel.ops.pdl import pdl_args, pdl_begin
+from kestrel.ops.pdl import pdl_args, pdl_launch_next, pdl_wait
 
 MAX_SPIN = 1 << 22  # polls of a barrier's counter before it gives up (~1 us each)
 _sync: dict[
@@ -80,7 +84,10 @@ _sync: dict[
 # early: with one token, each program's down weights loaded before its gate/up items (1) or after them (2),
 # held through barrier 1 (0: loaded after it), where the grid holds every down item and I is one K step (1
 # holds them through the gate/up items too: at the defaults 3 programs an SM then, too few, so none early)
-TILES = dict(bd=64, ks=1, bn_g=4, bk_g=512, bn_d=4, bk_d=256, warps=4, per_sm=4, defer=1, early=2)
+# router_early: each program's first router item's weights loaded before the PDL wait (session 55, not yet timed)
+TILES = dict(
+    bd=64, ks=1, bn_g=4, bk_g=512, bn_d=4, bk_d=256, warps=4, per_sm=4, defer=1, early=2, router_early=0
+)
 _fits: dict[tuple, int] = {}  # a launch's shapes and constants -> how many of its programs an SM holds
 
 
@@ -170,9 +177,19 @@ def _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, B
 
 
 @triton.jit
-def _router_phase(x, router_w, partial, pid, nprog, T, D, E, S, BE: tl.constexpr, BD: tl.constexpr):
-    """The router's partial logits, every expert at once, a slice of D an item: partial[t, s] [BE]."""
-    for item in range(pid, T * S, nprog):
+def _router_phase(
+    x, router_w, partial, pid, nprog, T, D, E, S, w_first, BE: tl.constexpr, BD: tl.constexpr,
+    ROUTER_EARLY: tl.constexpr,
+):  # fmt: skip
+    """The router's partial logits, every expert at once, a slice of D an item: partial[t, s] [BE]. With
+    ROUTER_EARLY this program's first item (pid) takes its weights from w_first, loaded before the PDL wait."""
+    start = pid
+    if ROUTER_EARLY:
+        if pid < T * S:
+            logits = _slice_dot(x + (pid // S) * D, w_first, pid % S, D, BD)
+            tl.store(partial + pid * BE + tl.arange(0, BE), logits)
+        start = pid + nprog
+    for item in range(start, T * S, nprog):
         logits = _slice_logits(x + (item // S) * D, router_w, item % S, E, D, BE, BD)
         tl.store(partial + item * BE + tl.arange(0, BE), logits)
 
@@ -438,20 +455,29 @@ def _moe_decode_kernel(
     PHASE: tl.constexpr,
     MAX_SPIN: tl.constexpr,
     PDL: tl.constexpr = False,
+    ROUTER_EARLY: tl.constexpr = False,
 ):
     """PHASE 0: all three phases with the grid barriers between them; 1, 2, 3: only the router, gate_up or
     down phase (three launches, no barrier: the CPU interpreter's way). EARLY (PHASE 0 with one token, at most
     one down item a program and one K step of it): each program issues its down item's weight loads once it has
     routed, before its gate/up items (1) or after them (2), and holds them in registers through barrier 1, so
-    the down phase after it waits only for h (the same products in the same order: the phased launches' bits)."""
-    pdl_begin(PDL)
+    the down phase after it waits only for h (the same products in the same order: the phased launches' bits).
+    ROUTER_EARLY (PHASE 0 or 1): each program's first router item's weights are loaded before the PDL wait (the
+    router weight depends on no kernel), so they arrive while the kernel before ends."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    pdl_launch_next(PDL)
+    if ROUTER_EARLY and (PHASE == 0 or PHASE == 1):
+        # [BE, BD]; a program past the items reads none
+        w_first = _slice_weights(router_w, pid % S, tl.where(pid < T * S, E, 0), D, BE, BD)
+    else:
+        w_first = pid  # not read
+    pdl_wait(PDL)
     row = trace + pid * 16  # this program's trace (TRACE only)
     _stamp(row, 0, TRACE)
     SL: tl.constexpr = A + SHARED  # the slots: the routed experts', then the shared expert's
     if PHASE == 0 or PHASE == 1:
-        _router_phase(x, router_w, partial, pid, nprog, T, D, E, S, BE, BD)
+        _router_phase(x, router_w, partial, pid, nprog, T, D, E, S, w_first, BE, BD, ROUTER_EARLY)
         _stamp(row, 1, TRACE)
     if PHASE == 0:
         _grid_sync(sync, 0, nprog, MAX_SPIN)
@@ -612,6 +638,7 @@ def moe_decode_triton(
     consts = dict(
         A=top_k, BA=BA, BE=BE, BS=min(triton.next_power_of_2(S), max(1, 8192 // BE)), BD=BD, KS=KS, KCH=KCH,
         BN_G=t["bn_g"], BK_G=t["bk_g"], BN_D=t["bn_d"], BK_D=t["bk_d"], DEFER=bool(t["defer"]),
+        ROUTER_EARLY=bool(t["router_early"]),
         TRACE=trace is not None,
         HAS_BIAS=correction_bias is not None, RENORM=renormalize, SITU=act == "situ",
         SHARED=shared is not None, ACCUMULATE=accumulate, BF16=x.dtype == torch.bfloat16,

@@ -68,13 +68,23 @@ def _select(
 def _slice_logits(x_row, weight, s, E, D, BE: tl.constexpr, BD: tl.constexpr):
     """A token's fp32 logits [BE] over the hidden slice [s * BD, (s + 1) * BD), every expert at once (x_row: the
     token's hidden row)."""
+    return _slice_dot(x_row, _slice_weights(weight, s, E, D, BE, BD), s, D, BD)
+
+
+@triton.jit
+def _slice_weights(weight, s, E, D, BE: tl.constexpr, BD: tl.constexpr):
+    """The router weight's columns of hidden slice s for its first E experts (the rest zeros, not read): [BE, BD]."""
     cols = tl.arange(0, BE)
     ds = s * BD + tl.arange(0, BD)
-    dmask = ds < D
-    x = tl.load(x_row + ds, mask=dmask, other=0.0).to(tl.float32)  # [BD]
-    w = tl.load(
-        weight + cols[:, None] * D + ds[None, :], mask=(cols < E)[:, None] & dmask[None, :], other=0.0
-    )
+    mask = (cols < E)[:, None] & (ds < D)[None, :]
+    return tl.load(weight + cols[:, None] * D + ds[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _slice_dot(x_row, w, s, D, BD: tl.constexpr):
+    """`_slice_logits` from the slice's weights w [BE, BD] (`_slice_weights`)."""
+    ds = s * BD + tl.arange(0, BD)
+    x = tl.load(x_row + ds, mask=ds < D, other=0.0).to(tl.float32)  # [BD]
     return tl.sum(w.to(tl.float32) * x[None, :], axis=1)
 
 
