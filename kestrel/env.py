@@ -170,11 +170,13 @@ class Env:
     (`_gemv_kernel`, tl.dot over K steps) for every row count; rows: up to triton_gemv.ROWS_MAX_M rows the rows
     kernel (`_gemv_rows_kernel`, each program's weights in one load issued before the PDL wait; written in
     session 55 and not yet run on a GPU: `scripts/gpu_calls.py rows gemvab` time it against auto)."""
-    gemv_gate: bool
-    """KESTREL_GEMV_GATE: with KESTREL_GEMV=rows, the output projections of KDA (its per-head norm-gate) and MLA
-    (its sigmoid gate) make their gated input inside the rows kernel's prologue (`gemv_many_triton(gate=)`), not
-    in a launch of their own: 24 launches a mini decode step fewer. Off by default: written in session 55 with
-    no GPU lent, not yet timed (`scripts/gpu_calls.py gemvab` runs auto, rows, and rows with this)."""
+    gemv_fuse: str
+    """KESTREL_GEMV_FUSE: with KESTREL_GEMV=rows, what the rows kernel takes in besides the projection: none |
+    gate (the output projections of KDA and MLA make their gated input in its prologue: KDA's per-head
+    norm-gate, MLA's sigmoid gate) | conv (KDA's input projection runs the short-conv decode step on its q|k|v
+    columns in its epilogue) | all. gate: 24 launches a mini decode step fewer, conv: 18. none by default:
+    written in session 55 with no GPU lent, not yet timed (`scripts/gpu_calls.py gemvab` runs auto, rows, rows
+    with gate and rows with all)."""
     pdl: str
     """KESTREL_PDL: the decode step's Triton kernels launch with programmatic dependent launch on Hopper and later
     (kestrel.ops.pdl): auto | off."""
@@ -253,8 +255,11 @@ VARIABLES: dict[str, Variable] = {
     "gemv": _choice(
         "KESTREL_GEMV", "auto", ("auto", "rows", "off"), what="Triton GEMV for projections of up to 16 rows"
     ),
-    "gemv_gate": Variable(
-        "KESTREL_GEMV_GATE", "flag", False, what="output gates inside the rows GEMV (with KESTREL_GEMV=rows)"
+    "gemv_fuse": _choice(
+        "KESTREL_GEMV_FUSE",
+        "none",
+        ("none", "gate", "conv", "all"),
+        what="ops inside the rows GEMV (with rows)",
     ),
     "pdl": _choice("KESTREL_PDL", "auto", ("auto", "off"), what="programmatic dependent launch (Hopper)"),
     "compile_train": Variable(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 import subprocess
@@ -46,10 +47,16 @@ def compile_sm90(
     fn, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3, divisible: tuple = ()
 ):
     """`fn` compiled for sm_90. `signature` and `constexprs` may name parameters `fn` does not take (a preset
-    shares them between kernels); the constexprs need no entry in `signature`. `divisible`: the parameters
+    shares them between kernels); the constexprs need no entry in `signature`, and those with a default in the
+    kernel may be left out. `divisible`: the parameters
     (pointers, ints) to take as multiples of 16, as Triton specializes them at launch when they are (without it
     a load through them compiles to scalar loads)."""
-    constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
+    defaults = {  # constexprs left out take the kernel's defaults
+        k: v.default
+        for k, v in inspect.signature(fn.fn).parameters.items()
+        if v.default is not inspect.Parameter.empty
+    }
+    constexprs = {k: v for k, v in {**defaults, **constexprs}.items() if k in fn.arg_names}
     signature = {
         k: "constexpr" if k in constexprs else signature[k] for k in fn.arg_names
     }  # in parameter order

@@ -28,7 +28,7 @@ from kestrel.ops.dsa import (
     keep_selected_,
     topk_select,
 )
-from kestrel.ops.linear import gated_gemv_applies, linear_gated
+from kestrel.ops.linear import fused_gemv_applies, linear_gated
 from kestrel.ops.mla import mla_attention_absorbed, mla_attention_rows, mla_decode_batched, split_kv_b
 from kestrel.ops.mla.naive import WriteNorms
 from kestrel.ops.mla.sdpa_prefill import mla_prefill_sdpa
@@ -122,7 +122,9 @@ class MLAttention(nn.Module):
         out = out.reshape(T, H * self.v_dim)
         if g is None:
             return self.o_proj(out)
-        if gated_gemv_applies(out, self.o_proj.weight):  # decode: the gate inside the o projection's GEMV
+        if fused_gemv_applies(
+            "gate", out, self.o_proj.weight
+        ):  # decode: the gate inside the o projection's GEMV
             return linear_gated(out, g, self.o_proj.weight)
         return self.o_proj(sigmoid_gate(out.view(T, H, self.v_dim), g).reshape(T, H * self.v_dim))
 

@@ -38,8 +38,8 @@ def test_topk_kernels_compile_for_sm90_without_spills():
 def test_rows_gemv_loads_its_weights_before_the_pdl_wait():
     """The rows GEMV (kestrel.ops.linear.triton_gemv) at mini's width for sm_90, with K and the pointers multiples
     of 16 as at launch: no spills, and its weight slice as 16-byte loads, every one before griddepcontrol.wait,
-    then x's after it (early); with early off, every load after the wait; with KDA's norm-gate inside, the same
-    weight loads first."""
+    then x's after it (early); with early off, every load after the wait; with KDA's norm-gate inside, or its conv
+    step after, the same weight loads first."""
     triton = pytest.importorskip("triton")
     if not (Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump").exists():
         pytest.skip("this Triton has no bundled CUDA tools")
@@ -49,10 +49,14 @@ def test_rows_gemv_loads_its_weights_before_the_pdl_wait():
         sig |= {f"w{i}": "*bf16", f"out{i}": "*bf16", f"n{i}": "i32"}
     sig |= {f"first{i}": "i32" for i in range(1, 6)}
     sig |= {"gate": "*bf16", "stride_gm": "i32", "norm_w": "*bf16", "eps": "fp32"}
-    plain = {"M": 1, "BN": 8, "KP": 2048, "SEGS": 1, "PDL": True, "GATE": 0, "G": 1}
+    sig |= {"conv_w": "*bf16", "pool": "*bf16", "slots": "*i32", "planes": "*bf16"}
+    sig |= dict.fromkeys(("C", "PC", "stride_ps", "stride_pc"), "i32")
+    plain = {"M": 1, "BN": 8, "KP": 2048, "SEGS": 1, "PDL": True}  # GATE, CONV: the kernel's defaults
     # mini's KDA o projection with its norm-gate inside (16 rows of 1024: eight 16-byte loads a thread too)
     gated = {"M": 1, "BN": 16, "KP": 1024, "SEGS": 1, "PDL": True, "GATE": 2, "G": 128}
-    for const, early in ((plain, True), (plain, False), (gated, True)):
+    # mini's KDA input projection with its conv step after (W 4): the window's and slot's loads after the wait
+    conv = {**plain, "CONV": True, "W": 4, "WP": 4}
+    for const, early in ((plain, True), (plain, False), (gated, True), (conv, True)):
         const = {**const, "EARLY": early}
         cmd = [sys.executable, str(ROOT / "scripts/triton_sm90_check.py"), "kernel"]
         cmd += ["kestrel.ops.linear.triton_gemv:_gemv_rows_kernel", "--sig", json.dumps(sig)]
@@ -62,7 +66,7 @@ def test_rows_gemv_loads_its_weights_before_the_pdl_wait():
             "--warps",
             "8",
             "--div",
-            "x,K,stride_xm,w0,out0,gate,stride_gm,norm_w",
+            "x,K,stride_xm,w0,out0,gate,stride_gm,norm_w,conv_w,pool,planes,C,PC,stride_ps,stride_pc",
         ]
         cmd += ["--ptx", "ld.global", "--ptx", "griddepcontrol.wait"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -72,8 +76,10 @@ def test_rows_gemv_loads_its_weights_before_the_pdl_wait():
         ptx = [line for line in proc.stdout.splitlines() if line[:1].isdigit()]
         wait = next(i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line)
         loads = [i for i, line in enumerate(ptx) if "ld.global" in line]
-        assert all("ld.global.v" in ptx[i] for i in loads), ptx  # vector loads only
         before = [i for i in loads if i < wait]
         assert all("ld.global.v4" in ptx[i] for i in before), ptx  # the weights' 16 bytes a load
-        # 8 x 2048 bf16 over 256 threads: eight 16-byte loads a thread, then x's one (and the gate's, the norm's)
-        assert len(before) == (8 if early else 0) and len(loads) == (11 if const["GATE"] else 9), ptx
+        # 8 x 2048 bf16 over 256 threads: eight 16-byte loads a thread before the wait (early)
+        assert len(before) == (8 if early else 0), ptx
+        if not const.get("CONV"):  # then x's one (and the gate's, the norm's), all vectors
+            assert all("ld.global.v" in ptx[i] for i in loads), ptx
+            assert len(loads) == (11 if const.get("GATE") else 9), ptx

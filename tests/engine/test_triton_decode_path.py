@@ -1,7 +1,8 @@
-"""The engine's decode through the Triton kernels (paged indexer scores, exact top-k, sparse MLA) gives the
-same tokens as the torch path, and so does the fast decode step (fla-core's in-place state-slot recurrence,
-the Triton conv step, Triton attention). On CPU the kernels run in Triton's interpreter, in a subprocess,
-because TRITON_INTERPRET must be set before Triton is first imported."""
+"""The engine's decode through the Triton kernels (paged indexer scores, exact top-k, sparse MLA) gives the same
+tokens as the torch path, and so does the fast decode step (fla-core's in-place state-slot recurrence, the Triton
+conv step, Triton attention), with the conv step and the output gates inside the rows GEMV too. On CPU the kernels
+run in Triton's interpreter, in a subprocess, because TRITON_INTERPRET must be set before Triton is first
+imported."""
 
 from __future__ import annotations
 
@@ -65,6 +66,31 @@ for name, attn, kda, sparse in configs:
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
     result[name] = out
 result["expanded_calls"] = len(expanded_calls)
+# the rows GEMV with the conv step and the output gates inside it (KESTREL_GEMV_FUSE's paths, which apply only on
+# a Hopper GPU: forced here where the rows kernel takes the rows), on the fast config
+import kestrel.layers.kda as kda_layer, kestrel.layers.mla as mla_layer
+from kestrel.ops import linear as linear_ops
+fused_calls = []
+for module in (kda_layer, mla_layer):
+    module.fused_gemv_applies = lambda fusion, x, w: x.shape[0] <= 4
+for name in ("linear_conv", "linear_gated"):
+    real = getattr(linear_ops, name)
+    spy = lambda *a, _real=real, _name=name, **k: (fused_calls.append(_name), _real(*a, **k))[1]
+    for module in (kda_layer, mla_layer):
+        if hasattr(module, name):
+            setattr(module, name, spy)
+os.environ["KESTREL_ATTN_BACKEND"], os.environ["KESTREL_KDA_BACKEND"] = "triton", "fla"
+os.environ["KESTREL_SPARSE_PREFILL"] = "rows"
+config = EngineConfig(model="tiny", page_size=4, enable_prefix_cache=False, chunked_prefill_size=16)
+engine = Engine(config, model=model)
+out = {}
+for i, p in enumerate(prompts):
+    engine.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), str(i))
+while engine.has_unfinished():
+    for o in engine.step():
+        out.setdefault(o.request_id, []).extend(o.new_token_ids)
+result["fused"] = out
+result["fused_calls"] = {name: fused_calls.count(name) for name in ("linear_conv", "linear_gated")}
 print(json.dumps(result))
 """
 
@@ -91,6 +117,9 @@ def test_triton_decode_path_matches_torch_path():
     assert result["fast"] == result["torch"]
     assert result["expanded"] == result["torch"] and result["expanded_calls"] > 0
     assert all(len(v) == 4 for v in result["torch"].values())
+    # the conv step and the output gates inside the rows GEMV: the same tokens; each ran in the decode steps
+    assert result["fused"] == result["torch"]
+    assert result["fused_calls"]["linear_conv"] > 0 and result["fused_calls"]["linear_gated"] > 0
 
 
 DENSE_SCRIPT = r"""

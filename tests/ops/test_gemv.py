@@ -127,8 +127,34 @@ def test_gemv_rows_takes_the_output_gate(M, K, G):
         gemv_triton(x, w, kernel="dot", gate=gate)
 
 
+@pytest.mark.parametrize("M,block_n", [(1, 8), (3, 4), (2, 64)])
+def test_gemv_rows_takes_the_conv_step(M, block_n):
+    """The rows kernel with KDA's short-conv decode step on its first C output columns against the projection,
+    then the conv step's own kernel (triton_conv.conv_step_inplace): the same output, the same planes, the same
+    windows advanced in the pool (slots out of order, one slot of the pool untouched)."""
+    from kestrel.ops.kda.triton_conv import conv_step_inplace
+
+    P, W, K, N = 12, 4, 40, 3 * 12 + 7  # q|k|v of 12 channels each, then 7 more outputs (f_a, b, gate)
+    g = torch.Generator().manual_seed(M + block_n)
+    x = torch.randn(M, K, generator=g).to(DEVICE, DTYPE)
+    w = torch.randn(N, K, generator=g).to(DEVICE, DTYPE)
+    conv_w = torch.randn(3 * P, W, generator=g).to(DEVICE, DTYPE)
+    pool = torch.randn(M + 1, 3 * P, W - 1, generator=g).to(DEVICE, DTYPE)
+    slots = torch.randperm(M + 1, generator=g)[:M].to(DEVICE)
+    want_pool = pool.clone()
+    want_out = gemv_triton(x, w, kernel="rows", rows_block_n=block_n)
+    want_planes = conv_step_inplace(want_out[:, : 3 * P], conv_w, want_pool, slots, planes=3)
+    planes = torch.full((3, M, P), float("nan"), device=DEVICE, dtype=DTYPE)
+    got = gemv_triton(x, w, kernel="rows", rows_block_n=block_n, conv=(conv_w, pool, slots, planes))
+    assert torch.equal(got, want_out)
+    assert torch.equal(planes, want_planes)
+    assert torch.equal(pool, want_pool)
+    with pytest.raises(AssertionError, match="one weight"):
+        gemv_many_triton(x, [w, w], kernel="rows", conv=(conv_w, pool, slots, planes))
+
+
 def test_layers_take_their_output_gate_inside_the_gemv(monkeypatch):
-    """KDA's norm-gate and MLA's sigmoid gate inside the o projection's GEMV (where `gated_gemv_applies`: forced
+    """KDA's norm-gate and MLA's sigmoid gate inside the o projection's GEMV (where `fused_gemv_applies`: forced
     here, on the CPU's interpreter) give the tiny model's logits of the gates' own ops, through 4 KDA and 2 MLA
     layers."""
     import kestrel.layers.kda as kda_layer
@@ -146,7 +172,7 @@ def test_layers_take_their_output_gate_inside_the_gemv(monkeypatch):
         return linear_ops.linear_gated(x, gate, weight, norm)
 
     for module in (kda_layer, mla_layer):
-        monkeypatch.setattr(module, "gated_gemv_applies", lambda x, w: True)
+        monkeypatch.setattr(module, "fused_gemv_applies", lambda fusion, x, w: fusion == "gate")
         monkeypatch.setattr(module, "linear_gated", spy)
     with torch.no_grad():
         got = model(ids)
@@ -154,24 +180,31 @@ def test_layers_take_their_output_gate_inside_the_gemv(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_gated_gemv_applies_only_where_asked(monkeypatch):
+def test_fused_gemv_applies_only_where_asked(monkeypatch):
     w = torch.zeros(8, 64, dtype=torch.bfloat16)
     x = torch.zeros(1, 64, dtype=torch.bfloat16)
     monkeypatch.setenv("KESTREL_GEMV", "rows")
-    monkeypatch.setenv("KESTREL_GEMV_GATE", "1")
-    assert not linear_ops.gated_gemv_applies(x, w)  # the CPU: never
+    monkeypatch.setenv("KESTREL_GEMV_FUSE", "all")
+    assert not linear_ops.fused_gemv_applies("gate", x, w)  # the CPU: never
     if torch.cuda.is_available():
         from kestrel.ops.pdl import pdl_args
 
         xc, wc = x.cuda(), w.cuda()
         tuned = bool(pdl_args(xc))
-        assert linear_ops.gated_gemv_applies(xc, wc) == tuned
-        assert not linear_ops.gated_gemv_applies(xc.expand(ROWS_MAX_M + 1, 64), wc)
-        monkeypatch.setenv("KESTREL_GEMV_GATE", "0")
-        assert not linear_ops.gated_gemv_applies(xc, wc)
-        monkeypatch.setenv("KESTREL_GEMV_GATE", "1")
+        assert (
+            linear_ops.fused_gemv_applies("gate", xc, wc)
+            == linear_ops.fused_gemv_applies("conv", xc, wc)
+            == tuned
+        )
+        assert not linear_ops.fused_gemv_applies("gate", xc.expand(ROWS_MAX_M + 1, 64), wc)
+        monkeypatch.setenv("KESTREL_GEMV_FUSE", "conv")
+        assert not linear_ops.fused_gemv_applies("gate", xc, wc)
+        assert linear_ops.fused_gemv_applies("conv", xc, wc) == tuned
+        monkeypatch.setenv("KESTREL_GEMV_FUSE", "none")
+        assert not linear_ops.fused_gemv_applies("conv", xc, wc)
+        monkeypatch.setenv("KESTREL_GEMV_FUSE", "all")
         monkeypatch.setenv("KESTREL_GEMV", "auto")
-        assert not linear_ops.gated_gemv_applies(xc, wc)
+        assert not linear_ops.fused_gemv_applies("gate", xc, wc)
 
 
 def test_gemv_many_refuses_what_it_cannot_take():

@@ -54,10 +54,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear_reference(x, weight)
 
 
-def gated_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """`linear_gated` may take x W^T: the GEMV applies, KESTREL_GEMV=rows with KESTREL_GEMV_GATE on, and the
-    rows kernel takes x's rows and width."""
-    if not (gemv_applies(x, weight) and env_field("gemv_gate")):
+def fused_gemv_applies(fusion: str, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x W^T may take `fusion` ("gate": `linear_gated`, "conv": `linear_conv`) inside the rows GEMV: the GEMV
+    applies, KESTREL_GEMV=rows, KESTREL_GEMV_FUSE names it (or all), and the rows kernel takes x's rows and
+    width."""
+    if env_field("gemv_fuse") not in (fusion, "all") or not gemv_applies(x, weight):
         return False
     from kestrel.ops.linear.triton_gemv import rows_applies
 
@@ -67,12 +68,32 @@ def gated_gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear_gated(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None
 ) -> torch.Tensor:
-    """linear(h, W) where h is x through its output gate, made inside the GEMV (where `gated_gemv_applies`):
-    with norm = (weight [G], eps) KDA's `gated_rms_norm` over each group of G columns, else MLA's
-    `sigmoid_gate`. x, gate [..., K]."""
+    """linear(h, W) where h is x through its output gate, made inside the GEMV (where
+    `fused_gemv_applies("gate", ...)`): with norm = (weight [G], eps) KDA's `gated_rms_norm` over each group of
+    G columns, else MLA's `sigmoid_gate`. x, gate [..., K]."""
     from kestrel.ops.linear.triton_gemv import gemv_triton
 
     return gemv_triton(x, weight, kernel="rows", gate=gate, norm=norm)
+
+
+def linear_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_pool: torch.Tensor,
+    slots: torch.Tensor,
+    planes: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(x, W), KDA's short-conv decode step on its first C columns), the step inside the GEMV (where
+    `fused_gemv_applies("conv", ...)`): x [M, K], W [N, K], conv_weight [C, W], conv_pool [S, C, W - 1] advanced
+    in place at slots [M]. Returns the projection [M, N] and the conv's SiLU outputs as planes [planes, M,
+    C / planes] (`triton_conv.conv_step_inplace(out[:, :C], ..., planes=planes)`)."""
+    from kestrel.ops.linear.triton_gemv import gemv_triton
+
+    C = conv_weight.shape[0]
+    out_planes = x.new_empty(planes, x.shape[0], C // planes)
+    out = gemv_triton(x, weight, kernel="rows", conv=(conv_weight, conv_pool, slots, out_planes))
+    return out, out_planes
 
 
 def linear_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
@@ -104,9 +125,10 @@ __all__ = [
     "GEMV_MAX_N",
     "GEMV_MAX_ROWS",
     "GEMV_MAX_WEIGHTS",
-    "gated_gemv_applies",
+    "fused_gemv_applies",
     "gemv_applies",
     "linear",
+    "linear_conv",
     "linear_gated",
     "linear_many",
     "linear_reference",

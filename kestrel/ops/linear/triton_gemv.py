@@ -19,7 +19,8 @@ compiled for sm_90 on the CPU (`scripts/triton_sm90_check.py --div`: K and the p
 specializes them at launch; BN 8 at 8 warps 48 registers, its slice as eight 16-byte loads a thread, all before
 `griddepcontrol.wait`; BN 16 at 8 warps 80; BN 32 255, spilling at 4 warps): no GPU was lent when it was written,
 so it runs only with KESTREL_GEMV=rows until `scripts/gpu_calls.py rows gemvab served:KESTREL_GEMV=rows` has timed
-it against the K loop and checked the served tokens.
+it against the K loop and checked the served tokens. It can also take the op before it (the o projections' output
+gates, `gate=`) and the op after it (KDA's conv step, `conv=`): KESTREL_GEMV_FUSE.
 
 One launch may take several weights of one input (`gemv_many_triton`, up to GEMV_MAX_WEIGHTS): their slices are the
 grid's programs one weight after another, and each program picks its weight, output and width from its index.
@@ -136,14 +137,17 @@ def _gemv_rows_kernel(
     x, K, stride_xm,
     w0, out0, n0, w1, out1, n1, w2, out2, n2, w3, out3, n3, w4, out4, n4, w5, out5, n5,
     first1, first2, first3, first4, first5, gate, stride_gm, norm_w, eps,
+    conv_w, pool, slots, planes, C, PC, stride_ps, stride_pc,
     M: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr, SEGS: tl.constexpr = 1, PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = True, GATE: tl.constexpr = 0, G: tl.constexpr = 1,
+    EARLY: tl.constexpr = True, GATE: tl.constexpr = 0, G: tl.constexpr = 1, CONV: tl.constexpr = False,
+    W: tl.constexpr = 1, WP: tl.constexpr = 1,
 ):  # fmt: skip
     """A few rows (M constexpr, decode at batch 1 to 4): program n's whole [BN, K] slice of W in one load, so all
     its bytes are in flight at once (the K loop of `_gemv_kernel` waits on each step's load in turn: Triton does
     not pipeline it). With EARLY and PDL the load is issued before the wait for the kernel in front (weights
     depend on no kernel): they arrive while it ends. Then x's rows (with GATE, each through its output gate
-    first: `_gated_row`), and each row's products summed in fp32."""
+    first: `_gated_row`), and each row's products summed in fp32; with CONV, output columns below C also go
+    through KDA's short-conv decode step (`_conv_columns`)."""
     w, out, N, cols = _segment(
         tl.program_id(0), w0, out0, n0, w1, out1, n1, w2, out2, n2, w3, out3, n3, w4, out4, n4, w5, out5, n5,
         first1, first2, first3, first4, first5, SEGS, BN,
@@ -166,6 +170,35 @@ def _gemv_rows_kernel(
             xv = _gated_row(xv, gate + m * stride_gm, norm_w, ks, kmask, eps, x.dtype.element_ty, GATE, G, KP)
         acc = tl.sum(wt.to(tl.float32) * xv[None, :], axis=1)  # [BN]
         tl.store(out + m * N + cols, acc.to(out.dtype.element_ty), mask=nmask)
+        if CONV:
+            _conv_columns(
+                acc.to(out.dtype.element_ty).to(tl.float32), cols, nmask & (cols < C), m, M, conv_w, pool,
+                slots, planes, PC, stride_ps, stride_pc, W, WP,
+            )  # fmt: skip
+
+
+@triton.jit
+def _conv_columns(xq, cols, cmask, m, M: tl.constexpr, conv_w, pool, slots, planes, PC, stride_ps, stride_pc,
+                  W: tl.constexpr, WP: tl.constexpr):  # fmt: skip
+    """KDA's short-conv decode step (kestrel.ops.kda.triton_conv._conv_step_kernel, the same fp32 math) on row m's
+    new inputs xq [BN] (the projection's output as stored) in channels cols: SiLU(conv over [window | xq]) into
+    planes [C // PC, M, PC], and the slot's window [C, W - 1] in pool shifted by xq."""
+    js = tl.arange(0, WP)  # [WP] window positions (W - 1 of them used) and taps (W)
+    slot = tl.load(slots + m).to(tl.int64)
+    base = pool + slot * stride_ps + cols[:, None] * stride_pc + js[None, :]  # [BN, WP] the windows
+    old = cmask[:, None] & (js < W - 1)[None, :]
+    taps = tl.load(
+        conv_w + cols[:, None] * W + js[None, :], mask=cmask[:, None] & (js < W)[None, :], other=0.0
+    )
+    win = tl.load(base, mask=old, other=0.0).to(tl.float32)  # window position j: the input of W-1-j steps ago
+    win = tl.where((js == W - 1)[None, :], xq[:, None], win)  # tap W-1: the new input
+    acc = tl.sum(win * taps.to(tl.float32), axis=1)  # [BN]
+    y = acc * tl.sigmoid(acc)  # SiLU
+    tl.store(planes + (cols // PC) * M * PC + m * PC + cols % PC, y.to(planes.dtype.element_ty), mask=cmask)
+    later = tl.load(base + 1, mask=cmask[:, None] & (js < W - 2)[None, :], other=0.0)  # [BN, WP]
+    shifted = tl.where((js == W - 2)[None, :], xq[:, None].to(pool.dtype.element_ty), later)
+    tl.debug_barrier()  # every read of the window before any write
+    tl.store(base, shifted, mask=old)
 
 
 # Launch knobs from a sweep on the H200 (session 23, 2026-12-01; its configurations and times are in
@@ -222,6 +255,7 @@ def gemv_many_triton(
     early: bool = True,
     gate: torch.Tensor | None = None,
     norm: tuple[torch.Tensor, float] | None = None,
+    conv: tuple | None = None,
 ) -> list[torch.Tensor]:
     """x [..., K] (at most 16 rows) times each of up to SEGMENTS weights [N_i, K] (contiguous, x's dtype) in one
     launch -> [[..., N_i]] in x.dtype, fp32 sums: each weight's slices are programs of the same grid, so a layer's
@@ -236,7 +270,12 @@ def gemv_many_triton(
     gate (rows kernel only) [..., K] like x: x goes through its output gate first, inside the kernel: with norm
     = (weight [G], eps), `gated_rms_norm` over each group of G columns (KDA's heads); without, `sigmoid_gate`
     (MLA's). The gated x is rounded to x's dtype as those ops leave it; the norm's sum is reduced in another
-    order than the norm kernel's, so a value may differ from theirs in its last bit."""
+    order than the norm kernel's, so a value may differ from theirs in its last bit.
+
+    conv (rows kernel, one weight) = (conv_weight [C, W], conv_pool [S, C, W - 1], slots [M], planes [C // P, M, P]):
+    the first C output columns also take KDA's short-conv decode step (`triton_conv.conv_step_inplace(out[:, :C],
+    conv_weight, conv_pool, slots, planes=C // P)`'s math), its SiLU outputs into planes, each slot's window
+    advanced in place."""
     K = x.shape[-1]
     assert 0 < len(weights) <= SEGMENTS, f"{len(weights)} weights: one launch takes 1 to {SEGMENTS}"
     for w in weights:
@@ -253,6 +292,9 @@ def gemv_many_triton(
         kernel = "rows" if rows_applies(M, K) or gate is not None else "dot"
     assert kernel in ("rows", "dot"), f"kernel {kernel!r}: rows, dot or auto"
     assert gate is None or kernel == "rows", "an output gate goes through the rows kernel only"
+    assert conv is None or kernel == "rows" and len(weights) == 1, (
+        "the conv step goes with the rows kernel, one weight"
+    )
     assert norm is None or gate is not None, "a norm comes with a gate"
     assert kernel == "dot" or M <= ROWS_MAX_M and triton.next_power_of_2(K) <= ROWS_MAX_K, (
         f"the rows kernel takes up to {ROWS_MAX_M} rows of up to {ROWS_MAX_K} columns, not {M} x {K}"
@@ -291,8 +333,21 @@ def gemv_many_triton(
                     gate_args, consts = (g, g.stride(0), norm_w.contiguous(), float(eps)), dict(GATE=2, G=G)
                 else:
                     gate_args = (g, g.stride(0), g, 0.0)
+            conv_args = (rows, rows, rows, rows, 0, 1, 0, 0)  # no conv: never read
+            if conv is not None:
+                conv_w, pool, slots, planes = conv
+                C, W = conv_w.shape
+                assert conv_w.is_contiguous() and pool.shape[1:] == (C, W - 1) and pool.stride(2) == 1, (
+                    f"conv weight {tuple(conv_w.shape)}, pool {tuple(pool.shape)}"
+                )
+                assert C <= weights[0].shape[0] and planes.is_contiguous() and planes.shape[1:2] == (M,), (
+                    f"{C} conv channels of {weights[0].shape[0]} outputs, planes {tuple(planes.shape)}, {M} rows"
+                )
+                assert slots.shape == (M,) and C == planes.shape[0] * planes.shape[2]
+                conv_args = (conv_w, pool, slots, planes, C, planes.shape[2], pool.stride(0), pool.stride(1))
+                consts |= dict(CONV=True, W=W, WP=triton.next_power_of_2(W))
             _gemv_rows_kernel[(firsts[len(segs)],)](
-                rows, K, rows.stride(0), *args, *gate_args, M=M, BN=block_n, KP=kp, SEGS=len(segs),
+                rows, K, rows.stride(0), *args, *gate_args, *conv_args, M=M, BN=block_n, KP=kp, SEGS=len(segs),
                 EARLY=early, num_warps=rows_warps, **consts, **pdl,
             )  # fmt: skip
         else:
