@@ -379,3 +379,36 @@ def test_gemv_rows_output_gate_mini_shapes_in_a_graph(M, kind):
 
     _close(step(x), F.linear(h, w))
     assert_replay_matches_eager(step, [x.clone()], [torch.randn_like(x)])
+
+
+@cuda
+@pytest.mark.parametrize("M", [1, 3])
+def test_gemv_rows_conv_step_mini_shapes_in_a_graph(M):
+    """mini's KDA input projection (4232 x 2048, q|k|v the first 3072 columns) with the conv step in its epilogue
+    against the GEMV then triton_conv's kernel: the same projection and windows, the planes within an fp32 sum's
+    order; and a graph replay on fresh inputs against eager (each call from the same windows)."""
+    from kestrel.ops.kda.triton_conv import conv_step_inplace
+    from tests.ops.graph_check import assert_replay_matches_eager
+
+    g = torch.Generator(device="cuda").manual_seed(M)
+    w = torch.randn(4232, 2048, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+    conv_w = torch.randn(3072, 4, generator=g, device="cuda", dtype=torch.bfloat16) * 0.5
+    pool = torch.randn(8, 3072, 3, generator=g, device="cuda", dtype=torch.bfloat16)
+    slots = torch.tensor([5, 2, 7][:M], device="cuda", dtype=torch.int32)
+    x = torch.randn(M, 2048, generator=g, device="cuda", dtype=torch.bfloat16)
+    want_pool = pool.clone()
+    want_out = gemv_triton(x, w, kernel="rows")
+    want_planes = conv_step_inplace(want_out[:, :3072], conv_w, want_pool, slots, planes=3)
+    planes = torch.empty(3, M, 1024, device="cuda", dtype=torch.bfloat16)
+    got = gemv_triton(x, w, kernel="rows", conv=(conv_w, pool, slots, planes))
+    assert torch.equal(got, want_out) and torch.equal(pool, want_pool)
+    torch.testing.assert_close(planes.float(), want_planes.float(), rtol=1e-2, atol=1e-2)
+
+    start = pool.clone()
+
+    def step(a):
+        pool.copy_(start)
+        p = torch.empty(3, M, 1024, device="cuda", dtype=torch.bfloat16)
+        return gemv_triton(a, w, kernel="rows", conv=(conv_w, pool, slots, p)), p, pool.clone()
+
+    assert_replay_matches_eager(step, [x.clone()], [torch.randn_like(x)])
