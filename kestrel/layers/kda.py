@@ -71,20 +71,21 @@ class KimiDeltaAttention(nn.Module):
         T, H, K = x.shape[0], self.num_heads, self.head_dim
         cache, backend = ctx.cache, get_kda_backend(x.device)
         decode = cache is not None and ctx.decode
-        if decode and backend.name == "fla" and fused_gemv_applies("conv", x, self.in_proj.weight):
-            # the fast backend's conv step (triton_conv's math) inside the projection's GEMV: q, k, v planes
-            # [3, N, P] and the windows advanced
-            ssm_pool, conv_pool, slots = cache.kda_pools(self.layer_id)
-            proj, planes = linear_conv(x, self.in_proj.weight, self.conv_weight, conv_pool, slots, planes=3)
-        else:
-            proj, planes = self.in_proj(x), None
-        # [T, 3P], [T, K], [T, H], [T, P or K] (the output gate): views of one matmul's rows
-        qkv, f_a, b, gate = proj.split(self.in_split, dim=-1)
-
         if decode:
             # Decode: one token per sequence, laid out as N sequences of length 1; the conv windows and the
             # recurrent states advance in their slots (no gather/scatter, no host syncs: CUDA-graph safe).
             ssm_pool, conv_pool, slots = cache.kda_pools(self.layer_id)
+        planes = None
+        if decode and backend.name == "fla" and fused_gemv_applies("conv", x, self.in_proj.weight):
+            # the fast backend's conv step (triton_conv's math) inside the projection's GEMV: q, k, v planes
+            # [3, N, P] and the windows advanced
+            proj, planes = linear_conv(x, self.in_proj.weight, self.conv_weight, conv_pool, slots, planes=3)
+        else:
+            proj = self.in_proj(x)
+        # [T, 3P], [T, K], [T, H], [T, P or K] (the output gate): views of one matmul's rows
+        qkv, f_a, b, gate = proj.split(self.in_split, dim=-1)
+
+        if decode:
             if planes is None:
                 # q, k, v come out as planes [3, N, P], each contiguous: the recurrence needs no copies of them
                 planes = backend.conv_step_inplace(qkv, self.conv_weight, conv_pool, slots, planes=3)
@@ -148,9 +149,8 @@ class KimiDeltaAttention(nn.Module):
 
         gate = gate if self.full_rank_gate else self.g_b_proj(gate)  # [T, P]: the output gate
         o = o.reshape(T, self.proj_dim)
-        if fused_gemv_applies(
-            "gate", o, self.o_proj.weight
-        ):  # decode: the norm-gate inside the o projection's GEMV
+        if fused_gemv_applies("gate", o, self.o_proj.weight):
+            # (decode) the norm-gate inside the o projection's GEMV
             return linear_gated(o, gate, self.o_proj.weight, (self.o_norm.weight, self.eps))
         o = gated_rms_norm(o.view(T, H, K), gate.view(T, H, K), self.o_norm.weight, self.eps)  # [T, H, V]
         return self.o_proj(o.reshape(T, self.proj_dim))

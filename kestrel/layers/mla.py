@@ -122,9 +122,8 @@ class MLAttention(nn.Module):
         out = out.reshape(T, H * self.v_dim)
         if g is None:
             return self.o_proj(out)
-        if fused_gemv_applies(
-            "gate", out, self.o_proj.weight
-        ):  # decode: the gate inside the o projection's GEMV
+        if fused_gemv_applies("gate", out, self.o_proj.weight):
+            # (decode) the gate inside the o projection's GEMV
             return linear_gated(out, g, self.o_proj.weight)
         return self.o_proj(sigmoid_gate(out.view(T, H, self.v_dim), g).reshape(T, H * self.v_dim))
 
