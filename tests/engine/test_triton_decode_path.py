@@ -46,13 +46,9 @@ expanded_calls = []
 real_expanded = expanded_ops.sparse_mla_prefill_expanded
 expanded_ops.sparse_mla_prefill_expanded = lambda *a, **k: (expanded_calls.append(1), real_expanded(*a, **k))[1]
 result = {}
-configs = (
-    ("torch", "torch", "naive", "rows"),
-    ("triton", "triton", "naive", "auto"),  # the default: at tiny's sizes these chunks take the rows kernel
-    ("fast", "triton", "fla", "rows"),
-    ("expanded", "triton", "naive", "expanded"),
-)
-for name, attn, kda, sparse in configs:
+
+
+def tokens(attn, kda, sparse):  # the prompts' greedy tokens, 4 each, with these backends
     os.environ["KESTREL_ATTN_BACKEND"], os.environ["KESTREL_KDA_BACKEND"] = attn, kda
     os.environ["KESTREL_SPARSE_PREFILL"] = sparse
     # 16-token chunks: the longer prompts prefill in chunks after their own first ones (q0 > 0)
@@ -64,7 +60,17 @@ for name, attn, kda, sparse in configs:
     while engine.has_unfinished():
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    result[name] = out
+    return out
+
+
+configs = (
+    ("torch", "torch", "naive", "rows"),
+    ("triton", "triton", "naive", "auto"),  # the default: at tiny's sizes these chunks take the rows kernel
+    ("fast", "triton", "fla", "rows"),
+    ("expanded", "triton", "naive", "expanded"),
+)
+for name, attn, kda, sparse in configs:
+    result[name] = tokens(attn, kda, sparse)
 result["expanded_calls"] = len(expanded_calls)
 # the rows GEMV with the conv step and the output gates inside it (KESTREL_GEMV_FUSE's paths, which apply only on
 # a Hopper GPU: forced here where the rows kernel takes the rows), on the fast config
@@ -79,17 +85,7 @@ for name in ("linear_conv", "linear_gated"):
     for module in (kda_layer, mla_layer):
         if hasattr(module, name):
             setattr(module, name, spy)
-os.environ["KESTREL_ATTN_BACKEND"], os.environ["KESTREL_KDA_BACKEND"] = "triton", "fla"
-os.environ["KESTREL_SPARSE_PREFILL"] = "rows"
-config = EngineConfig(model="tiny", page_size=4, enable_prefix_cache=False, chunked_prefill_size=16)
-engine = Engine(config, model=model)
-out = {}
-for i, p in enumerate(prompts):
-    engine.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), str(i))
-while engine.has_unfinished():
-    for o in engine.step():
-        out.setdefault(o.request_id, []).extend(o.new_token_ids)
-result["fused"] = out
+result["fused"] = tokens("triton", "fla", "rows")
 result["fused_calls"] = {name: fused_calls.count(name) for name in ("linear_conv", "linear_gated")}
 print(json.dumps(result))
 """

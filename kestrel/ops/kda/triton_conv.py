@@ -15,6 +15,32 @@ from kestrel.ops.pdl import pdl_args, pdl_begin
 
 
 @triton.jit
+def conv_window_step(x_new, cols, mask, slot, weight, pool, stride_ps, stride_pc, W: tl.constexpr,
+                     WP: tl.constexpr):  # fmt: skip
+    """One decode step of channels cols [BC] (mask: the live ones) of pool slot `slot`: SiLU(conv over
+    [window | x_new]) [BC] fp32 returned, the window [BC, W - 1] shifted by x_new in place. x_new [BC] fp32 (the
+    input as stored). The window is read and written as one 2D tile (in the engine's pool a channel's W - 1 values
+    are adjacent and channels follow each other, so the tile is one contiguous span; read a tap at a time, each
+    load took every (W - 1)-th element). Also the rows GEMV's epilogue (kestrel.ops.linear.triton_gemv)."""
+    js = tl.arange(0, WP)  # [WP] window positions (W - 1 of them used) and taps (W)
+    base = pool + slot * stride_ps + cols[:, None] * stride_pc + js[None, :]  # [BC, WP] the windows
+    old = mask[:, None] & (js < W - 1)[None, :]
+    taps = tl.load(
+        weight + cols[:, None] * W + js[None, :], mask=mask[:, None] & (js < W)[None, :], other=0.0
+    )
+    taps = taps.to(tl.float32)  # [BC, WP]; window position j holds the input of W-1-j steps ago
+    win = tl.load(base, mask=old, other=0.0).to(tl.float32)  # [BC, WP]
+    win = tl.where((js == W - 1)[None, :], x_new[:, None], win)  # tap W-1: the new input
+    acc = tl.sum(win * taps, axis=1)  # [BC]
+    # the window shifted left by one, the new input appended (a second read of the span: from cache)
+    later = tl.load(base + 1, mask=mask[:, None] & (js < W - 2)[None, :], other=0.0)  # [BC, WP]
+    shifted = tl.where((js == W - 2)[None, :], x_new[:, None].to(pool.dtype.element_ty), later)
+    tl.debug_barrier()  # every read of the window before any write
+    tl.store(base, shifted, mask=old)
+    return acc * tl.sigmoid(acc)  # SiLU
+
+
+@triton.jit
 def _conv_step_kernel(
     x,
     weight,
@@ -33,34 +59,17 @@ def _conv_step_kernel(
     BC: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """Program (n, c-block): sequence n's channels cols, its window [BC, W - 1] read and written as one 2D
-    tile (in the engine's pool a channel's W - 1 values are adjacent and channels follow each other, so the
-    tile is one contiguous span; read a tap at a time, each load took every (W - 1)-th element)."""
+    """Program (n, c-block): sequence n's channels cols through `conv_window_step`."""
     pdl_begin(PDL)
     stride_xn = xn_units * X_ALIGN  # x's row stride: a known multiple of X_ALIGN, so rows load as vectors
     i_n, i_c = tl.program_id(0), tl.program_id(1)
     cols = i_c * BC + tl.arange(0, BC)  # [BC]
     mask = cols < C
-    js = tl.arange(0, WP)  # [WP] window positions (W - 1 of them used) and taps (W)
     slot = tl.load(slots + i_n).to(tl.int64)
-    base = pool + slot * stride_ps + cols[:, None] * stride_pc + js[None, :]  # [BC, WP] the windows
-    old = mask[:, None] & (js < W - 1)[None, :]
     x_new = tl.load(x + i_n * stride_xn + cols, mask=mask, other=0.0).to(tl.float32)  # [BC]
-    taps = tl.load(
-        weight + cols[:, None] * W + js[None, :], mask=mask[:, None] & (js < W)[None, :], other=0.0
-    )
-    taps = taps.to(tl.float32)  # [BC, WP]; window position j holds the input of W-1-j steps ago
-    win = tl.load(base, mask=old, other=0.0).to(tl.float32)  # [BC, WP]
-    win = tl.where((js == W - 1)[None, :], x_new[:, None], win)  # tap W-1: the new input
-    acc = tl.sum(win * taps, axis=1)  # [BC]
-    out = acc * tl.sigmoid(acc)  # SiLU
+    out = conv_window_step(x_new, cols, mask, slot, weight, pool, stride_ps, stride_pc, W, WP)
     # y is planes [C // PC, N, PC]: channel c of sequence n at (c // PC, n, c % PC)
     tl.store(y + (cols // PC) * N * PC + i_n * PC + cols % PC, out.to(y.dtype.element_ty), mask=mask)
-    # the window shifted left by one, the new input appended (a second read of the span: from cache)
-    later = tl.load(base + 1, mask=mask[:, None] & (js < W - 2)[None, :], other=0.0)  # [BC, WP]
-    shifted = tl.where((js == W - 2)[None, :], x_new[:, None].to(pool.dtype.element_ty), later)
-    tl.debug_barrier()  # every read of the window before any write
-    tl.store(base, shifted, mask=old)
 
 
 def conv_step_inplace(

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from kestrel.env import env_field
+from kestrel.ops.kda.triton_conv import conv_window_step
 from kestrel.ops.linear import GEMV_MAX_WEIGHTS as SEGMENTS
 from kestrel.ops.pdl import l2_prefetch, pdl_args, pdl_launch_next, pdl_wait
 
@@ -180,25 +181,12 @@ def _gemv_rows_kernel(
 @triton.jit
 def _conv_columns(xq, cols, cmask, m, M: tl.constexpr, conv_w, pool, slots, planes, PC, stride_ps, stride_pc,
                   W: tl.constexpr, WP: tl.constexpr):  # fmt: skip
-    """KDA's short-conv decode step (kestrel.ops.kda.triton_conv._conv_step_kernel, the same fp32 math) on row m's
-    new inputs xq [BN] (the projection's output as stored) in channels cols: SiLU(conv over [window | xq]) into
-    planes [C // PC, M, PC], and the slot's window [C, W - 1] in pool shifted by xq."""
-    js = tl.arange(0, WP)  # [WP] window positions (W - 1 of them used) and taps (W)
+    """KDA's short-conv decode step (kestrel.ops.kda.triton_conv.conv_window_step, its kernel's own code) on row
+    m's new inputs xq [BN] (the projection's output as stored) in channels cols: SiLU(conv over [window | xq])
+    into planes [C // PC, M, PC], and the slot's window [C, W - 1] in pool shifted by xq."""
     slot = tl.load(slots + m).to(tl.int64)
-    base = pool + slot * stride_ps + cols[:, None] * stride_pc + js[None, :]  # [BN, WP] the windows
-    old = cmask[:, None] & (js < W - 1)[None, :]
-    taps = tl.load(
-        conv_w + cols[:, None] * W + js[None, :], mask=cmask[:, None] & (js < W)[None, :], other=0.0
-    )
-    win = tl.load(base, mask=old, other=0.0).to(tl.float32)  # window position j: the input of W-1-j steps ago
-    win = tl.where((js == W - 1)[None, :], xq[:, None], win)  # tap W-1: the new input
-    acc = tl.sum(win * taps.to(tl.float32), axis=1)  # [BN]
-    y = acc * tl.sigmoid(acc)  # SiLU
+    y = conv_window_step(xq, cols, cmask, slot, conv_w, pool, stride_ps, stride_pc, W, WP)
     tl.store(planes + (cols // PC) * M * PC + m * PC + cols % PC, y.to(planes.dtype.element_ty), mask=cmask)
-    later = tl.load(base + 1, mask=cmask[:, None] & (js < W - 2)[None, :], other=0.0)  # [BN, WP]
-    shifted = tl.where((js == W - 2)[None, :], xq[:, None].to(pool.dtype.element_ty), later)
-    tl.debug_barrier()  # every read of the window before any write
-    tl.store(base, shifted, mask=old)
 
 
 # Launch knobs from a sweep on the H200 (session 23, 2026-12-01; its configurations and times are in
