@@ -149,7 +149,7 @@ class KimiDeltaAttention(nn.Module):
 
         gate = gate if self.full_rank_gate else self.g_b_proj(gate)  # [T, P]: the output gate
         o = o.reshape(T, self.proj_dim)
-        if fused_gemv_applies("gate", o, self.o_proj.weight):
+        if fused_gemv_applies("gate", o, self.o_proj.weight, group=K):
             # (decode) the norm-gate inside the o projection's GEMV
             return linear_gated(o, gate, self.o_proj.weight, (self.o_norm.weight, self.eps))
         o = gated_rms_norm(o.view(T, H, K), gate.view(T, H, K), self.o_norm.weight, self.eps)  # [T, H, V]

@@ -143,7 +143,12 @@ def fast_paths(device) -> dict:
         return "on" if pdl_on(device) else "off"
 
     def gemv() -> str:
-        return "triton (up to 16 rows)" if gemv_on(device) else "off (cuBLAS / torch)"
+        if not gemv_on(device):
+            return "off (cuBLAS / torch)"
+        if kenv.env_field("gemv") != "rows":
+            return "triton (up to 16 rows)"
+        fuse = kenv.env_field("gemv_fuse")
+        return "triton, rows kernel up to 4 rows" + ("" if fuse == "none" else f", fused: {fuse}")
 
     def fused() -> str:
         return "triton" if fast_applies(torch.empty(0, device=device)) else "off (plain torch)"

@@ -78,7 +78,7 @@ import kestrel.layers.kda as kda_layer, kestrel.layers.mla as mla_layer
 from kestrel.ops import linear as linear_ops
 fused_calls = []
 for module in (kda_layer, mla_layer):
-    module.fused_gemv_applies = lambda fusion, x, w: x.shape[0] <= 4
+    module.fused_gemv_applies = lambda fusion, x, w, group=1: x.shape[0] <= 4
 for name in ("linear_conv", "linear_gated"):
     real = getattr(linear_ops, name)
     spy = lambda *a, _real=real, _name=name, **k: (fused_calls.append(_name), _real(*a, **k))[1]

@@ -54,15 +54,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear_reference(x, weight)
 
 
-def fused_gemv_applies(fusion: str, x: torch.Tensor, weight: torch.Tensor) -> bool:
+def fused_gemv_applies(fusion: str, x: torch.Tensor, weight: torch.Tensor, group: int = 1) -> bool:
     """x W^T may take `fusion` ("gate": `linear_gated`, "conv": `linear_conv`) inside the rows GEMV: the GEMV
-    applies, KESTREL_GEMV=rows, KESTREL_GEMV_FUSE names it (or all), and the rows kernel takes x's rows and
-    width."""
+    applies, KESTREL_GEMV=rows, KESTREL_GEMV_FUSE names it (or all), the rows kernel takes x's rows and width,
+    and `group` (the norm-gate's group of columns) is a power of two dividing the width."""
+    width = x.shape[-1]
+    if group & (group - 1) or width % group:
+        return False
     if env_field("gemv_fuse") not in (fusion, "all") or not gemv_applies(x, weight):
         return False
     from kestrel.ops.linear.triton_gemv import rows_applies
 
-    return rows_applies(x.numel() // x.shape[-1], x.shape[-1])
+    return rows_applies(x.numel() // width, width)
 
 
 def linear_gated(

@@ -42,6 +42,7 @@ import triton.language as tl
 from kestrel.env import env_field
 from kestrel.ops.kda.triton_conv import conv_window_step
 from kestrel.ops.linear import GEMV_MAX_WEIGHTS as SEGMENTS
+from kestrel.ops.norm.triton_norm import row_align
 from kestrel.ops.pdl import l2_prefetch, pdl_args, pdl_launch_next, pdl_wait
 
 
@@ -137,10 +138,11 @@ def _gated_row(xv, gate, norm_w, ks, kmask, eps, dt: tl.constexpr, GATE: tl.cons
 def _gemv_rows_kernel(
     x, K, stride_xm,
     w0, out0, n0, w1, out1, n1, w2, out2, n2, w3, out3, n3, w4, out4, n4, w5, out5, n5,
-    first1, first2, first3, first4, first5, gate, stride_gm, norm_w, eps,
+    first1, first2, first3, first4, first5, gate, gm_units, norm_w, eps,
     conv_w, pool, slots, planes, C, PC, stride_ps, stride_pc,
     M: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr, SEGS: tl.constexpr = 1, PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = True, GATE: tl.constexpr = 0, G: tl.constexpr = 1, CONV: tl.constexpr = False,
+    EARLY: tl.constexpr = True, GATE: tl.constexpr = 0, G: tl.constexpr = 1, G_ALIGN: tl.constexpr = 1,
+    CONV: tl.constexpr = False,
     W: tl.constexpr = 1, WP: tl.constexpr = 1,
 ):  # fmt: skip
     """A few rows (M constexpr, decode at batch 1 to 4): program n's whole [BN, K] slice of W in one load, so all
@@ -168,7 +170,10 @@ def _gemv_rows_kernel(
     for m in tl.static_range(M):
         xv = tl.load(x + m * stride_xm + ks, mask=kmask, other=0.0).to(tl.float32)  # [KP]
         if GATE:
-            xv = _gated_row(xv, gate + m * stride_gm, norm_w, ks, kmask, eps, x.dtype.element_ty, GATE, G, KP)
+            # the gate's row stride is gm_units * G_ALIGN: a known multiple, so its rows load as vectors
+            xv = _gated_row(
+                xv, gate + m * gm_units * G_ALIGN, norm_w, ks, kmask, eps, x.dtype.element_ty, GATE, G, KP
+            )
         acc = tl.sum(wt.to(tl.float32) * xv[None, :], axis=1)  # [BN]
         tl.store(out + m * N + cols, acc.to(out.dtype.element_ty), mask=nmask)
         if CONV:
@@ -321,6 +326,9 @@ def gemv_many_triton(
                     gate_args, consts = (g, g.stride(0), norm_w.contiguous(), float(eps)), dict(GATE=2, G=G)
                 else:
                     gate_args = (g, g.stride(0), g, 0.0)
+                align = row_align(g.stride(0))
+                gate_args = (g, g.stride(0) // align, *gate_args[2:])
+                consts["G_ALIGN"] = align
             conv_args = (rows, rows, rows, rows, 0, 1, 0, 0)  # no conv: never read
             if conv is not None:
                 conv_w, pool, slots, planes = conv
