@@ -828,8 +828,9 @@ def gemv_rows(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
       (cold: 24 x 21 MB do not stay in L2), and the best rows configuration on one layer's weights (hot);
     - merged: MLA's six projections of one input (`gemv_merged`'s shapes) in one launch, after an RMSNorm, 24
       layers' weights.
-    Batch 1 sweeps the rows kernel's tile (rows of W a program), warps and `early`; batches 2 and 4 take its
-    three best. Each output is compared with torch's (relative error)."""
+    Batch 1 sweeps the rows kernel's tile (rows of W a program), warps and `early`, then the best on grids of 1,
+    2 and 4 programs an SM walking the slices (`rows_programs`); batches 2 and 4 take its three best. Each output
+    is compared with torch's (relative error)."""
     from kestrel.ops.linear.triton_gemv import gemv_many_triton
     from kestrel.ops.norm.triton_norm import rms_norm_triton
 
@@ -912,6 +913,11 @@ def gemv_rows(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
     entry["best_batch_1"] = best[:1]
     if best:
         run(1, best[0], hot=True)
+        # the best tile on grids smaller than its slices: each program walks several, the next one's loads out
+        # before this one's sums (rows_programs)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 2
+        for per_sm in (1, 2, 4):
+            run(1, best[0] | dict(rows_programs=per_sm * sms))
     run(1, dict(kernel="dot"), hot=True)
     for B in (2, 4):
         for knobs in [dict(kernel="dot"), *best]:

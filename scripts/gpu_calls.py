@@ -200,7 +200,8 @@ def show_kernels_check(d: dict) -> list[str]:
             knobs = (
                 "dot"
                 if r.get("kernel") == "dot"
-                else (f"rows bn {r.get('rows_block_n')} w {r.get('rows_warps')} early {r.get('early')}")
+                else f"rows bn {r.get('rows_block_n')} w {r.get('rows_warps')} early {r.get('early')}"
+                + (f" programs {r['rows_programs']}" if r.get("rows_programs") else "")
             )
             if "error" in r:
                 lines.append(f"  b={r['batch']} {knobs}: {r['error'][:120]}")

@@ -50,14 +50,16 @@ def test_rows_gemv_loads_its_weights_before_the_pdl_wait():
     sig |= {f"first{i}": "i32" for i in range(1, 6)}
     sig |= {"gate": "*bf16", "gm_units": "i32", "norm_w": "*bf16", "eps": "fp32"}
     sig |= {"conv_w": "*bf16", "pool": "*bf16", "slots": "*i32", "planes": "*bf16"}
-    sig |= dict.fromkeys(("C", "PC", "stride_ps", "stride_pc"), "i32")
+    sig |= dict.fromkeys(("C", "PC", "stride_ps", "stride_pc", "blocks"), "i32")
     plain = {"M": 1, "BN": 8, "KP": 2048, "SEGS": 1, "PDL": True}  # GATE, CONV: the kernel's defaults
     # mini's KDA o projection with its norm-gate inside (16 rows of 1024: eight 16-byte loads a thread too), two
     # rows, the gate a column slice of the 4232-wide in-projection (its row stride passed as units of 8 elements)
     gated = {"M": 2, "BN": 16, "KP": 1024, "SEGS": 1, "PDL": True, "GATE": 2, "G": 128, "G_ALIGN": 8}
     # mini's KDA input projection with its conv step after (W 4): the window's and slot's loads after the wait
     conv = {**plain, "CONV": True, "W": 4, "WP": 4}
-    for const, early in ((plain, True), (plain, False), (gated, True), (conv, True)):
+    # a grid smaller than the slices: the first slice before the wait, the next ones' inside the walk
+    walk = {**plain, "PERSIST": True}
+    for const, early in ((plain, True), (plain, False), (gated, True), (conv, True), (walk, True)):
         const = {**const, "EARLY": early}
         cmd = [sys.executable, str(ROOT / "scripts/triton_sm90_check.py"), "kernel"]
         cmd += ["kestrel.ops.linear.triton_gemv:_gemv_rows_kernel", "--sig", json.dumps(sig)]
@@ -83,5 +85,5 @@ def test_rows_gemv_loads_its_weights_before_the_pdl_wait():
         assert len(before) == (8 if early else 0), ptx
         if not const.get("CONV"):  # then x's (and the gate's, the norm's), all vectors
             assert all("ld.global.v" in ptx[i] for i in loads), ptx
-        if not const.get("GATE") and not const.get("CONV"):  # x's one
-            assert len(loads) == 9, ptx
+        if not const.get("GATE") and not const.get("CONV"):  # x's one (and the next slice's eight)
+            assert len(loads) == (17 if const.get("PERSIST") else 9), ptx

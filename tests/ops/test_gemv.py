@@ -54,15 +54,33 @@ def test_gemv_matches_linear(M, N, K, kernel):
     _close(gemv_triton(x, w, kernel=kernel), F.linear(x, w))
 
 
+@pytest.mark.parametrize("programs", [None, 1, 3])
 @pytest.mark.parametrize("early", [True, False])
 @pytest.mark.parametrize("block_n", [1, 4, 64])
-def test_gemv_rows_tiles(block_n, early):
-    """The rows kernel at tiles that do not divide N, one row a program, and the load after the wait."""
+def test_gemv_rows_tiles(block_n, early, programs):
+    """The rows kernel at tiles that do not divide N, one row a program, the load after the wait, and grids
+    smaller than the slices (each program walking several, the next one's loads out first)."""
     g = torch.Generator().manual_seed(block_n)
     x = torch.randn(3, 72, generator=g).to(DEVICE, DTYPE)
     w = torch.randn(37, 72, generator=g).to(DEVICE, DTYPE)
-    got = gemv_triton(x, w, kernel="rows", rows_block_n=block_n, rows_warps=2, early=early)
+    got = gemv_triton(
+        x, w, kernel="rows", rows_block_n=block_n, rows_warps=2, early=early, rows_programs=programs
+    )
     _close(got, F.linear(x, w))
+    if programs:  # the same sums as a program a slice
+        assert torch.equal(
+            got, gemv_triton(x, w, kernel="rows", rows_block_n=block_n, rows_warps=2, early=early)
+        )
+
+
+def test_gemv_rows_walks_slices_across_weights():
+    """A grid smaller than the slices over six weights (slices of 4 rows, widths that split them): each
+    program's walk crosses from one weight to the next."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 100, generator=g).to(DEVICE, DTYPE)
+    ws = [torch.randn(n, 100, generator=g).to(DEVICE, DTYPE) for n in (17, 1, 40, 33, 5, 64)]
+    for got, w in zip(gemv_many_triton(x, ws, kernel="rows", rows_block_n=4, rows_programs=5), ws):
+        _close(got, F.linear(x, w))
 
 
 def test_gemv_rows_only_where_asked_and_taken(monkeypatch):
@@ -123,13 +141,16 @@ def test_gemv_rows_takes_the_output_gate(M, K, G):
         norm = (norm_w, 1e-5)
     got = gemv_triton(x, w, kernel="rows", rows_block_n=8, gate=gate, norm=norm)
     _close(got, F.linear(h, w))
+    walked = gemv_triton(x, w, kernel="rows", rows_block_n=8, gate=gate, norm=norm, rows_programs=2)
+    assert torch.equal(walked, got)
     with pytest.raises(AssertionError, match="the rows kernel only"):
         gemv_triton(x, w, kernel="dot", gate=gate)
 
 
+@pytest.mark.parametrize("programs", [None, 2])
 @pytest.mark.parametrize("dtype", [DTYPE, torch.bfloat16], ids=["native", "bf16"])
 @pytest.mark.parametrize("M,block_n", [(1, 8), (3, 4), (2, 64)])
-def test_gemv_rows_takes_the_conv_step(M, block_n, dtype):
+def test_gemv_rows_takes_the_conv_step(M, block_n, dtype, programs):
     """The rows kernel with KDA's short-conv decode step on its first C output columns against the projection,
     then the conv step's own kernel (triton_conv.conv_step_inplace): the same output, the same planes, the same
     windows advanced in the pool (slots out of order, one slot of the pool untouched); in bf16 too, where the
@@ -147,7 +168,9 @@ def test_gemv_rows_takes_the_conv_step(M, block_n, dtype):
     want_out = gemv_triton(x, w, kernel="rows", rows_block_n=block_n)
     want_planes = conv_step_inplace(want_out[:, : 3 * P], conv_w, want_pool, slots, planes=3)
     planes = torch.full((3, M, P), float("nan"), device=DEVICE, dtype=dtype)
-    got = gemv_triton(x, w, kernel="rows", rows_block_n=block_n, conv=(conv_w, pool, slots, planes))
+    got = gemv_triton(
+        x, w, kernel="rows", rows_block_n=block_n, rows_programs=programs, conv=(conv_w, pool, slots, planes)
+    )
     assert torch.equal(got, want_out)
     assert torch.equal(planes, want_planes)
     assert torch.equal(pool, want_pool)

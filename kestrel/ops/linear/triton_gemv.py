@@ -139,34 +139,65 @@ def _gemv_rows_kernel(
     x, K, stride_xm,
     w0, out0, n0, w1, out1, n1, w2, out2, n2, w3, out3, n3, w4, out4, n4, w5, out5, n5,
     first1, first2, first3, first4, first5, gate, gm_units, norm_w, eps,
-    conv_w, pool, slots, planes, C, PC, stride_ps, stride_pc,
+    conv_w, pool, slots, planes, C, PC, stride_ps, stride_pc, blocks,
     M: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr, SEGS: tl.constexpr = 1, PDL: tl.constexpr = False,
     EARLY: tl.constexpr = True, GATE: tl.constexpr = 0, G: tl.constexpr = 1, G_ALIGN: tl.constexpr = 1,
-    CONV: tl.constexpr = False,
-    W: tl.constexpr = 1, WP: tl.constexpr = 1,
+    CONV: tl.constexpr = False, W: tl.constexpr = 1, WP: tl.constexpr = 1, PERSIST: tl.constexpr = False,
 ):  # fmt: skip
     """A few rows (M constexpr, decode at batch 1 to 4): program n's whole [BN, K] slice of W in one load, so all
     its bytes are in flight at once (the K loop of `_gemv_kernel` waits on each step's load in turn: Triton does
     not pipeline it). With EARLY and PDL the load is issued before the wait for the kernel in front (weights
     depend on no kernel): they arrive while it ends. Then x's rows (with GATE, each through its output gate
     first: `_gated_row`), and each row's products summed in fp32; with CONV, output columns below C also go
-    through KDA's short-conv decode step (`_conv_columns`)."""
-    w, out, N, cols = _segment(
-        tl.program_id(0), w0, out0, n0, w1, out1, n1, w2, out2, n2, w3, out3, n3, w4, out4, n4, w5, out5, n5,
-        first1, first2, first3, first4, first5, SEGS, BN,
-    )  # fmt: skip
-    nmask = cols < N
+    through KDA's short-conv decode step (`_conv_columns`). With PERSIST the grid is smaller than the `blocks`
+    slices: a program walks blocks pid, pid + grid, ..., each next slice's load issued before this one's sums."""
+    args = (w0, out0, n0, w1, out1, n1, w2, out2, n2, w3, out3, n3, w4, out4, n4, w5, out5, n5,
+            first1, first2, first3, first4, first5)  # fmt: skip
+    pid = tl.program_id(0)
     ks = tl.arange(0, KP)
     kmask = ks < K
-    ptrs = w + cols[:, None].to(tl.int64) * K + ks[None, :]
-    wmask = nmask[:, None] & kmask[None, :]
+    w, out, N, cols = _segment(pid, *args, SEGS, BN)
     pdl_launch_next(PDL)
     if EARLY:
-        wt = tl.load(ptrs, mask=wmask, other=0.0)  # [BN, KP]
+        wt = _rows_slice(w, N, cols, ks, kmask, K, pid < blocks)  # [BN, KP]
         pdl_wait(PDL)
     else:
         pdl_wait(PDL)
-        wt = tl.load(ptrs, mask=wmask, other=0.0)
+        wt = _rows_slice(w, N, cols, ks, kmask, K, pid < blocks)
+    if PERSIST:
+        nprog = tl.num_programs(0)
+        for b in range(pid, blocks, nprog):
+            nb = b + nprog  # the next slice's loads out before this one's sums
+            w_n, out_n, N_n, cols_n = _segment(tl.minimum(nb, blocks - 1), *args, SEGS, BN)
+            wt_n = _rows_slice(w_n, N_n, cols_n, ks, kmask, K, nb < blocks)
+            _rows_sums(
+                wt, x, stride_xm, ks, kmask, out, N, cols, gate, gm_units, norm_w, eps, conv_w, pool, slots,
+                planes, C, PC, stride_ps, stride_pc, M, KP, GATE, G, G_ALIGN, CONV, W, WP,
+            )  # fmt: skip
+            wt, out, N, cols = wt_n, out_n, N_n, cols_n
+    else:
+        _rows_sums(
+            wt, x, stride_xm, ks, kmask, out, N, cols, gate, gm_units, norm_w, eps, conv_w, pool, slots, planes, C,
+            PC, stride_ps, stride_pc, M, KP, GATE, G, G_ALIGN, CONV, W, WP,
+        )  # fmt: skip
+
+
+@triton.jit
+def _rows_slice(w, N, cols, ks, kmask, K, live):
+    """A program's weight slice [BN, KP]: rows cols of w [N, K] (nothing read where not live)."""
+    mask = (cols < tl.where(live, N, 0))[:, None] & kmask[None, :]
+    return tl.load(w + cols[:, None].to(tl.int64) * K + ks[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _rows_sums(
+    wt, x, stride_xm, ks, kmask, out, N, cols, gate, gm_units, norm_w, eps, conv_w, pool, slots, planes, C, PC,
+    stride_ps, stride_pc, M: tl.constexpr, KP: tl.constexpr, GATE: tl.constexpr, G: tl.constexpr,
+    G_ALIGN: tl.constexpr, CONV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+):  # fmt: skip
+    """Each of x's M rows (through its gate with GATE) times the slice wt, into out's columns cols (and through
+    the conv step with CONV)."""
+    nmask = cols < N
     for m in tl.static_range(M):
         xv = tl.load(x + m * stride_xm + ks, mask=kmask, other=0.0).to(tl.float32)  # [KP]
         if GATE:
@@ -246,6 +277,7 @@ def gemv_many_triton(
     rows_block_n: int | None = None,
     rows_warps: int = 8,
     early: bool = True,
+    rows_programs: int | None = None,
     gate: torch.Tensor | None = None,
     norm: tuple[torch.Tensor, float] | None = None,
     conv: tuple | None = None,
@@ -255,10 +287,12 @@ def gemv_many_triton(
     projections of one input cost one launch and their weights stream side by side (MLA's six at batch 1 on the
     H200: 11.0 us against 33.0 as six launches, session 41).
 
-    kernel: "rows" (`_gemv_rows_kernel`: rows_block_n weight rows a program, None: `rows_block`; rows_warps;
-    early: the weights loaded before the PDL wait), "dot" (`_gemv_kernel`: block_n None: 64 from 2048 outputs in
-    all up, else 32; block_k, num_warps, num_stages; prefetch, each slice into L2 before the PDL wait where PDL
-    is on, None: up to PREFETCH_MAX_BYTES of weights in all), or "auto": rows where `rows_applies`, else dot.
+    kernel: "rows" (`_gemv_rows_kernel`: rows_block_n weight rows a slice, None: `rows_block`; rows_warps; early:
+    the first slice loaded before the PDL wait; rows_programs: a grid of at most this many programs, each walking
+    slices with the next one's loads out before this one's sums, None: a program a slice), "dot" (`_gemv_kernel`:
+    block_n None: 64 from 2048 outputs in all up, else 32; block_k, num_warps, num_stages; prefetch, each slice into
+    L2 before the PDL wait where PDL is on, None: up to PREFETCH_MAX_BYTES of weights in all), or "auto": rows where
+    `rows_applies`, else dot.
 
     gate (rows kernel only) [..., K] like x: x goes through its output gate first, inside the kernel: with norm
     = (weight [G], eps), `gated_rms_norm` over each group of G columns (KDA's heads); without, `sigmoid_gate`
@@ -342,9 +376,11 @@ def gemv_many_triton(
                 assert slots.shape == (M,) and C == planes.shape[0] * planes.shape[2]
                 conv_args = (conv_w, pool, slots, planes, C, planes.shape[2], pool.stride(0), pool.stride(1))
                 consts |= dict(CONV=True, W=W, WP=triton.next_power_of_2(W))
-            _gemv_rows_kernel[(firsts[len(segs)],)](
-                rows, K, rows.stride(0), *args, *gate_args, *conv_args, M=M, BN=block_n, KP=kp, SEGS=len(segs),
-                EARLY=early, num_warps=rows_warps, **consts, **pdl,
+            blocks = firsts[len(segs)]
+            grid = min(blocks, rows_programs) if rows_programs else blocks
+            _gemv_rows_kernel[(grid,)](
+                rows, K, rows.stride(0), *args, *gate_args, *conv_args, blocks, M=M, BN=block_n, KP=kp,
+                SEGS=len(segs), EARLY=early, PERSIST=grid < blocks, num_warps=rows_warps, **consts, **pdl,
             )  # fmt: skip
         else:
             row_bytes = K * weights[0].element_size()
