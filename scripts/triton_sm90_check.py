@@ -76,11 +76,9 @@ def ptx_lines(compiled, pattern: str) -> list[str]:
     ]
 
 
-def resource_usage(
-    fn, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3, divisible: tuple = ()
-) -> dict:
-    """{'kernel', 'REG', 'STACK', 'SHARED', ...} of `fn` compiled for sm_90 (cuobjdump's resource usage line)."""
-    compiled = compile_sm90(fn, signature, constexprs, num_warps, num_stages, divisible)
+def compiled_usage(fn, compiled) -> dict:
+    """{'kernel', 'REG', 'STACK', 'SHARED', ...} of `fn` compiled for sm_90 (`compile_sm90`): cuobjdump's resource
+    usage line."""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -141,9 +139,9 @@ def main() -> int:
         sig, const, warps, stages = json.loads(args.sig), json.loads(args.const), args.warps, args.stages
         divisible, patterns = tuple(filter(None, args.div.split(","))), args.ptx
     for fn in kernels:
-        print(json.dumps(resource_usage(fn, sig, const, warps, stages, divisible)), flush=True)
+        compiled = compile_sm90(fn, sig, const, warps, stages, divisible)
+        print(json.dumps(compiled_usage(fn, compiled)), flush=True)
         if patterns:
-            compiled = compile_sm90(fn, sig, const, warps, stages, divisible)
             lines = sorted(
                 {line for p in patterns for line in ptx_lines(compiled, p)},
                 key=lambda x: int(x.split(":")[0]),

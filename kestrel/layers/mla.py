@@ -125,7 +125,7 @@ class MLAttention(nn.Module):
         if fused_gemv_applies("gate", out, self.o_proj.weight):
             # (decode) the gate inside the o projection's GEMV
             return linear_gated(out, g, self.o_proj.weight)
-        return self.o_proj(sigmoid_gate(out.view(T, H, self.v_dim), g).reshape(T, H * self.v_dim))
+        return self.o_proj(sigmoid_gate(out, g))  # [T, H * Dv]
 
     def _select(self, ctx, i: int, pick) -> torch.Tensor:
         """DSA selection of sequence i (or of the whole decode batch, i = -1): replayed, or computed by

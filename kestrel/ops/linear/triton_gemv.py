@@ -345,42 +345,14 @@ def gemv_many_triton(
         args += [firsts[min(s, len(segs) - 1)] for s in range(1, SEGMENTS)]
         if kernel == "rows":
             kp = triton.next_power_of_2(K)
-            gate_args, consts = (rows, 0, rows, 0.0), {}  # no gate: never read
-            if gate is not None:
-                g = gate.reshape(-1, K)
-                g = g if g.stride(-1) == 1 else g.contiguous()
-                assert g.shape == rows.shape, f"gate {tuple(gate.shape)} for x {tuple(x.shape)}"
-                consts = dict(GATE=1)
-                if norm is not None:
-                    norm_w, eps = norm
-                    G = norm_w.numel()
-                    assert K % G == 0 and G == triton.next_power_of_2(G) <= kp, (
-                        f"norm groups of {G} (a power of two dividing K) for K {K}"
-                    )
-                    gate_args, consts = (g, g.stride(0), norm_w.contiguous(), float(eps)), dict(GATE=2, G=G)
-                else:
-                    gate_args = (g, g.stride(0), g, 0.0)
-                align = row_align(g.stride(0))
-                gate_args = (g, g.stride(0) // align, *gate_args[2:])
-                consts["G_ALIGN"] = align
-            conv_args = (rows, rows, rows, rows, 0, 1, 0, 0)  # no conv: never read
-            if conv is not None:
-                conv_w, pool, slots, planes = conv
-                C, W = conv_w.shape
-                assert conv_w.is_contiguous() and pool.shape[1:] == (C, W - 1) and pool.stride(2) == 1, (
-                    f"conv weight {tuple(conv_w.shape)}, pool {tuple(pool.shape)}"
-                )
-                assert C <= weights[0].shape[0] and planes.is_contiguous() and planes.shape[1:2] == (M,), (
-                    f"{C} conv channels of {weights[0].shape[0]} outputs, planes {tuple(planes.shape)}, {M} rows"
-                )
-                assert slots.shape == (M,) and C == planes.shape[0] * planes.shape[2]
-                conv_args = (conv_w, pool, slots, planes, C, planes.shape[2], pool.stride(0), pool.stride(1))
-                consts |= dict(CONV=True, W=W, WP=triton.next_power_of_2(W))
+            gate_args, gate_consts = _gate_args(gate, norm, rows, kp)
+            conv_args, conv_consts = _conv_args(conv, rows, weights[0].shape[0])
             blocks = firsts[len(segs)]
             grid = min(blocks, rows_programs) if rows_programs else blocks
             _gemv_rows_kernel[(grid,)](
                 rows, K, rows.stride(0), *args, *gate_args, *conv_args, blocks, M=M, BN=block_n, KP=kp,
-                SEGS=len(segs), EARLY=early, PERSIST=grid < blocks, num_warps=rows_warps, **consts, **pdl,
+                SEGS=len(segs), EARLY=early, PERSIST=grid < blocks, num_warps=rows_warps, **gate_consts,
+                **conv_consts, **pdl,
             )  # fmt: skip
         else:
             row_bytes = K * weights[0].element_size()
@@ -395,3 +367,43 @@ def gemv_many_triton(
                 num_warps=num_warps, num_stages=num_stages, **pdl,
             )  # fmt: skip
     return [o.view(*x.shape[:-1], o.shape[1]) for o in outs]
+
+
+def _gate_args(
+    gate: torch.Tensor | None, norm: tuple | None, rows: torch.Tensor, kp: int
+) -> tuple[tuple, dict]:
+    """The rows kernel's gate arguments (gate, its row stride in units of its alignment, norm weight, eps) and
+    constants, for x's rows [M, K]; without a gate, placeholders never read."""
+    if gate is None:
+        return (rows, 0, rows, 0.0), {}
+    K = rows.shape[1]
+    g = gate.reshape(-1, K)
+    g = g if g.stride(-1) == 1 else g.contiguous()
+    assert g.shape == rows.shape, f"gate {tuple(gate.shape)} for x {tuple(rows.shape)}"
+    align = row_align(g.stride(0))  # the stride passed as units of it: strided rows still load as vectors
+    if norm is None:
+        return (g, g.stride(0) // align, g, 0.0), dict(GATE=1, G_ALIGN=align)
+    norm_w, eps = norm
+    G = norm_w.numel()
+    assert K % G == 0 and G == triton.next_power_of_2(G) <= kp, (
+        f"norm groups of {G} (a power of two dividing K) for K {K}"
+    )
+    return (g, g.stride(0) // align, norm_w.contiguous(), float(eps)), dict(GATE=2, G=G, G_ALIGN=align)
+
+
+def _conv_args(conv: tuple | None, rows: torch.Tensor, N: int) -> tuple[tuple, dict]:
+    """The rows kernel's conv-step arguments (conv weight, pool, slots, planes, C, plane width, pool strides) and
+    constants, for x's rows [M, K] and N outputs; without a conv, placeholders never read."""
+    if conv is None:
+        return (rows, rows, rows, rows, 0, 1, 0, 0), {}
+    conv_w, pool, slots, planes = conv
+    (C, W), M = conv_w.shape, rows.shape[0]
+    assert conv_w.is_contiguous() and pool.shape[1:] == (C, W - 1) and pool.stride(2) == 1, (
+        f"conv weight {tuple(conv_w.shape)}, pool {tuple(pool.shape)}"
+    )
+    assert C <= N and planes.is_contiguous() and planes.shape[1:2] == (M,), (
+        f"{C} conv channels of {N} outputs, planes {tuple(planes.shape)}, {M} rows"
+    )
+    assert slots.shape == (M,) and C == planes.shape[0] * planes.shape[2]
+    args = (conv_w, pool, slots, planes, C, planes.shape[2], pool.stride(0), pool.stride(1))
+    return args, dict(CONV=True, W=W, WP=triton.next_power_of_2(W))
