@@ -166,17 +166,17 @@ class Env:
     gemv: str
     """KESTREL_GEMV: at inference on a GPU where PDL is on (Hopper and later), linear layers over at most
     kestrel.ops.linear.GEMV_MAX_ROWS rows run the Triton GEMV (kestrel.ops.linear.triton_gemv: launched with PDL,
-    its weights asked into L2 before it waits) instead of cuBLAS: auto | rows | off. auto: the K-loop kernel
-    (`_gemv_kernel`, tl.dot over K steps) for every row count; rows: up to triton_gemv.ROWS_MAX_M rows the rows
-    kernel (`_gemv_rows_kernel`, each program's weights in one load issued before the PDL wait; written in
-    session 55 and not yet run on a GPU: `scripts/gpu_calls.py rows gemvab` time it against auto)."""
+    its weights asked for before it waits) instead of cuBLAS: auto | rows | dot | off. auto: the rows kernel
+    (`_gemv_rows_kernel`, each program's weights in one load issued before the PDL wait) up to
+    triton_gemv.ROWS_AUTO_M rows, the K-loop kernel (`_gemv_kernel`, tl.dot over K steps) above (session 56 on an
+    H100: the batch-1 step 1.458 ms against the K loop's 1.550; at 4 rows the K loop was faster); rows: the rows
+    kernel up to triton_gemv.ROWS_MAX_M rows; dot: the K-loop kernel for every row count; off: cuBLAS."""
     gemv_fuse: str
-    """KESTREL_GEMV_FUSE: with KESTREL_GEMV=rows, what the rows kernel takes in besides the projection: none |
-    gate (the output projections of KDA and MLA make their gated input in its prologue: KDA's per-head
+    """KESTREL_GEMV_FUSE: where the rows kernel runs (KESTREL_GEMV), what it takes in besides the projection:
+    none | gate (the output projections of KDA and MLA make their gated input in its prologue: KDA's per-head
     norm-gate, MLA's sigmoid gate) | conv (KDA's input projection runs the short-conv decode step on its q|k|v
-    columns in its epilogue) | all. gate: 24 launches a mini decode step fewer, conv: 18. none by default:
-    written in session 55 with no GPU lent, not yet timed (`scripts/gpu_calls.py gemvab` runs auto, rows, rows
-    with gate and rows with all)."""
+    columns in its epilogue) | all. gate: 24 launches a mini decode step fewer, conv: 18. Session 56 (H100, one
+    run each): batch 1's step 1.441 ms with gate, 1.450 with all, 1.458 with none."""
     pdl: str
     """KESTREL_PDL: the decode step's Triton kernels launch with programmatic dependent launch on Hopper and later
     (kestrel.ops.pdl): auto | off."""
@@ -253,13 +253,16 @@ VARIABLES: dict[str, Variable] = {
         "KESTREL_FUSED_OPS", "auto", ("auto", "off"), what="norms, activations, mixing as one kernel each"
     ),
     "gemv": _choice(
-        "KESTREL_GEMV", "auto", ("auto", "rows", "off"), what="Triton GEMV for projections of up to 16 rows"
+        "KESTREL_GEMV",
+        "auto",
+        ("auto", "rows", "dot", "off"),
+        what="Triton GEMV for projections of up to 16 rows",
     ),
     "gemv_fuse": _choice(
         "KESTREL_GEMV_FUSE",
         "none",
         ("none", "gate", "conv", "all"),
-        what="ops inside the rows GEMV (with rows)",
+        what="ops inside the rows GEMV, where it runs",
     ),
     "pdl": _choice("KESTREL_PDL", "auto", ("auto", "off"), what="programmatic dependent launch (Hopper)"),
     "compile_train": Variable(

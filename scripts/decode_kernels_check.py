@@ -822,8 +822,8 @@ def _gemv_chain(layers: list, x: torch.Tensor, **knobs) -> torch.Tensor:
 
 def gemv_rows(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
     """The rows kernel (triton_gemv._gemv_rows_kernel: a program's whole slice of W in one load, issued before
-    the PDL wait with `early`) against the K-loop kernel (kernel="dot", the default) on batch 1-4's
-    projections, us a layer against the weights' bytes at the copy rate, in one CUDA graph each:
+    the PDL wait with `early`; the default up to ROWS_AUTO_M rows) against the K-loop kernel (kernel="dot") on
+    batch 1-4's projections, us a layer against the weights' bytes at the copy rate, in one CUDA graph each:
     - chain: l2_ahead's chain of mini's KDA projections (4232 x 2048 in, 2048 x 1024 out), 24 layers' weights
       (cold: 24 x 21 MB do not stay in L2), and the best rows configuration on one layer's weights (hot);
     - merged: MLA's six projections of one input (`gemv_merged`'s shapes) in one launch, after an RMSNorm, 24

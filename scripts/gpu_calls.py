@@ -17,13 +17,12 @@ The jobs that close issue 4 (every GPU test and every figure at one commit, with
 calls issued back to back (a machine is given back 30 s after a call; a cold start costs about 2 minutes):
     1. served topk tests                 2. decode prefill kernels served:--cuda-graph-short-len=0
     3. l2 moe short
-Waiting for a GPU since session 55 (no device was lent): the rows GEMV against the K-loop one (kernels, and steps
-with and without the gates and the conv step inside it), the MoE's router_early in moe_fused's sweep, and the
-shipped model's tokens through it all, in one call; then the tests they touch:
+Session 56 (H100) timed the rows GEMV (`rows`, `gemvab`) and made it the default up to 2 rows; then, to choose the
+fusions' and router_early's defaults from repeated runs, and to check the default's tokens and tests:
     a. rows moe gemvab served:KESTREL_GEMV=rows,KESTREL_GEMV_FUSE=all
-    b. served served:KESTREL_GEMV=rows tests:tests/ops/test_gemv.py,tests/ops/test_moe_decode_triton.py,\
-tests/ops/test_router_triton.py,tests/engine/test_sampler.py,tests/engine/test_overlap.py,tests/engine/test_engine.py
-       (the tests' files: one argument)
+    b. gemvab:8 moe served served:KESTREL_GEMV_FUSE=gate tests:tests/ops/test_gemv.py,\
+tests/ops/test_moe_decode_triton.py,tests/ops/test_router_triton.py,tests/engine/test_sampler.py,\
+tests/engine/test_overlap.py,tests/engine/test_engine.py   (the tests' files: one argument)
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
 (tests:rest:2/2 and so on; the summary counts the outcomes so far from pytest's log).
 Each job's help (`--list`) says what it runs."""
@@ -311,25 +310,27 @@ def job_short(arg: str | None, call: Call) -> list[Run]:
     return runs
 
 
-GEMV_MODES = (  # gemvab's runs, in order: the default, the rows kernel, with the gates inside it, with all inside
-    ("auto", {"KESTREL_GEMV": "auto"}),
-    ("rows", {"KESTREL_GEMV": "rows"}),
-    ("gate", {"KESTREL_GEMV": "rows", "KESTREL_GEMV_FUSE": "gate"}),
-    ("all", {"KESTREL_GEMV": "rows", "KESTREL_GEMV_FUSE": "all"}),
+GEMV_MODES = (  # gemvab's runs, in order: the K loop throughout, the default, with the gates inside, with all inside
+    ("dot", {"KESTREL_GEMV": "dot", "KESTREL_GEMV_FUSE": "none"}),
+    ("auto", {"KESTREL_GEMV": "auto", "KESTREL_GEMV_FUSE": "none"}),
+    ("gate", {"KESTREL_GEMV": "auto", "KESTREL_GEMV_FUSE": "gate"}),
+    ("all", {"KESTREL_GEMV": "auto", "KESTREL_GEMV_FUSE": "all"}),
 )
+GEMV_ROUNDS = 3
 
 
 def job_gemvab(arg: str | None, call: Call) -> list[Run]:
     """bench decode at 4K, batch 1, 4 and 16, DSA only, with the GEMV's K-loop kernel for every row count
-    (KESTREL_GEMV=auto, the default), with the rows kernel up to 4 rows (KESTREL_GEMV=rows), with the output gates
+    (KESTREL_GEMV=dot), with the default (auto: the rows kernel up to ROWS_AUTO_M rows), with the output gates
     inside it (KESTREL_GEMV_FUSE=gate), and with the conv step too (all), in turn. `gemvab:N` runs the first N of
-    two rounds (one round without)."""
+    GEMV_ROUNDS rounds (one round without)."""
     modes = len(GEMV_MODES)
-    n = modes if arg is None else int(arg) if arg.isdigit() and 1 <= int(arg) <= 2 * modes else None
+    most = GEMV_ROUNDS * modes
+    n = modes if arg is None else int(arg) if arg.isdigit() and 1 <= int(arg) <= most else None
     if n is None:
-        raise ValueError(f"gemvab:N takes a number of runs from 1 to {2 * modes}, not {arg!r}")
+        raise ValueError(f"gemvab:N takes a number of runs from 1 to {most}, not {arg!r}")
     runs = []
-    for i, (mode, env) in enumerate((GEMV_MODES * 2)[:n]):
+    for i, (mode, env) in enumerate((GEMV_MODES * GEMV_ROUNDS)[:n]):
         options = ["--batches", "1,4,16", "--contexts", "4096", "--no-dense"]
         runs.append(_decode(call, f"gemv_{mode}_{i // modes}", 70, *options, env=env))
     return runs
@@ -372,7 +373,7 @@ JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {
         lambda arg, call: [_check(call, "rows", "gemv_rows", 90)],
     ),
     "gemvab": (
-        "gemvab[:N]: bench decode at 4K, batch 1/4/16: KESTREL_GEMV auto, rows, rows + fused gate, + all (N of 8)",
+        "gemvab[:N]: bench decode at 4K, batch 1/4/16: KESTREL_GEMV dot, auto, auto + fused gate, + all (N of 12)",
         job_gemvab,
     ),
     "pdl": (

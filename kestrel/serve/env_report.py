@@ -145,10 +145,15 @@ def fast_paths(device) -> dict:
     def gemv() -> str:
         if not gemv_on(device):
             return "off (cuBLAS / torch)"
-        if kenv.env_field("gemv") != "rows":
-            return "triton (up to 16 rows)"
+        from kestrel.ops.linear.triton_gemv import ROWS_AUTO_M, ROWS_MAX_M
+
+        most = {"auto": ROWS_AUTO_M, "rows": ROWS_MAX_M}.get(kenv.env_field("gemv"), 0)
+        if not most:
+            return "triton K loop (up to 16 rows)"
         fuse = kenv.env_field("gemv_fuse")
-        return "triton, rows kernel up to 4 rows" + ("" if fuse == "none" else f", fused: {fuse}")
+        return f"triton (up to 16 rows), rows kernel up to {most}" + (
+            "" if fuse == "none" else f", fused: {fuse}"
+        )
 
     def fused() -> str:
         return "triton" if fast_applies(torch.empty(0, device=device)) else "off (plain torch)"

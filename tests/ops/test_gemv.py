@@ -16,6 +16,7 @@ from kestrel.ops import linear as linear_ops  # noqa: E402
 
 load_kernels("kestrel.ops.linear.triton_gemv")
 from kestrel.ops.linear.triton_gemv import (  # noqa: E402
+    ROWS_AUTO_M,
     ROWS_MAX_M,
     SEGMENTS,
     gemv_many_triton,
@@ -84,12 +85,18 @@ def test_gemv_rows_walks_slices_across_weights():
 
 
 def test_gemv_rows_only_where_asked_and_taken(monkeypatch):
-    """KESTREL_GEMV=rows puts a few rows on the rows kernel; auto keeps the K-loop kernel for every row count."""
+    """auto (the default) puts up to ROWS_AUTO_M rows on the rows kernel, rows up to ROWS_MAX_M, dot none; widths
+    above ROWS_MAX_K never."""
+    monkeypatch.delenv("KESTREL_GEMV", raising=False)
+    assert ROWS_AUTO_M < ROWS_MAX_M
+    assert rows_applies(1, 2048) and rows_applies(ROWS_AUTO_M, 1000)
+    assert not rows_applies(ROWS_AUTO_M + 1, 2048) and not rows_applies(1, 8192) and not rows_applies(0, 64)
     monkeypatch.setenv("KESTREL_GEMV", "rows")
     assert rows_applies(1, 2048) and rows_applies(ROWS_MAX_M, 1000)
     assert not rows_applies(ROWS_MAX_M + 1, 2048) and not rows_applies(1, 8192)
-    monkeypatch.delenv("KESTREL_GEMV")
-    assert not rows_applies(1, 2048)
+    for mode in ("dot", "off"):
+        monkeypatch.setenv("KESTREL_GEMV", mode)
+        assert not rows_applies(1, 2048)
     x = torch.zeros(ROWS_MAX_M + 1, 32, device=DEVICE, dtype=DTYPE)
     with pytest.raises(AssertionError, match="the rows kernel takes up to"):
         gemv_triton(x, torch.zeros(8, 32, device=DEVICE, dtype=DTYPE), kernel="rows")
@@ -229,6 +236,9 @@ def test_fused_gemv_applies_only_where_asked(monkeypatch):
         assert not linear_ops.fused_gemv_applies("conv", xc, wc)
         monkeypatch.setenv("KESTREL_GEMV_FUSE", "all")
         monkeypatch.setenv("KESTREL_GEMV", "auto")
+        assert linear_ops.fused_gemv_applies("gate", xc, wc) == tuned
+        assert not linear_ops.fused_gemv_applies("gate", xc.expand(ROWS_AUTO_M + 1, 64), wc)
+        monkeypatch.setenv("KESTREL_GEMV", "dot")
         assert not linear_ops.fused_gemv_applies("gate", xc, wc)
 
 

@@ -56,7 +56,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def fused_gemv_applies(fusion: str, x: torch.Tensor, weight: torch.Tensor, group: int = 1) -> bool:
     """x W^T may take `fusion` ("gate": `linear_gated`, "conv": `linear_conv`) inside the rows GEMV: the GEMV
-    applies, KESTREL_GEMV=rows, KESTREL_GEMV_FUSE names it (or all), the rows kernel takes x's rows and width,
+    applies, KESTREL_GEMV_FUSE names it (or all), the rows kernel takes x's rows and width (`rows_applies`),
     and `group` (the norm-gate's group of columns) is a power of two dividing the width."""
     width = x.shape[-1]
     if group & (group - 1) or width % group:

@@ -17,10 +17,12 @@ kernel loads a program's whole [BN, K] slice at once, before the PDL wait, and s
 tl.dot): one round trip, overlapped with the kernel before. It has run only in Triton's interpreter and been
 compiled for sm_90 on the CPU (`scripts/triton_sm90_check.py --div`: K and the pointers multiples of 16, as Triton
 specializes them at launch; BN 8 at 8 warps 48 registers, its slice as eight 16-byte loads a thread, all before
-`griddepcontrol.wait`; BN 16 at 8 warps 80; BN 32 255, spilling at 4 warps): no GPU was lent when it was written,
-so it runs only with KESTREL_GEMV=rows until `scripts/gpu_calls.py rows gemvab served:KESTREL_GEMV=rows` has timed
-it against the K loop and checked the served tokens. It can also take the op before it (the o projections' output
-gates, `gate=`) and the op after it (KDA's conv step, `conv=`): KESTREL_GEMV_FUSE.
+`griddepcontrol.wait`; BN 16 at 8 warps 80; BN 32 255, spilling at 4 warps). Timed on an H100 in session 56
+(`scripts/gpu_calls.py rows gemvab`; bench/results/2026-12-05-h100-session56.json): mini's KDA projections at
+batch 1 9.0 us a layer against the K loop's 12.9 (floor 7.1), 2 rows 11.3-11.8 against 14.4, 4 rows 15.5-16.9
+against 14.5; the batch-1 decode step 1.458 ms against 1.550. So by default (KESTREL_GEMV=auto) it takes up to
+ROWS_AUTO_M rows, KESTREL_GEMV=rows up to ROWS_MAX_M, dot none. It can also take the op before it (the o
+projections' output gates, `gate=`) and the op after it (KDA's conv step, `conv=`): KESTREL_GEMV_FUSE.
 
 One launch may take several weights of one input (`gemv_many_triton`, up to GEMV_MAX_WEIGHTS): their slices are the
 grid's programs one weight after another, and each program picks its weight, output and width from its index.
@@ -242,16 +244,19 @@ PREFETCH_MAX_BYTES = 8 << 20
 
 
 # The rows kernel (`_gemv_rows_kernel`): up to ROWS_MAX_M rows and K up to ROWS_MAX_K (padded to a power of
-# two), a program's whole slice in one load of ROWS_TILE weights (BN = ROWS_TILE / K rows of W).
+# two), a program's whole slice in one load of ROWS_TILE weights (BN = ROWS_TILE / K rows of W). KESTREL_GEMV=auto
+# gives it up to ROWS_AUTO_M rows: at 4 the K loop was faster (session 56, H100: 14.5 us a layer against 15.5).
 ROWS_MAX_M = 4
+ROWS_AUTO_M = 2
 ROWS_MAX_K = 4096
 ROWS_TILE = 16384
 
 
 def rows_applies(M: int, K: int) -> bool:
-    """`gemv_many_triton(kernel="auto")` runs the rows kernel on M rows of width K: KESTREL_GEMV=rows (not yet
-    the default: it has not run on a GPU, see the module docstring) and a shape it takes."""
-    return env_field("gemv") == "rows" and 0 < M <= ROWS_MAX_M and triton.next_power_of_2(K) <= ROWS_MAX_K
+    """`gemv_many_triton(kernel="auto")` runs the rows kernel on M rows of width K: up to ROWS_AUTO_M rows with
+    KESTREL_GEMV=auto (the default), up to ROWS_MAX_M with rows, none with dot; K up to ROWS_MAX_K."""
+    most = {"auto": ROWS_AUTO_M, "rows": ROWS_MAX_M}.get(env_field("gemv"), 0)
+    return 0 < M <= most and triton.next_power_of_2(K) <= ROWS_MAX_K
 
 
 def rows_block(K: int) -> int:
