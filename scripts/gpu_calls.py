@@ -17,10 +17,10 @@ The jobs that close issue 4 (every GPU test and every figure at one commit, with
 calls issued back to back (a machine is given back 30 s after a call; a cold start costs about 2 minutes):
     1. served topk tests                 2. decode prefill kernels served:--cuda-graph-short-len=0
     3. l2 moe short
-Session 56 (H100) timed the rows GEMV (`rows`, `gemvab`) and made it the default up to 2 rows; then, to choose the
-fusions' and router_early's defaults from repeated runs, and to check the default's tokens and tests:
-    a. rows moe gemvab served:KESTREL_GEMV=rows,KESTREL_GEMV_FUSE=all
-    b. gemvab:8 moe served served:KESTREL_GEMV_FUSE=gate tests:tests/ops/test_gemv.py,\
+Session 56 (H100) timed the rows GEMV (call a: `rows moe gemvab served:KESTREL_GEMV=rows,KESTREL_GEMV_FUSE=all`)
+and made it the default up to 2 rows. Waiting since (no machine came): the default's tokens, the fusions' and
+router_early's repeats, and the GPU tests they touch, in one call:
+    b. served served:KESTREL_GEMV_FUSE=gate gemvab:8 moe tests:tests/ops/test_gemv.py,\
 tests/ops/test_moe_decode_triton.py,tests/ops/test_router_triton.py,tests/engine/test_sampler.py,\
 tests/engine/test_overlap.py,tests/engine/test_engine.py   (the tests' files: one argument)
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
