@@ -259,9 +259,14 @@ def rows_applies(M: int, K: int) -> bool:
     return 0 < M <= most and triton.next_power_of_2(K) <= ROWS_MAX_K
 
 
-def rows_block(K: int) -> int:
-    """Weight rows a program of the rows kernel takes at width K: ROWS_TILE values in all, 1 to 64 rows."""
-    return max(1, min(64, ROWS_TILE // triton.next_power_of_2(K)))
+def rows_tile(M: int, K: int) -> tuple[int, int]:
+    """(weight rows a program, warps) of the rows kernel at M rows of width K. One row: ROWS_TILE values (8 rows
+    of 2048) on 8 warps, 9.03 us a layer on mini's KDA projections (session 56, H100; 8.93-10.22 over the tiles
+    swept). More rows: 2 rows of W on 4 warps, the best timed at 2 rows (11.26 us against the K loop's 14.39);
+    ROWS_TILE's tile at 2 rows was not timed, and its sm_90 compile takes 97-103 registers against 48 at one."""
+    if M == 1:
+        return max(1, min(64, ROWS_TILE // triton.next_power_of_2(K))), 8
+    return 2, 4
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, **knobs) -> torch.Tensor:
@@ -280,7 +285,7 @@ def gemv_many_triton(
     prefetch: bool | None = None,
     kernel: str = "auto",
     rows_block_n: int | None = None,
-    rows_warps: int = 8,
+    rows_warps: int | None = None,
     early: bool = True,
     rows_programs: int | None = None,
     gate: torch.Tensor | None = None,
@@ -292,7 +297,7 @@ def gemv_many_triton(
     projections of one input cost one launch and their weights stream side by side (MLA's six at batch 1 on the
     H200: 11.0 us against 33.0 as six launches, session 41).
 
-    kernel: "rows" (`_gemv_rows_kernel`: rows_block_n weight rows a slice, None: `rows_block`; rows_warps; early:
+    kernel: "rows" (`_gemv_rows_kernel`: rows_block_n weight rows a slice and rows_warps, None: `rows_tile`'s; early:
     the first slice loaded before the PDL wait; rows_programs: a grid of at most this many programs, each walking
     slices with the next one's loads out before this one's sums, None: a program a slice), "dot" (`_gemv_kernel`:
     block_n None: 64 from 2048 outputs in all up, else 32; block_k, num_warps, num_stages; prefetch, each slice into
@@ -337,7 +342,8 @@ def gemv_many_triton(
         pdl = pdl_args(rows)
         total = sum(w.shape[0] for w, _ in segs)
         if kernel == "rows":
-            block_n = rows_block_n or rows_block(K)
+            tile_n, tile_warps = rows_tile(M, K)
+            block_n, rows_warps = rows_block_n or tile_n, rows_warps or tile_warps
         else:
             block_n = block_n or (64 if total >= 2048 else 32)
         firsts = [0]  # each segment's first program
