@@ -320,7 +320,7 @@ GEMV_ROUNDS = 3
 
 
 def job_gemvab(arg: str | None, call: Call) -> list[Run]:
-    """bench decode at 4K, batch 1, 4 and 16, DSA only, with the GEMV's K-loop kernel for every row count
+    """bench decode at 4K, batch 1, 2, 4 and 16, DSA only, with the GEMV's K-loop kernel for every row count
     (KESTREL_GEMV=dot), with the default (auto: the rows kernel up to ROWS_AUTO_M rows), with the output gates
     inside it (KESTREL_GEMV_FUSE=gate), and with the conv step too (all), in turn. `gemvab:N` runs the first N of
     GEMV_ROUNDS rounds (one round without)."""
@@ -331,7 +331,7 @@ def job_gemvab(arg: str | None, call: Call) -> list[Run]:
         raise ValueError(f"gemvab:N takes a number of runs from 1 to {most}, not {arg!r}")
     runs = []
     for i, (mode, env) in enumerate((GEMV_MODES * GEMV_ROUNDS)[:n]):
-        options = ["--batches", "1,4,16", "--contexts", "4096", "--no-dense"]
+        options = ["--batches", "1,2,4,16", "--contexts", "4096", "--no-dense"]
         runs.append(_decode(call, f"gemv_{mode}_{i // modes}", 70, *options, env=env))
     return runs
 
@@ -373,7 +373,7 @@ JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {
         lambda arg, call: [_check(call, "rows", "gemv_rows", 90)],
     ),
     "gemvab": (
-        "gemvab[:N]: bench decode at 4K, batch 1/4/16: KESTREL_GEMV dot, auto, auto + fused gate, + all (N of 12)",
+        "gemvab[:N]: bench decode at 4K, batch 1/2/4/16: KESTREL_GEMV dot, auto, auto + fused gate, + all (N of 12)",
         job_gemvab,
     ),
     "pdl": (
