@@ -14,7 +14,7 @@ waits on each step's load before the next goes out (Triton does not pipeline it:
 which fits what session 52 measured on the H200 at batch 1 (mini's KDA projections 11.15 us a layer from HBM, 10.08
 with the weights already in L2, 5.04 of bytes: latency, not bandwidth; not yet shown to be the cause). The rows
 kernel loads a program's whole [BN, K] slice at once, before the PDL wait, and sums each row's products in fp32 (no
-tl.dot): one round trip, overlapped with the kernel before. It has run only in Triton's interpreter and been
+tl.dot): one round trip, overlapped with the kernel before. It was first checked in Triton's interpreter and
 compiled for sm_90 on the CPU (`scripts/triton_sm90_check.py --div`: K and the pointers multiples of 16, as Triton
 specializes them at launch; BN 8 at 8 warps 48 registers, its slice as eight 16-byte loads a thread, all before
 `griddepcontrol.wait`; BN 16 at 8 warps 80; BN 32 255, spilling at 4 warps). Timed on an H100 in session 56
