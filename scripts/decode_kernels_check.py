@@ -829,7 +829,8 @@ def gemv_rows(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
     - merged: MLA's six projections of one input (`gemv_merged`'s shapes) in one launch, after an RMSNorm, 24
       layers' weights.
     Batch 1 sweeps the rows kernel's tile (rows of W a program), warps and `early`, then the best on grids of 1,
-    2 and 4 programs an SM walking the slices (`rows_programs`); batches 2 and 4 take its three best. Each output
+    2 and 4 programs an SM walking the slices (`rows_programs`); batches 2 and 4 take its three best. Each batch
+    also runs the default tile (`rows_tile`, no knobs: rows_block_n absent from its row). Each output
     is compared with torch's (relative error)."""
     from kestrel.ops.linear.triton_gemv import gemv_many_triton
     from kestrel.ops.norm.triton_norm import rms_norm_triton
@@ -919,8 +920,9 @@ def gemv_rows(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
         for per_sm in (1, 2, 4):
             run(1, best[0] | dict(rows_programs=per_sm * sms))
     run(1, dict(kernel="dot"), hot=True)
+    run(1, dict(kernel="rows"))  # the default tile (`rows_tile`)
     for B in (2, 4):
-        for knobs in [dict(kernel="dot"), *best]:
+        for knobs in [dict(kernel="dot"), dict(kernel="rows"), *best]:
             run(B, knobs)
 
 

@@ -20,7 +20,7 @@ calls issued back to back (a machine is given back 30 s after a call; a cold sta
 Session 56 (H100) timed the rows GEMV (call a: `rows moe gemvab served:KESTREL_GEMV=rows,KESTREL_GEMV_FUSE=all`)
 and made it the default up to 2 rows. Waiting since (no machine came): the default's tokens, the fusions' and
 router_early's repeats, and the GPU tests they touch, in one call:
-    b. served served:KESTREL_GEMV_FUSE=gate gemvab:8 moe tests:tests/ops/test_gemv.py,\
+    b. served served:KESTREL_GEMV_FUSE=gate gemvab:8 moe rows tests:tests/ops/test_gemv.py,\
 tests/ops/test_moe_decode_triton.py,tests/ops/test_router_triton.py,tests/engine/test_sampler.py,\
 tests/engine/test_overlap.py,tests/engine/test_engine.py   (the tests' files: one argument)
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
@@ -199,6 +199,8 @@ def show_kernels_check(d: dict) -> list[str]:
             knobs = (
                 "dot"
                 if r.get("kernel") == "dot"
+                else "rows, default tile"
+                if "rows_block_n" not in r
                 else f"rows bn {r.get('rows_block_n')} w {r.get('rows_warps')} early {r.get('early')}"
                 + (f" programs {r['rows_programs']}" if r.get("rows_programs") else "")
             )
