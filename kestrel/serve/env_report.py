@@ -145,9 +145,9 @@ def fast_paths(device) -> dict:
     def gemv() -> str:
         if not gemv_on(device):
             return "off (cuBLAS / torch)"
-        from kestrel.ops.linear.triton_gemv import ROWS_AUTO_M, ROWS_MAX_M
+        from kestrel.ops.linear.triton_gemv import rows_most
 
-        most = {"auto": ROWS_AUTO_M, "rows": ROWS_MAX_M}.get(kenv.env_field("gemv"), 0)
+        most = rows_most()
         if not most:
             return "triton K loop (up to 16 rows)"
         fuse = kenv.env_field("gemv_fuse")

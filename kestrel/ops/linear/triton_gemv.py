@@ -252,11 +252,16 @@ ROWS_MAX_K = 4096
 ROWS_TILE = 16384
 
 
+def rows_most() -> int:
+    """The most rows `gemv_many_triton(kernel="auto")` gives the rows kernel: ROWS_AUTO_M with KESTREL_GEMV=auto
+    (the default), ROWS_MAX_M with rows, none with dot or off."""
+    return {"auto": ROWS_AUTO_M, "rows": ROWS_MAX_M}.get(env_field("gemv"), 0)
+
+
 def rows_applies(M: int, K: int) -> bool:
-    """`gemv_many_triton(kernel="auto")` runs the rows kernel on M rows of width K: up to ROWS_AUTO_M rows with
-    KESTREL_GEMV=auto (the default), up to ROWS_MAX_M with rows, none with dot; K up to ROWS_MAX_K."""
-    most = {"auto": ROWS_AUTO_M, "rows": ROWS_MAX_M}.get(env_field("gemv"), 0)
-    return 0 < M <= most and triton.next_power_of_2(K) <= ROWS_MAX_K
+    """`gemv_many_triton(kernel="auto")` runs the rows kernel on M rows of width K: up to `rows_most()` rows, K up
+    to ROWS_MAX_K."""
+    return 0 < M <= rows_most() and triton.next_power_of_2(K) <= ROWS_MAX_K
 
 
 def rows_tile(M: int, K: int) -> tuple[int, int]:
