@@ -260,8 +260,8 @@ VARIABLES: dict[str, Variable] = {
     ),
     "gemv_fuse": _choice(
         "KESTREL_GEMV_FUSE",
-        "none",
-        ("none", "gate", "conv", "all"),
+        "auto",
+        ("auto", "none", "gate", "conv", "all"),
         what="ops inside the rows GEMV, where it runs",
     ),
     "pdl": _choice("KESTREL_PDL", "auto", ("auto", "off"), what="programmatic dependent launch (Hopper)"),

@@ -1095,12 +1095,13 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
     # against 18.05 at 0; early 1 fell back to 0 at these tiles (3 programs an SM), taken at bn_d 8 (20.55).
     # The barriers polled by volatile loads instead of atomics (then one acquiring atomic, or a fence): 19.98 /
     # 20.44 us against 17.40 in the same call; dropped. Session 55 (no GPU lent): router_early, each program's
-    # first router item's weights loaded into registers before the PDL wait (not an L2 prefetch), first timed here.
+    # first router item's weights loaded into registers before the PDL wait (not an L2 prefetch), first timed here:
+    # 18.66 / 18.62 us against 19.17 / 19.12 without (sessions 56 / 57, H100), the default since; kept as a change.
     center = dict(TILES)
     configs = [center] + [
         center | change
         for change in (
-            dict(router_early=1), dict(early=0), dict(early=1), dict(bd=128), dict(defer=0), dict(bk_g=256),
+            dict(router_early=0), dict(early=0), dict(early=1), dict(bd=128), dict(defer=0), dict(bk_g=256),
             dict(bn_g=8, bk_g=256), dict(bn_d=8), dict(warps=2, per_sm=8),
         )
     ]  # fmt: skip

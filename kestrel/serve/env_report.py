@@ -151,9 +151,8 @@ def fast_paths(device) -> dict:
         if not most:
             return "triton K loop (up to 16 rows)"
         fuse = kenv.env_field("gemv_fuse")
-        return f"triton (up to 16 rows), rows kernel up to {most}" + (
-            "" if fuse == "none" else f", fused: {fuse}"
-        )
+        fused = {"none": "", "auto": ", fused: gate at one row"}.get(fuse, f", fused: {fuse}")
+        return f"triton (up to 16 rows), rows kernel up to {most}{fused}"
 
     def fused() -> str:
         return "triton" if fast_applies(torch.empty(0, device=device)) else "off (plain torch)"

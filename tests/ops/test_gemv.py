@@ -187,14 +187,14 @@ def test_gemv_rows_takes_the_conv_step(M, block_n, dtype, programs):
 
 def test_layers_take_their_output_gate_inside_the_gemv(monkeypatch):
     """KDA's norm-gate and MLA's sigmoid gate inside the o projection's GEMV (where `fused_gemv_applies`: forced
-    here, on the CPU's interpreter) give the tiny model's logits of the gates' own ops, through 4 KDA and 2 MLA
-    layers."""
+    here; on the CPU, the interpreter) give the tiny model's logits of the gates' own ops, through 4 KDA and 2 MLA
+    layers, on the tests' device (session 57: it had built the model on the CPU, and failed on a GPU)."""
     import kestrel.layers.kda as kda_layer
     import kestrel.layers.mla as mla_layer
     from kestrel.models.loader import build_model
 
-    model = build_model("tiny", seed=3)
-    ids = torch.tensor([5, 17, 99])
+    model = build_model("tiny", seed=3, device=DEVICE, dtype=DTYPE)
+    ids = torch.tensor([5, 17, 99], device=DEVICE)
     with torch.no_grad():
         want = model(ids)
     calls = []
@@ -209,7 +209,28 @@ def test_layers_take_their_output_gate_inside_the_gemv(monkeypatch):
     with torch.no_grad():
         got = model(ids)
     assert sorted(calls) == [False] * 2 + [True] * 4  # 2 MLA layers (no norm), 4 KDA layers
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # bf16 on CUDA: the norm's sum in another order may move a gated value by its last bit, 6 layers deep
+    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    assert err <= (2e-2 if DTYPE == torch.bfloat16 else 1e-5), err
+
+
+def test_fused_gemv_fuse_auto_takes_the_gate_at_one_row(monkeypatch):
+    """KESTREL_GEMV_FUSE=auto (the default): the gate inside the rows GEMV at one row, nothing at two, never the
+    conv step; none: nothing. The GEMV's own conditions (a Hopper GPU) are taken as met."""
+    monkeypatch.setattr(linear_ops, "gemv_applies", lambda x, w: True)
+    monkeypatch.setenv("KESTREL_GEMV", "auto")
+    w = torch.zeros(8, 64)
+    one, two = torch.zeros(1, 64), torch.zeros(2, 64)
+    monkeypatch.delenv("KESTREL_GEMV_FUSE", raising=False)
+    assert linear_ops.fused_gemv_applies("gate", one, w)
+    assert not linear_ops.fused_gemv_applies("gate", two, w)
+    assert not linear_ops.fused_gemv_applies("conv", one, w)
+    monkeypatch.setenv("KESTREL_GEMV_FUSE", "none")
+    assert not linear_ops.fused_gemv_applies("gate", one, w)
+    monkeypatch.setenv("KESTREL_GEMV_FUSE", "gate")
+    assert linear_ops.fused_gemv_applies("gate", two, w)
+    monkeypatch.setenv("KESTREL_GEMV", "dot")
+    assert not linear_ops.fused_gemv_applies("gate", one, w)
 
 
 def test_fused_gemv_applies_only_where_asked(monkeypatch):
