@@ -17,12 +17,11 @@ The jobs that close issue 4 (every GPU test and every figure at one commit, with
 calls issued back to back (a machine is given back 30 s after a call; a cold start costs about 2 minutes):
     1. served topk tests                 2. decode prefill kernels served:--cuda-graph-short-len=0
     3. l2 moe short
-Session 56 (H100) timed the rows GEMV (call a: `rows moe gemvab served:KESTREL_GEMV=rows,KESTREL_GEMV_FUSE=all`)
-and made it the default up to 2 rows. Waiting since (no machine came): the default's tokens, the fusions' and
-router_early's repeats, and the GPU tests they touch, in one call:
-    b. served served:KESTREL_GEMV_FUSE=gate gemvab:8 moe rows tests:tests/ops/test_gemv.py,\
-tests/ops/test_moe_decode_triton.py,tests/ops/test_router_triton.py,tests/engine/test_sampler.py,\
-tests/engine/test_overlap.py,tests/engine/test_engine.py   (the tests' files: one argument)
+Session 56 (H100) timed the rows GEMV (call a) and made it the default up to 2 rows; session 57 (H100) repeated
+it (call b: `served served:KESTREL_GEMV_FUSE=gate gemvab:8 moe rows tests:...`) and made the gate inside it at one
+row and the MoE's router_early the defaults, then checked their tokens (call c: `served tests:... decode`; decode had
+no time left). Waiting (on an H200): batch 1's MBU with these defaults, and the GPU tests not reached, in one call:
+    d. decode served tests:tests/ops/test_moe_decode_triton.py,tests/ops/test_gemv.py
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
 (tests:rest:2/2 and so on; the summary counts the outcomes so far from pytest's log).
 Each job's help (`--list`) says what it runs."""
