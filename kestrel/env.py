@@ -177,7 +177,7 @@ class Env:
     norm-gate, MLA's sigmoid gate) | conv (KDA's input projection runs the short-conv decode step on its q|k|v
     columns in its epilogue) | all | auto (the default: gate at one row only). gate: 24 launches a mini decode step
     fewer, conv: 18. Sessions 56-57 (H100, three runs): batch 1's replay 1.441-1.450 ms with gate against
-    1.458-1.461 with none; batch 2 1.753-1.755 against 1.717-1.725 (hence one row)."""
+    1.458-1.461 with none; batch 2 1.753-1.755 against 1.717-1.725 (hence one row); conv never won (batch 4 +18-24%)."""
     pdl: str
     """KESTREL_PDL: the decode step's Triton kernels launch with programmatic dependent launch on Hopper and later
     (kestrel.ops.pdl): auto | off."""

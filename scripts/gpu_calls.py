@@ -311,7 +311,7 @@ def job_short(arg: str | None, call: Call) -> list[Run]:
     return runs
 
 
-GEMV_MODES = (  # gemvab's runs, in order: the K loop throughout, the default, with the gates inside, with all inside
+GEMV_MODES = (  # gemvab's runs, in order: the K loop throughout, the rows kernel alone, with the gates, with all
     ("dot", {"KESTREL_GEMV": "dot", "KESTREL_GEMV_FUSE": "none"}),
     ("auto", {"KESTREL_GEMV": "auto", "KESTREL_GEMV_FUSE": "none"}),
     ("gate", {"KESTREL_GEMV": "auto", "KESTREL_GEMV_FUSE": "gate"}),
@@ -322,8 +322,9 @@ GEMV_ROUNDS = 3
 
 def job_gemvab(arg: str | None, call: Call) -> list[Run]:
     """bench decode at 4K, batch 1, 2, 4 and 16, DSA only, with the GEMV's K-loop kernel for every row count
-    (KESTREL_GEMV=dot), with the default (auto: the rows kernel up to ROWS_AUTO_M rows), with the output gates
-    inside it (KESTREL_GEMV_FUSE=gate), and with the conv step too (all), in turn. `gemvab:N` runs the first N of
+    (KESTREL_GEMV=dot), with the rows kernel up to ROWS_AUTO_M rows and nothing inside it (auto, fuse none), with
+    the output gates inside it (KESTREL_GEMV_FUSE=gate; the default since session 57 takes them at one row only),
+    and with the conv step too (all), in turn. `gemvab:N` runs the first N of
     GEMV_ROUNDS rounds (one round without)."""
     modes = len(GEMV_MODES)
     most = GEMV_ROUNDS * modes

@@ -188,7 +188,7 @@ def test_gemv_rows_takes_the_conv_step(M, block_n, dtype, programs):
 def test_layers_take_their_output_gate_inside_the_gemv(monkeypatch):
     """KDA's norm-gate and MLA's sigmoid gate inside the o projection's GEMV (where `fused_gemv_applies`: forced
     here; on the CPU, the interpreter) give the tiny model's logits of the gates' own ops, through 4 KDA and 2 MLA
-    layers, on the tests' device (session 57: it had built the model on the CPU, and failed on a GPU)."""
+    layers, on the tests' device."""
     import kestrel.layers.kda as kda_layer
     import kestrel.layers.mla as mla_layer
     from kestrel.models.loader import build_model

@@ -58,17 +58,13 @@ def fused_gemv_applies(fusion: str, x: torch.Tensor, weight: torch.Tensor, group
     """x W^T may take `fusion` ("gate": `linear_gated`, "conv": `linear_conv`) inside the rows GEMV: the GEMV
     applies, KESTREL_GEMV_FUSE names it (or all; auto, the default: the gate at one row), the rows kernel takes
     x's rows and width (`rows_applies`), and `group` (the norm-gate's group of columns) is a power of two
-    dividing the width.
-
-    auto: the gate inside the GEMV made mini's batch-1 step 1% faster in each of three runs (session 56-57, H100,
-    replay 1.441 / 1.444 / 1.450 ms against 1.458 / 1.460 / 1.461) and batch 2's 2% slower in both of two (1.755 /
-    1.753 against 1.725 / 1.717); the conv step inside never won (batch 4 +24% in session 56)."""
+    dividing the width. Why auto is the gate at one row: `kestrel.env.Env.gemv_fuse`."""
     width = x.shape[-1]
     if group & (group - 1) or width % group:
         return False
     rows = x.numel() // width
     fuse = env_field("gemv_fuse")
-    wanted = fuse in (fusion, "all") or fuse == "auto" and fusion == "gate" and rows == 1
+    wanted = fuse in (fusion, "all") or (fuse == "auto" and fusion == "gate" and rows == 1)
     if not wanted or not gemv_applies(x, weight):
         return False
     from kestrel.ops.linear.triton_gemv import rows_applies

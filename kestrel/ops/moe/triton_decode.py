@@ -84,8 +84,8 @@ _sync: dict[
 # early: with one token, each program's down weights loaded before its gate/up items (1) or after them (2),
 # held through barrier 1 (0: loaded after it), where the grid holds every down item and I is one K step (1
 # holds them through the gate/up items too: at the defaults 3 programs an SM then, too few, so none early)
-# router_early: each program's first router item's weights loaded before the PDL wait (session 55; on since
-# session 57: 19.17 -> 18.66 and 19.12 -> 18.62 us a layer in two calls on an H100, the same bits)
+# router_early: each program's first router item's weights loaded before the PDL wait (on since session 57: the
+# module docstring has its timings)
 TILES = dict(
     bd=64, ks=1, bn_g=4, bk_g=512, bn_d=4, bk_d=256, warps=4, per_sm=4, defer=1, early=2, router_early=1
 )
