@@ -338,6 +338,26 @@ def job_gemvab(arg: str | None, call: Call) -> list[Run]:
     return runs
 
 
+def job_ab(arg: str | None, call: Call) -> list[Run]:
+    """`ab:VAR=A/B[:N]`: bench decode at 4K, batch 1, 4, 16 and 256, DSA only, with the environment variable VAR
+    at A, then at B, alternating for N rounds (2 without it; 1 to 4), so that a switch is timed against the code
+    without it on one machine in one call."""
+    spec, _, rounds = (
+        (arg or "").rpartition(":") if (arg or "").rpartition(":")[2].isdigit() else (arg, "", "2")
+    )
+    name, eq, values = (spec or "").partition("=")
+    pair = values.split("/")
+    if not eq or not name or len(pair) != 2 or not all(pair) or not 1 <= int(rounds) <= 4:
+        raise ValueError(f"ab:{arg}: want VAR=A/B or VAR=A/B:N (N rounds, 1 to 4)")
+    runs = []
+    for i in range(int(rounds)):
+        for value in pair:
+            options = ["--batches", "1,4,16,256", "--contexts", "4096", "--no-dense"]
+            tag = f"ab_{name.removeprefix('KESTREL_').lower()}_{value}_{i}"
+            runs.append(_decode(call, tag, 80, *options, env={name: value}))
+    return runs
+
+
 JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {
     "tests": (
         "tests[:PARTS]: gpu_suite's GPU tests (PARTS as --gpu-tests-parts; --workers processes)",
@@ -378,6 +398,7 @@ JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {
         "gemvab[:N]: bench decode at 4K, batch 1/2/4/16: KESTREL_GEMV dot, auto, auto + fused gate, + all (N of 12)",
         job_gemvab,
     ),
+    "ab": ("ab:VAR=A/B[:N]: bench decode at 4K, batch 1/4/16/256, VAR=A then VAR=B, N rounds (2)", job_ab),
     "pdl": (
         "pdl: decode_kernels_check pdl (the launch floor with and without PDL)",
         lambda arg, call: [_check(call, "pdl", "pdl", 30)],

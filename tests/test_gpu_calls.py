@@ -21,10 +21,13 @@ def _record(session: str) -> dict:
 
 
 def test_every_job_plans_and_its_commands_take_their_options():
-    jobs = [f"{name}:KESTREL_PDL=off" if name == "served" else name for name in calls.JOBS]
+    args = {"served": "KESTREL_PDL=off", "ab": "KESTREL_PDL=auto/off:1"}
+    jobs = [f"{name}:{args[name]}" if name in args else name for name in calls.JOBS]
     runs = calls.plan([*jobs, "served:--cuda-graph-short-len=8192"])
     tags = {r.tag for r in runs}
-    assert tags >= {"tests", "decode", "topk", "prefill", "kernels", "served_pdl_off"}
+    assert tags >= {"tests", "decode", "topk", "prefill", "kernels", "served_pdl_off", "ab_pdl_off_0"}
+    (ab,) = [r for r in runs if r.tag == "ab_pdl_auto_0"]
+    assert ab.env == {"KESTREL_PDL": "auto"} and "1,4,16,256" in ab.argv
     (short,) = [r for r in runs if r.tag == "served_cuda_graph_short_len_8192"]
     assert "--cuda-graph-short-len=8192" in short.argv and not short.env
     assert calls.dry_run(runs) == []
@@ -44,6 +47,15 @@ def test_a_bad_option_or_job_is_caught_before_the_call():
     with pytest.raises(ValueError, match="NAME=VALUE"):
         calls.plan(["served:KESTREL_PDL"])
     assert [r.tag for r in calls.plan(["short:3"])] == ["short8192_0", "short0_0", "short8192_1"]
+    assert [r.tag for r in calls.plan(["ab:KESTREL_X=a/b"])] == [
+        "ab_x_a_0",
+        "ab_x_b_0",
+        "ab_x_a_1",
+        "ab_x_b_1",
+    ]
+    for bad in ("ab", "ab:KESTREL_X=a", "ab:KESTREL_X=a/b:5", "ab:=a/b", "ab:KESTREL_X=a/"):
+        with pytest.raises(ValueError, match="VAR=A/B"):
+            calls.plan([bad])
     for bad in ("short:0", "short:5", "short:x"):
         with pytest.raises(ValueError, match="from 1 to 4"):
             calls.plan([bad])
