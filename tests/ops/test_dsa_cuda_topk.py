@@ -38,17 +38,28 @@ def _slow_copy(src, dst, n, rounds, BLOCK: tl.constexpr, PDL: tl.constexpr = Fal
 
 
 def run_topk(scores, lens, k, lens_dtype=torch.int64):
-    """topk_cuda (every kernel variant, and its own pick) into a poisoned output equals the reference's selection
-    by position."""
+    """topk_cuda (every kernel variant that takes the rows, and its own pick) into a poisoned output equals the
+    reference's selection by position; a short variant whose rows are too wide is refused, by topk_cuda with a
+    ValueError and by the library's launcher itself. Returns the variants that ran."""
     scores, lens = scores.cuda(), lens.cuda()
     want = by_position(topk_select(scores, lens.long() - 1, k))
     assert cuda_topk.num_variants() >= 1
-    for variant in [*range(cuda_topk.num_variants()), None]:  # None: topk_cuda's own pick
+    flat = scores if scores.stride(-1) == 1 else scores.contiguous()  # what topk_cuda hands the kernel
+    ran = [v for v in range(cuda_topk.num_variants()) if cuda_topk.variant_takes(v, flat)]
+    for variant in [*ran, None]:  # None: topk_cuda's own pick
         out = torch.full((scores.shape[0], k), -7, dtype=torch.int64, device="cuda")
         got = topk_cuda(scores, lens.to(lens_dtype), k, out=out, variant=variant)
         assert got.data_ptr() == out.data_ptr()
         assert not (got == -7).any(), f"variant {variant}: unwritten output"
         assert torch.equal(got, want), f"variant {variant} k={k} lens={lens.tolist()[:8]}\n{got}\n{want}"
+    for variant in sorted(set(range(cuda_topk.num_variants())) - set(ran)):
+        out = torch.full((scores.shape[0], k), -7, dtype=torch.int64, device="cuda")
+        with pytest.raises(ValueError, match=f"variant {variant} takes rows of at most"):
+            topk_cuda(scores, lens.to(lens_dtype), k, out=out, variant=variant)
+        with pytest.raises(RuntimeError, match="invalid argument"):  # the launcher's own check
+            cuda_topk._launch(cuda_topk._load(), flat, lens.to(lens_dtype).contiguous(), k, out, variant)
+        assert (out == -7).all(), f"variant {variant} wrote a row it refused"
+    return ran
 
 
 def test_unavailable_without_cuda_does_not_raise(monkeypatch):

@@ -16,11 +16,21 @@ once more (mostly from L2) to copy the keys at or above the threshold digit to s
 the last two digits and the final selection work on that copy. Rows whose threshold digit holds more than the
 shared-memory capacity (24576 candidates on the H200; heavy ties, an all-equal row) take one or two more
 digits from the row instead (never when L <= the capacity). Any k >= 1 works: the output is written straight
-to global memory. Variant 5 splits each row of at least CLUSTER_MIN_L valid scores over a cluster of two
+to global memory. Variant 9 splits each row of at least CLUSTER_MIN_L valid scores over a cluster of two
 blocks (compute capability 9.0+; a shorter row is done by the first block alone), which `topk_cuda` picks for
 few wide rows (`choose_variant`). Where the Triton kernels launch with programmatic
 dependent launch (kestrel.ops.pdl: Hopper), so does this one: it may start while the indexer's scores kernel
 ends, and waits for it before its first read.
+
+Short rows in registers (variants 5-8, cuda_topk.cu's `topk_short_kernel<NT, V>`): one block of NT threads a
+row of at most NT * V 16-byte slots (ROW_SLOTS: 4096 or 8192 scores when the row pointer is 16-byte aligned,
+3 fewer when not), each thread holding 4 V consecutive scores as keys in registers. The row is read once, T
+comes from four 8-bit digits of 256 shared bins each, a warp's adds to one bin merged into one atomic, and one
+block scan gives the output ranks. They are for decode's short rows, where variants 0-4 spend their time on
+shared atomics to the one or two bins that the first 11-bit digit puts nearly the whole row into, and on the
+candidate copy and its histograms, which a row that fits in registers does not need. Untimed so far
+(scripts/topk_cuda_check.py's rows_sweep times them). A variant refuses scores with a row wider than it takes
+(`variant_takes`).
 
 Measured on the H200 (scripts/topk_cuda_check.py, 2026-12-01, session 19,
 bench/results/2026-12-01-topk-cuda-h200-session19.json): every variant matched naive.topk_select on all 59
@@ -56,14 +66,17 @@ SOURCE = Path(__file__).with_name("cuda_topk.cu")
 MAX_L = 2**31 - 2**20  # positions are int32 in the kernel, with headroom for the last chunk's slot indices
 # The kernel variants (cuda_topk.cu's VARIANTS: 0 = one histogram copy, plain gather; 1 = four lane-picked
 # copies of each histogram bin; 2 = those and the gather's loads prefetched a chunk ahead; 3 and 4 = 0 with 256
-# and 512 threads a row; 5 = 0 with a two-block cluster a row). All give the same result;
-# scripts/topk_cuda_check.py checks and times each. topk_cuda runs DEFAULT_VARIANT, or CLUSTER_VARIANT where
-# `choose_variant` says a row's second block pays.
+# and 512 threads a row; 5-8 = short rows in registers, (threads, 16-byte slots a thread) = (512, 2), (1024, 2),
+# (512, 4), (256, 8); 9 = 0 with a two-block cluster a row). All give the same result on the rows they take;
+# scripts/topk_cuda_check.py checks and times each. topk_cuda runs DEFAULT_VARIANT, or another where
+# `choose_variant` says so.
 DEFAULT_VARIANT = 0
 SHORT_VARIANT, MEDIUM_VARIANT = 3, 4  # 256 and 512 threads a row
 SHORT_MAX_L = 6144  # rows at most this wide take SHORT_VARIANT
 MEDIUM_MAX_L = 8704  # up to this width: SHORT_VARIANT for more rows than SMs, else MEDIUM_VARIANT
-CLUSTER_VARIANT = 5
+# The short variants' widest row, in 16-byte slots (cuda_topk.cu's ROW_SLOTS; the other variants take any width)
+ROW_SLOTS = {5: 512 * 2, 6: 1024 * 2, 7: 512 * 4, 8: 256 * 8}
+CLUSTER_VARIANT = 9
 CLUSTER_MIN_L = 32768  # rows at least this wide take the cluster variant while it has an SM per block
 
 UNAVAILABLE_REASON: str | None = None  # why available() is False; None while it is True or not yet asked
@@ -158,6 +171,8 @@ def _load() -> ctypes.CDLL | None:
             ]
             lib.kestrel_topk_setup.restype = ctypes.c_int
             lib.kestrel_topk_num_variants.restype = ctypes.c_int
+            lib.kestrel_topk_row_slots.restype = ctypes.c_int
+            lib.kestrel_topk_row_slots.argtypes = [ctypes.c_int]
             lib.kestrel_topk_error.restype = ctypes.c_char_p
             lib.kestrel_topk_error.argtypes = [ctypes.c_int]
             _prepare(lib, torch.device("cuda", torch.cuda.current_device()))  # raises if the default fails
@@ -253,6 +268,26 @@ def choose_variant(B: int, L: int, sms: int, cluster: bool) -> int:
     return DEFAULT_VARIANT
 
 
+def row_slots(scores: torch.Tensor) -> int:
+    """The 16-byte slots the widest row of scores [B, L] (fp32, unit column stride) spans, as cuda_topk.cu's
+    launcher counts them: L scores after the row's head, the 0-3 scores between the 16-byte boundary at or before
+    its first score and that score. Every row has the first row's head when the row stride is a multiple of 4
+    scores (or there is one row); else up to 3 is assumed."""
+    B, L = scores.shape
+    if B <= 1 or scores.stride(0) % 4 == 0:
+        head = (scores.data_ptr() // 4) % 4
+    else:
+        head = 3
+    return (L + head + 3) // 4
+
+
+def variant_takes(variant: int, scores: torch.Tensor) -> bool:
+    """Whether kernel `variant` takes scores [B, L] (fp32, unit column stride): every variant but the short ones
+    (ROW_SLOTS) takes any width; a short one takes rows of at most ROW_SLOTS[variant] slots (`row_slots`), so
+    4096 (or 8192) scores from a 16-byte aligned row pointer, 3 fewer from any other."""
+    return variant not in ROW_SLOTS or row_slots(scores) <= ROW_SLOTS[variant]
+
+
 def available() -> bool:
     """Whether topk_cuda can run here (a CUDA device, nvcc, a successful build and probe); never raises (`_load`
     keeps any failure as UNAVAILABLE_REASON)."""
@@ -277,8 +312,9 @@ def topk_cuda(
 
     Returns indices [B, k] int64: the positions `naive.topk_select(scores, lens - 1, k)` selects, in ascending
     position order, then -1; the same tensor `topk_triton(scores, lens, k)` returns. `out` [B, k] int64 with unit
-    column stride, when given, receives the result. `variant` picks the kernel variant (for measurements); None:
-    `choose_variant`'s pick for the shape.
+    column stride, when given, receives the result. `variant` picks the kernel variant (for measurements; a
+    ValueError when it does not take the scores' rows, `variant_takes`); None: `choose_variant`'s pick for the
+    shape.
     """
     B, L = scores.shape
     if scores.dtype != torch.float32 or not scores.is_cuda:
@@ -299,6 +335,12 @@ def topk_cuda(
         return out.fill_(-1)
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
+    if variant is not None and not variant_takes(variant, scores):
+        raise ValueError(
+            f"topk_cuda: variant {variant} takes rows of at most {ROW_SLOTS[variant]} 16-byte slots "
+            f"({4 * ROW_SLOTS[variant]} scores from a 16-byte aligned row pointer, 3 fewer from another); "
+            f"scores {tuple(scores.shape)} with row stride {scores.stride(0)} span {row_slots(scores)}"
+        )
     if lens.dtype not in (torch.int32, torch.int64):
         lens = lens.to(torch.int64)
     lens = lens.contiguous()
