@@ -293,7 +293,9 @@ def rows_sweep(result: dict) -> None:
         out = torch.empty(B, k, dtype=torch.int64, device="cuda")
         want = by_position(topk_select(scores, lens - 1, k))
         name = f"{B}x{L}" + ("" if valid == L else f" lens {valid}")
-        entry = rows[name] = {"auto_picks": cuda_topk.variant_for(B, L, scores.device)}
+        entry = rows[name] = {
+            "auto_picks": cuda_topk.variant_for(B, L, scores.device, cuda_topk.row_slots(scores))
+        }
         fns = {
             **{
                 f"v{v}": functools.partial(cuda_topk.topk_cuda, scores, lens, k, out=out, variant=v)

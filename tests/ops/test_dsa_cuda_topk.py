@@ -296,15 +296,71 @@ def test_short_rows_take_the_smaller_blocks():
     assert cuda_topk.SHORT_MAX_L < cuda_topk.MEDIUM_MAX_L < cuda_topk.CLUSTER_MIN_L
 
 
+def test_decode_rows_take_the_short_variants(monkeypatch):
+    """choose_variant with the rows' 16-byte slots: up to REGISTER_MAX_B rows that fit a short variant of
+    REGISTER_PICKS take the first that fits (4096 and 8192 aligned scores, mini's 4224, a row of 4093 from an
+    unaligned pointer); wider rows, more rows, unknown slots or REGISTER_AUTO off take the old picks."""
+    sms, first, second = 132, *cuda_topk.REGISTER_PICKS
+    slots_of = {4096: 1024, 4224: 1056, 8192: 2048}  # aligned rows
+    assert cuda_topk.ROW_SLOTS[first] == 1024 and cuda_topk.ROW_SLOTS[second] == 2048
+    monkeypatch.setattr(cuda_topk, "REGISTER_AUTO", True)
+    for B in (1, 4, 64, cuda_topk.REGISTER_MAX_B):
+        assert cuda_topk.choose_variant(B, 4096, sms, True, slots_of[4096]) == first
+        assert cuda_topk.choose_variant(B, 4224, sms, True, slots_of[4224]) == second
+        assert cuda_topk.choose_variant(B, 8192, sms, True, slots_of[8192]) == second
+        assert cuda_topk.choose_variant(B, 4093, sms, True, 1024) == first  # head 3
+        assert cuda_topk.choose_variant(B, 4096, sms, True, 1025) == second  # head 1-3
+        old_pick = cuda_topk.MEDIUM_VARIANT if B <= sms else cuda_topk.SHORT_VARIANT
+        assert cuda_topk.choose_variant(B, 8192, sms, True, 2049) == old_pick
+        assert cuda_topk.choose_variant(B, 131072, sms, True, 32768) == cuda_topk.choose_variant(
+            B, 131072, sms, True
+        )
+    B = cuda_topk.REGISTER_MAX_B + 1
+    assert cuda_topk.choose_variant(B, 4096, sms, True, 1024) == cuda_topk.SHORT_VARIANT
+    assert cuda_topk.choose_variant(1, 4096, sms, True, None) == cuda_topk.SHORT_VARIANT
+    monkeypatch.setattr(cuda_topk, "REGISTER_AUTO", False)
+    assert cuda_topk.choose_variant(1, 4096, sms, True, 1024) == cuda_topk.SHORT_VARIANT
+    assert cuda_topk.choose_variant(1, 8192, sms, True, 2048) == cuda_topk.MEDIUM_VARIANT
+
+
+def test_row_slots_count_the_head_as_the_launcher_does():
+    """row_slots: L scores after the row's head (its first score's offset in 16 bytes), the first row's head for
+    every row when the row stride is a multiple of 4 scores or there is one row, else 3; variant_takes compares
+    it with ROW_SLOTS. CPU tensors: only their addresses and strides are read."""
+    wide = torch.empty(4, 8200)  # [B, L]
+    assert wide.data_ptr() % 16 == 0
+    assert cuda_topk.row_slots(wide[:, :4096]) == 1024  # stride 8200 = 4 * 2050: every row aligned
+    assert cuda_topk.row_slots(wide[:, 1:4097]) == 1025  # every row's head 1
+    assert cuda_topk.row_slots(wide[:, 1:4093]) == 1024
+    assert cuda_topk.row_slots(wide[:, 4:4100]) == 1024  # head 0 again
+    assert cuda_topk.row_slots(wide[:1, 3:4096]) == 1024  # one row, head 3: 4093 scores
+    assert cuda_topk.row_slots(wide[:1, 3:4097]) == 1025
+    odd = torch.empty(3, 4097)[:, :4096]  # stride 4097: heads 0, 1, 2
+    assert cuda_topk.row_slots(odd) == 1025 and cuda_topk.row_slots(odd[:1]) == 1024
+    assert (
+        cuda_topk.row_slots(torch.empty(2, 8192)) == 2048
+        and cuda_topk.row_slots(torch.empty(2, 8193)) == 2049
+    )
+    for variant, slots in cuda_topk.ROW_SLOTS.items():
+        rows = torch.empty(2, 4 * slots + 4)
+        assert cuda_topk.variant_takes(variant, rows[:, : 4 * slots])
+        assert not cuda_topk.variant_takes(variant, rows[:, : 4 * slots + 1])
+        assert not cuda_topk.variant_takes(variant, rows[:, 1 : 4 * slots + 1])
+        assert cuda_topk.variant_takes(variant, rows[:, 3 : 4 * slots])
+    for variant in (cuda_topk.DEFAULT_VARIANT, cuda_topk.SHORT_VARIANT, cuda_topk.CLUSTER_VARIANT):
+        assert cuda_topk.variant_takes(variant, torch.empty(1, 131073)[:, 1:])
+
+
 @requires_kernel
 def test_the_cluster_is_probed_and_picked_on_sm90():
     g = torch.Generator(device="cuda").manual_seed(9)
     L = cuda_topk.CLUSTER_MIN_L + 1000
     scores, lens = torch.randn(3, L, generator=g, device="cuda"), torch.tensor([L, 5, L // 2], device="cuda")
     run_topk(scores, lens, 2048)
-    sms, cluster = cuda_topk._ready[torch.cuda.current_device()]
+    sms, cluster, registers = cuda_topk._ready[torch.cuda.current_device()]
     assert sms == torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     assert cluster == (torch.cuda.get_device_capability()[0] >= 9)
+    assert registers, cuda_topk.REGISTER_UNAVAILABLE_REASON
 
 
 @requires_kernel
@@ -328,6 +384,31 @@ def test_a_failing_cluster_probe_leaves_the_default(monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(10)
     run_topk(torch.randn(2, L, generator=g, device="cuda"), torch.tensor([L, 77], device="cuda"), 2048)
     torch.ones(4, device="cuda").add_(1)
+    torch.cuda.synchronize()
+
+
+@requires_kernel
+def test_a_failing_short_probe_leaves_the_old_picks(monkeypatch):
+    """Where a short variant of REGISTER_PICKS fails its probe, choose_variant picks none of them on that device
+    (the reason kept), decode's rows take the old picks, and results stay exact."""
+    real_probe = cuda_topk._probe
+    second = cuda_topk.REGISTER_PICKS[-1]
+
+    def probe(lib, index, variant):
+        return "made to fail" if variant == second else real_probe(lib, index, variant)
+
+    monkeypatch.setattr(cuda_topk, "_ready", {})
+    monkeypatch.setattr(cuda_topk, "REGISTER_UNAVAILABLE_REASON", {})
+    monkeypatch.setattr(cuda_topk, "_probe", probe)
+    monkeypatch.setattr(cuda_topk, "REGISTER_AUTO", True)
+    device = torch.cuda.current_device()
+    dev = torch.device("cuda", device)
+    assert cuda_topk.variant_for(1, 4096, dev, 1024) == cuda_topk.SHORT_VARIANT
+    assert cuda_topk.variant_for(1, 8192, dev, 2048) == cuda_topk.MEDIUM_VARIANT
+    assert cuda_topk._ready[device][2] is False
+    assert cuda_topk.REGISTER_UNAVAILABLE_REASON[device] == "made to fail"
+    g = torch.Generator(device="cuda").manual_seed(13)
+    run_topk(torch.randn(2, 4096, generator=g, device="cuda"), torch.tensor([4096, 77], device="cuda"), 2048)
     torch.cuda.synchronize()
 
 

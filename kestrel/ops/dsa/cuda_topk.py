@@ -29,8 +29,8 @@ comes from four 8-bit digits of 256 shared bins each, a warp's adds to one bin m
 block scan gives the output ranks. They are for decode's short rows, where variants 0-4 spend their time on
 shared atomics to the one or two bins that the first 11-bit digit puts nearly the whole row into, and on the
 candidate copy and its histograms, which a row that fits in registers does not need. Untimed so far
-(scripts/topk_cuda_check.py's rows_sweep times them). A variant refuses scores with a row wider than it takes
-(`variant_takes`).
+(scripts/topk_cuda_check.py's rows_sweep times them); `choose_variant` picks one for up to 256 rows that fit
+(REGISTER_AUTO). A variant refuses scores with a row wider than it takes (`variant_takes`).
 
 Measured on the H200 (scripts/topk_cuda_check.py, 2026-12-01, session 19,
 bench/results/2026-12-01-topk-cuda-h200-session19.json): every variant matched naive.topk_select on all 59
@@ -76,6 +76,14 @@ SHORT_MAX_L = 6144  # rows at most this wide take SHORT_VARIANT
 MEDIUM_MAX_L = 8704  # up to this width: SHORT_VARIANT for more rows than SMs, else MEDIUM_VARIANT
 # The short variants' widest row, in 16-byte slots (cuda_topk.cu's ROW_SLOTS; the other variants take any width)
 ROW_SLOTS = {5: 512 * 2, 6: 1024 * 2, 7: 512 * 4, 8: 256 * 8}
+# choose_variant's pick of a short variant, untimed (to be decided by scripts/topk_cuda_check.py rows_sweep): for
+# up to REGISTER_MAX_B rows (decode's batches; prefill's thousands keep the timed SHORT_VARIANT), the first of
+# REGISTER_PICKS whose ROW_SLOTS the rows fit: 512 threads a row, 2 or 4 slots a thread (rows of up to 4096 or
+# 8192 scores). REGISTER_AUTO = False leaves every pick as before the short variants (each still runs by
+# `variant=`).
+REGISTER_AUTO = True
+REGISTER_PICKS = (5, 7)
+REGISTER_MAX_B = 256
 CLUSTER_VARIANT = 9
 CLUSTER_MIN_L = 32768  # rows at least this wide take the cluster variant while it has an SM per block
 
@@ -84,11 +92,14 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _lock = threading.Lock()
 # devices whose kernel shared-memory limits are set (kestrel_topk_setup) and whose default variant passed its
-# probe: index -> (SM count, whether the cluster variant runs there and passed its probe)
-_ready: dict[int, tuple[int, bool]] = {}
+# probe: index -> (SM count, whether the cluster variant runs there and passed its probe, whether every one of
+# REGISTER_PICKS passed its probe)
+_ready: dict[int, tuple[int, bool, bool]] = {}
 _ready_lock = threading.RLock()  # re-entered: a probe launches through _launch, which asks _prepare
 # device index -> why choose_variant never picks the cluster there
 CLUSTER_UNAVAILABLE_REASON: dict[int, str] = {}
+# device index -> why choose_variant never picks a short variant there (one of REGISTER_PICKS failed its probe)
+REGISTER_UNAVAILABLE_REASON: dict[int, str] = {}
 FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
 
 
@@ -183,11 +194,12 @@ def _load() -> ctypes.CDLL | None:
     return _lib
 
 
-def _prepare(lib: ctypes.CDLL, device: torch.device) -> tuple[int, bool]:
+def _prepare(lib: ctypes.CDLL, device: torch.device) -> tuple[int, bool, bool]:
     """Once per device, outside any CUDA graph capture: set every kernel variant's shared-memory limit, probe the
-    default variant (raises when it fails), then the cluster variant (which is only picked where its probe
-    passed; CLUSTER_UNAVAILABLE_REASON keeps why not). Returns (the device's SM count, whether the cluster
-    variant can be chosen)."""
+    default variant (raises when it fails), then the short variants of REGISTER_PICKS and the cluster variant
+    (each only picked where its probes passed; REGISTER_UNAVAILABLE_REASON and CLUSTER_UNAVAILABLE_REASON keep
+    why not). Returns (the device's SM count, whether the cluster variant can be chosen, whether the short
+    variants can be)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _ready:
         return _ready[index]
@@ -203,27 +215,38 @@ def _prepare(lib: ctypes.CDLL, device: torch.device) -> tuple[int, bool]:
                     f"topk_cuda setup on cuda:{index} failed: {lib.kestrel_topk_error(err).decode()}"
                 )
             sms = torch.cuda.get_device_properties(index).multi_processor_count
-            _ready[index] = (sms, False)  # set up: the probes below launch through _launch
+            _ready[index] = (sms, False, False)  # set up: the probes below launch through _launch
             failure = _probe(lib, index, DEFAULT_VARIANT)
             if failure is not None:
                 del _ready[index]
                 raise RuntimeError(failure)
+            registers = True
+            for variant in REGISTER_PICKS:
+                if (failure := _probe(lib, index, variant)) is not None:
+                    REGISTER_UNAVAILABLE_REASON[index] = failure
+                    registers = False
+                    break
+            cluster = False
             if lib.kestrel_topk_num_variants() <= CLUSTER_VARIANT:
                 CLUSTER_UNAVAILABLE_REASON[index] = "compute capability below 9.0 (no thread-block clusters)"
             elif (failure := _probe(lib, index, CLUSTER_VARIANT)) is not None:
                 CLUSTER_UNAVAILABLE_REASON[index] = failure
             else:
-                _ready[index] = (sms, True)
+                cluster = True
+            _ready[index] = (sms, cluster, registers)
     return _ready[index]
 
 
-def variant_for(B: int, L: int, device: torch.device) -> int:
-    """The variant topk_cuda runs for B rows of width L on `device` (`choose_variant` with the device's SM count
-    and whether its cluster probe passed); sets the device up on first use (outside a graph capture)."""
+def variant_for(B: int, L: int, device: torch.device, slots: int | None = None) -> int:
+    """The variant topk_cuda runs for B rows of width L spanning `slots` 16-byte slots (`row_slots` of the
+    scores; None: unknown, no short variant) on `device` (`choose_variant` with the device's SM count and
+    whether its cluster and short-variant probes passed); sets the device up on first use (outside a graph
+    capture)."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"topk_cuda is unavailable: {UNAVAILABLE_REASON}")
-    return choose_variant(B, L, *_prepare(lib, device))
+    sms, cluster, registers = _prepare(lib, device)
+    return choose_variant(B, L, sms, cluster, slots if registers else None)
 
 
 def _probe(lib: ctypes.CDLL, index: int, variant: int) -> str | None:
@@ -241,11 +264,14 @@ def _probe(lib: ctypes.CDLL, index: int, variant: int) -> str | None:
     )
 
 
-def choose_variant(B: int, L: int, sms: int, cluster: bool) -> int:
-    """The kernel variant for B rows of L scores on a device of `sms` SMs: the two-block cluster (when the device
-    runs it) while every block has an SM of its own (2 B <= sms) and rows are wide enough for a second block to
-    pay (L >= CLUSTER_MIN_L); 256 threads a row for short rows (L <= SHORT_MAX_L), and up to MEDIUM_MAX_L where
-    there are more rows than SMs, else 512 there; else the default (1024). L is the scores' width (decode's
+def choose_variant(B: int, L: int, sms: int, cluster: bool, slots: int | None = None) -> int:
+    """The kernel variant for B rows of L scores on a device of `sms` SMs, whose widest row spans `slots` 16-byte
+    slots (`row_slots`; None: unknown, or the short variants failed their probes): with REGISTER_AUTO, at most
+    REGISTER_MAX_B rows and rows that fit one, the first short variant of REGISTER_PICKS that takes them
+    (untimed); else the two-block cluster (when the device runs it) while every block has an SM of its own
+    (2 B <= sms) and rows are wide enough for a second block to pay (L >= CLUSTER_MIN_L); 256 threads a row for
+    short rows (L <= SHORT_MAX_L), and up to MEDIUM_MAX_L where there are more rows than SMs, else 512 there;
+    else the default (1024). L is the scores' width (decode's
     graphs pad it to the longest context the engine takes, so a short row in a wide buffer takes the choice of
     the wide one; the cluster variant then does a row of fewer than CLUSTER_MIN_L valid scores in one block, as
     the default does: cuda_topk.cu's SPLIT_MIN_N). Host-only: no device sync, graph safe.
@@ -259,6 +285,10 @@ def choose_variant(B: int, L: int, sms: int, cluster: bool) -> int:
     rows of 32768 24.0 vs 24.8, of 131072 43.1 vs 57.8; 128 rows of 131072 78.6 vs 69.0. A row of 4096 valid
     scores in a 131072-wide buffer: 20.0 vs 16.9 us (the cost of deciding by width, before the cluster variant
     did such rows in one block)."""
+    if REGISTER_AUTO and slots is not None and B <= REGISTER_MAX_B:
+        for variant in REGISTER_PICKS:
+            if slots <= ROW_SLOTS[variant]:
+                return variant
     if cluster and L >= CLUSTER_MIN_L and 2 * B <= sms:
         return CLUSTER_VARIANT
     if L <= SHORT_MAX_L or (L <= MEDIUM_MAX_L and B > sms):
@@ -347,8 +377,9 @@ def topk_cuda(
     lib = _load()
     if lib is None:
         raise RuntimeError(f"topk_cuda is unavailable: {UNAVAILABLE_REASON}")
-    if variant is None:
-        variant = choose_variant(B, L, *_prepare(lib, scores.device))  # variant_for's pick
+    if variant is None:  # variant_for's pick
+        sms, cluster, registers = _prepare(lib, scores.device)
+        variant = choose_variant(B, L, sms, cluster, row_slots(scores) if registers else None)
     _launch(lib, scores, lens, k, out, variant)
     return out
 
