@@ -24,7 +24,7 @@ ends, and waits for it before its first read.
 
 Short rows in registers (variants 5-8, cuda_topk.cu's `topk_short_kernel<NT, V>`): one block of NT threads a
 row of at most NT * V 16-byte slots (ROW_SLOTS: 4096 or 8192 scores when the row pointer is 16-byte aligned,
-3 fewer when not), each thread holding 4 V consecutive scores as keys in registers. The row is read once, T
+up to 3 fewer when not), each thread holding 4 V consecutive scores as keys in registers. The row is read once, T
 comes from four 8-bit digits of 256 shared bins each, a warp's adds to one bin merged into one atomic, and one
 block scan gives the output ranks. They are for decode's short rows, where variants 0-4 spend their time on
 shared atomics to the one or two bins that the first 11-bit digit puts nearly the whole row into, and on the
@@ -271,10 +271,10 @@ def choose_variant(B: int, L: int, sms: int, cluster: bool, slots: int | None = 
     (untimed); else the two-block cluster (when the device runs it) while every block has an SM of its own
     (2 B <= sms) and rows are wide enough for a second block to pay (L >= CLUSTER_MIN_L); 256 threads a row for
     short rows (L <= SHORT_MAX_L), and up to MEDIUM_MAX_L where there are more rows than SMs, else 512 there;
-    else the default (1024). L is the scores' width (decode's
-    graphs pad it to the longest context the engine takes, so a short row in a wide buffer takes the choice of
-    the wide one; the cluster variant then does a row of fewer than CLUSTER_MIN_L valid scores in one block, as
-    the default does: cuda_topk.cu's SPLIT_MIN_N). Host-only: no device sync, graph safe.
+    else the default (1024). L is the scores' width (decode's graphs pad it to the longest context the engine
+    takes, so a short row in a wide buffer takes the choice of the wide one; the cluster variant then does a row
+    of fewer than CLUSTER_MIN_L valid scores in one block, as the default does: cuda_topk.cu's SPLIT_MIN_N).
+    Host-only: no device sync, graph safe.
     On the H200 (session 24; the sweep's source and figures: bench/results/2026-12-01-h200-session24.json),
     k = 2048, randn, L2 flushed, us for 1024 / 512 / 256 threads a row: 256 rows of 4096 30.6 / 25.2 / 19.7, 1
     row 15.6 / 12.6 / 12.5; 256 rows of 8192 32.0 / 26.8 / 23.4, 64 rows 16.7 / 14.0 / 17.7; prefill's 4096 rows
@@ -314,7 +314,7 @@ def row_slots(scores: torch.Tensor) -> int:
 def variant_takes(variant: int, scores: torch.Tensor) -> bool:
     """Whether kernel `variant` takes scores [B, L] (fp32, unit column stride): every variant but the short ones
     (ROW_SLOTS) takes any width; a short one takes rows of at most ROW_SLOTS[variant] slots (`row_slots`), so
-    4096 (or 8192) scores from a 16-byte aligned row pointer, 3 fewer from any other."""
+    4096 (or 8192) scores from a 16-byte aligned row pointer, up to 3 fewer from any other."""
     return variant not in ROW_SLOTS or row_slots(scores) <= ROW_SLOTS[variant]
 
 
@@ -368,7 +368,7 @@ def topk_cuda(
     if variant is not None and not variant_takes(variant, scores):
         raise ValueError(
             f"topk_cuda: variant {variant} takes rows of at most {ROW_SLOTS[variant]} 16-byte slots "
-            f"({4 * ROW_SLOTS[variant]} scores from a 16-byte aligned row pointer, 3 fewer from another); "
+            f"({4 * ROW_SLOTS[variant]} scores from a 16-byte aligned row pointer, up to 3 fewer from another); "
             f"scores {tuple(scores.shape)} with row stride {scores.stride(0)} span {row_slots(scores)}"
         )
     if lens.dtype not in (torch.int32, torch.int64):
