@@ -1,23 +1,28 @@
 """The CUDA exact top-k on the device in one run: build, correctness, speed, CUDA graph; one JSON result.
 
     export PYTHONPATH=$PWD; python3 scripts/topk_cuda_check.py --out $OUT/topk_cuda.json
+    python3 scripts/topk_cuda_check.py --sections cases,rows_sweep --out $OUT/topk_rows.json  # some sections
 
 1. builds kestrel/ops/dsa/cuda_topk.cu (the build's seconds: nvcc's, or ~0 when the cache already had it);
-2. runs each correctness case into poisoned outputs, every kernel variant of topk_cuda against naive.topk_select
-   (listed by position) and, while time allows, topk_cuda's own pick against topk_triton (whose Triton compiles
-   take most of this script's time on a fresh machine);
-3. times [64, 131072] fp32 scores, k = 2048, full lens, for topk_cuda (each variant: `topk_cuda_v0`, ...;
+2. runs each correctness case (`cases`) into poisoned outputs, every kernel variant of topk_cuda that takes the
+   case's rows against naive.topk_select (listed by position; a short variant, 5-8, on rows wider than it takes
+   is recorded as skipped) and, while time allows, topk_cuda's own pick against topk_triton (whose Triton
+   compiles take most of this script's time on a fresh machine);
+3. times (`timing`) [64, 131072] fp32 scores, k = 2048, full lens, for topk_cuda (each variant: `topk_cuda_v0`, ...;
    `topk_cuda` is its own pick, cuda_topk.choose_variant), topk_triton and torch.topk (dim=-1), with
    CUDA events, the median of 50 after 10 warm-ups, L2 flushed before each (`cold`, as kestrel.bench times
    kernels) and not (`warm`: the scores just written, as after the indexer kernel); score kinds randn, ramp
    (randn plus a rise to the row's end) and ties (integers 0-299: ~19 K keys in the threshold digit);
-4. captures topk_cuda in a CUDA graph, replays it on fresh inputs and compares with eager;
+4. captures topk_cuda in a CUDA graph (`graph`), replays it on fresh inputs and compares with eager;
 5. times the shapes prefill and sparse training give the top-k (`shapes`): mini's prefill of one 4096-token
    sequence ([4096, 4096], causal lens, k = 2048) and the demo model's training row of 8704 tokens (the 4096
    queries deepest in it, [4096, 8704], k = 256), topk_cuda's variants against topk_triton, randn scores;
-6. times decode's shapes (`rows_sweep`): B = 1-256 rows of 4096-131072 scores, k = 2048, every variant and
-   topk_cuda's pick (where the two-block cluster of variant 5 stops paying).
-Each section catches its own exceptions; the JSON is rewritten after every section.
+6. times decode's shapes (`rows_sweep`): B = 1-256 rows of 4096-131072 scores, k = 2048, every variant that
+   takes them and topk_cuda's pick: where the two-block cluster of variant 9 stops paying, and the short
+   variants against 0-4 at decode's short widths (4096; mini's tight engine's 4224; the short graphs' 8192, full
+   and with 4096 valid scores).
+Each section catches its own exceptions; the JSON is rewritten after every section. --sections runs some of
+them (the build always).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from kestrel.ops.dsa import by_position, cuda_topk, topk_select  # noqa: E402
 
 NAN, INF = float("nan"), float("inf")
 TRITON_DEADLINE_S = 75  # past this many seconds of the run, the remaining topk_triton comparisons are skipped
+SECTIONS = ("cases", "timing", "graph", "shapes", "rows_sweep")
 
 
 def cases() -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
@@ -103,7 +109,75 @@ def cases() -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
     tri = torch.randn(4096, 4096, generator=g, device=dev)
     tri[torch.rand(4096, 4096, generator=g, device=dev) < 0.01] = NAN
     out.append(("prefill triangle 4096x4096 k=2048", tri, torch.arange(1, 4097, device=dev), 2048))
+    return out + short_cases(g)
+
+
+def short_cases(g: torch.Generator) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
+    """Cases aimed at the short variants (5-8, rows in registers): rows of exactly 4096 and 8192 scores and one
+    more, rising to their end (the last slot's scores selected); unaligned row pointers near the widest;
+    all-equal and all -inf rows; few values in every key byte; special values; lens edges in 300 rows."""
+    dev = "cuda"
+    out = []
+    for L in (4096, 4097, 8192, 8193):
+        scores = torch.randn(4, L, generator=g, device=dev) + torch.linspace(-3, 3, L, device=dev)
+        lens = torch.tensor([L, L - 1, 2049, 10**6], device=dev)
+        for k in (1, 2048, L + 3):
+            out.append((f"short: rising {L} k={k}", scores, lens, k))
+    wide = torch.randn(3, 8200, generator=g, device=dev) + torch.linspace(0, 4, 8200, device=dev)
+    for start in range(4):
+        for L in sorted({4093, 4096 - start, 4096, 8189, 8192 - start, 8192}):  # head = start
+            lens = torch.tensor([L, L - 1, 2049], device=dev)
+            out.append(
+                (f"short: start {start} of 8200, {L} wide k=2048", wide[:, start : start + L], lens, 2048)
+            )
+    odd = torch.randn(3, 8193, generator=g, device=dev)  # row stride 8193: every head taken as 3
+    out.append(
+        (
+            "short: row stride 8193, 8189 wide k=2048",
+            odd[:, :8189],
+            torch.tensor([8189, 5, 8000], device=dev),
+            2048,
+        )
+    )
+    equal = torch.full((3, 8192), 0.5, device=dev)
+    equal[1] = -INF
+    for k in (1, 2048):
+        out.append(
+            (f"short: all 0.5, all -inf, 8192 k={k}", equal, torch.tensor([8192, 4096, 2047], device=dev), k)
+        )
+    bits = torch.zeros(6, 8192, dtype=torch.int64, device=dev)
+    for values in ([0x3F, 0x40, 0xBF, 0xC0], [0x00, 0x80, 0xFF], [0x00, 0x7F, 0x80], [0x00, 0x01, 0xFF]):
+        pick = torch.randint(0, len(values), (6, 8192), generator=g, device=dev)
+        bits = bits * 256 + torch.tensor(values, device=dev)[pick]
+    few = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+    lens = torch.tensor([8192, 8191, 4096, 4097, 2048, 1], device=dev)
+    for k in (1, 76, 2048, 4000):
+        out.append((f"short: 108 values, ties in every key byte, 8192 k={k}", few, lens, k))
+    pool = torch.tensor([-INF, -3.3e38, -2.0e38, NAN, INF, 0.0, -0.0, 1e-45, -1e-45, 2.0, -2.0], device=dev)
+    special = pool[torch.randint(0, len(pool), (3, 4096), generator=g, device=dev)]
+    special[1] = pool[torch.randint(0, 4, (4096,), generator=g, device=dev)]  # T among -inf and below -2^127
+    special[1, :100] = torch.randn(100, generator=g, device=dev)
+    for k in (1, 101, 2048, 5000):
+        out.append(
+            (f"short: special values 4096 k={k}", special, torch.tensor([4096, 4096, 3000], device=dev), k)
+        )
+    k = 2048
+    rows = torch.randn(300, 4224, generator=g, device=dev)
+    lens = torch.randint(0, 4225, (300,), generator=g, device=dev)
+    lens[:10] = torch.tensor([0, 1, k - 1, k, k + 1, 4223, 4224, 4225, -5, 10**6], device=dev)
+    out.append(("short: 300 rows of 4224, lens edges, int32 k=2048", rows, lens.int(), k))
+    out.append(("short: 1 row of 4224 k=1", rows[:1], lens[6:7], 1))
     return out
+
+
+def takes(variant: int, scores: torch.Tensor) -> bool:
+    """Whether kernel `variant` takes these scores' rows (the short variants take rows up to a width)."""
+    return cuda_topk.variant_takes(variant, scores if scores.stride(-1) == 1 else scores.contiguous())
+
+
+def variants_for(scores: torch.Tensor) -> list[int]:
+    """The kernel variants that take these scores' rows."""
+    return [v for v in range(cuda_topk.num_variants()) if takes(v, scores)]
 
 
 def poisoned_run(fn, scores, lens, k, **kwargs) -> torch.Tensor:
@@ -121,6 +195,9 @@ def check_cases(result: dict, started: float) -> None:
         try:
             want = by_position(topk_select(scores, lens.long() - 1, k))
             for v in range(cuda_topk.num_variants()):
+                if not takes(v, scores):
+                    row[f"naive_ok_v{v}"] = "skipped: rows wider than the variant takes"
+                    continue
                 got = poisoned_run(cuda_topk.topk_cuda, scores, lens, k, variant=v)
                 ok = row[f"naive_ok_v{v}"] = bool(torch.equal(got, want))
                 if not ok:
@@ -138,8 +215,9 @@ def check_cases(result: dict, started: float) -> None:
             row["error"] = repr(e)[:500]
         rows.append(row)
     for v in range(cuda_topk.num_variants()):
-        passed = sum(r.get(f"naive_ok_v{v}", False) for r in rows)
-        print(f"naive, variant {v}: {passed}/{len(rows)} cases pass", flush=True)
+        passed = sum(r.get(f"naive_ok_v{v}") is True for r in rows)
+        skipped = sum(isinstance(r.get(f"naive_ok_v{v}"), str) for r in rows)
+        print(f"naive, variant {v}: {passed}/{len(rows) - skipped} cases pass, {skipped} skipped", flush=True)
     try:
         from kestrel.ops.dsa.triton_topk import topk_triton
     except Exception as e:  # noqa: BLE001
@@ -197,7 +275,7 @@ def timing(result: dict) -> None:
             "topk_cuda": lambda s=scores: cuda_topk.topk_cuda(s, lens, k, out=out),
             **{
                 f"topk_cuda_v{v}": lambda s=scores, v=v: cuda_topk.topk_cuda(s, lens, k, out=out, variant=v)
-                for v in range(cuda_topk.num_variants())
+                for v in variants_for(scores)
             },
             "topk_triton": lambda s=scores: topk_triton(s, lens, k, out=out),
             "torch_topk": lambda s=scores: torch.topk(s, k, dim=-1),
@@ -252,7 +330,7 @@ def shapes(result: dict) -> None:
         fns = {
             **{
                 f"topk_cuda_v{v}": functools.partial(cuda_topk.topk_cuda, scores, lens, k, out=out, variant=v)
-                for v in range(cuda_topk.num_variants())
+                for v in variants_for(scores)
             },
             "topk_triton": functools.partial(topk_triton, scores, lens, k, out=out),
         }
@@ -263,15 +341,18 @@ def shapes(result: dict) -> None:
 
 
 def rows_sweep(result: dict) -> None:
-    """Decode's shapes: B rows of width L, k = 2048, every variant and `auto` (topk_cuda's own pick,
-    cuda_topk.choose_variant), to find where a row's second block (variant 5, a two-block cluster) stops paying:
-    it should while 2 B blocks fit the SMs and rows are wide. Full rows, and rows of 4096 valid scores in a
-    131072-wide buffer (decode's graphs pad the scores to the longest context)."""
+    """Decode's shapes: B rows of width L, k = 2048, every variant that takes them and `auto` (topk_cuda's own
+    pick, cuda_topk.choose_variant), to find where a row's second block (variant 9, a two-block cluster) stops
+    paying (it should while 2 B blocks fit the SMs and rows are wide) and how the short variants (5-8, rows in
+    registers) compare with 0-4 on rows of 4096, 4224 and 8192. Full rows, and rows of 4096 valid scores in
+    8192- and 131072-wide buffers (decode's graphs pad the scores to the longest context they take)."""
     k = 2048
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = result["rows_sweep"] = {"k": k, "sms": sms, "cluster_min_l": cuda_topk.CLUSTER_MIN_L}
-    shapes = [(L, B, L) for L in (4096, 131072) for B in (1, 16, 64, 128, 256)]
-    shapes += [(L, B, L) for L in (8192, 16384, 32768, 65536) for B in (1, 64)]
+    shapes = [(L, B, L) for L in (4096, 131072) for B in (1, 4, 16, 64, 128, 256)]
+    shapes += [(L, B, L) for L in (4224, 8192) for B in (1, 4, 64, 256)]  # mini's tight width; short graphs'
+    shapes += [(8192, B, 4096) for B in (1, 4, 64, 256)]  # decode at 4K context in a short graph
+    shapes += [(L, B, L) for L in (16384, 32768, 65536) for B in (1, 64)]
     shapes += [(131072, B, 4096) for B in (1, 64, 256)]
     for L, B, valid in shapes:
         scores = scores_of("randn", B, L)
@@ -279,11 +360,13 @@ def rows_sweep(result: dict) -> None:
         out = torch.empty(B, k, dtype=torch.int64, device="cuda")
         want = by_position(topk_select(scores, lens - 1, k))
         name = f"{B}x{L}" + ("" if valid == L else f" lens {valid}")
-        entry = rows[name] = {"auto_picks": cuda_topk.variant_for(B, L, scores.device)}
+        entry = rows[name] = {
+            "auto_picks": cuda_topk.variant_for(B, L, scores.device, cuda_topk.row_slots(scores))
+        }
         fns = {
             **{
                 f"v{v}": functools.partial(cuda_topk.topk_cuda, scores, lens, k, out=out, variant=v)
-                for v in range(cuda_topk.num_variants())
+                for v in variants_for(scores)
             },
             "auto": functools.partial(cuda_topk.topk_cuda, scores, lens, k, out=out),
         }
@@ -323,12 +406,21 @@ def graph_check(result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "topk_cuda.json"))
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated, of {', '.join(SECTIONS)} (default: all; the build always runs)",
+    )
     args = parser.parse_args()
+    chosen = [name for name in args.sections.split(",") if name]
+    if unknown := sorted(set(chosen) - set(SECTIONS)):
+        parser.error(f"unknown sections {unknown}: pick from {', '.join(SECTIONS)}")
     started = time.perf_counter()
     result: dict = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([sys.executable, *sys.argv]),
         "torch": torch.__version__,
+        "sections": chosen,
     }
 
     def save() -> None:
@@ -360,11 +452,16 @@ def main() -> None:
 
     section("build", build)
     if result.get("available"):
-        section("cases", lambda: check_cases(result, started))
-        section("timing", lambda: timing(result))
-        section("graph", lambda: graph_check(result))
-        section("shapes", lambda: shapes(result))
-        section("rows_sweep", lambda: rows_sweep(result))
+        runs = {
+            "cases": lambda: check_cases(result, started),
+            "timing": lambda: timing(result),
+            "graph": lambda: graph_check(result),
+            "shapes": lambda: shapes(result),
+            "rows_sweep": lambda: rows_sweep(result),
+        }
+        for name in SECTIONS:  # in this order, whatever the order asked
+            if name in chosen:
+                section(name, runs[name])
     save()
     print(f"wrote {args.out} in {result['elapsed_s']:.1f} s", flush=True)
 

@@ -38,17 +38,28 @@ def _slow_copy(src, dst, n, rounds, BLOCK: tl.constexpr, PDL: tl.constexpr = Fal
 
 
 def run_topk(scores, lens, k, lens_dtype=torch.int64):
-    """topk_cuda (every kernel variant, and its own pick) into a poisoned output equals the reference's selection
-    by position."""
+    """topk_cuda (every kernel variant that takes the rows, and its own pick) into a poisoned output equals the
+    reference's selection by position; a short variant whose rows are too wide is refused, by topk_cuda with a
+    ValueError and by the library's launcher itself. Returns the variants that ran."""
     scores, lens = scores.cuda(), lens.cuda()
     want = by_position(topk_select(scores, lens.long() - 1, k))
     assert cuda_topk.num_variants() >= 1
-    for variant in [*range(cuda_topk.num_variants()), None]:  # None: topk_cuda's own pick
+    flat = scores if scores.stride(-1) == 1 else scores.contiguous()  # what topk_cuda hands the kernel
+    ran = [v for v in range(cuda_topk.num_variants()) if cuda_topk.variant_takes(v, flat)]
+    for variant in [*ran, None]:  # None: topk_cuda's own pick
         out = torch.full((scores.shape[0], k), -7, dtype=torch.int64, device="cuda")
         got = topk_cuda(scores, lens.to(lens_dtype), k, out=out, variant=variant)
         assert got.data_ptr() == out.data_ptr()
         assert not (got == -7).any(), f"variant {variant}: unwritten output"
         assert torch.equal(got, want), f"variant {variant} k={k} lens={lens.tolist()[:8]}\n{got}\n{want}"
+    for variant in sorted(set(range(cuda_topk.num_variants())) - set(ran)):
+        out = torch.full((scores.shape[0], k), -7, dtype=torch.int64, device="cuda")
+        with pytest.raises(ValueError, match=f"variant {variant} takes rows of at most"):
+            topk_cuda(scores, lens.to(lens_dtype), k, out=out, variant=variant)
+        with pytest.raises(RuntimeError, match="invalid argument"):  # the launcher's own check
+            cuda_topk._launch(cuda_topk._load(), flat, lens.to(lens_dtype).contiguous(), k, out, variant)
+        assert (out == -7).all(), f"variant {variant} wrote a row it refused"
+    return ran
 
 
 def test_unavailable_without_cuda_does_not_raise(monkeypatch):
@@ -256,6 +267,211 @@ def test_prefill_triangle():
     run_topk(scores, torch.arange(1, 4097, device="cuda"), 2048)
 
 
+# ---------------------------------------------------------------- the short variants (rows in registers)
+
+
+def short_fit(scores) -> set[int]:
+    """The short variants that take these scores' rows (cuda_topk.row_slots against ROW_SLOTS)."""
+    return {v for v, slots in cuda_topk.ROW_SLOTS.items() if cuda_topk.row_slots(scores) <= slots}
+
+
+def test_the_variant_tables_agree():
+    """cuda_topk.cu's VARIANTS, THREADS, BLOCKS_PER_ROW and ROW_SLOTS describe the same kernels (a short variant's
+    ROW_SLOTS is its NT * V, its THREADS its NT), cuda_topk.py's constants name them, and the cluster comes
+    last (usable_variants counts on it)."""
+    import math
+    import re
+
+    src = cuda_topk.SOURCE.read_text()
+    count = int(re.search(r"constexpr int NUM_VARIANTS = (\d+);", src).group(1))
+
+    def table(name: str) -> str:
+        return re.search(rf"constexpr \w+ {name}\[NUM_VARIANTS\] = \{{(.*?)\}};", src, re.S).group(1)
+
+    def numbers(name: str) -> list[int]:
+        return [math.prod(int(f) for f in item.split("*")) for item in table(name).split(",")]
+
+    kernels = re.findall(r"topk_(rows|short)_kernel<([^>]*)>", table("VARIANTS"))
+    threads, blocks, slots = numbers("THREADS"), numbers("BLOCKS_PER_ROW"), numbers("ROW_SLOTS")
+    assert len(kernels) == len(threads) == len(blocks) == len(slots) == count
+    for v, (kind, args) in enumerate(kernels):
+        a = [int(x) if x.strip().isdigit() else x.strip() for x in args.split(",")]
+        if kind == "short":  # <NT, V>
+            assert (threads[v], blocks[v], slots[v]) == (a[0], 1, a[0] * a[1]), v
+            assert cuda_topk.ROW_SLOTS[v] == a[0] * a[1]
+        else:  # <R, PREFETCH, CL, NT>
+            assert (threads[v], blocks[v], slots[v]) == (a[3], a[2], 0), v
+            assert v not in cuda_topk.ROW_SLOTS
+    assert set(cuda_topk.ROW_SLOTS) == {v for v, (kind, _) in enumerate(kernels) if kind == "short"}
+    assert cuda_topk.CLUSTER_VARIANT == count - 1 and blocks[-1] == 2 and set(blocks[:-1]) == {1}
+    assert kernels[cuda_topk.SHORT_VARIANT][0] == kernels[cuda_topk.MEDIUM_VARIANT][0] == "rows"
+    assert (threads[cuda_topk.SHORT_VARIANT], threads[cuda_topk.MEDIUM_VARIANT]) == (256, 512)
+    assert cuda_topk.DEFAULT_VARIANT not in cuda_topk.ROW_SLOTS
+    assert set(cuda_topk.REGISTER_PICKS) <= set(cuda_topk.ROW_SLOTS)
+
+
+@requires_kernel
+def test_the_library_reports_the_row_slots():
+    lib = cuda_topk._load()
+    for v in range(cuda_topk.CLUSTER_VARIANT + 1):
+        assert lib.kestrel_topk_row_slots(v) == cuda_topk.ROW_SLOTS.get(v, 0), v
+    assert lib.kestrel_topk_row_slots(cuda_topk.CLUSTER_VARIANT + 1) == -1
+    assert cuda_topk.num_variants() >= cuda_topk.CLUSTER_VARIANT  # every short variant runs on the device
+
+
+@requires_kernel
+@pytest.mark.parametrize("width", [4096, 8192])
+def test_short_rows_at_the_widest_and_one_past(width):
+    """Rows of exactly the most scores a short variant takes (the last slot's scores among the selected: a
+    rising ramp), and one more, which the narrower short variants refuse and the others and the auto pick take;
+    lens past L, L - 1, half; k from 1 to past the row."""
+    g = torch.Generator(device="cuda").manual_seed(width)
+    for L in (width, width + 1):
+        noise = torch.randn(5, L, generator=g, device="cuda")
+        ramp = torch.linspace(-3, 3, L, device="cuda")  # strictly rising
+        scores = torch.stack([noise[0], noise[1] + ramp, noise[2] - ramp, ramp, noise[4]])  # [B, L]
+        lens = torch.tensor([L, L - 1, L // 2, L, 10**6])
+        for k in (1, 2047, 2048, 2049, L - 1, L, L + 3):
+            ran = run_topk(scores, lens, k)
+            assert set(ran) & set(cuda_topk.ROW_SLOTS) == short_fit(scores.cuda())
+        assert short_fit(scores.cuda()) == ({5, 6, 7, 8} if L == 4096 else {6, 7, 8} if L <= 8192 else set())
+
+
+@requires_kernel
+def test_short_rows_from_unaligned_pointers():
+    """Views whose rows start 1-3 scores past a 16-byte boundary (`head`): the row spans one more slot, so the
+    widest rows a short variant takes are 3 scores shorter; rows rise to their end, so the last slot counts.
+    With a row stride that is not a multiple of 4 scores every row's head is taken as 3."""
+    g = torch.Generator(device="cuda").manual_seed(15)
+    for width in (4096, 8192):
+        wide = torch.randn(3, width + 8, generator=g, device="cuda") + torch.linspace(
+            0, 4, width + 8, device="cuda"
+        )  # [B, width + 8], row stride a multiple of 4
+        for start in range(4):
+            for L in sorted({width - 3, width - start, width}):
+                view = wide[:, start : start + L]
+                lens = torch.tensor([L, L - 1, 2049])
+                ran = run_topk(view, lens, 2048)
+                fits = (L + start + 3) // 4 <= width // 4
+                assert (cuda_topk.REGISTER_PICKS[0 if width == 4096 else 1] in ran) == fits, (start, L)
+        odd = torch.randn(3, width + 1, generator=g, device="cuda")  # row stride width + 1: heads 0, 1, 2
+        ran = run_topk(odd[:, : width - 3], torch.tensor([width - 3, 5, width - 4]), 2048)
+        assert short_fit(odd[:, : width - 3]) <= set(ran) and short_fit(odd[:, : width - 3])
+        ran = run_topk(odd[:, : width - 2], torch.tensor([width - 2, 5, width - 4]), 2048)
+        assert not short_fit(odd[:, : width - 2]) & {
+            v for v, s in cuda_topk.ROW_SLOTS.items() if 4 * s == width
+        }
+
+
+@requires_kernel
+def test_short_rows_all_equal_and_all_special():
+    """Every score equal (all of the row in one bin of every digit: T found in the last, the lowest positions
+    taken), every one -inf (valid, in digit 0), NaN (nothing valid), +-0.0 (one key), +inf."""
+    L = 8192
+    rows = [[0.5] * L, [-INF] * L, [NAN] * L, [0.0, -0.0] * (L // 2), [INF] * L, [-1.0] * L]
+    scores, lens = torch.tensor(rows), torch.tensor([L, 4096, L, 3000, 2049, 2048])
+    for k in (1, 2047, 2048, 4096, L, L + 1):
+        run_topk(scores, lens, k)
+        run_topk(scores[:, :4096], lens, k)
+
+
+@requires_kernel
+@pytest.mark.parametrize("seed", range(2))
+def test_short_rows_with_few_values_in_every_digit(seed):
+    """108 distinct scores whose keys differ in each of their 4 bytes (a few values a byte), about 76 copies of
+    each in 8192: every digit's threshold bin holds ties, and T's ties straddle the take."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    B, L = 6, 8192
+    byte_values = ([0x3F, 0x40, 0xBF, 0xC0], [0x00, 0x80, 0xFF], [0x00, 0x7F, 0x80], [0x00, 0x01, 0xFF])
+    bits = torch.zeros(B, L, dtype=torch.int64, device="cuda")
+    for values in byte_values:
+        pick = torch.randint(0, len(values), (B, L), generator=g, device="cuda")
+        bits = bits * 256 + torch.tensor(values, device="cuda")[pick]
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits)  # as int32 bit patterns
+    scores = bits.to(torch.int32).view(torch.float32)  # [B, L] finite, both signs
+    assert not scores.isnan().any()
+    lens = torch.tensor([L, L - 1, 4096, 4097, 2048, 1], device="cuda")
+    for k in (1, 75, 76, 2048, 4000, L - 1):
+        run_topk(scores, lens, k)
+        run_topk(scores[:, :4096], lens, k)
+    ulps = torch.randint(0, 6, (B, L), generator=g, device="cuda").to(
+        torch.int32
+    )  # one bin down to the last digit
+    close = (torch.tensor(1.5, device="cuda").view(torch.int32) + ulps).view(torch.float32)
+    for k in (1, 1300, 2048):
+        run_topk(close, lens, k)
+
+
+@requires_kernel
+def test_short_rows_special_values():
+    """NaN, +-inf, -0.0 / +0.0, denormals and the scores below -2^127 (keys whose first digit is 0, with -inf):
+    T among -inf and those, among the zeros, among +inf."""
+    g = torch.Generator(device="cuda").manual_seed(16)
+    L = 4096
+    pool = torch.tensor(
+        [-INF, -3.3e38, -2.0e38, -1.8e38, NAN, INF, 0.0, -0.0, 1e-45, -1e-45, 3e38, 2.0, -2.0], device="cuda"
+    )
+    mixed = pool[torch.randint(0, len(pool), (L,), generator=g, device="cuda")]
+    low = pool[torch.randint(0, 5, (L,), generator=g, device="cuda")]  # -inf, below -2^127, NaN
+    low[:100] = torch.randn(100, generator=g, device="cuda")
+    zeros = pool[torch.randint(6, 10, (L,), generator=g, device="cuda")]  # +-0.0 and +-denormals
+    infs = torch.where(torch.rand(L, generator=g, device="cuda") < 0.6, INF, NAN)
+    scores = torch.stack([mixed, low, zeros, infs])  # [B, L]
+    for lens in (torch.tensor([L, L, L, L]), torch.tensor([4000, 2049, 2048, 3000])):
+        for k in (1, 100, 101, 2048, 3000, 5000):
+            run_topk(scores, lens, k)
+
+
+@requires_kernel
+@pytest.mark.parametrize("L", [4096, 4224, 8192])
+def test_short_rows_lens_edges_many_rows_and_one(L):
+    """lens 0, 1, k - 1, k, k + 1, L - 1, L, past L and negative, int32 and int64, in 300 rows (more than the SMs
+    and than REGISTER_MAX_B) and one at a time; k = 1 and k past L."""
+    g = torch.Generator(device="cuda").manual_seed(L)
+    k = 2048
+    edges = [0, 1, k - 1, k, k + 1, L - 1, L, L + 1, -5, 10**6]
+    B = 300
+    scores = torch.randn(B, L, generator=g, device="cuda")  # [B, L]
+    lens = torch.randint(0, L + 1, (B,), generator=g, device="cuda")
+    lens[: len(edges)] = torch.tensor(edges, device="cuda")
+    for lens_dtype in (torch.int32, torch.int64):
+        run_topk(scores, lens, k, lens_dtype=lens_dtype)
+    run_topk(scores, lens, 1)
+    run_topk(scores[:50], lens[:50], L + 5)
+    for i, n in enumerate(edges):
+        run_topk(scores[i : i + 1], torch.tensor([n]), k, lens_dtype=torch.int32)
+
+
+@requires_kernel
+def test_short_rows_ignore_garbage_past_lens():
+    """Decode at a 4K context in an 8192-wide buffer: what lies past each row's length is never selected."""
+    g = torch.Generator(device="cuda").manual_seed(17)
+    L = 8192
+    lens = torch.tensor([4096, 1, 0, L, 2049, 2048, 2047, 4097])
+    scores = torch.randn(len(lens), L, generator=g)
+    padded = torch.arange(L)[None, :] >= lens[:, None]
+    for garbage in (NAN, INF, 1e30, -INF):
+        for k in (1, 2048):
+            run_topk(scores.masked_fill(padded, garbage), lens, k)
+
+
+@requires_kernel
+def test_topk_cuda_picks_a_short_variant_for_decode_rows(monkeypatch):
+    """On the device (its short probes passed): decode's rows take REGISTER_PICKS, by their slots."""
+    monkeypatch.setattr(cuda_topk, "REGISTER_AUTO", True)
+    first, second = cuda_topk.REGISTER_PICKS
+    dev = torch.device("cuda", torch.cuda.current_device())
+    wide = torch.zeros(2, 8200, device="cuda")
+    for view, want in ((wide[:, :4096], first), (wide[:, 1:4096], first), (wide[:, 1:4097], second)):
+        assert cuda_topk.variant_for(2, view.shape[1], dev, cuda_topk.row_slots(view)) == want
+    for L, want in ((4096, first), (4224, second), (8192, second)):
+        assert cuda_topk.variant_for(64, L, dev, cuda_topk.row_slots(wide[:, :L])) == want
+    assert (
+        cuda_topk.variant_for(1, 8193, dev, cuda_topk.row_slots(torch.zeros(1, 8193)))
+        not in cuda_topk.ROW_SLOTS
+    )
+
+
 def test_the_cluster_variant_is_picked_for_few_wide_rows():
     """choose_variant: the two-block cluster while every block has its own SM and rows are wide; never where the
     device cannot run it."""
@@ -285,15 +501,71 @@ def test_short_rows_take_the_smaller_blocks():
     assert cuda_topk.SHORT_MAX_L < cuda_topk.MEDIUM_MAX_L < cuda_topk.CLUSTER_MIN_L
 
 
+def test_decode_rows_take_the_short_variants(monkeypatch):
+    """choose_variant with the rows' 16-byte slots: up to REGISTER_MAX_B rows that fit a short variant of
+    REGISTER_PICKS take the first that fits (4096 and 8192 aligned scores, mini's 4224, a row of 4093 from an
+    unaligned pointer); wider rows, more rows, unknown slots or REGISTER_AUTO off take the old picks."""
+    sms, first, second = 132, *cuda_topk.REGISTER_PICKS
+    slots_of = {4096: 1024, 4224: 1056, 8192: 2048}  # aligned rows
+    assert cuda_topk.ROW_SLOTS[first] == 1024 and cuda_topk.ROW_SLOTS[second] == 2048
+    monkeypatch.setattr(cuda_topk, "REGISTER_AUTO", True)
+    for B in (1, 4, 64, cuda_topk.REGISTER_MAX_B):
+        assert cuda_topk.choose_variant(B, 4096, sms, True, slots_of[4096]) == first
+        assert cuda_topk.choose_variant(B, 4224, sms, True, slots_of[4224]) == second
+        assert cuda_topk.choose_variant(B, 8192, sms, True, slots_of[8192]) == second
+        assert cuda_topk.choose_variant(B, 4093, sms, True, 1024) == first  # head 3
+        assert cuda_topk.choose_variant(B, 4096, sms, True, 1025) == second  # head 1-3
+        old_pick = cuda_topk.MEDIUM_VARIANT if B <= sms else cuda_topk.SHORT_VARIANT
+        assert cuda_topk.choose_variant(B, 8192, sms, True, 2049) == old_pick
+        assert cuda_topk.choose_variant(B, 131072, sms, True, 32768) == cuda_topk.choose_variant(
+            B, 131072, sms, True
+        )
+    B = cuda_topk.REGISTER_MAX_B + 1
+    assert cuda_topk.choose_variant(B, 4096, sms, True, 1024) == cuda_topk.SHORT_VARIANT
+    assert cuda_topk.choose_variant(1, 4096, sms, True, None) == cuda_topk.SHORT_VARIANT
+    monkeypatch.setattr(cuda_topk, "REGISTER_AUTO", False)
+    assert cuda_topk.choose_variant(1, 4096, sms, True, 1024) == cuda_topk.SHORT_VARIANT
+    assert cuda_topk.choose_variant(1, 8192, sms, True, 2048) == cuda_topk.MEDIUM_VARIANT
+
+
+def test_row_slots_count_the_head_as_the_launcher_does():
+    """row_slots: L scores after the row's head (its first score's offset in 16 bytes), the first row's head for
+    every row when the row stride is a multiple of 4 scores or there is one row, else 3; variant_takes compares
+    it with ROW_SLOTS. CPU tensors: only their addresses and strides are read."""
+    wide = torch.empty(4, 8200)  # [B, L]
+    assert wide.data_ptr() % 16 == 0
+    assert cuda_topk.row_slots(wide[:, :4096]) == 1024  # stride 8200 = 4 * 2050: every row aligned
+    assert cuda_topk.row_slots(wide[:, 1:4097]) == 1025  # every row's head 1
+    assert cuda_topk.row_slots(wide[:, 1:4093]) == 1024
+    assert cuda_topk.row_slots(wide[:, 4:4100]) == 1024  # head 0 again
+    assert cuda_topk.row_slots(wide[:1, 3:4096]) == 1024  # one row, head 3: 4093 scores
+    assert cuda_topk.row_slots(wide[:1, 3:4097]) == 1025
+    odd = torch.empty(3, 4097)[:, :4096]  # stride 4097: heads 0, 1, 2
+    assert cuda_topk.row_slots(odd) == 1025 and cuda_topk.row_slots(odd[:1]) == 1024
+    assert (
+        cuda_topk.row_slots(torch.empty(2, 8192)) == 2048
+        and cuda_topk.row_slots(torch.empty(2, 8193)) == 2049
+    )
+    for variant, slots in cuda_topk.ROW_SLOTS.items():
+        rows = torch.empty(2, 4 * slots + 4)
+        assert cuda_topk.variant_takes(variant, rows[:, : 4 * slots])
+        assert not cuda_topk.variant_takes(variant, rows[:, : 4 * slots + 1])
+        assert not cuda_topk.variant_takes(variant, rows[:, 1 : 4 * slots + 1])
+        assert cuda_topk.variant_takes(variant, rows[:, 3 : 4 * slots])
+    for variant in (cuda_topk.DEFAULT_VARIANT, cuda_topk.SHORT_VARIANT, cuda_topk.CLUSTER_VARIANT):
+        assert cuda_topk.variant_takes(variant, torch.empty(1, 131073)[:, 1:])
+
+
 @requires_kernel
 def test_the_cluster_is_probed_and_picked_on_sm90():
     g = torch.Generator(device="cuda").manual_seed(9)
     L = cuda_topk.CLUSTER_MIN_L + 1000
     scores, lens = torch.randn(3, L, generator=g, device="cuda"), torch.tensor([L, 5, L // 2], device="cuda")
     run_topk(scores, lens, 2048)
-    sms, cluster = cuda_topk._ready[torch.cuda.current_device()]
+    sms, cluster, registers = cuda_topk._ready[torch.cuda.current_device()]
     assert sms == torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     assert cluster == (torch.cuda.get_device_capability()[0] >= 9)
+    assert registers, cuda_topk.REGISTER_UNAVAILABLE_REASON
 
 
 @requires_kernel
@@ -321,7 +593,33 @@ def test_a_failing_cluster_probe_leaves_the_default(monkeypatch):
 
 
 @requires_kernel
-@pytest.mark.parametrize("L", [9000, cuda_topk.CLUSTER_MIN_L + 1000])  # the default variant; the cluster's
+def test_a_failing_short_probe_leaves_the_old_picks(monkeypatch):
+    """Where a short variant of REGISTER_PICKS fails its probe, choose_variant picks none of them on that device
+    (the reason kept), decode's rows take the old picks, and results stay exact."""
+    real_probe = cuda_topk._probe
+    second = cuda_topk.REGISTER_PICKS[-1]
+
+    def probe(lib, index, variant):
+        return "made to fail" if variant == second else real_probe(lib, index, variant)
+
+    monkeypatch.setattr(cuda_topk, "_ready", {})
+    monkeypatch.setattr(cuda_topk, "REGISTER_UNAVAILABLE_REASON", {})
+    monkeypatch.setattr(cuda_topk, "_probe", probe)
+    monkeypatch.setattr(cuda_topk, "REGISTER_AUTO", True)
+    device = torch.cuda.current_device()
+    dev = torch.device("cuda", device)
+    assert cuda_topk.variant_for(1, 4096, dev, 1024) == cuda_topk.SHORT_VARIANT
+    assert cuda_topk.variant_for(1, 8192, dev, 2048) == cuda_topk.MEDIUM_VARIANT
+    assert cuda_topk._ready[device][2] is False
+    assert cuda_topk.REGISTER_UNAVAILABLE_REASON[device] == "made to fail"
+    g = torch.Generator(device="cuda").manual_seed(13)
+    run_topk(torch.randn(2, 4096, generator=g, device="cuda"), torch.tensor([4096, 77], device="cuda"), 2048)
+    torch.cuda.synchronize()
+
+
+@requires_kernel
+# the default variant; the cluster's; a short variant's (REGISTER_PICKS)
+@pytest.mark.parametrize("L", [9000, cuda_topk.CLUSTER_MIN_L + 1000, 4224])
 def test_cuda_graph_replay(L):
     from tests.ops.graph_check import assert_replay_matches_eager
 
@@ -351,7 +649,10 @@ def test_second_device_while_the_first_is_current():
 
 
 @requires_kernel
-@pytest.mark.parametrize("variant", [cuda_topk.DEFAULT_VARIANT, cuda_topk.SHORT_VARIANT])  # 1024, 256 threads
+# 1024 and 256 threads; the short variants, rows in registers
+@pytest.mark.parametrize(
+    "variant", [cuda_topk.DEFAULT_VARIANT, cuda_topk.SHORT_VARIANT, *cuda_topk.ROW_SLOTS]
+)
 def test_waits_for_the_scores_kernel_before_it_in_a_graph(variant):
     """With programmatic dependent launch the top-k may start while the kernel before it ends (in the step: the
     indexer's scores kernel, Triton, launched with PDL). In a CUDA graph after a slow PDL kernel that writes the

@@ -1,4 +1,5 @@
-// Exact row-wise top-k for DSA in CUDA: one thread block per row (or two, variant 5), everything in shared memory.
+// Exact row-wise top-k for DSA in CUDA: one thread block per row (or two, variant 9), everything in shared memory
+// (or, variants 5-8, a short row in registers).
 // `kestrel_topk_launch` selects what `triton_topk.topk_triton` selects (the contract is in cuda_topk.py), listed
 // in ascending position order, then -1. No torch headers: nvcc builds this in a few seconds.
 //
@@ -10,7 +11,7 @@
 // is 0x007FFFFF, in 11-bit digit 3). (key desc, position asc) is a strict total order and the selection is
 // its first min(k, valid) elements.
 //
-// Stages of one row (NT = 1024 threads; 256 or 512 in variants 3 and 4):
+// Stages of one row in `topk_rows_kernel` (NT = 1024 threads; 256 or 512 in variants 3 and 4):
 // 1. `histogram` over the row: the top 11 key bits of the valid keys, 2048 shared bins (shared atomics).
 //    `find_threshold` gives the digit of T and the keys above it; with <= k valid keys every one is taken
 //    (T = 0, need = 0) and step 4 reads the row straight away.
@@ -25,7 +26,7 @@
 // bits; when even those exceed `cap`, the last digit also comes from the row and step 4 reads the row.
 // Step 4 stops at the chunk where the last selected position appears.
 //
-// With CL = 2 (variant 5, a cluster of two blocks a row; sm_90+) each block reads half of the row's slots and
+// With CL = 2 (variant 9, a cluster of two blocks a row; sm_90+) each block reads half of the row's slots and
 // keeps its own candidates; every histogram is summed over both blocks through distributed shared memory, so
 // both take every branch alike, and the first block's part is counted apart so that the second block's output
 // ranks start after the first block's keys > T and its keys == T.
@@ -34,6 +35,15 @@
 // first score (at most 3 scores before it and after its end are loaded and masked: inside the allocation's
 // 16-byte granule, so never past a page). Memory per row of 131072 scores, k = 2048: the row twice (the second
 // mostly from L2), about 8 B per candidate to shared memory, 16 KiB of indices out.
+//
+// Short rows (decode's: 4096 or 8192 wide, a few hundred rows at most) take `topk_short_kernel<NT, V>`
+// (variants 5-8) instead: one block a row of at most NT * V 16-byte slots, thread t holding slots t V ..
+// t V + V - 1 as keys in registers. The row is read once; T comes from four 8-bit digits, each a 256-bin
+// histogram of the keys in registers, with a warp's same-bin adds merged into one shared atomic (in
+// topk_rows_kernel a row's first 11-bit digit puts nearly all of it into one or two bins, whose thousands of
+// shared atomics to one word serialize); one block scan of the counts of keys > T and == T gives the output
+// ranks. No candidate copy, no dynamic shared memory, one barrier a digit. Untimed so far; written for a row of
+// 4096 scores at k = 2048, which takes topk_rows_kernel 12.5-15.6 us on the H200 (session 24, L2 flushed).
 
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
@@ -455,19 +465,194 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
     topk_row<R, PREFETCH, CL, NT>(row_ptr, n, k, out_row, cap, rank, hist, peer, sh, ckey, cpos);
 }
 
-// Kernel variants, for measuring on the device which helps (scripts/topk_cuda_check.py times each):
+// Short rows in registers (variants 5-8; the header's last paragraph). Thread t holds slots t V .. t V + V - 1,
+// so thread order then register order is position order. Each of the four digits has its own 256-bin histogram
+// (all four cleared at the start), and every warp reads a digit's bins after the barrier that ends its histogram
+// and finds the digit by itself: one barrier a digit. Once the keys under the prefix found so far are exactly
+// the ones still needed, the later digits are skipped.
+
+// The digit d of a histogram's need-th largest key: count(digits > d) < need <= count(digits >= d) (d = above =
+// at = 0 when total < need). Read by a whole warp after the barrier that ends the histogram: every warp gets the
+// same answer from the same bins, without a shared write or another barrier.
+struct Digit {
+    uint32_t digit, above, at, total;  // the digit, count(digits > d), count(digit == d), count(all digits)
+};
+
+__device__ __forceinline__ Digit warp_find_digit(const uint32_t* hist, uint32_t need) {
+    const int lane = threadIdx.x & 31;
+    const int lo = 8 * (31 - lane);  // this lane's bins lo .. lo + 7: lane 0 has the top 8
+    const uint4 x = reinterpret_cast<const uint4*>(hist + lo)[0], y = reinterpret_cast<const uint4*>(hist + lo)[1];
+    const uint32_t h[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
+    uint32_t sum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum += h[i];
+    uint32_t incl = sum;  // keys in this lane's bins and every bin above them
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const uint32_t v = __shfl_up_sync(FULL, incl, d);
+        if (lane >= d) incl += v;
+    }
+    uint32_t c = incl - sum, digit = 0, above = 0, at = 0;
+    const unsigned owner = __ballot_sync(FULL, c < need && incl >= need);  // one lane when total >= need, else none
+#pragma unroll
+    for (int i = 7; i >= 0; --i) {
+        if (c < need && c + h[i] >= need) {
+            digit = lo + i;
+            above = c;
+            at = h[i];
+        }
+        c += h[i];
+    }
+    const int src = owner ? __ffs(owner) - 1 : 0;  // with no owner every lane's answer is 0
+    return {__shfl_sync(FULL, digit, src), __shfl_sync(FULL, above, src), __shfl_sync(FULL, at, src),
+        __shfl_sync(FULL, incl, 31)};
+}
+
+// hist[(key >> shift) & 255] += 1 for every valid key (key != 0) whose bits above the digit are `prefix` (every
+// valid key when shift = 24). A warp's lanes with the same bin add once, through their lowest lane.
+template <int NK>
+__device__ __forceinline__ void short_histogram(const uint32_t (&key)[NK], uint32_t prefix, int shift, uint32_t* hist) {
+#pragma unroll
+    for (int j = 0; j < NK; ++j) {
+        const bool in = key[j] != 0u && (shift == 24 || (key[j] >> (shift + 8)) == prefix);
+#if __CUDA_ARCH__ >= 700
+        if (__any_sync(FULL, in)) {  // warp-uniform: a later digit's few keys skip most of these
+            const uint32_t d = in ? (key[j] >> shift) & 255u : 256u;  // 256: not counted
+            const unsigned peers = __match_any_sync(FULL, d);
+            if (in && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[d], (uint32_t)__popc(peers));
+        }
+#else
+        if (in) atomicAdd(&hist[(key[j] >> shift) & 255u], 1u);
+#endif
+    }
+}
+
+// Rows of scores [B, L], one block of NT threads a row of at most NT * V slots (the launcher checks every row's
+// width); the same arguments as topk_rows_kernel (`cap` unused: no dynamic shared memory).
+template <int NT, int V>
+__global__ void __launch_bounds__(NT, NT < 512 ? 2 : 1024 / NT) topk_short_kernel(
+    const float* __restrict__ scores,  // [B, L], row stride stride_s
+    long long stride_s,
+    int L,
+    const void* __restrict__ lens,  // [B] int32 or int64
+    int lens_is_64,
+    int k,
+    long long* __restrict__ out,  // [B, k], row stride stride_o
+    long long stride_o,
+    int cap) {
+    static_assert(NT % 32 == 0 && NT <= 1024 && 1024 % NT == 0, "whole warps, at most 32 (block_exclusive_scan)");
+    static_assert(4 * NT * V < (1 << 30), "a row's key counts fit the 32-bit fields of one block scan");
+    constexpr int NK = 4 * V;  // keys a thread
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // no-ops on a plain launch
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    __shared__ __align__(16) uint32_t hist[4][256];  // one histogram a digit
+    __shared__ Shared sh;
+
+    const long long b = blockIdx.x;
+    const long long len = lens_is_64 ? static_cast<const long long*>(lens)[b] : static_cast<const int*>(lens)[b];
+    const int n = (int)min(max(len, 0LL), (long long)L);
+    const float* row_ptr = scores + b * stride_s;
+    long long* out_row = out + b * stride_o;
+    const int head = (int)((reinterpret_cast<uintptr_t>(row_ptr) >> 2) & 3);
+    const int nslots = n > 0 ? (n + head + 3) >> 2 : 0;  // <= NT * V (the launcher's check)
+    const float4* base = reinterpret_cast<const float4*>(row_ptr - head);
+    const int pos0 = 4 * V * (int)threadIdx.x - head;  // the position of key[0]: key[j] is at pos0 + j
+
+    uint32_t key[NK];
+    {
+        float4 raw[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            const int s = (int)threadIdx.x * V + i;
+            raw[i] = s < nslots ? __ldg(base + s) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+        for (int i = threadIdx.x; i < 4 * 256; i += NT) (&hist[0][0])[i] = 0u;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            const float x[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int p = pos0 + 4 * i + j;
+                key[4 * i + j] = sort_key(x[j], p >= 0 && p < n);
+            }
+        }
+    }
+    __syncthreads();
+
+    // Take every key > T and the first `need` keys == T (T = 0, need = 0: every valid key).
+    uint32_t T = 0u, need = 0u;
+    short_histogram(key, 0u, 24, hist[0]);
+    __syncthreads();
+    const Digit d0 = warp_find_digit(hist[0], (uint32_t)k);
+    const uint32_t n_sel = min(d0.total, (uint32_t)k);
+    if (d0.total > (uint32_t)k) {
+        uint32_t prefix = d0.digit;  // T's bits above `shift`
+        uint32_t at = d0.at;  // keys under `prefix`
+        int shift = 24;
+        need = (uint32_t)k - d0.above;  // >= 1: keys to take under `prefix`
+#pragma unroll 1
+        for (int p = 1; p < 4 && at != need; ++p) {  // block-uniform: every warp has the same figures
+            shift -= 8;
+            short_histogram(key, prefix, shift, hist[p]);
+            __syncthreads();
+            const Digit d = warp_find_digit(hist[p], need);
+            prefix = (prefix << 8) | d.digit;
+            need -= d.above;
+            at = d.at;
+        }
+        if (at == need) {  // every key under `prefix` is taken: T just below them, none of its ties taken
+            // prefix << shift >= 1: a first digit of 0 (-inf, scores below -1.7e38) with at == need would mean
+            // total == k, taken above; under it a valid key's second digit is >= 0x7f.
+            T = (prefix << shift) - 1u;
+            need = 0u;
+        } else {
+            T = prefix;  // shift == 0: T is the k-th largest key, `need` of its ties taken
+        }
+    }
+
+    // Output ranks (as `select`): the keys > T and == T before this thread's, as two 32-bit fields of one scan.
+    uint32_t above = 0, tie = 0;
+#pragma unroll
+    for (int j = 0; j < NK; ++j) {
+        above += key[j] > T;
+        tie += key[j] == T;
+    }
+    unsigned long long total;
+    const unsigned long long excl = block_exclusive_scan<NT>(above | (unsigned long long)tie << 32, total, sh);
+    uint32_t a = (uint32_t)excl, t = (uint32_t)(excl >> 32);
+#pragma unroll
+    for (int j = 0; j < NK; ++j) {
+        if (key[j] > T) {
+            out_row[a + min(t, need)] = pos0 + j;
+            ++a;
+        } else if (key[j] == T) {
+            if (t < need) out_row[a + t] = pos0 + j;
+            ++t;
+        }
+    }
+    for (long long i = n_sel + threadIdx.x; i < k; i += NT) out_row[i] = -1;
+}
+
+// Kernel variants, for measuring on the device (scripts/topk_cuda_check.py checks and times each):
 // 0: one histogram copy, plain gather, one block a row (the default; on the H200 2026-12-01: 56.6 us for
 // 64 x 131072, k = 2048); 1: R = 4 lane-picked copies of every histogram bin (59.3 us); 2: R = 4 and the
 // gather's next chunk prefetched (59.4 us); 3 and 4: 0 with 256 and 512 threads a row (for short rows, whose
-// 1024 threads mostly wait at the barriers); 5: 0 with a cluster of two blocks a row, each reading half of it.
-// Variants with clusters come last (`usable_variants`).
-constexpr int NUM_VARIANTS = 6;
+// 1024 threads mostly wait at the barriers); 5-8: the short rows in registers (`topk_short_kernel<NT, V>`, rows
+// of at most ROW_SLOTS 16-byte slots; untimed): 5: 512 threads, 2 slots a thread (4096 scores); 6: 1024 threads,
+// 2 slots; 7: 512, 4; 8: 256, 8 (8192 scores each); 9: 0 with a cluster of two blocks a row, each reading half
+// of it. Variants with clusters come last (`usable_variants`).
+constexpr int NUM_VARIANTS = 10;
 using Kernel = void (*)(const float*, long long, int, const void*, int, int, long long*, long long, int);
 constexpr Kernel VARIANTS[NUM_VARIANTS] = {topk_rows_kernel<1, false, 1, 1024>, topk_rows_kernel<4, false, 1, 1024>,
     topk_rows_kernel<4, true, 1, 1024>, topk_rows_kernel<1, false, 1, 256>, topk_rows_kernel<1, false, 1, 512>,
+    topk_short_kernel<512, 2>, topk_short_kernel<1024, 2>, topk_short_kernel<512, 4>, topk_short_kernel<256, 8>,
     topk_rows_kernel<1, false, 2, 1024>};
-constexpr int BLOCKS_PER_ROW[NUM_VARIANTS] = {1, 1, 1, 1, 1, 2};
-constexpr int THREADS[NUM_VARIANTS] = {1024, 1024, 1024, 256, 512, 1024};
+constexpr int BLOCKS_PER_ROW[NUM_VARIANTS] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 2};
+constexpr int THREADS[NUM_VARIANTS] = {1024, 1024, 1024, 256, 512, 512, 1024, 512, 256, 1024};
+// The most 16-byte slots a row may span (NT * V of a short variant; 0: any width); cuda_topk.py's ROW_SLOTS.
+constexpr int ROW_SLOTS[NUM_VARIANTS] = {0, 0, 0, 0, 0, 512 * 2, 1024 * 2, 512 * 4, 256 * 8, 0};
 
 // How many variants run on the current device: those with clusters (the last ones) need compute capability 9.
 int usable_variants() {
@@ -479,28 +664,35 @@ int usable_variants() {
     return n;
 }
 
-int g_cap[NUM_VARIANTS][MAX_DEVICES];  // the candidate capacity the device's shared memory allows (0: not set up)
+bool g_ready[NUM_VARIANTS][MAX_DEVICES];  // the variant is set up on the device (`setup`)
+int g_cap[NUM_VARIANTS][MAX_DEVICES];  // the candidate capacity the device's shared memory allows (0: short variants)
 bool g_pdl[MAX_DEVICES];  // the device takes programmatic dependent launch (compute capability 9.0+)
 
-// Set the kernel's dynamic shared-memory limit on this device once (before any graph capture's first call).
+// Set the kernel's dynamic shared-memory limit on this device once (before any graph capture's first call); a
+// short variant has none to set, but its attributes are read all the same (that fails where the library has no
+// code for the device).
 cudaError_t setup(int variant, int dev) {
     if (variant >= usable_variants()) return cudaErrorInvalidValue;  // a cluster variant below sm_90
-    int optin = 0;
-    cudaError_t err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    if (err != cudaSuccess) return err;
     cudaFuncAttributes attr;
-    err = cudaFuncGetAttributes(&attr, VARIANTS[variant]);
+    cudaError_t err = cudaFuncGetAttributes(&attr, VARIANTS[variant]);
     if (err != cudaSuccess) return err;
-    int cap = (int)((optin - (long long)attr.sharedSizeBytes - 1024) / 8) & ~3;  // 1 KiB spare
-    cap = cap < CAP_MAX ? cap : CAP_MAX;
-    if (cap < 4) return cudaErrorInvalidConfiguration;
-    err = cudaFuncSetAttribute(VARIANTS[variant], cudaFuncAttributeMaxDynamicSharedMemorySize, cap * 8);
-    if (err != cudaSuccess) return err;
+    int cap = 0;
+    if (ROW_SLOTS[variant] == 0) {
+        int optin = 0;
+        err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+        if (err != cudaSuccess) return err;
+        cap = (int)((optin - (long long)attr.sharedSizeBytes - 1024) / 8) & ~3;  // 1 KiB spare
+        cap = cap < CAP_MAX ? cap : CAP_MAX;
+        if (cap < 4) return cudaErrorInvalidConfiguration;
+        err = cudaFuncSetAttribute(VARIANTS[variant], cudaFuncAttributeMaxDynamicSharedMemorySize, cap * 8);
+        if (err != cudaSuccess) return err;
+    }
     int major = 0;
     err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
     if (err != cudaSuccess) return err;
     g_pdl[dev] = major >= 9;
     g_cap[variant][dev] = cap;
+    g_ready[variant][dev] = true;
     return cudaSuccess;
 }
 
@@ -524,14 +716,20 @@ cudaError_t launch(
     if (variant < 0 || variant >= NUM_VARIANTS) return cudaErrorInvalidValue;  // setup checks the device
     if (k < 1 || L < 1 || L > MAX_L || B < 0) return cudaErrorInvalidValue;
     if (B > 1 && (stride_s < L || stride_o < k)) return cudaErrorInvalidValue;  // rows must not overlap
+    if (ROW_SLOTS[variant] > 0) {  // a short variant: every row within its slots
+        // a row's first score is `head` scores past a 16-byte boundary: the same head for every row when the row
+        // stride is a multiple of 4 scores (or there is one row), else up to 3
+        const int head = (B <= 1 || stride_s % 4 == 0) ? (int)((reinterpret_cast<uintptr_t>(scores) >> 2) & 3) : 3;
+        if (((long long)L + head + 3) / 4 > ROW_SLOTS[variant]) return cudaErrorInvalidValue;
+    }
     int dev = 0;
     cudaError_t err = cudaGetDevice(&dev);
     if (err != cudaSuccess) return err;
     if (dev < 0 || dev >= MAX_DEVICES) return cudaErrorInvalidDevice;
-    if (g_cap[variant][dev] == 0 && (err = setup(variant, dev)) != cudaSuccess) return err;
+    if (!g_ready[variant][dev] && (err = setup(variant, dev)) != cudaSuccess) return err;
     if (B == 0) return cudaSuccess;
     const long long row_cap = ((long long)L + 3) & ~3LL;  // a row never has more candidates than scores
-    const int cap = row_cap < g_cap[variant][dev] ? (int)row_cap : g_cap[variant][dev];
+    const int cap = row_cap < g_cap[variant][dev] ? (int)row_cap : g_cap[variant][dev];  // 0: a short variant
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3((unsigned)B * BLOCKS_PER_ROW[variant]);
     config.blockDim = dim3(THREADS[variant]);
@@ -560,7 +758,8 @@ cudaError_t launch(
 // Top-k of B rows on `stream` with kernel `variant` (0: the default), with programmatic dependent launch when
 // `pdl` is nonzero and the device takes it; returns a cudaError_t (0: launched).
 // Output rows [B, k] int64 with unit column stride. Requires 1 <= k, 0 < L <= 2^31 - 2^20, 0 <= B and, with
-// more than one row, row strides of at least L and k (cudaErrorInvalidValue otherwise). Any error is returned
+// more than one row, row strides of at least L and k, and for a short variant (5-8) rows of at most its
+// ROW_SLOTS 16-byte slots (cudaErrorInvalidValue otherwise). Any error is returned
 // here and cleared, whatever step failed, so that the next launch (ours or torch's) does not report it.
 extern "C" int kestrel_topk_launch(const float* scores, long long stride_s, int B, int L, const void* lens,
     int lens_is_64, int k, long long* out, long long stride_o, void* stream, int variant, int pdl) {
@@ -569,16 +768,17 @@ extern "C" int kestrel_topk_launch(const float* scores, long long stride_s, int 
     return err;
 }
 
-// Every variant's shared-memory limit on the current device, ahead of any launch: the first launch would do
-// it, but a first launch inside a CUDA graph capture must not (cuda_topk.py calls this per device first). Only
-// variant 0's failure is returned: another variant that cannot be set up fails its own launches instead.
+// Every variant's setup (the shared-memory limit, for those that take one) on the current device, ahead of any
+// launch: the first launch would do it, but a first launch inside a CUDA graph capture must not (cuda_topk.py
+// calls this per device first). Only variant 0's failure is returned: another variant that cannot be set up
+// fails its own launches instead.
 extern "C" int kestrel_topk_setup() {
     int dev = 0;
     cudaError_t err = cudaGetDevice(&dev);
     if (err != cudaSuccess) return err;
     if (dev < 0 || dev >= MAX_DEVICES) return cudaErrorInvalidDevice;
     for (int v = usable_variants() - 1; v >= 0; --v) {
-        if (g_cap[v][dev] != 0 || (err = setup(v, dev)) == cudaSuccess) continue;
+        if (g_ready[v][dev] || (err = setup(v, dev)) == cudaSuccess) continue;
         if (v == 0) return err;
         cudaGetLastError();  // clear it, so that the next launch does not report it as its own
     }
@@ -587,5 +787,10 @@ extern "C" int kestrel_topk_setup() {
 
 // The variants that run on the current device (0 .. n - 1).
 extern "C" int kestrel_topk_num_variants() { return usable_variants(); }
+
+// The most 16-byte slots a row of `variant` may span (0: any width; -1: no such variant): cuda_topk.py's ROW_SLOTS.
+extern "C" int kestrel_topk_row_slots(int variant) {
+    return variant >= 0 && variant < NUM_VARIANTS ? ROW_SLOTS[variant] : -1;
+}
 
 extern "C" const char* kestrel_topk_error(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }

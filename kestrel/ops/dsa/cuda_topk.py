@@ -16,11 +16,21 @@ once more (mostly from L2) to copy the keys at or above the threshold digit to s
 the last two digits and the final selection work on that copy. Rows whose threshold digit holds more than the
 shared-memory capacity (24576 candidates on the H200; heavy ties, an all-equal row) take one or two more
 digits from the row instead (never when L <= the capacity). Any k >= 1 works: the output is written straight
-to global memory. Variant 5 splits each row of at least CLUSTER_MIN_L valid scores over a cluster of two
+to global memory. Variant 9 splits each row of at least CLUSTER_MIN_L valid scores over a cluster of two
 blocks (compute capability 9.0+; a shorter row is done by the first block alone), which `topk_cuda` picks for
 few wide rows (`choose_variant`). Where the Triton kernels launch with programmatic
 dependent launch (kestrel.ops.pdl: Hopper), so does this one: it may start while the indexer's scores kernel
 ends, and waits for it before its first read.
+
+Short rows in registers (variants 5-8, cuda_topk.cu's `topk_short_kernel<NT, V>`): one block of NT threads a
+row of at most NT * V 16-byte slots (ROW_SLOTS: 4096 or 8192 scores when the row pointer is 16-byte aligned,
+up to 3 fewer when not), each thread holding 4 V consecutive scores as keys in registers. The row is read once, T
+comes from four 8-bit digits of 256 shared bins each, a warp's adds to one bin merged into one atomic, and one
+block scan gives the output ranks. They are for decode's short rows, where variants 0-4 spend their time on
+shared atomics to the one or two bins that the first 11-bit digit puts nearly the whole row into, and on the
+candidate copy and its histograms, which a row that fits in registers does not need. Untimed so far
+(scripts/topk_cuda_check.py's rows_sweep times them); `choose_variant` picks one for up to 256 rows that fit
+(REGISTER_AUTO). A variant refuses scores with a row wider than it takes (`variant_takes`).
 
 Measured on the H200 (scripts/topk_cuda_check.py, 2026-12-01, session 19,
 bench/results/2026-12-01-topk-cuda-h200-session19.json): every variant matched naive.topk_select on all 59
@@ -56,14 +66,25 @@ SOURCE = Path(__file__).with_name("cuda_topk.cu")
 MAX_L = 2**31 - 2**20  # positions are int32 in the kernel, with headroom for the last chunk's slot indices
 # The kernel variants (cuda_topk.cu's VARIANTS: 0 = one histogram copy, plain gather; 1 = four lane-picked
 # copies of each histogram bin; 2 = those and the gather's loads prefetched a chunk ahead; 3 and 4 = 0 with 256
-# and 512 threads a row; 5 = 0 with a two-block cluster a row). All give the same result;
-# scripts/topk_cuda_check.py checks and times each. topk_cuda runs DEFAULT_VARIANT, or CLUSTER_VARIANT where
-# `choose_variant` says a row's second block pays.
+# and 512 threads a row; 5-8 = short rows in registers, (threads, 16-byte slots a thread) = (512, 2), (1024, 2),
+# (512, 4), (256, 8); 9 = 0 with a two-block cluster a row). All give the same result on the rows they take;
+# scripts/topk_cuda_check.py checks and times each. topk_cuda runs DEFAULT_VARIANT, or another where
+# `choose_variant` says so.
 DEFAULT_VARIANT = 0
 SHORT_VARIANT, MEDIUM_VARIANT = 3, 4  # 256 and 512 threads a row
 SHORT_MAX_L = 6144  # rows at most this wide take SHORT_VARIANT
 MEDIUM_MAX_L = 8704  # up to this width: SHORT_VARIANT for more rows than SMs, else MEDIUM_VARIANT
-CLUSTER_VARIANT = 5
+# The short variants' widest row, in 16-byte slots (cuda_topk.cu's ROW_SLOTS; the other variants take any width)
+ROW_SLOTS = {5: 512 * 2, 6: 1024 * 2, 7: 512 * 4, 8: 256 * 8}
+# choose_variant's pick of a short variant, untimed (to be decided by scripts/topk_cuda_check.py rows_sweep): for
+# up to REGISTER_MAX_B rows (decode's batches; prefill's thousands keep the timed SHORT_VARIANT), the first of
+# REGISTER_PICKS whose ROW_SLOTS the rows fit: 512 threads a row, 2 or 4 slots a thread (rows of up to 4096 or
+# 8192 scores). REGISTER_AUTO = False leaves every pick as before the short variants (each still runs by
+# `variant=`).
+REGISTER_AUTO = True
+REGISTER_PICKS = (5, 7)
+REGISTER_MAX_B = 256
+CLUSTER_VARIANT = 9
 CLUSTER_MIN_L = 32768  # rows at least this wide take the cluster variant while it has an SM per block
 
 UNAVAILABLE_REASON: str | None = None  # why available() is False; None while it is True or not yet asked
@@ -71,11 +92,14 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _lock = threading.Lock()
 # devices whose kernel shared-memory limits are set (kestrel_topk_setup) and whose default variant passed its
-# probe: index -> (SM count, whether the cluster variant runs there and passed its probe)
-_ready: dict[int, tuple[int, bool]] = {}
+# probe: index -> (SM count, whether the cluster variant runs there and passed its probe, whether every one of
+# REGISTER_PICKS passed its probe)
+_ready: dict[int, tuple[int, bool, bool]] = {}
 _ready_lock = threading.RLock()  # re-entered: a probe launches through _launch, which asks _prepare
 # device index -> why choose_variant never picks the cluster there
 CLUSTER_UNAVAILABLE_REASON: dict[int, str] = {}
+# device index -> why choose_variant never picks a short variant there (one of REGISTER_PICKS failed its probe)
+REGISTER_UNAVAILABLE_REASON: dict[int, str] = {}
 FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
 
 
@@ -158,6 +182,8 @@ def _load() -> ctypes.CDLL | None:
             ]
             lib.kestrel_topk_setup.restype = ctypes.c_int
             lib.kestrel_topk_num_variants.restype = ctypes.c_int
+            lib.kestrel_topk_row_slots.restype = ctypes.c_int
+            lib.kestrel_topk_row_slots.argtypes = [ctypes.c_int]
             lib.kestrel_topk_error.restype = ctypes.c_char_p
             lib.kestrel_topk_error.argtypes = [ctypes.c_int]
             _prepare(lib, torch.device("cuda", torch.cuda.current_device()))  # raises if the default fails
@@ -168,11 +194,12 @@ def _load() -> ctypes.CDLL | None:
     return _lib
 
 
-def _prepare(lib: ctypes.CDLL, device: torch.device) -> tuple[int, bool]:
+def _prepare(lib: ctypes.CDLL, device: torch.device) -> tuple[int, bool, bool]:
     """Once per device, outside any CUDA graph capture: set every kernel variant's shared-memory limit, probe the
-    default variant (raises when it fails), then the cluster variant (which is only picked where its probe
-    passed; CLUSTER_UNAVAILABLE_REASON keeps why not). Returns (the device's SM count, whether the cluster
-    variant can be chosen)."""
+    default variant (raises when it fails), then the short variants of REGISTER_PICKS and the cluster variant
+    (each only picked where its probes passed; REGISTER_UNAVAILABLE_REASON and CLUSTER_UNAVAILABLE_REASON keep
+    why not). Returns (the device's SM count, whether the cluster variant can be chosen, whether the short
+    variants can be)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _ready:
         return _ready[index]
@@ -188,27 +215,38 @@ def _prepare(lib: ctypes.CDLL, device: torch.device) -> tuple[int, bool]:
                     f"topk_cuda setup on cuda:{index} failed: {lib.kestrel_topk_error(err).decode()}"
                 )
             sms = torch.cuda.get_device_properties(index).multi_processor_count
-            _ready[index] = (sms, False)  # set up: the probes below launch through _launch
+            _ready[index] = (sms, False, False)  # set up: the probes below launch through _launch
             failure = _probe(lib, index, DEFAULT_VARIANT)
             if failure is not None:
                 del _ready[index]
                 raise RuntimeError(failure)
+            registers = True
+            for variant in REGISTER_PICKS:
+                if (failure := _probe(lib, index, variant)) is not None:
+                    REGISTER_UNAVAILABLE_REASON[index] = failure
+                    registers = False
+                    break
+            cluster = False
             if lib.kestrel_topk_num_variants() <= CLUSTER_VARIANT:
                 CLUSTER_UNAVAILABLE_REASON[index] = "compute capability below 9.0 (no thread-block clusters)"
             elif (failure := _probe(lib, index, CLUSTER_VARIANT)) is not None:
                 CLUSTER_UNAVAILABLE_REASON[index] = failure
             else:
-                _ready[index] = (sms, True)
+                cluster = True
+            _ready[index] = (sms, cluster, registers)
     return _ready[index]
 
 
-def variant_for(B: int, L: int, device: torch.device) -> int:
-    """The variant topk_cuda runs for B rows of width L on `device` (`choose_variant` with the device's SM count
-    and whether its cluster probe passed); sets the device up on first use (outside a graph capture)."""
+def variant_for(B: int, L: int, device: torch.device, slots: int | None = None) -> int:
+    """The variant topk_cuda runs for B rows of width L spanning `slots` 16-byte slots (`row_slots` of the
+    scores; None: unknown, no short variant) on `device` (`choose_variant` with the device's SM count and
+    whether its cluster and short-variant probes passed); sets the device up on first use (outside a graph
+    capture)."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"topk_cuda is unavailable: {UNAVAILABLE_REASON}")
-    return choose_variant(B, L, *_prepare(lib, device))
+    sms, cluster, registers = _prepare(lib, device)
+    return choose_variant(B, L, sms, cluster, slots if registers else None)
 
 
 def _probe(lib: ctypes.CDLL, index: int, variant: int) -> str | None:
@@ -226,14 +264,17 @@ def _probe(lib: ctypes.CDLL, index: int, variant: int) -> str | None:
     )
 
 
-def choose_variant(B: int, L: int, sms: int, cluster: bool) -> int:
-    """The kernel variant for B rows of L scores on a device of `sms` SMs: the two-block cluster (when the device
-    runs it) while every block has an SM of its own (2 B <= sms) and rows are wide enough for a second block to
-    pay (L >= CLUSTER_MIN_L); 256 threads a row for short rows (L <= SHORT_MAX_L), and up to MEDIUM_MAX_L where
-    there are more rows than SMs, else 512 there; else the default (1024). L is the scores' width (decode's
-    graphs pad it to the longest context the engine takes, so a short row in a wide buffer takes the choice of
-    the wide one; the cluster variant then does a row of fewer than CLUSTER_MIN_L valid scores in one block, as
-    the default does: cuda_topk.cu's SPLIT_MIN_N). Host-only: no device sync, graph safe.
+def choose_variant(B: int, L: int, sms: int, cluster: bool, slots: int | None = None) -> int:
+    """The kernel variant for B rows of L scores on a device of `sms` SMs, whose widest row spans `slots` 16-byte
+    slots (`row_slots`; None: unknown, or the short variants failed their probes): with REGISTER_AUTO, at most
+    REGISTER_MAX_B rows and rows that fit one, the first short variant of REGISTER_PICKS that takes them
+    (untimed); else the two-block cluster (when the device runs it) while every block has an SM of its own
+    (2 B <= sms) and rows are wide enough for a second block to pay (L >= CLUSTER_MIN_L); 256 threads a row for
+    short rows (L <= SHORT_MAX_L), and up to MEDIUM_MAX_L where there are more rows than SMs, else 512 there;
+    else the default (1024). L is the scores' width (decode's graphs pad it to the longest context the engine
+    takes, so a short row in a wide buffer takes the choice of the wide one; the cluster variant then does a row
+    of fewer than CLUSTER_MIN_L valid scores in one block, as the default does: cuda_topk.cu's SPLIT_MIN_N).
+    Host-only: no device sync, graph safe.
     On the H200 (session 24; the sweep's source and figures: bench/results/2026-12-01-h200-session24.json),
     k = 2048, randn, L2 flushed, us for 1024 / 512 / 256 threads a row: 256 rows of 4096 30.6 / 25.2 / 19.7, 1
     row 15.6 / 12.6 / 12.5; 256 rows of 8192 32.0 / 26.8 / 23.4, 64 rows 16.7 / 14.0 / 17.7; prefill's 4096 rows
@@ -244,6 +285,10 @@ def choose_variant(B: int, L: int, sms: int, cluster: bool) -> int:
     rows of 32768 24.0 vs 24.8, of 131072 43.1 vs 57.8; 128 rows of 131072 78.6 vs 69.0. A row of 4096 valid
     scores in a 131072-wide buffer: 20.0 vs 16.9 us (the cost of deciding by width, before the cluster variant
     did such rows in one block)."""
+    if REGISTER_AUTO and slots is not None and B <= REGISTER_MAX_B:
+        for variant in REGISTER_PICKS:
+            if slots <= ROW_SLOTS[variant]:
+                return variant
     if cluster and L >= CLUSTER_MIN_L and 2 * B <= sms:
         return CLUSTER_VARIANT
     if L <= SHORT_MAX_L or (L <= MEDIUM_MAX_L and B > sms):
@@ -251,6 +296,26 @@ def choose_variant(B: int, L: int, sms: int, cluster: bool) -> int:
     if L <= MEDIUM_MAX_L:
         return MEDIUM_VARIANT
     return DEFAULT_VARIANT
+
+
+def row_slots(scores: torch.Tensor) -> int:
+    """The 16-byte slots the widest row of scores [B, L] (fp32, unit column stride) spans, as cuda_topk.cu's
+    launcher counts them: L scores after the row's head, the 0-3 scores between the 16-byte boundary at or before
+    its first score and that score. Every row has the first row's head when the row stride is a multiple of 4
+    scores (or there is one row); else up to 3 is assumed."""
+    B, L = scores.shape
+    if B <= 1 or scores.stride(0) % 4 == 0:
+        head = (scores.data_ptr() // 4) % 4
+    else:
+        head = 3
+    return (L + head + 3) // 4
+
+
+def variant_takes(variant: int, scores: torch.Tensor) -> bool:
+    """Whether kernel `variant` takes scores [B, L] (fp32, unit column stride): every variant but the short ones
+    (ROW_SLOTS) takes any width; a short one takes rows of at most ROW_SLOTS[variant] slots (`row_slots`), so
+    4096 (or 8192) scores from a 16-byte aligned row pointer, up to 3 fewer from any other."""
+    return variant not in ROW_SLOTS or row_slots(scores) <= ROW_SLOTS[variant]
 
 
 def available() -> bool:
@@ -277,8 +342,9 @@ def topk_cuda(
 
     Returns indices [B, k] int64: the positions `naive.topk_select(scores, lens - 1, k)` selects, in ascending
     position order, then -1; the same tensor `topk_triton(scores, lens, k)` returns. `out` [B, k] int64 with unit
-    column stride, when given, receives the result. `variant` picks the kernel variant (for measurements); None:
-    `choose_variant`'s pick for the shape.
+    column stride, when given, receives the result. `variant` picks the kernel variant (for measurements; a
+    ValueError when it does not take the scores' rows, `variant_takes`); None: `choose_variant`'s pick for the
+    shape.
     """
     B, L = scores.shape
     if scores.dtype != torch.float32 or not scores.is_cuda:
@@ -299,14 +365,21 @@ def topk_cuda(
         return out.fill_(-1)
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
+    if variant is not None and not variant_takes(variant, scores):
+        raise ValueError(
+            f"topk_cuda: variant {variant} takes rows of at most {ROW_SLOTS[variant]} 16-byte slots "
+            f"({4 * ROW_SLOTS[variant]} scores from a 16-byte aligned row pointer, up to 3 fewer from another); "
+            f"scores {tuple(scores.shape)} with row stride {scores.stride(0)} span {row_slots(scores)}"
+        )
     if lens.dtype not in (torch.int32, torch.int64):
         lens = lens.to(torch.int64)
     lens = lens.contiguous()
     lib = _load()
     if lib is None:
         raise RuntimeError(f"topk_cuda is unavailable: {UNAVAILABLE_REASON}")
-    if variant is None:
-        variant = choose_variant(B, L, *_prepare(lib, scores.device))  # variant_for's pick
+    if variant is None:  # variant_for's pick
+        sms, cluster, registers = _prepare(lib, scores.device)
+        variant = choose_variant(B, L, sms, cluster, row_slots(scores) if registers else None)
     _launch(lib, scores, lens, k, out, variant)
     return out
 
