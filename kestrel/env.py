@@ -163,6 +163,11 @@ class Env:
     kestrel.ops.dsa.triton_topk, with a warning) | cuda (the CUDA kernel; an error when it cannot be built) |
     triton. All select the same positions; on the H200 the CUDA kernel took 43.2 us for 64 x 131072 scores,
     k = 2048, against Triton's 134 and torch.topk's 192.5 in the same run (2026-12-01, session 19)."""
+    dsa_topk_registers: str
+    """KESTREL_DSA_TOPK_REGISTERS: auto (the default) | off. auto: the CUDA top-k runs decode's short rows (up to
+    256 rows of at most 8192 scores) in its register variants (kestrel.ops.dsa.cuda_topk's `topk_short_kernel`,
+    one read of the row, four 8-bit digits over keys held in registers); off: the shared-memory variants as
+    before (session 24's picks). The same selection either way."""
     gemv: str
     """KESTREL_GEMV: at inference on a GPU where PDL is on (Hopper and later), linear layers over at most
     kestrel.ops.linear.GEMV_MAX_ROWS rows run the Triton GEMV (kestrel.ops.linear.triton_gemv: launched with PDL,
@@ -231,6 +236,12 @@ VARIABLES: dict[str, Variable] = {
     ),
     "dsa_topk": _choice(
         "KESTREL_DSA_TOPK", "auto", ("auto", "cuda", "triton"), what="the exact DSA top-k's kernel"
+    ),
+    "dsa_topk_registers": _choice(
+        "KESTREL_DSA_TOPK_REGISTERS",
+        "auto",
+        ("auto", "off"),
+        what="the CUDA top-k's register variants for short rows",
     ),
     "moe_grouped_mm": _choice(
         "KESTREL_MOE_GROUPED_MM", "auto", ("auto", "off"), what="MoE experts through torch._grouped_mm"

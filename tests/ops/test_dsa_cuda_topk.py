@@ -458,7 +458,7 @@ def test_short_rows_ignore_garbage_past_lens():
 @requires_kernel
 def test_topk_cuda_picks_a_short_variant_for_decode_rows(monkeypatch):
     """On the device (its short probes passed): decode's rows take REGISTER_PICKS, by their slots."""
-    monkeypatch.setattr(cuda_topk, "REGISTER_AUTO", True)
+    monkeypatch.setenv("KESTREL_DSA_TOPK_REGISTERS", "auto")
     first, second = cuda_topk.REGISTER_PICKS
     dev = torch.device("cuda", torch.cuda.current_device())
     wide = torch.zeros(2, 8200, device="cuda")
@@ -504,11 +504,11 @@ def test_short_rows_take_the_smaller_blocks():
 def test_decode_rows_take_the_short_variants(monkeypatch):
     """choose_variant with the rows' 16-byte slots: up to REGISTER_MAX_B rows that fit a short variant of
     REGISTER_PICKS take the first that fits (4096 and 8192 aligned scores, mini's 4224, a row of 4093 from an
-    unaligned pointer); wider rows, more rows, unknown slots or REGISTER_AUTO off take the old picks."""
+    unaligned pointer); wider rows, more rows, unknown slots or KESTREL_DSA_TOPK_REGISTERS=off take the old picks."""
     sms, first, second = 132, *cuda_topk.REGISTER_PICKS
     slots_of = {4096: 1024, 4224: 1056, 8192: 2048}  # aligned rows
     assert cuda_topk.ROW_SLOTS[first] == 1024 and cuda_topk.ROW_SLOTS[second] == 2048
-    monkeypatch.setattr(cuda_topk, "REGISTER_AUTO", True)
+    monkeypatch.setenv("KESTREL_DSA_TOPK_REGISTERS", "auto")
     for B in (1, 4, 64, cuda_topk.REGISTER_MAX_B):
         assert cuda_topk.choose_variant(B, 4096, sms, True, slots_of[4096]) == first
         assert cuda_topk.choose_variant(B, 4224, sms, True, slots_of[4224]) == second
@@ -523,7 +523,7 @@ def test_decode_rows_take_the_short_variants(monkeypatch):
     B = cuda_topk.REGISTER_MAX_B + 1
     assert cuda_topk.choose_variant(B, 4096, sms, True, 1024) == cuda_topk.SHORT_VARIANT
     assert cuda_topk.choose_variant(1, 4096, sms, True, None) == cuda_topk.SHORT_VARIANT
-    monkeypatch.setattr(cuda_topk, "REGISTER_AUTO", False)
+    monkeypatch.setenv("KESTREL_DSA_TOPK_REGISTERS", "off")
     assert cuda_topk.choose_variant(1, 4096, sms, True, 1024) == cuda_topk.SHORT_VARIANT
     assert cuda_topk.choose_variant(1, 8192, sms, True, 2048) == cuda_topk.MEDIUM_VARIANT
 
@@ -605,7 +605,7 @@ def test_a_failing_short_probe_leaves_the_old_picks(monkeypatch):
     monkeypatch.setattr(cuda_topk, "_ready", {})
     monkeypatch.setattr(cuda_topk, "REGISTER_UNAVAILABLE_REASON", {})
     monkeypatch.setattr(cuda_topk, "_probe", probe)
-    monkeypatch.setattr(cuda_topk, "REGISTER_AUTO", True)
+    monkeypatch.setenv("KESTREL_DSA_TOPK_REGISTERS", "auto")
     device = torch.cuda.current_device()
     dev = torch.device("cuda", device)
     assert cuda_topk.variant_for(1, 4096, dev, 1024) == cuda_topk.SHORT_VARIANT

@@ -30,7 +30,7 @@ block scan gives the output ranks. They are for decode's short rows, where varia
 shared atomics to the one or two bins that the first 11-bit digit puts nearly the whole row into, and on the
 candidate copy and its histograms, which a row that fits in registers does not need. Untimed so far
 (scripts/topk_cuda_check.py's rows_sweep times them); `choose_variant` picks one for up to 256 rows that fit
-(REGISTER_AUTO). A variant refuses scores with a row wider than it takes (`variant_takes`).
+(KESTREL_DSA_TOPK_REGISTERS, on by default). A variant refuses scores with a row wider than it takes (`variant_takes`).
 
 Measured on the H200 (scripts/topk_cuda_check.py, 2026-12-01, session 19,
 bench/results/2026-12-01-topk-cuda-h200-session19.json): every variant matched naive.topk_select on all 59
@@ -79,9 +79,8 @@ ROW_SLOTS = {5: 512 * 2, 6: 1024 * 2, 7: 512 * 4, 8: 256 * 8}
 # choose_variant's pick of a short variant, untimed (to be decided by scripts/topk_cuda_check.py rows_sweep): for
 # up to REGISTER_MAX_B rows (decode's batches; prefill's thousands keep the timed SHORT_VARIANT), the first of
 # REGISTER_PICKS whose ROW_SLOTS the rows fit: 512 threads a row, 2 or 4 slots a thread (rows of up to 4096 or
-# 8192 scores). REGISTER_AUTO = False leaves every pick as before the short variants (each still runs by
+# 8192 scores). KESTREL_DSA_TOPK_REGISTERS=off leaves every pick as before the short variants (each still runs by
 # `variant=`).
-REGISTER_AUTO = True
 REGISTER_PICKS = (5, 7)
 REGISTER_MAX_B = 256
 CLUSTER_VARIANT = 9
@@ -266,7 +265,8 @@ def _probe(lib: ctypes.CDLL, index: int, variant: int) -> str | None:
 
 def choose_variant(B: int, L: int, sms: int, cluster: bool, slots: int | None = None) -> int:
     """The kernel variant for B rows of L scores on a device of `sms` SMs, whose widest row spans `slots` 16-byte
-    slots (`row_slots`; None: unknown, or the short variants failed their probes): with REGISTER_AUTO, at most
+    slots (`row_slots`; None: unknown, or the short variants failed their probes): with KESTREL_DSA_TOPK_REGISTERS
+    at auto (the default), at most
     REGISTER_MAX_B rows and rows that fit one, the first short variant of REGISTER_PICKS that takes them
     (untimed); else the two-block cluster (when the device runs it) while every block has an SM of its own
     (2 B <= sms) and rows are wide enough for a second block to pay (L >= CLUSTER_MIN_L); 256 threads a row for
@@ -285,7 +285,7 @@ def choose_variant(B: int, L: int, sms: int, cluster: bool, slots: int | None = 
     rows of 32768 24.0 vs 24.8, of 131072 43.1 vs 57.8; 128 rows of 131072 78.6 vs 69.0. A row of 4096 valid
     scores in a 131072-wide buffer: 20.0 vs 16.9 us (the cost of deciding by width, before the cluster variant
     did such rows in one block)."""
-    if REGISTER_AUTO and slots is not None and B <= REGISTER_MAX_B:
+    if slots is not None and B <= REGISTER_MAX_B and env_field("dsa_topk_registers") == "auto":
         for variant in REGISTER_PICKS:
             if slots <= ROW_SLOTS[variant]:
                 return variant
