@@ -126,14 +126,35 @@ def _gpu_suite():
 
 
 def show_topk(d: dict) -> list[str]:
-    t = d["timing"]["randn"]
-    ours, peer = t["topk_cuda"]["cold_us"], t["torch_topk"]["cold_us"]
-    lines = [
-        f"{d['timing']['shape']} k={d['timing']['k']}: topk_cuda {ours:.1f} us, torch.topk {peer:.1f} us: "
-        f"{peer / ours:.2f}x"
-    ]
-    bad = [c for c in d.get("cases", []) if not all(v for k, v in c.items() if k.startswith("equal"))]
-    return lines + [f"{len(d.get('cases', []))} cases, {len(bad)} with a set unlike the reference's"]
+    """topk_cuda_check: the 64 x 131072 timing against torch.topk, the correctness cases (any variant unlike the
+    reference, or an error), and decode's short rows (rows_sweep) by variant, us."""
+    lines = []
+    if "timing" in d:
+        t = d["timing"]["randn"]
+        ours, peer = t["topk_cuda"]["cold_us"], t["torch_topk"]["cold_us"]
+        lines.append(
+            f"{d['timing']['shape']} k={d['timing']['k']}: topk_cuda {ours:.1f} us, torch.topk {peer:.1f} us: "
+            f"{peer / ours:.2f}x"
+        )
+
+    def wrong(case: dict) -> bool:
+        return "error" in case or any(
+            v is False for k, v in case.items() if k.startswith("equal") or k.startswith("naive_ok")
+        )
+
+    if "cases" in d:
+        bad = [c.get("case", "?") for c in d["cases"] if wrong(c)]
+        lines.append(f"{len(d['cases'])} cases, {len(bad)} with a set unlike the reference's {bad[:4]}")
+    for name, entry in d.get("rows_sweep", {}).items():
+        if not isinstance(entry, dict) or name.split("x")[0] not in ("1", "4", "256") or "131072" in name:
+            continue
+        times = " ".join(
+            f"{k} {v['cold_us']:.1f}" + ("" if v.get("equal_naive", True) else "!")
+            for k, v in entry.items()
+            if isinstance(v, dict) and "cold_us" in v
+        )
+        lines.append(f"rows {name} (auto v{entry.get('auto_picks')}): {times}")
+    return lines
 
 
 def show_prefill(d: dict) -> list[str]:
@@ -273,7 +294,9 @@ def job_decode(arg: str | None, call: Call) -> list[Run]:
 
 
 def job_topk(arg: str | None, call: Call) -> list[Run]:
+    """`topk[:SECTIONS]`: topk_cuda_check.py, every section or those named (comma-separated, as its --sections)."""
     argv = [PY, _script("topk_cuda_check.py"), "--out", call.out("topk.json")]
+    argv += ["--sections", arg] if arg else []
     return [Run("topk", argv, 60, "topk.json", show=show_topk)]
 
 
@@ -371,7 +394,11 @@ JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {
         "decode: bench decode at batch 1 and 256, 4K and 128K, DSA and dense MLA, profiled",
         job_decode,
     ),
-    "topk": ("topk: scripts/topk_cuda_check.py (top-2048 of 64 x 131072 against torch.topk)", job_topk),
+    "topk": (
+        "topk[:SECTIONS]: scripts/topk_cuda_check.py (top-2048 of 64 x 131072 against torch.topk; every variant on "
+        "the correctness cases; decode's rows swept)",
+        job_topk,
+    ),
     "prefill": ("prefill: gpu_suite's prefill_bench (packed 8 x 4096 and 1 x 32768: MFU)", job_prefill),
     "kernels": (
         "kernels: kestrel bench kernels (each kernel against the ceilings and its torch peer)",
