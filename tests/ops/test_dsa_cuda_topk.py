@@ -353,7 +353,8 @@ def test_short_rows_from_unaligned_pointers():
                 lens = torch.tensor([L, L - 1, 2049])
                 ran = run_topk(view, lens, 2048)
                 fits = (L + start + 3) // 4 <= width // 4
-                assert (cuda_topk.REGISTER_PICKS[0 if width == 4096 else 1] in ran) == fits, (start, L)
+                short = cuda_topk.REGISTER_NARROW if width == 4096 else cuda_topk.REGISTER_WIDE_FEW
+                assert (short in ran) == fits, (start, L)
         odd = torch.randn(3, width + 1, generator=g, device="cuda")  # row stride width + 1: heads 0, 1, 2
         ran = run_topk(odd[:, : width - 3], torch.tensor([width - 3, 5, width - 4]), 2048)
         assert short_fit(odd[:, : width - 3]) <= set(ran) and short_fit(odd[:, : width - 3])
@@ -445,7 +446,7 @@ def test_short_rows_lens_edges_many_rows_and_one(L):
 @requires_kernel
 def test_short_rows_ignore_garbage_past_lens():
     """Decode at a 4K context in an 8192-wide buffer: what lies past each row's length is never selected."""
-    g = torch.Generator(device="cuda").manual_seed(17)
+    g = torch.Generator().manual_seed(17)  # the scores are made on the CPU; run_topk moves them
     L = 8192
     lens = torch.tensor([4096, 1, 0, L, 2049, 2048, 2047, 4097])
     scores = torch.randn(len(lens), L, generator=g)
@@ -457,15 +458,17 @@ def test_short_rows_ignore_garbage_past_lens():
 
 @requires_kernel
 def test_topk_cuda_picks_a_short_variant_for_decode_rows(monkeypatch):
-    """On the device (its short probes passed): decode's rows take REGISTER_PICKS, by their slots."""
+    """On the device (its short probes passed): decode's rows take the short variants, by their slots and rows."""
     monkeypatch.setenv("KESTREL_DSA_TOPK_REGISTERS", "auto")
-    first, second = cuda_topk.REGISTER_PICKS
+    first, second = cuda_topk.REGISTER_NARROW, cuda_topk.REGISTER_WIDE_FEW
     dev = torch.device("cuda", torch.cuda.current_device())
     wide = torch.zeros(2, 8200, device="cuda")
     for view, want in ((wide[:, :4096], first), (wide[:, 1:4096], first), (wide[:, 1:4097], second)):
         assert cuda_topk.variant_for(2, view.shape[1], dev, cuda_topk.row_slots(view)) == want
     for L, want in ((4096, first), (4224, second), (8192, second)):
         assert cuda_topk.variant_for(64, L, dev, cuda_topk.row_slots(wide[:, :L])) == want
+        many = first if L == 4096 else cuda_topk.REGISTER_WIDE_MANY
+        assert cuda_topk.variant_for(65, L, dev, cuda_topk.row_slots(wide[:, :L])) == many
     assert (
         cuda_topk.variant_for(1, 8193, dev, cuda_topk.row_slots(torch.zeros(1, 8193)))
         not in cuda_topk.ROW_SLOTS
@@ -503,13 +506,22 @@ def test_short_rows_take_the_smaller_blocks():
 
 def test_decode_rows_take_the_short_variants(monkeypatch):
     """choose_variant with the rows' 16-byte slots: up to REGISTER_MAX_B rows that fit a short variant of
-    REGISTER_PICKS take the first that fits (4096 and 8192 aligned scores, mini's 4224, a row of 4093 from an
-    unaligned pointer); wider rows, more rows, unknown slots or KESTREL_DSA_TOPK_REGISTERS=off take the old picks."""
-    sms, first, second = 132, *cuda_topk.REGISTER_PICKS
+    REGISTER_PICKS take theirs (4096 and 8192 aligned scores, mini's 4224, a row of 4093 from an unaligned
+    pointer: the narrow variant up to 1024 slots, the wide ones by the rows' count); wider rows, more rows,
+    unknown slots or KESTREL_DSA_TOPK_REGISTERS=off take the old picks."""
+    sms, first = 132, cuda_topk.REGISTER_NARROW
     slots_of = {4096: 1024, 4224: 1056, 8192: 2048}  # aligned rows
-    assert cuda_topk.ROW_SLOTS[first] == 1024 and cuda_topk.ROW_SLOTS[second] == 2048
+    assert cuda_topk.ROW_SLOTS[first] == 1024
+    assert (
+        cuda_topk.ROW_SLOTS[cuda_topk.REGISTER_WIDE_FEW]
+        == cuda_topk.ROW_SLOTS[cuda_topk.REGISTER_WIDE_MANY]
+        == 2048
+    )
     monkeypatch.setenv("KESTREL_DSA_TOPK_REGISTERS", "auto")
-    for B in (1, 4, 64, cuda_topk.REGISTER_MAX_B):
+    for B in (1, 4, 64, 65, cuda_topk.REGISTER_MAX_B):
+        second = (
+            cuda_topk.REGISTER_WIDE_FEW if B <= cuda_topk.REGISTER_FEW_B else cuda_topk.REGISTER_WIDE_MANY
+        )
         assert cuda_topk.choose_variant(B, 4096, sms, True, slots_of[4096]) == first
         assert cuda_topk.choose_variant(B, 4224, sms, True, slots_of[4224]) == second
         assert cuda_topk.choose_variant(B, 8192, sms, True, slots_of[8192]) == second

@@ -42,8 +42,9 @@
 // histogram of the keys in registers, with a warp's same-bin adds merged into one shared atomic (in
 // topk_rows_kernel a row's first 11-bit digit puts nearly all of it into one or two bins, whose thousands of
 // shared atomics to one word serialize); one block scan of the counts of keys > T and == T gives the output
-// ranks. No candidate copy, no dynamic shared memory, one barrier a digit. Untimed so far; written for a row of
-// 4096 scores at k = 2048, which takes topk_rows_kernel 12.5-15.6 us on the H200 (session 24, L2 flushed).
+// ranks. No candidate copy, no dynamic shared memory, one barrier a digit. On the H100 (session 58, L2 flushed,
+// k = 2048) one row of 4096 took 9.7 us against topk_rows_kernel's 13.1-15.8, 256 rows 16.4 against 20.5-31.6;
+// full rows of 8192 were no faster (cuda_topk.py's choose_variant has the sweep).
 
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
@@ -640,7 +641,7 @@ __global__ void __launch_bounds__(NT, NT < 512 ? 2 : 1024 / NT) topk_short_kerne
 // 64 x 131072, k = 2048); 1: R = 4 lane-picked copies of every histogram bin (59.3 us); 2: R = 4 and the
 // gather's next chunk prefetched (59.4 us); 3 and 4: 0 with 256 and 512 threads a row (for short rows, whose
 // 1024 threads mostly wait at the barriers); 5-8: the short rows in registers (`topk_short_kernel<NT, V>`, rows
-// of at most ROW_SLOTS 16-byte slots; untimed): 5: 512 threads, 2 slots a thread (4096 scores); 6: 1024 threads,
+// of at most ROW_SLOTS 16-byte slots): 5: 512 threads, 2 slots a thread (4096 scores); 6: 1024 threads,
 // 2 slots; 7: 512, 4; 8: 256, 8 (8192 scores each); 9: 0 with a cluster of two blocks a row, each reading half
 // of it. Variants with clusters come last (`usable_variants`).
 constexpr int NUM_VARIANTS = 10;

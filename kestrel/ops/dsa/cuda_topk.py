@@ -28,9 +28,10 @@ up to 3 fewer when not), each thread holding 4 V consecutive scores as keys in r
 comes from four 8-bit digits of 256 shared bins each, a warp's adds to one bin merged into one atomic, and one
 block scan gives the output ranks. They are for decode's short rows, where variants 0-4 spend their time on
 shared atomics to the one or two bins that the first 11-bit digit puts nearly the whole row into, and on the
-candidate copy and its histograms, which a row that fits in registers does not need. Untimed so far
-(scripts/topk_cuda_check.py's rows_sweep times them); `choose_variant` picks one for up to 256 rows that fit
-(KESTREL_DSA_TOPK_REGISTERS, on by default). A variant refuses scores with a row wider than it takes (`variant_takes`).
+candidate copy and its histograms, which a row that fits in registers does not need. On the H100 (session 58,
+scripts/topk_cuda_check.py's rows_sweep) one row of 4096 took 9.7 us against 13.2, mini's 4224-wide row 11.5
+against 13.4; `choose_variant` picks one for up to 256 rows that fit (KESTREL_DSA_TOPK_REGISTERS, on by
+default). A variant refuses scores with a row wider than it takes (`variant_takes`).
 
 Measured on the H200 (scripts/topk_cuda_check.py, 2026-12-01, session 19,
 bench/results/2026-12-01-topk-cuda-h200-session19.json): every variant matched naive.topk_select on all 59
@@ -76,12 +77,15 @@ SHORT_MAX_L = 6144  # rows at most this wide take SHORT_VARIANT
 MEDIUM_MAX_L = 8704  # up to this width: SHORT_VARIANT for more rows than SMs, else MEDIUM_VARIANT
 # The short variants' widest row, in 16-byte slots (cuda_topk.cu's ROW_SLOTS; the other variants take any width)
 ROW_SLOTS = {5: 512 * 2, 6: 1024 * 2, 7: 512 * 4, 8: 256 * 8}
-# choose_variant's pick of a short variant, untimed (to be decided by scripts/topk_cuda_check.py rows_sweep): for
-# up to REGISTER_MAX_B rows (decode's batches; prefill's thousands keep the timed SHORT_VARIANT), the first of
-# REGISTER_PICKS whose ROW_SLOTS the rows fit: 512 threads a row, 2 or 4 slots a thread (rows of up to 4096 or
-# 8192 scores). KESTREL_DSA_TOPK_REGISTERS=off leaves every pick as before the short variants (each still runs by
+# choose_variant's pick of a short variant, for up to REGISTER_MAX_B rows (decode's batches; prefill's thousands
+# keep the timed SHORT_VARIANT): rows of at most 1024 slots (4096 scores) REGISTER_NARROW (512 threads x 2 slots);
+# up to 2048 slots (8192 scores) REGISTER_WIDE_FEW (1024 x 2) for up to REGISTER_FEW_B rows, REGISTER_WIDE_MANY
+# (512 x 4) above (the H100 sweep of session 58 in choose_variant's docstring). REGISTER_PICKS are probed before
+# any is picked. KESTREL_DSA_TOPK_REGISTERS=off leaves every pick as before the short variants (each still runs by
 # `variant=`).
-REGISTER_PICKS = (5, 7)
+REGISTER_NARROW, REGISTER_WIDE_FEW, REGISTER_WIDE_MANY = 5, 6, 7
+REGISTER_PICKS = (REGISTER_NARROW, REGISTER_WIDE_FEW, REGISTER_WIDE_MANY)
+REGISTER_FEW_B = 64
 REGISTER_MAX_B = 256
 CLUSTER_VARIANT = 9
 CLUSTER_MIN_L = 32768  # rows at least this wide take the cluster variant while it has an SM per block
@@ -266,9 +270,9 @@ def _probe(lib: ctypes.CDLL, index: int, variant: int) -> str | None:
 def choose_variant(B: int, L: int, sms: int, cluster: bool, slots: int | None = None) -> int:
     """The kernel variant for B rows of L scores on a device of `sms` SMs, whose widest row spans `slots` 16-byte
     slots (`row_slots`; None: unknown, or the short variants failed their probes): with KESTREL_DSA_TOPK_REGISTERS
-    at auto (the default), at most
-    REGISTER_MAX_B rows and rows that fit one, the first short variant of REGISTER_PICKS that takes them
-    (untimed); else the two-block cluster (when the device runs it) while every block has an SM of its own
+    at auto (the default), at most REGISTER_MAX_B rows and rows that fit a short variant, REGISTER_NARROW for rows
+    of at most 1024 slots, else REGISTER_WIDE_FEW for up to REGISTER_FEW_B rows and REGISTER_WIDE_MANY above; else
+    the two-block cluster (when the device runs it) while every block has an SM of its own
     (2 B <= sms) and rows are wide enough for a second block to pay (L >= CLUSTER_MIN_L); 256 threads a row for
     short rows (L <= SHORT_MAX_L), and up to MEDIUM_MAX_L where there are more rows than SMs, else 512 there;
     else the default (1024). L is the scores' width (decode's graphs pad it to the longest context the engine
@@ -284,11 +288,19 @@ def choose_variant(B: int, L: int, sms: int, cluster: bool, slots: int | None = 
     cluster vs variant 0: 1 row of 16384 21.2 vs 18.1 us, of 32768 21.6 vs 23.7, of 131072 36.9 vs 54.4; 64
     rows of 32768 24.0 vs 24.8, of 131072 43.1 vs 57.8; 128 rows of 131072 78.6 vs 69.0. A row of 4096 valid
     scores in a 131072-wide buffer: 20.0 vs 16.9 us (the cost of deciding by width, before the cluster variant
-    did such rows in one block)."""
+    did such rows in one block).
+    The short variants on the H100 (session 58, bench/results/2026-12-06-h100-session58.json; rows_sweep, k = 2048,
+    randn, L2 flushed, us, all equal to the reference): rows of 4096 at 1 / 4 / 64 / 256 rows: 512 x 2 (variant 5)
+    9.7 / 10.7 / 11.1 / 16.4 against variant 3's 13.2 / 13.4 / 14.3 / 20.5; mini's 4224 wide: 1024 x 2 (6) 11.5 /
+    12.5 / 13.1 / 23.1, 512 x 4 (7) 12.4 / 13.5 / 14.0 / 19.9 against the old picks' 13.4 / 13.6 / 14.2 / 22.6;
+    4096 valid scores in an 8192-wide buffer (a short graph at 4K) 11.2 / 11.1 / 12.8 / 22.3 and 11.7 / 12.1 /
+    13.3 / 19.3 against 13.0 / 13.4 / 13.9 / 20.9; full rows of 8192 are the one loss: 14.0 / 15.3 / 17.0 / 30.6
+    and 14.0 / 15.4 / 17.2 / 25.7 against 13.5 / 13.8 / 15.0 / 24.8."""
     if slots is not None and B <= REGISTER_MAX_B and env_field("dsa_topk_registers") == "auto":
-        for variant in REGISTER_PICKS:
-            if slots <= ROW_SLOTS[variant]:
-                return variant
+        if slots <= ROW_SLOTS[REGISTER_NARROW]:
+            return REGISTER_NARROW
+        if slots <= ROW_SLOTS[REGISTER_WIDE_FEW]:
+            return REGISTER_WIDE_FEW if B <= REGISTER_FEW_B else REGISTER_WIDE_MANY
     if cluster and L >= CLUSTER_MIN_L and 2 * B <= sms:
         return CLUSTER_VARIANT
     if L <= SHORT_MAX_L or (L <= MEDIUM_MAX_L and B > sms):
