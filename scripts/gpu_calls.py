@@ -20,8 +20,11 @@ calls issued back to back (a machine is given back 30 s after a call; a cold sta
 Session 56 (H100) timed the rows GEMV (call a) and made it the default up to 2 rows; session 57 (H100) repeated
 it (call b: `served served:KESTREL_GEMV_FUSE=gate gemvab:8 moe rows tests:...`) and made the gate inside it at one
 row and the MoE's router_early the defaults, then checked their tokens (call c: `served tests:... decode`; decode had
-no time left). Waiting (on an H200): batch 1's MBU with these defaults, and the GPU tests not reached, in one call:
-    d. decode served tests:tests/ops/test_moe_decode_triton.py,tests/ops/test_gemv.py
+no time left). Session 58 (H100) checked and swept the CUDA top-k's register variants and timed them in the step
+(call e: `topk:cases,rows_sweep tests:tests/ops/test_dsa_cuda_topk.py served ab:KESTREL_DSA_TOPK_REGISTERS=auto/off:1
+decode`). Waiting: the register picks made after it timed in the step, and the GPU tests not reached, in one call:
+    f. served ab:KESTREL_DSA_TOPK_REGISTERS=auto/off:2 decode
+       tests:tests/ops/test_dsa_cuda_topk.py,tests/ops/test_moe_decode_triton.py,tests/ops/test_gemv.py topk:rows_sweep
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
 (tests:rest:2/2 and so on; the summary counts the outcomes so far from pytest's log).
 Each job's help (`--list`) says what it runs."""
