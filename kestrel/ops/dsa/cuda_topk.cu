@@ -65,6 +65,15 @@ __device__ __forceinline__ uint32_t sort_key(float x, bool valid) {
     return (valid && x == x) ? key : 0u;
 }
 
+// Programmatic dependent launch (sm_90+; no-ops on a plain launch): let the next kernel launch at once, then wait
+// for the one before this to finish before the first read of its output.
+__device__ __forceinline__ void pdl_begin() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 struct Shared {
     unsigned long long scan[32];  // per-warp totals of a block scan (at most 32 warps)
     uint32_t digit, above, at, f_above, f_at;  // find_threshold's answer
@@ -437,10 +446,7 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
     long long* __restrict__ out,  // [B, k], row stride stride_o
     long long stride_o,
     int cap) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // no-ops on a plain launch
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+    pdl_begin();
     extern __shared__ uint4 dyn_smem[];
     uint32_t* ckey = reinterpret_cast<uint32_t*>(dyn_smem);  // [cap], cap % 4 == 0
     int* cpos = reinterpret_cast<int*>(ckey + cap);  // [cap]
@@ -544,10 +550,7 @@ __global__ void __launch_bounds__(NT, NT < 512 ? 2 : 1024 / NT) topk_short_kerne
     static_assert(NT % 32 == 0 && NT <= 1024 && 1024 % NT == 0, "whole warps, at most 32 (block_exclusive_scan)");
     static_assert(4 * NT * V < (1 << 30), "a row's key counts fit the 32-bit fields of one block scan");
     constexpr int NK = 4 * V;  // keys a thread
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // no-ops on a plain launch
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+    pdl_begin();
     __shared__ __align__(16) uint32_t hist[4][256];  // one histogram a digit
     __shared__ Shared sh;
 
