@@ -272,10 +272,22 @@ def _check(call: Call, tag: str, sections: str, est: int) -> Run:
 
 
 def job_tests(arg: str | None, call: Call) -> list[Run]:
+    """`tests[:PARTS]`: the suite's groups (240 s at least), or test files named by path (60 s at least: one
+    file took 28-150 s in sessions 57-58)."""
     parts = arg or "switches,fuse,rest"
     argv = [PY, _script("gpu_suite.py"), "--sections", "gpu_tests", "--gpu-tests-parts", parts]
     argv += ["--gpu-tests-workers", str(call.workers), "--out", call.out("tests")]
-    return [Run("tests", argv, 240, "tests/gpu_suite.json", show=show_gpu_tests, cut=cut_gpu_tests)]
+    files = all(part.endswith(".py") for part in parts.split(","))
+    return [
+        Run(
+            "tests",
+            argv,
+            60 if files else 240,
+            "tests/gpu_suite.json",
+            show=show_gpu_tests,
+            cut=cut_gpu_tests,
+        )
+    ]
 
 
 def job_served(arg: str | None, call: Call) -> list[Run]:
