@@ -179,6 +179,12 @@ def _load() -> ctypes.CDLL | None:
                 ctypes.c_int,  # k
                 ctypes.c_void_p,  # out
                 ctypes.c_longlong,  # row stride of out
+                ctypes.c_void_p,  # page table (pool rows; null without them)
+                ctypes.c_int,  # the page table is int64
+                ctypes.c_longlong,  # row stride of the page table
+                ctypes.c_int,  # page size
+                ctypes.c_void_p,  # rows_out (null: no pool rows)
+                ctypes.c_longlong,  # row stride of rows_out
                 ctypes.c_void_p,  # cudaStream_t
                 ctypes.c_int,  # kernel variant
                 ctypes.c_int,  # programmatic dependent launch
@@ -396,12 +402,14 @@ def topk_cuda(
     return out
 
 
-def _launch(lib: ctypes.CDLL, scores, lens, k: int, out, variant: int) -> None:
+def _launch(lib: ctypes.CDLL, scores, lens, k: int, out, variant: int, rows=None) -> None:
     """One launch on torch's current stream (arguments checked by topk_cuda; the probe's are known good), with
     programmatic dependent launch where the Triton kernels have it (kestrel.ops.pdl): the kernel may start while
-    the indexer's scores kernel ends, and waits for it before its first read."""
+    the indexer's scores kernel ends, and waits for it before its first read. rows: (page_table, page_size,
+    rows_out) as `check_rows` leaves them (a short variant's twin writes the pool rows), or None."""
     _prepare(lib, scores.device)
     B, L = scores.shape
+    table, page_size, rows_out = rows if rows is not None else (None, 1, None)
     with torch.cuda.device(scores.device):
         err = lib.kestrel_topk_launch(
             scores.data_ptr(),
@@ -413,6 +421,12 @@ def _launch(lib: ctypes.CDLL, scores, lens, k: int, out, variant: int) -> None:
             k,
             out.data_ptr(),
             out.stride(0),
+            None if table is None else table.data_ptr(),
+            int(table is not None and table.dtype == torch.int64),
+            0 if table is None else table.stride(0),
+            page_size,
+            None if rows_out is None else rows_out.data_ptr(),
+            0 if rows_out is None else rows_out.stride(0),
             torch.cuda.current_stream().cuda_stream,
             variant,
             int(bool(pdl_args(scores))),
