@@ -168,6 +168,13 @@ class Env:
     256 rows of at most 8192 scores) in its register variants (kestrel.ops.dsa.cuda_topk's `topk_short_kernel`,
     one read of the row, four 8-bit digits over keys held in registers); off: the shared-memory variants as
     before (session 24's picks). The same selection either way."""
+    dsa_topk_rows: str
+    """KESTREL_DSA_TOPK_ROWS: off (the default) | on. on: where decode's top-k is the CUDA kernel and its pick a
+    register variant (KESTREL_DSA_TOPK_REGISTERS), that launch also writes the selected positions' pool rows
+    (kestrel.ops.dsa.cuda_topk's `topk_cuda_with_rows`), and the sparse MLA decode takes them instead of
+    translating the positions in a launch of its own (triton_decode's `selected_rows`): one launch fewer a DSA
+    layer and step (6 a step on mini). A replayed selection (RL) and every other top-k keep the separate
+    translation. The same rows and output either way. Untimed; off until a device call times it against off."""
     gemv: str
     """KESTREL_GEMV: at inference on a GPU where PDL is on (Hopper and later), linear layers over at most
     kestrel.ops.linear.GEMV_MAX_ROWS rows run the Triton GEMV (kestrel.ops.linear.triton_gemv: launched with PDL,
@@ -242,6 +249,12 @@ VARIABLES: dict[str, Variable] = {
         "auto",
         ("auto", "off"),
         what="the CUDA top-k's register variants for short rows",
+    ),
+    "dsa_topk_rows": _choice(
+        "KESTREL_DSA_TOPK_ROWS",
+        "off",
+        ("on", "off"),
+        what="decode's CUDA top-k also writes the pool rows",
     ),
     "moe_grouped_mm": _choice(
         "KESTREL_MOE_GROUPED_MM", "auto", ("auto", "off"), what="MoE experts through torch._grouped_mm"

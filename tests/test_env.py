@@ -132,3 +132,18 @@ def test_an_unknown_kestrel_variable_is_named_with_the_closest(monkeypatch, capl
     assert "KESTREL_PDLL is not a Kestrel variable" in caplog.text
     monkeypatch.delenv("KESTREL_PDLL")
     assert unknown_variables() == []
+
+
+def test_the_topk_rows_switch_is_off_by_default(monkeypatch):
+    """KESTREL_DSA_TOPK_ROWS (decode's CUDA top-k writes the pool rows too): off unless set on; untimed."""
+    from kestrel.env import VARIABLES, env_field
+
+    monkeypatch.delenv("KESTREL_DSA_TOPK_ROWS", raising=False)
+    assert env_field("dsa_topk_rows") == "off" and read_env().dsa_topk_rows == "off"
+    assert VARIABLES["dsa_topk_rows"].default == "off"
+    for text, value in (("on", "on"), (" ON ", "on"), ("off", "off"), ("", "off")):
+        monkeypatch.setenv("KESTREL_DSA_TOPK_ROWS", text)
+        assert env_field("dsa_topk_rows") == value
+    monkeypatch.setenv("KESTREL_DSA_TOPK_ROWS", "auto")
+    with pytest.raises(ValueError, match="KESTREL_DSA_TOPK_ROWS='auto': expected on \\| off"):
+        read_env()

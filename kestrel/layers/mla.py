@@ -275,12 +275,15 @@ class MLAttention(nn.Module):
 
     def _attend_decode_paged(self, ctx, q_nope, q_pe, w_uk, w_uv, idx) -> torch.Tensor:
         """Fast path: Triton kernels read the paged pools through the page table (indexer scores, exact
-        top-k, sparse MLA over the selection). With no more context than top-k tokens, attention is dense."""
+        top-k, sparse MLA over the selection). With no more context than top-k tokens, attention is dense.
+        With KESTREL_DSA_TOPK_ROWS=on the CUDA top-k's launch may also make the selection's pool rows
+        (`_topk_with_rows`), which the sparse MLA then reads instead of translating the positions itself; a
+        replayed selection (no top-k runs) and a pick that makes none are translated as before."""
         from kestrel.ops.dsa.triton_scores import indexer_scores_paged_triton
         from kestrel.ops.mla.triton_decode import mla_decode_paged
 
         kv_pool, idx_pool, table, lens, ps = ctx.cache.paged(self.layer_id)
-        indices = None
+        indices = rows = None
         sparse = idx is not None and self.indexer.topk is not None and self.indexer.topk < table.shape[1] * ps
         if idx is not None and (
             sparse or ctx.selection_replay is not None or ctx.selection_capture is not None
@@ -299,8 +302,22 @@ class MLAttention(nn.Module):
                 fill_past=False,  # the top-k reads each row's first lens[b] scores only
             )
             kernel = fast_topk(q_nope.device)  # takes the lengths (the query's position + 1) as they are
-            indices = self._select(ctx, -1, lambda k: kernel(scores(), lens, k))
-        return mla_decode_paged(q_nope, q_pe, kv_pool, table, ps, lens, w_uk, w_uv, self.scale, indices)
+            with_rows = _topk_with_rows(kernel)
+            if with_rows is None:
+                indices = self._select(ctx, -1, lambda k: kernel(scores(), lens, k))
+            else:
+                made = []  # the pool rows of the top-k's launch: none where the pick is not a short variant
+
+                def pick(k: int) -> torch.Tensor:
+                    positions, pool_rows = with_rows(scores(), lens, k, table, ps)
+                    made.append(pool_rows)
+                    return positions
+
+                indices = self._select(ctx, -1, pick)  # captured as ever: the positions
+                rows = made[0] if made else None  # none where the selection was replayed (pick not called)
+        return mla_decode_paged(
+            q_nope, q_pe, kv_pool, table, ps, lens, w_uk, w_uv, self.scale, indices, rows=rows
+        )
 
     def _attend_decode_gathered(self, ctx, q_nope, q_pe, w_uk, w_uv, idx) -> torch.Tensor:
         """Reference-grade batched path: every sequence's padded history gathered, then plain torch ops."""
@@ -438,6 +455,18 @@ def _topk_fn(device: torch.device):
         return topk_select
     kernel = fast_topk(device)
     return lambda scores, q_pos, k: kernel(scores, q_pos + 1, k)
+
+
+def _topk_with_rows(kernel):
+    """Where KESTREL_DSA_TOPK_ROWS=on and decode's top-k `kernel` (`fast_topk`'s pick) is the CUDA one:
+    `cuda_topk.topk_cuda_with_rows` (scores, lens, k, page_table, page_size) -> (positions, pool rows or None),
+    the rows made in the top-k's own launch where its pick is a short variant (a choice by the scores' shape and
+    alignment only: CUDA-graph safe). Else None: the top-k alone, its positions translated by the sparse MLA."""
+    if env_field("dsa_topk_rows") != "on":
+        return None
+    from kestrel.ops.dsa import cuda_topk
+
+    return cuda_topk.topk_cuda_with_rows if kernel is cuda_topk.topk_cuda else None
 
 
 def _keep_fn(device: torch.device):

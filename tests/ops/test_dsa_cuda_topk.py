@@ -308,6 +308,15 @@ def test_the_variant_tables_agree():
     assert (threads[cuda_topk.SHORT_VARIANT], threads[cuda_topk.MEDIUM_VARIANT]) == (256, 512)
     assert cuda_topk.DEFAULT_VARIANT not in cuda_topk.ROW_SLOTS
     assert set(cuda_topk.REGISTER_PICKS) <= set(cuda_topk.ROW_SLOTS)
+    # WITH_ROWS: each short variant's twin (its <NT, V> with ROWS true), nothing for the others
+    twins = re.findall(r"nullptr|topk_\w+_kernel<[^>]*>", table("WITH_ROWS"))
+    assert len(twins) == count
+    for v, (kind, args) in enumerate(kernels):
+        if kind == "short":
+            nt, per, rows = (x.strip() for x in args.split(","))
+            assert rows == "false" and twins[v] == f"topk_short_kernel<{nt}, {per}, true>", v
+        else:
+            assert twins[v] == "nullptr", v
 
 
 @requires_kernel
@@ -661,11 +670,17 @@ def test_second_device_while_the_first_is_current():
 
 
 @requires_kernel
-# 1024 and 256 threads; the short variants, rows in registers
+# 1024 and 256 threads; the short variants, rows in registers, and their twins that write pool rows too
 @pytest.mark.parametrize(
-    "variant", [cuda_topk.DEFAULT_VARIANT, cuda_topk.SHORT_VARIANT, *cuda_topk.ROW_SLOTS]
+    "variant, rows",
+    [
+        (cuda_topk.DEFAULT_VARIANT, False),
+        (cuda_topk.SHORT_VARIANT, False),
+        *((v, False) for v in cuda_topk.ROW_SLOTS),
+        *((v, True) for v in cuda_topk.ROW_SLOTS),
+    ],
 )
-def test_waits_for_the_scores_kernel_before_it_in_a_graph(variant):
+def test_waits_for_the_scores_kernel_before_it_in_a_graph(variant, rows):
     """With programmatic dependent launch the top-k may start while the kernel before it ends (in the step: the
     indexer's scores kernel, Triton, launched with PDL). In a CUDA graph after a slow PDL kernel that writes the
     scores, it still selects from the scores that kernel wrote, not from what the buffer held before."""
@@ -673,10 +688,12 @@ def test_waits_for_the_scores_kernel_before_it_in_a_graph(variant):
     g = torch.Generator(device="cuda").manual_seed(12)
     src, scores = torch.randn(B, L, generator=g, device="cuda"), torch.zeros(B, L, device="cuda")
     lens, out = torch.full((B,), L, device="cuda"), torch.empty(B, k, dtype=torch.int64, device="cuda")
+    table = page_table_for(B, L, 64, torch.int64, seed=12)
+    rows_out = torch.empty(B, k, dtype=torch.int32, device="cuda")
 
     def step():
         _slow_copy[(triton.cdiv(B * L, 1024),)](src, scores, B * L, 2000, BLOCK=1024, **pdl_args(src))
-        topk_cuda(scores, lens, k, out=out, variant=variant)
+        topk_cuda(scores, lens, k, out=out, variant=variant, rows=(table, 64, rows_out) if rows else None)
 
     step()  # compiles and sets up outside the capture
     torch.cuda.synchronize()
@@ -692,3 +709,263 @@ def test_waits_for_the_scores_kernel_before_it_in_a_graph(variant):
         torch.cuda.synchronize()
         assert torch.equal(out, by_position(topk_select(scores, lens - 1, k)))
         assert not torch.equal(out[:, :k], torch.arange(k, device="cuda").expand(B, k))
+        if rows:
+            from kestrel.ops.mla.triton_decode import selected_rows
+
+            assert torch.equal(rows_out, selected_rows(out, table, 64, lens))
+
+
+# ---------------------------------------------------------------- pool rows from the short variants' twins
+
+
+def page_table_for(B: int, L: int, page_size: int, dtype, seed: int, spare: int = 1, first: int = 1):
+    """[B, pages] distinct shuffled pages from `first` on (pages * page_size >= L, `spare` pages more), on CUDA."""
+    g = torch.Generator().manual_seed(seed)
+    pages = -(-L // page_size) + spare
+    table = torch.randperm(B * pages + 7, generator=g)[: B * pages] + first  # [B * pages]
+    return table.view(B, pages).to(dtype).cuda()
+
+
+def run_rows(scores, lens, k, table, page_size, lens_dtype=torch.int64):
+    """Every short variant that takes the rows, with rows = (table, page_size, rows_out), and topk_cuda_with_rows
+    (its own pick), into poisoned outputs: the positions are the reference's and the rows are `selected_rows` of
+    them, bit for bit; the pick writes rows exactly when it is a short variant. Every other variant refuses rows
+    (topk_cuda with a ValueError, the launcher itself with invalid argument) and writes nothing. Returns the
+    short variants that ran."""
+    from kestrel.ops.mla.triton_decode import selected_rows
+
+    scores, lens = scores.cuda(), lens.cuda().to(lens_dtype)
+    B = scores.shape[0]
+    want = by_position(topk_select(scores, lens.long() - 1, k))
+    want_rows = selected_rows(want, table, page_size, lens)
+    assert want_rows.dtype == torch.int32
+    flat = scores if scores.stride(-1) == 1 else scores.contiguous()
+    short = [v for v in sorted(cuda_topk.ROW_SLOTS) if cuda_topk.variant_takes(v, flat)]
+
+    def poisoned():
+        return (
+            torch.full((B, k), -7, dtype=torch.int64, device="cuda"),
+            torch.full((B, k), -7, dtype=torch.int32, device="cuda"),
+        )
+
+    for variant in short:
+        out, rows_out = poisoned()
+        got = topk_cuda(scores, lens, k, out=out, variant=variant, rows=(table, page_size, rows_out))
+        assert got.data_ptr() == out.data_ptr()
+        assert torch.equal(got, want), f"variant {variant}: positions"
+        assert torch.equal(rows_out, want_rows), f"variant {variant}: rows\n{rows_out}\n{want_rows}"
+    out, rows_out = poisoned()
+    got, rows = cuda_topk.topk_cuda_with_rows(scores, lens, k, table, page_size, out=out, rows_out=rows_out)
+    assert torch.equal(got, want)
+    pick = cuda_topk.variant_for(B, scores.shape[1], scores.device, cuda_topk.row_slots(flat))
+    if pick in cuda_topk.ROW_SLOTS:
+        assert rows is not None and rows.data_ptr() == rows_out.data_ptr() and torch.equal(rows, want_rows)
+    else:
+        assert rows is None and (rows_out == -7).all()
+    got, rows = cuda_topk.topk_cuda_with_rows(scores, lens, k, table, page_size)  # rows_out made for it
+    assert torch.equal(got, want) and (rows is None) == (pick not in cuda_topk.ROW_SLOTS)
+    if rows is not None:
+        assert torch.equal(rows, want_rows)
+    for variant in sorted(set(range(cuda_topk.num_variants())) - set(cuda_topk.ROW_SLOTS)):
+        out, rows_out = poisoned()
+        with pytest.raises(ValueError, match=f"variant {variant} writes no pool rows"):
+            topk_cuda(scores, lens, k, out=out, variant=variant, rows=(table, page_size, rows_out))
+        with pytest.raises(RuntimeError, match="invalid argument"):  # the launcher's own check
+            cuda_topk._launch(
+                cuda_topk._load(), flat, lens.contiguous(), k, out, variant, (table, page_size, rows_out)
+            )
+        assert (out == -7).all() and (rows_out == -7).all(), f"variant {variant} wrote rows it refused"
+    return short
+
+
+@requires_kernel
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("L", [4096, 4224, 8192])
+def test_short_rows_write_the_pool_rows(L, table_dtype):
+    """Rows from the kernel equal `selected_rows` of its positions for every short variant: lens 0, 1, k - 1, k,
+    k + 1, L - 1, L, past L, negative; k = 1, 2048 and past L; pages of 64 (mini's), 1, 7 (a thread's keys cross
+    several pages) and 4096; int32 and int64 lens."""
+    g = torch.Generator(device="cuda").manual_seed(L + 1)
+    k = 2048
+    edges = [0, 1, k - 1, k, k + 1, L - 1, L, L + 1, -5, 10**6]
+    B = 40
+    scores = torch.randn(B, L, generator=g, device="cuda")  # [B, L]
+    lens = torch.randint(0, L + 1, (B,), generator=g, device="cuda")
+    lens[: len(edges)] = torch.tensor(edges, device="cuda")
+    for page_size in (64, 1, 7, 4096):
+        table = page_table_for(B, L, page_size, table_dtype, seed=page_size)
+        ran = run_rows(scores, lens, k, table, page_size)
+        assert set(ran) == short_fit(scores)
+        run_rows(scores, lens, k, table, page_size, lens_dtype=torch.int32)
+    table = page_table_for(B, L, 64, table_dtype, seed=3)
+    run_rows(scores, lens, 1, table, 64)
+    run_rows(scores[:8], lens[:8], L + 5, table[:8], 64)
+    for i, n in enumerate(edges):  # one row at a time
+        run_rows(scores[i : i + 1], torch.tensor([n]), k, table[i : i + 1], 64)
+
+
+@requires_kernel
+def test_short_rows_write_the_pool_rows_from_unaligned_rows_and_odd_tables():
+    """Rows whose first score is 1-3 past a 16-byte boundary (thread 0's first keys at negative positions), a
+    page table that is a view of a wider one, one shared row (stride 0: prefill's layout), and an int64 table
+    whose pages pass 2^32 (the kernel reads an entry's low 32-bit word; `selected_rows` truncates the row to
+    int32 the same way: no pool is that large, the bits are what is compared)."""
+    g = torch.Generator(device="cuda").manual_seed(31)
+    B, width, k = 6, 4096, 2048
+    wide = torch.randn(B, width + 8, generator=g, device="cuda")  # [B, width + 8]
+    lens = torch.tensor([width - 3, 1, 2049, 0, 3000, 10**6])
+    table = page_table_for(B, width + 8, 64, torch.int64, seed=4)
+    for start in range(4):
+        view = wide[:, start : start + width - 3]
+        ran = run_rows(view, lens, k, table, 64)
+        assert cuda_topk.REGISTER_NARROW in ran
+        run_rows(view, lens, k, table.int(), 64)
+    wider = page_table_for(B, 2 * width, 16, torch.int32, seed=5)
+    run_rows(wide[:, :width], lens, k, wider[:, : width // 16 + 1], 16)  # row stride > width
+    shared = page_table_for(1, width, 64, torch.int64, seed=6).expand(B, -1)  # stride 0
+    assert shared.stride(0) == 0
+    run_rows(wide[:, :width], torch.full((B,), width), k, shared, 64)
+    huge = page_table_for(B, width, 64, torch.int64, seed=7, first=2**32 + 5)
+    run_rows(wide[:, :width], lens, k, huge, 64)
+
+
+@requires_kernel
+def test_short_rows_write_the_pool_rows_with_ties_and_special_values():
+    """Rows whose selection ends inside ties (T's ties taken by position) and among NaN and +-inf: the rows
+    follow the positions."""
+    L = 8192
+    g = torch.Generator(device="cuda").manual_seed(33)
+    ties = torch.randint(0, 3, (3, L), generator=g, device="cuda").float()
+    special = torch.tensor([[0.5] * L, [-INF] * L, [NAN] * L], device="cuda")
+    scores = torch.cat([ties, special])  # [B, L]
+    lens = torch.tensor([L, 5000, 2049, L, 4096, L])
+    table = page_table_for(6, L, 64, torch.int64, seed=8)
+    for k in (1, 2048, 4097):
+        run_rows(scores, lens, k, table, 64)
+        run_rows(scores[:, :4096], lens, k, table, 64)
+
+
+@requires_kernel
+def test_no_rows_where_the_pick_is_not_a_short_variant(monkeypatch):
+    """topk_cuda_with_rows: more rows than REGISTER_MAX_B, rows wider than any short variant takes, or
+    KESTREL_DSA_TOPK_REGISTERS=off: the top-k alone (rows None, rows_out untouched), the same positions as
+    topk_cuda; topk_cuda(rows=) with its own pick refuses them."""
+    g = torch.Generator(device="cuda").manual_seed(34)
+    cases = [(cuda_topk.REGISTER_MAX_B + 1, 4096, "auto"), (4, 8200, "auto"), (4, 4096, "off")]
+    for B, L, registers in cases:
+        monkeypatch.setenv("KESTREL_DSA_TOPK_REGISTERS", registers)
+        scores = torch.randn(B, L, generator=g, device="cuda")
+        lens = torch.randint(0, L + 1, (B,), generator=g, device="cuda")
+        table = page_table_for(B, L, 64, torch.int64, seed=B)
+        rows_out = torch.full((B, 2048), -7, dtype=torch.int32, device="cuda")
+        got, rows = cuda_topk.topk_cuda_with_rows(scores, lens, 2048, table, 64, rows_out=rows_out)
+        assert rows is None and (rows_out == -7).all()
+        assert torch.equal(got, topk_cuda(scores, lens, 2048))
+        with pytest.raises(ValueError, match="writes no pool rows"):
+            topk_cuda(scores, lens, 2048, rows=(table, 64, rows_out))
+        run_rows(scores, lens, 2048, table, 64)
+    monkeypatch.setenv("KESTREL_DSA_TOPK_REGISTERS", "auto")
+    scores, lens = torch.randn(2, 4096, device="cuda"), torch.tensor([4096, 10], device="cuda")
+    _, rows = cuda_topk.topk_cuda_with_rows(
+        scores, lens, 2048, page_table_for(2, 4096, 64, torch.int32, 9), 64
+    )
+    assert rows is not None
+
+
+@requires_kernel
+def test_pool_rows_in_cuda_graph_replay():
+    """topk_cuda_with_rows captured in a CUDA graph: replays with fresh scores, lengths and page table give the
+    eager call's positions and rows."""
+    from tests.ops.graph_check import assert_replay_matches_eager
+
+    g = torch.Generator(device="cuda").manual_seed(35)
+    B, L = 4, 4224
+
+    def inputs(seed):
+        return (
+            torch.randn(B, L, generator=g, device="cuda"),
+            torch.tensor([L, 1, 300, 2049], device="cuda").roll(seed),
+            page_table_for(B, L, 64, torch.int64, seed=seed),
+        )
+
+    def call(scores, lens, table):
+        got, rows = cuda_topk.topk_cuda_with_rows(scores, lens, 2048, table, 64)
+        assert rows is not None
+        return got, rows
+
+    assert_replay_matches_eager(call, inputs(0), inputs(1))
+
+
+def test_rows_arguments_are_checked():
+    """check_rows (topk_cuda's `rows`): a clear ValueError for each way the page table, the page size or rows_out
+    can be wrong; what it takes comes back as given. CPU tensors: nothing runs."""
+    B, L, k, dev = 3, 4096, 2048, torch.device("cpu")
+    table = torch.zeros(B, 64, dtype=torch.int64)
+    rows_out = torch.empty(B, k, dtype=torch.int32)
+    assert cuda_topk.check_rows((table, 64, rows_out), B, L, k, dev) == (table, 64, rows_out)
+    assert cuda_topk.check_rows((table.int(), 64, None), B, L, k, dev)[2] is None
+    assert cuda_topk.check_rows((table[:1].expand(B, -1), 64, rows_out), B, L, k, dev)[0].stride(0) == 0
+    assert cuda_topk.check_rows((table, 64, rows_out), B, L - 5, k, dev)  # more pages than needed
+    bad = [
+        ((table, 64), "must be \\(page_table, page_size, rows_out\\)"),
+        ((table, 0, rows_out), "page_size must be an int"),
+        ((table, 2**31, rows_out), "page_size must be an int"),
+        ((table, 64.0, rows_out), "page_size must be an int"),
+        ((table, True, rows_out), "page_size must be an int"),
+        ((table[0], 64, rows_out), "page_table must be \\[3, pages\\]"),
+        ((table[:2], 64, rows_out), "page_table must be \\[3, pages\\]"),
+        ((table.float(), 64, rows_out), "int32 or int64"),
+        ((table.short(), 64, rows_out), "int32 or int64"),
+        ((torch.zeros(64, B, dtype=torch.int64).t(), 64, rows_out), "unit column stride"),
+        ((table[:, :63], 64, rows_out), "63 pages of 64 cover 4032 positions, the scores 4096"),
+        ((table, 32, rows_out), "64 pages of 32 cover 2048 positions"),
+        ((table, 64, rows_out.long()), "rows_out must be \\[3, 2048\\] int32"),
+        ((table, 64, rows_out[:, :100]), "rows_out must be \\[3, 2048\\] int32"),
+        ((table, 64, torch.empty(k, B, dtype=torch.int32).t()), "unit column stride"),
+        (("table", 64, rows_out), "page_table must be"),
+    ]
+    for rows, match in bad:
+        with pytest.raises(ValueError, match=match):
+            cuda_topk.check_rows(rows, B, L, k, dev)
+    if torch.cuda.is_available():  # another device than the scores'
+        with pytest.raises(ValueError, match="on cuda"):
+            cuda_topk.check_rows((table, 64, rows_out), B, L, k, torch.device("cuda", 0))
+
+
+def test_the_launcher_checks_the_rows_arguments(tmp_path):
+    """The library built for sm_90 and bound through cuda_topk's ctypes declarations (`_declare`), on a machine
+    without a CUDA device (fake pointers: nothing may launch): every non-short variant refuses rows_out
+    (cudaErrorInvalidValue, before it asks for a device), and so does a short one given a null page table, a
+    page size below 1, a negative table stride or overlapping rows; with good arguments a short variant passes
+    the checks and only then fails for want of a device. The argument list is the extern "C" signature's."""
+    import ctypes
+    import subprocess
+
+    if torch.cuda.is_available():
+        pytest.skip("fake pointers: the GPU tests launch the kernel itself")
+    nvcc = cuda_topk.find_nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc")
+    lib_path = tmp_path / "cuda_topk.so"
+    subprocess.run(
+        [nvcc, *cuda_topk.FLAGS, "-arch=sm_90", "-o", str(lib_path), str(cuda_topk.SOURCE)], check=True
+    )
+    lib = cuda_topk._declare(ctypes.CDLL(str(lib_path)))
+    invalid = 1  # cudaErrorInvalidValue
+
+    def launch(variant, rows_out=0x4000, table=0x1000, page_size=64, stride_pt=64, stride_r=2048, B=4):
+        L = k = 2048
+        return lib.kestrel_topk_launch(
+            0x1000, L, B, L, 0x2000, 1, k, 0x3000, k, table, 1, stride_pt, page_size, rows_out, stride_r, None,
+            variant, 0,
+        )  # fmt: skip
+
+    for variant in range(cuda_topk.CLUSTER_VARIANT + 1):
+        assert launch(variant, rows_out=None) != invalid, variant  # no device: a later error
+        assert (launch(variant) == invalid) == (variant not in cuda_topk.ROW_SLOTS), variant
+    for variant in cuda_topk.ROW_SLOTS:
+        for bad in ({"table": None}, {"page_size": 0}, {"stride_pt": -1}, {"stride_r": 2047}):
+            assert launch(variant, **bad) == invalid, (variant, bad)
+        assert launch(variant, stride_r=0, B=1) != invalid  # one row: its stride is never used
+        assert launch(variant, stride_pt=0) != invalid  # one page-table row shared by all
+    assert lib.kestrel_topk_error(invalid).decode() == "invalid argument"

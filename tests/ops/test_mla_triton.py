@@ -439,3 +439,40 @@ def test_prefill_rows_share_one_page_table():
     )  # fmt: skip
     want = mla_attention_absorbed(q_nope, q_pe, pool[rows], w_uk, w_uv, q_pos, SCALE, indices)
     assert rel_err(got.cpu(), want) < 1e-5
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_rows_made_already_are_read_as_selected_rows_makes_them(num_splits, monkeypatch):
+    """rows= (the pool rows made by the CUDA top-k's launch, KESTREL_DSA_TOPK_ROWS): no translation pass runs,
+    and with `selected_rows`' own rows the output is the same bit for bit, split or not, in several launches too,
+    and through mla_decode_paged."""
+    q_lat, q_pe, pool, pt, ps, lens, indices = make_case(LENS, True, seed=13)
+    rows = td.selected_rows(indices, pt, ps, lens)
+    want = td.sparse_mla_decode(q_lat, q_pe, pool, pt, ps, lens, indices, SCALE, num_splits=num_splits)
+    calls, real = [], td.selected_rows
+    monkeypatch.setattr(td, "selected_rows", lambda *a: calls.append(a) or real(*a))
+    args = (q_lat, q_pe, pool, pt, ps, lens, indices, SCALE)
+    got = td.sparse_mla_decode(*args, num_splits=num_splits, rows=rows)
+    blocks = td.sparse_mla_decode(*args, num_splits=num_splits, rows=rows, max_rows=2)
+    chained = td.sparse_mla_decode(*args, num_splits=num_splits, rows=rows, rows_first=False)
+    assert not calls
+    assert torch.equal(got, want) and torch.equal(blocks, want) and torch.equal(chained, want)
+    g = torch.Generator().manual_seed(14)
+    q_nope = torch.randn(len(LENS), H, DN, generator=g).to(DEVICE)  # [B, H, Dn]
+    kv_b = (torch.randn(H * (DN + DV), R, generator=g) * R**-0.5).to(DEVICE)
+    w_uk, w_uv = split_kv_b(kv_b, H, DN, DV)
+    args = (q_nope, q_pe, pool, pt, ps, lens, w_uk, w_uv, SCALE, indices)
+    assert torch.equal(td.mla_decode_paged(*args, rows=rows), td.mla_decode_paged(*args))
+
+
+def test_rows_made_already_are_checked():
+    """rows= needs the indices, their shape, int32 and unit column stride: a ValueError that says so."""
+    q_lat, q_pe, pool, pt, ps, lens, indices = make_case(LENS, True, seed=15)
+    rows = td.selected_rows(indices, pt, ps, lens)
+    with pytest.raises(ValueError, match="rows need the indices"):
+        td.sparse_mla_decode(q_lat, q_pe, pool, pt, ps, lens, None, SCALE, rows=rows)
+    columns = torch.empty(rows.shape[::-1], dtype=torch.int32, device=rows.device).t()  # column stride 5
+    bad = (rows.long(), rows[:, :-1], rows[:-1], columns)
+    for wrong in bad:
+        with pytest.raises(ValueError, match=r"rows must be \(5, 37\) int32"):
+            td.sparse_mla_decode(q_lat, q_pe, pool, pt, ps, lens, indices, SCALE, rows=wrong)

@@ -45,6 +45,10 @@
 // ranks. No candidate copy, no dynamic shared memory, one barrier a digit. On the H100 (session 58, L2 flushed,
 // k = 2048) one row of 4096 took 9.7 us against topk_rows_kernel's 13.1-15.8, 256 rows 16.4 against 20.5-31.6;
 // full rows of 8192 were no faster (cuda_topk.py's choose_variant has the sweep).
+// Each short variant has a twin (WITH_ROWS, `topk_short_kernel<NT, V, true>`) that also writes every selected
+// position's pool row through a page table, as triton_decode's `selected_rows` would in a launch of its own
+// (cuda_topk.py's `topk_cuda_with_rows`; KESTREL_DSA_TOPK_ROWS). The twins are separate kernels so that the
+// ones without rows keep their registers.
 
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
@@ -445,7 +449,13 @@ __global__ void __launch_bounds__(NT, 1) topk_rows_kernel(
     int k,
     long long* __restrict__ out,  // [B, k], row stride stride_o
     long long stride_o,
-    int cap) {
+    int cap,
+    const void* __restrict__ /*page_table*/,  // the pool rows are the short kernel's alone: always null here
+    int /*table_is_64*/,
+    long long /*stride_pt*/,
+    int /*page_size*/,
+    int* __restrict__ /*rows_out*/,
+    long long /*stride_r*/) {
     pdl_begin();
     extern __shared__ uint4 dyn_smem[];
     uint32_t* ckey = reinterpret_cast<uint32_t*>(dyn_smem);  // [cap], cap % 4 == 0
@@ -535,8 +545,14 @@ __device__ __forceinline__ void short_histogram(const uint32_t (&key)[NK], uint3
 }
 
 // Rows of scores [B, L], one block of NT threads a row of at most NT * V slots (the launcher checks every row's
-// width); the same arguments as topk_rows_kernel (`cap` unused: no dynamic shared memory).
-template <int NT, int V>
+// width); the same arguments as topk_rows_kernel (`cap` unused: no dynamic shared memory). With ROWS (the
+// launcher's WITH_ROWS twin, run where rows_out is non-null) every selected position's pool row goes to rows_out
+// too, at the same index of its row (-1 where out gets -1): page_table[b, pos / page_size] * page_size + pos %
+// page_size, as int32 (the low 32 bits of that product in int64, which is what triton_decode's `selected_rows`
+// stores), so that the sparse MLA decode needs no launch of its own for them. Every selected position is
+// < n <= lens[b]: never a -1 of `selected_rows`. Without ROWS the page-table arguments are not read (the twin
+// keeps the rows' registers out of the kernel that runs without them).
+template <int NT, int V, bool ROWS>
 __global__ void __launch_bounds__(NT, NT < 512 ? 2 : 1024 / NT) topk_short_kernel(
     const float* __restrict__ scores,  // [B, L], row stride stride_s
     long long stride_s,
@@ -546,7 +562,13 @@ __global__ void __launch_bounds__(NT, NT < 512 ? 2 : 1024 / NT) topk_short_kerne
     int k,
     long long* __restrict__ out,  // [B, k], row stride stride_o
     long long stride_o,
-    int cap) {
+    int cap,
+    const void* __restrict__ page_table,  // [B, >= ceil(L / page_size)] int32 or int64, unit column stride
+    int table_is_64,
+    long long stride_pt,  // page_table's row stride (0: one row shared by all)
+    int page_size,  // >= 1
+    int* __restrict__ rows_out,  // [B, k], row stride stride_r (ROWS only)
+    long long stride_r) {
     static_assert(NT % 32 == 0 && NT <= 1024 && 1024 % NT == 0, "whole warps, at most 32 (block_exclusive_scan)");
     static_assert(4 * NT * V < (1 << 30), "a row's key counts fit the 32-bit fields of one block scan");
     constexpr int NK = 4 * V;  // keys a thread
@@ -626,17 +648,56 @@ __global__ void __launch_bounds__(NT, NT < 512 ? 2 : 1024 / NT) topk_short_kerne
     unsigned long long total;
     const unsigned long long excl = block_exclusive_scan<NT>(above | (unsigned long long)tie << 32, total, sh);
     uint32_t a = (uint32_t)excl, t = (uint32_t)(excl >> 32);
+    if constexpr (!ROWS) {
 #pragma unroll
-    for (int j = 0; j < NK; ++j) {
-        if (key[j] > T) {
-            out_row[a + min(t, need)] = pos0 + j;
-            ++a;
-        } else if (key[j] == T) {
-            if (t < need) out_row[a + t] = pos0 + j;
-            ++t;
+        for (int j = 0; j < NK; ++j) {
+            if (key[j] > T) {
+                out_row[a + min(t, need)] = pos0 + j;
+                ++a;
+            } else if (key[j] == T) {
+                if (t < need) out_row[a + t] = pos0 + j;
+                ++t;
+            }
+        }
+        for (long long i = n_sel + threadIdx.x; i < k; i += NT) out_row[i] = -1;
+    } else {
+        // The same writes, each with its pool row. The thread's positions are consecutive: the page index q and
+        // the offset r in the page of pos0 + j go up one position a key, with no division a key (pos0 is floor-
+        // divided: it is -3 .. -1 in thread 0 of an unaligned row, whose keys there are invalid, never taken).
+        // An int64 page table is read by its entries' low 32-bit words (little-endian), all that the rows need.
+        int* rows_row = rows_out + b * stride_r;
+        const int wide = table_is_64 ? 1 : 0;
+        const int* table = static_cast<const int*>(page_table) + ((b * stride_pt) << wide);
+        int q = pos0 / page_size, r = pos0 % page_size;
+        if (r < 0) {
+            r += page_size;
+            --q;
+        }
+#pragma unroll
+        for (int j = 0; j < NK; ++j) {
+            int dst = -1;
+            if (key[j] > T) {
+                dst = (int)(a + min(t, need));
+                ++a;
+            } else if (key[j] == T) {
+                if (t < need) dst = (int)(a + t);
+                ++t;
+            }
+            if (dst >= 0) {  // q >= 0: a taken key's position is valid
+                const uint32_t page = (uint32_t)__ldg(table + (q << wide));
+                out_row[dst] = pos0 + j;
+                rows_row[dst] = (int)(page * (uint32_t)page_size + (uint32_t)r);  // mod 2^32, as selected_rows
+            }
+            if (++r == page_size) {
+                r = 0;
+                ++q;
+            }
+        }
+        for (long long i = n_sel + threadIdx.x; i < k; i += NT) {
+            out_row[i] = -1;
+            rows_row[i] = -1;
         }
     }
-    for (long long i = n_sel + threadIdx.x; i < k; i += NT) out_row[i] = -1;
 }
 
 // Kernel variants, for measuring on the device (scripts/topk_cuda_check.py checks and times each):
@@ -648,11 +709,16 @@ __global__ void __launch_bounds__(NT, NT < 512 ? 2 : 1024 / NT) topk_short_kerne
 // 2 slots; 7: 512, 4; 8: 256, 8 (8192 scores each); 9: 0 with a cluster of two blocks a row, each reading half
 // of it. Variants with clusters come last (`usable_variants`).
 constexpr int NUM_VARIANTS = 10;
-using Kernel = void (*)(const float*, long long, int, const void*, int, int, long long*, long long, int);
+using Kernel = void (*)(const float*, long long, int, const void*, int, int, long long*, long long, int,
+    const void*, int, long long, int, int*, long long);
 constexpr Kernel VARIANTS[NUM_VARIANTS] = {topk_rows_kernel<1, false, 1, 1024>, topk_rows_kernel<4, false, 1, 1024>,
     topk_rows_kernel<4, true, 1, 1024>, topk_rows_kernel<1, false, 1, 256>, topk_rows_kernel<1, false, 1, 512>,
-    topk_short_kernel<512, 2>, topk_short_kernel<1024, 2>, topk_short_kernel<512, 4>, topk_short_kernel<256, 8>,
-    topk_rows_kernel<1, false, 2, 1024>};
+    topk_short_kernel<512, 2, false>, topk_short_kernel<1024, 2, false>, topk_short_kernel<512, 4, false>,
+    topk_short_kernel<256, 8, false>, topk_rows_kernel<1, false, 2, 1024>};
+// The short variants' twins that also write the selected positions' pool rows (`rows_out`; null: none).
+constexpr Kernel WITH_ROWS[NUM_VARIANTS] = {nullptr, nullptr, nullptr, nullptr, nullptr,
+    topk_short_kernel<512, 2, true>, topk_short_kernel<1024, 2, true>, topk_short_kernel<512, 4, true>,
+    topk_short_kernel<256, 8, true>, nullptr};
 constexpr int BLOCKS_PER_ROW[NUM_VARIANTS] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 2};
 constexpr int THREADS[NUM_VARIANTS] = {1024, 1024, 1024, 256, 512, 512, 1024, 512, 256, 1024};
 // The most 16-byte slots a row may span (NT * V of a short variant; 0: any width); cuda_topk.py's ROW_SLOTS.
@@ -673,12 +739,15 @@ int g_cap[NUM_VARIANTS][MAX_DEVICES];  // the candidate capacity the device's sh
 bool g_pdl[MAX_DEVICES];  // the device takes programmatic dependent launch (compute capability 9.0+)
 
 // Set the kernel's dynamic shared-memory limit on this device once (before any graph capture's first call); a
-// short variant has none to set, but its attributes are read all the same (that fails where the library has no
-// code for the device).
+// short variant has none to set, but its attributes are read all the same, and its WITH_ROWS twin's (that fails
+// where the library has no code for the device).
 cudaError_t setup(int variant, int dev) {
     if (variant >= usable_variants()) return cudaErrorInvalidValue;  // a cluster variant below sm_90
     cudaFuncAttributes attr;
-    cudaError_t err = cudaFuncGetAttributes(&attr, VARIANTS[variant]);
+    cudaError_t err;
+    if (WITH_ROWS[variant] != nullptr && (err = cudaFuncGetAttributes(&attr, WITH_ROWS[variant])) != cudaSuccess)
+        return err;
+    err = cudaFuncGetAttributes(&attr, VARIANTS[variant]);
     if (err != cudaSuccess) return err;
     int cap = 0;
     if (ROW_SLOTS[variant] == 0) {
@@ -714,12 +783,23 @@ cudaError_t launch(
     int k,
     long long* out,
     long long stride_o,
+    const void* page_table,
+    int table_is_64,
+    long long stride_pt,
+    int page_size,
+    int* rows_out,
+    long long stride_r,
     void* stream,
     int variant,
     int pdl) {
     if (variant < 0 || variant >= NUM_VARIANTS) return cudaErrorInvalidValue;  // setup checks the device
     if (k < 1 || L < 1 || L > MAX_L || B < 0) return cudaErrorInvalidValue;
     if (B > 1 && (stride_s < L || stride_o < k)) return cudaErrorInvalidValue;  // rows must not overlap
+    if (rows_out != nullptr) {  // pool rows: a short variant's alone (its twin), from a page table, rows apart
+        if (WITH_ROWS[variant] == nullptr || page_table == nullptr || page_size < 1 || stride_pt < 0)
+            return cudaErrorInvalidValue;
+        if (B > 1 && stride_r < k) return cudaErrorInvalidValue;
+    }
     if (ROW_SLOTS[variant] > 0) {  // a short variant: every row within its slots
         // a row's first score is `head` scores past a 16-byte boundary: the same head for every row when the row
         // stride is a multiple of 4 scores (or there is one row), else up to 3
@@ -753,7 +833,9 @@ cudaError_t launch(
         attrs[config.numAttrs].val.programmaticStreamSerializationAllowed = 1;
         ++config.numAttrs;
     }
-    err = cudaLaunchKernelEx(&config, VARIANTS[variant], scores, stride_s, L, lens, lens_is_64, k, out, stride_o, cap);
+    const Kernel kernel = rows_out != nullptr ? WITH_ROWS[variant] : VARIANTS[variant];
+    err = cudaLaunchKernelEx(&config, kernel, scores, stride_s, L, lens, lens_is_64, k, out, stride_o, cap,
+        page_table, table_is_64, stride_pt, page_size, rows_out, stride_r);
     return err != cudaSuccess ? err : cudaGetLastError();
 }
 
@@ -763,11 +845,17 @@ cudaError_t launch(
 // `pdl` is nonzero and the device takes it; returns a cudaError_t (0: launched).
 // Output rows [B, k] int64 with unit column stride. Requires 1 <= k, 0 < L <= 2^31 - 2^20, 0 <= B and, with
 // more than one row, row strides of at least L and k, and for a short variant (5-8) rows of at most its
-// ROW_SLOTS 16-byte slots (cudaErrorInvalidValue otherwise). Any error is returned
-// here and cleared, whatever step failed, so that the next launch (ours or torch's) does not report it.
+// ROW_SLOTS 16-byte slots (cudaErrorInvalidValue otherwise). With `rows_out` non-null (a short variant only,
+// else cudaErrorInvalidValue) the selected positions' pool rows too: rows_out [B, k] int32 (unit column stride,
+// row stride stride_r >= k with more than one row), through page_table [B, >= ceil(L / page_size)] (int64 when
+// table_is_64, else int32; unit column stride, row stride stride_pt >= 0), page_size >= 1; -1 where out has -1
+// (topk_short_kernel). Any error is returned here and cleared, whatever step failed, so that the next launch
+// (ours or torch's) does not report it.
 extern "C" int kestrel_topk_launch(const float* scores, long long stride_s, int B, int L, const void* lens,
-    int lens_is_64, int k, long long* out, long long stride_o, void* stream, int variant, int pdl) {
-    const cudaError_t err = launch(scores, stride_s, B, L, lens, lens_is_64, k, out, stride_o, stream, variant, pdl);
+    int lens_is_64, int k, long long* out, long long stride_o, const void* page_table, int table_is_64,
+    long long stride_pt, int page_size, int* rows_out, long long stride_r, void* stream, int variant, int pdl) {
+    const cudaError_t err = launch(scores, stride_s, B, L, lens, lens_is_64, k, out, stride_o, page_table,
+        table_is_64, stride_pt, page_size, rows_out, stride_r, stream, variant, pdl);
     cudaGetLastError();
     return err;
 }

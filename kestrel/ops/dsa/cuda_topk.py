@@ -33,6 +33,13 @@ scripts/topk_cuda_check.py's rows_sweep) one row of 4096 took 9.7 us against 13.
 against 13.4; `choose_variant` picks one for up to 256 rows that fit (KESTREL_DSA_TOPK_REGISTERS, on by
 default). A variant refuses scores with a row wider than it takes (`variant_takes`).
 
+Pool rows from the same launch (`topk_cuda(rows=)`, `topk_cuda_with_rows`): each short variant has a twin that
+also writes every selected position's pool row through the paged cache's page table (page_table[b, pos //
+page_size] * page_size + pos % page_size, int32, -1 where the index is -1: what triton_decode's `selected_rows`
+computes in a launch of its own before the sparse MLA decode). The decode layer takes them with
+KESTREL_DSA_TOPK_ROWS=on (untimed; off by default); a pick that is not a short variant writes none, and the
+caller translates the indices as before.
+
 Measured on the H200 (scripts/topk_cuda_check.py, 2026-12-01, session 19,
 bench/results/2026-12-01-topk-cuda-h200-session19.json): every variant matched naive.topk_select on all 59
 cases and topk_triton on all compared. [64, 131072] fp32, k = 2048, L2 flushed: topk_cuda (its pick, the
@@ -168,33 +175,46 @@ def _load() -> ctypes.CDLL | None:
             if not torch.cuda.is_available():
                 raise RuntimeError("no CUDA device")
             lib = ctypes.CDLL(str(build()))
-            lib.kestrel_topk_launch.restype = ctypes.c_int
-            lib.kestrel_topk_launch.argtypes = [
-                ctypes.c_void_p,  # scores
-                ctypes.c_longlong,  # row stride of scores
-                ctypes.c_int,  # B
-                ctypes.c_int,  # L
-                ctypes.c_void_p,  # lens
-                ctypes.c_int,  # lens are int64
-                ctypes.c_int,  # k
-                ctypes.c_void_p,  # out
-                ctypes.c_longlong,  # row stride of out
-                ctypes.c_void_p,  # cudaStream_t
-                ctypes.c_int,  # kernel variant
-                ctypes.c_int,  # programmatic dependent launch
-            ]
-            lib.kestrel_topk_setup.restype = ctypes.c_int
-            lib.kestrel_topk_num_variants.restype = ctypes.c_int
-            lib.kestrel_topk_row_slots.restype = ctypes.c_int
-            lib.kestrel_topk_row_slots.argtypes = [ctypes.c_int]
-            lib.kestrel_topk_error.restype = ctypes.c_char_p
-            lib.kestrel_topk_error.argtypes = [ctypes.c_int]
+            _declare(lib)
             _prepare(lib, torch.device("cuda", torch.cuda.current_device()))  # raises if the default fails
             _lib, UNAVAILABLE_REASON = lib, None
         except Exception as e:  # noqa: BLE001 - any failure means "use another backend", with the reason kept
             _lib, UNAVAILABLE_REASON = None, f"{type(e).__name__}: {e}"
         _tried = True
     return _lib
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The library's C functions' argument and result types (kestrel_topk_launch's are its ABI: cuda_topk.cu's
+    extern "C" signature, argument for argument)."""
+    lib.kestrel_topk_launch.restype = ctypes.c_int
+    lib.kestrel_topk_launch.argtypes = [
+        ctypes.c_void_p,  # scores
+        ctypes.c_longlong,  # row stride of scores
+        ctypes.c_int,  # B
+        ctypes.c_int,  # L
+        ctypes.c_void_p,  # lens
+        ctypes.c_int,  # lens are int64
+        ctypes.c_int,  # k
+        ctypes.c_void_p,  # out
+        ctypes.c_longlong,  # row stride of out
+        ctypes.c_void_p,  # page table (pool rows; null without them)
+        ctypes.c_int,  # the page table is int64
+        ctypes.c_longlong,  # row stride of the page table
+        ctypes.c_int,  # page size
+        ctypes.c_void_p,  # rows_out (null: no pool rows)
+        ctypes.c_longlong,  # row stride of rows_out
+        ctypes.c_void_p,  # cudaStream_t
+        ctypes.c_int,  # kernel variant
+        ctypes.c_int,  # programmatic dependent launch
+    ]
+    lib.kestrel_topk_setup.restype = ctypes.c_int
+    lib.kestrel_topk_num_variants.restype = ctypes.c_int
+    lib.kestrel_topk_row_slots.restype = ctypes.c_int
+    lib.kestrel_topk_row_slots.argtypes = [ctypes.c_int]
+    lib.kestrel_topk_error.restype = ctypes.c_char_p
+    lib.kestrel_topk_error.argtypes = [ctypes.c_int]
+    return lib
 
 
 def _prepare(lib: ctypes.CDLL, device: torch.device) -> tuple[int, bool, bool]:
@@ -349,6 +369,7 @@ def topk_cuda(
     out: torch.Tensor | None = None,
     *,
     variant: int | None = None,
+    rows: tuple[torch.Tensor, int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Exact top-k of each row of scores [B, L] fp32 over its first lens[b] positions (lens [B] int32/int64).
 
@@ -357,7 +378,74 @@ def topk_cuda(
     column stride, when given, receives the result. `variant` picks the kernel variant (for measurements; a
     ValueError when it does not take the scores' rows, `variant_takes`); None: `choose_variant`'s pick for the
     shape.
+    rows = (page_table, page_size, rows_out): the same launch also writes each selected position's pool row to
+    rows_out [B, k] int32 (what `triton_decode.selected_rows(indices, page_table, page_size, lens)` returns; -1
+    where indices has -1); `check_rows` says what it takes. Only a short variant (ROW_SLOTS) writes them: a
+    ValueError for any other, picked or asked for (`topk_cuda_with_rows` falls back instead).
     """
+    out, _ = _topk(scores, lens, k, out, variant, rows, strict=True)
+    return out
+
+
+def topk_cuda_with_rows(
+    scores: torch.Tensor,
+    lens: torch.Tensor,
+    k: int,
+    page_table: torch.Tensor,
+    page_size: int,
+    out: torch.Tensor | None = None,
+    rows_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`topk_cuda(scores, lens, k, out)` and, where its pick (`choose_variant`) is a short variant, the selected
+    positions' pool rows from the same launch: (indices [B, k] int64, rows [B, k] int32 into rows_out, or a new
+    tensor). Where the pick is another variant the top-k runs alone and rows is None: the caller translates the
+    indices itself (`selected_rows`). The pick depends on the shapes and the scores' 16-byte alignment only, never
+    on their values (CUDA-graph safe). page_table [B, pages] int32 or int64 with unit column stride covering
+    every position (pages * page_size >= L; `check_rows`)."""
+    return _topk(scores, lens, k, out, None, (page_table, page_size, rows_out), strict=False)
+
+
+def check_rows(
+    rows, B: int, L: int, k: int, device: torch.device
+) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """topk_cuda's `rows` = (page_table, page_size, rows_out) checked for B rows of L scores, k selected, on
+    `device` (a ValueError saying what is wrong): page_table [B, pages] int32 or int64 on `device`, unit column
+    stride (any row stride, 0 included: an expanded row), pages * page_size >= L (the page of every position the
+    kernel may select); page_size an int, 1 <= page_size < 2^31; rows_out [B, k] int32 on `device` with unit
+    column stride (None only through `topk_cuda_with_rows`, which makes it). Returns them as given. Host-only."""
+    if not (isinstance(rows, tuple | list) and len(rows) == 3):
+        raise ValueError("topk_cuda: rows must be (page_table, page_size, rows_out)")
+    table, page_size, rows_out = rows
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size < 2**31:
+        raise ValueError(f"topk_cuda: page_size must be an int from 1 to 2^31 - 1, got {page_size!r}")
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[0] != B:
+        shape = tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__
+        raise ValueError(f"topk_cuda: page_table must be [{B}, pages], got {shape}")
+    if table.dtype not in (torch.int32, torch.int64) or table.device != device:
+        raise ValueError(
+            f"topk_cuda: page_table must be int32 or int64 on {device}, got {table.dtype} on {table.device}"
+        )
+    if table.shape[1] > 1 and table.stride(1) != 1:
+        raise ValueError(f"topk_cuda: page_table needs unit column stride, got strides {table.stride()}")
+    if table.shape[1] * page_size < L:
+        raise ValueError(
+            f"topk_cuda: page_table's {table.shape[1]} pages of {page_size} cover {table.shape[1] * page_size} "
+            f"positions, the scores {L}"
+        )
+    if rows_out is not None and (
+        not isinstance(rows_out, torch.Tensor)
+        or rows_out.shape != (B, k)
+        or rows_out.dtype != torch.int32
+        or rows_out.stride(-1) != 1
+        or rows_out.device != device
+    ):
+        raise ValueError(f"topk_cuda: rows_out must be [{B}, {k}] int32 on {device} with unit column stride")
+    return table, page_size, rows_out
+
+
+def _topk(scores, lens, k, out, variant, rows, strict: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """topk_cuda's checks and launch; with rows, its pool rows too where the variant is a short one (else a
+    ValueError when `strict`, or no rows: None in their place)."""
     B, L = scores.shape
     if scores.dtype != torch.float32 or not scores.is_cuda:
         raise ValueError(f"topk_cuda needs fp32 CUDA scores, got {scores.dtype} on {scores.device}")
@@ -371,10 +459,16 @@ def topk_cuda(
         out = torch.empty(B, k, dtype=torch.int64, device=scores.device)  # [B, k]
     if out.shape != (B, k) or out.dtype != torch.int64 or out.stride(-1) != 1 or out.device != scores.device:
         raise ValueError(f"out must be [{B}, {k}] int64 on {scores.device} with unit column stride")
-    if B == 0:
-        return out
-    if L == 0:
-        return out.fill_(-1)
+    if rows is not None:
+        rows = check_rows(rows, B, L, k, scores.device)
+    rows_out = None
+    if B == 0 or L == 0:  # nothing to launch: no scores, every entry -1
+        if rows is not None:
+            rows_out = (
+                rows[2] if rows[2] is not None else torch.empty(B, k, dtype=torch.int32, device=out.device)
+            )
+            rows_out.fill_(-1)
+        return out.fill_(-1), rows_out
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
     if variant is not None and not variant_takes(variant, scores):
@@ -382,6 +476,10 @@ def topk_cuda(
             f"topk_cuda: variant {variant} takes rows of at most {ROW_SLOTS[variant]} 16-byte slots "
             f"({4 * ROW_SLOTS[variant]} scores from a 16-byte aligned row pointer, up to 3 fewer from another); "
             f"scores {tuple(scores.shape)} with row stride {scores.stride(0)} span {row_slots(scores)}"
+        )
+    if rows is not None and variant is not None and variant not in ROW_SLOTS:
+        raise ValueError(
+            f"topk_cuda: variant {variant} writes no pool rows (only the short ones, {sorted(ROW_SLOTS)})"
         )
     if lens.dtype not in (torch.int32, torch.int64):
         lens = lens.to(torch.int64)
@@ -392,16 +490,31 @@ def topk_cuda(
     if variant is None:  # variant_for's pick
         sms, cluster, registers = _prepare(lib, scores.device)
         variant = choose_variant(B, L, sms, cluster, row_slots(scores) if registers else None)
-    _launch(lib, scores, lens, k, out, variant)
-    return out
+    if rows is not None and variant not in ROW_SLOTS:
+        if strict:
+            raise ValueError(
+                f"topk_cuda: the pick for scores {tuple(scores.shape)}, variant {variant}, writes no pool rows "
+                f"(only the short ones, {sorted(ROW_SLOTS)}, do: KESTREL_DSA_TOPK_REGISTERS=auto, up to "
+                f"{REGISTER_MAX_B} rows of at most {4 * max(ROW_SLOTS.values())} scores)"
+            )
+        rows = None
+    if rows is not None:
+        table, page_size, rows_out = rows
+        if rows_out is None:
+            rows_out = torch.empty(B, k, dtype=torch.int32, device=scores.device)  # [B, k]
+        rows = (table, page_size, rows_out)
+    _launch(lib, scores, lens, k, out, variant, rows)
+    return out, rows_out
 
 
-def _launch(lib: ctypes.CDLL, scores, lens, k: int, out, variant: int) -> None:
+def _launch(lib: ctypes.CDLL, scores, lens, k: int, out, variant: int, rows=None) -> None:
     """One launch on torch's current stream (arguments checked by topk_cuda; the probe's are known good), with
     programmatic dependent launch where the Triton kernels have it (kestrel.ops.pdl): the kernel may start while
-    the indexer's scores kernel ends, and waits for it before its first read."""
+    the indexer's scores kernel ends, and waits for it before its first read. rows: (page_table, page_size,
+    rows_out) as `check_rows` leaves them (a short variant's twin writes the pool rows), or None."""
     _prepare(lib, scores.device)
     B, L = scores.shape
+    table, page_size, rows_out = rows if rows is not None else (None, 1, None)
     with torch.cuda.device(scores.device):
         err = lib.kestrel_topk_launch(
             scores.data_ptr(),
@@ -413,6 +526,12 @@ def _launch(lib: ctypes.CDLL, scores, lens, k: int, out, variant: int) -> None:
             k,
             out.data_ptr(),
             out.stride(0),
+            None if table is None else table.data_ptr(),
+            int(table is not None and table.dtype == torch.int64),
+            0 if table is None else table.stride(0),
+            page_size,
+            None if rows_out is None else rows_out.data_ptr(),
+            0 if rows_out is None else rows_out.stride(0),
             torch.cuda.current_stream().cuda_stream,
             variant,
             int(bool(pdl_args(scores))),

@@ -13,7 +13,8 @@ selected row [c_kv | k_pe] once for all of them: the scores are a [heads, BLOCK_
 [heads, R] one, both on tensor cores. Position -> pool row goes through the page table
 (row = page_table[b, pos // page_size] * page_size + pos % page_size, kestrel.cache.kv_pool); with a selection,
 `selected_rows` does that in a pass of its own first, so that each tile's row loads wait on one load, not two
-chained (1.6x at batch 256 on the H200). An index of -1
+chained (1.6x at batch 256 on the H200), unless they come made already (`rows=`: the CUDA top-k writes them in
+its own launch with KESTREL_DSA_TOPK_ROWS=on, kestrel.layers.mla). An index of -1
 (or any negative), or a position >= lens[b], is skipped: its row is never read, so whatever it holds (NaN
 included) cannot reach the output. Valid indices must be distinct within a row (top-k gives that); a repeated
 one would count twice, where the reference counts it once. With indices=None the program runs over positions
@@ -359,6 +360,7 @@ def sparse_mla_decode(
     max_rows: int = MAX_ROWS,
     valid_first: bool = False,
     rows_first: bool = True,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Latent-space attention of one query per sequence over its selected cache rows; no host syncs.
 
@@ -372,6 +374,9 @@ def sparse_mla_decode(
     65535). valid_first: each row of indices lists its valid entries before any -1 (the DSA top-k's layout), so
     a row stops at slot lens[b].
     rows_first: with indices, translate them to pool rows in a pass of their own first (`selected_rows`).
+    rows: those pool rows already made, [B, k] int32 (unit column stride; `selected_rows(indices, page_table,
+    page_size, lens)`, or the CUDA top-k's `topk_cuda_with_rows` from its own launch): the kernel reads them
+    instead, and no translation runs (rows_first is then taken as True). Needs the indices they come from.
     """
     B, H, R = q_lat.shape
     P = q_pe.shape[-1]
@@ -386,16 +391,31 @@ def sparse_mla_decode(
         num_positions = indices.shape[1]
     else:
         num_positions = page_table.shape[1] * page_size
+    if rows is not None:
+        if indices is None:
+            raise ValueError("sparse_mla_decode: rows need the indices they were translated from")
+        if (
+            rows.shape != indices.shape
+            or rows.dtype != torch.int32
+            or (rows.shape[1] > 1 and rows.stride(1) != 1)
+            or rows.device != indices.device
+        ):
+            raise ValueError(
+                f"sparse_mla_decode: rows must be {tuple(indices.shape)} int32 on {indices.device} with unit column "
+                f"stride (selected_rows' layout), got {tuple(rows.shape)} {rows.dtype} on {rows.device}, strides "
+                f"{rows.stride()}"
+            )
+        rows_first = True
     if B == 0 or H == 0:
         return out
     if B > max_rows:
         for a in range(0, B, max_rows):
             b = min(a + max_rows, B)
-            rows = None if indices is None else indices[a:b]
+            part = None if indices is None else indices[a:b]
             sparse_mla_decode(
-                q_lat[a:b], q_pe[a:b], kv_pool, page_table[a:b], page_size, lens[a:b], rows, scale,
+                q_lat[a:b], q_pe[a:b], kv_pool, page_table[a:b], page_size, lens[a:b], part, scale,
                 out=out[a:b], num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                valid_first=valid_first, rows_first=rows_first,
+                valid_first=valid_first, rows_first=rows_first, rows=None if rows is None else rows[a:b],
             )  # fmt: skip
         return out
 
@@ -419,7 +439,7 @@ def sparse_mla_decode(
         dest, (o_b, o_h), o_s = out, out.stride()[:2], 0
         lse, lse_b, lse_s = out, 0, 0  # unused
     if rows_first:
-        indices = selected_rows(indices, page_table, page_size, lens)
+        indices = rows if rows is not None else selected_rows(indices, page_table, page_size, lens)
     idx = indices if indices is not None else lens  # a placeholder pointer when dense
     block_r = max(16, triton.next_power_of_2(R))
     # The CPU interpreter (triton 3.9) returns garbage for a bf16 tl.dot (a 16x16 case is off by 1e10): upcast.
@@ -504,10 +524,12 @@ def mla_decode_paged(
     *,
     num_splits: int | None = None,
     valid_first: bool = False,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`mla_decode_batched` over the paged pool instead of a padded gather: absorb (bmm), latent attention
     (`sparse_mla_decode`), W_UV (bmm). q_nope [B, H, Dn], q_pe [B, H, P], kv_pool [rows, R + P],
-    page_table [B, maxp], lens [B], w_uk [H, Dn, R], w_uv [H, Dv, R], indices [B, k] or None (dense).
+    page_table [B, maxp], lens [B], w_uk [H, Dn, R], w_uv [H, Dv, R], indices [B, k] or None (dense), rows
+    [B, k] int32: the indices' pool rows already made (`sparse_mla_decode`'s rows), or None.
     Returns o [B, H, Dv] in q_nope.dtype (16-bit inputs give 16-bit q_lat and o_lat, fp32 inside each op)."""
     return absorbed(
         q_nope,
@@ -525,6 +547,7 @@ def mla_decode_paged(
             out=out,
             num_splits=num_splits,
             valid_first=valid_first,
+            rows=rows,
         ),  # fmt: skip
     )
 
