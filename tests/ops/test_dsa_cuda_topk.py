@@ -903,7 +903,9 @@ def test_rows_arguments_are_checked():
     table = torch.zeros(B, 64, dtype=torch.int64)
     rows_out = torch.empty(B, k, dtype=torch.int32)
     assert cuda_topk.check_rows((table, 64, rows_out), B, L, k, dev) == (table, 64, rows_out)
-    assert cuda_topk.check_rows((table.int(), 64, None), B, L, k, dev)[2] is None
+    assert cuda_topk.check_rows((table.int(), 64, None), B, L, k, dev, make_out=True)[2] is None
+    with pytest.raises(ValueError, match="rows need rows_out"):
+        cuda_topk.check_rows((table, 64, None), B, L, k, dev)
     assert cuda_topk.check_rows((table[:1].expand(B, -1), 64, rows_out), B, L, k, dev)[0].stride(0) == 0
     assert cuda_topk.check_rows((table, 64, rows_out), B, L - 5, k, dev)  # more pages than needed
     bad = [

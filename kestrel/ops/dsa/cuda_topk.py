@@ -406,13 +406,13 @@ def topk_cuda_with_rows(
 
 
 def check_rows(
-    rows, B: int, L: int, k: int, device: torch.device
+    rows, B: int, L: int, k: int, device: torch.device, make_out: bool = False
 ) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """topk_cuda's `rows` = (page_table, page_size, rows_out) checked for B rows of L scores, k selected, on
     `device` (a ValueError saying what is wrong): page_table [B, pages] int32 or int64 on `device`, unit column
     stride (any row stride, 0 included: an expanded row), pages * page_size >= L (the page of every position the
     kernel may select); page_size an int, 1 <= page_size < 2^31; rows_out [B, k] int32 on `device` with unit
-    column stride (None only through `topk_cuda_with_rows`, which makes it). Returns them as given. Host-only."""
+    column stride (None only with make_out: `topk_cuda_with_rows` makes it). Returns them as given. Host-only."""
     if not (isinstance(rows, tuple | list) and len(rows) == 3):
         raise ValueError("topk_cuda: rows must be (page_table, page_size, rows_out)")
     table, page_size, rows_out = rows
@@ -432,6 +432,8 @@ def check_rows(
             f"topk_cuda: page_table's {table.shape[1]} pages of {page_size} cover {table.shape[1] * page_size} "
             f"positions, the scores {L}"
         )
+    if rows_out is None and not make_out:
+        raise ValueError("topk_cuda: rows need rows_out, [B, k] int32 (topk_cuda_with_rows makes one)")
     if rows_out is not None and (
         not isinstance(rows_out, torch.Tensor)
         or rows_out.shape != (B, k)
@@ -460,7 +462,7 @@ def _topk(scores, lens, k, out, variant, rows, strict: bool) -> tuple[torch.Tens
     if out.shape != (B, k) or out.dtype != torch.int64 or out.stride(-1) != 1 or out.device != scores.device:
         raise ValueError(f"out must be [{B}, {k}] int64 on {scores.device} with unit column stride")
     if rows is not None:
-        rows = check_rows(rows, B, L, k, scores.device)
+        rows = check_rows(rows, B, L, k, scores.device, make_out=not strict)
     rows_out = None
     if B == 0 or L == 0:  # nothing to launch: no scores, every entry -1
         if rows is not None:
