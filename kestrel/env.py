@@ -174,7 +174,8 @@ class Env:
     (kestrel.ops.dsa.cuda_topk's `topk_cuda_with_rows`), and the sparse MLA decode takes them instead of
     translating the positions in a launch of its own (triton_decode's `selected_rows`): one launch fewer a DSA
     layer and step (6 a step on mini). A replayed selection (RL) and every other top-k keep the separate
-    translation. The same rows and output either way. Untimed; off until a device call times it against off."""
+    translation. Not yet run on a GPU (session 58): off until a device call runs its tests (the same rows and
+    output as off, bit for bit) and times it against off."""
     gemv: str
     """KESTREL_GEMV: at inference on a GPU where PDL is on (Hopper and later), linear layers over at most
     kestrel.ops.linear.GEMV_MAX_ROWS rows run the Triton GEMV (kestrel.ops.linear.triton_gemv: launched with PDL,
