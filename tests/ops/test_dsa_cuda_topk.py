@@ -62,6 +62,22 @@ def run_topk(scores, lens, k, lens_dtype=torch.int64):
     return ran
 
 
+def edge_lens(L: int, k: int) -> list[int]:
+    """Lens at the edges of rows of L scores, k selected: 0, 1, k - 1, k, k + 1, L - 1, L, past L, negative."""
+    return [0, 1, k - 1, k, k + 1, L - 1, L, L + 1, -5, 10**6]
+
+
+def edge_rows(B: int, L: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """B rows of L randn scores on the GPU and their lens: random in [0, L], the first rows' at the edges
+    (`edge_lens`)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    edges = edge_lens(L, k)
+    scores = torch.randn(B, L, generator=g, device="cuda")  # [B, L]
+    lens = torch.randint(0, L + 1, (B,), generator=g, device="cuda")
+    lens[: len(edges)] = torch.tensor(edges, device="cuda")
+    return scores, lens
+
+
 def test_unavailable_without_cuda_does_not_raise(monkeypatch):
     """No CUDA device, or no nvcc: available() is False with a reason, and topk_cuda says why."""
     for patch in ({"is_available": False}, {"is_available": True, "nvcc": None}):
@@ -437,18 +453,13 @@ def test_short_rows_special_values():
 def test_short_rows_lens_edges_many_rows_and_one(L):
     """lens 0, 1, k - 1, k, k + 1, L - 1, L, past L and negative, int32 and int64, in 300 rows (more than the SMs
     and than REGISTER_MAX_B) and one at a time; k = 1 and k past L."""
-    g = torch.Generator(device="cuda").manual_seed(L)
     k = 2048
-    edges = [0, 1, k - 1, k, k + 1, L - 1, L, L + 1, -5, 10**6]
-    B = 300
-    scores = torch.randn(B, L, generator=g, device="cuda")  # [B, L]
-    lens = torch.randint(0, L + 1, (B,), generator=g, device="cuda")
-    lens[: len(edges)] = torch.tensor(edges, device="cuda")
+    scores, lens = edge_rows(300, L, k, seed=L)
     for lens_dtype in (torch.int32, torch.int64):
         run_topk(scores, lens, k, lens_dtype=lens_dtype)
     run_topk(scores, lens, 1)
     run_topk(scores[:50], lens[:50], L + 5)
-    for i, n in enumerate(edges):
+    for i, n in enumerate(edge_lens(L, k)):
         run_topk(scores[i : i + 1], torch.tensor([n]), k, lens_dtype=torch.int32)
 
 
@@ -785,13 +796,8 @@ def test_short_rows_write_the_pool_rows(L, table_dtype):
     """Rows from the kernel equal `selected_rows` of its positions for every short variant: lens 0, 1, k - 1, k,
     k + 1, L - 1, L, past L, negative; k = 1, 2048 and past L; pages of 64 (mini's), 1, 7 (a thread's keys cross
     several pages) and 4096; int32 and int64 lens."""
-    g = torch.Generator(device="cuda").manual_seed(L + 1)
-    k = 2048
-    edges = [0, 1, k - 1, k, k + 1, L - 1, L, L + 1, -5, 10**6]
-    B = 40
-    scores = torch.randn(B, L, generator=g, device="cuda")  # [B, L]
-    lens = torch.randint(0, L + 1, (B,), generator=g, device="cuda")
-    lens[: len(edges)] = torch.tensor(edges, device="cuda")
+    k, B = 2048, 40
+    scores, lens = edge_rows(B, L, k, seed=L + 1)
     for page_size in (64, 1, 7, 4096):
         table = page_table_for(B, L, page_size, table_dtype, seed=page_size)
         ran = run_rows(scores, lens, k, table, page_size)
@@ -800,7 +806,7 @@ def test_short_rows_write_the_pool_rows(L, table_dtype):
     table = page_table_for(B, L, 64, table_dtype, seed=3)
     run_rows(scores, lens, 1, table, 64)
     run_rows(scores[:8], lens[:8], L + 5, table[:8], 64)
-    for i, n in enumerate(edges):  # one row at a time
+    for i, n in enumerate(edge_lens(L, k)):  # one row at a time
         run_rows(scores[i : i + 1], torch.tensor([n]), k, table[i : i + 1], 64)
 
 
