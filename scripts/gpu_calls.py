@@ -382,10 +382,10 @@ def job_ab(arg: str | None, call: Call) -> list[Run]:
     """`ab:VAR=A/B[:N]`: bench decode at 4K, batch 1, 4, 16 and 256, DSA only, with the environment variable VAR
     at A, then at B, alternating for N rounds (2 without it; 1 to 4), so that a switch is timed against the code
     without it on one machine in one call."""
-    spec, _, rounds = (
-        (arg or "").rpartition(":") if (arg or "").rpartition(":")[2].isdigit() else (arg, "", "2")
-    )
-    name, eq, values = (spec or "").partition("=")
+    spec, _, rounds = (arg or "").rpartition(":")
+    if not rounds.isdigit():  # no round count given
+        spec, rounds = arg or "", "2"
+    name, eq, values = spec.partition("=")
     pair = values.split("/")
     if not eq or not name or len(pair) != 2 or not all(pair) or not 1 <= int(rounds) <= 4:
         raise ValueError(f"ab:{arg}: want VAR=A/B or VAR=A/B:N (N rounds, 1 to 4)")

@@ -27,6 +27,7 @@ from kestrel.ops.dsa import (
     indexer_scores_batched,
     keep_selected_,
     topk_select,
+    topk_with_rows,
 )
 from kestrel.ops.linear import fused_gemv_applies, linear_gated
 from kestrel.ops.mla import mla_attention_absorbed, mla_attention_rows, mla_decode_batched, split_kv_b
@@ -277,8 +278,8 @@ class MLAttention(nn.Module):
         """Fast path: Triton kernels read the paged pools through the page table (indexer scores, exact
         top-k, sparse MLA over the selection). With no more context than top-k tokens, attention is dense.
         With KESTREL_DSA_TOPK_ROWS=on the CUDA top-k's launch may also make the selection's pool rows
-        (`_topk_with_rows`), which the sparse MLA then reads instead of translating the positions itself; a
-        replayed selection (no top-k runs) and a pick that makes none are translated as before."""
+        (`kestrel.ops.dsa.topk_with_rows`), which the sparse MLA then reads instead of translating the positions
+        itself; a replayed selection (no top-k runs) and a pick that makes none are translated as before."""
         from kestrel.ops.dsa.triton_scores import indexer_scores_paged_triton
         from kestrel.ops.mla.triton_decode import mla_decode_paged
 
@@ -302,7 +303,7 @@ class MLAttention(nn.Module):
                 fill_past=False,  # the top-k reads each row's first lens[b] scores only
             )
             kernel = fast_topk(q_nope.device)  # takes the lengths (the query's position + 1) as they are
-            with_rows = _topk_with_rows(kernel)
+            with_rows = topk_with_rows(kernel)
             if with_rows is None:
                 indices = self._select(ctx, -1, lambda k: kernel(scores(), lens, k))
             else:
@@ -455,18 +456,6 @@ def _topk_fn(device: torch.device):
         return topk_select
     kernel = fast_topk(device)
     return lambda scores, q_pos, k: kernel(scores, q_pos + 1, k)
-
-
-def _topk_with_rows(kernel):
-    """Where KESTREL_DSA_TOPK_ROWS=on and decode's top-k `kernel` (`fast_topk`'s pick) is the CUDA one:
-    `cuda_topk.topk_cuda_with_rows` (scores, lens, k, page_table, page_size) -> (positions, pool rows or None),
-    the rows made in the top-k's own launch where its pick is a short variant (a choice by the scores' shape and
-    alignment only: CUDA-graph safe). Else None: the top-k alone, its positions translated by the sparse MLA."""
-    if env_field("dsa_topk_rows") != "on":
-        return None
-    from kestrel.ops.dsa import cuda_topk
-
-    return cuda_topk.topk_cuda_with_rows if kernel is cuda_topk.topk_cuda else None
 
 
 def _keep_fn(device: torch.device):

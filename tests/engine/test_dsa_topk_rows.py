@@ -171,22 +171,16 @@ def test_on_with_dense_attention_selects_nothing(layer, monkeypatch):
 
 
 def _engine_tokens(model, graphs: bool) -> dict[str, list[int]]:
-    from kestrel.config import EngineConfig
-    from kestrel.engine.engine import Engine
     from kestrel.engine.sampling_params import SamplingParams
-    from tests.engine.test_engine import _prompt
+    from tests.engine.test_engine import _engine, _prompt
 
-    engine = Engine(
-        EngineConfig(
-            model="tiny",
-            device="cuda",
-            page_size=4,
-            max_running_requests=4,
-            max_model_len=256,
-            kv_cache_bytes=64 * 2**20,
-            disable_cuda_graph=not graphs,
-        ),
-        model=model,
+    engine = _engine(
+        model,
+        device="cuda",
+        max_running_requests=4,
+        max_model_len=256,
+        kv_cache_bytes=64 * 2**20,
+        disable_cuda_graph=not graphs,
     )
     jobs = [(_prompt(n, i), m) for i, (n, m) in enumerate(((3, 14), (12, 10), (30, 6), (9, 12)))]
     for i, (ids, m) in enumerate(jobs):

@@ -37,6 +37,18 @@ def fast_topk(device: torch.device):
     return topk_triton
 
 
+def topk_with_rows(kernel):
+    """Where KESTREL_DSA_TOPK_ROWS=on and decode's top-k `kernel` (`fast_topk`'s pick) is the CUDA one:
+    `cuda_topk.topk_cuda_with_rows` (scores, lens, k, page_table, page_size) -> (positions, pool rows or None),
+    the rows made in the top-k's own launch where its pick is a short variant (a choice by the scores' shape and
+    alignment only: CUDA-graph safe). Else None: the top-k alone, its positions translated by the sparse MLA."""
+    if env_field("dsa_topk_rows") != "on":
+        return None
+    from kestrel.ops.dsa import cuda_topk
+
+    return cuda_topk.topk_cuda_with_rows if kernel is cuda_topk.topk_cuda else None
+
+
 _warned = False  # auto's fallback warning is given once a process
 
 
@@ -61,4 +73,5 @@ __all__ = [
     "keep_selected_",
     "selection_mask",
     "topk_select",
+    "topk_with_rows",
 ]
