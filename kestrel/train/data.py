@@ -287,10 +287,24 @@ class PackedBatches:
         self._next_index = state["next_index"]
         self._source = None
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool = None
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop the worker processes, if any; whether they stopped within `timeout` seconds. `Pool.terminate()`
+        can hang with tasks in flight (once seen under a loaded CPU), so it runs in a daemon thread, and a
+        worker still alive after `timeout` is killed (terminate's first step has stopped the pool replacing them)."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return True
+        workers = list(getattr(pool, "_pool", ()))  # the processes, for the kill below
+        stopper = threading.Thread(target=pool.terminate, name="kestrel-pool-terminate", daemon=True)
+        stopper.start()
+        stopper.join(timeout)
+        if not stopper.is_alive():
+            return True
+        for worker in workers:
+            worker.kill()
+        for worker in workers:
+            worker.join(timeout)
+        return not any(worker.is_alive() for worker in workers)
 
 
 def pack_rows(rows: list[list[Document]], seq_len: int, pad_id: int) -> Batch:

@@ -2,8 +2,11 @@
 
 import dataclasses
 import json
+import multiprocessing
+import multiprocessing.pool
 import os
 import re
+import threading
 import time
 
 import pytest
@@ -514,6 +517,26 @@ def test_worker_processes_give_the_same_stream(bpe, bpe_dir):
         parallel.close()
     with pytest.raises(ValueError, match="path"):
         _packer(bpe, num_workers=2)
+
+
+def test_close_kills_workers_when_terminate_hangs(bpe, monkeypatch):
+    """close() gives Pool.terminate() `timeout` seconds, then kills the workers itself (a terminate that hung once
+    under a loaded CPU would have held the trainer's exit, and the test suite, for good). The hang is made where
+    terminate waits for the workers to let go of the task queue, after it has stopped the pool replacing them."""
+    release = threading.Event()
+    monkeypatch.setattr(
+        multiprocessing.pool.Pool, "_help_stuff_finish", staticmethod(lambda *a: release.wait())
+    )
+    packer = _packer(bpe)
+    pool = multiprocessing.get_context("spawn").Pool(2)
+    workers = list(pool._pool)
+    packer._pool = pool
+    try:
+        assert packer.close(timeout=0.5) is True
+        assert packer._pool is None and not any(w.is_alive() for w in workers)
+    finally:
+        release.set()  # the hung terminate goes on to its end
+    assert packer.close() is True  # nothing left to stop
 
 
 def test_prefetch_gives_the_source_batches_in_order_with_the_state_after_each(bpe):
