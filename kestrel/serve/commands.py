@@ -223,6 +223,12 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _turn_seed(seed: int, turn: int) -> int:
+    """The seed of a chat turn: `seed + turn`, wrapped into int64 (a --seed near 2**63 - 1 overflowed it, a
+    ValueError from SamplingParams at the first line)."""
+    return (seed + turn + 2**63) % 2**64 - 2**63
+
+
 def cmd_chat(args) -> int:
     """A terminal chat through the engine: one turn at a time, streamed. /reset clears the history; an empty
     line or EOF ends the chat."""
@@ -258,7 +264,7 @@ def cmd_chat(args) -> int:
             temperature=args.temperature,
             top_p=args.top_p,
             max_tokens=min(args.max_new_tokens, room),
-            seed=args.seed + len(history),
+            seed=_turn_seed(args.seed, len(history)),
         )
         rid = engine.add_request(prompt, params)
         detok, reply = IncrementalDetokenizer(tokenizer, prompt), []

@@ -129,3 +129,10 @@ def test_chat_from_stdin(capsys, monkeypatch):
     assert main(["chat", "--max-new-tokens", "3", "--temperature", "0", "--page-size", "16"]) == 0
     out, err = capsys.readouterr()
     assert out.count("> ") == 4 and f"chatting with {builtin_model()}" in err
+
+
+def test_chat_with_the_largest_seed(capsys, monkeypatch):
+    # each turn's seed is --seed plus the turn: past int64 it wraps instead of failing the first turn
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--model", "tiny", "--max-new-tokens", "2", "--seed", str(2**63 - 1)]) == 0
+    assert "Traceback" not in capsys.readouterr().err
