@@ -29,6 +29,7 @@ import logging
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kestrel.engine.async_engine import AsyncEngine, EngineDead
 from kestrel.serve.choice import chat_logprobs, completion_logprobs
@@ -247,6 +248,15 @@ def _add_error_handlers(app: FastAPI) -> None:
         message = f"{request.method} {request.url.path}: {e.detail}"
         err = APIError(e.status_code, message)
         return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, e: ClientDisconnect):
+        # The client closed the connection before its body was whole (a cancelled upload, a proxy's timeout):
+        # no answer is read, and it is not a server error, which logged two tracebacks for each.
+        log.info(
+            "%s %s: the client went away before sending its whole body", request.method, request.url.path
+        )
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):

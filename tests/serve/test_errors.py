@@ -5,6 +5,8 @@ route, 503 (with Retry-After) when overloaded."""
 from __future__ import annotations
 
 import json
+import logging
+import socket
 import time
 
 import httpx
@@ -246,6 +248,21 @@ def test_unknown_model_is_404(server):
 def test_unknown_route_and_wrong_method(server):
     assert_error(httpx.get(f"{server.url}/v1/nothing-here"), 404)
     assert_error(httpx.get(f"{server.url}/v1/chat/completions"), 405)
+
+
+def test_a_client_gone_before_its_whole_body_is_no_server_error(server, caplog):
+    caplog.set_level(logging.INFO, logger="kestrel.serve")
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(f'{head}Content-Length: 1000\r\n\r\n{{"prompt": '.encode())
+        time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while not [r for r in caplog.records if r.name == "kestrel.serve"]:
+        assert time.monotonic() < deadline, "the server logged nothing about the request"
+        time.sleep(0.05)
+    assert all(r.levelno < logging.ERROR for r in caplog.records), caplog.text
+    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_api_key(make_server):
