@@ -245,7 +245,10 @@ class Engine:
         request = Request(request_id, list(prompt_ids), params, seed, total)
         self.requests[request_id] = request
         if params.stop:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+            # stop strings are looked for in the text the client gets, special tokens' text in it or not (as
+            # vLLM); always skipping them, a stop string such as "<|im_end|>" never stopped the request
+            skip = params.skip_special_tokens
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=skip)
         self.scheduler.add(request)
         return request_id
 

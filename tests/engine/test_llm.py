@@ -1,5 +1,7 @@
 """The offline LLM API's chat(): conversations in, one output each; anything else is a clear ValueError."""
 
+import dataclasses
+
 import pytest
 
 from kestrel.engine.llm import LLM
@@ -91,3 +93,19 @@ def test_page_size_zero_is_a_config_error_not_a_division_by_zero():
 
     with pytest.raises((ConfigError, ValueError), match="page_size must be >= 1"):
         EngineConfig(model="tiny", page_size=0)
+
+
+def test_a_special_tokens_text_is_a_stop_string_where_it_is_not_skipped(llm):
+    """As vLLM: stop strings are matched in the text as the request decodes it; with skip_special_tokens=False a
+    special token's text ("<|im_end|>") stops the request, stop_reason the string."""
+    loose = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, skip_special_tokens=False)
+    (free,) = llm.generate("abc", loose, use_tqdm=False)[0].outputs
+    k, special = next(
+        (k, t) for k, t in enumerate(free.token_ids) if t >= 256
+    )  # the byte tokenizer's specials
+    stop = llm.tokenizer.decode([special], skip_special_tokens=False)
+    params = dataclasses.replace(loose, stop=[stop])
+    (out,) = llm.generate("abc", params, use_tqdm=False)[0].outputs
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.token_ids == free.token_ids[: k + 1]
+    assert out.text == llm.tokenizer.decode(free.token_ids[:k], skip_special_tokens=False)
