@@ -419,6 +419,7 @@ class StopStringMatcher:
         self.stop_strings = list(stop_strings)
         self.include = include
         self.stopped = False
+        self.matched: str | None = None  # the stop string reached
         self._held = ""
 
     def feed(self, new_text: str) -> tuple[str, bool]:
@@ -430,6 +431,7 @@ class StopStringMatcher:
         if hits:
             self.stopped, self._held = True, ""
             at, minus_len = min(hits)  # the first to start; of those starting there, the longest
+            self.matched = text[at : at - minus_len]
             return text[: at - minus_len if self.include else at], True
         keep = max((self._partial_match(text, s) for s in self.stop_strings), default=0)
         self._held = text[len(text) - keep :] if keep else ""

@@ -67,7 +67,8 @@ class ChoiceState:
         self.text += piece
         if stopped:
             self.finished, self.finish_reason = True, "stop"
-            self.stop_reason = out.stop_reason if isinstance(out.stop_reason, str) else None
+            # the string the text was cut at, also where it was found here before the engine found it
+            self.stop_reason = self.matcher.matched
         elif out.finished:
             self.finished, self.finish_reason, self.stop_reason = True, out.finish_reason, out.stop_reason
         return piece

@@ -46,3 +46,4 @@ def test_stop_token_and_stop_string_shown_only_when_asked_for(include):
     for i in range(len(ids)):
         choice.update(_out(ids[i : i + 1]))
     assert choice.finish_reason == "stop" and choice.text == ("x = 12" if include else "x = ")
+    assert choice.stop_reason == "12"  # found here before the engine's output says so: still named
