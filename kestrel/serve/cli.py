@@ -95,7 +95,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-prefix-cache", action="store_true", help="no radix prefix cache")
     p.add_argument(
         "--checkpoint-interval",
-        type=int,
+        type=arg_types.non_negative_int,
         default=8192,
         help="save a KDA checkpoint every this many prefill tokens (a multiple of --page-size; 0 = off); "
         "prefill chunks end there",

@@ -122,6 +122,9 @@ def test_serve_bad_arguments_are_one_line_errors(capsys, tmp_path):
     assert_one_line_error(code, err, 2, "--max-running-requests")
     code, _, err = run(capsys, "serve", "--kv-cache-gb", "0")
     assert_one_line_error(code, err, 1, "--kv-cache-gb")
+    # -64 is a multiple of the page size: the engine's "must be a multiple of page_size" was no help
+    code, _, err = run(capsys, "serve", "--checkpoint-interval", "-64")
+    assert_one_line_error(code, err, 2, "--checkpoint-interval", "an integer >= 0")
 
 
 def test_chat_from_stdin(capsys, monkeypatch):
