@@ -5,8 +5,8 @@ OpenAI APIs (chat: `logprobs.content[...]`; completions: `tokens`, `token_logpro
 
 The engine stops a request at a stop string on its own; here the text is cut before the stop string, holding
 back any tail that may begin one so that a stream never shows part of it. Should the text here reach a stop
-string before the engine does (other `skip_special_tokens`), the choice ends here and the caller aborts the
-engine request.
+string before the engine does (whose detokenizer has no prompt ids as left context and starts only once
+`min_tokens` are out), the choice ends here and the caller aborts the engine request.
 """
 
 from __future__ import annotations
