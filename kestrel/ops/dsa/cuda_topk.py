@@ -37,7 +37,8 @@ Pool rows from the same launch (`topk_cuda(rows=)`, `topk_cuda_with_rows`): each
 also writes every selected position's pool row through the paged cache's page table (page_table[b, pos //
 page_size] * page_size + pos % page_size, int32, -1 where the index is -1: what triton_decode's `selected_rows`
 computes in a launch of its own before the sparse MLA decode). The decode layer takes them with
-KESTREL_DSA_TOPK_ROWS=on (untimed; off by default); a pick that is not a short variant writes none, and the
+KESTREL_DSA_TOPK_ROWS=on (off by default: the same bits, but mini's batch-1 step 0.7-1.0% slower on the H100,
+session 59); a pick that is not a short variant writes none, and the
 caller translates the indices as before.
 
 Measured on the H200 (scripts/topk_cuda_check.py, 2026-12-01, session 19,
