@@ -175,8 +175,8 @@ class Env:
     translating the positions in a launch of its own (triton_decode's `selected_rows`): one launch fewer a DSA
     layer and step (6 a step on mini). A replayed selection (RL) and every other top-k keep the separate
     translation. Its GPU tests pass (the same rows and output as off, bit for bit; session 59, H100), but mini's
-    batch-1 step was slower with it in both rounds of one call (1.450 / 1.445 ms against 1.436 / 1.435; the twins
-    take more registers and put the page-table reads on the top-k's own path): off."""
+    batch-1 step was slower with it in both rounds of one call (1.450 / 1.445 ms against 1.436 / 1.435; likely the
+    page-table reads after the selection, on the top-k's own path): off."""
     gemv: str
     """KESTREL_GEMV: at inference on a GPU where PDL is on (Hopper and later), linear layers over at most
     kestrel.ops.linear.GEMV_MAX_ROWS rows run the Triton GEMV (kestrel.ops.linear.triton_gemv: launched with PDL,
