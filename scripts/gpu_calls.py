@@ -22,11 +22,12 @@ it (call b: `served served:KESTREL_GEMV_FUSE=gate gemvab:8 moe rows tests:...`) 
 row and the MoE's router_early the defaults, then checked their tokens (call c: `served tests:... decode`; decode had
 no time left). Session 58 (H100) checked and swept the CUDA top-k's register variants and timed them in the step
 (call e: `topk:cases,rows_sweep tests:tests/ops/test_dsa_cuda_topk.py served ab:KESTREL_DSA_TOPK_REGISTERS=auto/off:1
-decode`). Waiting (session 58's later asks got no machine), in one call: the GPU tests of the register top-k
-(the mended one), of its pool rows (KESTREL_DSA_TOPK_ROWS, off until timed), of the MoE and the GEMV; the shipped
-model's tokens with the rows on; the rows timed against off in the step; and the picks made after call e:
-    f. tests:tests/ops/test_dsa_cuda_topk.py,tests/engine/test_dsa_topk_rows.py,tests/ops/test_moe_decode_triton.py,
-             tests/ops/test_gemv.py served:KESTREL_DSA_TOPK_ROWS=on ab:KESTREL_DSA_TOPK_ROWS=off/on:2 decode
+decode`). Session 59 (H100) ran what waited, call f: `tests:tests/ops/test_dsa_cuda_topk.py,
+tests/engine/test_dsa_topk_rows.py,tests/ops/test_moe_decode_triton.py,tests/ops/test_gemv.py
+served:KESTREL_DSA_TOPK_ROWS=on ab:KESTREL_DSA_TOPK_ROWS=off/on:2 decode` (the pool rows: the same tokens, slower,
+off), then `tests` (g) and the files g did not reach (h), on the machine f had left warm. Next, when an H200 comes:
+the three calls above at one commit (the H200's figures are session 52's; every H100 figure since is not comparable
+with them).
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
 (tests:rest:2/2 and so on; the summary counts the outcomes so far from pytest's log).
 Each job's help (`--list`) says what it runs."""
