@@ -8,7 +8,7 @@ Endpoints
 - POST /generate: native, SGLang-style (`text` or `input_ids`, a `sampling_params` dict with
   `max_new_tokens`); a stream sends each choice's whole text so far in every event (SGLang's default).
 - GET /v1/models, GET /health (503 once the engine thread has failed), GET /get_server_info (engine config,
-  memory plan, pool and prefix-cache stats), GET /metrics (Prometheus text).
+  memory plan, pool and prefix-cache stats), GET /metrics (Prometheus text); each answers HEAD too.
 - POST /flush_cache: drop every cached prefix no running request uses, in every tier (GPU, host, disk); answers
   what was freed.
 
@@ -62,6 +62,17 @@ def build_app(
     app.state.server = server
     auth = [Depends(server.check_key)]
     _add_error_handlers(app)
+
+    def get(path: str, **kwargs):
+        """A GET route that answers HEAD too: health probes and uptime monitors send HEAD, and HTTP asks every
+        server that takes GET to take it (RFC 9110, 9.1); uvicorn sends the headers without the body. The HEAD
+        route stays out of the OpenAPI schema, where it would repeat the GET's operation id."""
+
+        def register(endpoint):
+            app.head(path, include_in_schema=False, **kwargs)(endpoint)
+            return app.get(path, **kwargs)(endpoint)
+
+        return register
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):
@@ -153,16 +164,16 @@ def build_app(
             "max_model_len": async_engine.engine.plan.max_model_len,
         }
 
-    @app.get("/v1/models", dependencies=auth)
+    @get("/v1/models", dependencies=auth)
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model:path}", dependencies=auth)
+    @get("/v1/models/{model:path}", dependencies=auth)
     async def model(model: str):  # the openai client's models.retrieve(name)
         server.check_model(model)
         return model_card()
 
-    @app.get("/health")
+    @get("/health")
     async def health():
         if not async_engine.healthy:
             body = error_body(
@@ -171,7 +182,7 @@ def build_app(
             return JSONResponse(body, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/get_server_info", dependencies=auth)
+    @get("/get_server_info", dependencies=auth)
     async def server_info():
         engine = async_engine.engine
         mc = engine.model.config
@@ -202,7 +213,7 @@ def build_app(
         except EngineDead as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
 
-    @app.get("/metrics")
+    @get("/metrics")
     async def metrics():
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 

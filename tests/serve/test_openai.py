@@ -279,6 +279,16 @@ def test_health_and_server_info(server):
         assert key in info["stats"]
 
 
+@pytest.mark.parametrize(
+    "path", ["/health", "/v1/models", f"/v1/models/{MODEL}", "/get_server_info", "/metrics"]
+)
+def test_head_answers_where_get_does(server, path):
+    """Health probes and uptime monitors that send HEAD got a 405."""
+    got, head = httpx.get(f"{server.url}{path}"), httpx.head(f"{server.url}{path}")
+    assert head.status_code == got.status_code == 200, head.text
+    assert head.content == b"" and head.headers["content-type"] == got.headers["content-type"]
+
+
 FAMILIES = [
     ("kestrel_num_requests_running", "gauge"),
     ("kestrel_num_requests_waiting", "gauge"),
