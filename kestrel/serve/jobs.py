@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,7 +35,7 @@ class Job:
         prefixes: list[str] | None = None,
         field_names: dict[str, str] | None = None,
     ):
-        """`field_names`: the request's names for the engine's `prompt` and `max_tokens`, for error bodies."""
+        """`field_names`: the request's names for the engine's `prompt`, `max_tokens` and `n`, for error bodies."""
         children = params.children()
         self.server, self.prompts = server, prompts
         self.id = uuid.uuid4().hex
@@ -152,7 +153,12 @@ class Server:
         try:
             return self.engine.submit(items, request_id)
         except RequestError as e:
-            raise bad_request(str(e), param=field_names.get(e.param, e.param), code=e.code) from None
+            param, message = field_names.get(e.param, e.param), str(e)
+            # The message names the engine's field (max_tokens, n): say the one the client sent. (It speaks of
+            # the prompt as a thing, which stays so whatever the request calls it.)
+            if e.param not in (param, "prompt"):
+                message = re.sub(rf"\b{e.param}\b", param, message)
+            raise bad_request(message, param=param, code=e.code) from None
         except Overloaded as e:
             raise APIError(
                 503, str(e), code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}

@@ -183,6 +183,28 @@ def test_a_bad_value_is_named_as_the_request_spells_it(server, route, body, para
     assert err["message"].startswith(param + " "), err
 
 
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        (
+            "/v1/chat/completions",
+            _chat(max_tokens=None, max_completion_tokens=99_999),
+            "max_completion_tokens",
+        ),
+        ("/v1/chat/completions", _chat(max_tokens=99_999), "max_tokens"),
+        (
+            "/generate",
+            {"text": "a", "sampling_params": {"max_new_tokens": 99_999}},
+            "sampling_params.max_new_tokens",
+        ),
+    ],
+)
+def test_a_max_tokens_beyond_the_context_is_named_as_sent(server, route, body, param):
+    """The engine's message names its own max_tokens; the client reads the field it sent, as in `param`."""
+    err = assert_error(httpx.post(f"{server.url}{route}", json=body, timeout=30), 400, param)
+    assert f" {param} (99999) exceeds the context" in err["message"], err
+
+
 def test_extreme_seeds_serve_and_the_server_stays_healthy(server):
     """The int64 bounds are valid seeds, n > 1 included (the later samples' seeds are mixed, not seed + j, which
     overflowed past the top)."""
