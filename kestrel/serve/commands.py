@@ -4,13 +4,15 @@ light."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
+import re
 import socket
 import sys
 import time
 
-from kestrel.utils.errors import KestrelError
+from kestrel.utils.errors import ConfigError, KestrelError
 
 
 def engine_config(args):
@@ -19,30 +21,48 @@ def engine_config(args):
 
     if args.kv_cache_gb is not None and args.kv_cache_gb * 2**30 < 1:
         raise KestrelError("--kv-cache-gb must be > 0")
-    return EngineConfig(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        max_running_requests=args.max_running_requests,
-        page_size=args.page_size,
-        index_key_dtype=args.index_key_dtype,
-        mem_fraction=args.mem_fraction,
-        kv_cache_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30),
-        max_model_len=args.max_model_len,
-        chunked_prefill_size=args.chunked_prefill_size,
-        disable_cuda_graph=args.disable_cuda_graph,
-        cuda_graph_short_len=args.cuda_graph_short_len,
-        disable_overlap_schedule=args.disable_overlap_schedule,
-        max_queued_requests=getattr(args, "max_queued_requests", 4096),
-        enable_prefix_cache=not args.disable_prefix_cache,
-        checkpoint_interval=args.checkpoint_interval,
-        num_checkpoints=args.num_checkpoints,
-        hicache_host_bytes=int(args.hicache_host_gb * 2**30),
-        hicache_disk_dir=args.hicache_disk_dir,
-        hicache_disk_bytes=int(args.hicache_disk_gb * 2**30),
-    )
+    try:
+        return EngineConfig(
+            model=args.model,
+            tokenizer=args.tokenizer,
+            dtype=args.dtype,
+            device=args.device,
+            seed=args.seed,
+            max_running_requests=args.max_running_requests,
+            page_size=args.page_size,
+            index_key_dtype=args.index_key_dtype,
+            mem_fraction=args.mem_fraction,
+            kv_cache_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30),
+            max_model_len=args.max_model_len,
+            chunked_prefill_size=args.chunked_prefill_size,
+            disable_cuda_graph=args.disable_cuda_graph,
+            cuda_graph_short_len=args.cuda_graph_short_len,
+            disable_overlap_schedule=args.disable_overlap_schedule,
+            max_queued_requests=getattr(args, "max_queued_requests", 4096),
+            enable_prefix_cache=not args.disable_prefix_cache,
+            checkpoint_interval=args.checkpoint_interval,
+            num_checkpoints=args.num_checkpoints,
+            hicache_host_bytes=int(args.hicache_host_gb * 2**30),
+            hicache_disk_dir=args.hicache_disk_dir,
+            hicache_disk_bytes=int(args.hicache_disk_gb * 2**30),
+        )
+    except ConfigError as e:  # its message names its fields (for LLM(...)); here the user gave flags
+        raise ConfigError(_as_flags(str(e), args)) from None
+
+
+def _as_flags(message: str, args) -> str:
+    """An EngineConfig message in the flags that set the fields it names: `hicache_host_bytes` is
+    `--hicache-host-gb`, `enable_prefix_cache` is `--disable-prefix-cache` left out."""
+    from kestrel.config import EngineConfig
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    message = message.replace("enable_prefix_cache must be on", "leave out --disable-prefix-cache")
+
+    def flag(match: re.Match) -> str:
+        dest = match[0].replace("_bytes", "_gb")
+        return "--" + dest.replace("_", "-") if match[0] in fields and hasattr(args, dest) else match[0]
+
+    return re.sub(r"\b[a-z]+(?:_[a-z]+)+\b", flag, message)
 
 
 def cmd_generate(args) -> int:

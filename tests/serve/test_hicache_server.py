@@ -92,7 +92,16 @@ def test_serve_flags_reach_the_engine_config(tmp_path):
     assert (c.checkpoint_interval, c.num_checkpoints, c.enable_prefix_cache) == (128, 32, True)
     assert not config("--disable-prefix-cache").enable_prefix_cache
     assert not c.disable_overlap_schedule and config("--disable-overlap-schedule").disable_overlap_schedule
-    with pytest.raises(KestrelError, match="go together"):
+    # EngineConfig's messages name its fields; the command line's name the flags
+    with pytest.raises(KestrelError, match="^--hicache-disk-dir and --hicache-disk-gb go together"):
         config("--hicache-host-gb", "1", "--hicache-disk-dir", str(tmp_path))
-    with pytest.raises(KestrelError, match="enable_prefix_cache"):
+    with pytest.raises(KestrelError, match="set --hicache-host-gb too$"):
+        config("--hicache-disk-dir", str(tmp_path), "--hicache-disk-gb", "1")
+    with pytest.raises(KestrelError, match="prefix cache: leave out --disable-prefix-cache$"):
         config("--hicache-host-gb", "1", "--disable-prefix-cache")
+    with pytest.raises(
+        KestrelError, match=r"^--checkpoint-interval \(96\) must be a multiple of --page-size \(64\)"
+    ):
+        config("--checkpoint-interval", "96")
+    with pytest.raises(KestrelError, match="^--max-model-len must be >= 2$"):
+        config("--max-model-len", "1")
