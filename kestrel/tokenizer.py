@@ -154,6 +154,10 @@ class HFTokenizer(Tokenizer):
     def __init__(self, path: str):
         from tokenizers import Tokenizer as RustTokenizer
 
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise CheckpointError(
+                f"the tokenizer path {path} is a file; give the folder that holds tokenizer.json"
+            )
         if not os.path.isdir(path):
             raise CheckpointError(f"tokenizer folder not found: {path}")
         file = os.path.join(path, "tokenizer.json")

@@ -125,6 +125,15 @@ def test_serve_bad_arguments_are_one_line_errors(capsys, tmp_path):
     # -64 is a multiple of the page size: the engine's "must be a multiple of page_size" was no help
     code, _, err = run(capsys, "serve", "--checkpoint-interval", "-64")
     assert_one_line_error(code, err, 2, "--checkpoint-interval", "an integer >= 0")
+    # the engine's config errors name the flags, not EngineConfig's fields (hicache_host_bytes)
+    code, _, err = run(
+        capsys, "serve", "--model", "tiny", "--hicache-disk-dir", str(tmp_path), "--hicache-disk-gb", "1"
+    )
+    assert_one_line_error(code, err, 1, "set --hicache-host-gb too")
+    # a file is no tokenizer folder ("tokenizer folder not found" named a path that exists)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    code, _, err = run(capsys, "serve", "--model", "tiny", "--tokenizer", str(tmp_path / "tokenizer.json"))
+    assert_one_line_error(code, err, 1, "is a file", "the folder that holds tokenizer.json")
 
 
 def test_chat_from_stdin(capsys, monkeypatch):
