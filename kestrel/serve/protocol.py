@@ -236,9 +236,10 @@ class GenerateRequest(_Strict):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: NativeSamplingParams | None = None
-    stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
+    # null is "not given" (false, 0), as in the OpenAI routes
+    stream: bool | None = None
+    return_logprob: bool | None = None
+    top_logprobs_num: int | None = None
 
     def check(self) -> None:
         if (self.text is None) == (self.input_ids is None):
@@ -269,7 +270,7 @@ class GenerateRequest(_Strict):
         given = sp.model_dump(exclude={"max_new_tokens", "min_new_tokens"}, exclude_none=True)
         if sp.min_new_tokens is not None:
             given["min_tokens"] = sp.min_new_tokens
-        logprobs = self.top_logprobs_num if self.return_logprob else None
+        logprobs = (self.top_logprobs_num or 0) if self.return_logprob else None
         try:
             return make_sampling_params(max_tokens=sp.max_new_tokens, logprobs=logprobs, **given)
         except _FieldError as e:

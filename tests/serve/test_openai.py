@@ -255,6 +255,20 @@ def test_native_generate(server):
     assert isinstance(batch, list) and len(batch) == 2
 
 
+def test_native_generate_takes_null_as_not_given(server):
+    """As the OpenAI routes do: `"stream": null` was a 400."""
+    body = {"text": "abc", "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
+    plain = httpx.post(f"{server.url}/generate", json=body, timeout=30).json()
+    nulls = {"stream": None, "return_logprob": None, "top_logprobs_num": None}
+    r = httpx.post(f"{server.url}/generate", json={**body, **nulls}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert (
+        r.json()["output_ids"] == plain["output_ids"] and "output_token_logprobs" not in r.json()["meta_info"]
+    )
+    r = httpx.post(f"{server.url}/generate", json={**body, **nulls, "return_logprob": True}, timeout=30)
+    assert len(r.json()["meta_info"]["output_token_logprobs"]) == 3, r.text
+
+
 def test_native_generate_stream(server):
     body = {"text": "abc", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
     full = httpx.post(f"{server.url}/generate", json=body, timeout=30).json()
