@@ -215,7 +215,9 @@ class Engine:
             raise RequestError("the prompt is empty", param="prompt")
         # the types through one set and the range through min/max (C loops: a 32K-token prompt in about a ms)
         if set(map(type, prompt_ids)) != {int} or not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+            bad = next(t for t in prompt_ids if type(t) is not int or not 0 <= t < vocab)
+            what = f"outside the model's vocabulary [0, {vocab})" if type(bad) is int else "not an integer"
+            raise RequestError(f"prompt token id {bad!r} is {what}", param="prompt")
         if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
             raise RequestError(f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")
         if len(prompt_ids) >= limit:

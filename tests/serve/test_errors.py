@@ -205,6 +205,20 @@ def test_a_max_tokens_beyond_the_context_is_named_as_sent(server, route, body, p
     assert f" {param} (99999) exceeds the context" in err["message"], err
 
 
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        ("/v1/completions", {"prompt": [5000, 5001], "echo": True, "max_tokens": 1}, "prompt"),
+        ("/v1/completions", {"prompt": [[1, 2], [3, 5000]], "max_tokens": 1}, "prompt"),
+        ("/generate", {"input_ids": [1, 5000]}, "input_ids"),
+    ],
+)
+def test_a_prompt_token_id_past_the_vocabulary_is_named(server, route, body, param):
+    """As vLLM's "Token id 5000 is out of vocabulary": the client learns which id, not only the range."""
+    err = assert_error(httpx.post(f"{server.url}{route}", json=body, timeout=30), 400, param)
+    assert err["message"].startswith("prompt token id 5000 is outside the model's vocabulary [0, 261)"), err
+
+
 def test_extreme_seeds_serve_and_the_server_stays_healthy(server):
     """The int64 bounds are valid seeds, n > 1 included (the later samples' seeds are mixed, not seed + j, which
     overflowed past the top)."""
