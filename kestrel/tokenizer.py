@@ -403,10 +403,21 @@ class IncrementalDetokenizer:
         """Whatever is still held back (e.g. an incomplete character at the very end)."""
         return self._advance(final=True)
 
-    def _advance(self, final: bool) -> str:
+    def held(self) -> str:
+        """The text of the ids added but not emitted yet, as it decodes now (it ends in U+FFFD)."""
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix_text, text = self._decode_window()
+        return text[len(prefix_text) :]
+
+    def _decode_window(self) -> tuple[str, str]:
+        """The text of the window's emitted ids (the left context), and of the whole window."""
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset])
-        text = decode(self._ids[self._prefix_offset :])
+        window = self._ids[self._prefix_offset :]
+        return decode(window[: self._read_offset - self._prefix_offset]), decode(window)
+
+    def _advance(self, final: bool) -> str:
+        prefix_text, text = self._decode_window()
         if len(text) <= len(prefix_text) or (text.endswith("\ufffd") and not final):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)

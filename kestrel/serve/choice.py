@@ -11,6 +11,7 @@ string before the engine does (whose detokenizer has no prompt ids as left conte
 
 from __future__ import annotations
 
+import os
 import time
 
 from kestrel.engine.outputs import StepOutput, TokenLogprob
@@ -52,8 +53,9 @@ class ChoiceState:
         # a stop token's text (EOS or one of stop_token_ids) is not shown, as in vLLM, unless asked for
         shown = len(out.new_token_ids) - (out.stopped_by_token and not self.include_stop)
         for token in out.new_token_ids[:shown]:  # one at a time: each token's own offset
-            self.text_offsets.append(self.decoded)
+            held = self.detokenizer.held()
             text = self.detokenizer.add([token])
+            self.text_offsets.append(self.decoded + _token_start(held, text or self.detokenizer.held()))
             piece, self.decoded = piece + text, self.decoded + len(text)
         self.text_offsets += [self.decoded] * (len(out.new_token_ids) - shown)
         if out.finished:
@@ -72,6 +74,17 @@ class ChoiceState:
         elif out.finished:
             self.finished, self.finish_reason, self.stop_reason = True, out.finish_reason, out.stop_reason
         return piece
+
+
+def _token_start(before: str, after: str) -> int:
+    """Where a token starts in the text not yet emitted, given that text without and with it (ending in U+FFFD
+    while a character is incomplete): after what the two share. A token that continued an incomplete character
+    and left it incomplete (the same text, one U+FFFD) starts where that character does; a U+FFFD that stays (an
+    invalid byte) is a character of its own, and the token after it starts after it."""
+    shared = len(os.path.commonprefix([before, after]))
+    if shared == len(before) == len(after) and before.endswith("\ufffd"):
+        return shared - 1
+    return shared
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:

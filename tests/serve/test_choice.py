@@ -30,6 +30,26 @@ def test_text_offsets_point_at_each_token_behind_held_back_text(per_step, prefix
         assert offset == len(prefix) + len(before), (i, choice.text_offsets)
 
 
+@pytest.mark.parametrize(
+    "data, offsets",
+    [
+        (b"\x86Fu", [0, 1, 2]),  # an invalid byte is a character (U+FFFD) of its own: "F" was at 0
+        (b"a\xe2\x82\xacb", [0, 1, 1, 1, 2]),  # each byte of a character where the character starts
+        (b"\xc3\xc3\xa9x", [0, 1, 1, 2]),  # a lead byte cut short by another: two characters
+        (b"\xe2\x82F", [0, 0, 1]),  # a character cut short: one U+FFFD for both its bytes
+        (b"\xf0\x9f\x98\x80\x86", [0, 0, 0, 0, 1]),
+    ],
+)
+def test_text_offsets_around_invalid_utf8(data, offsets):
+    """Each token's text_offset is where its text starts in the text returned, U+FFFD included."""
+    tok = ByteTokenizer()
+    choice = ChoiceState(tok, [0], SamplingParams(max_tokens=64))
+    for i, byte in enumerate(data):
+        choice.update(_out([byte], finished=i == len(data) - 1))
+    assert choice.text == data.decode("utf-8", errors="replace")
+    assert choice.text_offsets == offsets
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_token_and_stop_string_shown_only_when_asked_for(include):
     tok = ByteTokenizer()
