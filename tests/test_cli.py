@@ -418,6 +418,21 @@ def test_train_retrieval_loss_weight_argument(capsys):
         assert "--retrieval-loss-weight" in capsys.readouterr().err
 
 
+def test_train_time_budget_argument(capsys):
+    """`--time-budget-s` is a finite positive number: -5 trained one step, 0 and nan ran without a budget."""
+    from kestrel.serve.cli import build_parser
+
+    def parse(*argv):
+        return build_parser().parse_args(["train", "--out", "/nonexistent/run", *argv])
+
+    assert parse().time_budget_s is None
+    assert parse("--time-budget-s", "90").time_budget_s == 90.0
+    for bad in ("0", "-5", "inf", "nan", "ten"):
+        with pytest.raises(SystemExit):
+            parse("--time-budget-s", bad)
+        assert "--time-budget-s" in capsys.readouterr().err
+
+
 def test_seeds_and_workers_out_of_range_are_usage_errors(capsys):
     """A seed past int64 was a traceback from torch's generator; --data-workers -1 one from multiprocessing."""
     code, _, err = run(capsys, "generate", "--model", "tiny", "--prompt", "hi", "--seed", str(2**64))

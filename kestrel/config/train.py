@@ -63,13 +63,17 @@ class TrainConfig:
             (self.batch_rows >= 1, f"batch_rows must be >= 1, got {self.batch_rows}"),
             (self.row_len >= 16, f"row_len must be >= 16, got {self.row_len}"),
             (self.grad_accum >= 1, f"grad_accum must be >= 1, got {self.grad_accum}"),
-            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (0 < self.lr < math.inf, f"lr must be > 0 and finite, got {self.lr}"),
             (0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}"),
             (self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}"),
             (self.dsa_dense_steps >= 0, f"dsa_dense_steps must be >= 0, got {self.dsa_dense_steps}"),
             (self.grad_clip > 0, f"grad_clip must be > 0, got {self.grad_clip}"),
             (self.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {self.checkpoint_every}"),
             (self.log_every >= 1, f"log_every must be >= 1, got {self.log_every}"),
+            (
+                self.time_budget_s is None or 0 < self.time_budget_s < math.inf,
+                f"time_budget_s must be > 0 and finite (or None), got {self.time_budget_s}",
+            ),
             (
                 all(n < self.row_len for n in self.retrieval_lengths),
                 f"retrieval_lengths must be shorter than row_len {self.row_len}, got {list(self.retrieval_lengths)}",

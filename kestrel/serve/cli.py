@@ -284,7 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 1.0); unlike --retrieval-weight it draws no more documents",
     )
     t.add_argument("--checkpoint-every", type=arg_types.positive_int, default=500)
-    t.add_argument("--time-budget-s", type=float, default=None, help="stop and checkpoint after this long")
+    t.add_argument(
+        "--time-budget-s",
+        type=arg_types.positive_float,
+        default=None,
+        help="stop and checkpoint after this many seconds of training",
+    )
     t.add_argument("--data-workers", type=arg_types.non_negative_int, default=0)
     t.add_argument("--device", default="auto")
     t.add_argument("--seed", type=arg_types.seed, default=0)

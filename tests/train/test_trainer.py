@@ -143,10 +143,24 @@ def test_the_loop_takes_grad_accum_batches_a_step(tmp_path, byte_tok):
     assert torch.equal(next(trainer.data).input_ids, next(twin.data).input_ids)  # 4 batches used, no more
     with pytest.raises(ConfigError, match="grad_accum must be >= 1, got 0"):
         _cfg(tmp_path, byte_tok, grad_accum=0)
-    with pytest.raises(ConfigError, match=r"lr must be > 0, got -0.1; .*row_len 512, got \[600\]"):
+    with pytest.raises(ConfigError, match=r"lr must be > 0 and finite, got -0.1; .*row_len 512, got \[600\]"):
         _cfg(tmp_path, byte_tok, lr=-0.1, retrieval_lengths=(600,))
     with pytest.raises(ValueError, match="at least one batch"):
         trainer.launch_step([])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(lr=float("inf")),  # trained: the loss was NaN from the second step
+        dict(time_budget_s=-5.0),  # trained one step and stopped
+        dict(time_budget_s=0.0),  # read as no budget by the schedule, as a spent one by the loop
+        dict(time_budget_s=float("nan")),  # silently no budget
+    ],
+)
+def test_a_nonsense_lr_or_time_budget_is_refused(tmp_path, byte_tok, bad):
+    with pytest.raises(ConfigError, match=f"{next(iter(bad))} must be > 0 and finite"):
+        _cfg(tmp_path, byte_tok, **bad)
 
 
 def test_one_step_gives_finite_nonzero_gradients(tmp_path, byte_tok):
