@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -115,6 +116,7 @@ class Trainer:
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
+        _recover_checkpoint(self.out / "checkpoint")
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)
         self.model = build_model(
@@ -347,12 +349,17 @@ class Trainer:
                 f"step {self.step}: {len(bad)} weight tensors hold NaN or infinite values ({bad[0]}, ...); "
                 f"not saved, the last checkpoint in {ckpt} is kept"
             )
+        # written whole beside the last one, then swapped in: a run killed (or a disk filled) mid-save keeps its
+        # last checkpoint whole (written in place, it was left without some of its shards, or with a truncated one)
+        partial = ckpt.with_name(ckpt.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
         # shards of at most 15 MiB: small enough to move between machines file by file
-        save_checkpoint(self.model, ckpt, dtype=torch.bfloat16, max_shard_bytes=15 * 2**20)
+        save_checkpoint(self.model, partial, dtype=torch.bfloat16, max_shard_bytes=15 * 2**20)
         for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-            src = self.tokenizer_dir / name
-            if src.exists() and src.parent != ckpt:
-                (ckpt / name).write_text(src.read_text())
+            src = self.tokenizer_dir / name  # (the tokenizer may be the last checkpoint's own)
+            if src.exists():
+                (partial / name).write_text(src.read_text())
+        _swap_in(partial, ckpt)
         state = {
             "step": self.step,
             "model": self.model.state_dict(),
@@ -421,6 +428,26 @@ class Trainer:
             "final_loss": sum(r["loss"] for r in last) / max(len(last), 1),
             "parameters": sum(p.numel() for p in self.model.parameters()),
         }
+
+
+def _swap_in(new: Path, ckpt: Path) -> None:
+    """Put the folder `new` in the place of `ckpt` by renames. A kill between the two leaves the last checkpoint
+    whole as <ckpt>.old, which `_recover_checkpoint` puts back."""
+    old = ckpt.with_name(ckpt.name + ".old")
+    if (
+        ckpt.exists()
+    ):  # (else a kill between the renames left the last one at `old`: keep it until `new` is in)
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(ckpt, old)
+    os.replace(new, ckpt)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _recover_checkpoint(ckpt: Path) -> None:
+    """A run killed between `_swap_in`'s renames: its last checkpoint back in its place."""
+    old = ckpt.with_name(ckpt.name + ".old")
+    if not ckpt.exists() and old.is_dir():
+        os.replace(old, ckpt)
 
 
 def plot_loss(history: list[dict], path: Path, window: int = 50) -> None:

@@ -422,6 +422,38 @@ def test_a_diverged_run_stops_and_keeps_its_last_checkpoint(tmp_path, byte_tok):
     assert {p.name: p.read_bytes() for p in sorted(ckpt.iterdir())} == saved
 
 
+def test_a_save_cut_short_keeps_the_last_checkpoint_whole(tmp_path, byte_tok, monkeypatch):
+    """A run killed (or out of disk) while it writes a checkpoint: the one before stays whole and loadable. The
+    checkpoint was written in place, its old shards deleted first: a cut left a truncated or missing shard."""
+    import kestrel.train.trainer as trainer_module
+    from kestrel.models.loader import build_model
+
+    run = tmp_path / "cut"
+    Trainer(_cfg(run, byte_tok, steps=2)).train()
+    ckpt = run / "checkpoint"
+    saved = {p.name: p.read_bytes() for p in sorted(ckpt.iterdir())}
+    write = trainer_module.save_checkpoint
+
+    def cut_short(model, path, **kwargs):  # the weights half-written when the process dies
+        write(model, path, **kwargs)
+        weights = sorted(path.glob("*.safetensors"))[-1]
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trainer_module, "save_checkpoint", cut_short)
+    with pytest.raises(OSError, match="No space"):
+        Trainer(_cfg(run, byte_tok, steps=4)).train()
+    assert {p.name: p.read_bytes() for p in sorted(ckpt.iterdir())} == saved
+    build_model(str(ckpt))
+    monkeypatch.setattr(trainer_module, "save_checkpoint", write)
+    trainer = Trainer(_cfg(run, byte_tok, steps=4))  # the next save replaces it, and leaves nothing beside it
+    trainer.train()
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
+    assert (ckpt / "tokenizer.json").exists()
+    ckpt.rename(run / "checkpoint.old")  # killed between the swap's renames: the last one is put back
+    assert Trainer(_cfg(run, byte_tok, steps=4)).step == 4 and (ckpt / "config.json").exists()
+
+
 def test_an_interrupted_run_saves_its_steps_and_resumes_from_them(tmp_path, byte_tok, monkeypatch):
     """Ctrl-C (or SIGTERM through `kestrel train`) in the middle of a run: the steps done are saved."""
     trainer = Trainer(_cfg(tmp_path / "i", byte_tok, steps=4))
