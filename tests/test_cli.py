@@ -433,6 +433,23 @@ def test_train_time_budget_argument(capsys):
         assert "--time-budget-s" in capsys.readouterr().err
 
 
+def test_text_that_is_not_utf8_is_one_line(checkpoint, capsys, monkeypatch):
+    """A prompt in another encoding (Python reads its bytes as lone surrogates): one line naming the byte, not
+    the tokenizer's traceback; in the chat the line is refused and the chat goes on."""
+    import io
+
+    latin1 = b"caf\xe9".decode("utf-8", "surrogateescape")  # how sys.argv and a POSIX-locale stdin hold it
+    code, _, err = run(capsys, "generate", "--model", str(checkpoint), "--prompt", latin1)
+    assert_one_line_error(code, err, 1, "--prompt is not valid UTF-8", "0xe9")
+    code, _, err = run(capsys, "chat", "--model", str(checkpoint), "--system", latin1)
+    assert_one_line_error(code, err, 1, "--system is not valid UTF-8")
+    monkeypatch.setattr("sys.stdin", io.StringIO(latin1 + "\nhi\n"))
+    code, out, err = run(capsys, "chat", "--model", str(checkpoint), "--max-new-tokens", "2")
+    assert code == 0 and "Traceback" not in err, err
+    assert "that line is not valid UTF-8 (byte 0xe9 at character 3); type it again" in err
+    assert out.count("> ") == 3  # the bad line, "hi", and the end
+
+
 def test_seeds_and_workers_out_of_range_are_usage_errors(capsys):
     """A seed past int64 was a traceback from torch's generator; --data-workers -1 one from multiprocessing."""
     code, _, err = run(capsys, "generate", "--model", "tiny", "--prompt", "hi", "--seed", str(2**64))

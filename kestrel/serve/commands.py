@@ -65,12 +65,24 @@ def _as_flags(message: str, args) -> str:
     return re.sub(r"\b[a-z]+(?:_[a-z]+)+\b", flag, message)
 
 
+def utf8_text(text: str, what: str) -> str:
+    """`text` as given, or a KestrelError where it holds bytes that are not UTF-8 (an argument or a line read in
+    another encoding reaches Python as lone surrogates, which the tokenizer refused with a traceback)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(text[e.start]) & 0xFF  # surrogateescape: U+DC80..U+DCFF stand for the bytes 0x80..0xFF
+        raise KestrelError(f"{what} is not valid UTF-8 (byte 0x{byte:02x} at character {e.start})") from None
+    return text
+
+
 def cmd_generate(args) -> int:
     from kestrel.models.generate import generate
     from kestrel.models.loader import build_model
     from kestrel.tokenizer import tokenizer_for
     from kestrel.utils.device import resolve_device, resolve_dtype
 
+    utf8_text(args.prompt, "--prompt")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     tokenizer = tokenizer_for(args.model)
@@ -256,6 +268,8 @@ def cmd_chat(args) -> int:
     from kestrel.engine.sampling_params import SamplingParams
     from kestrel.tokenizer import IncrementalDetokenizer
 
+    if args.system is not None:
+        utf8_text(args.system, "--system")
     engine = Engine(engine_config(args))
     tokenizer = engine.tokenizer
     history = [{"role": "system", "content": args.system}] if args.system else []
@@ -272,6 +286,11 @@ def cmd_chat(args) -> int:
             break
         if line == "/reset":
             history = list(start)
+            continue
+        try:
+            utf8_text(line, "that line")
+        except KestrelError as e:  # a line in another encoding: said, and the chat goes on
+            print(f"[kestrel] {e}; type it again", file=sys.stderr)
             continue
         history.append({"role": "user", "content": line})
         prompt = tokenizer.encode(tokenizer.apply_chat_template(history, add_generation_prompt=True))
