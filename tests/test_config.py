@@ -219,6 +219,12 @@ BAD_LINEAR = {
     "str-for-int-lac": (_lac(head_dim="16"), "linear_attn_config.head_dim"),
     "str-for-float": (_set("rms_norm_eps", "1e-5"), "rms_norm_eps"),
     "bool-for-float": (_set("routed_scaling_factor", True), "routed_scaling_factor"),
+    # json reads NaN and Infinity; each loaded, and the model's every logit was NaN (greedy: token 0 forever)
+    "nan-eps": (_set("rms_norm_eps", float("nan")), "rms_norm_eps=nan: expected a finite number"),
+    "inf-float": (_set("routed_scaling_factor", float("inf")), "routed_scaling_factor=inf"),
+    "nan-lac-float": (_lac(gate_lower_bound=float("nan")), "linear_attn_config.gate_lower_bound=nan"),
+    "negative-eps": (_set("rms_norm_eps", -1e-6), "rms_norm_eps=-1e-06 must be > 0"),
+    "zero-eps": (_set("rms_norm_eps", 0), "rms_norm_eps=0.0 must be > 0"),
     "str-for-bool": (_set("tie_word_embeddings", "false"), "tie_word_embeddings"),
     "str-for-context": (_set("model_max_length", "4k"), "model_max_length"),
     "negative-context": (_set("model_max_length", -1), "model_max_length"),

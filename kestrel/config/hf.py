@@ -3,6 +3,7 @@ errors that name the field, and the consistency checks."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kestrel.config.model import DENSE, KDA, MLA, MOE, ModelConfig
@@ -359,6 +360,8 @@ def _check(c: ModelConfig, where: str) -> None:
     def fail(msg: str):
         raise ConfigError(where + msg)
 
+    if not c.rms_norm_eps > 0:  # RMSNorm's 1 / sqrt(mean(x^2) + eps): NaN or inf from the first norm
+        fail(f"rms_norm_eps={c.rms_norm_eps} must be > 0")
     if c.qk_nope_head_dim <= 0 or c.v_head_dim <= 0:
         fail("qk_nope_head_dim and v_head_dim must be positive")
     if MOE in c.mlp_types:
@@ -425,6 +428,8 @@ class _Reader:
         value = self._get(key, _NO_DEFAULT if default is None else default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{self.where}{key}={value!r}: expected a number")
+        if not math.isfinite(value):  # Python's json reads NaN and Infinity: every output would be NaN
+            raise ConfigError(f"{self.where}{key}={value!r}: expected a finite number")
         return float(value)
 
     def opt_float(self, key: str) -> float | None:
