@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from kestrel.layers.norm import LayerNorm, RMSNorm
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.weights import load_weights
 from kestrel.presets import INIT_SCHEMES, PRESETS, preset_config, resolve_model
-from kestrel.utils.errors import CheckpointError
+from kestrel.utils.errors import CheckpointError, ConfigError
 
 # Parameters that write into the residual stream: scaled by 1 / sqrt(2 * layers) by the "conditioned" init.
 RESIDUAL_OUTPUTS = (
@@ -118,7 +119,7 @@ def build_model(
     path = Path(model)
     if not path.exists() and model in PRESETS:
         config = preset_config(model)
-        with torch.device(device):
+        with _fits(model, device), torch.device(device):
             if init_on_device is None:
                 init_on_device = torch.device(device).type == "cuda"
             rng = device if init_on_device else "cpu"
@@ -130,8 +131,24 @@ def build_model(
         )
     if not path.is_dir():
         raise CheckpointError(f"model {model!r}: expected a checkpoint folder, got a file")
-    config = ModelConfig.from_hf(path)
-    with torch.device(device):
-        net = KimiForCausalLM(config, dtype)  # uninitialized storage: the loader fills every parameter
-    load_weights(net, path)
+    with _fits(model, device, "; are config.json's sizes right?"):
+        config = ModelConfig.from_hf(path)
+        with torch.device(device):
+            net = KimiForCausalLM(config, dtype)  # uninitialized storage: the loader fills every parameter
+        load_weights(net, path)
     return net
+
+
+@contextlib.contextmanager
+def _fits(model: str, device: torch.device | str, hint: str = ""):
+    """The model built: one that does not fit the device's memory (a preset too large for it, or a damaged
+    config.json's sizes) is a ConfigError naming it, not the allocator's traceback."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as e:  # torch's OutOfMemoryError is a RuntimeError
+        text = str(e).strip()
+        if not isinstance(e, MemoryError) and "alloc" not in text.lower():
+            raise
+        detail = f" ({text.splitlines()[0][:200]})" if text else ""
+        where = torch.device(device).type.upper()
+        raise ConfigError(f"model {model!r} does not fit the {where} memory{detail}{hint}") from None

@@ -453,6 +453,19 @@ def test_bad_config_in_a_checkpoint_folder(broken):
         build_model(str(broken))
 
 
+@pytest.mark.parametrize("key", ["hidden_size", "num_hidden_layers"])
+def test_a_config_too_large_for_memory_is_one_clear_error(broken, key):
+    """A config.json whose sizes no memory holds (damaged, or a model too large for the device): one line naming
+    the model, not the allocator's RuntimeError (or a MemoryError) as a traceback."""
+    raw = json.loads((broken / "config.json").read_text())
+    text = raw.get("text_config", raw)
+    text[key] = 10**12  # (layers: the list of their types is what does not fit)
+    (broken / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=rf"model '{broken}' does not fit the CPU memory") as info:
+        build_model(str(broken))
+    assert "\n" not in str(info.value)
+
+
 def test_build_model_with_a_bad_path(tmp_path):
     with pytest.raises(CheckpointError, match="no such checkpoint folder"):
         build_model(str(tmp_path / "nowhere"))
