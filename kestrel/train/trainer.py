@@ -241,10 +241,13 @@ class Trainer:
                 self.save()
             raise
         finally:
+            queued = len(unread)
             try:  # an interrupted loop still records the steps it queued (the model has their updates)
                 read()
+            except TrainingDiverged:  # a later step's NaN, recorded: the run reports the first one's
+                pass
             except Exception as e:  # (a failed device cannot give them back)
-                print(f"[kestrel] {len(unread)} queued steps could not be read back: {e}")
+                print(f"[kestrel] {queued} queued steps could not be read back: {e}", file=sys.stderr)
             if prefetch.close():
                 self.data.load_state_dict(self._data_state)
                 self._data_state = None  # the stream is the step's again: save() reads it from there
@@ -271,9 +274,8 @@ class Trainer:
         if not math.isfinite(lm):
             raise TrainingDiverged(
                 f"step {record['step']}: the loss is {lm} (the steps before it: "
-                f"{[round(r['loss'], 4) for r in self.history[-4:-1]]}); the run stops here and its last "
-                f"checkpoint in {self.out / 'checkpoint'} is kept. A lower --lr (this run's peak: {self.cfg.lr:g}) "
-                "or more warmup steps may help"
+                f"{[round(r['loss'], 4) for r in self.history[-4:-1]]}); the run stops here and "
+                f"{self._kept()}. A lower --lr (this run's peak: {self.cfg.lr:g}) or more warmup steps may help"
             )
 
     def train_step(self, batch, lr: float | None = None) -> tuple[float, float, float]:
@@ -347,7 +349,7 @@ class Trainer:
             bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
             raise TrainingDiverged(
                 f"step {self.step}: {len(bad)} weight tensors hold NaN or infinite values ({bad[0]}, ...); "
-                f"not saved, the last checkpoint in {ckpt} is kept"
+                f"not saved, {self._kept()}"
             )
         # written whole beside the last one, then swapped in: a run killed (or a disk filled) mid-save keeps its
         # last checkpoint whole (written in place, it was left without some of its shards, or with a truncated one)
@@ -376,6 +378,11 @@ class Trainer:
         (self.out / "history.json").write_text(json.dumps(self.history))
         plot_loss(self.history, self.out / "loss.png")
         return ckpt
+
+    def _kept(self) -> str:
+        """What a run stopped by NaN leaves: its last checkpoint, or none (it diverged before its first save)."""
+        ckpt = self.out / "checkpoint"
+        return f"its last checkpoint in {ckpt} is kept" if ckpt.is_dir() else "it has saved no checkpoint"
 
     def _maybe_resume(self) -> None:
         path = self.out / STATE_FILE

@@ -4,6 +4,7 @@ writes is what the engine serves, and an interrupted run resumes to the same wei
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -420,6 +421,18 @@ def test_a_diverged_run_stops_and_keeps_its_last_checkpoint(tmp_path, byte_tok):
     with pytest.raises(TrainingDiverged, match="not saved"):
         blown.save()
     assert {p.name: p.read_bytes() for p in sorted(ckpt.iterdir())} == saved
+
+
+def test_a_run_diverged_before_its_first_save_says_it_has_no_checkpoint(tmp_path, byte_tok, capsys):
+    """Said "its last checkpoint in .../checkpoint is kept" where there was none, and the next steps' NaN came
+    on stdout as "0 queued steps could not be read back"."""
+    blown = Trainer(_cfg(tmp_path / "b", byte_tok, steps=8, lr=1e10, warmup_steps=0))
+    with pytest.raises(TrainingDiverged, match="the run stops here and it has saved no checkpoint") as info:
+        blown.train()
+    assert "is kept" not in str(info.value)
+    out, err = capsys.readouterr()
+    assert "could not be read back" not in out + err
+    assert not math.isfinite(blown.history[-1]["loss"])  # the steps after the first NaN are recorded still
 
 
 def test_a_save_cut_short_keeps_the_last_checkpoint_whole(tmp_path, byte_tok, monkeypatch):
