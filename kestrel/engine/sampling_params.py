@@ -43,8 +43,8 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list(self.stop, "stop must be a string or a list of strings")
+        self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids must be a list of token ids")
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -85,7 +85,10 @@ class SamplingParams:
             ),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (
-                all(isinstance(t, int) and 0 <= t <= INT32_MAX for t in self.stop_token_ids),
+                all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
+                    for t in self.stop_token_ids
+                ),
                 "stop_token_ids must be token ids",
             ),
             (
@@ -110,6 +113,15 @@ class SamplingParams:
         `child_seed(seed, j)`: reproducible, and seeds s and s + 1 share no sample (seed + j would)."""
         seeds = [None] * self.n if self.seed is None else [child_seed(self.seed, j) for j in range(self.n)]
         return [dataclasses.replace(self, n=1, seed=seed) for seed in seeds]
+
+
+def _as_list(value, message: str) -> list:
+    """A list of `value`'s items (None: empty); ValueError(message) for what holds no items (an int: the
+    TypeError "'int' object is not iterable" before)."""
+    try:
+        return list(value or [])
+    except TypeError:
+        raise ValueError(f"{message}, not {value!r}") from None
 
 
 def child_seed(seed: int, j: int) -> int:

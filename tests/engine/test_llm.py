@@ -80,6 +80,9 @@ def test_generate_refuses_what_is_not_a_prompt(llm, prompts):
         ("n", True, "n must be an integer"),
         ("max_tokens", True, "max_tokens must be an integer"),
         ("seed", 1.5, "seed must be an integer"),
+        ("stop", 5, "stop must be a string or a list of strings, not 5"),  # TypeError: not iterable
+        ("stop_token_ids", 7, "stop_token_ids must be a list of token ids, not 7"),
+        ("stop_token_ids", [True], "stop_token_ids must be token ids"),  # was token 1
     ],
 )
 def test_sampling_params_of_the_wrong_type_name_their_field(field, value, words):
