@@ -50,6 +50,8 @@ class EngineConfig:
 
     def __post_init__(self):
         problems = []
+        if not -(2**63) <= self.seed < 2**63:  # torch's generator takes an int64 ("Overflow when unpacking")
+            problems.append(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed}")
         if self.max_running_requests < 1:
             problems.append("max_running_requests must be >= 1")
         if self.page_size < 1:

@@ -90,6 +90,16 @@ def test_sampling_params_of_the_wrong_type_name_their_field(field, value, words)
         SamplingParams(**{field: value})
 
 
+def test_a_seed_past_int64_is_a_config_error():
+    """LLM("tiny", seed=2**70) was torch's "Overflow when unpacking long long" from the weights' generator."""
+    from kestrel.config import EngineConfig
+    from kestrel.utils.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"seed must be an integer in .*, got {2**70}"):
+        EngineConfig(model="tiny", seed=2**70)
+    assert EngineConfig(model="tiny", seed=-(2**63)).seed == -(2**63)
+
+
 def test_page_size_zero_is_a_config_error_not_a_division_by_zero():
     from kestrel.config import EngineConfig
     from kestrel.utils.errors import ConfigError
