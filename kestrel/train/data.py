@@ -31,10 +31,13 @@ from kestrel.train.chat_format import assistant_text, render
 from kestrel.train.family import HELDOUT_SEED_OFFSET, Example, Family, derive_seed
 from kestrel.train.retrieval import Retrieval
 from kestrel.train.tasks import make_family
+from kestrel.utils.errors import ConfigError
 
 # Per document; a 2K-token retrieval document weighs about 20 arithmetic ones in tokens.
 DEFAULT_WEIGHTS = dict(chain_sum=1.0, basic_arithmetic=1.0, gsm_symbolic=1.0, countdown=1.0, retrieval=0.1)
 SPLITS = ("train", "heldout")
+# this many documents in a row too long for a row: the packer stops (none of the mixture may fit) with an error
+MAX_SKIPPED_IN_A_ROW = 1000
 
 
 def split_seed(seed: int, split: str) -> int:
@@ -251,12 +254,20 @@ class PackedBatches:
     def _fill_buffer(self) -> None:
         if self._source is None:
             self._source = self._documents(self._next_index)
+        too_long = 0  # documents in a row longer than a row: past MAX_SKIPPED_IN_A_ROW, none may fit at all
         while len(self._buffer) < self.lookahead:
             doc = next(self._source)
             self._next_index = doc.index + 1
             if len(doc.ids) > self.seq_len:
                 self.num_skipped += 1
+                too_long += 1
+                if too_long == MAX_SKIPPED_IN_A_ROW:  # (the stream is endless: it looked for one forever)
+                    raise ConfigError(
+                        f"rows of {self.seq_len} tokens: the last {too_long} documents of the mixture were all "
+                        "longer, so none may fit; raise the row length (--row-len)"
+                    )
                 continue
+            too_long = 0
             self._buffer.append(doc)
 
     # ---- packing ------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from kestrel.tokenizer import ByteTokenizer, HFTokenizer
 from kestrel.train.bpe import SPECIAL_TOKENS, build_tokenizer, save_tokenizer, train_bpe
 from kestrel.train.chat_format import assistant_text, end_of_turn_id, prompt_ids, render
 from kestrel.train.data import (
+    DEFAULT_WEIGHTS,
     Mixture,
     MixtureConfig,
     PackedBatches,
@@ -27,6 +28,7 @@ from kestrel.train.data import (
 )
 from kestrel.train.family import HELDOUT_SEED_OFFSET, Example
 from kestrel.train.tasks import FAMILIES, extract_answer, make_family, verify
+from kestrel.utils.errors import ConfigError
 
 ARITHMETIC = ["chain_sum", "basic_arithmetic", "gsm_symbolic", "countdown"]
 SMALL_RETRIEVAL = dict(context_tokens=256)
@@ -404,6 +406,17 @@ def test_packed_batches_are_deterministic_and_resume(bpe):
 def test_packing_rejects_rows_too_short_for_retrieval(bpe):
     with pytest.raises(ValueError, match="need rows of at least 2173 tokens"):
         PackedBatches(bpe, batch_size=1, seq_len=2048, config=MixtureConfig(retrieval_context_tokens=(2048,)))
+
+
+def test_rows_shorter_than_every_document_are_an_error_not_a_hang(bpe):
+    """`kestrel train --row-len 16`: every document was skipped as too long, and the packer looked for one that
+    fits forever (the first step never came)."""
+    config = MixtureConfig(weights={**DEFAULT_WEIGHTS, "retrieval": 0.0})
+    packer = PackedBatches(bpe, batch_size=1, seq_len=16, config=config)
+    with pytest.raises(
+        ConfigError, match="rows of 16 tokens: the last 1000 documents .* raise the row length"
+    ):
+        next(packer)
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------------------------
