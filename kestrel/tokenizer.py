@@ -175,6 +175,15 @@ class HFTokenizer(Tokenizer):
         _, self.pad_token_id = self._special(config, "pad_token", path)
         extra_eos = _read_json(os.path.join(path, "generation_config.json")).get("eos_token_id", [])
         extra_eos = [extra_eos] if isinstance(extra_eos, int) else extra_eos
+        # ids the sampler indexes the logits with (min_tokens bans them): one past the vocabulary failed a request
+        # mid-step (an IndexError; on CUDA a device assert), a string or a bool made no EOS
+        if not isinstance(extra_eos, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size for i in extra_eos
+        ):
+            raise CheckpointError(
+                f"eos_token_id {extra_eos!r} in {path}/generation_config.json: expected token ids in "
+                f"[0, {self.vocab_size}), the tokenizer's"
+            )
         self.eos_token_ids = tuple(dict.fromkeys(([] if eos_id is None else [eos_id]) + list(extra_eos)))
         self._path = path
         self._template = _compile_template(_pick_template(config, path), path)

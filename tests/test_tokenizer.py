@@ -200,6 +200,19 @@ def test_config_only_tokens_and_int_eos(tmp_path, hf_dir):
     assert tok.decode([97, 261, 262]) == "a<think>"
 
 
+@pytest.mark.parametrize("eos", [10**9, -1, "a", [True], [257, "x"], {"id": 257}])
+def test_eos_ids_of_generation_config_that_are_not_token_ids_are_refused(tmp_path, hf_dir, eos):
+    """An id past the vocabulary loaded, and a request with min_tokens then failed mid-step (the sampler bans the
+    EOS ids by indexing the logits with them); a string or a bool was an EOS no token matched."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes(open(os.path.join(hf_dir, name), "rb").read())
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    with pytest.raises(
+        CheckpointError, match=r"eos_token_id .*/generation_config.json: expected token ids in \[0, 261\)"
+    ):
+        HFTokenizer(str(tmp_path))
+
+
 def _stream(tok, ids, chunk=1, prompt_ids=None, skip_special_tokens=True):
     detok = IncrementalDetokenizer(tok, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens)
     pieces = [detok.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
