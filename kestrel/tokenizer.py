@@ -193,6 +193,10 @@ class HFTokenizer(Tokenizer):
         token = token.get("content") if isinstance(token, dict) else token
         if token is None:
             return None, None
+        if not isinstance(token, str):
+            raise CheckpointError(
+                f"{key} {token!r} in {path}/tokenizer_config.json: expected a token (a string)"
+            )
         token_id = self._tok.token_to_id(token)
         if token_id is None:
             raise CheckpointError(f"{key} {token!r} in {path}/tokenizer_config.json is not in the vocabulary")
@@ -202,6 +206,15 @@ class HFTokenizer(Tokenizer):
         """Add tokens that only tokenizer_config.json declares; every declared id must match."""
         from tokenizers import AddedToken
 
+        ok = isinstance(added, dict) and all(
+            k.isdigit() and isinstance(e, dict) and isinstance(e.get("content"), str)
+            for k, e in added.items()
+        )
+        if not ok:
+            raise CheckpointError(
+                f"added_tokens_decoder in {path}/tokenizer_config.json: expected an object of token ids to "
+                '{"content": "..."} entries'
+            )
         for declared, entry in sorted(added.items(), key=lambda kv: int(kv[0])):
             content = entry["content"]
             if self._tok.token_to_id(content) is None:
@@ -256,13 +269,17 @@ def _read_json(file: str) -> dict:
 def _pick_template(config: dict, path: str) -> str | None:
     template = config.get("chat_template")
     if isinstance(template, list):
+        if not all(isinstance(t, dict) for t in template):
+            raise CheckpointError(f"{path}: chat_template: expected a string or a list of {{name, template}}")
         named = {t.get("name"): t.get("template") for t in template}
         if "default" not in named:
-            raise CheckpointError(f"{path}: no chat template named 'default' among {sorted(named)}")
-        return named["default"]
-    if template is None and os.path.isfile(os.path.join(path, "chat_template.jinja")):
+            raise CheckpointError(f"{path}: no chat template named 'default' among {sorted(map(str, named))}")
+        template = named["default"]
+    elif template is None and os.path.isfile(os.path.join(path, "chat_template.jinja")):
         with open(os.path.join(path, "chat_template.jinja"), encoding="utf-8") as f:
             return f.read()
+    if template is not None and not isinstance(template, str):  # (jinja's "Can't compile non template nodes")
+        raise CheckpointError(f"{path}: chat_template: expected a string, got {type(template).__name__}")
     return template
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 
@@ -185,6 +186,27 @@ def test_checkpoint_errors(tmp_path, hf_dir):
     (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(CheckpointError, match="no chat template"):
         HFTokenizer(str(tmp_path)).apply_chat_template(CONVERSATION)
+
+
+@pytest.mark.parametrize(
+    "field,value,words",
+    [
+        ("eos_token", 5, "eos_token 5 in"),  # each a TypeError or AttributeError traceback before
+        ("bos_token", {"content": 1}, "bos_token 1 in"),
+        ("added_tokens_decoder", "x", "added_tokens_decoder in"),
+        ("added_tokens_decoder", {"x": {"content": "<|eos|>"}}, "added_tokens_decoder in"),
+        ("added_tokens_decoder", {"257": "<|eos|>"}, "added_tokens_decoder in"),
+        ("chat_template", 5, "chat_template: expected a string, got int"),
+        ("chat_template", [1], "chat_template: expected a string or a list"),
+        ("chat_template", [{"name": "default", "template": 2}], "chat_template: expected a string, got int"),
+    ],
+)
+def test_tokenizer_config_fields_of_the_wrong_type_are_named(tmp_path, hf_dir, field, value, words):
+    (tmp_path / "tokenizer.json").write_bytes(open(os.path.join(hf_dir, "tokenizer.json"), "rb").read())
+    config = json.loads(open(os.path.join(hf_dir, "tokenizer_config.json")).read())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(CheckpointError, match=re.escape(words)):
+        HFTokenizer(str(tmp_path))
 
 
 def test_config_only_tokens_and_int_eos(tmp_path, hf_dir):
