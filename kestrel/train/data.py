@@ -15,6 +15,7 @@ Dimension letters: B rows per batch, T tokens per row, N documents (plus one pad
 from __future__ import annotations
 
 import collections
+import math
 import multiprocessing
 import queue
 import signal
@@ -30,7 +31,7 @@ from kestrel.tokenizer import Tokenizer, load_tokenizer
 from kestrel.train.chat_format import assistant_text, render
 from kestrel.train.family import HELDOUT_SEED_OFFSET, Example, Family, derive_seed
 from kestrel.train.retrieval import Retrieval
-from kestrel.train.tasks import make_family
+from kestrel.train.tasks import FAMILIES, make_family
 from kestrel.utils.errors import ConfigError
 
 # Per document; a 2K-token retrieval document weighs about 20 arithmetic ones in tokens.
@@ -66,9 +67,28 @@ class MixtureConfig:
     loss_weights: dict[str, float] = field(default_factory=dict)
 
 
+def _check_family_numbers(config: MixtureConfig) -> None:
+    """ValueError for a family name that is none (in levels or loss_weights it was ignored) or a weight that is
+    not a finite number >= 0: an infinite draw weight made every draw the last family's, NaN dropped the family
+    silently, and a negative loss weight trained the family's loss up."""
+    for what, table in (
+        ("weights", config.weights),
+        ("levels", config.levels),
+        ("loss_weights", config.loss_weights),
+    ):
+        unknown = sorted(set(table) - set(FAMILIES))
+        if unknown:
+            raise ValueError(f"{what}: unknown task family {unknown[0]!r}; choose from {sorted(FAMILIES)}")
+    for what, table in (("weights", config.weights), ("loss_weights", config.loss_weights)):
+        for name, w in table.items():
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < math.inf:
+                raise ValueError(f"{what}[{name!r}] must be a finite number >= 0, got {w!r}")
+
+
 class Mixture:
     def __init__(self, config: MixtureConfig | None = None, tokenizer: Tokenizer | None = None):
         self.config = config or MixtureConfig()
+        _check_family_numbers(self.config)
         weights = {name: w for name, w in self.config.weights.items() if w > 0}
         if not weights:
             raise ValueError("the mixture needs at least one family with a positive weight")

@@ -271,6 +271,29 @@ def test_heldout_prompts_never_appear_in_train(name):
     assert len(set(heldout)) > n // 4  # a real sample, not one repeated problem
 
 
+@pytest.mark.parametrize(
+    "fields,words",
+    [
+        (
+            dict(weights={"chain_sum": float("inf"), "countdown": 1.0}),
+            "weights['chain_sum'] must be a finite",
+        ),
+        (
+            dict(weights={"chain_sum": 1.0, "countdown": float("nan")}),
+            "weights['countdown'] must be a finite",
+        ),
+        (dict(loss_weights={"chain_sum": -1.0}), "loss_weights['chain_sum'] must be a finite number >= 0"),
+        (dict(loss_weights={"chain_sums": 2.0}), "loss_weights: unknown task family 'chain_sums'"),
+        (dict(levels={"gsm": "easy"}), "levels: unknown task family 'gsm'"),
+    ],
+)
+def test_mixture_numbers_and_names_that_mean_nothing_are_refused(fields, words):
+    """Each was taken silently: an infinite weight drew the last family only, NaN dropped its family, a negative
+    loss weight trained that family's loss up, and a misspelt family's level or loss weight was ignored."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        Mixture(MixtureConfig(**fields))
+
+
 def test_mixture_heldout_disjoint_from_train():
     mixture = Mixture(MixtureConfig(retrieval_context_tokens=(256,)))
     n = 300
