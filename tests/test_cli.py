@@ -418,6 +418,14 @@ def test_train_retrieval_loss_weight_argument(capsys):
         assert "--retrieval-loss-weight" in capsys.readouterr().err
 
 
+def test_train_out_that_is_a_file_is_named(capsys, tmp_path):
+    """`kestrel train --out FILE` said only "[Errno 17] File exists: 'FILE'"."""
+    file = tmp_path / "notes.txt"
+    file.write_text("x")
+    code, _, err = run(capsys, "train", "--out", str(file), "--model", "tiny")
+    assert_one_line_error(code, err, 1, f"--out {file}: exists and is not a folder")
+
+
 def test_train_time_budget_argument(capsys):
     """`--time-budget-s` is a finite positive number: -5 trained one step, 0 and nan ran without a budget."""
     from kestrel.serve.cli import build_parser

@@ -47,6 +47,8 @@ def cmd_train(args) -> int:
     from kestrel.config import TrainConfig
     from kestrel.train.trainer import Trainer
 
+    if args.out.exists() and not args.out.is_dir():  # (the mkdir's "[Errno 17] File exists" named no option)
+        raise KestrelError(f"--out {args.out}: exists and is not a folder (the run's folder)")
     cfg = TrainConfig(
         out_dir=str(args.out),
         model=args.model,
