@@ -296,6 +296,16 @@ def test_bad_config_names_the_field(fmt, mutate, field):
 # -- bad config.json files ---------------------------------------------------------------------------------
 
 
+def test_a_training_runs_folder_points_at_its_checkpoint(tmp_path):
+    """`kestrel eval --model runs/demo` (the run, not runs/demo/checkpoint) said only "no config.json"."""
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "config.json").write_text("{}")
+    with pytest.raises(
+        ConfigError, match=f"a training run's folder\\? its checkpoint is {tmp_path / 'checkpoint'}"
+    ):
+        ModelConfig.from_hf(tmp_path)
+
+
 def test_missing_config_json(tmp_path):
     with pytest.raises(ConfigError, match="config.json"):
         ModelConfig.from_hf(tmp_path)

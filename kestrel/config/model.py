@@ -118,7 +118,11 @@ class ModelConfig:
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         if not file.exists():
-            raise ConfigError(f"no config.json at {file}")
+            run = (
+                path / "checkpoint" / "config.json"
+            )  # `kestrel train --out`'s folder given for its checkpoint
+            hint = f" (a training run's folder? its checkpoint is {run.parent})" if run.is_file() else ""
+            raise ConfigError(f"no config.json at {file}{hint}")
         try:
             raw = json.loads(file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
