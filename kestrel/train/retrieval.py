@@ -128,10 +128,25 @@ class Retrieval(Family):
 
 
 def _code_sharing_prefix(rng: random.Random, codes: list[int], n: int) -> int:
-    """A 5-digit code that starts with exactly the first n digits of codes[0] and is none of `codes`."""
+    """A 5-digit code that starts with exactly the first n digits of codes[0] and is none of `codes`; with n
+    digits' every code taken (only 9 share 4 digits: 10+ distractors at --retrieval-shared-all), one digit fewer
+    (the loop below looked for a free one forever)."""
     asked = str(codes[0])
+    while n > 1 and 9 * 10 ** (4 - n) < len(codes) and _all_taken(asked, n, set(codes)):
+        n -= 1
     while True:
         nxt = rng.choice([d for d in "0123456789" if d != asked[n]])  # the first digit that differs
         code = int(asked[:n] + nxt + "".join(rng.choice("0123456789") for _ in range(4 - n)))
         if code not in codes:
             return code
+
+
+def _all_taken(asked: str, n: int, codes: set[int]) -> bool:
+    """Whether every 5-digit code that starts with exactly the first n digits of `asked` is in `codes`."""
+    rest = 4 - n
+    return all(
+        int(asked[:n] + d + f"{tail:0{rest}d}" if rest else asked[:n] + d) in codes
+        for d in "0123456789"
+        if d != asked[n]
+        for tail in range(10**rest)
+    )

@@ -5,6 +5,7 @@ import json
 import multiprocessing
 import multiprocessing.pool
 import os
+import random
 import re
 import threading
 import time
@@ -231,6 +232,22 @@ def test_retrieval_shared_all_distractors():
         assert verify(ex, f"Answer: {answer}")
     singles = [_codes(one.generate(0, i, **SMALL_RETRIEVAL)) for i in range(30)]
     assert any(sum(o[0] == a[0] for o in others) < len(others) for a, others in singles)
+
+
+def test_retrieval_shared_all_with_many_distractors_does_not_hang():
+    """Only 9 codes share the asked code's first 4 digits: with 32 distractors, the tenth to draw 4 looked for a
+    free code forever (`kestrel train --retrieval-distractors 32,32 --retrieval-shared-prefix 1
+    --retrieval-shared-all` never made its first batch). It shares 3 digits instead."""
+    from kestrel.train.retrieval import _code_sharing_prefix
+
+    codes = [12345] + [12340, 12341, 12342, 12343, 12344, 12346, 12347, 12348, 12349]  # every 4-digit sharer
+    code = _code_sharing_prefix(random.Random(0), codes, 4)
+    assert len(os.path.commonprefix(["12345", str(code)])) == 3 and code not in codes
+    many = make_family("retrieval", shared_prefix=1.0, shared_all=True, distractors=(32, 32))
+    for i in range(40):
+        answer, others = _codes(many.generate(0, i, **SMALL_RETRIEVAL))
+        assert len(others) == 32 and len(set(others + [answer])) == 33
+        assert all(1 <= len(os.path.commonprefix([answer, o])) <= 4 for o in others), (answer, others)
 
 
 def test_retrieval_distractor_count_override():
