@@ -4,6 +4,7 @@ for the common arguments (and accepting SGLang-style sampling dicts such as {"ma
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 
 from tqdm import tqdm
@@ -135,23 +136,41 @@ def _normalize_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
         raise ValueError(
             "prompts must be a string, token ids, or a non-empty list of them (bytes: decode them)"
         )
-    if all(isinstance(t, int) for t in prompts):
-        return [(None, list(prompts))]
+    flat = _token_ids(prompts)
+    if flat is not None:
+        return [(None, flat)]
     items = []
     for p in prompts:
         if isinstance(p, str):
             items.append((p, None))
         elif isinstance(p, dict):
             text, ids = p.get("prompt"), p.get("prompt_token_ids")
+            if ids is not None:
+                ids = _token_ids(ids)
+                if ids is None:
+                    raise ValueError(f'"prompt_token_ids" must be a list of token ids, not {_preview(p)}')
             if (text is None) == (ids is None) or not isinstance(text, (str, type(None))):
                 raise ValueError(f'a prompt dict holds "prompt" (a string) or "prompt_token_ids", not {p!r}')
             items.append((text, ids))
-        elif (
-            isinstance(p, Sequence)
-            and not isinstance(p, (bytes, bytearray))
-            and all(isinstance(t, int) for t in p)
-        ):
-            items.append((None, list(p)))
+        elif (ids := _token_ids(p)) is not None:
+            items.append((None, ids))
         else:
-            raise ValueError(f"cannot read prompt {p!r}")
+            raise ValueError(f"cannot read prompt {_preview(p)}")
     return items
+
+
+def _token_ids(value) -> list[int] | None:
+    """`value` as a list of token ids, where it is a sequence of integers (Python's, numpy's, or an integer
+    array or tensor, as tokenizers return them; not bools); else None. (An array in "prompt_token_ids" was numpy's
+    "truth value of an array is ambiguous"; numpy integers in a list, "cannot read prompt".)"""
+    if isinstance(value, (str, bytes, bytearray, dict)) or not hasattr(value, "__iter__"):
+        return None
+    items = list(value)
+    if any(
+        isinstance(t, bool) or getattr(t, "dtype", None) is not None and "bool" in str(t.dtype) for t in items
+    ):
+        return None
+    try:
+        return [operator.index(t) for t in items]
+    except TypeError:
+        return None

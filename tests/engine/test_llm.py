@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from kestrel.engine.llm import LLM
 from kestrel.engine.sampling_params import SamplingParams
@@ -70,6 +71,27 @@ def test_generate_refuses_what_is_not_a_prompt(llm, prompts):
     with pytest.raises(ValueError, match="prompt"):
         llm.generate(prompts, GREEDY, use_tqdm=False)
     assert not llm.engine.requests
+
+
+def test_token_ids_from_numpy_or_torch_are_prompts(llm):
+    """Tokenizers hand ids back as numpy arrays or tensors: {"prompt_token_ids": array} was numpy's "truth value
+    of an array is ambiguous", a list of numpy integers "cannot read prompt"."""
+    import numpy as np
+
+    ids = [5, 6, 7]
+    want = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for prompt in (
+        {"prompt_token_ids": np.array(ids)},
+        {"prompt_token_ids": torch.tensor(ids)},
+        [np.int64(i) for i in ids],
+        [np.array(ids, dtype=np.int32)],
+    ):
+        out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want
+        assert all(type(t) is int for t in out.prompt_token_ids)
+    for bad in ({"prompt_token_ids": np.array([True, False])}, {"prompt_token_ids": np.array([1.5])}):
+        with pytest.raises(ValueError, match="prompt_token_ids"):
+            llm.generate(bad, GREEDY, use_tqdm=False)
 
 
 @pytest.mark.parametrize(
