@@ -407,6 +407,7 @@ class Trainer:
                 f"{path}: this training state does not fit the model ({_first_line(e)[:200]}); resume it with the same "
                 "model and Kestrel version, or train into a new --out"
             ) from None
+        self._check_same_tokenizer()
         self.data.load_state_dict(state["data"])
         self.step, self.history = state["step"], state["history"]
         self.train_seconds = state.get("train_seconds", 0.0)
@@ -418,6 +419,20 @@ class Trainer:
                 "[kestrel] changed since the saved run: "
                 + ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in changed),
                 file=sys.stderr,
+            )
+
+    def _check_same_tokenizer(self) -> None:
+        """A resumed run goes on with the tokenizer it trained with (its checkpoint's copy): another one's ids mean
+        other text to the weights, which went on training on them with only a line saying the option changed (a
+        run started with --tokenizer and resumed without it trained a new BPE into <out>/tokenizer)."""
+        trained = self.out / "checkpoint" / "tokenizer.json"
+        given = self.tokenizer_dir / "tokenizer.json"
+        if not trained.is_file() or trained == given:
+            return
+        if not given.is_file() or json.loads(trained.read_text()) != json.loads(given.read_text()):
+            raise CheckpointError(
+                f"{self.out} trained with the tokenizer in {trained.parent}, not the one in {self.tokenizer_dir}: "
+                f"resume it with --tokenizer {trained.parent}, or train into a new --out"
             )
 
     def summary(self, seconds: float, tokens: int) -> dict:

@@ -226,6 +226,30 @@ def test_resume_reaches_the_same_weights(tmp_path, byte_tok, capsys):
     )
 
 
+def test_resuming_with_another_tokenizer_is_refused(tmp_path, byte_tok):
+    """Another tokenizer's ids mean other text to the weights: the run went on training with it, saying only that
+    the option changed. The same tokenizer from another folder (or written another way) resumes."""
+    import shutil
+
+    Trainer(_cfg(tmp_path / "run", byte_tok, steps=2)).train()
+    same, other = tmp_path / "same", tmp_path / "other"
+    shutil.copytree(byte_tok, same)
+    (same / "tokenizer.json").write_text(
+        json.dumps(json.loads((same / "tokenizer.json").read_text()), indent=4)
+    )
+    assert Trainer(_cfg(tmp_path / "run", str(same), steps=2)).step == 2
+    shutil.copytree(byte_tok, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab)[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two bytes' ids swapped: same size, other meaning
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(
+        CheckpointError, match=r"trained with the tokenizer in .*checkpoint, not the one in .*other"
+    ):
+        Trainer(_cfg(tmp_path / "run", str(other), steps=4))
+
+
 def test_a_training_state_of_another_layout_is_one_clear_error(tmp_path, byte_tok):
     """A trainer_state.pt whose parameters do not fit the model (another model, or an older parameter layout)
     stops the resume with a CheckpointError that names the file, not a raw load_state_dict traceback."""
