@@ -456,6 +456,12 @@ def test_text_that_is_not_utf8_is_one_line(checkpoint, capsys, monkeypatch):
     assert code == 0 and "Traceback" not in err, err
     assert "that line is not valid UTF-8 (byte 0xe9 at character 3); type it again" in err
     assert out.count("> ") == 3  # the bad line, "hi", and the end
+    # a UTF-8 locale's stdin decodes strictly: input() raised UnicodeDecodeError, a traceback
+    strict = io.TextIOWrapper(io.BytesIO(b"caf\xe9\nhi\n"), encoding="utf-8", errors="strict")
+    monkeypatch.setattr("sys.stdin", strict)
+    code, out, err = run(capsys, "chat", "--model", str(checkpoint), "--max-new-tokens", "2")
+    assert code == 0 and "Traceback" not in err, err
+    assert "that line is not valid UTF-8 (byte 0xe9 at character 3)" in err and out.count("> ") == 3
 
 
 def test_seeds_and_workers_out_of_range_are_usage_errors(capsys):
