@@ -161,7 +161,13 @@ class Trainer:
             return own
         path = self.out / "tokenizer"
         if not (path / "tokenizer.json").exists():
-            build_tokenizer(str(path), vocab_size=self.model.config.vocab_size, seed=self.cfg.seed)
+            # built beside, then renamed: a run stopped while it wrote left a tokenizer.json without its
+            # tokenizer_config.json (no pad token), which the next run took for a whole tokenizer
+            partial = path.with_name(path.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            build_tokenizer(str(partial), vocab_size=self.model.config.vocab_size, seed=self.cfg.seed)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(partial, path)
         return path
 
     # -- the loop -----------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -224,6 +225,28 @@ def test_resume_reaches_the_same_weights(tmp_path, byte_tok, capsys):
     assert [r["loss"] for r in straight.history] == pytest.approx(
         [r["loss"] for r in resumed.history], abs=1e-5
     )
+
+
+def test_a_tokenizer_build_cut_short_is_built_again(tmp_path, monkeypatch):
+    """A run stopped while it wrote its BPE left tokenizer.json alone, and the next run took it for the whole
+    tokenizer (without its config: no pad token, "packing needs a tokenizer with a pad token")."""
+    import kestrel.train.trainer as trainer_module
+
+    build = trainer_module.build_tokenizer
+
+    def cut_short(out_dir, **kwargs):
+        build(out_dir, **kwargs)
+        (Path(out_dir) / "tokenizer_config.json").unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer_module, "build_tokenizer", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(_cfg(tmp_path, None))
+    monkeypatch.setattr(trainer_module, "build_tokenizer", build)
+    trainer = Trainer(_cfg(tmp_path, None))
+    assert (
+        tmp_path / "tokenizer" / "tokenizer_config.json"
+    ).exists() and trainer.tokenizer.pad_token_id is not None
 
 
 def test_resuming_with_another_tokenizer_is_refused(tmp_path, byte_tok):
