@@ -462,9 +462,8 @@ def _swap_in(new: Path, ckpt: Path) -> None:
     """Put the folder `new` in the place of `ckpt` by renames. A kill between the two leaves the last checkpoint
     whole as <ckpt>.old, which `_recover_checkpoint` puts back."""
     old = ckpt.with_name(ckpt.name + ".old")
-    if (
-        ckpt.exists()
-    ):  # (else a kill between the renames left the last one at `old`: keep it until `new` is in)
+    # (without `ckpt`, a kill between the renames left the last one at `old`: keep it until `new` is in)
+    if ckpt.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(ckpt, old)
     os.replace(new, ckpt)
