@@ -118,9 +118,8 @@ class ModelConfig:
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         if not file.exists():
-            run = (
-                path / "checkpoint" / "config.json"
-            )  # `kestrel train --out`'s folder given for its checkpoint
+            # `kestrel train --out`'s folder given for its checkpoint
+            run = path / "checkpoint" / "config.json"
             hint = f" (a training run's folder? its checkpoint is {run.parent})" if run.is_file() else ""
             raise ConfigError(f"no config.json at {file}{hint}")
         try:
