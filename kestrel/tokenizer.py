@@ -420,6 +420,7 @@ class IncrementalDetokenizer:
         self._ids = [int(i) for i in (prompt_ids or [])][-self._PROMPT_CONTEXT :]
         self._prefix_offset = 0  # window start: ids already emitted, decoded only as context
         self._read_offset = len(self._ids)  # ids from here on have not been emitted
+        self._held = ""  # their text as the last step decoded it (ends in U+FFFD while a character is open)
 
     def add(self, token_ids: list[int]) -> str:
         self._ids.extend(int(i) for i in token_ids)
@@ -430,24 +431,19 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def held(self) -> str:
-        """The text of the ids added but not emitted yet, as it decodes now (it ends in U+FFFD)."""
-        if self._read_offset == len(self._ids):
-            return ""
-        prefix_text, text = self._decode_window()
-        return text[len(prefix_text) :]
-
-    def _decode_window(self) -> tuple[str, str]:
-        """The text of the window's emitted ids (the left context), and of the whole window."""
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-        window = self._ids[self._prefix_offset :]
-        return decode(window[: self._read_offset - self._prefix_offset]), decode(window)
+        """The text of the ids added but not emitted yet (it ends in U+FFFD), from the last step's decode."""
+        return self._held
 
     def _advance(self, final: bool) -> str:
-        prefix_text, text = self._decode_window()
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset])
+        text = decode(self._ids[self._prefix_offset :])
+        self._held = text[len(prefix_text) :]
         if len(text) <= len(prefix_text) or (text.endswith("\ufffd") and not final):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return text[len(prefix_text) :]
+        new, self._held = self._held, ""
+        return new
 
 
 class StopStringMatcher:

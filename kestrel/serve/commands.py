@@ -277,10 +277,10 @@ def cmd_chat(args) -> int:
     # a tokenizer without a chat template (or one refusing a system turn): said now, not after the first line
     tokenizer.apply_chat_template([*start, {"role": "user", "content": "hi"}], add_generation_prompt=True)
     print(f"[kestrel] chatting with {args.model} (empty line to quit, /reset to start over)", file=sys.stderr)
-    if hasattr(
-        sys.stdin, "reconfigure"
-    ):  # a line that is not UTF-8 reaches utf8_text below (in a UTF-8 locale
-        sys.stdin.reconfigure(errors="surrogateescape")  # input() raised UnicodeDecodeError: a traceback)
+    # a line that is not UTF-8 reaches utf8_text below (in a UTF-8 locale input() raised UnicodeDecodeError: a
+    # traceback)
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         try:
             line = input("> ").strip()

@@ -166,8 +166,7 @@ class Trainer:
             partial = path.with_name(path.name + ".partial")
             shutil.rmtree(partial, ignore_errors=True)
             build_tokenizer(str(partial), vocab_size=self.model.config.vocab_size, seed=self.cfg.seed)
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(partial, path)
+            _swap_in(partial, path)
         return path
 
     # -- the loop -----------------------------------------------------------------------------------------
@@ -459,8 +458,8 @@ class Trainer:
 
 
 def _swap_in(new: Path, ckpt: Path) -> None:
-    """Put the folder `new` in the place of `ckpt` by renames. A kill between the two leaves the last checkpoint
-    whole as <ckpt>.old, which `_recover_checkpoint` puts back."""
+    """Put the folder `new` in the place of `ckpt` (a checkpoint, or the run's tokenizer) by renames. A kill
+    between the two leaves the last checkpoint whole as <ckpt>.old, which `_recover_checkpoint` puts back."""
     old = ckpt.with_name(ckpt.name + ".old")
     # (without `ckpt`, a kill between the renames left the last one at `old`: keep it until `new` is in)
     if ckpt.exists():
