@@ -86,8 +86,21 @@ _sync: dict[
 # holds them through the gate/up items too: at the defaults 3 programs an SM then, too few, so none early)
 # router_early: each program's first router item's weights loaded before the PDL wait (on since session 57: the
 # module docstring has its timings)
+# route_l1: the routing's partial logits read through L1 (plain loads after barrier 0's acquiring polls), so the
+# programs of an SM share them, instead of past it (.cg); untimed until scripts/decode_kernels_check.py's moe_fused
 TILES = dict(
-    bd=64, ks=1, bn_g=4, bk_g=512, bn_d=4, bk_d=256, warps=4, per_sm=4, defer=1, early=2, router_early=1
+    bd=64,
+    ks=1,
+    bn_g=4,
+    bk_g=512,
+    bn_d=4,
+    bk_d=256,
+    warps=4,
+    per_sm=4,
+    defer=1,
+    early=2,
+    router_early=1,
+    route_l1=0,
 )
 _fits: dict[tuple, int] = {}  # a launch's shapes and constants -> how many of its programs an SM holds
 
@@ -168,11 +181,12 @@ def _stamp(row, k: tl.constexpr, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS):
+def _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS, CACHE):
     """Token t's routing from its S partial logits, added in a fixed order (every program gets the same bits):
-    (weights [BA] fp32, scaled; ids [BA] int64). Read past L1: other programs wrote them in this launch."""
+    (weights [BA] fp32, scaled; ids [BA] int64). CACHE the loads' cache modifier: ".cg" reads past L1; ""
+    (TILES' route_l1) lets an SM's programs share the lines in L1, safe after the barrier's acquiring polls."""
     cols = tl.arange(0, BE)
-    acc = _summed_logits(partial + t * S * BE, S, BE, E, BE, BS, ".cg")
+    acc = _summed_logits(partial + t * S * BE, S, BE, E, BE, BS, CACHE)
     w_top, id_top = _pick(acc, cols, cols < E, bias, HAS_BIAS, RENORM, A, BA)
     return w_top * scaling, id_top
 
@@ -264,13 +278,15 @@ def _gate_up_phase(
     A: tl.constexpr, SL: tl.constexpr, BA: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr, KS: tl.constexpr,
     KCH: tl.constexpr, BN_G: tl.constexpr, BK_G: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
     SITU: tl.constexpr, BF16: tl.constexpr, DEFER: tl.constexpr, trace_row,
-    TRACE: tl.constexpr,
+    TRACE: tl.constexpr, ROUTE_CACHE: tl.constexpr,
 ):  # fmt: skip
     """The gate/up items (token, slot, tile of I, slice of D) after the routing every program computes from the
     partial logits; program 0 stores the routing. (The shared expert's items beside the router's instead, in
     the programs it leaves idle, made the layer slower: 21.5 against 20.4 us, session 39.)"""
     for t in range(0, T):
-        w_top, id_top = _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS)
+        w_top, id_top = _route_token(
+            partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS, ROUTE_CACHE
+        )
         _store_routing(weights_out, ids_out, w_top, id_top, t, pid, A, BA)
         if t == 0:
             _stamp(trace_row, 3, TRACE)  # the first token routed
@@ -453,6 +469,7 @@ def _moe_decode_kernel(
     SHARED: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     BF16: tl.constexpr,
+    ROUTE_CACHE: tl.constexpr,
     PHASE: tl.constexpr,
     MAX_SPIN: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -484,7 +501,9 @@ def _moe_decode_kernel(
         _grid_sync(sync, 0, nprog, MAX_SPIN)
         _stamp(row, 2, TRACE)
     if PHASE == 0 and EARLY > 0:  # one token: this program's down item, its weights held through barrier 1
-        w_top, id_top = _route_token(partial, bias, 0, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS)
+        w_top, id_top = _route_token(
+            partial, bias, 0, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS, ROUTE_CACHE
+        )
         _store_routing(weights_out, ids_out, w_top, id_top, 0, pid, A, BA)
         _stamp(row, 3, TRACE)
         smask = tl.arange(0, BA) < A
@@ -508,6 +527,7 @@ def _moe_decode_kernel(
         _gate_up_phase(
             x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling, beta,
             linear_beta, A, SL, BA, BE, BS, KS, KCH, BN_G, BK_G, HAS_BIAS, RENORM, SITU, BF16, DEFER, row, TRACE,
+            ROUTE_CACHE,
         )  # fmt: skip
     if PHASE == 0 or PHASE == 2:
         _stamp(row, 4, TRACE)
@@ -639,7 +659,7 @@ def moe_decode_triton(
     consts = dict(
         A=top_k, BA=BA, BE=BE, BS=min(triton.next_power_of_2(S), max(1, 8192 // BE)), BD=BD, KS=KS, KCH=KCH,
         BN_G=t["bn_g"], BK_G=t["bk_g"], BN_D=t["bn_d"], BK_D=t["bk_d"], DEFER=bool(t["defer"]),
-        ROUTER_EARLY=bool(t["router_early"]),
+        ROUTER_EARLY=bool(t["router_early"]), ROUTE_CACHE="" if t["route_l1"] else ".cg",
         TRACE=trace is not None,
         HAS_BIAS=correction_bias is not None, RENORM=renormalize, SITU=act == "situ",
         SHARED=shared is not None, ACCUMULATE=accumulate, BF16=x.dtype == torch.bfloat16,
