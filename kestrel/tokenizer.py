@@ -459,12 +459,19 @@ class StopStringMatcher:
         self.matched: str | None = None  # the stop string reached
         self._held = ""
 
-    def feed(self, new_text: str) -> tuple[str, bool]:
-        """Returns (text safe to emit now, whether a stop string has been reached)."""
+    def feed(self, new_text: str, armed_from: int = 0) -> tuple[str, bool]:
+        """Returns (text safe to emit now, whether a stop string has been reached). Only a stop string that ends
+        past new_text[:armed_from] counts (min_tokens: the text before was made by the tokens before it); its
+        start may lie before, in the tail held back."""
         if self.stopped:
             return "", True
         text = self._held + new_text
-        hits = [(i, -len(s)) for i, s in ((text.find(s), s) for s in self.stop_strings) if i >= 0]
+        floor = len(self._held) + armed_from  # a hit ends past here (none ends inside the held tail)
+        hits = [
+            (i, -len(s))
+            for i, s in ((text.find(s, max(0, floor - len(s) + 1)), s) for s in self.stop_strings)
+        ]
+        hits = [hit for hit in hits if hit[0] >= 0]
         if hits:
             self.stopped, self._held = True, ""
             at, minus_len = min(hits)  # the first to start; of those starting there, the longest

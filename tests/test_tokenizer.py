@@ -349,6 +349,23 @@ def test_stop_string_matcher_withholds_only_possible_starts():
         StopStringMatcher([""])
 
 
+def test_stop_string_matcher_counts_only_what_ends_past_armed_from():
+    """min_tokens: a stop string ended in the text before `armed_from` does not count; one begun there and ended
+    after does, its start taken from the tail held back."""
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.feed("a STOP b ST", armed_from=11) == ("a STOP b ", False)  # all early; "ST" held
+    assert matcher.feed("OP c", armed_from=0) == ("", True) and matcher.matched == "STOP"
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.feed("a STOP b STOP", armed_from=10) == ("a STOP b ", True)  # the second ends past 10
+    # a shorter stop string whole inside the held tail was early; the longer one it begins is not
+    matcher = StopStringMatcher(["b", "abc"])
+    assert matcher.feed("xab", armed_from=3) == ("x", False)
+    assert matcher.feed("z") == ("abz", False)
+    matcher = StopStringMatcher(["b", "abc"])
+    matcher.feed("xab", armed_from=3)
+    assert matcher.feed("c") == ("", True) and matcher.matched == "abc"
+
+
 def test_stop_string_matcher_random_splits():
     import random
 

@@ -378,21 +378,31 @@ class Engine:
 
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params
-        if len(req.output_ids) >= p.min_tokens:
-            if token in p.stop_token_ids:
-                return self._finish(req, "stop", token)
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return self._finish(req, "stop", None)
-            if p.stop:
-                detok = self._detok[req.request_id]
-                text = req.detok_text + detok.add([token])
-                req.detok_text = text
-                tail = text[-(max(len(s) for s in p.stop) + 32) :]
-                hit = next((s for s in p.stop if s in tail), None)
-                if hit is not None:
-                    return self._finish(req, "stop", hit)
+        armed = len(req.output_ids) >= p.min_tokens  # stops count from the min_tokens-th output on
+        if armed and token in p.stop_token_ids:
+            return self._finish(req, "stop", token)
+        if armed and not p.ignore_eos and token in self.eos_token_ids:
+            return self._finish(req, "stop", None)
+        if p.stop:
+            hit = self._stop_string(req, token, armed)
+            if hit is not None:
+                return self._finish(req, "stop", hit)
         if req.num_tokens >= req.max_total_tokens:
             self._finish(req, "length", None)
+
+    def _stop_string(self, req: Request, token: int, armed: bool) -> str | None:
+        """The stop string this token's text completes, if any (armed: min_tokens are out). Every token is
+        decoded, so a stop string begun before min_tokens and ended after counts (as in vLLM); one ended before
+        does not. Only the tail a stop string could still begin in is kept."""
+        new = self._detok[req.request_id].add([token])
+        text = req.detok_text + new
+        old = len(text) - len(new)  # a hit must end past here, in this token's text
+        longest = max(len(s) for s in req.params.stop)
+        req.detok_text = text[max(0, len(text) - longest + 1) :]
+        if not armed or not new:
+            return None
+        hits = [(i, s) for s in req.params.stop if (i := text.find(s, max(0, old - len(s) + 1))) >= 0]
+        return min(hits, key=lambda h: (h[0], -len(h[1])))[1] if hits else None
 
     def _finish(self, req: Request, reason: str, stop_reason) -> None:
         self.scheduler.finish(req, reason, stop_reason)

@@ -110,7 +110,11 @@ class LLM:
         text = self.tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)
         if isinstance(out.stop_reason, str):
             matcher = StopStringMatcher(p.stop, p.include_stop_str_in_output)
-            text, stopped = matcher.feed(text)
+            # a stop string ended by the tokens before the min_tokens-th did not count
+            early = len(
+                self.tokenizer.decode(shown[: p.min_tokens - 1], skip_special_tokens=p.skip_special_tokens)
+            )
+            text, stopped = matcher.feed(text, early if p.min_tokens > 1 else 0)
             text += "" if stopped else matcher.flush()
         return CompletionOutput(
             index, text, ids, out.finish_reason, out.stop_reason, lps if p.logprobs is not None else None

@@ -5,8 +5,9 @@ OpenAI APIs (chat: `logprobs.content[...]`; completions: `tokens`, `token_logpro
 
 The engine stops a request at a stop string on its own; here the text is cut before the stop string, holding
 back any tail that may begin one so that a stream never shows part of it. Should the text here reach a stop
-string before the engine does (whose detokenizer has no prompt ids as left context and starts only once
-`min_tokens` are out), the choice ends here and the caller aborts the engine request.
+string before the engine does (whose detokenizer has no prompt ids as left context), the choice ends here and
+the caller aborts the engine request. Both count a stop string only where it ends in the text of the
+min_tokens-th token or later.
 """
 
 from __future__ import annotations
@@ -50,20 +51,27 @@ class ChoiceState:
             self.first_token_time = self.first_token_time or time.monotonic()
             self.last_token_time = time.monotonic()
         piece = ""
+        # Stop strings count only where they end in the text of the min_tokens-th token or later (as in the
+        # engine): `early` is the piece's text made before it.
+        early = 0
+        before = len(self.token_ids) - len(out.new_token_ids)  # this choice's tokens before this output
         # a stop token's text (EOS or one of stop_token_ids) is not shown, as in vLLM, unless asked for
         shown = len(out.new_token_ids) - (out.stopped_by_token and not self.include_stop)
-        for token in out.new_token_ids[:shown]:  # one at a time: each token's own offset
+        for i, token in enumerate(out.new_token_ids[:shown]):  # one at a time: each token's own offset
             held = self.detokenizer.held()
             text = self.detokenizer.add([token])
             self.text_offsets.append(self.decoded + _token_start(held, text or self.detokenizer.held()))
             piece, self.decoded = piece + text, self.decoded + len(text)
+            if before + i + 1 < self.min_tokens:
+                early = len(piece)
         self.text_offsets += [self.decoded] * (len(out.new_token_ids) - shown)
         if out.finished:
             piece += self.detokenizer.flush()
+            if len(self.token_ids) < self.min_tokens:
+                early = len(piece)
         stopped = False
-        # Stop strings count only once min_tokens are out (as in the engine).
-        if self.matcher is not None and len(self.token_ids) >= self.min_tokens:
-            piece, stopped = self.matcher.feed(piece)
+        if self.matcher is not None:
+            piece, stopped = self.matcher.feed(piece, early)
         if out.finished and self.matcher is not None and not stopped:
             piece += self.matcher.flush()
         self.text += piece

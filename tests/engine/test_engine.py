@@ -4,6 +4,7 @@ boundaries, retraction from a tiny pool and mid-flight arrivals; seeded sampling
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -160,6 +161,26 @@ def test_stop_token_ids_eos_and_stop_strings(model):
     out, reason = _run(engine, {"b": (prompt, SamplingParams(temperature=0, max_tokens=16, stop=[stop]))})
     assert reason["b"] == "stop" and stop in engine.tokenizer.decode(out["b"])
     assert out["b"] == free[: len(out["b"])] and len(out["b"]) < 16
+
+
+def test_a_stop_string_counts_where_it_ends_at_or_past_min_tokens(model):
+    """A stop string begun before the min_tokens-th token and ended by it stops the request (the engine decoded
+    only from min_tokens on, and never saw its start); one ended before min_tokens does not."""
+    prompt = _prompt(12, 5)
+    free = _reference(model, prompt, 24)
+    engine = _engine(model)
+
+    def first_here(i: int) -> bool:  # tokens i, i + 1 are two printable characters not seen together before
+        text = engine.tokenizer.decode(free[: i + 2])
+        return all(32 <= t < 127 for t in free[i : i + 2]) and text.find(text[-2:]) == len(text) - 2
+
+    i = next(i for i in range(len(free) - 1) if first_here(i))
+    stop = engine.tokenizer.decode(free[i : i + 2])  # ends with token i + 2 (counting from 1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    out, reason = _run(engine, {"at": (prompt, dataclasses.replace(params, min_tokens=i + 2))})
+    assert out["at"] == free[: i + 2] and reason["at"] == "stop"
+    out, _ = _run(engine, {"past": (prompt, dataclasses.replace(params, min_tokens=i + 3))})
+    assert out["past"] == free[: len(out["past"])] and len(out["past"]) > i + 2
 
 
 def test_logprobs_are_the_models(model):

@@ -144,3 +144,23 @@ def test_a_special_tokens_text_is_a_stop_string_where_it_is_not_skipped(llm):
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
     assert out.token_ids == free.token_ids[: k + 1]
     assert out.text == llm.tokenizer.decode(free.token_ids[:k], skip_special_tokens=False)
+
+
+def test_a_stop_string_passed_over_before_min_tokens_is_not_where_the_text_is_cut(llm):
+    """The text is cut at the stop string that stopped the request, not at an earlier one that ended before
+    min_tokens and did not count."""
+    loose = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    (free,) = llm.generate("abc", loose, use_tqdm=False)[0].outputs
+    ids, text = free.token_ids, free.text
+    # a printable character that shows up at least twice, as a token of its own both times
+    k = next(
+        k for k, t in enumerate(ids) if 32 <= t < 127 and ids.index(t) < k and ids[: k + 1].count(t) == 2
+    )
+    stop = chr(ids[k])
+    (out,) = llm.generate("abc", dataclasses.replace(loose, stop=[stop], min_tokens=k + 1), use_tqdm=False)[
+        0
+    ].outputs
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.token_ids == ids[: k + 1]
+    assert out.text == llm.tokenizer.decode(ids[:k]) and out.text.count(stop) == 1
+    assert text.startswith(out.text)

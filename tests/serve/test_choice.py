@@ -67,3 +67,26 @@ def test_stop_token_and_stop_string_shown_only_when_asked_for(include):
         choice.update(_out(ids[i : i + 1]))
     assert choice.finish_reason == "stop" and choice.text == ("x = 12" if include else "x = ")
     assert choice.stop_reason == "12"  # found here before the engine's output says so: still named
+
+
+@pytest.mark.parametrize("per_step", [1, 2, 5])
+def test_stop_strings_count_where_they_end_at_or_past_min_tokens(per_step):
+    """A stop string ended by the tokens before the min_tokens-th is shown and passed over; one begun there and
+    ended by the min_tokens-th token or later stops the choice (the engine's rule, and vLLM's)."""
+    tok = ByteTokenizer()
+    ids = tok.encode("ab;ab;ab;")
+
+    def run(min_tokens: int) -> ChoiceState:
+        choice = ChoiceState(tok, [0], SamplingParams(stop=["b;"], min_tokens=min_tokens, max_tokens=64))
+        for i in range(0, len(ids), per_step):
+            choice.update(_out(ids[i : i + per_step], finished=i + per_step >= len(ids)))
+        return choice
+
+    assert run(0).text == "a" and run(3).text == "a"  # "b;" ends with the third token
+    straddling = run(5)  # the second "b;" begins with the fifth token, ends with the sixth
+    assert straddling.text == "ab;a" and straddling.finish_reason == "stop"
+    assert run(6).text == "ab;a"  # it ends with the sixth
+    late = run(7)  # the second ended before the seventh: the third stops it
+    assert late.text == "ab;ab;a" and late.stop_reason == "b;"
+    never = run(10)
+    assert never.text == "ab;ab;ab;" and never.finish_reason == "length"
