@@ -129,18 +129,17 @@ def test_phases_apart_through_scratch():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's one-program launch")
-@pytest.mark.parametrize("router_early,route_l1", [(0, 0), (1, 0), (1, 1)], ids=["late", "early", "early-l1"])
+@pytest.mark.parametrize("router_early", [0, 1])
 @pytest.mark.parametrize("early", [0, 1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_one_program_launch_equals_the_phases_on_the_cpu(early, dtype, router_early, route_l1):
+def test_one_program_launch_equals_the_phases_on_the_cpu(early, dtype, router_early):
     """The one-launch path (both grid barriers, PHASE 0) in the interpreter, whose only grid is one program:
     with a down tile over all of D and I one K step, the down weights loaded before the gate/up items (early
-    1), after them (2) or after barrier 1 (0); each the phased launches' bits, the routing's partial logits
-    read through L1 or past it. Larger grids are refused."""
+    1), after them (2) or after barrier 1 (0); each the phased launches' bits. Larger grids are refused."""
     from kestrel.ops.moe.triton_decode import _sync_buffer
 
     p = _layer(1, D=40, I=24, E=6, dtype=dtype, seed=21 + early)
-    tiles = dict(WHOLE_D, bn_d=64, bk_d=32, early=early, router_early=router_early, route_l1=route_l1)
+    tiles = dict(WHOLE_D, bn_d=64, bk_d=32, early=early, router_early=router_early)
     launch = {}
     one = _run(p, 4, "situ", True, True, tiles=tiles, phased=False, programs=1, launch=launch)
     assert launch == {"programs": 1, "early": early}
@@ -217,20 +216,8 @@ MINI = dict(D=2048, I=256, E=64)  # presets._MINI: hidden 2048, 64 experts of wi
         (3, {}, 0),
         (1, dict(router_early=1), 2),
         (3, dict(router_early=1), 0),
-        (1, dict(route_l1=1), 2),
-        (3, dict(route_l1=1), 0),
     ],
-    ids=[
-        "1-early2",
-        "1-early0",
-        "1-early1",
-        "1-early1-fallback",
-        "3",
-        "1-router-early",
-        "3-router-early",
-        "1-route-l1",
-        "3-route-l1",
-    ],  # fmt: skip
+    ids=["1-early2", "1-early0", "1-early1", "1-early1-fallback", "3", "1-router-early", "3-router-early"],
 )
 def test_one_launch_equals_three_at_mini_sizes(T, tiles, taken):
     """The grid barriers: one launch gives the three phased launches' bits, leaves the counters at zero with

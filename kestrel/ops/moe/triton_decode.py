@@ -59,7 +59,11 @@ Session 55 (no GPU lent): TILES' router_early loads each program's first router 
 before the PDL wait (session 40's L2 prefetch of them saved 0.16 us); its sm_90 PTX has the slice's eight 16-byte
 loads a thread before `griddepcontrol.wait`; the interpreter's tests give the same bits as without; off until
 scripts/decode_kernels_check.py's moe_fused (job `moe`) has timed it. Timed in sessions 56 and 57 (H100): 19.17 ->
-18.66 and 19.12 -> 18.62 us a layer, the same bits; on by default since."""
+18.66 and 19.12 -> 18.62 us a layer, the same bits; on by default since. Session 60 (H100) read the routing's
+partial logits through L1 (plain loads after barrier 0's acquiring polls, so an SM's four programs could share
+them) instead of past it (.cg): 18.65 against 18.49 and 18.65 against 18.45 us in two calls, the same bits;
+dropped. Its trace there: barrier 0 passed at ~2 us, every program routed by 3.8-5.4, the gate/up items done by
+5.1-11.3 (their bytes alone 4.8 us), barrier 1 passed at ~13, down done by ~16."""
 
 from __future__ import annotations
 
@@ -86,21 +90,8 @@ _sync: dict[
 # holds them through the gate/up items too: at the defaults 3 programs an SM then, too few, so none early)
 # router_early: each program's first router item's weights loaded before the PDL wait (on since session 57: the
 # module docstring has its timings)
-# route_l1: the routing's partial logits read through L1 (plain loads after barrier 0's acquiring polls), so the
-# programs of an SM share them, instead of past it (.cg); untimed until scripts/decode_kernels_check.py's moe_fused
 TILES = dict(
-    bd=64,
-    ks=1,
-    bn_g=4,
-    bk_g=512,
-    bn_d=4,
-    bk_d=256,
-    warps=4,
-    per_sm=4,
-    defer=1,
-    early=2,
-    router_early=1,
-    route_l1=0,
+    bd=64, ks=1, bn_g=4, bk_g=512, bn_d=4, bk_d=256, warps=4, per_sm=4, defer=1, early=2, router_early=1
 )
 _fits: dict[tuple, int] = {}  # a launch's shapes and constants -> how many of its programs an SM holds
 
@@ -181,12 +172,11 @@ def _stamp(row, k: tl.constexpr, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS, CACHE):
+def _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS):
     """Token t's routing from its S partial logits, added in a fixed order (every program gets the same bits):
-    (weights [BA] fp32, scaled; ids [BA] int64). CACHE the loads' cache modifier: ".cg" reads past L1; ""
-    (TILES' route_l1) lets an SM's programs share the lines in L1, safe after the barrier's acquiring polls."""
+    (weights [BA] fp32, scaled; ids [BA] int64). Read past L1: other programs wrote them in this launch."""
     cols = tl.arange(0, BE)
-    acc = _summed_logits(partial + t * S * BE, S, BE, E, BE, BS, CACHE)
+    acc = _summed_logits(partial + t * S * BE, S, BE, E, BE, BS, ".cg")
     w_top, id_top = _pick(acc, cols, cols < E, bias, HAS_BIAS, RENORM, A, BA)
     return w_top * scaling, id_top
 
@@ -278,15 +268,13 @@ def _gate_up_phase(
     A: tl.constexpr, SL: tl.constexpr, BA: tl.constexpr, BE: tl.constexpr, BS: tl.constexpr, KS: tl.constexpr,
     KCH: tl.constexpr, BN_G: tl.constexpr, BK_G: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
     SITU: tl.constexpr, BF16: tl.constexpr, DEFER: tl.constexpr, trace_row,
-    TRACE: tl.constexpr, ROUTE_CACHE: tl.constexpr,
+    TRACE: tl.constexpr,
 ):  # fmt: skip
     """The gate/up items (token, slot, tile of I, slice of D) after the routing every program computes from the
     partial logits; program 0 stores the routing. (The shared expert's items beside the router's instead, in
     the programs it leaves idle, made the layer slower: 21.5 against 20.4 us, session 39.)"""
     for t in range(0, T):
-        w_top, id_top = _route_token(
-            partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS, ROUTE_CACHE
-        )
+        w_top, id_top = _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS)
         _store_routing(weights_out, ids_out, w_top, id_top, t, pid, A, BA)
         if t == 0:
             _stamp(trace_row, 3, TRACE)  # the first token routed
@@ -469,7 +457,6 @@ def _moe_decode_kernel(
     SHARED: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     BF16: tl.constexpr,
-    ROUTE_CACHE: tl.constexpr,
     PHASE: tl.constexpr,
     MAX_SPIN: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -501,9 +488,7 @@ def _moe_decode_kernel(
         _grid_sync(sync, 0, nprog, MAX_SPIN)
         _stamp(row, 2, TRACE)
     if PHASE == 0 and EARLY > 0:  # one token: this program's down item, its weights held through barrier 1
-        w_top, id_top = _route_token(
-            partial, bias, 0, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS, ROUTE_CACHE
-        )
+        w_top, id_top = _route_token(partial, bias, 0, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, BS)
         _store_routing(weights_out, ids_out, w_top, id_top, 0, pid, A, BA)
         _stamp(row, 3, TRACE)
         smask = tl.arange(0, BA) < A
@@ -527,7 +512,6 @@ def _moe_decode_kernel(
         _gate_up_phase(
             x, bias, w13, ws13, partial, gu, weights_out, ids_out, pid, nprog, T, D, E, I, S, scaling, beta,
             linear_beta, A, SL, BA, BE, BS, KS, KCH, BN_G, BK_G, HAS_BIAS, RENORM, SITU, BF16, DEFER, row, TRACE,
-            ROUTE_CACHE,
         )  # fmt: skip
     if PHASE == 0 or PHASE == 2:
         _stamp(row, 4, TRACE)
@@ -659,7 +643,7 @@ def moe_decode_triton(
     consts = dict(
         A=top_k, BA=BA, BE=BE, BS=min(triton.next_power_of_2(S), max(1, 8192 // BE)), BD=BD, KS=KS, KCH=KCH,
         BN_G=t["bn_g"], BK_G=t["bk_g"], BN_D=t["bn_d"], BK_D=t["bk_d"], DEFER=bool(t["defer"]),
-        ROUTER_EARLY=bool(t["router_early"]), ROUTE_CACHE="" if t["route_l1"] else ".cg",
+        ROUTER_EARLY=bool(t["router_early"]),
         TRACE=trace is not None,
         HAS_BIAS=correction_bias is not None, RENORM=renormalize, SITU=act == "situ",
         SHARED=shared is not None, ACCUMULATE=accumulate, BF16=x.dtype == torch.bfloat16,
