@@ -426,6 +426,34 @@ def test_train_out_that_is_a_file_is_named(capsys, tmp_path):
     assert_one_line_error(code, err, 1, f"--out {file}: exists and is not a folder")
 
 
+def test_resuming_a_run_at_or_past_its_steps_says_so_and_changes_nothing(capsys, tmp_path):
+    """A resume whose --steps the run has reached exited 0 without a word (and rewrote train_summary.json as a run
+    of no steps): equal steps say the run is complete, fewer are an error naming both; the folder stays as it is."""
+    from kestrel.tokenizer import save_byte_tokenizer
+
+    save_byte_tokenizer(tmp_path / "tok")
+    out = tmp_path / "run"
+    tok = str(tmp_path / "tok")
+    argv = ["train", "--out", str(out), "--model", "tiny", "--tokenizer", tok, "--device", "cpu"]
+    argv += ["--batch-rows", "2", "--row-len", "512", "--retrieval-lengths", "256", "--warmup-steps", "1"]
+    assert run(capsys, *argv, "--steps", "2")[0] == 0
+
+    def files() -> dict:
+        return {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+    before = files()
+    code, stdout, err = run(capsys, *argv, "--steps", "2")
+    assert code == 0 and not stdout, err
+    assert err.strip().splitlines() == [
+        f"[kestrel] {out} is already complete at step 2: nothing to train "
+        "(a larger --steps trains on from it)"
+    ]
+    assert files() == before
+    code, _, err = run(capsys, *argv, "--steps", "1")
+    assert_one_line_error(code, err, 1, "at step 2 already", "--steps 1", "--steps above 2")
+    assert files() == before
+
+
 def test_train_time_budget_argument(capsys):
     """`--time-budget-s` is a finite positive number: -5 trained one step, 0 and nan ran without a budget."""
     from kestrel.serve.cli import build_parser

@@ -76,6 +76,9 @@ def cmd_train(args) -> int:
         trainer = Trainer(cfg)
     except ValueError as e:
         raise KestrelError(str(e)) from None
+    # resumed at its last step (the trainer said so): the run's folder and summary stay as they are
+    if trainer.done:
+        return 0
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's stop saves like Ctrl-C
     try:
         summary = trainer.train()

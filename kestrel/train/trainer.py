@@ -40,7 +40,7 @@ from kestrel.train.flops import flops_per_token
 from kestrel.train.objective import family_loss_sums, loss_weight_total
 from kestrel.train.optim import clipped_step
 from kestrel.utils.device import resolve_device, to_host_async
-from kestrel.utils.errors import CheckpointError, TrainingDiverged
+from kestrel.utils.errors import CheckpointError, ConfigError, TrainingDiverged
 
 STATE_FILE = "trainer_state.pt"
 
@@ -413,9 +413,21 @@ class Trainer:
                 "model and Kestrel version, or train into a new --out"
             ) from None
         self._check_same_tokenizer()
+        if state["step"] > self.cfg.steps:  # (it ran on quietly: nothing trained, the summary rewritten)
+            raise ConfigError(
+                f"{self.out} is at step {state['step']} already, past --steps {self.cfg.steps}: pass a --steps "
+                f"above {state['step']} to train on from it, or train into a new --out"
+            )
         self.data.load_state_dict(state["data"])
         self.step, self.history = state["step"], state["history"]
         self.train_seconds = state.get("train_seconds", 0.0)
+        if self.done:
+            print(
+                f"[kestrel] {self.out} is already complete at step {self.step}: nothing to train "
+                "(a larger --steps trains on from it)",
+                file=sys.stderr,
+            )
+            return
         saved, now = state.get("config", {}), asdict(self.cfg)
         changed = sorted(k for k in now if k in saved and saved[k] != now[k] and k != "steps")
         print(f"[kestrel] resuming {self.out} at step {self.step} of {self.cfg.steps}", file=sys.stderr)
@@ -425,6 +437,11 @@ class Trainer:
                 + ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in changed),
                 file=sys.stderr,
             )
+
+    @property
+    def done(self) -> bool:
+        """The run has trained all its steps (a resume of a finished run: `train()` would train nothing)."""
+        return self.step >= self.cfg.steps
 
     def _check_same_tokenizer(self) -> None:
         """A resumed run goes on with the tokenizer it trained with (its checkpoint's copy): another one's ids mean
