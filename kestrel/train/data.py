@@ -7,7 +7,8 @@ Dimension letters: B rows per batch, T tokens per row, N documents (plus one pad
   seeds shifted by `HELDOUT_SEED_OFFSET`; see `kestrel.train.family` for why their prompts never overlap.
 - `PackedBatches` packs documents first-fit from a small look-ahead buffer into rows of exactly T tokens; a
   document never crosses rows, the rest of a row is padding with loss mask 0. Documents longer than T are
-  skipped (`num_skipped` counts them). Its state (next index, buffered indices) resumes the exact stream.
+  skipped (`num_skipped` counts them). Its state (next index, buffered indices) resumes the exact stream at
+  the same row length; at a shorter one, restored documents longer than a row are skipped as any other.
 - `Prefetch` makes a source's batches a few ahead in a background thread, each with the source's state right
   after it, so the trainer's packing and host-to-device copies overlap the GPU step.
 """
@@ -242,6 +243,8 @@ class PackedBatches:
         if self.pad_id is None:
             raise ValueError("packing needs a tokenizer with a pad token")
         self.num_skipped = 0
+        # documents in a row longer than a row: past MAX_SKIPPED_IN_A_ROW, none may fit at all
+        self._too_long = 0
         self._next_index = 0  # the next stream index to enter the buffer
         self._buffer: list[Document] = []
         self._source: Iterator[Document] | None = None
@@ -274,21 +277,24 @@ class PackedBatches:
     def _fill_buffer(self) -> None:
         if self._source is None:
             self._source = self._documents(self._next_index)
-        too_long = 0  # documents in a row longer than a row: past MAX_SKIPPED_IN_A_ROW, none may fit at all
         while len(self._buffer) < self.lookahead:
             doc = next(self._source)
             self._next_index = doc.index + 1
-            if len(doc.ids) > self.seq_len:
-                self.num_skipped += 1
-                too_long += 1
-                if too_long == MAX_SKIPPED_IN_A_ROW:  # (the stream is endless: it looked for one forever)
-                    raise ConfigError(
-                        f"rows of {self.seq_len} tokens: the last {too_long} documents of the mixture were all "
-                        "longer, so none may fit; raise the row length (--row-len)"
-                    )
-                continue
-            too_long = 0
-            self._buffer.append(doc)
+            self._admit(doc)
+
+    def _admit(self, doc: Document) -> None:
+        """Into the buffer, or skipped (and counted) when longer than a row."""
+        if len(doc.ids) > self.seq_len:
+            self.num_skipped += 1
+            self._too_long += 1
+            if self._too_long == MAX_SKIPPED_IN_A_ROW:  # (the stream is endless: it looked for one forever)
+                raise ConfigError(
+                    f"rows of {self.seq_len} tokens: the last {self._too_long} documents of the mixture were all "
+                    "longer, so none may fit; raise the row length (--row-len)"
+                )
+            return
+        self._too_long = 0
+        self._buffer.append(doc)
 
     # ---- packing ------------------------------------------------------------------------------------------
 
@@ -314,7 +320,12 @@ class PackedBatches:
         return {"next_index": self._next_index, "buffer": [d.index for d in self._buffer]}
 
     def load_state_dict(self, state: dict) -> None:
-        self._buffer = [self._render(i) for i in state["buffer"]]
+        # a state saved with longer rows (a run resumed with a shorter --row-len) can hold documents longer than
+        # these rows: kept, they were never picked yet held a look-ahead slot each for good (all of them: every row
+        # padding, for ever)
+        self._buffer, self._too_long = [], 0
+        for index in state["buffer"]:
+            self._admit(self._render(index))
         self._next_index = state["next_index"]
         self._source = None
 

@@ -459,6 +459,31 @@ def test_rows_shorter_than_every_document_are_an_error_not_a_hang(bpe):
         next(packer)
 
 
+def test_a_state_resumed_with_shorter_rows_skips_what_no_longer_fits(bpe):
+    """A run resumed with a shorter --row-len restored its look-ahead buffer as saved: documents longer than the
+    new rows were never packed nor counted, yet held a buffer slot each for good, and with the whole buffer too
+    long every row was padding, for ever. They are skipped and counted as the stream skips any such document; the
+    rest keep their order, and a state resumed at the same row length is unchanged."""
+    config = MixtureConfig(weights={**DEFAULT_WEIGHTS, "retrieval": 0.0})
+    saved = PackedBatches(bpe, batch_size=3, seq_len=512, config=config)
+    next(saved), next(saved)
+    state = saved.state_dict()
+    lengths = {d.index: len(d.ids) for d in saved._buffer}
+    row = sorted(lengths.values())[len(lengths) // 2]
+    fits = [i for i in state["buffer"] if lengths[i] <= row]
+    too_long = [i for i in state["buffer"] if lengths[i] > row]
+    assert fits and too_long
+    shorter = PackedBatches(bpe, batch_size=3, seq_len=row, config=config)
+    shorter.load_state_dict(state)
+    assert [d.index for d in shorter._buffer] == fits and shorter.num_skipped == len(too_long)
+    same = PackedBatches(bpe, batch_size=3, seq_len=512, config=config)
+    same.load_state_dict(state)
+    assert same.state_dict() == state and same.num_skipped == 0
+    full = PackedBatches(bpe, batch_size=3, seq_len=row, config=config, lookahead=len(too_long))
+    full.load_state_dict({"next_index": state["next_index"], "buffer": too_long})
+    assert next(full).num_documents > 0 and full.num_skipped >= len(too_long)
+
+
 # ---- tokenizer ---------------------------------------------------------------------------------------------------
 
 

@@ -227,6 +227,18 @@ def test_resume_reaches_the_same_weights(tmp_path, byte_tok, capsys):
     )
 
 
+def test_a_resume_with_shorter_rows_packs_only_documents_that_fit(tmp_path, byte_tok, capsys):
+    """A shorter --row-len on resume (allowed, as other knobs, with a line saying it changed): the restored data
+    state's documents longer than the new rows were kept in the packer's buffer for good; they are skipped."""
+    kw = dict(retrieval_weight=0.0, retrieval_lengths=(64,))
+    Trainer(_cfg(tmp_path, byte_tok, steps=2, **kw)).train()
+    resumed = Trainer(_cfg(tmp_path, byte_tok, steps=3, row_len=200, **kw))
+    assert "changed since the saved run: row_len 512 -> 200" in capsys.readouterr().err
+    assert resumed.data.num_skipped > 0 and all(len(d.ids) <= 200 for d in resumed.data._buffer)
+    resumed.train()
+    assert resumed.step == 3
+
+
 def test_a_tokenizer_build_cut_short_is_built_again(tmp_path, monkeypatch):
     """A run stopped while it wrote its BPE left tokenizer.json alone, and the next run took it for the whole
     tokenizer (without its config: no pad token, "packing needs a tokenizer with a pad token")."""
