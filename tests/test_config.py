@@ -156,6 +156,21 @@ def test_k3_text_config_nesting_with_top_level_tokens():
     assert ModelConfig.from_dict(raw).num_hidden_layers == 6
 
 
+def test_use_grouped_topk_false_routes_over_every_expert():
+    """use_grouped_topk false is plain top-k, whatever num_expert_group says (the flag was never read: the
+    groups still limited which experts a token could pick)."""
+    raw = preset_config("tiny", "kimi_linear").to_hf()
+    assert raw["use_grouped_topk"] and (raw["num_expert_group"], raw["topk_group"]) == (2, 1)
+    plain = ModelConfig.from_dict(dict(raw, use_grouped_topk=False))
+    assert (plain.num_expert_group, plain.topk_group) == (1, 1)
+    assert _round_trip(plain) == plain
+    # groups that would not even split the experts do not matter then
+    assert ModelConfig.from_dict(dict(raw, use_grouped_topk=False, num_expert_group=3)).num_expert_group == 1
+    # true, or absent (transformers writes no such key and always groups): grouped as configured
+    del raw["use_grouped_topk"]
+    assert (ModelConfig.from_dict(raw).num_expert_group, ModelConfig.from_dict(raw).topk_group) == (2, 1)
+
+
 # -- bad configs: each raises ConfigError naming the field ------------------------------------------------
 
 
@@ -232,6 +247,7 @@ BAD_LINEAR = {
     "topk-exceeds-experts": (_set("num_experts_per_token", 9), "num_experts_per_token"),
     "experts-not-divisible": (_set("num_expert_group", 3), "num_expert_group"),
     "topk-group-exceeds-groups": (_set("topk_group", 3), "topk_group"),
+    "grouped-topk-str": (_set("use_grouped_topk", "false"), "use_grouped_topk"),
     "index-only-topk": (_set("index_topk", 8), "index_topk"),
     "mla-use-nope-false": (_set("mla_use_nope", False), "mla_use_nope"),
     "rope-scaling": (_set("rope_scaling", {"type": "yarn"}), "rope_scaling"),

@@ -196,6 +196,9 @@ def parse_text_config(raw: dict, model_type: str, quant: dict | None, where: str
     if act not in ("silu", "situ"):
         raise ConfigError(f"{where}hidden_act={act!r} is not supported (expected 'silu' or 'situ')")
     has_moe = MOE in mlp_types
+    # false: plain top-k over every expert, as vLLM reads it, whatever num_expert_group says (transformers' router
+    # ignores the flag and always groups, which is what its absence means here)
+    grouped = r.bool("use_grouped_topk", True)
     latent = r.opt_int("routed_expert_hidden_size")
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -248,8 +251,8 @@ def parse_text_config(raw: dict, model_type: str, quant: dict | None, where: str
         num_shared_experts=r.int("num_shared_experts", 0, minimum=0),
         routed_scaling_factor=r.float("routed_scaling_factor", 1.0),
         moe_renormalize=r.bool("moe_renormalize", True),
-        num_expert_group=r.int("num_expert_group", 1),
-        topk_group=r.int("topk_group", 1),
+        num_expert_group=r.int("num_expert_group", 1) if grouped else 1,
+        topk_group=r.int("topk_group", 1) if grouped else 1,
         routed_expert_hidden_size=latent,
         latent_moe_use_norm=r.bool("latent_moe_use_norm", False),
         attn_res_block_size=r.opt_int("attn_res_block_size"),

@@ -65,7 +65,7 @@ class ModelConfig:
     num_shared_experts: int
     routed_scaling_factor: float
     moe_renormalize: bool
-    num_expert_group: int
+    num_expert_group: int  # 1: plain top-k over every expert (also what use_grouped_topk false gives)
     topk_group: int
     routed_expert_hidden_size: int | None  # latent MoE width; None = experts act on the full hidden size
     latent_moe_use_norm: bool

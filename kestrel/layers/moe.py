@@ -303,7 +303,7 @@ class MoE(nn.Module):
         ctx = get_forward_context() if has_forward_context() else None
         replay = ctx is not None and ctx.routing_replay is not None
         # one fused kernel, no autograd (KESTREL_FUSED_OPS=off: the reference); at decode sizes it computes
-        # the router's logits too
+        # the router's logits too. The Triton routers know no expert groups: grouped routing takes the reference
         fused = (
             x.is_cuda and self.groups == 1 and not torch.is_grad_enabled() and fused_ops_on() and not replay
         )
