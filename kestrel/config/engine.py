@@ -25,7 +25,7 @@ class EngineConfig:
     )
     mem_fraction: float = 0.85  # of the GPU memory free after weights and state slots, for KV pages
     kv_cache_bytes: int | None = None  # explicit KV budget (default on CPU: 256 MiB)
-    max_model_len: int | None = None  # context limit (default: the model's, capped by the KV pool)
+    max_model_len: int | None = None  # at most the model's context limit (default: it, capped by the KV pool)
     chunked_prefill_size: int = 8192  # tokens per step (prefill chunks + decode tokens)
     disable_cuda_graph: bool = False
     # launch each decode step before the one in front of it is read back (Engine's overlap schedule)

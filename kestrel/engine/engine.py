@@ -32,7 +32,7 @@ from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import StatePool
 from kestrel.config import EngineConfig
 from kestrel.engine.checkpoints import Checkpoints
-from kestrel.engine.memory import plan_memory
+from kestrel.engine.memory import check_max_model_len, plan_memory
 from kestrel.engine.outputs import StepOutput
 from kestrel.engine.request import Request, Status
 from kestrel.engine.runner import ModelRunner
@@ -42,7 +42,7 @@ from kestrel.engine.scheduler import Batch, Scheduler
 from kestrel.env import check_env
 from kestrel.layers.mla import dsa_topks, set_dense_attention
 from kestrel.models.kimi import KimiForCausalLM
-from kestrel.models.loader import build_model
+from kestrel.models.loader import build_model, model_config
 from kestrel.tokenizer import IncrementalDetokenizer, Tokenizer, check_tokenizer_fits, tokenizer_for
 from kestrel.utils.device import resolve_device, resolve_dtype, to_device_async, to_host_async
 from kestrel.utils.errors import ConfigError, KestrelError
@@ -96,6 +96,8 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device) if model is None else model.lm_head.weight.device
         dtype = resolve_dtype(config.dtype, self.device) if model is None else model.lm_head.weight.dtype
+        if model is None and config.max_model_len is not None:  # refused before the weights load
+            check_max_model_len(model_config(config.model), config)
         self.model = model or build_model(config.model, dtype=dtype, device=self.device, seed=config.seed)
         self.model.eval()
         self.tokenizer = tokenizer or tokenizer_for(config.model, config.tokenizer)

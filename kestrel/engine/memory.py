@@ -3,7 +3,6 @@ then KV pages from what is left, on the GPU from its free memory after a reserve
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -12,9 +11,7 @@ from kestrel.cache.kv_pool import KVPool
 from kestrel.cache.state_pool import StatePool
 from kestrel.config import EngineConfig, ModelConfig
 from kestrel.env import read_env
-from kestrel.utils.errors import KestrelError
-
-log = logging.getLogger(__name__)
+from kestrel.utils.errors import ConfigError, KestrelError
 
 _CPU_KV_BYTES = 256 * 2**20
 
@@ -43,6 +40,17 @@ class MemoryPlan:
         )
 
 
+def check_max_model_len(model: ModelConfig, cfg: EngineConfig) -> None:
+    """A max_model_len past the model's own limit is refused (it was cut to that limit with a log line, so the
+    context asked for was silently not there); None takes the model's."""
+    if cfg.max_model_len is not None and cfg.max_model_len > model.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len {cfg.max_model_len} is past the model's context limit of "
+            f"{model.max_position_embeddings} tokens: give at most {model.max_position_embeddings}, or leave "
+            "max_model_len out for the model's limit"
+        )
+
+
 def plan_memory(
     model: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device
 ) -> MemoryPlan:
@@ -58,14 +66,8 @@ def plan_memory(
         (cfg.num_checkpoints or max(16, 4 * cfg.max_running_requests)) if cfg.enable_prefix_cache else 0
     )
     state = (cfg.max_running_requests + checkpoints) * per_slot
-    max_len = min(model.max_position_embeddings, cfg.max_model_len or model.max_position_embeddings)
-    if cfg.max_model_len is not None and cfg.max_model_len > model.max_position_embeddings:
-        log.warning(
-            "max_model_len %d is past the model's %d positions: the context limit is %d",
-            cfg.max_model_len,
-            model.max_position_embeddings,
-            model.max_position_embeddings,
-        )
+    check_max_model_len(model, cfg)
+    max_len = cfg.max_model_len or model.max_position_embeddings
     if cfg.kv_cache_bytes is not None:
         kv_bytes = cfg.kv_cache_bytes
     elif device.type == "cuda":

@@ -116,27 +116,40 @@ def build_model(
     Random weights are drawn on `device` when `init_on_device` (default: on CUDA, where billions of CPU draws
     would take a minute); the same seed then gives the same weights on every GPU, and others on the CPU."""
     model = resolve_model(model)
-    path = Path(model)
-    if not path.exists() and model in PRESETS:
-        config = preset_config(model)
+    config = model_config(model)
+    if _is_preset(model):
         with _fits(model, device), torch.device(device):
             if init_on_device is None:
                 init_on_device = torch.device(device).type == "cuda"
             rng = device if init_on_device else "cpu"
             net = init_random_weights(KimiForCausalLM(config, dtype), seed, rng_device=rng, scheme=init)
             return net.to(device)
+    with _fits(model, device, "; are config.json's sizes right?"):
+        with torch.device(device):
+            net = KimiForCausalLM(config, dtype)  # uninitialized storage: the loader fills every parameter
+        load_weights(net, model)
+    return net
+
+
+def model_config(model: str) -> ModelConfig:
+    """The config of what `build_model(model)` builds, read without building it (a preset's, or a checkpoint
+    folder's config.json)."""
+    model = resolve_model(model)
+    if _is_preset(model):
+        return preset_config(model)
+    path = Path(model)
     if not path.exists():
         raise CheckpointError(
             f"model {model!r}: no such checkpoint folder (or preset: {', '.join(sorted(PRESETS))})"
         )
     if not path.is_dir():
         raise CheckpointError(f"model {model!r}: expected a checkpoint folder, got a file")
-    with _fits(model, device, "; are config.json's sizes right?"):
-        config = ModelConfig.from_hf(path)
-        with torch.device(device):
-            net = KimiForCausalLM(config, dtype)  # uninitialized storage: the loader fills every parameter
-        load_weights(net, path)
-    return net
+    with _fits(model, "cpu", "; are config.json's sizes right?"):  # sizes past memory fail even in parsing
+        return ModelConfig.from_hf(path)
+
+
+def _is_preset(model: str) -> bool:
+    return model in PRESETS and not Path(model).exists()  # a folder of a preset's name is a checkpoint
 
 
 @contextlib.contextmanager

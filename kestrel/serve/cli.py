@@ -70,7 +70,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "(--num-checkpoints)",
     )
     p.add_argument(
-        "--max-model-len", type=arg_types.positive_int, default=None, help="context limit (prompt + output)"
+        "--max-model-len",
+        type=arg_types.positive_int,
+        default=None,
+        help="context limit (prompt + output), at most the model's (default: the model's)",
     )
     p.add_argument(
         "--chunked-prefill-size",

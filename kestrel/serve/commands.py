@@ -50,6 +50,17 @@ def engine_config(args):
         raise ConfigError(_as_flags(str(e), args)) from None
 
 
+def build_engine(config, args):
+    """The Engine of `config` (`engine_config(args)`); its config errors (a --max-model-len past the model's
+    limit) name the flags too."""
+    from kestrel.engine.engine import Engine
+
+    try:
+        return Engine(config)
+    except ConfigError as e:
+        raise ConfigError(_as_flags(str(e), args)) from None
+
+
 def _as_flags(message: str, args) -> str:
     """An EngineConfig message in the flags that set the fields it names: `hicache_host_bytes` is
     `--hicache-host-gb`, `enable_prefix_cache` is `--disable-prefix-cache` left out."""
@@ -173,7 +184,6 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from kestrel.engine.async_engine import AsyncEngine
-    from kestrel.engine.engine import Engine
     from kestrel.env import env_field
     from kestrel.serve.api import build_app
     from kestrel.utils.collector import freeze_startup_objects
@@ -181,7 +191,7 @@ def cmd_serve(args) -> int:
     config = engine_config(args)
     sock = listen(args.host, args.port)  # before the model loads: a port in use is one line, at once
     try:
-        engine = Engine(config)
+        engine = build_engine(config, args)
     except BaseException:
         sock.close()
         raise
@@ -264,13 +274,12 @@ def _turn_seed(seed: int, turn: int) -> int:
 def cmd_chat(args) -> int:
     """A terminal chat through the engine: one turn at a time, streamed. /reset clears the history; an empty
     line or EOF ends the chat."""
-    from kestrel.engine.engine import Engine
     from kestrel.engine.sampling_params import SamplingParams
     from kestrel.tokenizer import IncrementalDetokenizer
 
     if args.system is not None:
         utf8_text(args.system, "--system")
-    engine = Engine(engine_config(args))
+    engine = build_engine(engine_config(args), args)
     tokenizer = engine.tokenizer
     history = [{"role": "system", "content": args.system}] if args.system else []
     start = list(history)

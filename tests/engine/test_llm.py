@@ -7,6 +7,8 @@ import torch
 
 from kestrel.engine.llm import LLM
 from kestrel.engine.sampling_params import SamplingParams
+from kestrel.presets import preset_config
+from kestrel.utils.errors import ConfigError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=3)
 
@@ -164,3 +166,18 @@ def test_a_stop_string_passed_over_before_min_tokens_is_not_where_the_text_is_cu
     assert out.token_ids == ids[: k + 1]
     assert out.text == llm.tokenizer.decode(ids[:k]) and out.text.count(stop) == 1
     assert text.startswith(out.text)
+
+
+def test_a_max_model_len_past_the_models_limit_is_refused_before_the_weights_load(monkeypatch):
+    """LLM(max_model_len=...) past the model's limit: an error naming both numbers, raised before any weights
+    are built (it was silently cut to the model's limit)."""
+    limit = preset_config("tiny").max_position_embeddings
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the weights were built before the limit was checked")
+
+    monkeypatch.setattr("kestrel.engine.engine.build_model", no_build)
+    with pytest.raises(
+        ConfigError, match=f"max_model_len {4 * limit} .* limit of {limit} tokens: give at most"
+    ):
+        LLM("tiny", device="cpu", max_model_len=4 * limit)

@@ -11,7 +11,7 @@ from kestrel.cache.state_pool import StatePool
 from kestrel.config import EngineConfig
 from kestrel.engine.memory import plan_memory
 from kestrel.presets import preset_config
-from kestrel.utils.errors import KestrelError
+from kestrel.utils.errors import ConfigError, KestrelError
 
 GIB = 2**30
 CUDA = torch.device("cuda")
@@ -70,9 +70,15 @@ def test_too_little_memory_names_the_knobs(free_gib):
         _plan(max_running_requests=256)
 
 
-def test_a_limit_past_the_models_positions_is_capped_with_a_warning(free_gib, caplog):
+def test_a_limit_past_the_models_positions_is_refused(free_gib):
+    """An explicit max_model_len past the model's limit is an error naming both (it was cut to the model's limit
+    with only a log line); the limit itself, or none, is the model's."""
     config = preset_config("tiny")
-    with caplog.at_level("WARNING", logger="kestrel.engine.memory"):
-        plan = plan_memory(config, EngineConfig(model="tiny", max_model_len=10**8), torch.bfloat16, CUDA)
-    assert plan.max_model_len == config.max_position_embeddings
-    assert f"the context limit is {config.max_position_embeddings}" in caplog.text
+    limit = config.max_position_embeddings
+    with pytest.raises(
+        ConfigError, match=f"max_model_len {limit + 1} is past the model's context limit of {limit}"
+    ):
+        plan_memory(config, EngineConfig(model="tiny", max_model_len=limit + 1), torch.bfloat16, CUDA)
+    for asked in (limit, None):
+        plan = plan_memory(config, EngineConfig(model="tiny", max_model_len=asked), torch.bfloat16, CUDA)
+        assert plan.max_model_len == limit

@@ -136,6 +136,25 @@ def test_serve_bad_arguments_are_one_line_errors(capsys, tmp_path):
     assert_one_line_error(code, err, 1, "is a file", "the folder that holds tokenizer.json")
 
 
+def test_a_max_model_len_past_the_models_limit_is_one_line(capsys, monkeypatch):
+    """--max-model-len past the model's context limit (tiny's 4096): one line naming the flag and both numbers,
+    from serve and chat (serve started with the limit silently cut to the model's)."""
+    import uvicorn
+
+    def served(*args, **kwargs):
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(uvicorn.Server, "run", served)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    words = ("--max-model-len 100000 is past", "limit of 4096 tokens", "at most 4096")
+    code, _, err = run(
+        capsys, "serve", "--model", "tiny", "--port", str(_free_port()), "--max-model-len", "100000"
+    )
+    assert_one_line_error(code, err, 1, *words)
+    code, _, err = run(capsys, "chat", "--model", "tiny", "--max-model-len", "100000")
+    assert_one_line_error(code, err, 1, *words)
+
+
 def test_chat_from_stdin(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/reset\nagain\n"))
     assert main(["chat", "--max-new-tokens", "3", "--temperature", "0", "--page-size", "16"]) == 0
