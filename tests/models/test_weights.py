@@ -384,6 +384,22 @@ def test_integer_or_non_finite_weights(broken):
     assert "embed_tokens.weight: NaN or infinite values" in message and "unusable (3)" in message
 
 
+def test_fp8_weights_without_a_scale_are_refused(broken):
+    """A float8 weight with no quantization_config for its scale is refused by name (it was upcast as it stood,
+    each value off by the scale it lacked)."""
+
+    def to_fp8(t):
+        name = _name(t, "layers.0.self_attn.q_proj.weight")
+        t[name] = t[name].to(torch.float8_e4m3fn)
+
+    _edit(broken, to_fp8)
+    message = _load_error(broken)
+    assert (
+        "q_proj.weight: torch.float8_e4m3fn without a scale" in message and "quantization_config" in message
+    )
+    assert "unusable (1)" in message and "missing" not in message
+
+
 def test_truncated_file(broken):
     file = broken / "model.safetensors"
     data = file.read_bytes()
