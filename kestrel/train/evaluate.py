@@ -12,6 +12,7 @@ from tqdm import tqdm
 from kestrel.config import EngineConfig
 from kestrel.engine.engine import Engine
 from kestrel.engine.sampling_params import SamplingParams
+from kestrel.models.loader import model_config
 from kestrel.train.chat_format import prompt_ids
 from kestrel.train.data import heldout_examples
 from kestrel.train.tasks import verify
@@ -93,12 +94,14 @@ def evaluate(cfg: EvalConfig, on_progress=None) -> dict:
     (so that a run cut short still leaves what it measured)."""
     report = on_progress or (lambda result: None)
     longest = max(cfg.retrieval_lengths, default=0)
+    # room for the longest retrieval problem, within the model's own limit (lengths past it are skipped below)
+    room = min(max(longest + cfg.max_new_tokens + 512, 4096), model_config(cfg.model).max_position_embeddings)
     engine = Engine(
         EngineConfig(
             model=cfg.model,
             device=cfg.device,
             max_running_requests=cfg.max_running_requests,
-            max_model_len=max(longest + cfg.max_new_tokens + 512, 4096),
+            max_model_len=room,
         )
     )
     topk = engine.model.config.index_topk
@@ -110,6 +113,7 @@ def evaluate(cfg: EvalConfig, on_progress=None) -> dict:
     for length in cfg.retrieval_lengths:
         if length + cfg.max_new_tokens > engine.plan.max_model_len:
             result["retrieval"][length] = {"skipped": f"context limit {engine.plan.max_model_len}"}
+            report(result)
             continue
         examples = heldout_examples(
             "retrieval", cfg.num_retrieval, seed=cfg.seed, tokenizer=engine.tokenizer, context_tokens=length

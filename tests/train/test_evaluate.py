@@ -70,18 +70,21 @@ def test_evaluate_reports_every_family_and_length_with_the_dense_contrast():
         model="tiny",
         num_per_family=2,
         num_retrieval=2,
-        retrieval_lengths=(300,),
+        # 5000: past tiny's 4096 positions, skipped (the engine's limit asked for is the model's, not past it)
+        retrieval_lengths=(300, 5000),
         families=("chain_sum", "countdown"),
         max_new_tokens=8,
         device="cpu",
     )
     seen: list = []
     result = evaluate(cfg, on_progress=lambda r: seen.append(json.dumps(r, sort_keys=True)))
-    # the partial result after each family and each mode of each length, the last one the whole table
-    assert len(seen) == 4 and json.loads(seen[0])["families"].keys() == {"chain_sum"}
+    # the partial result after each family, each mode of each length and each skipped length, the last one the
+    # whole table
+    assert len(seen) == 5 and json.loads(seen[0])["families"].keys() == {"chain_sum"}
     assert seen[-1] == json.dumps(result, sort_keys=True)
     assert set(result["families"]) == {"chain_sum", "countdown"}
     assert set(result["retrieval"][300]) == {"dsa", "dense"}
+    assert result["retrieval"][5000] == {"skipped": "context limit 4096"}
     for r in [*result["families"].values(), *result["retrieval"][300].values()]:
         assert r["n"] == 2 and 0.0 <= r["accuracy"] <= 1.0
     table = format_table(result)
