@@ -25,9 +25,12 @@ no time left). Session 58 (H100) checked and swept the CUDA top-k's register var
 decode`). Session 59 (H100) ran what waited, call f: `tests:tests/ops/test_dsa_cuda_topk.py,
 tests/engine/test_dsa_topk_rows.py,tests/ops/test_moe_decode_triton.py,tests/ops/test_gemv.py
 served:KESTREL_DSA_TOPK_ROWS=on ab:KESTREL_DSA_TOPK_ROWS=off/on:2 decode` (the pool rows: the same tokens, slower,
-off), then `tests` (g) and the files g did not reach (h), on the machine f had left warm. Next, when an H200 comes:
-the three calls above at one commit (the H200's figures are session 52's; every H100 figure since is not comparable
-with them).
+off), then `tests` (g) and the files g did not reach (h), on the machine f had left warm. Session 60 (H100, asked as
+nvidia-h200) ran `served moe decode tests:...` (i; test_engine.py ran the tiny model on the CPU until the budget
+ran out: leave it to the CPU suite), `tests:tests/ops/test_moe_decode_triton.py,tests/models/test_training_path.py`
+(j), `prefill kernels` (k), `topk:cases,timing tests:switches,fuse` (l) and `moe` (m) on one warm machine. Next, when
+an H200 comes: the three calls above at one commit (the H200's figures are session 52's; every H100 figure since is
+not comparable with them).
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
 (tests:rest:2/2 and so on; the summary counts the outcomes so far from pytest's log).
 Each job's help (`--list`) says what it runs."""
