@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from kestrel.engine.async_engine import EngineDead
-from kestrel.serve.choice import chat_logprobs, completion_logprobs
+from kestrel.serve.choice import ChoiceState, chat_logprobs, completion_logprobs
 from kestrel.serve.errors import error_body
 from kestrel.serve.jobs import Job, Server
 from kestrel.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -62,7 +62,7 @@ async def chat_stream(server: Server, job: Job, req: ChatCompletionRequest) -> A
     async def events():
         for i in range(len(job.choices)):
             delta = {"role": "assistant", "content": ""}
-            yield _event({**head, "choices": [_chunk_choice(i, delta, None, None)], **_chunk_usage(job, req)})
+            yield _event({**head, "choices": [_chunk_choice(i, delta, None)], **_chunk_usage(job, req)})
         async for index, piece, out, choice in job.events():
             logprobs = None
             if req.logprobs and out.new_logprobs:
@@ -70,8 +70,7 @@ async def chat_stream(server: Server, job: Job, req: ChatCompletionRequest) -> A
             if not (piece or logprobs or choice.finished):
                 continue  # text held back (a partial character or a possible stop string)
             delta = {"content": piece} if piece else {}
-            reason = choice.finish_reason if choice.finished else None
-            choices = [_chunk_choice(index, delta, logprobs, reason)]
+            choices = [_chunk_choice(index, delta, logprobs, choice)]
             yield _event({**head, "choices": choices, **_chunk_usage(job, req)})
         if req.include_usage:
             yield _event({**head, "choices": [], "usage": job.usage()})
@@ -89,21 +88,29 @@ def _chunk_usage(job: Job, req: ChatCompletionRequest | CompletionRequest) -> di
     return {"usage": job.usage() if req.continuous_usage else None}
 
 
-def _chunk_choice(index: int, delta: dict, logprobs, finish_reason) -> dict:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+def _chunk_choice(index: int, delta: dict, logprobs, choice: ChoiceState | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, **_reasons(choice)}
+
+
+def _reasons(choice: ChoiceState | None) -> dict:
+    """A chunk's finish_reason and stop_reason (the stop string or token id that ended it, as in the whole
+    response): null until the choice's last chunk."""
+    if choice is None or not choice.finished:
+        return {"finish_reason": None, "stop_reason": None}
+    return {"finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
 
 
 async def completion_stream(server: Server, job: Job, req: CompletionRequest) -> AsyncIterator[str]:
     head = body_head(server, job, "cmpl", "text_completion")
 
-    def chunk(index, text, logprobs, reason):
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
-        return _event({**head, "choices": [choice], **_chunk_usage(job, req)})
+    def chunk(index, text, logprobs, choice=None):
+        body = {"index": index, "text": text, "logprobs": logprobs, **_reasons(choice)}
+        return _event({**head, "choices": [body], **_chunk_usage(job, req)})
 
     async def events():
         for i, choice in enumerate(job.choices):
             if choice.text:  # echo
-                yield chunk(i, choice.text, None, None)
+                yield chunk(i, choice.text, None)
         async for index, piece, out, choice in job.events():
             logprobs = None
             if req.logprobs is not None and out.new_logprobs:
@@ -111,7 +118,7 @@ async def completion_stream(server: Server, job: Job, req: CompletionRequest) ->
                 logprobs = completion_logprobs(server.tokenizer, out.new_logprobs, choice.text_offsets[-n:])
             if not (piece or logprobs or choice.finished):
                 continue
-            yield chunk(index, piece, logprobs, choice.finish_reason if choice.finished else None)
+            yield chunk(index, piece, logprobs, choice)
         if req.include_usage:
             yield _event({**head, "choices": [], "usage": job.usage()})
         yield _event("[DONE]")

@@ -194,9 +194,12 @@ def test_stop_strings_cut_the_text(client):
     want = free[: free.index(stop)]
     r = client.completions.create(max_tokens=48, stop=[stop, "never-appears"], **kw)
     assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].stop_reason == stop
     streamed = list(client.completions.create(max_tokens=48, stop=stop, stream=True, **kw))
     assert "".join(c.choices[0].text for c in streamed) == want
-    assert streamed[-1].choices[0].finish_reason == "stop"
+    # the stop string in the last chunk, as in the whole response (vLLM's streams carry it too)
+    assert (streamed[-1].choices[0].finish_reason, streamed[-1].choices[0].stop_reason) == ("stop", stop)
+    assert all(c.choices[0].stop_reason is None for c in streamed[:-1])
 
 
 def test_chat_stop_string(client):
@@ -205,6 +208,13 @@ def test_chat_stop_string(client):
     stop = _stop_for(text)
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=48, stop=stop, **GREEDY)
     assert r.choices[0].message.content == text[: text.index(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = list(
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=48, stop=stop, stream=True, **GREEDY
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == r.choices[0].message.content
+    assert (streamed[-1].choices[0].finish_reason, streamed[-1].choices[0].stop_reason) == ("stop", stop)
 
 
 def test_echo_puts_the_prompt_first(client):
