@@ -213,6 +213,8 @@ class MoE(nn.Module):
             config.num_expert_group,
             config.topk_group,
         )
+        if self.topk_groups == self.groups:  # every group kept: plain top-k, which the fused routers take
+            self.groups = self.topk_groups = 1
         self.act, self.beta, self.linear_beta = config.hidden_act, config.situ_beta, config.situ_linear_beta
         self.eps = config.rms_norm_eps
         self.gate = Router(config)

@@ -152,6 +152,27 @@ def test_route_group_limit_excludes_other_groups():
     assert ids_grouped.tolist() == [[0, 1]]
 
 
+def test_every_group_kept_is_plain_top_k_and_the_layer_routes_it_so():
+    """topk_group == num_expert_group masks no group: the same experts and weights as plain top-k, so the layer
+    takes it as plain (the fused routers, which know no groups, then apply)."""
+    import dataclasses
+
+    from kestrel.layers.moe import MoE
+    from kestrel.presets import preset_config
+
+    g = torch.Generator().manual_seed(3)
+    logits, bias = torch.randn(64, 32, generator=g), 0.1 * torch.randn(32, generator=g)
+    plain = route(logits, bias, 6, True, 2.5)
+    for groups in (2, 4, 8):
+        kept = route(logits, bias, 6, True, 2.5, num_groups=groups, topk_groups=groups)
+        assert all(torch.equal(a, b) for a, b in zip(plain, kept))
+    config = preset_config("tiny")
+    layer = MoE(dataclasses.replace(config, num_expert_group=2, topk_group=2), 1)
+    assert (layer.groups, layer.topk_groups) == (1, 1)
+    layer = MoE(dataclasses.replace(config, num_expert_group=2, topk_group=1), 1)
+    assert (layer.groups, layer.topk_groups) == (2, 1)
+
+
 def _act(gate_up, act, beta=4.0, linear_beta=25.0):
     gate, up = gate_up.chunk(2, dim=-1)
     if act == "silu":
