@@ -153,7 +153,21 @@ class ServerMetrics:
         stat = lambda key: lambda: stats()[key]
         r.add(Gauge("kestrel_num_requests_running", "Requests holding a state slot.", stat("num_running")))
         r.add(Gauge("kestrel_num_requests_waiting", "Requests queued for a slot.", stat("num_queued")))
-        r.add(Gauge("kestrel_kv_pages_used", "KV cache pages in use.", self._pages_used))
+        r.add(
+            Gauge(
+                "kestrel_kv_pages_used",
+                "KV cache pages in use: the requests' and the prefix cache's (kestrel_kv_pages_cached).",
+                self._pages_used,
+            )
+        )
+        # the part of it the cache frees on demand: without it, used pages never fell back after a load had gone
+        r.add(
+            Gauge(
+                "kestrel_kv_pages_cached",
+                "KV cache pages the prefix cache holds, given back when requests need them.",
+                lambda: stats().get("num_cached_pages", 0),
+            )
+        )
         r.add(Gauge("kestrel_kv_pages_total", "KV cache pages in the pool.", stat("num_pages")))
         r.add(Gauge("kestrel_state_slots_used", "KDA state slots in use.", self._slots_used))
         r.add(Gauge("kestrel_state_slots_total", "KDA state slots in the pool.", stat("num_slots")))

@@ -317,6 +317,7 @@ FAMILIES = [
     ("kestrel_num_requests_running", "gauge"),
     ("kestrel_num_requests_waiting", "gauge"),
     ("kestrel_kv_pages_used", "gauge"),
+    ("kestrel_kv_pages_cached", "gauge"),
     ("kestrel_kv_pages_total", "gauge"),
     ("kestrel_state_slots_used", "gauge"),
     ("kestrel_state_slots_total", "gauge"),
@@ -333,7 +334,7 @@ SAMPLE = re.compile(r'^[a-z_][a-z0-9_]*(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})?
 
 
 def test_metrics(server, client):
-    client.completions.create(model=MODEL, prompt="count me", max_tokens=3, **GREEDY)
+    client.completions.create(model=MODEL, prompt="count me " * 12, max_tokens=3, **GREEDY)  # a few whole pages
     r = httpx.get(f"{server.url}/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
@@ -348,4 +349,8 @@ def test_metrics(server, client):
     assert values["kestrel_generation_tokens_total"] >= 3
     assert values["kestrel_time_to_first_token_seconds_count"] >= 1
     assert values['kestrel_e2e_request_latency_seconds_bucket{le="+Inf"}'] >= 1
-    assert values["kestrel_kv_pages_total"] == server.info()["stats"]["num_pages"]
+    stats = server.info()["stats"]
+    assert values["kestrel_kv_pages_total"] == stats["num_pages"]
+    # the finished request's pages stay in the prefix cache: used, and counted as cached
+    assert values["kestrel_kv_pages_cached"] == stats["num_cached_pages"] > 0
+    assert values["kestrel_kv_pages_used"] >= values["kestrel_kv_pages_cached"]
