@@ -42,6 +42,8 @@ from kestrel.engine.sampling_params import SamplingParams
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
 from kestrel.serve.env_report import report_or_error
+from kestrel.utils.errors import KestrelError
+from kestrel.utils.paths import check_writable
 
 
 def step_bytes(
@@ -395,6 +397,9 @@ def decode_bench(
 
 
 def cmd_bench_decode(args) -> int:
+    if args.out is not None and args.out.suffix == ".png":  # the PNG drawn beside would replace the JSON
+        raise KestrelError(f"--out {args.out}: give the JSON's name; the PNG is drawn beside it")
+    check_writable(args.out, "--out")  # before the run, not after it
     result = decode_bench(
         args.model,
         tuple(args.batches),

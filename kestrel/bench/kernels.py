@@ -22,6 +22,7 @@ from kestrel.bench.kernels_kda import bench_kda_conv_prefill, bench_kda_decode
 from kestrel.bench.kernels_moe import bench_moe, bench_router
 from kestrel.bench.roofline import device_name, measure_ceilings, require_cuda
 from kestrel.serve.env_report import report_or_error
+from kestrel.utils.paths import check_writable
 
 # The shapes of `kestrel bench kernels` (the H200's): keyword arguments of each bench_* function.
 KERNEL_CASES = {
@@ -86,6 +87,7 @@ def kernels_bench(device: str = "cuda", cases: dict = KERNEL_CASES) -> dict:
 
 
 def cmd_bench_kernels(args) -> int:
+    check_writable(args.out, "--out")  # before the run, not after it
     result = kernels_bench()
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

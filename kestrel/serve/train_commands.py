@@ -3,12 +3,12 @@ the evaluator are imported when the command runs."""
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from pathlib import Path
 
 from kestrel.utils.errors import KestrelError
+from kestrel.utils.paths import check_writable
 
 
 def _interrupt(signum, frame):
@@ -25,20 +25,6 @@ def _lengths(text: str) -> tuple[int, ...]:
     if any(v < 1 for v in values):
         raise KestrelError(f"token counts must be positive, got {text!r}")
     return values
-
-
-def _check_writable(path: Path | None, flag: str) -> None:
-    """Before a long run: a file the run will write can be written (a bad --out failed after the run)."""
-    if path is None:
-        return
-    if path.is_dir():
-        raise KestrelError(f"{flag} {path}: is a folder; give a file name")
-    parent = path.parent
-    if not parent.is_dir():
-        what = "is not a folder" if parent.exists() else "does not exist"
-        raise KestrelError(f"{flag} {path}: {parent} {what}")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise KestrelError(f"{flag} {path}: not writable")
 
 
 def cmd_train(args) -> int:
@@ -106,7 +92,7 @@ def cmd_eval(args) -> int:
 
     from kestrel.train.evaluate import EvalConfig, evaluate, format_table
 
-    _check_writable(args.out, "--out")
+    check_writable(args.out, "--out")
     cfg = EvalConfig(
         model=args.model,
         num_per_family=args.num,

@@ -96,3 +96,22 @@ def test_decode_bench_on_an_engine_with_a_longer_limit():
     assert tight["runs"][0]["max_model_len"] == 16 + 3 + 64
     with pytest.raises(ValueError, match="needs at least 83"):
         decode_bench("tiny", batches=(1,), contexts=(16,), steps=3, device="cpu", max_model_len=82)
+
+
+@pytest.mark.parametrize("bench", ["decode", "kernels"])
+def test_gpu_benchmarks_check_out_before_they_run(bench, tmp_path, monkeypatch, capsys):
+    """An --out that cannot be written is refused before the benchmark runs (it failed after minutes of GPU
+    work, the result lost); a decode --out ending in .png would be replaced by the PNG drawn beside it."""
+    import kestrel.bench.decode as decode
+    import kestrel.bench.kernels as kernels
+
+    ran = []
+    monkeypatch.setattr(decode, "decode_bench", lambda *a, **k: ran.append(a) or {"runs": []})
+    monkeypatch.setattr(kernels, "kernels_bench", lambda *a, **k: ran.append(a) or {})
+    for out in (tmp_path / "missing" / "x.json", tmp_path):
+        assert main(["bench", bench, "--out", str(out)]) == 1
+        assert "--out" in capsys.readouterr().err
+    if bench == "decode":
+        assert main(["bench", bench, "--out", str(tmp_path / "d.png")]) == 1
+        assert "give the JSON's name" in capsys.readouterr().err
+    assert not ran

@@ -1,0 +1,23 @@
+"""Checks of the paths a user gives, made before a long run rather than at its end."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kestrel.utils.errors import KestrelError
+
+
+def check_writable(path: Path | None, flag: str) -> None:
+    """Before a long run: a file the run will write can be written (a bad --out failed after the run, which was
+    lost)."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise KestrelError(f"{flag} {path}: is a folder; give a file name")
+    parent = path.parent
+    if not parent.is_dir():
+        what = "is not a folder" if parent.exists() else "does not exist"
+        raise KestrelError(f"{flag} {path}: {parent} {what}")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise KestrelError(f"{flag} {path}: not writable")
