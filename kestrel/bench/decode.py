@@ -40,9 +40,9 @@ from kestrel.engine.engine import Engine
 from kestrel.engine.request import Request, Status
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.models.kimi import KimiForCausalLM
-from kestrel.models.loader import build_model
+from kestrel.models.loader import build_model, model_config
 from kestrel.serve.env_report import report_or_error
-from kestrel.utils.errors import KestrelError
+from kestrel.utils.errors import ConfigError, KestrelError
 from kestrel.utils.paths import check_writable
 
 
@@ -329,6 +329,19 @@ def decode_bench(
     holds its requests). A server's default is the model's own, and decode's graphs, their page tables and the
     indexer's scores, are as wide as the limit: this measures a short context on such an engine. `short_graph_len`:
     the engine's `cuda_graph_short_len` (0: graphs of the whole limit only); each run records its graph's width."""
+    # a request holds context + steps + 64 tokens: stay inside the model's position limit. Checked for every point
+    # before any runs (a limit too short for the second context raised after the first had run, a traceback)
+    room = model_config(model).max_position_embeddings - steps - 64
+    if room < 1:
+        raise ConfigError(
+            f"--steps {steps} leaves no room for a context in {model}'s limit: give fewer steps"
+        )
+    need = min(max(contexts), room) + steps + 64
+    if max_model_len is not None and max_model_len < need:
+        raise ConfigError(
+            f"--max-model-len {max_model_len} cannot hold a request of context {need - steps - 64} and {steps} "
+            f"steps: give at least {need}, or leave it out"
+        )
     if torch.device(device).type == "cuda":
         require_cuda("kestrel bench decode")
     ceilings = measure_ceilings(device)
@@ -338,13 +351,7 @@ def decode_bench(
     max_batch = max(batches)
     runs, engines = [], []
     for asked in contexts:
-        # a request holds context + steps + 12 tokens: stay inside the model's position limit
-        context = min(asked, net.config.max_position_embeddings - steps - 64)
-        if max_model_len is not None and max_model_len < context + steps + 64:
-            raise ValueError(
-                f"max_model_len {max_model_len} cannot hold a request of context {context} and {steps} steps: "
-                f"it needs at least {context + steps + 64}"
-            )
+        context = min(asked, room)
         batch_sizes = [b for b in batches if b * (context + steps + 64) <= 4 * 1024 * 1024] or [1]
         cfg = EngineConfig(
             model=model,

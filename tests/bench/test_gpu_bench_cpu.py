@@ -8,6 +8,7 @@ import torch
 from kestrel.bench.decode import step_bytes
 from kestrel.models.loader import build_model
 from kestrel.serve.cli import main
+from kestrel.utils.errors import ConfigError
 
 
 def test_decode_step_bytes_model():
@@ -94,8 +95,24 @@ def test_decode_bench_on_an_engine_with_a_longer_limit():
     assert engine["graph_widths"] == []
     tight = decode_bench("tiny", batches=(1,), contexts=(16,), steps=3, dense_contrast=False, device="cpu")
     assert tight["runs"][0]["max_model_len"] == 16 + 3 + 64
-    with pytest.raises(ValueError, match="needs at least 83"):
+    with pytest.raises(ConfigError, match="give at least 83"):
         decode_bench("tiny", batches=(1,), contexts=(16,), steps=3, device="cpu", max_model_len=82)
+
+
+def test_decode_bench_refuses_a_short_limit_before_any_point_runs(monkeypatch, capsys):
+    """A --max-model-len too short for a later context is refused before the first one runs (it raised a
+    ValueError, a traceback, after the points before it had run and were lost), naming the flag."""
+    import kestrel.bench.decode as decode
+
+    monkeypatch.setattr(decode, "measure_ceilings", lambda device: pytest.fail("the benchmark ran"))
+    with pytest.raises(ConfigError, match="--max-model-len 100 .* give at least 131"):
+        decode.decode_bench("tiny", batches=(1,), contexts=(16, 64), steps=3, device="cpu", max_model_len=100)
+    with pytest.raises(ConfigError, match="--steps 99999 leaves no room"):
+        decode.decode_bench("tiny", batches=(1,), contexts=(16,), steps=99999, device="cpu")
+    argv = "bench decode --model tiny --contexts 16,64 --steps 3 --max-model-len 100".split()
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--max-model-len 100" in err
 
 
 @pytest.mark.parametrize("bench", ["decode", "kernels"])
