@@ -28,6 +28,8 @@ def bars(result: dict) -> list[dict]:
         raise ValueError("not a `kestrel bench decode` result (no benchmark 'decode' with runs)")
     try:
         copy = result["ceilings"]["copy_TBps"] * 1e12  # bytes a second
+        if not copy > 0:  # (each bar divides by it and by each step's time: a ZeroDivisionError, a traceback)
+            raise ValueError(f"a `bench decode` result with a copy rate of {result['ceilings']['copy_TBps']}")
         return [_bar(run, copy) for run in result["runs"]]
     except KeyError as e:
         raise ValueError(f"a `bench decode` result without {e}") from None
@@ -36,6 +38,8 @@ def bars(result: dict) -> list[dict]:
 def _bar(run: dict, copy: float) -> dict:
     """One run's parts (`bars`); `copy` in bytes a second."""
     step = run["step_ms"]
+    if not step > 0:
+        raise ValueError(f"a `bench decode` run with a step of {step} ms")
     bytes_ms = run["bytes"]["total"] / copy * 1e3
     floor = run.get("launch_floor")
     launches = floor["launches_ms"] if floor else None
@@ -122,12 +126,17 @@ def plot_decode(result: dict, path: Path) -> Path:
     fig.tight_layout(rect=(0, 0.75 / height, 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")  # the name as given (without a suffix matplotlib added .png)
     plt.close(fig)
     return path
 
 
 def cmd_plot_decode(args) -> int:
+    if args.out is not None and args.out.is_dir():
+        print(
+            f"kestrel bench plot-decode: --out {args.out}: is a folder; give the PNG's name", file=sys.stderr
+        )
+        return 2
     try:
         result = json.loads(Path(args.result).read_text())
         if isinstance(result, dict) and "decode" in result and "runs" not in result:

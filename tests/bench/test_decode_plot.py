@@ -87,6 +87,12 @@ def test_plot_decode_refuses_what_is_no_decode_result(tmp_path, capsys):
             "without 'ceilings'",
         ),
         "short_run.json": (json.dumps({**_result(), "runs": [{"batch": 1}]}), "without 'step_ms'"),
+        # hand-edited or cut-short figures: a division by zero (a traceback) before
+        "zero_step.json": (
+            json.dumps({**_result(), "runs": [{**_result()["runs"][0], "step_ms": 0}]}),
+            "a step of 0 ms",
+        ),
+        "zero_copy.json": (json.dumps({**_result(), "ceilings": {"copy_TBps": 0}}), "a copy rate of 0"),
     }
     for name, (text, says) in cases.items():
         if text is not None:
@@ -96,3 +102,15 @@ def test_plot_decode_refuses_what_is_no_decode_result(tmp_path, capsys):
         assert len(out) == 1 and out[0].startswith(f"kestrel bench plot-decode: {tmp_path / name}: "), out
         assert says in out[0]
         assert not (tmp_path / name).with_suffix(".png").exists()
+
+
+def test_plot_decode_writes_the_png_it_names(tmp_path, capsys):
+    """--out is the PNG's name as given: without a suffix matplotlib wrote NAME.png and the command said it
+    wrote NAME; a folder (NAME.png beside it, "wrote NAME") is refused in one line."""
+    (tmp_path / "r.json").write_text(json.dumps(_result()))
+    assert main(["bench", "plot-decode", str(tmp_path / "r.json"), "--out", str(tmp_path / "picture")]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'picture'}"
+    assert (tmp_path / "picture").read_bytes().startswith(PNG)
+    (tmp_path / "d").mkdir()
+    assert main(["bench", "plot-decode", str(tmp_path / "r.json"), "--out", str(tmp_path / "d")]) == 2
+    assert "--out" in capsys.readouterr().err and not (tmp_path / "d.png").exists()
