@@ -569,6 +569,25 @@ def test_an_empty_api_key_is_refused(capsys):
     assert code == 2 and "--api-key" in err and "empty key" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["init-random", "--preset", "tiny"],
+        ["train", "--model", "tiny", "--steps", "1", "--batch-rows", "1", "--row-len", "256"],
+        ["eval", "--model", "tiny"],
+        ["bench", "agent"],
+        ["bench", "decode"],
+    ],
+)
+def test_an_empty_out_is_refused(capsys, tmp_path, monkeypatch, argv):
+    """`--out "$DIR"` with DIR unset: refused, not the current folder (init-random wrote a checkpoint there,
+    train a whole run)."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, *argv, "--out", "")
+    assert code == 2 and "--out" in err and "empty path" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
+
+
 def test_chat_without_a_chat_template_says_so_before_the_first_line(broken, capsys, monkeypatch):
     import io
 

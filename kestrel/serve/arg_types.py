@@ -5,6 +5,7 @@ option)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from kestrel.engine.sampling_params import INT32_MAX
 
@@ -103,3 +104,11 @@ def api_key(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty key; leave --api-key out to serve without one")
     return text
+
+
+def path(text: str) -> Path:
+    """A path to write to: an empty one (an unset environment variable) was the current folder, where a
+    checkpoint, a training run or a result landed unasked."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a file or folder name")
+    return Path(text)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from kestrel.config import EngineConfig
 from kestrel.env import check_env
@@ -152,7 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="tiny | mini (the demo presets train with their own tokenizer: `kestrel train`)",
     )
     r.add_argument(
-        "--out", required=True, type=Path, help="output folder (one holding a checkpoint: --overwrite)"
+        "--out",
+        required=True,
+        type=arg_types.path,
+        help="output folder (one holding a checkpoint: --overwrite)",
     )
     r.add_argument("--overwrite", action="store_true", help="replace the checkpoint already in --out")
     r.add_argument(
@@ -228,7 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a model on the procedural task mixture (resumes from --out)")
     t.add_argument(
-        "--out", required=True, type=Path, help="run folder: checkpoint/, loss.png, trainer_state.pt"
+        "--out",
+        required=True,
+        type=arg_types.path,
+        help="run folder: checkpoint/, loss.png, trainer_state.pt",
     )
     t.add_argument(
         "--model", default="demo", help="preset to start from (random init) or a checkpoint folder"
@@ -305,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--retrieval-lengths", default="2048,8192,32768")
     e.add_argument("--max-new-tokens", type=arg_types.positive_int, default=256)
     e.add_argument("--no-dense-contrast", action="store_true", help="skip the dense-attention retrieval runs")
-    e.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    e.add_argument("--out", type=arg_types.path, default=None, help="write the results as JSON here")
     e.add_argument("--device", default="auto")
     e.set_defaults(func=cmd_eval)
 
@@ -368,18 +373,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="greedy",
         help="what the requests ask beside greedy tokens: top-5 logprobs, or frequency and presence penalties",
     )
-    d.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    d.add_argument("--out", type=arg_types.path, default=None, help="write the results as JSON here")
     d.set_defaults(func=_bench("decode"))
     pd = benchmarks.add_parser(
         "plot-decode", help="draw a `bench decode` result: where each point's step goes (PNG)"
     )
-    pd.add_argument("result", type=Path, help="the JSON `bench decode --out` wrote")
-    pd.add_argument("--out", type=Path, default=None, help="the PNG (default: the result's path, .png)")
+    pd.add_argument("result", type=arg_types.path, help="the JSON `bench decode --out` wrote")
+    pd.add_argument(
+        "--out", type=arg_types.path, default=None, help="the PNG (default: the result's path, .png)"
+    )
     pd.set_defaults(func=_bench("plot-decode"))
     k = benchmarks.add_parser(
         "kernels", help="each fast-path kernel vs the ceilings measured in the run (GPU)"
     )
-    k.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    k.add_argument("--out", type=arg_types.path, default=None, help="write the results as JSON here")
     k.set_defaults(func=_bench("kernels"))
     return parser
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from kestrel.bench.agent.config import DEFAULT_TURNS, AgentBenchConfig, Spread
 from kestrel.bench.agent.report import format_table, plot_sweep, write_json
 from kestrel.bench.agent.sweep import run_sweep
+from kestrel.serve import arg_types
 from kestrel.utils.errors import KestrelError
 
 
@@ -134,7 +135,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "holds its text back (random-weight models)",
     )
     p.add_argument(
-        "--out", type=Path, default=None, help="result folder (default bench/results/<date>-agent)"
+        "--out", type=arg_types.path, default=None, help="result folder (default bench/results/<date>-agent)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
