@@ -426,6 +426,43 @@ def test_train_out_that_is_a_file_is_named(capsys, tmp_path):
     assert_one_line_error(code, err, 1, f"--out {file}: exists and is not a folder")
 
 
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--seed", "-1"], ["--seed must be in [0, "]),
+        (
+            ["--row-len", "8"],
+            ["--row-len must be >= 16", "--retrieval-lengths must be shorter than --row-len 8"],
+        ),
+        (["--lr", "nan"], ["--lr must be > 0"]),
+        (["--warmup-steps", "-5"], ["--warmup-steps must be >= 0"]),
+        (["--retrieval-lengths", "0"], ["--retrieval-lengths: token counts must be positive"]),
+        (["--retrieval-distractors", "1,40"], ["--retrieval-distractors must be"]),
+        (["--tokenizer", "/nonexistent"], ["tokenizer folder not found"]),
+    ],
+)
+def test_train_errors_name_their_flags_and_leave_no_folder(capsys, tmp_path, argv, words):
+    """A value the trainer refuses is named by its flag (its config field was: `row_len must be >= 16`), and a run
+    that never started leaves no empty --out folder behind."""
+    out = tmp_path / "run"
+    base = [
+        "train",
+        "--out",
+        str(out),
+        "--model",
+        "tiny",
+        "--steps",
+        "1",
+        "--batch-rows",
+        "1",
+        "--row-len",
+        "256",
+    ]
+    code, _, err = run(capsys, *base, "--retrieval-lengths", "128", *argv)
+    assert_one_line_error(code, err, 1, *words)
+    assert not out.exists()
+
+
 def test_resuming_a_run_at_or_past_its_steps_says_so_and_changes_nothing(capsys, tmp_path):
     """A resume whose --steps the run has reached exited 0 without a word (and rewrote train_summary.json as a run
     of no steps): equal steps say the run is complete, fewer are an error naming both; the folder stays as it is."""

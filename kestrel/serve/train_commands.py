@@ -3,6 +3,7 @@ the evaluator are imported when the command runs."""
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 from pathlib import Path
@@ -16,52 +17,44 @@ def _interrupt(signum, frame):
 
 
 def _lengths(text: str) -> tuple[int, ...]:
+    """--retrieval-lengths: comma-separated token counts."""
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise KestrelError(f"expected comma-separated token counts, got {text!r}") from None
+        raise KestrelError(
+            f"--retrieval-lengths: expected comma-separated token counts, got {text!r}"
+        ) from None
     if not values:
-        raise KestrelError(f"expected at least one token count, got {text!r}")
+        raise KestrelError(f"--retrieval-lengths: expected at least one token count, got {text!r}")
     if any(v < 1 for v in values):
-        raise KestrelError(f"token counts must be positive, got {text!r}")
+        raise KestrelError(f"--retrieval-lengths: token counts must be positive, got {text!r}")
     return values
+
+
+def _as_flags(message: str, args) -> str:
+    """A TrainConfig or trainer message in the flags that set the fields it names: `row_len` is `--row-len`, and
+    `lr must ...` is `--lr must ...` (a field with no flag, or a word of the text, stays as it is)."""
+
+    def flag(match: re.Match) -> str:
+        return "--" + match[0].replace("_", "-") if hasattr(args, match[0]) else match[0]
+
+    return re.sub(r"\b[a-z]+(?:_[a-z]+)+\b|^[a-z]+(?= must )|(?<=; )[a-z]+(?= must )", flag, message)
 
 
 def cmd_train(args) -> int:
     import json
 
-    from kestrel.config import TrainConfig
     from kestrel.train.trainer import Trainer
 
     if args.out.exists() and not args.out.is_dir():  # (the mkdir's "[Errno 17] File exists" named no option)
         raise KestrelError(f"--out {args.out}: exists and is not a folder (the run's folder)")
-    cfg = TrainConfig(
-        out_dir=str(args.out),
-        model=args.model,
-        tokenizer=args.tokenizer,
-        seed=args.seed,
-        steps=args.steps,
-        batch_rows=args.batch_rows,
-        grad_accum=args.grad_accum,
-        row_len=args.row_len,
-        lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        dsa_dense_steps=args.dsa_dense_steps,
-        retrieval_lengths=_lengths(args.retrieval_lengths),
-        retrieval_weight=args.retrieval_weight,
-        retrieval_shared_prefix=args.retrieval_shared_prefix,
-        retrieval_distractors=args.retrieval_distractors,
-        retrieval_shared_all=args.retrieval_shared_all,
-        retrieval_loss_weight=args.retrieval_loss_weight,
-        checkpoint_every=args.checkpoint_every,
-        time_budget_s=args.time_budget_s,
-        device=args.device,
-        data_workers=args.data_workers,
-    )
+    created = not args.out.exists()
     try:
-        trainer = Trainer(cfg)
-    except ValueError as e:
-        raise KestrelError(str(e)) from None
+        trainer = Trainer(_train_config(args))
+    except (KestrelError, ValueError) as e:
+        if created and args.out.is_dir() and not any(args.out.iterdir()):  # (not an empty folder left behind)
+            args.out.rmdir()
+        raise KestrelError(_as_flags(str(e), args)) from None
     # resumed at its last step (the trainer said so): the run's folder and summary stay as they are
     if trainer.done:
         return 0
@@ -85,6 +78,34 @@ def cmd_train(args) -> int:
         f"[kestrel] checkpoint in {args.out}/checkpoint, loss curve in {args.out}/loss.png", file=sys.stderr
     )
     return 0
+
+
+def _train_config(args):
+    from kestrel.config import TrainConfig
+
+    return TrainConfig(
+        out_dir=str(args.out),
+        model=args.model,
+        tokenizer=args.tokenizer,
+        seed=args.seed,
+        steps=args.steps,
+        batch_rows=args.batch_rows,
+        grad_accum=args.grad_accum,
+        row_len=args.row_len,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        dsa_dense_steps=args.dsa_dense_steps,
+        retrieval_lengths=_lengths(args.retrieval_lengths),
+        retrieval_weight=args.retrieval_weight,
+        retrieval_shared_prefix=args.retrieval_shared_prefix,
+        retrieval_distractors=args.retrieval_distractors,
+        retrieval_shared_all=args.retrieval_shared_all,
+        retrieval_loss_weight=args.retrieval_loss_weight,
+        checkpoint_every=args.checkpoint_every,
+        time_budget_s=args.time_budget_s,
+        device=args.device,
+        data_workers=args.data_workers,
+    )
 
 
 def cmd_eval(args) -> int:
