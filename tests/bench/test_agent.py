@@ -345,6 +345,7 @@ def test_server_refusals_are_one_line(server, capsys, tmp_path):
         (["--append-tokens", "300,100"], ["--append-tokens", "low end"]),
         (["--reply-tokens", "exp:3"], ["--reply-tokens"]),
         (["--think-time-s", "-1"], ["--think-time-s"]),
+        (["--think-time-s", "exp:inf"], ["--think-time-s", "exp:inf"]),
         (["--turns", "0"], ["--turns"]),
         (["--num-gpus", "two"], ["--num-gpus", "two"]),
     ],

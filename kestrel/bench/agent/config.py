@@ -33,7 +33,7 @@ class Spread:
         try:
             if text.startswith("exp:") and not integer:
                 mean = float(text[4:])
-                if not mean > 0:
+                if not 0 < mean < math.inf:  # (inf sampled as expovariate(0): a ZeroDivisionError mid-sweep)
                     raise ValueError
                 return cls("exp", mean, mean)
             parts = [number(p) for p in text.split(",")]
