@@ -72,6 +72,18 @@ def test_an_unknown_variable_is_one_line(capsys):
     code, out, err = run(capsys, "env", "KESTREL_WARP_SPEED")
     assert code == 1 and not out
     assert err.startswith("kestrel: error: unknown variable 'KESTREL_WARP_SPEED' (known: KESTREL_KDA_BACKEND")
+    code, out, err = run(capsys, "env", "")  # (it printed the whole report)
+    assert code == 1 and not out and err.startswith("kestrel: error: unknown variable ''")
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_one_bad_variable_described_exits_1(capsys, monkeypatch, json_flag):
+    """`kestrel env PDL` with KESTREL_PDL set to a value it does not take described it as an ERROR and exited 0,
+    where the whole report exits 1."""
+    monkeypatch.setenv("KESTREL_PDL", "bogus")
+    code, out, err = run(capsys, "env", *json_flag, "pdl")
+    assert code == 1 and "KESTREL_PDL" in out
+    assert err.strip() == "kestrel: error: KESTREL_PDL='bogus': expected auto | off"
 
 
 def test_a_bad_variable_stops_a_command_before_it_runs(capsys, monkeypatch, tmp_path):

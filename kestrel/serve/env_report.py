@@ -235,8 +235,12 @@ def describe(name: str) -> str:
 
 
 def cmd_env(args) -> int:
-    if args.name:
-        print(json.dumps(variable(args.name), indent=1, default=str) if args.json else describe(args.name))
+    if args.name is not None:  # ("" is no variable: it printed the whole report)
+        row = variable(args.name)
+        print(json.dumps(row, indent=1, default=str) if args.json else describe(args.name))
+        if row.get("error"):  # as the whole report does: a script asking about one variable hears it is bad
+            print(f"kestrel: error: {row['error']}", file=sys.stderr)
+            return 1
         return 0
     rep = report(args.device)
     print(json.dumps(rep, indent=1, default=str) if args.json else format_report(rep))
