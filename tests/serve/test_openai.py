@@ -334,7 +334,9 @@ SAMPLE = re.compile(r'^[a-z_][a-z0-9_]*(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})?
 
 
 def test_metrics(server, client):
-    client.completions.create(model=MODEL, prompt="count me " * 12, max_tokens=3, **GREEDY)  # a few whole pages
+    client.completions.create(
+        model=MODEL, prompt="count me " * 12, max_tokens=3, **GREEDY
+    )  # a few whole pages
     r = httpx.get(f"{server.url}/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
