@@ -304,7 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="held-out accuracy per task family and retrieval by context length")
-    e.add_argument("--model", required=True, help="checkpoint folder")
+    e.add_argument(
+        "--model", required=True, help="checkpoint folder or preset (kestrel-demo: the shipped model)"
+    )
     e.add_argument("--num", type=arg_types.positive_int, default=200, help="problems per family")
     e.add_argument("--num-retrieval", type=arg_types.positive_int, default=50)
     e.add_argument("--retrieval-lengths", default="2048,8192,32768")

@@ -293,7 +293,8 @@ def cmd_chat(args) -> int:
     while True:
         try:
             line = input("> ").strip()
-        except EOFError:
+        except EOFError:  # Ctrl-D: the shell's prompt on a line of its own, not after "> "
+            print()
             break
         if not line:
             break

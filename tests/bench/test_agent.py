@@ -327,6 +327,18 @@ def test_unreachable_server_is_one_line(capsys, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_an_out_that_is_a_file_is_one_line_naming_it(capsys, tmp_path):
+    """A file where the result folder goes was mkdir's bare "[Errno 17] File exists", no option named."""
+    (tmp_path / "f").write_text("kept")
+    code, _, err = run(capsys, "bench", "agent", "--out", str(tmp_path / "f"))
+    assert code == 1
+    _one_line(err, "--out", "not a folder")
+    code, _, err = run(capsys, "bench", "agent", "--out", str(tmp_path / "f" / "sub"))
+    assert code == 1
+    _one_line(err, "--out")
+    assert (tmp_path / "f").read_text() == "kept"
+
+
 def test_server_refusals_are_one_line(server, capsys, tmp_path):
     url = ["--base-url", f"{server.url}/v1", "--out", str(tmp_path), "--no-progress"]
     code, _, err = run(capsys, "bench", "agent", *url, "--model", "nope")

@@ -171,8 +171,13 @@ def cmd_bench_agent(args) -> int:
     except ImportError as e:
         raise KestrelError(f"kestrel bench agent needs {e.name} (pip install {e.name})") from None
     out = args.out or Path("bench/results") / f"{datetime.date.today().isoformat()}-agent"
+    if out.exists() and not out.is_dir():  # (mkdir's bare "[Errno 17] File exists" named no option)
+        raise KestrelError(f"--out {out}: exists and is not a folder (the result folder)")
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)  # an unwritable folder fails here, not after the sweep
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # an unwritable folder fails here, not after the sweep
+    except OSError as e:
+        raise KestrelError(f"--out {out}: {e.strerror}") from None
     json_path, png_path = out / "agent.json", out / "agent.png"
     try:
         result = run_sweep(cfg, progress=not args.no_progress, on_level=lambda r: write_json(r, json_path))
