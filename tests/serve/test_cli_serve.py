@@ -160,7 +160,9 @@ def test_chat_from_stdin(capsys, monkeypatch):
     assert main(["chat", "--max-new-tokens", "3", "--temperature", "0", "--page-size", "16"]) == 0
     out, err = capsys.readouterr()
     assert out.count("> ") == 4 and f"chatting with {builtin_model()}" in err
-    assert out.endswith("> \n")  # at the end of input the last prompt's line is ended (the shell's starts anew)
+    assert out.endswith(
+        "> \n"
+    )  # at the end of input the last prompt's line is ended (the shell's starts anew)
 
 
 def test_chat_with_the_largest_seed(capsys, monkeypatch):
