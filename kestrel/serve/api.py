@@ -35,7 +35,7 @@ from kestrel.engine.async_engine import AsyncEngine, EngineDead
 from kestrel.serve.choice import chat_logprobs, completion_logprobs
 from kestrel.serve.errors import APIError, bad_request, error_body
 from kestrel.serve.jobs import MAX_REQUEST_MB, Job, Server
-from kestrel.serve.metrics import CONTENT_TYPE
+from kestrel.serve.metrics import CONTENT_TYPE, CountResponses
 from kestrel.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, parse
 from kestrel.serve.streams import (
     body_head,
@@ -62,6 +62,7 @@ def build_app(
     app.state.server = server
     auth = [Depends(server.check_key)]
     _add_error_handlers(app)
+    app.add_middleware(CountResponses, counter=server.metrics.responses)
 
     def get(path: str, **kwargs):
         """A GET route that answers HEAD too: health probes and uptime monitors send HEAD, and HTTP asks every

@@ -187,6 +187,13 @@ class ServerMetrics:
         self.requests = r.add(
             Counter("kestrel_requests_total", "Finished requests by finish reason.", ("finish_reason",))
         )
+        self.responses = r.add(
+            Counter(
+                "kestrel_http_responses_total",
+                "HTTP responses by route and status code, refusals (400, 401, 413, 503) included.",
+                ("route", "status"),
+            )
+        )
         r.add(
             Gauge(
                 "kestrel_generation_tokens_per_second",
@@ -311,3 +318,36 @@ class ServerMetrics:
     def _token_rate(self) -> float:
         self._prune(time.monotonic())
         return sum(n for _, n in self._recent) / TOKEN_RATE_WINDOW_S
+
+
+class CountResponses:
+    """ASGI middleware: each HTTP response into `counter` (kestrel_http_responses_total) by its route's path
+    template (not the raw path: one label a route) and status; an exception before the response started counts as
+    the 500 the server answers with. Plain ASGI rather than a BaseHTTPMiddleware, which stands between the
+    endpoints and the client's disconnect messages that abort requests."""
+
+    def __init__(self, app, counter: Counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def counted(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self._count(scope, message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            if not started:
+                self._count(scope, 500)
+            raise
+
+    def _count(self, scope, status: int) -> None:
+        route = scope.get("route")  # set by the router once it matched one
+        self.counter.inc(route=getattr(route, "path", "unmatched"), status=status)

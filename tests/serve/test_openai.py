@@ -327,6 +327,7 @@ FAMILIES = [
     ("kestrel_prompt_tokens_total", "counter"),
     ("kestrel_generation_tokens_total", "counter"),
     ("kestrel_requests_total", "counter"),
+    ("kestrel_http_responses_total", "counter"),
     ("kestrel_generation_tokens_per_second", "gauge"),
     ("kestrel_num_preemptions_total", "counter"),
 ]
@@ -356,3 +357,33 @@ def test_metrics(server, client):
     # the finished request's pages stay in the prefix cache: used, and counted as cached
     assert values["kestrel_kv_pages_cached"] == stats["num_cached_pages"] > 0
     assert values["kestrel_kv_pages_used"] >= values["kestrel_kv_pages_cached"]
+
+
+def test_http_responses_are_counted_by_route_and_status(server, client):
+    """Refusals never reached kestrel_requests_total (finished engine requests): they are counted here, by the
+    route's template, unknown paths as one label."""
+
+    def counts() -> dict[str, float]:
+        text = httpx.get(f"{server.url}/metrics").text
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("kestrel_http_responses_total{")
+        }
+
+    before = counts()
+    client.completions.create(model=MODEL, prompt="ok", max_tokens=1, **GREEDY)
+    httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1})
+    httpx.post(
+        f"{server.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    httpx.get(f"{server.url}/no/such/path/123")
+    httpx.get(f"{server.url}/v1/models/{MODEL}")
+    after = counts()
+
+    def added(route: str, status: int) -> float:
+        key = f'kestrel_http_responses_total{{route="{route}",status="{status}"}}'
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert added("/v1/completions", 200) == 1 and added("/v1/completions", 400) == 2
+    assert added("unmatched", 404) == 1 and added("/v1/models/{model:path}", 200) == 1
