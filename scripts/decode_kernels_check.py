@@ -1103,8 +1103,8 @@ def moe_fused(result: dict, device: str, smoke: bool, ceilings: dict, save=lambd
     configs = [center] + [
         center | change
         for change in (
-            dict(router_early=0), dict(early=0), dict(early=1), dict(bd=128), dict(defer=0), dict(bk_g=256),
-            dict(bn_g=8, bk_g=256), dict(bn_d=8), dict(warps=2, per_sm=8),
+            dict(router_rows=1), dict(router_early=0), dict(early=0), dict(early=1), dict(bd=128), dict(defer=0),
+            dict(bk_g=256), dict(bn_g=8, bk_g=256), dict(bn_d=8), dict(warps=2, per_sm=8),
         )
     ]  # fmt: skip
     if smoke:
