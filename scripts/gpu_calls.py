@@ -28,12 +28,10 @@ served:KESTREL_DSA_TOPK_ROWS=on ab:KESTREL_DSA_TOPK_ROWS=off/on:2 decode` (the p
 off), then `tests` (g) and the files g did not reach (h), on the machine f had left warm. Session 60 (H100, asked as
 nvidia-h200) ran `served moe decode tests:...` (i; test_engine.py ran the tiny model on the CPU until the budget
 ran out: leave it to the CPU suite), `tests:tests/ops/test_moe_decode_triton.py,tests/models/test_training_path.py`
-(j), `prefill kernels` (k), `topk:cases,timing tests:switches,fuse` (l) and `moe` (m) on one warm machine. Next: `moe`
-times TILES' router_rows (session 60, after its calls: a router item one expert's whole logit, so the routing reads
-64 logits instead of adding 32 partial rows; compiled for sm_90 here, its row loads before the PDL wait) and
-`tests:tests/ops/test_moe_decode_triton.py` checks it; if it is faster, make it the default and time the step
-(`decode`). When an H200 comes: the three calls above at one commit (the H200's figures are session 52's; every H100
-figure since is not comparable with them).
+(j), `prefill kernels` (k), `topk:cases,timing tests:switches,fuse` (l) and `moe` (m) on one warm machine; later
+`moe tests:tests/ops/test_moe_decode_triton.py` (n) and `moe` (o) timed TILES' router_rows (slower; dropped). Next,
+when an H200 comes: the three calls above at one commit (the H200's figures are session 52's; every H100 figure since is
+not comparable with them).
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
 (tests:rest:2/2 and so on; the summary counts the outcomes so far from pytest's log).
 Each job's help (`--list`) says what it runs."""

@@ -24,7 +24,6 @@ SMALL = dict(bd=16, ks=2, bn_g=16, bk_g=16, bn_d=16, bk_d=16)
 WHOLE_D = dict(SMALL, ks=1, bn_g=8, bn_d=4)
 DEFERRED = dict(WHOLE_D, defer=1)  # gate/up's K steps reduced once
 ROUTER_EARLY = dict(SMALL, router_early=1)  # each program's first router item's weights before the PDL wait
-ROUTER_ROWS = dict(SMALL, router_rows=1)  # a router item: one expert's whole logit
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -103,7 +102,7 @@ def test_any_grid_and_default_tiles(programs):
     than every dimension here."""
     p = _layer(1, D=40, I=24, E=6, dtype=torch.float32, seed=9)
     want = _reference(p, 4, "situ", True, False)[0]
-    for tiles in (SMALL, WHOLE_D, None, ROUTER_EARLY, ROUTER_ROWS, dict(ROUTER_ROWS, router_early=0)):
+    for tiles in (SMALL, WHOLE_D, None, ROUTER_EARLY):
         out, _, _ = _run(p, 4, "situ", True, False, tiles=tiles, programs=programs)
         _assert_close(out, want)
     # the router's first items' weights loaded early: the same bits (programs 1 and 2 walk more items after it)
@@ -130,17 +129,17 @@ def test_phases_apart_through_scratch():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's one-program launch")
-@pytest.mark.parametrize("router_early,router_rows", [(0, 0), (1, 0), (1, 1)], ids=["late", "early", "rows"])
+@pytest.mark.parametrize("router_early", [0, 1])
 @pytest.mark.parametrize("early", [0, 1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_one_program_launch_equals_the_phases_on_the_cpu(early, dtype, router_early, router_rows):
+def test_one_program_launch_equals_the_phases_on_the_cpu(early, dtype, router_early):
     """The one-launch path (both grid barriers, PHASE 0) in the interpreter, whose only grid is one program:
     with a down tile over all of D and I one K step, the down weights loaded before the gate/up items (early
     1), after them (2) or after barrier 1 (0); each the phased launches' bits. Larger grids are refused."""
     from kestrel.ops.moe.triton_decode import _sync_buffer
 
     p = _layer(1, D=40, I=24, E=6, dtype=dtype, seed=21 + early)
-    tiles = dict(WHOLE_D, bn_d=64, bk_d=32, early=early, router_early=router_early, router_rows=router_rows)
+    tiles = dict(WHOLE_D, bn_d=64, bk_d=32, early=early, router_early=router_early)
     launch = {}
     one = _run(p, 4, "situ", True, True, tiles=tiles, phased=False, programs=1, launch=launch)
     assert launch == {"programs": 1, "early": early}
@@ -217,20 +216,8 @@ MINI = dict(D=2048, I=256, E=64)  # presets._MINI: hidden 2048, 64 experts of wi
         (3, {}, 0),
         (1, dict(router_early=1), 2),
         (3, dict(router_early=1), 0),
-        (1, dict(router_rows=1), 2),
-        (3, dict(router_rows=1), 0),
     ],
-    ids=[
-        "1-early2",
-        "1-early0",
-        "1-early1",
-        "1-early1-fallback",
-        "3",
-        "1-router-early",
-        "3-router-early",
-        "1-router-rows",
-        "3-router-rows",
-    ],  # fmt: skip
+    ids=["1-early2", "1-early0", "1-early1", "1-early1-fallback", "3", "1-router-early", "3-router-early"],
 )
 def test_one_launch_equals_three_at_mini_sizes(T, tiles, taken):
     """The grid barriers: one launch gives the three phased launches' bits, leaves the counters at zero with

@@ -63,7 +63,10 @@ scripts/decode_kernels_check.py's moe_fused (job `moe`) has timed it. Timed in s
 partial logits through L1 (plain loads after barrier 0's acquiring polls, so an SM's four programs could share
 them) instead of past it (.cg): 18.65 against 18.49 and 18.65 against 18.45 us in two calls, the same bits;
 dropped. Its trace there: barrier 0 passed at ~2 us, every program routed by 3.8-5.4, the gate/up items done by
-5.1-11.3 (their bytes alone 4.8 us), barrier 1 passed at ~13, down done by ~16."""
+5.1-11.3 (their bytes alone 4.8 us), barrier 1 passed at ~13, down done by ~16. Then router_rows, a router item one
+expert's whole logit (its router row, loaded before the PDL wait, against the hidden row: 64 items a token) instead
+of a slice of D for every expert, so the routing reads 64 logits instead of adding 32 partial rows: 18.92 / 18.94
+against 18.49 / 18.51 us in two calls (H100), the same experts; dropped."""
 
 from __future__ import annotations
 
@@ -90,22 +93,8 @@ _sync: dict[
 # holds them through the gate/up items too: at the defaults 3 programs an SM then, too few, so none early)
 # router_early: each program's first router item's weights loaded before the PDL wait (on since session 57: the
 # module docstring has its timings)
-# router_rows: a router item is one expert's whole logit (E items a token, its router row against the hidden row)
-# instead of a slice of D for every expert (D / bd items): the routing then reads E logits, not S partial rows of
-# them to add (2.5 us a program in session 60's trace); untimed until decode_kernels_check's moe_fused times it
 TILES = dict(
-    bd=64,
-    ks=1,
-    bn_g=4,
-    bk_g=512,
-    bn_d=4,
-    bk_d=256,
-    warps=4,
-    per_sm=4,
-    defer=1,
-    early=2,
-    router_early=1,
-    router_rows=0,
+    bd=64, ks=1, bn_g=4, bk_g=512, bn_d=4, bk_d=256, warps=4, per_sm=4, defer=1, early=2, router_early=1
 )
 _fits: dict[tuple, int] = {}  # a launch's shapes and constants -> how many of its programs an SM holds
 
@@ -196,46 +185,21 @@ def _route_token(partial, bias, t, S, E, scaling, HAS_BIAS, RENORM, A, BA, BE, B
 
 
 @triton.jit
-def _row_weights(router_w, e, D, BDR: tl.constexpr):
-    """Expert e's router row [BDR] (zeros past D: D 0 reads none)."""
-    ds = tl.arange(0, BDR)
-    return tl.load(router_w + e * D + ds, mask=ds < D, other=0.0)
-
-
-@triton.jit
-def _row_logit(x_row, w, D, BDR: tl.constexpr):
-    """One expert's fp32 logit from its router row w [BDR] (`_row_weights`) and the token's hidden row."""
-    ds = tl.arange(0, BDR)
-    x = tl.load(x_row + ds, mask=ds < D, other=0.0).to(tl.float32)
-    return tl.sum(w.to(tl.float32) * x, axis=0)
-
-
-@triton.jit
 def _router_phase(
     x, router_w, partial, pid, nprog, T, D, E, S, w_first, BE: tl.constexpr, BD: tl.constexpr,
-    ROUTER_EARLY: tl.constexpr, ROUTER_ROWS: tl.constexpr, BDR: tl.constexpr,
+    ROUTER_EARLY: tl.constexpr,
 ):  # fmt: skip
     """The router's partial logits, every expert at once, a slice of D an item: partial[t, s] [BE]. With
-    ROUTER_EARLY this program's first item (pid) takes its weights from w_first, loaded before the PDL wait.
-    With ROUTER_ROWS (S 1) an item is one expert's whole logit instead, (t, e): partial[t, 0, e]."""
+    ROUTER_EARLY this program's first item (pid) takes its weights from w_first, loaded before the PDL wait."""
     start = pid
-    if ROUTER_ROWS:  # (if / else, not an early return: compiled Triton builds the code after a return too)
-        if ROUTER_EARLY:
-            if pid < T * E:
-                tl.store(partial + (pid // E) * BE + pid % E, _row_logit(x + (pid // E) * D, w_first, D, BDR))
-            start = pid + nprog
-        for item in range(start, T * E, nprog):
-            w = _row_weights(router_w, item % E, D, BDR)
-            tl.store(partial + (item // E) * BE + item % E, _row_logit(x + (item // E) * D, w, D, BDR))
-    else:
-        if ROUTER_EARLY:
-            if pid < T * S:
-                logits = _slice_dot(x + (pid // S) * D, w_first, pid % S, D, BD)
-                tl.store(partial + pid * BE + tl.arange(0, BE), logits)
-            start = pid + nprog
-        for item in range(start, T * S, nprog):
-            logits = _slice_logits(x + (item // S) * D, router_w, item % S, E, D, BE, BD)
-            tl.store(partial + item * BE + tl.arange(0, BE), logits)
+    if ROUTER_EARLY:
+        if pid < T * S:
+            logits = _slice_dot(x + (pid // S) * D, w_first, pid % S, D, BD)
+            tl.store(partial + pid * BE + tl.arange(0, BE), logits)
+        start = pid + nprog
+    for item in range(start, T * S, nprog):
+        logits = _slice_logits(x + (item // S) * D, router_w, item % S, E, D, BE, BD)
+        tl.store(partial + item * BE + tl.arange(0, BE), logits)
 
 
 @triton.jit
@@ -500,8 +464,6 @@ def _moe_decode_kernel(
     MAX_SPIN: tl.constexpr,
     PDL: tl.constexpr = False,
     ROUTER_EARLY: tl.constexpr = False,
-    ROUTER_ROWS: tl.constexpr = False,
-    BDR: tl.constexpr = 16,
 ):
     """PHASE 0: all three phases with the grid barriers between them; 1, 2, 3: only the router, gate_up or
     down phase (three launches, no barrier: the CPU interpreter's way). EARLY (PHASE 0 with one token, at most
@@ -513,9 +475,7 @@ def _moe_decode_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     pdl_launch_next(PDL)
-    if ROUTER_EARLY and ROUTER_ROWS and (PHASE == 0 or PHASE == 1):
-        w_first = _row_weights(router_w, pid % E, tl.where(pid < T * E, D, 0), BDR)  # [BDR]
-    elif ROUTER_EARLY and (PHASE == 0 or PHASE == 1):
+    if ROUTER_EARLY and (PHASE == 0 or PHASE == 1):
         # [BE, BD]; a program past the items reads none
         w_first = _slice_weights(router_w, pid % S, tl.where(pid < T * S, E, 0), D, BE, BD)
     else:
@@ -525,9 +485,7 @@ def _moe_decode_kernel(
     _stamp(row, 0, TRACE)
     SL: tl.constexpr = A + SHARED  # the slots: the routed experts', then the shared expert's
     if PHASE == 0 or PHASE == 1:
-        _router_phase(
-            x, router_w, partial, pid, nprog, T, D, E, S, w_first, BE, BD, ROUTER_EARLY, ROUTER_ROWS, BDR
-        )
+        _router_phase(x, router_w, partial, pid, nprog, T, D, E, S, w_first, BE, BD, ROUTER_EARLY)
         _stamp(row, 1, TRACE)
     if PHASE == 0:
         _grid_sync(sync, 0, nprog, MAX_SPIN)
@@ -667,18 +625,14 @@ def moe_decode_triton(
     t = TILES | (tiles or {})
     BE, BA = triton.next_power_of_2(E), triton.next_power_of_2(top_k)
     BD = min(t["bd"], triton.next_power_of_2(D))
-    S = 1 if t["router_rows"] else triton.cdiv(D, BD)  # router rows: each logit whole, no partial sums
+    S = triton.cdiv(D, BD)
     KS = t["ks"]
     KCH = triton.cdiv(triton.cdiv(D, KS), t["bk_g"]) * t["bk_g"]  # D's slice a gate/up item sums over
     SL = top_k + (shared is not None)
     partial = buffer("partial", T, S, BE)  # [T, S, BE]
     gu = buffer("gu", T, SL, KS, 2, I)  # gate and up, per D slice
     assert partial.shape == (T, S, BE) and gu.shape == (T, SL, KS, 2, I), "scratch of other shapes or tiles"
-    items = max(
-        T * (E if t["router_rows"] else S),
-        T * SL * triton.cdiv(I, t["bn_g"]) * KS,
-        T * triton.cdiv(D, t["bn_d"]),
-    )  # each phase's
+    items = max(T * S, T * SL * triton.cdiv(I, t["bn_g"]) * KS, T * triton.cdiv(D, t["bn_d"]))  # each phase's
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 3
     if programs is None:  # (one launch on the CPU: one program, below)
         programs = sms * t["per_sm"] if phased or x.is_cuda else 1
@@ -692,7 +646,7 @@ def moe_decode_triton(
     consts = dict(
         A=top_k, BA=BA, BE=BE, BS=min(triton.next_power_of_2(S), max(1, 8192 // BE)), BD=BD, KS=KS, KCH=KCH,
         BN_G=t["bn_g"], BK_G=t["bk_g"], BN_D=t["bn_d"], BK_D=t["bk_d"], DEFER=bool(t["defer"]),
-        ROUTER_EARLY=bool(t["router_early"]), ROUTER_ROWS=bool(t["router_rows"]), BDR=triton.next_power_of_2(D),
+        ROUTER_EARLY=bool(t["router_early"]),
         TRACE=trace is not None,
         HAS_BIAS=correction_bias is not None, RENORM=renormalize, SITU=act == "situ",
         SHARED=shared is not None, ACCUMULATE=accumulate, BF16=x.dtype == torch.bfloat16,
