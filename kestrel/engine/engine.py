@@ -43,7 +43,13 @@ from kestrel.env import check_env
 from kestrel.layers.mla import dsa_topks, set_dense_attention
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model, model_config
-from kestrel.tokenizer import IncrementalDetokenizer, Tokenizer, check_tokenizer_fits, tokenizer_for
+from kestrel.tokenizer import (
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    Tokenizer,
+    check_tokenizer_fits,
+    tokenizer_for,
+)
 from kestrel.utils.device import resolve_device, resolve_dtype, to_device_async, to_host_async
 from kestrel.utils.errors import ConfigError, KestrelError
 
@@ -157,7 +163,8 @@ class Engine:
         self.eos_token_ids = tuple(dict.fromkeys((*mc.eos_token_ids, *self.tokenizer.eos_token_ids)))
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        # requests with stop strings: their text as it decodes, looked through for the stop strings
+        self._detok: dict[str, tuple[IncrementalDetokenizer, StopStringMatcher]] = {}
         self._aborted: list[Request] = []
         self.overlap = not config.disable_overlap_schedule
         self.in_flight: InFlight | None = None  # the overlap schedule's step on the device
@@ -252,7 +259,8 @@ class Engine:
             # stop strings are looked for in the text the client gets, special tokens' text in it or not (as
             # vLLM); always skipping them, a stop string such as "<|im_end|>" never stopped the request
             skip = params.skip_special_tokens
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=skip)
+            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=skip)
+            self._detok[request_id] = detok, StopStringMatcher(params.stop)
         self.scheduler.add(request)
         return request_id
 
@@ -395,16 +403,11 @@ class Engine:
     def _stop_string(self, req: Request, token: int, armed: bool) -> str | None:
         """The stop string this token's text completes, if any (armed: min_tokens are out). Every token is
         decoded, so a stop string begun before min_tokens and ended after counts (as in vLLM); one ended before
-        does not. Only the tail a stop string could still begin in is kept."""
-        new = self._detok[req.request_id].add([token])
-        text = req.detok_text + new
-        old = len(text) - len(new)  # a hit must end past here, in this token's text
-        longest = max(len(s) for s in req.params.stop)
-        req.detok_text = text[max(0, len(text) - longest + 1) :]
-        if not armed or not new:
-            return None
-        hits = [(i, s) for s in req.params.stop if (i := text.find(s, max(0, old - len(s) + 1))) >= 0]
-        return min(hits, key=lambda h: (h[0], -len(h[1])))[1] if hits else None
+        does not. The matcher keeps only the tail a stop string may begin in."""
+        detok, matcher = self._detok[req.request_id]
+        new = detok.add([token])
+        _, stopped = matcher.feed(new, 0 if armed else len(new))
+        return matcher.matched if stopped else None
 
     def _finish(self, req: Request, reason: str, stop_reason) -> None:
         self.scheduler.finish(req, reason, stop_reason)

@@ -36,7 +36,6 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
-    detok_text: str = ""  # the decoded output's tail a stop string may begin in (requests with stop strings)
     # Prefix cache: the locked tree node this request resumed from, the checkpoint slot to restore before its
     # first chunk, the positions where its prefill saves KDA checkpoints (a chunk ends at the interval ones;
     # the others are saved inside their chunk), and the decode-time tracking slot holding the state at the

@@ -5,6 +5,8 @@ option)."""
 from __future__ import annotations
 
 import argparse
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 from kestrel.engine.sampling_params import INT32_MAX
@@ -104,6 +106,20 @@ def api_key(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty key; leave --api-key out to serve without one")
     return text
+
+
+FIELD_NAMES = r"\b[a-z]+(?:_[a-z]+)+\b"  # snake_case words: a config's field names in its messages
+
+
+def as_flags(message: str, args, dest: Callable[[str], str | None] = str, pattern: str = FIELD_NAMES) -> str:
+    """A config's error message in the flags the user gave: each field name (`pattern`'s matches) whose `dest` (the
+    parsed argument that sets it; None: none) `args` has becomes its flag, `row_len` `--row-len`; other words stay."""
+
+    def flag(match: re.Match) -> str:
+        name = dest(match[0])
+        return "--" + name.replace("_", "-") if name is not None and hasattr(args, name) else match[0]
+
+    return re.sub(pattern, flag, message)
 
 
 def path(text: str) -> Path:

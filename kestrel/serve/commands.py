@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
-import re
 import socket
 import sys
 import time
 
+from kestrel.serve import arg_types
 from kestrel.utils.errors import ConfigError, KestrelError
 
 
@@ -68,12 +68,9 @@ def _as_flags(message: str, args) -> str:
 
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     message = message.replace("enable_prefix_cache must be on", "leave out --disable-prefix-cache")
-
-    def flag(match: re.Match) -> str:
-        dest = match[0].replace("_bytes", "_gb")
-        return "--" + dest.replace("_", "-") if match[0] in fields and hasattr(args, dest) else match[0]
-
-    return re.sub(r"\b[a-z]+(?:_[a-z]+)+\b", flag, message)
+    return arg_types.as_flags(
+        message, args, lambda name: name.replace("_bytes", "_gb") if name in fields else None
+    )
 
 
 def utf8_text(text: str, what: str) -> str:

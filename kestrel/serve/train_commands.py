@@ -3,11 +3,11 @@ the evaluator are imported when the command runs."""
 
 from __future__ import annotations
 
-import re
 import signal
 import sys
 from pathlib import Path
 
+from kestrel.serve import arg_types
 from kestrel.utils.errors import KestrelError
 from kestrel.utils.paths import check_writable
 
@@ -34,11 +34,8 @@ def _lengths(text: str) -> tuple[int, ...]:
 def _as_flags(message: str, args) -> str:
     """A TrainConfig or trainer message in the flags that set the fields it names: `row_len` is `--row-len`, and
     `lr must ...` is `--lr must ...` (a field with no flag, or a word of the text, stays as it is)."""
-
-    def flag(match: re.Match) -> str:
-        return "--" + match[0].replace("_", "-") if hasattr(args, match[0]) else match[0]
-
-    return re.sub(r"\b[a-z]+(?:_[a-z]+)+\b|^[a-z]+(?= must )|(?<=; )[a-z]+(?= must )", flag, message)
+    one_word = r"|^[a-z]+(?= must )|(?<=; )[a-z]+(?= must )"  # TrainConfig's one-word fields, where they fail
+    return arg_types.as_flags(message, args, pattern=arg_types.FIELD_NAMES + one_word)
 
 
 def cmd_train(args) -> int:
