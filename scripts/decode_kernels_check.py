@@ -36,7 +36,8 @@ timed on the device in one run, one JSON result:
    its tiles and grid swept, us a layer in a graph of 24 layers against the bytes at the copy rate.
 11. `l2_ahead`: batch 1's projections fed from L2: a chain of mini's KDA projections with cold weights, and with one
    layer's weights (hot: the ceiling of any prefetching); and the chain as one persistent launch that asks L2 for
-   the stages ahead (kestrel.ops.linear.triton_chain), swept.
+   the stages ahead (kestrel.ops.linear.triton_chain), swept; and as one persistent CUDA launch whose blocks copy the
+   weight rows of the stages ahead into shared memory while they wait (kestrel.ops.linear.cuda_chain), by depth.
 12. `gemv_rows`: the GEMV's rows kernel (a program's whole weight slice in one load, before the PDL wait) against
    its K-loop kernel on batch 1-4's projections, swept.
 Each section catches its own exceptions; the JSON is rewritten after every section. `--smoke` runs every section at
@@ -975,6 +976,43 @@ def l2_ahead(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
         grids = [dict(block_n=16, ahead=0, programs=p * sms) for p in (1, 2, 4, 8)]
     entry["barriers_only"] = _persistent_chain(tiny, x[:, :n], layers, device, grids)
     print(f"l2_ahead barriers only: {entry['barriers_only']}", flush=True)
+    if (
+        device == "cuda" and dtype == torch.bfloat16
+    ):  # the CUDA chain (cuda_chain.cu): the weights ahead in flight
+        entry["cuda_chain"] = _cuda_chain([w for pair in cold for w in pair], x, layers)
+        entry["cuda_chain_barriers_only"] = _cuda_chain(tiny, x[:, :n], layers, [dict(depth=0)])
+        print(f"l2_ahead cuda chain barriers only: {entry['cuda_chain_barriers_only']}", flush=True)
+
+
+def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> list[dict]:
+    """The chain as one persistent CUDA launch whose blocks copy the weight rows of the stages ahead into shared
+    memory while they wait at the grid barrier (kestrel.ops.linear.cuda_chain), `depth` stages past the current
+    one at most (0: each stage's rows copied when it starts; the ring of shared memory bounds it too); each
+    configuration checked against the plain-torch chain and timed in a CUDA graph (the counter's memset included),
+    us a layer."""
+    from kestrel.ops.linear.cuda_chain import CudaGemvChain
+    from kestrel.ops.linear.triton_chain import gemv_chain_reference
+
+    want = gemv_chain_reference(x, weights)[-1].float()
+    rows = []
+    for config in configs or [dict(depth=d) for d in (0, 1, 2, 4, 63)]:
+        row = dict(config)
+        try:
+            chain = CudaGemvChain(weights, **config)
+            chain.input.copy_(x)
+            got = chain().float()
+            row["rel_err"] = ((got - want).norm() / want.norm()).item()
+            row["gave_up"] = chain.gave_up()
+            row["ok"] = row["rel_err"] < 2e-2 and not row["gave_up"]
+            row["us_a_layer"] = calls_us([chain], "cuda") / layers
+            row["gave_up"] = chain.gave_up()
+            row["blocks"], row["ring_bytes"] = chain.blocks, chain.ring_bytes
+            del chain
+        except Exception as e:  # noqa: BLE001 (recorded, the sweep goes on)
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        print(f"l2_ahead cuda chain {row}", flush=True)
+        rows.append(row)
+    return rows
 
 
 def _persistent_chain(weights: list, x: torch.Tensor, layers: int, device: str, configs=None) -> list[dict]:

@@ -58,17 +58,14 @@ and answers right (a library built by a newer CUDA than the driver's loads, then
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
 from kestrel.env import env_field
+from kestrel.ops import nvcc
+from kestrel.ops.nvcc import FLAGS, find_nvcc
 from kestrel.ops.pdl import pdl_args
 
 SOURCE = Path(__file__).with_name("cuda_topk.cu")
@@ -111,57 +108,11 @@ _ready_lock = threading.RLock()  # re-entered: a probe launches through _launch,
 CLUSTER_UNAVAILABLE_REASON: dict[int, str] = {}
 # device index -> why choose_variant never picks a short variant there (one of REGISTER_PICKS failed its probe)
 REGISTER_UNAVAILABLE_REASON: dict[int, str] = {}
-FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
-
-
-def find_nvcc() -> str | None:
-    """The nvcc that builds the kernel: $CUDA_HOME/bin (or $CUDA_PATH/bin), /usr/local/cuda/bin, then PATH."""
-    candidates = []
-    cuda_home = env_field("cuda_home")
-    if cuda_home:
-        candidates.append(Path(cuda_home) / "bin" / "nvcc")
-    candidates.append(Path("/usr/local/cuda/bin/nvcc"))
-    for path in candidates:
-        if path.is_file() and os.access(path, os.X_OK):
-            return str(path)
-    return shutil.which("nvcc")
-
-
-def _cache_dir() -> Path:
-    root = env_field("cache_dir") or str(Path.home() / ".cache" / "kestrel")
-    return Path(root) / "cuda"
 
 
 def build(verbose: bool = False) -> Path:
     """Compile cuda_topk.cu for the current device (cached) and return the shared library's path."""
-    nvcc = find_nvcc()
-    if nvcc is None:
-        raise RuntimeError("nvcc not found (CUDA_HOME/bin, /usr/local/cuda/bin, PATH)")
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"sm_{major}{minor}"
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    source = SOURCE.read_bytes()
-    flags = [*FLAGS, f"-arch={arch}"]
-    digest = hashlib.sha256(source + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
-    cache = _cache_dir()
-    lib = cache / f"cuda_topk_{arch}_{digest}.so"
-    if lib.exists():
-        return lib
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=lib.stem + ".", suffix=".tmp.so", dir=cache)
-    os.close(fd)
-    cmd = [nvcc, *flags, "-o", tmp, str(SOURCE)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
-        if verbose and done.stderr:
-            print(done.stderr)
-        os.replace(tmp, lib)  # atomic: a concurrent build of the same source writes the same bytes
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
+    return nvcc.build(SOURCE, find_nvcc(), FLAGS, verbose)
 
 
 def _load() -> ctypes.CDLL | None:

@@ -1,0 +1,196 @@
+// A chain of dependent GEMVs at one row (batch 1's projections) in one persistent CUDA launch, each block
+// streaming its weight rows of the stages ahead into shared memory (cp.async) while it waits for the grid at the
+// stage in front: issue 4's experiment towards a batch-1 megakernel, in the form Triton cannot express
+// (kestrel/ops/linear/triton_chain.py: Triton neither pipelines a load across a wait nor lets a program keep more
+// than one stage's slice in flight). Not on the model's path; cuda_chain.py builds and drives it.
+//
+// Layout (as GemvChain's): weights one flat bf16 buffer, activations another, stage s's entries in meta[s]:
+// weight offset, input offset, (input row stride, unused at one row), output offset, N, K, in elements. Stage s
+// reads the K_s values at its input offset (the chain's input, or the first K_s outputs of stage s - 1) and
+// writes N_s outputs, each an fp32 sum rounded once to bf16.
+//
+// Block b owns rows [N * b / G, N * (b + 1) / G) of every stage (G blocks, all resident: one a streaming
+// multiprocessor, so the grid barrier holds). Its shared memory is a ring of 16-byte units: the rows of stage s
+// are copied in with cp.async as one commit group, in stage order, as far ahead as the ring has room and `depth`
+// allows; a stage's units are freed once the block has summed them. At stage s the block (1) issues the stages
+// that now fit, (2) waits at the grid barrier for stage s - 1's outputs (thread 0 polls the counter with acquiring
+// loads), (3) reads its input into registers (each lane 8 bf16 a 16-byte unit, the units lane, lane + 32, ...),
+// (4) waits for its own copies of stage s (cp.async.wait_group) and the block's, (5) sums each row (a warp a row,
+// a warp shuffle tree), lane 0 storing the rounded output, (6) arrives: __syncthreads, then thread 0 fences and
+// adds one to the counter (the pattern of cooperative groups' grid sync). A poll past max_spin sets *gave_up and
+// goes on (a grid not all resident: wrong results, no hang).
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kThreads = 512;  // 16 warps
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxUnitsPerLane = 8;  // K up to 32 lanes x 8 units x 8 values = 2048
+constexpr int kMeta = 6;
+
+__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Wait until at most n of this thread's commit groups are pending (the instruction takes an immediate).
+__device__ __forceinline__ void cp_async_wait_pending(int n) {
+  switch (n) {
+    case 0: asm volatile("cp.async.wait_group 0;\n" ::); break;
+    case 1: asm volatile("cp.async.wait_group 1;\n" ::); break;
+    case 2: asm volatile("cp.async.wait_group 2;\n" ::); break;
+    case 3: asm volatile("cp.async.wait_group 3;\n" ::); break;
+    case 4: asm volatile("cp.async.wait_group 4;\n" ::); break;
+    case 5: asm volatile("cp.async.wait_group 5;\n" ::); break;
+    case 6: asm volatile("cp.async.wait_group 6;\n" ::); break;
+    default: asm volatile("cp.async.wait_group 7;\n" ::); break;
+  }
+}
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+struct StageRows {
+  const __nv_bfloat16* w;  // this block's first weight row
+  const __nv_bfloat16* x;  // the stage's input
+  __nv_bfloat16* y;        // the stage's output
+  int r0, rows, K;         // the block's first row, its row count, the width
+};
+
+__device__ __forceinline__ StageRows stage_rows(const long long* meta, const __nv_bfloat16* w,
+                                                __nv_bfloat16* acts, int s, int b, int G) {
+  const long long* m = meta + s * kMeta;
+  const long long N = m[4];
+  const int K = static_cast<int>(m[5]);
+  const int r0 = static_cast<int>(N * b / G), r1 = static_cast<int>(N * (b + 1) / G);
+  return {w + m[0] + static_cast<long long>(r0) * K, acts + m[1], acts + m[3] + r0, r0, r1 - r0, K};
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    chain_kernel(const __nv_bfloat16* __restrict__ w, __nv_bfloat16* acts, const long long* __restrict__ meta,
+                 int S, unsigned* counter, int* gave_up, long long max_spin, int ring_units, int depth) {
+  extern __shared__ uint4 ring[];  // [ring_units] 16-byte units
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int b = blockIdx.x, G = gridDim.x;
+  const uint32_t ring_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+
+  long long issued_units = 0, freed_units = 0;  // since the launch, in 16-byte units
+  int next = 0;                                 // the first stage not yet issued
+  __shared__ long long stage_start[64];  // ring position (units since the launch) of each stage in flight
+  for (int s = 0; s < S; ++s) {
+    // (1) copy in the stages that fit, in order
+    while (next < S && next <= s + depth) {
+      const StageRows st = stage_rows(meta, w, acts, next, b, G);
+      const int units = st.rows * st.K / 8;
+      if (issued_units + units - freed_units > ring_units) break;
+      const uint4* src = reinterpret_cast<const uint4*>(st.w);
+      const int base = static_cast<int>(issued_units % ring_units);
+      for (int u = tid; u < units; u += kThreads) {
+        const int slot = base + u < ring_units ? base + u : base + u - ring_units;  // units <= ring_units
+        cp_async16(ring_base + slot * 16u, src + u);
+      }
+      cp_async_commit();
+      if (tid == 0) stage_start[next & 63] = issued_units;  // read after (4)'s __syncthreads; depth < 64
+      issued_units += units;
+      ++next;
+    }
+    const StageRows st = stage_rows(meta, w, acts, s, b, G);
+    // (2) the grid barrier behind stage s - 1
+    if (s > 0) {
+      if (tid == 0) {
+        const unsigned want = static_cast<unsigned>(s) * G;
+        long long spins = 0;
+        while (ld_acquire(counter) < want) {
+          if (++spins > max_spin) {
+            atomicExch(gave_up, 1);
+            break;
+          }
+        }
+        __threadfence();
+      }
+      __syncthreads();
+    }
+    // (3) the input, from L2 (written by other blocks this launch: never in this SM's L1)
+    const int KU = st.K / 8;
+    float x[kMaxUnitsPerLane][8];
+#pragma unroll
+    for (int i = 0; i < kMaxUnitsPerLane; ++i) {
+      const int u = lane + 32 * i;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (u < KU) v = __ldcg(reinterpret_cast<const uint4*>(st.x) + u);
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __bfloat1622float2(h[j]);
+        x[i][2 * j] = f.x;
+        x[i][2 * j + 1] = f.y;
+      }
+    }
+    // (4) this stage's weights in shared memory
+    cp_async_wait_pending(next - s - 1);
+    __syncthreads();
+    // (5) a warp a row
+    const int start = static_cast<int>(stage_start[s & 63] % ring_units);
+    for (int r = warp; r < st.rows; r += kWarps) {
+      float acc = 0.f;
+#pragma unroll
+      for (int i = 0; i < kMaxUnitsPerLane; ++i) {
+        const int u = lane + 32 * i;
+        if (u < KU) {
+          int slot = start + r * KU + u;  // r * KU + u < the stage's units <= ring_units: one wrap at most
+          if (slot >= ring_units) slot -= ring_units;
+          const uint4 v = ring[slot];
+          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 f = __bfloat1622float2(h[j]);
+            acc = fmaf(f.x, x[i][2 * j], acc);
+            acc = fmaf(f.y, x[i][2 * j + 1], acc);
+          }
+        }
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      if (lane == 0) st.y[r] = __float2bfloat16(acc);
+    }
+    // (6) the ring's units of stage s are free; arrive
+    __syncthreads();
+    freed_units += st.rows * KU;
+    if (s + 1 < S && tid == 0) {
+      __threadfence();
+      atomicAdd(counter, 1u);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" int kestrel_chain_setup(int smem_bytes) {
+  return static_cast<int>(
+      cudaFuncSetAttribute(chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+}
+
+extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta, int S, void* counter,
+                                    void* gave_up, long long max_spin, int blocks, int smem_bytes, int depth,
+                                    void* stream) {
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  cudaError_t err = cudaMemsetAsync(counter, 0, sizeof(unsigned), st);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  chain_kernel<<<blocks, kThreads, smem_bytes, st>>>(
+      static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(acts), static_cast<const long long*>(meta),
+      S, static_cast<unsigned*>(counter), static_cast<int*>(gave_up), max_spin, smem_bytes / 16, depth);
+  return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int kestrel_chain_threads() { return kThreads; }
+
+extern "C" const char* kestrel_chain_error(int code) {
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}

@@ -1,0 +1,147 @@
+"""A chain of dependent GEMVs at one row in one persistent CUDA launch whose blocks stream the weights of the
+stages ahead into shared memory while they wait at the grid barrier (cuda_chain.cu has the algorithm): issue 4's
+second experiment towards a batch-1 megakernel, after `triton_chain` (the same chain in Triton, 1.8x slower
+than the GEMV launches it would replace: Triton keeps one stage's slice in flight a program, in registers). Not
+on the model's path: `scripts/decode_kernels_check.py --sections l2_ahead` times it beside the launches, the
+Triton chain and the weights' floor.
+
+What it answers: whether a persistent kernel that keeps the weight stream going across its waits runs the
+projections near their bytes' time, and what one dependent stage costs it (the barrier, the input's read from
+L2), so that a whole-step megakernel's time can be put at (stages x that cost) against the step's bytes.
+
+`CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
+row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
+in flight (the ring of shared memory permitting: 0 copies each stage's rows only when it starts).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import torch
+
+from kestrel.ops import nvcc
+
+SOURCE = Path(__file__).with_name("cuda_chain.cu")
+MAX_K = 2048  # cuda_chain.cu's kMaxUnitsPerLane x 8 x 32
+MAX_DEPTH = 63  # the kernel's ring keeps the positions of 64 stages
+MAX_SPIN = 1 << 24  # polls of the counter before a block gives up (a grid not all resident)
+
+_lib: ctypes.CDLL | None = None
+_lock = threading.Lock()
+_smem_set: set[tuple[int, int]] = set()  # (device, bytes) whose shared-memory limit is set
+
+
+def _load() -> ctypes.CDLL:
+    global _lib
+    with _lock:
+        if _lib is None:
+            lib = ctypes.CDLL(str(nvcc.build(SOURCE, nvcc.find_nvcc())))
+            lib.kestrel_chain_setup.restype = ctypes.c_int
+            lib.kestrel_chain_setup.argtypes = [ctypes.c_int]
+            lib.kestrel_chain_launch.restype = ctypes.c_int
+            lib.kestrel_chain_launch.argtypes = [
+                ctypes.c_void_p,  # weights
+                ctypes.c_void_p,  # activations
+                ctypes.c_void_p,  # meta
+                ctypes.c_int,  # stages
+                ctypes.c_void_p,  # counter
+                ctypes.c_void_p,  # gave_up
+                ctypes.c_longlong,  # max_spin
+                ctypes.c_int,  # blocks
+                ctypes.c_int,  # shared memory bytes (the ring)
+                ctypes.c_int,  # depth
+                ctypes.c_void_p,  # stream
+            ]
+            lib.kestrel_chain_threads.restype = ctypes.c_int
+            lib.kestrel_chain_error.restype = ctypes.c_char_p
+            lib.kestrel_chain_error.argtypes = [ctypes.c_int]
+            _lib = lib
+    return _lib
+
+
+def _check(lib: ctypes.CDLL, err: int, what: str) -> None:
+    if err != 0:
+        raise RuntimeError(f"{what}: {lib.kestrel_chain_error(err).decode()}")
+
+
+class CudaGemvChain:
+    """Stages of GEMVs chained over static buffers, as `triton_chain.GemvChain` (fill `input` [1, K_0], call,
+    read `outputs`), one block an SM (`blocks` None) or fewer, each with a ring of `ring_bytes` of shared memory
+    (None: what the device allows a block)."""
+
+    def __init__(
+        self,
+        weights: list[torch.Tensor],
+        *,
+        depth: int = MAX_DEPTH,
+        blocks: int | None = None,
+        ring_bytes: int | None = None,
+    ):
+        assert weights and all(w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_cuda for w in weights), (
+            "weights: [N_s, K_s] bf16 on CUDA"
+        )
+        for w in weights:
+            assert w.shape[1] % 8 == 0 and w.shape[1] <= MAX_K, (
+                f"K {w.shape[1]}: a multiple of 8 up to {MAX_K}"
+            )
+        for prev, w in zip(weights, weights[1:]):
+            assert w.shape[1] <= prev.shape[0], (
+                f"stage of width {w.shape[1]} after one of {prev.shape[0]} outputs"
+            )
+        assert 0 <= depth <= MAX_DEPTH, f"depth {depth}: 0 to {MAX_DEPTH}"
+        self.device = weights[0].device
+        props = torch.cuda.get_device_properties(self.device)
+        self.blocks = blocks or props.multi_processor_count
+        assert 0 < self.blocks <= props.multi_processor_count, "one block an SM at most: all must be resident"
+        most = props.shared_memory_per_block_optin - 1024  # the kernel's static shared memory beside the ring
+        self.ring_bytes = (ring_bytes or most) // 16 * 16
+        assert 0 < self.ring_bytes <= most, f"ring of {self.ring_bytes} bytes: at most {most} here"
+        chunk = max(
+            -(-w.shape[0] // self.blocks) * w.shape[1] * 2 for w in weights
+        )  # a block's largest stage
+        assert chunk <= self.ring_bytes, (
+            f"a block's rows of one stage take {chunk} bytes: ring {self.ring_bytes}"
+        )
+        self.depth = depth
+        first = weights[0]
+        self.w = torch.cat([w.reshape(-1) for w in weights])
+
+        def aligned(n: int) -> int:  # each output 16-byte aligned: the next stage reads it in 16-byte units
+            return -(-n // 8) * 8
+
+        width = aligned(first.shape[1]) + sum(aligned(w.shape[0]) for w in weights)
+        self.acts = torch.zeros(width, dtype=torch.bfloat16, device=self.device)
+        meta, w_off, in_off, out_off = [], 0, 0, aligned(first.shape[1])
+        self.input = self.acts[: first.shape[1]].view(1, -1)
+        self.outputs = []
+        for w in weights:
+            N, K = w.shape
+            meta.append([w_off, in_off, K, out_off, N, K])
+            self.outputs.append(self.acts[out_off : out_off + N].view(1, N))
+            w_off, in_off, out_off = w_off + N * K, out_off, out_off + aligned(N)
+        self.meta = torch.tensor(meta, dtype=torch.int64, device=self.device)
+        self.sync = torch.zeros(2, dtype=torch.int32, device=self.device)  # the counter, gave_up
+        self.stages = len(weights)
+        self._lib = _load()
+        key = (self.device.index or 0, self.ring_bytes)
+        if key not in _smem_set:  # outside any capture: the first call sets the kernel's limit
+            with torch.cuda.device(self.device):
+                _check(self._lib, self._lib.kestrel_chain_setup(self.ring_bytes), "chain setup")
+            _smem_set.add(key)
+
+    def __call__(self) -> torch.Tensor:
+        """Run every stage (the counter zeroed first, in the same stream); the last stage's output."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        err = self._lib.kestrel_chain_launch(
+            self.w.data_ptr(), self.acts.data_ptr(), self.meta.data_ptr(), self.stages, self.sync.data_ptr(),
+            self.sync[1:].data_ptr(), MAX_SPIN, self.blocks, self.ring_bytes, self.depth, stream,
+        )  # fmt: skip
+        _check(self._lib, err, "chain launch")
+        return self.outputs[-1]
+
+    def gave_up(self) -> bool:
+        """Whether a block gave up waiting at the counter in a call so far (its results are wrong)."""
+        return bool(self.sync[1].item())
