@@ -980,7 +980,8 @@ def l2_ahead(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
         device == "cuda" and dtype == torch.bfloat16
     ):  # the CUDA chain (cuda_chain.cu): the weights ahead in flight
         entry["cuda_chain"] = _cuda_chain([w for pair in cold for w in pair], x, layers)
-        entry["cuda_chain_barriers_only"] = _cuda_chain(tiny, x[:, :n], layers, [dict(depth=0)])
+        variants = [dict(depth=0), dict(depth=0, release=True), dict(depth=0, copy_apart=True, release=True)]
+        entry["cuda_chain_barriers_only"] = _cuda_chain(tiny, x[:, :n], layers, variants)
         print(f"l2_ahead cuda chain barriers only: {entry['cuda_chain_barriers_only']}", flush=True)
 
 
@@ -995,7 +996,14 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
 
     want = gemv_chain_reference(x, weights)[-1].float()
     rows = []
-    for config in configs or [dict(depth=d) for d in (0, 1, 2, 4, 63)]:
+    # session 61 (H100): 18.5-20.0 us a layer at depths 0-63 with the fence and add, so the variants: warp 0 (the
+    # barrier's) issuing no copies, the arrival a release add, and no barrier at all (the stream and sums alone)
+    configs = configs or [
+        dict(depth=d, **v)
+        for d in (0, 1, 63)
+        for v in ({}, dict(release=True), dict(copy_apart=True), dict(copy_apart=True, release=True))
+    ] + [dict(depth=63, copy_apart=True, release=True, no_barrier=True)]
+    for config in configs:
         row = dict(config)
         try:
             chain = CudaGemvChain(weights, **config)
@@ -1003,7 +1011,7 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
             got = chain().float()
             row["rel_err"] = ((got - want).norm() / want.norm()).item()
             row["gave_up"] = chain.gave_up()
-            row["ok"] = row["rel_err"] < 2e-2 and not row["gave_up"]
+            row["ok"] = row["rel_err"] < 2e-2 and not row["gave_up"] or config.get("no_barrier", False)
             row["us_a_layer"] = calls_us([chain], "cuda") / layers
             row["gave_up"] = chain.gave_up()
             row["blocks"], row["ring_bytes"] = chain.blocks, chain.ring_bytes

@@ -45,16 +45,19 @@ def _weights(shapes, seed=0):
 
 
 @cuda
+@pytest.mark.parametrize(
+    "mode", [{}, dict(copy_apart=True), dict(release=True), dict(copy_apart=True, release=True)]
+)
 @pytest.mark.parametrize("depth", [0, 1, 3, cuda_chain.MAX_DEPTH])
 @pytest.mark.parametrize("blocks", [None, 7])
-def test_chain_matches_the_reference(depth, blocks):
+def test_chain_matches_the_reference(depth, blocks, mode):
     # widths that do not divide among the blocks, K from one 16-byte unit to 2048, some stages with fewer rows
     # than blocks; a small ring makes the copies wrap around it
     shapes = [(300, 2048), (1000, 296), (16, 1000), (2048, 8), (133, 2048), (64, 128)]
     weights = _weights(shapes)
     x = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
     for ring in (None, 16 * 1024) if blocks is None else (None,):
-        chain = cuda_chain.CudaGemvChain(weights, depth=depth, blocks=blocks, ring_bytes=ring)
+        chain = cuda_chain.CudaGemvChain(weights, depth=depth, blocks=blocks, ring_bytes=ring, **mode)
         for out in chain.outputs:
             out.fill_(float("nan"))
         chain.input.copy_(x)

@@ -30,6 +30,9 @@ constexpr int kThreads = 512;  // 16 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxUnitsPerLane = 8;  // K up to 32 lanes x 8 units x 8 values = 2048
 constexpr int kMeta = 6;
+// mode bits (timing variants): warp 0 issues no copies; the arrival a release add instead of a fence and an add;
+// no barrier at all (wrong results: what the weight stream and the sums take without the waits)
+constexpr int kCopyApart = 1, kRelease = 2, kNoBarrier = 4;
 
 __device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem));
@@ -49,6 +52,10 @@ __device__ __forceinline__ void cp_async_wait_pending(int n) {
     case 6: asm volatile("cp.async.wait_group 6;\n" ::); break;
     default: asm volatile("cp.async.wait_group 7;\n" ::); break;
   }
+}
+
+__device__ __forceinline__ void red_release_add(unsigned* p, unsigned v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
@@ -75,7 +82,8 @@ __device__ __forceinline__ StageRows stage_rows(const long long* meta, const __n
 
 __global__ void __launch_bounds__(kThreads, 1)
     chain_kernel(const __nv_bfloat16* __restrict__ w, __nv_bfloat16* acts, const long long* __restrict__ meta,
-                 int S, unsigned* counter, int* gave_up, long long max_spin, int ring_units, int depth) {
+                 int S, unsigned* counter, int* gave_up, long long max_spin, int ring_units, int depth,
+                 int mode) {
   extern __shared__ uint4 ring[];  // [ring_units] 16-byte units
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int b = blockIdx.x, G = gridDim.x;
@@ -92,7 +100,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (issued_units + units - freed_units > ring_units) break;
       const uint4* src = reinterpret_cast<const uint4*>(st.w);
       const int base = static_cast<int>(issued_units % ring_units);
-      for (int u = tid; u < units; u += kThreads) {
+      // with kCopyApart warp 0 (the barrier's thread) issues no copies: a fence waits for its own in flight
+      const int first = mode & kCopyApart ? 32 : 0, step = mode & kCopyApart ? kThreads - 32 : kThreads;
+      for (int u = tid - first; u >= 0 && u < units; u += step) {
         const int slot = base + u < ring_units ? base + u : base + u - ring_units;  // units <= ring_units
         cp_async16(ring_base + slot * 16u, src + u);
       }
@@ -103,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     const StageRows st = stage_rows(meta, w, acts, s, b, G);
     // (2) the grid barrier behind stage s - 1
-    if (s > 0) {
+    if (s > 0 && !(mode & kNoBarrier)) {
       if (tid == 0) {
         const unsigned want = static_cast<unsigned>(s) * G;
         long long spins = 0;
@@ -164,8 +174,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
     freed_units += st.rows * KU;
     if (s + 1 < S && tid == 0) {
-      __threadfence();
-      atomicAdd(counter, 1u);
+      if (mode & kRelease) {
+        red_release_add(counter, 1u);
+      } else {
+        __threadfence();
+        atomicAdd(counter, 1u);
+      }
     }
   }
 }
@@ -179,13 +193,13 @@ extern "C" int kestrel_chain_setup(int smem_bytes) {
 
 extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta, int S, void* counter,
                                     void* gave_up, long long max_spin, int blocks, int smem_bytes, int depth,
-                                    void* stream) {
+                                    int mode, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaMemsetAsync(counter, 0, sizeof(unsigned), st);
   if (err != cudaSuccess) return static_cast<int>(err);
   chain_kernel<<<blocks, kThreads, smem_bytes, st>>>(
       static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(acts), static_cast<const long long*>(meta),
-      S, static_cast<unsigned*>(counter), static_cast<int*>(gave_up), max_spin, smem_bytes / 16, depth);
+      S, static_cast<unsigned*>(counter), static_cast<int*>(gave_up), max_spin, smem_bytes / 16, depth, mode);
   return static_cast<int>(cudaGetLastError());
 }
 

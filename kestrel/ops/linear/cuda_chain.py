@@ -28,6 +28,10 @@ SOURCE = Path(__file__).with_name("cuda_chain.cu")
 MAX_K = 2048  # cuda_chain.cu's kMaxUnitsPerLane x 8 x 32
 MAX_DEPTH = 63  # the kernel's ring keeps the positions of 64 stages
 MAX_SPIN = 1 << 24  # polls of the counter before a block gives up (a grid not all resident)
+# timing variants (cuda_chain.cu's mode bits): warp 0, the barrier's, issues no copies (a fence waits for the
+# issuing thread's loads in flight); the arrival one release add instead of a fence and an add; no barrier at all
+# (wrong results: the weight stream and the sums alone)
+COPY_APART, RELEASE, NO_BARRIER = 1, 2, 4
 
 _lib: ctypes.CDLL | None = None
 _lock = threading.Lock()
@@ -53,6 +57,7 @@ def _load() -> ctypes.CDLL:
                 ctypes.c_int,  # blocks
                 ctypes.c_int,  # shared memory bytes (the ring)
                 ctypes.c_int,  # depth
+                ctypes.c_int,  # mode (cuda_chain.cu's kCopyApart | kRelease | kNoBarrier)
                 ctypes.c_void_p,  # stream
             ]
             lib.kestrel_chain_threads.restype = ctypes.c_int
@@ -70,7 +75,7 @@ def _check(lib: ctypes.CDLL, err: int, what: str) -> None:
 class CudaGemvChain:
     """Stages of GEMVs chained over static buffers, as `triton_chain.GemvChain` (fill `input` [1, K_0], call,
     read `outputs`), one block an SM (`blocks` None) or fewer, each with a ring of `ring_bytes` of shared memory
-    (None: what the device allows a block)."""
+    (None: what the device allows a block); copy_apart, release and no_barrier: the timing variants above."""
 
     def __init__(
         self,
@@ -79,6 +84,9 @@ class CudaGemvChain:
         depth: int = MAX_DEPTH,
         blocks: int | None = None,
         ring_bytes: int | None = None,
+        copy_apart: bool = False,
+        release: bool = False,
+        no_barrier: bool = False,
     ):
         assert weights and all(w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_cuda for w in weights), (
             "weights: [N_s, K_s] bf16 on CUDA"
@@ -106,6 +114,7 @@ class CudaGemvChain:
             f"a block's rows of one stage take {chunk} bytes: ring {self.ring_bytes}"
         )
         self.depth = depth
+        self.mode = COPY_APART * copy_apart | RELEASE * release | NO_BARRIER * no_barrier
         first = weights[0]
         self.w = torch.cat([w.reshape(-1) for w in weights])
 
@@ -137,7 +146,7 @@ class CudaGemvChain:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         err = self._lib.kestrel_chain_launch(
             self.w.data_ptr(), self.acts.data_ptr(), self.meta.data_ptr(), self.stages, self.sync.data_ptr(),
-            self.sync[1:].data_ptr(), MAX_SPIN, self.blocks, self.ring_bytes, self.depth, stream,
+            self.sync[1:].data_ptr(), MAX_SPIN, self.blocks, self.ring_bytes, self.depth, self.mode, stream,
         )  # fmt: skip
         _check(self._lib, err, "chain launch")
         return self.outputs[-1]
