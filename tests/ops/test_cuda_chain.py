@@ -70,9 +70,10 @@ def test_chain_matches_the_reference(depth, blocks, mode):
 
 
 @cuda
-def test_chain_replays_in_a_graph():
+@pytest.mark.parametrize("mode", [{}, dict(tma=True, ll=True)])
+def test_chain_replays_in_a_graph(mode):
     weights = _weights([(4232, 2048), (2048, 1024)] * 3, seed=1)
-    chain = cuda_chain.CudaGemvChain(weights)
+    chain = cuda_chain.CudaGemvChain(weights, **mode)
     x = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
     chain.input.copy_(x)
     want = chain().clone()

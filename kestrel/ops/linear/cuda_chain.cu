@@ -33,6 +33,13 @@ constexpr int kMeta = 6;
 // mode bits (timing variants): warp 0 issues no copies; the arrival a release add instead of a fence and an add;
 // no barrier at all (wrong results: what the weight stream and the sums take without the waits)
 constexpr int kCopyApart = 1, kRelease = 2, kNoBarrier = 4;
+// kTma: a stage's rows come in as bulk copies (the TMA unit, at most kBulkBytes each) completing on the stage's
+// mbarrier, issued by thread 32, instead of 16-byte cp.async from every thread. kLL: no counter: each output also
+// goes out as an LL pair (flag = stage + 1) and the next stage's blocks poll their input's pairs until every flag
+// is theirs, through shared memory (the LL buffer zeroed before each launch).
+constexpr int kTma = 8, kLL = 16;
+constexpr unsigned kBulkBytes = 32768;
+constexpr int kMaxK = 2048;
 
 __device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem));
@@ -52,6 +59,51 @@ __device__ __forceinline__ void cp_async_wait_pending(int n) {
     case 6: asm volatile("cp.async.wait_group 6;\n" ::); break;
     default: asm volatile("cp.async.wait_group 7;\n" ::); break;
   }
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect(uint32_t bar, unsigned bytes) {
+  asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1; }\n" ::"r"(bar),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, unsigned parity) {
+  unsigned ok = 0;
+  while (!ok) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
+
+// One bulk copy (the TMA unit): `bytes` (a multiple of 16) from global to shared, completing on `bar`.
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, unsigned bytes, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+// An LL pair: the value's bits beside the flag of the stage that wrote it, in one 8-byte store (NCCL's LL
+// protocol: a reader that sees the flag sees the value, with no fence or counter between them).
+__device__ __forceinline__ void st_ll(unsigned long long* p, unsigned flag, unsigned bits) {
+  const unsigned long long v = (static_cast<unsigned long long>(bits) << 32) | flag;
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;\n" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_volatile16(const void* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
 }
 
 __device__ __forceinline__ void red_release_add(unsigned* p, unsigned v) {
@@ -83,11 +135,22 @@ __device__ __forceinline__ StageRows stage_rows(const long long* meta, const __n
 __global__ void __launch_bounds__(kThreads, 1)
     chain_kernel(const __nv_bfloat16* __restrict__ w, __nv_bfloat16* acts, const long long* __restrict__ meta,
                  int S, unsigned* counter, int* gave_up, long long max_spin, int ring_units, int depth,
-                 int mode) {
+                 int mode, unsigned long long* ll) {
   extern __shared__ uint4 ring[];  // [ring_units] 16-byte units
+  __shared__ float xs[kMaxK];      // kLL: the stage's input, gathered from its LL pairs
+  __shared__ alignas(8) unsigned long long bars[64];  // kTma: stage s's mbarrier is bars[s & 63]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int b = blockIdx.x, G = gridDim.x;
   const uint32_t ring_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const uint32_t bar_base = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
+  const bool tma = mode & kTma, lowlat = mode & kLL;
+  if (tma) {
+    if (tid == 0) {
+      for (int i = 0; i < 64; ++i) mbar_init(bar_base + 8 * i, 1);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+  }
 
   long long issued_units = 0, freed_units = 0;  // since the launch, in 16-byte units
   int next = 0;                                 // the first stage not yet issued
@@ -100,20 +163,35 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (issued_units + units - freed_units > ring_units) break;
       const uint4* src = reinterpret_cast<const uint4*>(st.w);
       const int base = static_cast<int>(issued_units % ring_units);
-      // with kCopyApart warp 0 (the barrier's thread) issues no copies: a fence waits for its own in flight
-      const int first = mode & kCopyApart ? 32 : 0, step = mode & kCopyApart ? kThreads - 32 : kThreads;
-      for (int u = tid - first; u >= 0 && u < units; u += step) {
-        const int slot = base + u < ring_units ? base + u : base + u - ring_units;  // units <= ring_units
-        cp_async16(ring_base + slot * 16u, src + u);
+      if (tma) {
+        if (tid == 32) {
+          // the ring's units were last read by this block's threads (generic proxy) before the copies write them
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+          const uint32_t bar = bar_base + 8 * (next & 63);
+          mbar_expect(bar, static_cast<unsigned>(units) * 16u);
+          for (int u = 0; u < units;) {  // pieces of at most kBulkBytes, split at the ring's end
+            const int slot = base + u < ring_units ? base + u : base + u - ring_units;
+            const int n = min(min(units - u, ring_units - slot), static_cast<int>(kBulkBytes / 16));
+            bulk_copy(ring_base + slot * 16u, src + u, static_cast<unsigned>(n) * 16u, bar);
+            u += n;
+          }
+        }
+      } else {
+        // with kCopyApart warp 0 (the barrier's thread) issues no copies: a fence waits for its own in flight
+        const int first = mode & kCopyApart ? 32 : 0, step = mode & kCopyApart ? kThreads - 32 : kThreads;
+        for (int u = tid - first; u >= 0 && u < units; u += step) {
+          const int slot = base + u < ring_units ? base + u : base + u - ring_units;  // units <= ring_units
+          cp_async16(ring_base + slot * 16u, src + u);
+        }
+        cp_async_commit();
       }
-      cp_async_commit();
       if (tid == 0) stage_start[next & 63] = issued_units;  // read after (4)'s __syncthreads; depth < 64
       issued_units += units;
       ++next;
     }
     const StageRows st = stage_rows(meta, w, acts, s, b, G);
     // (2) the grid barrier behind stage s - 1
-    if (s > 0 && !(mode & kNoBarrier)) {
+    if (s > 0 && !(mode & kNoBarrier) && !lowlat) {
       if (tid == 0) {
         const unsigned want = static_cast<unsigned>(s) * G;
         long long spins = 0;
@@ -130,21 +208,56 @@ __global__ void __launch_bounds__(kThreads, 1)
     // (3) the input, from L2 (written by other blocks this launch: never in this SM's L1)
     const int KU = st.K / 8;
     float x[kMaxUnitsPerLane][8];
+    if (lowlat) {
+      // two values a 16-byte load of LL pairs, polled until both flags are stage s's input's (s: stage s - 1's
+      // outputs carry flag s); the chain's input (stage 0) is plain
+      const long long x_off = st.x - acts;
+      for (int e = 2 * tid; e < st.K; e += 2 * kThreads) {
+        if (s == 0) {
+          xs[e] = __bfloat162float(st.x[e]);
+          xs[e + 1] = __bfloat162float(st.x[e + 1]);
+          continue;
+        }
+        uint4 v = ld_volatile16(ll + x_off + e);
+        long long spins = 0;
+        while ((v.x != static_cast<unsigned>(s) || v.z != static_cast<unsigned>(s)) && !(mode & kNoBarrier)) {
+          if (++spins > max_spin) {
+            atomicExch(gave_up, 1);
+            break;
+          }
+          v = ld_volatile16(ll + x_off + e);
+        }
+        xs[e] = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(v.y)));
+        xs[e + 1] = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(v.w)));
+      }
+      __syncthreads();
 #pragma unroll
-    for (int i = 0; i < kMaxUnitsPerLane; ++i) {
-      const int u = lane + 32 * i;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (u < KU) v = __ldcg(reinterpret_cast<const uint4*>(st.x) + u);
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+      for (int i = 0; i < kMaxUnitsPerLane; ++i) {
+        const int u = lane + 32 * i;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = __bfloat1622float2(h[j]);
-        x[i][2 * j] = f.x;
-        x[i][2 * j + 1] = f.y;
+        for (int j = 0; j < 8; ++j) x[i][j] = u < KU ? xs[8 * u + j] : 0.f;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kMaxUnitsPerLane; ++i) {
+        const int u = lane + 32 * i;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (u < KU) v = __ldcg(reinterpret_cast<const uint4*>(st.x) + u);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(h[j]);
+          x[i][2 * j] = f.x;
+          x[i][2 * j + 1] = f.y;
+        }
       }
     }
     // (4) this stage's weights in shared memory
-    cp_async_wait_pending(next - s - 1);
+    if (tma) {
+      mbar_wait(bar_base + 8 * (s & 63), static_cast<unsigned>(s >> 6) & 1u);
+    } else {
+      cp_async_wait_pending(next - s - 1);
+    }
     __syncthreads();
     // (5) a warp a row
     const int start = static_cast<int>(stage_start[s & 63] % ring_units);
@@ -168,12 +281,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-      if (lane == 0) st.y[r] = __float2bfloat16(acc);
+      if (lane == 0) {
+        const __nv_bfloat16 y = __float2bfloat16(acc);
+        st.y[r] = y;
+        if (lowlat) st_ll(ll + (st.y - acts) + r, static_cast<unsigned>(s + 1), __bfloat16_as_ushort(y));
+      }
     }
     // (6) the ring's units of stage s are free; arrive
     __syncthreads();
     freed_units += st.rows * KU;
-    if (s + 1 < S && tid == 0) {
+    if (s + 1 < S && tid == 0 && !lowlat) {
       if (mode & kRelease) {
         red_release_add(counter, 1u);
       } else {
@@ -193,13 +310,18 @@ extern "C" int kestrel_chain_setup(int smem_bytes) {
 
 extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta, int S, void* counter,
                                     void* gave_up, long long max_spin, int blocks, int smem_bytes, int depth,
-                                    int mode, void* stream) {
+                                    int mode, void* ll, long long ll_bytes, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaMemsetAsync(counter, 0, sizeof(unsigned), st);
   if (err != cudaSuccess) return static_cast<int>(err);
+  if (mode & kLL) {
+    err = cudaMemsetAsync(ll, 0, ll_bytes, st);
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
   chain_kernel<<<blocks, kThreads, smem_bytes, st>>>(
       static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(acts), static_cast<const long long*>(meta),
-      S, static_cast<unsigned*>(counter), static_cast<int*>(gave_up), max_spin, smem_bytes / 16, depth, mode);
+      S, static_cast<unsigned*>(counter), static_cast<int*>(gave_up), max_spin, smem_bytes / 16, depth, mode,
+      static_cast<unsigned long long*>(ll));
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -32,10 +32,14 @@ MAX_SPIN = 1 << 24  # polls of the counter before a block gives up (a grid not a
 # issuing thread's loads in flight); the arrival one release add instead of a fence and an add; no barrier at all
 # (wrong results: the weight stream and the sums alone)
 COPY_APART, RELEASE, NO_BARRIER = 1, 2, 4
+# the weights as bulk copies (the TMA unit) on an mbarrier a stage; the outputs as LL pairs (value and flag in one
+# 8-byte store, polled by the next stage: no counter)
+TMA, LL = 8, 16
+STATIC_SMEM = 10 * 1024  # cuda_chain.cu's static shared memory (the LL input, the mbarriers), rounded up
 
 _lib: ctypes.CDLL | None = None
 _lock = threading.Lock()
-_smem_set: set[tuple[int, int]] = set()  # (device, bytes) whose shared-memory limit is set
+_smem_set: set[int] = set()  # devices where the kernel's shared-memory limit is set
 
 
 def _load() -> ctypes.CDLL:
@@ -57,7 +61,9 @@ def _load() -> ctypes.CDLL:
                 ctypes.c_int,  # blocks
                 ctypes.c_int,  # shared memory bytes (the ring)
                 ctypes.c_int,  # depth
-                ctypes.c_int,  # mode (cuda_chain.cu's kCopyApart | kRelease | kNoBarrier)
+                ctypes.c_int,  # mode (cuda_chain.cu's kCopyApart | kRelease | kNoBarrier | kTma | kLL)
+                ctypes.c_void_p,  # LL pairs
+                ctypes.c_longlong,  # their bytes
                 ctypes.c_void_p,  # stream
             ]
             lib.kestrel_chain_threads.restype = ctypes.c_int
@@ -75,7 +81,7 @@ def _check(lib: ctypes.CDLL, err: int, what: str) -> None:
 class CudaGemvChain:
     """Stages of GEMVs chained over static buffers, as `triton_chain.GemvChain` (fill `input` [1, K_0], call,
     read `outputs`), one block an SM (`blocks` None) or fewer, each with a ring of `ring_bytes` of shared memory
-    (None: what the device allows a block); copy_apart, release and no_barrier: the timing variants above."""
+    (None: what the device allows a block); copy_apart, release, no_barrier, tma and ll: the variants above."""
 
     def __init__(
         self,
@@ -87,6 +93,8 @@ class CudaGemvChain:
         copy_apart: bool = False,
         release: bool = False,
         no_barrier: bool = False,
+        tma: bool = False,
+        ll: bool = False,
     ):
         assert weights and all(w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_cuda for w in weights), (
             "weights: [N_s, K_s] bf16 on CUDA"
@@ -104,7 +112,7 @@ class CudaGemvChain:
         props = torch.cuda.get_device_properties(self.device)
         self.blocks = blocks or props.multi_processor_count
         assert 0 < self.blocks <= props.multi_processor_count, "one block an SM at most: all must be resident"
-        most = props.shared_memory_per_block_optin - 1024  # the kernel's static shared memory beside the ring
+        most = props.shared_memory_per_block_optin - STATIC_SMEM
         self.ring_bytes = (ring_bytes or most) // 16 * 16
         assert 0 < self.ring_bytes <= most, f"ring of {self.ring_bytes} bytes: at most {most} here"
         chunk = max(
@@ -114,7 +122,9 @@ class CudaGemvChain:
             f"a block's rows of one stage take {chunk} bytes: ring {self.ring_bytes}"
         )
         self.depth = depth
-        self.mode = COPY_APART * copy_apart | RELEASE * release | NO_BARRIER * no_barrier
+        self.mode = (
+            COPY_APART * copy_apart | RELEASE * release | NO_BARRIER * no_barrier | TMA * tma | LL * ll
+        )
         first = weights[0]
         self.w = torch.cat([w.reshape(-1) for w in weights])
 
@@ -133,20 +143,23 @@ class CudaGemvChain:
             w_off, in_off, out_off = w_off + N * K, out_off, out_off + aligned(N)
         self.meta = torch.tensor(meta, dtype=torch.int64, device=self.device)
         self.sync = torch.zeros(2, dtype=torch.int32, device=self.device)  # the counter, gave_up
+        self.ll = torch.zeros(width if ll else 2, dtype=torch.int64, device=self.device)  # an LL pair a value
         self.stages = len(weights)
         self._lib = _load()
-        key = (self.device.index or 0, self.ring_bytes)
-        if key not in _smem_set:  # outside any capture: the first call sets the kernel's limit
+        index = self.device.index or 0
+        if index not in _smem_set:  # outside any capture: the kernel's limit, once a device, at the most
             with torch.cuda.device(self.device):
-                _check(self._lib, self._lib.kestrel_chain_setup(self.ring_bytes), "chain setup")
-            _smem_set.add(key)
+                _check(self._lib, self._lib.kestrel_chain_setup(most), "chain setup")
+            _smem_set.add(index)
 
     def __call__(self) -> torch.Tensor:
-        """Run every stage (the counter zeroed first, in the same stream); the last stage's output."""
+        """Run every stage (the counter, and with ll the LL pairs, zeroed first in the same stream); the last
+        stage's output."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
         err = self._lib.kestrel_chain_launch(
             self.w.data_ptr(), self.acts.data_ptr(), self.meta.data_ptr(), self.stages, self.sync.data_ptr(),
-            self.sync[1:].data_ptr(), MAX_SPIN, self.blocks, self.ring_bytes, self.depth, self.mode, stream,
+            self.sync[1:].data_ptr(), MAX_SPIN, self.blocks, self.ring_bytes, self.depth, self.mode,
+            self.ll.data_ptr(), self.ll.numel() * 8, stream,
         )  # fmt: skip
         _check(self._lib, err, "chain launch")
         return self.outputs[-1]
