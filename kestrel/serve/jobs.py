@@ -48,6 +48,7 @@ class Job:
             for child in children
         ]
         self._prompt_of = [i for i in range(len(prompts)) for _ in children]
+        self._num_open = [len(children)] * len(prompts)  # choices of each prompt not yet finished
 
     async def events(self) -> AsyncIterator[tuple[int, str, StepOutput, ChoiceState]]:
         """(choice index, new text, the engine output, the choice) for each output, until all finish."""
@@ -61,7 +62,7 @@ class Job:
                 piece = choice.update(out)
                 metrics.on_tokens(arrival, first, last, len(out.new_token_ids))
                 if choice.finished:
-                    metrics.on_finished(arrival, out.num_prompt_tokens, choice.finish_reason)
+                    self._count_finished(index, choice.finish_reason)
                     if not out.finished:  # a stop string found here first
                         self.group.abort(index)
                 yield index, piece, out, choice
@@ -76,7 +77,15 @@ class Job:
         for index, choice in enumerate(self.choices):
             if not choice.finished:
                 choice.finished, choice.finish_reason = True, reason
-                self.server.metrics.on_finished(self.group.arrival_time, self.prompt_len(index), reason)
+                self._count_finished(index, reason)
+
+    def _count_finished(self, index: int, reason: str | None) -> None:
+        """Each choice is a finished request by its own reason; its prompt's tokens count once, with the last of
+        the prompt's n choices (as vLLM counts them), not once per choice."""
+        prompt = self._prompt_of[index]
+        self._num_open[prompt] -= 1
+        num_prompt_tokens = len(self.prompts[prompt]) if self._num_open[prompt] == 0 else 0
+        self.server.metrics.on_finished(self.group.arrival_time, num_prompt_tokens, reason)
 
     async def drain(self) -> None:
         async for _ in self.events():

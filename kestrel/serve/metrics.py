@@ -185,7 +185,11 @@ class ServerMetrics:
         )
         self.generation_tokens = r.add(Counter("kestrel_generation_tokens_total", "Generated tokens."))
         self.requests = r.add(
-            Counter("kestrel_requests_total", "Finished requests by finish reason.", ("finish_reason",))
+            Counter(
+                "kestrel_requests_total",
+                "Finished requests by finish reason, each of a request's n choices one.",
+                ("finish_reason",),
+            )
         )
         self.responses = r.add(
             Counter(
@@ -298,6 +302,8 @@ class ServerMetrics:
         self._prune(now)
 
     def on_finished(self, arrival: float, num_prompt_tokens: int, finish_reason: str | None) -> None:
+        """One engine request (one choice) finished; `num_prompt_tokens` is 0 for all but the last choice of a
+        prompt sampled n times, so that the prompt counts once."""
         self.e2e.observe(time.monotonic() - arrival)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.requests.inc(finish_reason=finish_reason or "unknown")

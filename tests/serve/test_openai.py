@@ -345,9 +345,7 @@ def test_metrics(server, client):
         assert f"# TYPE {name} {kind}\n" in text, name
     for line in text.splitlines():
         assert line.startswith("#") or SAMPLE.match(line), line
-    values = {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[0] != "#"
-    }
+    values = _samples(text)
     assert values['kestrel_requests_total{finish_reason="length"}'] >= 1
     assert values["kestrel_generation_tokens_total"] >= 3
     assert values["kestrel_time_to_first_token_seconds_count"] >= 1
@@ -357,6 +355,29 @@ def test_metrics(server, client):
     # the finished request's pages stay in the prefix cache: used, and counted as cached
     assert values["kestrel_kv_pages_cached"] == stats["num_cached_pages"] > 0
     assert values["kestrel_kv_pages_used"] >= values["kestrel_kv_pages_cached"]
+
+
+def _samples(text: str) -> dict[str, float]:
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[0] != "#"
+    }
+
+
+def test_a_prompt_sampled_n_times_counts_its_tokens_once(server, client):
+    """Each choice is a finished request, but two prompts with n=2 add their prompt tokens once each (as usage
+    does), not once per choice."""
+    scrape = lambda: _samples(httpx.get(f"{server.url}/metrics").text)
+    done = 'kestrel_requests_total{finish_reason="length"}'
+    before = scrape()
+    r = client.completions.create(
+        model=MODEL, prompt=["count me once", "and me too"], n=2, max_tokens=3, **GREEDY
+    )
+    after = scrape()
+    assert len(r.choices) == 4 and r.usage.prompt_tokens == len(b"count me once") + len(b"and me too")
+    assert (
+        after["kestrel_prompt_tokens_total"] - before["kestrel_prompt_tokens_total"] == r.usage.prompt_tokens
+    )
+    assert after[done] - before.get(done, 0) == 4
 
 
 def test_http_responses_are_counted_by_route_and_status(server, client):
