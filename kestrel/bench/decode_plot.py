@@ -7,7 +7,7 @@ A tick marks the bare CUDA-graph replay, and a red line the step time issue 4's 
 70% MBU; batch 256 at 4K: 60%). Each bar is drawn to its own step's length (100%), so that batch 1 and batch 256
 read on one axis; its milliseconds are written beside it.
 
-    kestrel bench plot-decode decode.json [--out decode.png]
+    kestrel bench plot-decode decode.json [--out decode.png]    (or .pdf, .svg: the suffix names the format)
 `kestrel bench decode --out X.json` draws X.png beside it where matplotlib is installed.
 """
 
@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+from kestrel.utils.errors import KestrelError
 
 # issue 4's decode targets: (batch, context) -> MBU, DSA attention
 TARGETS = {(1, 4096): 0.70, (256, 4096): 0.60}
@@ -69,8 +71,23 @@ def _tokens(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else f"{n / 1024:.1f}K"
 
 
+def image_format(path: Path) -> str:
+    """The format `path`'s suffix names (png where it has none); ValueError for a suffix matplotlib writes no
+    format for, which had been a PNG under that name."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    suffix = Path(path).suffix.removeprefix(".").lower()
+    if not suffix:
+        return "png"
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if suffix not in formats:
+        raise ValueError(f"matplotlib writes no .{suffix} (give one of .{', .'.join(sorted(formats))})")
+    return suffix
+
+
 def plot_decode(result: dict, path: Path) -> Path:
-    """Draw `bars(result)` into the PNG `path`."""
+    """Draw `bars(result)` into `path`, in the format its suffix names (`image_format`)."""
+    fmt = image_format(path)  # before the drawing
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,17 +143,24 @@ def plot_decode(result: dict, path: Path) -> Path:
     fig.tight_layout(rect=(0, 0.75 / height, 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, format="png")  # the name as given (without a suffix matplotlib added .png)
+    fig.savefig(path, dpi=120, format=fmt)  # the name as given (without a suffix matplotlib added .png)
     plt.close(fig)
     return path
 
 
 def cmd_plot_decode(args) -> int:
-    if args.out is not None and args.out.is_dir():
-        print(
-            f"kestrel bench plot-decode: --out {args.out}: is a folder; give the PNG's name", file=sys.stderr
-        )
-        return 2
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise KestrelError(f"kestrel bench plot-decode needs {e.name} (pip install {e.name})") from None
+    if args.out is not None:  # before the result is read
+        try:
+            if args.out.is_dir():
+                raise ValueError("is a folder; give the picture's name")
+            image_format(args.out)
+        except ValueError as e:
+            print(f"kestrel bench plot-decode: --out {args.out}: {e}", file=sys.stderr)
+            return 2
     try:
         result = json.loads(Path(args.result).read_text())
         if isinstance(result, dict) and "decode" in result and "runs" not in result:

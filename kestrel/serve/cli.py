@@ -378,11 +378,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", type=arg_types.path, default=None, help="write the results as JSON here")
     d.set_defaults(func=_bench("decode"))
     pd = benchmarks.add_parser(
-        "plot-decode", help="draw a `bench decode` result: where each point's step goes (PNG)"
+        "plot-decode", help="draw a `bench decode` result: where each point's step goes (PNG, PDF, SVG)"
     )
     pd.add_argument("result", type=arg_types.path, help="the JSON `bench decode --out` wrote")
     pd.add_argument(
-        "--out", type=arg_types.path, default=None, help="the PNG (default: the result's path, .png)"
+        "--out",
+        type=arg_types.path,
+        default=None,
+        help="the picture; its suffix names the format: .png, .pdf, .svg... (default: the result's path, .png)",
     )
     pd.set_defaults(func=_bench("plot-decode"))
     k = benchmarks.add_parser(

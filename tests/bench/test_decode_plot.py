@@ -114,3 +114,18 @@ def test_plot_decode_writes_the_png_it_names(tmp_path, capsys):
     (tmp_path / "d").mkdir()
     assert main(["bench", "plot-decode", str(tmp_path / "r.json"), "--out", str(tmp_path / "d")]) == 2
     assert "--out" in capsys.readouterr().err and not (tmp_path / "d.png").exists()
+
+
+def test_plot_decode_writes_the_format_its_suffix_names(tmp_path, capsys):
+    """--out x.pdf was a PNG named x.pdf; a suffix matplotlib writes no format for is refused in one line naming
+    it, before the result is read (a missing one here)."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "r.json").write_text(json.dumps(_result()))
+    for name, magic in (("x.pdf", b"%PDF"), ("x.svg", b"<?xml"), ("x.PNG", PNG)):
+        assert main(["bench", "plot-decode", str(tmp_path / "r.json"), "--out", str(tmp_path / name)]) == 0
+        assert (tmp_path / name).read_bytes().startswith(magic), name
+    capsys.readouterr()
+    assert main(["bench", "plot-decode", str(tmp_path / "none.json"), "--out", str(tmp_path / "x.xyz")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"kestrel bench plot-decode: --out {tmp_path / 'x.xyz'}: ") and ".xyz" in line
+    assert ".pdf" in line and not (tmp_path / "x.xyz").exists()
