@@ -31,6 +31,7 @@ from kestrel.cache.kv_pool import KVPool
 from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import StatePool
 from kestrel.config import EngineConfig
+from kestrel.detokenize import IncrementalDetokenizer, StopStringMatcher
 from kestrel.engine.checkpoints import Checkpoints
 from kestrel.engine.memory import check_max_model_len, plan_memory
 from kestrel.engine.outputs import StepOutput
@@ -43,13 +44,7 @@ from kestrel.env import check_env
 from kestrel.layers.mla import dsa_topks, set_dense_attention
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model, model_config
-from kestrel.tokenizer import (
-    IncrementalDetokenizer,
-    StopStringMatcher,
-    Tokenizer,
-    check_tokenizer_fits,
-    tokenizer_for,
-)
+from kestrel.tokenizer import Tokenizer, check_tokenizer_fits, tokenizer_for
 from kestrel.utils.device import resolve_device, resolve_dtype, to_device_async, to_host_async
 from kestrel.utils.errors import ConfigError, KestrelError
 

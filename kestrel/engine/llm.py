@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from kestrel.config import EngineConfig
+from kestrel.detokenize import StopStringMatcher
 from kestrel.engine.engine import Engine
 from kestrel.engine.outputs import CompletionOutput, RequestOutput
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.presets import builtin_model
-from kestrel.tokenizer import StopStringMatcher
 
 _SGLANG_NAMES = {"max_new_tokens": "max_tokens", "stop_token_ids": "stop_token_ids"}
 

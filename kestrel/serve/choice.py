@@ -15,9 +15,10 @@ from __future__ import annotations
 import os
 import time
 
+from kestrel.detokenize import IncrementalDetokenizer, StopStringMatcher
 from kestrel.engine.outputs import StepOutput, TokenLogprob
 from kestrel.engine.sampling_params import SamplingParams
-from kestrel.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from kestrel.tokenizer import Tokenizer
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 

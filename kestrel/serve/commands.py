@@ -271,8 +271,8 @@ def _turn_seed(seed: int, turn: int) -> int:
 def cmd_chat(args) -> int:
     """A terminal chat through the engine: one turn at a time, streamed. /reset clears the history; an empty
     line or EOF ends the chat."""
+    from kestrel.detokenize import IncrementalDetokenizer
     from kestrel.engine.sampling_params import SamplingParams
-    from kestrel.tokenizer import IncrementalDetokenizer
 
     if args.system is not None:
         utf8_text(args.system, "--system")
