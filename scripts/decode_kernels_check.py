@@ -980,12 +980,7 @@ def l2_ahead(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
         device == "cuda" and dtype == torch.bfloat16
     ):  # the CUDA chain (cuda_chain.cu): the weights ahead in flight
         entry["cuda_chain"] = _cuda_chain([w for pair in cold for w in pair], x, layers)
-        variants = [
-            dict(depth=0),
-            dict(depth=0, release=True),
-            dict(depth=0, ll=True),
-            dict(depth=0, tma=True, ll=True),
-        ]
+        variants = [dict(depth=0), dict(depth=0, ll=True), dict(pipe=True), dict(pipe=True, ll=True)]
         entry["cuda_chain_barriers_only"] = _cuda_chain(tiny, x[:, :n], layers, variants)
         print(f"l2_ahead cuda chain barriers only: {entry['cuda_chain_barriers_only']}", flush=True)
 
@@ -1005,11 +1000,17 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     # barrier's) issuing no copies, the arrival a release add, and no barrier at all (the stream and sums alone)
     # (each 18.6-20.5, no barrier 13.1: the 16-byte copies' stream itself was slow), then the weights as bulk
     # copies (tma) and the counter replaced by LL pairs (ll)
+    # (18.5-20.5 whichever; no barrier 13.1 with tma, 17.4 with ll too: a stage's rows freed only as a whole hold
+    # the stream to about one stage ahead), then `pipe`: a producer warp streaming pages through the ring across
+    # the waits
     configs = configs or [
-        dict(depth=d, **v)
-        for d in (1, 63)
-        for v in ({}, dict(tma=True), dict(ll=True), dict(tma=True, ll=True))
-    ] + [dict(depth=63, tma=True, no_barrier=True), dict(depth=63, tma=True, ll=True, no_barrier=True)]
+        dict(depth=63),
+        dict(depth=63, tma=True, ll=True),
+        dict(pipe=True),
+        dict(pipe=True, ll=True),
+        dict(pipe=True, no_barrier=True),
+        dict(pipe=True, ll=True, no_barrier=True),
+    ]
     for config in configs:
         row = dict(config)
         try:

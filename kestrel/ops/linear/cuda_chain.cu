@@ -37,7 +37,7 @@ constexpr int kCopyApart = 1, kRelease = 2, kNoBarrier = 4;
 // mbarrier, issued by thread 32, instead of 16-byte cp.async from every thread. kLL: no counter: each output also
 // goes out as an LL pair (flag = stage + 1) and the next stage's blocks poll their input's pairs until every flag
 // is theirs, through shared memory (the LL buffer zeroed before each launch).
-constexpr int kTma = 8, kLL = 16;
+constexpr int kTma = 8, kLL = 16, kPipe = 32;
 constexpr unsigned kBulkBytes = 32768;
 constexpr int kMaxK = 2048;
 
@@ -301,12 +301,175 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// kPipe: the weight stream never waits for the chain. Warp 0 is a producer: its lane 0 walks every stage's rows in
+// pages of at most kPageBytes (whole rows), each page a bulk copy into the next slot of a ring of pages, as soon as
+// the consumers have freed that slot (its `empty` mbarrier); warps 1-15 consume: at each stage they wait for their
+// input (the counter or LL pairs, as above), then for each page (its `full` mbarrier), sum its rows (row r of the
+// stage by warp 1 + r % 15) and free the slot. The ring thus holds the pages ahead across the stages' waits, where
+// `chain_kernel` frees a stage's rows only as a whole and holds about one stage ahead.
+constexpr int kPageBytes = 16384;
+constexpr int kConsumers = kWarps - 1;
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"r"(kConsumers * 32) : "memory");
+}
+
+__device__ __forceinline__ int page_rows(int K) { return max(1, kPageBytes / (2 * K)); }
+
+__global__ void __launch_bounds__(kThreads, 1)
+    chain_pipe_kernel(const __nv_bfloat16* __restrict__ w, __nv_bfloat16* acts, const long long* __restrict__ meta,
+                      int S, unsigned* counter, int* gave_up, long long max_spin, int pages, int mode,
+                      unsigned long long* ll) {
+  extern __shared__ uint4 ring[];  // [pages][kPageBytes / 16]
+  __shared__ float xs[kMaxK];
+  __shared__ alignas(8) unsigned long long full[64], empty[64];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int b = blockIdx.x, G = gridDim.x;
+  const uint32_t ring_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const uint32_t full_base = static_cast<uint32_t>(__cvta_generic_to_shared(full));
+  const uint32_t empty_base = static_cast<uint32_t>(__cvta_generic_to_shared(empty));
+  const bool lowlat = mode & kLL;
+  if (tid == 0) {
+    for (int i = 0; i < pages; ++i) {
+      mbar_init(full_base + 8 * i, 1);
+      mbar_init(empty_base + 8 * i, kConsumers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (warp == 0) {  // the producer
+    if (lane == 0) {
+      long long g = 0;  // pages issued since the launch
+      for (int s = 0; s < S; ++s) {
+        const StageRows st = stage_rows(meta, w, acts, s, b, G);
+        const int rpp = page_rows(st.K);
+        for (int r = 0; r < st.rows; r += rpp, ++g) {
+          const int slot = static_cast<int>(g % pages);
+          const long long use = g / pages;
+          if (use > 0) mbar_wait(empty_base + 8 * slot, static_cast<unsigned>(use - 1) & 1u);
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+          const unsigned bytes = static_cast<unsigned>(min(rpp, st.rows - r) * st.K * 2);
+          mbar_expect(full_base + 8 * slot, bytes);
+          bulk_copy(ring_base + slot * kPageBytes, st.w + static_cast<long long>(r) * st.K, bytes,
+                    full_base + 8 * slot);
+        }
+      }
+    }
+    return;
+  }
+  const int cw = warp - 1, ctid = tid - 32;
+  long long g = 0;  // pages consumed since the launch
+  for (int s = 0; s < S; ++s) {
+    const StageRows st = stage_rows(meta, w, acts, s, b, G);
+    const int KU = st.K / 8;
+    float x[kMaxUnitsPerLane][8];
+    if (lowlat) {
+      const long long x_off = st.x - acts;
+      for (int e = 2 * ctid; e < st.K; e += 2 * kConsumers * 32) {
+        if (s == 0) {
+          xs[e] = __bfloat162float(st.x[e]);
+          xs[e + 1] = __bfloat162float(st.x[e + 1]);
+          continue;
+        }
+        uint4 v = ld_volatile16(ll + x_off + e);
+        long long spins = 0;
+        while ((v.x != static_cast<unsigned>(s) || v.z != static_cast<unsigned>(s)) && !(mode & kNoBarrier)) {
+          if (++spins > max_spin) {
+            atomicExch(gave_up, 1);
+            break;
+          }
+          v = ld_volatile16(ll + x_off + e);
+        }
+        xs[e] = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(v.y)));
+        xs[e + 1] = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(v.w)));
+      }
+      consumers_sync();
+#pragma unroll
+      for (int i = 0; i < kMaxUnitsPerLane; ++i) {
+        const int u = lane + 32 * i;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) x[i][j] = u < KU ? xs[8 * u + j] : 0.f;
+      }
+    } else {
+      if (s > 0 && !(mode & kNoBarrier)) {
+        if (ctid == 0) {
+          const unsigned want = static_cast<unsigned>(s) * G;
+          long long spins = 0;
+          while (ld_acquire(counter) < want) {
+            if (++spins > max_spin) {
+              atomicExch(gave_up, 1);
+              break;
+            }
+          }
+        }
+        consumers_sync();
+      }
+#pragma unroll
+      for (int i = 0; i < kMaxUnitsPerLane; ++i) {
+        const int u = lane + 32 * i;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (u < KU) v = __ldcg(reinterpret_cast<const uint4*>(st.x) + u);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(h[j]);
+          x[i][2 * j] = f.x;
+          x[i][2 * j + 1] = f.y;
+        }
+      }
+    }
+    const int rpp = page_rows(st.K);
+    for (int r0 = 0; r0 < st.rows; r0 += rpp, ++g) {
+      const int slot = static_cast<int>(g % pages);
+      mbar_wait(full_base + 8 * slot, static_cast<unsigned>(g / pages) & 1u);
+      const uint4* page = ring + slot * (kPageBytes / 16);
+      for (int r = r0; r < min(r0 + rpp, st.rows); ++r) {
+        if (r % kConsumers != cw) continue;
+        float acc = 0.f;
+#pragma unroll
+        for (int i = 0; i < kMaxUnitsPerLane; ++i) {
+          const int u = lane + 32 * i;
+          if (u < KU) {
+            const uint4 v = page[(r - r0) * KU + u];
+            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const float2 f = __bfloat1622float2(h[j]);
+              acc = fmaf(f.x, x[i][2 * j], acc);
+              acc = fmaf(f.y, x[i][2 * j + 1], acc);
+            }
+          }
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (lane == 0) {
+          const __nv_bfloat16 y = __float2bfloat16(acc);
+          st.y[r] = y;
+          if (lowlat) st_ll(ll + (st.y - acts) + r, static_cast<unsigned>(s + 1), __bfloat16_as_ushort(y));
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty_base + 8 * slot);
+    }
+    consumers_sync();  // every output of the stage stored (and xs read)
+    if (!lowlat && s + 1 < S && ctid == 0) red_release_add(counter, 1u);
+  }
+}
+
 }  // namespace
 
 extern "C" int kestrel_chain_setup(int smem_bytes) {
+  cudaError_t err = cudaFuncSetAttribute(chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (err != cudaSuccess) return static_cast<int>(err);
   return static_cast<int>(
-      cudaFuncSetAttribute(chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+      cudaFuncSetAttribute(chain_pipe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
 }
+
+extern "C" int kestrel_chain_page_bytes() { return kPageBytes; }
 
 extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta, int S, void* counter,
                                     void* gave_up, long long max_spin, int blocks, int smem_bytes, int depth,
@@ -317,6 +480,13 @@ extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta,
   if (mode & kLL) {
     err = cudaMemsetAsync(ll, 0, ll_bytes, st);
     if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  if (mode & kPipe) {
+    chain_pipe_kernel<<<blocks, kThreads, smem_bytes, st>>>(
+        static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(acts),
+        static_cast<const long long*>(meta), S, static_cast<unsigned*>(counter), static_cast<int*>(gave_up),
+        max_spin, min(smem_bytes / kPageBytes, 64), mode, static_cast<unsigned long long*>(ll));
+    return static_cast<int>(cudaGetLastError());
   }
   chain_kernel<<<blocks, kThreads, smem_bytes, st>>>(
       static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(acts), static_cast<const long long*>(meta),

@@ -35,6 +35,9 @@ COPY_APART, RELEASE, NO_BARRIER = 1, 2, 4
 # the weights as bulk copies (the TMA unit) on an mbarrier a stage; the outputs as LL pairs (value and flag in one
 # 8-byte store, polled by the next stage: no counter)
 TMA, LL = 8, 16
+# warp 0 a producer streaming every stage's rows in pages of PAGE_BYTES through a ring of them, freed a page at a
+# time by the 15 consumer warps (cuda_chain.cu's chain_pipe_kernel): the stream goes on across the stages' waits
+PIPE, PAGE_BYTES = 32, 16384
 STATIC_SMEM = 10 * 1024  # cuda_chain.cu's static shared memory (the LL input, the mbarriers), rounded up
 
 _lib: ctypes.CDLL | None = None
@@ -81,7 +84,8 @@ def _check(lib: ctypes.CDLL, err: int, what: str) -> None:
 class CudaGemvChain:
     """Stages of GEMVs chained over static buffers, as `triton_chain.GemvChain` (fill `input` [1, K_0], call,
     read `outputs`), one block an SM (`blocks` None) or fewer, each with a ring of `ring_bytes` of shared memory
-    (None: what the device allows a block); copy_apart, release, no_barrier, tma and ll: the variants above."""
+    (None: what the device allows a block); copy_apart, release, no_barrier, tma, ll and pipe: the variants
+    above (pipe takes ll and no_barrier; its pages are bulk copies)."""
 
     def __init__(
         self,
@@ -95,6 +99,7 @@ class CudaGemvChain:
         no_barrier: bool = False,
         tma: bool = False,
         ll: bool = False,
+        pipe: bool = False,
     ):
         assert weights and all(w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_cuda for w in weights), (
             "weights: [N_s, K_s] bf16 on CUDA"
@@ -115,9 +120,8 @@ class CudaGemvChain:
         most = props.shared_memory_per_block_optin - STATIC_SMEM
         self.ring_bytes = (ring_bytes or most) // 16 * 16
         assert 0 < self.ring_bytes <= most, f"ring of {self.ring_bytes} bytes: at most {most} here"
-        chunk = max(
-            -(-w.shape[0] // self.blocks) * w.shape[1] * 2 for w in weights
-        )  # a block's largest stage
+        # a block's largest stage (pipe: a page)
+        chunk = PAGE_BYTES if pipe else max(-(-w.shape[0] // self.blocks) * w.shape[1] * 2 for w in weights)
         assert chunk <= self.ring_bytes, (
             f"a block's rows of one stage take {chunk} bytes: ring {self.ring_bytes}"
         )
@@ -125,6 +129,7 @@ class CudaGemvChain:
         self.mode = (
             COPY_APART * copy_apart | RELEASE * release | NO_BARRIER * no_barrier | TMA * tma | LL * ll
         )
+        self.mode |= PIPE * pipe
         first = weights[0]
         self.w = torch.cat([w.reshape(-1) for w in weights])
 
