@@ -1001,15 +1001,19 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     # (each 18.6-20.5, no barrier 13.1: the 16-byte copies' stream itself was slow), then the weights as bulk
     # copies (tma) and the counter replaced by LL pairs (ll)
     # (18.5-20.5 whichever; no barrier 13.1 with tma, 17.4 with ll too: a stage's rows freed only as a whole hold
-    # the stream to about one stage ahead), then `pipe`: a producer warp streaming pages through the ring across
-    # the waits
+    # the stream to about one stage ahead), then `pipe`, a producer warp streaming pages through the ring across the
+    # waits (17.1 with ll, 15.4 with no barrier: the stream still at half the copy rate), so what limits the stream:
+    # the consumers only freeing pages (no_compute), pages of 8-32 KB, four producer lanes
     configs = configs or [
-        dict(depth=63),
-        dict(depth=63, tma=True, ll=True),
-        dict(pipe=True),
         dict(pipe=True, ll=True),
-        dict(pipe=True, no_barrier=True),
-        dict(pipe=True, ll=True, no_barrier=True),
+        dict(pipe=True, no_barrier=True, no_compute=True),
+        dict(pipe=True, no_barrier=True, no_compute=True, producers4=True),
+        dict(pipe=True, no_barrier=True, no_compute=True, page_bytes=8192),
+        dict(pipe=True, no_barrier=True, no_compute=True, page_bytes=32768),
+        dict(pipe=True, no_barrier=True, producers4=True),
+        dict(pipe=True, ll=True, producers4=True),
+        dict(pipe=True, ll=True, page_bytes=8192),
+        dict(pipe=True, ll=True, page_bytes=32768),
     ]
     for config in configs:
         row = dict(config)

@@ -48,7 +48,7 @@ def _weights(shapes, seed=0):
 @pytest.mark.parametrize(
     "mode",
     [{}, dict(copy_apart=True, release=True), dict(tma=True), dict(ll=True), dict(tma=True, ll=True), dict(pipe=True),
-     dict(pipe=True, ll=True)],
+     dict(pipe=True, ll=True), dict(pipe=True, ll=True, producers4=True, page_bytes=4096)],
 )  # fmt: skip
 @pytest.mark.parametrize("depth", [0, 1, 3, cuda_chain.MAX_DEPTH])
 @pytest.mark.parametrize("blocks", [None, 7])

@@ -38,6 +38,9 @@ constexpr int kCopyApart = 1, kRelease = 2, kNoBarrier = 4;
 // goes out as an LL pair (flag = stage + 1) and the next stage's blocks poll their input's pairs until every flag
 // is theirs, through shared memory (the LL buffer zeroed before each launch).
 constexpr int kTma = 8, kLL = 16, kPipe = 32;
+// pipe's timing variants: the consumers only wait for each page and free it (kNoCompute: what the stream alone
+// takes); four producer lanes, each issuing every fourth page (kProducers4)
+constexpr int kNoCompute = 64, kProducers4 = 128;
 constexpr unsigned kBulkBytes = 32768;
 constexpr int kMaxK = 2048;
 
@@ -307,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // input (the counter or LL pairs, as above), then for each page (its `full` mbarrier), sum its rows (row r of the
 // stage by warp 1 + r % 15) and free the slot. The ring thus holds the pages ahead across the stages' waits, where
 // `chain_kernel` frees a stage's rows only as a whole and holds about one stage ahead.
-constexpr int kPageBytes = 16384;
+constexpr int kPageBytes = 16384;  // the default page (the launch's page_bytes overrides it)
 constexpr int kConsumers = kWarps - 1;
 
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
@@ -318,13 +321,13 @@ __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;\n" ::"r"(kConsumers * 32) : "memory");
 }
 
-__device__ __forceinline__ int page_rows(int K) { return max(1, kPageBytes / (2 * K)); }
+__device__ __forceinline__ int page_rows(int K, int page_bytes) { return max(1, page_bytes / (2 * K)); }
 
 __global__ void __launch_bounds__(kThreads, 1)
     chain_pipe_kernel(const __nv_bfloat16* __restrict__ w, __nv_bfloat16* acts, const long long* __restrict__ meta,
                       int S, unsigned* counter, int* gave_up, long long max_spin, int pages, int mode,
-                      unsigned long long* ll) {
-  extern __shared__ uint4 ring[];  // [pages][kPageBytes / 16]
+                      unsigned long long* ll, int page_bytes) {
+  extern __shared__ uint4 ring[];  // [pages][page_bytes / 16]
   __shared__ float xs[kMaxK];
   __shared__ alignas(8) unsigned long long full[64], empty[64];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -341,20 +344,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  if (warp == 0) {  // the producer
-    if (lane == 0) {
+  if (warp == 0) {  // the producer: lane 0, or with kProducers4 lanes 0-3 taking every fourth page
+    const int producers = mode & kProducers4 ? 4 : 1;
+    if (lane < producers) {
       long long g = 0;  // pages issued since the launch
       for (int s = 0; s < S; ++s) {
         const StageRows st = stage_rows(meta, w, acts, s, b, G);
-        const int rpp = page_rows(st.K);
+        const int rpp = page_rows(st.K, page_bytes);
         for (int r = 0; r < st.rows; r += rpp, ++g) {
+          if (g % producers != lane) continue;
           const int slot = static_cast<int>(g % pages);
           const long long use = g / pages;
           if (use > 0) mbar_wait(empty_base + 8 * slot, static_cast<unsigned>(use - 1) & 1u);
           asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
           const unsigned bytes = static_cast<unsigned>(min(rpp, st.rows - r) * st.K * 2);
           mbar_expect(full_base + 8 * slot, bytes);
-          bulk_copy(ring_base + slot * kPageBytes, st.w + static_cast<long long>(r) * st.K, bytes,
+          bulk_copy(ring_base + slot * page_bytes, st.w + static_cast<long long>(r) * st.K, bytes,
                     full_base + 8 * slot);
         }
       }
@@ -367,7 +372,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const StageRows st = stage_rows(meta, w, acts, s, b, G);
     const int KU = st.K / 8;
     float x[kMaxUnitsPerLane][8];
-    if (lowlat) {
+    const bool compute = !(mode & kNoCompute);
+    if (!compute) {
+      // kNoCompute: the pages waited for and freed, nothing read (the stream alone)
+    } else if (lowlat) {
       const long long x_off = st.x - acts;
       for (int e = 2 * ctid; e < st.K; e += 2 * kConsumers * 32) {
         if (s == 0) {
@@ -422,13 +430,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    const int rpp = page_rows(st.K);
+    const int rpp = page_rows(st.K, page_bytes);
     for (int r0 = 0; r0 < st.rows; r0 += rpp, ++g) {
       const int slot = static_cast<int>(g % pages);
       mbar_wait(full_base + 8 * slot, static_cast<unsigned>(g / pages) & 1u);
-      const uint4* page = ring + slot * (kPageBytes / 16);
+      const uint4* page = ring + slot * (page_bytes / 16);
       for (int r = r0; r < min(r0 + rpp, st.rows); ++r) {
-        if (r % kConsumers != cw) continue;
+        if (r % kConsumers != cw || !compute) continue;
         float acc = 0.f;
 #pragma unroll
         for (int i = 0; i < kMaxUnitsPerLane; ++i) {
@@ -473,7 +481,7 @@ extern "C" int kestrel_chain_page_bytes() { return kPageBytes; }
 
 extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta, int S, void* counter,
                                     void* gave_up, long long max_spin, int blocks, int smem_bytes, int depth,
-                                    int mode, void* ll, long long ll_bytes, void* stream) {
+                                    int mode, void* ll, long long ll_bytes, int page_bytes, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaMemsetAsync(counter, 0, sizeof(unsigned), st);
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -485,7 +493,7 @@ extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta,
     chain_pipe_kernel<<<blocks, kThreads, smem_bytes, st>>>(
         static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(acts),
         static_cast<const long long*>(meta), S, static_cast<unsigned*>(counter), static_cast<int*>(gave_up),
-        max_spin, min(smem_bytes / kPageBytes, 64), mode, static_cast<unsigned long long*>(ll));
+        max_spin, min(smem_bytes / page_bytes, 64), mode, static_cast<unsigned long long*>(ll), page_bytes);
     return static_cast<int>(cudaGetLastError());
   }
   chain_kernel<<<blocks, kThreads, smem_bytes, st>>>(

@@ -38,6 +38,10 @@ TMA, LL = 8, 16
 # warp 0 a producer streaming every stage's rows in pages of PAGE_BYTES through a ring of them, freed a page at a
 # time by the 15 consumer warps (cuda_chain.cu's chain_pipe_kernel): the stream goes on across the stages' waits
 PIPE, PAGE_BYTES = 32, 16384
+NO_COMPUTE, PRODUCERS4 = (
+    64,
+    128,
+)  # pipe's consumers only free each page (the stream alone); four producer lanes
 STATIC_SMEM = 10 * 1024  # cuda_chain.cu's static shared memory (the LL input, the mbarriers), rounded up
 
 _lib: ctypes.CDLL | None = None
@@ -67,6 +71,7 @@ def _load() -> ctypes.CDLL:
                 ctypes.c_int,  # mode (cuda_chain.cu's kCopyApart | kRelease | kNoBarrier | kTma | kLL)
                 ctypes.c_void_p,  # LL pairs
                 ctypes.c_longlong,  # their bytes
+                ctypes.c_int,  # pipe's page bytes
                 ctypes.c_void_p,  # stream
             ]
             lib.kestrel_chain_threads.restype = ctypes.c_int
@@ -85,7 +90,7 @@ class CudaGemvChain:
     """Stages of GEMVs chained over static buffers, as `triton_chain.GemvChain` (fill `input` [1, K_0], call,
     read `outputs`), one block an SM (`blocks` None) or fewer, each with a ring of `ring_bytes` of shared memory
     (None: what the device allows a block); copy_apart, release, no_barrier, tma, ll and pipe: the variants
-    above (pipe takes ll and no_barrier; its pages are bulk copies)."""
+    above (pipe takes ll, no_barrier, no_compute and producers4; its pages are bulk copies of page_bytes)."""
 
     def __init__(
         self,
@@ -100,6 +105,9 @@ class CudaGemvChain:
         tma: bool = False,
         ll: bool = False,
         pipe: bool = False,
+        page_bytes: int = PAGE_BYTES,
+        no_compute: bool = False,
+        producers4: bool = False,
     ):
         assert weights and all(w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_cuda for w in weights), (
             "weights: [N_s, K_s] bf16 on CUDA"
@@ -121,7 +129,9 @@ class CudaGemvChain:
         self.ring_bytes = (ring_bytes or most) // 16 * 16
         assert 0 < self.ring_bytes <= most, f"ring of {self.ring_bytes} bytes: at most {most} here"
         # a block's largest stage (pipe: a page)
-        chunk = PAGE_BYTES if pipe else max(-(-w.shape[0] // self.blocks) * w.shape[1] * 2 for w in weights)
+        assert page_bytes % 16 == 0 and 0 < page_bytes, f"page of {page_bytes} bytes: a multiple of 16"
+        self.page_bytes = page_bytes
+        chunk = page_bytes if pipe else max(-(-w.shape[0] // self.blocks) * w.shape[1] * 2 for w in weights)
         assert chunk <= self.ring_bytes, (
             f"a block's rows of one stage take {chunk} bytes: ring {self.ring_bytes}"
         )
@@ -129,7 +139,7 @@ class CudaGemvChain:
         self.mode = (
             COPY_APART * copy_apart | RELEASE * release | NO_BARRIER * no_barrier | TMA * tma | LL * ll
         )
-        self.mode |= PIPE * pipe
+        self.mode |= PIPE * pipe | NO_COMPUTE * no_compute | PRODUCERS4 * producers4
         first = weights[0]
         self.w = torch.cat([w.reshape(-1) for w in weights])
 
@@ -164,7 +174,7 @@ class CudaGemvChain:
         err = self._lib.kestrel_chain_launch(
             self.w.data_ptr(), self.acts.data_ptr(), self.meta.data_ptr(), self.stages, self.sync.data_ptr(),
             self.sync[1:].data_ptr(), MAX_SPIN, self.blocks, self.ring_bytes, self.depth, self.mode,
-            self.ll.data_ptr(), self.ll.numel() * 8, stream,
+            self.ll.data_ptr(), self.ll.numel() * 8, self.page_bytes, stream,
         )  # fmt: skip
         _check(self._lib, err, "chain launch")
         return self.outputs[-1]
