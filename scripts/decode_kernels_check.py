@@ -1002,18 +1002,15 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     # copies (tma) and the counter replaced by LL pairs (ll)
     # (18.5-20.5 whichever; no barrier 13.1 with tma, 17.4 with ll too: a stage's rows freed only as a whole hold
     # the stream to about one stage ahead), then `pipe`, a producer warp streaming pages through the ring across the
-    # waits (17.1 with ll, 15.4 with no barrier: the stream still at half the copy rate), so what limits the stream:
-    # the consumers only freeing pages (no_compute), pages of 8-32 KB, four producer lanes
+    # waits: 17.1 with ll; with no barrier 15.4-15.6, yet 8.3-8.7 when the consumers only free the pages (the stream
+    # alone, 16-32 KB pages; 8 KB 10.7; four producer lanes no better): the consumers' sums held it (call u), so
+    # lane 0 alone polls each page and a row's sum runs four chains of fmas
     configs = configs or [
         dict(pipe=True, ll=True),
-        dict(pipe=True, no_barrier=True, no_compute=True),
-        dict(pipe=True, no_barrier=True, no_compute=True, producers4=True),
-        dict(pipe=True, no_barrier=True, no_compute=True, page_bytes=8192),
-        dict(pipe=True, no_barrier=True, no_compute=True, page_bytes=32768),
-        dict(pipe=True, no_barrier=True, producers4=True),
-        dict(pipe=True, ll=True, producers4=True),
-        dict(pipe=True, ll=True, page_bytes=8192),
         dict(pipe=True, ll=True, page_bytes=32768),
+        dict(pipe=True),
+        dict(pipe=True, no_barrier=True),
+        dict(pipe=True, no_barrier=True, no_compute=True),
     ]
     for config in configs:
         row = dict(config)
