@@ -980,6 +980,8 @@ def l2_ahead(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
         device == "cuda" and dtype == torch.bfloat16
     ):  # the CUDA chain (cuda_chain.cu): the weights ahead in flight
         entry["cuda_chain"] = _cuda_chain([w for pair in cold for w in pair], x, layers)
+        hot_configs = [dict(pipe=True, ll=True), dict(pipe=True, no_barrier=True, no_compute=True)]
+        entry["cuda_chain_hot"] = _cuda_chain([w for pair in hot for w in pair], x, layers, hot_configs)
         variants = [dict(depth=0), dict(depth=0, ll=True), dict(pipe=True), dict(pipe=True, ll=True)]
         entry["cuda_chain_barriers_only"] = _cuda_chain(tiny, x[:, :n], layers, variants)
         print(f"l2_ahead cuda chain barriers only: {entry['cuda_chain_barriers_only']}", flush=True)
@@ -1003,13 +1005,13 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     # (18.5-20.5 whichever; no barrier 13.1 with tma, 17.4 with ll too: a stage's rows freed only as a whole hold
     # the stream to about one stage ahead), then `pipe`, a producer warp streaming pages through the ring across the
     # waits: 17.1 with ll; with no barrier 15.4-15.6, yet 8.3-8.7 when the consumers only free the pages (the stream
-    # alone, 16-32 KB pages; 8 KB 10.7; four producer lanes no better): the consumers' sums held it (call u), so
-    # lane 0 alone polls each page and a row's sum runs four chains of fmas
+    # alone, 16-32 KB pages; 8 KB 10.7; four producer lanes no better): the consumers' sums held it (call u); lane 0
+    # alone polling each page and four chains of fmas a row made it no better (call v: 18.0 with ll, 16.2 with no
+    # barrier, the stream alone 10.0), so: without the input's read, and on one layer's weights (hot, in L2)
     configs = configs or [
         dict(pipe=True, ll=True),
-        dict(pipe=True, ll=True, page_bytes=32768),
-        dict(pipe=True),
         dict(pipe=True, no_barrier=True),
+        dict(pipe=True, no_barrier=True, no_input=True),
         dict(pipe=True, no_barrier=True, no_compute=True),
     ]
     for config in configs:

@@ -41,6 +41,7 @@ constexpr int kTma = 8, kLL = 16, kPipe = 32;
 // pipe's timing variants: the consumers only wait for each page and free it (kNoCompute: what the stream alone
 // takes); four producer lanes, each issuing every fourth page (kProducers4)
 constexpr int kNoCompute = 64, kProducers4 = 128;
+constexpr int kNoInput = 256;  // pipe without its input's read (zeros: wrong results; what the read costs)
 constexpr unsigned kBulkBytes = 32768;
 constexpr int kMaxK = 2048;
 
@@ -373,8 +374,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int KU = st.K / 8;
     float x[kMaxUnitsPerLane][8];
     const bool compute = !(mode & kNoCompute);
-    if (!compute) {
-      // kNoCompute: the pages waited for and freed, nothing read (the stream alone)
+    if (!compute || (mode & kNoInput)) {
+      // kNoCompute: the pages waited for and freed, nothing read (the stream alone); kNoInput: no input read
+#pragma unroll
+      for (int i = 0; i < kMaxUnitsPerLane; ++i) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) x[i][j] = 0.f;
+      }
     } else if (lowlat) {
       const long long x_off = st.x - acts;
       for (int e = 2 * ctid; e < st.K; e += 2 * kConsumers * 32) {

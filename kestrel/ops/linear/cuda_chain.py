@@ -38,10 +38,9 @@ TMA, LL = 8, 16
 # warp 0 a producer streaming every stage's rows in pages of PAGE_BYTES through a ring of them, freed a page at a
 # time by the 15 consumer warps (cuda_chain.cu's chain_pipe_kernel): the stream goes on across the stages' waits
 PIPE, PAGE_BYTES = 32, 16384
-NO_COMPUTE, PRODUCERS4 = (
-    64,
-    128,
-)  # pipe's consumers only free each page (the stream alone); four producer lanes
+# pipe's consumers only free each page (the stream alone); four producer lanes; the consumers skip their input's
+# read (zeros: wrong results)
+NO_COMPUTE, PRODUCERS4, NO_INPUT = 64, 128, 256
 STATIC_SMEM = 10 * 1024  # cuda_chain.cu's static shared memory (the LL input, the mbarriers), rounded up
 
 _lib: ctypes.CDLL | None = None
@@ -90,7 +89,7 @@ class CudaGemvChain:
     """Stages of GEMVs chained over static buffers, as `triton_chain.GemvChain` (fill `input` [1, K_0], call,
     read `outputs`), one block an SM (`blocks` None) or fewer, each with a ring of `ring_bytes` of shared memory
     (None: what the device allows a block); copy_apart, release, no_barrier, tma, ll and pipe: the variants
-    above (pipe takes ll, no_barrier, no_compute and producers4; its pages are bulk copies of page_bytes)."""
+    above (pipe takes ll, no_barrier, no_compute, producers4 and no_input; its pages are bulk copies of page_bytes)."""
 
     def __init__(
         self,
@@ -108,6 +107,7 @@ class CudaGemvChain:
         page_bytes: int = PAGE_BYTES,
         no_compute: bool = False,
         producers4: bool = False,
+        no_input: bool = False,
     ):
         assert weights and all(w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_cuda for w in weights), (
             "weights: [N_s, K_s] bf16 on CUDA"
@@ -139,7 +139,7 @@ class CudaGemvChain:
         self.mode = (
             COPY_APART * copy_apart | RELEASE * release | NO_BARRIER * no_barrier | TMA * tma | LL * ll
         )
-        self.mode |= PIPE * pipe | NO_COMPUTE * no_compute | PRODUCERS4 * producers4
+        self.mode |= PIPE * pipe | NO_COMPUTE * no_compute | PRODUCERS4 * producers4 | NO_INPUT * no_input
         first = weights[0]
         self.w = torch.cat([w.reshape(-1) for w in weights])
 
