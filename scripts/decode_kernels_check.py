@@ -982,6 +982,7 @@ def l2_ahead(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
         entry["cuda_chain"] = _cuda_chain([w for pair in cold for w in pair], x, layers)
         hot_configs = [dict(pipe=True, ll=True), dict(pipe=True, no_barrier=True, no_compute=True)]
         entry["cuda_chain_hot"] = _cuda_chain([w for pair in hot for w in pair], x, layers, hot_configs)
+        # (call w: 18.8 and 10.1 us a layer, as from HBM)
         variants = [dict(depth=0), dict(depth=0, ll=True), dict(pipe=True), dict(pipe=True, ll=True)]
         entry["cuda_chain_barriers_only"] = _cuda_chain(tiny, x[:, :n], layers, variants)
         print(f"l2_ahead cuda chain barriers only: {entry['cuda_chain_barriers_only']}", flush=True)
@@ -1007,13 +1008,13 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     # waits: 17.1 with ll; with no barrier 15.4-15.6, yet 8.3-8.7 when the consumers only free the pages (the stream
     # alone, 16-32 KB pages; 8 KB 10.7; four producer lanes no better): the consumers' sums held it (call u); lane 0
     # alone polling each page and four chains of fmas a row made it no better (call v: 18.0 with ll, 16.2 with no
-    # barrier, the stream alone 10.0), so: without the input's read, and on one layer's weights (hot, in L2)
-    configs = configs or [
-        dict(pipe=True, ll=True),
-        dict(pipe=True, no_barrier=True),
-        dict(pipe=True, no_barrier=True, no_input=True),
-        dict(pipe=True, no_barrier=True, no_compute=True),
-    ]
+    # barrier, the stream alone 10.0); without the input's read 12.3 against 16.5, and the same on one layer's
+    # weights in L2 as from HBM (call w): the input's read waits behind the pages in flight to the same SM, so the
+    # ring is swept (fewer pages ahead, a shorter queue in front of each stage's input)
+    ring_kb = (32, 64, 128, None)
+    configs = configs or [dict(pipe=True, ll=True, ring_bytes=kb and kb * 1024) for kb in ring_kb] + [
+        dict(pipe=True, no_barrier=True, ring_bytes=kb and kb * 1024) for kb in ring_kb
+    ] + [dict(pipe=True, no_barrier=True, no_compute=True, ring_bytes=kb and kb * 1024) for kb in ring_kb]
     for config in configs:
         row = dict(config)
         try:

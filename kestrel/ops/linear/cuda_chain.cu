@@ -439,10 +439,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int rpp = page_rows(st.K, page_bytes);
     for (int r0 = 0; r0 < st.rows; r0 += rpp, ++g) {
       const int slot = static_cast<int>(g % pages);
-      // lane 0 waits for the page, the warp after it (session 61's call u: every lane polling, and one chain of
-      // fmas a row, took 15.5 us a layer with no barrier against the stream's 8.5 alone)
-      if (lane == 0) mbar_wait(full_base + 8 * slot, static_cast<unsigned>(g / pages) & 1u);
-      __syncwarp();
+      // every lane polls (lane 0 alone and a __syncwarp: the stream alone 10.0 us a layer against 8.5, call v)
+      mbar_wait(full_base + 8 * slot, static_cast<unsigned>(g / pages) & 1u);
       const uint4* page = ring + slot * (page_bytes / 16);
       for (int r = r0; r < min(r0 + rpp, st.rows); ++r) {
         if (r % kConsumers != cw || !compute) continue;
