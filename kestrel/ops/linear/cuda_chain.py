@@ -9,6 +9,29 @@ What it answers: whether a persistent kernel that keeps the weight stream going 
 projections near their bytes' time, and what one dependent stage costs it (the barrier, the input's read from
 L2), so that a whole-step megakernel's time can be put at (stages x that cost) against the step's bytes.
 
+Measured (session 61, H100, bench/results/2026-12-06-h100-session61.json, calls q-x; mini's KDA projections,
+4232 x 2048 then 2048 x 1024, 24 layers; us a layer, with the floor, the launches and the Triton chain in the same
+runs: floor 7.08, the 48 rows-GEMV launches 9.44-9.53, their weights in L2 6.2-6.3, the Triton chain 23.2-23.4):
+- chain_kernel (a block's rows of a stage copied as one cp.async group, freed as a whole, a counter a stage):
+  18.5-20.5 at every depth 0-63, with the arrival a release add or warp 0 copying nothing; as bulk copies (tma)
+  and LL pairs (ll) 18.5-19.3; with no barrier at all 13.1. Barriers alone (64 x 64 weights): 6.5-7.0 a layer with
+  the counter (3.2-3.5 a stage), 5.6-5.8 with LL pairs.
+- chain_pipe_kernel (pipe): with LL pairs 17.1-17.5 (its best; 19.5 with a 32 KB ring), with the counter 19.3-20.6;
+  with no barrier 14.7-16.8; the stream alone (the consumers only free the pages) **8.3-8.7** with 16-32 KB pages
+  and rings of 64-217 KB (2.5-2.6 TB/s, 85% of the copy rate; 8 KB pages 10.7, a 32 KB ring 9.4, four producer
+  lanes no better, lane 0 alone polling each page 10.0), and the same with one layer's weights in L2 as from HBM;
+  barriers alone **4.4-4.9 a layer, 2.2-2.4 us a stage** (LL), 5.3-5.6 with the counter. Without the input's
+  read 12.3 against 16.5 (no barrier).
+- Nsight Compute on pipe with LL (calls y and z, `scripts/cuda_chain_ncu.py`): a scheduler issues in 0.30 of its
+  cycles, 0.5 of its 4 warps eligible; the stalls an issued instruction: 3.7 MIO throttle (the shared-memory pipe:
+  the pages' reads and mbarrier polls), 2.9 fixed-latency waits, 1.4 barrier, 1.1 global loads (no barrier: 2.1
+  global loads, 2.8 waits, 1.3 barrier); 126 M warp instructions, of which the sums take about 30 M. The sums
+  are latency-bound, one row at a time a warp, and do not overlap the stream.
+So: the stream alone runs 1.2 us a layer under the launches, and a dependent stage costs 2.2 us against the ~2.9 a
+GEMV launch adds to its bytes (session 54); what this chain did not reach is the consumers' sums off the critical
+path (several rows a warp at once, no polling warps in the shared-memory pipe), which a megakernel would need
+before it could beat the launches at all.
+
 `CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
 row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
 in flight (the ring of shared memory permitting: 0 copies each stage's rows only when it starts).

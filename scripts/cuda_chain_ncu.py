@@ -1,0 +1,41 @@
+"""The CUDA GEMV chain (kestrel.ops.linear.cuda_chain) on mini's KDA projections, 24 layers, run three times, for
+Nsight Compute to profile its third launch (session 61's stall counts, on the device):
+
+    ncu --kernel-name regex:chain_pipe --launch-skip 2 --launch-count 1 \\
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,smsp__inst_executed.sum" \\
+        python3 scripts/cuda_chain_ncu.py ll      # pipe with LL pairs; `nob`: pipe with no barrier
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kestrel.ops.linear.cuda_chain import CudaGemvChain  # noqa: E402
+
+
+def main() -> None:
+    variant = sys.argv[1] if len(sys.argv) > 1 else "ll"
+    if variant not in ("ll", "nob"):
+        raise SystemExit(f"cuda_chain_ncu.py: variant {variant!r}: ll or nob")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    weights = []
+    for _ in range(24):
+        weights += [
+            (torch.randn(4232, 2048, generator=g, device="cuda") * 0.02).to(torch.bfloat16),
+            (torch.randn(2048, 1024, generator=g, device="cuda") * 0.05).to(torch.bfloat16),
+        ]
+    mode = dict(pipe=True, ll=True) if variant == "ll" else dict(pipe=True, no_barrier=True)
+    chain = CudaGemvChain(weights, **mode)
+    chain.input.copy_(torch.randn(1, 2048, device="cuda").to(torch.bfloat16))
+    for _ in range(3):
+        chain()
+    torch.cuda.synchronize()
+    print(f"{variant}: ran, gave up: {chain.gave_up()}")
+
+
+if __name__ == "__main__":
+    main()
