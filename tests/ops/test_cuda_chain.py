@@ -48,7 +48,8 @@ def _weights(shapes, seed=0):
 @pytest.mark.parametrize(
     "mode",
     [{}, dict(copy_apart=True, release=True), dict(tma=True), dict(ll=True), dict(tma=True, ll=True), dict(pipe=True),
-     dict(pipe=True, ll=True), dict(pipe=True, ll=True, producers4=True, page_bytes=4096)],
+     dict(pipe=True, ll=True), dict(pipe=True, ll=True, producers4=True, page_bytes=4096),
+     dict(pipe=True, ll=True, own_pages=True), dict(pipe=True, own_pages=True, page_bytes=4096)],
 )  # fmt: skip
 @pytest.mark.parametrize("depth", [0, 1, 3, cuda_chain.MAX_DEPTH])
 @pytest.mark.parametrize("blocks", [None, 7])
@@ -72,7 +73,16 @@ def test_chain_matches_the_reference(depth, blocks, mode):
 
 
 @cuda
-@pytest.mark.parametrize("mode", [{}, dict(tma=True, ll=True), dict(pipe=True), dict(pipe=True, ll=True)])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        {},
+        dict(tma=True, ll=True),
+        dict(pipe=True),
+        dict(pipe=True, ll=True),
+        dict(pipe=True, ll=True, own_pages=True),
+    ],
+)
 def test_chain_replays_in_a_graph(mode):
     weights = _weights([(4232, 2048), (2048, 1024)] * 3, seed=1)
     chain = cuda_chain.CudaGemvChain(weights, **mode)

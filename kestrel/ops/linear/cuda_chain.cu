@@ -42,6 +42,10 @@ constexpr int kTma = 8, kLL = 16, kPipe = 32;
 // takes); four producer lanes, each issuing every fourth page (kProducers4)
 constexpr int kNoCompute = 64, kProducers4 = 128;
 constexpr int kNoInput = 256;  // pipe without its input's read (zeros: wrong results; what the read costs)
+// pipe with each page owned by one consumer warp (page g by warp g % 15), which alone waits for it, sums its rows
+// four at a time (four independent chains of fmas) and frees it: after Nsight Compute found the sums latency-bound,
+// a row at a time a warp, with every warp polling every page
+constexpr int kOwnPages = 512;
 constexpr unsigned kBulkBytes = 32768;
 constexpr int kMaxK = 2048;
 
@@ -340,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     for (int i = 0; i < pages; ++i) {
       mbar_init(full_base + 8 * i, 1);
-      mbar_init(empty_base + 8 * i, kConsumers);
+      mbar_init(empty_base + 8 * i, mode & kOwnPages ? 1 : kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -437,6 +441,59 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     const int rpp = page_rows(st.K, page_bytes);
+    if (mode & kOwnPages) {
+      for (int r0 = 0; r0 < st.rows; r0 += rpp, ++g) {
+        if (static_cast<int>(g % kConsumers) != cw) continue;
+        const int slot = static_cast<int>(g % pages);
+        mbar_wait(full_base + 8 * slot, static_cast<unsigned>(g / pages) & 1u);
+        const uint4* page = ring + slot * (page_bytes / 16);
+        const int r1 = min(r0 + rpp, st.rows);
+        for (int rb = r0; compute && rb < r1; rb += 4) {
+          float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int i = 0; i < kMaxUnitsPerLane; ++i) {
+            const int u = lane + 32 * i;
+            if (u < KU) {
+#pragma unroll
+              for (int q = 0; q < 4; ++q) {
+                if (rb + q < r1) {
+                  const uint4 v = page[(rb + q - r0) * KU + u];
+                  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+                  for (int j = 0; j < 4; ++j) {
+                    const float2 f = __bfloat1622float2(h[j]);
+                    acc[q] = fmaf(f.x, x[i][2 * j], acc[q]);
+                    acc[q] = fmaf(f.y, x[i][2 * j + 1], acc[q]);
+                  }
+                }
+              }
+            }
+          }
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) acc[q] += __shfl_xor_sync(0xffffffffu, acc[q], off);
+          }
+          if (lane == 0) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              if (rb + q < r1) {
+                const __nv_bfloat16 y = __float2bfloat16(acc[q]);
+                st.y[rb + q] = y;
+                if (lowlat) {
+                  st_ll(ll + (st.y - acts) + rb + q, static_cast<unsigned>(s + 1), __bfloat16_as_ushort(y));
+                }
+              }
+            }
+          }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty_base + 8 * slot);
+      }
+      consumers_sync();  // every output of the stage stored (and xs read)
+      if (!lowlat && s + 1 < S && ctid == 0) red_release_add(counter, 1u);
+      continue;
+    }
     for (int r0 = 0; r0 < st.rows; r0 += rpp, ++g) {
       const int slot = static_cast<int>(g % pages);
       // every lane polls (lane 0 alone and a __syncwarp: the stream alone 10.0 us a layer against 8.5, call v)
