@@ -27,10 +27,15 @@ runs: floor 7.08, the 48 rows-GEMV launches 9.44-9.53, their weights in L2 6.2-6
   the pages' reads and mbarrier polls), 2.9 fixed-latency waits, 1.4 barrier, 1.1 global loads (no barrier: 2.1
   global loads, 2.8 waits, 1.3 barrier); 126 M warp instructions, of which the sums take about 30 M. The sums
   are latency-bound, one row at a time a warp, and do not overlap the stream.
-So: the stream alone runs 1.2 us a layer under the launches, and a dependent stage costs 2.2 us against the ~2.9 a
-GEMV launch adds to its bytes (session 54); what this chain did not reach is the consumers' sums off the critical
-path (several rows a warp at once, no polling warps in the shared-memory pipe), which a megakernel would need
-before it could beat the launches at all.
+- own_pages (call A: each page waited for, summed four rows at a time and freed by one warp): the stream alone
+  **7.6** (2.8 TB/s, 93% of the copy rate: fewer pollers), yet with LL 17.0-17.6 (16 and 8 KB pages; 22.9 with
+  32 KB), with the counter 19.8, with no barrier 14.6: the chain's time stays near the stream's plus the consumers'
+  own (input reads, sums, the stage's barrier), as if the two did not overlap at all.
+So: the stream alone runs 1.9 us a layer under the launches (7.6 against 9.5, floor 7.1), and a dependent stage
+costs 2.2 us against the ~2.9 a GEMV launch adds to its bytes (session 54); what this chain never reached is the
+consumers' work hidden under the stream: with it, every variant took 14.6-20.6 us a layer, 1.5-2.2x the launches.
+Why they do not overlap is open (the input's read queued behind the pages in flight was one guess; a smaller ring
+did not help). A megakernel would have to solve that before it could beat the launches at all.
 
 `CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
 row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
