@@ -29,7 +29,10 @@ off), then `tests` (g) and the files g did not reach (h), on the machine f had l
 nvidia-h200) ran `served moe decode tests:...` (i; test_engine.py ran the tiny model on the CPU until the budget
 ran out: leave it to the CPU suite), `tests:tests/ops/test_moe_decode_triton.py,tests/models/test_training_path.py`
 (j), `prefill kernels` (k), `topk:cases,timing tests:switches,fuse` (l) and `moe` (m) on one warm machine; later
-`moe tests:tests/ops/test_moe_decode_triton.py` (n) and `moe` (o) timed TILES' router_rows (slower; dropped). Next,
+`moe tests:tests/ops/test_moe_decode_triton.py` (n) and `moe` (o) timed TILES' router_rows (slower; dropped). Session
+61 (H100, each asked as nvidia-h200 with the closing calls in the command should an H200 come) timed the CUDA chain
+(kestrel.ops.linear.cuda_chain): `tests:tests/ops/test_cuda_chain.py l2` (q-x, A), and ran Nsight Compute on it
+(scripts/cuda_chain_ncu.py's docstring has the command). Next,
 when an H200 comes: the three calls above at one commit (the H200's figures are session 52's; every H100 figure since is
 not comparable with them).
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
