@@ -46,6 +46,9 @@ constexpr int kNoInput = 256;  // pipe without its input's read (zeros: wrong re
 // four at a time (four independent chains of fmas) and frees it: after Nsight Compute found the sums latency-bound,
 // a row at a time a warp, with every warp polling every page
 constexpr int kOwnPages = 512;
+// pipe with no stream: the producer completes each page's mbarrier without copying anything (the consumers sum
+// whatever the ring holds: wrong results; what the consumers' own work takes)
+constexpr int kNoStream = 1024;
 constexpr unsigned kBulkBytes = 32768;
 constexpr int kMaxK = 2048;
 
@@ -361,6 +364,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int slot = static_cast<int>(g % pages);
           const long long use = g / pages;
           if (use > 0) mbar_wait(empty_base + 8 * slot, static_cast<unsigned>(use - 1) & 1u);
+          if (mode & kNoStream) {
+            mbar_arrive(full_base + 8 * slot);
+            continue;
+          }
           asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
           const unsigned bytes = static_cast<unsigned>(min(rpp, st.rows - r) * st.K * 2);
           mbar_expect(full_base + 8 * slot, bytes);

@@ -70,6 +70,7 @@ PIPE, PAGE_BYTES = 32, 16384
 # read (zeros: wrong results)
 NO_COMPUTE, PRODUCERS4, NO_INPUT = 64, 128, 256
 OWN_PAGES = 512  # pipe: each page waited for, summed four rows at a time and freed by one consumer warp
+NO_STREAM = 1024  # pipe: pages completed without a copy (the consumers' own work alone; wrong results)
 STATIC_SMEM = 10 * 1024  # cuda_chain.cu's static shared memory (the LL input, the mbarriers), rounded up
 
 _lib: ctypes.CDLL | None = None
@@ -118,8 +119,8 @@ class CudaGemvChain:
     """Stages of GEMVs chained over static buffers, as `triton_chain.GemvChain` (fill `input` [1, K_0], call,
     read `outputs`), one block an SM (`blocks` None) or fewer, each with a ring of `ring_bytes` of shared memory
     (None: what the device allows a block); copy_apart, release, no_barrier, tma, ll and pipe: the variants
-    above (pipe takes ll, no_barrier, no_compute, producers4, no_input and own_pages; its pages are bulk copies
-    of page_bytes)."""
+    above (pipe takes ll, no_barrier, no_compute, producers4, no_input, own_pages and no_stream; its pages are
+    bulk copies of page_bytes)."""
 
     def __init__(
         self,
@@ -139,6 +140,7 @@ class CudaGemvChain:
         producers4: bool = False,
         no_input: bool = False,
         own_pages: bool = False,
+        no_stream: bool = False,
     ):
         assert weights and all(w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_cuda for w in weights), (
             "weights: [N_s, K_s] bf16 on CUDA"
@@ -176,6 +178,7 @@ class CudaGemvChain:
             | PRODUCERS4 * producers4
             | NO_INPUT * no_input
             | OWN_PAGES * own_pages
+            | NO_STREAM * no_stream
         )
         first = weights[0]
         self.w = torch.cat([w.reshape(-1) for w in weights])
