@@ -1011,6 +1011,7 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     # (call x: any ring from 64 KB the same; Nsight Compute: the sums latency-bound, every warp polling every page),
     # so own_pages: a page waited for, summed four rows at a time and freed by one warp (call A: the stream alone 7.6,
     # with LL 17.0-17.6, no barrier 14.6); then the consumers' work alone (no_stream), with and without barriers
+    # (call C: 15.6 and 10.9: the consumers' own work is most of it), so pipe keeps the stage table in shared memory
     configs = configs or [
         dict(pipe=True, ll=True, own_pages=True),
         dict(pipe=True, ll=True, own_pages=True, no_stream=True),

@@ -55,6 +55,7 @@ from kestrel.ops import nvcc
 SOURCE = Path(__file__).with_name("cuda_chain.cu")
 MAX_K = 2048  # cuda_chain.cu's kMaxUnitsPerLane x 8 x 32
 MAX_DEPTH = 63  # the kernel's ring keeps the positions of 64 stages
+MAX_PIPE_STAGES = 64  # cuda_chain.cu's kMaxStages: pipe's table of stages in shared memory
 MAX_SPIN = 1 << 24  # polls of the counter before a block gives up (a grid not all resident)
 # timing variants (cuda_chain.cu's mode bits): warp 0, the barrier's, issues no copies (a fence waits for the
 # issuing thread's loads in flight); the arrival one release add instead of a fence and an add; no barrier at all
@@ -71,7 +72,9 @@ PIPE, PAGE_BYTES = 32, 16384
 NO_COMPUTE, PRODUCERS4, NO_INPUT = 64, 128, 256
 OWN_PAGES = 512  # pipe: each page waited for, summed four rows at a time and freed by one consumer warp
 NO_STREAM = 1024  # pipe: pages completed without a copy (the consumers' own work alone; wrong results)
-STATIC_SMEM = 10 * 1024  # cuda_chain.cu's static shared memory (the LL input, the mbarriers), rounded up
+STATIC_SMEM = (
+    13 * 1024
+)  # cuda_chain.cu's static shared memory (the LL input, the mbarriers, pipe's stage table)
 
 _lib: ctypes.CDLL | None = None
 _lock = threading.Lock()
@@ -154,6 +157,7 @@ class CudaGemvChain:
                 f"stage of width {w.shape[1]} after one of {prev.shape[0]} outputs"
             )
         assert 0 <= depth <= MAX_DEPTH, f"depth {depth}: 0 to {MAX_DEPTH}"
+        assert not pipe or len(weights) <= MAX_PIPE_STAGES, f"pipe takes at most {MAX_PIPE_STAGES} stages"
         self.device = weights[0].device
         props = torch.cuda.get_device_properties(self.device)
         self.blocks = blocks or props.multi_processor_count
