@@ -15,13 +15,9 @@ TrainConfig, and activation checkpointing (the demo model is small).
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -31,18 +27,15 @@ from kestrel.config import MOE, TrainConfig
 from kestrel.layers.context import ForwardContext, forward_context
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model
-from kestrel.models.weights import save_checkpoint
 from kestrel.ops.loss import weighted_token_losses
-from kestrel.tokenizer import check_tokenizer_fits, checkpoint_tokenizer_dir, load_tokenizer
-from kestrel.train.bpe import build_tokenizer
+from kestrel.tokenizer import check_tokenizer_fits, load_tokenizer
+from kestrel.train.checkpoint import recover_checkpoint, resume_run, run_tokenizer_dir, save_run, what_is_kept
 from kestrel.train.data import DEFAULT_WEIGHTS, MixtureConfig, PackedBatches, Prefetch
 from kestrel.train.flops import flops_per_token
 from kestrel.train.objective import family_loss_sums, loss_weight_total
 from kestrel.train.optim import clipped_step
 from kestrel.utils.device import resolve_device, to_host_async
-from kestrel.utils.errors import CheckpointError, ConfigError, TrainingDiverged
-
-STATE_FILE = "trainer_state.pt"
+from kestrel.utils.errors import TrainingDiverged
 
 
 def lr_at(step: int, cfg: TrainConfig, elapsed_s: float = 0.0) -> float:
@@ -105,18 +98,12 @@ def update_expert_biases(
     return torch.ones((), device=model.lm_head.weight.device) if worst is None else worst.clamp(min=1.0)
 
 
-def _first_line(e: BaseException) -> str:
-    """An exception's message, its first line (its type's name where it has none)."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        _recover_checkpoint(self.out / "checkpoint")
+        recover_checkpoint(self.out / "checkpoint")
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)
         self.model = build_model(
@@ -126,7 +113,8 @@ class Trainer:
             seed=cfg.seed,
             init_on_device=self.device.type == "cuda",
         )
-        self.tokenizer_dir = self._tokenizer_dir()  # trained to the model's vocabulary size when missing
+        # trained to the model's vocabulary size when missing
+        self.tokenizer_dir = run_tokenizer_dir(cfg, self.out, self.model.config.vocab_size)
         self.tokenizer = load_tokenizer(str(self.tokenizer_dir))
         check_tokenizer_fits(self.tokenizer, self.model.config.vocab_size)
         decay = [p for n, p in self.model.named_parameters() if p.requires_grad and p.dim() >= 2]
@@ -146,28 +134,12 @@ class Trainer:
             num_workers=cfg.data_workers,
         )
         self._data_state = None  # while training: the stream's state after the last batch trained on
-        self.step, self.history = 0, []
-        self.train_seconds = 0.0  # timed training so far (the first step of each run left out), over resumes
         self.flops_per_token = flops_per_token(self.model, cfg.row_len)
-        self._maybe_resume()
-
-    def _tokenizer_dir(self) -> Path:
-        """--tokenizer; else a checkpoint's own (its token ids are what its weights know); else a BPE trained
-        into <out>/tokenizer for a preset's random weights."""
-        if self.cfg.tokenizer:
-            return Path(self.cfg.tokenizer)
-        own = checkpoint_tokenizer_dir(self.cfg.model)
-        if own is not None:
-            return own
-        path = self.out / "tokenizer"
-        if not (path / "tokenizer.json").exists():
-            # built beside, then renamed: a run stopped while it wrote left a tokenizer.json without its
-            # tokenizer_config.json (no pad token), which the next run took for a whole tokenizer
-            partial = path.with_name(path.name + ".partial")
-            shutil.rmtree(partial, ignore_errors=True)
-            build_tokenizer(str(partial), vocab_size=self.model.config.vocab_size, seed=self.cfg.seed)
-            _swap_in(partial, path)
-        return path
+        # where a run saved in `out` stopped, or the start; train_seconds: timed training so far (the first step
+        # of each run left out), over resumes
+        self.step, self.history, self.train_seconds = resume_run(
+            self.out, cfg, self.model, self.opt, self.data, self.tokenizer_dir, self.device
+        )
 
     # -- the loop -----------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -280,7 +252,8 @@ class Trainer:
             raise TrainingDiverged(
                 f"step {record['step']}: the loss is {lm} (the steps before it: "
                 f"{[round(r['loss'], 4) for r in self.history[-4:-1]]}); the run stops here and "
-                f"{self._kept()}. A lower --lr (this run's peak: {self.cfg.lr:g}) or more warmup steps may help"
+                f"{what_is_kept(self.out)}. A lower --lr (this run's peak: {self.cfg.lr:g}) or more warmup steps "
+                "may help"
             )
 
     def train_step(self, batch, lr: float | None = None) -> tuple[float, float, float]:
@@ -347,115 +320,24 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def save(self) -> Path:
-        """HF checkpoint (bf16, what the engine loads) + tokenizer + trainer state (fp32 master, optimizer)."""
-        ckpt = self.out / "checkpoint"
-        finite = torch.stack([torch.isfinite(p).all() for p in self.model.parameters()]).all()  # one sync
-        if not finite:  # never over a good checkpoint
-            bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
-            raise TrainingDiverged(
-                f"step {self.step}: {len(bad)} weight tensors hold NaN or infinite values ({bad[0]}, ...); "
-                f"not saved, {self._kept()}"
-            )
-        # written whole beside the last one, then swapped in: a run killed (or a disk filled) mid-save keeps its
-        # last checkpoint whole (written in place, it was left without some of its shards, or with a truncated one)
-        partial = ckpt.with_name(ckpt.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        # shards of at most 15 MiB: small enough to move between machines file by file
-        save_checkpoint(self.model, partial, dtype=torch.bfloat16, max_shard_bytes=15 * 2**20)
-        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-            src = self.tokenizer_dir / name  # (the tokenizer may be the last checkpoint's own)
-            if src.exists():
-                (partial / name).write_text(src.read_text())
-        _swap_in(partial, ckpt)
-        state = {
-            "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.opt.state_dict(),
-            "data": self._data_state if self._data_state is not None else self.data.state_dict(),
-            "history": self.history,
-            "train_seconds": self.train_seconds,
-            "config": asdict(self.cfg),
-        }
-        # written beside, then renamed over: a run killed mid-save keeps its last whole state
-        partial = self.out / (STATE_FILE + ".partial")
-        torch.save(state, partial)
-        os.replace(partial, self.out / STATE_FILE)
-        (self.out / "history.json").write_text(json.dumps(self.history))
-        plot_loss(self.history, self.out / "loss.png")
-        return ckpt
-
-    def _kept(self) -> str:
-        """What a run stopped by NaN leaves: its last checkpoint, or none (it diverged before its first save)."""
-        ckpt = self.out / "checkpoint"
-        return f"its last checkpoint in {ckpt} is kept" if ckpt.is_dir() else "it has saved no checkpoint"
-
-    def _maybe_resume(self) -> None:
-        path = self.out / STATE_FILE
-        if not path.exists():
-            return
-        try:
-            state = torch.load(path, map_location=self.device, weights_only=False)
-        except Exception as e:  # noqa: BLE001 - truncated, not a torch file, unpicklable: one line
-            raise CheckpointError(
-                f"{path}: the training state cannot be read ({type(e).__name__}: {_first_line(e)[:160]}); "
-                "remove it to start over, or train into a new --out"
-            ) from None
-        try:
-            self.model.load_state_dict(state["model"])
-            self.opt.load_state_dict(state["optimizer"])
-        except (
-            RuntimeError,
-            ValueError,
-            KeyError,
-        ) as e:  # another model, or another Kestrel's parameter layout
-            raise CheckpointError(
-                f"{path}: this training state does not fit the model ({_first_line(e)[:200]}); resume it with the same "
-                "model and Kestrel version, or train into a new --out"
-            ) from None
-        self._check_same_tokenizer()
-        if state["step"] > self.cfg.steps:  # (it ran on quietly: nothing trained, the summary rewritten)
-            raise ConfigError(
-                f"{self.out} is at step {state['step']} already, past --steps {self.cfg.steps}: pass a --steps "
-                f"above {state['step']} to train on from it, or train into a new --out"
-            )
-        self.data.load_state_dict(state["data"])
-        self.step, self.history = state["step"], state["history"]
-        self.train_seconds = state.get("train_seconds", 0.0)
-        if self.done:
-            print(
-                f"[kestrel] {self.out} is already complete at step {self.step}: nothing to train "
-                "(a larger --steps trains on from it)",
-                file=sys.stderr,
-            )
-            return
-        saved, now = state.get("config", {}), asdict(self.cfg)
-        changed = sorted(k for k in now if k in saved and saved[k] != now[k] and k != "steps")
-        print(f"[kestrel] resuming {self.out} at step {self.step} of {self.cfg.steps}", file=sys.stderr)
-        if changed:
-            print(
-                "[kestrel] changed since the saved run: "
-                + ", ".join(f"{k} {saved[k]!r} -> {now[k]!r}" for k in changed),
-                file=sys.stderr,
-            )
+        """Save the run as it stands into its --out (`save_run`): the checkpoint, the trainer state, the history
+        and its loss plot. Returns the checkpoint's folder."""
+        return save_run(
+            self.out,
+            self.cfg,
+            self.model,
+            self.opt,
+            self.tokenizer_dir,
+            step=self.step,
+            data_state=self._data_state if self._data_state is not None else self.data.state_dict(),
+            history=self.history,
+            train_seconds=self.train_seconds,
+        )
 
     @property
     def done(self) -> bool:
         """The run has trained all its steps (a resume of a finished run: `train()` would train nothing)."""
         return self.step >= self.cfg.steps
-
-    def _check_same_tokenizer(self) -> None:
-        """A resumed run goes on with the tokenizer it trained with (its checkpoint's copy): another one's ids mean
-        other text to the weights, which went on training on them with only a line saying the option changed (a
-        run started with --tokenizer and resumed without it trained a new BPE into <out>/tokenizer)."""
-        trained = self.out / "checkpoint" / "tokenizer.json"
-        given = self.tokenizer_dir / "tokenizer.json"
-        if not trained.is_file() or trained == given:
-            return
-        if not given.is_file() or json.loads(trained.read_text()) != json.loads(given.read_text()):
-            raise CheckpointError(
-                f"{self.out} trained with the tokenizer in {trained.parent}, not the one in {self.tokenizer_dir}: "
-                f"resume it with --tokenizer {trained.parent}, or train into a new --out"
-            )
 
     def summary(self, seconds: float, tokens: int) -> dict:
         """The run's figures. Its first step (compiling, autotuning) is not timed: with no step after it, the rate
@@ -472,63 +354,3 @@ class Trainer:
             "final_loss": sum(r["loss"] for r in last) / max(len(last), 1),
             "parameters": sum(p.numel() for p in self.model.parameters()),
         }
-
-
-def _swap_in(new: Path, ckpt: Path) -> None:
-    """Put the folder `new` in the place of `ckpt` (a checkpoint, or the run's tokenizer) by renames. A kill
-    between the two leaves the last checkpoint whole as <ckpt>.old, which `_recover_checkpoint` puts back."""
-    old = ckpt.with_name(ckpt.name + ".old")
-    # (without `ckpt`, a kill between the renames left the last one at `old`: keep it until `new` is in)
-    if ckpt.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(ckpt, old)
-    os.replace(new, ckpt)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _recover_checkpoint(ckpt: Path) -> None:
-    """A run killed between `_swap_in`'s renames: its last checkpoint back in its place."""
-    old = ckpt.with_name(ckpt.name + ".old")
-    if not ckpt.exists() and old.is_dir():
-        os.replace(old, ckpt)
-
-
-def plot_loss(history: list[dict], path: Path, window: int = 50) -> None:
-    """A PNG of the LM loss and the indexer KL against the step, and beside it each task family's LM loss
-    (the mean over the last `window` steps that had the family: a batch holds few documents of some)."""
-    if not history:
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in history]
-    families = sorted({name for r in history for name in r.get("loss_by_family", {})})
-    fig, axes = plt.subplots(1, 2 if families else 1, figsize=(13 if families else 7, 4), squeeze=False)
-    ax = axes[0][0]
-    ax.plot(steps, [r["loss"] for r in history], label="LM loss (answer tokens)")
-    ax.plot(steps, [r["indexer_kl"] for r in history], label="DSA indexer KL", alpha=0.7)
-    ax.set_xlabel("step")
-    ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    if families:
-        ax = axes[0][1]
-        for name in families:
-            points = [
-                (r["step"], r["loss_by_family"][name]) for r in history if name in r.get("loss_by_family", {})
-            ]
-            values = torch.tensor([v for _, v in points], dtype=torch.float64)
-            running = values.cumsum(0)
-            running[window:] = running[window:] - running[:-window].clone()
-            mean = running / torch.arange(1, len(values) + 1).clamp(max=window)
-            ax.plot([s for s, _ in points], mean.tolist(), label=name)
-        ax.set_title(f"LM loss by task family (mean of {window} batches)")
-        ax.set_xlabel("step")
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

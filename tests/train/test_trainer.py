@@ -13,8 +13,10 @@ import torch
 from kestrel.config import EngineConfig, TrainConfig
 from kestrel.engine.engine import Engine
 from kestrel.tokenizer import save_byte_tokenizer
+from kestrel.train.checkpoint import STATE_FILE
+from kestrel.train.loss_plot import plot_loss
 from kestrel.train.objective import family_loss_sums, masked_loss
-from kestrel.train.trainer import STATE_FILE, Trainer, lr_at, plot_loss, update_expert_biases
+from kestrel.train.trainer import Trainer, lr_at, update_expert_biases
 from kestrel.utils.errors import CheckpointError, ConfigError, TrainingDiverged
 
 
@@ -242,19 +244,19 @@ def test_a_resume_with_shorter_rows_packs_only_documents_that_fit(tmp_path, byte
 def test_a_tokenizer_build_cut_short_is_built_again(tmp_path, monkeypatch):
     """A run stopped while it wrote its BPE left tokenizer.json alone, and the next run took it for the whole
     tokenizer (without its config: no pad token, "packing needs a tokenizer with a pad token")."""
-    import kestrel.train.trainer as trainer_module
+    import kestrel.train.checkpoint as checkpoint_module
 
-    build = trainer_module.build_tokenizer
+    build = checkpoint_module.build_tokenizer
 
     def cut_short(out_dir, **kwargs):
         build(out_dir, **kwargs)
         (Path(out_dir) / "tokenizer_config.json").unlink()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(trainer_module, "build_tokenizer", cut_short)
+    monkeypatch.setattr(checkpoint_module, "build_tokenizer", cut_short)
     with pytest.raises(KeyboardInterrupt):
         Trainer(_cfg(tmp_path, None))
-    monkeypatch.setattr(trainer_module, "build_tokenizer", build)
+    monkeypatch.setattr(checkpoint_module, "build_tokenizer", build)
     trainer = Trainer(_cfg(tmp_path, None))
     assert (
         tmp_path / "tokenizer" / "tokenizer_config.json"
@@ -497,14 +499,14 @@ def test_a_run_diverged_before_its_first_save_says_it_has_no_checkpoint(tmp_path
 def test_a_save_cut_short_keeps_the_last_checkpoint_whole(tmp_path, byte_tok, monkeypatch):
     """A run killed (or out of disk) while it writes a checkpoint: the one before stays whole and loadable. The
     checkpoint was written in place, its old shards deleted first: a cut left a truncated or missing shard."""
-    import kestrel.train.trainer as trainer_module
+    import kestrel.train.checkpoint as checkpoint_module
     from kestrel.models.loader import build_model
 
     run = tmp_path / "cut"
     Trainer(_cfg(run, byte_tok, steps=2)).train()
     ckpt = run / "checkpoint"
     saved = {p.name: p.read_bytes() for p in sorted(ckpt.iterdir())}
-    write = trainer_module.save_checkpoint
+    write = checkpoint_module.save_checkpoint
 
     def cut_short(model, path, **kwargs):  # the weights half-written when the process dies
         write(model, path, **kwargs)
@@ -512,12 +514,12 @@ def test_a_save_cut_short_keeps_the_last_checkpoint_whole(tmp_path, byte_tok, mo
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(trainer_module, "save_checkpoint", cut_short)
+    monkeypatch.setattr(checkpoint_module, "save_checkpoint", cut_short)
     with pytest.raises(OSError, match="No space"):
         Trainer(_cfg(run, byte_tok, steps=4)).train()
     assert {p.name: p.read_bytes() for p in sorted(ckpt.iterdir())} == saved
     build_model(str(ckpt))
-    monkeypatch.setattr(trainer_module, "save_checkpoint", write)
+    monkeypatch.setattr(checkpoint_module, "save_checkpoint", write)
     trainer = Trainer(_cfg(run, byte_tok, steps=4))  # the next save replaces it, and leaves nothing beside it
     trainer.train()
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
