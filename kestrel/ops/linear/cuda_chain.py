@@ -31,11 +31,17 @@ runs: floor 7.08, the 48 rows-GEMV launches 9.44-9.53, their weights in L2 6.2-6
   **7.6** (2.8 TB/s, 93% of the copy rate: fewer pollers), yet with LL 17.0-17.6 (16 and 8 KB pages; 22.9 with
   32 KB), with the counter 19.8, with no barrier 14.6: the chain's time stays near the stream's plus the consumers'
   own (input reads, sums, the stage's barrier), as if the two did not overlap at all.
+- no_stream (call C: pages completed without a copy, the consumers' own work alone): **15.6 with LL, 10.9 with no
+  barrier** (the stream alone 7.7, both 14.8): the consumers' work is most of the chain's time and overlaps the
+  stream only in part. One cost found in the code after it: each stage read its table entries from global memory,
+  an L2 round trip before its input's address was known; pipe now reads the table into shared memory once
+  (e84e398: compiled for sm_90, checked on the CPU, neither timed nor GPU-tested: no device time was left).
 So: the stream alone runs 1.9 us a layer under the launches (7.6 against 9.5, floor 7.1), and a dependent stage
 costs 2.2 us against the ~2.9 a GEMV launch adds to its bytes (session 54); what this chain never reached is the
-consumers' work hidden under the stream: with it, every variant took 14.6-20.6 us a layer, 1.5-2.2x the launches.
-Why they do not overlap is open (the input's read queued behind the pages in flight was one guess; a smaller ring
-did not help). A megakernel would have to solve that before it could beat the launches at all.
+consumers' work hidden under the stream: with it, every variant took 14.6-20.6 us a layer, 1.5-2.2x the launches,
+and the consumers alone take 10.9 (no barrier) to 15.6 (LL) us a layer for 49 rows an SM: their input reads, sums and
+stage barriers are slower than the bytes they sum. A megakernel would have to make that work cheaper (and hide it)
+before it could beat the launches at all.
 
 `CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
 row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
