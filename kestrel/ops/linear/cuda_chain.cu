@@ -144,6 +144,86 @@ __device__ __forceinline__ StageRows stage_rows(const long long* meta, const __n
   return {w + m[0] + static_cast<long long>(r0) * K, acts + m[1], acts + m[3] + r0, r0, r1 - r0, K};
 }
 
+// A stage's input from its LL pairs into xs (fp32), two values a 16-byte load, each polled until both flags are
+// stage s's input's (stage s - 1's outputs carry flag s; stage 0's input, the chain's, is plain); threads t0,
+// t0 + step, ... share it. Without `poll` the flags are not waited for (kNoBarrier).
+__device__ __forceinline__ void gather_ll_input(float* xs, const StageRows& st, const __nv_bfloat16* acts,
+                                                const unsigned long long* ll, int s, int t0, int step, bool poll,
+                                                long long max_spin, int* gave_up) {
+  const long long x_off = st.x - acts;
+  for (int e = 2 * t0; e < st.K; e += 2 * step) {
+    if (s == 0) {
+      xs[e] = __bfloat162float(st.x[e]);
+      xs[e + 1] = __bfloat162float(st.x[e + 1]);
+      continue;
+    }
+    uint4 v = ld_volatile16(ll + x_off + e);
+    long long spins = 0;
+    while ((v.x != static_cast<unsigned>(s) || v.z != static_cast<unsigned>(s)) && poll) {
+      if (++spins > max_spin) {
+        atomicExch(gave_up, 1);
+        break;
+      }
+      v = ld_volatile16(ll + x_off + e);
+    }
+    xs[e] = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(v.y)));
+    xs[e + 1] = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(v.w)));
+  }
+}
+
+// A lane's share of the input in registers: the 8 values of each 16-byte unit lane, lane + 32, ... (zeros past KU).
+__device__ __forceinline__ void input_from_shared(float (&x)[kMaxUnitsPerLane][8], const float* xs, int lane,
+                                                  int KU) {
+#pragma unroll
+  for (int i = 0; i < kMaxUnitsPerLane; ++i) {
+    const int u = lane + 32 * i;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[i][j] = u < KU ? xs[8 * u + j] : 0.f;
+  }
+}
+
+// The same from global memory, through L2 (written by other blocks this launch: never in this SM's L1).
+__device__ __forceinline__ void input_from_global(float (&x)[kMaxUnitsPerLane][8], const __nv_bfloat16* src,
+                                                  int lane, int KU) {
+#pragma unroll
+  for (int i = 0; i < kMaxUnitsPerLane; ++i) {
+    const int u = lane + 32 * i;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (u < KU) v = __ldcg(reinterpret_cast<const uint4*>(src) + u);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(h[j]);
+      x[i][2 * j] = f.x;
+      x[i][2 * j + 1] = f.y;
+    }
+  }
+}
+
+// Poll the counter (acquiring) until it reaches `want`; past max_spin polls set *gave_up and go on.
+__device__ __forceinline__ void wait_counter(const unsigned* counter, unsigned want, long long max_spin,
+                                             int* gave_up) {
+  long long spins = 0;
+  while (ld_acquire(counter) < want) {
+    if (++spins > max_spin) {
+      atomicExch(gave_up, 1);
+      break;
+    }
+  }
+}
+
+// acc += the 8 weights of unit v times the 8 input values xi.
+__device__ __forceinline__ float dot_unit(float acc, uint4 v, const float (&xi)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(h[j]);
+    acc = fmaf(f.x, xi[2 * j], acc);
+    acc = fmaf(f.y, xi[2 * j + 1], acc);
+  }
+  return acc;
+}
+
 __global__ void __launch_bounds__(kThreads, 1)
     chain_kernel(const __nv_bfloat16* __restrict__ w, __nv_bfloat16* acts, const long long* __restrict__ meta,
                  int S, unsigned* counter, int* gave_up, long long max_spin, int ring_units, int depth,
@@ -205,14 +285,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // (2) the grid barrier behind stage s - 1
     if (s > 0 && !(mode & kNoBarrier) && !lowlat) {
       if (tid == 0) {
-        const unsigned want = static_cast<unsigned>(s) * G;
-        long long spins = 0;
-        while (ld_acquire(counter) < want) {
-          if (++spins > max_spin) {
-            atomicExch(gave_up, 1);
-            break;
-          }
-        }
+        wait_counter(counter, static_cast<unsigned>(s) * G, max_spin, gave_up);
         __threadfence();
       }
       __syncthreads();
@@ -221,48 +294,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int KU = st.K / 8;
     float x[kMaxUnitsPerLane][8];
     if (lowlat) {
-      // two values a 16-byte load of LL pairs, polled until both flags are stage s's input's (s: stage s - 1's
-      // outputs carry flag s); the chain's input (stage 0) is plain
-      const long long x_off = st.x - acts;
-      for (int e = 2 * tid; e < st.K; e += 2 * kThreads) {
-        if (s == 0) {
-          xs[e] = __bfloat162float(st.x[e]);
-          xs[e + 1] = __bfloat162float(st.x[e + 1]);
-          continue;
-        }
-        uint4 v = ld_volatile16(ll + x_off + e);
-        long long spins = 0;
-        while ((v.x != static_cast<unsigned>(s) || v.z != static_cast<unsigned>(s)) && !(mode & kNoBarrier)) {
-          if (++spins > max_spin) {
-            atomicExch(gave_up, 1);
-            break;
-          }
-          v = ld_volatile16(ll + x_off + e);
-        }
-        xs[e] = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(v.y)));
-        xs[e + 1] = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(v.w)));
-      }
+      gather_ll_input(xs, st, acts, ll, s, tid, kThreads, !(mode & kNoBarrier), max_spin, gave_up);
       __syncthreads();
-#pragma unroll
-      for (int i = 0; i < kMaxUnitsPerLane; ++i) {
-        const int u = lane + 32 * i;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) x[i][j] = u < KU ? xs[8 * u + j] : 0.f;
-      }
+      input_from_shared(x, xs, lane, KU);
     } else {
-#pragma unroll
-      for (int i = 0; i < kMaxUnitsPerLane; ++i) {
-        const int u = lane + 32 * i;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (u < KU) v = __ldcg(reinterpret_cast<const uint4*>(st.x) + u);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(h[j]);
-          x[i][2 * j] = f.x;
-          x[i][2 * j + 1] = f.y;
-        }
-      }
+      input_from_global(x, st.x, lane, KU);
     }
     // (4) this stage's weights in shared memory
     if (tma) {
@@ -281,14 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (u < KU) {
           int slot = start + r * KU + u;  // r * KU + u < the stage's units <= ring_units: one wrap at most
           if (slot >= ring_units) slot -= ring_units;
-          const uint4 v = ring[slot];
-          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 f = __bfloat1622float2(h[j]);
-            acc = fmaf(f.x, x[i][2 * j], acc);
-            acc = fmaf(f.y, x[i][2 * j + 1], acc);
-          }
+          acc = dot_unit(acc, ring[slot], x[i]);
         }
       }
 #pragma unroll
@@ -398,59 +427,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int j = 0; j < 8; ++j) x[i][j] = 0.f;
       }
     } else if (lowlat) {
-      const long long x_off = st.x - acts;
-      for (int e = 2 * ctid; e < st.K; e += 2 * kConsumers * 32) {
-        if (s == 0) {
-          xs[e] = __bfloat162float(st.x[e]);
-          xs[e + 1] = __bfloat162float(st.x[e + 1]);
-          continue;
-        }
-        uint4 v = ld_volatile16(ll + x_off + e);
-        long long spins = 0;
-        while ((v.x != static_cast<unsigned>(s) || v.z != static_cast<unsigned>(s)) && !(mode & kNoBarrier)) {
-          if (++spins > max_spin) {
-            atomicExch(gave_up, 1);
-            break;
-          }
-          v = ld_volatile16(ll + x_off + e);
-        }
-        xs[e] = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(v.y)));
-        xs[e + 1] = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(v.w)));
-      }
+      gather_ll_input(xs, st, acts, ll, s, ctid, kConsumers * 32, !(mode & kNoBarrier), max_spin, gave_up);
       consumers_sync();
-#pragma unroll
-      for (int i = 0; i < kMaxUnitsPerLane; ++i) {
-        const int u = lane + 32 * i;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) x[i][j] = u < KU ? xs[8 * u + j] : 0.f;
-      }
+      input_from_shared(x, xs, lane, KU);
     } else {
       if (s > 0 && !(mode & kNoBarrier)) {
-        if (ctid == 0) {
-          const unsigned want = static_cast<unsigned>(s) * G;
-          long long spins = 0;
-          while (ld_acquire(counter) < want) {
-            if (++spins > max_spin) {
-              atomicExch(gave_up, 1);
-              break;
-            }
-          }
-        }
+        if (ctid == 0) wait_counter(counter, static_cast<unsigned>(s) * G, max_spin, gave_up);
         consumers_sync();
       }
-#pragma unroll
-      for (int i = 0; i < kMaxUnitsPerLane; ++i) {
-        const int u = lane + 32 * i;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (u < KU) v = __ldcg(reinterpret_cast<const uint4*>(st.x) + u);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(h[j]);
-          x[i][2 * j] = f.x;
-          x[i][2 * j + 1] = f.y;
-        }
-      }
+      input_from_global(x, st.x, lane, KU);
     }
     const int rpp = page_rows(st.K, page_bytes);
     if (mode & kOwnPages) {
@@ -468,16 +453,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (u < KU) {
 #pragma unroll
               for (int q = 0; q < 4; ++q) {
-                if (rb + q < r1) {
-                  const uint4 v = page[(rb + q - r0) * KU + u];
-                  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-                  for (int j = 0; j < 4; ++j) {
-                    const float2 f = __bfloat1622float2(h[j]);
-                    acc[q] = fmaf(f.x, x[i][2 * j], acc[q]);
-                    acc[q] = fmaf(f.y, x[i][2 * j + 1], acc[q]);
-                  }
-                }
+                if (rb + q < r1) acc[q] = dot_unit(acc[q], page[(rb + q - r0) * KU + u], x[i]);
               }
             }
           }
