@@ -995,7 +995,6 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     from kestrel.ops.linear.triton_chain import gemv_chain_reference
 
     want = gemv_chain_reference(x, weights)[-1].float()
-    rows = []
     # session 61 (H100): 18.5-20.0 us a layer at depths 0-63 with the fence and add, so the variants: warp 0 (the
     # barrier's) issuing no copies, the arrival a release add, and no barrier at all (the stream and sums alone)
     # (each 18.6-20.5, no barrier 13.1: the 16-byte copies' stream itself was slow), then the weights as bulk
@@ -1019,24 +1018,10 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         dict(pipe=True, own_pages=True, no_barrier=True),
         dict(pipe=True, own_pages=True, no_barrier=True, no_compute=True),
     ]
-    for config in configs:
-        row = dict(config)
-        try:
-            chain = CudaGemvChain(weights, **config)
-            chain.input.copy_(x)
-            got = chain().float()
-            row["rel_err"] = ((got - want).norm() / want.norm()).item()
-            row["gave_up"] = chain.gave_up()
-            row["ok"] = row["rel_err"] < 2e-2 and not row["gave_up"] or config.get("no_barrier", False)
-            row["us_a_layer"] = calls_us([chain], "cuda") / layers
-            row["gave_up"] = chain.gave_up()
-            row["blocks"], row["ring_bytes"] = chain.blocks, chain.ring_bytes
-            del chain
-        except Exception as e:  # noqa: BLE001 (recorded, the sweep goes on)
-            row["error"] = f"{type(e).__name__}: {e}"[:300]
-        print(f"l2_ahead cuda chain {row}", flush=True)
-        rows.append(row)
-    return rows
+    return _chain_rows(
+        lambda config: CudaGemvChain(weights, **config), configs, x, want, layers, "cuda", "l2_ahead cuda chain",
+        lambda chain: {"blocks": chain.blocks, "ring_bytes": chain.ring_bytes},
+    )  # fmt: skip
 
 
 def _persistent_chain(weights: list, x: torch.Tensor, layers: int, device: str, configs=None) -> list[dict]:
@@ -1061,23 +1046,35 @@ def _persistent_chain(weights: list, x: torch.Tensor, layers: int, device: str, 
         ]
     elif configs is None:
         configs = [dict(block_n=16, ahead=0)]
+    return _chain_rows(
+        lambda config: GemvChain(weights, x.shape[0], **config), configs, x, want, layers, device,
+        "l2_ahead persistent", lambda chain: {"ahead_applied": chain.consts["AHEAD"]},
+    )  # fmt: skip
+
+
+def _chain_rows(
+    make, configs: list[dict], x, want, layers: int, device: str, label: str, facts
+) -> list[dict]:
+    """Each configuration's chain (`make(config)`, a GemvChain or CudaGemvChain) run on x against `want` (its
+    last output from the plain-torch chain), then timed in a CUDA graph, us a layer; `facts(chain)`: what else its
+    row records. A chain that gave up waiting, or errs by 2% or more, is not ok (no_barrier's are wrong anyway)."""
     rows = []
     for config in configs:
         row = dict(config)
         try:
-            chain = GemvChain(weights, x.shape[0], **config)
+            chain = make(config)
             chain.input.copy_(x)
             got = chain().float()
-            row["ahead_applied"] = chain.consts["AHEAD"]
+            row.update(facts(chain))
             row["rel_err"] = ((got - want).norm() / want.norm()).item()
             row["gave_up"] = chain.gave_up()
-            row["ok"] = row["rel_err"] < 2e-2 and not row["gave_up"]
+            row["ok"] = row["rel_err"] < 2e-2 and not row["gave_up"] or config.get("no_barrier", False)
             row["us_a_layer"] = calls_us([chain], device) / layers
-            row["gave_up"] = row["gave_up"] or chain.gave_up()
+            row["gave_up"] = row["gave_up"] or chain.gave_up()  # the timed calls' too
             del chain
         except Exception as e:  # noqa: BLE001 (a configuration the GPU cannot hold: recorded, the sweep goes on)
             row["error"] = f"{type(e).__name__}: {e}"[:300]
-        print(f"l2_ahead persistent {row}", flush=True)
+        print(f"{label} {row}", flush=True)
         rows.append(row)
     return rows
 

@@ -48,7 +48,6 @@ class Job:
             for child in children
         ]
         self._prompt_of = [i for i in range(len(prompts)) for _ in children]
-        self._num_open = [len(children)] * len(prompts)  # choices of each prompt not yet finished
 
     async def events(self) -> AsyncIterator[tuple[int, str, StepOutput, ChoiceState]]:
         """(choice index, new text, the engine output, the choice) for each output, until all finish."""
@@ -83,8 +82,8 @@ class Job:
         """Each choice is a finished request by its own reason; its prompt's tokens count once, with the last of
         the prompt's n choices (as vLLM counts them), not once per choice."""
         prompt = self._prompt_of[index]
-        self._num_open[prompt] -= 1
-        num_prompt_tokens = len(self.prompts[prompt]) if self._num_open[prompt] == 0 else 0
+        last = all(c.finished for c, p in zip(self.choices, self._prompt_of) if p == prompt)
+        num_prompt_tokens = len(self.prompts[prompt]) if last else 0
         self.server.metrics.on_finished(self.group.arrival_time, num_prompt_tokens, reason)
 
     async def drain(self) -> None:

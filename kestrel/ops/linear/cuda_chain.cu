@@ -132,7 +132,7 @@ struct StageRows {
   const __nv_bfloat16* w;  // this block's first weight row
   const __nv_bfloat16* x;  // the stage's input
   __nv_bfloat16* y;        // the stage's output
-  int r0, rows, K;         // the block's first row, its row count, the width
+  int rows, K;             // the block's row count, the width
 };
 
 __device__ __forceinline__ StageRows stage_rows(const long long* meta, const __nv_bfloat16* w,
@@ -141,7 +141,7 @@ __device__ __forceinline__ StageRows stage_rows(const long long* meta, const __n
   const long long N = m[4];
   const int K = static_cast<int>(m[5]);
   const int r0 = static_cast<int>(N * b / G), r1 = static_cast<int>(N * (b + 1) / G);
-  return {w + m[0] + static_cast<long long>(r0) * K, acts + m[1], acts + m[3] + r0, r0, r1 - r0, K};
+  return {w + m[0] + static_cast<long long>(r0) * K, acts + m[1], acts + m[3] + r0, r1 - r0, K};
 }
 
 // A stage's input from its LL pairs into xs (fp32), two values a 16-byte load, each polled until both flags are
@@ -222,6 +222,21 @@ __device__ __forceinline__ float dot_unit(float acc, uint4 v, const float (&xi)[
     acc = fmaf(f.y, xi[2 * j + 1], acc);
   }
   return acc;
+}
+
+// The warp's sum of `v` (every lane gets it).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// Output r of stage s (lane 0's): rounded once, and with kLL as an LL pair too.
+__device__ __forceinline__ void store_row(const StageRows& st, const __nv_bfloat16* acts, unsigned long long* ll,
+                                          int s, int r, float sum, bool lowlat) {
+  const __nv_bfloat16 y = __float2bfloat16(sum);
+  st.y[r] = y;
+  if (lowlat) st_ll(ll + (st.y - acts) + r, static_cast<unsigned>(s + 1), __bfloat16_as_ushort(y));
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -320,13 +335,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           acc = dot_unit(acc, ring[slot], x[i]);
         }
       }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-      if (lane == 0) {
-        const __nv_bfloat16 y = __float2bfloat16(acc);
-        st.y[r] = y;
-        if (lowlat) st_ll(ll + (st.y - acts) + r, static_cast<unsigned>(s + 1), __bfloat16_as_ushort(y));
-      }
+      acc = warp_sum(acc);
+      if (lane == 0) store_row(st, acts, ll, s, r, acc, lowlat);
     }
     // (6) the ring's units of stage s are free; arrive
     __syncthreads();
@@ -343,12 +353,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // kPipe: the weight stream never waits for the chain. Warp 0 is a producer: its lane 0 walks every stage's rows in
-// pages of at most kPageBytes (whole rows), each page a bulk copy into the next slot of a ring of pages, as soon as
-// the consumers have freed that slot (its `empty` mbarrier); warps 1-15 consume: at each stage they wait for their
-// input (the counter or LL pairs, as above), then for each page (its `full` mbarrier), sum its rows (row r of the
-// stage by warp 1 + r % 15) and free the slot. The ring thus holds the pages ahead across the stages' waits, where
-// `chain_kernel` frees a stage's rows only as a whole and holds about one stage ahead.
-constexpr int kPageBytes = 16384;  // the default page (the launch's page_bytes overrides it)
+// pages of at most page_bytes (whole rows; cuda_chain.py's PAGE_BYTES by default), each a bulk copy into the next
+// slot of a ring of pages, as soon as the consumers have freed that slot (its `empty` mbarrier); warps 1-15
+// consume: at each stage they wait for their input (the counter or LL pairs, as above), then for each page (its
+// `full` mbarrier), sum its rows (row r of the stage by warp 1 + r % 15) and free the slot. The ring thus holds
+// the pages ahead across the stages' waits, where `chain_kernel` frees a stage's rows only as a whole and holds
+// about one stage ahead.
 constexpr int kConsumers = kWarps - 1;
 
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
@@ -458,20 +468,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           }
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) acc[q] += __shfl_xor_sync(0xffffffffu, acc[q], off);
-          }
+          for (int q = 0; q < 4; ++q) acc[q] = warp_sum(acc[q]);
           if (lane == 0) {
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
-              if (rb + q < r1) {
-                const __nv_bfloat16 y = __float2bfloat16(acc[q]);
-                st.y[rb + q] = y;
-                if (lowlat) {
-                  st_ll(ll + (st.y - acts) + rb + q, static_cast<unsigned>(s + 1), __bfloat16_as_ushort(y));
-                }
-              }
+              if (rb + q < r1) store_row(st, acts, ll, s, rb + q, acc[q], lowlat);
             }
           }
         }
@@ -504,14 +505,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           }
         }
-        float sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-        if (lane == 0) {
-          const __nv_bfloat16 y = __float2bfloat16(sum);
-          st.y[r] = y;
-          if (lowlat) st_ll(ll + (st.y - acts) + r, static_cast<unsigned>(s + 1), __bfloat16_as_ushort(y));
-        }
+        const float sum = warp_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+        if (lane == 0) store_row(st, acts, ll, s, r, sum, lowlat);
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(empty_base + 8 * slot);
@@ -530,7 +525,6 @@ extern "C" int kestrel_chain_setup(int smem_bytes) {
       cudaFuncSetAttribute(chain_pipe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
 }
 
-extern "C" int kestrel_chain_page_bytes() { return kPageBytes; }
 
 extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta, int S, void* counter,
                                     void* gave_up, long long max_spin, int blocks, int smem_bytes, int depth,
@@ -555,8 +549,6 @@ extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta,
       static_cast<unsigned long long*>(ll));
   return static_cast<int>(cudaGetLastError());
 }
-
-extern "C" int kestrel_chain_threads() { return kThreads; }
 
 extern "C" const char* kestrel_chain_error(int code) {
   return cudaGetErrorString(static_cast<cudaError_t>(code));

@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 
 from kestrel.ops import nvcc
+from kestrel.ops.linear.triton_chain import pack_chain
 
 SOURCE = Path(__file__).with_name("cuda_chain.cu")
 MAX_K = 2048  # cuda_chain.cu's kMaxUnitsPerLane x 8 x 32
@@ -112,7 +113,6 @@ def _load() -> ctypes.CDLL:
                 ctypes.c_int,  # pipe's page bytes
                 ctypes.c_void_p,  # stream
             ]
-            lib.kestrel_chain_threads.restype = ctypes.c_int
             lib.kestrel_chain_error.restype = ctypes.c_char_p
             lib.kestrel_chain_error.argtypes = [ctypes.c_int]
             _lib = lib
@@ -190,25 +190,12 @@ class CudaGemvChain:
             | OWN_PAGES * own_pages
             | NO_STREAM * no_stream
         )
-        first = weights[0]
-        self.w = torch.cat([w.reshape(-1) for w in weights])
-
-        def aligned(n: int) -> int:  # each output 16-byte aligned: the next stage reads it in 16-byte units
-            return -(-n // 8) * 8
-
-        width = aligned(first.shape[1]) + sum(aligned(w.shape[0]) for w in weights)
-        self.acts = torch.zeros(width, dtype=torch.bfloat16, device=self.device)
-        meta, w_off, in_off, out_off = [], 0, 0, aligned(first.shape[1])
-        self.input = self.acts[: first.shape[1]].view(1, -1)
-        self.outputs = []
-        for w in weights:
-            N, K = w.shape
-            meta.append([w_off, in_off, K, out_off, N, K])
-            self.outputs.append(self.acts[out_off : out_off + N].view(1, N))
-            w_off, in_off, out_off = w_off + N * K, out_off, out_off + aligned(N)
-        self.meta = torch.tensor(meta, dtype=torch.int64, device=self.device)
+        # each output 16-byte aligned: the next stage reads it in 16-byte units
+        self.w, self.acts, self.meta, self.input, self.outputs = pack_chain(weights, 1, align=8)
         self.sync = torch.zeros(2, dtype=torch.int32, device=self.device)  # the counter, gave_up
-        self.ll = torch.zeros(width if ll else 2, dtype=torch.int64, device=self.device)  # an LL pair a value
+        self.ll = torch.zeros(
+            self.acts.numel() if ll else 2, dtype=torch.int64, device=self.device
+        )  # an LL pair a value
         self.stages = len(weights)
         self._lib = _load()
         index = self.device.index or 0

@@ -142,18 +142,7 @@ class GemvChain:
             )
         first = weights[0]
         self.device, self.dtype, self.rows = first.device, first.dtype, rows
-        self.w = torch.cat([w.reshape(-1) for w in weights])
-        self.acts = torch.zeros(rows * (first.shape[1] + sum(w.shape[0] for w in weights)), dtype=self.dtype,
-                                device=self.device)  # fmt: skip
-        meta, w_off, in_off, in_stride, out_off = [], 0, 0, first.shape[1], rows * first.shape[1]
-        self.input = self.acts[: rows * first.shape[1]].view(rows, first.shape[1])
-        self.outputs = []
-        for w in weights:
-            N, K = w.shape
-            meta.append([w_off, in_off, in_stride, out_off, N, K])
-            self.outputs.append(self.acts[out_off : out_off + rows * N].view(rows, N))
-            w_off, in_off, in_stride, out_off = w_off + N * K, out_off, N, out_off + rows * N
-        self.meta = torch.tensor(meta, dtype=torch.int64, device=self.device)
+        self.w, self.acts, self.meta, self.input, self.outputs = pack_chain(weights, rows)
         self.sync = torch.zeros(len(weights) + 1, dtype=torch.int32, device=self.device)  # [S]: gave up
         self.stages = len(weights)
         cuda = self.device.type == "cuda"
@@ -189,6 +178,29 @@ class GemvChain:
     def gave_up(self) -> bool:
         """Whether a program gave up waiting at a counter in the last call (its results are wrong)."""
         return bool(self.sync[self.stages].item())
+
+
+def pack_chain(weights: list[torch.Tensor], rows: int, align: int = 1) -> tuple:
+    """A chain's buffers (module docstring): (the weights flat, the activations zeroed, meta [S, META] int64,
+    `input` [rows, K_0], each stage's output [rows, N_s], views of the activations). Each output starts at a
+    multiple of `align` elements (the CUDA chain reads its input in 16-byte units)."""
+
+    def aligned(n: int) -> int:
+        return -(-n // align) * align
+
+    first = weights[0]
+    w_flat = torch.cat([w.reshape(-1) for w in weights])
+    width = aligned(rows * first.shape[1]) + sum(aligned(rows * w.shape[0]) for w in weights)
+    acts = torch.zeros(width, dtype=first.dtype, device=first.device)
+    meta, w_off, in_off, in_stride, out_off = [], 0, 0, first.shape[1], aligned(rows * first.shape[1])
+    outputs = []
+    for w in weights:
+        N, K = w.shape
+        meta.append([w_off, in_off, in_stride, out_off, N, K])
+        outputs.append(acts[out_off : out_off + rows * N].view(rows, N))
+        w_off, in_off, in_stride, out_off = w_off + N * K, out_off, N, out_off + aligned(rows * N)
+    input_ = acts[: rows * first.shape[1]].view(rows, first.shape[1])
+    return w_flat, acts, torch.tensor(meta, dtype=torch.int64, device=first.device), input_, outputs
 
 
 def gemv_chain_reference(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
