@@ -144,17 +144,19 @@ __device__ __forceinline__ StageRows stage_rows(const long long* meta, const __n
   return {w + m[0] + static_cast<long long>(r0) * K, acts + m[1], acts + m[3] + r0, r1 - r0, K};
 }
 
-// A stage's input from its LL pairs into xs (fp32), two values a 16-byte load, each polled until both flags are
-// stage s's input's (stage s - 1's outputs carry flag s; stage 0's input, the chain's, is plain); threads t0,
-// t0 + step, ... share it. Without `poll` the flags are not waited for (kNoBarrier).
-__device__ __forceinline__ void gather_ll_input(float* xs, const StageRows& st, const __nv_bfloat16* acts,
+// A stage's input from its LL pairs into xs, bf16 in the input's order (two values a 4-byte store from a 16-byte
+// load), each pair polled until both flags are stage s's input's (stage s - 1's outputs carry flag s; stage 0's
+// input, the chain's, is plain); threads t0, t0 + step, ... share it. Without `poll` the flags are not waited for
+// (kNoBarrier). xs then reads back as 16-byte units with no bank conflicts (input_from_units); as fp32 at
+// xs[8u + j], lane u's loads had hit 4 banks, 8 wavefronts each (Nsight Compute, call z: 43 M shared
+// wavefronts with LL pairs against 5 M without).
+__device__ __forceinline__ void gather_ll_input(unsigned* xs, const StageRows& st, const __nv_bfloat16* acts,
                                                 const unsigned long long* ll, int s, int t0, int step, bool poll,
                                                 long long max_spin, int* gave_up) {
   const long long x_off = st.x - acts;
   for (int e = 2 * t0; e < st.K; e += 2 * step) {
     if (s == 0) {
-      xs[e] = __bfloat162float(st.x[e]);
-      xs[e + 1] = __bfloat162float(st.x[e + 1]);
+      xs[e / 2] = *reinterpret_cast<const unsigned*>(st.x + e);
       continue;
     }
     uint4 v = ld_volatile16(ll + x_off + e);
@@ -166,30 +168,20 @@ __device__ __forceinline__ void gather_ll_input(float* xs, const StageRows& st, 
       }
       v = ld_volatile16(ll + x_off + e);
     }
-    xs[e] = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(v.y)));
-    xs[e + 1] = __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(v.w)));
+    xs[e / 2] = (v.y & 0xffffu) | (v.w << 16);
   }
 }
 
-// A lane's share of the input in registers: the 8 values of each 16-byte unit lane, lane + 32, ... (zeros past KU).
-__device__ __forceinline__ void input_from_shared(float (&x)[kMaxUnitsPerLane][8], const float* xs, int lane,
-                                                  int KU) {
-#pragma unroll
-  for (int i = 0; i < kMaxUnitsPerLane; ++i) {
-    const int u = lane + 32 * i;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) x[i][j] = u < KU ? xs[8 * u + j] : 0.f;
-  }
-}
-
-// The same from global memory, through L2 (written by other blocks this launch: never in this SM's L1).
-__device__ __forceinline__ void input_from_global(float (&x)[kMaxUnitsPerLane][8], const __nv_bfloat16* src,
-                                                  int lane, int KU) {
+// A lane's share of the input in registers: the 8 values of each 16-byte unit lane, lane + 32, ... (zeros past
+// KU), from global memory through L2 (written by other blocks this launch: never in this SM's L1) or from shared.
+template <bool kGlobal>
+__device__ __forceinline__ void input_from_units(float (&x)[kMaxUnitsPerLane][8], const uint4* src, int lane,
+                                                 int KU) {
 #pragma unroll
   for (int i = 0; i < kMaxUnitsPerLane; ++i) {
     const int u = lane + 32 * i;
     uint4 v = make_uint4(0, 0, 0, 0);
-    if (u < KU) v = __ldcg(reinterpret_cast<const uint4*>(src) + u);
+    if (u < KU) v = kGlobal ? __ldcg(src + u) : src[u];
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -244,7 +236,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                  int S, unsigned* counter, int* gave_up, long long max_spin, int ring_units, int depth,
                  int mode, unsigned long long* ll) {
   extern __shared__ uint4 ring[];  // [ring_units] 16-byte units
-  __shared__ float xs[kMaxK];      // kLL: the stage's input, gathered from its LL pairs
+  __shared__ uint4 xs[kMaxK / 8];  // kLL: the stage's input, gathered from its LL pairs
   __shared__ alignas(8) unsigned long long bars[64];  // kTma: stage s's mbarrier is bars[s & 63]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int b = blockIdx.x, G = gridDim.x;
@@ -309,11 +301,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int KU = st.K / 8;
     float x[kMaxUnitsPerLane][8];
     if (lowlat) {
-      gather_ll_input(xs, st, acts, ll, s, tid, kThreads, !(mode & kNoBarrier), max_spin, gave_up);
+      gather_ll_input(reinterpret_cast<unsigned*>(xs), st, acts, ll, s, tid, kThreads, !(mode & kNoBarrier),
+                      max_spin, gave_up);
       __syncthreads();
-      input_from_shared(x, xs, lane, KU);
+      input_from_units<false>(x, xs, lane, KU);
     } else {
-      input_from_global(x, st.x, lane, KU);
+      input_from_units<true>(x, reinterpret_cast<const uint4*>(st.x), lane, KU);
     }
     // (4) this stage's weights in shared memory
     if (tma) {
@@ -376,7 +369,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                       int S, unsigned* counter, int* gave_up, long long max_spin, int pages, int mode,
                       unsigned long long* ll, int page_bytes) {
   extern __shared__ uint4 ring[];  // [pages][page_bytes / 16]
-  __shared__ float xs[kMaxK];
+  __shared__ uint4 xs[kMaxK / 8];
   __shared__ alignas(8) unsigned long long full[64], empty[64];
   // every stage's entries, read once here: a stage's read of them from global memory put an L2 round trip before
   // its input's address (call C: the consumers' work alone 10.9 us a layer with no barrier)
@@ -437,15 +430,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int j = 0; j < 8; ++j) x[i][j] = 0.f;
       }
     } else if (lowlat) {
-      gather_ll_input(xs, st, acts, ll, s, ctid, kConsumers * 32, !(mode & kNoBarrier), max_spin, gave_up);
+      gather_ll_input(reinterpret_cast<unsigned*>(xs), st, acts, ll, s, ctid, kConsumers * 32,
+                      !(mode & kNoBarrier), max_spin, gave_up);
       consumers_sync();
-      input_from_shared(x, xs, lane, KU);
+      input_from_units<false>(x, xs, lane, KU);
     } else {
       if (s > 0 && !(mode & kNoBarrier)) {
         if (ctid == 0) wait_counter(counter, static_cast<unsigned>(s) * G, max_spin, gave_up);
         consumers_sync();
       }
-      input_from_global(x, st.x, lane, KU);
+      input_from_units<true>(x, reinterpret_cast<const uint4*>(st.x), lane, KU);
     }
     const int rpp = page_rows(st.K, page_bytes);
     if (mode & kOwnPages) {
