@@ -980,7 +980,11 @@ def l2_ahead(result: dict, device: str, smoke: bool, ceilings: dict) -> None:
         device == "cuda" and dtype == torch.bfloat16
     ):  # the CUDA chain (cuda_chain.cu): the weights ahead in flight
         entry["cuda_chain"] = _cuda_chain([w for pair in cold for w in pair], x, layers)
-        variants = [dict(pipe=True, ll=True), dict(pipe=True, ll=True, own_pages=True)]
+        variants = [
+            dict(pipe=True, ll=True),
+            dict(pipe=True, ll=True, own_pages=True),
+            dict(pipe=True, ll=True, mma=True),
+        ]
         entry["cuda_chain_barriers_only"] = _cuda_chain(tiny, x[:, :n], layers, variants)
         print(f"l2_ahead cuda chain barriers only: {entry['cuda_chain_barriers_only']}", flush=True)
 
@@ -1012,8 +1016,18 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     # with LL 17.0-17.6, no barrier 14.6); then the consumers' work alone (no_stream), with and without barriers
     # (call C: 15.6 and 10.9: the consumers' own work is most of it), so pipe keeps the stage table in shared memory
     # and the LL input is gathered as bf16 and read back as 16-byte units (Nsight Compute's 43 M shared wavefronts
-    # with LL against 5 M without: the fp32 input's reads had 8-way bank conflicts)
+    # with LL against 5 M without: the fp32 input's reads had 8-way bank conflicts), and `mma`, the sums on the
+    # tensor cores (16-row pages, an ldmatrix, an 8-byte load and an mma a 256 weights, where the fmas took 17
+    # instructions a lane for 8), by page size, with and without barriers and stream
     configs = configs or [
+        dict(pipe=True, ll=True, mma=True),
+        dict(pipe=True, ll=True, mma=True, page_bytes=8192),
+        dict(pipe=True, ll=True, mma=True, page_bytes=32768),
+        dict(pipe=True, mma=True),
+        dict(pipe=True, ll=True, mma=True, no_stream=True),
+        dict(pipe=True, mma=True, no_barrier=True),
+        dict(pipe=True, mma=True, no_barrier=True, no_stream=True),
+        dict(pipe=True, mma=True, no_barrier=True, no_compute=True),
         dict(pipe=True, ll=True),
         dict(pipe=True, ll=True, no_stream=True),
         dict(pipe=True, ll=True, own_pages=True),

@@ -4,6 +4,7 @@ chain: it compiles for sm_90 here with nvcc, without spilling; on a GPU every st
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -37,6 +38,9 @@ def test_compiles_for_sm90_without_spills(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     usage = [line for line in done.stderr.splitlines() if "spill" in line]
     assert usage and all("0 bytes spill stores, 0 bytes spill loads" in line for line in usage), usage
+    # the ring is what the device allows a block less STATIC_SMEM: each kernel's static shared memory must fit it
+    smem = [int(m) for m in re.findall(r"(\d+) bytes smem", done.stderr)]
+    assert smem and max(smem) <= cuda_chain.STATIC_SMEM, (smem, cuda_chain.STATIC_SMEM)
 
 
 def _weights(shapes, seed=0):
@@ -75,8 +79,36 @@ def test_chain_matches_the_reference(depth, blocks, mode):
 @cuda
 @pytest.mark.parametrize(
     "mode",
+    [dict(pipe=True, mma=True), dict(pipe=True, ll=True, mma=True),
+     dict(pipe=True, ll=True, mma=True, page_bytes=8192)],
+)  # fmt: skip
+@pytest.mark.parametrize("blocks", [None, 7])
+def test_mma_chain_matches_the_reference(blocks, mode):
+    # mma's k-blocks take K a multiple of 16; a block's rows that do not fill its last 16-row page, a row's last
+    # page narrower than the rest (K 1008 and 2000), stages with fewer rows than blocks; a 40 KB ring of 2-4 pages
+    shapes = [(1100, 2048), (2000, 1008), (300, 2000), (2048, 16), (133, 2048), (40, 128), (9, 32)]
+    weights = _weights(shapes, seed=2)
+    x = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
+    rings = (None, 40 * 1024) if blocks is None else (None,)
+    for ring in rings:
+        chain = cuda_chain.CudaGemvChain(weights, blocks=blocks, ring_bytes=ring, **mode)
+        for out in chain.outputs:
+            out.fill_(float("nan"))
+        chain.input.copy_(x)
+        chain()
+        for got, want in zip(chain.outputs, gemv_chain_reference(x, weights)):
+            torch.testing.assert_close(
+                got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item()
+            )
+        assert not chain.gave_up()
+
+
+@cuda
+@pytest.mark.parametrize(
+    "mode",
     [
         {},
+        dict(pipe=True, ll=True, mma=True),
         dict(tma=True, ll=True),
         dict(pipe=True),
         dict(pipe=True, ll=True),
@@ -109,3 +141,10 @@ def test_refuses_what_it_cannot_take():
         cuda_chain.CudaGemvChain([w])
     with pytest.raises(AssertionError, match="depth"):
         cuda_chain.CudaGemvChain([w[:, :8]], depth=cuda_chain.MAX_DEPTH + 1)
+    with pytest.raises(AssertionError, match="variant of pipe"):
+        cuda_chain.CudaGemvChain([w[:, :8]], mma=True)
+    with pytest.raises(AssertionError, match="multiple of 16"):
+        cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma=True)
+    wide = torch.zeros(4096, 2048, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(AssertionError, match="partial sums"):
+        cuda_chain.CudaGemvChain([wide], pipe=True, mma=True, blocks=1)

@@ -49,6 +49,15 @@ constexpr int kOwnPages = 512;
 // pipe with no stream: the producer completes each page's mbarrier without copying anything (the consumers sum
 // whatever the ring holds: wrong results; what the consumers' own work takes)
 constexpr int kNoStream = 1024;
+// pipe with the sums on the tensor cores: a page is a tile of 16 rows x kc columns (kc = page_bytes / 32), each
+// row a bulk copy into its own line of the page, 16 bytes apart from the next (conflict-free ldmatrix); the page's
+// owner warp (page g: warp g % 15) sums it with mma.sync m16n8k16 (the input as all 8 columns of B) and writes its
+// 16 partial sums to shared memory; once the stage's pages are all in, each row adds its pages' sums in column
+// order (the same result every run: no atomics) and is stored. After
+// Nsight Compute's count: 126 M warp instructions, most of them the sums' and polls' (8 weights a lane an LDS, 8
+// conversions and 8 fmas), where an mma takes 256 weights for an ldmatrix, an 8-byte load and itself.
+constexpr int kMma = 2048;
+constexpr int kMaxPartials = 2048;  // kMma: a block's rows of one stage x its pages a row (fp32 sums in shared)
 constexpr int kMaxStages = 64;  // pipe keeps every stage's entries in shared memory
 constexpr unsigned kBulkBytes = 32768;
 constexpr int kMaxK = 2048;
@@ -150,13 +159,19 @@ __device__ __forceinline__ StageRows stage_rows(const long long* meta, const __n
 // (kNoBarrier). xs then reads back as 16-byte units with no bank conflicts (input_from_units); as fp32 at
 // xs[8u + j], lane u's loads had hit 4 banks, 8 wavefronts each (Nsight Compute, call z: 43 M shared
 // wavefronts with LL pairs against 5 M without).
+// Where word wi of the input (its values 2wi, 2wi + 1) goes in xs: in order, or (kMma) in each 16 values' 8 words
+// as 0 4 1 5 2 6 3 7, so that lane t's B fragment of a k-block (words t and t + 4) is one 8-byte load.
+__device__ __forceinline__ int frag_word(int wi, bool frag) {
+  return frag ? (wi & ~7) | ((wi & 3) << 1) | ((wi >> 2) & 1) : wi;
+}
+
 __device__ __forceinline__ void gather_ll_input(unsigned* xs, const StageRows& st, const __nv_bfloat16* acts,
                                                 const unsigned long long* ll, int s, int t0, int step, bool poll,
-                                                long long max_spin, int* gave_up) {
+                                                long long max_spin, int* gave_up, bool frag = false) {
   const long long x_off = st.x - acts;
   for (int e = 2 * t0; e < st.K; e += 2 * step) {
     if (s == 0) {
-      xs[e / 2] = *reinterpret_cast<const unsigned*>(st.x + e);
+      xs[frag_word(e / 2, frag)] = *reinterpret_cast<const unsigned*>(st.x + e);
       continue;
     }
     uint4 v = ld_volatile16(ll + x_off + e);
@@ -168,7 +183,7 @@ __device__ __forceinline__ void gather_ll_input(unsigned* xs, const StageRows& s
       }
       v = ld_volatile16(ll + x_off + e);
     }
-    xs[e / 2] = (v.y & 0xffffu) | (v.w << 16);
+    xs[frag_word(e / 2, frag)] = (v.y & 0xffffu) | (v.w << 16);
   }
 }
 
@@ -364,6 +379,114 @@ __device__ __forceinline__ void consumers_sync() {
 
 __device__ __forceinline__ int page_rows(int K, int page_bytes) { return max(1, page_bytes / (2 * K)); }
 
+// kMma's pages: page g holds rows [r0, r0 + 16) x columns [k0, k0 + kc) of one stage (fewer at the block's last
+// rows or the row's end), its row i at byte i * line of the slot. `next` steps to the next page's slot, and its
+// use (how many times the ring has come round to it), without a division.
+struct MmaPages {
+  int kc;          // a page's columns
+  unsigned line;   // bytes from a page's row to the next: 2 kc + 16 (ldmatrix's 8 rows on 32 different banks)
+  unsigned bytes;  // a slot: 16 lines
+  int pages, slot = 0, use = 0;
+  __device__ MmaPages(int page_bytes, int pages_)
+      : kc(page_bytes / 32), line(2u * (page_bytes / 32) + 16u), bytes(16u * line), pages(pages_) {}
+  __device__ void next() {
+    if (++slot == pages) {
+      slot = 0;
+      ++use;
+    }
+  }
+};
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&a)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(addr));
+}
+
+// d += A (16 x 16 bf16, a's fragment) times B (16 x 8 bf16, b0 b1's fragment), in fp32.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// kMma's producer (one lane): every stage's pages in order, row tiles outer, each row of a page a bulk copy into
+// its line; with kNoStream each page completed without a copy.
+__device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_bfloat16* acts, int S, int b,
+                            int G, uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int pages,
+                            int page_bytes, int mode) {
+  MmaPages pg(page_bytes, pages);
+  for (int s = 0; s < S; ++s) {
+    const StageRows st = stage_rows(meta, w, acts, s, b, G);
+    for (int r0 = 0; r0 < st.rows; r0 += 16) {
+      const int rows = min(16, st.rows - r0);
+      for (int k0 = 0; k0 < st.K; k0 += pg.kc, pg.next()) {
+        const uint32_t full = full_base + 8 * pg.slot;
+        if (pg.use > 0) mbar_wait(empty_base + 8 * pg.slot, static_cast<unsigned>(pg.use - 1) & 1u);
+        if (mode & kNoStream) {
+          mbar_arrive(full);
+          continue;
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        const unsigned row_bytes = 2u * static_cast<unsigned>(min(pg.kc, st.K - k0));
+        mbar_expect(full, row_bytes * rows);
+        const uint32_t dst = ring_base + pg.slot * pg.bytes;
+        for (int i = 0; i < rows; ++i) {
+          bulk_copy(dst + i * pg.line, st.w + static_cast<long long>(r0 + i) * st.K + k0, row_bytes, full);
+        }
+      }
+    }
+  }
+}
+
+// kMma's consumers at stage s (the input in xs in fragment order): warp cw sums its pages (page g: g % 15 == cw)
+// with one mma a k-block, four chains of them, each row's partial sum going to sums[c * rows + row] for the page
+// of columns c * kc on; `pg` and `g` go on across the stages.
+__device__ void mma_consume(const StageRows& st, MmaPages& pg, int& g, const unsigned* xs, float* sums,
+                            uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int cw, int lane,
+                            bool compute) {
+  // ldmatrix.x4: lanes 0-7 give rows 0-7 of the k-block's columns 0-7, lanes 8-15 rows 8-15, lanes 16-31 the
+  // same at columns 8-15: a0..a3 of mma's A fragment
+  const uint32_t lane_off = ((lane & 7) + (lane & 8)) * pg.line + ((lane >> 4) << 4);
+  const int t = lane & 3, gi = lane >> 2;
+  for (int r0 = 0; r0 < st.rows; r0 += 16) {
+    const int rows = min(16, st.rows - r0);
+    for (int k0 = 0, c = 0; k0 < st.K; k0 += pg.kc, ++c, pg.next(), ++g) {
+      if (g % kConsumers != cw) continue;
+      mbar_wait(full_base + 8 * pg.slot, static_cast<unsigned>(pg.use) & 1u);
+      if (compute) {
+        const uint32_t a_addr = ring_base + pg.slot * pg.bytes + lane_off;
+        const uint2* xb = reinterpret_cast<const uint2*>(xs + k0 / 2) + t;  // k-block j's B: xb[4 j]
+        const int kblocks = min(pg.kc, st.K - k0) / 16;
+        float acc[4][4] = {};
+        for (int j = 0; j < kblocks; j += 4) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            if (j + q < kblocks) {
+              uint32_t a[4];
+              ldmatrix_x4(a, a_addr + 32u * (j + q));
+              const uint2 bx = xb[4 * (j + q)];
+              mma_bf16(acc[q], a, bx.x, bx.y);
+            }
+          }
+        }
+        // every column of C is the same sum (B's 8 columns are all the input): lanes t == 0 hold rows gi, gi + 8
+        if (t == 0) {
+          const float y0 = (acc[0][0] + acc[1][0]) + (acc[2][0] + acc[3][0]);
+          const float y1 = (acc[0][2] + acc[1][2]) + (acc[2][2] + acc[3][2]);
+          float* part = sums + c * st.rows + r0;
+          if (gi < rows) part[gi] = y0;
+          if (gi + 8 < rows) part[gi + 8] = y1;
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty_base + 8 * pg.slot);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 1)
     chain_pipe_kernel(const __nv_bfloat16* __restrict__ w, __nv_bfloat16* acts, const long long* __restrict__ gmeta,
                       int S, unsigned* counter, int* gave_up, long long max_spin, int pages, int mode,
@@ -374,6 +497,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // every stage's entries, read once here: a stage's read of them from global memory put an L2 round trip before
   // its input's address (call C: the consumers' work alone 10.9 us a layer with no barrier)
   __shared__ long long meta[kMaxStages * kMeta];
+  __shared__ float sums[kMaxPartials];  // kMma: the stage's pages' partial sums, [column page][row]
   for (int i = threadIdx.x; i < S * kMeta; i += kThreads) meta[i] = gmeta[i];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int b = blockIdx.x, G = gridDim.x;
@@ -384,11 +508,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     for (int i = 0; i < pages; ++i) {
       mbar_init(full_base + 8 * i, 1);
-      mbar_init(empty_base + 8 * i, mode & kOwnPages ? 1 : kConsumers);
+      mbar_init(empty_base + 8 * i, mode & (kOwnPages | kMma) ? 1 : kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+  if (warp == 0 && (mode & kMma)) {
+    if (lane == 0) mma_produce(meta, w, acts, S, b, G, ring_base, full_base, empty_base, pages, page_bytes, mode);
+    return;
+  }
   if (warp == 0) {  // the producer: lane 0, or with kProducers4 lanes 0-3 taking every fourth page
     const int producers = mode & kProducers4 ? 4 : 1;
     if (lane < producers) {
@@ -416,6 +544,40 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
   const int cw = warp - 1, ctid = tid - 32;
+  if (mode & kMma) {
+    MmaPages pg(page_bytes, pages);
+    int g = 0;  // pages since the launch
+    unsigned* xw = reinterpret_cast<unsigned*>(xs);
+    for (int s = 0; s < S; ++s) {
+      const StageRows st = stage_rows(meta, w, acts, s, b, G);
+      if (mode & (kNoInput | kNoCompute)) {
+        for (int i = ctid; i < st.K / 2; i += kConsumers * 32) xw[i] = 0u;
+      } else if (lowlat) {
+        gather_ll_input(xw, st, acts, ll, s, ctid, kConsumers * 32, !(mode & kNoBarrier), max_spin, gave_up, true);
+      } else {
+        if (s > 0 && !(mode & kNoBarrier)) {
+          if (ctid == 0) wait_counter(counter, static_cast<unsigned>(s) * G, max_spin, gave_up);
+          consumers_sync();
+        }
+        const unsigned* src = reinterpret_cast<const unsigned*>(st.x);
+        for (int i = ctid; i < st.K / 2; i += kConsumers * 32) xw[frag_word(i, true)] = __ldcg(src + i);
+      }
+      consumers_sync();  // the input in xs (and the last stage's partial sums read)
+      mma_consume(st, pg, g, xw, sums, ring_base, full_base, empty_base, cw, lane, !(mode & kNoCompute));
+      consumers_sync();  // every page's partial sums in
+      const int column_pages = (st.K + pg.kc - 1) / pg.kc;
+      for (int r = ctid; r < st.rows; r += kConsumers * 32) {
+        float sum = 0.f;
+        for (int c = 0; c < column_pages; ++c) sum += sums[c * st.rows + r];
+        store_row(st, acts, ll, s, r, sum, lowlat);
+      }
+      if (!lowlat && s + 1 < S) {
+        consumers_sync();  // every output of the stage stored
+        if (ctid == 0) red_release_add(counter, 1u);
+      }
+    }
+    return;
+  }
   long long g = 0;  // pages consumed since the launch
   for (int s = 0; s < S; ++s) {
     const StageRows st = stage_rows(meta, w, acts, s, b, G);
@@ -534,7 +696,8 @@ extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta,
     chain_pipe_kernel<<<blocks, kThreads, smem_bytes, st>>>(
         static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(acts),
         static_cast<const long long*>(meta), S, static_cast<unsigned*>(counter), static_cast<int*>(gave_up),
-        max_spin, min(smem_bytes / page_bytes, 64), mode, static_cast<unsigned long long*>(ll), page_bytes);
+        max_spin, min(smem_bytes / (mode & kMma ? page_bytes + 256 : page_bytes), 64), mode,
+        static_cast<unsigned long long*>(ll), page_bytes);
     return static_cast<int>(cudaGetLastError());
   }
   chain_kernel<<<blocks, kThreads, smem_bytes, st>>>(

@@ -79,9 +79,13 @@ PIPE, PAGE_BYTES = 32, 16384
 NO_COMPUTE, PRODUCERS4, NO_INPUT = 64, 128, 256
 OWN_PAGES = 512  # pipe: each page waited for, summed four rows at a time and freed by one consumer warp
 NO_STREAM = 1024  # pipe: pages completed without a copy (the consumers' own work alone; wrong results)
+# pipe with the sums on the tensor cores: pages of 16 rows x PAGE_BYTES / 32 columns, each summed by one warp with
+# mma.sync, its partial sums added a row in shared memory (K_s a multiple of 16; a block's rows of a stage times
+# its pages a row at most MMA_PARTIALS)
+MMA, MMA_PARTIALS = 2048, 2048
 STATIC_SMEM = (
-    13 * 1024
-)  # cuda_chain.cu's static shared memory (the LL input, the mbarriers, pipe's stage table)
+    17 * 1024
+)  # cuda_chain.cu's static shared memory (the LL input, the mbarriers, pipe's stage table, mma's sums)
 
 _lib: ctypes.CDLL | None = None
 _lock = threading.Lock()
@@ -128,8 +132,8 @@ class CudaGemvChain:
     """Stages of GEMVs chained over static buffers, as `triton_chain.GemvChain` (fill `input` [1, K_0], call,
     read `outputs`), one block an SM (`blocks` None) or fewer, each with a ring of `ring_bytes` of shared memory
     (None: what the device allows a block); copy_apart, release, no_barrier, tma, ll and pipe: the variants
-    above (pipe takes ll, no_barrier, no_compute, producers4, no_input, own_pages and no_stream; its pages are
-    bulk copies of page_bytes)."""
+    above (pipe takes ll, no_barrier, no_compute, producers4, no_input, own_pages, no_stream and mma; its pages
+    are bulk copies of page_bytes)."""
 
     def __init__(
         self,
@@ -150,6 +154,7 @@ class CudaGemvChain:
         no_input: bool = False,
         own_pages: bool = False,
         no_stream: bool = False,
+        mma: bool = False,
     ):
         assert weights and all(w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_cuda for w in weights), (
             "weights: [N_s, K_s] bf16 on CUDA"
@@ -174,6 +179,20 @@ class CudaGemvChain:
         # a block's largest stage (pipe: a page)
         assert page_bytes % 16 == 0 and 0 < page_bytes, f"page of {page_bytes} bytes: a multiple of 16"
         self.page_bytes = page_bytes
+        if mma:
+            assert pipe, "mma is a variant of pipe"
+            assert page_bytes % 512 == 0, (
+                f"mma's page of {page_bytes} bytes: 16 rows of a multiple of 16 columns"
+            )
+            assert all(w.shape[1] % 16 == 0 for w in weights), (
+                "mma: every K a multiple of 16 (mma's k-blocks)"
+            )
+            kc = page_bytes // 32
+            partials = max(-(-w.shape[0] // self.blocks) * -(-w.shape[1] // kc) for w in weights)
+            assert partials <= MMA_PARTIALS, (
+                f"mma: {partials} partial sums a block a stage, at most {MMA_PARTIALS}"
+            )
+            page_bytes += 256  # a page's 16 rows 16 bytes apart
         chunk = page_bytes if pipe else max(-(-w.shape[0] // self.blocks) * w.shape[1] * 2 for w in weights)
         assert chunk <= self.ring_bytes, (
             f"a block's rows of one stage take {chunk} bytes: ring {self.ring_bytes}"
@@ -189,6 +208,7 @@ class CudaGemvChain:
             | NO_INPUT * no_input
             | OWN_PAGES * own_pages
             | NO_STREAM * no_stream
+            | MMA * mma
         )
         # each output 16-byte aligned: the next stage reads it in 16-byte units
         self.w, self.acts, self.meta, self.input, self.outputs = pack_chain(weights, 1, align=8)
