@@ -62,18 +62,21 @@ def test_chain_matches_the_reference(depth, blocks, mode):
     # than blocks; a small ring makes the copies wrap around it
     shapes = [(300, 2048), (1000, 296), (16, 1000), (2048, 8), (133, 2048), (64, 128)]
     weights = _weights(shapes)
-    x = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
     for ring in (None, 16 * 1024) if blocks is None else (None,):
-        chain = cuda_chain.CudaGemvChain(weights, depth=depth, blocks=blocks, ring_bytes=ring, **mode)
-        for out in chain.outputs:
-            out.fill_(float("nan"))
-        chain.input.copy_(x)
-        chain()
-        for got, want in zip(chain.outputs, gemv_chain_reference(x, weights)):
-            torch.testing.assert_close(
-                got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item()
-            )
-        assert not chain.gave_up()
+        _check_chain(weights, depth=depth, blocks=blocks, ring_bytes=ring, **mode)
+
+
+def _check_chain(weights, **kwargs):
+    """The chain's every stage against the plain-torch chain, its outputs poisoned first; no block gave up."""
+    x = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
+    chain = cuda_chain.CudaGemvChain(weights, **kwargs)
+    for out in chain.outputs:
+        out.fill_(float("nan"))
+    chain.input.copy_(x)
+    chain()
+    for got, want in zip(chain.outputs, gemv_chain_reference(x, weights)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    assert not chain.gave_up()
 
 
 @cuda
@@ -88,19 +91,8 @@ def test_mma_chain_matches_the_reference(blocks, mode):
     # page narrower than the rest (K 1008 and 2000), stages with fewer rows than blocks; a 40 KB ring of 2-4 pages
     shapes = [(1100, 2048), (2000, 1008), (300, 2000), (2048, 16), (133, 2048), (40, 128), (9, 32)]
     weights = _weights(shapes, seed=2)
-    x = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
-    rings = (None, 40 * 1024) if blocks is None else (None,)
-    for ring in rings:
-        chain = cuda_chain.CudaGemvChain(weights, blocks=blocks, ring_bytes=ring, **mode)
-        for out in chain.outputs:
-            out.fill_(float("nan"))
-        chain.input.copy_(x)
-        chain()
-        for got, want in zip(chain.outputs, gemv_chain_reference(x, weights)):
-            torch.testing.assert_close(
-                got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item()
-            )
-        assert not chain.gave_up()
+    for ring in (None, 40 * 1024) if blocks is None else (None,):
+        _check_chain(weights, blocks=blocks, ring_bytes=ring, **mode)
 
 
 @cuda
