@@ -3,7 +3,8 @@ Nsight Compute to profile its third launch (session 61's stall counts, on the de
 
     ncu --kernel-name regex:chain_pipe --launch-skip 2 --launch-count 1 \\
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,smsp__inst_executed.sum" \\
-        python3 scripts/cuda_chain_ncu.py ll      # pipe with LL pairs; `nob`: pipe with no barrier
+        python3 scripts/cuda_chain_ncu.py ll      # pipe with LL pairs; `nob`: pipe with no barrier;
+                                                  # `mma`, `mma_nob`: the same with the sums on the tensor cores
 """
 
 from __future__ import annotations
@@ -18,9 +19,15 @@ from kestrel.ops.linear.cuda_chain import CudaGemvChain  # noqa: E402
 
 
 def main() -> None:
+    variants = {
+        "ll": dict(pipe=True, ll=True),
+        "nob": dict(pipe=True, no_barrier=True),
+        "mma": dict(pipe=True, ll=True, mma=True),
+        "mma_nob": dict(pipe=True, no_barrier=True, mma=True),
+    }
     variant = sys.argv[1] if len(sys.argv) > 1 else "ll"
-    if variant not in ("ll", "nob"):
-        raise SystemExit(f"cuda_chain_ncu.py: variant {variant!r}: ll or nob")
+    if variant not in variants:
+        raise SystemExit(f"cuda_chain_ncu.py: variant {variant!r}: one of {', '.join(variants)}")
     g = torch.Generator(device="cuda").manual_seed(0)
     weights = []
     for _ in range(24):
@@ -28,8 +35,7 @@ def main() -> None:
             (torch.randn(4232, 2048, generator=g, device="cuda") * 0.02).to(torch.bfloat16),
             (torch.randn(2048, 1024, generator=g, device="cuda") * 0.05).to(torch.bfloat16),
         ]
-    mode = dict(pipe=True, ll=True) if variant == "ll" else dict(pipe=True, no_barrier=True)
-    chain = CudaGemvChain(weights, **mode)
+    chain = CudaGemvChain(weights, **variants[variant])
     chain.input.copy_(torch.randn(1, 2048, device="cuda").to(torch.bfloat16))
     for _ in range(3):
         chain()
