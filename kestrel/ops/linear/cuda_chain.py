@@ -43,6 +43,18 @@ and the consumers alone take 10.9 (no barrier) to 15.6 (LL) us a layer for 49 ro
 stage barriers are slower than the bytes they sum. A megakernel would have to make that work cheaper (and hide it)
 before it could beat the launches at all.
 
+Session 62's two steps at that work, both compiled for sm_90 and checked on the CPU (no spills; the static shared
+memory within STATIC_SMEM), neither timed nor GPU-tested yet (no machine came in eleven asks):
+- the LL input gathered as bf16 and read back as 16-byte units (3e80891): as fp32 at xs[8u + j] each lane's loads
+  hit 4 banks, 8 wavefronts a load (call z: 43 M shared wavefronts with LL against 5 M without);
+- `mma` (fb05f16): the sums on the tensor cores. By the instruction count of call z (126 M warp instructions, about
+  20 K a layer an SM against ~5 K for the fmas themselves), the consumers issue too much: a lane's 8 weights cost an
+  LDS, 8 conversions and 8 fmas. An mma.sync m16n8k16 takes 256 weights for an ldmatrix, an 8-byte load of the
+  input (B, the same in all 8 columns) and itself. Its pages are 16 rows x PAGE_BYTES / 32 columns, a bulk copy a
+  row into lines 16 bytes apart (ldmatrix conflict-free), a warp a page; each page's 16 partial sums go to shared
+  memory and a row adds them in column order (no atomics: the same result every run). `l2` times it by page size,
+  with and without barriers and stream (the stream alone answers whether a copy a row holds the stream back).
+
 `CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
 row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
 in flight (the ring of shared memory permitting: 0 copies each stage's rows only when it starts).
