@@ -44,7 +44,7 @@ stage barriers are slower than the bytes they sum. A megakernel would have to ma
 before it could beat the launches at all.
 
 Session 62's two steps at that work, both compiled for sm_90 and checked on the CPU (no spills; the static shared
-memory within STATIC_SMEM), neither timed nor GPU-tested yet (no machine came in eleven asks):
+memory within STATIC_SMEM), neither timed nor GPU-tested yet (fifteen asks for a machine finished no call):
 - the LL input gathered as bf16 and read back as 16-byte units (3e80891): as fp32 at xs[8u + j] each lane's loads
   hit 4 banks, 8 wavefronts a load (call z: 43 M shared wavefronts with LL against 5 M without);
 - `mma` (fb05f16): the sums on the tensor cores. By the instruction count of call z (126 M warp instructions, about
