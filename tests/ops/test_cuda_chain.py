@@ -83,12 +83,14 @@ def _check_chain(weights, **kwargs):
 @pytest.mark.parametrize(
     "mode",
     [dict(pipe=True, mma=True), dict(pipe=True, ll=True, mma=True),
-     dict(pipe=True, ll=True, mma=True, page_bytes=8192)],
+     dict(pipe=True, ll=True, mma=True, page_bytes=8192), dict(pipe=True, ll=True, own_pages=True)],
 )  # fmt: skip
 @pytest.mark.parametrize("blocks", [None, 7])
 def test_mma_chain_matches_the_reference(blocks, mode):
     # mma's k-blocks take K a multiple of 16; a block's rows that do not fill its last 16-row page, a row's last
-    # page narrower than the rest (K 1008 and 2000), stages with fewer rows than blocks; a 40 KB ring of 2-4 pages
+    # page narrower than the rest (K 1008 and 2000), stages with fewer rows than blocks; a 40 KB ring of 2-4 pages,
+    # and with 7 blocks, stages of more pages than the ring has slots (where a warp that owned every 15th page,
+    # not a slot, could take a slot's open phase for the one before it: mma and own_pages alike)
     shapes = [(1100, 2048), (2000, 1008), (300, 2000), (2048, 16), (133, 2048), (40, 128), (9, 32)]
     weights = _weights(shapes, seed=2)
     for ring in (None, 40 * 1024) if blocks is None else (None,):

@@ -42,16 +42,18 @@ constexpr int kTma = 8, kLL = 16, kPipe = 32;
 // takes); four producer lanes, each issuing every fourth page (kProducers4)
 constexpr int kNoCompute = 64, kProducers4 = 128;
 constexpr int kNoInput = 256;  // pipe without its input's read (zeros: wrong results; what the read costs)
-// pipe with each page owned by one consumer warp (page g by warp g % 15), which alone waits for it, sums its rows
+// pipe with each page owned by one consumer warp (its slot's: slot % 15), which alone waits for it, sums its rows
 // four at a time (four independent chains of fmas) and frees it: after Nsight Compute found the sums latency-bound,
-// a row at a time a warp, with every warp polling every page
+// a row at a time a warp, with every warp polling every page. (Session 61 timed it with page g owned by warp
+// g % 15, which is wrong once a stage has more pages than the ring has slots: mma_consume says why; its runs had
+// fewer, and their outputs matched.)
 constexpr int kOwnPages = 512;
 // pipe with no stream: the producer completes each page's mbarrier without copying anything (the consumers sum
 // whatever the ring holds: wrong results; what the consumers' own work takes)
 constexpr int kNoStream = 1024;
 // pipe with the sums on the tensor cores: a page is a tile of 16 rows x kc columns (kc = page_bytes / 32), each
 // row a bulk copy into its own line of the page, 16 bytes apart from the next (conflict-free ldmatrix); the page's
-// owner warp (page g: warp g % 15) sums it with mma.sync m16n8k16 (the input as all 8 columns of B) and writes its
+// owner warp (its slot's: slot % 15) sums it with mma.sync m16n8k16 (the input as all 8 columns of B) and writes its
 // 16 partial sums to shared memory; once the stage's pages are all in, each row adds its pages' sums in column
 // order (the same result every run: no atomics) and is stored. After
 // Nsight Compute's count: 126 M warp instructions, most of them the sums' and polls' (8 weights a lane an LDS, 8
@@ -441,10 +443,10 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
   }
 }
 
-// kMma's consumers at stage s (the input in xs in fragment order): warp cw sums its pages (page g: g % 15 == cw)
+// kMma's consumers at stage s (the input in xs in fragment order): warp cw sums its slots' pages (slot % 15 == cw)
 // with one mma a k-block, four chains of them, each row's partial sum going to sums[c * rows + row] for the page
-// of columns c * kc on; `pg` and `g` go on across the stages.
-__device__ void mma_consume(const StageRows& st, MmaPages& pg, int& g, const unsigned* xs, float* sums,
+// of columns c * kc on; `pg` goes on across the stages.
+__device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* xs, float* sums,
                             uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int cw, int lane,
                             bool compute) {
   // ldmatrix.x4: lanes 0-7 give rows 0-7 of the k-block's columns 0-7, lanes 8-15 rows 8-15, lanes 16-31 the
@@ -453,9 +455,13 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, int& g, const uns
   const int t = lane & 3, gi = lane >> 2;
   for (int r0 = 0; r0 < st.rows; r0 += 16) {
     const int rows = min(16, st.rows - r0);
-    for (int k0 = 0, c = 0; k0 < st.K; k0 += pg.kc, ++c, pg.next(), ++g) {
-      if (g % kConsumers != cw) continue;
+    for (int k0 = 0, c = 0; k0 < st.K; k0 += pg.kc, ++c, pg.next()) {
+      // a slot's pages all go to one warp: a parity wait can only tell the phase it asks for from the one before
+      // it, so a warp that skipped the slot's last use (page g - pages, another warp's) could find that use's
+      // phase still open and take it for the one before: through at once, summing a page not yet there
+      if (pg.slot % kConsumers != cw) continue;
       mbar_wait(full_base + 8 * pg.slot, static_cast<unsigned>(pg.use) & 1u);
+      __syncwarp();  // every lane through the wait before the warp-wide ldmatrix and mma
       if (compute) {
         const uint32_t a_addr = ring_base + pg.slot * pg.bytes + lane_off;
         const uint2* xb = reinterpret_cast<const uint2*>(xs + k0 / 2) + t;  // k-block j's B: xb[4 j]
@@ -546,7 +552,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int cw = warp - 1, ctid = tid - 32;
   if (mode & kMma) {
     MmaPages pg(page_bytes, pages);
-    int g = 0;  // pages since the launch
     unsigned* xw = reinterpret_cast<unsigned*>(xs);
     for (int s = 0; s < S; ++s) {
       const StageRows st = stage_rows(meta, w, acts, s, b, G);
@@ -563,7 +568,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int i = ctid; i < st.K / 2; i += kConsumers * 32) xw[frag_word(i, true)] = __ldcg(src + i);
       }
       consumers_sync();  // the input in xs (and the last stage's partial sums read)
-      mma_consume(st, pg, g, xw, sums, ring_base, full_base, empty_base, cw, lane, !(mode & kNoCompute));
+      mma_consume(st, pg, xw, sums, ring_base, full_base, empty_base, cw, lane, !(mode & kNoCompute));
       consumers_sync();  // every page's partial sums in
       const int column_pages = (st.K + pg.kc - 1) / pg.kc;
       for (int r = ctid; r < st.rows; r += kConsumers * 32) {
@@ -606,8 +611,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int rpp = page_rows(st.K, page_bytes);
     if (mode & kOwnPages) {
       for (int r0 = 0; r0 < st.rows; r0 += rpp, ++g) {
-        if (static_cast<int>(g % kConsumers) != cw) continue;
         const int slot = static_cast<int>(g % pages);
+        if (slot % kConsumers != cw) continue;  // a slot's owner: see mma_consume
         mbar_wait(full_base + 8 * slot, static_cast<unsigned>(g / pages) & 1u);
         const uint4* page = ring + slot * (page_bytes / 16);
         const int r1 = min(r0 + rpp, st.rows);

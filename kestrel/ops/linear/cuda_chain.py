@@ -54,6 +54,8 @@ memory within STATIC_SMEM), neither timed nor GPU-tested yet (fifteen asks for a
   row into lines 16 bytes apart (ldmatrix conflict-free), a warp a page; each page's 16 partial sums go to shared
   memory and a row adds them in column order (no atomics: the same result every run). `l2` times it by page size,
   with and without barriers and stream (the stream alone answers whether a copy a row holds the stream back).
+  A page's owner is its slot's (slot % 15): with page g's owner warp g % 15, as own_pages had it, a warp could take
+  a slot's open phase for the one before it once a stage has more pages than the ring has slots (mma_consume).
 
 `CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
 row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
