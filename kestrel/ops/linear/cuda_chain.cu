@@ -381,6 +381,18 @@ __device__ __forceinline__ void consumers_sync() {
 
 __device__ __forceinline__ int page_rows(int K, int page_bytes) { return max(1, page_bytes / (2 * K)); }
 
+// pipe's consumers wait at the counter for every block's stage s - 1 (consumer thread 0 polls, the rest at the sync)
+__device__ __forceinline__ void consumers_wait_counter(const unsigned* counter, int s, int G, int ctid,
+                                                       long long max_spin, int* gave_up) {
+  if (ctid == 0) wait_counter(counter, static_cast<unsigned>(s) * G, max_spin, gave_up);
+  consumers_sync();
+}
+
+// kMma's page: 16 lines, each a row of page_bytes / 32 columns and 16 bytes more (cuda_chain.py's MMA_PAGE_PAD:
+// 256 bytes a page)
+__host__ __device__ constexpr unsigned mma_line(int page_bytes) { return 2u * (page_bytes / 32) + 16u; }
+__host__ __device__ constexpr unsigned mma_slot_bytes(int page_bytes) { return 16u * mma_line(page_bytes); }
+
 // kMma's pages: page g holds rows [r0, r0 + 16) x columns [k0, k0 + kc) of one stage (fewer at the block's last
 // rows or the row's end), its row i at byte i * line of the slot. `next` steps to the next page's slot, and its
 // use (how many times the ring has come round to it), without a division.
@@ -390,7 +402,7 @@ struct MmaPages {
   unsigned bytes;  // a slot: 16 lines
   int pages, slot = 0, use = 0;
   __device__ MmaPages(int page_bytes, int pages_)
-      : kc(page_bytes / 32), line(2u * (page_bytes / 32) + 16u), bytes(16u * line), pages(pages_) {}
+      : kc(page_bytes / 32), line(mma_line(page_bytes)), bytes(16u * line), pages(pages_) {}
   __device__ void next() {
     if (++slot == pages) {
       slot = 0;
@@ -560,10 +572,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else if (lowlat) {
         gather_ll_input(xw, st, acts, ll, s, ctid, kConsumers * 32, !(mode & kNoBarrier), max_spin, gave_up, true);
       } else {
-        if (s > 0 && !(mode & kNoBarrier)) {
-          if (ctid == 0) wait_counter(counter, static_cast<unsigned>(s) * G, max_spin, gave_up);
-          consumers_sync();
-        }
+        if (s > 0 && !(mode & kNoBarrier)) consumers_wait_counter(counter, s, G, ctid, max_spin, gave_up);
         const unsigned* src = reinterpret_cast<const unsigned*>(st.x);
         for (int i = ctid; i < st.K / 2; i += kConsumers * 32) xw[frag_word(i, true)] = __ldcg(src + i);
       }
@@ -602,10 +611,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       consumers_sync();
       input_from_units<false>(x, xs, lane, KU);
     } else {
-      if (s > 0 && !(mode & kNoBarrier)) {
-        if (ctid == 0) wait_counter(counter, static_cast<unsigned>(s) * G, max_spin, gave_up);
-        consumers_sync();
-      }
+      if (s > 0 && !(mode & kNoBarrier)) consumers_wait_counter(counter, s, G, ctid, max_spin, gave_up);
       input_from_units<true>(x, reinterpret_cast<const uint4*>(st.x), lane, KU);
     }
     const int rpp = page_rows(st.K, page_bytes);
@@ -698,11 +704,11 @@ extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta,
     if (err != cudaSuccess) return static_cast<int>(err);
   }
   if (mode & kPipe) {
+    const int slot_bytes = mode & kMma ? static_cast<int>(mma_slot_bytes(page_bytes)) : page_bytes;
     chain_pipe_kernel<<<blocks, kThreads, smem_bytes, st>>>(
         static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(acts),
         static_cast<const long long*>(meta), S, static_cast<unsigned*>(counter), static_cast<int*>(gave_up),
-        max_spin, min(smem_bytes / (mode & kMma ? page_bytes + 256 : page_bytes), 64), mode,
-        static_cast<unsigned long long*>(ll), page_bytes);
+        max_spin, min(smem_bytes / slot_bytes, 64), mode, static_cast<unsigned long long*>(ll), page_bytes);
     return static_cast<int>(cudaGetLastError());
   }
   chain_kernel<<<blocks, kThreads, smem_bytes, st>>>(

@@ -97,6 +97,7 @@ NO_STREAM = 1024  # pipe: pages completed without a copy (the consumers' own wor
 # mma.sync, its partial sums added a row in shared memory (K_s a multiple of 16; a block's rows of a stage times
 # its pages a row at most MMA_PARTIALS)
 MMA, MMA_PARTIALS = 2048, 2048
+MMA_PAGE_PAD = 256  # cuda_chain.cu's mma_slot_bytes: a page's 16 rows 16 bytes apart
 STATIC_SMEM = (
     17 * 1024
 )  # cuda_chain.cu's static shared memory (the LL input, the mbarriers, pipe's stage table, mma's sums)
@@ -206,7 +207,7 @@ class CudaGemvChain:
             assert partials <= MMA_PARTIALS, (
                 f"mma: {partials} partial sums a block a stage, at most {MMA_PARTIALS}"
             )
-            page_bytes += 256  # a page's 16 rows 16 bytes apart
+            page_bytes += MMA_PAGE_PAD
         chunk = page_bytes if pipe else max(-(-w.shape[0] // self.blocks) * w.shape[1] * 2 for w in weights)
         assert chunk <= self.ring_bytes, (
             f"a block's rows of one stage take {chunk} bytes: ring {self.ring_bytes}"
