@@ -142,3 +142,6 @@ def test_refuses_what_it_cannot_take():
     wide = torch.zeros(4096, 2048, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(AssertionError, match="partial sums"):
         cuda_chain.CudaGemvChain([wide], pipe=True, mma=True, blocks=1)
+    # a row wider than pipe's page would spill into the next slot (found in review, session 63)
+    with pytest.raises(AssertionError, match="whole rows"):
+        cuda_chain.CudaGemvChain([wide[:300]], pipe=True, page_bytes=2048)

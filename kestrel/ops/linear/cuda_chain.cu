@@ -120,13 +120,13 @@ __device__ __forceinline__ void st_ll(unsigned long long* p, unsigned flag, unsi
   asm volatile("st.relaxed.gpu.global.u64 [%0], %1;\n" ::"l"(p), "l"(v) : "memory");
 }
 
+// Two LL pairs in one 16-byte load, read as two 64-bit elements so that neither pair can tear (a v4.u32 load is
+// four 32-bit reads to the memory model, though the hardware does not split an aligned one).
 __device__ __forceinline__ uint4 ld_volatile16(const void* p) {
-  uint4 v;
-  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
-  return v;
+  unsigned long long lo, hi;
+  asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];\n" : "=l"(lo), "=l"(hi) : "l"(p) : "memory");
+  return make_uint4(static_cast<unsigned>(lo), static_cast<unsigned>(lo >> 32), static_cast<unsigned>(hi),
+                    static_cast<unsigned>(hi >> 32));
 }
 
 __device__ __forceinline__ void red_release_add(unsigned* p, unsigned v) {
@@ -696,6 +696,10 @@ extern "C" int kestrel_chain_setup(int smem_bytes) {
 extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta, int S, void* counter,
                                     void* gave_up, long long max_spin, int blocks, int smem_bytes, int depth,
                                     int mode, void* ll, long long ll_bytes, int page_bytes, void* stream) {
+  // the Python side checks these; the launch refuses them too rather than index past its tables
+  const int slot_bytes = mode & kMma ? static_cast<int>(mma_slot_bytes(page_bytes)) : page_bytes;
+  const bool pipe_bad = (mode & kPipe) && (S > kMaxStages || page_bytes <= 0 || smem_bytes < slot_bytes);
+  if (S < 0 || blocks <= 0 || pipe_bad) return static_cast<int>(cudaErrorInvalidValue);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaMemsetAsync(counter, 0, sizeof(unsigned), st);
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -704,7 +708,6 @@ extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta,
     if (err != cudaSuccess) return static_cast<int>(err);
   }
   if (mode & kPipe) {
-    const int slot_bytes = mode & kMma ? static_cast<int>(mma_slot_bytes(page_bytes)) : page_bytes;
     chain_pipe_kernel<<<blocks, kThreads, smem_bytes, st>>>(
         static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(acts),
         static_cast<const long long*>(meta), S, static_cast<unsigned*>(counter), static_cast<int*>(gave_up),

@@ -208,6 +208,11 @@ class CudaGemvChain:
                 f"mma: {partials} partial sums a block a stage, at most {MMA_PARTIALS}"
             )
             page_bytes += MMA_PAGE_PAD
+        elif pipe:
+            widest = max(w.shape[1] for w in weights)
+            assert page_bytes >= 2 * widest, (
+                f"pipe's page of {page_bytes} bytes holds whole rows: at least {2 * widest} for K={widest}"
+            )
         chunk = page_bytes if pipe else max(-(-w.shape[0] // self.blocks) * w.shape[1] * 2 for w in weights)
         assert chunk <= self.ring_bytes, (
             f"a block's rows of one stage take {chunk} bytes: ring {self.ring_bytes}"
