@@ -1018,7 +1018,8 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     # and the LL input is gathered as bf16 and read back as 16-byte units (Nsight Compute's 43 M shared wavefronts
     # with LL against 5 M without: the fp32 input's reads had 8-way bank conflicts), and `mma`, the sums on the
     # tensor cores (16-row pages, an ldmatrix, an 8-byte load and an mma a 256 weights, where the fmas took 17
-    # instructions a lane for 8), by page size, with and without barriers and stream
+    # instructions a lane for 8), by page size, with and without barriers and stream, and with a page's 16 row
+    # copies issued by 16 producer lanes (mma_lanes) against lane 0's
     configs = configs or [
         dict(pipe=True, ll=True, mma=True),
         dict(pipe=True, ll=True, mma=True, page_bytes=8192),
@@ -1028,6 +1029,8 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         dict(pipe=True, mma=True, no_barrier=True),
         dict(pipe=True, mma=True, no_barrier=True, no_stream=True),
         dict(pipe=True, mma=True, no_barrier=True, no_compute=True),
+        dict(pipe=True, ll=True, mma=True, mma_lanes=True),
+        dict(pipe=True, mma=True, mma_lanes=True, no_barrier=True, no_compute=True),
         dict(pipe=True, ll=True),
         dict(pipe=True, ll=True, no_stream=True),
         dict(pipe=True, ll=True, own_pages=True),

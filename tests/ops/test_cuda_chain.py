@@ -83,7 +83,8 @@ def _check_chain(weights, **kwargs):
 @pytest.mark.parametrize(
     "mode",
     [dict(pipe=True, mma=True), dict(pipe=True, ll=True, mma=True),
-     dict(pipe=True, ll=True, mma=True, page_bytes=8192), dict(pipe=True, ll=True, own_pages=True)],
+     dict(pipe=True, ll=True, mma=True, page_bytes=8192), dict(pipe=True, ll=True, mma=True, mma_lanes=True),
+     dict(pipe=True, ll=True, own_pages=True)],
 )  # fmt: skip
 @pytest.mark.parametrize("blocks", [None, 7])
 def test_mma_chain_matches_the_reference(blocks, mode):
@@ -137,6 +138,8 @@ def test_refuses_what_it_cannot_take():
         cuda_chain.CudaGemvChain([w[:, :8]], depth=cuda_chain.MAX_DEPTH + 1)
     with pytest.raises(AssertionError, match="variant of pipe"):
         cuda_chain.CudaGemvChain([w[:, :8]], mma=True)
+    with pytest.raises(AssertionError, match="variant of mma"):
+        cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma_lanes=True)
     with pytest.raises(AssertionError, match="multiple of 16"):
         cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma=True)
     wide = torch.zeros(4096, 2048, dtype=torch.bfloat16, device="cuda")

@@ -59,6 +59,10 @@ constexpr int kNoStream = 1024;
 // Nsight Compute's count: 126 M warp instructions, most of them the sums' and polls' (8 weights a lane an LDS, 8
 // conversions and 8 fmas), where an mma takes 256 weights for an ldmatrix, an 8-byte load and itself.
 constexpr int kMma = 2048;
+// kMma with its page's row copies spread over the producer warp's lanes (lane i the page's row i, after lane 0 has
+// waited for the slot and set its byte count) where lane 0 alone issues all 16: whether one lane's copies hold the
+// stream back
+constexpr int kMmaLanes = 4096;
 constexpr int kMaxPartials = 2048;  // kMma: a block's rows of one stage x its pages a row (fp32 sums in shared)
 constexpr int kMaxStages = 64;  // pipe keeps every stage's entries in shared memory
 constexpr unsigned kBulkBytes = 32768;
@@ -426,11 +430,13 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// kMma's producer (one lane): every stage's pages in order, row tiles outer, each row of a page a bulk copy into
-// its line; with kNoStream each page completed without a copy.
+// kMma's producer: every stage's pages in order, row tiles outer, each row of a page a bulk copy into its line;
+// with kNoStream each page completed without a copy. Lane 0 alone runs it, or with kMmaLanes the whole warp:
+// lane 0 waits for the slot and sets its byte count, then lane i copies row i.
 __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_bfloat16* acts, int S, int b,
                             int G, uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int pages,
-                            int page_bytes, int mode) {
+                            int page_bytes, int mode, int lane) {
+  const bool lanes = mode & kMmaLanes;
   MmaPages pg(page_bytes, pages);
   for (int s = 0; s < S; ++s) {
     const StageRows st = stage_rows(meta, w, acts, s, b, G);
@@ -438,16 +444,20 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
       const int rows = min(16, st.rows - r0);
       for (int k0 = 0; k0 < st.K; k0 += pg.kc, pg.next()) {
         const uint32_t full = full_base + 8 * pg.slot;
-        if (pg.use > 0) mbar_wait(empty_base + 8 * pg.slot, static_cast<unsigned>(pg.use - 1) & 1u);
-        if (mode & kNoStream) {
-          mbar_arrive(full);
-          continue;
-        }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         const unsigned row_bytes = 2u * static_cast<unsigned>(min(pg.kc, st.K - k0));
-        mbar_expect(full, row_bytes * rows);
+        if (lane == 0) {
+          if (pg.use > 0) mbar_wait(empty_base + 8 * pg.slot, static_cast<unsigned>(pg.use - 1) & 1u);
+          if (mode & kNoStream) {
+            mbar_arrive(full);
+          } else {
+            mbar_expect(full, row_bytes * rows);
+          }
+        }
+        if (mode & kNoStream) continue;
+        if (lanes) __syncwarp();  // the slot free and its bytes expected before any lane's copy
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         const uint32_t dst = ring_base + pg.slot * pg.bytes;
-        for (int i = 0; i < rows; ++i) {
+        for (int i = lanes ? lane : 0; i < rows; i += lanes ? 32 : 1) {
           bulk_copy(dst + i * pg.line, st.w + static_cast<long long>(r0 + i) * st.K + k0, row_bytes, full);
         }
       }
@@ -532,7 +542,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   if (warp == 0 && (mode & kMma)) {
-    if (lane == 0) mma_produce(meta, w, acts, S, b, G, ring_base, full_base, empty_base, pages, page_bytes, mode);
+    if (lane == 0 || (mode & kMmaLanes))
+      mma_produce(meta, w, acts, S, b, G, ring_base, full_base, empty_base, pages, page_bytes, mode, lane);
     return;
   }
   if (warp == 0) {  // the producer: lane 0, or with kProducers4 lanes 0-3 taking every fourth page

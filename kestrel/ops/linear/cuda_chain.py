@@ -56,6 +56,8 @@ memory within STATIC_SMEM), neither timed nor GPU-tested yet (fifteen asks for a
   with and without barriers and stream (the stream alone answers whether a copy a row holds the stream back).
   A page's owner is its slot's (slot % 15): with page g's owner warp g % 15, as own_pages had it, a warp could take
   a slot's open phase for the one before it once a stage has more pages than the ring has slots (mma_consume).
+  `mma_lanes` (session 63) spreads a page's 16 row copies over 16 lanes of the producer warp, where lane 0 issues
+  all 16: `l2` times the two side by side, with LL and as the stream alone.
 
 `CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
 row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
@@ -98,6 +100,7 @@ NO_STREAM = 1024  # pipe: pages completed without a copy (the consumers' own wor
 # its pages a row at most MMA_PARTIALS)
 MMA, MMA_PARTIALS = 2048, 2048
 MMA_PAGE_PAD = 256  # cuda_chain.cu's mma_slot_bytes: a page's 16 rows 16 bytes apart
+MMA_LANES = 4096  # mma: a page's 16 row copies issued by 16 lanes of the producer warp, not all by lane 0
 STATIC_SMEM = (
     17 * 1024
 )  # cuda_chain.cu's static shared memory (the LL input, the mbarriers, pipe's stage table, mma's sums)
@@ -170,6 +173,7 @@ class CudaGemvChain:
         own_pages: bool = False,
         no_stream: bool = False,
         mma: bool = False,
+        mma_lanes: bool = False,
     ):
         assert weights and all(w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_cuda for w in weights), (
             "weights: [N_s, K_s] bf16 on CUDA"
@@ -194,6 +198,7 @@ class CudaGemvChain:
         # a block's largest stage (pipe: a page)
         assert page_bytes % 16 == 0 and 0 < page_bytes, f"page of {page_bytes} bytes: a multiple of 16"
         self.page_bytes = page_bytes
+        assert mma or not mma_lanes, "mma_lanes is a variant of mma"
         if mma:
             assert pipe, "mma is a variant of pipe"
             assert page_bytes % 512 == 0, (
@@ -229,6 +234,7 @@ class CudaGemvChain:
             | OWN_PAGES * own_pages
             | NO_STREAM * no_stream
             | MMA * mma
+            | MMA_LANES * mma_lanes
         )
         # each output 16-byte aligned: the next stage reads it in 16-byte units
         self.w, self.acts, self.meta, self.input, self.outputs = pack_chain(weights, 1, align=8)
