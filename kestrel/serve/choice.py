@@ -123,10 +123,17 @@ def chat_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob]) -> list[di
 
 
 def completion_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob], offsets: list[int]) -> dict:
-    """A completions choice's `logprobs` object."""
+    """A completions choice's `logprobs` object. Each `top_logprobs` entry holds the sampled token as well as
+    the top k (OpenAI: "the API will always return the logprob of the sampled token, so there may be up to
+    logprobs+1 elements"; vLLM puts it first): with logprobs=0 the sampled token alone, not {}."""
+
+    def top(lp: TokenLogprob) -> dict[str, float]:
+        pairs = [(lp.token_id, lp.logprob), *lp.top]
+        return {token_text(tokenizer, t): _lp(v) for t, v in pairs}
+
     return {
         "tokens": [token_text(tokenizer, lp.token_id) for lp in logprobs],
         "token_logprobs": [_lp(lp.logprob) for lp in logprobs],
-        "top_logprobs": [{token_text(tokenizer, t): _lp(v) for t, v in lp.top} for lp in logprobs],
+        "top_logprobs": [top(lp) for lp in logprobs],
         "text_offset": list(offsets),
     }

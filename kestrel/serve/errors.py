@@ -69,6 +69,13 @@ def from_validation_error(e: ValidationError) -> APIError:
         return bad_request(f"unknown field {param!r}", param=param, code="unknown_parameter")
     if first["type"] == "missing":
         return bad_request(f"missing required field {param!r}", param=param, code="missing_parameter")
+    # An image part, a tool message: name what was sent, not only what is allowed.
+    if first["type"] == "literal_error":
+        expected = first.get("ctx", {}).get("expected", "another value")
+        given = repr(first["input"])
+        given = given if len(given) <= 64 else given[:61] + "..."
+        message = f"{param}: {given} is not supported by this server; expected {expected}"
+        return bad_request(message, param=param, code="unsupported_value")
     # A value that matches none of a union's shapes: pydantic reports every branch; name the field once.
     union = [err for err in errors if _field_path(err["loc"])[: len(path)] == path]
     name = next((p for p in reversed(path) if isinstance(p, str)), None)

@@ -116,6 +116,25 @@ def test_bad_chat_requests_are_400(server, case):
     assert err["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    "message, param, given",
+    [
+        (
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+            "content.0.type",
+            "image_url",
+        ),
+        ({"role": "tool", "content": "x"}, "role", "tool"),
+    ],
+)
+def test_unsupported_parts_and_roles_are_named(server, message, param, given):
+    """An image part or a tool message is refused naming what was sent (it read "Input should be 'text'", which
+    does not say that images are what this server lacks)."""
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=_chat(messages=[message]), timeout=30)
+    err = assert_error(r, 400, f"messages.0.{param}", "unsupported_value")
+    assert f"'{given}' is not supported" in err["message"]
+
+
 COMPLETION_CASES = {
     "prompt missing": ({"model": MODEL}, "prompt"),
     "prompt mixed types": ({"prompt": [1, "a"]}, "prompt"),

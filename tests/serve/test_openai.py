@@ -182,6 +182,22 @@ def test_completion_logprobs(client):
     assert tokens == lp.tokens
 
 
+def test_completion_top_logprobs_hold_the_sampled_token(client):
+    """OpenAI's completions (and vLLM's): `top_logprobs` always holds the sampled token, so up to logprobs + 1
+    entries; logprobs=0 gives the sampled token alone (it gave {} for every token before)."""
+    kw = dict(
+        model=MODEL, prompt="abc", max_tokens=8, seed=3, temperature=2.0, extra_body={"ignore_eos": True}
+    )
+    lp = client.completions.create(logprobs=0, **kw).choices[0].logprobs
+    assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs)]
+    lp = client.completions.create(logprobs=1, **kw).choices[0].logprobs
+    assert all(
+        top[t] == v and len(top) <= 2 for t, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)
+    )
+    # at temperature 2, some sampled token is not the best one
+    assert any(len(top) == 2 for top in lp.top_logprobs)
+
+
 def _stop_for(text: str) -> str:
     """A printable ASCII character a few characters into `text`."""
     return next(ch for ch in text[3:] if "!" <= ch <= "~")
