@@ -9,6 +9,9 @@ Endpoints
   `max_new_tokens`); a stream sends each choice's whole text so far in every event (SGLang's default).
 - GET /v1/models, GET /health (503 once the engine thread has failed), GET /get_server_info (engine config,
   memory plan, pool and prefix-cache stats), GET /metrics (Prometheus text); each answers HEAD too.
+- POST /tokenize (`prompt`, or chat `messages` with `add_generation_prompt`): the token ids the completion
+  routes would feed the model, their count and the context limit; POST /detokenize (`tokens`): their text.
+  vLLM's routes and fields.
 - POST /flush_cache: drop every cached prefix no running request uses, in every tier (GPU, host, disk); answers
   what was freed.
 
@@ -36,7 +39,14 @@ from kestrel.serve.choice import chat_logprobs, completion_logprobs
 from kestrel.serve.errors import APIError, bad_request, error_body
 from kestrel.serve.jobs import MAX_REQUEST_MB, Job, Server
 from kestrel.serve.metrics import CONTENT_TYPE, CountResponses
-from kestrel.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, parse
+from kestrel.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+    parse,
+)
 from kestrel.serve.streams import (
     body_head,
     chat_stream,
@@ -139,6 +149,35 @@ def build_app(
         return JSONResponse(
             {**body_head(server, job, "cmpl", "text_completion"), "choices": choices, "usage": job.usage()}
         )
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(request: Request):
+        req = parse(TokenizeRequest, await server.read_body(request))
+        server.check_model(req.model)
+        if req.messages is not None:
+            try:
+                text = server.tokenizer.apply_chat_template(
+                    req.chat_messages(), add_generation_prompt=req.add_generation_prompt
+                )
+            except (ValueError, KestrelError) as e:
+                raise bad_request(str(e), param="messages") from None
+            (tokens,) = await server.encode_off_loop([text], "messages")
+        else:
+            (tokens,) = await server.encode_off_loop([req.prompt], "prompt")
+        limit = async_engine.engine.plan.max_model_len
+        return {"count": len(tokens), "max_model_len": limit, "tokens": tokens}
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(request: Request):
+        req = parse(DetokenizeRequest, await server.read_body(request))
+        server.check_model(req.model)
+        vocab = async_engine.engine.model.config.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(
+                f"token id {bad} is outside the model's vocabulary [0, {vocab})", param="tokens"
+            )
+        return {"prompt": server.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.post("/generate", dependencies=auth)
     async def generate(request: Request):

@@ -160,15 +160,18 @@ class ChatCompletionRequest(_SamplingFields):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def chat_messages(self) -> list[dict]:
-        return [
-            {
-                "role": "system" if m.role == "developer" else m.role,
-                "content": m.content
-                if not isinstance(m.content, list)
-                else [p.model_dump() for p in m.content],
-            }
-            for m in self.messages
-        ]
+        return _template_messages(self.messages)
+
+
+def _template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template takes them."""
+    return [
+        {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": m.content if not isinstance(m.content, list) else [p.model_dump() for p in m.content],
+        }
+        for m in messages
+    ]
 
 
 class CompletionRequest(_SamplingFields):
@@ -277,6 +280,35 @@ class GenerateRequest(_Strict):
             native = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}.get(e.param, e.param)
             param = "top_logprobs_num" if e.param == "logprobs" else f"sampling_params.{native}"
             raise e.as_request_error({e.param: param}) from None
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a `prompt` as /v1/completions reads it, or chat `messages` as /v1/chat/completions
+    renders them (with the assistant's opening unless `add_generation_prompt` is false)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give one of prompt and messages", param="prompt")
+        if self.messages is not None and not self.messages:
+            raise bad_request("messages must not be empty", param="messages")
+
+    def chat_messages(self) -> list[dict]:
+        return _template_messages(self.messages)
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's /detokenize: token ids back to text (special tokens kept, so what is shown is what was sent)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+    def check(self) -> None:
+        pass
 
 
 def parse(model: type[BaseModel], body: bytes):

@@ -368,3 +368,28 @@ def test_overload_is_503_with_retry_after(make_server):
     # both streams closed: their requests are aborted and the server takes requests again
     s.wait_for_pools(base)
     assert httpx.post(url, json=_chat(), timeout=30).status_code == 200
+
+
+def test_tokenize_and_detokenize(server):
+    """vLLM's /tokenize and /detokenize: the ids a completion of the same prompt (or chat) is fed, back to text;
+    bad requests named."""
+
+    def post(path, **body):
+        return httpx.post(f"{server.url}{path}", json={"model": MODEL, **body}, timeout=30)
+
+    prompt = "Kestrel tokenizes this, é and all."
+    done = post("/v1/completions", prompt=prompt, max_tokens=1).json()
+    got = post("/tokenize", prompt=prompt).json()
+    assert got["count"] == len(got["tokens"]) == done["usage"]["prompt_tokens"] and got["max_model_len"] > 0
+    assert post("/detokenize", tokens=got["tokens"]).json() == {"prompt": prompt}
+    chat = post("/v1/chat/completions", messages=USER, max_tokens=1).json()
+    opened = post("/tokenize", messages=USER).json()
+    assert opened["count"] == chat["usage"]["prompt_tokens"]
+    assert post("/tokenize", messages=USER, add_generation_prompt=False).json()["count"] < opened["count"]
+    assert_error(post("/tokenize"), 400, "prompt")
+    assert_error(post("/tokenize", prompt="a", messages=USER), 400, "prompt")
+    assert_error(post("/tokenize", messages=[]), 400, "messages")
+    assert_error(post("/detokenize", tokens=[1, 10**9]), 400, "tokens")
+    assert_error(post("/detokenize", tokens=[-1]), 400, "tokens")
+    assert_error(post("/detokenize", tokens="abc"), 400, "tokens")
+    assert_error(post("/tokenize", prompt="a", model="nope"), 404, "model", "model_not_found")
