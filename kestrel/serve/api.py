@@ -15,7 +15,9 @@ Endpoints
 - POST /flush_cache: drop every cached prefix no running request uses, in every tier (GPU, host, disk); answers
   what was freed.
 
-With an API key, every endpoint but /health and /metrics needs `Authorization: Bearer <key>` (401 otherwise):
+With `allowed_origins` (`serve --allowed-origins`), web pages from those origins may call the API from a browser
+(CORS, preflights answered; vLLM allows every origin by default, Kestrel none unless asked). With an API key,
+every endpoint but /health and /metrics needs `Authorization: Bearer <key>` (401 otherwise):
 load balancers and Prometheus scrape those two without credentials, and neither reveals request data.
 Error statuses are described in `kestrel.serve.errors`. Detokenization and stop-string truncation run here,
 on the event loop, so the engine thread only steps the model. A client that disconnects (mid-stream, or while
@@ -30,6 +32,7 @@ import dataclasses
 import logging
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -66,6 +69,7 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     max_request_mb: float = MAX_REQUEST_MB,
+    allowed_origins: list[str] | None = None,
 ) -> FastAPI:
     server = Server(async_engine, served_model_name, api_key, max_request_mb)
     app = FastAPI(title="Kestrel", version=KESTREL_VERSION)
@@ -73,6 +77,12 @@ def build_app(
     auth = [Depends(server.check_key)]
     _add_error_handlers(app)
     app.add_middleware(CountResponses, counter=server.metrics.responses)
+    if (
+        allowed_origins
+    ):  # outside the counter: a browser's preflight is answered here, not counted as a route's
+        app.add_middleware(
+            CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
 
     def get(path: str, **kwargs):
         """A GET route that answers HEAD too: health probes and uptime monitors send HEAD, and HTTP asks every

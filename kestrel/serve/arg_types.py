@@ -108,6 +108,20 @@ def api_key(text: str) -> str:
     return text
 
 
+def origin(text: str) -> str:
+    """A browser origin for CORS, `scheme://host[:port]` as browsers send it, or `*`: one with a path or a trailing
+    slash never equals what a browser sends, so its pages would be refused without a word."""
+    if text == "*":
+        return text
+    m = re.fullmatch(r"(https?)://([^/?#\s]+)", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an origin: scheme://host[:port] with no path or trailing slash "
+            "(e.g. http://localhost:3000), or * for any"
+        )
+    return text
+
+
 FIELD_NAMES = r"\b[a-z]+(?:_[a-z]+)+\b"  # snake_case words: a config's field names in its messages
 
 

@@ -193,6 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="require Authorization: Bearer KEY (not on /health, /metrics)",
     )
     s.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        type=arg_types.origin,
+        default=None,
+        metavar="ORIGIN",
+        help="web pages from these origins may call the API from a browser (CORS; * for any; default: none)",
+    )
+    s.add_argument(
         "--max-request-mb",
         type=arg_types.positive_float,
         default=64,

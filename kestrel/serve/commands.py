@@ -207,7 +207,13 @@ def cmd_serve(args) -> int:
     frozen = freeze_startup_objects()  # full collections no longer walk the model and graphs mid-request
     logging.getLogger("kestrel.serve").debug("%d startup objects frozen out of the garbage collector", frozen)
     async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, name, api_key=args.api_key, max_request_mb=args.max_request_mb)
+    app = build_app(
+        async_engine,
+        name,
+        api_key=args.api_key,
+        max_request_mb=args.max_request_mb,
+        allowed_origins=args.allowed_origins,
+    )
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"[kestrel] {engine.plan.describe()}", file=sys.stderr)
     print(

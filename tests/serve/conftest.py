@@ -19,12 +19,24 @@ MODEL = "tiny"
 
 
 class RunningServer:
-    def __init__(self, api_key: str | None = None, max_request_mb: float = 64, **engine_kw):
+    def __init__(
+        self,
+        api_key: str | None = None,
+        max_request_mb: float = 64,
+        allowed_origins: list[str] | None = None,
+        **engine_kw,
+    ):
         engine_kw.setdefault("page_size", 16)
         engine_kw.setdefault("max_running_requests", 64)
         self.engine = Engine(EngineConfig(model=MODEL, **engine_kw))
         self.async_engine = AsyncEngine(self.engine)
-        app = build_app(self.async_engine, MODEL, api_key=api_key, max_request_mb=max_request_mb)
+        app = build_app(
+            self.async_engine,
+            MODEL,
+            api_key=api_key,
+            max_request_mb=max_request_mb,
+            allowed_origins=allowed_origins,
+        )
         self.app = app
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -118,6 +118,9 @@ def test_serve_bad_arguments_are_one_line_errors(capsys, tmp_path):
     assert_one_line_error(code, err, 1, "missing")
     code, _, err = run(capsys, "serve", "--port", "70000")
     assert_one_line_error(code, err, 2, "--port")
+    # an origin with a trailing slash never equals what a browser sends: its pages would be refused unseen
+    code, _, err = run(capsys, "serve", "--allowed-origins", "http://localhost:3000/")
+    assert_one_line_error(code, err, 2, "--allowed-origins", "no path or trailing slash")
     code, _, err = run(capsys, "serve", "--max-running-requests", "0")
     assert_one_line_error(code, err, 2, "--max-running-requests")
     code, _, err = run(capsys, "serve", "--kv-cache-gb", "0")

@@ -393,3 +393,26 @@ def test_tokenize_and_detokenize(server):
     assert_error(post("/detokenize", tokens=[-1]), 400, "tokens")
     assert_error(post("/detokenize", tokens="abc"), 400, "tokens")
     assert_error(post("/tokenize", prompt="a", model="nope"), 404, "model", "model_not_found")
+
+
+def test_allowed_origins_answer_a_browsers_preflight(server, make_server):
+    """`--allowed-origins`: a listed origin's preflight and request carry CORS headers; another origin's, and
+    every origin on a server without the flag (the default), do not."""
+    page = "http://localhost:3000"
+    preflight = {
+        "Origin": page,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    cors = make_server(allowed_origins=[page], api_key="k")
+    for s, allowed in ((cors, True), (server, False)):
+        r = httpx.options(f"{s.url}/v1/completions", headers=preflight, timeout=30)
+        assert (r.headers.get("access-control-allow-origin") == page) is allowed, r.headers
+        headers = {"Origin": page, "Authorization": "Bearer k"}
+        r = httpx.post(f"{s.url}/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 200 and ("access-control-allow-origin" in r.headers) is allowed
+    r = httpx.options(
+        f"{cors.url}/v1/completions", headers={**preflight, "Origin": "http://evil.test"}, timeout=30
+    )
+    assert "access-control-allow-origin" not in r.headers
