@@ -127,16 +127,24 @@ async def completion_stream(server: Server, job: Job, req: CompletionRequest) ->
         yield e
 
 
+def native_finish_reason(c: ChoiceState) -> dict | None:
+    """SGLang's `meta_info.finish_reason`: the length reached, or what matched: the stop string or token id, EOS's
+    id too (the OpenAI routes' `stop_reason` is null for EOS, as vLLM has it; SGLang names the token)."""
+    if c.finish_reason == "length":
+        return {"type": "length", "length": len(c.token_ids)}
+    if c.finish_reason is None:
+        return None
+    matched = c.stop_reason
+    if matched is None and c.finish_reason == "stop" and c.token_ids:
+        matched = c.token_ids[-1]  # EOS: the token ids end with the token that stopped them
+    return {"type": c.finish_reason, "matched": matched}
+
+
 def native_result(server: Server, job: Job, index: int, req: GenerateRequest) -> dict:
     c = job.choices[index]
-    reason = None
-    if c.finish_reason == "length":
-        reason = {"type": "length", "length": len(c.token_ids)}
-    elif c.finish_reason is not None:
-        reason = {"type": c.finish_reason, "matched": c.stop_reason}
     meta = {
         "id": job.group.request_ids[index],
-        "finish_reason": reason,
+        "finish_reason": native_finish_reason(c),
         "prompt_tokens": job.prompt_len(index),
         "completion_tokens": len(c.token_ids),
     }

@@ -6,6 +6,7 @@ import pytest
 from kestrel.engine.outputs import StepOutput
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.serve.choice import ChoiceState
+from kestrel.serve.streams import native_finish_reason
 from kestrel.tokenizer import ByteTokenizer
 
 
@@ -90,3 +91,18 @@ def test_stop_strings_count_where_they_end_at_or_past_min_tokens(per_step):
     assert late.text == "ab;ab;a" and late.stop_reason == "b;"
     never = run(10)
     assert never.text == "ab;ab;ab;" and never.finish_reason == "length"
+
+
+def test_native_finish_reason_names_what_matched():
+    """/generate's finish_reason as SGLang has it: EOS names its token id (stop_reason, the OpenAI routes', stays
+    null for EOS, as in vLLM), a stop token its id, the length its count."""
+    tok = ByteTokenizer()
+    ids = [*tok.encode("ab"), tok.eos_token_ids[0]]
+    for reason, stop, want in (
+        ("stop", None, {"type": "stop", "matched": tok.eos_token_ids[0]}),
+        ("stop", 98, {"type": "stop", "matched": 98}),
+        ("length", None, {"type": "length", "length": 3}),
+    ):
+        choice = ChoiceState(tok, [0], SamplingParams(max_tokens=64))
+        choice.update(_out(ids, finished=True, reason=reason, stop=stop))
+        assert choice.stop_reason == stop and native_finish_reason(choice) == want
