@@ -33,8 +33,9 @@ ran out: leave it to the CPU suite), `tests:tests/ops/test_moe_decode_triton.py,
 61 (H100, each asked as nvidia-h200 with the closing calls in the command should an H200 come) timed the CUDA chain
 (kestrel.ops.linear.cuda_chain): `tests:tests/ops/test_cuda_chain.py l2` (q-x, A), and ran Nsight Compute on it
 (scripts/cuda_chain_ncu.py's docstring has the command). Session 62's fifteen asks finished no call: its chain
-changes (the LL input as bf16 units; `mma`, the sums on the tensor cores) wait for `l2
-tests:tests/ops/test_cuda_chain.py` (about 60 s of work; then `cuda_chain_ncu.py mma` under ncu). Next,
+changes (the LL input as bf16 units; `mma`, the sums on the tensor cores) and session 63's (twenty-two asks, no call:
+a review's three mends; `mma_lanes`) wait for `l2 tests:tests/ops/test_cuda_chain.py` (about 60 s of work; then
+`cuda_chain_ncu.py mma` under ncu). Next,
 when an H200 comes: the three calls above at one commit (the H200's figures are session 52's; every H100 figure since is
 not comparable with them).
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
