@@ -77,9 +77,8 @@ def build_app(
     auth = [Depends(server.check_key)]
     _add_error_handlers(app)
     app.add_middleware(CountResponses, counter=server.metrics.responses)
-    if (
-        allowed_origins
-    ):  # outside the counter: a browser's preflight is answered here, not counted as a route's
+    # outside the counter: a browser's preflight is answered here, not counted as a route's
+    if allowed_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"]
         )
