@@ -94,17 +94,21 @@ def build_app(
 
         return register
 
+    async def chat_prompt(messages: list[dict], add_generation_prompt: bool = True) -> list[list[int]]:
+        """The messages through the chat template, tokenized: the one prompt a chat request is fed."""
+        try:
+            text = server.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except (ValueError, KestrelError) as e:
+            raise bad_request(str(e), param="messages") from None
+        return await server.encode_off_loop([text], "messages")
+
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):
         req = parse(ChatCompletionRequest, await server.read_body(request))
         server.check_model(req.model)
         params = req.to_sampling_params()
-        try:
-            text = server.tokenizer.apply_chat_template(req.chat_messages(), add_generation_prompt=True)
-        except (ValueError, KestrelError) as e:
-            raise bad_request(str(e), param="messages") from None
         names = {"prompt": "messages", "max_tokens": req.max_tokens_field}
-        job = Job(server, await server.encode_off_loop([text], "messages"), params, field_names=names)
+        job = Job(server, await chat_prompt(req.chat_messages()), params, field_names=names)
         if req.stream:
             return sse(chat_stream(server, job, req))
         if not await _finish_unless_disconnected(request, job):
@@ -164,13 +168,7 @@ def build_app(
         req = parse(TokenizeRequest, await server.read_body(request))
         server.check_model(req.model)
         if req.messages is not None:
-            try:
-                text = server.tokenizer.apply_chat_template(
-                    req.chat_messages(), add_generation_prompt=req.add_generation_prompt
-                )
-            except (ValueError, KestrelError) as e:
-                raise bad_request(str(e), param="messages") from None
-            (tokens,) = await server.encode_off_loop([text], "messages")
+            (tokens,) = await chat_prompt(req.chat_messages(), req.add_generation_prompt)
         else:
             (tokens,) = await server.encode_off_loop([req.prompt], "prompt")
         limit = async_engine.engine.plan.max_model_len

@@ -20,6 +20,9 @@ MAX_N = 128
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    def check(self) -> None:
+        """What the types alone do not say, checked after parsing (`parse`); nothing by default."""
+
 
 class TextPart(_Strict):
     type: Literal["text"]
@@ -306,9 +309,6 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[int]
-
-    def check(self) -> None:
-        pass
 
 
 def parse(model: type[BaseModel], body: bytes):

@@ -406,7 +406,7 @@ struct MmaPages {
   unsigned bytes;  // a slot: 16 lines
   int pages, slot = 0, use = 0;
   __device__ MmaPages(int page_bytes, int pages_)
-      : kc(page_bytes / 32), line(mma_line(page_bytes)), bytes(16u * line), pages(pages_) {}
+      : kc(page_bytes / 32), line(mma_line(page_bytes)), bytes(mma_slot_bytes(page_bytes)), pages(pages_) {}
   __device__ void next() {
     if (++slot == pages) {
       slot = 0;
@@ -444,16 +444,13 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
       const int rows = min(16, st.rows - r0);
       for (int k0 = 0; k0 < st.K; k0 += pg.kc, pg.next()) {
         const uint32_t full = full_base + 8 * pg.slot;
-        const unsigned row_bytes = 2u * static_cast<unsigned>(min(pg.kc, st.K - k0));
-        if (lane == 0) {
-          if (pg.use > 0) mbar_wait(empty_base + 8 * pg.slot, static_cast<unsigned>(pg.use - 1) & 1u);
-          if (mode & kNoStream) {
-            mbar_arrive(full);
-          } else {
-            mbar_expect(full, row_bytes * rows);
-          }
+        if (lane == 0 && pg.use > 0) mbar_wait(empty_base + 8 * pg.slot, static_cast<unsigned>(pg.use - 1) & 1u);
+        if (mode & kNoStream) {
+          if (lane == 0) mbar_arrive(full);
+          continue;
         }
-        if (mode & kNoStream) continue;
+        const unsigned row_bytes = 2u * static_cast<unsigned>(min(pg.kc, st.K - k0));
+        if (lane == 0) mbar_expect(full, row_bytes * rows);
         if (lanes) __syncwarp();  // the slot free and its bytes expected before any lane's copy
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         const uint32_t dst = ring_base + pg.slot * pg.bytes;
