@@ -1,8 +1,8 @@
 """`kestrel` command line. The parser only builds arguments; each command is a small function.
 
 The commands live in `kestrel.serve.commands` (generate, init-random, serve, chat),
-`kestrel.serve.train_commands` (train, eval) and `kestrel.bench` (bench); torch, the engine and the trainer
-load only when a command runs.
+`kestrel.serve.train_commands` (train, eval, with their arguments) and `kestrel.bench` (bench); torch, the
+engine and the trainer load only when a command runs.
 
 Errors a user can cause (bad path, bad config, corrupted checkpoint, bad argument) print one line on stderr
 and exit with status 1 (argparse usage errors: 2); a traceback means a bug in Kestrel.
@@ -19,7 +19,7 @@ from kestrel.env import check_env
 from kestrel.presets import INIT_SCHEMES
 from kestrel.serve import arg_types
 from kestrel.serve.commands import cmd_chat, cmd_generate, cmd_init_random, cmd_serve, engine_config
-from kestrel.serve.train_commands import cmd_eval, cmd_train
+from kestrel.serve.train_commands import add_train_parsers
 from kestrel.utils.errors import KestrelError
 
 
@@ -236,93 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--top-p", type=arg_types.positive_share, default=1.0)
     c.set_defaults(func=cmd_chat)
 
-    t = sub.add_parser("train", help="train a model on the procedural task mixture (resumes from --out)")
-    t.add_argument(
-        "--out",
-        required=True,
-        type=arg_types.path,
-        help="run folder: checkpoint/, loss.png, trainer_state.pt",
-    )
-    t.add_argument(
-        "--model", default="demo", help="preset to start from (random init) or a checkpoint folder"
-    )
-    t.add_argument(
-        "--tokenizer",
-        default=None,
-        help="tokenizer folder (default: a --model checkpoint's own, else a BPE trained into <out>/tokenizer)",
-    )
-    t.add_argument("--steps", type=arg_types.positive_int, default=1000)
-    t.add_argument("--batch-rows", type=arg_types.positive_int, default=16)
-    t.add_argument(
-        "--grad-accum",
-        type=arg_types.positive_int,
-        default=1,
-        help="batches of --batch-rows rows per optimizer step, each a forward and backward of its own (default 1)",
-    )
-    t.add_argument("--row-len", type=arg_types.positive_int, default=4096)
-    t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--warmup-steps", type=int, default=100)
-    t.add_argument("--dsa-dense-steps", type=int, default=200, help="dense warm-up steps before sparse DSA")
-    t.add_argument(
-        "--retrieval-lengths", default="2048", help="comma-separated context lengths of retrieval docs"
-    )
-    t.add_argument(
-        "--retrieval-weight",
-        type=arg_types.non_negative_float,
-        default=0.1,
-        help="weight of the retrieval family in the draw, against 1.0 per arithmetic family (default 0.1)",
-    )
-    t.add_argument(
-        "--retrieval-shared-prefix",
-        type=arg_types.share,
-        default=0.0,
-        help="share (0-1) of retrieval problems in which a distractor's code starts with the asked code's first "
-        "1-4 digits (default 0)",
-    )
-    t.add_argument(
-        "--retrieval-distractors",
-        type=arg_types.int_range,
-        default=None,
-        metavar="LO,HI",
-        help="distractor facts per retrieval problem, drawn from LO..HI (default: the medium level's 1,3)",
-    )
-    t.add_argument(
-        "--retrieval-shared-all",
-        action="store_true",
-        help="in a shared-prefix problem (--retrieval-shared-prefix) every distractor's code shares 1-4 of the "
-        "asked code's first digits, not one distractor's",
-    )
-    t.add_argument(
-        "--retrieval-loss-weight",
-        type=arg_types.positive_float,
-        default=1.0,
-        help="weight of the retrieval documents' loss tokens in the mean loss, against 1.0 for the other families "
-        "(default 1.0); unlike --retrieval-weight it draws no more documents",
-    )
-    t.add_argument("--checkpoint-every", type=arg_types.positive_int, default=500)
-    t.add_argument(
-        "--time-budget-s",
-        type=arg_types.positive_float,
-        default=None,
-        help="stop and checkpoint after this many seconds of training",
-    )
-    t.add_argument("--data-workers", type=arg_types.non_negative_int, default=0)
-    t.add_argument("--device", default="auto")
-    t.add_argument("--seed", type=arg_types.seed, default=0)
-    t.set_defaults(func=cmd_train)
-
-    e = sub.add_parser("eval", help="held-out accuracy per task family and retrieval by context length")
-    e.add_argument(
-        "--model", required=True, help="checkpoint folder or preset (kestrel-demo: the shipped model)"
-    )
-    e.add_argument("--num", type=arg_types.positive_int, default=200, help="problems per family")
-    e.add_argument("--num-retrieval", type=arg_types.positive_int, default=50)
-    e.add_argument("--retrieval-lengths", default="2048,8192,32768")
-    e.add_argument("--max-new-tokens", type=arg_types.positive_int, default=256)
-    e.add_argument("--no-dense-contrast", action="store_true", help="skip the dense-attention retrieval runs")
-    e.add_argument("--out", type=arg_types.path, default=None, help="write the results as JSON here")
-    e.add_argument("--device", default="auto")
-    e.set_defaults(func=cmd_eval)
+    add_train_parsers(sub)
 
     from kestrel.bench import agent  # stdlib-only at import; httpx and matplotlib load when it runs
 
