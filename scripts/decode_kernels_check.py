@@ -1020,7 +1020,17 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     # tensor cores (16-row pages, an ldmatrix, an 8-byte load and an mma a 256 weights, where the fmas took 17
     # instructions a lane for 8), by page size, with and without barriers and stream, and with a page's 16 row
     # copies issued by 16 producer lanes (mma_lanes) against lane 0's
+    # (session 64, H100: with LL 14.8, 10.1 with mma_lanes, 11.0 with 32 KB pages; the consumers alone 6.9 with LL,
+    # barriers alone 3.6; the stream alone 12.2 with lane 0's copies, 8.7 with 16 lanes': the copy a row holds the
+    # stream back), so mma_packed: the weights packed in the producer's order, a page one bulk copy, by page size
     configs = configs or [
+        dict(pipe=True, ll=True, mma=True, mma_packed=True),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, page_bytes=8192),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, page_bytes=32768),
+        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_compute=True),
+        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_compute=True, page_bytes=32768),
+        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True),
+        dict(pipe=True, ll=True, mma=True, mma_lanes=True, page_bytes=32768),
         dict(pipe=True, ll=True, mma=True),
         dict(pipe=True, ll=True, mma=True, page_bytes=8192),
         dict(pipe=True, ll=True, mma=True, page_bytes=32768),

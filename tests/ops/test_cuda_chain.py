@@ -84,6 +84,7 @@ def _check_chain(weights, **kwargs):
     "mode",
     [dict(pipe=True, mma=True), dict(pipe=True, ll=True, mma=True),
      dict(pipe=True, ll=True, mma=True, page_bytes=8192), dict(pipe=True, ll=True, mma=True, mma_lanes=True),
+     dict(pipe=True, ll=True, mma=True, mma_packed=True), dict(pipe=True, mma=True, mma_packed=True, page_bytes=8192),
      dict(pipe=True, ll=True, own_pages=True)],
 )  # fmt: skip
 @pytest.mark.parametrize("blocks", [None, 7])
@@ -104,6 +105,7 @@ def test_mma_chain_matches_the_reference(blocks, mode):
     [
         {},
         dict(pipe=True, ll=True, mma=True),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True),
         dict(tma=True, ll=True),
         dict(pipe=True),
         dict(pipe=True, ll=True),
@@ -138,8 +140,12 @@ def test_refuses_what_it_cannot_take():
         cuda_chain.CudaGemvChain([w[:, :8]], depth=cuda_chain.MAX_DEPTH + 1)
     with pytest.raises(AssertionError, match="variant of pipe"):
         cuda_chain.CudaGemvChain([w[:, :8]], mma=True)
-    with pytest.raises(AssertionError, match="variant of mma"):
+    with pytest.raises(AssertionError, match="variants of mma"):
         cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma_lanes=True)
+    with pytest.raises(AssertionError, match="variants of mma"):
+        cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma_packed=True)
+    with pytest.raises(AssertionError, match="no lanes"):
+        cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma=True, mma_lanes=True, mma_packed=True)
     with pytest.raises(AssertionError, match="multiple of 16"):
         cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma=True)
     wide = torch.zeros(4096, 2048, dtype=torch.bfloat16, device="cuda")
@@ -148,3 +154,37 @@ def test_refuses_what_it_cannot_take():
     # a row wider than pipe's page would spill into the next slot (found in review, session 63)
     with pytest.raises(AssertionError, match="whole rows"):
         cuda_chain.CudaGemvChain([wide[:300]], pipe=True, page_bytes=2048)
+
+
+def _unit(u, i, units):
+    """cuda_chain.cu's packed_unit, written again: where unit u of a page's row i sits."""
+    return u ^ (i & 7) if u < units // 8 * 8 else u
+
+
+@pytest.mark.parametrize(
+    "N,K,blocks,kc",
+    [(37, 160, 3, 64), (70, 2048, 3, 512), (5, 48, 7, 32), (4232, 1008, 132, 512), (33, 16, 1, 512)],
+)
+def test_mma_packing_is_what_the_kernel_reads(N, K, blocks, kc):
+    # the kernel's reads of a packed page, emulated on the CPU: block b's pages in the producer's order (row tiles
+    # outer, kc columns each, fewer at a row's end and a block's last tile), page (r0, k0) at r0 K + rows k0 of
+    # the block's region, value c of its row i at i kc' + 8 packed_unit(c / 8, i, kc' / 8) + c % 8. Rows that do
+    # not divide among the blocks, blocks with no rows, pages narrower than a swizzle group, swizzled and not
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+    packed = cuda_chain.pack_mma_pages(w, blocks, kc)
+    assert packed.shape == (N * K,)
+    assert torch.equal(packed.sort().values, w.reshape(-1).sort().values)  # a permutation of the weights
+    seen = torch.zeros(N, K, dtype=torch.bool)
+    for b in range(blocks):
+        first, last = N * b // blocks, N * (b + 1) // blocks
+        for r0 in range(0, last - first, 16):
+            rows = min(16, last - first - r0)
+            for k0 in range(0, K, kc):
+                kcp = min(kc, K - k0)
+                page = packed[first * K + r0 * K + rows * k0 :][: rows * kcp].view(rows, kcp)
+                for i in range(rows):
+                    got = torch.cat([page[i, 8 * _unit(u, i, kcp // 8) :][:8] for u in range(kcp // 8)])
+                    assert torch.equal(got, w[first + r0 + i, k0 : k0 + kcp]), (b, r0, k0, i)
+                    seen[first + r0 + i, k0 : k0 + kcp] = True
+    assert seen.all()

@@ -63,6 +63,12 @@ constexpr int kMma = 2048;
 // waited for the slot and set its byte count) where lane 0 alone issues all 16: whether one lane's copies hold the
 // stream back
 constexpr int kMmaLanes = 4096;
+// kMma with the weights packed on the host in the order the producer streams them (cuda_chain.py's
+// pack_mma_pages): a page's rows contiguous, each row's 16-byte units swizzled (unit u of row i at u ^ (i & 7)
+// within its group of 8, so ldmatrix's 8 rows fall on 8 bank groups with no padding), a page one bulk copy: where
+// the padded lines took a copy a row (session 64, H100: the stream alone 12.2 us a layer with lane 0's 16 copies
+// a page, 8.7 with 16 lanes', against 7.6-8.1 for pipe's one copy a page)
+constexpr int kMmaPacked = 8192;
 constexpr int kMaxPartials = 2048;  // kMma: a block's rows of one stage x its pages a row (fp32 sums in shared)
 constexpr int kMaxStages = 64;  // pipe keeps every stage's entries in shared memory
 constexpr unsigned kBulkBytes = 32768;
@@ -396,17 +402,32 @@ __device__ __forceinline__ void consumers_wait_counter(const unsigned* counter, 
 // 256 bytes a page)
 __host__ __device__ constexpr unsigned mma_line(int page_bytes) { return 2u * (page_bytes / 32) + 16u; }
 __host__ __device__ constexpr unsigned mma_slot_bytes(int page_bytes) { return 16u * mma_line(page_bytes); }
+__host__ __device__ constexpr int pipe_slot_bytes(int page_bytes, int mode) {
+  return (mode & kMma) && !(mode & kMmaPacked) ? static_cast<int>(mma_slot_bytes(page_bytes)) : page_bytes;
+}
+
+// kMmaPacked: where 16-byte unit u of row i of a page whose rows hold `units` of them sits in its row (the
+// swizzle stays inside each whole group of 8 units; a row's last units short of a group stay in place)
+__host__ __device__ constexpr unsigned packed_unit(unsigned u, unsigned i, unsigned units) {
+  return u < (units & ~7u) ? u ^ (i & 7u) : u;
+}
 
 // kMma's pages: page g holds rows [r0, r0 + 16) x columns [k0, k0 + kc) of one stage (fewer at the block's last
-// rows or the row's end), its row i at byte i * line of the slot. `next` steps to the next page's slot, and its
-// use (how many times the ring has come round to it), without a division.
+// rows or the row's end), its row i at byte i * line of the slot (kMmaPacked: i * 2 kc', kc' the page's columns,
+// its units swizzled). `next` steps to the next page's slot, and its use (how many times the ring has come round
+// to it), without a division.
 struct MmaPages {
   int kc;          // a page's columns
   unsigned line;   // bytes from a page's row to the next: 2 kc + 16 (ldmatrix's 8 rows on 32 different banks)
-  unsigned bytes;  // a slot: 16 lines
+  unsigned bytes;  // a slot: 16 lines (kMmaPacked: page_bytes)
+  bool packed;
   int pages, slot = 0, use = 0;
-  __device__ MmaPages(int page_bytes, int pages_)
-      : kc(page_bytes / 32), line(mma_line(page_bytes)), bytes(mma_slot_bytes(page_bytes)), pages(pages_) {}
+  __device__ MmaPages(int page_bytes, int pages_, int mode)
+      : kc(page_bytes / 32),
+        line(mma_line(page_bytes)),
+        bytes(pipe_slot_bytes(page_bytes, mode)),
+        packed(mode & kMmaPacked),
+        pages(pages_) {}
   __device__ void next() {
     if (++slot == pages) {
       slot = 0;
@@ -430,14 +451,15 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// kMma's producer: every stage's pages in order, row tiles outer, each row of a page a bulk copy into its line;
-// with kNoStream each page completed without a copy. Lane 0 alone runs it, or with kMmaLanes the whole warp:
-// lane 0 waits for the slot and sets its byte count, then lane i copies row i.
+// kMma's producer: every stage's pages in order, row tiles outer, each row of a page a bulk copy into its line
+// (kMmaPacked: the page one copy, its rows contiguous in the packed weights); with kNoStream each page completed
+// without a copy. Lane 0 alone runs it, or with kMmaLanes the whole warp: lane 0 waits for the slot and sets its
+// byte count, then lane i copies row i.
 __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_bfloat16* acts, int S, int b,
                             int G, uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int pages,
                             int page_bytes, int mode, int lane) {
   const bool lanes = mode & kMmaLanes;
-  MmaPages pg(page_bytes, pages);
+  MmaPages pg(page_bytes, pages, mode);
   for (int s = 0; s < S; ++s) {
     const StageRows st = stage_rows(meta, w, acts, s, b, G);
     for (int r0 = 0; r0 < st.rows; r0 += 16) {
@@ -450,6 +472,13 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
           continue;
         }
         const unsigned row_bytes = 2u * static_cast<unsigned>(min(pg.kc, st.K - k0));
+        if (pg.packed) {  // lane 0 alone: page (r0, k0) of the block's rows at r0 K + rows k0 of them
+          mbar_expect(full, row_bytes * rows);
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+          bulk_copy(ring_base + pg.slot * pg.bytes, st.w + static_cast<long long>(r0) * st.K + rows * k0,
+                    row_bytes * rows, full);
+          continue;
+        }
         if (lane == 0) mbar_expect(full, row_bytes * rows);
         if (lanes) __syncwarp();  // the slot free and its bytes expected before any lane's copy
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -470,7 +499,8 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
                             bool compute) {
   // ldmatrix.x4: lanes 0-7 give rows 0-7 of the k-block's columns 0-7, lanes 8-15 rows 8-15, lanes 16-31 the
   // same at columns 8-15: a0..a3 of mma's A fragment
-  const uint32_t lane_off = ((lane & 7) + (lane & 8)) * pg.line + ((lane >> 4) << 4);
+  const unsigned row = (lane & 7) + (lane & 8), half = lane >> 4;
+  const uint32_t lane_off = row * pg.line + (half << 4);
   const int t = lane & 3, gi = lane >> 2;
   for (int r0 = 0; r0 < st.rows; r0 += 16) {
     const int rows = min(16, st.rows - r0);
@@ -482,16 +512,21 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
       mbar_wait(full_base + 8 * pg.slot, static_cast<unsigned>(pg.use) & 1u);
       __syncwarp();  // every lane through the wait before the warp-wide ldmatrix and mma
       if (compute) {
-        const uint32_t a_addr = ring_base + pg.slot * pg.bytes + lane_off;
+        const int kcp = min(pg.kc, st.K - k0);  // the page's columns
+        const uint32_t slot_addr = ring_base + pg.slot * pg.bytes;
+        // k-block j's 8 x 8 matrix for this lane: 16-byte unit 2 j + half of its row
+        const uint32_t a_addr = pg.packed ? slot_addr + row * 2u * kcp : slot_addr + lane_off;
+        const unsigned units = kcp / 8;
         const uint2* xb = reinterpret_cast<const uint2*>(xs + k0 / 2) + t;  // k-block j's B: xb[4 j]
-        const int kblocks = min(pg.kc, st.K - k0) / 16;
+        const int kblocks = kcp / 16;
         float acc[4][4] = {};
         for (int j = 0; j < kblocks; j += 4) {
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
             if (j + q < kblocks) {
               uint32_t a[4];
-              ldmatrix_x4(a, a_addr + 32u * (j + q));
+              const unsigned u = 2u * (j + q);
+              ldmatrix_x4(a, pg.packed ? a_addr + 16u * packed_unit(u + half, row, units) : a_addr + 16u * u);
               const uint2 bx = xb[4 * (j + q)];
               mma_bf16(acc[q], a, bx.x, bx.y);
             }
@@ -571,7 +606,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   const int cw = warp - 1, ctid = tid - 32;
   if (mode & kMma) {
-    MmaPages pg(page_bytes, pages);
+    MmaPages pg(page_bytes, pages, mode);
     unsigned* xw = reinterpret_cast<unsigned*>(xs);
     for (int s = 0; s < S; ++s) {
       const StageRows st = stage_rows(meta, w, acts, s, b, G);
@@ -705,7 +740,7 @@ extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta,
                                     void* gave_up, long long max_spin, int blocks, int smem_bytes, int depth,
                                     int mode, void* ll, long long ll_bytes, int page_bytes, void* stream) {
   // the Python side checks these; the launch refuses them too rather than index past its tables
-  const int slot_bytes = mode & kMma ? static_cast<int>(mma_slot_bytes(page_bytes)) : page_bytes;
+  const int slot_bytes = pipe_slot_bytes(page_bytes, mode);
   const bool pipe_bad = (mode & kPipe) && (S > kMaxStages || page_bytes <= 0 || smem_bytes < slot_bytes);
   if (S < 0 || blocks <= 0 || pipe_bad) return static_cast<int>(cudaErrorInvalidValue);
   cudaStream_t st = static_cast<cudaStream_t>(stream);

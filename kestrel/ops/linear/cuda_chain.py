@@ -101,6 +101,7 @@ NO_STREAM = 1024  # pipe: pages completed without a copy (the consumers' own wor
 MMA, MMA_PARTIALS = 2048, 2048
 MMA_PAGE_PAD = 256  # cuda_chain.cu's mma_slot_bytes: a page's 16 rows 16 bytes apart
 MMA_LANES = 4096  # mma: a page's 16 row copies issued by 16 lanes of the producer warp, not all by lane 0
+MMA_PACKED = 8192  # mma: the weights packed in the producer's order (pack_mma_pages), a page one bulk copy
 STATIC_SMEM = (
     17 * 1024
 )  # cuda_chain.cu's static shared memory (the LL input, the mbarriers, pipe's stage table, mma's sums)
@@ -141,6 +142,44 @@ def _load() -> ctypes.CDLL:
     return _lib
 
 
+def pack_mma_pages(w: torch.Tensor, blocks: int, kc: int) -> torch.Tensor:
+    """`w` [N, K] flat in mma_packed's order: block b's rows (N b / blocks to N (b + 1) / blocks, where they were)
+    in pages of 16 rows (fewer at the block's last) x kc columns (fewer at the row's end), row tiles outer; a page's
+    rows contiguous, each row's 16-byte units (8 values) swizzled: unit u of row i at u ^ (i & 7) inside each whole
+    group of 8 units (cuda_chain.cu's packed_unit). Page (r0, k0) of a block starts r0 K + rows k0 values into the
+    block's region, `rows` its tile's row count."""
+    N, K = w.shape
+    assert K % 8 == 0 and kc % 8 == 0, "16-byte units"
+    dev = w.device
+    r = torch.arange(N, device=dev)
+    ends = torch.arange(1, blocks + 1, device=dev) * N // blocks  # block b's rows end at N (b + 1) / blocks
+    b = torch.searchsorted(ends, r, right=True)  # a row's block
+    first = b * N // blocks
+    last = (b + 1) * N // blocks
+    rb = r - first  # the row within its block
+    r0 = rb // 16 * 16
+    i = rb - r0  # the row within its page
+    rows = torch.clamp(last - first - r0, max=16)  # its tile's rows
+    k = torch.arange(K, device=dev)
+    k0 = k // kc * kc
+    kcp = torch.clamp(K - k0, max=kc)  # the page's columns
+    units = kcp // 8
+    u = (k - k0) // 8
+    whole = units // 8 * 8
+    iu = (i % 8)[:, None]
+    swz = torch.where(u[None, :] < whole[None, :], u[None, :] ^ iu, u[None, :])
+    dest = (
+        ((first + r0) * K)[:, None]
+        + rows[:, None] * k0[None, :]
+        + i[:, None] * kcp[None, :]
+        + swz * 8
+        + (k % 8)[None, :]
+    )
+    out = torch.empty(N * K, dtype=w.dtype, device=dev)
+    out[dest.reshape(-1)] = w.reshape(-1)
+    return out
+
+
 def _check(lib: ctypes.CDLL, err: int, what: str) -> None:
     if err != 0:
         raise RuntimeError(f"{what}: {lib.kestrel_chain_error(err).decode()}")
@@ -174,6 +213,7 @@ class CudaGemvChain:
         no_stream: bool = False,
         mma: bool = False,
         mma_lanes: bool = False,
+        mma_packed: bool = False,
     ):
         assert weights and all(w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_cuda for w in weights), (
             "weights: [N_s, K_s] bf16 on CUDA"
@@ -198,7 +238,8 @@ class CudaGemvChain:
         # a block's largest stage (pipe: a page)
         assert page_bytes % 16 == 0 and 0 < page_bytes, f"page of {page_bytes} bytes: a multiple of 16"
         self.page_bytes = page_bytes
-        assert mma or not mma_lanes, "mma_lanes is a variant of mma"
+        assert mma or not (mma_lanes or mma_packed), "mma_lanes and mma_packed are variants of mma"
+        assert not (mma_lanes and mma_packed), "mma_packed copies a page at once: no lanes to spread"
         if mma:
             assert pipe, "mma is a variant of pipe"
             assert page_bytes % 512 == 0, (
@@ -212,7 +253,7 @@ class CudaGemvChain:
             assert partials <= MMA_PARTIALS, (
                 f"mma: {partials} partial sums a block a stage, at most {MMA_PARTIALS}"
             )
-            page_bytes += MMA_PAGE_PAD
+            page_bytes += 0 if mma_packed else MMA_PAGE_PAD
         elif pipe:
             widest = max(w.shape[1] for w in weights)
             assert page_bytes >= 2 * widest, (
@@ -235,9 +276,12 @@ class CudaGemvChain:
             | NO_STREAM * no_stream
             | MMA * mma
             | MMA_LANES * mma_lanes
+            | MMA_PACKED * mma_packed
         )
         # each output 16-byte aligned: the next stage reads it in 16-byte units
         self.w, self.acts, self.meta, self.input, self.outputs = pack_chain(weights, 1, align=8)
+        if mma_packed:
+            self.w = torch.cat([pack_mma_pages(w, self.blocks, self.page_bytes // 32) for w in weights])
         self.sync = torch.zeros(2, dtype=torch.int32, device=self.device)  # the counter, gave_up
         self.ll = torch.zeros(
             self.acts.numel() if ll else 2, dtype=torch.int64, device=self.device
