@@ -5,6 +5,7 @@ Nsight Compute to profile its third launch (session 61's stall counts, on the de
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,smsp__inst_executed.sum" \\
         python3 scripts/cuda_chain_ncu.py ll      # pipe with LL pairs; `nob`: pipe with no barrier;
                                                   # `mma`, `mma_nob`: the same with the sums on the tensor cores
+                                                  # `packed`, `packed_nob`: mma on weights packed a page a copy
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ def main() -> None:
         "nob": dict(pipe=True, no_barrier=True),
         "mma": dict(pipe=True, ll=True, mma=True),
         "mma_nob": dict(pipe=True, no_barrier=True, mma=True),
+        "packed": dict(pipe=True, ll=True, mma=True, mma_packed=True),
+        "packed_nob": dict(pipe=True, no_barrier=True, mma=True, mma_packed=True),
     }
     variant = sys.argv[1] if len(sys.argv) > 1 else "ll"
     if variant not in variants:

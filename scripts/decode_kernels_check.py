@@ -1031,6 +1031,17 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_compute=True, page_bytes=32768),
         dict(pipe=True, mma=True, mma_packed=True, no_barrier=True),
         dict(pipe=True, ll=True, mma=True, mma_lanes=True, page_bytes=32768),
+        # (call b: packed, the stream alone 8.1 (16 KB pages) and 7.7 (32 KB), yet with LL 12.5-16.7 and with no
+        # barrier 12.0: the consumers' time still adds to the stream's) so the copies in flight capped (depth):
+        # whether the input's read from L2 queues behind a ring's worth of pages to the same SM
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=1),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=4),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, page_bytes=8192, depth=3),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, page_bytes=8192, depth=6),
+        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_compute=True, depth=2),
+        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_compute=True, depth=4),
+        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, depth=2),
         dict(pipe=True, ll=True, mma=True),
         dict(pipe=True, ll=True, mma=True, page_bytes=8192),
         dict(pipe=True, ll=True, mma=True, page_bytes=32768),

@@ -85,6 +85,7 @@ def _check_chain(weights, **kwargs):
     [dict(pipe=True, mma=True), dict(pipe=True, ll=True, mma=True),
      dict(pipe=True, ll=True, mma=True, page_bytes=8192), dict(pipe=True, ll=True, mma=True, mma_lanes=True),
      dict(pipe=True, ll=True, mma=True, mma_packed=True), dict(pipe=True, mma=True, mma_packed=True, page_bytes=8192),
+     dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=1), dict(pipe=True, ll=True, mma=True, depth=3),
      dict(pipe=True, ll=True, own_pages=True)],
 )  # fmt: skip
 @pytest.mark.parametrize("blocks", [None, 7])

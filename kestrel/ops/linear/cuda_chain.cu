@@ -454,11 +454,14 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 // kMma's producer: every stage's pages in order, row tiles outer, each row of a page a bulk copy into its line
 // (kMmaPacked: the page one copy, its rows contiguous in the packed weights); with kNoStream each page completed
 // without a copy. Lane 0 alone runs it, or with kMmaLanes the whole warp: lane 0 waits for the slot and sets its
-// byte count, then lane i copies row i.
+// byte count, then lane i copies row i. With 0 < inflight < pages, page g is issued only once page g - inflight
+// has landed: at most `inflight` pages' copies in flight (the ring may hold more pages landed and not yet summed),
+// so that a stage's input, read from L2 by the same SM, queues behind fewer bytes.
 __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_bfloat16* acts, int S, int b,
                             int G, uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int pages,
-                            int page_bytes, int mode, int lane) {
+                            int page_bytes, int mode, int lane, int inflight) {
   const bool lanes = mode & kMmaLanes;
+  const bool capped = inflight > 0 && inflight < pages;
   MmaPages pg(page_bytes, pages, mode);
   for (int s = 0; s < S; ++s) {
     const StageRows st = stage_rows(meta, w, acts, s, b, G);
@@ -467,6 +470,12 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
       for (int k0 = 0; k0 < st.K; k0 += pg.kc, pg.next()) {
         const uint32_t full = full_base + 8 * pg.slot;
         if (lane == 0 && pg.use > 0) mbar_wait(empty_base + 8 * pg.slot, static_cast<unsigned>(pg.use - 1) & 1u);
+        if (capped && lane == 0) {  // page g - inflight: its slot and use
+          const bool wrapped = pg.slot < inflight;
+          const int use = pg.use - wrapped;
+          if (use >= 0)
+            mbar_wait(full_base + 8 * (pg.slot - inflight + (wrapped ? pages : 0)), static_cast<unsigned>(use) & 1u);
+        }
         if (mode & kNoStream) {
           if (lane == 0) mbar_arrive(full);
           continue;
@@ -550,7 +559,7 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
 __global__ void __launch_bounds__(kThreads, 1)
     chain_pipe_kernel(const __nv_bfloat16* __restrict__ w, __nv_bfloat16* acts, const long long* __restrict__ gmeta,
                       int S, unsigned* counter, int* gave_up, long long max_spin, int pages, int mode,
-                      unsigned long long* ll, int page_bytes) {
+                      unsigned long long* ll, int page_bytes, int inflight) {
   extern __shared__ uint4 ring[];  // [pages][page_bytes / 16]
   __shared__ uint4 xs[kMaxK / 8];
   __shared__ alignas(8) unsigned long long full[64], empty[64];
@@ -575,7 +584,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   if (warp == 0 && (mode & kMma)) {
     if (lane == 0 || (mode & kMmaLanes))
-      mma_produce(meta, w, acts, S, b, G, ring_base, full_base, empty_base, pages, page_bytes, mode, lane);
+      mma_produce(meta, w, acts, S, b, G, ring_base, full_base, empty_base, pages, page_bytes, mode, lane, inflight);
     return;
   }
   if (warp == 0) {  // the producer: lane 0, or with kProducers4 lanes 0-3 taking every fourth page
@@ -754,7 +763,7 @@ extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta,
     chain_pipe_kernel<<<blocks, kThreads, smem_bytes, st>>>(
         static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(acts),
         static_cast<const long long*>(meta), S, static_cast<unsigned*>(counter), static_cast<int*>(gave_up),
-        max_spin, min(smem_bytes / slot_bytes, 64), mode, static_cast<unsigned long long*>(ll), page_bytes);
+        max_spin, min(smem_bytes / slot_bytes, 64), mode, static_cast<unsigned long long*>(ll), page_bytes, depth);
     return static_cast<int>(cudaGetLastError());
   }
   chain_kernel<<<blocks, kThreads, smem_bytes, st>>>(

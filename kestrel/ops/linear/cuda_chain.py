@@ -61,7 +61,8 @@ memory within STATIC_SMEM), neither timed nor GPU-tested yet (fifteen asks for a
 
 `CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
 row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
-in flight (the ring of shared memory permitting: 0 copies each stage's rows only when it starts).
+in flight (the ring of shared memory permitting: 0 copies each stage's rows only when it starts); with mma, how
+many pages' copies may be in flight at once (0, or the ring's pages or more: as many as it has free slots).
 """
 
 from __future__ import annotations
