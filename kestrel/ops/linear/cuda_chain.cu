@@ -530,15 +530,21 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
         const int kblocks = kcp / 16;
         float acc[4][4] = {};
         for (int j = 0; j < kblocks; j += 4) {
+          // four k-blocks' loads before their mmas: volatile asm keeps its order, so an mma between two ldmatrix
+          // waited out each one's latency (32 of them a 16 KB page, one after the other)
+          uint32_t a[4][4];
+          uint2 bx[4];
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
             if (j + q < kblocks) {
-              uint32_t a[4];
               const unsigned u = 2u * (j + q);
-              ldmatrix_x4(a, pg.packed ? a_addr + 16u * packed_unit(u + half, row, units) : a_addr + 16u * u);
-              const uint2 bx = xb[4 * (j + q)];
-              mma_bf16(acc[q], a, bx.x, bx.y);
+              ldmatrix_x4(a[q], pg.packed ? a_addr + 16u * packed_unit(u + half, row, units) : a_addr + 16u * u);
+              bx[q] = xb[4 * (j + q)];
             }
+          }
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            if (j + q < kblocks) mma_bf16(acc[q], a[q], bx[q].x, bx[q].y);
           }
         }
         // every column of C is the same sum (B's 8 columns are all the input): lanes t == 0 hold rows gi, gi + 8
