@@ -1042,6 +1042,8 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_compute=True, depth=2),
         dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_compute=True, depth=4),
         dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, depth=2),
+        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_input=True),
+        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_input=True, depth=2),
         dict(pipe=True, ll=True, mma=True),
         dict(pipe=True, ll=True, mma=True, page_bytes=8192),
         dict(pipe=True, ll=True, mma=True, page_bytes=32768),

@@ -59,6 +59,17 @@ memory within STATIC_SMEM), neither timed nor GPU-tested yet (fifteen asks for a
   `mma_lanes` (session 63) spreads a page's 16 row copies over 16 lanes of the producer warp, where lane 0 issues
   all 16: `l2` times the two side by side, with LL and as the stream alone.
 
+Session 64 (H100, bench/results/2026-12-06-h100-session64.json, calls a and b; floor 7.09, launches 9.51-9.52 in the
+same runs; the runs differ by up to 2 us a layer from one call to the next): both sessions' steps correct on the GPU
+(the tests' 98 and 108 cases). mma with LL 13.8-14.8 (32 KB pages 11.0-14.2, 8 KB 25-28), mma_lanes with LL
+**10.1**-11.5; the consumers alone (no_stream) 6.9-8.9 with LL and 6.7-8.6 with no barrier, where pipe's were 15.6
+and 10.9; barriers alone 3.6-3.8. The stream alone: a copy a row 11.6-12.2 from lane 0, 8.7-8.8 from 16 lanes. So
+`mma_packed`: the weights packed on the host (pack_mma_pages) in the order the producer streams them, a page one
+bulk copy and no padding (each row's 16-byte units swizzled by row for ldmatrix): the stream alone **8.1** (16 KB
+pages) and **7.7** (32 KB), as pipe's whole-row pages; yet with LL 13.6 (16 KB), 12.5 (8 KB), 16.7 (32 KB), and with
+no barrier 12.0: the consumers' time still adds to the stream's. Next, capping the copies in flight (`depth`): if
+a stage's input, read from L2, queues behind the ring's pages in flight to the same SM, fewer in flight shorten it.
+
 `CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
 row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
 in flight (the ring of shared memory permitting: 0 copies each stage's rows only when it starts); with mma, how
