@@ -73,6 +73,7 @@ constexpr int kMaxPartials = 2048;  // kMma: a block's rows of one stage x its p
 constexpr int kMaxStages = 64;  // pipe keeps every stage's entries in shared memory
 constexpr unsigned kBulkBytes = 32768;
 constexpr int kMaxK = 2048;
+constexpr int kGatherBatch = 4;  // a stage's input: the loads a thread issues before it waits for any
 
 __device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem));
@@ -177,25 +178,39 @@ __device__ __forceinline__ int frag_word(int wi, bool frag) {
   return frag ? (wi & ~7) | ((wi & 3) << 1) | ((wi >> 2) & 1) : wi;
 }
 
+template <int kBatch = 1>
 __device__ __forceinline__ void gather_ll_input(unsigned* xs, const StageRows& st, const __nv_bfloat16* acts,
                                                 const unsigned long long* ll, int s, int t0, int step, bool poll,
                                                 long long max_spin, int* gave_up, bool frag = false) {
   const long long x_off = st.x - acts;
-  for (int e = 2 * t0; e < st.K; e += 2 * step) {
-    if (s == 0) {
+  if (s == 0) {
+    for (int e = 2 * t0; e < st.K; e += 2 * step)
       xs[frag_word(e / 2, frag)] = *reinterpret_cast<const unsigned*>(st.x + e);
-      continue;
+    return;
+  }
+  // kBatch loads in flight a thread before any is polled: one after the other, each is an L2 round trip of its
+  // own (three a stage at K 2048 over 480 threads; kMma's pipe takes kGatherBatch, the rest 1: their registers)
+  for (int e0 = 2 * t0; e0 < st.K; e0 += 2 * step * kBatch) {
+    uint4 v[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int e = e0 + 2 * step * i;
+      if (e < st.K) v[i] = ld_volatile16(ll + x_off + e);
     }
-    uint4 v = ld_volatile16(ll + x_off + e);
-    long long spins = 0;
-    while ((v.x != static_cast<unsigned>(s) || v.z != static_cast<unsigned>(s)) && poll) {
-      if (++spins > max_spin) {
-        atomicExch(gave_up, 1);
-        break;
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int e = e0 + 2 * step * i;
+      if (e >= st.K) break;
+      long long spins = 0;
+      while ((v[i].x != static_cast<unsigned>(s) || v[i].z != static_cast<unsigned>(s)) && poll) {
+        if (++spins > max_spin) {
+          atomicExch(gave_up, 1);
+          break;
+        }
+        v[i] = ld_volatile16(ll + x_off + e);
       }
-      v = ld_volatile16(ll + x_off + e);
+      xs[frag_word(e / 2, frag)] = (v[i].y & 0xffffu) | (v[i].w << 16);
     }
-    xs[frag_word(e / 2, frag)] = (v.y & 0xffffu) | (v.w << 16);
   }
 }
 
@@ -562,6 +577,9 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
   }
 }
 
+// Compiled twice, with and without kMma (kMmaPath, mode's kMma bit): each registers' allocation its own, so that
+// one path's registers do not spill the other's.
+template <bool kMmaPath>
 __global__ void __launch_bounds__(kThreads, 1)
     chain_pipe_kernel(const __nv_bfloat16* __restrict__ w, __nv_bfloat16* acts, const long long* __restrict__ gmeta,
                       int S, unsigned* counter, int* gave_up, long long max_spin, int pages, int mode,
@@ -583,12 +601,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     for (int i = 0; i < pages; ++i) {
       mbar_init(full_base + 8 * i, 1);
-      mbar_init(empty_base + 8 * i, mode & (kOwnPages | kMma) ? 1 : kConsumers);
+      mbar_init(empty_base + 8 * i, kMmaPath || (mode & kOwnPages) ? 1 : kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  if (warp == 0 && (mode & kMma)) {
+  if (kMmaPath && warp == 0) {
     if (lane == 0 || (mode & kMmaLanes))
       mma_produce(meta, w, acts, S, b, G, ring_base, full_base, empty_base, pages, page_bytes, mode, lane, inflight);
     return;
@@ -620,7 +638,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
   const int cw = warp - 1, ctid = tid - 32;
-  if (mode & kMma) {
+  if (kMmaPath) {
     MmaPages pg(page_bytes, pages, mode);
     unsigned* xw = reinterpret_cast<unsigned*>(xs);
     for (int s = 0; s < S; ++s) {
@@ -628,11 +646,24 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (mode & (kNoInput | kNoCompute)) {
         for (int i = ctid; i < st.K / 2; i += kConsumers * 32) xw[i] = 0u;
       } else if (lowlat) {
-        gather_ll_input(xw, st, acts, ll, s, ctid, kConsumers * 32, !(mode & kNoBarrier), max_spin, gave_up, true);
+        gather_ll_input<kGatherBatch>(xw, st, acts, ll, s, ctid, kConsumers * 32, !(mode & kNoBarrier), max_spin,
+                                      gave_up, true);
       } else {
         if (s > 0 && !(mode & kNoBarrier)) consumers_wait_counter(counter, s, G, ctid, max_spin, gave_up);
         const unsigned* src = reinterpret_cast<const unsigned*>(st.x);
-        for (int i = ctid; i < st.K / 2; i += kConsumers * 32) xw[frag_word(i, true)] = __ldcg(src + i);
+        for (int i0 = ctid; i0 < st.K / 2; i0 += kConsumers * 32 * kGatherBatch) {  // the loads first (see gather)
+          unsigned v[kGatherBatch];
+#pragma unroll
+          for (int q = 0; q < kGatherBatch; ++q) {
+            const int i = i0 + kConsumers * 32 * q;
+            if (i < st.K / 2) v[q] = __ldcg(src + i);
+          }
+#pragma unroll
+          for (int q = 0; q < kGatherBatch; ++q) {
+            const int i = i0 + kConsumers * 32 * q;
+            if (i < st.K / 2) xw[frag_word(i, true)] = v[q];
+          }
+        }
       }
       consumers_sync();  // the input in xs (and the last stage's partial sums read)
       mma_consume(st, pg, xw, sums, ring_base, full_base, empty_base, cw, lane, !(mode & kNoCompute));
@@ -746,8 +777,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 extern "C" int kestrel_chain_setup(int smem_bytes) {
   cudaError_t err = cudaFuncSetAttribute(chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) return static_cast<int>(err);
+  err = cudaFuncSetAttribute(chain_pipe_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (err != cudaSuccess) return static_cast<int>(err);
   return static_cast<int>(
-      cudaFuncSetAttribute(chain_pipe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+      cudaFuncSetAttribute(chain_pipe_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
 }
 
 
@@ -766,7 +799,8 @@ extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta,
     if (err != cudaSuccess) return static_cast<int>(err);
   }
   if (mode & kPipe) {
-    chain_pipe_kernel<<<blocks, kThreads, smem_bytes, st>>>(
+    auto kernel = mode & kMma ? chain_pipe_kernel<true> : chain_pipe_kernel<false>;
+    kernel<<<blocks, kThreads, smem_bytes, st>>>(
         static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(acts),
         static_cast<const long long*>(meta), S, static_cast<unsigned*>(counter), static_cast<int*>(gave_up),
         max_spin, min(smem_bytes / slot_bytes, 64), mode, static_cast<unsigned long long*>(ll), page_bytes, depth);
