@@ -6,6 +6,7 @@ Nsight Compute to profile its third launch (session 61's stall counts, on the de
         python3 scripts/cuda_chain_ncu.py ll      # pipe with LL pairs; `nob`: pipe with no barrier;
                                                   # `mma`, `mma_nob`: the same with the sums on the tensor cores
                                                   # `packed`, `packed_nob`: mma on weights packed a page a copy
+                                                  # `packed4`: packed with LL, a page's sums split over 4 warps
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main() -> None:
         "mma_nob": dict(pipe=True, no_barrier=True, mma=True),
         "packed": dict(pipe=True, ll=True, mma=True, mma_packed=True),
         "packed_nob": dict(pipe=True, no_barrier=True, mma=True, mma_packed=True),
+        "packed4": dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_parts=4),
     }
     variant = sys.argv[1] if len(sys.argv) > 1 else "ll"
     if variant not in variants:

@@ -86,6 +86,8 @@ def _check_chain(weights, **kwargs):
      dict(pipe=True, ll=True, mma=True, page_bytes=8192), dict(pipe=True, ll=True, mma=True, mma_lanes=True),
      dict(pipe=True, ll=True, mma=True, mma_packed=True), dict(pipe=True, mma=True, mma_packed=True, page_bytes=8192),
      dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=1), dict(pipe=True, ll=True, mma=True, depth=3),
+     dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_parts=4, page_bytes=32768),
+     dict(pipe=True, mma=True, mma_parts=2),
      dict(pipe=True, ll=True, own_pages=True)],
 )  # fmt: skip
 @pytest.mark.parametrize("blocks", [None, 7])
@@ -145,6 +147,8 @@ def test_refuses_what_it_cannot_take():
         cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma_lanes=True)
     with pytest.raises(AssertionError, match="variants of mma"):
         cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma_packed=True)
+    with pytest.raises(AssertionError, match="mma_parts 3"):
+        cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma=True, mma_parts=3)
     with pytest.raises(AssertionError, match="no lanes"):
         cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma=True, mma_lanes=True, mma_packed=True)
     with pytest.raises(AssertionError, match="multiple of 16"):

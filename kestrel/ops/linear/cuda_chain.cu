@@ -69,6 +69,10 @@ constexpr int kMmaLanes = 4096;
 // the padded lines took a copy a row (session 64, H100: the stream alone 12.2 us a layer with lane 0's 16 copies
 // a page, 8.7 with 16 lanes', against 7.6-8.1 for pipe's one copy a page)
 constexpr int kMmaPacked = 8192;
+// kMma with each page's k-blocks split among 2^p consumer warps (p, in mode bits 14-15: kMmaPartsShift): a stage's
+// pages are all summed once its input is in, each by one warp, so a warp's share of a page is the stage's latency
+// after its input (session 64: with LL 12.5, 13.6 and 16.7 us a layer with 8, 16 and 32 KB pages)
+constexpr int kMmaPartsShift = 14;
 constexpr int kMaxPartials = 2048;  // kMma: a block's rows of one stage x its pages a row (fp32 sums in shared)
 constexpr int kMaxStages = 64;  // pipe keeps every stage's entries in shared memory
 constexpr unsigned kBulkBytes = 32768;
@@ -436,12 +440,14 @@ struct MmaPages {
   unsigned line;   // bytes from a page's row to the next: 2 kc + 16 (ldmatrix's 8 rows on 32 different banks)
   unsigned bytes;  // a slot: 16 lines (kMmaPacked: page_bytes)
   bool packed;
+  int parts;  // warps a page: each sums k-blocks [part x kb, (part + 1) x kb) of it, kb = kc / 16 / parts
   int pages, slot = 0, use = 0;
   __device__ MmaPages(int page_bytes, int pages_, int mode)
       : kc(page_bytes / 32),
         line(mma_line(page_bytes)),
         bytes(pipe_slot_bytes(page_bytes, mode)),
         packed(mode & kMmaPacked),
+        parts(1 << ((mode >> kMmaPartsShift) & 3)),
         pages(pages_) {}
   __device__ void next() {
     if (++slot == pages) {
@@ -515,9 +521,10 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
   }
 }
 
-// kMma's consumers at stage s (the input in xs in fragment order): warp cw sums its slots' pages (slot % 15 == cw)
-// with one mma a k-block, four chains of them, each row's partial sum going to sums[c * rows + row] for the page
-// of columns c * kc on; `pg` goes on across the stages.
+// kMma's consumers at stage s (the input in xs in fragment order): warp cw sums its parts of pages (part p of a
+// page in slot i is warp (i parts + p) % 15's) with one mma a k-block, four chains of them, each row's partial sum
+// going to sums[(c parts + p) * rows + row] for part p of the page of columns c * kc on; `pg` goes on across the
+// stages.
 __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* xs, float* sums,
                             uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int cw, int lane,
                             bool compute) {
@@ -526,53 +533,56 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
   const unsigned row = (lane & 7) + (lane & 8), half = lane >> 4;
   const uint32_t lane_off = row * pg.line + (half << 4);
   const int t = lane & 3, gi = lane >> 2;
+  const int kb = (pg.kc / 16 + pg.parts - 1) / pg.parts;  // a part's k-blocks (fewer in a row's last page)
   for (int r0 = 0; r0 < st.rows; r0 += 16) {
     const int rows = min(16, st.rows - r0);
     for (int k0 = 0, c = 0; k0 < st.K; k0 += pg.kc, ++c, pg.next()) {
-      // a slot's pages all go to one warp: a parity wait can only tell the phase it asks for from the one before
-      // it, so a warp that skipped the slot's last use (page g - pages, another warp's) could find that use's
-      // phase still open and take it for the one before: through at once, summing a page not yet there
-      if (pg.slot % kConsumers != cw) continue;
-      mbar_wait(full_base + 8 * pg.slot, static_cast<unsigned>(pg.use) & 1u);
-      __syncwarp();  // every lane through the wait before the warp-wide ldmatrix and mma
-      if (compute) {
-        const int kcp = min(pg.kc, st.K - k0);  // the page's columns
-        const uint32_t slot_addr = ring_base + pg.slot * pg.bytes;
-        // k-block j's 8 x 8 matrix for this lane: 16-byte unit 2 j + half of its row
-        const uint32_t a_addr = pg.packed ? slot_addr + row * 2u * kcp : slot_addr + lane_off;
-        const unsigned units = kcp / 8;
-        const uint2* xb = reinterpret_cast<const uint2*>(xs + k0 / 2) + t;  // k-block j's B: xb[4 j]
-        const int kblocks = kcp / 16;
-        float acc[4][4] = {};
-        for (int j = 0; j < kblocks; j += 4) {
-          // four k-blocks' loads before their mmas: volatile asm keeps its order, so an mma between two ldmatrix
-          // waited out each one's latency (32 of them a 16 KB page, one after the other)
-          uint32_t a[4][4];
-          uint2 bx[4];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            if (j + q < kblocks) {
-              const unsigned u = 2u * (j + q);
-              ldmatrix_x4(a[q], pg.packed ? a_addr + 16u * packed_unit(u + half, row, units) : a_addr + 16u * u);
-              bx[q] = xb[4 * (j + q)];
+      for (int p = 0; p < pg.parts; ++p) {
+        // a slot's part p of every page goes to one warp: a parity wait can only tell the phase it asks for from the
+        // one before it, so a warp that skipped the slot's last use (page g - pages, another warp's) could find that
+        // use's phase still open and take it for the one before: through at once, summing a page not yet there
+        if ((pg.slot * pg.parts + p) % kConsumers != cw) continue;
+        mbar_wait(full_base + 8 * pg.slot, static_cast<unsigned>(pg.use) & 1u);
+        __syncwarp();  // every lane through the wait before the warp-wide ldmatrix and mma
+        if (compute) {
+          const int kcp = min(pg.kc, st.K - k0);  // the page's columns
+          const uint32_t slot_addr = ring_base + pg.slot * pg.bytes;
+          // k-block j's 8 x 8 matrix for this lane: 16-byte unit 2 j + half of its row
+          const uint32_t a_addr = pg.packed ? slot_addr + row * 2u * kcp : slot_addr + lane_off;
+          const unsigned units = kcp / 8;
+          const uint2* xb = reinterpret_cast<const uint2*>(xs + k0 / 2) + t;  // k-block j's B: xb[4 j]
+          const int kblocks = min(kcp / 16, (p + 1) * kb);  // this part's k-blocks: [p kb, kblocks)
+          float acc[4][4] = {};
+          for (int j = p * kb; j < kblocks; j += 4) {
+            // four k-blocks' loads before their mmas: volatile asm keeps its order, so an mma between two ldmatrix
+            // waited out each one's latency (32 of them a 16 KB page, one after the other)
+            uint32_t a[4][4];
+            uint2 bx[4];
+  #pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              if (j + q < kblocks) {
+                const unsigned u = 2u * (j + q);
+                ldmatrix_x4(a[q], pg.packed ? a_addr + 16u * packed_unit(u + half, row, units) : a_addr + 16u * u);
+                bx[q] = xb[4 * (j + q)];
+              }
+            }
+  #pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              if (j + q < kblocks) mma_bf16(acc[q], a[q], bx[q].x, bx[q].y);
             }
           }
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            if (j + q < kblocks) mma_bf16(acc[q], a[q], bx[q].x, bx[q].y);
+          // every column of C is the same sum (B's 8 columns are all the input): lanes t == 0 hold rows gi, gi + 8
+          if (t == 0) {
+            const float y0 = (acc[0][0] + acc[1][0]) + (acc[2][0] + acc[3][0]);
+            const float y1 = (acc[0][2] + acc[1][2]) + (acc[2][2] + acc[3][2]);
+            float* part = sums + (c * pg.parts + p) * st.rows + r0;
+            if (gi < rows) part[gi] = y0;
+            if (gi + 8 < rows) part[gi + 8] = y1;
           }
         }
-        // every column of C is the same sum (B's 8 columns are all the input): lanes t == 0 hold rows gi, gi + 8
-        if (t == 0) {
-          const float y0 = (acc[0][0] + acc[1][0]) + (acc[2][0] + acc[3][0]);
-          const float y1 = (acc[0][2] + acc[1][2]) + (acc[2][2] + acc[3][2]);
-          float* part = sums + c * st.rows + r0;
-          if (gi < rows) part[gi] = y0;
-          if (gi + 8 < rows) part[gi + 8] = y1;
-        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty_base + 8 * pg.slot);
       }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty_base + 8 * pg.slot);
     }
   }
 }
@@ -601,7 +611,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     for (int i = 0; i < pages; ++i) {
       mbar_init(full_base + 8 * i, 1);
-      mbar_init(empty_base + 8 * i, kMmaPath || (mode & kOwnPages) ? 1 : kConsumers);
+      const int mma_parts = 1 << ((mode >> kMmaPartsShift) & 3);
+      mbar_init(empty_base + 8 * i, kMmaPath ? mma_parts : mode & kOwnPages ? 1 : kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -668,7 +679,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       consumers_sync();  // the input in xs (and the last stage's partial sums read)
       mma_consume(st, pg, xw, sums, ring_base, full_base, empty_base, cw, lane, !(mode & kNoCompute));
       consumers_sync();  // every page's partial sums in
-      const int column_pages = (st.K + pg.kc - 1) / pg.kc;
+      const int column_pages = (st.K + pg.kc - 1) / pg.kc * pg.parts;
       for (int r = ctid; r < st.rows; r += kConsumers * 32) {
         float sum = 0.f;
         for (int c = 0; c < column_pages; ++c) sum += sums[c * st.rows + r];

@@ -114,6 +114,7 @@ MMA, MMA_PARTIALS = 2048, 2048
 MMA_PAGE_PAD = 256  # cuda_chain.cu's mma_slot_bytes: a page's 16 rows 16 bytes apart
 MMA_LANES = 4096  # mma: a page's 16 row copies issued by 16 lanes of the producer warp, not all by lane 0
 MMA_PACKED = 8192  # mma: the weights packed in the producer's order (pack_mma_pages), a page one bulk copy
+MMA_PARTS_SHIFT = 14  # mma: log2 of the consumer warps a page's k-blocks are split among, in mode bits 14-15
 STATIC_SMEM = (
     17 * 1024
 )  # cuda_chain.cu's static shared memory (the LL input, the mbarriers, pipe's stage table, mma's sums)
@@ -226,6 +227,7 @@ class CudaGemvChain:
         mma: bool = False,
         mma_lanes: bool = False,
         mma_packed: bool = False,
+        mma_parts: int = 1,
     ):
         assert weights and all(w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_cuda for w in weights), (
             "weights: [N_s, K_s] bf16 on CUDA"
@@ -252,6 +254,9 @@ class CudaGemvChain:
         self.page_bytes = page_bytes
         assert mma or not (mma_lanes or mma_packed), "mma_lanes and mma_packed are variants of mma"
         assert not (mma_lanes and mma_packed), "mma_packed copies a page at once: no lanes to spread"
+        assert mma_parts in (1, 2, 4, 8) and (mma or mma_parts == 1), (
+            f"mma_parts {mma_parts}: 1, 2, 4 or 8, with mma"
+        )
         if mma:
             assert pipe, "mma is a variant of pipe"
             assert page_bytes % 512 == 0, (
@@ -261,7 +266,7 @@ class CudaGemvChain:
                 "mma: every K a multiple of 16 (mma's k-blocks)"
             )
             kc = page_bytes // 32
-            partials = max(-(-w.shape[0] // self.blocks) * -(-w.shape[1] // kc) for w in weights)
+            partials = max(-(-w.shape[0] // self.blocks) * -(-w.shape[1] // kc) * mma_parts for w in weights)
             assert partials <= MMA_PARTIALS, (
                 f"mma: {partials} partial sums a block a stage, at most {MMA_PARTIALS}"
             )
@@ -289,6 +294,7 @@ class CudaGemvChain:
             | MMA * mma
             | MMA_LANES * mma_lanes
             | MMA_PACKED * mma_packed
+            | (mma_parts.bit_length() - 1) << MMA_PARTS_SHIFT
         )
         # each output 16-byte aligned: the next stage reads it in 16-byte units
         self.w, self.acts, self.meta, self.input, self.outputs = pack_chain(weights, 1, align=8)
