@@ -801,7 +801,9 @@ extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta,
   // the Python side checks these; the launch refuses them too rather than index past its tables
   const int slot_bytes = pipe_slot_bytes(page_bytes, mode);
   const bool pipe_bad = (mode & kPipe) && (S > kMaxStages || page_bytes <= 0 || smem_bytes < slot_bytes);
-  if (S < 0 || blocks <= 0 || pipe_bad) return static_cast<int>(cudaErrorInvalidValue);
+  // a packed page is one copy by lane 0: with kMmaLanes every lane would set its bytes and copy it
+  const bool packed_bad = (mode & kMmaPacked) && (!(mode & kMma) || (mode & kMmaLanes));
+  if (S < 0 || blocks <= 0 || pipe_bad || packed_bad) return static_cast<int>(cudaErrorInvalidValue);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaMemsetAsync(counter, 0, sizeof(unsigned), st);
   if (err != cudaSuccess) return static_cast<int>(err);
