@@ -161,12 +161,15 @@ struct StageRows {
   int rows, K;             // the block's row count, the width
 };
 
+// Block b's first row of a stage of N rows over G blocks (its last is block b + 1's first, less one)
+__host__ __device__ constexpr int block_first_row(long long N, int b, int G) { return static_cast<int>(N * b / G); }
+
 __device__ __forceinline__ StageRows stage_rows(const long long* meta, const __nv_bfloat16* w,
                                                 __nv_bfloat16* acts, int s, int b, int G) {
   const long long* m = meta + s * kMeta;
   const long long N = m[4];
   const int K = static_cast<int>(m[5]);
-  const int r0 = static_cast<int>(N * b / G), r1 = static_cast<int>(N * (b + 1) / G);
+  const int r0 = block_first_row(N, b, G), r1 = block_first_row(N, b + 1, G);
   return {w + m[0] + static_cast<long long>(r0) * K, acts + m[1], acts + m[3] + r0, r1 - r0, K};
 }
 
@@ -431,6 +434,11 @@ __host__ __device__ constexpr unsigned packed_unit(unsigned u, unsigned i, unsig
   return u < (units & ~7u) ? u ^ (i & 7u) : u;
 }
 
+// kMmaPacked: where page (r0, k0) of a block's tile of `rows` rows starts, in values from the block's first row
+__host__ __device__ constexpr long long packed_page(int r0, int rows, int k0, int K) {
+  return static_cast<long long>(r0) * K + static_cast<long long>(rows) * k0;
+}
+
 // kMma's pages: page g holds rows [r0, r0 + 16) x columns [k0, k0 + kc) of one stage (fewer at the block's last
 // rows or the row's end), its row i at byte i * line of the slot (kMmaPacked: i * 2 kc', kc' the page's columns,
 // its units swizzled). `next` steps to the next page's slot, and its use (how many times the ring has come round
@@ -505,8 +513,7 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
         if (pg.packed) {  // lane 0 alone: page (r0, k0) of the block's rows at r0 K + rows k0 of them
           mbar_expect(full, row_bytes * rows);
           asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-          bulk_copy(ring_base + pg.slot * pg.bytes, st.w + static_cast<long long>(r0) * st.K + rows * k0,
-                    row_bytes * rows, full);
+          bulk_copy(ring_base + pg.slot * pg.bytes, st.w + packed_page(r0, rows, k0, st.K), row_bytes * rows, full);
           continue;
         }
         if (lane == 0) mbar_expect(full, row_bytes * rows);
@@ -824,6 +831,28 @@ extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta,
       S, static_cast<unsigned*>(counter), static_cast<int*>(gave_up), max_spin, smem_bytes / 16, depth, mode,
       static_cast<unsigned long long*>(ll));
   return static_cast<int>(cudaGetLastError());
+}
+
+// The weights [N, K] (bf16 bits) as chain_pipe_kernel reads them from a packed stage (cuda_chain.py's
+// pack_mma_pages) over G blocks in pages of kc columns: the producer's page offsets, the consumer's swizzle. On the
+// host, for the CPU tests: the packing checked against the kernel's own arithmetic.
+extern "C" void kestrel_chain_unpack(const unsigned short* packed, unsigned short* w, int N, int K, int G, int kc) {
+  for (int b = 0; b < G; ++b) {
+    const int first = block_first_row(N, b, G), n = block_first_row(N, b + 1, G) - first;
+    const unsigned short* block = packed + static_cast<long long>(first) * K;
+    for (int r0 = 0; r0 < n; r0 += 16) {
+      const int rows = n - r0 < 16 ? n - r0 : 16;
+      for (int k0 = 0; k0 < K; k0 += kc) {
+        const int kcp = K - k0 < kc ? K - k0 : kc;
+        const unsigned short* page = block + packed_page(r0, rows, k0, K);
+        for (int i = 0; i < rows; ++i)
+          for (int u = 0; u < kcp / 8; ++u)
+            for (int e = 0; e < 8; ++e)
+              w[static_cast<long long>(first + r0 + i) * K + k0 + 8 * u + e] =
+                  page[i * kcp + 8 * packed_unit(u, i, kcp / 8) + e];
+      }
+    }
+  }
 }
 
 extern "C" const char* kestrel_chain_error(int code) {
