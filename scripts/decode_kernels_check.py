@@ -1024,6 +1024,13 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     # barriers alone 3.6; the stream alone 12.2 with lane 0's copies, 8.7 with 16 lanes': the copy a row holds the
     # stream back), so mma_packed: the weights packed in the producer's order, a page one bulk copy, by page size
     configs = configs or [
+        # (call c: packed with LL 12.7, with 2 pages in flight 10.4 (1: 11.7, 4: 12.3); its stream alone 8.2, 8.8
+        # with 2 in flight; mma_parts no better, 12.3-13.2, its consumers alone 12.4 against 8.5) so the cap with
+        # mma_lanes and 8 KB pages, first
+        dict(pipe=True, ll=True, mma=True, mma_lanes=True, depth=2),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=3),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, page_bytes=8192, depth=2),
         dict(pipe=True, ll=True, mma=True, mma_packed=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, page_bytes=8192),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, page_bytes=32768),
