@@ -59,16 +59,29 @@ memory within STATIC_SMEM), neither timed nor GPU-tested yet (fifteen asks for a
   `mma_lanes` (session 63) spreads a page's 16 row copies over 16 lanes of the producer warp, where lane 0 issues
   all 16: `l2` times the two side by side, with LL and as the stream alone.
 
-Session 64 (H100, bench/results/2026-12-06-h100-session64.json, calls a and b; floor 7.09, launches 9.51-9.52 in the
-same runs; the runs differ by up to 2 us a layer from one call to the next): both sessions' steps correct on the GPU
-(the tests' 98 and 108 cases). mma with LL 13.8-14.8 (32 KB pages 11.0-14.2, 8 KB 25-28), mma_lanes with LL
-**10.1**-11.5; the consumers alone (no_stream) 6.9-8.9 with LL and 6.7-8.6 with no barrier, where pipe's were 15.6
-and 10.9; barriers alone 3.6-3.8. The stream alone: a copy a row 11.6-12.2 from lane 0, 8.7-8.8 from 16 lanes. So
-`mma_packed`: the weights packed on the host (pack_mma_pages) in the order the producer streams them, a page one
-bulk copy and no padding (each row's 16-byte units swizzled by row for ldmatrix): the stream alone **8.1** (16 KB
-pages) and **7.7** (32 KB), as pipe's whole-row pages; yet with LL 13.6 (16 KB), 12.5 (8 KB), 16.7 (32 KB), and with
-no barrier 12.0: the consumers' time still adds to the stream's. Next, capping the copies in flight (`depth`): if
-a stage's input, read from L2, queues behind the ring's pages in flight to the same SM, fewer in flight shorten it.
+Session 64 (H100, bench/results/2026-12-06-h100-session64.json, calls a-c; floor 7.08-7.09, launches 9.51-9.52 in
+the same runs; the chain's figures differ by up to 2 us a layer from one call to the next, the floor's and the
+launches' do not): every variant correct on the GPU (the tests' 117 cases in call c).
+- mma with LL 13.8-14.8 (32 KB pages 11.0-14.2, 8 KB 25-28); its consumers alone (no_stream) 6.9-8.9 with LL,
+  6.7-8.9 with no barrier, where pipe's were 15.6 and 10.9; barriers alone 3.6-3.8.
+- mma_lanes with LL **10.1**-11.5; its stream alone 8.7-9.2 against lane 0's 11.6-12.3 (a copy a row from one
+  lane held the stream back).
+- `mma_packed` (the weights packed on the host in the producer's order, pack_mma_pages: a page one bulk copy, no
+  padding, each row's 16-byte units swizzled by row for ldmatrix): the stream alone **8.1-8.2** (16 KB pages) and
+  **7.7-8.0** (32 KB), as pipe's whole-row pages; yet with LL 12.7-13.6, 12.2-12.5 (8 KB), 14.4-16.7 (32 KB); with
+  no barrier 11.6-12.0, and 10.6 without the input's read too: the consumers' time still adds to the stream's.
+- the copies in flight capped (`depth`, call c): with LL **10.4** at 2 pages in flight (1: 11.7, 4: 12.3; 8 KB
+  pages 3 and 6: 11.9), the stream alone 8.8 at 2 and 8.1 at 4; with no barrier 10.8 at 2 (10.0 without the input's
+  read). Fewer bytes in flight ahead of a stage's input read shorten the chain: the read queues behind them.
+- `mma_parts` (a page's k-blocks split among 2-8 warps): no better, 12.3 (2), 13.2 (4), 12.6-13.2 (4 and 8 on
+  32 KB pages), and the consumers alone 12.4 with 4 against 8.5 with 1: more waits on each page's barrier, more
+  partial sums.
+- Nsight Compute on mma_parts 4 with LL: 103 M warp instructions (33 K a layer an SM, where the ldmatrix, mma and
+  input loads need about 5 K: the rest polls of mbarriers and LL pairs), a scheduler issuing in 37% of its cycles,
+  the stalls an issued instruction 2.9 fixed-latency waits, 2.7 barrier, 1.5 branch resolving, 1.1 global loads.
+So the best chain so far is 10.1-10.4 us a layer against the launches' 9.5 (1.07-1.10x), with its stream alone at
+8.1 and its consumers alone at 8.5-8.9: each is near the launches by itself, so the consumers' own work (most of it
+polling) has to shrink before the two can overlap into anything under 9.5.
 
 `CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
 row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
