@@ -1029,6 +1029,11 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         # mma_lanes and 8 KB pages, first
         dict(pipe=True, ll=True, mma=True, mma_lanes=True, depth=2),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2),
+        # where a stage's time goes (trace_summary: the input's wait, the sums after it, the producer's lead)
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, trace=True),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, trace=True),
+        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, trace=True),
+        dict(pipe=True, ll=True, mma=True, no_stream=True, trace=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=3),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, page_bytes=8192, depth=2),
         dict(pipe=True, ll=True, mma=True, mma_packed=True),
@@ -1080,8 +1085,17 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     ]
     return _chain_rows(
         lambda config: CudaGemvChain(weights, **config), configs, x, want, layers, "cuda", "l2_ahead cuda chain",
-        lambda chain: {"blocks": chain.blocks, "ring_bytes": chain.ring_bytes},
+        lambda chain: {"blocks": chain.blocks, "ring_bytes": chain.ring_bytes, **_chain_trace(chain)},
     )  # fmt: skip
+
+
+def _chain_trace(chain) -> dict:
+    """A traced CudaGemvChain's summary of one more call (its first, cold, already run): {} untraced."""
+    if chain.trace is None:
+        return {}
+    chain()
+    torch.cuda.synchronize()
+    return {"trace": chain.trace_summary()}
 
 
 def _persistent_chain(weights: list, x: torch.Tensor, layers: int, device: str, configs=None) -> list[dict]:

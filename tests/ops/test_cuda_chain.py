@@ -203,3 +203,48 @@ def test_mma_packing_is_what_the_kernel_reads(host_lib, N, K, blocks, kc):
         ctypes.c_void_p(bits.data_ptr()), ctypes.c_void_p(back.data_ptr()), N, K, blocks, kc
     )
     assert torch.equal(back, w.view(torch.int16))
+
+
+def test_trace_summary_reads_the_points():
+    # two blocks, three stages, a 2 GHz clock: block b's stage s starts at 10 us s + b, its input in 3 us later,
+    # its pages summed 1 us after that, stored 0.5 us after; the producer has the first page 2 us before the start
+    # (block 1's stage 2 has no rows: no first page) and issues the last 1 us before the input is in
+    blocks, stages = 2, 3
+    trace = torch.zeros(blocks, stages, 16, dtype=torch.int64)
+    for b in range(blocks):
+        for s in range(stages):
+            start = 10_000 * s + 1_000 * b  # ns
+            points = [start, start + 3_000, start + 4_000, start + 4_500, start - 2_000, start + 2_000]
+            for k, at in enumerate(points):
+                trace[b, s, 8 + k] = at
+                trace[b, s, k] = 2 * at  # cycles at 2 GHz
+    trace[1, 2, 4] = trace[1, 2, 12] = 0
+    got = cuda_chain.chain_trace_summary(trace)
+    assert got["clock_ghz"] == pytest.approx(2.0)
+    assert got["input_wait_us"] == {"median": pytest.approx(3.0), "max": pytest.approx(3.0)}
+    assert got["pages_after_input_us"]["max"] == pytest.approx(1.0)
+    assert got["stores_us"]["median"] == pytest.approx(0.5)
+    assert got["first_page_ahead_us"] == {"median": pytest.approx(2.0), "max": pytest.approx(2.0)}
+    assert got["last_page_ahead_us"]["median"] == pytest.approx(1.0)
+    assert got["stage_period_us"] == {"median": pytest.approx(10.0), "max": pytest.approx(10.0)}
+    # the last block (1) stores stage s - 1 at 10 s - 10 + 1 + 4.5 us and has stage s's input at 10 s + 1 + 3
+    assert got["input_latency_us"]["median"] == pytest.approx(10.0 - 4.5 + 3.0)
+
+
+@cuda
+def test_traced_chain_matches_and_orders_its_points():
+    weights = _weights([(4232, 2048), (2048, 1024)] * 2, seed=3)
+    chain = cuda_chain.CudaGemvChain(
+        weights, pipe=True, ll=True, mma=True, mma_packed=True, depth=2, trace=True
+    )
+    x = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
+    chain.input.copy_(x)
+    got = chain().float()
+    want = gemv_chain_reference(x, weights)[-1].float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    t = chain.trace.cpu()
+    assert (t[..., :4] > 0).all() and (t[..., 8:14] > 0).all()  # every block has rows in every stage here
+    cycles = t[..., :4]
+    assert (cycles[..., 1:] >= cycles[..., :-1]).all()  # start, input in, pages summed, stored
+    summary = chain.trace_summary()
+    assert 0.5 < summary["clock_ghz"] < 3.0 and summary["stage_period_us"]["median"] > 0

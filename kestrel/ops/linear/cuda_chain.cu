@@ -480,6 +480,20 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// kMma's trace (when `trace` is not null): block b's row of stage s ([blocks][S][16] 64-bit values) takes the SM
+// clock at point k in [k] and the ns timer in [8 + k] (cuda_chain.py's TRACE_POINTS): 0 the consumers start the
+// stage, 1 its input is in, 2 its pages are summed, 3 consumer 0 has stored its row; the producer 4 has the
+// stage's first page's slot (and in-flight room), 5 has issued its last page. A few stores a stage from one thread
+// each: where a stage's time goes.
+__device__ __forceinline__ void trace_point(unsigned long long* trace, int b, int S, int s, int k) {
+  if (trace == nullptr) return;
+  unsigned long long ns;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(ns));
+  unsigned long long* row = trace + (static_cast<long long>(b) * S + s) * 16;
+  row[k] = clock64();
+  row[8 + k] = ns;
+}
+
 // kMma's producer: every stage's pages in order, row tiles outer, each row of a page a bulk copy into its line
 // (kMmaPacked: the page one copy, its rows contiguous in the packed weights); with kNoStream each page completed
 // without a copy. Lane 0 alone runs it, or with kMmaLanes the whole warp: lane 0 waits for the slot and sets its
@@ -488,12 +502,13 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 // so that a stage's input, read from L2 by the same SM, queues behind fewer bytes.
 __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_bfloat16* acts, int S, int b,
                             int G, uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int pages,
-                            int page_bytes, int mode, int lane, int inflight) {
+                            int page_bytes, int mode, int lane, int inflight, unsigned long long* trace) {
   const bool lanes = mode & kMmaLanes;
   const bool capped = inflight > 0 && inflight < pages;
   MmaPages pg(page_bytes, pages, mode);
   for (int s = 0; s < S; ++s) {
     const StageRows st = stage_rows(meta, w, acts, s, b, G);
+    bool first = true;
     for (int r0 = 0; r0 < st.rows; r0 += 16) {
       const int rows = min(16, st.rows - r0);
       for (int k0 = 0; k0 < st.K; k0 += pg.kc, pg.next()) {
@@ -505,6 +520,8 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
           if (use >= 0)
             mbar_wait(full_base + 8 * (pg.slot - inflight + (wrapped ? pages : 0)), static_cast<unsigned>(use) & 1u);
         }
+        if (first && lane == 0) trace_point(trace, b, S, s, 4);  // the stage's first page free to issue
+        first = false;
         if (mode & kNoStream) {
           if (lane == 0) mbar_arrive(full);
           continue;
@@ -525,6 +542,7 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
         }
       }
     }
+    if (lane == 0) trace_point(trace, b, S, s, 5);
   }
 }
 
@@ -600,7 +618,7 @@ template <bool kMmaPath>
 __global__ void __launch_bounds__(kThreads, 1)
     chain_pipe_kernel(const __nv_bfloat16* __restrict__ w, __nv_bfloat16* acts, const long long* __restrict__ gmeta,
                       int S, unsigned* counter, int* gave_up, long long max_spin, int pages, int mode,
-                      unsigned long long* ll, int page_bytes, int inflight) {
+                      unsigned long long* ll, int page_bytes, int inflight, unsigned long long* trace) {
   extern __shared__ uint4 ring[];  // [pages][page_bytes / 16]
   __shared__ uint4 xs[kMaxK / 8];
   __shared__ alignas(8) unsigned long long full[64], empty[64];
@@ -626,7 +644,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   if (kMmaPath && warp == 0) {
     if (lane == 0 || (mode & kMmaLanes))
-      mma_produce(meta, w, acts, S, b, G, ring_base, full_base, empty_base, pages, page_bytes, mode, lane, inflight);
+      mma_produce(meta, w, acts, S, b, G, ring_base, full_base, empty_base, pages, page_bytes, mode, lane, inflight,
+                  trace);
     return;
   }
   if (warp == 0) {  // the producer: lane 0, or with kProducers4 lanes 0-3 taking every fourth page
@@ -659,8 +678,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (kMmaPath) {
     MmaPages pg(page_bytes, pages, mode);
     unsigned* xw = reinterpret_cast<unsigned*>(xs);
+    unsigned long long* const tr = ctid == 0 ? trace : nullptr;
     for (int s = 0; s < S; ++s) {
       const StageRows st = stage_rows(meta, w, acts, s, b, G);
+      trace_point(tr, b, S, s, 0);
       if (mode & (kNoInput | kNoCompute)) {
         for (int i = ctid; i < st.K / 2; i += kConsumers * 32) xw[i] = 0u;
       } else if (lowlat) {
@@ -684,14 +705,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       consumers_sync();  // the input in xs (and the last stage's partial sums read)
+      trace_point(tr, b, S, s, 1);
       mma_consume(st, pg, xw, sums, ring_base, full_base, empty_base, cw, lane, !(mode & kNoCompute));
       consumers_sync();  // every page's partial sums in
+      trace_point(tr, b, S, s, 2);
       const int column_pages = (st.K + pg.kc - 1) / pg.kc * pg.parts;
       for (int r = ctid; r < st.rows; r += kConsumers * 32) {
         float sum = 0.f;
         for (int c = 0; c < column_pages; ++c) sum += sums[c * st.rows + r];
         store_row(st, acts, ll, s, r, sum, lowlat);
       }
+      trace_point(tr, b, S, s, 3);
       if (!lowlat && s + 1 < S) {
         consumers_sync();  // every output of the stage stored
         if (ctid == 0) red_release_add(counter, 1u);
@@ -804,7 +828,8 @@ extern "C" int kestrel_chain_setup(int smem_bytes) {
 
 extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta, int S, void* counter,
                                     void* gave_up, long long max_spin, int blocks, int smem_bytes, int depth,
-                                    int mode, void* ll, long long ll_bytes, int page_bytes, void* stream) {
+                                    int mode, void* ll, long long ll_bytes, int page_bytes, void* trace,
+                                    void* stream) {
   // the Python side checks these; the launch refuses them too rather than index past its tables
   const int slot_bytes = pipe_slot_bytes(page_bytes, mode);
   const bool pipe_bad = (mode & kPipe) && (S > kMaxStages || page_bytes <= 0 || smem_bytes < slot_bytes);
@@ -823,7 +848,8 @@ extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta,
     kernel<<<blocks, kThreads, smem_bytes, st>>>(
         static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(acts),
         static_cast<const long long*>(meta), S, static_cast<unsigned*>(counter), static_cast<int*>(gave_up),
-        max_spin, min(smem_bytes / slot_bytes, 64), mode, static_cast<unsigned long long*>(ll), page_bytes, depth);
+        max_spin, min(smem_bytes / slot_bytes, 64), mode, static_cast<unsigned long long*>(ll), page_bytes, depth,
+        static_cast<unsigned long long*>(trace));
     return static_cast<int>(cudaGetLastError());
   }
   chain_kernel<<<blocks, kThreads, smem_bytes, st>>>(

@@ -81,7 +81,10 @@ launches' do not): every variant correct on the GPU (the tests' 117 cases in cal
   the stalls an issued instruction 2.9 fixed-latency waits, 2.7 barrier, 1.5 branch resolving, 1.1 global loads.
 So the best chain so far is 10.1-10.4 us a layer against the launches' 9.5 (1.07-1.10x), with its stream alone at
 8.1 and its consumers alone at 8.5-8.9: each is near the launches by itself, so the consumers' own work (most of it
-polling) has to shrink before the two can overlap into anything under 9.5.
+polling) has to shrink before the two can overlap into anything under 9.5. To see where it goes, mma takes
+`trace=True` (written after call c, untimed): the SM clock and the ns timer at each stage's TRACE_POINTS in each
+block, summed up by `trace_summary` (the input's wait, the sums after it, the stores, the producer's lead, a
+stage's period across the blocks); `l2` records it for four configurations.
 
 `CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
 row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
@@ -128,6 +131,9 @@ MMA_PAGE_PAD = 256  # cuda_chain.cu's mma_slot_bytes: a page's 16 rows 16 bytes 
 MMA_LANES = 4096  # mma: a page's 16 row copies issued by 16 lanes of the producer warp, not all by lane 0
 MMA_PACKED = 8192  # mma: the weights packed in the producer's order (pack_mma_pages), a page one bulk copy
 MMA_PARTS_SHIFT = 14  # mma: log2 of the consumer warps a page's k-blocks are split among, in mode bits 14-15
+# mma's trace (`trace=True`; cuda_chain.cu's trace_point): each block's row of each stage takes the SM clock and the
+# ns timer at these points, from consumer thread 0 (0-3) and the producer's lane 0 (4-5)
+TRACE_POINTS = ("start", "input in", "pages summed", "stored", "first page free", "last page issued")
 STATIC_SMEM = (
     17 * 1024
 )  # cuda_chain.cu's static shared memory (the LL input, the mbarriers, pipe's stage table, mma's sums)
@@ -160,6 +166,7 @@ def _load() -> ctypes.CDLL:
                 ctypes.c_void_p,  # LL pairs
                 ctypes.c_longlong,  # their bytes
                 ctypes.c_int,  # pipe's page bytes
+                ctypes.c_void_p,  # mma's trace (null: none)
                 ctypes.c_void_p,  # stream
             ]
             lib.kestrel_chain_error.restype = ctypes.c_char_p
@@ -206,6 +213,39 @@ def pack_mma_pages(w: torch.Tensor, blocks: int, kc: int) -> torch.Tensor:
     return out
 
 
+def chain_trace_summary(trace: torch.Tensor) -> dict:
+    """CudaGemvChain.trace_summary on a trace [blocks, stages, 16] (cycles at [k], ns at [8 + k])."""
+    t = trace.detach().cpu().double()
+    cycles, ns = t[..., :6], t[..., 8:14]
+    # the SM clock: cycles over ns from each block's first start to its last store
+    ghz = (
+        (cycles[:, -1, 3] - cycles[:, 0, 0]).sum() / (ns[:, -1, 3] - ns[:, 0, 0]).sum().clamp(min=1)
+    ).item()
+
+    def spread(us: torch.Tensor) -> dict:
+        return {"median": us.median().item(), "max": us.max().item()}
+
+    def us_cycles(a: int, b: int) -> torch.Tensor:
+        return (cycles[..., b] - cycles[..., a]) / ghz / 1e3
+
+    last = ns.max(dim=0).values  # [stages, points]: when the last block reached each point
+    paged = ns[..., 4] > 0  # a block with no rows in a stage has no first page
+    out = {
+        "blocks": t.shape[0],
+        "stages": t.shape[1],
+        "clock_ghz": ghz,
+        "input_wait_us": spread(us_cycles(0, 1)),
+        "pages_after_input_us": spread(us_cycles(1, 2)),
+        "stores_us": spread(us_cycles(2, 3)),
+        "first_page_ahead_us": spread((ns[..., 0] - ns[..., 4])[paged] / 1e3),
+        "last_page_ahead_us": spread((ns[..., 1] - ns[..., 5]) / 1e3),
+    }
+    if t.shape[1] > 1:
+        out["stage_period_us"] = spread((last[1:, 3] - last[:-1, 3]) / 1e3)
+        out["input_latency_us"] = spread((last[1:, 1] - last[:-1, 3]) / 1e3)
+    return out
+
+
 def _check(lib: ctypes.CDLL, err: int, what: str) -> None:
     if err != 0:
         raise RuntimeError(f"{what}: {lib.kestrel_chain_error(err).decode()}")
@@ -241,6 +281,7 @@ class CudaGemvChain:
         mma_lanes: bool = False,
         mma_packed: bool = False,
         mma_parts: int = 1,
+        trace: bool = False,
     ):
         assert weights and all(w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_cuda for w in weights), (
             "weights: [N_s, K_s] bf16 on CUDA"
@@ -267,6 +308,7 @@ class CudaGemvChain:
         self.page_bytes = page_bytes
         assert mma or not (mma_lanes or mma_packed), "mma_lanes and mma_packed are variants of mma"
         assert not (mma_lanes and mma_packed), "mma_packed copies a page at once: no lanes to spread"
+        assert mma or not trace, "trace is mma's"
         assert mma_parts in (1, 2, 4, 8) and (mma or mma_parts == 1), (
             f"mma_parts {mma_parts}: 1, 2, 4 or 8, with mma"
         )
@@ -318,6 +360,11 @@ class CudaGemvChain:
             self.acts.numel() if ll else 2, dtype=torch.int64, device=self.device
         )  # an LL pair a value
         self.stages = len(weights)
+        self.trace = (
+            torch.zeros(self.blocks, self.stages, 16, dtype=torch.int64, device=self.device)
+            if trace
+            else None
+        )
         self._lib = _load()
         index = self.device.index or 0
         if index not in _smem_set:  # outside any capture: the kernel's limit, once a device, at the most
@@ -332,10 +379,20 @@ class CudaGemvChain:
         err = self._lib.kestrel_chain_launch(
             self.w.data_ptr(), self.acts.data_ptr(), self.meta.data_ptr(), self.stages, self.sync.data_ptr(),
             self.sync[1:].data_ptr(), MAX_SPIN, self.blocks, self.ring_bytes, self.depth, self.mode,
-            self.ll.data_ptr(), self.ll.numel() * 8, self.page_bytes, stream,
+            self.ll.data_ptr(), self.ll.numel() * 8, self.page_bytes,
+            None if self.trace is None else self.trace.data_ptr(), stream,
         )  # fmt: skip
         _check(self._lib, err, "chain launch")
         return self.outputs[-1]
+
+    def trace_summary(self) -> dict:
+        """Where the last traced call's stages went (`trace=True`), us: over every block and stage, the median
+        and largest of the input's wait (start to input in), the pages' sums after it (to pages summed) and the
+        stores; how far ahead of the consumers the producer had the stage's first page (free to issue at, against
+        the consumers' start: above 0 ahead) and issued its last; and across the blocks, a stage's period (the
+        last block's stores to the last block's stores) and the input's latency (the last block's stores of stage
+        s - 1 to the last block's input in at s)."""
+        return chain_trace_summary(self.trace)
 
     def gave_up(self) -> bool:
         """Whether a block gave up waiting at the counter in a call so far (its results are wrong)."""
