@@ -1034,6 +1034,10 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         dict(pipe=True, ll=True, mma=True, mma_packed=True, trace=True),
         dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, trace=True),
         dict(pipe=True, ll=True, mma=True, no_stream=True, trace=True),
+        # the consumers' polls of the input from L2 put to sleep 128 ns between tries
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, poll_sleep=True),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, poll_sleep=True, trace=True),
+        dict(pipe=True, ll=True, mma=True, mma_lanes=True, poll_sleep=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=3),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, page_bytes=8192, depth=2),
         dict(pipe=True, ll=True, mma=True, mma_packed=True),

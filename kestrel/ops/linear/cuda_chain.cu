@@ -73,6 +73,11 @@ constexpr int kMmaPacked = 8192;
 // pages are all summed once its input is in, each by one warp, so a warp's share of a page is the stage's latency
 // after its input (session 64: with LL 12.5, 13.6 and 16.7 us a layer with 8, 16 and 32 KB pages)
 constexpr int kMmaPartsShift = 14;
+// kMma with LL: a consumer thread sleeps kPollSleepNs between polls of an input pair not yet there. Every consumer
+// thread of every block polls its pairs from L2 while a stage's input is not in (about 60 K 16-byte reads in flight
+// over the GPU): whether that traffic holds the weight stream back.
+constexpr int kPollSleep = 1 << 16;
+constexpr unsigned kPollSleepNs = 128;
 constexpr int kMaxPartials = 2048;  // kMma: a block's rows of one stage x its pages a row (fp32 sums in shared)
 constexpr int kMaxStages = 64;  // pipe keeps every stage's entries in shared memory
 constexpr unsigned kBulkBytes = 32768;
@@ -188,7 +193,8 @@ __device__ __forceinline__ int frag_word(int wi, bool frag) {
 template <int kBatch = 1>
 __device__ __forceinline__ void gather_ll_input(unsigned* xs, const StageRows& st, const __nv_bfloat16* acts,
                                                 const unsigned long long* ll, int s, int t0, int step, bool poll,
-                                                long long max_spin, int* gave_up, bool frag = false) {
+                                                long long max_spin, int* gave_up, bool frag = false,
+                                                unsigned sleep_ns = 0) {
   const long long x_off = st.x - acts;
   if (s == 0) {
     for (int e = 2 * t0; e < st.K; e += 2 * step)
@@ -214,6 +220,7 @@ __device__ __forceinline__ void gather_ll_input(unsigned* xs, const StageRows& s
           atomicExch(gave_up, 1);
           break;
         }
+        if (sleep_ns) __nanosleep(sleep_ns);
         v[i] = ld_volatile16(ll + x_off + e);
       }
       xs[frag_word(e / 2, frag)] = (v[i].y & 0xffffu) | (v[i].w << 16);
@@ -686,7 +693,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int i = ctid; i < st.K / 2; i += kConsumers * 32) xw[i] = 0u;
       } else if (lowlat) {
         gather_ll_input<kGatherBatch>(xw, st, acts, ll, s, ctid, kConsumers * 32, !(mode & kNoBarrier), max_spin,
-                                      gave_up, true);
+                                      gave_up, true, mode & kPollSleep ? kPollSleepNs : 0u);
       } else {
         if (s > 0 && !(mode & kNoBarrier)) consumers_wait_counter(counter, s, G, ctid, max_spin, gave_up);
         const unsigned* src = reinterpret_cast<const unsigned*>(st.x);

@@ -84,7 +84,10 @@ So the best chain so far is 10.1-10.4 us a layer against the launches' 9.5 (1.07
 polling) has to shrink before the two can overlap into anything under 9.5. To see where it goes, mma takes
 `trace=True` (written after call c, untimed): the SM clock and the ns timer at each stage's TRACE_POINTS in each
 block, summed up by `trace_summary` (the input's wait, the sums after it, the stores, the producer's lead, a
-stage's period across the blocks); `l2` records it for four configurations.
+stage's period across the blocks); `l2` records it for four configurations. And `poll_sleep` (untimed too): with
+LL every consumer thread of every block polls its input pairs from L2 until they are there, some 60 K 16-byte reads
+in flight over the GPU while a stage waits; 128 ns asleep between tries asks whether that traffic holds the weight
+stream back.
 
 `CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
 row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
@@ -131,6 +134,7 @@ MMA_PAGE_PAD = 256  # cuda_chain.cu's mma_slot_bytes: a page's 16 rows 16 bytes 
 MMA_LANES = 4096  # mma: a page's 16 row copies issued by 16 lanes of the producer warp, not all by lane 0
 MMA_PACKED = 8192  # mma: the weights packed in the producer's order (pack_mma_pages), a page one bulk copy
 MMA_PARTS_SHIFT = 14  # mma: log2 of the consumer warps a page's k-blocks are split among, in mode bits 14-15
+POLL_SLEEP = 1 << 16  # mma with ll: 128 ns asleep between a consumer's polls of an input pair not yet there
 # mma's trace (`trace=True`; cuda_chain.cu's trace_point): each block's row of each stage takes the SM clock and the
 # ns timer at these points, from consumer thread 0 (0-3) and the producer's lane 0 (4-5)
 TRACE_POINTS = ("start", "input in", "pages summed", "stored", "first page free", "last page issued")
@@ -282,6 +286,7 @@ class CudaGemvChain:
         mma_packed: bool = False,
         mma_parts: int = 1,
         trace: bool = False,
+        poll_sleep: bool = False,
     ):
         assert weights and all(w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_cuda for w in weights), (
             "weights: [N_s, K_s] bf16 on CUDA"
@@ -309,6 +314,7 @@ class CudaGemvChain:
         assert mma or not (mma_lanes or mma_packed), "mma_lanes and mma_packed are variants of mma"
         assert not (mma_lanes and mma_packed), "mma_packed copies a page at once: no lanes to spread"
         assert mma or not trace, "trace is mma's"
+        assert mma and ll or not poll_sleep, "poll_sleep is mma's with ll"
         assert mma_parts in (1, 2, 4, 8) and (mma or mma_parts == 1), (
             f"mma_parts {mma_parts}: 1, 2, 4 or 8, with mma"
         )
@@ -350,6 +356,7 @@ class CudaGemvChain:
             | MMA_LANES * mma_lanes
             | MMA_PACKED * mma_packed
             | (mma_parts.bit_length() - 1) << MMA_PARTS_SHIFT
+            | POLL_SLEEP * poll_sleep
         )
         # each output 16-byte aligned: the next stage reads it in 16-byte units
         self.w, self.acts, self.meta, self.input, self.outputs = pack_chain(weights, 1, align=8)
