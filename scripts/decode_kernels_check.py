@@ -1022,11 +1022,13 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     # copies issued by 16 producer lanes (mma_lanes) against lane 0's
     # (session 64, H100: with LL 14.8, 10.1 with mma_lanes, 11.0 with 32 KB pages; the consumers alone 6.9 with LL,
     # barriers alone 3.6; the stream alone 12.2 with lane 0's copies, 8.7 with 16 lanes': the copy a row holds the
-    # stream back), so mma_packed: the weights packed in the producer's order, a page one bulk copy, by page size
+    # stream back), so mma_packed: the weights packed in the producer's order, a page one bulk copy, by page size;
+    # then the cap (depth), mma_parts, a trace and poll_sleep (calls b-c: packed, the stream alone 7.7-8.2, yet
+    # with LL 12.2-16.7 by page size and 11.6-12.0 with no barrier; capping the copies in flight (depth) 10.4 at 2
+    # pages (1: 11.7, 4: 12.3), so a stage's input read queues behind them; mma_parts, a page's sums split among
+    # 2-8 warps, no better, 12.3-13.2). The sweep keeps what the next steps are measured against; the rest is in
+    # bench/results/2026-12-06-h100-session64.json
     configs = configs or [
-        # (call c: packed with LL 12.7, with 2 pages in flight 10.4 (1: 11.7, 4: 12.3); its stream alone 8.2, 8.8
-        # with 2 in flight; mma_parts no better, 12.3-13.2, its consumers alone 12.4 against 8.5) so the cap with
-        # mma_lanes and 8 KB pages, first
         dict(pipe=True, ll=True, mma=True, mma_lanes=True, depth=2),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2),
         # where a stage's time goes (trace_summary: the input's wait, the sums after it, the producer's lead)
@@ -1040,52 +1042,18 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         dict(pipe=True, ll=True, mma=True, mma_lanes=True, poll_sleep=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=3),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, page_bytes=8192, depth=2),
-        dict(pipe=True, ll=True, mma=True, mma_packed=True),
-        dict(pipe=True, ll=True, mma=True, mma_packed=True, page_bytes=8192),
-        dict(pipe=True, ll=True, mma=True, mma_packed=True, page_bytes=32768),
-        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_compute=True),
-        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_compute=True, page_bytes=32768),
-        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True),
-        dict(pipe=True, ll=True, mma=True, mma_lanes=True, page_bytes=32768),
-        # (call b: packed, the stream alone 8.1 (16 KB pages) and 7.7 (32 KB), yet with LL 12.5-16.7 and with no
-        # barrier 12.0: the consumers' time still adds to the stream's) so the copies in flight capped (depth):
-        # whether the input's read from L2 queues behind a ring's worth of pages to the same SM
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=1),
-        dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=4),
-        dict(pipe=True, ll=True, mma=True, mma_packed=True, page_bytes=8192, depth=3),
-        dict(pipe=True, ll=True, mma=True, mma_packed=True, page_bytes=8192, depth=6),
-        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_compute=True, depth=2),
-        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_compute=True, depth=4),
-        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, depth=2),
-        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_input=True),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True),
+        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True),
         dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_input=True, depth=2),
-        # with LL, 12.5 / 13.6 / 16.7 with 8 / 16 / 32 KB pages: a stage's pages are summed once its input is in,
-        # each by one warp, so a page's share a warp (mma_parts) is the latency after the input
-        dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_parts=2),
-        dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_parts=4),
-        dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_parts=4, page_bytes=32768),
-        dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_parts=8, page_bytes=32768),
-        dict(pipe=True, mma=True, mma_packed=True, mma_parts=4, no_barrier=True),
-        dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_parts=4, no_stream=True),
-        dict(pipe=True, ll=True, mma=True, mma_lanes=True, mma_parts=4),
-        dict(pipe=True, ll=True, mma=True),
-        dict(pipe=True, ll=True, mma=True, page_bytes=8192),
-        dict(pipe=True, ll=True, mma=True, page_bytes=32768),
-        dict(pipe=True, mma=True),
-        dict(pipe=True, ll=True, mma=True, no_stream=True),
-        dict(pipe=True, mma=True, no_barrier=True),
-        dict(pipe=True, mma=True, no_barrier=True, no_stream=True),
-        dict(pipe=True, mma=True, no_barrier=True, no_compute=True),
+        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_compute=True),  # the stream alone
         dict(pipe=True, ll=True, mma=True, mma_lanes=True),
         dict(pipe=True, mma=True, mma_lanes=True, no_barrier=True, no_compute=True),
-        dict(pipe=True, ll=True),
-        dict(pipe=True, ll=True, no_stream=True),
-        dict(pipe=True, ll=True, own_pages=True),
-        dict(pipe=True, ll=True, own_pages=True, no_stream=True),
-        dict(pipe=True, own_pages=True, no_barrier=True, no_stream=True),
-        dict(pipe=True, own_pages=True, no_barrier=True),
-        dict(pipe=True, own_pages=True, no_barrier=True, no_compute=True),
+        dict(pipe=True, ll=True, mma=True),
+        dict(pipe=True, ll=True, mma=True, no_stream=True),  # the consumers alone
+        dict(pipe=True, mma=True, no_barrier=True, no_stream=True),
+        dict(pipe=True, ll=True),  # session 61's pipe
     ]
     return _chain_rows(
         lambda config: CudaGemvChain(weights, **config), configs, x, want, layers, "cuda", "l2_ahead cuda chain",
