@@ -206,29 +206,36 @@ def test_mma_packing_is_what_the_kernel_reads(host_lib, N, K, blocks, kc):
 
 
 def test_trace_summary_reads_the_points():
-    # two blocks, three stages, a 2 GHz clock: block b's stage s starts at 10 us s + b, its input in 3 us later,
-    # its pages summed 1 us after that, stored 0.5 us after; the producer has the first page 2 us before the start
-    # (block 1's stage 2 has no rows: no first page) and issues the last 1 us before the input is in
+    # two blocks, three stages, a 2 GHz clock (each block's own offset: cycles do not compare across SMs): block
+    # b's stage s starts at 10 (s + 1) + b us, its input in 3 + 0.5 b us later, its pages summed 1 us after that,
+    # stored 0.5 + b us after; the producer has the first page 2 us before the start and issues the last 1 us
+    # before the input is in. Block 1 has no rows in stage 2 (no first page; its last page's point far off): left
+    # out of the spans, not of the stage's period
     blocks, stages = 2, 3
     trace = torch.zeros(blocks, stages, 16, dtype=torch.int64)
     for b in range(blocks):
         for s in range(stages):
-            start = 10_000 * s + 1_000 * b  # ns
-            points = [start, start + 3_000, start + 4_000, start + 4_500, start - 2_000, start + 2_000]
+            start = 10_000 * (s + 1) + 1_000 * b  # ns
+            inp = start + 3_000 + 500 * b
+            points = [start, inp, inp + 1_000, inp + 1_500 + 1_000 * b, start - 2_000, inp - 1_000]
             for k, at in enumerate(points):
                 trace[b, s, 8 + k] = at
-                trace[b, s, k] = 2 * at  # cycles at 2 GHz
+                trace[b, s, k] = 2 * at + 7_000_000 * (b + 1)
     trace[1, 2, 4] = trace[1, 2, 12] = 0
+    trace[1, 2, 13] = trace[1, 2, 8] - 50_000  # as the producer writes it there: when it ended the stage before
     got = cuda_chain.chain_trace_summary(trace)
     assert got["clock_ghz"] == pytest.approx(2.0)
-    assert got["input_wait_us"] == {"median": pytest.approx(3.0), "max": pytest.approx(3.0)}
-    assert got["pages_after_input_us"]["max"] == pytest.approx(1.0)
-    assert got["stores_us"]["median"] == pytest.approx(0.5)
+    assert got["input_wait_us"] == {"median": pytest.approx(3.0), "max": pytest.approx(3.5)}
+    assert got["pages_after_input_us"] == {"median": pytest.approx(1.0), "max": pytest.approx(1.0)}
+    assert got["stores_us"] == {"median": pytest.approx(0.5), "max": pytest.approx(1.5)}
     assert got["first_page_ahead_us"] == {"median": pytest.approx(2.0), "max": pytest.approx(2.0)}
-    assert got["last_page_ahead_us"]["median"] == pytest.approx(1.0)
+    assert got["last_page_ahead_us"] == {"median": pytest.approx(1.0), "max": pytest.approx(1.0)}
+    # across the blocks, from the last block to reach each point: block 1 stores stage s at 10 (s + 1) + 7 us, and
+    # the last input in at s is block 1's at 10 (s + 1) + 4.5
     assert got["stage_period_us"] == {"median": pytest.approx(10.0), "max": pytest.approx(10.0)}
-    # the last block (1) stores stage s - 1 at 10 s - 10 + 1 + 4.5 us and has stage s's input at 10 s + 1 + 3
-    assert got["input_latency_us"]["median"] == pytest.approx(10.0 - 4.5 + 3.0)
+    assert got["input_latency_us"]["median"] == pytest.approx(10.0 + 4.5 - 7.0)
+    with pytest.raises(AssertionError, match="no traced call"):
+        cuda_chain.chain_trace_summary(torch.zeros(blocks, stages, 16, dtype=torch.int64))
 
 
 @cuda

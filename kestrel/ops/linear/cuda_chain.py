@@ -84,7 +84,7 @@ So the best chain so far is 10.1-10.4 us a layer against the launches' 9.5 (1.07
 polling) has to shrink before the two can overlap into anything under 9.5. To see where it goes, mma takes
 `trace=True` (written after call c, untimed): the SM clock and the ns timer at each stage's TRACE_POINTS in each
 block, summed up by `trace_summary` (the input's wait, the sums after it, the stores, the producer's lead, a
-stage's period across the blocks); `l2` records it for four configurations. And `poll_sleep` (untimed too): with
+stage's period across the blocks); `l2` records it for five configurations. And `poll_sleep` (untimed too): with
 LL every consumer thread of every block polls its input pairs from L2 until they are there, some 60 K 16-byte reads
 in flight over the GPU while a stage waits; 128 ns asleep between tries asks whether that traffic holds the weight
 stream back.
@@ -218,22 +218,31 @@ def pack_mma_pages(w: torch.Tensor, blocks: int, kc: int) -> torch.Tensor:
 
 
 def chain_trace_summary(trace: torch.Tensor) -> dict:
-    """CudaGemvChain.trace_summary on a trace [blocks, stages, 16] (cycles at [k], ns at [8 + k])."""
+    """CudaGemvChain.trace_summary on a trace [blocks, stages, 16] (cycles at [k], ns at [8 + k]). The spans of a
+    block with no rows in a stage (no first page) are left out."""
     t = trace.detach().cpu().double()
     cycles, ns = t[..., :6], t[..., 8:14]
+    assert (ns[..., 3] > 0).all(), "no traced call yet"
     # the SM clock: cycles over ns from each block's first start to its last store
     ghz = (
         (cycles[:, -1, 3] - cycles[:, 0, 0]).sum() / (ns[:, -1, 3] - ns[:, 0, 0]).sum().clamp(min=1)
     ).item()
 
+    paged = ns[..., 4] > 0  # a block with no rows in a stage has no first page
+
     def spread(us: torch.Tensor) -> dict:
-        return {"median": us.median().item(), "max": us.max().item()}
+        us = us[paged]
+        nan = float("nan")
+        return (
+            {"median": us.median().item(), "max": us.max().item()}
+            if us.numel()
+            else {"median": nan, "max": nan}
+        )
 
     def us_cycles(a: int, b: int) -> torch.Tensor:
         return (cycles[..., b] - cycles[..., a]) / ghz / 1e3
 
     last = ns.max(dim=0).values  # [stages, points]: when the last block reached each point
-    paged = ns[..., 4] > 0  # a block with no rows in a stage has no first page
     out = {
         "blocks": t.shape[0],
         "stages": t.shape[1],
@@ -241,12 +250,16 @@ def chain_trace_summary(trace: torch.Tensor) -> dict:
         "input_wait_us": spread(us_cycles(0, 1)),
         "pages_after_input_us": spread(us_cycles(1, 2)),
         "stores_us": spread(us_cycles(2, 3)),
-        "first_page_ahead_us": spread((ns[..., 0] - ns[..., 4])[paged] / 1e3),
+        "first_page_ahead_us": spread((ns[..., 0] - ns[..., 4]) / 1e3),
         "last_page_ahead_us": spread((ns[..., 1] - ns[..., 5]) / 1e3),
     }
-    if t.shape[1] > 1:
-        out["stage_period_us"] = spread((last[1:, 3] - last[:-1, 3]) / 1e3)
-        out["input_latency_us"] = spread((last[1:, 1] - last[:-1, 3]) / 1e3)
+    if t.shape[1] > 1:  # across the blocks: a stage's values, not a block's
+
+        def across(us: torch.Tensor) -> dict:
+            return {"median": us.median().item(), "max": us.max().item()}
+
+        out["stage_period_us"] = across((last[1:, 3] - last[:-1, 3]) / 1e3)
+        out["input_latency_us"] = across((last[1:, 1] - last[:-1, 3]) / 1e3)
     return out
 
 
@@ -396,9 +409,10 @@ class CudaGemvChain:
         """Where the last traced call's stages went (`trace=True`), us: over every block and stage, the median
         and largest of the input's wait (start to input in), the pages' sums after it (to pages summed) and the
         stores; how far ahead of the consumers the producer had the stage's first page (free to issue at, against
-        the consumers' start: above 0 ahead) and issued its last; and across the blocks, a stage's period (the
-        last block's stores to the last block's stores) and the input's latency (the last block's stores of stage
-        s - 1 to the last block's input in at s)."""
+        the consumers' start: above 0 ahead) and issued its last (against the input's arrival); and across the
+        blocks, a stage's period (the last block's stores to the last block's stores) and the input's latency (the
+        last block's stores of stage s - 1 to the last block's input in at s)."""
+        assert self.trace is not None, "trace=True"
         return chain_trace_summary(self.trace)
 
     def gave_up(self) -> bool:
