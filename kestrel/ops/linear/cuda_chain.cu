@@ -71,7 +71,8 @@ constexpr int kMmaLanes = 4096;
 constexpr int kMmaPacked = 8192;
 // kMma with each page's k-blocks split among 2^p consumer warps (p, in mode bits 14-15: kMmaPartsShift): a stage's
 // pages are all summed once its input is in, each by one warp, so a warp's share of a page is the stage's latency
-// after its input (session 64: with LL 12.5, 13.6 and 16.7 us a layer with 8, 16 and 32 KB pages)
+// after its input (session 64: with LL 12.5, 13.6 and 16.7 us a layer with 8, 16 and 32 KB pages). Measured no
+// better (call c: 12.3-13.2 with LL against 12.7 undivided; the consumers alone 12.4 with 4 parts against 8.5)
 constexpr int kMmaPartsShift = 14;
 // kMma with LL: a consumer thread sleeps kPollSleepNs between polls of an input pair not yet there. Every consumer
 // thread of every block polls its pairs from L2 while a stage's input is not in (about 60 K 16-byte reads in flight
