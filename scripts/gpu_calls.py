@@ -228,6 +228,7 @@ def show_kernels_check(d: dict) -> list[str]:
                 f"{k} {best[k]}" for k in ("block_n", "ahead", "programs", "num_warps") if k in best
             )
             lines.append(f"l2_ahead persistent best: {best['us_a_layer']:.2f} us a layer ({knobs})")
+        lines += _cuda_chain_lines(a.get("cuda_chain") or [])
     if g := d.get("gemv_rows"):
         lines.append(
             f"gemv_rows floors us a layer: chain {g['chain_floor_us_a_layer']:.2f}, merged "
@@ -620,6 +621,30 @@ def execute(runs: list[Run], args) -> dict:
     with tarfile.open(out / f"{args.label}.tgz", "w:gz") as tar:
         tar.add(results, arcname=args.label)
     return record
+
+
+def _cuda_chain_lines(rows: list[dict]) -> list[str]:
+    """The CUDA chain's rows of `l2`: its best correct configuration, and each traced one's spans (medians, us)."""
+    skip = ("blocks", "ring_bytes", "rel_err", "gave_up", "ok", "us_a_layer", "trace", "error")
+
+    def knobs(row: dict) -> str:
+        return ", ".join(k if v is True else f"{k} {v}" for k, v in row.items() if k not in skip)
+
+    lines = []
+    correct = [r for r in rows if r.get("ok") and "us_a_layer" in r and not r.get("no_barrier")]
+    correct = [r for r in correct if not (r.get("no_stream") or r.get("no_compute") or r.get("no_input"))]
+    if correct:
+        best = min(correct, key=lambda r: r["us_a_layer"])
+        lines.append(f"l2_ahead cuda chain best: {best['us_a_layer']:.2f} us a layer ({knobs(best)})")
+    for row in rows:
+        if t := row.get("trace"):
+            spans = ", ".join(
+                f"{k[: -len('_us')]} {v['median']:.2f}" for k, v in t.items() if k.endswith("_us")
+            )
+            lines.append(
+                f"  traced {knobs(row)}: {row.get('us_a_layer', float('nan')):.2f} us a layer; {spans}"
+            )
+    return lines
 
 
 def summarize(paths: list[str]) -> list[dict]:

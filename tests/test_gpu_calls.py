@@ -126,3 +126,19 @@ def test_cut_gpu_tests_read_their_log(tmp_path):
         "cut: {'FAILED': 1, 'PASSED': 2} so far",
         "FAILED tests/ops/test_b.py::test_y[2]",
     ]
+
+
+def test_cuda_chain_lines_name_the_best_correct_chain_and_the_traced_spans():
+    """Session 64's call c as recorded: the best chain that computes the right thing (not a no_barrier or
+    no_stream probe, whatever their times), and a traced row's medians."""
+    record = json.loads((RESULTS / "2026-12-06-h100-session64.json").read_text())
+    rows = record["calls"][2]["runs"][0]["result"]["l2_ahead"]["cuda_chain"]
+    lines = calls._cuda_chain_lines(rows)
+    assert lines == ["l2_ahead cuda chain best: 10.44 us a layer (pipe, ll, mma, mma_packed, depth 2)"]
+    traced = dict(
+        pipe=True, mma=True, trace={"input_wait_us": {"median": 1.25, "max": 3.0}}, ok=True, us_a_layer=9.0
+    )
+    assert calls._cuda_chain_lines([traced]) == [
+        "l2_ahead cuda chain best: 9.00 us a layer (pipe, mma)",
+        "  traced pipe, mma: 9.00 us a layer; input_wait 1.25",
+    ]
