@@ -222,9 +222,8 @@ def test_trace_summary_reads_the_points():
                 trace[b, s, 8 + k] = at
                 trace[b, s, k] = 2 * at + 7_000_000 * (b + 1)
     trace[1, 2, 4] = trace[1, 2, 12] = 0
-    trace[1, 2, 13] = (
-        trace[1, 2, 8] - 50_000
-    )  # as the producer writes it there: when it ended the stage before
+    # its last page's point as the producer writes it there: when it ended the stage before
+    trace[1, 2, 13] = trace[1, 2, 8] - 50_000
     got = cuda_chain.chain_trace_summary(trace)
     assert got["clock_ghz"] == pytest.approx(2.0)
     assert got["input_wait_us"] == {"median": pytest.approx(3.0), "max": pytest.approx(3.5)}
