@@ -432,6 +432,9 @@ __device__ __forceinline__ void consumers_wait_counter(const unsigned* counter, 
 // 256 bytes a page)
 __host__ __device__ constexpr unsigned mma_line(int page_bytes) { return 2u * (page_bytes / 32) + 16u; }
 __host__ __device__ constexpr unsigned mma_slot_bytes(int page_bytes) { return 16u * mma_line(page_bytes); }
+// kMma: the warps a page's k-blocks are split among (mode's bits at kMmaPartsShift)
+__host__ __device__ constexpr int mma_parts(int mode) { return 1 << ((mode >> kMmaPartsShift) & 3); }
+
 __host__ __device__ constexpr int pipe_slot_bytes(int page_bytes, int mode) {
   return (mode & kMma) && !(mode & kMmaPacked) ? static_cast<int>(mma_slot_bytes(page_bytes)) : page_bytes;
 }
@@ -463,7 +466,7 @@ struct MmaPages {
         line(mma_line(page_bytes)),
         bytes(pipe_slot_bytes(page_bytes, mode)),
         packed(mode & kMmaPacked),
-        parts(1 << ((mode >> kMmaPartsShift) & 3)),
+        parts(mma_parts(mode)),
         pages(pages_) {}
   __device__ void next() {
     if (++slot == pages) {
@@ -591,7 +594,7 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
             // waited out each one's latency (32 of them a 16 KB page, one after the other)
             uint32_t a[4][4];
             uint2 bx[4];
-  #pragma unroll
+#pragma unroll
             for (int q = 0; q < 4; ++q) {
               if (j + q < kblocks) {
                 const unsigned u = 2u * (j + q);
@@ -599,7 +602,7 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
                 bx[q] = xb[4 * (j + q)];
               }
             }
-  #pragma unroll
+#pragma unroll
             for (int q = 0; q < 4; ++q) {
               if (j + q < kblocks) mma_bf16(acc[q], a[q], bx[q].x, bx[q].y);
             }
@@ -644,8 +647,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     for (int i = 0; i < pages; ++i) {
       mbar_init(full_base + 8 * i, 1);
-      const int mma_parts = 1 << ((mode >> kMmaPartsShift) & 3);
-      mbar_init(empty_base + 8 * i, kMmaPath ? mma_parts : mode & kOwnPages ? 1 : kConsumers);
+      mbar_init(empty_base + 8 * i, kMmaPath ? mma_parts(mode) : mode & kOwnPages ? 1 : kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }

@@ -230,14 +230,13 @@ def chain_trace_summary(trace: torch.Tensor) -> dict:
 
     paged = ns[..., 4] > 0  # a block with no rows in a stage has no first page
 
-    def spread(us: torch.Tensor) -> dict:
-        us = us[paged]
-        nan = float("nan")
-        return (
-            {"median": us.median().item(), "max": us.max().item()}
-            if us.numel()
-            else {"median": nan, "max": nan}
-        )
+    def across(us: torch.Tensor) -> dict:
+        if not us.numel():
+            return {"median": float("nan"), "max": float("nan")}
+        return {"median": us.median().item(), "max": us.max().item()}
+
+    def spread(us: torch.Tensor) -> dict:  # over the blocks' stages with rows
+        return across(us[paged])
 
     def us_cycles(a: int, b: int) -> torch.Tensor:
         return (cycles[..., b] - cycles[..., a]) / ghz / 1e3
@@ -254,10 +253,6 @@ def chain_trace_summary(trace: torch.Tensor) -> dict:
         "last_page_ahead_us": spread((ns[..., 1] - ns[..., 5]) / 1e3),
     }
     if t.shape[1] > 1:  # across the blocks: a stage's values, not a block's
-
-        def across(us: torch.Tensor) -> dict:
-            return {"median": us.median().item(), "max": us.max().item()}
-
         out["stage_period_us"] = across((last[1:, 3] - last[:-1, 3]) / 1e3)
         out["input_latency_us"] = across((last[1:, 1] - last[:-1, 3]) / 1e3)
     return out
