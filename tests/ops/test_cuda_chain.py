@@ -5,6 +5,7 @@ chain: it compiles for sm_90 here with nvcc, without spilling; on a GPU every st
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 import subprocess
 
@@ -239,6 +240,42 @@ def test_trace_summary_reads_the_points():
         cuda_chain.chain_trace_summary(torch.zeros(blocks, stages, 16, dtype=torch.int64))
 
 
+def test_trace_by_class_aligns_the_blocks_clocks():
+    # four blocks, each its own clock (1.8 GHz, its own origin), the ns timer in steps of 256 ns; stages of two
+    # shapes in turn. Block b sees stage s's input 1 + 0.2 b us after the last block stored stage s - 1, sums
+    # for 0.5 us (0.8 for shape A) and stores for 0.4: block 3 is always the last, the critical one. Its first page
+    # is in as the input is, its last 0.05 us after. The first layer (stages 0 and 1) is left out.
+    blocks, classes = 4, ["A", "B"] * 4
+    stages = len(classes)
+    true = torch.zeros(blocks, stages, 8, dtype=torch.float64)  # us
+    last_store = 0.0
+    for s, label in enumerate(classes):
+        sums = 0.8 if label == "A" else 0.5
+        for b in range(blocks):
+            inp = last_store + 1.0 + 0.2 * b
+            true[b, s] = torch.tensor(
+                [last_store + 0.1, inp, inp + sums, inp + sums + 0.4, inp - 3, inp - 1, inp, inp + 0.05]
+            )
+        last_store = true[:, s, 3].max().item()
+    true += 5.0  # the timer's origin past 0 (0 is "not recorded")
+    trace = torch.zeros(blocks, stages, 16, dtype=torch.int64)
+    trace[..., 8:] = (true * 1e3 // 256 * 256).long()
+    trace[..., :8] = (true * 1e3 * 1.8).long() + 10_000_000 * torch.arange(1, blocks + 1)[:, None, None]
+    got = cuda_chain.chain_trace_summary(trace, classes)["by_class"]
+    assert set(got) == {"A", "B"} and got["A"]["stages"] == 3 and got["B"]["stages"] == 3
+    for label, sums in (("A", 0.8), ("B", 0.5)):
+        g = got[label]
+        close = functools.partial(pytest.approx, abs=0.06)
+        assert g["period"] == close(1.6 + sums + 0.4) and g["period_mean"] == close(1.6 + sums + 0.4)
+        # torch.median: the lower middle one of 1.0 1.2 1.4 1.6
+        assert g["latency"] == close(1.2) and g["latency_max"] == close(1.6)
+        assert g["sums"] == close(sums) and g["last_page_wait"] == close(0.05)
+        assert g["critical_latency"] == close(1.6) and g["critical_sums"] == close(sums)
+        assert g["critical_stores"] == close(0.4) and g["critical_last_page_wait"] == close(0.05)
+    with pytest.raises(AssertionError, match="classes for"):
+        cuda_chain.chain_trace_summary(trace, classes[:-1])
+
+
 @cuda
 def test_traced_chain_matches_and_orders_its_points():
     weights = _weights([(4232, 2048), (2048, 1024)] * 2, seed=3)
@@ -256,3 +293,8 @@ def test_traced_chain_matches_and_orders_its_points():
     assert (cycles[..., 1:] >= cycles[..., :-1]).all()  # start, input in, pages summed, stored
     summary = chain.trace_summary()
     assert 0.5 < summary["clock_ghz"] < 3.0 and summary["stage_period_us"]["median"] > 0
+    assert (t[..., 14:16] > 0).all()  # each stage's first and last page in
+    assert (t[..., 7] >= t[..., 6]).all() and (t[..., 6] >= t[..., 1]).all()  # after the input, in order
+    by_class = summary["by_class"]
+    assert set(by_class) == {"4232x2048", "2048x1024"}
+    assert all(c["stages"] == 1 and c["period"] > 0 and c["critical_sums"] > 0 for c in by_class.values())

@@ -494,8 +494,8 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 // kMma's trace (when `trace` is not null): block b's row of stage s ([blocks][S][16] 64-bit values) takes the SM
 // clock at point k in [k] and the ns timer in [8 + k] (cuda_chain.py's TRACE_POINTS): 0 the consumers start the
 // stage, 1 its input is in, 2 its pages are summed, 3 consumer 0 has stored its row; the producer 4 has the
-// stage's first page's slot (and in-flight room), 5 has issued its last page. A few stores a stage from one thread
-// each: where a stage's time goes.
+// stage's first page's slot (and in-flight room), 5 has issued its last page; 6 and 7 the stage's first and last
+// page are in (their warp through its wait). A few stores a stage from one thread each: where a stage's time goes.
 __device__ __forceinline__ void trace_point(unsigned long long* trace, int b, int S, int s, int k) {
   if (trace == nullptr) return;
   unsigned long long ns;
@@ -563,7 +563,7 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
 // stages.
 __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* xs, float* sums,
                             uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int cw, int lane,
-                            bool compute) {
+                            bool compute, unsigned long long* trace, int b, int S, int s) {
   // ldmatrix.x4: lanes 0-7 give rows 0-7 of the k-block's columns 0-7, lanes 8-15 rows 8-15, lanes 16-31 the
   // same at columns 8-15: a0..a3 of mma's A fragment
   const unsigned row = (lane & 7) + (lane & 8), half = lane >> 4;
@@ -579,6 +579,10 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
         // use's phase still open and take it for the one before: through at once, summing a page not yet there
         if ((pg.slot * pg.parts + p) % kConsumers != cw) continue;
         mbar_wait(full_base + 8 * pg.slot, static_cast<unsigned>(pg.use) & 1u);
+        if (trace != nullptr && lane == 0 && p == 0) {
+          if (r0 == 0 && k0 == 0) trace_point(trace, b, S, s, 6);
+          if (r0 + 16 >= st.rows && k0 + pg.kc >= st.K) trace_point(trace, b, S, s, 7);
+        }
         __syncwarp();  // every lane through the wait before the warp-wide ldmatrix and mma
         if (compute) {
           const int kcp = min(pg.kc, st.K - k0);  // the page's columns
@@ -716,7 +720,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       consumers_sync();  // the input in xs (and the last stage's partial sums read)
       trace_point(tr, b, S, s, 1);
-      mma_consume(st, pg, xw, sums, ring_base, full_base, empty_base, cw, lane, !(mode & kNoCompute));
+      mma_consume(st, pg, xw, sums, ring_base, full_base, empty_base, cw, lane, !(mode & kNoCompute), trace, b, S,
+                  s);
       consumers_sync();  // every page's partial sums in
       trace_point(tr, b, S, s, 2);
       const int column_pages = (st.K + pg.kc - 1) / pg.kc * pg.parts;

@@ -137,7 +137,16 @@ MMA_PARTS_SHIFT = 14  # mma: log2 of the consumer warps a page's k-blocks are sp
 POLL_SLEEP = 1 << 16  # mma with ll: 128 ns asleep between a consumer's polls of an input pair not yet there
 # mma's trace (`trace=True`; cuda_chain.cu's trace_point): each block's row of each stage takes the SM clock and the
 # ns timer at these points, from consumer thread 0 (0-3) and the producer's lane 0 (4-5)
-TRACE_POINTS = ("start", "input in", "pages summed", "stored", "first page free", "last page issued")
+TRACE_POINTS = (
+    "start",
+    "input in",
+    "pages summed",
+    "stored",
+    "first page free",
+    "last page issued",
+    "first page in",  # 6-7: from the warp that waited for the page, once through its wait
+    "last page in",
+)
 STATIC_SMEM = (
     17 * 1024
 )  # cuda_chain.cu's static shared memory (the LL input, the mbarriers, pipe's stage table, mma's sums)
@@ -217,10 +226,77 @@ def pack_mma_pages(w: torch.Tensor, blocks: int, kc: int) -> torch.Tensor:
     return out
 
 
-def chain_trace_summary(trace: torch.Tensor) -> dict:
+def _aligned_us(cycles: torch.Tensor, ns: torch.Tensor) -> torch.Tensor:
+    """Every block's points on one time line, us (NaN where a point was not recorded: ns 0): a least-squares line
+    ns = a cycles + c a block over its recorded points. The ns timer is common to the SMs but coarse (steps of
+    ~256 ns on an H100); the clock is fine but each SM's own; the line gives each block's clock the timer's
+    origin, its steps averaged over the block's points."""
+    rec = ns > 0
+    n = rec.sum(dim=(1, 2)).clamp(min=1)
+    cx = torch.where(rec, cycles, 0).sum(dim=(1, 2)) / n
+    cy = torch.where(rec, ns, 0).sum(dim=(1, 2)) / n
+    dx = torch.where(rec, cycles - cx[:, None, None], 0)
+    dy = torch.where(rec, ns - cy[:, None, None], 0)
+    a = (dx * dy).sum(dim=(1, 2)) / (dx * dx).sum(dim=(1, 2)).clamp(min=1e-9)
+    t = (a[:, None, None] * (cycles - cx[:, None, None]) + cy[:, None, None]) / 1e3
+    return torch.where(rec, t, float("nan"))
+
+
+def _by_class(at: torch.Tensor, classes: list[str]) -> dict:
+    """Per class of stage (its shape), the medians over its stages past the first layer (the first len(set(classes))
+    stages: the ring starts empty) of: the stage's period (from the last block's stores of the stage before to its
+    own last block's), the input's latency (from those last stores to a block's input in: median and max over the
+    blocks), the sums after it, the last page's wait (its warp through its wait, from the input in: near 0 when it
+    had landed), and the same for the critical block (the last to store), whose spans make up the period. `at` is
+    _aligned_us's [blocks, stages, points]."""
+    warm = max(1, len(set(classes)))
+    last_store = torch.nan_to_num(at[..., 3], nan=float("-inf")).max(dim=0).values
+    rows: dict[str, list[dict]] = {}
+    for s in range(warm, at.shape[1]):
+        prev = last_store[s - 1]
+        a = at[:, s]
+        lat = a[:, 1] - prev
+        c = int(torch.nan_to_num(a[:, 3], nan=float("-inf")).argmax())
+        med, top = _nan_stat(torch.median), _nan_stat(torch.max)
+        rows.setdefault(classes[s], []).append(
+            {
+                "period": (last_store[s] - prev).item(),
+                "latency": med(lat),
+                "latency_max": top(lat),
+                "sums": med(a[:, 2] - a[:, 1]),
+                "last_page_wait": med(a[:, 7] - a[:, 1]),
+                "critical_latency": (a[c, 1] - prev).item(),
+                "critical_sums": (a[c, 2] - a[c, 1]).item(),
+                "critical_stores": (a[c, 3] - a[c, 2]).item(),
+                "critical_last_page_wait": (a[c, 7] - a[c, 1]).item(),
+            }
+        )
+    out = {}
+    for label, stages in rows.items():
+        keys = stages[0].keys()
+        col = {k: torch.tensor([r[k] for r in stages], dtype=torch.float64) for k in keys}
+        out[label] = {"stages": len(stages), "period_mean": col["period"].mean().item()}
+        out[label] |= {k: _nan_stat(torch.median)(v) for k, v in col.items()}
+    return out
+
+
+def _nan_stat(stat):
+    """`stat` (torch.median, torch.max) of a tensor's recorded values as a float: NaN where there are none."""
+
+    def of(v: torch.Tensor) -> float:
+        v = v[~v.isnan()]
+        return stat(v).item() if v.numel() else float("nan")
+
+    return of
+
+
+def chain_trace_summary(trace: torch.Tensor, classes: list[str] | None = None) -> dict:
     """CudaGemvChain.trace_summary on a trace [blocks, stages, 16] (cycles at [k], ns at [8 + k]). The spans of a
-    block with no rows in a stage (no first page) are left out."""
+    block with no rows in a stage (no first page) are left out. With `classes` (a label a stage), `by_class` has
+    _by_class's medians on the blocks' clocks aligned to the timer (_aligned_us)."""
     t = trace.detach().cpu().double()
+    if classes is not None:
+        assert len(classes) == t.shape[1], f"{len(classes)} classes for {t.shape[1]} stages"
     cycles, ns = t[..., :6], t[..., 8:14]
     assert (ns[..., 3] > 0).all(), "no traced call yet"
     # the SM clock: cycles over ns from each block's first start to its last store
@@ -255,6 +331,8 @@ def chain_trace_summary(trace: torch.Tensor) -> dict:
     if t.shape[1] > 1:  # across the blocks: a stage's values, not a block's
         out["stage_period_us"] = across((last[1:, 3] - last[:-1, 3]) / 1e3)
         out["input_latency_us"] = across((last[1:, 1] - last[:-1, 3]) / 1e3)
+    if classes is not None and t.shape[1] > 1:
+        out["by_class"] = _by_class(_aligned_us(t[..., :8], t[..., 8:]), classes)
     return out
 
 
@@ -375,6 +453,7 @@ class CudaGemvChain:
             self.acts.numel() if ll else 2, dtype=torch.int64, device=self.device
         )  # an LL pair a value
         self.stages = len(weights)
+        self.shapes = [tuple(w.shape) for w in weights]
         self.trace = (
             torch.zeros(self.blocks, self.stages, 16, dtype=torch.int64, device=self.device)
             if trace
@@ -406,9 +485,10 @@ class CudaGemvChain:
         stores; how far ahead of the consumers the producer had the stage's first page (free to issue at, against
         the consumers' start: above 0 ahead) and issued its last (against the input's arrival); and across the
         blocks, a stage's period (the last block's stores to the last block's stores) and the input's latency (the
-        last block's stores of stage s - 1 to the last block's input in at s)."""
+        last block's stores of stage s - 1 to the last block's input in at s); and `by_class`, those of each stage
+        shape on one time line (chain_trace_summary)."""
         assert self.trace is not None, "trace=True"
-        return chain_trace_summary(self.trace)
+        return chain_trace_summary(self.trace, [f"{n}x{k}" for n, k in self.shapes])
 
     def gave_up(self) -> bool:
         """Whether a block gave up waiting at the counter in a call so far (its results are wrong)."""
