@@ -1037,10 +1037,23 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, trace=True),
         dict(pipe=True, ll=True, mma=True, no_stream=True, trace=True),
         # the consumers alone with no barrier either (session 65, call a: 9.0 us a layer, where the barriers alone
-        # take 4.0): a block's own work, traced, then without its sums and without its input's read
+        # take 4.0): a block's own work, traced, then without its sums and without its input's read (call b, H200:
+        # 9.85, 5.66 and 9.07), and by page size: whether a page's sums or its handshakes cost
         dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_stream=True, trace=True),
         dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_stream=True, no_compute=True),
         dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_stream=True, no_input=True),
+        dict(
+            pipe=True,
+            mma=True,
+            mma_packed=True,
+            no_barrier=True,
+            no_stream=True,
+            page_bytes=32768,
+            trace=True,
+        ),
+        dict(
+            pipe=True, mma=True, mma_packed=True, no_barrier=True, no_stream=True, page_bytes=8192, trace=True
+        ),
         # the consumers' polls of the input from L2 put to sleep 128 ns between tries (call a: 10.9 against 10.4)
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, poll_sleep=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=3),

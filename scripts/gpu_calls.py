@@ -645,12 +645,12 @@ def _cuda_chain_lines(rows: list[dict]) -> list[str]:
                 f"  traced {knobs(row)}: {row.get('us_a_layer', float('nan')):.2f} us a layer; {spans}"
             )
             for shape, c in t.get("by_class", {}).items():  # a stage shape's medians, on one time line
+                spans = ", ".join(
+                    f"{k} {v:.2f}/{c[f'critical_{k}']:.2f}" for k, v in c.items() if f"critical_{k}" in c
+                )
                 lines.append(
-                    f"    {shape}: period {c['period']:.2f} (mean {c['period_mean']:.2f}); input latency "
-                    f"{c['latency']:.2f} (max {c['latency_max']:.2f}), sums {c['sums']:.2f}, last page "
-                    f"{c['last_page_wait']:+.2f}; the last block: latency {c['critical_latency']:.2f}, sums "
-                    f"{c['critical_sums']:.2f}, stores {c['critical_stores']:.2f}, last page "
-                    f"{c['critical_last_page_wait']:+.2f}"
+                    f"    {shape}: period {c['period']:.2f} (mean {c['period_mean']:.2f}, last input in "
+                    f"{c['latency_max']:.2f}); a block / the last block: {spans}"
                 )
     return lines
 

@@ -142,11 +142,10 @@ def test_cuda_chain_lines_name_the_best_correct_chain_and_the_traced_spans():
         "l2_ahead cuda chain best: 9.00 us a layer (pipe, mma)",
         "  traced pipe, mma: 9.00 us a layer; input_wait 1.25",
     ]
-    keys = ("latency", "latency_max", "sums", "last_page_wait")
-    shape = dict(stages=3, period=4.0, period_mean=4.5, **dict.fromkeys(keys, 0.5))
-    shape |= {f"critical_{k}": 0.25 for k in ("latency", "sums", "stores", "last_page_wait")}
+    shape = dict(stages=3, period=4.0, period_mean=4.5, latency_max=1.5, latency=1.0, critical_latency=1.25)
+    shape |= dict(sums=0.5, critical_sums=0.75)
     traced["trace"]["by_class"] = {"16x32": shape}
     assert calls._cuda_chain_lines([traced])[2] == (
-        "    16x32: period 4.00 (mean 4.50); input latency 0.50 (max 0.50), sums 0.50, last page +0.50; the last "
-        "block: latency 0.25, sums 0.25, stores 0.25, last page +0.25"
+        "    16x32: period 4.00 (mean 4.50, last input in 1.50); a block / the last block: latency 1.00/1.25, sums "
+        "0.50/0.75"
     )

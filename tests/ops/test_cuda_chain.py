@@ -206,72 +206,94 @@ def test_mma_packing_is_what_the_kernel_reads(host_lib, N, K, blocks, kc):
     assert torch.equal(back, w.view(torch.int16))
 
 
+def _synthetic_trace(true_us: torch.Tensor, ghz: float = 1.8) -> torch.Tensor:
+    """A trace as the kernel writes it from each point's true time [blocks, stages, 11] (us, NaN: not recorded):
+    each block's clock at `ghz` from its own origin, the ns timer (since 1970: ~1.7e18) at TIMED_POINTS only."""
+    blocks, stages, points = true_us.shape
+    trace = torch.zeros(blocks, stages, cuda_chain.TRACE_WIDTH, dtype=torch.int64)
+    rec = ~true_us.isnan()
+    ns = (torch.nan_to_num(true_us) * 1e3).round().long()
+    origin = 10_000_000 * torch.arange(1, blocks + 1)[:, None, None]
+    trace[..., :points] = torch.where(rec, (ns.double() * ghz).round().long() + origin, 0)
+    timed = torch.zeros(points, dtype=torch.bool)
+    timed[list(cuda_chain.TIMED_POINTS)] = True
+    trace[..., 16 : 16 + points] = torch.where(rec & timed, ns + 1_764_000_000_000_000_000, 0)
+    return trace
+
+
 def test_trace_summary_reads_the_points():
-    # two blocks, three stages, a 2 GHz clock (each block's own offset: cycles do not compare across SMs): block
-    # b's stage s starts at 10 (s + 1) + b us, its input in 3 + 0.5 b us later, its pages summed 1 us after that,
-    # stored 0.5 + b us after; the producer has the first page 2 us before the start and issues the last 1 us
-    # before the input is in. Block 1 has no rows in stage 2 (no first page; its last page's point far off): left
-    # out of the spans, not of the stage's period
+    # two blocks, three stages: block b's stage s starts at 10 (s + 1) + b us, its input in 3 + 0.5 b us later,
+    # its pages summed 1 us after that, stored 0.5 + b us after; the producer has the first page 2 us before the
+    # start and issues the last 1 us before the input is in. Block 1 has no rows in stage 2 (no first page; its last
+    # page's point where the producer writes it then, as it ended the stage before): left out of the spans, not of
+    # the stage's period
     blocks, stages = 2, 3
-    trace = torch.zeros(blocks, stages, 16, dtype=torch.int64)
+    true = torch.full((blocks, stages, len(cuda_chain.TRACE_POINTS)), float("nan"), dtype=torch.float64)
     for b in range(blocks):
         for s in range(stages):
-            start = 10_000 * (s + 1) + 1_000 * b  # ns
-            inp = start + 3_000 + 500 * b
-            points = [start, inp, inp + 1_000, inp + 1_500 + 1_000 * b, start - 2_000, inp - 1_000]
-            for k, at in enumerate(points):
-                trace[b, s, 8 + k] = at
-                trace[b, s, k] = 2 * at + 7_000_000 * (b + 1)
-    trace[1, 2, 4] = trace[1, 2, 12] = 0
-    # its last page's point as the producer writes it there: when it ended the stage before
-    trace[1, 2, 13] = trace[1, 2, 8] - 50_000
-    got = cuda_chain.chain_trace_summary(trace)
-    assert got["clock_ghz"] == pytest.approx(2.0)
-    assert got["input_wait_us"] == {"median": pytest.approx(3.0), "max": pytest.approx(3.5)}
-    assert got["pages_after_input_us"] == {"median": pytest.approx(1.0), "max": pytest.approx(1.0)}
-    assert got["stores_us"] == {"median": pytest.approx(0.5), "max": pytest.approx(1.5)}
-    assert got["first_page_ahead_us"] == {"median": pytest.approx(2.0), "max": pytest.approx(2.0)}
-    assert got["last_page_ahead_us"] == {"median": pytest.approx(1.0), "max": pytest.approx(1.0)}
+            start = 10.0 * (s + 1) + b
+            inp = start + 3 + 0.5 * b
+            true[b, s, :6] = torch.tensor([start, inp, inp + 1, inp + 1.5 + b, start - 2, inp - 1])
+    true[1, 2, 4] = float("nan")
+    true[1, 2, 5] = true[1, 2, 0] - 50
+    got = cuda_chain.chain_trace_summary(_synthetic_trace(true))
+    close = functools.partial(pytest.approx, abs=1e-3)
+    assert got["clock_ghz"] == close(1.8)
+    assert got["input_wait_us"] == {"median": close(3.0), "max": close(3.5)}
+    assert got["pages_after_input_us"] == {"median": close(1.0), "max": close(1.0)}
+    assert got["stores_us"] == {"median": close(0.5), "max": close(1.5)}
+    assert got["first_page_ahead_us"] == {"median": close(2.0), "max": close(2.0)}
+    assert got["last_page_ahead_us"] == {"median": close(1.0), "max": close(1.0)}
     # across the blocks, from the last block to reach each point: block 1 stores stage s at 10 (s + 1) + 7 us, and
     # the last input in at s is block 1's at 10 (s + 1) + 4.5
-    assert got["stage_period_us"] == {"median": pytest.approx(10.0), "max": pytest.approx(10.0)}
-    assert got["input_latency_us"]["median"] == pytest.approx(10.0 + 4.5 - 7.0)
+    assert got["stage_period_us"] == {"median": close(10.0), "max": close(10.0)}
+    assert got["input_latency_us"]["median"] == close(10.0 + 4.5 - 7.0)
     with pytest.raises(AssertionError, match="no traced call"):
+        cuda_chain.chain_trace_summary(torch.zeros(blocks, stages, cuda_chain.TRACE_WIDTH, dtype=torch.int64))
+    with pytest.raises(AssertionError, match="a trace row is"):
         cuda_chain.chain_trace_summary(torch.zeros(blocks, stages, 16, dtype=torch.int64))
 
 
-def test_trace_by_class_aligns_the_blocks_clocks():
-    # four blocks, each its own clock (1.8 GHz, its own origin), the ns timer in steps of 256 ns; stages of two
-    # shapes in turn. Block b sees stage s's input 1 + 0.2 b us after the last block stored stage s - 1, sums
-    # for 0.5 us (0.8 for shape A) and stores for 0.4: block 3 is always the last, the critical one. Its first page
-    # is in as the input is, its last 0.05 us after. The first layer (stages 0 and 1) is left out.
+def test_trace_by_class_lines_up_the_blocks_clocks():
+    # four blocks, each its own clock, the timer at the producer's points only; stages of two shapes in turn.
+    # Block b gathers stage s's input 1 + 0.2 b us after the last block stored stage s - 1, has it in 0.1 us later,
+    # its first page in then and summed in 0.3 us, its last page 0.2 us after the input and summed in 0.3 us, all
+    # pages summed 0.8 us (shape A) or 0.5 us (B) after the input, and stores for 0.4: block 3 is always the last
+    # to store, the critical one. The first layer (stages 0 and 1) is left out.
     blocks, classes = 4, ["A", "B"] * 4
-    stages = len(classes)
-    true = torch.zeros(blocks, stages, 8, dtype=torch.float64)  # us
+    true = torch.full((blocks, len(classes), len(cuda_chain.TRACE_POINTS)), float("nan"), dtype=torch.float64)
     last_store = 0.0
     for s, label in enumerate(classes):
         sums = 0.8 if label == "A" else 0.5
         for b in range(blocks):
-            inp = last_store + 1.0 + 0.2 * b
+            inp = last_store + 1.1 + 0.2 * b
             true[b, s] = torch.tensor(
-                [last_store + 0.1, inp, inp + sums, inp + sums + 0.4, inp - 3, inp - 1, inp, inp + 0.05]
+                [last_store + 0.1, inp, inp + sums, inp + sums + 0.4, inp - 3, inp - 1]
+                + [inp, inp + 0.2, inp + 0.3, inp + 0.5, inp - 0.1]
             )
         last_store = true[:, s, 3].max().item()
-    true += 5.0  # the timer's origin past 0 (0 is "not recorded")
-    trace = torch.zeros(blocks, stages, 16, dtype=torch.int64)
-    trace[..., 8:] = (true * 1e3 // 256 * 256).long()
-    trace[..., :8] = (true * 1e3 * 1.8).long() + 10_000_000 * torch.arange(1, blocks + 1)[:, None, None]
+    trace = _synthetic_trace(true + 5.0)
     got = cuda_chain.chain_trace_summary(trace, classes)["by_class"]
     assert set(got) == {"A", "B"} and got["A"]["stages"] == 3 and got["B"]["stages"] == 3
+    close = functools.partial(pytest.approx, abs=2e-3)
     for label, sums in (("A", 0.8), ("B", 0.5)):
         g = got[label]
-        close = functools.partial(pytest.approx, abs=0.06)
-        assert g["period"] == close(1.6 + sums + 0.4) and g["period_mean"] == close(1.6 + sums + 0.4)
-        # torch.median: the lower middle one of 1.0 1.2 1.4 1.6
-        assert g["latency"] == close(1.2) and g["latency_max"] == close(1.6)
-        assert g["sums"] == close(sums) and g["last_page_wait"] == close(0.05)
-        assert g["critical_latency"] == close(1.6) and g["critical_sums"] == close(sums)
-        assert g["critical_stores"] == close(0.4) and g["critical_last_page_wait"] == close(0.05)
+        assert g["period"] == close(1.7 + sums + 0.4) and g["period_mean"] == close(1.7 + sums + 0.4)
+        # torch.median: the lower middle one of 1.1 1.3 1.5 1.7
+        assert (
+            g["latency"] == close(1.3)
+            and g["latency_max"] == close(1.7)
+            and g["critical_latency"] == close(1.7)
+        )
+        assert g["gathered"] == close(1.2) and g["critical_gathered"] == close(1.6)
+        for span, want in (("first_page_wait", 0.0), ("first_page_sums", 0.3), ("last_page_wait", 0.2)):
+            assert g[span] == close(want) and g[f"critical_{span}"] == close(want)
+        assert (
+            g["last_page_sums"] == close(0.3)
+            and g["sums"] == close(sums)
+            and g["critical_sums"] == close(sums)
+        )
+        assert g["stores"] == close(0.4) and g["critical_stores"] == close(0.4)
     with pytest.raises(AssertionError, match="classes for"):
         cuda_chain.chain_trace_summary(trace, classes[:-1])
 
@@ -288,13 +310,19 @@ def test_traced_chain_matches_and_orders_its_points():
     want = gemv_chain_reference(x, weights)[-1].float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     t = chain.trace.cpu()
-    assert (t[..., :4] > 0).all() and (t[..., 8:14] > 0).all()  # every block has rows in every stage here
+    points = len(cuda_chain.TRACE_POINTS)
+    assert (t[..., :points] > 0).all()  # every block has rows in every stage here: every point recorded
+    assert (t[..., 16:22] > 0).sum(dim=-1).eq(2).all() and (
+        t[..., 20:22] > 0
+    ).all()  # the timer: 4 and 5 alone
     cycles = t[..., :4]
     assert (cycles[..., 1:] >= cycles[..., :-1]).all()  # start, input in, pages summed, stored
+    assert (t[..., 10] <= t[..., 1]).all()  # consumer 0's share of the input in, then the sync
+    for wait, summed in ((6, 8), (7, 9)):  # each page in after the input, then summed, then every page summed
+        assert (t[..., wait] >= t[..., 1]).all() and (t[..., summed] >= t[..., wait]).all()
+        assert (t[..., 2] >= t[..., summed]).all()
     summary = chain.trace_summary()
     assert 0.5 < summary["clock_ghz"] < 3.0 and summary["stage_period_us"]["median"] > 0
-    assert (t[..., 14:16] > 0).all()  # each stage's first and last page in
-    assert (t[..., 7] >= t[..., 6]).all() and (t[..., 6] >= t[..., 1]).all()  # after the input, in order
     by_class = summary["by_class"]
     assert set(by_class) == {"4232x2048", "2048x1024"}
     assert all(c["stages"] == 1 and c["period"] > 0 and c["critical_sums"] > 0 for c in by_class.values())

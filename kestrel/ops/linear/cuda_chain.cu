@@ -491,18 +491,25 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// kMma's trace (when `trace` is not null): block b's row of stage s ([blocks][S][16] 64-bit values) takes the SM
-// clock at point k in [k] and the ns timer in [8 + k] (cuda_chain.py's TRACE_POINTS): 0 the consumers start the
-// stage, 1 its input is in, 2 its pages are summed, 3 consumer 0 has stored its row; the producer 4 has the
-// stage's first page's slot (and in-flight room), 5 has issued its last page; 6 and 7 the stage's first and last
-// page are in (their warp through its wait). A few stores a stage from one thread each: where a stage's time goes.
-__device__ __forceinline__ void trace_point(unsigned long long* trace, int b, int S, int s, int k) {
+// kMma's trace (when `trace` is not null): block b's row of stage s ([blocks][S][kTraceWidth] 64-bit values) takes
+// the SM clock at point k in [k] (cuda_chain.py's TRACE_POINTS): 0 the consumers start the stage, 1 its input is in,
+// 2 its pages are summed, 3 consumer 0 has stored its row; the producer 4 has the stage's first page's slot (and
+// in-flight room), 5 has issued its last page; 6 and 7 the stage's first and last page are in (their warp through
+// its wait), 8 and 9 those pages summed (their warp's partial sums written), 10 consumer 0's share of the input in
+// (before the consumers' sync). The producer's two points also take the ns timer, in [16 + k], after the clock:
+// the timer lines the SMs' clocks up, and its read is slow enough (a variable latency the warp waits out before
+// its next store) to stretch the span it would end, so the consumers' points take the clock alone.
+constexpr int kTraceWidth = 32;
+__device__ __forceinline__ void trace_point(unsigned long long* trace, int b, int S, int s, int k,
+                                            bool timer = false) {
   if (trace == nullptr) return;
-  unsigned long long ns;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(ns));
-  unsigned long long* row = trace + (static_cast<long long>(b) * S + s) * 16;
+  unsigned long long* row = trace + (static_cast<long long>(b) * S + s) * kTraceWidth;
   row[k] = clock64();
-  row[8 + k] = ns;
+  if (timer) {
+    unsigned long long ns;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(ns));
+    row[16 + k] = ns;
+  }
 }
 
 // kMma's producer: every stage's pages in order, row tiles outer, each row of a page a bulk copy into its line
@@ -531,7 +538,7 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
           if (use >= 0)
             mbar_wait(full_base + 8 * (pg.slot - inflight + (wrapped ? pages : 0)), static_cast<unsigned>(use) & 1u);
         }
-        if (first && lane == 0) trace_point(trace, b, S, s, 4);  // the stage's first page free to issue
+        if (first && lane == 0) trace_point(trace, b, S, s, 4, true);  // the stage's first page free to issue
         first = false;
         if (mode & kNoStream) {
           if (lane == 0) mbar_arrive(full);
@@ -553,7 +560,7 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
         }
       }
     }
-    if (lane == 0) trace_point(trace, b, S, s, 5);
+    if (lane == 0) trace_point(trace, b, S, s, 5, true);
   }
 }
 
@@ -579,10 +586,11 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
         // use's phase still open and take it for the one before: through at once, summing a page not yet there
         if ((pg.slot * pg.parts + p) % kConsumers != cw) continue;
         mbar_wait(full_base + 8 * pg.slot, static_cast<unsigned>(pg.use) & 1u);
-        if (trace != nullptr && lane == 0 && p == 0) {
-          if (r0 == 0 && k0 == 0) trace_point(trace, b, S, s, 6);
-          if (r0 + 16 >= st.rows && k0 + pg.kc >= st.K) trace_point(trace, b, S, s, 7);
-        }
+        // the stage's first and last page (trace points 6-9): part 0's warp, lane 0
+        const bool traced = trace != nullptr && lane == 0 && p == 0;
+        const bool first_page = r0 == 0 && k0 == 0, last_page = r0 + 16 >= st.rows && k0 + pg.kc >= st.K;
+        if (traced && first_page) trace_point(trace, b, S, s, 6);
+        if (traced && last_page) trace_point(trace, b, S, s, 7);
         __syncwarp();  // every lane through the wait before the warp-wide ldmatrix and mma
         if (compute) {
           const int kcp = min(pg.kc, st.K - k0);  // the page's columns
@@ -621,6 +629,8 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
           }
         }
         __syncwarp();
+        if (traced && first_page) trace_point(trace, b, S, s, 8);
+        if (traced && last_page) trace_point(trace, b, S, s, 9);
         if (lane == 0) mbar_arrive(empty_base + 8 * pg.slot);
       }
     }
@@ -718,6 +728,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
+      trace_point(tr, b, S, s, 10);
       consumers_sync();  // the input in xs (and the last stage's partial sums read)
       trace_point(tr, b, S, s, 1);
       mma_consume(st, pg, xw, sums, ring_base, full_base, empty_base, cw, lane, !(mode & kNoCompute), trace, b, S,

@@ -135,8 +135,9 @@ MMA_LANES = 4096  # mma: a page's 16 row copies issued by 16 lanes of the produc
 MMA_PACKED = 8192  # mma: the weights packed in the producer's order (pack_mma_pages), a page one bulk copy
 MMA_PARTS_SHIFT = 14  # mma: log2 of the consumer warps a page's k-blocks are split among, in mode bits 14-15
 POLL_SLEEP = 1 << 16  # mma with ll: 128 ns asleep between a consumer's polls of an input pair not yet there
-# mma's trace (`trace=True`; cuda_chain.cu's trace_point): each block's row of each stage takes the SM clock and the
-# ns timer at these points, from consumer thread 0 (0-3) and the producer's lane 0 (4-5)
+# mma's trace (`trace=True`; cuda_chain.cu's trace_point): each block's row of each stage takes the SM clock at
+# these points ([k]), from consumer thread 0 (0-3, 10), the producer's lane 0 (4-5: with the ns timer too, at
+# [16 + k]) and the warps of the stage's first and last page (6-9)
 TRACE_POINTS = (
     "start",
     "input in",
@@ -144,9 +145,14 @@ TRACE_POINTS = (
     "stored",
     "first page free",
     "last page issued",
-    "first page in",  # 6-7: from the warp that waited for the page, once through its wait
+    "first page in",
     "last page in",
+    "first page summed",
+    "last page summed",
+    "input gathered",
 )
+TRACE_WIDTH = 32  # cuda_chain.cu's kTraceWidth: 16 clocks, 16 timer values
+TIMED_POINTS = (4, 5)  # the points that read the ns timer
 STATIC_SMEM = (
     17 * 1024
 )  # cuda_chain.cu's static shared memory (the LL input, the mbarriers, pipe's stage table, mma's sums)
@@ -226,58 +232,29 @@ def pack_mma_pages(w: torch.Tensor, blocks: int, kc: int) -> torch.Tensor:
     return out
 
 
-def _aligned_us(cycles: torch.Tensor, ns: torch.Tensor) -> torch.Tensor:
-    """Every block's points on one time line, us (NaN where a point was not recorded: ns 0): a least-squares line
-    ns = a cycles + c a block over its recorded points. The ns timer is common to the SMs but coarse (steps of
-    ~256 ns on an H100); the clock is fine but each SM's own; the line gives each block's clock the timer's
-    origin, its steps averaged over the block's points."""
-    rec = ns > 0
-    n = rec.sum(dim=(1, 2)).clamp(min=1)
-    cx = torch.where(rec, cycles, 0).sum(dim=(1, 2)) / n
-    cy = torch.where(rec, ns, 0).sum(dim=(1, 2)) / n
-    dx = torch.where(rec, cycles - cx[:, None, None], 0)
-    dy = torch.where(rec, ns - cy[:, None, None], 0)
+def _aligned_us(trace: torch.Tensor) -> torch.Tensor:
+    """Every block's points on one time line, us, [blocks, stages, 16] (NaN where a point was not recorded: clock 0):
+    a least-squares line ns = a cycles + c a block over its timed points (TIMED_POINTS). The ns timer is common to
+    the SMs; the clock is fine but each SM's own; the line gives each block's clock the timer's origin. Both are
+    taken relative to their first value in int64 first: the timer's ns since 1970 (~1.7e18) would otherwise keep
+    only 256-ns steps in a double."""
+    t = trace.detach().cpu()
+    cyc, ns = t[..., :16], t[..., 16:]
+    rec = cyc > 0
+    timed = (ns > 0) & rec
+    assert timed.any(), "no traced call yet"
+    ns_origin = ns[timed].min()
+    c0 = torch.where(rec, cyc, torch.iinfo(torch.int64).max).amin(dim=(1, 2))  # each block's first clock
+    x = torch.where(rec, cyc - c0[:, None, None], 0).double()
+    y = torch.where(timed, ns - ns_origin, 0).double()
+    n = timed.sum(dim=(1, 2)).clamp(min=1)
+    cx = torch.where(timed, x, 0).sum(dim=(1, 2)) / n
+    cy = y.sum(dim=(1, 2)) / n
+    dx = torch.where(timed, x - cx[:, None, None], 0)
+    dy = torch.where(timed, y - cy[:, None, None], 0)
     a = (dx * dy).sum(dim=(1, 2)) / (dx * dx).sum(dim=(1, 2)).clamp(min=1e-9)
-    t = (a[:, None, None] * (cycles - cx[:, None, None]) + cy[:, None, None]) / 1e3
-    return torch.where(rec, t, float("nan"))
-
-
-def _by_class(at: torch.Tensor, classes: list[str]) -> dict:
-    """Per class of stage (its shape), the medians over its stages past the first layer (the first len(set(classes))
-    stages: the ring starts empty) of: the stage's period (from the last block's stores of the stage before to its
-    own last block's), the input's latency (from those last stores to a block's input in: median and max over the
-    blocks), the sums after it, the last page's wait (its warp through its wait, from the input in: near 0 when it
-    had landed), and the same for the critical block (the last to store), whose spans make up the period. `at` is
-    _aligned_us's [blocks, stages, points]."""
-    warm = max(1, len(set(classes)))
-    last_store = torch.nan_to_num(at[..., 3], nan=float("-inf")).max(dim=0).values
-    rows: dict[str, list[dict]] = {}
-    for s in range(warm, at.shape[1]):
-        prev = last_store[s - 1]
-        a = at[:, s]
-        lat = a[:, 1] - prev
-        c = int(torch.nan_to_num(a[:, 3], nan=float("-inf")).argmax())
-        med, top = _nan_stat(torch.median), _nan_stat(torch.max)
-        rows.setdefault(classes[s], []).append(
-            {
-                "period": (last_store[s] - prev).item(),
-                "latency": med(lat),
-                "latency_max": top(lat),
-                "sums": med(a[:, 2] - a[:, 1]),
-                "last_page_wait": med(a[:, 7] - a[:, 1]),
-                "critical_latency": (a[c, 1] - prev).item(),
-                "critical_sums": (a[c, 2] - a[c, 1]).item(),
-                "critical_stores": (a[c, 3] - a[c, 2]).item(),
-                "critical_last_page_wait": (a[c, 7] - a[c, 1]).item(),
-            }
-        )
-    out = {}
-    for label, stages in rows.items():
-        keys = stages[0].keys()
-        col = {k: torch.tensor([r[k] for r in stages], dtype=torch.float64) for k in keys}
-        out[label] = {"stages": len(stages), "period_mean": col["period"].mean().item()}
-        out[label] |= {k: _nan_stat(torch.median)(v) for k, v in col.items()}
-    return out
+    at = (a[:, None, None] * (x - cx[:, None, None]) + cy[:, None, None]) / 1e3
+    return torch.where(rec, at, float("nan"))
 
 
 def _nan_stat(stat):
@@ -290,49 +267,82 @@ def _nan_stat(stat):
     return of
 
 
+_med, _top = _nan_stat(torch.median), _nan_stat(torch.max)
+# by_class's figures a stage: (name, from point, to point); "prev" is the last block's stores of the stage before
+_STAGE_SPANS = (
+    ("latency", "prev", 1),  # the input in (after the consumers' sync)
+    ("gathered", "prev", 10),  # consumer 0's share of it in
+    ("first_page_wait", 1, 6),  # the first page's warp through its wait, from the input in
+    ("first_page_sums", 6, 8),  # that page summed
+    ("last_page_wait", 1, 7),
+    ("last_page_sums", 7, 9),
+    ("sums", 1, 2),  # every page summed (the consumers' sync)
+    ("stores", 2, 3),
+)
+
+
+def _by_class(at: torch.Tensor, classes: list[str]) -> dict:
+    """Per class of stage (its shape), the medians over its stages past the first layer (the first len(set(classes))
+    stages: the ring starts empty) of each _STAGE_SPANS span, us: the median over the blocks and the critical
+    block's (the last to store, `critical_` keys), whose spans make up the stage's period (from the last block's
+    stores of the stage before to its own last block's); with `latency_max`, the last block's input in. `at` is
+    _aligned_us's [blocks, stages, points]."""
+    warm = max(1, len(set(classes)))
+    last_store = torch.nan_to_num(at[..., 3], nan=float("-inf")).max(dim=0).values
+    rows: dict[str, list[dict]] = {}
+    for s in range(warm, at.shape[1]):
+        a = at[:, s]
+        prev = last_store[s - 1]
+        c = int(torch.nan_to_num(a[:, 3], nan=float("-inf")).argmax())
+        row = {"period": (last_store[s] - prev).item(), "latency_max": _top(a[:, 1] - prev)}
+        for name, i, j in _STAGE_SPANS:
+            span = a[:, j] - (prev if i == "prev" else a[:, i])
+            row[name] = _med(span)
+            row[f"critical_{name}"] = span[c].item()
+        rows.setdefault(classes[s], []).append(row)
+    out = {}
+    for label, stages in rows.items():
+        col = {k: torch.tensor([r[k] for r in stages], dtype=torch.float64) for k in stages[0]}
+        out[label] = {"stages": len(stages), "period_mean": col["period"].mean().item()}
+        out[label] |= {k: _med(v) for k, v in col.items()}
+    return out
+
+
 def chain_trace_summary(trace: torch.Tensor, classes: list[str] | None = None) -> dict:
-    """CudaGemvChain.trace_summary on a trace [blocks, stages, 16] (cycles at [k], ns at [8 + k]). The spans of a
-    block with no rows in a stage (no first page) are left out. With `classes` (a label a stage), `by_class` has
-    _by_class's medians on the blocks' clocks aligned to the timer (_aligned_us)."""
-    t = trace.detach().cpu().double()
+    """CudaGemvChain.trace_summary on a trace [blocks, stages, TRACE_WIDTH] (clocks at [k], the timer at [16 + k]
+    for TIMED_POINTS), us, on the blocks' clocks lined up (_aligned_us). The spans of a block with no rows in a
+    stage (no first page) are left out. With `classes` (a label a stage), `by_class` has _by_class's figures."""
+    assert trace.shape[-1] == TRACE_WIDTH, f"a trace row is {TRACE_WIDTH} values"
     if classes is not None:
-        assert len(classes) == t.shape[1], f"{len(classes)} classes for {t.shape[1]} stages"
-    cycles, ns = t[..., :6], t[..., 8:14]
-    assert (ns[..., 3] > 0).all(), "no traced call yet"
-    # the SM clock: cycles over ns from each block's first start to its last store
-    ghz = (
-        (cycles[:, -1, 3] - cycles[:, 0, 0]).sum() / (ns[:, -1, 3] - ns[:, 0, 0]).sum().clamp(min=1)
-    ).item()
-
-    paged = ns[..., 4] > 0  # a block with no rows in a stage has no first page
-
-    def across(us: torch.Tensor) -> dict:
-        if not us.numel():
-            return {"median": float("nan"), "max": float("nan")}
-        return {"median": us.median().item(), "max": us.max().item()}
+        assert len(classes) == trace.shape[1], f"{len(classes)} classes for {trace.shape[1]} stages"
+    at = _aligned_us(trace)
+    cyc = trace.detach().cpu().double()[..., :16]
+    paged = ~at[..., 4].isnan()  # a block with no rows in a stage has no first page
+    # the SM clock: each block's cycles over its aligned us, first start to last store
+    ghz = ((cyc[:, -1, 3] - cyc[:, 0, 0]).sum() / (at[:, -1, 3] - at[:, 0, 0]).sum() / 1e3).item()
 
     def spread(us: torch.Tensor) -> dict:  # over the blocks' stages with rows
-        return across(us[paged])
+        return {"median": _med(us[paged]), "max": _top(us[paged])}
 
-    def us_cycles(a: int, b: int) -> torch.Tensor:
-        return (cycles[..., b] - cycles[..., a]) / ghz / 1e3
+    def across(us: torch.Tensor) -> dict:
+        return {"median": _med(us), "max": _top(us)}
 
-    last = ns.max(dim=0).values  # [stages, points]: when the last block reached each point
+    last = torch.nan_to_num(at, nan=float("-inf")).max(dim=0).values  # [stages, points]: the last block's
     out = {
-        "blocks": t.shape[0],
-        "stages": t.shape[1],
+        "blocks": trace.shape[0],
+        "stages": trace.shape[1],
         "clock_ghz": ghz,
-        "input_wait_us": spread(us_cycles(0, 1)),
-        "pages_after_input_us": spread(us_cycles(1, 2)),
-        "stores_us": spread(us_cycles(2, 3)),
-        "first_page_ahead_us": spread((ns[..., 0] - ns[..., 4]) / 1e3),
-        "last_page_ahead_us": spread((ns[..., 1] - ns[..., 5]) / 1e3),
+        "input_wait_us": spread(at[..., 1] - at[..., 0]),
+        "pages_after_input_us": spread(at[..., 2] - at[..., 1]),
+        "stores_us": spread(at[..., 3] - at[..., 2]),
+        "first_page_ahead_us": spread(at[..., 0] - at[..., 4]),
+        "last_page_ahead_us": spread(at[..., 1] - at[..., 5]),
     }
-    if t.shape[1] > 1:  # across the blocks: a stage's values, not a block's
-        out["stage_period_us"] = across((last[1:, 3] - last[:-1, 3]) / 1e3)
-        out["input_latency_us"] = across((last[1:, 1] - last[:-1, 3]) / 1e3)
-    if classes is not None and t.shape[1] > 1:
-        out["by_class"] = _by_class(_aligned_us(t[..., :8], t[..., 8:]), classes)
+    if trace.shape[1] > 1:  # across the blocks: a stage's values, not a block's
+        out["stage_period_us"] = across(last[1:, 3] - last[:-1, 3])
+        out["input_latency_us"] = across(last[1:, 1] - last[:-1, 3])
+        if classes is not None:
+            out["by_class"] = _by_class(at, classes)
     return out
 
 
@@ -455,7 +465,7 @@ class CudaGemvChain:
         self.stages = len(weights)
         self.shapes = [tuple(w.shape) for w in weights]
         self.trace = (
-            torch.zeros(self.blocks, self.stages, 16, dtype=torch.int64, device=self.device)
+            torch.zeros(self.blocks, self.stages, TRACE_WIDTH, dtype=torch.int64, device=self.device)
             if trace
             else None
         )
