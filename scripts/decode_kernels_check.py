@@ -1054,6 +1054,21 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         dict(
             pipe=True, mma=True, mma_packed=True, no_barrier=True, no_stream=True, page_bytes=8192, trace=True
         ),
+        # the pages' mbarriers polled with test_wait, where try_wait may suspend a waiting thread
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, test_wait=True),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, test_wait=True, trace=True),
+        dict(
+            pipe=True,
+            mma=True,
+            mma_packed=True,
+            no_barrier=True,
+            no_stream=True,
+            no_compute=True,
+            test_wait=True,
+        ),
+        dict(
+            pipe=True, mma=True, mma_packed=True, no_barrier=True, no_stream=True, test_wait=True, trace=True
+        ),
         # the consumers' polls of the input from L2 put to sleep 128 ns between tries (call a: 10.9 against 10.4)
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, poll_sleep=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=3),

@@ -90,6 +90,7 @@ def _check_chain(weights, **kwargs):
      dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=1), dict(pipe=True, ll=True, mma=True, depth=3),
      dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_parts=4, page_bytes=32768),
      dict(pipe=True, mma=True, mma_parts=2), dict(pipe=True, ll=True, mma=True, mma_packed=True, poll_sleep=True),
+     dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, test_wait=True),
      dict(pipe=True, ll=True, own_pages=True)],
 )  # fmt: skip
 @pytest.mark.parametrize("blocks", [None, 7])

@@ -79,6 +79,10 @@ constexpr int kMmaPartsShift = 14;
 // over the GPU): whether that traffic holds the weight stream back.
 constexpr int kPollSleep = 1 << 16;
 constexpr unsigned kPollSleepNs = 128;
+// kMma with every mbarrier wait (the pages' full and empty) a spin on test_wait instead of try_wait (mbar_wait):
+// whether the suspended waits wake late (session 65: with no stream and no barrier the consumers' page handshakes,
+// syncs and stores alone took 5.7 us a layer on an H200)
+constexpr int kTestWait = 1 << 17;
 constexpr int kMaxPartials = 2048;  // kMma: a block's rows of one stage x its pages a row (fp32 sums in shared)
 constexpr int kMaxStages = 64;  // pipe keeps every stage's entries in shared memory
 constexpr unsigned kBulkBytes = 32768;
@@ -115,8 +119,17 @@ __device__ __forceinline__ void mbar_expect(uint32_t bar, unsigned bytes) {
                : "memory");
 }
 
-__device__ __forceinline__ void mbar_wait(uint32_t bar, unsigned parity) {
+// With `spin` (kMma's kTestWait) the phase is polled with test_wait, which never suspends the thread, where
+// try_wait may suspend it until the phase completes or a time limit passes.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, unsigned parity, bool spin = false) {
   unsigned ok = 0;
+  while (spin && !ok) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
   while (!ok) {
     asm volatile(
         "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }\n"
@@ -522,7 +535,7 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
                             int G, uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int pages,
                             int page_bytes, int mode, int lane, int inflight, unsigned long long* trace) {
   const bool lanes = mode & kMmaLanes;
-  const bool capped = inflight > 0 && inflight < pages;
+  const bool capped = inflight > 0 && inflight < pages, spin = mode & kTestWait;
   MmaPages pg(page_bytes, pages, mode);
   for (int s = 0; s < S; ++s) {
     const StageRows st = stage_rows(meta, w, acts, s, b, G);
@@ -531,12 +544,13 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
       const int rows = min(16, st.rows - r0);
       for (int k0 = 0; k0 < st.K; k0 += pg.kc, pg.next()) {
         const uint32_t full = full_base + 8 * pg.slot;
-        if (lane == 0 && pg.use > 0) mbar_wait(empty_base + 8 * pg.slot, static_cast<unsigned>(pg.use - 1) & 1u);
+        if (lane == 0 && pg.use > 0) mbar_wait(empty_base + 8 * pg.slot, static_cast<unsigned>(pg.use - 1) & 1u, spin);
         if (capped && lane == 0) {  // page g - inflight: its slot and use
           const bool wrapped = pg.slot < inflight;
           const int use = pg.use - wrapped;
           if (use >= 0)
-            mbar_wait(full_base + 8 * (pg.slot - inflight + (wrapped ? pages : 0)), static_cast<unsigned>(use) & 1u);
+            mbar_wait(full_base + 8 * (pg.slot - inflight + (wrapped ? pages : 0)), static_cast<unsigned>(use) & 1u,
+                      spin);
         }
         if (first && lane == 0) trace_point(trace, b, S, s, 4, true);  // the stage's first page free to issue
         first = false;
@@ -570,7 +584,7 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
 // stages.
 __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* xs, float* sums,
                             uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int cw, int lane,
-                            bool compute, unsigned long long* trace, int b, int S, int s) {
+                            bool compute, bool spin, unsigned long long* trace, int b, int S, int s) {
   // ldmatrix.x4: lanes 0-7 give rows 0-7 of the k-block's columns 0-7, lanes 8-15 rows 8-15, lanes 16-31 the
   // same at columns 8-15: a0..a3 of mma's A fragment
   const unsigned row = (lane & 7) + (lane & 8), half = lane >> 4;
@@ -585,7 +599,7 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
         // one before it, so a warp that skipped the slot's last use (page g - pages, another warp's) could find that
         // use's phase still open and take it for the one before: through at once, summing a page not yet there
         if ((pg.slot * pg.parts + p) % kConsumers != cw) continue;
-        mbar_wait(full_base + 8 * pg.slot, static_cast<unsigned>(pg.use) & 1u);
+        mbar_wait(full_base + 8 * pg.slot, static_cast<unsigned>(pg.use) & 1u, spin);
         // the stage's first and last page (trace points 6-9): part 0's warp, lane 0
         const bool traced = trace != nullptr && lane == 0 && p == 0;
         const bool first_page = r0 == 0 && k0 == 0, last_page = r0 + 16 >= st.rows && k0 + pg.kc >= st.K;
@@ -731,8 +745,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       trace_point(tr, b, S, s, 10);
       consumers_sync();  // the input in xs (and the last stage's partial sums read)
       trace_point(tr, b, S, s, 1);
-      mma_consume(st, pg, xw, sums, ring_base, full_base, empty_base, cw, lane, !(mode & kNoCompute), trace, b, S,
-                  s);
+      mma_consume(st, pg, xw, sums, ring_base, full_base, empty_base, cw, lane, !(mode & kNoCompute),
+                  mode & kTestWait, trace, b, S, s);
       consumers_sync();  // every page's partial sums in
       trace_point(tr, b, S, s, 2);
       const int column_pages = (st.K + pg.kc - 1) / pg.kc * pg.parts;

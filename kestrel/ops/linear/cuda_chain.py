@@ -135,6 +135,9 @@ MMA_LANES = 4096  # mma: a page's 16 row copies issued by 16 lanes of the produc
 MMA_PACKED = 8192  # mma: the weights packed in the producer's order (pack_mma_pages), a page one bulk copy
 MMA_PARTS_SHIFT = 14  # mma: log2 of the consumer warps a page's k-blocks are split among, in mode bits 14-15
 POLL_SLEEP = 1 << 16  # mma with ll: 128 ns asleep between a consumer's polls of an input pair not yet there
+TEST_WAIT = (
+    1 << 17
+)  # mma: every wait on a page's mbarrier a spin on test_wait, not try_wait (which may suspend)
 # mma's trace (`trace=True`; cuda_chain.cu's trace_point): each block's row of each stage takes the SM clock at
 # these points ([k]), from consumer thread 0 (0-3, 10), the producer's lane 0 (4-5: with the ns timer too, at
 # [16 + k]) and the warps of the stage's first and last page (6-9)
@@ -383,6 +386,7 @@ class CudaGemvChain:
         mma_parts: int = 1,
         trace: bool = False,
         poll_sleep: bool = False,
+        test_wait: bool = False,
     ):
         assert weights and all(w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_cuda for w in weights), (
             "weights: [N_s, K_s] bf16 on CUDA"
@@ -411,6 +415,7 @@ class CudaGemvChain:
         assert not (mma_lanes and mma_packed), "mma_packed copies a page at once: no lanes to spread"
         assert mma or not trace, "trace is mma's"
         assert mma and ll or not poll_sleep, "poll_sleep is mma's with ll"
+        assert mma or not test_wait, "test_wait is mma's"
         assert mma_parts in (1, 2, 4, 8) and (mma or mma_parts == 1), (
             f"mma_parts {mma_parts}: 1, 2, 4 or 8, with mma"
         )
@@ -453,6 +458,7 @@ class CudaGemvChain:
             | MMA_PACKED * mma_packed
             | (mma_parts.bit_length() - 1) << MMA_PARTS_SHIFT
             | POLL_SLEEP * poll_sleep
+            | TEST_WAIT * test_wait
         )
         # each output 16-byte aligned: the next stage reads it in 16-byte units
         self.w, self.acts, self.meta, self.input, self.outputs = pack_chain(weights, 1, align=8)
