@@ -15,7 +15,7 @@
 #   RUN=/tmp/run-a GPU=0 SHIP=0 ... finish & RUN=/tmp/run-b GPU=1 SHIP=0 ... finish; wait
 #   scripts/gpu_train_demo.sh pick /tmp/run-a /tmp/run-b      (scripts/pick_demo_run.py; ships the better)
 # (two checkpoints of 36 MB do not fit in $OUT together; finish names its archive after the run folder).
-# Carry `.whl` (scripts/fetch_wheels.sh) and `.triton-cache` when there is one. The run lives in $RUN (/tmp/demo-run)
+# Carry `.whl` and `.whl-train` (scripts/fetch_wheels.sh) and `.triton-cache` when there is one. The run lives in $RUN (/tmp/demo-run)
 # on the machine, which keeps it only while the machine stays held: call again within the idle window.
 # Every knob is an environment variable (defaults: run 7, session 13, 2026-11-30, with the shipped tokenizer,
 # TOKENIZER=kestrel/data/kestrel-demo; TOKENIZER= (empty) trains a new BPE first, as run 8 did by accident,
@@ -42,12 +42,15 @@
 #   call 1:  RUN=/tmp/r-a BUDGET=480 ... START_WAIT=1 start; RUN=/tmp/r-a wait 585; RUN=/tmp/r-a ship
 #   here:    scripts/gpu_train_demo.sh unpack <files_at> runs/r-a; cp runs/r-a/checkpoint/* kestrel/data/kestrel-demo/
 #   call 2:  RUN=/tmp/r-c MODEL=kestrel/data/kestrel-demo BUDGET=220 ... START_WAIT=1 start; RUN=/tmp/r-c wait 380;
-#            RUN=/tmp/r-c EVAL_S=200 NUMR=100 PARITY_S=0 finish      (carry .whl only)
+#            RUN=/tmp/r-c EVAL_S=200 NUMR=100 PARITY_S=0 finish      (carry .whl and .whl-train only)
 #   (200 s of eval cut run 17's 32K dense pass at 62 of 100 prompts: EVAL_S=260 takes it whole, ~30 s more)
 # (stage 1's whole process must fit one call: its first step took 76 s on a cold machine, ~15 s more go to starting
 # and saving; a lost machine then costs one stage and a start-up, not the run). The stage-1 shards replace the
-# shipped ones in the tree for call 2 because the carry limit (64 MiB: the tree, 45 MB with the shipped model, and
-# .whl, 16 MB) has no room for a second checkpoint; `git checkout kestrel/data/kestrel-demo` puts them back.
+# shipped ones in the tree for call 2 because the carry limit (64 MiB: the tree, 51 MB with the shipped model since
+# session 65, and the wheels, 16 MB in .whl and .whl-train) has no room for a second checkpoint; `git checkout
+# kestrel/data/kestrel-demo` puts them back. The tree and both wheel folders no longer fit beside each other (session
+# 65, 64.5 MiB): a training call carries .whl-train and a .whl cut to fla-core (the server's wheels are not imported
+# by training).
 # Check the pipeline on the device first: python3 scripts/data_mix.py --recipe r=256,256,512,512,1024@1
 #   --batch-rows 16 --rate-seconds 20 --workers 12  (it must beat the step's 708 K tokens/s).
 # Knobs: MODEL TOKENIZER STEPS ROWS ROW_LEN RLEN RWEIGHT RSHARED DISTRACTORS SHARED_ALL (1, the default: --retrieval-shared-all; 0: run 6's data)
@@ -92,7 +95,8 @@ case "${1:-}" in
 start)
     # once a machine: a second run started beside the first must not rewrite what the first is importing
     if [ ! -f /tmp/site/.kestrel-installed ]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl $(ls .whl-train/*.whl 2> /dev/null) || exit 1
         scripts/triton_cache.sh restore
         touch /tmp/site/.kestrel-installed
     fi

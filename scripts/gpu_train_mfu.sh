@@ -23,14 +23,14 @@
 #                         measurement made both on the default: 0.579 -> 0.511 s)
 #   kda_recompute_accum2  both
 # Each writes $OUT/mini_<name>.json (scripts/profile_train.py: queued steps, MFU two ways, peak memory, profile).
-# On the device, from the repository root, with `.whl` carried (scripts/fetch_wheels.sh):
+# On the device, from the repository root, with `.whl` and `.whl-train` carried (scripts/fetch_wheels.sh):
 #   bash scripts/gpu_train_mfu.sh base accum2       two of them (~4-5 min with the committed autotuning results)
 #   bash scripts/gpu_train_mfu.sh                   rows4, rows3 (~6 min on a fresh machine: the first compiles
 #                                                   cold for ~100 s)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > /dev/null 2>&1
+    $(ls .whl-train/*.whl 2> /dev/null) > /dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 scripts/triton_cache.sh restore
