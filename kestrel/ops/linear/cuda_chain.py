@@ -89,6 +89,22 @@ LL every consumer thread of every block polls its input pairs from L2 until they
 in flight over the GPU while a stage waits; 128 ns asleep between tries asks whether that traffic holds the weight
 stream back.
 
+Session 65 (call a on an H100, b on an H200; bench/results/2026-12-06-h100-h200-session65.json; the floor and the
+launches in the same runs: H100 7.09 and 9.48, H200 5.07 and 7.75): the best chain, packed with LL at 2 pages in
+flight, takes 10.44 on the H100 and **9.99 on the H200**: no faster where the bytes are (1.10x the launches there,
+1.29x here), so its bound is the consumers' own chain of work. With no stream and no barrier (no stage waits for
+another) they take 9.85 a layer on the H200, 5.66 without their sums (`no_compute`: the pages' handshakes, the
+syncs and the stores alone) and 9.07 without the input's read. The first traces (calls a and b) split a stage's
+time by shape on the H200, medians: 4232 x 2048 (a block's 32-33 rows in 8-12 pages) a period of 6.0, its input
+latency 1.0, its sums 3.5 (the last block's 4.5), the warp of its last page through its wait 1.75 after the input
+even with no stream; 2048 x 1024 (2 pages) 3.25, sums 1.75. Those traces' spans each held one read of the ns
+timer (every point read it before its clock store) and their timer values were rounded to 256 ns (ns since 1970
+as a double): the trace since takes the timer at the producer's two points alone, lines the SMs' clocks up by a
+fit in int64 offsets, and adds each stage's first and last page summed and consumer 0's input in (TRACE_POINTS
+8-10); and `test_wait` (every page's mbarrier wait a spin on test_wait, where try_wait may suspend the waiting
+thread) asks whether the handshakes' 2.8 us a stage are wake-ups. Both untimed and GPU-untested: no machine
+started for the session's last four asks.
+
 `CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
 row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
 in flight (the ring of shared memory permitting: 0 copies each stage's rows only when it starts); with mma, how
