@@ -36,10 +36,11 @@ ran out: leave it to the CPU suite), `tests:tests/ops/test_moe_decode_triton.py,
 changes (the LL input as bf16 units; `mma`, the sums on the tensor cores) and session 63's (twenty-two asks, no call:
 a review's three mends; `mma_lanes`) were timed by session 64 (H100) with its own (`mma_packed`, the in-flight cap,
 `mma_parts`) in `l2 tests:tests/ops/test_cuda_chain.py` (a-c, about 80 s of work) and `cuda_chain_ncu.py packed4`
-under ncu (c). Untimed since: the chain's trace (`trace=True`, where a stage's time goes) and `poll_sleep`, in
-`l2`'s pruned sweep, and the cap with mma_lanes and 8 KB packed pages: `l2 tests:tests/ops/test_cuda_chain.py`
-(about 75 s of work) times and checks them. Next, when an H200 comes: the three calls above at one
-commit (the H200's figures are session 52's; every H100 figure since is not comparable with them).
+under ncu (c). Session 65 timed the chain's trace and poll_sleep with `l2 tests:tests/ops/test_cuda_chain.py` (a on
+an H100, b on an H200, 61-77 s of work each; carry `.whl` alone: with `.whl-train` beside the tree a call passes its
+64 MiB). Untimed since: the trace's clock-only consumer points and `test_wait`: the same command times and checks
+them. Next, when an H200 comes for a whole session's budget: the three calls above at one commit (the H200's step
+figures are session 52's; every H100 figure since is not comparable with them).
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
 (tests:rest:2/2 and so on; the summary counts the outcomes so far from pytest's log).
 Each job's help (`--list`) says what it runs."""
