@@ -256,28 +256,29 @@ def test_trace_summary_reads_the_points():
 
 
 def test_trace_by_class_lines_up_the_blocks_clocks():
-    # four blocks, each its own clock, the timer at the producer's points only; stages of two shapes in turn.
-    # Block b gathers stage s's input 1 + 0.2 b us after the last block stored stage s - 1, has it in 0.1 us later,
-    # its first page in then and summed in 0.3 us, its last page 0.2 us after the input and summed in 0.3 us, all
-    # pages summed 0.8 us (shape A) or 0.5 us (B) after the input, and stores for 0.4: block 3 is always the last
-    # to store, the critical one. The first layer (stages 0 and 1) is left out.
-    blocks, classes = 4, ["A", "B"] * 4
-    true = torch.full((blocks, len(classes), len(cuda_chain.TRACE_POINTS)), float("nan"), dtype=torch.float64)
-    last_store = 0.0
-    for s, label in enumerate(classes):
-        sums = 0.8 if label == "A" else 0.5
+    # four blocks, each its own clock, the timer at the producer's points only; stages of two shapes in turn: A
+    # (8 x 4: two rows a block) reads the first 4 outputs of B, every block's; B (4 x 4: a row a block) the first 4
+    # of A, blocks 0 and 1's. Block b gathers stage s's input 1 + 0.2 b us after the last of those blocks stored
+    # stage s - 1, has it in 0.1 us later, its first page in then and summed in 0.3 us, its last page 0.2 us after
+    # the input and summed in 0.3 us, all pages summed 0.8 us (A) or 0.5 us (B) after the input, and stores for
+    # 0.4: block 3 is always the last to store, the critical one. The first layer (stages 0 and 1) is left out.
+    blocks, shapes = 4, [(8, 4), (4, 4)] * 4
+    true = torch.full((blocks, len(shapes), len(cuda_chain.TRACE_POINTS)), float("nan"), dtype=torch.float64)
+    for s, (n, _) in enumerate(shapes):
+        sums = 0.8 if n == 8 else 0.5
+        producers = range(blocks) if n == 8 else range(2)
+        prev = max(true[b, s - 1, 3].item() for b in producers) if s else 0.0
         for b in range(blocks):
-            inp = last_store + 1.1 + 0.2 * b
+            inp = prev + 1.1 + 0.2 * b
             true[b, s] = torch.tensor(
-                [last_store + 0.1, inp, inp + sums, inp + sums + 0.4, inp - 3, inp - 1]
+                [prev + 0.1, inp, inp + sums, inp + sums + 0.4, inp - 3, inp - 1]
                 + [inp, inp + 0.2, inp + 0.3, inp + 0.5, inp - 0.1]
             )
-        last_store = true[:, s, 3].max().item()
     trace = _synthetic_trace(true + 5.0)
-    got = cuda_chain.chain_trace_summary(trace, classes)["by_class"]
-    assert set(got) == {"A", "B"} and got["A"]["stages"] == 3 and got["B"]["stages"] == 3
+    got = cuda_chain.chain_trace_summary(trace, shapes)["by_class"]
+    assert set(got) == {"8x4", "4x4"} and got["8x4"]["stages"] == 3 and got["4x4"]["stages"] == 3
     close = functools.partial(pytest.approx, abs=2e-3)
-    for label, sums in (("A", 0.8), ("B", 0.5)):
+    for label, sums in (("8x4", 0.8), ("4x4", 0.5)):
         g = got[label]
         assert g["period"] == close(1.7 + sums + 0.4) and g["period_mean"] == close(1.7 + sums + 0.4)
         # torch.median: the lower middle one of 1.1 1.3 1.5 1.7
@@ -295,8 +296,24 @@ def test_trace_by_class_lines_up_the_blocks_clocks():
             and g["critical_sums"] == close(sums)
         )
         assert g["stores"] == close(0.4) and g["critical_stores"] == close(0.4)
-    with pytest.raises(AssertionError, match="classes for"):
-        cuda_chain.chain_trace_summary(trace, classes[:-1])
+    with pytest.raises(AssertionError, match="shapes for"):
+        cuda_chain.chain_trace_summary(trace, shapes[:-1])
+
+
+def test_trace_fit_of_a_block_with_no_rows_takes_the_others_slope():
+    # block 1 has no rows in any stage: no first page, and its producer's last-page points all at the start, one
+    # clock value: its line takes block 0's slope and fits its offset alone, so its consumers' points still land
+    # where they were: with block 0's, which were at the same times (the line's origin is the first timer value)
+    true = torch.full((2, 3, len(cuda_chain.TRACE_POINTS)), float("nan"), dtype=torch.float64)
+    for s in range(3):
+        true[:, s, :4] = torch.tensor([10.0, 11.0, 12.0, 13.0]) + 10 * s
+        true[0, s, 4:6] = torch.tensor([8.0, 9.0]) + 10 * s
+    true[1, :, 5] = 1.0
+    at, ghz = cuda_chain._aligned_us(_synthetic_trace(true + 5.0))
+    assert ghz == pytest.approx(1.8, rel=1e-4)
+    torch.testing.assert_close(at[1, :, :4], at[0, :, :4], atol=2e-3, rtol=0)
+    torch.testing.assert_close(at[0, :, :4] - at[0, 0, 0], true[0, :, :4] - 10.0, atol=2e-3, rtol=0)
+    assert at[1, :, 4].isnan().all()
 
 
 @cuda
@@ -319,8 +336,10 @@ def test_traced_chain_matches_and_orders_its_points():
     cycles = t[..., :4]
     assert (cycles[..., 1:] >= cycles[..., :-1]).all()  # start, input in, pages summed, stored
     assert (t[..., 10] <= t[..., 1]).all()  # consumer 0's share of the input in, then the sync
-    for wait, summed in ((6, 8), (7, 9)):  # each page in after the input, then summed, then every page summed
-        assert (t[..., wait] >= t[..., 1]).all() and (t[..., summed] >= t[..., wait]).all()
+    for wait, summed in ((6, 8), (7, 9)):
+        # each page in after consumer 0's share of the input (the consumers' sync between: not after its point 1,
+        # which another warp may pass first), then summed, then every page summed
+        assert (t[..., wait] >= t[..., 10]).all() and (t[..., summed] >= t[..., wait]).all()
         assert (t[..., 2] >= t[..., summed]).all()
     summary = chain.trace_summary()
     assert 0.5 < summary["clock_ghz"] < 3.0 and summary["stage_period_us"]["median"] > 0

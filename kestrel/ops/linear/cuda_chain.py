@@ -251,12 +251,14 @@ def pack_mma_pages(w: torch.Tensor, blocks: int, kc: int) -> torch.Tensor:
     return out
 
 
-def _aligned_us(trace: torch.Tensor) -> torch.Tensor:
-    """Every block's points on one time line, us, [blocks, stages, 16] (NaN where a point was not recorded: clock 0):
-    a least-squares line ns = a cycles + c a block over its timed points (TIMED_POINTS). The ns timer is common to
-    the SMs; the clock is fine but each SM's own; the line gives each block's clock the timer's origin. Both are
-    taken relative to their first value in int64 first: the timer's ns since 1970 (~1.7e18) would otherwise keep
-    only 256-ns steps in a double."""
+def _aligned_us(trace: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Every block's points on one time line, us, [blocks, stages, 16] (NaN where a point was not recorded: clock 0),
+    and the SM clock in GHz: a least-squares line ns = a cycles + c a block over its timed points (TIMED_POINTS). The
+    ns timer is common to the SMs; the clock is fine but each SM's own; the line gives each block's clock the
+    timer's origin. Both are taken relative to their first value in int64 first: the timer's ns since 1970 (~1.7e18)
+    would otherwise keep only 256-ns steps in a double. A block whose timed points span under 1000 cycles (one
+    stage, or no rows in any: its producer's points all at the start) takes the other blocks' median slope and
+    fits its offset alone; a block with none is NaN throughout."""
     t = trace.detach().cpu()
     cyc, ns = t[..., :16], t[..., 16:]
     rec = cyc > 0
@@ -266,14 +268,21 @@ def _aligned_us(trace: torch.Tensor) -> torch.Tensor:
     c0 = torch.where(rec, cyc, torch.iinfo(torch.int64).max).amin(dim=(1, 2))  # each block's first clock
     x = torch.where(rec, cyc - c0[:, None, None], 0).double()
     y = torch.where(timed, ns - ns_origin, 0).double()
-    n = timed.sum(dim=(1, 2)).clamp(min=1)
-    cx = torch.where(timed, x, 0).sum(dim=(1, 2)) / n
-    cy = y.sum(dim=(1, 2)) / n
+    n = timed.sum(dim=(1, 2))
+    cx = torch.where(timed, x, 0).sum(dim=(1, 2)) / n.clamp(min=1)
+    cy = y.sum(dim=(1, 2)) / n.clamp(min=1)
     dx = torch.where(timed, x - cx[:, None, None], 0)
     dy = torch.where(timed, y - cy[:, None, None], 0)
     a = (dx * dy).sum(dim=(1, 2)) / (dx * dx).sum(dim=(1, 2)).clamp(min=1e-9)
+    span = torch.where(timed, x, float("-inf")).amax(dim=(1, 2)) - torch.where(timed, x, float("inf")).amin(
+        dim=(1, 2)
+    )
+    fitted = (n >= 2) & (span >= 1000)
+    assert fitted.any(), "no block's timed points span 1000 cycles"
+    a = torch.where(fitted, a, a[fitted].median())
     at = (a[:, None, None] * (x - cx[:, None, None]) + cy[:, None, None]) / 1e3
-    return torch.where(rec, at, float("nan"))
+    at = torch.where(rec & (n > 0)[:, None, None], at, float("nan"))
+    return at, 1.0 / a[fitted].median().item()
 
 
 def _nan_stat(stat):
@@ -287,11 +296,14 @@ def _nan_stat(stat):
 
 
 _med, _top = _nan_stat(torch.median), _nan_stat(torch.max)
-# by_class's figures a stage: (name, from point, to point); "prev" is the last block's stores of the stage before
+# by_class's figures a stage: (name, from point, to point); "prev" is the last store of the stage before among the
+# blocks whose rows the stage reads (with LL a block waits for those alone)
 _STAGE_SPANS = (
     ("latency", "prev", 1),  # the input in (after the consumers' sync)
     ("gathered", "prev", 10),  # consumer 0's share of it in
-    ("first_page_wait", 1, 6),  # the first page's warp through its wait, from the input in
+    # the first page's warp through its wait, from the input in: a few cycles below 0 can be, where that warp
+    # passes the consumers' sync before consumer 0 does
+    ("first_page_wait", 1, 6),
     ("first_page_sums", 6, 8),  # that page summed
     ("last_page_wait", 1, 7),
     ("last_page_sums", 7, 9),
@@ -300,45 +312,51 @@ _STAGE_SPANS = (
 )
 
 
-def _by_class(at: torch.Tensor, classes: list[str]) -> dict:
-    """Per class of stage (its shape), the medians over its stages past the first layer (the first len(set(classes))
-    stages: the ring starts empty) of each _STAGE_SPANS span, us: the median over the blocks and the critical
-    block's (the last to store, `critical_` keys), whose spans make up the stage's period (from the last block's
-    stores of the stage before to its own last block's); with `latency_max`, the last block's input in. `at` is
-    _aligned_us's [blocks, stages, points]."""
-    warm = max(1, len(set(classes)))
-    last_store = torch.nan_to_num(at[..., 3], nan=float("-inf")).max(dim=0).values
+def _by_class(at: torch.Tensor, shapes: list[tuple[int, int]]) -> dict:
+    """Per stage shape ("NxK"), the medians over its stages past the first layer (the first len(set(shapes))
+    stages, the ring starting empty: a layer's stages are taken to differ in shape) of each _STAGE_SPANS span, us:
+    the median over the blocks with rows in the stage, and the critical block's (the last of them to store:
+    `critical_` keys), whose spans make up the stage's period (from the producers' last store, "prev", to the
+    stage's last store); `latency_max`, the last of them to have its input in. `at` is _aligned_us's [blocks,
+    stages, points]."""
+    blocks = at.shape[0]
+    paged = ~at[..., 4].isnan()  # a block with rows in the stage (its producer had a first page)
+    b = torch.arange(blocks)
+    warm = max(1, len(set(shapes)))
     rows: dict[str, list[dict]] = {}
     for s in range(warm, at.shape[1]):
-        a = at[:, s]
-        prev = last_store[s - 1]
+        (n_prev, _), (_, k) = shapes[s - 1], shapes[s]
+        producers = (n_prev * b // blocks < k) & paged[
+            :, s - 1
+        ]  # the blocks holding stage s - 1's first k rows
+        prev = torch.nan_to_num(at[producers, s - 1, 3], nan=float("-inf")).max()
+        a = at[paged[:, s], s]
+        if not a.shape[0]:
+            continue
         c = int(torch.nan_to_num(a[:, 3], nan=float("-inf")).argmax())
-        row = {"period": (last_store[s] - prev).item(), "latency_max": _top(a[:, 1] - prev)}
+        row = {"period": (a[c, 3] - prev).item(), "latency_max": _top(a[:, 1] - prev)}
         for name, i, j in _STAGE_SPANS:
             span = a[:, j] - (prev if i == "prev" else a[:, i])
             row[name] = _med(span)
             row[f"critical_{name}"] = span[c].item()
-        rows.setdefault(classes[s], []).append(row)
+        rows.setdefault(f"{shapes[s][0]}x{shapes[s][1]}", []).append(row)
     out = {}
     for label, stages in rows.items():
-        col = {k: torch.tensor([r[k] for r in stages], dtype=torch.float64) for k in stages[0]}
+        col = {key: torch.tensor([r[key] for r in stages], dtype=torch.float64) for key in stages[0]}
         out[label] = {"stages": len(stages), "period_mean": col["period"].mean().item()}
-        out[label] |= {k: _med(v) for k, v in col.items()}
+        out[label] |= {key: _med(v) for key, v in col.items()}
     return out
 
 
-def chain_trace_summary(trace: torch.Tensor, classes: list[str] | None = None) -> dict:
+def chain_trace_summary(trace: torch.Tensor, shapes: list[tuple[int, int]] | None = None) -> dict:
     """CudaGemvChain.trace_summary on a trace [blocks, stages, TRACE_WIDTH] (clocks at [k], the timer at [16 + k]
     for TIMED_POINTS), us, on the blocks' clocks lined up (_aligned_us). The spans of a block with no rows in a
-    stage (no first page) are left out. With `classes` (a label a stage), `by_class` has _by_class's figures."""
+    stage (no first page) are left out. With `shapes` (each stage's N, K), `by_class` has _by_class's figures."""
     assert trace.shape[-1] == TRACE_WIDTH, f"a trace row is {TRACE_WIDTH} values"
-    if classes is not None:
-        assert len(classes) == trace.shape[1], f"{len(classes)} classes for {trace.shape[1]} stages"
-    at = _aligned_us(trace)
-    cyc = trace.detach().cpu().double()[..., :16]
+    if shapes is not None:
+        assert len(shapes) == trace.shape[1], f"{len(shapes)} shapes for {trace.shape[1]} stages"
+    at, ghz = _aligned_us(trace)
     paged = ~at[..., 4].isnan()  # a block with no rows in a stage has no first page
-    # the SM clock: each block's cycles over its aligned us, first start to last store
-    ghz = ((cyc[:, -1, 3] - cyc[:, 0, 0]).sum() / (at[:, -1, 3] - at[:, 0, 0]).sum() / 1e3).item()
 
     def spread(us: torch.Tensor) -> dict:  # over the blocks' stages with rows
         return {"median": _med(us[paged]), "max": _top(us[paged])}
@@ -360,8 +378,8 @@ def chain_trace_summary(trace: torch.Tensor, classes: list[str] | None = None) -
     if trace.shape[1] > 1:  # across the blocks: a stage's values, not a block's
         out["stage_period_us"] = across(last[1:, 3] - last[:-1, 3])
         out["input_latency_us"] = across(last[1:, 1] - last[:-1, 3])
-        if classes is not None:
-            out["by_class"] = _by_class(at, classes)
+        if shapes is not None:
+            out["by_class"] = _by_class(at, shapes)
     return out
 
 
@@ -520,7 +538,7 @@ class CudaGemvChain:
         last block's stores of stage s - 1 to the last block's input in at s); and `by_class`, those of each stage
         shape on one time line (chain_trace_summary)."""
         assert self.trace is not None, "trace=True"
-        return chain_trace_summary(self.trace, [f"{n}x{k}" for n, k in self.shapes])
+        return chain_trace_summary(self.trace, self.shapes)
 
     def gave_up(self) -> bool:
         """Whether a block gave up waiting at the counter in a call so far (its results are wrong)."""
