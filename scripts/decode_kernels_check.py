@@ -1028,6 +1028,7 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     # pages (1: 11.7, 4: 12.3), so a stage's input read queues behind them; mma_parts, a page's sums split among
     # 2-8 warps, no better, 12.3-13.2). The sweep keeps what the next steps are measured against; the rest is in
     # bench/results/2026-12-06-h100-session64.json
+    alone = dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_stream=True)  # the consumers alone
     configs = configs or [
         dict(pipe=True, ll=True, mma=True, mma_lanes=True, depth=2),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2),
@@ -1039,36 +1040,16 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         # the consumers alone with no barrier either (session 65, call a: 9.0 us a layer, where the barriers alone
         # take 4.0): a block's own work, traced, then without its sums and without its input's read (call b, H200:
         # 9.85, 5.66 and 9.07), and by page size: whether a page's sums or its handshakes cost
-        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_stream=True, trace=True),
-        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_stream=True, no_compute=True),
-        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_stream=True, no_input=True),
-        dict(
-            pipe=True,
-            mma=True,
-            mma_packed=True,
-            no_barrier=True,
-            no_stream=True,
-            page_bytes=32768,
-            trace=True,
-        ),
-        dict(
-            pipe=True, mma=True, mma_packed=True, no_barrier=True, no_stream=True, page_bytes=8192, trace=True
-        ),
+        dict(alone, trace=True),
+        dict(alone, no_compute=True),
+        dict(alone, no_input=True),
+        dict(alone, page_bytes=32768, trace=True),
+        dict(alone, page_bytes=8192, trace=True),
         # the pages' mbarriers polled with test_wait, where try_wait may suspend a waiting thread
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, test_wait=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, test_wait=True, trace=True),
-        dict(
-            pipe=True,
-            mma=True,
-            mma_packed=True,
-            no_barrier=True,
-            no_stream=True,
-            no_compute=True,
-            test_wait=True,
-        ),
-        dict(
-            pipe=True, mma=True, mma_packed=True, no_barrier=True, no_stream=True, test_wait=True, trace=True
-        ),
+        dict(alone, no_compute=True, test_wait=True),
+        dict(alone, test_wait=True, trace=True),
         # the consumers' polls of the input from L2 put to sleep 128 ns between tries (call a: 10.9 against 10.4)
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, poll_sleep=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=3),
