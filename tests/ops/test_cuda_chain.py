@@ -296,6 +296,7 @@ def test_trace_by_class_lines_up_the_blocks_clocks():
             and g["critical_sums"] == close(sums)
         )
         assert g["stores"] == close(0.4) and g["critical_stores"] == close(0.4)
+        assert g["pages_issued"] == close(2.0) and g["critical_pages_issued"] == close(2.0)
     with pytest.raises(AssertionError, match="shapes for"):
         cuda_chain.chain_trace_summary(trace, shapes[:-1])
 

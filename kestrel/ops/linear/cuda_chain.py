@@ -309,6 +309,9 @@ _STAGE_SPANS = (
     ("last_page_sums", 7, 9),
     ("sums", 1, 2),  # every page summed (the consumers' sync)
     ("stores", 2, 3),
+    # the producer's issue of the stage's pages, from its first page's slot free to its last page issued: with no
+    # stream (each page completed on its slot's release) the pace its handshakes allow
+    ("pages_issued", 4, 5),
 )
 
 
