@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kestrel.ops import nvcc
-from kestrel.ops.linear import cuda_chain
+from kestrel.ops.linear import cuda_chain, cuda_chain_trace
 from kestrel.ops.linear.triton_chain import gemv_chain_reference
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -211,13 +211,13 @@ def _synthetic_trace(true_us: torch.Tensor, ghz: float = 1.8) -> torch.Tensor:
     """A trace as the kernel writes it from each point's true time [blocks, stages, 11] (us, NaN: not recorded):
     each block's clock at `ghz` from its own origin, the ns timer (since 1970: ~1.7e18) at TIMED_POINTS only."""
     blocks, stages, points = true_us.shape
-    trace = torch.zeros(blocks, stages, cuda_chain.TRACE_WIDTH, dtype=torch.int64)
+    trace = torch.zeros(blocks, stages, cuda_chain_trace.TRACE_WIDTH, dtype=torch.int64)
     rec = ~true_us.isnan()
     ns = (torch.nan_to_num(true_us) * 1e3).round().long()
     origin = 10_000_000 * torch.arange(1, blocks + 1)[:, None, None]
     trace[..., :points] = torch.where(rec, (ns.double() * ghz).round().long() + origin, 0)
     timed = torch.zeros(points, dtype=torch.bool)
-    timed[list(cuda_chain.TIMED_POINTS)] = True
+    timed[list(cuda_chain_trace.TIMED_POINTS)] = True
     trace[..., 16 : 16 + points] = torch.where(rec & timed, ns + 1_764_000_000_000_000_000, 0)
     return trace
 
@@ -229,7 +229,7 @@ def test_trace_summary_reads_the_points():
     # page's point where the producer writes it then, as it ended the stage before): left out of the spans, not of
     # the stage's period
     blocks, stages = 2, 3
-    true = torch.full((blocks, stages, len(cuda_chain.TRACE_POINTS)), float("nan"), dtype=torch.float64)
+    true = torch.full((blocks, stages, len(cuda_chain_trace.TRACE_POINTS)), float("nan"), dtype=torch.float64)
     for b in range(blocks):
         for s in range(stages):
             start = 10.0 * (s + 1) + b
@@ -237,7 +237,7 @@ def test_trace_summary_reads_the_points():
             true[b, s, :6] = torch.tensor([start, inp, inp + 1, inp + 1.5 + b, start - 2, inp - 1])
     true[1, 2, 4] = float("nan")
     true[1, 2, 5] = true[1, 2, 0] - 50
-    got = cuda_chain.chain_trace_summary(_synthetic_trace(true))
+    got = cuda_chain_trace.chain_trace_summary(_synthetic_trace(true))
     close = functools.partial(pytest.approx, abs=1e-3)
     assert got["clock_ghz"] == close(1.8)
     assert got["input_wait_us"] == {"median": close(3.0), "max": close(3.5)}
@@ -250,9 +250,11 @@ def test_trace_summary_reads_the_points():
     assert got["stage_period_us"] == {"median": close(10.0), "max": close(10.0)}
     assert got["input_latency_us"]["median"] == close(10.0 + 4.5 - 7.0)
     with pytest.raises(AssertionError, match="no traced call"):
-        cuda_chain.chain_trace_summary(torch.zeros(blocks, stages, cuda_chain.TRACE_WIDTH, dtype=torch.int64))
+        cuda_chain_trace.chain_trace_summary(
+            torch.zeros(blocks, stages, cuda_chain_trace.TRACE_WIDTH, dtype=torch.int64)
+        )
     with pytest.raises(AssertionError, match="a trace row is"):
-        cuda_chain.chain_trace_summary(torch.zeros(blocks, stages, 16, dtype=torch.int64))
+        cuda_chain_trace.chain_trace_summary(torch.zeros(blocks, stages, 16, dtype=torch.int64))
 
 
 def test_trace_by_class_lines_up_the_blocks_clocks():
@@ -263,7 +265,9 @@ def test_trace_by_class_lines_up_the_blocks_clocks():
     # the input and summed in 0.3 us, all pages summed 0.8 us (A) or 0.5 us (B) after the input, and stores for
     # 0.4: block 3 is always the last to store, the critical one. The first layer (stages 0 and 1) is left out.
     blocks, shapes = 4, [(8, 4), (4, 4)] * 4
-    true = torch.full((blocks, len(shapes), len(cuda_chain.TRACE_POINTS)), float("nan"), dtype=torch.float64)
+    true = torch.full(
+        (blocks, len(shapes), len(cuda_chain_trace.TRACE_POINTS)), float("nan"), dtype=torch.float64
+    )
     for s, (n, _) in enumerate(shapes):
         sums = 0.8 if n == 8 else 0.5
         producers = range(blocks) if n == 8 else range(2)
@@ -275,7 +279,7 @@ def test_trace_by_class_lines_up_the_blocks_clocks():
                 + [inp, inp + 0.2, inp + 0.3, inp + 0.5, inp - 0.1]
             )
     trace = _synthetic_trace(true + 5.0)
-    got = cuda_chain.chain_trace_summary(trace, shapes)["by_class"]
+    got = cuda_chain_trace.chain_trace_summary(trace, shapes)["by_class"]
     assert set(got) == {"8x4", "4x4"} and got["8x4"]["stages"] == 3 and got["4x4"]["stages"] == 3
     close = functools.partial(pytest.approx, abs=2e-3)
     for label, sums in (("8x4", 0.8), ("4x4", 0.5)):
@@ -298,19 +302,19 @@ def test_trace_by_class_lines_up_the_blocks_clocks():
         assert g["stores"] == close(0.4) and g["critical_stores"] == close(0.4)
         assert g["pages_issued"] == close(2.0) and g["critical_pages_issued"] == close(2.0)
     with pytest.raises(AssertionError, match="shapes for"):
-        cuda_chain.chain_trace_summary(trace, shapes[:-1])
+        cuda_chain_trace.chain_trace_summary(trace, shapes[:-1])
 
 
 def test_trace_fit_of_a_block_with_no_rows_takes_the_others_slope():
     # block 1 has no rows in any stage: no first page, and its producer's last-page points all at the start, one
     # clock value: its line takes block 0's slope and fits its offset alone, so its consumers' points still land
     # where they were: with block 0's, which were at the same times (the line's origin is the first timer value)
-    true = torch.full((2, 3, len(cuda_chain.TRACE_POINTS)), float("nan"), dtype=torch.float64)
+    true = torch.full((2, 3, len(cuda_chain_trace.TRACE_POINTS)), float("nan"), dtype=torch.float64)
     for s in range(3):
         true[:, s, :4] = torch.tensor([10.0, 11.0, 12.0, 13.0]) + 10 * s
         true[0, s, 4:6] = torch.tensor([8.0, 9.0]) + 10 * s
     true[1, :, 5] = 1.0
-    at, ghz = cuda_chain._aligned_us(_synthetic_trace(true + 5.0))
+    at, ghz = cuda_chain_trace._aligned_us(_synthetic_trace(true + 5.0))
     assert ghz == pytest.approx(1.8, rel=1e-4)
     torch.testing.assert_close(at[1, :, :4], at[0, :, :4], atol=2e-3, rtol=0)
     torch.testing.assert_close(at[0, :, :4] - at[0, 0, 0], true[0, :, :4] - 10.0, atol=2e-3, rtol=0)
@@ -329,7 +333,7 @@ def test_traced_chain_matches_and_orders_its_points():
     want = gemv_chain_reference(x, weights)[-1].float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     t = chain.trace.cpu()
-    points = len(cuda_chain.TRACE_POINTS)
+    points = len(cuda_chain_trace.TRACE_POINTS)
     assert (t[..., :points] > 0).all()  # every block has rows in every stage here: every point recorded
     assert (t[..., 16:22] > 0).sum(dim=-1).eq(2).all() and (
         t[..., 20:22] > 0
