@@ -505,13 +505,14 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 }
 
 // kMma's trace (when `trace` is not null): block b's row of stage s ([blocks][S][kTraceWidth] 64-bit values) takes
-// the SM clock at point k in [k] (cuda_chain.py's TRACE_POINTS): 0 the consumers start the stage, 1 its input is in,
-// 2 its pages are summed, 3 consumer 0 has stored its row; the producer 4 has the stage's first page's slot (and
-// in-flight room), 5 has issued its last page; 6 and 7 the stage's first and last page are in (their warp through
-// its wait), 8 and 9 those pages summed (their warp's partial sums written), 10 consumer 0's share of the input in
-// (before the consumers' sync). The producer's two points also take the ns timer, in [16 + k], after the clock:
-// the timer lines the SMs' clocks up, and its read is slow enough (a variable latency the warp waits out before
-// its next store) to stretch the span it would end, so the consumers' points take the clock alone.
+// the SM clock at point k in [k] (cuda_chain_trace.py's TRACE_POINTS): 0 the consumers start the stage, 1 its
+// input is in, 2 its pages are summed, 3 consumer 0 has stored its row; the producer 4 has the stage's first
+// page's slot (and in-flight room), 5 has issued its last page; 6 and 7 the stage's first and last page are in
+// (their warp through its wait), 8 and 9 those pages summed (their warp's partial sums written), 10 consumer 0's
+// share of the input in (before the consumers' sync). The producer's two points also take the ns timer, in
+// [16 + k], after the clock: the timer lines the SMs' clocks up, and its read is an instruction of variable latency
+// that the warp waits out before storing it: read at a consumer's point, it would count inside that consumer's
+// next span (session 65's first traces), so the consumers' points take the clock alone.
 constexpr int kTraceWidth = 32;
 __device__ __forceinline__ void trace_point(unsigned long long* trace, int b, int S, int s, int k,
                                             bool timer = false) {
