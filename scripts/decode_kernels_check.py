@@ -1073,13 +1073,25 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     )  # fmt: skip
 
 
+TRACE_DIR: list[Path] = []  # main's --out folder: where _chain_trace keeps each traced chain's whole trace
+
+
 def _chain_trace(chain) -> dict:
-    """A traced CudaGemvChain's summary of one more call (its first, cold, already run): {} untraced."""
+    """A traced CudaGemvChain's summary of one more call (its first, cold, already run), and its whole trace kept
+    beside the section's JSON (`trace_file`: cuda_chain_trace.compact_trace, for a look at every stage and block
+    without a machine): {} untraced."""
+    from kestrel.ops.linear.cuda_chain_trace import compact_trace
+
     if chain.trace is None:
         return {}
     chain()
     torch.cuda.synchronize()
-    return {"trace": chain.trace_summary()}
+    out = {"trace": chain.trace_summary()}
+    if TRACE_DIR:
+        path = TRACE_DIR[0] / f"chain_trace_{len(list(TRACE_DIR[0].glob('chain_trace_*.pt')))}.pt"
+        torch.save({"trace": compact_trace(chain.trace), "shapes": chain.shapes}, path)
+        out["trace_file"] = path.name
+    return out
 
 
 def _persistent_chain(weights: list, x: torch.Tensor, layers: int, device: str, configs=None) -> list[dict]:
@@ -1377,6 +1389,8 @@ def main() -> None:
         help="moe_tiles: the token counts to sweep (comma-separated)",
     )
     args = parser.parse_args()
+    TRACE_DIR[:] = [Path(args.out).parent]
+    TRACE_DIR[0].mkdir(parents=True, exist_ok=True)
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         import kestrel.bench.roofline as roofline

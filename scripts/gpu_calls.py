@@ -626,7 +626,7 @@ def execute(runs: list[Run], args) -> dict:
 
 def _cuda_chain_lines(rows: list[dict]) -> list[str]:
     """The CUDA chain's rows of `l2`: its best correct configuration, and each traced one's spans (medians, us)."""
-    skip = ("blocks", "ring_bytes", "rel_err", "gave_up", "ok", "us_a_layer", "trace", "error")
+    skip = ("blocks", "ring_bytes", "rel_err", "gave_up", "ok", "us_a_layer", "trace", "trace_file", "error")
 
     def knobs(row: dict) -> str:
         return ", ".join(k if v is True else f"{k} {v}" for k, v in row.items() if k not in skip)

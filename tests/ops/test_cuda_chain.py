@@ -305,6 +305,19 @@ def test_trace_by_class_lines_up_the_blocks_clocks():
         cuda_chain_trace.chain_trace_summary(trace, shapes[:-1])
 
 
+def test_compact_trace_reads_the_same():
+    true = torch.full((3, 4, len(cuda_chain_trace.TRACE_POINTS)), float("nan"), dtype=torch.float64)
+    for s in range(4):
+        true[:, s, :6] = (
+            torch.tensor([10.0, 11.0, 12.5, 13.0, 8.0, 9.0]) + 10 * s + torch.arange(3)[:, None] * 0.3
+        )
+    true[2, 3, 4] = float("nan")  # no rows there
+    trace = _synthetic_trace(true + 5.0)
+    small = cuda_chain_trace.compact_trace(trace)
+    assert small.dtype == torch.int32 and torch.equal(small == 0, trace == 0)
+    assert cuda_chain_trace.chain_trace_summary(small) == cuda_chain_trace.chain_trace_summary(trace)
+
+
 def test_trace_fit_of_a_block_with_no_rows_takes_the_others_slope():
     # block 1 has no rows in any stage: no first page, and its producer's last-page points all at the start, one
     # clock value: its line takes block 0's slope and fits its offset alone, so its consumers' points still land

@@ -34,7 +34,7 @@ def _aligned_us(trace: torch.Tensor) -> tuple[torch.Tensor, float]:
     would otherwise keep only 256-ns steps in a double. A block whose timed points span under 1000 cycles (one
     stage, or no rows in any: its producer's points all at the start) takes the other blocks' median slope and
     fits its offset alone; a block with none is NaN throughout."""
-    t = trace.detach().cpu()
+    t = trace.detach().cpu().long()
     cyc, ns = t[..., :16], t[..., 16:]
     rec = cyc > 0
     timed = (ns > 0) & rec
@@ -159,3 +159,18 @@ def chain_trace_summary(trace: torch.Tensor, shapes: list[tuple[int, int]] | Non
         if shapes is not None:
             out["by_class"] = _by_class(at, shapes)
     return out
+
+
+def compact_trace(trace: torch.Tensor) -> torch.Tensor:
+    """A trace as int32 offsets, for keeping (chain_trace_summary reads it as it reads the kernel's): each block's
+    clocks from its first, less one, and the timer from its first value, less one; 0 still "not recorded". A
+    launch's clocks span well under 2^31 cycles (a second at 2 GHz)."""
+    t = trace.detach().cpu().long()
+    cyc, ns = t[..., :16], t[..., 16:]
+    rec, timed = cyc > 0, ns > 0
+    c0 = torch.where(rec, cyc, torch.iinfo(torch.int64).max).amin(dim=(1, 2), keepdim=True)
+    out = torch.zeros_like(t)
+    out[..., :16] = torch.where(rec, cyc - c0 + 1, 0)
+    out[..., 16:] = torch.where(timed, ns - (ns[timed].min() if timed.any() else 0) + 1, 0)
+    assert out.max() < 2**31, "a trace spanning 2^31 cycles or ns"
+    return out.to(torch.int32)
