@@ -327,7 +327,7 @@ def test_trace_fit_of_a_block_with_no_rows_takes_the_others_slope():
         true[:, s, :4] = torch.tensor([10.0, 11.0, 12.0, 13.0]) + 10 * s
         true[0, s, 4:6] = torch.tensor([8.0, 9.0]) + 10 * s
     true[1, :, 5] = 1.0
-    at, ghz = cuda_chain_trace._aligned_us(_synthetic_trace(true + 5.0))
+    at, ghz = cuda_chain_trace.aligned_us(_synthetic_trace(true + 5.0))
     assert ghz == pytest.approx(1.8, rel=1e-4)
     torch.testing.assert_close(at[1, :, :4], at[0, :, :4], atol=2e-3, rtol=0)
     torch.testing.assert_close(at[0, :, :4] - at[0, 0, 0], true[0, :, :4] - 10.0, atol=2e-3, rtol=0)
@@ -364,3 +364,59 @@ def test_traced_chain_matches_and_orders_its_points():
     by_class = summary["by_class"]
     assert set(by_class) == {"4232x2048", "2048x1024"}
     assert all(c["stages"] == 1 and c["period"] > 0 and c["critical_sums"] > 0 for c in by_class.values())
+
+
+def test_chain_trace_plot_draws_a_kept_trace(tmp_path, capsys):
+    import io
+    import tarfile
+
+    from tests.scripts import load_script
+
+    plot = load_script("chain_trace_plot")
+    blocks, shapes = 3, [(6, 4), (3, 4)] * 3
+    true = torch.full(
+        (blocks, len(shapes), len(cuda_chain_trace.TRACE_POINTS)), float("nan"), dtype=torch.float64
+    )
+    for s in range(len(shapes)):
+        for b in range(blocks):
+            inp = 5.0 * s + 1 + 0.2 * b
+            true[b, s] = torch.tensor(
+                [
+                    inp - 1,
+                    inp,
+                    inp + 1,
+                    inp + 1.2,
+                    inp - 3,
+                    inp - 2,
+                    inp,
+                    inp + 0.1,
+                    inp + 0.5,
+                    inp + 0.6,
+                    inp - 0.1,
+                ]
+            )
+    kept = {"trace": cuda_chain_trace.compact_trace(_synthetic_trace(true + 5.0)), "shapes": shapes}
+    buf = io.BytesIO()
+    torch.save(kept, buf)
+    tgz = tmp_path / "a.tgz"
+    with tarfile.open(tgz, "w:gz") as tar:
+        info = tarfile.TarInfo("a/chain_trace_0.pt")
+        info.size = len(buf.getvalue())
+        tar.addfile(info, io.BytesIO(buf.getvalue()))
+    plot.main([str(tgz), "--out", str(tmp_path / "png")])
+    printed = capsys.readouterr().out
+    assert "chain_trace_0 6x4 (2 stages): period" in printed and "chain_trace_0 3x4 (2 stages)" in printed
+    assert (tmp_path / "png" / "chain_trace_0.png").stat().st_size > 1000
+    assert plot.stage_range(None, 6, 2) == range(2, 6) and plot.stage_range("1:3", 6, 2) == range(1, 3)
+    for bad, match in (
+        ([str(tmp_path / "none.tgz")], "no such file"),
+        ([str(tgz), "--stages", "x"], "want FIRST:END"),
+        ([str(tgz), "--stages", "9:12"], "no stage of the chain's 6"),
+    ):
+        with pytest.raises(SystemExit, match=match):
+            plot.main(bad)
+    empty = tmp_path / "empty.tgz"
+    with tarfile.open(empty, "w:gz"):
+        pass
+    with pytest.raises(SystemExit, match="no chain_trace"):
+        plot.main([str(empty)])

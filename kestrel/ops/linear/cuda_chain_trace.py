@@ -26,7 +26,7 @@ TRACE_WIDTH = 32  # cuda_chain.cu's kTraceWidth: 16 clocks, 16 timer values
 TIMED_POINTS = (4, 5)  # the points that read the ns timer
 
 
-def _aligned_us(trace: torch.Tensor) -> tuple[torch.Tensor, float]:
+def aligned_us(trace: torch.Tensor) -> tuple[torch.Tensor, float]:
     """Every block's points on one time line, us, [blocks, stages, 16] (NaN where a point was not recorded: clock 0),
     and the SM clock in GHz: a least-squares line ns = a cycles + c a block over its timed points (TIMED_POINTS). The
     ns timer is common to the SMs; the clock is fine but each SM's own; the line gives each block's clock the
@@ -95,7 +95,7 @@ def _by_class(at: torch.Tensor, shapes: list[tuple[int, int]]) -> dict:
     stages, the ring starting empty: a layer's stages are taken to differ in shape) of each _STAGE_SPANS span, us:
     the median over the blocks with rows in the stage, and the critical block's (the last of them to store:
     `critical_` keys), whose spans make up the stage's period (from the producers' last store, "prev", to the
-    stage's last store); `latency_max`, the last of them to have its input in. `at` is _aligned_us's [blocks,
+    stage's last store); `latency_max`, the last of them to have its input in. `at` is aligned_us's [blocks,
     stages, points]."""
     blocks = at.shape[0]
     paged = ~at[..., 4].isnan()  # a block with rows in the stage (its producer had a first page)
@@ -128,12 +128,12 @@ def _by_class(at: torch.Tensor, shapes: list[tuple[int, int]]) -> dict:
 
 def chain_trace_summary(trace: torch.Tensor, shapes: list[tuple[int, int]] | None = None) -> dict:
     """CudaGemvChain.trace_summary on a trace [blocks, stages, TRACE_WIDTH] (clocks at [k], the timer at [16 + k]
-    for TIMED_POINTS), us, on the blocks' clocks lined up (_aligned_us). The spans of a block with no rows in a
+    for TIMED_POINTS), us, on the blocks' clocks lined up (aligned_us). The spans of a block with no rows in a
     stage (no first page) are left out. With `shapes` (each stage's N, K), `by_class` has _by_class's figures."""
     assert trace.shape[-1] == TRACE_WIDTH, f"a trace row is {TRACE_WIDTH} values"
     if shapes is not None:
         assert len(shapes) == trace.shape[1], f"{len(shapes)} shapes for {trace.shape[1]} stages"
-    at, ghz = _aligned_us(trace)
+    at, ghz = aligned_us(trace)
     paged = ~at[..., 4].isnan()  # a block with no rows in a stage has no first page
 
     def spread(us: torch.Tensor) -> dict:  # over the blocks' stages with rows
