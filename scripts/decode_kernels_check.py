@@ -1073,7 +1073,7 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     )  # fmt: skip
 
 
-TRACE_DIR: list[Path] = []  # main's --out folder: where _chain_trace keeps each traced chain's whole trace
+TRACE_DIR: Path | None = None  # main's --out folder: where _chain_trace keeps each traced chain's whole trace
 
 
 def _chain_trace(chain) -> dict:
@@ -1087,8 +1087,8 @@ def _chain_trace(chain) -> dict:
     chain()
     torch.cuda.synchronize()
     out = {"trace": chain.trace_summary()}
-    if TRACE_DIR:
-        path = TRACE_DIR[0] / f"chain_trace_{len(list(TRACE_DIR[0].glob('chain_trace_*.pt')))}.pt"
+    if TRACE_DIR is not None:
+        path = TRACE_DIR / f"chain_trace_{len(list(TRACE_DIR.glob('chain_trace_*.pt')))}.pt"
         torch.save({"trace": compact_trace(chain.trace), "shapes": chain.shapes}, path)
         out["trace_file"] = path.name
     return out
@@ -1389,8 +1389,9 @@ def main() -> None:
         help="moe_tiles: the token counts to sweep (comma-separated)",
     )
     args = parser.parse_args()
-    TRACE_DIR[:] = [Path(args.out).parent]
-    TRACE_DIR[0].mkdir(parents=True, exist_ok=True)
+    global TRACE_DIR
+    TRACE_DIR = Path(args.out).parent
+    TRACE_DIR.mkdir(parents=True, exist_ok=True)
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         import kestrel.bench.roofline as roofline

@@ -858,12 +858,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 }  // namespace
 
 extern "C" int kestrel_chain_setup(int smem_bytes) {
-  cudaError_t err = cudaFuncSetAttribute(chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  if (err != cudaSuccess) return static_cast<int>(err);
-  err = cudaFuncSetAttribute(chain_pipe_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  if (err != cudaSuccess) return static_cast<int>(err);
-  return static_cast<int>(
-      cudaFuncSetAttribute(chain_pipe_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  const void* kernels[] = {reinterpret_cast<const void*>(chain_kernel),
+                           reinterpret_cast<const void*>(chain_pipe_kernel<true>),
+                           reinterpret_cast<const void*>(chain_pipe_kernel<false>)};
+  for (const void* kernel : kernels) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  return static_cast<int>(cudaSuccess);
 }
 
 

@@ -26,23 +26,31 @@ TRACE_WIDTH = 32  # cuda_chain.cu's kTraceWidth: 16 clocks, 16 timer values
 TIMED_POINTS = (4, 5)  # the points that read the ns timer
 
 
-def aligned_us(trace: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Every block's points on one time line, us, [blocks, stages, 16] (NaN where a point was not recorded: clock 0),
-    and the SM clock in GHz: a least-squares line ns = a cycles + c a block over its timed points (TIMED_POINTS). The
-    ns timer is common to the SMs; the clock is fine but each SM's own; the line gives each block's clock the
-    timer's origin. Both are taken relative to their first value in int64 first: the timer's ns since 1970 (~1.7e18)
-    would otherwise keep only 256-ns steps in a double. A block whose timed points span under 1000 cycles (one
-    stage, or no rows in any: its producer's points all at the start) takes the other blocks' median slope and
-    fits its offset alone; a block with none is NaN throughout."""
+def _offsets(trace: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A trace's clocks from each block's first and its timer values from the first of them, in int64 (0 where
+    not recorded), with the masks of the points recorded (a clock) and timed (a clock and the timer)."""
     t = trace.detach().cpu().long()
     cyc, ns = t[..., :16], t[..., 16:]
     rec = cyc > 0
     timed = (ns > 0) & rec
+    c0 = torch.where(rec, cyc, torch.iinfo(torch.int64).max).amin(
+        dim=(1, 2), keepdim=True
+    )  # each block's first
+    ns0 = ns[timed].min() if timed.any() else 0
+    return torch.where(rec, cyc - c0, 0), torch.where(timed, ns - ns0, 0), rec, timed
+
+
+def aligned_us(trace: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Every block's points on one time line, us, [blocks, stages, 16] (NaN where a point was not recorded: clock 0),
+    and the SM clock in GHz: a least-squares line ns = a cycles + c a block over its timed points (TIMED_POINTS). The
+    ns timer is common to the SMs; the clock is fine but each SM's own; the line gives each block's clock the
+    timer's origin. Both are taken relative to their first value in int64 first (_offsets): the timer's ns since
+    1970 (~1.7e18) would otherwise keep only 256-ns steps in a double. A block whose timed points span under 1000
+    cycles (one stage, or no rows in any: its producer's points all at the start) takes the other blocks' median
+    slope and fits its offset alone; a block with none is NaN throughout."""
+    dc, dns, rec, timed = _offsets(trace)
     assert timed.any(), "no traced call yet"
-    ns_origin = ns[timed].min()
-    c0 = torch.where(rec, cyc, torch.iinfo(torch.int64).max).amin(dim=(1, 2))  # each block's first clock
-    x = torch.where(rec, cyc - c0[:, None, None], 0).double()
-    y = torch.where(timed, ns - ns_origin, 0).double()
+    x, y = dc.double(), dns.double()
     n = timed.sum(dim=(1, 2))
     cx = torch.where(timed, x, 0).sum(dim=(1, 2)) / n.clamp(min=1)
     cy = y.sum(dim=(1, 2)) / n.clamp(min=1)
@@ -90,23 +98,21 @@ _STAGE_SPANS = (
 )
 
 
-def _by_class(at: torch.Tensor, shapes: list[tuple[int, int]]) -> dict:
+def _by_class(at: torch.Tensor, paged: torch.Tensor, shapes: list[tuple[int, int]]) -> dict:
     """Per stage shape ("NxK"), the medians over its stages past the first layer (the first len(set(shapes))
     stages, the ring starting empty: a layer's stages are taken to differ in shape) of each _STAGE_SPANS span, us:
     the median over the blocks with rows in the stage, and the critical block's (the last of them to store:
     `critical_` keys), whose spans make up the stage's period (from the producers' last store, "prev", to the
     stage's last store); `latency_max`, the last of them to have its input in. `at` is aligned_us's [blocks,
-    stages, points]."""
+    stages, points], `paged` [blocks, stages] where a block has rows."""
     blocks = at.shape[0]
-    paged = ~at[..., 4].isnan()  # a block with rows in the stage (its producer had a first page)
     b = torch.arange(blocks)
     warm = max(1, len(set(shapes)))
     rows: dict[str, list[dict]] = {}
     for s in range(warm, at.shape[1]):
         (n_prev, _), (_, k) = shapes[s - 1], shapes[s]
-        producers = (n_prev * b // blocks < k) & paged[
-            :, s - 1
-        ]  # the blocks holding stage s - 1's first k rows
+        # the blocks holding stage s - 1's first k rows
+        producers = (n_prev * b // blocks < k) & paged[:, s - 1]
         prev = torch.nan_to_num(at[producers, s - 1, 3], nan=float("-inf")).max()
         a = at[paged[:, s], s]
         if not a.shape[0]:
@@ -157,20 +163,15 @@ def chain_trace_summary(trace: torch.Tensor, shapes: list[tuple[int, int]] | Non
         out["stage_period_us"] = across(last[1:, 3] - last[:-1, 3])
         out["input_latency_us"] = across(last[1:, 1] - last[:-1, 3])
         if shapes is not None:
-            out["by_class"] = _by_class(at, shapes)
+            out["by_class"] = _by_class(at, paged, shapes)
     return out
 
 
 def compact_trace(trace: torch.Tensor) -> torch.Tensor:
-    """A trace as int32 offsets, for keeping (chain_trace_summary reads it as it reads the kernel's): each block's
-    clocks from its first, less one, and the timer from its first value, less one; 0 still "not recorded". A
-    launch's clocks span well under 2^31 cycles (a second at 2 GHz)."""
-    t = trace.detach().cpu().long()
-    cyc, ns = t[..., :16], t[..., 16:]
-    rec, timed = cyc > 0, ns > 0
-    c0 = torch.where(rec, cyc, torch.iinfo(torch.int64).max).amin(dim=(1, 2), keepdim=True)
-    out = torch.zeros_like(t)
-    out[..., :16] = torch.where(rec, cyc - c0 + 1, 0)
-    out[..., 16:] = torch.where(timed, ns - (ns[timed].min() if timed.any() else 0) + 1, 0)
+    """A trace as int32 offsets, for keeping (chain_trace_summary reads it as it reads the kernel's): _offsets plus
+    one where recorded, so that 0 still means "not recorded". A launch's clocks span well under 2^31 cycles (a
+    second at 2 GHz)."""
+    dc, dns, rec, timed = _offsets(trace)
+    out = torch.cat([torch.where(rec, dc + 1, 0), torch.where(timed, dns + 1, 0)], dim=-1)
     assert out.max() < 2**31, "a trace spanning 2^31 cycles or ns"
     return out.to(torch.int32)
