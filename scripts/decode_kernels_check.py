@@ -1050,6 +1050,13 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, test_wait=True, trace=True),
         dict(alone, no_compute=True, test_wait=True),
         dict(alone, test_wait=True, trace=True),
+        # a block's last tile short of 16 rows folded into its row's segments (mma_fold: mini's 4232 rows leave 8
+        # blocks a 1-row tile, 4 pages where 1 holds it, and so 14 pages a layer against a ring of 12)
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, mma_fold=True),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, mma_fold=True, trace=True),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, mma_fold=True, test_wait=True),
+        dict(alone, mma_fold=True, trace=True),
+        dict(alone, mma_fold=True, no_compute=True),
         # the consumers' polls of the input from L2 put to sleep 128 ns between tries (call a: 10.9 against 10.4)
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, poll_sleep=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=3),

@@ -91,6 +91,8 @@ def _check_chain(weights, **kwargs):
      dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_parts=4, page_bytes=32768),
      dict(pipe=True, mma=True, mma_parts=2), dict(pipe=True, ll=True, mma=True, mma_packed=True, poll_sleep=True),
      dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, test_wait=True),
+     dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, mma_fold=True),
+     dict(pipe=True, mma=True, mma_packed=True, mma_fold=True, page_bytes=8192),
      dict(pipe=True, ll=True, own_pages=True)],
 )  # fmt: skip
 @pytest.mark.parametrize("blocks", [None, 7])
@@ -98,7 +100,9 @@ def test_mma_chain_matches_the_reference(blocks, mode):
     # mma's k-blocks take K a multiple of 16; a block's rows that do not fill its last 16-row page, a row's last
     # page narrower than the rest (K 1008 and 2000), stages with fewer rows than blocks; a 40 KB ring of 2-4 pages,
     # and with 7 blocks, stages of more pages than the ring has slots (where a warp that owned every 15th page,
-    # not a slot, could take a slot's open phase for the one before it: mma and own_pages alike)
+    # not a slot, could take a slot's open phase for the one before it: mma and own_pages alike); mma_fold's
+    # short tiles in 2 to 8 segments (over 132 blocks 1100 x 2048's 8-row tiles in 2, 300 x 2000's 2- and 3-row
+    # ones in 5, 133 x 2048's and 40 x 128's single rows in 8) beside tiles it leaves whole
     shapes = [(1100, 2048), (2000, 1008), (300, 2000), (2048, 16), (133, 2048), (40, 128), (9, 32)]
     weights = _weights(shapes, seed=2)
     for ring in (None, 40 * 1024) if blocks is None else (None,):
@@ -112,6 +116,7 @@ def test_mma_chain_matches_the_reference(blocks, mode):
         {},
         dict(pipe=True, ll=True, mma=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_fold=True),
         dict(tma=True, ll=True),
         dict(pipe=True),
         dict(pipe=True, ll=True),
@@ -154,6 +159,8 @@ def test_refuses_what_it_cannot_take():
         cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma=True, mma_parts=3)
     with pytest.raises(AssertionError, match="no lanes"):
         cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma=True, mma_lanes=True, mma_packed=True)
+    with pytest.raises(AssertionError, match="mma_fold is mma_packed's"):
+        cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma=True, mma_fold=True)
     with pytest.raises(AssertionError, match="multiple of 16"):
         cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma=True)
     wide = torch.zeros(4096, 2048, dtype=torch.bfloat16, device="cuda")
@@ -191,20 +198,39 @@ def host_lib(tmp_path_factory):
         (300, 2000, 7, 1024),
     ],
 )
-def test_mma_packing_is_what_the_kernel_reads(host_lib, N, K, blocks, kc):
+@pytest.mark.parametrize("fold", [False, True])
+def test_mma_packing_is_what_the_kernel_reads(host_lib, N, K, blocks, kc, fold):
     # pack_mma_pages' layout read back by cuda_chain.cu's own arithmetic (kestrel_chain_unpack: the producer's page
     # offsets, the consumer's swizzle, the blocks' rows): rows that do not divide among the blocks, blocks with no
-    # rows, pages narrower than a swizzle group, swizzled and not. The GPU tests run the kernel on it too.
+    # rows, pages narrower than a swizzle group, swizzled and not; folded, a block's last tile short of 16 rows
+    # (4232 x 2048's 1-row tiles in 8 segments, 1008's in 7, 48's in 3, 70 x 2048's 7- and 8-row tiles in 2). The
+    # GPU tests run the kernel on it too.
     g = torch.Generator().manual_seed(0)
     w = torch.randn(N, K, generator=g).to(torch.bfloat16)
-    packed = cuda_chain.pack_mma_pages(w, blocks, kc)
+    packed = cuda_chain.pack_mma_pages(w, blocks, kc, fold)
     assert packed.shape == (N * K,)
     bits = packed.view(torch.int16).contiguous()
     back = torch.zeros(N, K, dtype=torch.int16)
     host_lib.kestrel_chain_unpack(
-        ctypes.c_void_p(bits.data_ptr()), ctypes.c_void_p(back.data_ptr()), N, K, blocks, kc
+        ctypes.c_void_p(bits.data_ptr()), ctypes.c_void_p(back.data_ptr()), N, K, blocks, kc, int(fold)
     )
     assert torch.equal(back, w.view(torch.int16))
+
+
+def test_tile_folds():
+    # the largest f <= min(8, 16 / rows) with K a multiple of 16 f; whole tiles and unfolded ones stay as they are
+    assert [cuda_chain.tile_folds(r, 2048, True) for r in (1, 2, 3, 5, 8, 9, 15, 16)] == [
+        8,
+        8,
+        4,
+        2,
+        2,
+        1,
+        1,
+        1,
+    ]
+    assert cuda_chain.tile_folds(1, 1008, True) == 7 and cuda_chain.tile_folds(1, 48, True) == 3
+    assert cuda_chain.tile_folds(1, 2048, False) == 1 and cuda_chain.tile_folds(1, 16, True) == 1
 
 
 def _synthetic_trace(true_us: torch.Tensor, ghz: float = 1.8) -> torch.Tensor:

@@ -83,6 +83,14 @@ constexpr unsigned kPollSleepNs = 128;
 // whether the suspended waits wake late (session 65: with no stream and no barrier the consumers' page handshakes,
 // syncs and stores alone took 5.7 us a layer on an H200)
 constexpr int kTestWait = 1 << 17;
+// kMmaPacked with a block's last row tile of r < 16 rows folded: its K columns cut into f segments (the largest
+// f <= min(8, 16 / r) with K a multiple of 16 f), segment j of row i the tile's virtual row j r + i, so that the
+// tile is f r rows of K / f columns, f times fewer pages. The mma takes each segment's input as a column of B (lane
+// group gi's: segment gi) and virtual row v's sum is column v / r of C. mini's 4232-row stage over 132 blocks
+// leaves 8 blocks a row more than 32: a third tile of one row, 4 pages of it where 1 holds it (8 + 4 + 2 = 14
+// pages a layer against a ring of 12 at 16 KB: the tile's last pages waited for the slots the stage before freed,
+// and those blocks were each stage's last; session 65: their sums 4.5 us against the median's 3.5)
+constexpr int kMmaFold = 1 << 18;
 constexpr int kMaxPartials = 2048;  // kMma: a block's rows of one stage x its pages a row (fp32 sums in shared)
 constexpr int kMaxStages = 64;  // pipe keeps every stage's entries in shared memory
 constexpr unsigned kBulkBytes = 32768;
@@ -458,7 +466,15 @@ __host__ __device__ constexpr unsigned packed_unit(unsigned u, unsigned i, unsig
   return u < (units & ~7u) ? u ^ (i & 7u) : u;
 }
 
+// kMmaFold: the segments a tile of `rows` rows of K columns is folded into (1: not folded; see kMmaFold)
+__host__ __device__ constexpr int tile_folds(int rows, int K, bool fold) {
+  int f = !fold || rows >= 16 ? 1 : 16 / rows < 8 ? 16 / rows : 8;
+  while (f > 1 && K % (16 * f) != 0) --f;
+  return f;
+}
+
 // kMmaPacked: where page (r0, k0) of a block's tile of `rows` rows starts, in values from the block's first row
+// (a folded tile: its f r virtual rows, k0 of its K / f columns)
 __host__ __device__ constexpr long long packed_page(int r0, int rows, int k0, int K) {
   return static_cast<long long>(r0) * K + static_cast<long long>(rows) * k0;
 }
@@ -536,14 +552,15 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
                             int G, uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int pages,
                             int page_bytes, int mode, int lane, int inflight, unsigned long long* trace) {
   const bool lanes = mode & kMmaLanes;
-  const bool capped = inflight > 0 && inflight < pages, spin = mode & kTestWait;
+  const bool capped = inflight > 0 && inflight < pages, spin = mode & kTestWait, fold = mode & kMmaFold;
   MmaPages pg(page_bytes, pages, mode);
   for (int s = 0; s < S; ++s) {
     const StageRows st = stage_rows(meta, w, acts, s, b, G);
     bool first = true;
     for (int r0 = 0; r0 < st.rows; r0 += 16) {
-      const int rows = min(16, st.rows - r0);
-      for (int k0 = 0; k0 < st.K; k0 += pg.kc, pg.next()) {
+      const int f = tile_folds(min(16, st.rows - r0), st.K, fold);
+      const int rows = f * min(16, st.rows - r0), K = st.K / f;  // the tile's (virtual) rows and columns
+      for (int k0 = 0; k0 < K; k0 += pg.kc, pg.next()) {
         const uint32_t full = full_base + 8 * pg.slot;
         if (lane == 0 && pg.use > 0) mbar_wait(empty_base + 8 * pg.slot, static_cast<unsigned>(pg.use - 1) & 1u, spin);
         if (capped && lane == 0) {  // page g - inflight: its slot and use
@@ -559,7 +576,7 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
           if (lane == 0) mbar_arrive(full);
           continue;
         }
-        const unsigned row_bytes = 2u * static_cast<unsigned>(min(pg.kc, st.K - k0));
+        const unsigned row_bytes = 2u * static_cast<unsigned>(min(pg.kc, K - k0));
         if (pg.packed) {  // lane 0 alone: page (r0, k0) of the block's rows at r0 K + rows k0 of them
           mbar_expect(full, row_bytes * rows);
           asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -585,7 +602,7 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
 // stages.
 __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* xs, float* sums,
                             uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int cw, int lane,
-                            bool compute, bool spin, unsigned long long* trace, int b, int S, int s) {
+                            bool compute, bool spin, bool fold, unsigned long long* trace, int b, int S, int s) {
   // ldmatrix.x4: lanes 0-7 give rows 0-7 of the k-block's columns 0-7, lanes 8-15 rows 8-15, lanes 16-31 the
   // same at columns 8-15: a0..a3 of mma's A fragment
   const unsigned row = (lane & 7) + (lane & 8), half = lane >> 4;
@@ -593,8 +610,11 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
   const int t = lane & 3, gi = lane >> 2;
   const int kb = (pg.kc / 16 + pg.parts - 1) / pg.parts;  // a part's k-blocks (fewer in a row's last page)
   for (int r0 = 0; r0 < st.rows; r0 += 16) {
-    const int rows = min(16, st.rows - r0);
-    for (int k0 = 0, c = 0; k0 < st.K; k0 += pg.kc, ++c, pg.next()) {
+    const int real = min(16, st.rows - r0), f = tile_folds(real, st.K, fold);
+    const int rows = f * real, K = st.K / f;  // the tile's (virtual) rows and columns: kMmaFold
+    // C's rows gi and gi + 8 (virtual rows): their segment, the column of C that holds their sum
+    const int j0 = gi / real, j1 = (gi + 8) / real;
+    for (int k0 = 0, c = 0; k0 < K; k0 += pg.kc, ++c, pg.next()) {
       for (int p = 0; p < pg.parts; ++p) {
         // a slot's part p of every page goes to one warp: a parity wait can only tell the phase it asks for from the
         // one before it, so a warp that skipped the slot's last use (page g - pages, another warp's) could find that
@@ -603,17 +623,18 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
         mbar_wait(full_base + 8 * pg.slot, static_cast<unsigned>(pg.use) & 1u, spin);
         // the stage's first and last page (trace points 6-9): part 0's warp, lane 0
         const bool traced = trace != nullptr && lane == 0 && p == 0;
-        const bool first_page = r0 == 0 && k0 == 0, last_page = r0 + 16 >= st.rows && k0 + pg.kc >= st.K;
+        const bool first_page = r0 == 0 && k0 == 0, last_page = r0 + 16 >= st.rows && k0 + pg.kc >= K;
         if (traced && first_page) trace_point(trace, b, S, s, 6);
         if (traced && last_page) trace_point(trace, b, S, s, 7);
         __syncwarp();  // every lane through the wait before the warp-wide ldmatrix and mma
         if (compute) {
-          const int kcp = min(pg.kc, st.K - k0);  // the page's columns
+          const int kcp = min(pg.kc, K - k0);  // the page's columns
           const uint32_t slot_addr = ring_base + pg.slot * pg.bytes;
           // k-block j's 8 x 8 matrix for this lane: 16-byte unit 2 j + half of its row
           const uint32_t a_addr = pg.packed ? slot_addr + row * 2u * kcp : slot_addr + lane_off;
           const unsigned units = kcp / 8;
-          const uint2* xb = reinterpret_cast<const uint2*>(xs + k0 / 2) + t;  // k-block j's B: xb[4 j]
+          // k-block j's B: xb[4 j], column gi of it segment gi's input (segment 0 past the tile's f: unused)
+          const uint2* xb = reinterpret_cast<const uint2*>(xs + ((gi < f ? gi * K : 0) + k0) / 2) + t;
           const int kblocks = min(kcp / 16, (p + 1) * kb);  // this part's k-blocks: [p kb, kblocks)
           float acc[4][4] = {};
           for (int j = p * kb; j < kblocks; j += 4) {
@@ -634,14 +655,17 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
               if (j + q < kblocks) mma_bf16(acc[q], a[q], bx[q].x, bx[q].y);
             }
           }
-          // every column of C is the same sum (B's 8 columns are all the input): lanes t == 0 hold rows gi, gi + 8
-          if (t == 0) {
-            const float y0 = (acc[0][0] + acc[1][0]) + (acc[2][0] + acc[3][0]);
-            const float y1 = (acc[0][2] + acc[1][2]) + (acc[2][2] + acc[3][2]);
-            float* part = sums + (c * pg.parts + p) * st.rows + r0;
-            if (gi < rows) part[gi] = y0;
-            if (gi + 8 < rows) part[gi + 8] = y1;
-          }
+          // virtual row v's sum is column v / real of C (unfolded: column 0; B's 8 columns are all the input),
+          // held by lane t = that column / 2 of the lanes that hold row v: C[gi][2t, 2t + 1], C[gi + 8][2t, 2t + 1].
+          // Its partial sum goes to real row r0 + v % real, column page c f + v / real.
+          // (the element chosen by selects: acc indexed at run time would go to local memory)
+          float y[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) y[e] = (acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e]);
+          if (gi < rows && j0 / 2 == t)
+            sums[((c * f + j0) * pg.parts + p) * st.rows + r0 + gi % real] = j0 & 1 ? y[1] : y[0];
+          if (gi + 8 < rows && j1 / 2 == t)
+            sums[((c * f + j1) * pg.parts + p) * st.rows + r0 + (gi + 8) % real] = j1 & 1 ? y[3] : y[2];
         }
         __syncwarp();
         if (traced && first_page) trace_point(trace, b, S, s, 8);
@@ -747,11 +771,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       consumers_sync();  // the input in xs (and the last stage's partial sums read)
       trace_point(tr, b, S, s, 1);
       mma_consume(st, pg, xw, sums, ring_base, full_base, empty_base, cw, lane, !(mode & kNoCompute),
-                  mode & kTestWait, trace, b, S, s);
+                  mode & kTestWait, mode & kMmaFold, trace, b, S, s);
       consumers_sync();  // every page's partial sums in
       trace_point(tr, b, S, s, 2);
-      const int column_pages = (st.K + pg.kc - 1) / pg.kc * pg.parts;
       for (int r = ctid; r < st.rows; r += kConsumers * 32) {
+        // its tile's pages a row (a folded tile's: its pages times its segments), each in pg.parts parts
+        const int f = tile_folds(min(16, st.rows - r / 16 * 16), st.K, mode & kMmaFold);
+        const int column_pages = (st.K / f + pg.kc - 1) / pg.kc * f * pg.parts;
         float sum = 0.f;
         for (int c = 0; c < column_pages; ++c) sum += sums[c * st.rows + r];
         store_row(st, acts, ll, s, r, sum, lowlat);
@@ -877,7 +903,8 @@ extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta,
   const int slot_bytes = pipe_slot_bytes(page_bytes, mode);
   const bool pipe_bad = (mode & kPipe) && (S > kMaxStages || page_bytes <= 0 || smem_bytes < slot_bytes);
   // a packed page is one copy by lane 0: with kMmaLanes every lane would set its bytes and copy it
-  const bool packed_bad = (mode & kMmaPacked) && (!(mode & kMma) || (mode & kMmaLanes));
+  const bool packed_bad = ((mode & kMmaPacked) && (!(mode & kMma) || (mode & kMmaLanes))) ||
+                          ((mode & kMmaFold) && (!(mode & kMmaPacked) || mma_parts(mode) > 1));
   if (S < 0 || blocks <= 0 || pipe_bad || packed_bad) return static_cast<int>(cudaErrorInvalidValue);
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaMemsetAsync(counter, 0, sizeof(unsigned), st);
@@ -905,20 +932,22 @@ extern "C" int kestrel_chain_launch(const void* w, void* acts, const void* meta,
 // The weights [N, K] (bf16 bits) as chain_pipe_kernel reads them from a packed stage (cuda_chain.py's
 // pack_mma_pages) over G blocks in pages of kc columns: the producer's page offsets, the consumer's swizzle. On the
 // host, for the CPU tests: the packing checked against the kernel's own arithmetic.
-extern "C" void kestrel_chain_unpack(const unsigned short* packed, unsigned short* w, int N, int K, int G, int kc) {
+extern "C" void kestrel_chain_unpack(const unsigned short* packed, unsigned short* w, int N, int K, int G, int kc,
+                                     int fold) {
   for (int b = 0; b < G; ++b) {
     const int first = block_first_row(N, b, G), n = block_first_row(N, b + 1, G) - first;
     const unsigned short* block = packed + static_cast<long long>(first) * K;
     for (int r0 = 0; r0 < n; r0 += 16) {
-      const int rows = n - r0 < 16 ? n - r0 : 16;
-      for (int k0 = 0; k0 < K; k0 += kc) {
-        const int kcp = K - k0 < kc ? K - k0 : kc;
+      const int real = n - r0 < 16 ? n - r0 : 16, f = tile_folds(real, K, fold != 0);
+      const int rows = f * real, Kf = K / f;  // virtual row v: row r0 + v % real, columns from (v / real) Kf
+      for (int k0 = 0; k0 < Kf; k0 += kc) {
+        const int kcp = Kf - k0 < kc ? Kf - k0 : kc;
         const unsigned short* page = block + packed_page(r0, rows, k0, K);
-        for (int i = 0; i < rows; ++i)
+        for (int v = 0; v < rows; ++v)
           for (int u = 0; u < kcp / 8; ++u)
             for (int e = 0; e < 8; ++e)
-              w[static_cast<long long>(first + r0 + i) * K + k0 + 8 * u + e] =
-                  page[i * kcp + 8 * packed_unit(u, i, kcp / 8) + e];
+              w[static_cast<long long>(first + r0 + v % real) * K + v / real * Kf + k0 + 8 * u + e] =
+                  page[v * kcp + 8 * packed_unit(u, v, kcp / 8) + e];
       }
     }
   }

@@ -155,6 +155,9 @@ POLL_SLEEP = 1 << 16  # mma with ll: 128 ns asleep between a consumer's polls of
 TEST_WAIT = (
     1 << 17
 )  # mma: every wait on a page's mbarrier a spin on test_wait, not try_wait (which may suspend)
+# mma_packed with a block's last row tile of r < 16 rows folded: its columns cut into f segments, each a virtual
+# row of the tile, f times fewer pages (cuda_chain.cu's kMmaFold, tile_folds)
+MMA_FOLD = 1 << 18
 STATIC_SMEM = (
     17 * 1024
 )  # cuda_chain.cu's static shared memory (the LL input, the mbarriers, pipe's stage table, mma's sums)
@@ -196,12 +199,22 @@ def _load() -> ctypes.CDLL:
     return _lib
 
 
-def pack_mma_pages(w: torch.Tensor, blocks: int, kc: int) -> torch.Tensor:
+def tile_folds(rows: int, K: int, fold: bool) -> int:
+    """The segments a row tile of `rows` rows and K columns is folded into (cuda_chain.cu's tile_folds): the largest
+    f <= min(8, 16 / rows) with K a multiple of 16 f, for a tile short of 16 rows; 1 without `fold`."""
+    f = 1 if not fold or rows >= 16 else min(8, 16 // rows)
+    while f > 1 and K % (16 * f):
+        f -= 1
+    return f
+
+
+def pack_mma_pages(w: torch.Tensor, blocks: int, kc: int, fold: bool = False) -> torch.Tensor:
     """`w` [N, K] flat in mma_packed's order: block b's rows (N b / blocks to N (b + 1) / blocks, where they were)
     in pages of 16 rows (fewer at the block's last) x kc columns (fewer at the row's end), row tiles outer; a page's
     rows contiguous, each row's 16-byte units (8 values) swizzled: unit u of row i at u ^ (i & 7) inside each whole
     group of 8 units (cuda_chain.cu's packed_unit). Page (r0, k0) of a block starts r0 K + rows k0 values into the
-    block's region, `rows` its tile's row count."""
+    block's region, `rows` its tile's row count. With `fold` a block's last tile of r < 16 rows is f r virtual rows
+    of K / f columns (tile_folds): row i's columns from j K / f on are its virtual row j r + i."""
     N, K = w.shape
     assert K % 8 == 0 and kc % 8 == 0, "16-byte units"
     dev = w.device
@@ -212,23 +225,20 @@ def pack_mma_pages(w: torch.Tensor, blocks: int, kc: int) -> torch.Tensor:
     last = (b + 1) * N // blocks
     rb = r - first  # the row within its block
     r0 = rb // 16 * 16
-    i = rb - r0  # the row within its page
-    rows = torch.clamp(last - first - r0, max=16)  # its tile's rows
-    k = torch.arange(K, device=dev)
-    k0 = k // kc * kc
-    kcp = torch.clamp(K - k0, max=kc)  # the page's columns
-    units = kcp // 8
-    u = (k - k0) // 8
-    whole = units // 8 * 8
-    iu = (i % 8)[:, None]
-    swz = torch.where(u[None, :] < whole[None, :], u[None, :] ^ iu, u[None, :])
-    dest = (
-        ((first + r0) * K)[:, None]
-        + rows[:, None] * k0[None, :]
-        + i[:, None] * kcp[None, :]
-        + swz * 8
-        + (k % 8)[None, :]
-    )
+    real = torch.clamp(last - first - r0, max=16)  # its tile's rows
+    folds = {n: tile_folds(n, K, fold) for n in real.unique().tolist()}
+    f = torch.tensor([folds[n] for n in real.tolist()], device=dev)[:, None]  # [N, 1]
+    kf = K // f  # the tile's (virtual) columns
+    k = torch.arange(K, device=dev)[None, :]
+    j = k // kf  # the segment
+    v = j * real[:, None] + (rb - r0)[:, None]  # the virtual row within its tile
+    kv = k - j * kf  # the column within its segment
+    k0 = kv // kc * kc
+    kcp = torch.clamp(kf - k0, max=kc)  # the page's columns
+    u = (kv - k0) // 8
+    whole = kcp // 8 // 8 * 8
+    swz = torch.where(u < whole, u ^ (v % 8), u)
+    dest = ((first + r0) * K)[:, None] + (f * real[:, None]) * k0 + v * kcp + swz * 8 + k % 8
     out = torch.empty(N * K, dtype=w.dtype, device=dev)
     out[dest.reshape(-1)] = w.reshape(-1)
     return out
@@ -272,6 +282,7 @@ class CudaGemvChain:
         trace: bool = False,
         poll_sleep: bool = False,
         test_wait: bool = False,
+        mma_fold: bool = False,
     ):
         assert weights and all(w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_cuda for w in weights), (
             "weights: [N_s, K_s] bf16 on CUDA"
@@ -301,6 +312,7 @@ class CudaGemvChain:
         assert mma or not trace, "trace is mma's"
         assert mma and ll or not poll_sleep, "poll_sleep is mma's with ll"
         assert mma or not test_wait, "test_wait is mma's"
+        assert mma_packed and mma_parts == 1 or not mma_fold, "mma_fold is mma_packed's, with one part a page"
         assert mma_parts in (1, 2, 4, 8) and (mma or mma_parts == 1), (
             f"mma_parts {mma_parts}: 1, 2, 4 or 8, with mma"
         )
@@ -313,7 +325,10 @@ class CudaGemvChain:
                 "mma: every K a multiple of 16 (mma's k-blocks)"
             )
             kc = page_bytes // 32
-            partials = max(-(-w.shape[0] // self.blocks) * -(-w.shape[1] // kc) * mma_parts for w in weights)
+            partials = max(
+                self._column_pages(w, kc, mma_fold) * -(-w.shape[0] // self.blocks) * mma_parts
+                for w in weights
+            )
             assert partials <= MMA_PARTIALS, (
                 f"mma: {partials} partial sums a block a stage, at most {MMA_PARTIALS}"
             )
@@ -344,11 +359,14 @@ class CudaGemvChain:
             | (mma_parts.bit_length() - 1) << MMA_PARTS_SHIFT
             | POLL_SLEEP * poll_sleep
             | TEST_WAIT * test_wait
+            | MMA_FOLD * mma_fold
         )
         # each output 16-byte aligned: the next stage reads it in 16-byte units
         self.w, self.acts, self.meta, self.input, self.outputs = pack_chain(weights, 1, align=8)
         if mma_packed:
-            self.w = torch.cat([pack_mma_pages(w, self.blocks, self.page_bytes // 32) for w in weights])
+            self.w = torch.cat(
+                [pack_mma_pages(w, self.blocks, self.page_bytes // 32, mma_fold) for w in weights]
+            )
         self.sync = torch.zeros(2, dtype=torch.int32, device=self.device)  # the counter, gave_up
         self.ll = torch.zeros(
             self.acts.numel() if ll else 2, dtype=torch.int64, device=self.device
@@ -366,6 +384,13 @@ class CudaGemvChain:
             with torch.cuda.device(self.device):
                 _check(self._lib, self._lib.kestrel_chain_setup(most), "chain setup")
             _smem_set.add(index)
+
+    def _column_pages(self, w: torch.Tensor, kc: int, fold: bool) -> int:
+        """The most partial sums a row of `w` takes in a block (its tile's pages a row, times its segments)."""
+        N, K = w.shape
+        rows = {N * (b + 1) // self.blocks - N * b // self.blocks for b in range(self.blocks)}
+        tiles = {min(16, n - r0) for n in rows for r0 in range(0, n, 16)} or {16}
+        return max(-(-(K // f) // kc) * f for f in (tile_folds(t, K, fold) for t in tiles))
 
     def __call__(self) -> torch.Tensor:
         """Run every stage (the counter, and with ll the LL pairs, zeroed first in the same stream); the last
