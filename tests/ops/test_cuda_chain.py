@@ -196,6 +196,8 @@ def host_lib(tmp_path_factory):
         (4232, 1008, 132, 512),
         (33, 16, 1, 512),
         (300, 2000, 7, 1024),
+        (4232, 2048, 132, 512),
+        (300, 2000, 132, 512),
     ],
 )
 @pytest.mark.parametrize("fold", [False, True])
@@ -203,7 +205,8 @@ def test_mma_packing_is_what_the_kernel_reads(host_lib, N, K, blocks, kc, fold):
     # pack_mma_pages' layout read back by cuda_chain.cu's own arithmetic (kestrel_chain_unpack: the producer's page
     # offsets, the consumer's swizzle, the blocks' rows): rows that do not divide among the blocks, blocks with no
     # rows, pages narrower than a swizzle group, swizzled and not; folded, a block's last tile short of 16 rows
-    # (4232 x 2048's 1-row tiles in 8 segments, 1008's in 7, 48's in 3, 70 x 2048's 7- and 8-row tiles in 2). The
+    # (4232 x 2048's 1-row tiles in 8 segments, 1008's in 7, 48's in 3, 70 x 2048's 7- and 8-row tiles in 2, 300 x
+    # 2000's 2- and 3-row tiles in 5). The
     # GPU tests run the kernel on it too.
     g = torch.Generator().manual_seed(0)
     w = torch.randn(N, K, generator=g).to(torch.bfloat16)

@@ -598,8 +598,8 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
 
 // kMma's consumers at stage s (the input in xs in fragment order): warp cw sums its parts of pages (part p of a
 // page in slot i is warp (i parts + p) % 15's) with one mma a k-block, four chains of them, each row's partial sum
-// going to sums[(c parts + p) * rows + row] for part p of the page of columns c * kc on; `pg` goes on across the
-// stages.
+// going to sums[(c parts + p) * rows + row] for part p of the page of columns c * kc on (a folded tile's virtual row
+// v = j r + i: sums[((c f + j) parts + p) * rows + r0 + i]); `pg` goes on across the stages.
 __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* xs, float* sums,
                             uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int cw, int lane,
                             bool compute, bool spin, bool fold, unsigned long long* trace, int b, int S, int s) {
