@@ -1051,7 +1051,7 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         dict(alone, no_compute=True, test_wait=True),
         dict(alone, test_wait=True, trace=True),
         # a block's last tile short of 16 rows folded into its row's segments (mma_fold: mini's 4232 rows leave 8
-        # blocks a 1-row tile, 4 pages where 1 holds it, and so 14 pages a layer against a ring of 12)
+        # blocks a 1-row tile, 4 pages where 1 holds it, and so 14 pages a layer against a ring of 13)
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, mma_fold=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, mma_fold=True, trace=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, mma_fold=True, test_wait=True),

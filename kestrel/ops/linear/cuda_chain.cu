@@ -88,8 +88,9 @@ constexpr int kTestWait = 1 << 17;
 // tile is f r rows of K / f columns, f times fewer pages. The mma takes each segment's input as a column of B (lane
 // group gi's: segment gi) and virtual row v's sum is column v / r of C. mini's 4232-row stage over 132 blocks
 // leaves 8 blocks a row more than 32: a third tile of one row, 4 pages of it where 1 holds it (8 + 4 + 2 = 14
-// pages a layer against a ring of 12 at 16 KB: the tile's last pages waited for the slots the stage before freed,
-// and those blocks were each stage's last; session 65: their sums 4.5 us against the median's 3.5)
+// pages a layer against a ring of 13 at 16 KB: the stage's last page waits for the slot the stage before frees,
+// through the producer; whether those blocks are each stage's last is what the trace tells (session 65: the last
+// block's sums 4.5 us against the median's 3.5)
 constexpr int kMmaFold = 1 << 18;
 constexpr int kMaxPartials = 2048;  // kMma: a block's rows of one stage x its pages a row (fp32 sums in shared)
 constexpr int kMaxStages = 64;  // pipe keeps every stage's entries in shared memory
