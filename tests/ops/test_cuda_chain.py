@@ -314,6 +314,7 @@ def test_trace_by_class_lines_up_the_blocks_clocks():
     for label, sums in (("8x4", 0.8), ("4x4", 0.5)):
         g = got[label]
         assert g["period"] == close(1.7 + sums + 0.4) and g["period_mean"] == close(1.7 + sums + 0.4)
+        assert g["rows"] == g["critical_rows"] == (2 if label == "8x4" else 1)  # the rows block 3 holds
         # torch.median: the lower middle one of 1.1 1.3 1.5 1.7
         assert (
             g["latency"] == close(1.3)

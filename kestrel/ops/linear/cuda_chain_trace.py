@@ -103,7 +103,8 @@ def _by_class(at: torch.Tensor, paged: torch.Tensor, shapes: list[tuple[int, int
     stages, the ring starting empty: a layer's stages are taken to differ in shape) of each _STAGE_SPANS span, us:
     the median over the blocks with rows in the stage, and the critical block's (the last of them to store:
     `critical_` keys), whose spans make up the stage's period (from the producers' last store, "prev", to the
-    stage's last store); `latency_max`, the last of them to have its input in. `at` is aligned_us's [blocks,
+    stage's last store); `latency_max`, the last of them to have its input in; `rows` and `critical_rows`, the rows
+    a block holds (the median's and the critical block's). `at` is aligned_us's [blocks,
     stages, points], `paged` [blocks, stages] where a block has rows."""
     blocks = at.shape[0]
     b = torch.arange(blocks)
@@ -119,6 +120,10 @@ def _by_class(at: torch.Tensor, paged: torch.Tensor, shapes: list[tuple[int, int
             continue
         c = int(torch.nan_to_num(a[:, 3], nan=float("-inf")).argmax())
         row = {"period": (a[c, 3] - prev).item(), "latency_max": _top(a[:, 1] - prev)}
+        # the rows a block holds, and the critical block's (whether the blocks with a row more are the last)
+        n = shapes[s][0]
+        held = (n * (b + 1) // blocks - n * b // blocks)[paged[:, s]].double()
+        row["rows"], row["critical_rows"] = held.median().item(), held[c].item()
         for name, i, j in _STAGE_SPANS:
             span = a[:, j] - (prev if i == "prev" else a[:, i])
             row[name] = _med(span)
