@@ -109,10 +109,12 @@ Session 66: `mma_fold` (with mma_packed). mini's 4232-row stage over 132 blocks 
 row tile of one row, 4 pages of it at 16 KB (each summed as a whole 16-row page), and so 14 pages a layer against
 a ring of 13 slots (227 KB less the static 17): those blocks' last page of the stage can only take the slot that
 the stage just before it frees, through the producer; they may be each stage's last blocks (session 65's traces:
-the last block's sums 4.5 us against the median's 3.5). Folded, a block's last tile of r < 16 rows is f r virtual rows of K / f columns
-(row i's segment j is virtual row j r + i; f the largest up to min(8, 16 / r) that divides K / 16): one page of 8
-x 256 for that row, 11 pages a layer. The mma takes segment j's input as column j of B and virtual row v's sum
-from column v / r of C. Packing and unpacking (the kernel's own arithmetic) are CPU-tested.
+the last block's sums 4.5 us against the median's 3.5). Folded, a block's last tile of r < 16 rows is f r
+virtual rows of K / f columns (row i's segment j is virtual row j r + i; f the largest up to min(8, 16 / r) that
+divides K / 16): one page of 8 x 256 for that row, 11 pages a layer. The mma takes segment j's input as column j
+of B and virtual row v's sum from column v / r of C. Packing and unpacking (the kernel's own arithmetic) are
+CPU-tested; a lane-by-lane emulation of the consumer (a helper's review, 2,294 cases of r, K, kc and blocks) found
+every row's partial sums cover its K columns once, every ldmatrix inside its slot.
 
 `CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
 row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
