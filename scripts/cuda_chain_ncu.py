@@ -7,6 +7,13 @@ Nsight Compute to profile its third launch (session 61's stall counts, on the de
                                                   # `mma`, `mma_nob`: the same with the sums on the tensor cores
                                                   # `packed`, `packed_nob`: mma on weights packed a page a copy
                                                   # `packed4`: packed with LL, a page's sums split over 4 warps
+                                                  # `best`: packed with LL at depth 2; `alone`: its consumers alone
+
+Session 66's per-instruction stall samples (where a warp waits, by SASS line) came from the source page:
+
+    ncu --kernel-name regex:chain_pipe --launch-skip 2 --launch-count 1 --section SourceCounters \
+        --section WarpStateStats -o $OUT/alone -f python3 scripts/cuda_chain_ncu.py alone
+    ncu -i $OUT/alone.ncu-rep --page source --csv --print-source sass > $OUT/alone_sass.csv
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ def main() -> None:
         "packed": dict(pipe=True, ll=True, mma=True, mma_packed=True),
         "packed_nob": dict(pipe=True, no_barrier=True, mma=True, mma_packed=True),
         "packed4": dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_parts=4),
+        # session 66: the best (packed, LL, 2 pages in flight) and its consumers alone (no barrier, no stream)
+        "best": dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2),
+        "alone": dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_stream=True),
     }
     variant = sys.argv[1] if len(sys.argv) > 1 else "ll"
     if variant not in variants:
