@@ -1057,6 +1057,13 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, mma_fold=True, test_wait=True),
         dict(alone, mma_fold=True, trace=True),
         dict(alone, mma_fold=True, no_compute=True),
+        # a page's sums software-pipelined (mma_pipelined: the next two k-blocks' ldmatrix before this two's mmas);
+        # call a (H100): a page's sums 1.3 / 2.0 / 3.0 us at 16 / 32 / 64 k-blocks, about 65 cycles a k-block
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, mma_pipelined=True),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, mma_pipelined=True, trace=True),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, mma_pipelined=True, mma_fold=True),
+        dict(alone, mma_pipelined=True, trace=True),
+        dict(alone, mma_pipelined=True, page_bytes=32768, trace=True),
         # the consumers' polls of the input from L2 put to sleep 128 ns between tries (call a: 10.9 against 10.4)
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, poll_sleep=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=3),

@@ -93,6 +93,8 @@ def _check_chain(weights, **kwargs):
      dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, test_wait=True),
      dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, mma_fold=True),
      dict(pipe=True, mma=True, mma_packed=True, mma_fold=True, page_bytes=8192),
+     dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, mma_pipelined=True),
+     dict(pipe=True, mma=True, mma_packed=True, mma_pipelined=True, mma_fold=True, page_bytes=32768),
      dict(pipe=True, ll=True, own_pages=True)],
 )  # fmt: skip
 @pytest.mark.parametrize("blocks", [None, 7])
@@ -117,6 +119,7 @@ def test_mma_chain_matches_the_reference(blocks, mode):
         dict(pipe=True, ll=True, mma=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_fold=True),
+        dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_pipelined=True),
         dict(tma=True, ll=True),
         dict(pipe=True),
         dict(pipe=True, ll=True),
@@ -159,6 +162,8 @@ def test_refuses_what_it_cannot_take():
         cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma=True, mma_parts=3)
     with pytest.raises(AssertionError, match="no lanes"):
         cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma=True, mma_lanes=True, mma_packed=True)
+    with pytest.raises(AssertionError, match="mma_pipelined is mma_packed's"):
+        cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma=True, mma_pipelined=True)
     with pytest.raises(AssertionError, match="mma_fold is mma_packed's"):
         cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma=True, mma_fold=True)
     with pytest.raises(AssertionError, match="multiple of 16"):

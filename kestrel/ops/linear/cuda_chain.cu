@@ -92,6 +92,12 @@ constexpr int kTestWait = 1 << 17;
 // through the producer; whether those blocks are each stage's last is what the trace tells (session 65: the last
 // block's sums 4.5 us against the median's 3.5)
 constexpr int kMmaFold = 1 << 18;
+// kMmaPacked with a page's sums software-pipelined (mma_load2, mma2): where a page's k-blocks come in whole groups
+// of 8 (its columns a multiple of 128), no branch between its loads and its mmas, and the next two k-blocks' loads
+// issued before this two's mmas (volatile asm keeps its order, so the compiler cannot move them there itself).
+// Session 66's trace (H100): a page's sums took 1.3, 2.0 and 3.0 us at 16, 32 and 64 k-blocks, about 65 cycles a
+// k-block, where its ldmatrix, 8-byte load and mma should issue in a few
+constexpr int kMmaPipelined = 1 << 19;
 constexpr int kMaxPartials = 2048;  // kMma: a block's rows of one stage x its pages a row (fp32 sums in shared)
 constexpr int kMaxStages = 64;  // pipe keeps every stage's entries in shared memory
 constexpr unsigned kBulkBytes = 32768;
@@ -521,6 +527,20 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// kMmaPipelined: the A fragments (ldmatrix) of k-blocks j and j + 1 of a packed page whose units are all swizzled
+// (sw: the lane's row & 7); then their two mmas into two sums, B (the input's 8 bytes a lane: xb[0], xb[4]) read
+// beside them
+__device__ __forceinline__ void mma_load2(uint32_t (&a)[2][4], uint32_t a_addr, int j, unsigned half, uint32_t sw) {
+  ldmatrix_x4(a[0], a_addr + 16u * ((2u * j + half) ^ sw));
+  ldmatrix_x4(a[1], a_addr + 16u * ((2u * (j + 1) + half) ^ sw));
+}
+
+__device__ __forceinline__ void mma2(float (&c0)[4], float (&c1)[4], const uint32_t (&a)[2][4], const uint2* xb) {
+  const uint2 b0 = xb[0], b1 = xb[4];
+  mma_bf16(c0, a[0], b0.x, b0.y);
+  mma_bf16(c1, a[1], b1.x, b1.y);
+}
+
 // kMma's trace (when `trace` is not null): block b's row of stage s ([blocks][S][kTraceWidth] 64-bit values) takes
 // the SM clock at point k in [k] (cuda_chain_trace.py's TRACE_POINTS): 0 the consumers start the stage, 1 its
 // input is in, 2 its pages are summed, 3 consumer 0 has stored its row; the producer 4 has the stage's first
@@ -603,7 +623,8 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
 // v = j r + i: sums[((c f + j) parts + p) * rows + r0 + i]); `pg` goes on across the stages.
 __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* xs, float* sums,
                             uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int cw, int lane,
-                            bool compute, bool spin, bool fold, unsigned long long* trace, int b, int S, int s) {
+                            bool compute, bool spin, bool fold, bool pipelined, unsigned long long* trace, int b,
+                            int S, int s) {
   // ldmatrix.x4: lanes 0-7 give rows 0-7 of the k-block's columns 0-7, lanes 8-15 rows 8-15, lanes 16-31 the
   // same at columns 8-15: a0..a3 of mma's A fragment
   const unsigned row = (lane & 7) + (lane & 8), half = lane >> 4;
@@ -638,7 +659,20 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
           const uint2* xb = reinterpret_cast<const uint2*>(xs + ((gi < f ? gi * K : 0) + k0) / 2) + t;
           const int kblocks = min(kcp / 16, (p + 1) * kb);  // this part's k-blocks: [p kb, kblocks)
           float acc[4][4] = {};
-          for (int j = p * kb; j < kblocks; j += 4) {
+          if (pipelined && pg.packed && pg.parts == 1 && kcp % 128 == 0) {
+            // kMmaPipelined: whole groups of 8 k-blocks, every unit swizzled, with no branch between the loads and
+            // the mmas, and the next four k-blocks' loads issued before this four's mmas
+            const uint32_t sw = row & 7u;
+            uint32_t a0[2][4], a1[2][4];
+            mma_load2(a0, a_addr, 0, half, sw);
+            for (int j = 0; j < kcp / 16; j += 4) {
+              mma_load2(a1, a_addr, j + 2, half, sw);
+              mma2(acc[0], acc[1], a0, xb + 4 * j);
+              if (j + 4 < kcp / 16) mma_load2(a0, a_addr, j + 4, half, sw);
+              mma2(acc[2], acc[3], a1, xb + 4 * (j + 2));
+            }
+          }
+          for (int j = p * kb; j < kblocks && !(pipelined && pg.packed && pg.parts == 1 && kcp % 128 == 0); j += 4) {
             // four k-blocks' loads before their mmas: volatile asm keeps its order, so an mma between two ldmatrix
             // waited out each one's latency (32 of them a 16 KB page, one after the other)
             uint32_t a[4][4];
@@ -772,7 +806,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       consumers_sync();  // the input in xs (and the last stage's partial sums read)
       trace_point(tr, b, S, s, 1);
       mma_consume(st, pg, xw, sums, ring_base, full_base, empty_base, cw, lane, !(mode & kNoCompute),
-                  mode & kTestWait, mode & kMmaFold, trace, b, S, s);
+                  mode & kTestWait, mode & kMmaFold, mode & kMmaPipelined, trace, b, S, s);
       consumers_sync();  // every page's partial sums in
       trace_point(tr, b, S, s, 2);
       for (int r = ctid; r < st.rows; r += kConsumers * 32) {

@@ -169,6 +169,9 @@ TEST_WAIT = (
 # mma_packed with a block's last row tile of r < 16 rows folded: its columns cut into f segments, each a virtual
 # row of the tile, f times fewer pages (cuda_chain.cu's kMmaFold, tile_folds)
 MMA_FOLD = 1 << 18
+# mma_packed with a page's sums software-pipelined: the next two k-blocks' ldmatrix before this two's mmas, no
+# branch between them, where a page's columns are a multiple of 128 (cuda_chain.cu's kMmaPipelined)
+MMA_PIPELINED = 1 << 19
 STATIC_SMEM = (
     17 * 1024
 )  # cuda_chain.cu's static shared memory (the LL input, the mbarriers, pipe's stage table, mma's sums)
@@ -294,6 +297,7 @@ class CudaGemvChain:
         poll_sleep: bool = False,
         test_wait: bool = False,
         mma_fold: bool = False,
+        mma_pipelined: bool = False,
     ):
         assert weights and all(w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_cuda for w in weights), (
             "weights: [N_s, K_s] bf16 on CUDA"
@@ -324,6 +328,7 @@ class CudaGemvChain:
         assert mma and ll or not poll_sleep, "poll_sleep is mma's with ll"
         assert mma or not test_wait, "test_wait is mma's"
         assert mma_packed and mma_parts == 1 or not mma_fold, "mma_fold is mma_packed's, with one part a page"
+        assert mma_packed or not mma_pipelined, "mma_pipelined is mma_packed's"
         assert mma_parts in (1, 2, 4, 8) and (mma or mma_parts == 1), (
             f"mma_parts {mma_parts}: 1, 2, 4 or 8, with mma"
         )
@@ -371,6 +376,7 @@ class CudaGemvChain:
             | POLL_SLEEP * poll_sleep
             | TEST_WAIT * test_wait
             | MMA_FOLD * mma_fold
+            | MMA_PIPELINED * mma_pipelined
         )
         # each output 16-byte aligned: the next stage reads it in 16-byte units
         self.w, self.acts, self.meta, self.input, self.outputs = pack_chain(weights, 1, align=8)
