@@ -115,6 +115,15 @@ divides K / 16): one page of 8 x 256 for that row, 11 pages a layer. The mma tak
 of B and virtual row v's sum from column v / r of C. Packing and unpacking (the kernel's own arithmetic) are
 CPU-tested; a lane-by-lane emulation of the consumer (a helper's review, 2,294 cases of r, K, kc and blocks) found
 every row's partial sums cover its K columns once, every ldmatrix inside its slot.
+Call a (H100, bench/results/2026-12-07-h100-session66.json; the whole chain ran 2.7 us a layer slower than in
+session 65's H100 call, at the same clock: 13.17 for the best): the critical block is a 33-row one in every traced
+configuration; folded, its stage's sums 5.05 against 5.71 us and the big stage's period 7.73 against 8.09, yet the
+chain 13.14 against 13.17. test_wait no faster (13.05; the first page's wait 0.71-0.75 against 0.69-0.70). What the
+mended trace showed instead: with no stream and no barrier, the first page's warp is through its wait 0.70 us after
+the input though the page has long been there, and a page's sums take 1.5-2.0 us (8 KB 1.3, 32 KB 3.0: about 0.6 us
+plus 65 cycles a k-block); the big stage's 8 pages sum in two rounds. The sums are most of the consumers' time.
+`mma_pipelined` (written after call a, untimed): the next two k-blocks' ldmatrix issued before this two's mmas, with
+no branch between (the PTX had each ldmatrix and mma in a branch-guarded block of its own).
 
 `CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
 row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
