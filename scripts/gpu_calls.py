@@ -40,8 +40,9 @@ under ncu (c). Session 65 timed the chain's trace and poll_sleep with `l2 tests:
 an H100, b on an H200, 61-77 s of work each; carry `.whl` alone: with `.whl-train` beside the tree a call passes its
 64 MiB). Session 66 timed the mended trace, `test_wait` and `mma_fold` with the same command (a, H100, 74 s of work,
 asked as nvidia-h100-x1); untimed since: `mma_pipelined` (the same command) and Nsight Compute's source page on
-`cuda_chain_ncu.py alone` and `best` (its docstring has the commands). Next, when an H200 comes for a whole session's budget: the three calls
-above at one commit (the H200's step figures are session 52's; every H100 figure since is not comparable with them).
+`cuda_chain_ncu.py alone` and `best` (its docstring has the commands). Next, when an H200 comes for a whole
+session's budget: the three calls above at one commit (the H200's step figures are session 52's; every H100 figure
+since is not comparable with them).
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
 (tests:rest:2/2 and so on; the summary counts the outcomes so far from pytest's log).
 Each job's help (`--list`) says what it runs."""
