@@ -659,9 +659,10 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
           const uint2* xb = reinterpret_cast<const uint2*>(xs + ((gi < f ? gi * K : 0) + k0) / 2) + t;
           const int kblocks = min(kcp / 16, (p + 1) * kb);  // this part's k-blocks: [p kb, kblocks)
           float acc[4][4] = {};
-          if (pipelined && pg.packed && pg.parts == 1 && kcp % 128 == 0) {
+          const bool piped = pipelined && pg.packed && pg.parts == 1 && kcp % 128 == 0;
+          if (piped) {
             // kMmaPipelined: whole groups of 8 k-blocks, every unit swizzled, with no branch between the loads and
-            // the mmas, and the next four k-blocks' loads issued before this four's mmas
+            // the mmas, and the next two k-blocks' loads issued before this two's mmas (four sums in turn)
             const uint32_t sw = row & 7u;
             uint32_t a0[2][4], a1[2][4];
             mma_load2(a0, a_addr, 0, half, sw);
@@ -672,7 +673,7 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
               mma2(acc[2], acc[3], a1, xb + 4 * (j + 2));
             }
           }
-          for (int j = p * kb; j < kblocks && !(pipelined && pg.packed && pg.parts == 1 && kcp % 128 == 0); j += 4) {
+          for (int j = p * kb; j < kblocks && !piped; j += 4) {
             // four k-blocks' loads before their mmas: volatile asm keeps its order, so an mma between two ldmatrix
             // waited out each one's latency (32 of them a 16 KB page, one after the other)
             uint32_t a[4][4];
