@@ -480,6 +480,16 @@ __host__ __device__ constexpr int tile_folds(int rows, int K, bool fold) {
   return f;
 }
 
+// A block's row tile from row r0 of a stage on, with `left` of its rows from there: its `real` rows (16 but the
+// block's last), as `rows` virtual rows of K columns, f segments of each real row (kMmaFold; 1: not folded)
+struct Tile {
+  int real, f, rows, K;
+};
+__host__ __device__ constexpr Tile row_tile(int left, int K, bool fold) {
+  const int real = left < 16 ? left : 16, f = tile_folds(real, K, fold);
+  return {real, f, f * real, K / f};
+}
+
 // kMmaPacked: where page (r0, k0) of a block's tile of `rows` rows starts, in values from the block's first row
 // (a folded tile: its f r virtual rows, k0 of its K / f columns)
 __host__ __device__ constexpr long long packed_page(int r0, int rows, int k0, int K) {
@@ -579,8 +589,8 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
     const StageRows st = stage_rows(meta, w, acts, s, b, G);
     bool first = true;
     for (int r0 = 0; r0 < st.rows; r0 += 16) {
-      const int f = tile_folds(min(16, st.rows - r0), st.K, fold);
-      const int rows = f * min(16, st.rows - r0), K = st.K / f;  // the tile's (virtual) rows and columns
+      const Tile tile = row_tile(st.rows - r0, st.K, fold);
+      const int rows = tile.rows, K = tile.K;  // the tile's (virtual) rows and columns
       for (int k0 = 0; k0 < K; k0 += pg.kc, pg.next()) {
         const uint32_t full = full_base + 8 * pg.slot;
         if (lane == 0 && pg.use > 0) mbar_wait(empty_base + 8 * pg.slot, static_cast<unsigned>(pg.use - 1) & 1u, spin);
@@ -632,8 +642,8 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
   const int t = lane & 3, gi = lane >> 2;
   const int kb = (pg.kc / 16 + pg.parts - 1) / pg.parts;  // a part's k-blocks (fewer in a row's last page)
   for (int r0 = 0; r0 < st.rows; r0 += 16) {
-    const int real = min(16, st.rows - r0), f = tile_folds(real, st.K, fold);
-    const int rows = f * real, K = st.K / f;  // the tile's (virtual) rows and columns: kMmaFold
+    const Tile tile = row_tile(st.rows - r0, st.K, fold);
+    const int real = tile.real, f = tile.f, rows = tile.rows, K = tile.K;  // (virtual) rows and columns: kMmaFold
     // C's rows gi and gi + 8 (virtual rows): their segment, the column of C that holds their sum
     const int j0 = gi / real, j1 = (gi + 8) / real;
     for (int k0 = 0, c = 0; k0 < K; k0 += pg.kc, ++c, pg.next()) {
@@ -812,8 +822,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       trace_point(tr, b, S, s, 2);
       for (int r = ctid; r < st.rows; r += kConsumers * 32) {
         // its tile's pages a row (a folded tile's: its pages times its segments), each in pg.parts parts
-        const int f = tile_folds(min(16, st.rows - r / 16 * 16), st.K, mode & kMmaFold);
-        const int column_pages = (st.K / f + pg.kc - 1) / pg.kc * f * pg.parts;
+        const Tile tile = row_tile(st.rows - r / 16 * 16, st.K, mode & kMmaFold);
+        const int column_pages = (tile.K + pg.kc - 1) / pg.kc * tile.f * pg.parts;
         float sum = 0.f;
         for (int c = 0; c < column_pages; ++c) sum += sums[c * st.rows + r];
         store_row(st, acts, ll, s, r, sum, lowlat);
@@ -974,8 +984,9 @@ extern "C" void kestrel_chain_unpack(const unsigned short* packed, unsigned shor
     const int first = block_first_row(N, b, G), n = block_first_row(N, b + 1, G) - first;
     const unsigned short* block = packed + static_cast<long long>(first) * K;
     for (int r0 = 0; r0 < n; r0 += 16) {
-      const int real = n - r0 < 16 ? n - r0 : 16, f = tile_folds(real, K, fold != 0);
-      const int rows = f * real, Kf = K / f;  // virtual row v: row r0 + v % real, columns from (v / real) Kf
+      const Tile tile = row_tile(n - r0, K, fold != 0);
+      // virtual row v: row r0 + v % real, its columns from (v / real) Kf on
+      const int real = tile.real, rows = tile.rows, Kf = tile.K;
       for (int k0 = 0; k0 < Kf; k0 += kc) {
         const int kcp = Kf - k0 < kc ? Kf - k0 : kc;
         const unsigned short* page = block + packed_page(r0, rows, k0, K);
