@@ -8,6 +8,7 @@ Nsight Compute to profile its third launch (session 61's stall counts, on the de
                                                   # `packed`, `packed_nob`: mma on weights packed a page a copy
                                                   # `packed4`: packed with LL, a page's sums split over 4 warps
                                                   # `best`: packed with LL at depth 2; `alone`: its consumers alone
+                                                  # `best_pipe`, `alone_pipe`: the same, mma_pipelined
 
 Session 66's per-instruction stall samples (where a warp waits, by SASS line) came from the source page:
 
@@ -39,6 +40,11 @@ def main() -> None:
         # session 66: the best (packed, LL, 2 pages in flight) and its consumers alone (no barrier, no stream)
         "best": dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2),
         "alone": dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_stream=True),
+        # session 67: the same two with the next k-blocks' ldmatrix issued ahead (mma_pipelined)
+        "best_pipe": dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, mma_pipelined=True),
+        "alone_pipe": dict(
+            pipe=True, mma=True, mma_packed=True, no_barrier=True, no_stream=True, mma_pipelined=True
+        ),
     }
     variant = sys.argv[1] if len(sys.argv) > 1 else "ll"
     if variant not in variants:
