@@ -225,6 +225,31 @@ def test_mma_packing_is_what_the_kernel_reads(host_lib, N, K, blocks, kc, fold):
     assert torch.equal(back, w.view(torch.int16))
 
 
+def test_each_consumer_steps_straight_to_its_own_pages(host_lib):
+    # mma_consume's jump to a warp's next part-page (next_owned) against the walk over every page it replaced: part p
+    # of the stage's page q sits at ring position ((slot + q) % pages) parts + p, and warp cw owns the positions
+    # equal to cw modulo 15. Every part-page once, each warp's in order, rings smaller and larger than 15 warps,
+    # stages of more pages than the ring, parts of 1-4.
+    cap = 256
+    out = (ctypes.c_int * cap)()
+    for pages in (1, 2, 7, 13, 15, 16, 26, 64):
+        for parts in (1, 2, 4):
+            for n in (0, 1, 5, 14, 40):
+                for slot in {0, pages // 2, pages - 1}:
+                    taken = []
+                    for cw in range(15):
+                        count = host_lib.kestrel_chain_owned(slot, pages, parts, n, cw, out, cap)
+                        got = list(out[:count])
+                        walk = [
+                            h
+                            for h in range(n * parts)
+                            if ((slot + h // parts) % pages * parts + h % parts) % 15 == cw
+                        ]
+                        assert got == walk, (pages, parts, n, slot, cw)
+                        taken += got
+                    assert sorted(taken) == list(range(n * parts))
+
+
 def test_tile_folds():
     # the largest f <= min(8, 16 / rows) with K a multiple of 16 f; whole tiles and unfolded ones stay as they are
     assert [cuda_chain.tile_folds(r, 2048, True) for r in (1, 2, 3, 5, 8, 9, 15, 16)] == [

@@ -24,6 +24,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <climits>
+
 namespace {
 
 constexpr int kThreads = 512;  // 16 warps
@@ -520,7 +522,24 @@ struct MmaPages {
       ++use;
     }
   }
+  __device__ void advance(int n) {  // n pages on
+    slot += n;
+    use += slot / pages;
+    slot %= pages;
+  }
 };
+
+// kMma: the first of a stage's part-pages from h on that consumer warp cw owns, the stage's first at ring position
+// i0 of m (a part-page's position: its slot times the parts a page, plus its part; the owner: position % 15), or
+// INT_MAX where the warp owns no position (cw >= m). O(1): a consumer steps straight to its own pages, where a walk
+// over every page of the stage, with each page's setup hoisted above the owner's test by the compiler, took 86
+// instructions a page in every warp (Nsight Compute, session 67: 38% of the kernel's instructions, all 15 warps
+// walking at once while the owner of the stage's first page waited for an issue slot)
+__host__ __device__ __forceinline__ int next_owned(int i0, int h, int m, int cw) {
+  if (cw >= m) return INT_MAX;
+  const int i = (i0 + h) % m, d = (cw - i % kConsumers + kConsumers) % kConsumers;
+  return i + d < m ? h + d : h + (m - i) + cw;
+}
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&a)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -641,85 +660,89 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
   const uint32_t lane_off = row * pg.line + (half << 4);
   const int t = lane & 3, gi = lane >> 2;
   const int kb = (pg.kc / 16 + pg.parts - 1) / pg.parts;  // a part's k-blocks (fewer in a row's last page)
-  for (int r0 = 0; r0 < st.rows; r0 += 16) {
+  // the stage's pages in the producer's order: its whole tiles' (tile_pages each), then its last tile's, if short
+  const int tile_pages = (st.K + pg.kc - 1) / pg.kc, short_rows = st.rows % 16;
+  const int short_pages = short_rows ? (row_tile(short_rows, st.K, fold).K + pg.kc - 1) / pg.kc : 0;
+  const int n = st.rows / 16 * tile_pages + short_pages;
+  const int m = pg.pages * pg.parts, i0 = pg.slot * pg.parts;
+  // a slot's part p of every page goes to one warp: a parity wait can only tell the phase it asks for from the one
+  // before it, so a warp that skipped the slot's last use (page g - pages, another warp's) could find that use's
+  // phase still open and take it for the one before: through at once, summing a page not yet there
+  for (int h = next_owned(i0, 0, m, cw); h < n * pg.parts; h = next_owned(i0, h + 1, m, cw)) {
+    const int page = h / pg.parts, p = h - page * pg.parts;  // the stage's page, its part p
+    const int slot = (pg.slot + page) % pg.pages, use = pg.use + (pg.slot + page) / pg.pages;
+    const int r0 = page / tile_pages * 16, c = page % tile_pages, k0 = c * pg.kc;
     const Tile tile = row_tile(st.rows - r0, st.K, fold);
     const int real = tile.real, f = tile.f, rows = tile.rows, K = tile.K;  // (virtual) rows and columns: kMmaFold
     // C's rows gi and gi + 8 (virtual rows): their segment, the column of C that holds their sum
     const int j0 = gi / real, j1 = (gi + 8) / real;
-    for (int k0 = 0, c = 0; k0 < K; k0 += pg.kc, ++c, pg.next()) {
-      for (int p = 0; p < pg.parts; ++p) {
-        // a slot's part p of every page goes to one warp: a parity wait can only tell the phase it asks for from the
-        // one before it, so a warp that skipped the slot's last use (page g - pages, another warp's) could find that
-        // use's phase still open and take it for the one before: through at once, summing a page not yet there
-        if ((pg.slot * pg.parts + p) % kConsumers != cw) continue;
-        mbar_wait(full_base + 8 * pg.slot, static_cast<unsigned>(pg.use) & 1u, spin);
-        // the stage's first and last page (trace points 6-9): part 0's warp, lane 0
-        const bool traced = trace != nullptr && lane == 0 && p == 0;
-        const bool first_page = r0 == 0 && k0 == 0, last_page = r0 + 16 >= st.rows && k0 + pg.kc >= K;
-        if (traced && first_page) trace_point(trace, b, S, s, 6);
-        if (traced && last_page) trace_point(trace, b, S, s, 7);
-        __syncwarp();  // every lane through the wait before the warp-wide ldmatrix and mma
-        if (compute) {
-          const int kcp = min(pg.kc, K - k0);  // the page's columns
-          const uint32_t slot_addr = ring_base + pg.slot * pg.bytes;
-          // k-block j's 8 x 8 matrix for this lane: 16-byte unit 2 j + half of its row
-          const uint32_t a_addr = pg.packed ? slot_addr + row * 2u * kcp : slot_addr + lane_off;
-          const unsigned units = kcp / 8;
-          // k-block j's B: xb[4 j], column gi of it segment gi's input (segment 0 past the tile's f: unused)
-          const uint2* xb = reinterpret_cast<const uint2*>(xs + ((gi < f ? gi * K : 0) + k0) / 2) + t;
-          const int kblocks = min(kcp / 16, (p + 1) * kb);  // this part's k-blocks: [p kb, kblocks)
-          float acc[4][4] = {};
-          const bool piped = pipelined && pg.packed && pg.parts == 1 && kcp % 128 == 0;
-          if (piped) {
-            // kMmaPipelined: whole groups of 8 k-blocks, every unit swizzled, with no branch between the loads and
-            // the mmas, and the next two k-blocks' loads issued before this two's mmas (four sums in turn)
-            const uint32_t sw = row & 7u;
-            uint32_t a0[2][4], a1[2][4];
-            mma_load2(a0, a_addr, 0, half, sw);
-            for (int j = 0; j < kcp / 16; j += 4) {
-              mma_load2(a1, a_addr, j + 2, half, sw);
-              mma2(acc[0], acc[1], a0, xb + 4 * j);
-              if (j + 4 < kcp / 16) mma_load2(a0, a_addr, j + 4, half, sw);
-              mma2(acc[2], acc[3], a1, xb + 4 * (j + 2));
-            }
-          }
-          for (int j = p * kb; j < kblocks && !piped; j += 4) {
-            // four k-blocks' loads before their mmas: volatile asm keeps its order, so an mma between two ldmatrix
-            // waited out each one's latency (32 of them a 16 KB page, one after the other)
-            uint32_t a[4][4];
-            uint2 bx[4];
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              if (j + q < kblocks) {
-                const unsigned u = 2u * (j + q);
-                ldmatrix_x4(a[q], pg.packed ? a_addr + 16u * packed_unit(u + half, row, units) : a_addr + 16u * u);
-                bx[q] = xb[4 * (j + q)];
-              }
-            }
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              if (j + q < kblocks) mma_bf16(acc[q], a[q], bx[q].x, bx[q].y);
-            }
-          }
-          // virtual row v's sum is column v / real of C (unfolded: column 0; B's 8 columns are all the input),
-          // held by lane t = that column / 2 of the lanes that hold row v: C[gi][2t, 2t + 1], C[gi + 8][2t, 2t + 1].
-          // Its partial sum goes to real row r0 + v % real, column page c f + v / real.
-          // (the element chosen by selects: acc indexed at run time would go to local memory)
-          float y[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) y[e] = (acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e]);
-          if (gi < rows && j0 / 2 == t)
-            sums[((c * f + j0) * pg.parts + p) * st.rows + r0 + gi % real] = j0 & 1 ? y[1] : y[0];
-          if (gi + 8 < rows && j1 / 2 == t)
-            sums[((c * f + j1) * pg.parts + p) * st.rows + r0 + (gi + 8) % real] = j1 & 1 ? y[3] : y[2];
+    mbar_wait(full_base + 8 * slot, static_cast<unsigned>(use) & 1u, spin);
+    // the stage's first and last page (trace points 6-9): part 0's warp, lane 0
+    const bool traced = trace != nullptr && lane == 0 && p == 0;
+    const bool first_page = page == 0, last_page = page == n - 1;
+    if (traced && first_page) trace_point(trace, b, S, s, 6);
+    if (traced && last_page) trace_point(trace, b, S, s, 7);
+    __syncwarp();  // every lane through the wait before the warp-wide ldmatrix and mma
+    if (compute) {
+      const int kcp = min(pg.kc, K - k0);  // the page's columns
+      const uint32_t slot_addr = ring_base + slot * pg.bytes;
+      // k-block j's 8 x 8 matrix for this lane: 16-byte unit 2 j + half of its row
+      const uint32_t a_addr = pg.packed ? slot_addr + row * 2u * kcp : slot_addr + lane_off;
+      const unsigned units = kcp / 8;
+      // k-block j's B: xb[4 j], column gi of it segment gi's input (segment 0 past the tile's f: unused)
+      const uint2* xb = reinterpret_cast<const uint2*>(xs + ((gi < f ? gi * K : 0) + k0) / 2) + t;
+      const int kblocks = min(kcp / 16, (p + 1) * kb);  // this part's k-blocks: [p kb, kblocks)
+      float acc[4][4] = {};
+      const bool piped = pipelined && pg.packed && pg.parts == 1 && kcp % 128 == 0;
+      if (piped) {
+        // kMmaPipelined: whole groups of 8 k-blocks, every unit swizzled, with no branch between the loads and
+        // the mmas, and the next two k-blocks' loads issued before this two's mmas (four sums in turn)
+        const uint32_t sw = row & 7u;
+        uint32_t a0[2][4], a1[2][4];
+        mma_load2(a0, a_addr, 0, half, sw);
+        for (int j = 0; j < kcp / 16; j += 4) {
+          mma_load2(a1, a_addr, j + 2, half, sw);
+          mma2(acc[0], acc[1], a0, xb + 4 * j);
+          if (j + 4 < kcp / 16) mma_load2(a0, a_addr, j + 4, half, sw);
+          mma2(acc[2], acc[3], a1, xb + 4 * (j + 2));
         }
-        __syncwarp();
-        if (traced && first_page) trace_point(trace, b, S, s, 8);
-        if (traced && last_page) trace_point(trace, b, S, s, 9);
-        if (lane == 0) mbar_arrive(empty_base + 8 * pg.slot);
       }
+      for (int j = p * kb; j < kblocks && !piped; j += 4) {
+        // four k-blocks' loads before their mmas: volatile asm keeps its order, so an mma between two ldmatrix
+        // waited out each one's latency (32 of them a 16 KB page, one after the other)
+        uint32_t a[4][4];
+        uint2 bx[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          if (j + q < kblocks) {
+            const unsigned u = 2u * (j + q);
+            ldmatrix_x4(a[q], pg.packed ? a_addr + 16u * packed_unit(u + half, row, units) : a_addr + 16u * u);
+            bx[q] = xb[4 * (j + q)];
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          if (j + q < kblocks) mma_bf16(acc[q], a[q], bx[q].x, bx[q].y);
+        }
+      }
+      // virtual row v's sum is column v / real of C (unfolded: column 0; B's 8 columns are all the input),
+      // held by lane t = that column / 2 of the lanes that hold row v: C[gi][2t, 2t + 1], C[gi + 8][2t, 2t + 1].
+      // Its partial sum goes to real row r0 + v % real, column page c f + v / real.
+      // (the element chosen by selects: acc indexed at run time would go to local memory)
+      float y[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) y[e] = (acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e]);
+      if (gi < rows && j0 / 2 == t)
+        sums[((c * f + j0) * pg.parts + p) * st.rows + r0 + gi % real] = j0 & 1 ? y[1] : y[0];
+      if (gi + 8 < rows && j1 / 2 == t)
+        sums[((c * f + j1) * pg.parts + p) * st.rows + r0 + (gi + 8) % real] = j1 & 1 ? y[3] : y[2];
     }
+    __syncwarp();
+    if (traced && first_page) trace_point(trace, b, S, s, 8);
+    if (traced && last_page) trace_point(trace, b, S, s, 9);
+    if (lane == 0) mbar_arrive(empty_base + 8 * slot);
   }
+  pg.advance(n);
 }
 
 // Compiled twice, with and without kMma (kMmaPath, mode's kMma bit): each registers' allocation its own, so that
@@ -998,6 +1021,19 @@ extern "C" void kestrel_chain_unpack(const unsigned short* packed, unsigned shor
       }
     }
   }
+}
+
+// The part-pages h (in order) of a stage of n pages, `parts` parts each, that consumer warp cw sums, the stage's
+// first page in slot `slot` of a ring of `pages`: mma_consume's steps (next_owned), for the CPU tests. Returns
+// how many, at most `cap` of them written to out.
+extern "C" int kestrel_chain_owned(int slot, int pages, int parts, int n, int cw, int* out, int cap) {
+  int count = 0;
+  for (int h = next_owned(slot * parts, 0, pages * parts, cw); h < n * parts;
+       h = next_owned(slot * parts, h + 1, pages * parts, cw)) {
+    if (count < cap) out[count] = h;
+    ++count;
+  }
+  return count;
 }
 
 extern "C" const char* kestrel_chain_error(int code) {
