@@ -1029,6 +1029,8 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     # 2-8 warps, no better, 12.3-13.2). The sweep keeps what the next steps are measured against; the rest is in
     # bench/results/2026-12-06-h100-session64.json
     alone = dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_stream=True)  # the consumers alone
+    # the best with its sums pipelined, in 8 KB pages
+    small = dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_pipelined=True, page_bytes=8192)
     configs = configs or [
         dict(pipe=True, ll=True, mma=True, mma_lanes=True, depth=2),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2),
@@ -1064,6 +1066,13 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, mma_pipelined=True, mma_fold=True),
         dict(alone, mma_pipelined=True, trace=True),
         dict(alone, mma_pipelined=True, page_bytes=32768, trace=True),
+        # session 67: each consumer warp steps straight to its own pages (next_owned), where all 15 walked every
+        # page's setup (86 instructions a page: the more pages, the slower, hence 8 KB's 16.5 us alone in call b),
+        # so smaller pages again: a stage's sums over more warps
+        dict(small, depth=2),
+        dict(small, depth=4),
+        dict(small, depth=4, trace=True),
+        dict(alone, mma_pipelined=True, page_bytes=8192, trace=True),
         # the consumers' polls of the input from L2 put to sleep 128 ns between tries (call a: 10.9 against 10.4)
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, poll_sleep=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=3),
