@@ -95,6 +95,7 @@ def _check_chain(weights, **kwargs):
      dict(pipe=True, mma=True, mma_packed=True, mma_fold=True, page_bytes=8192),
      dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, mma_pipelined=True),
      dict(pipe=True, mma=True, mma_packed=True, mma_pipelined=True, mma_fold=True, page_bytes=32768),
+     dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_pipelined=True, page_bytes=8192, depth=4),
      dict(pipe=True, ll=True, own_pages=True)],
 )  # fmt: skip
 @pytest.mark.parametrize("blocks", [None, 7])
