@@ -227,28 +227,48 @@ def test_mma_packing_is_what_the_kernel_reads(host_lib, N, K, blocks, kc, fold):
 
 
 def test_each_consumer_steps_straight_to_its_own_pages(host_lib):
-    # mma_consume's jump to a warp's next part-page (next_owned) against the walk over every page it replaced: part p
-    # of the stage's page q sits at ring position ((slot + q) % pages) parts + p, and warp cw owns the positions
-    # equal to cw modulo 15. Every part-page once, each warp's in order, rings smaller and larger than 15 warps,
-    # stages of more pages than the ring, parts of 1-4.
-    cap = 256
-    out = (ctypes.c_int * cap)()
-    for pages in (1, 2, 7, 13, 15, 16, 26, 64):
-        for parts in (1, 2, 4):
-            for n in (0, 1, 5, 14, 40):
-                for slot in {0, pages // 2, pages - 1}:
+    # mma_consume's way to a warp's part-pages (next_owned, PageWalk) against the walk over every page it replaced:
+    # the producer's order (whole 16-row tiles' pages, then a short tile's, folded or not), part p of the stage's
+    # page q at ring position ((slot + q) % pages) parts + p, owned by warp position % 15, its use counted round the
+    # ring. Every part-page once, each warp's in order, rings smaller and larger than 15 warps, stages of more pages
+    # than the ring, parts of 1-4, short tiles folded and whole.
+    cap = 512
+    out = (ctypes.c_int * (6 * cap))()
+    for rows, K, kc, fold in [
+        (33, 2048, 512, True),
+        (33, 2048, 512, False),
+        (16, 1024, 512, False),
+        (0, 64, 32, False),
+        (37, 160, 64, True),
+        (5, 48, 32, True),
+        (70, 2000, 256, False),
+        (200, 128, 256, False),
+    ]:
+        tiles = [(r0, cuda_chain.tile_folds(min(16, rows - r0), K, fold)) for r0 in range(0, rows, 16)]
+        order = [(r0, c) for r0, f in tiles for c in range(-(-(K // f) // kc))]  # the producer's pages
+        for pages in (1, 2, 7, 13, 15, 16, 26, 64):
+            for parts in (1, 2, 4):
+                for slot, use in {(0, 0), (pages // 2, 3), (pages - 1, 1)}:
                     taken = []
                     for cw in range(15):
-                        count = host_lib.kestrel_chain_owned(slot, pages, parts, n, cw, out, cap)
-                        got = list(out[:count])
-                        walk = [
-                            h
-                            for h in range(n * parts)
+                        count = host_lib.kestrel_chain_owned(
+                            rows, K, kc, int(fold), slot, use, pages, parts, cw, out, cap
+                        )
+                        got = [tuple(out[6 * i : 6 * i + 6]) for i in range(count)]
+                        want = [
+                            (
+                                h,
+                                (slot + h // parts) % pages,
+                                use + (slot + h // parts) // pages,
+                                *order[h // parts],
+                                h % parts,
+                            )
+                            for h in range(len(order) * parts)
                             if ((slot + h // parts) % pages * parts + h % parts) % 15 == cw
                         ]
-                        assert got == walk, (pages, parts, n, slot, cw)
-                        taken += got
-                    assert sorted(taken) == list(range(n * parts))
+                        assert got == want, (rows, K, kc, fold, pages, parts, slot, cw)
+                        taken += [h for h, *_ in got]
+                    assert sorted(taken) == list(range(len(order) * parts))
 
 
 def test_tile_folds():

@@ -209,6 +209,16 @@ __device__ __forceinline__ StageRows stage_rows(const long long* meta, const __n
   return {w + m[0] + static_cast<long long>(r0) * K, acts + m[1], acts + m[3] + r0, r1 - r0, K};
 }
 
+// stage_rows with the block's rows read from its table (rows[s]: its first row of stage s and the next block's),
+// worked out once a launch (pipe: stage_table): two 64-bit divisions a stage in every warp otherwise
+__device__ __forceinline__ StageRows stage_rows(const long long* meta, const int2* rows, const __nv_bfloat16* w,
+                                                __nv_bfloat16* acts, int s) {
+  const long long* m = meta + s * kMeta;
+  const int K = static_cast<int>(m[5]);
+  const int2 r = rows[s];
+  return {w + m[0] + static_cast<long long>(r.x) * K, acts + m[1], acts + m[3] + r.x, r.y - r.x, K};
+}
+
 // A stage's input from its LL pairs into xs, bf16 in the input's order (two values a 4-byte store from a 16-byte
 // load), each pair polled until both flags are stage s's input's (stage s - 1's outputs carry flag s; stage 0's
 // input, the chain's, is plain); threads t0, t0 + step, ... share it. Without `poll` the flags are not waited for
@@ -541,6 +551,41 @@ __host__ __device__ __forceinline__ int next_owned(int i0, int h, int m, int cw)
   return i + d < m ? h + d : h + (m - i) + cw;
 }
 
+// kMma: a block's pages of a stage in the producer's order: its whole 16-row tiles' (`tile` pages each), then its
+// last tile's if short of 16 rows (`last`, of `short_tile`'s geometry), n in all; worked out once a stage by each
+// consumer warp, for its pages and for the rows' sums
+struct StagePages {
+  int tile, last, n;
+  Tile short_tile;
+  __host__ __device__ StagePages(int rows, int K, int kc, bool fold)
+      : tile((K + kc - 1) / kc), short_tile(row_tile(rows % 16 ? rows % 16 : 16, K, fold)) {
+    last = rows % 16 ? (short_tile.K + kc - 1) / kc : 0;
+    n = rows / 16 * tile + last;
+  }
+  // the partial sums of a row r of the stage: its tile's pages times its segments
+  __host__ __device__ int row_pages(int rows, int r) const {
+    return r / 16 * 16 + 16 <= rows ? tile : last * short_tile.f;
+  }
+};
+
+// kMma: a consumer warp's way through a stage's part-pages (next_owned gives them in order): part-page h is part p
+// of the stage's page `page`, in slot `slot` at its use-th time round the ring, rows [r0, r0 + 16) x column page c
+// of the block's tile there; `at`, slot and use go on from one of the warp's pages to its next, with no division
+// but the page's tile
+struct PageWalk {
+  int at, slot, use;  // the stage's page `at`: its slot and use
+  int page, p, r0, c;
+  __host__ __device__ PageWalk(int slot0, int use0) : at(0), slot(slot0), use(use0) {}
+  __host__ __device__ void to(int h, int parts, int pages, const StagePages& sp) {
+    page = parts == 1 ? h : h / parts;
+    p = h - page * parts;
+    for (slot += page - at, at = page; slot >= pages; slot -= pages) ++use;
+    const int tile_index = page / sp.tile;
+    r0 = 16 * tile_index;
+    c = page - tile_index * sp.tile;
+  }
+};
+
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&a)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
@@ -598,14 +643,15 @@ __device__ __forceinline__ void trace_point(unsigned long long* trace, int b, in
 // byte count, then lane i copies row i. With 0 < inflight < pages, page g is issued only once page g - inflight
 // has landed: at most `inflight` pages' copies in flight (the ring may hold more pages landed and not yet summed),
 // so that a stage's input, read from L2 by the same SM, queues behind fewer bytes.
-__device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_bfloat16* acts, int S, int b,
-                            int G, uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int pages,
-                            int page_bytes, int mode, int lane, int inflight, unsigned long long* trace) {
+__device__ void mma_produce(const long long* meta, const int2* block_rows, const __nv_bfloat16* w,
+                            __nv_bfloat16* acts, int S, int b, uint32_t ring_base, uint32_t full_base,
+                            uint32_t empty_base, int pages, int page_bytes, int mode, int lane, int inflight,
+                            unsigned long long* trace) {
   const bool lanes = mode & kMmaLanes;
   const bool capped = inflight > 0 && inflight < pages, spin = mode & kTestWait, fold = mode & kMmaFold;
   MmaPages pg(page_bytes, pages, mode);
   for (int s = 0; s < S; ++s) {
-    const StageRows st = stage_rows(meta, w, acts, s, b, G);
+    const StageRows st = stage_rows(meta, block_rows, w, acts, s);
     bool first = true;
     for (int r0 = 0; r0 < st.rows; r0 += 16) {
       const Tile tile = row_tile(st.rows - r0, st.K, fold);
@@ -650,32 +696,28 @@ __device__ void mma_produce(const long long* meta, const __nv_bfloat16* w, __nv_
 // page in slot i is warp (i parts + p) % 15's) with one mma a k-block, four chains of them, each row's partial sum
 // going to sums[(c parts + p) * rows + row] for part p of the page of columns c * kc on (a folded tile's virtual row
 // v = j r + i: sums[((c f + j) parts + p) * rows + r0 + i]); `pg` goes on across the stages.
-__device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* xs, float* sums,
-                            uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int cw, int lane,
-                            bool compute, bool spin, bool fold, bool pipelined, unsigned long long* trace, int b,
-                            int S, int s) {
+__device__ void mma_consume(const StageRows& st, const StagePages& sp, MmaPages& pg, const unsigned* xs,
+                            float* sums, uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int cw, int lane,
+                            bool compute, bool spin, bool pipelined, unsigned long long* trace, int b, int S,
+                            int s) {
   // ldmatrix.x4: lanes 0-7 give rows 0-7 of the k-block's columns 0-7, lanes 8-15 rows 8-15, lanes 16-31 the
   // same at columns 8-15: a0..a3 of mma's A fragment
   const unsigned row = (lane & 7) + (lane & 8), half = lane >> 4;
   const uint32_t lane_off = row * pg.line + (half << 4);
   const int t = lane & 3, gi = lane >> 2;
   const int kb = (pg.kc / 16 + pg.parts - 1) / pg.parts;  // a part's k-blocks (fewer in a row's last page)
-  // the stage's pages in the producer's order: its whole tiles' (tile_pages each), then its last tile's, if short
-  const int tile_pages = (st.K + pg.kc - 1) / pg.kc, short_rows = st.rows % 16;
-  const int short_pages = short_rows ? (row_tile(short_rows, st.K, fold).K + pg.kc - 1) / pg.kc : 0;
-  const int n = st.rows / 16 * tile_pages + short_pages;
-  const int m = pg.pages * pg.parts, i0 = pg.slot * pg.parts;
+  const int n = sp.n, m = pg.pages * pg.parts, i0 = pg.slot * pg.parts;
+  PageWalk walk(pg.slot, pg.use);
   // a slot's part p of every page goes to one warp: a parity wait can only tell the phase it asks for from the one
   // before it, so a warp that skipped the slot's last use (page g - pages, another warp's) could find that use's
   // phase still open and take it for the one before: through at once, summing a page not yet there
   for (int h = next_owned(i0, 0, m, cw); h < n * pg.parts; h = next_owned(i0, h + 1, m, cw)) {
-    const int page = h / pg.parts, p = h - page * pg.parts;  // the stage's page, its part p
-    const int slot = (pg.slot + page) % pg.pages, use = pg.use + (pg.slot + page) / pg.pages;
-    const int r0 = page / tile_pages * 16, c = page % tile_pages, k0 = c * pg.kc;
-    const Tile tile = row_tile(st.rows - r0, st.K, fold);
+    walk.to(h, pg.parts, pg.pages, sp);
+    const int page = walk.page, p = walk.p, slot = walk.slot, use = walk.use, r0 = walk.r0, c = walk.c;
+    const int k0 = c * pg.kc;
+    const bool whole = r0 + 16 <= st.rows;
+    const Tile tile = whole ? Tile{16, 1, 16, st.K} : sp.short_tile;
     const int real = tile.real, f = tile.f, rows = tile.rows, K = tile.K;  // (virtual) rows and columns: kMmaFold
-    // C's rows gi and gi + 8 (virtual rows): their segment, the column of C that holds their sum
-    const int j0 = gi / real, j1 = (gi + 8) / real;
     mbar_wait(full_base + 8 * slot, static_cast<unsigned>(use) & 1u, spin);
     // the stage's first and last page (trace points 6-9): part 0's warp, lane 0
     const bool traced = trace != nullptr && lane == 0 && p == 0;
@@ -732,10 +774,16 @@ __device__ void mma_consume(const StageRows& st, MmaPages& pg, const unsigned* x
       float y[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) y[e] = (acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e]);
-      if (gi < rows && j0 / 2 == t)
-        sums[((c * f + j0) * pg.parts + p) * st.rows + r0 + gi % real] = j0 & 1 ? y[1] : y[0];
-      if (gi + 8 < rows && j1 / 2 == t)
-        sums[((c * f + j1) * pg.parts + p) * st.rows + r0 + (gi + 8) % real] = j1 & 1 ? y[3] : y[2];
+      float* const part = sums + r0;
+      if (f == 1) {  // not folded: column 0 of C, rows gi and gi + 8 in lanes t == 0
+        if (t == 0 && gi < rows) part[(c * pg.parts + p) * st.rows + gi] = y[0];
+        if (t == 0 && gi + 8 < rows) part[(c * pg.parts + p) * st.rows + gi + 8] = y[2];
+      } else {  // C's rows gi and gi + 8 (virtual rows): their segment, the column of C that holds their sum
+        const int j0 = gi / real, j1 = (gi + 8) / real;
+        if (gi < rows && j0 / 2 == t) part[((c * f + j0) * pg.parts + p) * st.rows + gi % real] = j0 & 1 ? y[1] : y[0];
+        if (gi + 8 < rows && j1 / 2 == t)
+          part[((c * f + j1) * pg.parts + p) * st.rows + (gi + 8) % real] = j1 & 1 ? y[3] : y[2];
+      }
     }
     __syncwarp();
     if (traced && first_page) trace_point(trace, b, S, s, 8);
@@ -759,9 +807,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   // its input's address (call C: the consumers' work alone 10.9 us a layer with no barrier)
   __shared__ long long meta[kMaxStages * kMeta];
   __shared__ float sums[kMaxPartials];  // kMma: the stage's pages' partial sums, [column page][row]
+  __shared__ int2 block_rows[kMaxStages];  // this block's first row of each stage and the next block's
   for (int i = threadIdx.x; i < S * kMeta; i += kThreads) meta[i] = gmeta[i];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int b = blockIdx.x, G = gridDim.x;
+  for (int i = tid; i < S; i += kThreads) {
+    const long long N = gmeta[i * kMeta + 4];
+    block_rows[i] = make_int2(block_first_row(N, b, G), block_first_row(N, b + 1, G));
+  }
   const uint32_t ring_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
   const uint32_t full_base = static_cast<uint32_t>(__cvta_generic_to_shared(full));
   const uint32_t empty_base = static_cast<uint32_t>(__cvta_generic_to_shared(empty));
@@ -776,8 +829,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   if (kMmaPath && warp == 0) {
     if (lane == 0 || (mode & kMmaLanes))
-      mma_produce(meta, w, acts, S, b, G, ring_base, full_base, empty_base, pages, page_bytes, mode, lane, inflight,
-                  trace);
+      mma_produce(meta, block_rows, w, acts, S, b, ring_base, full_base, empty_base, pages, page_bytes, mode, lane,
+                  inflight, trace);
     return;
   }
   if (warp == 0) {  // the producer: lane 0, or with kProducers4 lanes 0-3 taking every fourth page
@@ -785,7 +838,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane < producers) {
       long long g = 0;  // pages issued since the launch
       for (int s = 0; s < S; ++s) {
-        const StageRows st = stage_rows(meta, w, acts, s, b, G);
+        const StageRows st = stage_rows(meta, block_rows, w, acts, s);
         const int rpp = page_rows(st.K, page_bytes);
         for (int r = 0; r < st.rows; r += rpp, ++g) {
           if (g % producers != lane) continue;
@@ -812,7 +865,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     unsigned* xw = reinterpret_cast<unsigned*>(xs);
     unsigned long long* const tr = ctid == 0 ? trace : nullptr;
     for (int s = 0; s < S; ++s) {
-      const StageRows st = stage_rows(meta, w, acts, s, b, G);
+      const StageRows st = stage_rows(meta, block_rows, w, acts, s);
       trace_point(tr, b, S, s, 0);
       if (mode & (kNoInput | kNoCompute)) {
         for (int i = ctid; i < st.K / 2; i += kConsumers * 32) xw[i] = 0u;
@@ -839,14 +892,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       trace_point(tr, b, S, s, 10);
       consumers_sync();  // the input in xs (and the last stage's partial sums read)
       trace_point(tr, b, S, s, 1);
-      mma_consume(st, pg, xw, sums, ring_base, full_base, empty_base, cw, lane, !(mode & kNoCompute),
-                  mode & kTestWait, mode & kMmaFold, mode & kMmaPipelined, trace, b, S, s);
+      const StagePages sp(st.rows, st.K, pg.kc, mode & kMmaFold);
+      mma_consume(st, sp, pg, xw, sums, ring_base, full_base, empty_base, cw, lane, !(mode & kNoCompute),
+                  mode & kTestWait, mode & kMmaPipelined, trace, b, S, s);
       consumers_sync();  // every page's partial sums in
       trace_point(tr, b, S, s, 2);
       for (int r = ctid; r < st.rows; r += kConsumers * 32) {
         // its tile's pages a row (a folded tile's: its pages times its segments), each in pg.parts parts
-        const Tile tile = row_tile(st.rows - r / 16 * 16, st.K, mode & kMmaFold);
-        const int column_pages = (tile.K + pg.kc - 1) / pg.kc * tile.f * pg.parts;
+        const int column_pages = sp.row_pages(st.rows, r) * pg.parts;
         float sum = 0.f;
         for (int c = 0; c < column_pages; ++c) sum += sums[c * st.rows + r];
         store_row(st, acts, ll, s, r, sum, lowlat);
@@ -861,7 +914,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   long long g = 0;  // pages consumed since the launch
   for (int s = 0; s < S; ++s) {
-    const StageRows st = stage_rows(meta, w, acts, s, b, G);
+    const StageRows st = stage_rows(meta, block_rows, w, acts, s);
     const int KU = st.K / 8;
     float x[kMaxUnitsPerLane][8];
     const bool compute = !(mode & kNoCompute);
@@ -1023,14 +1076,22 @@ extern "C" void kestrel_chain_unpack(const unsigned short* packed, unsigned shor
   }
 }
 
-// The part-pages h (in order) of a stage of n pages, `parts` parts each, that consumer warp cw sums, the stage's
-// first page in slot `slot` of a ring of `pages`: mma_consume's steps (next_owned), for the CPU tests. Returns
-// how many, at most `cap` of them written to out.
-extern "C" int kestrel_chain_owned(int slot, int pages, int parts, int n, int cw, int* out, int cap) {
+// The part-pages that consumer warp cw sums of a block's stage of `rows` rows and K columns in pages of kc columns
+// (`parts` parts each; fold: kMmaFold), the stage's first page in slot `slot` of a ring of `pages` at its use-th
+// time round: mma_consume's steps (next_owned, PageWalk), for the CPU tests. Each in order as 6 ints in out (h,
+// slot, use, r0, c, part), at most `cap` of them; returns how many.
+extern "C" int kestrel_chain_owned(int rows, int K, int kc, int fold, int slot, int use, int pages, int parts,
+                                   int cw, int* out, int cap) {
+  const StagePages sp(rows, K, kc, fold != 0);
+  PageWalk walk(slot, use);
   int count = 0;
-  for (int h = next_owned(slot * parts, 0, pages * parts, cw); h < n * parts;
+  for (int h = next_owned(slot * parts, 0, pages * parts, cw); h < sp.n * parts;
        h = next_owned(slot * parts, h + 1, pages * parts, cw)) {
-    if (count < cap) out[count] = h;
+    walk.to(h, parts, pages, sp);
+    if (count < cap) {
+      int* const row = out + 6 * count;
+      row[0] = h, row[1] = walk.slot, row[2] = walk.use, row[3] = walk.r0, row[4] = walk.c, row[5] = walk.p;
+    }
     ++count;
   }
   return count;
