@@ -39,8 +39,10 @@ a review's three mends; `mma_lanes`) were timed by session 64 (H100) with its ow
 under ncu (c). Session 65 timed the chain's trace and poll_sleep with `l2 tests:tests/ops/test_cuda_chain.py` (a on
 an H100, b on an H200, 61-77 s of work each; carry `.whl` alone: with `.whl-train` beside the tree a call passes its
 64 MiB). Session 66 timed the mended trace, `test_wait` and `mma_fold` with the same command (a, H100, 74 s of work,
-asked as nvidia-h100-x1); untimed since: `mma_pipelined` (the same command) and Nsight Compute's source page on
-`cuda_chain_ncu.py alone` and `best` (its docstring has the commands). Next, when an H200 comes for a whole
+asked as nvidia-h100-x1). Session 67 (H100) ran the same command at its commit and a9d7102's `l2` beside it from
+an archive of that commit carried as .session/a9d (`cd .session/a9d && python3 scripts/gpu_calls.py --no-setup
+--label old --budget 200 l2`), and Nsight Compute's source page on `cuda_chain_ncu.py` alone/best (b, b2, c; its
+docstring has the commands; the reports tarred under $OUT). Next, when an H200 comes for a whole
 session's budget: the three calls above at one commit (the H200's step figures are session 52's; every H100 figure
 since is not comparable with them).
 The tests take what the call has left: where they are cut, the next call runs the parts not reached

@@ -122,8 +122,20 @@ chain 13.14 against 13.17. test_wait no faster (13.05; the first page's wait 0.7
 mended trace showed instead: with no stream and no barrier, the first page's warp is through its wait 0.70 us after
 the input though the page has long been there, and a page's sums take 1.5-2.0 us (8 KB 1.3, 32 KB 3.0: about 0.6 us
 plus 65 cycles a k-block); the big stage's 8 pages sum in two rounds. The sums are most of the consumers' time.
-`mma_pipelined` (written after call a, untimed): the next two k-blocks' ldmatrix issued before this two's mmas, with
-no branch between (the PTX had each ldmatrix and mma in a branch-guarded block of its own).
+`mma_pipelined` (written after call a): the next two k-blocks' ldmatrix issued before this two's mmas, with no
+branch between (the PTX had each ldmatrix and mma in a branch-guarded block of its own).
+
+Session 67 (H100, bench/results/2026-12-07-h100-session67.json): a9d7102's kernel beside the session's on one
+machine, 10.53 against 12.3-14.0 us a layer: session 66's 2.7 us were the code. Nsight Compute's source page
+(`cuda_chain_ncu.py alone`): every consumer warp walked every page of each stage to find its own, the compiler
+hoisting each page's setup above the owner's test (86 instructions a page in all 15 warps, 38% of the kernel's
+instructions), while the warp owning the stage's first page waited for issue slots (the trace's 0.70 us "first page
+wait"); the sums themselves took 7-10% of the samples, so session 66's reading (the sums most of the time) was
+wrong. A warp now steps straight to its own part-pages (next_owned, O(1)): 11.31 with mma_pipelined (12.69
+without) against a9d7102's 10.52 in the same call (c); with no stream, no barrier and no sums a layer still takes
+6.0 us. After call c, untimed: the block's rows of every stage in a shared table (each warp took two 64-bit
+divisions a stage), a stage's pages worked out once (StagePages) and a warp's pages walked with no division but
+the tile's (PageWalk), whole and unfolded tiles stored as before the fold.
 
 `CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
 row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
