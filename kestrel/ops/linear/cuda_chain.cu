@@ -210,7 +210,7 @@ __device__ __forceinline__ StageRows stage_rows(const long long* meta, const __n
 }
 
 // stage_rows with the block's rows read from its table (rows[s]: its first row of stage s and the next block's),
-// worked out once a launch (pipe: stage_table): two 64-bit divisions a stage in every warp otherwise
+// worked out once a launch (chain_pipe_kernel's block_rows): two 64-bit divisions a stage in every warp otherwise
 __device__ __forceinline__ StageRows stage_rows(const long long* meta, const int2* rows, const __nv_bfloat16* w,
                                                 __nv_bfloat16* acts, int s) {
   const long long* m = meta + s * kMeta;
