@@ -200,23 +200,26 @@ struct StageRows {
 // Block b's first row of a stage of N rows over G blocks (its last is block b + 1's first, less one)
 __host__ __device__ constexpr int block_first_row(long long N, int b, int G) { return static_cast<int>(N * b / G); }
 
+// Stage s over this block's rows [r0, r1)
+__device__ __forceinline__ StageRows stage_rows(const long long* meta, const __nv_bfloat16* w, __nv_bfloat16* acts,
+                                                int s, int2 r) {
+  const long long* m = meta + s * kMeta;
+  const int K = static_cast<int>(m[5]);
+  return {w + m[0] + static_cast<long long>(r.x) * K, acts + m[1], acts + m[3] + r.x, r.y - r.x, K};
+}
+
+// Block b's rows of stage s (of G blocks)
 __device__ __forceinline__ StageRows stage_rows(const long long* meta, const __nv_bfloat16* w,
                                                 __nv_bfloat16* acts, int s, int b, int G) {
-  const long long* m = meta + s * kMeta;
-  const long long N = m[4];
-  const int K = static_cast<int>(m[5]);
-  const int r0 = block_first_row(N, b, G), r1 = block_first_row(N, b + 1, G);
-  return {w + m[0] + static_cast<long long>(r0) * K, acts + m[1], acts + m[3] + r0, r1 - r0, K};
+  const long long N = meta[s * kMeta + 4];
+  return stage_rows(meta, w, acts, s, make_int2(block_first_row(N, b, G), block_first_row(N, b + 1, G)));
 }
 
 // stage_rows with the block's rows read from its table (rows[s]: its first row of stage s and the next block's),
 // worked out once a launch (chain_pipe_kernel's block_rows): two 64-bit divisions a stage in every warp otherwise
 __device__ __forceinline__ StageRows stage_rows(const long long* meta, const int2* rows, const __nv_bfloat16* w,
                                                 __nv_bfloat16* acts, int s) {
-  const long long* m = meta + s * kMeta;
-  const int K = static_cast<int>(m[5]);
-  const int2 r = rows[s];
-  return {w + m[0] + static_cast<long long>(r.x) * K, acts + m[1], acts + m[3] + r.x, r.y - r.x, K};
+  return stage_rows(meta, w, acts, s, rows[s]);
 }
 
 // A stage's input from its LL pairs into xs, bf16 in the input's order (two values a 4-byte store from a 16-byte

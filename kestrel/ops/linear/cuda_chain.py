@@ -152,7 +152,7 @@ from pathlib import Path
 import torch
 
 from kestrel.ops import nvcc
-from kestrel.ops.linear.cuda_chain_trace import TRACE_WIDTH, chain_trace_summary
+from kestrel.ops.linear.cuda_chain_trace import TRACE_WIDTH, block_row_counts, chain_trace_summary
 from kestrel.ops.linear.triton_chain import pack_chain
 
 SOURCE = Path(__file__).with_name("cuda_chain.cu")
@@ -426,7 +426,7 @@ class CudaGemvChain:
     def _column_pages(self, w: torch.Tensor, kc: int, fold: bool) -> int:
         """The most partial sums a row of `w` takes in a block (its tile's pages a row, times its segments)."""
         N, K = w.shape
-        rows = {N * (b + 1) // self.blocks - N * b // self.blocks for b in range(self.blocks)}
+        rows = set(block_row_counts(N, self.blocks).tolist())
         tiles = {min(16, n - r0) for n in rows for r0 in range(0, n, 16)} or {16}
         return max(-(-(K // f) // kc) * f for f in (tile_folds(t, K, fold) for t in tiles))
 

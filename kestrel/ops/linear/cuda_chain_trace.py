@@ -26,6 +26,13 @@ TRACE_WIDTH = 32  # cuda_chain.cu's kTraceWidth: 16 clocks, 16 timer values
 TIMED_POINTS = (4, 5)  # the points that read the ns timer
 
 
+def block_row_counts(N: int, blocks: int) -> torch.Tensor:
+    """The rows each of `blocks` blocks holds of a stage of N rows (cuda_chain.cu's block_first_row)."""
+    b = torch.arange(blocks + 1)
+    first = N * b // blocks
+    return first[1:] - first[:-1]
+
+
 def _offsets(trace: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A trace's clocks from each block's first and its timer values from the first of them, in int64 (0 where
     not recorded), with the masks of the points recorded (a clock) and timed (a clock and the timer)."""
@@ -121,8 +128,7 @@ def _by_class(at: torch.Tensor, paged: torch.Tensor, shapes: list[tuple[int, int
         c = int(torch.nan_to_num(a[:, 3], nan=float("-inf")).argmax())
         row = {"period": (a[c, 3] - prev).item(), "latency_max": _top(a[:, 1] - prev)}
         # the rows a block holds, and the critical block's (whether the blocks with a row more are the last)
-        n = shapes[s][0]
-        held = (n * (b + 1) // blocks - n * b // blocks)[paged[:, s]].double()
+        held = block_row_counts(shapes[s][0], blocks)[paged[:, s]].double()
         row["rows"], row["critical_rows"] = held.median().item(), held[c].item()
         for name, i, j in _STAGE_SPANS:
             span = a[:, j] - (prev if i == "prev" else a[:, i])
