@@ -520,7 +520,8 @@ struct MmaPages {
   unsigned line;   // bytes from a page's row to the next: 2 kc + 16 (ldmatrix's 8 rows on 32 different banks)
   unsigned bytes;  // a slot: 16 lines (kMmaPacked: page_bytes)
   bool packed;
-  int parts;  // warps a page: each sums k-blocks [part x kb, (part + 1) x kb) of it, kb = kc / 16 / parts
+  int parts;  // warps a page: each sums k-blocks [part x kb, (part + 1) x kb) of it
+  int kb;     // a part's k-blocks, kc / 16 / parts rounded up (fewer in a row's last page)
   int pages, slot = 0, use = 0;
   __device__ MmaPages(int page_bytes, int pages_, int mode)
       : kc(page_bytes / 32),
@@ -528,6 +529,7 @@ struct MmaPages {
         bytes(pipe_slot_bytes(page_bytes, mode)),
         packed(mode & kMmaPacked),
         parts(mma_parts(mode)),
+        kb((kc / 16 + parts - 1) / parts),
         pages(pages_) {}
   __device__ void next() {
     if (++slot == pages) {
@@ -571,21 +573,40 @@ struct StagePages {
   }
 };
 
-// kMma: a consumer warp's way through a stage's part-pages (next_owned gives them in order): part-page h is part p
-// of the stage's page `page`, in slot `slot` at its use-th time round the ring, rows [r0, r0 + 16) x column page c
-// of the block's tile there; `at`, slot and use go on from one of the warp's pages to its next, with no division
-// but the page's tile
+// kMma: a consumer warp's way through its own part-pages of a stage, in the producer's order (next_owned): part-page
+// h is part p of the stage's page `page`, in slot `slot` at its use-th time round the ring, rows [r0, r0 + 16) x
+// column page c of the block's tile there. Made before the stage's input is in, so that the way to the warp's first
+// page (a stage's setup: 186 instructions a warp with five 32-bit divisions, Nsight Compute, session 68) is off the
+// stage's critical path; `next` goes on to the warp's next page with no division but the tile's and the ring's
+// position. Done when h passes the stage's part-pages.
 struct PageWalk {
   int at, slot, use;  // the stage's page `at`: its slot and use
-  int page, p, r0, c;
-  __host__ __device__ PageWalk(int slot0, int use0) : at(0), slot(slot0), use(use0) {}
-  __host__ __device__ void to(int h, int parts, int pages, const StagePages& sp) {
+  int h, page, p, r0, c;
+  int i0, m, end, cw, parts, pages, tile;
+  __host__ __device__ PageWalk(const StagePages& sp, int slot0, int use0, int pages_, int parts_, int cw_)
+      : at(0),
+        slot(slot0),
+        use(use0),
+        i0(slot0 * parts_),
+        m(pages_ * parts_),
+        end(sp.n * parts_),
+        cw(cw_),
+        parts(parts_),
+        pages(pages_),
+        tile(sp.tile) {
+    to(next_owned(i0, 0, m, cw));
+  }
+  __host__ __device__ bool done() const { return h >= end; }
+  __host__ __device__ void next() { to(next_owned(i0, h + 1, m, cw)); }
+  __host__ __device__ void to(int h_) {
+    h = h_;
+    if (done()) return;
     page = parts == 1 ? h : h / parts;
     p = h - page * parts;
     for (slot += page - at, at = page; slot >= pages; slot -= pages) ++use;
-    const int tile_index = page / sp.tile;
+    const int tile_index = page / tile;
     r0 = 16 * tile_index;
-    c = page - tile_index * sp.tile;
+    c = page - tile_index * tile;
   }
 };
 
@@ -695,27 +716,24 @@ __device__ void mma_produce(const long long* meta, const int2* block_rows, const
   }
 }
 
-// kMma's consumers at stage s (the input in xs in fragment order): warp cw sums its parts of pages (part p of a
-// page in slot i is warp (i parts + p) % 15's) with one mma a k-block, four chains of them, each row's partial sum
-// going to sums[(c parts + p) * rows + row] for part p of the page of columns c * kc on (a folded tile's virtual row
-// v = j r + i: sums[((c f + j) parts + p) * rows + r0 + i]); `pg` goes on across the stages.
-__device__ void mma_consume(const StageRows& st, const StagePages& sp, MmaPages& pg, const unsigned* xs,
-                            float* sums, uint32_t ring_base, uint32_t full_base, uint32_t empty_base, int cw, int lane,
-                            bool compute, bool spin, bool pipelined, unsigned long long* trace, int b, int S,
-                            int s) {
+// kMma's consumers at stage s (the input in xs in fragment order): warp cw (the walk's) sums its parts of pages
+// (part p of a page in slot i is warp (i parts + p) % 15's) with one mma a k-block, four chains of them, each row's
+// partial sum going to sums[(c parts + p) * rows + row] for part p of the page of columns c * kc on (a folded
+// tile's virtual row v = j r + i: sums[((c f + j) parts + p) * rows + r0 + i]); `pg` goes on across the stages.
+__device__ void mma_consume(const StageRows& st, const StagePages& sp, MmaPages& pg, PageWalk& walk,
+                            const unsigned* xs, float* sums, uint32_t ring_base, uint32_t full_base,
+                            uint32_t empty_base, int lane, bool compute, bool spin, bool pipelined,
+                            unsigned long long* trace, int b, int S, int s) {
   // ldmatrix.x4: lanes 0-7 give rows 0-7 of the k-block's columns 0-7, lanes 8-15 rows 8-15, lanes 16-31 the
   // same at columns 8-15: a0..a3 of mma's A fragment
   const unsigned row = (lane & 7) + (lane & 8), half = lane >> 4;
   const uint32_t lane_off = row * pg.line + (half << 4);
   const int t = lane & 3, gi = lane >> 2;
-  const int kb = (pg.kc / 16 + pg.parts - 1) / pg.parts;  // a part's k-blocks (fewer in a row's last page)
-  const int n = sp.n, m = pg.pages * pg.parts, i0 = pg.slot * pg.parts;
-  PageWalk walk(pg.slot, pg.use);
+  const int kb = pg.kb, n = sp.n;
   // a slot's part p of every page goes to one warp: a parity wait can only tell the phase it asks for from the one
   // before it, so a warp that skipped the slot's last use (page g - pages, another warp's) could find that use's
   // phase still open and take it for the one before: through at once, summing a page not yet there
-  for (int h = next_owned(i0, 0, m, cw); h < n * pg.parts; h = next_owned(i0, h + 1, m, cw)) {
-    walk.to(h, pg.parts, pg.pages, sp);
+  for (; !walk.done(); walk.next()) {
     const int page = walk.page, p = walk.p, slot = walk.slot, use = walk.use, r0 = walk.r0, c = walk.c;
     const int k0 = c * pg.kc;
     const bool whole = r0 + 16 <= st.rows;
@@ -870,6 +888,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < S; ++s) {
       const StageRows st = stage_rows(meta, block_rows, w, acts, s);
       trace_point(tr, b, S, s, 0);
+      // the stage's pages and this warp's way to its first, while the input is on its way (see PageWalk)
+      const StagePages sp(st.rows, st.K, pg.kc, mode & kMmaFold);
+      PageWalk walk(sp, pg.slot, pg.use, pg.pages, pg.parts, cw);
       if (mode & (kNoInput | kNoCompute)) {
         for (int i = ctid; i < st.K / 2; i += kConsumers * 32) xw[i] = 0u;
       } else if (lowlat) {
@@ -895,8 +916,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       trace_point(tr, b, S, s, 10);
       consumers_sync();  // the input in xs (and the last stage's partial sums read)
       trace_point(tr, b, S, s, 1);
-      const StagePages sp(st.rows, st.K, pg.kc, mode & kMmaFold);
-      mma_consume(st, sp, pg, xw, sums, ring_base, full_base, empty_base, cw, lane, !(mode & kNoCompute),
+      mma_consume(st, sp, pg, walk, xw, sums, ring_base, full_base, empty_base, lane, !(mode & kNoCompute),
                   mode & kTestWait, mode & kMmaPipelined, trace, b, S, s);
       consumers_sync();  // every page's partial sums in
       trace_point(tr, b, S, s, 2);
@@ -1086,14 +1106,11 @@ extern "C" void kestrel_chain_unpack(const unsigned short* packed, unsigned shor
 extern "C" int kestrel_chain_owned(int rows, int K, int kc, int fold, int slot, int use, int pages, int parts,
                                    int cw, int* out, int cap) {
   const StagePages sp(rows, K, kc, fold != 0);
-  PageWalk walk(slot, use);
   int count = 0;
-  for (int h = next_owned(slot * parts, 0, pages * parts, cw); h < sp.n * parts;
-       h = next_owned(slot * parts, h + 1, pages * parts, cw)) {
-    walk.to(h, parts, pages, sp);
+  for (PageWalk walk(sp, slot, use, pages, parts, cw); !walk.done(); walk.next()) {
     if (count < cap) {
       int* const row = out + 6 * count;
-      row[0] = h, row[1] = walk.slot, row[2] = walk.use, row[3] = walk.r0, row[4] = walk.c, row[5] = walk.p;
+      row[0] = walk.h, row[1] = walk.slot, row[2] = walk.use, row[3] = walk.r0, row[4] = walk.c, row[5] = walk.p;
     }
     ++count;
   }
