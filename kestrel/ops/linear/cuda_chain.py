@@ -137,6 +137,12 @@ without) against a9d7102's 10.52 in the same call (c); with no stream, no barrie
 divisions a stage), a stage's pages worked out once (StagePages) and a warp's pages walked with no division but
 the tile's (PageWalk), whole and unfolded tiles stored as before the fold.
 
+Session 68 (H100, bench/results/2026-12-07-h100-session68.json): those changes correct (the tests' 151 cases) and
+level with a9d7102 again: 10.55 us a layer (pipelined, folded) against its 10.52 in the same call, the launches
+9.54; the consumers alone 8.33 against 8.73. Nsight Compute still found 186 instructions a warp (five 32-bit
+divisions) between a stage's input barrier and its first page's wait: the stage's pages and the warp's way to its
+first page, now made before the input's gather (PageWalk steps itself; the CPU test runs it).
+
 `CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
 row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
 in flight (the ring of shared memory permitting: 0 copies each stage's rows only when it starts); with mma, how
