@@ -42,9 +42,10 @@ an H100, b on an H200, 61-77 s of work each; carry `.whl` alone: with `.whl-trai
 asked as nvidia-h100-x1). Session 67 (H100) ran the same command at its commit and a9d7102's `l2` beside it from
 an archive of that commit carried as .session/a9d (`cd .session/a9d && python3 scripts/gpu_calls.py --no-setup
 --label old --budget 200 l2`), and Nsight Compute's source page on `cuda_chain_ncu.py` alone/best (b, b2, c; its
-docstring has the commands; the reports tarred under $OUT). Next, when an H200 comes for a whole
-session's budget: the three calls above at one commit (the H200's step figures are session 52's; every H100 figure
-since is not comparable with them).
+docstring has the commands; the reports tarred under $OUT). Session 68 (H100) did the same at 6d5372b with a9d7102
+beside it (d), then at a5f2ec3 with 6d5372b beside it (e; .session/d68, `--label prev`). Next, when an H200 comes
+for a whole session's budget: the three calls above at one commit (the H200's step figures are session 52's; every
+H100 figure since is not comparable with them).
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
 (tests:rest:2/2 and so on; the summary counts the outcomes so far from pytest's log).
 Each job's help (`--list`) says what it runs."""

@@ -141,7 +141,9 @@ Session 68 (H100, bench/results/2026-12-07-h100-session68.json): those changes c
 level with a9d7102 again: 10.55 us a layer (pipelined, folded) against its 10.52 in the same call, the launches
 9.54; the consumers alone 8.33 against 8.73. Nsight Compute still found 186 instructions a warp (five 32-bit
 divisions) between a stage's input barrier and its first page's wait: the stage's pages and the warp's way to its
-first page, now made before the input's gather (PageWalk steps itself; the CPU test runs it).
+first page, now made before the input's gather (PageWalk steps itself; the CPU test runs it). Call e, on one H100
+with 6d5372b's kernel beside it: 13 instructions there, and the chain **8.71 us a layer against the 48 launches'
+9.48** (x1.09; 81% of the copy rate, floor 7.09), 6d5372b's 10.46: the first chain faster than the launches.
 
 `CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
 row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
