@@ -719,8 +719,8 @@ __device__ void mma_produce(const long long* meta, const int2* block_rows, const
 // kMma's consumers at stage s (the input in xs in fragment order): warp cw (the walk's) sums its parts of pages
 // (part p of a page in slot i is warp (i parts + p) % 15's) with one mma a k-block, four chains of them, each row's
 // partial sum going to sums[(c parts + p) * rows + row] for part p of the page of columns c * kc on (a folded
-// tile's virtual row v = j r + i: sums[((c f + j) parts + p) * rows + r0 + i]); `pg` goes on across the stages.
-__device__ void mma_consume(const StageRows& st, const StagePages& sp, MmaPages& pg, PageWalk& walk,
+// tile's virtual row v = j r + i: sums[((c f + j) parts + p) * rows + r0 + i]).
+__device__ void mma_consume(const StageRows& st, const StagePages& sp, const MmaPages& pg, PageWalk& walk,
                             const unsigned* xs, float* sums, uint32_t ring_base, uint32_t full_base,
                             uint32_t empty_base, int lane, bool compute, bool spin, bool pipelined,
                             unsigned long long* trace, int b, int S, int s) {
@@ -811,7 +811,6 @@ __device__ void mma_consume(const StageRows& st, const StagePages& sp, MmaPages&
     if (traced && last_page) trace_point(trace, b, S, s, 9);
     if (lane == 0) mbar_arrive(empty_base + 8 * slot);
   }
-  pg.advance(n);
 }
 
 // Compiled twice, with and without kMma (kMmaPath, mode's kMma bit): each registers' allocation its own, so that
@@ -891,6 +890,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // the stage's pages and this warp's way to its first, while the input is on its way (see PageWalk)
       const StagePages sp(st.rows, st.K, pg.kc, mode & kMmaFold);
       PageWalk walk(sp, pg.slot, pg.use, pg.pages, pg.parts, cw);
+      pg.advance(sp.n);  // the ring's position at the next stage (a division: here, not after the stage's sums)
       if (mode & (kNoInput | kNoCompute)) {
         for (int i = ctid; i < st.K / 2; i += kConsumers * 32) xw[i] = 0u;
       } else if (lowlat) {
