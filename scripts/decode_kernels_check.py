@@ -1031,6 +1031,8 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     alone = dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_stream=True)  # the consumers alone
     # the best with its sums pipelined, in 8 KB pages
     small = dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_pipelined=True, page_bytes=8192)
+    # the best so far (session 68): packed, pipelined and folded, 2 pages in flight
+    best = dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, mma_pipelined=True, mma_fold=True)
     configs = configs or [
         dict(pipe=True, ll=True, mma=True, mma_lanes=True, depth=2),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2),
@@ -1073,6 +1075,17 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         dict(small, depth=4),
         dict(small, depth=4, trace=True),
         dict(alone, mma_pipelined=True, page_bytes=8192, trace=True),
+        # session 68: with each warp's way to its first page made before the stage's input (call e, H100: 8.71 us a
+        # layer against the launches' 9.48, the first chain faster than them), the best's neighbours: traced, the
+        # copies in flight, page size, test_wait, poll_sleep
+        dict(best, trace=True),
+        dict(best, depth=1),
+        dict(best, depth=3),
+        dict(best, depth=4),
+        dict(best, page_bytes=32768, depth=1),
+        dict(best, page_bytes=8192, depth=4),
+        dict(best, test_wait=True),
+        dict(best, poll_sleep=True),
         # the consumers' polls of the input from L2 put to sleep 128 ns between tries (call a: 10.9 against 10.4)
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, poll_sleep=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=3),
