@@ -200,6 +200,11 @@ struct StageRows {
 // Block b's first row of a stage of N rows over G blocks (its last is block b + 1's first, less one)
 __host__ __device__ constexpr int block_first_row(long long N, int b, int G) { return static_cast<int>(N * b / G); }
 
+// Block b's rows [first, next block's first) of a stage of N rows over G blocks
+__device__ __forceinline__ int2 block_row_span(long long N, int b, int G) {
+  return make_int2(block_first_row(N, b, G), block_first_row(N, b + 1, G));
+}
+
 // Stage s over this block's rows [r0, r1)
 __device__ __forceinline__ StageRows stage_rows(const long long* meta, const __nv_bfloat16* w, __nv_bfloat16* acts,
                                                 int s, int2 r) {
@@ -211,8 +216,7 @@ __device__ __forceinline__ StageRows stage_rows(const long long* meta, const __n
 // Block b's rows of stage s (of G blocks)
 __device__ __forceinline__ StageRows stage_rows(const long long* meta, const __nv_bfloat16* w,
                                                 __nv_bfloat16* acts, int s, int b, int G) {
-  const long long N = meta[s * kMeta + 4];
-  return stage_rows(meta, w, acts, s, make_int2(block_first_row(N, b, G), block_first_row(N, b + 1, G)));
+  return stage_rows(meta, w, acts, s, block_row_span(meta[s * kMeta + 4], b, G));
 }
 
 // stage_rows with the block's rows read from its table (rows[s]: its first row of stage s and the next block's),
@@ -561,16 +565,15 @@ __host__ __device__ __forceinline__ int next_owned(int i0, int h, int m, int cw)
 // consumer warp, for its pages and for the rows' sums
 struct StagePages {
   int tile, last, n;
+  int whole_rows;  // the rows of the whole tiles
   Tile short_tile;
   __host__ __device__ StagePages(int rows, int K, int kc, bool fold)
-      : tile((K + kc - 1) / kc), short_tile(row_tile(rows % 16 ? rows % 16 : 16, K, fold)) {
+      : tile((K + kc - 1) / kc), whole_rows(rows / 16 * 16), short_tile(row_tile(rows % 16 ? rows % 16 : 16, K, fold)) {
     last = rows % 16 ? (short_tile.K + kc - 1) / kc : 0;
     n = rows / 16 * tile + last;
   }
   // the partial sums of a row r of the stage: its tile's pages times its segments
-  __host__ __device__ int row_pages(int rows, int r) const {
-    return r / 16 * 16 + 16 <= rows ? tile : last * short_tile.f;
-  }
+  __host__ __device__ int row_pages(int r) const { return r < whole_rows ? tile : last * short_tile.f; }
 };
 
 // kMma: a consumer warp's way through its own part-pages of a stage, in the producer's order (next_owned): part-page
@@ -831,10 +834,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = threadIdx.x; i < S * kMeta; i += kThreads) meta[i] = gmeta[i];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int b = blockIdx.x, G = gridDim.x;
-  for (int i = tid; i < S; i += kThreads) {
-    const long long N = gmeta[i * kMeta + 4];
-    block_rows[i] = make_int2(block_first_row(N, b, G), block_first_row(N, b + 1, G));
-  }
+  for (int i = tid; i < S; i += kThreads) block_rows[i] = block_row_span(gmeta[i * kMeta + 4], b, G);
   const uint32_t ring_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
   const uint32_t full_base = static_cast<uint32_t>(__cvta_generic_to_shared(full));
   const uint32_t empty_base = static_cast<uint32_t>(__cvta_generic_to_shared(empty));
@@ -922,7 +922,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       trace_point(tr, b, S, s, 2);
       for (int r = ctid; r < st.rows; r += kConsumers * 32) {
         // its tile's pages a row (a folded tile's: its pages times its segments), each in pg.parts parts
-        const int column_pages = sp.row_pages(st.rows, r) * pg.parts;
+        const int column_pages = sp.row_pages(r) * pg.parts;
         float sum = 0.f;
         for (int c = 0; c < column_pages; ++c) sum += sums[c * st.rows + r];
         store_row(st, acts, ll, s, r, sum, lowlat);
