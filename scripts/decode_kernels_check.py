@@ -1086,12 +1086,18 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         dict(best, page_bytes=8192, depth=4),
         dict(best, test_wait=True),
         dict(best, poll_sleep=True),
-        # session 69: 12 KB pages (16 rows x 384 columns: 6 pages a 2048-wide tile, 12 a 4232-row stage's block
-        # where 16 KB make 8 over its 15 consumer warps): a stage's sums after its input over more warps, each
-        # page 24 k-blocks where 16 KB take 32, and 16 slots in the ring where 16 KB have 13
+        # session 69: a stage's sums after its input over more warps in smaller pages that still leave one a warp
+        # (call e's trace: a 16 KB page's 32 k-blocks summed in 1.2 us in the 4232-row stage, 8 pages at once,
+        # against 0.8 in the 2048-row stage's 2): 12 KB (16 x 384: 6 pages a 2048-wide tile, 12 a 32-row block's
+        # stage, 24 k-blocks each, 16 slots) and 10 KB (16 x 320: 7 a tile, 14 a stage, at most 20 k-blocks, 21
+        # slots; pipelined once a page's columns need only be a multiple of 64)
         dict(best, page_bytes=12288),
         dict(best, page_bytes=12288, depth=3),
         dict(best, page_bytes=12288, trace=True),
+        dict(best, page_bytes=10240),
+        dict(best, page_bytes=10240, depth=3),
+        dict(best, page_bytes=10240, trace=True),
+        dict(alone, mma_pipelined=True, mma_fold=True, page_bytes=10240, trace=True),
         # the consumers' polls of the input from L2 put to sleep 128 ns between tries (call a: 10.9 against 10.4)
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, poll_sleep=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=3),

@@ -97,6 +97,7 @@ def _check_chain(weights, **kwargs):
      dict(pipe=True, mma=True, mma_packed=True, mma_pipelined=True, mma_fold=True, page_bytes=32768),
      dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_pipelined=True, page_bytes=8192, depth=4),
      dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_pipelined=True, mma_fold=True, page_bytes=12288),
+     dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_pipelined=True, mma_fold=True, page_bytes=10240),
      dict(pipe=True, ll=True, own_pages=True)],
 )  # fmt: skip
 @pytest.mark.parametrize("blocks", [None, 7])
@@ -207,6 +208,7 @@ def host_lib(tmp_path_factory):
         (300, 2000, 132, 512),
         (4232, 2048, 132, 384),
         (2048, 1024, 132, 384),
+        (4232, 2048, 132, 320),
     ],
 )
 @pytest.mark.parametrize("fold", [False, True])
@@ -248,6 +250,7 @@ def test_each_consumer_steps_straight_to_its_own_pages(host_lib):
         (200, 128, 256, False),
         (33, 2048, 384, True),
         (8, 1024, 384, True),
+        (33, 2048, 320, True),
     ]:
         tiles = [(r0, cuda_chain.tile_folds(min(16, rows - r0), K, fold)) for r0 in range(0, rows, 16)]
         order = [(r0, c) for r0, f in tiles for c in range(-(-(K // f) // kc))]  # the producer's pages

@@ -95,8 +95,10 @@ constexpr int kTestWait = 1 << 17;
 // block's sums 4.5 us against the median's 3.5)
 constexpr int kMmaFold = 1 << 18;
 // kMmaPacked with a page's sums software-pipelined (mma_load2, mma2): where a page's k-blocks come in whole groups
-// of 8 (its columns a multiple of 128), no branch between its loads and its mmas, and the next two k-blocks' loads
-// issued before this two's mmas (volatile asm keeps its order, so the compiler cannot move them there itself).
+// of 4, each one swizzle group of 8 units (its columns a multiple of 64: session 69, where 128 had been asked,
+// which left 10 KB pages' 320 columns unpipelined), no branch between its loads and its mmas, and the next two
+// k-blocks' loads issued before this two's mmas (volatile asm keeps its order, so the compiler cannot move them
+// there itself).
 // Session 66's trace (H100): a page's sums took 1.3, 2.0 and 3.0 us at 16, 32 and 64 k-blocks, about 65 cycles a
 // k-block, where its ldmatrix, 8-byte load and mma should issue in a few
 constexpr int kMmaPipelined = 1 << 19;
@@ -759,10 +761,11 @@ __device__ void mma_consume(const StageRows& st, const StagePages& sp, const Mma
       const uint2* xb = reinterpret_cast<const uint2*>(xs + ((gi < f ? gi * K : 0) + k0) / 2) + t;
       const int kblocks = min(kcp / 16, (p + 1) * kb);  // this part's k-blocks: [p kb, kblocks)
       float acc[4][4] = {};
-      const bool piped = pipelined && pg.packed && pg.parts == 1 && kcp % 128 == 0;
+      const bool piped = pipelined && pg.packed && pg.parts == 1 && kcp % 64 == 0;
       if (piped) {
-        // kMmaPipelined: whole groups of 8 k-blocks, every unit swizzled, with no branch between the loads and
-        // the mmas, and the next two k-blocks' loads issued before this two's mmas (four sums in turn)
+        // kMmaPipelined: whole groups of 4 k-blocks (the loop's step), every unit swizzled, with no branch
+        // between the loads and the mmas, and the next two k-blocks' loads issued before this two's mmas (four
+        // sums in turn)
         const uint32_t sw = row & 7u;
         uint32_t a0[2][4], a1[2][4];
         mma_load2(a0, a_addr, 0, half, sw);

@@ -199,7 +199,7 @@ TEST_WAIT = (
 # row of the tile, f times fewer pages (cuda_chain.cu's kMmaFold, tile_folds)
 MMA_FOLD = 1 << 18
 # mma_packed with a page's sums software-pipelined: the next two k-blocks' ldmatrix before this two's mmas, no
-# branch between them, where a page's columns are a multiple of 128 (cuda_chain.cu's kMmaPipelined)
+# branch between them, where a page's columns are a multiple of 64 (cuda_chain.cu's kMmaPipelined)
 MMA_PIPELINED = 1 << 19
 STATIC_SMEM = (
     17 * 1024
