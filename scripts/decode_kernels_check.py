@@ -1098,6 +1098,10 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         dict(best, page_bytes=10240, depth=3),
         dict(best, page_bytes=10240, trace=True),
         dict(alone, mma_pipelined=True, mma_fold=True, page_bytes=10240, trace=True),
+        # the consumers meet after a stage's stores before polling the next input (store_first; call e's trace:
+        # 0.41-0.47 us a stage from the second barrier to consumer 0's row stored, the other threads polling)
+        dict(best, store_first=True),
+        dict(best, store_first=True, trace=True),
         # the consumers' polls of the input from L2 put to sleep 128 ns between tries (call a: 10.9 against 10.4)
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, poll_sleep=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=3),

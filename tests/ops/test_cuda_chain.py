@@ -98,6 +98,7 @@ def _check_chain(weights, **kwargs):
      dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_pipelined=True, page_bytes=8192, depth=4),
      dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_pipelined=True, mma_fold=True, page_bytes=12288),
      dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_pipelined=True, mma_fold=True, page_bytes=10240),
+     dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_pipelined=True, mma_fold=True, store_first=True),
      dict(pipe=True, ll=True, own_pages=True)],
 )  # fmt: skip
 @pytest.mark.parametrize("blocks", [None, 7])
@@ -167,6 +168,8 @@ def test_refuses_what_it_cannot_take():
         cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma=True, mma_lanes=True, mma_packed=True)
     with pytest.raises(AssertionError, match="mma_pipelined is mma_packed's"):
         cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma=True, mma_pipelined=True)
+    with pytest.raises(AssertionError, match="store_first is mma's with ll"):
+        cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma=True, store_first=True)
     with pytest.raises(AssertionError, match="mma_fold is mma_packed's"):
         cuda_chain.CudaGemvChain([w[:, :8]], pipe=True, mma=True, mma_fold=True)
     with pytest.raises(AssertionError, match="multiple of 16"):

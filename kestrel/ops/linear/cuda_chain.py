@@ -201,6 +201,9 @@ MMA_FOLD = 1 << 18
 # mma_packed with a page's sums software-pipelined: the next two k-blocks' ldmatrix before this two's mmas, no
 # branch between them, where a page's columns are a multiple of 64 (cuda_chain.cu's kMmaPipelined)
 MMA_PIPELINED = 1 << 19
+# mma with ll: the consumers meet after a stage's rows are stored, before any polls the next stage's input
+# (cuda_chain.cu's kStoreFirst)
+STORE_FIRST = 1 << 20
 STATIC_SMEM = (
     17 * 1024
 )  # cuda_chain.cu's static shared memory (the LL input, the mbarriers, pipe's stage table, mma's sums)
@@ -327,6 +330,7 @@ class CudaGemvChain:
         test_wait: bool = False,
         mma_fold: bool = False,
         mma_pipelined: bool = False,
+        store_first: bool = False,
     ):
         assert weights and all(w.dim() == 2 and w.dtype == torch.bfloat16 and w.is_cuda for w in weights), (
             "weights: [N_s, K_s] bf16 on CUDA"
@@ -355,6 +359,7 @@ class CudaGemvChain:
         assert not (mma_lanes and mma_packed), "mma_packed copies a page at once: no lanes to spread"
         assert mma or not trace, "trace is mma's"
         assert mma and ll or not poll_sleep, "poll_sleep is mma's with ll"
+        assert mma and ll or not store_first, "store_first is mma's with ll"
         assert mma or not test_wait, "test_wait is mma's"
         assert mma_packed and mma_parts == 1 or not mma_fold, "mma_fold is mma_packed's, with one part a page"
         assert mma_packed or not mma_pipelined, "mma_pipelined is mma_packed's"
@@ -406,6 +411,7 @@ class CudaGemvChain:
             | TEST_WAIT * test_wait
             | MMA_FOLD * mma_fold
             | MMA_PIPELINED * mma_pipelined
+            | STORE_FIRST * store_first
         )
         # each output 16-byte aligned: the next stage reads it in 16-byte units
         self.w, self.acts, self.meta, self.input, self.outputs = pack_chain(weights, 1, align=8)
