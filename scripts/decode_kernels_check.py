@@ -1102,6 +1102,12 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         # 0.41-0.47 us a stage from the second barrier to consumer 0's row stored, the other threads polling)
         dict(best, store_first=True),
         dict(best, store_first=True, trace=True),
+        # the stream alone at the best's cap of copies in flight (call e: 7.97 us a layer uncapped against a floor of
+        # 7.09, the best chain 8.71): whether two 16 KB pages a block in flight hold the stream back
+        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_compute=True, depth=2),
+        dict(
+            pipe=True, mma=True, mma_packed=True, no_barrier=True, no_compute=True, depth=3, page_bytes=12288
+        ),
         # the consumers' polls of the input from L2 put to sleep 128 ns between tries (call a: 10.9 against 10.4)
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, poll_sleep=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=3),
