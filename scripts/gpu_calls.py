@@ -43,9 +43,12 @@ asked as nvidia-h100-x1). Session 67 (H100) ran the same command at its commit a
 an archive of that commit carried as .session/a9d (`cd .session/a9d && python3 scripts/gpu_calls.py --no-setup
 --label old --budget 200 l2`), and Nsight Compute's source page on `cuda_chain_ncu.py` alone/best (b, b2, c; its
 docstring has the commands; the reports tarred under $OUT). Session 68 (H100) did the same at 6d5372b with a9d7102
-beside it (d), then at a5f2ec3 with 6d5372b beside it (e; .session/d68, `--label prev`). Next, when an H200 comes
-for a whole session's budget: the three calls above at one commit (the H200's step figures are session 52's; every
-H100 figure since is not comparable with them).
+beside it (d), then at a5f2ec3 with 6d5372b beside it (e; .session/d68, `--label prev`). Session 69's
+twenty-three asks (05:33-07:18 UTC) started one machine, taken back before the call finished, and no other: its
+call f, `--commit <C> l2 tests:tests/ops/test_cuda_chain.py` with a5f2ec3's `l2` beside it (.session/prev, `--label
+prev`), waits for the next session (about 120 s of work with the Nsight Compute run on `best_pipe`). Next, when an
+H200 comes for a whole session's budget: the three calls above at one commit (the H200's step figures are session
+52's; every H100 figure since is not comparable with them).
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
 (tests:rest:2/2 and so on; the summary counts the outcomes so far from pytest's log).
 Each job's help (`--list`) says what it runs."""
