@@ -1089,7 +1089,7 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         # session 69: a stage's sums after its input over more warps in smaller pages that still leave one a warp
         # (call e's trace: a 16 KB page's 32 k-blocks summed in 1.2 us in the 4232-row stage, 8 pages at once,
         # against 0.8 in the 2048-row stage's 2): 12 KB (16 x 384: 6 pages a 2048-wide tile, 12 a 32-row block's
-        # stage, 24 k-blocks each, 16 slots) and 10 KB (16 x 320: 7 a tile, 14 a stage, at most 20 k-blocks, 21
+        # stage, 24 k-blocks each, 17 slots) and 10 KB (16 x 320: 7 a tile, 14 a stage, at most 20 k-blocks, 21
         # slots; pipelined once a page's columns need only be a multiple of 64)
         dict(best, page_bytes=12288),
         dict(best, page_bytes=12288, depth=3),
