@@ -1031,6 +1031,7 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
     alone = dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_stream=True)  # the consumers alone
     # the best with its sums pipelined, in 8 KB pages
     small = dict(pipe=True, ll=True, mma=True, mma_packed=True, mma_pipelined=True, page_bytes=8192)
+    stream = dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_compute=True)  # the stream alone
     # the best so far (session 68): packed, pipelined and folded, 2 pages in flight
     best = dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, mma_pipelined=True, mma_fold=True)
     configs = configs or [
@@ -1104,10 +1105,8 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         dict(best, store_first=True, trace=True),
         # the stream alone at the best's cap of copies in flight (call e: 7.97 us a layer uncapped against a floor of
         # 7.09, the best chain 8.71): whether two 16 KB pages a block in flight hold the stream back
-        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_compute=True, depth=2),
-        dict(
-            pipe=True, mma=True, mma_packed=True, no_barrier=True, no_compute=True, depth=3, page_bytes=12288
-        ),
+        dict(stream, depth=2),
+        dict(stream, depth=3, page_bytes=12288),
         # the consumers' polls of the input from L2 put to sleep 128 ns between tries (call a: 10.9 against 10.4)
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=2, poll_sleep=True),
         dict(pipe=True, ll=True, mma=True, mma_packed=True, depth=3),
@@ -1117,7 +1116,7 @@ def _cuda_chain(weights: list, x: torch.Tensor, layers: int, configs=None) -> li
         dict(pipe=True, ll=True, mma=True, mma_packed=True),
         dict(pipe=True, mma=True, mma_packed=True, no_barrier=True),
         dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_input=True, depth=2),
-        dict(pipe=True, mma=True, mma_packed=True, no_barrier=True, no_compute=True),  # the stream alone
+        stream,
         dict(pipe=True, ll=True, mma=True, mma_lanes=True),
         dict(pipe=True, mma=True, mma_lanes=True, no_barrier=True, no_compute=True),
         dict(pipe=True, ll=True, mma=True),

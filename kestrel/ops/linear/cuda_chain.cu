@@ -746,7 +746,7 @@ __device__ void mma_consume(const StageRows& st, const StagePages& sp, const Mma
   for (; !walk.done(); walk.next()) {
     const int page = walk.page, p = walk.p, slot = walk.slot, use = walk.use, r0 = walk.r0, c = walk.c;
     const int k0 = c * pg.kc;
-    const bool whole = r0 + 16 <= st.rows;
+    const bool whole = r0 < sp.whole_rows;
     const Tile tile = whole ? Tile{16, 1, 16, st.K} : sp.short_tile;
     const int real = tile.real, f = tile.f, rows = tile.rows, K = tile.K;  // (virtual) rows and columns: kMmaFold
     mbar_wait(full_base + 8 * slot, static_cast<unsigned>(use) & 1u, spin);
