@@ -237,7 +237,9 @@ def test_attnres_bank_trains_like_autograd_through_the_stacked_sources(device, f
     for t in leaves:
         t.grad = None
     ref = _bank_chain(stacked, x0, weights, mixers, 2)
-    torch.testing.assert_close(out, ref)
+    # fp32, but the compiled mix sums in its own order: on an H100 (session 70) one element of 768 came 1.1e-5
+    # (3.8e-5 relative) from the stacked form's, past assert_close's fp32 default of 1e-5 + 1.3e-6 relative
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     (ref * ref.detach()).sum().backward()
     for t, grad in zip(leaves, got):
         if not t.requires_grad:

@@ -4,6 +4,7 @@ reference path computes, in dense and in sparse (DSA) mode; the indexer's KL los
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -214,7 +215,8 @@ def test_training_step_queues_without_a_host_sync(tmp_path, accum):
 
     from kestrel.config import TrainConfig
     from kestrel.presets import shipped_model_dir
-    from kestrel.train.trainer import Trainer
+    from kestrel.train.data import PackedBatches
+    from kestrel.train.trainer import Trainer, mixture_config
 
     # the demo's shapes: fla's kernels are autotuned for them by the committed archive
     # (scripts/triton-autotune-h200.tgz), where the tiny preset's would take minutes on a fresh machine
@@ -230,6 +232,15 @@ def test_training_step_queues_without_a_host_sync(tmp_path, accum):
         device="cuda",
     )
     trainer = Trainer(cfg)
+    # the batches from the retrieval family alone, the project's own generator: the arithmetic families draw
+    # from reasoning_gym, whose wheels (.whl-train) do not fit a device call's carry beside .whl and the tree
+    trainer.data = PackedBatches(
+        trainer.tokenizer,
+        cfg.batch_rows,
+        cfg.row_len,
+        replace(mixture_config(cfg), weights={"retrieval": 1.0}),
+        seed=cfg.seed,
+    )
     # pinned, as the loop's batches are; with accum 1 a batch alone, as launch_step took it before --grad-accum
     steps = [[next(trainer.data).pin_memory() for _ in range(accum)] for _ in range(3)]
     steps = [step[0] if accum == 1 else step for step in steps]
