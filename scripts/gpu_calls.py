@@ -46,7 +46,9 @@ docstring has the commands; the reports tarred under $OUT). Session 68 (H100) di
 beside it (d), then at a5f2ec3 with 6d5372b beside it (e; .session/d68, `--label prev`). Session 69's
 twenty-three asks (05:33-07:18 UTC) started one machine, taken back before the call finished, and no other: its
 call f, `--commit <C> l2 tests:tests/ops/test_cuda_chain.py` with a5f2ec3's `l2` beside it (.session/prev, `--label
-prev`), waits for the next session (about 120 s of work with the Nsight Compute run on `best_pipe`). Next, when an
+prev`), ran in session 70 (H100, f; 62 s with the Nsight Compute run on `best_pipe`; a5f2ec3's `l2` in a second
+call on the machine f left warm: `--budget 110` had skipped it, its estimate being 120 s), then `served tests` (g,
+cut at 486 s in the Engine-building files) and `tests:<g's 3 failures and those files>` (h, 338 s). Next, when an
 H200 comes for a whole session's budget: the three calls above at one commit (the H200's step figures are session
 52's; every H100 figure since is not comparable with them).
 The tests take what the call has left: where they are cut, the next call runs the parts not reached

@@ -145,6 +145,13 @@ first page, now made before the input's gather (PageWalk steps itself; the CPU t
 with 6d5372b's kernel beside it: 13 instructions there, and the chain **8.71 us a layer against the 48 launches'
 9.48** (x1.09; 81% of the copy rate, floor 7.09), 6d5372b's 10.46: the first chain faster than the launches.
 
+Session 70 (H100, bench/results/2026-12-07-h100-session70.json, call f): 8.70 against a5f2ec3's 8.71 on one
+machine (launches 9.47). Session 69's variants: 12 KB and 10 KB pages slower (9.28-10.28; their consumers alone
+8.77 against 16 KB's 8.11: the per-page waits and stores, not a warp's chain of k-blocks), `store_first` level
+(8.73). The stream alone takes 7.95 uncapped and 8.82 at the best's cap of 2 copies in flight: the best chain runs
+at its capped stream's time, so what holds it now is the cap that keeps the stage's input read from queuing
+behind the copies (uncapped, the chain takes 12.64).
+
 `CudaGemvChain(weights)` takes GemvChain's layout (stage s reads the first K_s outputs of stage s - 1), at one
 row, in bf16, K_s a multiple of 8 up to 2048; `depth` is how many stages past the current one a block may have
 in flight (the ring of shared memory permitting: 0 copies each stage's rows only when it starts); with mma, how
