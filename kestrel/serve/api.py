@@ -139,9 +139,7 @@ def build_app(
         server.check_model(req.model)
         params = req.to_sampling_params()
         prompts = await server.encode_off_loop(req.prompts(), "prompt")
-        prefixes = None
-        if req.echo:
-            prefixes = [p if isinstance(p, str) else server.tokenizer.decode(p) for p in req.prompts()]
+        prefixes = await server.decode_off_loop(req.prompts()) if req.echo else None
         job = Job(server, prompts, params, prefixes)
         if req.stream:
             return sse(completion_stream(server, job, req))
@@ -184,7 +182,8 @@ def build_app(
             raise bad_request(
                 f"token id {bad} is outside the model's vocabulary [0, {vocab})", param="tokens"
             )
-        return {"prompt": server.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        (text,) = await server.decode_off_loop([req.tokens], skip_special_tokens=False)
+        return {"prompt": text}
 
     @app.post("/generate", dependencies=auth)
     async def generate(request: Request):
