@@ -262,6 +262,7 @@ def test_hf_tokenizer_lets_other_threads_run_while_it_works():
     tok = HFTokenizer(str(shipped_model_dir()))
     text = "word " * 400_000
     ids = tok.encode(text)
+
     def wakeups_during(work) -> int:
         ticks, done = [0], threading.Event()
 
