@@ -287,6 +287,7 @@ class Engine:
             if self.checkpoints is not None:
                 self.checkpoints.before_step(batch)
             logits = self.runner.forward(batch)
+            self.sampler.record_prompt_logprobs(self.runner.prompt_logits)
             ahead = self.overlap and not batch.prefill
             if not ahead:
                 tokens, logprobs = self.sampler(logits, batch.sampled, argmax=self.runner.argmax)
@@ -409,6 +410,7 @@ class Engine:
         self._detok.pop(req.request_id, None)
 
     def _output(self, req: Request, new_ids: list[int], new_lp) -> StepOutput:
+        first = req.params.prompt_logprobs is not None and len(req.output_ids) == 1 and bool(new_ids)
         return StepOutput(
             req.request_id,
             new_ids,
@@ -418,6 +420,7 @@ class Engine:
             req.stop_reason,
             len(req.prompt_ids),
             len(req.output_ids),
+            (list(req.prompt_logprobs) or [None]) if first else None,  # (a one-token prompt: no position)
         )
 
     def _finish_outputs(self, outputs: list[StepOutput]) -> list[StepOutput]:

@@ -80,8 +80,10 @@ class LLM:
                     continue
                 tokens[out.request_id] += out.new_token_ids
                 logprobs[out.request_id] += out.new_logprobs or []
+                i, j, p = children[out.request_id]
+                if out.prompt_logprobs is not None:  # (each of the prompt's n samples computes the same)
+                    results[i].prompt_logprobs = out.prompt_logprobs
                 if out.finished:
-                    i, j, p = children[out.request_id]
                     results[i].outputs[j] = self._completion(
                         j, tokens[out.request_id], logprobs[out.request_id], out, p
                     )

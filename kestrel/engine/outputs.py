@@ -26,6 +26,8 @@ class StepOutput:
     stop_reason: str | int | None
     num_prompt_tokens: int
     num_output_tokens: int
+    # with prompt_logprobs, on the output of the request's first token: each prompt token's (None first)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def stopped_by_token(self) -> bool:
@@ -50,3 +52,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with prompt_logprobs (vLLM's: None first)

@@ -27,6 +27,8 @@ class Request:
 
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # with params.prompt_logprobs: each prompt token's given the ones before it, as far as computed (None first)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     status: Status = Status.WAITING
     slot: int | None = None  # KDA state slot
     pages: list[int] = field(default_factory=list)  # KV pages, in position order
@@ -49,6 +51,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asks for prompt logprobs not all computed yet: its prompt runs whole, none of it from the cache."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def all_ids(self) -> list[int]:

@@ -83,6 +83,8 @@ class ModelRunner:
         self.widths: tuple[int, ...] = (self.max_pages,)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (width in pages, batch size) -> graph
         self.argmax: torch.Tensor | None = None  # the last forward's, from its decode graph (see forward)
+        # the last forward's prefill chunks that want their prompt's logprobs, each with its positions' logits
+        self.prompt_logits: list[tuple[PrefillChunk, torch.Tensor]] = []
         self.graph_sizes = tuple(sorted(s for s in graph_batch_sizes if s <= max_batch))
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda" and bool(self.graph_sizes)
         self.graph_bytes = 0  # torch's reserved memory the last capture added (capture_graphs)
@@ -93,9 +95,11 @@ class ModelRunner:
         [len(batch.decode)], on the device: the decode requests' input tokens, where the host's lists do not have
         them yet.
         `self.argmax` is then their rows' argmax where a decode graph computed it (a decode-only step
-        replayed), else None; both are the graph's buffers, valid until the next forward."""
+        replayed), else None; both are the graph's buffers, valid until the next forward. `self.prompt_logits`:
+        the logits [end - start, V] of every position of each chunk whose request asks for prompt logprobs
+        (`PrefillChunk.prompt_logprobs`)."""
         rows = []
-        self.argmax = None
+        self.argmax, self.prompt_logits = None, []
         if batch.decode:
             logits, best = self._decode(batch.decode, decode_ids)
             rows.append(logits)
@@ -134,8 +138,25 @@ class ModelRunner:
             view.saves = KDASaves(self.checkpoint_pool, [0, *itertools.accumulate(new_lens)], saves, dev)
         ends = torch.tensor(new_lens).cumsum(0) - 1
         keep = torch.tensor([c.samples for c in chunks])
+        wanted = [i for i, c in enumerate(chunks) if c.prompt_logprobs]
+        if not wanted:
+            with forward_context(ctx):
+                return self.model(torch.tensor(ids, device=dev), logits_indices=ends[keep].to(dev))
+        # every position of the chunks that want prompt logprobs, the last of the others that sample
+        index, sampled, spans = [], [], {}
+        for i, c in enumerate(chunks):
+            first = int(ends[i]) - new_lens[i] + 1
+            if i in wanted:
+                spans[i] = len(index)
+                index.extend(range(first, first + new_lens[i]))
+            elif c.samples:
+                index.append(int(ends[i]))
+            if c.samples:
+                sampled.append(len(index) - 1)
         with forward_context(ctx):
-            return self.model(torch.tensor(ids, device=dev), logits_indices=ends[keep].to(dev))
+            logits = self.model(torch.tensor(ids, device=dev), logits_indices=torch.tensor(index, device=dev))
+        self.prompt_logits = [(chunks[i], logits[spans[i] : spans[i] + new_lens[i]]) for i in wanted]
+        return logits[torch.tensor(sampled, dtype=torch.long, device=dev)]
 
     # -- decode -----------------------------------------------------------------------------------------
     def _decode_inputs(self, reqs: list[Request], width: int, size: int):

@@ -15,6 +15,7 @@ import torch
 
 from kestrel.engine.outputs import TokenLogprob
 from kestrel.engine.request import Request
+from kestrel.engine.scheduler import PrefillChunk
 from kestrel.ops.sampling import argmax as rows_argmax
 from kestrel.ops.sampling import token_logprobs
 from kestrel.ops.sampling.naive import apply_penalties, apply_penalties_at, greedy, process_logits, sample
@@ -165,6 +166,37 @@ class Sampler:
         idx = to_device_async(torch.tensor(rows), raw.device) if len(rows) < len(reqs) else None
         k = max(reqs[i].params.logprobs for i in rows)
         return rows, *token_logprobs(raw, tokens, k, idx)
+
+    @classmethod
+    def record_prompt_logprobs(cls, chunks: list[tuple[PrefillChunk, torch.Tensor]]) -> None:
+        """The prompt logprobs of a step's chunks that ask for them (`ModelRunner.prompt_logits`: each chunk with
+        its positions' logits): position p's give prompt token p + 1's, appended to `Request.prompt_logprobs`
+        after the None of the first token. Positions already recorded (a request preempted and computed again)
+        are skipped."""
+        for chunk, logits in chunks:
+            req = chunk.request
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)
+            first, last = len(req.prompt_logprobs) - 1, min(chunk.end, len(req.prompt_ids) - 1)
+            if first < last:
+                rows = logits[first - chunk.start : last - chunk.start]
+                targets = req.prompt_ids[first + 1 : last + 1]
+                req.prompt_logprobs += cls.prompt_logprobs(rows, targets, req.params.prompt_logprobs)
+
+    @staticmethod
+    def prompt_logprobs(
+        logits: torch.Tensor, targets: list[int], k: int, rows: int = 1024
+    ) -> list[TokenLogprob]:
+        """Each row's target token's logprob and the top k (of the model's distribution, as `logprob_rows`), for
+        the logits [n, V] of n prompt positions and the prompt tokens after them; `rows` at a time, so that a long
+        chunk's fp32 log-softmax stays small."""
+        out = []
+        for a in range(0, len(targets), rows):
+            ids = targets[a : a + rows]
+            found = token_logprobs(logits[a : a + rows], to_device_async(torch.tensor(ids), logits.device), k)
+            chosen, top_v, top_i = (t.tolist() for t in found)
+            out += [TokenLogprob(t, c, list(zip(i, v))) for t, c, i, v in zip(ids, chosen, top_i, top_v)]
+        return out
 
     @staticmethod
     def logprobs(found: tuple | None, tokens: list[int], reqs: list[Request]) -> list[TokenLogprob | None]:

@@ -14,8 +14,9 @@ INT32_MAX = 2**31 - 1  # top_k and token ids go to the device as int32/int64 bes
 
 
 _NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-_INTEGERS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed")
-_OPTIONAL = ("max_tokens", "logprobs", "seed")  # None: no limit, no logprobs, a random seed
+_INTEGERS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed")
+# None: no limit, no logprobs, no prompt logprobs, a random seed
+_OPTIONAL = ("max_tokens", "logprobs", "prompt_logprobs", "seed")
 
 
 @dataclass
@@ -38,6 +39,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     seed: int | None = None  # None = a random seed drawn at admission
     logprobs: int | None = None  # None = off; k >= 0: the sampled token's logprob and the top k alternatives
+    # None = off; k >= 0: each prompt token's logprob given the tokens before it, and the top k alternatives
+    # (vLLM's; the prompt is then computed whole, with no prefix-cache hit)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self):
@@ -94,6 +98,10 @@ class SamplingParams:
             (
                 self.logprobs is None or 0 <= self.logprobs <= 20,
                 "logprobs must be in [0, 20]",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs must be in [0, 20]",
             ),
             (
                 self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,

@@ -46,6 +46,12 @@ class PrefillChunk:
         """The chunk finishes the request's prefill, so the step samples its next token."""
         return self.end == self.request.num_tokens
 
+    @property
+    def prompt_logprobs(self) -> bool:
+        """The step computes the logits of every position of the chunk: its request asks for its prompt's
+        logprobs, and the chunk has positions whose next token is a prompt token."""
+        return self.request.needs_prompt_logprobs and self.start < len(self.request.prompt_ids) - 1
+
 
 @dataclass
 class Batch:
@@ -183,7 +189,7 @@ class Scheduler:
         if full and not tiers:  # (with lower tiers, a load may start before a slot frees)
             return BLOCKED
         reuse, node, branch, shared = 0, None, 0, []
-        if self.cache is not None:
+        if self.cache is not None and not req.needs_prompt_logprobs:  # (its prompt's every logit is needed)
             match = self.cache.match(req.all_ids)
             if match.in_flight:
                 return LOADING
@@ -204,6 +210,8 @@ class Scheduler:
             reuse, node, branch = match.resume_len, match.resume_node, match.kv_len
             shared = match.pages(reuse)
             self.cache.lock(node)
+        elif full:
+            return BLOCKED
         need = self.kv_pool.pages_for(req.num_tokens) - len(shared)
         if self.kv_pool.num_free_pages < need and self.cache is not None:
             self.cache.evict_pages(need - self.kv_pool.num_free_pages)

@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kestrel.engine.async_engine import AsyncEngine, EngineDead
-from kestrel.serve.choice import chat_logprobs, completion_logprobs
+from kestrel.serve.choice import chat_logprobs, choice_logprobs
 from kestrel.serve.errors import APIError, bad_request, error_body
 from kestrel.serve.jobs import MAX_REQUEST_MB, Job, Server
 from kestrel.serve.metrics import CONTENT_TYPE, CountResponses
@@ -140,7 +140,7 @@ def build_app(
         params = req.to_sampling_params()
         prompts = await server.encode_off_loop(req.prompts(), "prompt")
         prefixes = await server.decode_off_loop(req.prompts()) if req.echo else None
-        job = Job(server, prompts, params, prefixes)
+        job = Job(server, prompts, params, prefixes, echo_only=req.echo_only)
         if req.stream:
             return sse(completion_stream(server, job, req))
         if not await _finish_unless_disconnected(request, job):
@@ -151,7 +151,7 @@ def build_app(
                 "text": c.text,
                 "logprobs": None
                 if req.logprobs is None
-                else completion_logprobs(server.tokenizer, c.logprobs, c.text_offsets),
+                else choice_logprobs(server.tokenizer, c, bool(req.echo)),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }

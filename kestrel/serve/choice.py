@@ -24,7 +24,18 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
 class ChoiceState:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams, prefix: str = ""):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prefix: str = "",
+        echo_only: bool = False,
+    ):
+        """`prefix`: the echoed prompt's text, which the choice's text starts with; `echo_only`: that text alone
+        (max_tokens 0 with echo), the engine's one token not shown."""
+        self.prompt_ids, self.echo_only = prompt_ids, echo_only
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # with prompt_logprobs, once computed
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self.matcher = (
             StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
@@ -45,6 +56,12 @@ class ChoiceState:
     def update(self, out: StepOutput) -> str:
         """Take one output; returns the text it adds."""
         if self.finished:  # ended here first; the engine's last words for it are not shown
+            return ""
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if self.echo_only:  # the prompt alone, as vLLM's: its length reached
+            if out.finished:
+                self.finished, self.finish_reason = True, "length"
             return ""
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_logprobs or []
@@ -103,6 +120,33 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
 
 def _lp(value: float) -> float:
     return max(float(value), _MIN_LOGPROB)
+
+
+def echo_logprobs(tokenizer: Tokenizer, choice: ChoiceState, skip_special_tokens: bool = True) -> dict:
+    """The echoed prompt's part of a completions choice's `logprobs` (the completion's joins it with
+    `join_logprobs`): each prompt token's logprob given the ones before it and the top k, the first token's null
+    (as OpenAI's and vLLM's), offsets into the prompt's text as the detokenizer makes it."""
+    ids, lps = choice.prompt_ids, choice.prompt_logprobs or [None]
+    detok, offsets, decoded = IncrementalDetokenizer(tokenizer, [], skip_special_tokens), [], 0
+    for token in ids:
+        held = detok.held()
+        text = detok.add([token])
+        offsets.append(decoded + _token_start(held, text or detok.held()))
+        decoded += len(text)
+    rest = completion_logprobs(tokenizer, lps[1:], offsets[1:])
+    first = {"tokens": [token_text(tokenizer, ids[0])], "token_logprobs": [None], "top_logprobs": [None]}
+    return join_logprobs({**first, "text_offset": offsets[:1]}, rest)
+
+
+def choice_logprobs(tokenizer: Tokenizer, choice: ChoiceState, echo: bool) -> dict:
+    """A whole completions choice's `logprobs`: the echoed prompt's first where it was echoed."""
+    own = completion_logprobs(tokenizer, choice.logprobs, choice.text_offsets)
+    return join_logprobs(echo_logprobs(tokenizer, choice), own) if echo else own
+
+
+def join_logprobs(first: dict, then: dict) -> dict:
+    """Two completions `logprobs` objects as one: the echoed prompt's, then the completion's."""
+    return {key: first[key] + then[key] for key in first}
 
 
 def chat_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob]) -> list[dict]:

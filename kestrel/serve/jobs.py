@@ -34,8 +34,10 @@ class Job:
         params: SamplingParams,
         prefixes: list[str] | None = None,
         field_names: dict[str, str] | None = None,
+        echo_only: bool = False,
     ):
-        """`field_names`: the request's names for the engine's `prompt`, `max_tokens` and `n`, for error bodies."""
+        """`field_names`: the request's names for the engine's `prompt`, `max_tokens` and `n`, for error bodies;
+        `prefixes` and `echo_only` as ChoiceState's."""
         children = params.children()
         self.server, self.prompts = server, prompts
         self.id = uuid.uuid4().hex
@@ -43,7 +45,7 @@ class Job:
         self.group: RequestGroup = server.submit(items, self.id, field_names or {})
         prefixes = prefixes or [""] * len(prompts)
         self.choices = [
-            ChoiceState(server.tokenizer, prompt, child, prefix)
+            ChoiceState(server.tokenizer, prompt, child, prefix, echo_only)
             for prompt, prefix in zip(prompts, prefixes)
             for child in children
         ]

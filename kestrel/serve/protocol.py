@@ -73,7 +73,7 @@ class _SamplingFields(_Strict):
     metadata: Any = None
     store: Any = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, **extra) -> SamplingParams:
         given = {
             "n": self.n,
             "temperature": self.temperature,
@@ -91,7 +91,7 @@ class _SamplingFields(_Strict):
             "seed": self.seed,
             "skip_special_tokens": self.skip_special_tokens,
         }
-        kwargs = {k: v for k, v in given.items() if v is not None}
+        kwargs = {k: v for k, v in {**given, **extra}.items() if v is not None}
         return make_sampling_params(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
 
     def check_common(self) -> None:
@@ -178,6 +178,10 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
 
 
 class CompletionRequest(_SamplingFields):
+    """`echo` with `logprobs` returns the prompt's logprobs before the completion's (the engine's
+    prompt_logprobs; the first prompt token's are null), and `max_tokens` 0 with `echo` the prompt alone, as vLLM
+    (what lm-evaluation-harness's loglikelihood requests send)."""
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # null: 16 as well
     logprobs: int | None = None
@@ -192,16 +196,17 @@ class CompletionRequest(_SamplingFields):
             raise bad_request(
                 "best_of other than n is not supported", param="best_of", code="unsupported_value"
             )
-        if self.echo and self.logprobs is not None:
-            raise bad_request(
-                "echo with logprobs is not supported (prompt logprobs are not computed)",
-                param="echo",
-                code="unsupported_value",
-            )
+
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt alone (the engine makes one token, which is not shown)."""
+        return bool(self.echo) and self.max_tokens == 0
 
     def to_sampling_params(self) -> SamplingParams:
+        max_tokens = 1 if self.echo_only else 16 if self.max_tokens is None else self.max_tokens
+        prompt_logprobs = self.logprobs if self.echo else None
         try:
-            return self.sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+            return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs)
         except _FieldError as e:
             raise e.as_request_error({}) from None
 

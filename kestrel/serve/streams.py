@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from kestrel.engine.async_engine import EngineDead
-from kestrel.serve.choice import ChoiceState, chat_logprobs, completion_logprobs
+from kestrel.serve.choice import ChoiceState, chat_logprobs, completion_logprobs, echo_logprobs
 from kestrel.serve.errors import error_body
 from kestrel.serve.jobs import Job, Server
 from kestrel.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -108,12 +108,18 @@ async def completion_stream(server: Server, job: Job, req: CompletionRequest) ->
         return _event({**head, "choices": [body], **_chunk_usage(job, req)})
 
     async def events():
-        for i, choice in enumerate(job.choices):
-            if choice.text:  # echo
-                yield chunk(i, choice.text, None)
+        # the echoed prompts first; with logprobs, each once the engine has computed its logprobs (its first output)
+        echoes = {i: choice.text for i, choice in enumerate(job.choices)} if req.echo else {}
+        if req.logprobs is None:
+            for i, text in echoes.items():
+                if text:
+                    yield chunk(i, text, None)
+            echoes = {}
         async for index, piece, out, choice in job.events():
+            if index in echoes:
+                yield chunk(index, echoes.pop(index), echo_logprobs(server.tokenizer, choice))
             logprobs = None
-            if req.logprobs is not None and out.new_logprobs:
+            if req.logprobs is not None and out.new_logprobs and not choice.echo_only:
                 n = len(out.new_logprobs)
                 logprobs = completion_logprobs(server.tokenizer, out.new_logprobs, choice.text_offsets[-n:])
             if not (piece or logprobs or choice.finished):

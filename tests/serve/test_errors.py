@@ -144,7 +144,7 @@ COMPLETION_CASES = {
     "too long prompt": ({"prompt": "y" * 5000}, "prompt"),
     "suffix": ({"prompt": "a", "suffix": "b"}, "suffix"),
     "best_of": ({"prompt": "a", "best_of": 3}, "best_of"),
-    "echo with logprobs": ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+    "max_tokens 0 without echo": ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
     "logprobs too many": ({"prompt": "a", "logprobs": 50}, "logprobs"),
     "negative seed type": ({"prompt": "a", "seed": "1"}, "seed"),
 }

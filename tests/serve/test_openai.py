@@ -245,6 +245,47 @@ def test_echo_puts_the_prompt_first(client):
     assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
 
 
+def test_echo_with_logprobs_gives_the_prompts_logprobs(client, server):
+    """As vLLM (and lm-evaluation-harness's loglikelihood requests): the prompt's tokens with their logprobs given
+    the tokens before them (the first's null), then the completion's; max_tokens 0 gives the prompt's alone. The
+    values are the model's own full forward's, though the prompt is in the prefix cache by then."""
+    import torch
+
+    prompt, k = "echo this, then more", 2
+    ids = server.engine.tokenizer.encode(prompt)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=k, **GREEDY)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=k, echo=True, **GREEDY)
+    lp, own = r.choices[0].logprobs, plain.choices[0].logprobs
+    assert r.choices[0].text == prompt + plain.choices[0].text
+    assert lp.tokens[len(ids) :] == own.tokens and lp.top_logprobs[len(ids) :] == own.top_logprobs
+    assert lp.text_offset[len(ids) :] == [len(prompt) + o for o in own.text_offset]
+    assert lp.text_offset[: len(ids)] == sorted(lp.text_offset[: len(ids)]) and lp.text_offset[0] == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    with torch.no_grad():
+        ref = torch.log_softmax(server.engine.model(torch.tensor(ids)).float(), -1)
+    for p in range(1, len(ids)):
+        assert abs(lp.token_logprobs[p] - ref[p - 1, ids[p]].item()) < 1e-3
+        assert 1 <= len(lp.top_logprobs[p]) <= k + 1  # the prompt's token and the top k
+    only = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, logprobs=k, echo=True, **GREEDY)
+    assert (
+        only.choices[0].text == server.engine.tokenizer.decode(ids)
+        and only.choices[0].finish_reason == "length"
+    )
+    assert only.usage.completion_tokens == 0 and only.choices[0].logprobs.tokens == lp.tokens[: len(ids)]
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(ids)]
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=3, logprobs=k, echo=True, stream=True, **GREEDY)
+    chunks = list(client.completions.create(**kw))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lp.tokens
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    chunks = list(client.completions.create(**{**kw, "prompt": ids, "max_tokens": 0}))
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lp.tokens[
+        : len(ids)
+    ]
+    assert "".join(c.choices[0].text for c in chunks) == only.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_models(client):
     (card,) = client.models.list().data
     assert card.id == MODEL and card.object == "model"
