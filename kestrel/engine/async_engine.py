@@ -118,11 +118,14 @@ class AsyncEngine:
             raise RequestError("no prompts to complete", param="prompt")
         for prompt_ids, params in requests:
             self.engine.validate_request(prompt_ids, params)
-        if len(requests) > self.max_queued:
+        most = self.engine.config.max_running_requests + self.max_queued  # an idle engine's slots and queue
+        if len(requests) > most:
+            # the culprit: n where it is one prompt's samples (its n requests share the prompt's list), else prompt
+            prompts = len({id(prompt_ids) for prompt_ids, _ in requests})
             raise RequestError(
-                f"this request needs {len(requests)} sequences (prompts x n), more than the server queues at "
-                f"once ({self.max_queued})",
-                param="n",
+                f"this request needs {len(requests)} sequences (prompts x n), more than the server runs and queues "
+                f"at once ({self.engine.config.max_running_requests} + {self.max_queued})",
+                param="n" if prompts == 1 else "prompt",
             )
         ids = [request_id] if len(requests) == 1 else [f"{request_id}-{i}" for i in range(len(requests))]
         with self._cond:

@@ -119,6 +119,18 @@ def test_overload_is_refused_before_queueing(model):
             assert [o async for _, o in group][-1].finish_reason == "length"
         third = ae.submit([([7, 8, 9], GREEDY)])  # room again
         assert [o async for _, o in third][-1].finish_reason == "length"
+        # a group as large as the slots and the queue together is taken (one slot and one place here): the
+        # limit had been the queue's alone, refusing groups that an idle engine runs; one larger is a 400
+        # naming n (one prompt's samples share its list) or prompt
+        pair = ae.submit([([1, 2], GREEDY)] * 2)
+        assert [o.finish_reason async for _, o in pair if o.finished] == ["length"] * 2
+        prompt = [1, 2]
+        with pytest.raises(RequestError, match=r"needs 3 sequences .* \(1 \+ 1\)") as e:
+            ae.submit([(prompt, GREEDY)] * 3)
+        assert e.value.param == "n"
+        with pytest.raises(RequestError) as e:
+            ae.submit([([1], GREEDY), ([2], GREEDY), ([3], GREEDY)])
+        assert e.value.param == "prompt"
 
     with running(engine, max_queued=1) as ae:
         asyncio.run(main(ae))
