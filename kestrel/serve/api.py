@@ -7,7 +7,8 @@ Endpoints
   `stream_options.continuous_usage_stats`).
 - POST /generate: native, SGLang-style (`text` or `input_ids`, a `sampling_params` dict with
   `max_new_tokens`); a stream sends each choice's whole text so far in every event (SGLang's default).
-- GET /v1/models, GET /health (503 once the engine thread has failed), GET /get_server_info (engine config,
+- GET /v1/models, GET /health (503 once the engine thread has failed; /ping the same, GET or POST, as vLLM's),
+  GET /version, GET /get_server_info (engine config,
   memory plan, pool and prefix-cache stats), GET /metrics (Prometheus text); each answers HEAD too.
 - POST /tokenize (`prompt`, or chat `messages` with `add_generation_prompt`): the token ids the completion
   routes would feed the model, their count and the context limit; POST /detokenize (`tokens`): their text.
@@ -17,8 +18,8 @@ Endpoints
 
 With `allowed_origins` (`serve --allowed-origins`), web pages from those origins may call the API from a browser
 (CORS, preflights answered; vLLM allows every origin by default, Kestrel none unless asked). With an API key,
-every endpoint but /health and /metrics needs `Authorization: Bearer <key>` (401 otherwise):
-load balancers and Prometheus scrape those two without credentials, and neither reveals request data.
+every endpoint but /health, /ping and /metrics needs `Authorization: Bearer <key>` (401 otherwise):
+load balancers and Prometheus scrape those without credentials, and none reveals request data.
 Error statuses are described in `kestrel.serve.errors`. Detokenization and stop-string truncation run here,
 on the event loop, so the engine thread only steps the model. A client that disconnects (mid-stream, or while
 waiting for a non-streamed answer) has its requests aborted, which frees their KV pages and state slots.
@@ -227,6 +228,13 @@ def build_app(
             )
             return JSONResponse(body, status_code=503)
         return {"status": "ok"}
+
+    get("/ping")(health)  # vLLM's (SageMaker's probe), GET and POST
+    app.post("/ping", include_in_schema=False)(health)
+
+    @get("/version", dependencies=auth)
+    async def version():  # vLLM's
+        return {"version": KESTREL_VERSION}
 
     @get("/get_server_info", dependencies=auth)
     async def server_info():

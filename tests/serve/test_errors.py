@@ -332,8 +332,10 @@ def test_api_key(make_server):
     good = {"Authorization": "Bearer sekret"}
     assert httpx.post(url, json=_chat(), headers=good, timeout=30).status_code == 200
     assert httpx.get(f"{s.url}/v1/models", headers=good).status_code == 200
+    assert_error(httpx.get(f"{s.url}/version"), 401)
     # open without a key: health checks and Prometheus scrapes
     assert httpx.get(f"{s.url}/health").status_code == 200
+    assert httpx.get(f"{s.url}/ping").status_code == httpx.post(f"{s.url}/ping").status_code == 200
     assert httpx.get(f"{s.url}/metrics").status_code == 200
 
 

@@ -352,6 +352,11 @@ def test_native_generate_stream(server):
 
 def test_health_and_server_info(server):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    # vLLM's probe and version routes
+    assert (
+        httpx.get(f"{server.url}/ping").json() == httpx.post(f"{server.url}/ping").json() == {"status": "ok"}
+    )
+    assert httpx.get(f"{server.url}/version").json() == {"version": server.info()["version"]}
     info = server.info()
     assert info["served_model_name"] == MODEL and info["healthy"]
     assert info["memory_plan"]["num_pages"] == info["stats"]["num_pages"]
@@ -361,7 +366,8 @@ def test_health_and_server_info(server):
 
 
 @pytest.mark.parametrize(
-    "path", ["/health", "/v1/models", f"/v1/models/{MODEL}", "/get_server_info", "/metrics"]
+    "path",
+    ["/health", "/ping", "/version", "/v1/models", f"/v1/models/{MODEL}", "/get_server_info", "/metrics"],
 )
 def test_head_answers_where_get_does(server, path):
     """Health probes and uptime monitors that send HEAD got a 405."""
