@@ -183,7 +183,7 @@ def build_app(
             raise bad_request(
                 f"token id {bad} is outside the model's vocabulary [0, {vocab})", param="tokens"
             )
-        (text,) = await server.decode_off_loop([req.tokens], skip_special_tokens=False)
+        (text,) = await server.decode_off_loop([req.tokens])
         return {"prompt": text}
 
     @app.post("/generate", dependencies=auth)

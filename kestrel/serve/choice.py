@@ -122,12 +122,13 @@ def _lp(value: float) -> float:
     return max(float(value), _MIN_LOGPROB)
 
 
-def echo_logprobs(tokenizer: Tokenizer, choice: ChoiceState, skip_special_tokens: bool = True) -> dict:
+def echo_logprobs(tokenizer: Tokenizer, choice: ChoiceState) -> dict:
     """The echoed prompt's part of a completions choice's `logprobs` (the completion's joins it with
     `join_logprobs`): each prompt token's logprob given the ones before it and the top k, the first token's null
-    (as OpenAI's and vLLM's), offsets into the prompt's text as the detokenizer makes it."""
+    (as OpenAI's and vLLM's), offsets into the prompt's text as the detokenizer makes it (special tokens' text
+    kept, as in the echoed text)."""
     ids, lps = choice.prompt_ids, choice.prompt_logprobs or [None]
-    detok, offsets, decoded = IncrementalDetokenizer(tokenizer, [], skip_special_tokens), [], 0
+    detok, offsets, decoded = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False), [], 0
     for token in ids:
         held = detok.held()
         text = detok.add([token])

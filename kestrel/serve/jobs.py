@@ -140,13 +140,12 @@ class Server:
             lambda: [self.encode(p, param) if isinstance(p, str) else p for p in prompts]
         )
 
-    async def decode_off_loop(self, prompts: list, skip_special_tokens: bool = True) -> list[str]:
-        """Each token-id prompt as text (text prompts as they are) in a worker thread, as `encode_off_loop`:
-        echoing 4.5 M ids decoded them on the event loop for 2.6 s."""
+    async def decode_off_loop(self, prompts: list) -> list[str]:
+        """Each token-id prompt as text (text prompts as they are) in a worker thread, as `encode_off_loop`
+        (echoing 4.5 M ids decoded them on the event loop for 2.6 s); special tokens' text kept, as vLLM's echo
+        and /detokenize have it."""
         return await asyncio.to_thread(
-            lambda: [
-                p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens) for p in prompts
-            ]
+            lambda: [p if isinstance(p, str) else self.tokenizer.decode(p, False) for p in prompts]
         )
 
     async def read_body(self, request: Request) -> bytes:

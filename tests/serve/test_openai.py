@@ -267,10 +267,7 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs(client, server):
         assert abs(lp.token_logprobs[p] - ref[p - 1, ids[p]].item()) < 1e-3
         assert 1 <= len(lp.top_logprobs[p]) <= k + 1  # the prompt's token and the top k
     only = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, logprobs=k, echo=True, **GREEDY)
-    assert (
-        only.choices[0].text == server.engine.tokenizer.decode(ids)
-        and only.choices[0].finish_reason == "length"
-    )
+    assert only.choices[0].text == prompt and only.choices[0].finish_reason == "length"
     assert only.usage.completion_tokens == 0 and only.choices[0].logprobs.tokens == lp.tokens[: len(ids)]
     assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(ids)]
     kw = dict(model=MODEL, prompt=prompt, max_tokens=3, logprobs=k, echo=True, stream=True, **GREEDY)
@@ -279,11 +276,16 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs(client, server):
     assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lp.tokens
     assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
     chunks = list(client.completions.create(**{**kw, "prompt": ids, "max_tokens": 0}))
-    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lp.tokens[
-        : len(ids)
-    ]
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens[: len(ids)]
     assert "".join(c.choices[0].text for c in chunks) == only.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
+    # an id prompt's special tokens echo as their text (as vLLM's), and the offsets count it
+    bos = server.engine.tokenizer.bos_token_id
+    r = client.completions.create(model=MODEL, prompt=[bos, *ids], max_tokens=0, logprobs=0, echo=True)
+    bos_text = server.engine.tokenizer.decode([bos], skip_special_tokens=False)
+    assert r.choices[0].text == bos_text + prompt
+    assert r.choices[0].logprobs.text_offset[:2] == [0, len(bos_text)]
 
 
 def test_models(client):
