@@ -577,6 +577,30 @@ def test_eval_out_is_checked_before_the_run(capsys, tmp_path):
         assert stdout == ""
 
 
+def test_eval_out_says_whether_the_run_completed(capsys, tmp_path, monkeypatch):
+    """A run cut short (Ctrl-C after a family) leaves what it measured marked `"complete": false`, where it had
+    looked like a finished result; a finished one says true."""
+    import kestrel.train.evaluate as evaluate_module
+
+    out = tmp_path / "eval.json"
+
+    def cut(cfg, on_progress):
+        on_progress({"model": cfg.model, "families": {"chain_sum": {"accuracy": 0.5}}, "retrieval": {}})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluate_module, "evaluate", cut)
+    assert run(capsys, "eval", "--model", "tiny", "--out", str(out))[0] == 130  # as a shell's Ctrl-C
+    partial = json.loads(out.read_text())
+    assert partial["complete"] is False and partial["families"] == {"chain_sum": {"accuracy": 0.5}}
+    monkeypatch.setattr(
+        evaluate_module, "evaluate", lambda cfg, on_progress: {"families": {}, "retrieval": {}}
+    )
+    monkeypatch.setattr(evaluate_module, "format_table", lambda result: "table")
+    code, stdout, _ = run(capsys, "eval", "--model", "tiny", "--out", str(out))
+    assert code == 0 and json.loads(out.read_text())["complete"] is True
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json"]  # no .part left
+
+
 def test_a_chat_template_that_refuses_is_one_line(broken, capsys):
     """Hugging Face templates raise on conversations they do not take (raise_exception): one line, no traceback."""
     config = json.loads((broken / "tokenizer_config.json").read_text())

@@ -122,12 +122,16 @@ def cmd_eval(args) -> int:
         dense_contrast=not args.no_dense_contrast,
     )
 
-    def save(result: dict) -> None:  # after each family and length: a run cut short keeps what it measured
+    def save(result: dict, complete: bool = False) -> None:
+        """After each family and length: a run cut short keeps what it measured, marked `"complete": false`; the
+        file is replaced whole (a rename), never left half-written."""
         if args.out:
-            args.out.write_text(json.dumps(result, indent=2))
+            part = args.out.with_name(args.out.name + ".part")
+            part.write_text(json.dumps({**result, "complete": complete}, indent=2))
+            part.replace(args.out)
 
     result = evaluate(cfg, on_progress=save)
-    save(result)
+    save(result, complete=True)
     print(format_table(result))
     return 0
 
