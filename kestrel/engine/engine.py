@@ -51,9 +51,10 @@ from kestrel.utils.errors import ConfigError, KestrelError
 log = logging.getLogger("kestrel.engine")
 
 
-class RequestError(KestrelError):
+class RequestError(KestrelError, ValueError):
     """A request the engine cannot take (too long, bad token ids, bad parameters): a 400 for the server,
-    which reports `param` (the request field at fault) and `code` in its error body."""
+    which reports `param` (the request field at fault) and `code` in its error body; a ValueError, as vLLM's
+    offline API raises for a bad prompt."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)

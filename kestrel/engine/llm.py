@@ -53,11 +53,16 @@ class LLM:
         params = [as_sampling_params(p) for p in params]
         results, children = [], {}
         self._calls += 1
+        limit = self.engine.plan.max_model_len
         try:  # a bad prompt or a failed step aborts this call's requests: the LLM stays usable
             for i, ((text, ids), p) in enumerate(zip(items, params)):
                 if ids is None:
                     ids = self.tokenizer.encode(text)
-                results.append(RequestOutput(str(i), text, ids, [None] * p.n))
+                if p.max_tokens is not None and len(ids) < limit < len(ids) + p.max_tokens:
+                    # as vLLM's offline API: the output stops at the context limit ("length"), where one long
+                    # prompt had failed the whole call (the server's requests get a 400, as vLLM's server does)
+                    p = dataclasses.replace(p, max_tokens=limit - len(ids))
+                results.append(RequestOutput(f"{self._calls}-{i}", text, ids, [None] * p.n))
                 for j, child in enumerate(p.children()):
                     # ids of this call: an aborted request leaves the engine at its next step
                     rid = self.engine.add_request(ids, child, f"{self._calls}-{i}-{j}")

@@ -181,3 +181,20 @@ def test_a_max_model_len_past_the_models_limit_is_refused_before_the_weights_loa
         ConfigError, match=f"max_model_len {4 * limit} .* limit of {limit} tokens: give at most"
     ):
         LLM("tiny", device="cpu", max_model_len=4 * limit)
+
+
+def test_the_offline_api_stops_at_the_context_limit_as_vllms(llm):
+    """One prompt whose max_tokens pass the context limit ends there ("length"), where it failed the whole call;
+    a prompt past the limit itself is a ValueError (as vLLM's); `from kestrel import LLM, SamplingParams` works,
+    and request ids differ from one call to the next."""
+    import kestrel
+
+    assert kestrel.LLM is LLM and kestrel.SamplingParams is SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    a, b = llm.generate([list(range(3, 123)), [5, 6]], params, use_tqdm=False)  # 120 of the 128
+    assert (len(a.outputs[0].token_ids), a.outputs[0].finish_reason) == (8, "length")
+    assert len(b.outputs[0].token_ids) == 50
+    (c,) = llm.generate([[5, 6]], GREEDY, use_tqdm=False)
+    assert len({a.request_id, b.request_id, c.request_id}) == 3
+    with pytest.raises(ValueError, match="context limit"):
+        llm.generate([list(range(3, 131))], GREEDY, use_tqdm=False)
