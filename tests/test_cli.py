@@ -143,6 +143,11 @@ def test_init_random_keeps_a_checkpoint_unless_told(tmp_path, capsys):
     args = ["init-random", "--preset", "tiny", "--out", str(tmp_path), "--seed", "1", "--overwrite"]
     assert run(capsys, *args)[0] == 0
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} != before
+    mine = tmp_path / "mine"  # a folder holding only the user's tokenizer
+    mine.mkdir()
+    (mine / "tokenizer.json").write_text("{}")
+    code, _, err = run(capsys, "init-random", "--preset", "tiny", "--out", str(mine))
+    assert code != 0 and "tokenizer.json" in err and (mine / "tokenizer.json").read_text() == "{}"
 
 
 def test_init_random_conditioned(tmp_path, capsys):

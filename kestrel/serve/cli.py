@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         type=arg_types.api_key,
         default=None,
-        help="require Authorization: Bearer KEY (not on /health, /metrics)",
+        help="require Authorization: Bearer KEY (not on /health, /ping, /metrics)",
     )
     s.add_argument(
         "--allowed-origins",

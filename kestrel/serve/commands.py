@@ -154,11 +154,14 @@ def cmd_init_random(args) -> int:
         config = config.replace(experts_mxfp4=True)
     if args.out.exists() and not args.out.is_dir():
         raise KestrelError(f"--out {args.out}: exists and is not a folder")
-    held = [p.name for p in args.out.glob("*") if p.name == "config.json" or p.suffix == ".safetensors"]
+    # what init-random writes: the weights, their config and the tokenizer's files (a tokenizer of the user's
+    # own alone in the folder had been replaced without a word)
+    ours = {"config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+    held = [p.name for p in args.out.glob("*") if p.name in ours or p.suffix == ".safetensors"]
     if held and not args.overwrite:
         raise KestrelError(
-            f"--out {args.out} already holds a checkpoint ({', '.join(sorted(held)[:3])}); give --overwrite to "
-            "replace it, or another folder"
+            f"--out {args.out} already holds a checkpoint or its files ({', '.join(sorted(held)[:3])}); give "
+            "--overwrite to replace them, or another folder"
         )
     model = init_random_weights(
         KimiForCausalLM(config, getattr(torch, args.dtype)), args.seed, scheme=args.init
