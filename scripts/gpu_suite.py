@@ -1080,6 +1080,7 @@ _CUDA_TESTS_ELSEWHERE = (
     "tests/engine/test_hicache.py",
     "tests/engine/test_sampler.py",
     "tests/models/test_training_path.py",
+    "tests/engine/test_prompt_logprobs.py",
     "tests/engine/test_overlap.py",
 )
 
@@ -1092,6 +1093,7 @@ _ENGINE_TEST_FILES = (
     "tests/engine/test_graph_widths.py",
     "tests/engine/test_hicache.py",
     "tests/engine/test_sampler.py",
+    "tests/engine/test_prompt_logprobs.py",
     "tests/engine/test_overlap.py",
 )
 
