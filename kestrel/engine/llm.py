@@ -95,6 +95,10 @@ class LLM:
                     bar.update(1)
         bar.close()
 
+    def get_tokenizer(self):
+        """The engine's tokenizer (vLLM's `LLM.get_tokenizer()`)."""
+        return self.tokenizer
+
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them."""
         sequence = (list, tuple)

@@ -44,6 +44,11 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the sampled tokens' logprobs where they were asked for (vLLM's field), else None."""
+        return None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
+
 
 @dataclass
 class RequestOutput:

@@ -196,5 +196,8 @@ def test_the_offline_api_stops_at_the_context_limit_as_vllms(llm):
     assert len(b.outputs[0].token_ids) == 50
     (c,) = llm.generate([[5, 6]], GREEDY, use_tqdm=False)
     assert len({a.request_id, b.request_id, c.request_id}) == 3
+    assert c.outputs[0].cumulative_logprob is None and llm.get_tokenizer() is llm.tokenizer  # vLLM's names
+    (d,) = llm.generate([[5, 6]], dataclasses.replace(GREEDY, logprobs=0), use_tqdm=False)
+    assert d.outputs[0].cumulative_logprob == sum(lp.logprob for lp in d.outputs[0].logprobs) <= 0
     with pytest.raises(ValueError, match="context limit"):
         llm.generate([list(range(3, 131))], GREEDY, use_tqdm=False)
