@@ -138,24 +138,22 @@ class ModelRunner:
             view.saves = KDASaves(self.checkpoint_pool, [0, *itertools.accumulate(new_lens)], saves, dev)
         ends = torch.tensor(new_lens).cumsum(0) - 1
         keep = torch.tensor([c.samples for c in chunks])
-        wanted = [i for i, c in enumerate(chunks) if c.prompt_logprobs]
-        if not wanted:
+        if not any(c.prompt_logprobs for c in chunks):
             with forward_context(ctx):
                 return self.model(torch.tensor(ids, device=dev), logits_indices=ends[keep].to(dev))
         # every position of the chunks that want prompt logprobs, the last of the others that sample
-        index, sampled, spans = [], [], {}
-        for i, c in enumerate(chunks):
-            first = int(ends[i]) - new_lens[i] + 1
-            if i in wanted:
-                spans[i] = len(index)
-                index.extend(range(first, first + new_lens[i]))
+        index, sampled, spans = [], [], []
+        for c, end, n in zip(chunks, ends.tolist(), new_lens):
+            if c.prompt_logprobs:
+                spans.append((c, len(index), n))
+                index.extend(range(end - n + 1, end + 1))
             elif c.samples:
-                index.append(int(ends[i]))
+                index.append(end)
             if c.samples:
                 sampled.append(len(index) - 1)
         with forward_context(ctx):
             logits = self.model(torch.tensor(ids, device=dev), logits_indices=torch.tensor(index, device=dev))
-        self.prompt_logits = [(chunks[i], logits[spans[i] : spans[i] + new_lens[i]]) for i in wanted]
+        self.prompt_logits = [(c, logits[a : a + n]) for c, a, n in spans]
         return logits[torch.tensor(sampled, dtype=torch.long, device=dev)]
 
     # -- decode -----------------------------------------------------------------------------------------

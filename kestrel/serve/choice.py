@@ -76,9 +76,8 @@ class ChoiceState:
         # a stop token's text (EOS or one of stop_token_ids) is not shown, as in vLLM, unless asked for
         shown = len(out.new_token_ids) - (out.stopped_by_token and not self.include_stop)
         for i, token in enumerate(out.new_token_ids[:shown]):  # one at a time: each token's own offset
-            held = self.detokenizer.held()
-            text = self.detokenizer.add([token])
-            self.text_offsets.append(self.decoded + _token_start(held, text or self.detokenizer.held()))
+            start, text = _add_token(self.detokenizer, token)
+            self.text_offsets.append(self.decoded + start)
             piece, self.decoded = piece + text, self.decoded + len(text)
             if before + i + 1 < self.min_tokens:
                 early = len(piece)
@@ -100,6 +99,14 @@ class ChoiceState:
         elif out.finished:
             self.finished, self.finish_reason, self.stop_reason = True, out.finish_reason, out.stop_reason
         return piece
+
+
+def _add_token(detokenizer: IncrementalDetokenizer, token: int) -> tuple[int, str]:
+    """One token through the detokenizer: where its text starts in the text not yet emitted, and the text it
+    emits (each token's offset, as OpenAI's `text_offset`)."""
+    held = detokenizer.held()
+    text = detokenizer.add([token])
+    return _token_start(held, text or detokenizer.held()), text
 
 
 def _token_start(before: str, after: str) -> int:
@@ -130,9 +137,8 @@ def echo_logprobs(tokenizer: Tokenizer, choice: ChoiceState) -> dict:
     ids, lps = choice.prompt_ids, choice.prompt_logprobs or [None]
     detok, offsets, decoded = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False), [], 0
     for token in ids:
-        held = detok.held()
-        text = detok.add([token])
-        offsets.append(decoded + _token_start(held, text or detok.held()))
+        start, text = _add_token(detok, token)
+        offsets.append(decoded + start)
         decoded += len(text)
     rest = completion_logprobs(tokenizer, lps[1:], offsets[1:])
     first = {"tokens": [token_text(tokenizer, ids[0])], "token_logprobs": [None], "top_logprobs": [None]}

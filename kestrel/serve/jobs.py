@@ -145,7 +145,10 @@ class Server:
         (echoing 4.5 M ids decoded them on the event loop for 2.6 s); special tokens' text kept, as vLLM's echo
         and /detokenize have it."""
         return await asyncio.to_thread(
-            lambda: [p if isinstance(p, str) else self.tokenizer.decode(p, False) for p in prompts]
+            lambda: [
+                p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False)
+                for p in prompts
+            ]
         )
 
     async def read_body(self, request: Request) -> bytes:
