@@ -40,7 +40,7 @@ from starlette.requests import ClientDisconnect
 
 from kestrel.engine.async_engine import AsyncEngine, EngineDead
 from kestrel.serve.choice import chat_logprobs, choice_logprobs
-from kestrel.serve.errors import APIError, bad_request, error_body
+from kestrel.serve.errors import CODE_BY_STATUS, APIError, bad_request, error_body
 from kestrel.serve.jobs import MAX_REQUEST_MB, Job, Server
 from kestrel.serve.metrics import CONTENT_TYPE, CountResponses
 from kestrel.serve.protocol import (
@@ -311,7 +311,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         message = f"{request.method} {request.url.path}: {e.detail}"
-        err = APIError(e.status_code, message)
+        err = APIError(e.status_code, message, code=CODE_BY_STATUS.get(e.status_code))
         return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(ClientDisconnect)
@@ -326,4 +326,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
         log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
+        return JSONResponse(
+            error_body("internal server error", "server_error", code="internal_error"), status_code=500
+        )

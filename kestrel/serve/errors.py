@@ -10,6 +10,8 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 _TYPE_BY_STATUS = {401: "authentication_error", 404: "not_found_error"}
+# The code of an error the HTTP framework raised (an unknown route, a wrong method) by its status.
+CODE_BY_STATUS = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 # How a field that accepts several JSON shapes is described when none of them matches.
 _UNION_SHAPES = {
@@ -49,7 +51,9 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    """A 400; `code` says what kind of wrong (a value out of its range, or fields that contradict each other,
+    unless named otherwise), so that a client can tell the kinds apart without reading the message."""
     return APIError(400, message, param=param, code=code)
 
 

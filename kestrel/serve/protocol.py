@@ -1,20 +1,33 @@
 """Request bodies: OpenAI chat and text completions, and the native `/generate` (SGLang-style sampling dict).
 
 Parsing is strict: unknown fields, wrong JSON types (a string for a number, true for an integer) and fields
-this server does not implement are refused with a 400 that names the field, never silently ignored. Value
-ranges are checked once, by `SamplingParams`. Optional OpenAI fields accept null as "not given".
+this server does not implement are refused with a 400 that names the field, never silently ignored. A JSON
+number with a whole value is a whole number (`max_tokens: 4.0` is 4, as JSON and vLLM's parsing have it; 4.5 is
+refused). Value ranges are checked once, by `SamplingParams`. Optional OpenAI fields accept null as "not given".
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.serve.errors import bad_request, from_validation_error
 
 MAX_N = 128
+
+
+def _whole(value):
+    """A float with a whole value as the int it is (Python's json writes 4.0 for a float that holds 4);
+    anything else as it came, for the strict int check to take or refuse."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+# A whole-number field: an int, or a float with a whole value.
+Int = Annotated[int, BeforeValidator(_whole)]
 
 
 class _Strict(BaseModel):
@@ -50,21 +63,21 @@ class _SamplingFields(_Strict):
     model: str | None = None  # None: the served model
     temperature: float | None = None
     top_p: float | None = None
-    n: int | None = None
+    n: Int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None  # accepted for compatibility; an opaque end-user id that the server does not use
     # extensions
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    min_tokens: Int | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: bool | None = None  # the stop string, or stop token's text, kept at the end
     skip_special_tokens: bool | None = None
     # OpenAI fields this server does not implement: refused unless given their neutral value
@@ -113,10 +126,10 @@ class _SamplingFields(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None  # None: up to the context limit
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None  # None: up to the context limit
+    max_completion_tokens: Int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -183,10 +196,10 @@ class CompletionRequest(_SamplingFields):
     (what lm-evaluation-harness's loglikelihood requests send)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # null: 16 as well
-    logprobs: int | None = None
+    max_tokens: Int | None = 16  # null: 16 as well
+    logprobs: Int | None = None
     echo: bool | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
     suffix: Any = None
 
     def check(self) -> None:
@@ -225,22 +238,22 @@ class CompletionRequest(_SamplingFields):
 class NativeSamplingParams(_Strict):
     """SGLang's sampling dict: `max_new_tokens`, `min_new_tokens`, and vLLM-style names for the rest."""
 
-    max_new_tokens: int | None = 128  # None: up to the context limit
-    min_new_tokens: int | None = None
+    max_new_tokens: Int | None = 128  # None: up to the context limit
+    min_new_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    n: int | None = None
-    seed: int | None = None
+    n: Int | None = None
+    seed: Int | None = None
 
 
 class GenerateRequest(_Strict):
@@ -250,7 +263,7 @@ class GenerateRequest(_Strict):
     # null is "not given" (false, 0), as in the OpenAI routes
     stream: bool | None = None
     return_logprob: bool | None = None
-    top_logprobs_num: int | None = None
+    top_logprobs_num: Int | None = None
 
     def check(self) -> None:
         if (self.text is None) == (self.input_ids is None):

@@ -52,7 +52,7 @@ async def _stream_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
         yield _event("[DONE]")
     except Exception:
         log.exception("error while streaming a response")
-        yield _event(error_body("internal server error", "server_error"))
+        yield _event(error_body("internal server error", "server_error", code="internal_error"))
         yield _event("[DONE]")
 
 
