@@ -665,3 +665,35 @@ def test_chat_without_a_chat_template_says_so_before_the_first_line(broken, caps
     code, _, err = run(capsys, "chat", "--model", str(broken))
     assert_one_line_error(code, err, 1, "no chat template")
     assert stdin.read() == "hi\n"  # refused before reading a line
+
+
+def _options(parser, name="kestrel"):
+    """(command, option action) for every option of every command of the CLI."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, child in action.choices.items():
+                yield from _options(child, f"{name} {sub}")
+        elif action.option_strings and not isinstance(action, argparse._HelpAction):
+            yield name, parser, action
+
+
+def test_every_option_says_what_it_is_and_its_default():
+    """Each option of each command has a help line, and one with a default shows it in --help (many showed
+    neither: `kestrel train --help` gave `--checkpoint-every CHECKPOINT_EVERY` and nothing more)."""
+    from kestrel.serve.cli import build_parser
+
+    undocumented, no_default = [], []
+    for command, parser, action in _options(build_parser()):
+        if not action.help:
+            undocumented.append((command, action.option_strings[0]))
+        default = action.default
+        if default is None or default is False:
+            continue
+        formatter = parser._get_formatter()
+        formatter.add_argument(action)
+        if "default" not in formatter.format_help():
+            no_default.append((command, action.option_strings[0]))
+    assert not undocumented, undocumented
+    assert not no_default, no_default

@@ -80,7 +80,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=8192,
         help="tokens per step (prefill chunks + decode)",
     )
-    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument(
+        "--disable-cuda-graph", action="store_true", help="run decode eagerly, without CUDA graphs"
+    )
     p.add_argument(
         "--cuda-graph-short-len",
         type=arg_types.non_negative_int,
@@ -123,8 +125,30 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 _engine_config = engine_config  # the name tests/serve/test_hicache_server.py imports from here
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """--help shows each option's default where it has one and its help does not already say it (a flag's
+    False and an unset None are no defaults worth a line)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or any(default is nothing for nothing in (None, False, argparse.SUPPRESS))
+            or not action.option_strings
+            or isinstance(action, argparse._HelpAction)
+        ):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line, like every other user error (subcommand parsers inherit this class)."""
+    """Usage errors as one line, like every other user error (subcommand parsers inherit this class, and with it
+    the help that shows each option's default)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -138,10 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     g.add_argument("--prompt", required=True, help="the text to complete")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-new-tokens", type=arg_types.positive_int, default=32)
+    g.add_argument(
+        "--max-new-tokens", type=arg_types.positive_int, default=32, help="tokens to generate at most"
+    )
     g.add_argument("--temperature", type=arg_types.non_negative_float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=arg_types.top_k, default=0, help="0 = off")
-    g.add_argument("--top-p", type=arg_types.positive_share, default=1.0)
+    g.add_argument("--top-p", type=arg_types.positive_share, default=1.0, help="nucleus sampling's mass")
     g.set_defaults(func=cmd_generate)
 
     r = sub.add_parser("init-random", help="write a random-weight checkpoint of a preset in HF format")
@@ -163,8 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["kimi_k3", "kimi_linear"],
         help="kimi_k3 (all features, DSA) or kimi_linear (loadable by transformers)",
     )
-    r.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    r.add_argument("--seed", type=arg_types.seed, default=0)
+    r.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="the weights' dtype")
+    r.add_argument("--seed", type=arg_types.seed, default=0, help="seed of the random weights")
     r.add_argument(
         "--init",
         default="upstream",
@@ -184,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)"
     )
-    s.add_argument("--port", type=arg_types.port, default=8000)
+    s.add_argument("--port", type=arg_types.port, default=8000, help="TCP port to listen on")
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     s.add_argument(
         "--api-key",
@@ -231,9 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(c)
     _add_engine_args(c)
     c.add_argument("--system", default=None, help="a system message to start the conversation with")
-    c.add_argument("--max-new-tokens", type=arg_types.positive_int, default=256)
+    c.add_argument(
+        "--max-new-tokens", type=arg_types.positive_int, default=256, help="tokens a reply has at most"
+    )
     c.add_argument("--temperature", type=arg_types.non_negative_float, default=0.7, help="0 = greedy")
-    c.add_argument("--top-p", type=arg_types.positive_share, default=1.0)
+    c.add_argument("--top-p", type=arg_types.positive_share, default=1.0, help="nucleus sampling's mass")
     c.set_defaults(func=cmd_chat)
 
     add_train_parsers(sub)
@@ -266,7 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--contexts", type=arg_types.int_list, default=[4096], help="comma-separated context lengths"
     )
-    d.add_argument("--steps", type=arg_types.positive_int, default=24)
+    d.add_argument(
+        "--steps", type=arg_types.positive_int, default=24, help="decode steps timed at each point"
+    )
     d.add_argument("--no-dense", action="store_true", help="skip the dense-MLA contrast")
     d.add_argument(
         "--max-model-len",

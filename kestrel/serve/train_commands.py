@@ -153,17 +153,23 @@ def add_train_parsers(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="tokenizer folder (default: a --model checkpoint's own, else a BPE trained into <out>/tokenizer)",
     )
-    t.add_argument("--steps", type=arg_types.positive_int, default=1000)
-    t.add_argument("--batch-rows", type=arg_types.positive_int, default=16)
+    t.add_argument("--steps", type=arg_types.positive_int, default=1000, help="optimizer steps in all")
+    t.add_argument(
+        "--batch-rows", type=arg_types.positive_int, default=16, help="rows (packed documents) a batch"
+    )
     t.add_argument(
         "--grad-accum",
         type=arg_types.positive_int,
         default=1,
         help="batches of --batch-rows rows per optimizer step, each a forward and backward of its own (default 1)",
     )
-    t.add_argument("--row-len", type=arg_types.positive_int, default=4096)
-    t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--warmup-steps", type=int, default=100)
+    t.add_argument("--row-len", type=arg_types.positive_int, default=4096, help="tokens a row")
+    t.add_argument(
+        "--lr", type=float, default=3e-3, help="peak learning rate (linear warm-up, then cosine decay)"
+    )
+    t.add_argument(
+        "--warmup-steps", type=int, default=100, help="steps of the learning rate's linear warm-up"
+    )
     t.add_argument("--dsa-dense-steps", type=int, default=200, help="dense warm-up steps before sparse DSA")
     t.add_argument(
         "--retrieval-lengths", default="2048", help="comma-separated context lengths of retrieval docs"
@@ -201,16 +207,26 @@ def add_train_parsers(sub: argparse._SubParsersAction) -> None:
         help="weight of the retrieval documents' loss tokens in the mean loss, against 1.0 for the other families "
         "(default 1.0); unlike --retrieval-weight it draws no more documents",
     )
-    t.add_argument("--checkpoint-every", type=arg_types.positive_int, default=500)
+    t.add_argument(
+        "--checkpoint-every",
+        type=arg_types.positive_int,
+        default=500,
+        help="save a checkpoint every this many steps",
+    )
     t.add_argument(
         "--time-budget-s",
         type=arg_types.positive_float,
         default=None,
         help="stop and checkpoint after this many seconds of training",
     )
-    t.add_argument("--data-workers", type=arg_types.non_negative_int, default=0)
-    t.add_argument("--device", default="auto")
-    t.add_argument("--seed", type=arg_types.seed, default=0)
+    t.add_argument(
+        "--data-workers",
+        type=arg_types.non_negative_int,
+        default=0,
+        help="processes that make the batches (0: the training process makes them)",
+    )
+    t.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    t.add_argument("--seed", type=arg_types.seed, default=0, help="seed of the weights and the data")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="held-out accuracy per task family and retrieval by context length")
@@ -218,10 +234,21 @@ def add_train_parsers(sub: argparse._SubParsersAction) -> None:
         "--model", required=True, help="checkpoint folder or preset (kestrel-demo: the shipped model)"
     )
     e.add_argument("--num", type=arg_types.positive_int, default=200, help="problems per family")
-    e.add_argument("--num-retrieval", type=arg_types.positive_int, default=50)
-    e.add_argument("--retrieval-lengths", default="2048,8192,32768")
-    e.add_argument("--max-new-tokens", type=arg_types.positive_int, default=256)
+    e.add_argument(
+        "--num-retrieval",
+        type=arg_types.positive_int,
+        default=50,
+        help="retrieval problems per context length",
+    )
+    e.add_argument(
+        "--retrieval-lengths",
+        default="2048,8192,32768",
+        help="comma-separated context lengths of retrieval docs",
+    )
+    e.add_argument(
+        "--max-new-tokens", type=arg_types.positive_int, default=256, help="tokens an answer has at most"
+    )
     e.add_argument("--no-dense-contrast", action="store_true", help="skip the dense-attention retrieval runs")
     e.add_argument("--out", type=arg_types.path, default=None, help="write the results as JSON here")
-    e.add_argument("--device", default="auto")
+    e.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     e.set_defaults(func=cmd_eval)
