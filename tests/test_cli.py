@@ -697,3 +697,39 @@ def test_every_option_says_what_it_is_and_its_default():
             no_default.append((command, action.option_strings[0]))
     assert not undocumented, undocumented
     assert not no_default, no_default
+
+
+def test_ctrl_c_in_the_chat_stops_the_reply_not_the_chat(checkpoint, capsys, monkeypatch):
+    """Ctrl-C while a reply streams stops that reply and the chat takes the next line (it ended the whole chat
+    with status 130); Ctrl-C at the prompt ends the chat with status 0."""
+    import io
+    import os
+    import signal
+
+    from kestrel.engine.engine import Engine
+
+    real_step, calls = Engine.step, []
+
+    def step(self):
+        calls.append(1)
+        if len(calls) == 3:  # the first reply's third step: the user presses Ctrl-C
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(self)
+
+    monkeypatch.setattr(Engine, "step", step)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nhello\n\n"))
+    argv = ["chat", "--model", str(checkpoint), "--max-new-tokens", "40", "--temperature", "0"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and "Traceback" not in err, err
+    replies = out.split("> ")[1:]
+    assert len(replies) == 3, out  # "hi", "hello", then the empty line that ends it
+    assert "[stopped]" in replies[0] and "[stopped]" not in replies[1], out
+    assert len(calls) > 6  # the second reply ran its own steps
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the chat's handler is gone
+
+    def ctrl_c(prompt=""):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("builtins.input", ctrl_c)
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and "Traceback" not in err, err

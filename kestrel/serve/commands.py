@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 
 from kestrel.serve import arg_types
@@ -278,8 +280,8 @@ def _turn_seed(seed: int, turn: int) -> int:
 
 
 def cmd_chat(args) -> int:
-    """A terminal chat through the engine: one turn at a time, streamed. /reset clears the history; an empty
-    line or EOF ends the chat."""
+    """A terminal chat through the engine: one turn at a time, streamed. /reset clears the history; Ctrl-C
+    stops the reply being written; an empty line, EOF or Ctrl-C at the prompt ends the chat."""
     from kestrel.detokenize import IncrementalDetokenizer
     from kestrel.engine.sampling_params import SamplingParams
 
@@ -291,7 +293,10 @@ def cmd_chat(args) -> int:
     start = list(history)
     # a tokenizer without a chat template (or one refusing a system turn): said now, not after the first line
     tokenizer.apply_chat_template([*start, {"role": "user", "content": "hi"}], add_generation_prompt=True)
-    print(f"[kestrel] chatting with {args.model} (empty line to quit, /reset to start over)", file=sys.stderr)
+    print(
+        f"[kestrel] chatting with {args.model} (Ctrl-C stops a reply; an empty line quits; /reset starts over)",
+        file=sys.stderr,
+    )
     # a line that is not UTF-8 reaches utf8_text below (in a UTF-8 locale input() raised UnicodeDecodeError: a
     # traceback)
     if hasattr(sys.stdin, "reconfigure"):
@@ -299,7 +304,7 @@ def cmd_chat(args) -> int:
     while True:
         try:
             line = input("> ").strip()
-        except EOFError:  # Ctrl-D: the shell's prompt on a line of its own, not after "> "
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C: the shell's prompt on a line of its own
             print()
             break
         if not line:
@@ -327,12 +332,38 @@ def cmd_chat(args) -> int:
         )
         rid = engine.add_request(prompt, params)
         detok, reply = IncrementalDetokenizer(tokenizer, prompt), []
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.request_id == rid:
-                    piece = detok.add(out.new_token_ids) + (detok.flush() if out.finished else "")
-                    reply.append(piece)
-                    print(piece, end="", flush=True)
+        with _StopOnCtrlC() as ctrl_c:
+            while engine.has_unfinished():
+                if ctrl_c.pressed and engine.abort(rid):
+                    print(" [stopped]", end="", flush=True)
+                for out in engine.step():
+                    if out.request_id == rid:
+                        piece = detok.add(out.new_token_ids) + (detok.flush() if out.finished else "")
+                        reply.append(piece)
+                        print(piece, end="", flush=True)
         print()
+        # a stopped reply stays in the history as far as it went, as the model said it
         history.append({"role": "assistant", "content": "".join(reply)})
     return 0
+
+
+class _StopOnCtrlC:
+    """Ctrl-C while a reply streams stops that reply, between engine steps (an interrupt inside a step could
+    leave the engine half-updated), and the chat goes on; a second Ctrl-C in the same reply interrupts as
+    usual. Outside the main thread (no signal handlers there) it does nothing."""
+
+    def __enter__(self):
+        self.pressed, self._previous = False, None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._press)
+        return self
+
+    def _press(self, signum, frame):
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
