@@ -136,7 +136,7 @@ finish)
     require_ended
     write_wall && cat $RUN/wall.json && echo
     timeout "${EVAL_S:-200}" python3 -m kestrel.serve.cli eval --model $RUN/checkpoint --num 200 \
-        --num-retrieval "${NUMR:-50}" --retrieval-lengths 2048,8192,32768 --out $RUN/eval.json > $RUN/eval.log 2>&1
+        --num-retrieval "${NUMR:-50}" --retrieval-lengths 2048,8192,32768 --out $RUN/eval.json --overwrite > $RUN/eval.log 2>&1
     tail -c 2500 $RUN/eval.log
     # issue 2's figure on the trained weights: fast path vs reference logits (not timed against anything)
     # (PARITY_S=0 skips it: `timeout 0` would mean no limit)

@@ -601,7 +601,11 @@ def test_eval_out_says_whether_the_run_completed(capsys, tmp_path, monkeypatch):
         evaluate_module, "evaluate", lambda cfg, on_progress: {"families": {}, "retrieval": {}}
     )
     monkeypatch.setattr(evaluate_module, "format_table", lambda result: "table")
-    code, stdout, _ = run(capsys, "eval", "--model", "tiny", "--out", str(out))
+    # the cut run's file is there: replaced only when asked (a finished result was replaced without a word)
+    code, stdout, err = run(capsys, "eval", "--model", "tiny", "--out", str(out))
+    assert_one_line_error(code, err, 1, f"--out {out} already exists", "--overwrite")
+    assert json.loads(out.read_text()) == partial
+    code, stdout, _ = run(capsys, "eval", "--model", "tiny", "--out", str(out), "--overwrite")
     assert code == 0 and json.loads(out.read_text())["complete"] is True
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json"]  # no .part left
 

@@ -112,6 +112,11 @@ def cmd_eval(args) -> int:
     from kestrel.train.evaluate import EvalConfig, evaluate, format_table
 
     check_writable(args.out, "--out")
+    if args.out is not None and args.out.exists() and not args.overwrite:
+        # a finished evaluation takes minutes to hours: replaced only when asked (it was, without a word)
+        raise KestrelError(
+            f"--out {args.out} already exists; give --overwrite to replace it, or another file"
+        )
     cfg = EvalConfig(
         model=args.model,
         num_per_family=args.num,
@@ -249,6 +254,12 @@ def add_train_parsers(sub: argparse._SubParsersAction) -> None:
         "--max-new-tokens", type=arg_types.positive_int, default=256, help="tokens an answer has at most"
     )
     e.add_argument("--no-dense-contrast", action="store_true", help="skip the dense-attention retrieval runs")
-    e.add_argument("--out", type=arg_types.path, default=None, help="write the results as JSON here")
+    e.add_argument(
+        "--out",
+        type=arg_types.path,
+        default=None,
+        help="write the results as JSON here (an existing file: --overwrite)",
+    )
+    e.add_argument("--overwrite", action="store_true", help="replace the file already at --out")
     e.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     e.set_defaults(func=cmd_eval)

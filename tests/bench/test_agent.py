@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -375,3 +376,31 @@ def test_config_checks():
         AgentBenchConfig(base_url="localhost:8000")
     assert Spread.parse("exp:1.5") == Spread("exp", 1.5, 1.5) and str(Spread.parse("0,2")) == "0,2"
     assert AgentBenchConfig().max_turns == 5 and AgentBenchConfig(duration_s=10).max_turns is None
+
+
+def test_an_earlier_sweep_is_kept(capsys, tmp_path, monkeypatch):
+    """A folder holding a sweep is refused without --overwrite (the new sweep wrote over agent.json at its first
+    level); the default folder, named by the date, moves to <date>-agent-2 past the day's first sweep."""
+    import datetime
+
+    from kestrel.bench.agent.cli import _free_folder
+
+    (tmp_path / "agent.json").write_text("earlier")
+    code, _, err = run(
+        capsys, "bench", "agent", "--base-url", "http://127.0.0.1:1/v1", "--out", str(tmp_path)
+    )
+    assert code == 1
+    _one_line(err, "already holds a sweep", "--overwrite")
+    assert (tmp_path / "agent.json").read_text() == "earlier"
+    code, _, err = run(
+        capsys, "bench", "agent", "--base-url", "http://127.0.0.1:1/v1", "--out", str(tmp_path), "--overwrite"
+    )
+    _one_line(err, "cannot reach")  # past the check: it went on to the sweep
+    monkeypatch.chdir(tmp_path)
+    day = Path("bench/results") / f"{datetime.date.today().isoformat()}-agent"
+    assert _free_folder(day) == day
+    for i in ("", "-2"):
+        (tmp_path / f"{day}{i}").mkdir(parents=True)
+        (tmp_path / f"{day}{i}" / "agent.json").write_text("{}")
+    (tmp_path / f"{day}-3").mkdir()  # a folder without a sweep is free
+    assert _free_folder(day) == Path(f"{day}-3")

@@ -135,8 +135,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "holds its text back (random-weight models)",
     )
     p.add_argument(
-        "--out", type=arg_types.path, default=None, help="result folder (default bench/results/<date>-agent)"
+        "--out",
+        type=arg_types.path,
+        default=None,
+        help="result folder (default bench/results/<date>-agent, or <date>-agent-N past the day's first sweep; "
+        "one already holding a sweep: --overwrite)",
     )
+    p.add_argument("--overwrite", action="store_true", help="replace the sweep already in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -163,6 +168,16 @@ def config_from_args(args) -> AgentBenchConfig:
     )
 
 
+def _free_folder(folder: Path) -> Path:
+    """`folder`, or the first of folder-2, folder-3, ... that holds no sweep: the default folder is named by the
+    date, and a second run that day must not replace the first."""
+    candidate, i = folder, 1
+    while (candidate / "agent.json").exists():
+        i += 1
+        candidate = folder.with_name(f"{folder.name}-{i}")
+    return candidate
+
+
 def cmd_bench_agent(args) -> int:
     cfg = config_from_args(args)
     try:
@@ -170,7 +185,12 @@ def cmd_bench_agent(args) -> int:
         import matplotlib  # noqa: F401
     except ImportError as e:
         raise KestrelError(f"kestrel bench agent needs {e.name} (pip install {e.name})") from None
-    out = args.out or Path("bench/results") / f"{datetime.date.today().isoformat()}-agent"
+    out = args.out or _free_folder(Path("bench/results") / f"{datetime.date.today().isoformat()}-agent")
+    if (out / "agent.json").exists() and not args.overwrite:
+        # the sweep writes its JSON after each level: an earlier run's result went at the first one, unasked
+        raise KestrelError(
+            f"--out {out} already holds a sweep (agent.json); give --overwrite, or another folder"
+        )
     if out.exists() and not out.is_dir():  # (mkdir's bare "[Errno 17] File exists" named no option)
         raise KestrelError(f"--out {out}: exists and is not a folder (the result folder)")
     created = not out.exists()
