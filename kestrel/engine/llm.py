@@ -78,6 +78,7 @@ class LLM:
         """Step the engine until every request of `children` (id -> (prompt, sample, params)) has finished."""
         tokens = {rid: [] for rid in children}
         logprobs = {rid: [] for rid in children}
+        texts: dict[int, str] = {}  # token id -> its text, for the logprobs' decoded_token
         bar = tqdm(total=len(children), desc="generate", disable=not use_tqdm, unit="req")
         while self.engine.has_unfinished():
             for out in self.engine.step():
@@ -87,13 +88,22 @@ class LLM:
                 logprobs[out.request_id] += out.new_logprobs or []
                 i, j, p = children[out.request_id]
                 if out.prompt_logprobs is not None:  # (each of the prompt's n samples computes the same)
-                    results[i].prompt_logprobs = out.prompt_logprobs
+                    results[i].prompt_logprobs = self._decoded(out.prompt_logprobs, texts)
                 if out.finished:
-                    results[i].outputs[j] = self._completion(
-                        j, tokens[out.request_id], logprobs[out.request_id], out, p
-                    )
+                    lps = self._decoded(logprobs[out.request_id], texts)
+                    results[i].outputs[j] = self._completion(j, tokens[out.request_id], lps, out, p)
                     bar.update(1)
         bar.close()
+
+    def _decoded(self, lps: list, texts: dict[int, str]) -> list:
+        """`lps` with each entry's token text (vLLM's `Logprob.decoded_token`), decoded once a token a call."""
+        for lp in lps:
+            if lp is not None:
+                for t in lp:
+                    if t not in texts:
+                        texts[t] = self.tokenizer.decode([t], skip_special_tokens=False)
+                lp.decoded = texts
+        return lps
 
     def get_tokenizer(self):
         """The engine's tokenizer (vLLM's `LLM.get_tokenizer()`)."""

@@ -3,14 +3,48 @@ API, vLLM-shaped `RequestOutput` / `CompletionOutput`."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's entry in a position's logprobs, as vLLM's: its logprob, its rank in the model's distribution
+    (1 is the most likely; None where it is not among the top-k asked for), and its text (offline outputs)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass
-class TokenLogprob:
+class TokenLogprob(Mapping):
+    """A position's logprobs: the token taken there and the top-k alternatives. Also a mapping token id ->
+    `Logprob`, the taken token first then the top-k best first, so that vLLM's offline code
+    (`out.outputs[0].logprobs[i][token_id].logprob`, `.items()`) reads it as it reads vLLM's dicts."""
+
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the top-k alternatives (token id, logprob), best first
+    # each token's text, where the offline API decoded them (`LLM.generate`); not part of the value
+    decoded: dict[int, str] | None = field(default=None, compare=False, repr=False)
+
+    def _entries(self) -> dict[int, Logprob]:
+        text = self.decoded or {}
+        ranks = {t: r for r, (t, _) in enumerate(self.top, 1)}
+        entries = {self.token_id: Logprob(self.logprob, ranks.get(self.token_id), text.get(self.token_id))}
+        for t, v in self.top:
+            entries.setdefault(t, Logprob(v, ranks[t], text.get(t)))
+        return entries
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        return self._entries()[token_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._entries())
+
+    def __len__(self) -> int:
+        return len(self._entries())
 
 
 @dataclass

@@ -201,3 +201,31 @@ def test_the_offline_api_stops_at_the_context_limit_as_vllms(llm):
     assert d.outputs[0].cumulative_logprob == sum(lp.logprob for lp in d.outputs[0].logprobs) <= 0
     with pytest.raises(ValueError, match="context limit"):
         llm.generate([list(range(3, 131))], GREEDY, use_tqdm=False)
+
+
+def test_offline_logprobs_read_as_vllms_dicts(llm):
+    """vLLM's offline logprobs are, per position, a dict token id -> Logprob(logprob, rank, decoded_token), the
+    sampled token among them; code written for them (`lps[i][tok].logprob`, `.items()`) reads ours the same."""
+    from kestrel.engine.outputs import Logprob
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    (res,) = llm.generate(["hello there"], params, use_tqdm=False)
+    out = res.outputs[0]
+    assert len(out.logprobs) == len(out.token_ids) == 4
+    for tok, lps in zip(out.token_ids, out.logprobs):
+        assert tok in lps and isinstance(lps[tok], Logprob)
+        assert lps[tok].logprob == lps.logprob and list(lps)[0] == tok  # the taken token first
+        assert lps[tok].rank == 1  # greedy: the best
+        assert lps[tok].decoded_token == llm.tokenizer.decode([tok], skip_special_tokens=False)
+        ranked = sorted((v.rank, t, v.logprob) for t, v in lps.items())
+        assert [r for r, _, _ in ranked] == [1, 2, 3] and len(lps) == 3
+        assert [v for _, _, v in ranked] == sorted((v for _, _, v in ranked), reverse=True)
+    assert out.cumulative_logprob == pytest.approx(
+        sum(lps[t].logprob for t, lps in zip(out.token_ids, out.logprobs))
+    )
+    first, *rest = res.prompt_logprobs
+    assert first is None and len(rest) == len(res.prompt_token_ids) - 1
+    for tok, lps in zip(res.prompt_token_ids[1:], rest):
+        assert lps[tok].decoded_token == llm.tokenizer.decode([tok], skip_special_tokens=False)
+        assert len(lps) in (2, 3) and {v.rank for t, v in lps.items() if t != tok} <= {1, 2}
+        assert lps[tok].rank in (1, 2, None)  # a prompt token outside the top 2 has no rank here
