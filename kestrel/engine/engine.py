@@ -422,6 +422,7 @@ class Engine:
             len(req.prompt_ids),
             len(req.output_ids),
             (list(req.prompt_logprobs) or [None]) if first else None,  # (a one-token prompt: no position)
+            req.num_cached_tokens or 0,
         )
 
     def _finish_outputs(self, outputs: list[StepOutput]) -> list[StepOutput]:

@@ -89,6 +89,8 @@ class LLM:
                 i, j, p = children[out.request_id]
                 if out.prompt_logprobs is not None:  # (each of the prompt's n samples computes the same)
                     results[i].prompt_logprobs = self._decoded(out.prompt_logprobs, texts)
+                if j == 0:
+                    results[i].num_cached_tokens = out.num_cached_tokens
                 if out.finished:
                     lps = self._decoded(logprobs[out.request_id], texts)
                     results[i].outputs[j] = self._completion(j, tokens[out.request_id], lps, out, p)

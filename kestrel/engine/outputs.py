@@ -62,6 +62,7 @@ class StepOutput:
     num_output_tokens: int
     # with prompt_logprobs, on the output of the request's first token: each prompt token's (None first)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache gave the request (none computed for them)
 
     @property
     def stopped_by_token(self) -> bool:
@@ -92,3 +93,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with prompt_logprobs (vLLM's: None first)
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache gave (its first sample's), as vLLM's

@@ -33,6 +33,8 @@ class Request:
     slot: int | None = None  # KDA state slot
     pages: list[int] = field(default_factory=list)  # KV pages, in position order
     num_computed: int = 0  # tokens whose KV and state are in the cache
+    # prompt tokens the prefix cache gave it when it was first admitted (vLLM's num_cached_tokens); None before
+    num_cached_tokens: int | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0

@@ -227,6 +227,8 @@ class Scheduler:
         req.slot = self.state_pool.alloc()
         req.pages = shared + self.kv_pool.alloc(need)
         req.num_computed = reuse
+        if req.num_cached_tokens is None:  # (a preempted request's second admission reuses its own tokens)
+            req.num_cached_tokens = min(reuse, len(req.prompt_ids))
         req.cache_node, req.restore_from = node, (node.checkpoint if node is not None else None)
         if req.restore_from is not None:
             self.cache.pin(node)  # until the engine copies it into the request's slot (or the request goes)

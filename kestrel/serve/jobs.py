@@ -96,9 +96,20 @@ class Job:
         return len(self.prompts[self._prompt_of[index]])
 
     def usage(self) -> dict:
+        """OpenAI's usage; `prompt_tokens_details.cached_tokens`: the prompt tokens the prefix cache gave, each
+        prompt counted once (as its tokens are), by its first choice's request."""
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(c.token_ids) for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        first = {}  # prompt -> its first choice
+        for choice, p in zip(self.choices, self._prompt_of):
+            first.setdefault(p, choice)
+        cached = sum(c.num_cached_tokens for c in first.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
 
 MAX_REQUEST_MB = 64  # a request body past this is refused before it is read whole (413)

@@ -153,6 +153,7 @@ def native_result(server: Server, job: Job, index: int, req: GenerateRequest) ->
         "finish_reason": native_finish_reason(c),
         "prompt_tokens": job.prompt_len(index),
         "completion_tokens": len(c.token_ids),
+        "cached_tokens": c.num_cached_tokens,  # SGLang's: prompt tokens the prefix cache gave
     }
     if req.return_logprob:
         meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in c.logprobs]

@@ -229,3 +229,13 @@ def test_offline_logprobs_read_as_vllms_dicts(llm):
         assert lps[tok].decoded_token == llm.tokenizer.decode([tok], skip_special_tokens=False)
         assert len(lps) in (2, 3) and {v.rank for t, v in lps.items() if t != tok} <= {1, 2}
         assert lps[tok].rank in (1, 2, None)  # a prompt token outside the top 2 has no rank here
+
+
+def test_request_output_says_what_the_cache_gave(llm):
+    """RequestOutput.num_cached_tokens (vLLM's): 0 the first time a prompt is seen, whole pages of it after."""
+    prompt = [7 + i % 50 for i in range(90)]
+    (a,) = llm.generate([prompt], GREEDY, use_tqdm=False)
+    (b,) = llm.generate([prompt], GREEDY, use_tqdm=False)
+    page = llm.engine.kv_pool.page_size
+    assert a.num_cached_tokens == 0
+    assert 0 < b.num_cached_tokens < len(prompt) and b.num_cached_tokens % page == 0

@@ -473,3 +473,22 @@ def test_http_responses_are_counted_by_route_and_status(server, client):
 
     assert added("/v1/completions", 200) == 1 and added("/v1/completions", 400) == 2
     assert added("unmatched", 404) == 1 and added("/v1/models/{model:path}", 200) == 1
+
+
+def test_usage_says_how_much_of_the_prompt_the_cache_gave(server):
+    """`usage.prompt_tokens_details.cached_tokens` (OpenAI's, which the agent benchmark reads) and /generate's
+    `meta_info.cached_tokens` (SGLang's): 0 for a prompt seen first, whole pages of it when sent again; it was
+    absent, though the cache had served the second send whole pages."""
+    prompt = "cache me if you can: " + "abcdefghij" * 12  # unseen by every other test
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    first = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["usage"]
+    again = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}, first
+    cached = again["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < again["prompt_tokens"] and cached % 16 == 0, again  # the server's pages: 16 tokens
+    chat = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x").completions.create(
+        model=MODEL, prompt=[prompt, "another prompt, not cached"], max_tokens=2, n=2
+    )
+    assert chat.usage.prompt_tokens_details.cached_tokens == cached  # the second prompt's 0, each prompt once
+    r = httpx.post(f"{server.url}/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 2}})
+    assert r.json()["meta_info"]["cached_tokens"] == cached, r.text
