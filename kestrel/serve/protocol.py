@@ -148,6 +148,12 @@ class ChatCompletionRequest(_SamplingFields):
         if not self.messages:
             raise bad_request("messages must not be empty", param="messages")
         for i, m in enumerate(self.messages):
+            if m.content is None and m.role != "assistant":  # (OpenAI's: only an assistant turn may lack it)
+                raise bad_request(
+                    f"a {m.role} message needs its content",
+                    param=f"messages.{i}.content",
+                    code="missing_parameter",
+                )
             if m.tool_calls:
                 raise bad_request("tool calls are not supported", param=f"messages[{i}].tool_calls")
         if self.top_logprobs is not None and not self.logprobs:

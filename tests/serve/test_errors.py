@@ -61,6 +61,11 @@ CHAT_CASES = {
         None,
     ),
     "tool role": (_chat(messages=[{"role": "tool", "content": "x"}]), "messages.0.role", None),
+    "a user turn without content": (
+        _chat(messages=[{"role": "system", "content": "s"}, {"role": "user", "content": None}]),
+        "messages.1.content",
+        "missing_parameter",
+    ),
     "negative temperature": (_chat(temperature=-0.5), "temperature", "invalid_value"),
     "top_p zero": (_chat(top_p=0), "top_p", None),
     "n zero": (_chat(n=0), "n", None),
@@ -70,6 +75,9 @@ CHAT_CASES = {
     "top_logprobs too many": (_chat(logprobs=True, top_logprobs=21), "top_logprobs", None),
     "top_logprobs without logprobs": (_chat(top_logprobs=2), "top_logprobs", None),
     "empty stop string": (_chat(stop=[""]), "stop", None),
+    # matched on the engine's thread against every token: 200,000 of them slowed every stream 14x
+    "too many stop strings": (_chat(stop=[f"s{i}" for i in range(65)]), "stop", "invalid_value"),
+    "a stop string too long": (_chat(stop=["x" * 1025]), "stop", "invalid_value"),
     "stream_options without stream": (_chat(stream_options={"include_usage": True}), "stream_options", None),
     "max_tokens beyond the context": (_chat(max_tokens=100_000), "max_tokens", "context_length_exceeded"),
     "max_completion_tokens beyond the context": (
