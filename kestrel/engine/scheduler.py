@@ -8,6 +8,11 @@ Policy (FCFS, decode first):
    already prefilling, then new ones, admitted in arrival order only when a slot and the pages for all their
    tokens are free (the head of the queue blocks the rest: no overtaking).
 
+A waiting request whose prompt starts with the whole prompt of a running request still prefilling (the n samples
+of one prompt, a group of rollouts, the same prompt sent twice at once) waits until that prefill has saved its
+prompt-end checkpoint, then resumes from it: the shared prompt is computed once, not once a request (SGLang's
+in-batch prefix caching, vLLM's parallel sampling). The requests behind it may overtake it meanwhile.
+
 With lower cache tiers (HiCache), a request whose cached prefix is partly in host memory or on disk first has it
 loaded back to the GPU; it stays in the queue meanwhile and the requests behind it may overtake it. The load, and
 the hold that keeps its prefix on the GPU until the request is admitted, are the cache's: no tensors here. At most
@@ -154,6 +159,11 @@ class Scheduler:
                 budget -= self._add_chunk(batch, req, budget)
         i = 0
         while budget > 0 and i < len(self.waiting):
+            if self._follows_a_prefill(
+                self.waiting[i]
+            ):  # its prompt will be cached: the next ones may overtake
+                i += 1
+                continue
             verdict = self._admit(self.waiting[i], head=i == 0)
             if verdict == BLOCKED:
                 break
@@ -169,6 +179,22 @@ class Scheduler:
             for req in [r for r in self.holds if r is not head]:
                 self._let_go(req)
         return batch
+
+    def _follows_a_prefill(self, req: Request) -> bool:
+        """Whether a running request is prefilling the start of `req`'s tokens up to its own prompt-end
+        checkpoint, not yet saved: `req` resumes from that checkpoint if it waits until then."""
+        if self.cache is None or req.needs_prompt_logprobs:
+            return False
+        ps = self.kv_pool.page_size
+        for other in self.running:
+            end = ((other.num_tokens - 1) // ps) * ps  # its prompt-end checkpoint (`_plan_checkpoints`)
+            if (
+                other.num_computed < end < req.num_tokens
+                and end in other.checkpoint_at
+                and _head(req, end) == _head(other, end)
+            ):
+                return True
+        return False
 
     def _add_chunk(self, batch: Batch, req: Request, budget: int) -> int:
         end = min(req.num_tokens, req.num_computed + budget)
@@ -304,3 +330,8 @@ class Scheduler:
         if req.pages:
             self.kv_pool.free(req.pages)
             req.pages = []
+
+
+def _head(req: Request, n: int) -> list[int]:
+    """The request's first n tokens (its prompt's alone where they suffice: no copy of prompt + output)."""
+    return req.prompt_ids[:n] if n <= len(req.prompt_ids) else req.all_ids[:n]

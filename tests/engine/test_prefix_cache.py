@@ -372,3 +372,30 @@ def test_multi_turn_reuse_with_two_checkpoints_per_session(model):
     assert hits / reusable >= 0.95
     on.flush_cache()
     assert _idle_pools(on) == baseline
+
+
+def test_the_samples_of_one_prompt_prefill_it_once(model):
+    """n samples of a prompt (and the same prompt sent again while the first is prefilling) wait for the first
+    one's prompt-end checkpoint and resume from it: the prompt is computed once, not n times (each had prefilled
+    it whole), with the cache-off engine's tokens."""
+    on, off = _engine(model, True, chunked_prefill_size=16), _engine(model, False, chunked_prefill_size=16)
+    prompt = _ids(61, 7)
+    params = SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=6, ignore_eos=True, n=3)
+
+    def run(engine):
+        rids = [engine.add_request(prompt, child, f"s{j}") for j, child in enumerate(params.children())]
+        rids.append(engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=6), "again"))
+        other = engine.add_request(_ids(30, 8), SamplingParams(temperature=0, max_tokens=6), "other")
+        outs = {r: [] for r in [*rids, other]}
+        while engine.has_unfinished():
+            for o in engine.step():
+                outs[o.request_id] += o.new_token_ids
+        return outs
+
+    got, want = run(on), run(off)
+    assert got == want
+    stats = on.cache_stats()
+    # the three followers resume at the first one's prompt-end checkpoint (60: the last page boundary before the
+    # prompt's last token); "other" shares nothing
+    assert stats["cache_hit_tokens"] == 3 * 60, stats
+    assert _idle_pools(on)[1] == on.state_pool.num_slots
