@@ -141,7 +141,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv_pool,
             self.state_pool,
-            config.chunked_prefill_size,
+            config.chunk_size(self.device.type),
             self.plan.num_slots,
             self.cache,
             config.checkpoint_interval,

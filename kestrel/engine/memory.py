@@ -78,7 +78,7 @@ def plan_memory(
         # expanded sparse prefill's per-head keys and values, 8 KiB a history row at mini, and its selection
         # bitmap, 1/8 B per pair, come after the scores are freed and fit in their room), and the fp32 logits
         # of the rows that sample (only those get logits).
-        chunk = cfg.chunked_prefill_size
+        chunk = cfg.chunk_size(device.type)
         reserve = (
             2 * 2**30
             + 128 * chunk * model.hidden_size

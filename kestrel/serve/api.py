@@ -246,7 +246,11 @@ def build_app(
             "healthy": async_engine.healthy,
             "device": str(engine.device),
             "dtype": str(engine.model.lm_head.weight.dtype).removeprefix("torch."),
-            "engine_config": dataclasses.asdict(engine.config),
+            # the settings as they took effect (chunked_prefill_size's default is the device's)
+            "engine_config": {
+                **dataclasses.asdict(engine.config),
+                "chunked_prefill_size": engine.config.chunk_size(engine.device.type),
+            },
             "memory_plan": dataclasses.asdict(engine.plan),
             "model": {
                 "model_type": mc.model_type,
