@@ -52,6 +52,9 @@ class KVPool:
         )
         self.refcount = [0] * (num_pages + 1)
         self._free = list(range(num_pages, 0, -1))  # a stack; lowest page ids are handed out first
+        # pages with more than one holder: the prefix cache's pages a running request shares (only the cache's
+        # pages are shared), so that the requests' pages are counted without a walk over them (`pages_in_use`)
+        self.num_shared = 0
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype, index_fp8: bool = False) -> int:
@@ -98,14 +101,21 @@ class KVPool:
         for p in pages:
             assert self.refcount[p] > 0, f"incref of free page {p}"
             self.refcount[p] += 1
+            self.num_shared += self.refcount[p] == 2
 
     def free(self, pages: list[int]) -> None:
         """Drop one reference to each page; a page returns to the free list at zero."""
         for p in pages:
             assert self.refcount[p] > 0, f"double free of page {p}"
             self.refcount[p] -= 1
+            self.num_shared -= self.refcount[p] == 1
             if self.refcount[p] == 0:
                 self._free.append(p)
+
+    def pages_in_use(self, cached_pages: int) -> int:
+        """Pages the requests hold (alone or with the prefix cache), given the `cached_pages` the cache holds: those
+        it holds alone it gives back on demand, so they are not in use."""
+        return self.num_pages - self.num_free_pages - (cached_pages - self.num_shared)
 
     def token_rows(self, page_table: list[int], start: int, end: int) -> torch.Tensor:
         """Flat rows [end - start] int64 (on the CPU) of positions start..end-1 of a sequence with this page

@@ -417,7 +417,7 @@ class RadixCache:
 
     # -- invariants (tests) -----------------------------------------------------------------------------------
     def check(self) -> None:
-        total, entries = 0, []
+        total, shared, entries = 0, 0, []
         for node in self._nodes():
             assert len(node.tokens) % self.page_size == 0 and len(node.tokens) > 0
             assert node.depth == node.parent.depth + len(node.tokens)
@@ -434,6 +434,7 @@ class RadixCache:
                 assert len(node.pages) == len(node.tokens) // self.page_size
                 for p in node.pages:
                     assert self.kv_pool.refcount[p] >= 1
+                shared += sum(self.kv_pool.refcount[p] > 1 for p in node.pages)
                 total += len(node.pages)
             else:
                 assert not node.pages and node.kv_entry.kind == "kv"
@@ -443,5 +444,8 @@ class RadixCache:
                 assert node.state_entry.kind == "state"
                 entries.append(node.state_entry)
         assert total == self.num_pages
+        assert shared == self.kv_pool.num_shared, (
+            "only the cache's pages are shared, and the count says how many"
+        )
         if self.tiers is not None:
             self.tiers.check(entries + [e for load, _ in self.loads for e in load.entries()])

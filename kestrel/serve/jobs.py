@@ -126,7 +126,7 @@ class Server:
         self.engine, self.model_name, self.api_key = engine, served_model_name, api_key
         self.max_request_mb = max_request_mb
         self.tokenizer = engine.engine.tokenizer
-        self.metrics = ServerMetrics(engine.stats)
+        self.metrics = ServerMetrics(engine.stats, served_model_name)
         self.created = int(time.time())
 
     def check_model(self, name: str | None) -> None:

@@ -131,8 +131,11 @@ class Histogram(_Metric):
 
 
 class Registry:
-    def __init__(self):
+    def __init__(self, labels: dict[str, str] | None = None):
+        """`labels`: put on every sample (the served model's name, as vLLM's and SGLang's `model_name`)."""
         self._metrics: dict[str, _Metric] = {}
+        names, values = zip(*labels.items()) if labels else ((), ())
+        self._labels = _format_labels(names, values)[1:-1]  # 'a="x",b="y"', or ""
 
     def add(self, metric: _Metric):
         if metric.name in self._metrics:
@@ -141,14 +144,24 @@ class Registry:
         return metric
 
     def render(self) -> str:
-        return "".join(line + "\n" for m in self._metrics.values() for line in m.render())
+        return "".join(self._labelled(line) + "\n" for m in self._metrics.values() for line in m.render())
+
+    def _labelled(self, line: str) -> str:
+        """A sample line with the registry's labels first in its label set (HELP and TYPE lines as they are)."""
+        if not self._labels or line.startswith("#"):
+            return line
+        name_end = min(i for i in (line.find("{"), line.find(" ")) if i >= 0)
+        if line[name_end] == "{":
+            return f"{line[: name_end + 1]}{self._labels},{line[name_end + 1 :]}"
+        return f"{line[:name_end]}{{{self._labels}}}{line[name_end:]}"
 
 
 class ServerMetrics:
     """The kestrel_* families. `stats` returns the engine's latest counters (`AsyncEngine.stats()`)."""
 
-    def __init__(self, stats: Callable[[], dict]):
-        self.registry = r = Registry()
+    def __init__(self, stats: Callable[[], dict], model_name: str | None = None):
+        """`model_name`: the served model's name, a `model_name` label on every series (none without it)."""
+        self.registry = r = Registry({"model_name": model_name} if model_name else None)
         self._stats = stats
         stat = lambda key: lambda: stats()[key]
         r.add(Gauge("kestrel_num_requests_running", "Requests holding a state slot.", stat("num_running")))
@@ -169,6 +182,14 @@ class ServerMetrics:
             )
         )
         r.add(Gauge("kestrel_kv_pages_total", "KV cache pages in the pool.", stat("num_pages")))
+        r.add(
+            Gauge(
+                "kestrel_kv_cache_usage_perc",
+                "Share of the KV pages the requests hold (vLLM's; 1 is all): pages the prefix cache holds alone "
+                "are free for this, since they come back on demand.",
+                lambda: stats()["num_pages_in_use"] / max(1, stats()["num_pages"]),
+            )
+        )
         r.add(Gauge("kestrel_state_slots_used", "KDA state slots in use.", self._slots_used))
         r.add(Gauge("kestrel_state_slots_total", "KDA state slots in the pool.", stat("num_slots")))
         self.ttft = r.add(

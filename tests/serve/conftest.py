@@ -18,6 +18,21 @@ from kestrel.serve.api import build_app
 MODEL = "tiny"
 
 
+def metric_samples(text: str) -> dict[str, float]:
+    """/metrics' samples by name and labels, e.g. 'kestrel_requests_total{finish_reason="length"}', without the
+    `model_name` label every sample carries (checked here)."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        key, value = line.rsplit(" ", 1)
+        label = f'model_name="{MODEL}"'
+        assert label in key, line
+        key = key.replace("{" + label + "}", "").replace(label + ",", "")
+        out[key] = float(value)
+    return out
+
+
 class RunningServer:
     def __init__(
         self,

@@ -10,6 +10,7 @@ import pytest
 
 from kestrel.serve.cli import _engine_config, build_parser
 from kestrel.utils.errors import KestrelError
+from tests.serve.conftest import metric_samples
 
 BLOCK = 16 * 448  # one 16-token KV page of `tiny` (fp32) for every MLA layer
 
@@ -22,7 +23,7 @@ def _generate(server, ids: list[int]) -> list[int]:
 
 
 def _metric(text: str, name: str) -> float:
-    return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[-1])
+    return metric_samples(text)[name]
 
 
 def test_lower_tier_hits_metrics_and_flush(make_server, tmp_path):
@@ -53,7 +54,7 @@ def test_lower_tier_hits_metrics_and_flush(make_server, tmp_path):
         _metric(metrics, 'kestrel_prefix_cache_bytes_used{tier="disk"}') == stats["cache_disk_bytes_used"] > 0
     )
     assert _metric(metrics, "kestrel_prefix_cache_loads_total") == stats["cache_num_loads"]
-    assert 'kestrel_prefix_cache_checkpoints{tier="host"}' in metrics
+    assert 'kestrel_prefix_cache_checkpoints{tier="host"}' in metric_samples(metrics)
 
     r = httpx.post(f"{s.url}/flush_cache", timeout=30)
     assert r.status_code == 200

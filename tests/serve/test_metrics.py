@@ -38,3 +38,21 @@ def test_misuse_is_refused():
         c.inc(reason="x")
     with pytest.raises(ValueError, match="already"):
         r.add(Gauge("a_total", "again"))
+
+
+def test_a_registrys_labels_go_on_every_sample():
+    """The served model's name on every series, first in its labels (vLLM's and SGLang's `model_name`, which
+    their dashboards filter on); HELP and TYPE lines as they were."""
+    r = Registry({"model_name": "m"})
+    r.add(Counter("a_total", "A.", ("reason",))).inc(reason="stop")
+    r.add(Gauge("b", "B.", fn=lambda: 2))
+    r.add(Histogram("c_seconds", "C.", buckets=(1,))).observe(0.5)
+    assert r.render() == (
+        "# HELP a_total A.\n# TYPE a_total counter\n"
+        'a_total{model_name="m",reason="stop"} 1\n'
+        '# HELP b B.\n# TYPE b gauge\nb{model_name="m"} 2\n'
+        "# HELP c_seconds C.\n# TYPE c_seconds histogram\n"
+        'c_seconds_bucket{model_name="m",le="1"} 1\n'
+        'c_seconds_bucket{model_name="m",le="+Inf"} 1\n'
+        'c_seconds_sum{model_name="m"} 0.5\nc_seconds_count{model_name="m"} 1\n'
+    )

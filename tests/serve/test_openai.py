@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from kestrel.engine.sampling_params import child_seed
-from tests.serve.conftest import MODEL
+from tests.serve.conftest import MODEL, metric_samples
 
 CHAT = [{"role": "user", "content": "Hello there"}]
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -384,6 +384,7 @@ FAMILIES = [
     ("kestrel_kv_pages_used", "gauge"),
     ("kestrel_kv_pages_cached", "gauge"),
     ("kestrel_kv_pages_total", "gauge"),
+    ("kestrel_kv_cache_usage_perc", "gauge"),
     ("kestrel_state_slots_used", "gauge"),
     ("kestrel_state_slots_total", "gauge"),
     ("kestrel_time_to_first_token_seconds", "histogram"),
@@ -420,12 +421,13 @@ def test_metrics(server, client):
     # the finished request's pages stay in the prefix cache: used, and counted as cached
     assert values["kestrel_kv_pages_cached"] == stats["num_cached_pages"] > 0
     assert values["kestrel_kv_pages_used"] >= values["kestrel_kv_pages_cached"]
+    # ... but not in use: an idle server's usage is 0, where used / total read as if the cache filled it
+    server.wait_for_pools(server.pools())
+    assert metric_samples(httpx.get(f"{server.url}/metrics").text)["kestrel_kv_cache_usage_perc"] == 0
 
 
 def _samples(text: str) -> dict[str, float]:
-    return {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[0] != "#"
-    }
+    return metric_samples(text)
 
 
 def test_a_prompt_sampled_n_times_counts_its_tokens_once(server, client):
@@ -450,12 +452,8 @@ def test_http_responses_are_counted_by_route_and_status(server, client):
     route's template, unknown paths as one label."""
 
     def counts() -> dict[str, float]:
-        text = httpx.get(f"{server.url}/metrics").text
-        return {
-            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("kestrel_http_responses_total{")
-        }
+        samples = metric_samples(httpx.get(f"{server.url}/metrics").text)
+        return {k: v for k, v in samples.items() if k.startswith("kestrel_http_responses_total{")}
 
     before = counts()
     client.completions.create(model=MODEL, prompt="ok", max_tokens=1, **GREEDY)
