@@ -63,6 +63,7 @@ class StepOutput:
     # with prompt_logprobs, on the output of the request's first token: each prompt token's (None first)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache gave the request (none computed for them)
+    queue_time: float | None = None  # seconds from its arrival to its first admission (None before that)
 
     @property
     def stopped_by_token(self) -> bool:

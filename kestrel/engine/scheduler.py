@@ -28,6 +28,7 @@ lands the step in flight and schedules as usual.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -255,6 +256,7 @@ class Scheduler:
         req.num_computed = reuse
         if req.num_cached_tokens is None:  # (a preempted request's second admission reuses its own tokens)
             req.num_cached_tokens = min(reuse, len(req.prompt_ids))
+            req.first_scheduled_time = time.monotonic()
         req.cache_node, req.restore_from = node, (node.checkpoint if node is not None else None)
         if req.restore_from is not None:
             self.cache.pin(node)  # until the engine copies it into the request's slot (or the request goes)

@@ -86,7 +86,10 @@ class Job:
         prompt = self._prompt_of[index]
         last = all(c.finished for c, p in zip(self.choices, self._prompt_of) if p == prompt)
         num_prompt_tokens = len(self.prompts[prompt]) if last else 0
-        self.server.metrics.on_finished(self.group.arrival_time, num_prompt_tokens, reason)
+        choice = self.choices[index]
+        self.server.metrics.on_finished(
+            self.group.arrival_time, num_prompt_tokens, reason, len(choice.token_ids), choice.queue_time
+        )
 
     async def drain(self) -> None:
         async for _ in self.events():

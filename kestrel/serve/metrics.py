@@ -17,6 +17,9 @@ from collections.abc import Callable
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_BUCKETS = tuple(
+    m * 10**e for e in range(7) for m in (1, 2, 5)
+)  # 1, 2, 5, 10, ... 5M tokens (vLLM's 1-2-5)
 TOKEN_RATE_WINDOW_S = 10.0
 TIERS = ("gpu", "host", "disk")
 
@@ -201,6 +204,21 @@ class ServerMetrics:
         self.e2e = r.add(
             Histogram("kestrel_e2e_request_latency_seconds", "Time from arrival to the last output token.")
         )
+        self.queue_time = r.add(
+            Histogram("kestrel_request_queue_time_seconds", "Time from arrival to the first admission.")
+        )
+        self.request_prompt_tokens = r.add(
+            Histogram(
+                "kestrel_request_prompt_tokens", "Prompt tokens a finished prompt had.", buckets=TOKEN_BUCKETS
+            )
+        )
+        self.request_generation_tokens = r.add(
+            Histogram(
+                "kestrel_request_generation_tokens",
+                "Tokens a finished request (one choice) generated.",
+                buckets=TOKEN_BUCKETS,
+            )
+        )
         self.prompt_tokens = r.add(
             Counter("kestrel_prompt_tokens_total", "Prompt tokens of finished requests.")
         )
@@ -322,11 +340,23 @@ class ServerMetrics:
         self._recent.append((now, num))
         self._prune(now)
 
-    def on_finished(self, arrival: float, num_prompt_tokens: int, finish_reason: str | None) -> None:
+    def on_finished(
+        self,
+        arrival: float,
+        num_prompt_tokens: int,
+        finish_reason: str | None,
+        num_generated: int = 0,
+        queue_time: float | None = None,
+    ) -> None:
         """One engine request (one choice) finished; `num_prompt_tokens` is 0 for all but the last choice of a
-        prompt sampled n times, so that the prompt counts once."""
+        prompt sampled n times, so that the prompt counts once; `queue_time`: None for one never admitted."""
         self.e2e.observe(time.monotonic() - arrival)
         self.prompt_tokens.inc(num_prompt_tokens)
+        if num_prompt_tokens:
+            self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generated)
+        if queue_time is not None:
+            self.queue_time.observe(queue_time)
         self.requests.inc(finish_reason=finish_reason or "unknown")
 
     # -- read at scrape time -----------------------------------------------------------------------------------

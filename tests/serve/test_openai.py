@@ -396,6 +396,9 @@ FAMILIES = [
     ("kestrel_http_responses_total", "counter"),
     ("kestrel_generation_tokens_per_second", "gauge"),
     ("kestrel_num_preemptions_total", "counter"),
+    ("kestrel_request_queue_time_seconds", "histogram"),
+    ("kestrel_request_prompt_tokens", "histogram"),
+    ("kestrel_request_generation_tokens", "histogram"),
 ]
 SAMPLE = re.compile(r'^[a-z_][a-z0-9_]*(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? [-+0-9.eE]+(Inf)?$')
 
@@ -445,6 +448,13 @@ def test_a_prompt_sampled_n_times_counts_its_tokens_once(server, client):
         after["kestrel_prompt_tokens_total"] - before["kestrel_prompt_tokens_total"] == r.usage.prompt_tokens
     )
     assert after[done] - before.get(done, 0) == 4
+    added = lambda key: after[key] - before.get(key, 0)
+    # the per-request histograms (vLLM's): each prompt once, each choice once, each choice's wait for a slot
+    assert added("kestrel_request_prompt_tokens_count") == 2
+    assert added("kestrel_request_prompt_tokens_sum") == r.usage.prompt_tokens
+    assert added("kestrel_request_generation_tokens_count") == 4
+    assert added("kestrel_request_generation_tokens_sum") == r.usage.completion_tokens == 12
+    assert added("kestrel_request_queue_time_seconds_count") == 4
 
 
 def test_http_responses_are_counted_by_route_and_status(server, client):
