@@ -35,9 +35,9 @@ class Request:
     num_computed: int = 0  # tokens whose KV and state are in the cache
     # prompt tokens the prefix cache gave it when it was first admitted (vLLM's num_cached_tokens); None before
     num_cached_tokens: int | None = None
-    first_scheduled_time: float | None = (
-        None  # when it was first admitted (time.monotonic), for its queue time
-    )
+    first_scheduled_time: float | None = None  # when it was first admitted (time.monotonic): its queue time
+    # a running request prefilling this one's prompt, and the position of the checkpoint it waits for (Scheduler)
+    follows: tuple[Request, int] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0

@@ -11,7 +11,8 @@ Policy (FCFS, decode first):
 A waiting request whose prompt starts with the whole prompt of a running request still prefilling (the n samples
 of one prompt, a group of rollouts, the same prompt sent twice at once) waits until that prefill has saved its
 prompt-end checkpoint, then resumes from it: the shared prompt is computed once, not once a request (SGLang's
-in-batch prefix caching, vLLM's parallel sampling). The requests behind it may overtake it meanwhile.
+in-batch prefix caching, vLLM's parallel sampling). The requests behind it may overtake it meanwhile, but not
+take the slot and pages it will need.
 
 With lower cache tiers (HiCache), a request whose cached prefix is partly in host memory or on disk first has it
 loaded back to the GPU; it stays in the queue meanwhile and the requests behind it may overtake it. The load, and
@@ -158,14 +159,18 @@ class Scheduler:
                 return batch
             if not req.in_decode and req.num_computed < req.num_tokens:
                 budget -= self._add_chunk(batch, req, budget)
-        i = 0
+        i, leaders, reserved = 0, None, [0, 0]  # slots and pages kept for the waiting followers
         while budget > 0 and i < len(self.waiting):
-            if self._follows_a_prefill(
-                self.waiting[i]
-            ):  # its prompt will be cached: the next ones may overtake
-                i += 1
-                continue
-            verdict = self._admit(self.waiting[i], head=i == 0)
+            req = self.waiting[i]
+            if self.cache is not None and not req.needs_prompt_logprobs:
+                leaders = self._leaders() if leaders is None else leaders
+                shared = self._follows(req, leaders)
+                if shared:  # its prompt will be cached: the next ones may overtake, but not take its room
+                    reserved[0] += 1
+                    reserved[1] += self.kv_pool.pages_for(req.num_tokens) - shared // self.kv_pool.page_size
+                    i += 1
+                    continue
+            verdict = self._admit(req, head=i == 0, reserved=reserved)
             if verdict == BLOCKED:
                 break
             if verdict == LOADING:  # the next ones may overtake it
@@ -181,21 +186,31 @@ class Scheduler:
                 self._let_go(req)
         return batch
 
-    def _follows_a_prefill(self, req: Request) -> bool:
-        """Whether a running request is prefilling the start of `req`'s tokens up to its own prompt-end
-        checkpoint, not yet saved: `req` resumes from that checkpoint if it waits until then."""
-        if self.cache is None or req.needs_prompt_logprobs:
-            return False
-        ps = self.kv_pool.page_size
+    def _leaders(self) -> list[tuple[Request, int]]:
+        """The running requests still prefilling up to their prompt-end checkpoint, with its position."""
+        ps, out = self.kv_pool.page_size, []
         for other in self.running:
             end = ((other.num_tokens - 1) // ps) * ps  # its prompt-end checkpoint (`_plan_checkpoints`)
-            if (
-                other.num_computed < end < req.num_tokens
-                and end in other.checkpoint_at
-                and _head(req, end) == _head(other, end)
-            ):
-                return True
-        return False
+            if other.num_computed < end and end in other.checkpoint_at:
+                out.append((other, end))
+        return out
+
+    def _follows(self, req: Request, leaders: list[tuple[Request, int]]) -> int:
+        """The tokens `req` shares with a leader (`_leaders`) whose prompt-end checkpoint it can resume from once
+        saved, so that it waits for it; 0 for none. A follower keeps its leader (`Request.follows`): the prompts
+        are compared once, not at every step."""
+        if req.follows is not None:
+            leader, end = req.follows
+            if leader.status is Status.RUNNING and leader.num_computed < end:
+                return end
+            req.follows = None  # saved (or the leader went): admitted now, resuming from what the cache has
+            return 0
+        for leader, end in leaders:
+            if end < req.num_tokens and req.prompt_ids[0] == leader.prompt_ids[0]:
+                if _head(req, end) == _head(leader, end):
+                    req.follows = (leader, end)
+                    return end
+        return 0
 
     def _add_chunk(self, batch: Batch, req: Request, budget: int) -> int:
         end = min(req.num_tokens, req.num_computed + budget)
@@ -210,8 +225,10 @@ class Scheduler:
         batch.prefill.append(PrefillChunk(req, req.num_computed, end))
         return end - req.num_computed
 
-    def _admit(self, req: Request, head: bool = True) -> str:
-        full = len(self.running) >= self.max_running or self.state_pool.num_free_slots == 0
+    def _admit(self, req: Request, head: bool = True, reserved: list[int] | tuple = (0, 0)) -> str:
+        """`reserved`: the slots and pages kept for requests ahead of it in the queue (followers, `_follows`)."""
+        slots, pages = reserved
+        full = len(self.running) + slots >= self.max_running or self.state_pool.num_free_slots <= slots
         tiers = self.cache is not None and self.cache.tiers is not None
         if full and not tiers:  # (with lower tiers, a load may start before a slot frees)
             return BLOCKED
@@ -240,9 +257,9 @@ class Scheduler:
         elif full:
             return BLOCKED
         need = self.kv_pool.pages_for(req.num_tokens) - len(shared)
-        if self.kv_pool.num_free_pages < need and self.cache is not None:
-            self.cache.evict_pages(need - self.kv_pool.num_free_pages)
-        if self.kv_pool.num_free_pages < need:
+        if self.kv_pool.num_free_pages < need + pages and self.cache is not None:
+            self.cache.evict_pages(need + pages - self.kv_pool.num_free_pages)
+        if self.kv_pool.num_free_pages < need + pages:
             if self.cache is not None:
                 self.cache.unlock(node)
             return BLOCKED

@@ -399,3 +399,24 @@ def test_the_samples_of_one_prompt_prefill_it_once(model):
     # prompt's last token); "other" shares nothing
     assert stats["cache_hit_tokens"] == 3 * 60, stats
     assert _idle_pools(on)[1] == on.state_pool.num_slots
+
+
+def test_waiting_samples_keep_their_slots(model):
+    """While the samples of a prompt wait for its first sample's prefill, the requests behind them may start,
+    but not in the slots the samples need: they had taken them, and the samples then ran one after another as
+    those requests finished (first tokens at steps 4 / 54 / 104 / 154 with 4 slots, in a review's run)."""
+    engine = _engine(model, True, max_running_requests=4, chunked_prefill_size=16)
+    prompt = _ids(40, 3)
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=10, ignore_eos=True, n=4)
+    samples = [engine.add_request(prompt, child, f"s{j}") for j, child in enumerate(params.children())]
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for k in range(3):
+        engine.add_request(_ids(20, 30 + k), long, f"long{k}")
+    first, step = {}, 0
+    while engine.has_unfinished():
+        step += 1
+        for o in engine.step():
+            if o.new_token_ids:
+                first.setdefault(o.request_id, step)
+    assert max(first[s] for s in samples) - min(first[s] for s in samples) <= 2, first
+    assert engine.cache_stats()["cache_hit_tokens"] >= 3 * 36  # the three later samples resumed from the cache
