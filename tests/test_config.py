@@ -387,5 +387,6 @@ def test_the_step_size_defaults_by_device():
 
     assert EngineConfig().chunk_size("cuda") == 8192 and EngineConfig().chunk_size("cpu") == 512
     assert EngineConfig(chunked_prefill_size=100).chunk_size("cpu") == 100
+    assert EngineConfig(max_running_requests=1000).chunk_size("cpu") == 2000  # room to prefill beside decode
     engine = Engine(EngineConfig(model="tiny", device="cpu"))
     assert engine.scheduler.chunked_prefill_size == 512

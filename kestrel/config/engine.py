@@ -55,10 +55,12 @@ class EngineConfig:
     hicache_disk_bytes: int = 0  # disk tier size cap
 
     def chunk_size(self, device_type: str) -> int:
-        """Tokens a step on this device: `chunked_prefill_size`, or the device's default (`DEFAULT_CHUNK`)."""
+        """Tokens a step on this device: `chunked_prefill_size`, or the device's default (`DEFAULT_CHUNK`), at
+        least twice the running requests (their decode tokens come out of the budget first: past it, no prompt
+        would be prefilled until some finished)."""
         if self.chunked_prefill_size is not None:
             return self.chunked_prefill_size
-        return DEFAULT_CHUNK.get(device_type, DEFAULT_CHUNK["cuda"])
+        return max(DEFAULT_CHUNK.get(device_type, DEFAULT_CHUNK["cuda"]), 2 * self.max_running_requests)
 
     def __post_init__(self):
         problems = []

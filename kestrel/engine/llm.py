@@ -104,7 +104,7 @@ class LLM:
                 for t in lp:
                     if t not in texts:
                         texts[t] = self.tokenizer.decode([t], skip_special_tokens=False)
-                lp.decoded = texts
+                lp.set_texts(texts)
         return lps
 
     def get_tokenizer(self):

@@ -26,15 +26,25 @@ class TokenLogprob(Mapping):
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the top-k alternatives (token id, logprob), best first
-    # each token's text, where the offline API decoded them (`LLM.generate`); not part of the value
-    decoded: dict[int, str] | None = field(default=None, compare=False, repr=False)
+
+    # the mapping (dict[int, Logprob]), made on first use; unannotated, so not a field: outside the value,
+    # asdict and replace
+    _made = None
+
+    def set_texts(self, texts: dict[int, str]) -> None:
+        """Each token's text (vLLM's `decoded_token`), where the offline API decoded them (`LLM.generate`)."""
+        self._made = self._make(texts)
 
     def _entries(self) -> dict[int, Logprob]:
-        text = self.decoded or {}
+        if self._made is None:
+            self._made = self._make({})
+        return self._made
+
+    def _make(self, texts: dict[int, str]) -> dict[int, Logprob]:
         ranks = {t: r for r, (t, _) in enumerate(self.top, 1)}
-        entries = {self.token_id: Logprob(self.logprob, ranks.get(self.token_id), text.get(self.token_id))}
+        entries = {self.token_id: Logprob(self.logprob, ranks.get(self.token_id), texts.get(self.token_id))}
         for t, v in self.top:
-            entries.setdefault(t, Logprob(v, ranks[t], text.get(t)))
+            entries.setdefault(t, Logprob(v, ranks[t], texts.get(t)))
         return entries
 
     def __getitem__(self, token_id: int) -> Logprob:

@@ -14,6 +14,7 @@ INT32_MAX = 2**31 - 1  # top_k and token ids go to the device as int32/int64 bes
 # Stop strings are matched against every new token on the engine's thread, each string in turn: 200,000 of them
 # (a 3 MB request) made every other stream's tokens 14x slower. OpenAI takes 4; lm-evaluation-harness sends a few.
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
+MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids: looked up per token on that thread too (1M of them: 7 ms a token)
 
 
 _NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -102,6 +103,10 @@ class SamplingParams:
                     for t in self.stop_token_ids
                 ),
                 "stop_token_ids must be token ids",
+            ),
+            (
+                len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+                f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids",
             ),
             (
                 self.logprobs is None or 0 <= self.logprobs <= 20,

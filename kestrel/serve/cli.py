@@ -79,7 +79,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         type=arg_types.positive_int,
         default=None,
         help="tokens per step (prefill chunks + decode) (default: 8192 on a GPU, 512 on the CPU, where a prefill "
-        "step costs more than in proportion to its tokens and stalls every stream)",
+        "step costs more than in proportion to its tokens and stalls every stream; at least twice "
+        "--max-running-requests)",
     )
     p.add_argument(
         "--disable-cuda-graph", action="store_true", help="run decode eagerly, without CUDA graphs"

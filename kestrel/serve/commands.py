@@ -354,7 +354,9 @@ class _StopOnCtrlC:
 
     def __enter__(self):
         self.pressed, self._previous = False, None
-        if threading.current_thread() is threading.main_thread():
+        current = signal.getsignal(signal.SIGINT)
+        # (not where Ctrl-C is ignored, nor where a handler outside Python's would not come back)
+        if threading.current_thread() is threading.main_thread() and current not in (signal.SIG_IGN, None):
             self._previous = signal.signal(signal.SIGINT, self._press)
         return self
 

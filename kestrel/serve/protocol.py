@@ -147,13 +147,8 @@ class ChatCompletionRequest(_SamplingFields):
         _refuse_unsupported(self, _NEUTRAL_CHAT)
         if not self.messages:
             raise bad_request("messages must not be empty", param="messages")
+        _check_contents(self.messages)
         for i, m in enumerate(self.messages):
-            if m.content is None and m.role != "assistant":  # (OpenAI's: only an assistant turn may lack it)
-                raise bad_request(
-                    f"a {m.role} message needs its content",
-                    param=f"messages.{i}.content",
-                    code="missing_parameter",
-                )
             if m.tool_calls:
                 raise bad_request("tool calls are not supported", param=f"messages[{i}].tool_calls")
         if self.top_logprobs is not None and not self.logprobs:
@@ -183,6 +178,17 @@ class ChatCompletionRequest(_SamplingFields):
 
     def chat_messages(self) -> list[dict]:
         return _template_messages(self.messages)
+
+
+def _check_contents(messages: list[ChatMessage]) -> None:
+    """OpenAI's rule: only an assistant turn may come without content (a user turn's null was rendered empty)."""
+    for i, m in enumerate(messages):
+        if m.content is None and m.role != "assistant":
+            raise bad_request(
+                f"a {m.role} message needs its content",
+                param=f"messages.{i}.content",
+                code="missing_parameter",
+            )
 
 
 def _template_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -323,6 +329,8 @@ class TokenizeRequest(_Strict):
             raise bad_request("give one of prompt and messages", param="prompt")
         if self.messages is not None and not self.messages:
             raise bad_request("messages must not be empty", param="messages")
+        if self.messages is not None:
+            _check_contents(self.messages)
 
     def chat_messages(self) -> list[dict]:
         return _template_messages(self.messages)

@@ -419,4 +419,6 @@ def test_waiting_samples_keep_their_slots(model):
             if o.new_token_ids:
                 first.setdefault(o.request_id, step)
     assert max(first[s] for s in samples) - min(first[s] for s in samples) <= 2, first
-    assert engine.cache_stats()["cache_hit_tokens"] >= 3 * 36  # the three later samples resumed from the cache
+    assert (
+        engine.cache_stats()["cache_hit_tokens"] >= 3 * 36
+    )  # the three later samples resumed from the cache

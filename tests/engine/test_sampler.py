@@ -176,10 +176,12 @@ def test_sampling_params_bounds_and_child_seeds():
         dict(min_tokens=5, max_tokens=2),
         dict(stop=[str(i) for i in range(65)]),
         dict(stop=["x" * 1025]),
+        dict(stop_token_ids=list(range(1025))),
     ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     assert len(SamplingParams(stop=[str(i) for i in range(63)] + ["x" * 1024]).stop) == 64  # the limits taken
+    assert len(SamplingParams(stop_token_ids=list(range(1024))).stop_token_ids) == 1024
     assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=1e-5).greedy
     for seed in (INT64_MAX, INT64_MIN, 0, 42):
         kids = SamplingParams(n=4, seed=seed).children()

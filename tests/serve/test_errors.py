@@ -427,6 +427,8 @@ def test_tokenize_and_detokenize(server):
     assert_error(post("/tokenize"), 400, "prompt")
     assert_error(post("/tokenize", prompt="a", messages=USER), 400, "prompt")
     assert_error(post("/tokenize", messages=[]), 400, "messages")
+    nothing = [{"role": "user", "content": None}]
+    assert_error(post("/tokenize", messages=nothing), 400, "messages.0.content", "missing_parameter")
     assert_error(post("/detokenize", tokens=[1, 10**9]), 400, "tokens")
     assert_error(post("/detokenize", tokens=[-1]), 400, "tokens")
     assert_error(post("/detokenize", tokens="abc"), 400, "tokens")
