@@ -62,11 +62,13 @@ def make_inputs(
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 @pytest.mark.parametrize("use_qk_l2norm", [True, False])
-def test_chunk_equals_recurrent_fp64(lower_bound, use_qk_l2norm):
-    q, k, v, g, beta, h0 = make_inputs(T=37, B=2, lower_bound=lower_bound)
+@pytest.mark.parametrize("T, chunk_size", [(37, 16), (150, 64), (70, 48)])
+def test_chunk_equals_recurrent_fp64(lower_bound, use_qk_l2norm, T, chunk_size):
+    """The chunked form against the recurrence, at the default chunk of 64 and others, T not their multiple."""
+    q, k, v, g, beta, h0 = make_inputs(T=T, B=2, lower_bound=lower_bound)
     kwargs = dict(initial_state=h0, output_final_state=True, use_qk_l2norm=use_qk_l2norm)
     o_ref, s_ref = recurrent_kda(q, k, v, g, beta, **kwargs)
-    o, s = chunk_kda(q, k, v, g, beta, chunk_size=16, **kwargs)
+    o, s = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
     assert o.dtype == torch.float64 and s.dtype == torch.float64
     assert o.shape == v.shape and s.shape == h0.shape
     assert rel_err(o, o_ref) < 1e-10
