@@ -48,7 +48,11 @@ twenty-three asks (05:33-07:18 UTC) started one machine, taken back before the c
 call f, `--commit <C> l2 tests:tests/ops/test_cuda_chain.py` with a5f2ec3's `l2` beside it (.session/prev, `--label
 prev`), ran in session 70 (H100, f; 62 s with the Nsight Compute run on `best_pipe`; a5f2ec3's `l2` in a second
 call on the machine f left warm: `--budget 110` had skipped it, its estimate being 120 s), then `served tests` (g,
-cut at 486 s in the Engine-building files) and `tests:<g's 3 failures and those files>` (h, 338 s). Next, when an
+cut at 486 s in the Engine-building files) and `tests:<g's 3 failures and those files>` (h, 338 s). Session 71
+(H100) ran `tests:tests/engine/test_prompt_logprobs.py served` (a), then, after eleven asks that got no machine,
+`served tests:tests/engine/test_sampler.py,tests/engine/test_prompt_logprobs.py,tests/engine/test_overlap.py` (b)
+and `tests:tests/engine/test_hicache.py` (c): give `--commit`, since the device copy's git metadata may stay at the
+session's first tree (b's record reads 21efcfb for c60733c's files). Next, when an
 H200 comes for a whole session's budget: the three calls above at one commit (the H200's step figures are session
 52's; every H100 figure since is not comparable with them).
 The tests take what the call has left: where they are cut, the next call runs the parts not reached
