@@ -51,10 +51,10 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
-    """A 400; `code` says what kind of wrong (a value out of its range, or fields that contradict each other,
-    unless named otherwise), so that a client can tell the kinds apart without reading the message."""
-    return APIError(400, message, param=param, code=code)
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400; `code` says what kind of wrong (None: invalid_value, a value out of its range or fields that
+    contradict each other), so that a client can tell the kinds apart without reading the message."""
+    return APIError(400, message, param=param, code=code or "invalid_value")
 
 
 def from_validation_error(e: ValidationError) -> APIError:

@@ -193,7 +193,7 @@ class Server:
             # the prompt as a thing, which stays so whatever the request calls it.)
             if e.param not in (param, "prompt"):
                 message = re.sub(rf"\b{e.param}\b", param, message)
-            raise bad_request(message, param=param, code=e.code or "invalid_value") from None
+            raise bad_request(message, param=param, code=e.code) from None
         except Overloaded as e:
             raise APIError(
                 503, str(e), code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}

@@ -17,9 +17,8 @@ from collections.abc import Callable
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-TOKEN_BUCKETS = tuple(
-    m * 10**e for e in range(7) for m in (1, 2, 5)
-)  # 1, 2, 5, 10, ... 5M tokens (vLLM's 1-2-5)
+# 1, 2, 5, 10, 20, ... 5M tokens (vLLM's 1-2-5 steps)
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 TOKEN_RATE_WINDOW_S = 10.0
 TIERS = ("gpu", "host", "disk")
 
@@ -190,7 +189,7 @@ class ServerMetrics:
                 "kestrel_kv_cache_usage_perc",
                 "Share of the KV pages the requests hold (vLLM's; 1 is all): pages the prefix cache holds alone "
                 "are free for this, since they come back on demand.",
-                lambda: stats()["num_pages_in_use"] / max(1, stats()["num_pages"]),
+                self._kv_usage,
             )
         )
         r.add(Gauge("kestrel_state_slots_used", "KDA state slots in use.", self._slots_used))
@@ -363,6 +362,10 @@ class ServerMetrics:
     def _pages_used(self) -> int:
         s = self._stats()
         return s["num_pages"] - s["num_free_pages"]
+
+    def _kv_usage(self) -> float:
+        s = self._stats()
+        return s["num_pages_in_use"] / max(1, s["num_pages"])
 
     def _slots_used(self) -> int:
         s = self._stats()

@@ -111,12 +111,8 @@ def cmd_eval(args) -> int:
 
     from kestrel.train.evaluate import EvalConfig, evaluate, format_table
 
-    check_writable(args.out, "--out")
-    if args.out is not None and args.out.exists() and not args.overwrite:
-        # a finished evaluation takes minutes to hours: replaced only when asked (it was, without a word)
-        raise KestrelError(
-            f"--out {args.out} already exists; give --overwrite to replace it, or another file"
-        )
+    # a finished evaluation takes minutes to hours: replaced only when asked (it was, without a word)
+    check_writable(args.out, "--out", overwrite=args.overwrite)
     cfg = EvalConfig(
         model=args.model,
         num_per_family=args.num,
