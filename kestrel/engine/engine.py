@@ -223,8 +223,21 @@ class Engine:
             bad = next(t for t in prompt_ids if type(t) is not int or not 0 <= t < vocab)
             what = f"outside the model's vocabulary [0, {vocab})" if type(bad) is int else "not an integer"
             raise RequestError(f"prompt token id {bad!r} is {what}", param="prompt")
-        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
-            raise RequestError(f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias),
+            ("allowed_token_ids", params.allowed_token_ids),
+        ):
+            if ids and max(ids) >= vocab:
+                raise RequestError(f"{name} must name token ids in [0, {vocab}), not {max(ids)}", param=name)
+        if params.allowed_token_ids and params.min_tokens:
+            banned = {*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids)}
+            if banned.issuperset(params.allowed_token_ids):
+                raise RequestError(
+                    "allowed_token_ids are all stop tokens (EOS or stop_token_ids), which min_tokens bans: no "
+                    "token could be sampled",
+                    param="allowed_token_ids",
+                )
         if len(prompt_ids) >= limit:
             raise RequestError(
                 f"the prompt has {len(prompt_ids)} tokens, but the context limit is {limit} (prompt + output)",

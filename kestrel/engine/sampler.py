@@ -1,7 +1,7 @@
 """Turns the logits rows of a step into tokens (and logprobs), each row with its request's parameters.
 
-Legend: B sampled requests, V vocabulary. Penalties, temperature, top-k/top-p/min-p and the seeded noise are
-batched ops (kestrel.ops.sampling); greedy rows take the argmax of the penalized logits.
+Legend: B sampled requests, V vocabulary. Penalties, logit bias and allowed tokens, temperature, top-k/top-p/min-p
+and the seeded noise are batched ops (kestrel.ops.sampling); greedy rows take the argmax of the changed logits.
 
 `tokens()` stays on the device and never waits for it (its per-request values go up through pinned memory), so
 the engine can sample a step it runs ahead of the host (`ahead`: outputs the request has that its output_ids do
@@ -18,7 +18,14 @@ from kestrel.engine.request import Request
 from kestrel.engine.scheduler import PrefillChunk
 from kestrel.ops.sampling import argmax as rows_argmax
 from kestrel.ops.sampling import token_logprobs
-from kestrel.ops.sampling.naive import apply_penalties, apply_penalties_at, greedy, process_logits, sample
+from kestrel.ops.sampling.naive import (
+    apply_penalties,
+    apply_penalties_at,
+    greedy,
+    process_logits,
+    sample,
+    steer_logits,
+)
 from kestrel.utils.device import to_device_async
 
 # Up to this many rows the penalties run over [B, V] with a dense seen mask, and the argmax of logits the sampler
@@ -40,12 +47,18 @@ def _needs_penalties(r: Request) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
+def _steered(r: Request) -> bool:
+    return r.params.logit_bias is not None or r.params.allowed_token_ids is not None
+
+
 class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...]):
         self.eos_token_ids = tuple(eos_token_ids)
         # id(request) -> (the request, its prompt's ids on the device), uploaded once for the penalties' seen tokens;
         # an entry lives while its request is in the penalized rows (holding it: its id is not reused meanwhile)
         self._prompts: dict[int, tuple[Request, torch.Tensor]] = {}
+        # id(request) -> (the request, its logit_bias ids, values and allowed ids on the device), the same way
+        self._steering: dict[int, tuple[Request, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def __call__(
         self, logits: torch.Tensor, reqs: list[Request], argmax: torch.Tensor | None = None
@@ -74,6 +87,7 @@ class Sampler:
         x = logits
         if any(_needs_penalties(r) for r in reqs):
             x = self._penalize(x, reqs, pending)  # fp32 out
+        x = self._steer(x, reqs)
         x = self._suppress_early_stops(x, reqs, ahead)
         if argmax is not None and x is logits:
             tokens = argmax  # [B]; sampled rows overwritten below
@@ -137,6 +151,49 @@ class Sampler:
         """r's prompt ids on the device: kept from an earlier step, or uploaded (no sync)."""
         req, kept = self._prompts.get(id(r), (None, None))
         return kept if req is r else to_device_async(torch.tensor(r.prompt_ids, dtype=torch.int64), dev)
+
+    def _steer(self, x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """logit_bias, then allowed_token_ids (`steer_logits`; after the penalties, as OpenAI adds the bias to the
+        logits sampling sees), with no sync: each request's ids and values uploaded once and kept while it is in
+        the rows, their rows and counts in one copy."""
+        rows = [i for i, r in enumerate(reqs) if _steered(r)]
+        if not rows:
+            self._steering = {}
+            return x
+        dev = x.device
+        kept = [self._steering_of(reqs[i], dev) for i in rows]
+        self._steering = {id(k[0]): k for k in kept}  # these rows' own: the rest go
+        nb, na = [k[1].numel() for k in kept], [k[3].numel() for k in kept]
+        restricted = [0] * len(reqs)
+        for i, k in zip(rows, kept):
+            restricted[i] = int(k[0].params.allowed_token_ids is not None)
+        up = to_device_async(torch.tensor(rows + nb + na + restricted, dtype=torch.int64), dev)
+        n = len(rows)
+        row_ids = up[:n]
+        return steer_logits(
+            x,
+            row_ids.repeat_interleave(up[n : 2 * n], output_size=sum(nb)),
+            torch.cat([k[1] for k in kept]),
+            torch.cat([k[2] for k in kept]),
+            up[3 * n :].bool(),
+            row_ids.repeat_interleave(up[2 * n : 3 * n], output_size=sum(na)),
+            torch.cat([k[3] for k in kept]),
+        )
+
+    def _steering_of(self, r: Request, dev: torch.device) -> tuple:
+        """(r, its logit_bias ids [N] int64 and values [N] fp32, its allowed ids [M] int64) on the device: kept from
+        an earlier step, or uploaded (no sync)."""
+        kept = self._steering.get(id(r))
+        if kept is not None and kept[0] is r:
+            return kept
+        bias = r.params.logit_bias or {}
+        up = lambda vals, dt: to_device_async(torch.tensor(vals, dtype=dt), dev)  # noqa: E731
+        return (
+            r,
+            up(list(bias), torch.int64),
+            up(list(bias.values()), torch.float32),
+            up(r.params.allowed_token_ids or [], torch.int64),
+        )
 
     def _suppress_early_stops(self, x: torch.Tensor, reqs: list[Request], ahead: int = 0) -> torch.Tensor:
         """Before min_tokens outputs, EOS and stop token ids cannot be sampled (vLLM semantics)."""

@@ -15,6 +15,9 @@ INT32_MAX = 2**31 - 1  # top_k and token ids go to the device as int32/int64 bes
 # (a 3 MB request) made every other stream's tokens 14x slower. OpenAI takes 4; lm-evaluation-harness sends a few.
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
 MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids: looked up per token on that thread too (1M of them: 7 ms a token)
+MAX_LOGIT_BIAS = (
+    100.0  # OpenAI's range for a logit_bias value: -100 bans a token, 100 makes it the only one taken
+)
 
 
 _NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -47,6 +50,10 @@ class SamplingParams:
     # (vLLM's; the prompt is then computed whole, with no prefix-cache hit)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # OpenAI's: token id -> a value in [-100, 100] added to its logit (after the penalties) before sampling
+    logit_bias: dict[int, float] | None = None
+    # vLLM's: only these tokens can be sampled (the others' logits -inf); None: every token
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -55,6 +62,12 @@ class SamplingParams:
         self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids must be a list of token ids")
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a mapping of token ids to numbers, not {self.logit_bias!r}")
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None  # {} asks for nothing
+        if self.allowed_token_ids is not None:
+            allowed = _as_list(self.allowed_token_ids, "allowed_token_ids must be a list of token ids")
+            self.allowed_token_ids = sorted(set(allowed)) if _all_token_ids(allowed) else allowed
         self.validate()
 
     def validate(self) -> None:
@@ -97,13 +110,7 @@ class SamplingParams:
                 all(len(s) <= MAX_STOP_CHARS for s in self.stop if isinstance(s, str)),
                 f"stop strings must be at most {MAX_STOP_CHARS} characters each",
             ),
-            (
-                all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
-                    for t in self.stop_token_ids
-                ),
-                "stop_token_ids must be token ids",
-            ),
+            (_all_token_ids(self.stop_token_ids), "stop_token_ids must be token ids"),
             (
                 len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
                 f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids",
@@ -115,6 +122,25 @@ class SamplingParams:
             (
                 self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
                 "prompt_logprobs must be in [0, 20]",
+            ),
+            (
+                _all_token_ids(self.logit_bias or ()),
+                "logit_bias keys must be token ids (integers >= 0)",
+            ),
+            (
+                all(
+                    _is_number(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS
+                    for v in (self.logit_bias or {}).values()
+                ),
+                f"logit_bias values must be numbers in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            ),
+            (
+                self.allowed_token_ids is None or _all_token_ids(self.allowed_token_ids),
+                "allowed_token_ids must be token ids (integers >= 0)",
+            ),
+            (
+                self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+                "allowed_token_ids must not be empty (no token could be sampled)",
             ),
             (
                 self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
@@ -143,6 +169,15 @@ def _as_list(value, message: str) -> list:
         return list(value or [])
     except TypeError:
         raise ValueError(f"{message}, not {value!r}") from None
+
+
+def _all_token_ids(ids) -> bool:
+    """Every item an int (not a bool) in [0, INT32_MAX]: what can go to the device as a token id."""
+    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in ids)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def child_seed(seed: int, j: int) -> int:

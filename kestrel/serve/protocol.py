@@ -30,6 +30,21 @@ def _whole(value):
 Int = Annotated[int, BeforeValidator(_whole)]
 
 
+def _logit_bias(value: dict[str, float] | None, param: str) -> dict[int, float] | None:
+    """OpenAI's logit_bias, whose JSON keys are strings ({"50256": -100}), with its keys as token ids."""
+    if value is None:
+        return None
+    bad = next((k for k in value if not (k.isascii() and k.isdigit() and len(k) <= 10)), None)
+    if bad is not None:
+        raise bad_request(
+            f"logit_bias keys must be token ids written as strings of digits, not {bad!r}", param=param
+        )
+    bias = {int(k): v for k, v in value.items()}
+    if len(bias) < len(value):
+        raise bad_request("logit_bias names a token twice (as '5' and '05')", param=param)
+    return bias
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -80,8 +95,9 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: bool | None = None  # the stop string, or stop token's text, kept at the end
     skip_special_tokens: bool | None = None
+    allowed_token_ids: list[Int] | None = None  # vLLM's: only these tokens are sampled
+    logit_bias: dict[str, float] | None = None
     # OpenAI fields this server does not implement: refused unless given their neutral value
-    logit_bias: Any = None
     service_tier: Any = None
     metadata: Any = None
     store: Any = None
@@ -103,6 +119,8 @@ class _SamplingFields(_Strict):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "seed": self.seed,
             "skip_special_tokens": self.skip_special_tokens,
+            "logit_bias": _logit_bias(self.logit_bias, "logit_bias"),
+            "allowed_token_ids": self.allowed_token_ids,
         }
         kwargs = {k: v for k, v in {**given, **extra}.items() if v is not None}
         return make_sampling_params(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
@@ -266,6 +284,8 @@ class NativeSamplingParams(_Strict):
     skip_special_tokens: bool | None = None
     n: Int | None = None
     seed: Int | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[Int] | None = None
 
 
 class GenerateRequest(_Strict):
@@ -304,6 +324,8 @@ class GenerateRequest(_Strict):
     def to_sampling_params(self) -> SamplingParams:
         sp = self.sampling_params or NativeSamplingParams()
         given = sp.model_dump(exclude={"max_new_tokens", "min_new_tokens"}, exclude_none=True)
+        if sp.logit_bias is not None:
+            given["logit_bias"] = _logit_bias(sp.logit_bias, "sampling_params.logit_bias")
         if sp.min_new_tokens is not None:
             given["min_tokens"] = sp.min_new_tokens
         logprobs = (self.top_logprobs_num or 0) if self.return_logprob else None
@@ -375,7 +397,6 @@ def make_sampling_params(**kwargs) -> SamplingParams:
 
 # Unsupported fields and the values that ask for nothing (so they may be sent).
 _NEUTRAL_COMMON: dict[str, tuple] = {
-    "logit_bias": (None, {}),
     "service_tier": (None, "auto", "default"),
     "metadata": (None,),
     "store": (None, False),

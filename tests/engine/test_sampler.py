@@ -136,8 +136,9 @@ def test_decode_graphs_hand_on_their_logits_argmax():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_many_rows_take_the_seen_tokens_penalties_and_the_triton_argmax(monkeypatch):
-    """Past PENALTIES_DENSE_MAX_ROWS rows on CUDA, penalized and early-stop-banned logits go through the penalties
-    at the seen tokens and the Triton argmax: the CPU's tokens (torch's argmax), and the dense form's on CUDA."""
+    """Past PENALTIES_DENSE_MAX_ROWS rows on CUDA, penalized, steered (logit_bias, allowed_token_ids) and
+    early-stop-banned logits go through the penalties at the seen tokens and the Triton argmax: the CPU's tokens
+    (torch's argmax), and the dense form's on CUDA."""
     from kestrel.engine import sampler as sampler_module
 
     g = torch.Generator().manual_seed(2)
@@ -147,6 +148,10 @@ def test_many_rows_take_the_seen_tokens_penalties_and_the_triton_argmax(monkeypa
         params = dict(temperature=0, min_tokens=3 if i % 7 == 0 else 0)
         if i % 3:
             params |= dict(frequency_penalty=0.8, presence_penalty=0.5, repetition_penalty=1.5)
+        if i % 4 == 1:  # steered rows too: logit_bias, allowed_token_ids
+            params |= dict(logit_bias={t: float(t % 7) - 3 for t in range(i, W, 97)})
+        if i % 5 == 2:
+            params |= dict(allowed_token_ids=list(range(i, W, 13)))
         r = Request(f"r{i}", torch.randint(0, W, (40,), generator=g).tolist(), SamplingParams(**params), seed=i,
                     max_total_tokens=128)  # fmt: skip
         r.output_ids = torch.randint(0, W, (5,), generator=g).tolist()
@@ -200,3 +205,121 @@ def test_a_failed_generate_leaves_the_llm_usable():
         llm.generate(["Hello", list(range(100))], SamplingParams(max_tokens=2), use_tqdm=False)
     (out,) = llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2 and not llm.engine.requests
+
+
+def test_logit_bias_and_allowed_tokens_steer_every_kind_of_row():
+    """OpenAI's logit_bias is added to the logits (after the penalties, in fp32: a bias of 0.04 lifts a bf16
+    logit a step below another past it); vLLM's allowed_token_ids leaves only those tokens, greedy or sampled;
+    the given argmax is then not taken; the logprobs stay the model's (vLLM's default)."""
+    sampler = Sampler(eos_token_ids=(1,))
+    given = torch.tensor([9, 9, 9])
+    x = _logits()
+    # 4.96875 in bf16, a step below 7's 5.0: plus 0.04 in bf16 ties with it (and 7 comes first)
+    x[:, 12] = 4.97
+    reqs = [
+        _req(temperature=0, logit_bias={12: 0.04}),
+        _req(temperature=0),
+        _req(temperature=0, logit_bias={7: -100}),
+    ]
+    assert sampler.tokens(x, reqs, argmax=given).tolist() == [12, 7, 12]
+    assert sampler.tokens(x.to(torch.bfloat16), reqs, argmax=given).tolist() == [12, 7, 12]
+    # after the penalties: presence 2 takes 7 (an output) to 3, the bias 2.5 gives it back
+    out = _req(temperature=0, presence_penalty=2.0, logit_bias={7: 2.5})
+    out.output_ids = [7]
+    assert sampler.tokens(x[:1], [out]).tolist() == [7]
+    allowed = [
+        _req(temperature=0, allowed_token_ids=[2, 12]),
+        _req(temperature=1.0, allowed_token_ids=[12, 2, 12]),
+        _req(temperature=0, allowed_token_ids=[5], logit_bias={5: -100, 6: 100}),
+    ]
+    assert allowed[1].params.allowed_token_ids == [2, 12]  # sorted, once each
+    x[:, 12] = 1.0
+    tokens, logprobs = sampler(x, allowed, argmax=given)
+    assert tokens[0] == 12 and tokens[1] in (2, 12) and tokens[2] == 5
+    drawn = set()
+    for seed in range(40):
+        params = SamplingParams(temperature=2.0, allowed_token_ids=[2, 12], logprobs=1)
+        row = [Request("r", [3, 4], params, seed=seed, max_total_tokens=64)]
+        t, lp = sampler(x[:1], row)
+        drawn.add(t[0])
+        assert lp[0].logprob == pytest.approx(torch.log_softmax(x[0], -1)[t[0]].item())  # the model's
+    assert drawn == {2, 12}
+
+
+def test_steering_of_many_rows_over_steps_equals_the_reference():
+    """The sampler's steering (each request's ids and values kept on the device while it is in the rows, their
+    rows in one copy) against `steer_logits` on the pairs listed by hand, over steps in which requests leave and
+    new ones take their rows."""
+    from kestrel.ops.sampling.naive import steer_logits
+
+    g = torch.Generator().manual_seed(0)
+    W = 50
+
+    def make(i):
+        params = {"temperature": 0}
+        if i % 2 == 0:
+            ids = torch.randperm(W, generator=g)[: 1 + i % 5].tolist()
+            params["logit_bias"] = {t: float(torch.randn((), generator=g) * 3) for t in ids}
+        if i % 3 == 0:
+            params["allowed_token_ids"] = torch.randperm(W, generator=g)[: 2 + i % 7].tolist()
+        return Request(f"r{i}", [1], SamplingParams(**params), seed=i, max_total_tokens=64)
+
+    def reference(x, reqs):
+        br, bc, bv, ar, ac = [], [], [], [], []
+        for i, r in enumerate(reqs):
+            for t, v in (r.params.logit_bias or {}).items():
+                br, bc, bv = br + [i], bc + [t], bv + [v]
+            for t in r.params.allowed_token_ids or []:
+                ar, ac = ar + [i], ac + [t]
+        restricted = torch.tensor([r.params.allowed_token_ids is not None for r in reqs])
+        T = lambda v, dt=torch.int64: torch.tensor(v, dtype=dt)  # noqa: E731
+        return steer_logits(x, T(br), T(bc), T(bv, torch.float32), restricted, T(ar), T(ac))
+
+    sampler = Sampler(eos_token_ids=())
+    reqs = [make(i) for i in range(7)]
+    for step in range(6):
+        x = torch.randn(len(reqs), W, generator=g)
+        want = reference(x, reqs)
+        got = sampler._steer(x, reqs)
+        assert torch.equal(got, want), step
+        assert sampler.tokens(x, reqs).tolist() == want.argmax(-1).tolist()
+        steered = {id(r) for r in reqs if r.params.logit_bias or r.params.allowed_token_ids}
+        assert set(sampler._steering) == steered
+        reqs[step % len(reqs)] = make(7 + step)  # one leaves, a new one takes its row
+    sampler.tokens(x, [make(1)])  # no steered row: nothing kept
+    assert sampler._steering == {}
+
+
+def test_logit_bias_and_allowed_tokens_are_checked():
+    """Keys and values SamplingParams cannot take, and the engine's vocabulary (every prompt checked before it
+    is queued): each a clear error naming its field."""
+    from kestrel.engine.llm import LLM
+
+    for bad, says in (
+        (dict(logit_bias={3: 101}), "logit_bias values"),
+        (dict(logit_bias={3: float("nan")}), "logit_bias values"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias keys"),
+        (dict(logit_bias={"3": 1.0}), "logit_bias keys"),
+        (dict(logit_bias=[3]), "logit_bias must be a mapping"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
+        (dict(allowed_token_ids=[1.5]), "allowed_token_ids must be token ids"),
+        (dict(allowed_token_ids=5), "allowed_token_ids must be a list"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            SamplingParams(**bad)
+    assert SamplingParams(logit_bias={}).logit_bias is None  # asks for nothing
+    llm = LLM("tiny", device="cpu", max_model_len=64)
+    vocab = llm.engine.model.config.vocab_size
+    eos = llm.engine.eos_token_ids[0]
+    for bad, field in (
+        (dict(logit_bias={vocab: 1.0}), "logit_bias"),
+        (dict(allowed_token_ids=[0, vocab]), "allowed_token_ids"),
+        (dict(allowed_token_ids=[eos], min_tokens=1), "allowed_token_ids"),
+    ):
+        with pytest.raises(RequestError, match=field) as e:
+            llm.generate(["Hello"], SamplingParams(max_tokens=2, **bad), use_tqdm=False)
+        assert e.value.param == field
+    (out,) = llm.generate(
+        ["Hello"], SamplingParams(max_tokens=6, allowed_token_ids=[40, 41], ignore_eos=True), use_tqdm=False
+    )
+    assert set(out.outputs[0].token_ids) <= {40, 41} and len(out.outputs[0].token_ids) == 6

@@ -103,7 +103,15 @@ CHAT_CASES = {
         None,
     ),
     "json response_format": (_chat(response_format={"type": "json_object"}), "response_format", None),
-    "logit_bias": (_chat(logit_bias={"65": 10}), "logit_bias", "unsupported_parameter"),
+    "logit_bias past 100": (_chat(logit_bias={"65": 101}), "logit_bias", "invalid_value"),
+    "logit_bias key not an id": (_chat(logit_bias={"a": 1}), "logit_bias", "invalid_value"),
+    "logit_bias key negative": (_chat(logit_bias={"-1": 1}), "logit_bias", "invalid_value"),
+    "logit_bias key a huge number": (_chat(logit_bias={"9" * 5000: 1}), "logit_bias", "invalid_value"),
+    "logit_bias naming a token twice": (_chat(logit_bias={"5": 1, "05": 2}), "logit_bias", "invalid_value"),
+    "logit_bias value a string": (_chat(logit_bias={"65": "1"}), "logit_bias.65", None),
+    "logit_bias past the vocabulary": (_chat(logit_bias={"999999": 1}), "logit_bias", "invalid_value"),
+    "allowed_token_ids empty": (_chat(allowed_token_ids=[]), "allowed_token_ids", "invalid_value"),
+    "allowed_token_ids past the vocabulary": (_chat(allowed_token_ids=[65, 5000]), "allowed_token_ids", None),
     # values past what the device takes: each once passed validation and failed the engine's step, and with it
     # every later request (the engine went unhealthy)
     "seed past int64": (_chat(seed=2**64 + 1), "seed", None),
@@ -181,6 +189,14 @@ GENERATE_CASES = {
     "too long": (
         {"text": "a", "sampling_params": {"max_new_tokens": 10_000}},
         "sampling_params.max_new_tokens",
+    ),
+    "logit_bias key not an id": (
+        {"text": "a", "sampling_params": {"logit_bias": {"x": 1}}},
+        "sampling_params.logit_bias",
+    ),
+    "logit_bias past 100": (
+        {"text": "a", "sampling_params": {"logit_bias": {"1": -200}}},
+        "sampling_params.logit_bias",
     ),
 }
 

@@ -500,3 +500,34 @@ def test_usage_says_how_much_of_the_prompt_the_cache_gave(server):
     assert chat.usage.prompt_tokens_details.cached_tokens == cached  # the second prompt's 0, each prompt once
     r = httpx.post(f"{server.url}/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 2}})
     assert r.json()["meta_info"]["cached_tokens"] == cached, r.text
+
+
+def test_logit_bias_and_allowed_token_ids_steer_the_tokens(server, client):
+    """OpenAI's logit_bias (string keys, as the client sends them) and vLLM's allowed_token_ids, on every route:
+    +100 on a token makes it the greedy choice, -100 on the greedy tokens makes them never come, allowed ids are
+    the only ones sampled; the logprobs stay the model's."""
+    kw = dict(model=MODEL, prompt="steer me", max_tokens=8, **GREEDY)
+    forced = client.completions.create(logit_bias={"120": 100}, **kw).choices[0]
+    assert forced.text == "x" * 8
+
+    def generate(**sampling) -> list[int]:
+        body = {"text": "steer me", "sampling_params": {"max_new_tokens": 8, "temperature": 0, **sampling}}
+        r = httpx.post(f"{server.url}/generate", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    plain = generate(ignore_eos=True)
+    avoided = generate(ignore_eos=True, logit_bias={str(t): -100 for t in plain})
+    assert len(avoided) == 8 and not set(avoided) & set(plain)
+    assert generate(logit_bias={"121": 100}) == [121] * 8
+    sampled = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=12,
+        temperature=1.0,
+        seed=7,
+        logprobs=True,
+        extra_body={"allowed_token_ids": [97, 98], "ignore_eos": True},
+    ).choices[0]
+    assert set(sampled.message.content) <= {"a", "b"} and len(sampled.message.content) == 12
+    assert all(lp.logprob < 0 for lp in sampled.logprobs.content)

@@ -1,5 +1,6 @@
-"""Sampling: logits processing (penalties, temperature, top-k, top-p, min-p) and seeded sampling that does not
-depend on the batch. Batched over rows, each row with its own parameters; no host syncs.
+"""Sampling: logits processing (penalties, logit bias and allowed tokens, temperature, top-k, top-p, min-p) and
+seeded sampling that does not depend on the batch. Batched over rows, each row with its own parameters; no host
+syncs.
 
 Legend: B rows (requests), V vocabulary.
 
@@ -116,6 +117,26 @@ def apply_penalties_at(
     counts = output_counts[rows, cols].float()
     x[rows, cols] = v - frequency[rows] * counts - presence[rows] * (counts > 0).float()
     return x
+
+
+def steer_logits(
+    logits: torch.Tensor,
+    bias_rows: torch.Tensor,
+    bias_cols: torch.Tensor,
+    bias: torch.Tensor,
+    restricted: torch.Tensor,
+    allowed_rows: torch.Tensor,
+    allowed_cols: torch.Tensor,
+) -> torch.Tensor:
+    """OpenAI's logit_bias, then vLLM's allowed_token_ids, on logits [B, V]: a new fp32 tensor.
+
+    bias [N] is added at (bias_rows, bias_cols) (each pair once); in the rows where restricted [B] (bool) is set,
+    every column but the (allowed_rows, allowed_cols) pairs becomes -inf."""
+    x = logits.to(torch.float32, copy=True)
+    x.index_put_((bias_rows, bias_cols), bias.float(), accumulate=True)
+    keep = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+    keep.index_put_((allowed_rows, allowed_cols), torch.ones((), dtype=torch.bool, device=x.device))
+    return x.masked_fill(restricted[:, None] & ~keep, float("-inf"))
 
 
 def token_logprobs(
