@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from kestrel.engine.engine import Engine, RequestError
 from kestrel.engine.outputs import StepOutput
@@ -45,10 +45,14 @@ class RequestGroup:
     def __init__(self, owner: AsyncEngine, request_ids: list[str], loop: asyncio.AbstractEventLoop):
         self.request_ids = request_ids
         self.arrival_time = time.monotonic()
+        # called (on the event loop) with (index, output) for each output that comes after close(): the aborted
+        # members' last words, which nobody iterates any more (the server's metrics read their queue time)
+        self.on_late: Callable[[int, StepOutput], None] | None = None
         self._owner, self._loop = owner, loop
         self._queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
         self._index = {rid: i for i, rid in enumerate(request_ids)}
         self._open = set(request_ids)
+        self._closed = False
 
     def __aiter__(self) -> RequestGroup:
         return self
@@ -72,10 +76,20 @@ class RequestGroup:
         for rid in list(self._open):
             self._owner.abort(rid)
         self._open.clear()
+        self._closed = True
+        while not self._queue.empty():  # come, not read
+            self._late(self._queue.get_nowait())
 
     # -- called on the event loop by the engine thread -------------------------------------------------
     def _put(self, item: StepOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        if self._closed:
+            self._late(item)
+        else:
+            self._queue.put_nowait(item)
+
+    def _late(self, item: StepOutput | BaseException) -> None:
+        if self.on_late is not None and isinstance(item, StepOutput):
+            self.on_late(self._index[item.request_id], item)
 
 
 class AsyncEngine:

@@ -53,7 +53,6 @@ class ChoiceState:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_cached_tokens = 0  # prompt tokens the prefix cache gave this choice's request
-        self.queue_time: float | None = None  # seconds its request waited for admission
 
     def update(self, out: StepOutput) -> str:
         """Take one output; returns the text it adds."""
@@ -61,7 +60,7 @@ class ChoiceState:
             return ""
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
-        self.num_cached_tokens, self.queue_time = out.num_cached_tokens, out.queue_time
+        self.num_cached_tokens = out.num_cached_tokens
         if self.echo_only:  # the prompt alone, as vLLM's: its length reached
             if out.finished:
                 self.finished, self.finish_reason = True, "length"

@@ -50,12 +50,15 @@ class Job:
             for child in children
         ]
         self._prompt_of = [i for i in range(len(prompts)) for _ in children]
+        self._admitted = [False] * len(self.choices)  # each choice's queue time observed
+        self.group.on_late = self._see_admission  # a choice aborted before its first output was read
 
     async def events(self) -> AsyncIterator[tuple[int, str, StepOutput, ChoiceState]]:
         """(choice index, new text, the engine output, the choice) for each output, until all finish."""
         metrics, arrival = self.server.metrics, self.group.arrival_time
         try:
             async for index, out in self.group:
+                self._see_admission(index, out)
                 choice = self.choices[index]
                 if choice.finished:
                     continue
@@ -80,6 +83,13 @@ class Job:
                 choice.finished, choice.finish_reason = True, reason
                 self._count_finished(index, reason)
 
+    def _see_admission(self, index: int, out: StepOutput) -> None:
+        """The queue time of each choice's request, once: from its first output, or (aborted before any
+        was read) from what the engine says after the abort."""
+        if not self._admitted[index] and out.queue_time is not None:
+            self._admitted[index] = True
+            self.server.metrics.on_admitted(out.queue_time)
+
     def _count_finished(self, index: int, reason: str | None) -> None:
         """Each choice is a finished request by its own reason; its prompt's tokens count once, with the last of
         the prompt's n choices (as vLLM counts them), not once per choice."""
@@ -88,7 +98,7 @@ class Job:
         num_prompt_tokens = len(self.prompts[prompt]) if last else 0
         choice = self.choices[index]
         self.server.metrics.on_finished(
-            self.group.arrival_time, num_prompt_tokens, reason, len(choice.token_ids), choice.queue_time
+            self.group.arrival_time, num_prompt_tokens, reason, len(choice.token_ids)
         )
 
     async def drain(self) -> None:

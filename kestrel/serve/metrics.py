@@ -345,18 +345,19 @@ class ServerMetrics:
         num_prompt_tokens: int,
         finish_reason: str | None,
         num_generated: int = 0,
-        queue_time: float | None = None,
     ) -> None:
         """One engine request (one choice) finished; `num_prompt_tokens` is 0 for all but the last choice of a
-        prompt sampled n times, so that the prompt counts once; `queue_time`: None for one never admitted."""
+        prompt sampled n times, so that the prompt counts once."""
         self.e2e.observe(time.monotonic() - arrival)
         self.prompt_tokens.inc(num_prompt_tokens)
         if num_prompt_tokens:
             self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(num_generated)
-        if queue_time is not None:
-            self.queue_time.observe(queue_time)
         self.requests.inc(finish_reason=finish_reason or "unknown")
+
+    def on_admitted(self, queue_time: float) -> None:
+        """One engine request was admitted `queue_time` seconds after it arrived (once each, aborted or not)."""
+        self.queue_time.observe(queue_time)
 
     # -- read at scrape time -----------------------------------------------------------------------------------
     def _pages_used(self) -> int:

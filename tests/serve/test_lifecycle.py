@@ -121,3 +121,40 @@ def test_engine_failure_ends_streams_and_fails_health(make_server):
     client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.APIError):
         client.completions.create(model=MODEL, prompt="a", max_tokens=2)
+
+
+def test_a_request_aborted_before_its_first_output_counts_its_queue_time(make_server):
+    """A client that leaves after its request was admitted but before any output reached the server: the
+    request's last outputs come to a closed group, whose late-output hook still observes its queue time (the
+    histogram missed it before)."""
+    srv = make_server()
+    step, gate, held = srv.engine.step, threading.Event(), threading.Event()
+
+    def gated_step():
+        outs = step()
+        if outs and not gate.is_set():  # the first token, held in the engine thread until the client has gone
+            held.set()
+            gate.wait(20)
+        return outs
+
+    srv.engine.step = gated_step
+    count = lambda: metric_samples(httpx.get(f"{srv.url}/metrics").text).get(  # noqa: E731
+        "kestrel_request_queue_time_seconds_count", 0
+    )
+    before = count()
+    body = {"model": MODEL, "prompt": "leave early", **LONG}
+    with ThreadPoolExecutor(1) as pool:
+        gone = pool.submit(httpx.post, f"{srv.url}/v1/completions", json=body, timeout=1.0)
+        assert held.wait(20)
+        with pytest.raises(httpx.ReadTimeout):
+            gone.result()
+    deadline = time.monotonic() + 10
+    while not srv.async_engine._commands:  # the server has seen the disconnect and asked for the abort
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert count() == before
+    gate.set()
+    deadline = time.monotonic() + 10
+    while count() != before + 1:
+        assert time.monotonic() < deadline, "the aborted request's queue time was not observed"
+        time.sleep(0.05)
