@@ -389,9 +389,9 @@ class Load:
     def __init__(self, store: HiCache, items: list[tuple[Entry, object]]):
         self.store, self.items = store, items
         self.done = False
-        self.tokens = {
-            tier: 0 for tier in LOWER_TIERS
-        }  # filled in by the tree: prompt tokens per source tier
+        # filled in by the tree: prompt tokens per source tier, and the GPU pages the load fills
+        self.tokens = {tier: 0 for tier in LOWER_TIERS}
+        self.num_pages = 0
         self._event = None  # the last copy issued on the load stream
         self._reads: list[tuple[concurrent.futures.Future, Entry, object]] = []
         self._buffers: list[torch.Tensor] = []  # disk reads, kept alive until their copy is done

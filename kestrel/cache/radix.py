@@ -42,6 +42,7 @@ class RadixCache:
         self.query_tokens = 0
         self.tier_hit_tokens = {"gpu": 0, "host": 0, "disk": 0}  # by where the hit's KV was at lookup
         self.loads: list[tuple[Load, Node]] = []  # in flight, with the node each one locks
+        self.num_loading_pages = 0  # of num_pages, those loads in flight fill: the tree's alone, but not free
 
     # -- lookup -----------------------------------------------------------------------------------------------
     def match(self, tokens: list[int], limit: int | None = None) -> Match:
@@ -224,7 +225,8 @@ class RadixCache:
             items.append((node.state_entry, slot))
             node.checkpoint, node.state_entry = slot, None
         load = self.tiers.load(items)
-        load.tokens = tokens
+        load.tokens, load.num_pages = tokens, need
+        self.num_loading_pages += need
         for n in lower + [node]:
             n.loading = load
         self.loads.append((load, node))
@@ -236,6 +238,7 @@ class RadixCache:
         for load, node in list(self.loads):
             if load.poll():
                 self.loads.remove((load, node))
+                self.num_loading_pages -= load.num_pages
                 self.unlock(node)
 
     def wait_for_loads(self, timeout: float = 0.005) -> None:
@@ -444,6 +447,7 @@ class RadixCache:
                 assert node.state_entry.kind == "state"
                 entries.append(node.state_entry)
         assert total == self.num_pages
+        assert self.num_loading_pages == sum(load.num_pages for load, _ in self.loads)
         assert shared == self.kv_pool.num_shared, (
             "only the cache's pages are shared, and the count says how many"
         )

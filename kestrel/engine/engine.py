@@ -456,8 +456,11 @@ class Engine:
             "num_waiting": len(s.waiting),
             "num_free_pages": self.kv_pool.num_free_pages,
             "num_pages": self.kv_pool.num_pages,
-            # the requests' pages: those the prefix cache holds alone come back on demand
-            "num_pages_in_use": self.kv_pool.pages_in_use(self.cache.num_pages if self.cache else 0),
+            # the requests' pages: those the prefix cache holds alone come back on demand (but not those a load
+            # from the host or disk is filling for a waiting request)
+            "num_pages_in_use": self.kv_pool.pages_in_use(
+                self.cache.num_pages - self.cache.num_loading_pages if self.cache else 0
+            ),
             "num_free_slots": self.state_pool.num_free_slots,
             "num_slots": self.state_pool.num_slots,
             "num_preemptions": s.num_preemptions,

@@ -278,12 +278,19 @@ def test_a_loading_request_waits_and_is_overtaken(model, reference, tmp_path, mo
     step()
     assert engine.requests[ra].status is Status.WAITING and engine.requests[rfresh].status is Status.RUNNING
     assert engine.cache.loads and list(engine.scheduler.holds)[0].request_id == ra
+    # the pages the load fills are the tree's alone, but not free: they count as in use (the KV usage gauge)
+    loading = engine.cache.num_loading_pages
+    assert loading == len(a) // engine.kv_pool.page_size > 0
+    in_use = engine.stats()["num_pages_in_use"]
+    assert in_use == engine.kv_pool.pages_in_use(engine.cache.num_pages) + loading
+    assert in_use >= loading + len(engine.requests[rfresh].pages)
     step()  # still reading: the fresh request runs alone
     assert engine.requests[ra].status is Status.WAITING
     gate.set()
     while engine.has_unfinished():
         step()
     assert out[ra] == reference(a + [1, 2], 3) and out[rfresh] == reference(_ids(9, 63), 3)
+    assert engine.cache.num_loading_pages == 0 and engine.stats()["num_pages_in_use"] == 0
     assert engine.cache.tier_hit_tokens["disk"] > 0
 
     # aborted while its prefix is on the way up: the load still lands, then everything is let go
