@@ -2,8 +2,9 @@
 
 Parsing is strict: unknown fields, wrong JSON types (a string for a number, true for an integer) and fields
 this server does not implement are refused with a 400 that names the field, never silently ignored. A JSON
-number with a whole value is a whole number (`max_tokens: 4.0` is 4, as JSON and vLLM's parsing have it; 4.5 is
-refused). Value ranges are checked once, by `SamplingParams`. Optional OpenAI fields accept null as "not given".
+number with a whole value is a whole number (`max_tokens: 4.0` is 4, a prompt's `[1.0, 2.0]` is [1, 2], as JSON
+and vLLM's parsing have it; 4.5 is refused). Value ranges are checked once, by `SamplingParams`. Optional OpenAI
+fields accept null as "not given".
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ class CompletionRequest(_SamplingFields):
     prompt_logprobs; the first prompt token's are null), and `max_tokens` 0 with `echo` the prompt alone, as vLLM
     (what lm-evaluation-harness's loglikelihood requests send)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[Int] | list[list[Int]]
     max_tokens: Int | None = 16  # null: 16 as well
     logprobs: Int | None = None
     echo: bool | None = None
@@ -290,7 +291,7 @@ class NativeSamplingParams(_Strict):
 
 class GenerateRequest(_Strict):
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[Int] | list[list[Int]] | None = None
     sampling_params: NativeSamplingParams | None = None
     # null is "not given" (false, 0), as in the OpenAI routes
     stream: bool | None = None
@@ -362,7 +363,7 @@ class DetokenizeRequest(_Strict):
     """vLLM's /detokenize: token ids back to text (special tokens kept, so what is shown is what was sent)."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
 def parse(model: type[BaseModel], body: bytes):

@@ -298,6 +298,17 @@ def test_whole_numbers_sent_as_floats_are_taken(server):
     )
     assert r.status_code == 200, r.text
     assert_error(httpx.post(f"{server.url}/v1/completions", json={"prompt": "a", "seed": 1.5}), 400, "seed")
+    # token-id lists too: a prompt, a batch of them, /generate's input_ids, /detokenize's tokens
+    ids = {"prompt": [97, 98], "max_tokens": 2, "temperature": 0}
+    want = httpx.post(f"{server.url}/v1/completions", json=ids, timeout=60).json()["choices"][0]["text"]
+    for prompt in ([97.0, 98.0], [[97.0, 98]]):
+        r = httpx.post(f"{server.url}/v1/completions", json={**ids, "prompt": prompt}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    r = httpx.post(f"{server.url}/generate", json={"input_ids": [97.0, 98.0]}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{server.url}/detokenize", json={"tokens": [97.0, 98]}, timeout=60)
+    assert r.status_code == 200 and r.json()["prompt"] == "ab", r.text
+    assert_error(httpx.post(f"{server.url}/v1/completions", json={"prompt": [97.5]}), 400, "prompt")
 
 
 def test_a_body_past_the_limit_is_413_before_it_is_read(make_server):
