@@ -84,10 +84,9 @@ class Sampler:
         or an early-stop ban changes the logits. pending [B]: with ahead = 1, each request's output that is on the
         device only (the step in flight's token), which the penalties count."""
         dev = logits.device
-        x = logits
+        x = self._steer(logits, reqs)
         if any(_needs_penalties(r) for r in reqs):
             x = self._penalize(x, reqs, pending)  # fp32 out
-        x = self._steer(x, reqs)
         x = self._suppress_early_stops(x, reqs, ahead)
         if argmax is not None and x is logits:
             tokens = argmax  # [B]; sampled rows overwritten below
@@ -153,9 +152,9 @@ class Sampler:
         return kept if req is r else to_device_async(torch.tensor(r.prompt_ids, dtype=torch.int64), dev)
 
     def _steer(self, x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """logit_bias, then allowed_token_ids (`steer_logits`; after the penalties, as OpenAI adds the bias to the
-        logits sampling sees), with no sync: each request's ids and values uploaded once and kept while it is in
-        the rows, their rows and counts in one copy."""
+        """logit_bias, then allowed_token_ids (`steer_logits`), before the penalties as in vLLM (a repetition
+        penalty divides a biased logit), with no sync: each request's ids and values uploaded once and kept while
+        it is in the rows, their rows and counts in one copy."""
         rows = [i for i, r in enumerate(reqs) if _steered(r)]
         if not rows:
             self._steering = {}

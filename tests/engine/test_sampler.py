@@ -208,8 +208,8 @@ def test_a_failed_generate_leaves_the_llm_usable():
 
 
 def test_logit_bias_and_allowed_tokens_steer_every_kind_of_row():
-    """OpenAI's logit_bias is added to the logits (after the penalties, in fp32: a bias of 0.04 lifts a bf16
-    logit a step below another past it); vLLM's allowed_token_ids leaves only those tokens, greedy or sampled;
+    """OpenAI's logit_bias is added to the logits (before the penalties, as vLLM; in fp32: a bias of 0.04 lifts a
+    bf16 logit a step below another past it); vLLM's allowed_token_ids leaves only those tokens, greedy or sampled;
     the given argmax is then not taken; the logprobs stay the model's (vLLM's default)."""
     sampler = Sampler(eos_token_ids=(1,))
     given = torch.tensor([9, 9, 9])
@@ -223,10 +223,12 @@ def test_logit_bias_and_allowed_tokens_steer_every_kind_of_row():
     ]
     assert sampler.tokens(x, reqs, argmax=given).tolist() == [12, 7, 12]
     assert sampler.tokens(x.to(torch.bfloat16), reqs, argmax=given).tolist() == [12, 7, 12]
-    # after the penalties: presence 2 takes 7 (an output) to 3, the bias 2.5 gives it back
-    out = _req(temperature=0, presence_penalty=2.0, logit_bias={7: 2.5})
+    # before the penalties, as vLLM: 7 (an output, 5.0) biased by 5 and divided by the repetition penalty 2 is 5.0,
+    # below 12's 6.0 (the penalty first, then the bias: 7.5)
+    x[:, 12] = 6.0
+    out = _req(temperature=0, repetition_penalty=2.0, logit_bias={7: 5.0})
     out.output_ids = [7]
-    assert sampler.tokens(x[:1], [out]).tolist() == [7]
+    assert sampler.tokens(x[:1], [out]).tolist() == [12]
     allowed = [
         _req(temperature=0, allowed_token_ids=[2, 12]),
         _req(temperature=1.0, allowed_token_ids=[12, 2, 12]),
