@@ -88,8 +88,12 @@ class RequestGroup:
             self._queue.put_nowait(item)
 
     def _late(self, item: StepOutput | BaseException) -> None:
-        if self.on_late is not None and isinstance(item, StepOutput):
+        if self.on_late is None or not isinstance(item, StepOutput):
+            return
+        try:
             self.on_late(self._index[item.request_id], item)
+        except Exception:  # noqa: BLE001 - the step's outputs for every other group are delivered after this
+            log.exception("a closed request group's late-output hook failed")
 
 
 class AsyncEngine:

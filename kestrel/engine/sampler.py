@@ -24,7 +24,6 @@ from kestrel.ops.sampling.naive import (
     greedy,
     process_logits,
     sample,
-    steer_logits,
 )
 from kestrel.utils.device import to_device_async
 
@@ -59,6 +58,7 @@ class Sampler:
         self._prompts: dict[int, tuple[Request, torch.Tensor]] = {}
         # id(request) -> (the request, its logit_bias ids, values and allowed ids on the device), the same way
         self._steering: dict[int, tuple[Request, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._steer_batch: tuple | None = None  # (the steered rows' key, what they need), while they stay
 
     def __call__(
         self, logits: torch.Tensor, reqs: list[Request], argmax: torch.Tensor | None = None
@@ -152,32 +152,43 @@ class Sampler:
         return kept if req is r else to_device_async(torch.tensor(r.prompt_ids, dtype=torch.int64), dev)
 
     def _steer(self, x: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """logit_bias, then allowed_token_ids (`steer_logits`), before the penalties as in vLLM (a repetition
-        penalty divides a biased logit), with no sync: each request's ids and values uploaded once and kept while
-        it is in the rows, their rows and counts in one copy."""
+        """logit_bias, then allowed_token_ids (`steer_logits`' values), before the penalties as in vLLM (a
+        repetition penalty divides a biased logit), with no sync. What a batch needs (the bias's flat positions
+        and values, the mask of the tokens not allowed) is made when the steered rows change and kept while they
+        do not, so that a step pays three kernels: the fp32 copy, the bias added, the mask filled."""
         rows = [i for i, r in enumerate(reqs) if _steered(r)]
         if not rows:
-            self._steering = {}
+            self._steering, self._steer_batch = {}, None
             return x
-        dev = x.device
+        key = (len(reqs), x.shape[1], *((i, id(reqs[i])) for i in rows))
+        if self._steer_batch is None or self._steer_batch[0] != key:
+            self._steer_batch = (key, self._prepare_steering(reqs, rows, x.shape[1], x.device))
+        _, (_, flat, bias, ban) = self._steer_batch
+        x = x.to(torch.float32, copy=True)
+        if flat.numel():
+            x.view(-1).index_add_(0, flat, bias)
+        return x if ban is None else x.masked_fill_(ban, float("-inf"))
+
+    def _prepare_steering(self, reqs: list[Request], rows: list[int], V: int, dev: torch.device) -> tuple:
+        """(the steered requests, held so that their ids in the batch's key stay theirs; the bias's positions in
+        the flattened [B, V] logits and its values; the [B, V] mask of the tokens not allowed, or None)."""
         kept = [self._steering_of(reqs[i], dev) for i in rows]
         self._steering = {id(k[0]): k for k in kept}  # these rows' own: the rest go
         nb, na = [k[1].numel() for k in kept], [k[3].numel() for k in kept]
-        restricted = [0] * len(reqs)
-        for i, k in zip(rows, kept):
-            restricted[i] = int(k[0].params.allowed_token_ids is not None)
-        up = to_device_async(torch.tensor(rows + nb + na + restricted, dtype=torch.int64), dev)
+        restricted = [i for i, k in zip(rows, kept) if k[0].params.allowed_token_ids is not None]
         n = len(rows)
+        up = to_device_async(torch.tensor(rows + nb + na + restricted, dtype=torch.int64), dev)
         row_ids = up[:n]
-        return steer_logits(
-            x,
-            row_ids.repeat_interleave(up[n : 2 * n], output_size=sum(nb)),
-            torch.cat([k[1] for k in kept]),
-            torch.cat([k[2] for k in kept]),
-            up[3 * n :].bool(),
-            row_ids.repeat_interleave(up[2 * n : 3 * n], output_size=sum(na)),
-            torch.cat([k[3] for k in kept]),
-        )
+        bias_rows = row_ids.repeat_interleave(up[n : 2 * n], output_size=sum(nb))
+        flat = bias_rows * V + torch.cat([k[1] for k in kept])
+        ban = None
+        if restricted:
+            ban = torch.zeros(len(reqs), V, dtype=torch.bool, device=dev)
+            ban.index_fill_(0, up[3 * n :], True)
+            allowed_rows = row_ids.repeat_interleave(up[2 * n : 3 * n], output_size=sum(na))
+            allowed = (allowed_rows, torch.cat([k[3] for k in kept]))
+            ban.index_put_(allowed, torch.zeros((), dtype=torch.bool, device=dev))
+        return [k[0] for k in kept], flat, torch.cat([k[2] for k in kept]), ban
 
     def _steering_of(self, r: Request, dev: torch.device) -> tuple:
         """(r, its logit_bias ids [N] int64 and values [N] fp32, its allowed ids [M] int64) on the device: kept from

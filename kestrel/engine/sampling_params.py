@@ -15,9 +15,10 @@ INT32_MAX = 2**31 - 1  # top_k and token ids go to the device as int32/int64 bes
 # (a 3 MB request) made every other stream's tokens 14x slower. OpenAI takes 4; lm-evaluation-harness sends a few.
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
 MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids: looked up per token on that thread too (1M of them: 7 ms a token)
-MAX_LOGIT_BIAS = (
-    100.0  # OpenAI's range for a logit_bias value: -100 bans a token, 100 makes it the only one taken
-)
+# OpenAI's range for a logit_bias value: -100 bans a token, 100 makes it the only one taken
+MAX_LOGIT_BIAS = 100.0
+# logit_bias entries and allowed_token_ids: more than any vocabulary served here (K3's 163,840) needs
+MAX_TOKEN_SET = 262_144
 
 
 _NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -67,7 +68,8 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None  # {} asks for nothing
         if self.allowed_token_ids is not None:
             allowed = _as_list(self.allowed_token_ids, "allowed_token_ids must be a list of token ids")
-            self.allowed_token_ids = sorted(set(allowed)) if _all_token_ids(allowed) else allowed
+            ok = len(allowed) <= MAX_TOKEN_SET and _all_token_ids(allowed)
+            self.allowed_token_ids = sorted(set(allowed)) if ok else allowed  # validate() names what is wrong
         self.validate()
 
     def validate(self) -> None:
@@ -125,7 +127,7 @@ class SamplingParams:
             ),
             (
                 _all_token_ids(self.logit_bias or ()),
-                "logit_bias keys must be token ids (integers >= 0)",
+                f"logit_bias keys must be token ids (integers in [0, {INT32_MAX}])",
             ),
             (
                 all(
@@ -136,11 +138,16 @@ class SamplingParams:
             ),
             (
                 self.allowed_token_ids is None or _all_token_ids(self.allowed_token_ids),
-                "allowed_token_ids must be token ids (integers >= 0)",
+                f"allowed_token_ids must be token ids (integers in [0, {INT32_MAX}])",
             ),
             (
                 self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
                 "allowed_token_ids must not be empty (no token could be sampled)",
+            ),
+            (len(self.logit_bias or ()) <= MAX_TOKEN_SET, f"logit_bias takes at most {MAX_TOKEN_SET} tokens"),
+            (
+                len(self.allowed_token_ids or ()) <= MAX_TOKEN_SET,
+                f"allowed_token_ids takes at most {MAX_TOKEN_SET} tokens",
             ),
             (
                 self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,

@@ -192,7 +192,10 @@ def build_app(
         params = req.to_sampling_params()
         param = "text" if req.text is not None else "input_ids"
         prompts = await server.encode_off_loop(req.prompts(), param)
-        names = {"prompt": param, "max_tokens": "sampling_params.max_new_tokens", "n": "sampling_params.n"}
+        names = {"prompt": param, "max_tokens": "sampling_params.max_new_tokens"}
+        names |= {
+            k: f"sampling_params.{k}" for k in ("n", "stop_token_ids", "logit_bias", "allowed_token_ids")
+        }
         job = Job(server, prompts, params, field_names=names)
         if req.stream:
             return sse(generate_stream(server, job, req))

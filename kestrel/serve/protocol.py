@@ -40,9 +40,12 @@ def _logit_bias(value: dict[str, float] | None, param: str) -> dict[int, float] 
         raise bad_request(
             f"logit_bias keys must be token ids written as strings of digits, not {bad!r}", param=param
         )
-    bias = {int(k): v for k, v in value.items()}
-    if len(bias) < len(value):
-        raise bad_request("logit_bias names a token twice (as '5' and '05')", param=param)
+    bias: dict[int, float] = {}
+    for k, v in value.items():
+        if int(k) in bias:
+            twice = next(other for other in value if other != k and int(other) == int(k))
+            raise bad_request(f"logit_bias names token {int(k)} twice (as {twice!r} and {k!r})", param=param)
+        bias[int(k)] = v
     return bias
 
 

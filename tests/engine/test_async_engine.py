@@ -221,3 +221,34 @@ def test_shutdown_fails_open_streams(model):
 
     ae = AsyncEngine(_engine(model))
     asyncio.run(main(ae))
+
+
+def test_a_closed_group_hands_late_outputs_to_its_hook_and_survives_its_failure(caplog):
+    """After close(), outputs (queued unread, or still to come) go to `on_late` with their member's index; a hook
+    that raises is logged, not raised into the loop's delivery of the other groups' outputs."""
+    from kestrel.engine.async_engine import RequestGroup
+    from kestrel.engine.outputs import StepOutput
+
+    class Owner:
+        aborted: list[str] = []
+
+        def abort(self, rid):
+            self.aborted.append(rid)
+
+    def out(rid, finished=False):
+        return StepOutput(rid, [], None, finished, "abort" if finished else None, None, 3, 0, queue_time=0.5)
+
+    async def main():
+        group = RequestGroup(Owner(), ["g-0", "g-1"], asyncio.get_running_loop())
+        seen = []
+        group.on_late = lambda index, o: seen.append((index, o.queue_time))
+        group._put(out("g-1"))  # come, not read
+        group.close()
+        group._put(out("g-0", finished=True))
+        assert seen == [(1, 0.5), (0, 0.5)] and sorted(group._owner.aborted) == ["g-0", "g-1"]
+        group.on_late = lambda index, o: 1 / 0
+        with caplog.at_level("ERROR", logger="kestrel.engine"):
+            group._put(out("g-1", finished=True))
+        assert "late-output hook failed" in caplog.text
+
+    asyncio.run(main())

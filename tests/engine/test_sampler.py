@@ -249,9 +249,9 @@ def test_logit_bias_and_allowed_tokens_steer_every_kind_of_row():
 
 
 def test_steering_of_many_rows_over_steps_equals_the_reference():
-    """The sampler's steering (each request's ids and values kept on the device while it is in the rows, their
-    rows in one copy) against `steer_logits` on the pairs listed by hand, over steps in which requests leave and
-    new ones take their rows."""
+    """The sampler's steering (each request's ids and values kept on the device while it is in the rows, what a
+    batch of rows needs kept while the rows stay) against `steer_logits` on the pairs listed by hand, over steps
+    in which requests leave and new ones take their rows."""
     from kestrel.ops.sampling.naive import steer_logits
 
     g = torch.Generator().manual_seed(0)
@@ -284,6 +284,13 @@ def test_steering_of_many_rows_over_steps_equals_the_reference():
         want = reference(x, reqs)
         got = sampler._steer(x, reqs)
         assert torch.equal(got, want), step
+        again = torch.randn(
+            len(reqs), W, generator=g
+        )  # the same rows: what they need is kept, not made again
+        kept = sampler._steer_batch
+        assert (
+            torch.equal(sampler._steer(again, reqs), reference(again, reqs)) and sampler._steer_batch is kept
+        )
         assert sampler.tokens(x, reqs).tolist() == want.argmax(-1).tolist()
         steered = {id(r) for r in reqs if r.params.logit_bias or r.params.allowed_token_ids}
         assert set(sampler._steering) == steered

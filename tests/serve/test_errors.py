@@ -111,6 +111,11 @@ CHAT_CASES = {
     "logit_bias value a string": (_chat(logit_bias={"65": "1"}), "logit_bias.65", None),
     "logit_bias past the vocabulary": (_chat(logit_bias={"999999": 1}), "logit_bias", "invalid_value"),
     "allowed_token_ids empty": (_chat(allowed_token_ids=[]), "allowed_token_ids", "invalid_value"),
+    "allowed_token_ids past the cap": (
+        _chat(allowed_token_ids=[1] * 262_145),
+        "allowed_token_ids",
+        "invalid_value",
+    ),
     "allowed_token_ids past the vocabulary": (_chat(allowed_token_ids=[65, 5000]), "allowed_token_ids", None),
     # values past what the device takes: each once passed validation and failed the engine's step, and with it
     # every later request (the engine went unhealthy)
@@ -197,6 +202,19 @@ GENERATE_CASES = {
     "logit_bias past 100": (
         {"text": "a", "sampling_params": {"logit_bias": {"1": -200}}},
         "sampling_params.logit_bias",
+    ),
+    # the engine's checks (the vocabulary), named as the request spells them
+    "logit_bias past the vocabulary": (
+        {"text": "a", "sampling_params": {"logit_bias": {"1000": 1}}},
+        "sampling_params.logit_bias",
+    ),
+    "allowed_token_ids past the vocabulary": (
+        {"text": "a", "sampling_params": {"allowed_token_ids": [1, 1000]}},
+        "sampling_params.allowed_token_ids",
+    ),
+    "stop_token_ids past the vocabulary": (
+        {"text": "a", "sampling_params": {"stop_token_ids": [1000]}},
+        "sampling_params.stop_token_ids",
     ),
 }
 

@@ -530,4 +530,11 @@ def test_logit_bias_and_allowed_token_ids_steer_the_tokens(server, client):
         extra_body={"allowed_token_ids": [97, 98], "ignore_eos": True},
     ).choices[0]
     assert set(sampled.message.content) <= {"a", "b"} and len(sampled.message.content) == 12
-    assert all(lp.logprob < 0 for lp in sampled.logprobs.content)
+    # the logprobs are the model's: those of the same tokens read back as the prompt's (echo)
+    forced = client.completions.create(logit_bias={"120": 100}, logprobs=0, **{**kw, "max_tokens": 4})
+    echoed = client.completions.create(
+        model=MODEL, prompt="steer me" + forced.choices[0].text, max_tokens=0, echo=True, logprobs=0
+    )
+    want = echoed.choices[0].logprobs.token_logprobs[-4:]
+    assert forced.choices[0].logprobs.token_logprobs == pytest.approx(want, abs=1e-4)
+    assert max(want) < -1  # far from the top: not what the bias made of them
