@@ -8,8 +8,9 @@ also gathers its page table and ends with the greedy rows' argmax, work that ran
 must move / step time / measured copy bandwidth, with bytes = weights touched (every dense weight, the experts
 the batch hits, the LM head) + KDA state read and written + the MLA/DSA cache read (indexer keys of every
 position, latent rows of the selected ones).
-With --sampling logprobs / penalties the requests also ask for top-5 logprobs, or frequency and presence
-penalties: the sampler's extra work a step, which the overlap schedule still hides behind the device (session 41).
+With --sampling logprobs / penalties / steer the requests also ask for top-5 logprobs, frequency and presence
+penalties, or a logit_bias and allowed_token_ids: the sampler's extra work a step, which the overlap schedule
+still hides behind the device (session 41).
 With --profile, each point's replayed step is also broken down by kernel (torch.profiler over a few replays):
 the kernels' summed time against the replay's, their count, and the kernels that took the most time, each
 with its share of the step and a category (KDA, MoE, MLA, DSA, matmul, ...): where the step's time goes; and the
@@ -86,6 +87,8 @@ SAMPLING = {
     "greedy": {},
     "logprobs": {"logprobs": 5},
     "penalties": {"frequency_penalty": 0.5, "presence_penalty": 0.5},
+    # a logit_bias on 64 tokens and 256 tokens allowed (the vocabulary's first ids; tiny has 261): the steering
+    "steer": {"logit_bias": {t: -1.0 for t in range(64)}, "allowed_token_ids": list(range(256))},
 }
 
 

@@ -325,9 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--sampling",
-        choices=["greedy", "logprobs", "penalties"],
+        choices=["greedy", "logprobs", "penalties", "steer"],
         default="greedy",
-        help="what the requests ask beside greedy tokens: top-5 logprobs, or frequency and presence penalties",
+        help="what the requests ask beside greedy tokens: top-5 logprobs, frequency and presence penalties, or a "
+        "logit_bias (64 tokens) and allowed_token_ids (256)",
     )
     d.add_argument("--out", type=arg_types.path, default=None, help="write the results as JSON here")
     d.set_defaults(func=_bench("decode"))

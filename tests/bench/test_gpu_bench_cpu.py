@@ -62,9 +62,10 @@ def test_launch_floor_share():
         assert measure_launch_floor("cpu") is None
 
 
-@pytest.mark.parametrize("sampling", ["logprobs", "penalties"])
+@pytest.mark.parametrize("sampling", ["logprobs", "penalties", "steer"])
 def test_decode_bench_requests_can_ask_for_logprobs_or_penalties(sampling):
-    """`bench decode --sampling`: the placed requests ask for top-5 logprobs or penalties, and the step is timed
+    """`bench decode --sampling`: the placed requests ask for top-5 logprobs, penalties or a logit_bias and
+    allowed_token_ids, and the step is timed
     with the overlap schedule and without it (on the CPU at tiny sizes: the code runs, the figures mean nothing)."""
     from kestrel.bench.decode import SAMPLING, decode_bench
 
