@@ -427,6 +427,19 @@ def job_ab(arg: str | None, call: Call) -> list[Run]:
     return runs
 
 
+SAMPLING_MODES = ("greedy", "logprobs", "penalties", "steer")  # bench decode's --sampling
+
+
+def job_sampling(arg: str | None, call: Call) -> list[Run]:
+    """`sampling[:MODES]`: bench decode at 4K, batch 1 and 256, DSA only, with each --sampling mode in turn
+    (greedy first: the others' peer in the same call); MODES comma-separated, all four without it."""
+    modes = arg.split(",") if arg else list(SAMPLING_MODES)
+    if not set(modes) <= set(SAMPLING_MODES):
+        raise ValueError(f"sampling:{arg}: modes are {', '.join(SAMPLING_MODES)}")
+    options = ["--batches", "1,256", "--contexts", "4096", "--no-dense"]
+    return [_decode(call, f"sampling_{mode}", 60, *options, "--sampling", mode) for mode in modes]
+
+
 JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {
     "tests": (
         "tests[:PARTS]: gpu_suite's GPU tests (PARTS as --gpu-tests-parts; --workers processes)",
@@ -472,6 +485,10 @@ JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {
         job_gemvab,
     ),
     "ab": ("ab:VAR=A/B[:N]: bench decode at 4K, batch 1/4/16/256, VAR=A then VAR=B, N rounds (2)", job_ab),
+    "sampling": (
+        "sampling[:MODES]: bench decode at 4K, batch 1/256, --sampling greedy, logprobs, penalties, steer",
+        job_sampling,
+    ),
     "pdl": (
         "pdl: decode_kernels_check pdl (the launch floor with and without PDL)",
         lambda arg, call: [_check(call, "pdl", "pdl", 30)],
