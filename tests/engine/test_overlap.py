@@ -244,11 +244,11 @@ def test_stops_found_a_step_late_keep_the_cache_right(model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_steady_decode_step_never_waits_for_the_stream():
     """Under the overlap schedule a steady decode step (greedy and seeded sampling, with min_tokens banning a stop
-    token id, two requests with logprobs, one with a penalty) stages, launches and samples without a single stream
-    sync: torch's sync debug mode raises on any."""
+    token id, two requests with logprobs, one with a penalty, one with a logit_bias, one with allowed_token_ids)
+    stages, launches and samples without a single stream sync: torch's sync debug mode raises on any."""
     net = build_model("tiny", dtype=torch.bfloat16, device="cuda", seed=SEED)
     engine = Engine(EngineConfig(model="tiny", page_size=4, max_running_requests=8), model=net)
-    for i in range(4):
+    for i in range(6):
         sampled = i % 2 == 1
         params = SamplingParams(
             temperature=0.8 if sampled else 0,
@@ -257,8 +257,10 @@ def test_steady_decode_step_never_waits_for_the_stream():
             min_tokens=20,
             ignore_eos=True,
             stop_token_ids=[7],
-            logprobs=i if i >= 2 else None,
+            logprobs=i if 2 <= i <= 3 else None,
             frequency_penalty=0.5 if i == 3 else 0.0,
+            logit_bias={65: 2.0, 66: -3.0} if i == 4 else None,
+            allowed_token_ids=list(range(60, 90)) if i == 5 else None,
         )
         engine.add_request(_prompt(30 + i, i), params)
     for _ in range(4):  # prefill, then the first decode steps
