@@ -54,9 +54,31 @@ class Tokenizer(ABC):
             return bytes(inverse[c] for c in token)
         return self.decode([i], skip_special_tokens=False).encode("utf-8")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render OpenAI-style messages; list content has its text parts joined with newlines."""
-        return self._render_chat([_normalize_message(m) for m in messages], add_generation_prompt)
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False
+    ) -> str:
+        """Render OpenAI-style messages; list content has its text parts joined with newlines.
+        `continue_final_message` (vLLM's): the text ends with the last message's content, left open (no end of
+        turn after it), for the model to go on with it: a reply's start given by the client."""
+        messages = [_normalize_message(m) for m in messages]
+        if not continue_final_message:
+            return self._render_chat(messages, add_generation_prompt)
+        if add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if not messages:
+            raise ValueError("continue_final_message needs a message to continue")
+        # the template renders a mark in the final message's place; the text is cut where it stands
+        text = self._render_chat([*messages[:-1], {**messages[-1], "content": _CONTINUE_MARK}], False)
+        if text.count(_CONTINUE_MARK) != 1:
+            raise ChatTemplateError(
+                "the chat template does not render the final message's content as given, so it cannot be continued"
+            )
+        return text[: text.index(_CONTINUE_MARK)] + messages[-1]["content"]
+
+
+# What stands for the final message's content while the template renders it (private-use characters, which no
+# template adds or changes)
+_CONTINUE_MARK = "\ue000kestrel-continue\ue001"
 
 
 def _normalize_message(message: dict) -> dict:

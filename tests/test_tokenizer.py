@@ -12,7 +12,7 @@ from kestrel.tokenizer import (
     load_tokenizer,
     save_byte_tokenizer,
 )
-from kestrel.utils.errors import CheckpointError
+from kestrel.utils.errors import ChatTemplateError, CheckpointError
 
 TEXTS = [
     "",
@@ -106,6 +106,35 @@ def test_chat_template(hf_tok):
             assert hf_tok.apply_chat_template(messages, gen) == byte.apply_chat_template(messages, gen)
     ids = byte.encode(byte.apply_chat_template(CONVERSATION))
     assert ids[0] == 259 and ids.count(260) == 3
+
+
+@pytest.mark.parametrize("tok", [ByteTokenizer(), "hf"])
+def test_continue_final_message_leaves_the_last_message_open(tok, hf_tok):
+    """vLLM's continue_final_message: the text ends with the last message's content, no end of turn after it, for
+    the model to go on with (a reply's start given by the client); empty content leaves the turn just opened."""
+    tok = hf_tok if tok == "hf" else tok
+    start = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi 😀<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tok.apply_chat_template(CONVERSATION, False, continue_final_message=True) == start + "Hello!"
+    empty = [*CONVERSATION[:-1], {"role": "assistant", "content": None}]
+    assert tok.apply_chat_template(empty, False, continue_final_message=True) == start
+    # without it the empty turn is closed and another opened
+    assert tok.apply_chat_template(empty, True) == start + "<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match="cannot both be true"):
+        tok.apply_chat_template(CONVERSATION, True, continue_final_message=True)
+
+
+def test_continue_final_message_needs_a_template_that_keeps_the_content(tmp_path, hf_dir):
+    """A template that changes the final message's content (here to upper case) cannot be continued: a clear
+    error, not a prompt cut in the wrong place."""
+    for name in ("tokenizer.json", "generation_config.json"):
+        (tmp_path / name).write_bytes(open(os.path.join(hf_dir, name), "rb").read())
+    template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    tok = HFTokenizer(str(tmp_path))
+    with pytest.raises(ChatTemplateError, match="cannot be continued"):
+        tok.apply_chat_template(CONVERSATION, False, continue_final_message=True)
 
 
 @pytest.mark.parametrize("tok", [ByteTokenizer(), "hf"])

@@ -111,8 +111,17 @@ class LLM:
         """The engine's tokenizer (vLLM's `LLM.get_tokenizer()`)."""
         return self.tokenizer
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+    def chat(
+        self,
+        messages,
+        sampling_params=None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them. As vLLM's:
+        `continue_final_message` leaves the last message open for the model to go on with;
+        `add_generation_prompt` (true unless given, or continuing) opens the assistant's turn."""
         sequence = (list, tuple)
         if isinstance(messages, sequence) and messages and isinstance(messages[0], dict):
             convs = [messages]
@@ -123,7 +132,9 @@ class LLM:
                 'chat takes a conversation, a list of {"role": ..., "content": ...} dicts, or a list of '
                 f"conversations, not {_preview(messages)} (a plain prompt goes to generate())"
             )
-        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in convs]
+        opened = not continue_final_message if add_generation_prompt is None else add_generation_prompt
+        options = dict(add_generation_prompt=opened, continue_final_message=continue_final_message)
+        prompts = [self.tokenizer.apply_chat_template(list(c), **options) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _completion(self, index, ids, lps, out, p: SamplingParams) -> CompletionOutput:

@@ -10,9 +10,9 @@ Endpoints
 - GET /v1/models, GET /health (503 once the engine thread has failed; /ping the same, GET or POST, as vLLM's),
   GET /version, GET /get_server_info (engine config,
   memory plan, pool and prefix-cache stats), GET /metrics (Prometheus text); each answers HEAD too.
-- POST /tokenize (`prompt`, or chat `messages` with `add_generation_prompt`): the token ids the completion
-  routes would feed the model, their count and the context limit; POST /detokenize (`tokens`): their text.
-  vLLM's routes and fields.
+- POST /tokenize (`prompt`, or chat `messages` with `add_generation_prompt`, `continue_final_message`): the token
+  ids the completion routes would feed the model, their count and the context limit; POST /detokenize
+  (`tokens`): their text. vLLM's routes and fields.
 - POST /flush_cache: drop every cached prefix no running request uses, in every tier (GPU, host, disk); answers
   what was freed.
 
@@ -95,10 +95,11 @@ def build_app(
 
         return register
 
-    async def chat_prompt(messages: list[dict], add_generation_prompt: bool = True) -> list[list[int]]:
-        """The messages through the chat template, tokenized: the one prompt a chat request is fed."""
+    async def chat_prompt(messages: list[dict], options: dict) -> list[list[int]]:
+        """The messages through the chat template (`options`: its keyword arguments), tokenized: the one prompt
+        a chat request is fed."""
         try:
-            text = server.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text = server.tokenizer.apply_chat_template(messages, **options)
         except (ValueError, KestrelError) as e:
             raise bad_request(str(e), param="messages") from None
         return await server.encode_off_loop([text], "messages")
@@ -109,7 +110,9 @@ def build_app(
         server.check_model(req.model)
         params = req.to_sampling_params()
         names = {"prompt": "messages", "max_tokens": req.max_tokens_field}
-        job = Job(server, await chat_prompt(req.chat_messages()), params, field_names=names)
+        job = Job(
+            server, await chat_prompt(req.chat_messages(), req.template_options()), params, field_names=names
+        )
         if req.stream:
             return sse(chat_stream(server, job, req))
         if not await _finish_unless_disconnected(request, job):
@@ -167,7 +170,7 @@ def build_app(
         req = parse(TokenizeRequest, await server.read_body(request))
         server.check_model(req.model)
         if req.messages is not None:
-            (tokens,) = await chat_prompt(req.chat_messages(), req.add_generation_prompt)
+            (tokens,) = await chat_prompt(req.chat_messages(), req.template_options())
         else:
             (tokens,) = await server.encode_off_loop([req.prompt], "prompt")
         limit = async_engine.engine.plan.max_model_len

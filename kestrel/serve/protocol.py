@@ -146,7 +146,29 @@ class _SamplingFields(_Strict):
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(_Strict):
+    """vLLM's chat-template options: `add_generation_prompt` (true unless given: the assistant's turn opened) and
+    `continue_final_message` (the last message left open for the model to go on with; not with an explicit
+    `add_generation_prompt: true`)."""
+
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+
+    def check_template_options(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
+            )
+
+    def template_options(self) -> dict:
+        """apply_chat_template's keyword arguments."""
+        go_on = bool(self.continue_final_message)
+        opened = not go_on if self.add_generation_prompt is None else self.add_generation_prompt
+        return {"add_generation_prompt": opened, "continue_final_message": go_on}
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     messages: list[ChatMessage]
     max_tokens: Int | None = None  # None: up to the context limit
     max_completion_tokens: Int | None = None
@@ -167,6 +189,7 @@ class ChatCompletionRequest(_SamplingFields):
     def check(self) -> None:
         self.check_common()
         _refuse_unsupported(self, _NEUTRAL_CHAT)
+        self.check_template_options()
         if not self.messages:
             raise bad_request("messages must not be empty", param="messages")
         _check_contents(self.messages)
@@ -341,16 +364,17 @@ class GenerateRequest(_Strict):
             raise e.as_request_error({e.param: param}) from None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_ChatTemplateFields):
     """vLLM's /tokenize: a `prompt` as /v1/completions reads it, or chat `messages` as /v1/chat/completions
-    renders them (with the assistant's opening unless `add_generation_prompt` is false)."""
+    renders them (with the assistant's opening unless `add_generation_prompt` is false or
+    `continue_final_message` true)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
 
     def check(self) -> None:
+        self.check_template_options()
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("give one of prompt and messages", param="prompt")
         if self.messages is not None and not self.messages:

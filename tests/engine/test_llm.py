@@ -7,7 +7,7 @@ import torch
 
 from kestrel.engine.llm import LLM
 from kestrel.engine.sampling_params import SamplingParams
-from kestrel.presets import preset_config
+from kestrel.presets import builtin_model, preset_config
 from kestrel.utils.errors import ConfigError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=3)
@@ -242,3 +242,24 @@ def test_request_output_says_what_the_cache_gave(llm):
     page = llm.engine.kv_pool.page_size
     assert a.num_cached_tokens == 0
     assert 0 < b.num_cached_tokens < len(prompt) and b.num_cached_tokens % page == 0
+
+
+@pytest.mark.skipif(builtin_model() != "kestrel-demo", reason="the shipped demo model is not in this install")
+def test_the_demo_model_goes_on_with_a_started_reply():
+    """continue_final_message on the shipped model: given the first step of a worked chain sum, it goes on to the
+    answer it gives the question alone (greedy)."""
+    demo = LLM("kestrel-demo", device="cpu")
+    question = [
+        {
+            "role": "user",
+            "content": "State the final answer to the following arithmetic problem: 27 - 64 - 11 - 18 =",
+        }
+    ]
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    (whole,) = demo.chat(question, greedy, use_tqdm=False)
+    assert whole.outputs[0].text == "27 - 64 = -37\n-37 - 11 = -48\n-48 - 18 = -66\nAnswer: -66"
+    started = [*question, {"role": "assistant", "content": "27 - 64 = -37\n"}]
+    (rest,) = demo.chat(started, greedy, use_tqdm=False, continue_final_message=True)
+    assert "27 - 64 = -37\n" + rest.outputs[0].text == whole.outputs[0].text
+    with pytest.raises(ValueError, match="cannot both be true"):
+        demo.chat(started, greedy, use_tqdm=False, add_generation_prompt=True, continue_final_message=True)

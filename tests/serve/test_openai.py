@@ -538,3 +538,24 @@ def test_logit_bias_and_allowed_token_ids_steer_the_tokens(server, client):
     want = echoed.choices[0].logprobs.token_logprobs[-4:]
     assert forced.choices[0].logprobs.token_logprobs == pytest.approx(want, abs=1e-4)
     assert max(want) < -1  # far from the top: not what the bias made of them
+
+
+def test_continue_final_message_goes_on_with_the_given_start(server, client):
+    """vLLM's continue_final_message: the last (assistant) message is left open and the reply goes on from it
+    (its tokens are the prompt's); /tokenize gives those ids; with add_generation_prompt also true, a 400."""
+    start = [*CHAT, {"role": "assistant", "content": "Sure, the answer is"}]
+    body = {"model": MODEL, "messages": start, "continue_final_message": True}
+    r = httpx.post(f"{server.url}/tokenize", json=body, timeout=30).json()
+    text = "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\nSure, the answer is"
+    assert r["tokens"] == server.engine.tokenizer.encode(text)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=start, max_tokens=5, extra_body={"continue_final_message": True, **GREEDY["extra_body"]},
+        temperature=0,
+    )  # fmt: skip
+    same = client.completions.create(model=MODEL, prompt=r["tokens"], max_tokens=5, **GREEDY)
+    assert reply.choices[0].message.content == same.choices[0].text
+    assert reply.usage.prompt_tokens == r["count"]
+    for route in ("/v1/chat/completions", "/tokenize"):
+        bad = {**body, "add_generation_prompt": True}
+        r = httpx.post(f"{server.url}{route}", json=bad, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
