@@ -437,6 +437,7 @@ class Engine:
             (list(req.prompt_logprobs) or [None]) if first else None,  # (a one-token prompt: no position)
             req.num_cached_tokens or 0,
             None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time,
+            req.first_scheduled_time,
         )
 
     def _finish_outputs(self, outputs: list[StepOutput]) -> list[StepOutput]:

@@ -74,6 +74,7 @@ class StepOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache gave the request (none computed for them)
     queue_time: float | None = None  # seconds from its arrival to its first admission (None before that)
+    scheduled_time: float | None = None  # when it was first admitted (time.monotonic; None before that)
 
     @property
     def stopped_by_token(self) -> bool:

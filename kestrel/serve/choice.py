@@ -53,6 +53,7 @@ class ChoiceState:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_cached_tokens = 0  # prompt tokens the prefix cache gave this choice's request
+        self.scheduled_time: float | None = None  # when its request was first admitted (time.monotonic)
 
     def update(self, out: StepOutput) -> str:
         """Take one output; returns the text it adds."""
@@ -61,6 +62,7 @@ class ChoiceState:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.num_cached_tokens = out.num_cached_tokens
+        self.scheduled_time = self.scheduled_time or out.scheduled_time
         if self.echo_only:  # the prompt alone, as vLLM's: its length reached
             if out.finished:
                 self.finished, self.finish_reason = True, "length"

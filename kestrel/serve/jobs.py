@@ -98,7 +98,11 @@ class Job:
         num_prompt_tokens = len(self.prompts[prompt]) if last else 0
         choice = self.choices[index]
         self.server.metrics.on_finished(
-            self.group.arrival_time, num_prompt_tokens, reason, len(choice.token_ids)
+            self.group.arrival_time,
+            num_prompt_tokens,
+            reason,
+            len(choice.token_ids),
+            (choice.scheduled_time, choice.first_token_time, choice.last_token_time),
         )
 
     async def drain(self) -> None:

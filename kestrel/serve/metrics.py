@@ -206,6 +206,22 @@ class ServerMetrics:
         self.queue_time = r.add(
             Histogram("kestrel_request_queue_time_seconds", "Time from arrival to the first admission.")
         )
+        # vLLM's phases of a finished request (one choice), each from its first admission
+        self.prefill_time = r.add(
+            Histogram(
+                "kestrel_request_prefill_time_seconds",
+                "Time from the first admission to the first output token.",
+            )
+        )
+        self.decode_time = r.add(
+            Histogram("kestrel_request_decode_time_seconds", "Time from the first output token to the last.")
+        )
+        self.inference_time = r.add(
+            Histogram(
+                "kestrel_request_inference_time_seconds",
+                "Time from the first admission to the last output token.",
+            )
+        )
         self.request_prompt_tokens = r.add(
             Histogram(
                 "kestrel_request_prompt_tokens", "Prompt tokens a finished prompt had.", buckets=TOKEN_BUCKETS
@@ -345,10 +361,17 @@ class ServerMetrics:
         num_prompt_tokens: int,
         finish_reason: str | None,
         num_generated: int = 0,
+        times: tuple[float | None, float | None, float | None] = (None, None, None),
     ) -> None:
         """One engine request (one choice) finished; `num_prompt_tokens` is 0 for all but the last choice of a
-        prompt sampled n times, so that the prompt counts once."""
+        prompt sampled n times, so that the prompt counts once. `times`: when it was first admitted, and its
+        first and last output tokens came (time.monotonic; None where that did not happen)."""
         self.e2e.observe(time.monotonic() - arrival)
+        scheduled, first, last = times
+        if scheduled is not None and first is not None:
+            self.prefill_time.observe(first - scheduled)
+            self.decode_time.observe(last - first)
+            self.inference_time.observe(last - scheduled)
         self.prompt_tokens.inc(num_prompt_tokens)
         if num_prompt_tokens:
             self.request_prompt_tokens.observe(num_prompt_tokens)

@@ -397,6 +397,9 @@ FAMILIES = [
     ("kestrel_generation_tokens_per_second", "gauge"),
     ("kestrel_num_preemptions_total", "counter"),
     ("kestrel_request_queue_time_seconds", "histogram"),
+    ("kestrel_request_prefill_time_seconds", "histogram"),
+    ("kestrel_request_decode_time_seconds", "histogram"),
+    ("kestrel_request_inference_time_seconds", "histogram"),
     ("kestrel_request_prompt_tokens", "histogram"),
     ("kestrel_request_generation_tokens", "histogram"),
 ]
@@ -455,6 +458,12 @@ def test_a_prompt_sampled_n_times_counts_its_tokens_once(server, client):
     assert added("kestrel_request_generation_tokens_count") == 4
     assert added("kestrel_request_generation_tokens_sum") == r.usage.completion_tokens == 12
     assert added("kestrel_request_queue_time_seconds_count") == 4
+    # and their phases from admission: prefill to the first token, decode to the last, inference both
+    for phase in ("prefill", "decode", "inference"):
+        assert added(f"kestrel_request_{phase}_time_seconds_count") == 4
+    assert added("kestrel_request_inference_time_seconds_sum") == pytest.approx(
+        added("kestrel_request_prefill_time_seconds_sum") + added("kestrel_request_decode_time_seconds_sum")
+    )
 
 
 def test_http_responses_are_counted_by_route_and_status(server, client):
