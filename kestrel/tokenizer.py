@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import re
+import secrets
 from abc import ABC, abstractmethod
 
 from kestrel.utils.errors import ChatTemplateError, CheckpointError, ConfigError
@@ -67,18 +68,18 @@ class Tokenizer(ABC):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if not messages:
             raise ValueError("continue_final_message needs a message to continue")
-        # the template renders a mark in the final message's place; the text is cut where it stands
-        text = self._render_chat([*messages[:-1], {**messages[-1], "content": _CONTINUE_MARK}], False)
-        if text.count(_CONTINUE_MARK) != 1:
+        # the template renders a mark in the final message's place (private-use characters and a nonce, which
+        # no template adds or changes and no message holds); the text is cut where it stands, and must be how
+        # the template renders the whole conversation up to the end of the final content
+        mark = f"\ue000{secrets.token_hex(8)}\ue001"
+        text = self._render_chat([*messages[:-1], {**messages[-1], "content": mark}], False)
+        content = messages[-1]["content"]
+        opened = text[: text.index(mark)] + content if text.count(mark) == 1 else None
+        if opened is None or not self._render_chat(messages, False).startswith(opened):
             raise ChatTemplateError(
                 "the chat template does not render the final message's content as given, so it cannot be continued"
             )
-        return text[: text.index(_CONTINUE_MARK)] + messages[-1]["content"]
-
-
-# What stands for the final message's content while the template renders it (private-use characters, which no
-# template adds or changes)
-_CONTINUE_MARK = "\ue000kestrel-continue\ue001"
+        return opened
 
 
 def _normalize_message(message: dict) -> dict:

@@ -432,10 +432,11 @@ SAMPLING_MODES = ("greedy", "logprobs", "penalties", "steer")  # bench decode's 
 
 def job_sampling(arg: str | None, call: Call) -> list[Run]:
     """`sampling[:MODES]`: bench decode at 4K, batch 1 and 256, DSA only, with each --sampling mode in turn
-    (greedy first: the others' peer in the same call); MODES comma-separated, all four without it."""
+    (greedy first, named or not: the others' peer in the same call); MODES comma-separated, all four without it."""
     modes = arg.split(",") if arg else list(SAMPLING_MODES)
     if not set(modes) <= set(SAMPLING_MODES):
         raise ValueError(f"sampling:{arg}: modes are {', '.join(SAMPLING_MODES)}")
+    modes = ["greedy", *(m for m in dict.fromkeys(modes) if m != "greedy")]
     options = ["--batches", "1,256", "--contexts", "4096", "--no-dense"]
     return [_decode(call, f"sampling_{mode}", 60, *options, "--sampling", mode) for mode in modes]
 

@@ -123,6 +123,9 @@ def test_continue_final_message_leaves_the_last_message_open(tok, hf_tok):
     assert tok.apply_chat_template(empty, True) == start + "<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError, match="cannot both be true"):
         tok.apply_chat_template(CONVERSATION, True, continue_final_message=True)
+    # a message holding what once stood in for the final content
+    odd = [{"role": "user", "content": "\ue000kestrel-continue\ue001"}, {"role": "assistant", "content": "x"}]
+    assert tok.apply_chat_template(odd, False, continue_final_message=True).endswith("assistant\nx")
 
 
 def test_continue_final_message_needs_a_template_that_keeps_the_content(tmp_path, hf_dir):
@@ -130,11 +133,24 @@ def test_continue_final_message_needs_a_template_that_keeps_the_content(tmp_path
     error, not a prompt cut in the wrong place."""
     for name in ("tokenizer.json", "generation_config.json"):
         (tmp_path / name).write_bytes(open(os.path.join(hf_dir, name), "rb").read())
-    template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    tok = HFTokenizer(str(tmp_path))
-    with pytest.raises(ChatTemplateError, match="cannot be continued"):
-        tok.apply_chat_template(CONVERSATION, False, continue_final_message=True)
+    templates = {
+        "upper": "{{ m['content'] | upper }}",
+        # what the review found passing the first check: a reasoning template that keeps what follows the thought
+        "think": "{% if '</think>' in m['content'] %}{{ m['content'].split('</think>')[-1] }}"
+        "{% else %}{{ m['content'] }}{% endif %}",
+        "trim": "{{ m['content'] | trim }}",
+    }
+    final = {"upper": "Hello!", "think": "<think>ok</think>The answer", "trim": "  Sure, \n"}
+    for name, body in templates.items():
+        template = "{% for m in messages %}" + body + "<|im_end|>{% endfor %}"
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+        tok = HFTokenizer(str(tmp_path))
+        messages = [*CONVERSATION[:-1], {"role": "assistant", "content": final[name]}]
+        with pytest.raises(ChatTemplateError, match="cannot be continued"):
+            tok.apply_chat_template(messages, False, continue_final_message=True)
+        if name != "upper":  # a content these templates keep as it is
+            plain = [*CONVERSATION[:-1], {"role": "assistant", "content": "go"}]
+            assert tok.apply_chat_template(plain, False, continue_final_message=True).endswith("go")
 
 
 @pytest.mark.parametrize("tok", [ByteTokenizer(), "hf"])

@@ -147,9 +147,10 @@ class _SamplingFields(_Strict):
 
 
 class _ChatTemplateFields(_Strict):
-    """vLLM's chat-template options: `add_generation_prompt` (true unless given: the assistant's turn opened) and
-    `continue_final_message` (the last message left open for the model to go on with; not with an explicit
-    `add_generation_prompt: true`)."""
+    """vLLM's chat-template options: `add_generation_prompt` (the assistant's turn opened; true unless given) and
+    `continue_final_message` (the last message left open for the model to go on with). Given the second alone,
+    the first is false: in vLLM its default stays true and the pair is refused; here only an explicit
+    `add_generation_prompt: true` with it is."""
 
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
@@ -377,6 +378,9 @@ class TokenizeRequest(_ChatTemplateFields):
         self.check_template_options()
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("give one of prompt and messages", param="prompt")
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if self.prompt is not None and getattr(self, name) is not None:
+                raise bad_request(f"{name} applies to messages, not to a prompt", param=name)
         if self.messages is not None and not self.messages:
             raise bad_request("messages must not be empty", param="messages")
         if self.messages is not None:

@@ -568,3 +568,6 @@ def test_continue_final_message_goes_on_with_the_given_start(server, client):
         bad = {**body, "add_generation_prompt": True}
         r = httpx.post(f"{server.url}{route}", json=bad, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+    # /tokenize of a plain prompt has no template to apply them to
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "hi", "continue_final_message": True}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
