@@ -5,6 +5,8 @@ Endpoints
   or not; `n` choices, `stop`, `seed`, `logprobs`, `usage` (in a stream: a last chunk with `choices: []`
   when `stream_options.include_usage`; the usage so far in every chunk too with vLLM's
   `stream_options.continuous_usage_stats`).
+- POST /v1/responses: OpenAI's Responses API, stateless and text only (`input`, `instructions`,
+  `max_output_tokens`; a stream of typed events); nothing is stored.
 - POST /generate: native, SGLang-style (`text` or `input_ids`, a `sampling_params` dict with
   `max_new_tokens`); a stream sends each choice's whole text so far in every event (SGLang's default).
 - GET /v1/models, GET /health (503 once the engine thread has failed; /ping the same, GET or POST, as vLLM's),
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -48,6 +51,7 @@ from kestrel.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     GenerateRequest,
+    ResponsesRequest,
     TokenizeRequest,
     parse,
 )
@@ -57,6 +61,8 @@ from kestrel.serve.streams import (
     completion_stream,
     generate_stream,
     native_result,
+    response_body,
+    responses_stream,
     sse,
 )
 from kestrel.utils.errors import KestrelError
@@ -136,6 +142,20 @@ def build_app(
                 "usage": job.usage(),
             }
         )
+
+    @app.post("/v1/responses", dependencies=auth)
+    async def responses(request: Request):
+        req = parse(ResponsesRequest, await server.read_body(request))
+        server.check_model(req.model)
+        params = req.to_sampling_params()
+        names = {"prompt": "input", "max_tokens": "max_output_tokens"}
+        prompt = await chat_prompt(req.chat_messages(), {"add_generation_prompt": True})
+        job = Job(server, prompt, params, field_names=names)
+        if req.stream:
+            return sse(responses_stream(server, job, req))
+        if not await _finish_unless_disconnected(request, job):
+            return Response(status_code=499)
+        return JSONResponse(response_body(server, job, req, int(time.time())))
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):

@@ -365,6 +365,83 @@ class GenerateRequest(_Strict):
             raise e.as_request_error({e.param: param}) from None
 
 
+class ResponseTextPart(_Strict):
+    """A text part of a Responses API input message: the user's `input_text`, or an earlier reply's
+    `output_text` (as the API returned it: its annotations and logprobs are taken and not used)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class ResponseInputMessage(_Strict):
+    type: Literal["message"] | None = None
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[ResponseTextPart]
+    # what the API puts on an earlier reply's message item when it is sent back: taken, not used
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponsesRequest(_Strict):
+    """OpenAI's Responses API (`POST /v1/responses`), its stateless text part: `input` (a string, or messages),
+    `instructions` (a system message first), `max_output_tokens`, `temperature`, `top_p`, `stream`. Nothing is
+    stored (`store` is taken and the response cannot be fetched later); tools, reasoning, structured output and
+    `previous_response_id` are refused unless given their neutral value."""
+
+    model: str | None = None
+    input: str | list[ResponseInputMessage]
+    instructions: str | None = None
+    max_output_tokens: Int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    previous_response_id: Any = None
+    reasoning: Any = None
+    text: Any = None
+    include: Any = None
+    truncation: Any = None
+    background: Any = None
+    service_tier: Any = None
+    prompt: Any = None
+    top_logprobs: Any = None
+    max_tool_calls: Any = None
+
+    def check(self) -> None:
+        _refuse_unsupported(self, _NEUTRAL_RESPONSES)
+        if isinstance(self.input, list) and not self.input:
+            raise bad_request("input must not be empty", param="input")
+
+    def chat_messages(self) -> list[dict]:
+        """The conversation the chat template renders: the instructions as a system message, then the input."""
+        system = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        if isinstance(self.input, str):
+            return [*system, {"role": "user", "content": self.input}]
+        return system + [
+            {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content),
+            }
+            for m in self.input
+        ]
+
+    def to_sampling_params(self) -> SamplingParams:
+        given = {"temperature": self.temperature, "top_p": self.top_p}
+        try:
+            return make_sampling_params(
+                max_tokens=self.max_output_tokens, **{k: v for k, v in given.items() if v is not None}
+            )
+        except _FieldError as e:
+            raise e.as_request_error({"max_tokens": "max_output_tokens"}) from None
+
+
 class TokenizeRequest(_ChatTemplateFields):
     """vLLM's /tokenize: a `prompt` as /v1/completions reads it, or chat `messages` as /v1/chat/completions
     renders them (with the assistant's opening unless `add_generation_prompt` is false or
@@ -447,6 +524,23 @@ _NEUTRAL_CHAT: dict[str, tuple] = {
     "web_search_options": (None,),
 }
 _NEUTRAL_COMPLETION: dict[str, tuple] = {"suffix": (None, "")}
+
+
+_NEUTRAL_RESPONSES: dict[str, tuple] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "previous_response_id": (None,),
+    "reasoning": (None,),
+    "text": (None, {"format": {"type": "text"}}),
+    "include": (None, []),
+    "truncation": (None, "disabled"),
+    "background": (None, False),
+    "service_tier": (None, "auto", "default"),
+    "prompt": (None,),
+    "top_logprobs": (None, 0),
+    "max_tool_calls": (None,),
+}
 
 
 def _refuse_unsupported(request: BaseModel, neutral: dict[str, tuple]) -> None:

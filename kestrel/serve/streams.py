@@ -1,6 +1,6 @@
 """The response bodies of the HTTP layer: the OpenAI chat and completion streams (SSE chunks, `data: [DONE]` at
-the end, an error event instead of a cut connection), the native /generate result and stream, and the shared
-head of every OpenAI body."""
+the end, an error event instead of a cut connection), the Responses API's body and its typed event stream, the
+native /generate result and stream, and the shared head of every OpenAI body."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kestrel.engine.async_engine import EngineDead
 from kestrel.serve.choice import ChoiceState, chat_logprobs, completion_logprobs, echo_logprobs
 from kestrel.serve.errors import error_body
 from kestrel.serve.jobs import Job, Server
-from kestrel.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from kestrel.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, ResponsesRequest
 
 log = logging.getLogger("kestrel.serve")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -171,3 +171,93 @@ async def generate_stream(server: Server, job: Job, req: GenerateRequest) -> Asy
 
     async for e in _stream_errors(events()):
         yield e
+
+
+def response_body(server: Server, job: Job, req: ResponsesRequest, created: int, done: bool = True) -> dict:
+    """A Responses API response object: its one output message (once `done`; an empty output before), its
+    status (`incomplete` with reason max_output_tokens where the reply ran out of tokens) and usage."""
+    choice = job.choices[0]
+    incomplete = done and choice.finish_reason == "length"
+    status = "in_progress" if not done else "incomplete" if incomplete else "completed"
+    body = {
+        "id": f"resp_{job.id}",
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "model": server.model_name,
+        "output": [_response_message(job, status if done else "in_progress", choice.text)] if done else [],
+        "parallel_tool_calls": False,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "tool_choice": "none",
+        "tools": [],
+        "text": {"format": {"type": "text"}},
+        "metadata": req.metadata or {},
+        "store": False,  # nothing is kept: the response cannot be fetched later
+        "usage": None,
+    }
+    if done:
+        usage = job.usage()
+        body["usage"] = {
+            "input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"],
+        }
+    return body
+
+
+def _response_message(job: Job, status: str, text: str | None) -> dict:
+    """The output message item; `text` None: its content not begun (the stream's first mention of it)."""
+    content = [] if text is None else [_output_text(text)]
+    return {
+        "type": "message",
+        "id": f"msg_{job.id}",
+        "status": status,
+        "role": "assistant",
+        "content": content,
+    }
+
+
+def _output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+async def responses_stream(server: Server, job: Job, req: ResponsesRequest) -> AsyncIterator[str]:
+    """The Responses API's typed events (`event: <type>` and its JSON, each with a sequence number): the
+    response created and in progress, its message item and text part added, the text's deltas, then each closed
+    and the response completed (or incomplete); an `error` event where the engine fails. No `[DONE]`."""
+    created = int(time.time())
+    item = {"item_id": f"msg_{job.id}", "output_index": 0}
+    numbered = iter(range(1 << 62))
+
+    def event(kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": next(numbered), **fields}
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    try:
+        yield event("response.created", response=response_body(server, job, req, created, done=False))
+        yield event("response.in_progress", response=response_body(server, job, req, created, done=False))
+        yield event(
+            "response.output_item.added", output_index=0, item=_response_message(job, "in_progress", None)
+        )
+        yield event("response.content_part.added", **item, content_index=0, part=_output_text(""))
+        async for _, piece, _, _ in job.events():
+            if piece:
+                yield event("response.output_text.delta", **item, content_index=0, delta=piece, logprobs=[])
+        final = response_body(server, job, req, created)
+        text = job.choices[0].text
+        yield event("response.output_text.done", **item, content_index=0, text=text, logprobs=[])
+        yield event("response.content_part.done", **item, content_index=0, part=_output_text(text))
+        yield event("response.output_item.done", output_index=0, item=final["output"][0])
+        yield event(f"response.{final['status']}", response=final)
+    except EngineDead as e:
+        yield event("error", code="engine_unavailable", message=str(e), param=None)
+    except Exception:
+        log.exception("error while streaming a response")
+        yield event("error", code="internal_error", message="internal server error", param=None)

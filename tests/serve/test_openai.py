@@ -569,5 +569,62 @@ def test_continue_final_message_goes_on_with_the_given_start(server, client):
         r = httpx.post(f"{server.url}{route}", json=bad, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
     # /tokenize of a plain prompt has no template to apply them to
-    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "hi", "continue_final_message": True}, timeout=30)
+    r = httpx.post(
+        f"{server.url}/tokenize", json={"prompt": "hi", "continue_final_message": True}, timeout=30
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
+def test_responses_api_through_the_openai_client(server, client):
+    """OpenAI's Responses API, stateless and text only, through the client's typed objects: a string input, and
+    messages with instructions, each the chat route's greedy reply; streamed, its typed events in order with
+    the same text; a reply cut by max_output_tokens is `incomplete`; tools and previous_response_id are 400s."""
+    kw = dict(model=MODEL, max_output_tokens=6, temperature=0)
+    r = client.responses.create(input="Hello there", **kw)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0)
+    assert r.object == "response" and r.output_text == chat.choices[0].message.content
+    assert (
+        r.usage.input_tokens == chat.usage.prompt_tokens
+        and r.usage.output_tokens == chat.usage.completion_tokens
+    )
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    messages = [{"role": "user", "content": [{"type": "input_text", "text": "Hello there"}]}]
+    r2 = client.responses.create(input=messages, instructions="Be brief.", **kw)
+    sys_chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Be brief."}, *CHAT], max_tokens=6, temperature=0
+    )
+    assert r2.output_text == sys_chat.choices[0].message.content
+    assert r2.usage.input_tokens == sys_chat.usage.prompt_tokens
+    long = client.responses.create(input="Hello there", model=MODEL, max_output_tokens=3, temperature=0,
+                                   extra_body={})  # fmt: skip
+    cut = long.usage.output_tokens == 3  # (or an EOS came first)
+    assert long.status == ("incomplete" if cut else "completed")
+    assert (long.incomplete_details.reason if cut else long.incomplete_details) == (
+        "max_output_tokens" if cut else None
+    )
+    events = list(client.responses.create(input="Hello there", stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:-1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == r.output_text == events[-1].response.output_text
+    for bad, param in (
+        ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
+        ({"previous_response_id": "resp_x"}, "previous_response_id"),
+        ({"input": []}, "input"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+    ):
+        body = {"model": MODEL, "input": "hi", **bad}
+        e = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
+        assert e.status_code == 400 and e.json()["error"]["param"] == param, e.text
