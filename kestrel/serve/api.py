@@ -101,14 +101,14 @@ def build_app(
 
         return register
 
-    async def chat_prompt(messages: list[dict], options: dict) -> list[list[int]]:
+    async def chat_prompt(messages: list[dict], options: dict, param: str = "messages") -> list[list[int]]:
         """The messages through the chat template (`options`: its keyword arguments), tokenized: the one prompt
-        a chat request is fed."""
+        a chat request is fed; `param`: the request's field that holds them, for errors."""
         try:
             text = server.tokenizer.apply_chat_template(messages, **options)
         except (ValueError, KestrelError) as e:
-            raise bad_request(str(e), param="messages") from None
-        return await server.encode_off_loop([text], "messages")
+            raise bad_request(str(e), param=param) from None
+        return await server.encode_off_loop([text], param)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):
@@ -148,14 +148,15 @@ def build_app(
         req = parse(ResponsesRequest, await server.read_body(request))
         server.check_model(req.model)
         params = req.to_sampling_params()
+        created = int(time.time())
         names = {"prompt": "input", "max_tokens": "max_output_tokens"}
-        prompt = await chat_prompt(req.chat_messages(), {"add_generation_prompt": True})
+        prompt = await chat_prompt(req.chat_messages(), {"add_generation_prompt": True}, "input")
         job = Job(server, prompt, params, field_names=names)
         if req.stream:
-            return sse(responses_stream(server, job, req))
+            return sse(responses_stream(server, job, req, created))
         if not await _finish_unless_disconnected(request, job):
             return Response(status_code=499)
-        return JSONResponse(response_body(server, job, req, int(time.time())))
+        return JSONResponse(response_body(server, job, req, created))
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):

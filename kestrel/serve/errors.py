@@ -20,7 +20,9 @@ _UNION_SHAPES = {
     "content": "a string or a list of text parts",
     "text": "a string or a list of strings",
     "input_ids": "a list of token ids or a list of token-id lists",
+    "input": "a string or a list of messages",
 }
+_ITEMS_FIRST = {"input"}  # fields of a string or a list of objects: an item's own flaw is named first
 
 
 class APIError(Exception):
@@ -65,6 +67,10 @@ def from_validation_error(e: ValidationError) -> APIError:
         return bad_request(f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
     if first["type"] == "model_type" and not first["loc"]:
         return bad_request("the request body must be a JSON object", code="invalid_json")
+    # A list of objects where a string would also do (the Responses API's `input`): a flaw inside an item is
+    # reported as itself, not as the string branch's "should be a valid string".
+    if _field_path(first["loc"]) and _field_path(first["loc"])[0] in _ITEMS_FIRST:
+        first = next((err for err in errors if len(_field_path(err["loc"])) > 1), first)
     # A content part of another type (image_url, ...) is clearer reported as itself than as a type mismatch.
     first = next((err for err in errors if err["type"] == "literal_error"), first)
     path = _field_path(first["loc"])

@@ -382,6 +382,7 @@ class ResponseInputMessage(_Strict):
     # what the API puts on an earlier reply's message item when it is sent back: taken, not used
     id: str | None = None
     status: str | None = None
+    phase: Literal["commentary", "final_answer"] | None = None
 
 
 class ResponsesRequest(_Strict):
@@ -400,6 +401,11 @@ class ResponsesRequest(_Strict):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    safety_identifier: str | None = None  # OpenAI's successor of `user`: taken, not used
+    prompt_cache_key: str | None = (
+        None  # a routing hint for OpenAI's cache: taken (this server's cache needs none)
+    )
+    stream_options: Any = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -532,7 +538,15 @@ _NEUTRAL_RESPONSES: dict[str, tuple] = {
     "parallel_tool_calls": (None, True, False),
     "previous_response_id": (None,),
     "reasoning": (None,),
-    "text": (None, {"format": {"type": "text"}}),
+    "text": (
+        None,
+        {"format": {"type": "text"}},
+        {"format": {"type": "text"}, "verbosity": None},
+        {"format": {"type": "text"}, "verbosity": "medium"},
+        {"verbosity": None},
+        {"verbosity": "medium"},
+    ),
+    "stream_options": (None, {}, {"include_obfuscation": False}),  # no obfuscation padding is sent
     "include": (None, []),
     "truncation": (None, "disabled"),
     "background": (None, False),

@@ -173,34 +173,43 @@ async def generate_stream(server: Server, job: Job, req: GenerateRequest) -> Asy
         yield e
 
 
-def response_body(server: Server, job: Job, req: ResponsesRequest, created: int, done: bool = True) -> dict:
+def response_body(
+    server: Server,
+    job: Job,
+    req: ResponsesRequest,
+    created: int,
+    done: bool = True,
+    error: dict | None = None,
+) -> dict:
     """A Responses API response object: its one output message (once `done`; an empty output before), its
-    status (`incomplete` with reason max_output_tokens where the reply ran out of tokens) and usage."""
+    status (`incomplete` with reason max_output_tokens where the reply ran out of tokens; `failed` with `error`)
+    and usage; the request's settings as they took effect."""
     choice = job.choices[0]
     incomplete = done and choice.finish_reason == "length"
-    status = "in_progress" if not done else "incomplete" if incomplete else "completed"
+    status = "failed" if error else "in_progress" if not done else "incomplete" if incomplete else "completed"
+    params = req.to_sampling_params()  # as they took effect (defaults filled in)
     body = {
         "id": f"resp_{job.id}",
         "object": "response",
         "created_at": created,
         "status": status,
-        "error": None,
+        "error": error,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens,
         "model": server.model_name,
-        "output": [_response_message(job, status if done else "in_progress", choice.text)] if done else [],
-        "parallel_tool_calls": False,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "tool_choice": "none",
+        "output": [_response_message(job, status, choice.text)] if done and not error else [],
+        "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "tool_choice": req.tool_choice or "auto",
         "tools": [],
         "text": {"format": {"type": "text"}},
         "metadata": req.metadata or {},
         "store": False,  # nothing is kept: the response cannot be fetched later
         "usage": None,
     }
-    if done:
+    if done and not error:
         usage = job.usage()
         body["usage"] = {
             "input_tokens": usage["prompt_tokens"],
@@ -228,11 +237,13 @@ def _output_text(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-async def responses_stream(server: Server, job: Job, req: ResponsesRequest) -> AsyncIterator[str]:
+async def responses_stream(
+    server: Server, job: Job, req: ResponsesRequest, created: int
+) -> AsyncIterator[str]:
     """The Responses API's typed events (`event: <type>` and its JSON, each with a sequence number): the
     response created and in progress, its message item and text part added, the text's deltas, then each closed
-    and the response completed (or incomplete); an `error` event where the engine fails. No `[DONE]`."""
-    created = int(time.time())
+    and the response completed (or incomplete); where the engine fails, an `error` event and the response
+    failed. No `[DONE]`."""
     item = {"item_id": f"msg_{job.id}", "output_index": 0}
     numbered = iter(range(1 << 62))
 
@@ -256,8 +267,11 @@ async def responses_stream(server: Server, job: Job, req: ResponsesRequest) -> A
         yield event("response.content_part.done", **item, content_index=0, part=_output_text(text))
         yield event("response.output_item.done", output_index=0, item=final["output"][0])
         yield event(f"response.{final['status']}", response=final)
-    except EngineDead as e:
-        yield event("error", code="engine_unavailable", message=str(e), param=None)
-    except Exception:
-        log.exception("error while streaming a response")
-        yield event("error", code="internal_error", message="internal server error", param=None)
+    except Exception as e:  # the stream ends with the error and the response failed, not a cut connection
+        if isinstance(e, EngineDead):
+            error = {"code": "engine_unavailable", "message": str(e)}
+        else:
+            log.exception("error while streaming a response")
+            error = {"code": "internal_error", "message": "internal server error"}
+        yield event("error", **error, param=None)
+        yield event("response.failed", response=response_body(server, job, req, created, error=error))

@@ -158,3 +158,23 @@ def test_a_request_aborted_before_its_first_output_counts_its_queue_time(make_se
     while count() != before + 1:
         assert time.monotonic() < deadline, "the aborted request's queue time was not observed"
         time.sleep(0.05)
+
+
+def test_a_responses_stream_ends_failed_when_the_engine_fails(make_server):
+    """The Responses API's stream has no [DONE]: an engine failure ends it with an `error` event and the response
+    `failed` (its terminal event, which clients wait for), never a cut connection."""
+    s = make_server()
+
+    def failing_step():
+        raise RuntimeError("simulated device error")
+
+    s.engine.step = failing_step
+    body = {"model": MODEL, "input": "doomed", "stream": True}
+    with httpx.stream("POST", f"{s.url}/v1/responses", json=body, timeout=30) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "response.created" and kinds[-2:] == ["error", "response.failed"], kinds
+    assert events[-2]["code"] == "engine_unavailable" and "simulated device error" in events[-2]["message"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "engine_unavailable"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))

@@ -619,11 +619,26 @@ def test_responses_api_through_the_openai_client(server, client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == r.output_text == events[-1].response.output_text
+    assert (r.temperature, r.top_p, r.tool_choice, r.parallel_tool_calls) == (0.0, 1.0, "auto", True)
+    # a conversation sent back as the client saves it (model_dump: the output items' `phase` and ids included),
+    # with the parameters clients send that ask for nothing here
+    turns = [{"role": "user", "content": "Hi"}, *[o.model_dump(mode="json") for o in r.output]]
+    again = client.responses.create(
+        input=[*turns, {"role": "user", "content": "more"}],
+        safety_identifier="u1",
+        prompt_cache_key="k",
+        text={"format": {"type": "text"}, "verbosity": "medium"},
+        **kw,
+    )
+    assert again.status in ("completed", "incomplete") and again.usage.input_tokens > r.usage.input_tokens
     for bad, param in (
         ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
         ({"previous_response_id": "resp_x"}, "previous_response_id"),
         ({"input": []}, "input"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": [{"role": "user", "content": "x", "name": "bob"}]}, "input.0.name"),  # the item's own flaw
+        ({"input": [{"role": "user"}]}, "input.0.content"),
+        ({"input": "x" * 5000}, "input"),  # past the context
     ):
         body = {"model": MODEL, "input": "hi", **bad}
         e = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
