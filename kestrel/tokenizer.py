@@ -44,6 +44,22 @@ class Tokenizer(ABC):
     @abstractmethod
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str: ...
 
+    _custom_template = None  # set_chat_template's, compiled
+
+    def set_chat_template(self, source: str, origin: str = "chat_template") -> None:
+        """Render chats with `source` (a Jinja chat template, as Hugging Face's; `serve --chat-template`) instead
+        of the tokenizer's own; `origin` names it in errors."""
+        self._custom_template = _compile_template(source, origin)
+
+    def _special_texts(self) -> dict:
+        """The `bos_token` and `eos_token` a Jinja chat template reads."""
+        return {"bos_token": "", "eos_token": ""}
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        if self._custom_template is None:
+            return self._render_chat(messages, add_generation_prompt)
+        return _render_template(self._custom_template, messages, add_generation_prompt, self._special_texts())
+
     def token_bytes(self, i: int) -> bytes:
         """The bytes id `i` stands for: byte-level entries mapped back to raw bytes (a token may hold part of
         a UTF-8 character), other entries (special tokens, non-byte-level vocabularies) as their UTF-8 text."""
@@ -63,7 +79,7 @@ class Tokenizer(ABC):
         turn after it), for the model to go on with it: a reply's start given by the client."""
         messages = [_normalize_message(m) for m in messages]
         if not continue_final_message:
-            return self._render_chat(messages, add_generation_prompt)
+            return self._render(messages, add_generation_prompt)
         if add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if not messages:
@@ -72,10 +88,10 @@ class Tokenizer(ABC):
         # no template adds or changes and no message holds); the text is cut where it stands, and must be how
         # the template renders the whole conversation up to the end of the final content
         mark = f"\ue000{secrets.token_hex(8)}\ue001"
-        text = self._render_chat([*messages[:-1], {**messages[-1], "content": mark}], False)
+        text = self._render([*messages[:-1], {**messages[-1], "content": mark}], False)
         content = messages[-1]["content"]
         opened = text[: text.index(mark)] + content if text.count(mark) == 1 else None
-        if opened is None or not self._render_chat(messages, False).startswith(opened):
+        if opened is None or not self._render(messages, False).startswith(opened):
             raise ChatTemplateError(
                 "the chat template does not render the final message's content as given, so it cannot be continued"
             )
@@ -133,6 +149,9 @@ class ByteTokenizer(Tokenizer):
         self._special_ids = {s: 256 + i for i, s in enumerate(BYTE_SPECIAL_TOKENS)}
         self._special_pattern = re.compile("(" + "|".join(map(re.escape, BYTE_SPECIAL_TOKENS)) + ")")
         self._alphabet = _byte_level_alphabet()
+
+    def _special_texts(self) -> dict:
+        return {"bos_token": BYTE_SPECIAL_TOKENS[0], "eos_token": BYTE_SPECIAL_TOKENS[1]}
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         ids = [self.bos_token_id] if add_special_tokens else []
@@ -262,20 +281,38 @@ class HFTokenizer(Tokenizer):
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
+    def _special_texts(self) -> dict:
+        return {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         if self._template is None:
-            raise CheckpointError(f"the tokenizer in {self._path} has no chat template")
-        from jinja2 import TemplateError
-
-        try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
+            raise CheckpointError(
+                f"the tokenizer in {self._path} has no chat template (serve --chat-template gives one)"
             )
-        except TemplateError as e:
-            raise ChatTemplateError(f"chat template error: {e}") from None
+        return _render_template(self._template, messages, add_generation_prompt, self._special_texts())
+
+
+def _render_template(template, messages: list[dict], add_generation_prompt: bool, specials: dict) -> str:
+    from jinja2 import TemplateError
+
+    try:
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+    except TemplateError as e:
+        raise ChatTemplateError(f"chat template error: {e}") from None
+
+
+def read_chat_template(value: str) -> str:
+    """A --chat-template value: the text of the file it names, or (holding a `{`) the template itself, as vLLM's
+    takes it."""
+    if "{" in value and not os.path.isfile(value):
+        return value
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(
+            f"chat template {value!r}: not a readable file ({e}) nor a template (no '{{')"
+        ) from None
 
 
 def _read_json(file: str) -> dict:
@@ -438,3 +475,13 @@ def check_tokenizer_fits(tokenizer: Tokenizer, vocab_size: int) -> None:
             f"the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary only {vocab_size}: "
             "a tokenizer of another model? (--tokenizer)"
         )
+
+
+def use_chat_template(tokenizer: Tokenizer, value: str) -> None:
+    """Give `tokenizer` the chat template of a --chat-template value (`read_chat_template`), checked on a
+    one-turn chat now, so that a template that cannot render fails at start, not on the first request."""
+    tokenizer.set_chat_template(read_chat_template(value), "--chat-template")
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    except ChatTemplateError as e:
+        raise ConfigError(f"--chat-template does not render a one-turn chat: {e}") from None

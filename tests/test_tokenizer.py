@@ -327,3 +327,34 @@ def test_hf_tokenizer_lets_other_threads_run_while_it_works():
 
     assert wakeups_during(lambda: tok.encode(text)) >= 10
     assert wakeups_during(lambda: tok.decode(ids)) >= 10
+
+
+@pytest.mark.parametrize("tok", [ByteTokenizer(), "hf"])
+def test_a_chat_template_given_at_start_replaces_the_tokenizers_own(tok, hf_tok, tmp_path):
+    """vLLM's --chat-template: a Jinja template (inline, or a file) used instead of the tokenizer's own, with its
+    bos/eos texts; a value that is neither a file nor a template, and a template that cannot render, are clear
+    errors at start."""
+    from kestrel.tokenizer import read_chat_template, use_chat_template
+    from kestrel.utils.errors import ConfigError
+
+    tok = hf_tok if tok == "hf" else ByteTokenizer()  # a fresh byte tokenizer: the template is set on it
+    template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    template += "{% if add_generation_prompt %}[assistant] {% endif %}"
+    file = tmp_path / "t.jinja"
+    file.write_text(template)
+    assert read_chat_template(str(file)) == read_chat_template(template) == template
+    own = tok.apply_chat_template(CONVERSATION)
+    use_chat_template(tok, str(file))
+    try:
+        got = tok.apply_chat_template(CONVERSATION[:2])
+        assert got == "<|bos|>[system] Be brief.\n[user] Hi 😀\n[assistant] " != own
+        go_on = [*CONVERSATION[:2], {"role": "assistant", "content": "Sure"}]
+        assert tok.apply_chat_template(go_on, False, continue_final_message=True).endswith("[assistant] Sure")
+    finally:
+        tok._custom_template = None  # the module's hf tokenizer is shared
+    with pytest.raises(ConfigError, match="not a readable file"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ConfigError, match="does not render"):
+        use_chat_template(ByteTokenizer(), "{{ raise_exception('no') }}")
+    with pytest.raises(CheckpointError, match="does not compile"):
+        use_chat_template(ByteTokenizer(), "{% for %}")

@@ -20,6 +20,8 @@ class EngineConfig:
     tokenizer: str | None = (
         None  # folder with tokenizer.json; default: the model folder, else the byte tokenizer
     )
+    # a Jinja chat template (or a file holding one) used instead of the tokenizer's own (vLLM's --chat-template)
+    chat_template: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA, fp32 on CPU)
     device: str = "auto"
     seed: int = 0  # random-weight presets

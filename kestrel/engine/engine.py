@@ -44,7 +44,7 @@ from kestrel.env import check_env
 from kestrel.layers.mla import dsa_topks, set_dense_attention
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model, model_config
-from kestrel.tokenizer import Tokenizer, check_tokenizer_fits, tokenizer_for
+from kestrel.tokenizer import Tokenizer, check_tokenizer_fits, tokenizer_for, use_chat_template
 from kestrel.utils.device import resolve_device, resolve_dtype, to_device_async, to_host_async
 from kestrel.utils.errors import ConfigError, KestrelError
 
@@ -103,6 +103,8 @@ class Engine:
         self.model = model or build_model(config.model, dtype=dtype, device=self.device, seed=config.seed)
         self.model.eval()
         self.tokenizer = tokenizer or tokenizer_for(config.model, config.tokenizer)
+        if config.chat_template is not None:
+            use_chat_template(self.tokenizer, config.chat_template)
         mc = self.model.config
         check_tokenizer_fits(self.tokenizer, mc.vocab_size)
         self.plan = plan_memory(mc, config, dtype, self.device)

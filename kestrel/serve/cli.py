@@ -46,6 +46,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="folder with tokenizer.json (default: the model folder)")
     p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, or a file holding one, used instead of the tokenizer's own (vLLM's)",
+    )
+    p.add_argument(
         "--max-running-requests", type=arg_types.positive_int, default=64, help="= KDA state slots"
     )
     p.add_argument("--page-size", type=arg_types.positive_int, default=64, help="tokens per KV page")

@@ -27,6 +27,7 @@ def engine_config(args):
         return EngineConfig(
             model=args.model,
             tokenizer=args.tokenizer,
+            chat_template=args.chat_template,
             dtype=args.dtype,
             device=args.device,
             seed=args.seed,

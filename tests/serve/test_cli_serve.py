@@ -173,3 +173,17 @@ def test_chat_with_the_largest_seed(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
     assert main(["chat", "--model", "tiny", "--max-new-tokens", "2", "--seed", str(2**63 - 1)]) == 0
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_chat_template_that_is_not_there_is_one_line_at_start(capsys, tmp_path):
+    """serve --chat-template names a file that is not there, or a template that cannot render: one line before the
+    server listens, not a failure on the first chat request."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    missing = str(tmp_path / "none.jinja")
+    code, _, err = run(capsys, "serve", "--model", "tiny", "--port", port, "--chat-template", missing)
+    assert_one_line_error(code, err, 1, "none.jinja", "not a readable file")
+    bad = "{{ raise_exception('no chats here') }}"
+    code, _, err = run(capsys, "serve", "--model", "tiny", "--port", port, "--chat-template", bad)
+    assert_one_line_error(code, err, 1, "--chat-template does not render", "no chats here")

@@ -643,3 +643,21 @@ def test_responses_api_through_the_openai_client(server, client):
         body = {"model": MODEL, "input": "hi", **bad}
         e = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
         assert e.status_code == 400 and e.json()["error"]["param"] == param, e.text
+
+
+def test_a_served_chat_template_renders_every_chat_route(make_server):
+    """serve --chat-template (EngineConfig.chat_template): /tokenize, chat completions and the Responses API all
+    render with it."""
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    template += "{% if add_generation_prompt %}<assistant>{% endif %}"
+    s = make_server(chat_template=template)
+    body = {"model": MODEL, "messages": CHAT}
+    r = httpx.post(f"{s.url}/tokenize", json=body, timeout=30).json()
+    assert r["tokens"] == s.engine.tokenizer.encode("<user>Hello there<assistant>")
+    chat = httpx.post(f"{s.url}/v1/chat/completions", json={**body, "max_tokens": 2}, timeout=30).json()
+    responses = httpx.post(
+        f"{s.url}/v1/responses",
+        json={"model": MODEL, "input": "Hello there", "max_output_tokens": 2},
+        timeout=30,
+    ).json()
+    assert chat["usage"]["prompt_tokens"] == responses["usage"]["input_tokens"] == r["count"]
