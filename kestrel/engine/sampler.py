@@ -18,13 +18,7 @@ from kestrel.engine.request import Request
 from kestrel.engine.scheduler import PrefillChunk
 from kestrel.ops.sampling import argmax as rows_argmax
 from kestrel.ops.sampling import token_logprobs
-from kestrel.ops.sampling.naive import (
-    apply_penalties,
-    apply_penalties_at,
-    greedy,
-    process_logits,
-    sample,
-)
+from kestrel.ops.sampling.naive import apply_penalties, apply_penalties_at, greedy, process_logits, sample
 from kestrel.utils.device import to_device_async
 
 # Up to this many rows the penalties run over [B, V] with a dense seen mask, and the argmax of logits the sampler
@@ -164,7 +158,9 @@ class Sampler:
         if self._steer_batch is None or self._steer_batch[0] != key:
             self._steer_batch = (key, self._prepare_steering(reqs, rows, x.shape[1], x.device))
         _, (_, flat, bias, ban) = self._steer_batch
-        x = x.to(torch.float32, copy=True)
+        x = x.to(
+            torch.float32, memory_format=torch.contiguous_format, copy=True
+        )  # (flat positions: contiguous)
         if flat.numel():
             x.view(-1).index_add_(0, flat, bias)
         return x if ban is None else x.masked_fill_(ban, float("-inf"))
