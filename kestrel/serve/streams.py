@@ -4,6 +4,7 @@ native /generate result and stream, and the shared head of every OpenAI body."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -245,7 +246,7 @@ async def responses_stream(
     and the response completed (or incomplete); where the engine fails, an `error` event and the response
     failed. No `[DONE]`."""
     item = {"item_id": f"msg_{job.id}", "output_index": 0}
-    numbered = iter(range(1 << 62))
+    numbered = itertools.count()
 
     def event(kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": next(numbered), **fields}
