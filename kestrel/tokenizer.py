@@ -72,14 +72,18 @@ class Tokenizer(ABC):
         return self.decode([i], skip_special_tokens=False).encode("utf-8")
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """Render OpenAI-style messages; list content has its text parts joined with newlines.
+        `add_generation_prompt`: the assistant's turn opened after them (None: unless continuing).
         `continue_final_message` (vLLM's): the text ends with the last message's content, left open (no end of
         turn after it), for the model to go on with it: a reply's start given by the client."""
         messages = [_normalize_message(m) for m in messages]
         if not continue_final_message:
-            return self._render(messages, add_generation_prompt)
+            return self._render(messages, add_generation_prompt is not False)
         if add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if not messages:

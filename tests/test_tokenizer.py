@@ -123,9 +123,8 @@ def test_continue_final_message_leaves_the_last_message_open(tok, hf_tok):
     assert tok.apply_chat_template(empty, True) == start + "<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError, match="cannot both be true"):
         tok.apply_chat_template(CONVERSATION, True, continue_final_message=True)
-    # a message holding what once stood in for the final content
-    odd = [{"role": "user", "content": "\ue000kestrel-continue\ue001"}, {"role": "assistant", "content": "x"}]
-    assert tok.apply_chat_template(odd, False, continue_final_message=True).endswith("assistant\nx")
+    # add_generation_prompt unset: open unless continuing (as vLLM's server takes it)
+    assert tok.apply_chat_template(CONVERSATION, continue_final_message=True) == start + "Hello!"
 
 
 def test_continue_final_message_needs_a_template_that_keeps_the_content(tmp_path, hf_dir):

@@ -225,16 +225,15 @@ class Engine:
             bad = next(t for t in prompt_ids if type(t) is not int or not 0 <= t < vocab)
             what = f"outside the model's vocabulary [0, {vocab})" if type(bad) is int else "not an integer"
             raise RequestError(f"prompt token id {bad!r} is {what}", param="prompt")
-        for name, ids in (
-            ("stop_token_ids", params.stop_token_ids),
-            ("logit_bias", params.logit_bias),
-            ("allowed_token_ids", params.allowed_token_ids),
-        ):
-            if ids and max(ids) >= vocab:
-                raise RequestError(f"{name} must name token ids in [0, {vocab}), not {max(ids)}", param=name)
+        for name, largest in params.max_token_ids.items():
+            if largest >= vocab:
+                raise RequestError(f"{name} must name token ids in [0, {vocab}), not {largest}", param=name)
         if params.allowed_token_ids and params.min_tokens:
             banned = {*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids)}
-            if banned.issuperset(params.allowed_token_ids):
+            allowed = params.allowed_token_ids
+            if len(allowed) <= len(banned) and banned.issuperset(
+                allowed
+            ):  # (more allowed than banned: never)
                 raise RequestError(
                     "allowed_token_ids are all stop tokens (EOS or stop_token_ids), which min_tokens bans: no "
                     "token could be sampled",

@@ -132,8 +132,9 @@ class LLM:
                 'chat takes a conversation, a list of {"role": ..., "content": ...} dicts, or a list of '
                 f"conversations, not {_preview(messages)} (a plain prompt goes to generate())"
             )
-        opened = not continue_final_message if add_generation_prompt is None else add_generation_prompt
-        options = dict(add_generation_prompt=opened, continue_final_message=continue_final_message)
+        options = dict(
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message
+        )
         prompts = [self.tokenizer.apply_chat_template(list(c), **options) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -1,7 +1,9 @@
 """Turns the logits rows of a step into tokens (and logprobs), each row with its request's parameters.
 
-Legend: B sampled requests, V vocabulary. Penalties, logit bias and allowed tokens, temperature, top-k/top-p/min-p
-and the seeded noise are batched ops (kestrel.ops.sampling); greedy rows take the argmax of the changed logits.
+Legend: B sampled requests, V vocabulary. Penalties, temperature, top-k/top-p/min-p and the seeded noise are
+batched ops (kestrel.ops.sampling); logit bias and allowed tokens (`_steer`, whose values are
+`kestrel.ops.sampling.naive.steer_logits`') are kept per batch here; greedy rows take the argmax of the changed
+logits.
 
 `tokens()` stays on the device and never waits for it (its per-request values go up through pinned memory), so
 the engine can sample a step it runs ahead of the host (`ahead`: outputs the request has that its output_ids do
@@ -74,9 +76,9 @@ class Sampler:
     ) -> torch.Tensor:
         """The next token of each request [B] int64, on the logits' device, with no host sync. logits [B, V] in
         any float dtype (the model's: what is computed on them is in fp32). argmax [B]: the logits rows'
-        argmax where already computed (the runner's decode graph), taken for the greedy rows unless a penalty
-        or an early-stop ban changes the logits. pending [B]: with ahead = 1, each request's output that is on the
-        device only (the step in flight's token), which the penalties count."""
+        argmax where already computed (the runner's decode graph), taken for the greedy rows unless a penalty,
+        a logit bias, allowed tokens or an early-stop ban change the logits. pending [B]: with ahead = 1, each
+        request's output that is on the device only (the step in flight's token), which the penalties count."""
         dev = logits.device
         x = self._steer(logits, reqs)
         if any(_needs_penalties(r) for r in reqs):

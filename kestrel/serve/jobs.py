@@ -36,7 +36,8 @@ class Job:
         field_names: dict[str, str] | None = None,
         echo_only: bool = False,
     ):
-        """`field_names`: the request's names for the engine's `prompt`, `max_tokens` and `n`, for error bodies;
+        """`field_names`: the request's names for the engine's fields (`prompt`, `max_tokens`, `n`, the token-id
+        fields), for error bodies;
         `prefixes` and `echo_only` as ChoiceState's."""
         children = params.children()
         self.server, self.prompts = server, prompts

@@ -1,9 +1,12 @@
-"""Request bodies: OpenAI chat and text completions, and the native `/generate` (SGLang-style sampling dict).
+"""Request bodies: OpenAI chat and text completions, OpenAI's Responses API, vLLM's /tokenize and /detokenize, and
+the native `/generate` (SGLang-style sampling dict).
 
 Parsing is strict: unknown fields, wrong JSON types (a string for a number, true for an integer) and fields
-this server does not implement are refused with a 400 that names the field, never silently ignored. A JSON
-number with a whole value is a whole number (`max_tokens: 4.0` is 4, a prompt's `[1.0, 2.0]` is [1, 2], as JSON
-and vLLM's parsing have it; 4.5 is refused). Value ranges are checked once, by `SamplingParams`. Optional OpenAI
+this server does not implement are refused with a 400 that names the field, never silently ignored; a field
+that asks for nothing this server lacks is taken (the Responses API's `store`, whose responses are never kept
+anyway, `metadata`, echoed, and the ids of earlier replies sent back). A JSON number with a whole value is a
+whole number (`max_tokens: 4.0` is 4, a prompt's `[1.0, 2.0]` is [1, 2], as JSON and vLLM's parsing have it; 4.5
+is refused). Value ranges are checked once, by `SamplingParams`. Optional OpenAI
 fields accept null as "not given".
 """
 
@@ -38,7 +41,7 @@ def _logit_bias(value: dict[str, float] | None, param: str) -> dict[int, float] 
     bad = next((k for k in value if not (k.isascii() and k.isdigit() and len(k) <= 10)), None)
     if bad is not None:
         raise bad_request(
-            f"logit_bias keys must be token ids written as strings of digits, not {bad!r}", param=param
+            f"logit_bias keys must be token ids written as at most 10 digits, not {bad!r}", param=param
         )
     bias: dict[int, float] = {}
     for k, v in value.items():
@@ -164,9 +167,10 @@ class _ChatTemplateFields(_Strict):
 
     def template_options(self) -> dict:
         """apply_chat_template's keyword arguments."""
-        go_on = bool(self.continue_final_message)
-        opened = not go_on if self.add_generation_prompt is None else self.add_generation_prompt
-        return {"add_generation_prompt": opened, "continue_final_message": go_on}
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": bool(self.continue_final_message),
+        }
 
 
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):

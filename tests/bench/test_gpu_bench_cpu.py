@@ -63,17 +63,22 @@ def test_launch_floor_share():
 
 
 @pytest.mark.parametrize("sampling", ["logprobs", "penalties", "steer"])
-def test_decode_bench_requests_can_ask_for_logprobs_or_penalties(sampling):
+def test_decode_bench_requests_ask_for_what_sampling_names(sampling):
     """`bench decode --sampling`: the placed requests ask for top-5 logprobs, penalties or a logit_bias and
-    allowed_token_ids, and the step is timed
-    with the overlap schedule and without it (on the CPU at tiny sizes: the code runs, the figures mean nothing)."""
-    from kestrel.bench.decode import SAMPLING, decode_bench
+    allowed_token_ids, and the step is timed with the overlap schedule and without it (on the CPU at tiny sizes:
+    the code runs, the figures mean nothing)."""
+    from kestrel.bench.decode import SAMPLING, decode_bench, place_in_decode
+    from kestrel.config import EngineConfig
+    from kestrel.engine.engine import Engine
 
+    placed = place_in_decode(Engine(EngineConfig(model="tiny", device="cpu")), 2, 16, 3, sampling=sampling)
+    for request in placed:
+        assert all(getattr(request.params, k) == v for k, v in SAMPLING[sampling].items()), request.params
     result = decode_bench(
         "tiny", batches=(2,), contexts=(16,), steps=3, dense_contrast=False, device="cpu", sampling=sampling
     )
     (run,) = result["runs"]
-    assert run["sampling"] == sampling and SAMPLING[sampling]
+    assert run["sampling"] == sampling
     assert run["step_ms"] > 0 and run["step_ms_no_overlap"] > 0
 
 

@@ -317,6 +317,16 @@ def test_logit_bias_and_allowed_tokens_are_checked():
         with pytest.raises(ValueError, match=says):
             SamplingParams(**bad)
     assert SamplingParams(logit_bias={}).logit_bias is None  # asks for nothing
+    # the samples of a request are copies, not validated again (128 of 262,144 allowed ids took 16 s), each with
+    # the largest ids the engine checks against its vocabulary
+    parent = SamplingParams(
+        n=3, seed=1, logit_bias={9: 1.0, 4: -1.0}, allowed_token_ids=[7, 3], stop_token_ids=[2]
+    )
+    kids = parent.children()
+    assert [k.n for k in kids] == [1, 1, 1] and len({k.seed for k in kids}) == 3 and parent.n == 3
+    assert all(
+        k.max_token_ids == {"stop_token_ids": 2, "logit_bias": 9, "allowed_token_ids": 7} for k in kids
+    )
     llm = LLM("tiny", device="cpu", max_model_len=64)
     vocab = llm.engine.model.config.vocab_size
     eos = llm.engine.eos_token_ids[0]
