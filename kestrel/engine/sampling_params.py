@@ -71,10 +71,10 @@ class SamplingParams:
             ok = len(allowed) <= MAX_TOKEN_SET and _all_token_ids(allowed)
             self.allowed_token_ids = sorted(set(allowed)) if ok else allowed  # validate() names what is wrong
         self.validate()
-        # each token-id field's largest id, for the engine's vocabulary check (made once, not once a sample)
-        fields = {"stop_token_ids": self.stop_token_ids, "logit_bias": self.logit_bias}
-        fields["allowed_token_ids"] = self.allowed_token_ids
-        self.max_token_ids = {name: max(ids) for name, ids in fields.items() if ids}
+        if (
+            self.logit_bias
+        ):  # in id order, as allowed_token_ids: the largest of each is its last (max_token_ids)
+            self.logit_bias = dict(sorted(self.logit_bias.items()))
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -171,6 +171,15 @@ class SamplingParams:
         `child_seed(seed, j)`: reproducible, and seeds s and s + 1 share no sample (seed + j would)."""
         seeds = [None] * self.n if self.seed is None else [child_seed(self.seed, j) for j in range(self.n)]
         return [self._child(seed) for seed in seeds]
+
+    @property
+    def max_token_ids(self) -> dict[str, int]:
+        """Each token-id field's largest id (those given), for the engine's vocabulary check: the sorted fields'
+        last, not a walk over 262,144 ids once a sample."""
+        largest = {"stop_token_ids": max(self.stop_token_ids, default=None)}
+        largest["logit_bias"] = next(reversed(self.logit_bias)) if self.logit_bias else None
+        largest["allowed_token_ids"] = self.allowed_token_ids[-1] if self.allowed_token_ids else None
+        return {name: i for name, i in largest.items() if i is not None}
 
     def _child(self, seed: int | None) -> SamplingParams:
         """A copy with n 1 and this seed, not validated again (these are): 128 samples of a request with 262,144
