@@ -327,6 +327,7 @@ def test_logit_bias_and_allowed_tokens_are_checked():
     assert all(
         k.max_token_ids == {"stop_token_ids": 2, "logit_bias": 9, "allowed_token_ids": 7} for k in kids
     )
+    assert SamplingParams(**vars(kids[1])) == kids[1]  # its fields alone: rebuilt from them, as a user may
     llm = LLM("tiny", device="cpu", max_model_len=64)
     vocab = llm.engine.model.config.vocab_size
     eos = llm.engine.eos_token_ids[0]
