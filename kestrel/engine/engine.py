@@ -230,10 +230,8 @@ class Engine:
                 raise RequestError(f"{name} must name token ids in [0, {vocab}), not {largest}", param=name)
         if params.allowed_token_ids and params.min_tokens:
             banned = {*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids)}
-            allowed = params.allowed_token_ids
-            if len(allowed) <= len(banned) and banned.issuperset(
-                allowed
-            ):  # (more allowed than banned: never)
+            allowed = params.allowed_token_ids  # (more allowed than banned: never all banned)
+            if len(allowed) <= len(banned) and banned.issuperset(allowed):
                 raise RequestError(
                     "allowed_token_ids are all stop tokens (EOS or stop_token_ids), which min_tokens bans: no "
                     "token could be sampled",

@@ -160,9 +160,8 @@ class Sampler:
         if self._steer_batch is None or self._steer_batch[0] != key:
             self._steer_batch = (key, self._prepare_steering(reqs, rows, x.shape[1], x.device))
         _, (_, flat, bias, ban) = self._steer_batch
-        x = x.to(
-            torch.float32, memory_format=torch.contiguous_format, copy=True
-        )  # (flat positions: contiguous)
+        # contiguous, whatever the logits' strides: the bias goes in at flat positions
+        x = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         if flat.numel():
             x.view(-1).index_add_(0, flat, bias)
         return x if ban is None else x.masked_fill_(ban, float("-inf"))

@@ -65,15 +65,14 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must be a mapping of token ids to numbers, not {self.logit_bias!r}")
-        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None  # {} asks for nothing
+        self.logit_bias = self.logit_bias or None  # {} asks for nothing
         if self.allowed_token_ids is not None:
             allowed = _as_list(self.allowed_token_ids, "allowed_token_ids must be a list of token ids")
             ok = len(allowed) <= MAX_TOKEN_SET and _all_token_ids(allowed)
             self.allowed_token_ids = sorted(set(allowed)) if ok else allowed  # validate() names what is wrong
         self.validate()
-        if (
-            self.logit_bias
-        ):  # in id order, as allowed_token_ids: the largest of each is its last (max_token_ids)
+        # a copy in id order, as allowed_token_ids: the largest of each is its last (max_token_ids)
+        if self.logit_bias:
             self.logit_bias = dict(sorted(self.logit_bias.items()))
 
     def validate(self) -> None:

@@ -40,7 +40,7 @@ class Job:
         fields), for error bodies;
         `prefixes` and `echo_only` as ChoiceState's."""
         children = params.children()
-        self.server, self.prompts = server, prompts
+        self.server, self.prompts, self.params = server, prompts, params
         self.id = uuid.uuid4().hex
         items = [(prompt, child) for prompt in prompts for child in children]
         self.group: RequestGroup = server.submit(items, self.id, field_names or {})

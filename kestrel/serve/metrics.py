@@ -207,19 +207,12 @@ class ServerMetrics:
             Histogram("kestrel_request_queue_time_seconds", "Time from arrival to the first admission.")
         )
         # vLLM's phases of a finished request (one choice), each from its first admission
-        self.prefill_time = r.add(
-            Histogram(
-                "kestrel_request_prefill_time_seconds",
-                "Time from the first admission to the first output token.",
-            )
-        )
-        self.decode_time = r.add(
-            Histogram("kestrel_request_decode_time_seconds", "Time from the first output token to the last.")
-        )
-        self.inference_time = r.add(
-            Histogram(
-                "kestrel_request_inference_time_seconds",
-                "Time from the first admission to the last output token.",
+        self.prefill_time, self.decode_time, self.inference_time = (
+            r.add(Histogram(f"kestrel_request_{phase}_time_seconds", f"Time from {span}."))
+            for phase, span in (
+                ("prefill", "the first admission to the first output token"),
+                ("decode", "the first output token to the last"),
+                ("inference", "the first admission to the last output token"),
             )
         )
         self.request_prompt_tokens = r.add(

@@ -244,12 +244,16 @@ def _check_contents(messages: list[ChatMessage]) -> None:
 def _template_messages(messages: list[ChatMessage]) -> list[dict]:
     """The messages as the chat template takes them."""
     return [
-        {
-            "role": "system" if m.role == "developer" else m.role,
-            "content": m.content if not isinstance(m.content, list) else [p.model_dump() for p in m.content],
-        }
+        _template_message(
+            m.role, m.content if not isinstance(m.content, list) else [p.model_dump() for p in m.content]
+        )
         for m in messages
     ]
+
+
+def _template_message(role: str, content) -> dict:
+    """One message as the chat template takes it: OpenAI's "developer" is a system message."""
+    return {"role": "system" if role == "developer" else role, "content": content}
 
 
 class CompletionRequest(_SamplingFields):
@@ -406,9 +410,8 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: str | None = None  # OpenAI's successor of `user`: taken, not used
-    prompt_cache_key: str | None = (
-        None  # a routing hint for OpenAI's cache: taken (this server's cache needs none)
-    )
+    # a routing hint for OpenAI's cache: taken (this server's cache needs none)
+    prompt_cache_key: str | None = None
     stream_options: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -431,16 +434,12 @@ class ResponsesRequest(_Strict):
 
     def chat_messages(self) -> list[dict]:
         """The conversation the chat template renders: the instructions as a system message, then the input."""
-        system = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        system = [_template_message("system", self.instructions)] if self.instructions is not None else []
         if isinstance(self.input, str):
-            return [*system, {"role": "user", "content": self.input}]
-        return system + [
-            {
-                "role": "system" if m.role == "developer" else m.role,
-                "content": m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content),
-            }
-            for m in self.input
-        ]
+            return [*system, _template_message("user", self.input)]
+        # (the parts' texts joined with newlines, as the tokenizer joins a chat message's text parts)
+        text = lambda m: m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)  # noqa: E731
+        return system + [_template_message(m.role, text(m)) for m in self.input]
 
     def to_sampling_params(self) -> SamplingParams:
         given = {"temperature": self.temperature, "top_p": self.top_p}

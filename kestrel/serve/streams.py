@@ -48,13 +48,19 @@ async def _stream_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
         async for e in events:
             yield e
-    except EngineDead as e:
-        yield _event(error_body(str(e), "server_error", code="engine_unavailable"))
+    except Exception as e:
+        failure = _failure(e)
+        yield _event(error_body(failure["message"], "server_error", code=failure["code"]))
         yield _event("[DONE]")
-    except Exception:
-        log.exception("error while streaming a response")
-        yield _event(error_body("internal server error", "server_error", code="internal_error"))
-        yield _event("[DONE]")
+
+
+def _failure(e: Exception) -> dict:
+    """What a stream that failed with `e` tells the client (`code`, `message`): the engine's death as it is,
+    anything else as an internal error (logged). Call it where `e` is being handled."""
+    if isinstance(e, EngineDead):
+        return {"code": "engine_unavailable", "message": str(e)}
+    log.exception("error while streaming a response")
+    return {"code": "internal_error", "message": "internal server error"}
 
 
 async def chat_stream(server: Server, job: Job, req: ChatCompletionRequest) -> AsyncIterator[str]:
@@ -188,7 +194,7 @@ def response_body(
     choice = job.choices[0]
     incomplete = done and choice.finish_reason == "length"
     status = "failed" if error else "in_progress" if not done else "incomplete" if incomplete else "completed"
-    params = req.to_sampling_params()  # as they took effect (defaults filled in)
+    params = job.params  # as they took effect (defaults filled in)
     body = {
         "id": f"resp_{job.id}",
         "object": "response",
@@ -269,10 +275,6 @@ async def responses_stream(
         yield event("response.output_item.done", output_index=0, item=final["output"][0])
         yield event(f"response.{final['status']}", response=final)
     except Exception as e:  # the stream ends with the error and the response failed, not a cut connection
-        if isinstance(e, EngineDead):
-            error = {"code": "engine_unavailable", "message": str(e)}
-        else:
-            log.exception("error while streaming a response")
-            error = {"code": "internal_error", "message": "internal server error"}
+        error = _failure(e)
         yield event("error", **error, param=None)
         yield event("response.failed", response=response_body(server, job, req, created, error=error))
