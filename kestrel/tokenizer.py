@@ -44,6 +44,12 @@ class Tokenizer(ABC):
     @abstractmethod
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str: ...
 
+    def special_token_ids(self) -> list[int]:
+        """Ids of control tokens (BOS, EOS, chat markers), which never stand for text (a grammar allows none)."""
+        return sorted(
+            {*self.eos_token_ids, *(i for i in (self.bos_token_id, self.pad_token_id) if i is not None)}
+        )
+
     _custom_template = None  # set_chat_template's, compiled
 
     def set_chat_template(self, source: str, origin: str = "chat_template") -> None:
@@ -177,6 +183,9 @@ class ByteTokenizer(Tokenizer):
                 pending.clear()
         return "".join(out) + pending.decode("utf-8", errors="replace")
 
+    def special_token_ids(self) -> list[int]:
+        return list(range(256, self.vocab_size))
+
     def id_to_token(self, i: int) -> str | None:
         if 0 <= i < 256:
             return self._alphabet[i]
@@ -284,6 +293,10 @@ class HFTokenizer(Tokenizer):
 
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
+
+    def special_token_ids(self) -> list[int]:
+        added = self._tok.get_added_tokens_decoder()
+        return sorted({*super().special_token_ids(), *(i for i, t in added.items() if t.special)})
 
     def _special_texts(self) -> dict:
         return {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}

@@ -41,6 +41,8 @@ from kestrel.engine.sampler import Sampler
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.engine.scheduler import Batch, Scheduler
 from kestrel.env import check_env
+from kestrel.grammar.regex import PatternError
+from kestrel.grammar.tokens import GrammarCache, Vocabulary
 from kestrel.layers.mla import dsa_topks, set_dense_attention
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model, model_config
@@ -160,6 +162,8 @@ class Engine:
         )
         self.eos_token_ids = tuple(dict.fromkeys((*mc.eos_token_ids, *self.tokenizer.eos_token_ids)))
         self.sampler = Sampler(self.eos_token_ids)
+        # structured outputs' grammars over the model's vocabulary (its bytes read on the first such request)
+        self.grammars = GrammarCache(lambda: Vocabulary.of(self.tokenizer, mc.vocab_size, self.eos_token_ids))
         self.requests: dict[str, Request] = {}
         # requests with stop strings: their text as it decodes, looked through for the stop strings
         self._detok: dict[str, tuple[IncrementalDetokenizer, StopStringMatcher]] = {}
@@ -237,6 +241,8 @@ class Engine:
                     "token could be sampled",
                     param="allowed_token_ids",
                 )
+        if params.structured_outputs is not None:
+            self._grammar_of(params)
         if len(prompt_ids) >= limit:
             raise RequestError(
                 f"the prompt has {len(prompt_ids)} tokens, but the context limit is {limit} (prompt + output)",
@@ -251,6 +257,20 @@ class Engine:
                 code="context_length_exceeded",
             )
 
+    def _grammar_of(self, params: SamplingParams):
+        """The compiled grammar of a request's structured outputs; RequestError where it cannot be had."""
+        spec = params.structured_outputs
+        if not self.eos_token_ids:
+            raise RequestError(
+                "structured outputs need an EOS token, and this model has none", param="structured_outputs"
+            )
+        try:
+            return self.grammars.get(spec.pattern)
+        except PatternError as e:
+            raise RequestError(
+                f"structured outputs {spec.kind}: {e}", param=f"structured_outputs.{spec.kind}"
+            ) from None
+
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
@@ -262,6 +282,9 @@ class Engine:
         total = limit if params.max_tokens is None else len(prompt_ids) + params.max_tokens
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(request_id, list(prompt_ids), params, seed, total)
+        if params.structured_outputs is not None:
+            request.grammar = self._grammar_of(params)
+            request.grammar_state = request.grammar.start
         self.requests[request_id] = request
         if params.stop:
             # stop strings are looked for in the text the client gets, special tokens' text in it or not (as
@@ -365,6 +388,8 @@ class Engine:
         outputs = []
         for req, token, lp in zip(reqs, tokens, logprobs):
             req.output_ids.append(token)
+            if req.grammar is not None:
+                req.grammar_state = req.grammar.advance(req.grammar_state, token)
             if lp is not None:
                 req.logprobs.append(lp)
             self._check_stop(req, token)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from kestrel.engine.outputs import TokenLogprob
 from kestrel.engine.sampling_params import SamplingParams
+from kestrel.grammar.tokens import Grammar
 
 
 class Status(enum.Enum):
@@ -52,6 +53,9 @@ class Request:
     checkpoint_at: list[int] = field(default_factory=list)
     track_slot: int | None = None
     track_len: int = 0
+    # structured outputs: the grammar its output follows and the grammar's state after the outputs so far
+    grammar: Grammar | None = None
+    grammar_state: int = 0
 
     @property
     def num_tokens(self) -> int:

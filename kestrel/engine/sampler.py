@@ -13,6 +13,7 @@ logprobs of the tokens on the device; `logprobs()` reads them on the host.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kestrel.engine.outputs import TokenLogprob
@@ -84,6 +85,7 @@ class Sampler:
         if any(_needs_penalties(r) for r in reqs):
             x = self._penalize(x, reqs, pending)  # fp32 out
         x = self._suppress_early_stops(x, reqs, ahead)
+        x = self._constrain(x, reqs, ahead)
         if argmax is not None and x is logits:
             tokens = argmax  # [B]; sampled rows overwritten below
         else:
@@ -202,12 +204,32 @@ class Sampler:
             up(r.params.allowed_token_ids or [], torch.int64),
         )
 
+    def _constrain(self, x: torch.Tensor, reqs: list[Request], ahead: int) -> torch.Tensor:
+        """Structured outputs: the tokens a request's grammar does not allow next get -inf, last of all (the
+        grammar's word is final). The masks come from the host (each grammar state's made once there) without a
+        sync."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return x
+        assert ahead == 0, (
+            "a grammar needs its request's last token on the host (schedule_ahead leaves it out)"
+        )
+        masks = np.stack([reqs[i].grammar.allowed(reqs[i].grammar_state) for i in rows])  # [R, V] bool
+        assert masks.shape[1] == x.shape[1], (masks.shape, x.shape)
+        dev = x.device
+        allowed = to_device_async(torch.from_numpy(masks), dev)
+        idx = to_device_async(torch.tensor(rows, dtype=torch.int64), dev)
+        sub = x.index_select(0, idx).to(torch.float32).masked_fill(~allowed, float("-inf"))  # [R, V]
+        return x.to(torch.float32).index_copy(0, idx, sub)
+
     def _suppress_early_stops(self, x: torch.Tensor, reqs: list[Request], ahead: int = 0) -> torch.Tensor:
-        """Before min_tokens outputs, EOS and stop token ids cannot be sampled (vLLM semantics)."""
+        """Before min_tokens outputs, EOS and stop token ids cannot be sampled (vLLM semantics), unless the
+        request's grammar is complete (only EOS can follow: the grammar ends the output)."""
         rows: list[int] = []
         cols: list[int] = []
         for i, r in enumerate(reqs):
-            if len(r.output_ids) + ahead < r.params.min_tokens:
+            complete = r.grammar is not None and r.grammar.is_complete(r.grammar_state)
+            if len(r.output_ids) + ahead < r.params.min_tokens and not complete:
                 eos = () if r.params.ignore_eos else self.eos_token_ids
                 banned = [*r.params.stop_token_ids, *eos]
                 rows += [i] * len(banned)

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import copy
+import functools
+import json
 import math
 from dataclasses import dataclass, field
+
+from kestrel.grammar.json_schema import SchemaError, choice_regex, json_object_regex, schema_to_regex
+from kestrel.grammar.regex import PatternError, check_pattern
 
 # Temperatures below this sample greedily (vLLM's rule): the logits divided by 1e-40 overflow to inf, and the
 # softmax of infs is NaN.
@@ -25,6 +30,77 @@ _NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_pen
 _INTEGERS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed")
 # None: no limit, no logprobs, no prompt logprobs, a random seed
 _OPTIONAL = ("max_tokens", "logprobs", "prompt_logprobs", "seed")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's structured outputs; one of the fields): `json` a JSON schema (a
+    dict, or its JSON text), `regex` a regular expression (whole-output match), `choice` one of these strings,
+    `json_object` any JSON object (OpenAI's JSON mode). JSON comes out compact, properties in the schema's order
+    (`kestrel.grammar.json_schema` says what a schema may use). Checked on construction (ValueError)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        given = [name for name in _STRUCTURED if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured outputs take exactly one of {', '.join(_STRUCTURED)}, not {given or 'none'}"
+            )
+        self.pattern  # noqa: B018 (made now: a bad schema is an error here)
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _STRUCTURED if getattr(self, name) not in (None, False))
+
+    @property
+    def pattern(self) -> str:
+        """The regular expression the output must match whole (`kestrel.grammar.regex`'s dialect)."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    raise ValueError(f"structured outputs json: the schema is not valid JSON ({e})") from None
+            if not isinstance(value, (dict, bool)):
+                raise ValueError(
+                    f"structured outputs json: a schema is an object, not {type(value).__name__}"
+                )
+            return _pattern_of("json", json.dumps(value, sort_keys=True))
+        if kind == "regex":
+            if not isinstance(value, str):
+                raise ValueError(f"structured outputs regex must be a string, not {value!r}")
+            try:
+                check_pattern(value)
+            except PatternError as e:
+                raise ValueError(f"structured outputs regex: {e}") from None
+        if kind == "choice":
+            if (
+                not isinstance(value, (list, tuple))
+                or not value
+                or not all(isinstance(c, str) for c in value)
+            ):
+                raise ValueError("structured outputs choice must be a non-empty list of strings")
+            return choice_regex(list(value))
+        if kind == "json_object" and value is not True:
+            raise ValueError(f"structured outputs json_object must be true, not {value!r}")
+        return value if kind == "regex" else json_object_regex()
+
+
+_STRUCTURED = ("json", "regex", "choice", "json_object")
+
+
+@functools.lru_cache(maxsize=256)
+def _pattern_of(kind: str, canonical: str) -> str:
+    try:
+        return schema_to_regex(json.loads(canonical))
+    except SchemaError as e:
+        raise ValueError(f"structured outputs json: {e}") from None
 
 
 @dataclass
@@ -55,6 +131,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's: only these tokens can be sampled (the others' logits -inf); None: every token
     allowed_token_ids: list[int] | None = None
+    # vLLM's: the output must match a JSON schema, a regex, a choice or be a JSON object (StructuredOutputsParams)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -151,6 +229,15 @@ class SamplingParams:
             (
                 len(self.allowed_token_ids or ()) <= MAX_TOKEN_SET,
                 f"allowed_token_ids takes at most {MAX_TOKEN_SET} tokens",
+            ),
+            (
+                self.structured_outputs is None
+                or isinstance(self.structured_outputs, StructuredOutputsParams),
+                "structured_outputs must be a StructuredOutputsParams",
+            ),
+            (
+                self.structured_outputs is None or not self.ignore_eos,
+                "ignore_eos cannot be combined with structured outputs (a complete output ends with EOS)",
             ),
             (
                 self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,

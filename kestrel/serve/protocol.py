@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.serve.errors import bad_request, from_validation_error
 
 MAX_N = 128
@@ -79,6 +79,73 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = None
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema` (and the Responses API's `text.format` fields). `strict` is taken
+    either way: the schema is always enforced."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: plain text, any JSON object (JSON mode), or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured(self, param: str) -> StructuredOutputsParams | None:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise bad_request(
+                "a json_schema response format needs its json_schema", param=f"{param}.json_schema"
+            )
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise bad_request(
+                f"json_schema is only taken with type json_schema, not {self.type}", param=param
+            )
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return _structured(param, json_object=True)
+        return _structured(f"{param}.json_schema.schema", json=self.json_schema.schema_)
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema, a regex, a choice of strings, or JSON mode."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    def structured(self, param: str) -> StructuredOutputsParams:
+        given = {
+            "json": self.json_,
+            "regex": self.regex,
+            "choice": self.choice,
+            "json_object": self.json_object,
+        }
+        given = {k: v for k, v in given.items() if v is not None}
+        if len(given) != 1:
+            raise bad_request(
+                "structured_outputs takes exactly one of json, regex, choice and json_object", param=param
+            )
+        ((kind, value),) = given.items()
+        return _structured(f"{param}.{kind}", **given)
+
+
+def _structured(param: str, **spec) -> StructuredOutputsParams:
+    """StructuredOutputsParams(**spec), its ValueError (a schema it cannot honour) a 400 naming `param`."""
+    try:
+        return StructuredOutputsParams(**spec)
+    except ValueError as e:
+        raise bad_request(str(e), param=param) from None
+
+
 class _SamplingFields(_Strict):
     """Sampling fields shared by chat and text completions (OpenAI names, then Kestrel/vLLM extensions)."""
 
@@ -104,6 +171,12 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool | None = None
     allowed_token_ids: list[Int] | None = None  # vLLM's: only these tokens are sampled
     logit_bias: dict[str, float] | None = None
+    # the output constrained: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     # OpenAI fields this server does not implement: refused unless given their neutral value
     service_tier: Any = None
     metadata: Any = None
@@ -128,9 +201,30 @@ class _SamplingFields(_Strict):
             "skip_special_tokens": self.skip_special_tokens,
             "logit_bias": _logit_bias(self.logit_bias, "logit_bias"),
             "allowed_token_ids": self.allowed_token_ids,
+            "structured_outputs": self.structured(),
         }
         kwargs = {k: v for k, v in {**given, **extra}.items() if v is not None}
         return make_sampling_params(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output's constraint, from whichever one field gives it (400 where two do)."""
+        legacy = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
+        given = [
+            name
+            for name in ("response_format", "structured_outputs", *legacy)
+            if getattr(self, name) is not None
+        ]
+        if self.response_format is not None and self.response_format.type == "text":
+            given.remove("response_format")
+            self.response_format.structured("response_format")  # (its own checks)
+        if len(given) > 1:
+            raise bad_request(f"give one of {' and '.join(given)}", param=given[1])
+        if not given:
+            return None
+        name = given[0]
+        if name in legacy:
+            return _structured(name, **{legacy[name]: getattr(self, name)})
+        return getattr(self, name).structured(name)
 
     def check_common(self) -> None:
         _refuse_unsupported(self, _NEUTRAL_COMMON)
@@ -184,7 +278,6 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -322,6 +415,9 @@ class NativeSamplingParams(_Strict):
     seed: Int | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[Int] | None = None
+    # SGLang's constrained decoding: a JSON schema (its JSON text) or a regex
+    json_schema: str | None = None
+    regex: str | None = None
 
 
 class GenerateRequest(_Strict):
@@ -359,7 +455,15 @@ class GenerateRequest(_Strict):
 
     def to_sampling_params(self) -> SamplingParams:
         sp = self.sampling_params or NativeSamplingParams()
-        given = sp.model_dump(exclude={"max_new_tokens", "min_new_tokens"}, exclude_none=True)
+        given = sp.model_dump(
+            exclude={"max_new_tokens", "min_new_tokens", "json_schema", "regex"}, exclude_none=True
+        )
+        if sp.json_schema is not None and sp.regex is not None:
+            raise bad_request("give one of json_schema and regex", param="sampling_params.regex")
+        if sp.json_schema is not None:
+            given["structured_outputs"] = _structured("sampling_params.json_schema", json=sp.json_schema)
+        if sp.regex is not None:
+            given["structured_outputs"] = _structured("sampling_params.regex", regex=sp.regex)
         if sp.logit_bias is not None:
             given["logit_bias"] = _logit_bias(sp.logit_bias, "sampling_params.logit_bias")
         if sp.min_new_tokens is not None:
@@ -371,6 +475,32 @@ class GenerateRequest(_Strict):
             native = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}.get(e.param, e.param)
             param = "top_logprobs_num" if e.param == "logprobs" else f"sampling_params.{native}"
             raise e.as_request_error({e.param: param}) from None
+
+
+class ResponseTextFormat(_Strict):
+    """The Responses API's `text.format`: text, JSON mode, or JSON following a schema (its fields beside `type`,
+    not under `json_schema` as in chat's response_format)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        if self.type == "json_schema" and self.schema_ is None:
+            raise bad_request("a json_schema format needs its schema", param="text.format.schema")
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return _structured("text.format", json_object=True)
+        return _structured("text.format.schema", json=self.schema_)
+
+
+class ResponseTextConfig(_Strict):
+    format: ResponseTextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # the only one a model without that training has
 
 
 class ResponseTextPart(_Strict):
@@ -395,9 +525,9 @@ class ResponseInputMessage(_Strict):
 
 class ResponsesRequest(_Strict):
     """OpenAI's Responses API (`POST /v1/responses`), its stateless text part: `input` (a string, or messages),
-    `instructions` (a system message first), `max_output_tokens`, `temperature`, `top_p`, `stream`. Nothing is
-    stored (`store` is taken and the response cannot be fetched later); tools, reasoning, structured output and
-    `previous_response_id` are refused unless given their neutral value."""
+    `instructions` (a system message first), `max_output_tokens`, `temperature`, `top_p`, `stream`, and
+    structured output (`text.format`). Nothing is stored (`store` is taken and the response cannot be fetched
+    later); tools, reasoning and `previous_response_id` are refused unless given their neutral value."""
 
     model: str | None = None
     input: str | list[ResponseInputMessage]
@@ -418,7 +548,7 @@ class ResponsesRequest(_Strict):
     parallel_tool_calls: Any = None
     previous_response_id: Any = None
     reasoning: Any = None
-    text: Any = None
+    text: ResponseTextConfig | None = None
     include: Any = None
     truncation: Any = None
     background: Any = None
@@ -441,8 +571,15 @@ class ResponsesRequest(_Strict):
         text = lambda m: m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)  # noqa: E731
         return system + [_template_message(m.role, text(m)) for m in self.input]
 
+    def text_format(self) -> dict:
+        """`text.format` as the response echoes it."""
+        fmt = self.text.format if self.text is not None else None
+        return {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)
+
     def to_sampling_params(self) -> SamplingParams:
-        given = {"temperature": self.temperature, "top_p": self.top_p}
+        fmt = self.text.format if self.text is not None else None
+        structured = fmt.structured() if fmt is not None else None
+        given = {"temperature": self.temperature, "top_p": self.top_p, "structured_outputs": structured}
         try:
             return make_sampling_params(
                 max_tokens=self.max_output_tokens, **{k: v for k, v in given.items() if v is not None}
@@ -525,7 +662,6 @@ _NEUTRAL_CHAT: dict[str, tuple] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None,),
-    "response_format": (None, {"type": "text"}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -541,14 +677,6 @@ _NEUTRAL_RESPONSES: dict[str, tuple] = {
     "parallel_tool_calls": (None, True, False),
     "previous_response_id": (None,),
     "reasoning": (None,),
-    "text": (
-        None,
-        {"format": {"type": "text"}},
-        {"format": {"type": "text"}, "verbosity": None},
-        {"format": {"type": "text"}, "verbosity": "medium"},
-        {"verbosity": None},
-        {"verbosity": "medium"},
-    ),
     "stream_options": (None, {}, {"include_obfuscation": False}),  # no obfuscation padding is sent
     "include": (None, []),
     "truncation": (None, "disabled"),

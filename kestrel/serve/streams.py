@@ -211,7 +211,7 @@ def response_body(
         "top_p": params.top_p,
         "tool_choice": req.tool_choice or "auto",
         "tools": [],
-        "text": {"format": {"type": "text"}},
+        "text": {"format": req.text_format()},
         "metadata": req.metadata or {},
         "store": False,  # nothing is kept: the response cannot be fetched later
         "usage": None,

@@ -102,7 +102,27 @@ CHAT_CASES = {
         "messages[1].tool_calls",
         None,
     ),
-    "json response_format": (_chat(response_format={"type": "json_object"}), "response_format", None),
+    "response_format without its schema": (
+        _chat(response_format={"type": "json_schema"}),
+        "response_format.json_schema",
+        None,
+    ),
+    "response_format of an unknown type": (
+        _chat(response_format={"type": "grammar"}),
+        "response_format.type",
+        None,
+    ),
+    "two output constraints": (
+        _chat(response_format={"type": "json_object"}, guided_regex="a"),
+        "guided_regex",
+        None,
+    ),
+    "unsupported schema keyword": (
+        _chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}),
+        "response_format.json_schema.schema",
+        None,
+    ),
+    "bad guided regex": (_chat(guided_regex="(a"), "guided_regex", None),
     "logit_bias past 100": (_chat(logit_bias={"65": 101}), "logit_bias", "invalid_value"),
     "logit_bias key not an id": (_chat(logit_bias={"a": 1}), "logit_bias", "invalid_value"),
     "logit_bias key negative": (_chat(logit_bias={"-1": 1}), "logit_bias", "invalid_value"),

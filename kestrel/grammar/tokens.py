@@ -1,0 +1,156 @@
+"""Which tokens a grammar allows next: a pattern's automaton (`kestrel.grammar.regex`) walked over the whole
+vocabulary at once.
+
+Legend: V the vocabulary (the model's logits width), L the longest token in bytes.
+
+`Vocabulary` holds every token's bytes as a [V, L] byte matrix, longest tokens first, so that the tokens still
+being walked at byte j are a prefix of the rows. `Grammar.allowed(state)` walks all of them from an automaton
+state one byte column at a time (numpy gathers from the transitions computed so far; the automaton makes the
+missing ones), and keeps each state's mask: a generation revisits few states (inside a JSON string, one). EOS is
+allowed where the pattern is complete; special tokens never are.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+
+from kestrel.grammar.regex import Automaton
+
+# Masks kept a grammar: V bytes each, at most this many bytes in all (and at least 64 masks).
+MASK_CACHE_BYTES = 256 << 20
+
+
+class Vocabulary:
+    """The tokens as bytes. token_bytes[i]: what id i writes (b"" for ids a grammar never allows: special tokens
+    and ids past the tokenizer's); eos_ids: the ids that end a complete output."""
+
+    def __init__(self, token_bytes: list[bytes], eos_ids: tuple[int, ...]):
+        self.size = len(token_bytes)  # V
+        self.eos_ids = tuple(i for i in eos_ids if 0 <= i < self.size)
+        self.token_bytes = token_bytes
+        lengths = np.fromiter((len(b) for b in token_bytes), dtype=np.int64, count=self.size)
+        self.order = np.argsort(-lengths, kind="stable")  # [V] token ids, longest first
+        longest = int(lengths.max(initial=0))
+        matrix = np.zeros((self.size, max(longest, 1)), dtype=np.uint8)  # [V, L] in `order`
+        for row, i in enumerate(self.order):
+            b = token_bytes[i]
+            matrix[row, : len(b)] = np.frombuffer(b, dtype=np.uint8)
+        self.matrix = matrix
+        # tokens at least j + 1 bytes long, for each byte column j: the rows a walk still moves at column j
+        sorted_lengths = lengths[self.order]
+        self.walking = [int((sorted_lengths > j).sum()) for j in range(longest)]
+        self.nonempty = sorted_lengths > 0  # [V] in `order`
+
+    @classmethod
+    def of(cls, tokenizer, size: int, eos_ids: tuple[int, ...]) -> Vocabulary:
+        """A tokenizer's vocabulary as the model's logits see it (`size` wide: ids past the tokenizer's are never
+        allowed). The tokenizer's special ids (`special_token_ids`) and the EOS ids write nothing."""
+        special = {*tokenizer.special_token_ids(), *eos_ids}
+        known = min(size, tokenizer.vocab_size)
+        data = [b"" if i in special else tokenizer.token_bytes(i) for i in range(known)]
+        return cls(data + [b""] * (size - known), eos_ids)
+
+
+class Grammar:
+    """A pattern over a vocabulary: `start`, `allowed(state)` (a [V] bool mask), `advance(state, token)`,
+    `is_complete(state)`. States are the automaton's; 0 is dead."""
+
+    def __init__(self, pattern: str, vocab: Vocabulary):
+        self.pattern = pattern
+        self.automaton = Automaton(pattern)
+        self.vocab = vocab
+        self.start = self.automaton.start
+        self._table = np.full((64, 256), -1, dtype=np.int64)  # the automaton's transitions as found so far
+        self._table[0] = 0  # dead stays dead
+        self._masks: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._max_masks = max(64, MASK_CACHE_BYTES // max(vocab.size, 1))
+
+    def allowed(self, state: int) -> np.ndarray:
+        """[V] bool: the tokens that keep the output a prefix of a match (EOS where it is a match). A state from
+        which no token can go on but that is not a match yet (a vocabulary lacking the bytes it needs) allows
+        EOS, so that the output ends rather than loops."""
+        mask = self._masks.get(state)
+        if mask is not None:
+            self._masks.move_to_end(state)
+            return mask
+        v = self.vocab
+        cur = np.full(
+            v.size, state, dtype=np.int64
+        )  # [V] in `order`: each token's state after its bytes so far
+        for j, n in enumerate(v.walking):
+            col = v.matrix[:n, j].astype(np.int64)  # [n]
+            nxt = self._lookup(cur[:n], col)
+            cur[:n] = nxt
+        ok = np.zeros(v.size, dtype=bool)
+        ok[v.order] = (cur != 0) & v.nonempty
+        complete = self.automaton.accepting(state)
+        if complete or not ok.any():
+            ok[list(v.eos_ids)] = True
+        self._masks[state] = ok
+        if len(self._masks) > self._max_masks:
+            self._masks.popitem(last=False)
+        return ok
+
+    def advance(self, state: int, token: int) -> int:
+        """The state after `token` (EOS and the other special tokens leave it as it is)."""
+        for b in self.vocab.token_bytes[token] if 0 <= token < self.vocab.size else b"":
+            state = self.automaton.next(state, b)
+        return state
+
+    def is_complete(self, state: int) -> bool:
+        """A match that no token can extend: only EOS can follow."""
+        mask = self.allowed(state)
+        return self.automaton.accepting(state) and int(mask.sum()) == len(set(self.vocab.eos_ids))
+
+    def _lookup(self, states: np.ndarray, col: np.ndarray) -> np.ndarray:
+        """[n] next states of (states[k], col[k]), made by the automaton where not found yet."""
+        nxt = self._table[states, col]
+        missing = nxt < 0
+        if missing.any():
+            pairs = np.unique(states[missing] * 256 + col[missing])
+            for pair in pairs.tolist():
+                s, b = divmod(pair, 256)
+                self._set(s, b, self.automaton.next(s, b))
+            nxt = self._table[states, col]
+        return nxt
+
+    def _set(self, state: int, byte: int, target: int) -> None:
+        rows = self._table.shape[0]
+        if max(state, target) >= rows:
+            grown = np.full((max(rows * 2, max(state, target) + 1), 256), -1, dtype=np.int64)
+            grown[:rows] = self._table
+            self._table = grown
+        self._table[state, byte] = target
+
+
+class GrammarCache:
+    """Compiled grammars by pattern (the last `size` used), over one vocabulary made on first use. Thread-safe:
+    the server compiles a request's grammar when it checks the request, the engine's thread reads it."""
+
+    def __init__(self, vocabulary: Callable[[], Vocabulary], size: int = 64):
+        self._make_vocabulary = vocabulary
+        self._vocab: Vocabulary | None = None
+        self._grammars: OrderedDict[str, Grammar] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def get(self, pattern: str) -> Grammar:
+        """The grammar of `pattern`; PatternError where it does not compile."""
+        with self._lock:
+            found = self._grammars.get(pattern)
+            if found is not None:
+                self._grammars.move_to_end(pattern)
+                return found
+            if self._vocab is None:
+                self._vocab = self._make_vocabulary()
+            vocab = self._vocab
+        grammar = Grammar(pattern, vocab)  # outside the lock: a large pattern takes a while
+        with self._lock:
+            grammar = self._grammars.setdefault(pattern, grammar)
+            if len(self._grammars) > self._size:
+                self._grammars.popitem(last=False)
+        return grammar

@@ -1,0 +1,154 @@
+"""Structured outputs through the engine: every output of a grammar is a prefix of a match, and a match when it
+ends by EOS; other rows of the batch sample as they would alone; the overlap schedule and the plain one give
+the same tokens; min_tokens cannot push past a complete output; bad specs are clear errors."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import jsonschema
+import pytest
+
+from kestrel.engine.engine import RequestError
+from kestrel.engine.llm import LLM
+from kestrel.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from kestrel.grammar.regex import Automaton
+from kestrel.presets import shipped_model_dir
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["a", 'b"c', "日本"]}, "maxItems": 3},
+        "ok": {"type": ["boolean", "null"]},
+    },
+    "required": ["name", "age"],
+}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny", device="cpu", max_model_len=256)
+
+
+def _run(llm, spec: StructuredOutputsParams, prompts=("ab", "xyz"), **params) -> list:
+    params = {"max_tokens": 48, "seed": 1, **params}
+    outs = llm.generate(list(prompts), SamplingParams(structured_outputs=spec, **params), use_tqdm=False)
+    return [c for o in outs for c in o.outputs]
+
+
+@functools.cache
+def _automaton(pattern: str) -> Automaton:
+    return Automaton(pattern)
+
+
+def _is_prefix(pattern: str, text: str) -> bool:
+    """Some match starts with `text` (an output max_tokens cut); where an output ended by EOS, the test checks
+    a whole match with Python's re as well."""
+    a = _automaton(pattern)
+    state = a.start
+    for b in text.encode("utf-8"):
+        state = a.next(state, b)
+        if state == 0:
+            return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutputsParams(regex=r"(?:yes|no)!{1,3}"),
+        StructuredOutputsParams(choice=["Paris", "London", "a|b"]),
+        StructuredOutputsParams(regex=r"[0-9]{3}-[a-f]{2,5}"),
+        StructuredOutputsParams(json=PERSON),
+        StructuredOutputsParams(json_object=True),
+    ],
+    ids=["regex", "choice", "regex2", "schema", "json_object"],
+)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_outputs_follow_the_grammar(llm, spec, temperature):
+    """The tiny model's weights are random: left alone its tokens are noise, so each one here is the grammar's."""
+    outs = _run(llm, spec, n=2, temperature=temperature)
+    for c in outs:
+        assert _is_prefix(spec.pattern, c.text), c.text
+        if c.finish_reason == "stop":
+            assert re.fullmatch(spec.pattern, c.text), c.text
+            if spec.json is not None:
+                jsonschema.validate(json.loads(c.text), spec.json)
+            if spec.json_object:
+                assert isinstance(json.loads(c.text), dict)
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == 48
+    assert any(c.finish_reason == "stop" for c in outs) or spec.json_object
+
+
+def test_other_rows_sample_as_alone(llm):
+    """A constrained request beside free ones: theirs are the tokens they get alone."""
+    free = SamplingParams(max_tokens=12, temperature=0)
+    alone = [o.outputs[0].token_ids for o in llm.generate(["ab", "cd"], free, use_tqdm=False)]
+    constrained = SamplingParams(
+        max_tokens=12, temperature=0, structured_outputs=StructuredOutputsParams(regex="x+")
+    )
+    outs = llm.generate(["ab", "zz", "cd"], [free, constrained, free], use_tqdm=False)
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == alone
+    assert set(outs[1].outputs[0].text) == {"x"}
+
+
+def test_overlap_and_plain_schedules_agree():
+    spec = StructuredOutputsParams(json=PERSON)
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=3, n=3, structured_outputs=spec)
+    got = []
+    for plain in (False, True):
+        llm = LLM("tiny", device="cpu", max_model_len=256, disable_overlap_schedule=plain)
+        got.append(
+            [c.token_ids for o in llm.generate(["ab", "q"], params, use_tqdm=False) for c in o.outputs]
+        )
+    assert got[0] == got[1]
+
+
+def test_min_tokens_stops_at_a_complete_output(llm):
+    """Past the grammar's end only EOS is allowed: min_tokens cannot ban it (the row would have no token)."""
+    (c,) = _run(llm, StructuredOutputsParams(choice=["ok"]), prompts=["ab"], min_tokens=10, temperature=0)
+    assert c.text == "ok" and c.finish_reason == "stop"
+
+
+def test_bad_specs_are_clear_errors(llm):
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="regex: missing '\\)'"):
+        StructuredOutputsParams(regex="(a")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredOutputsParams(json="{")
+    with pytest.raises(ValueError, match="choice must be a non-empty list"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a"))
+    with pytest.raises(RequestError, match="too large") as e:
+        llm.generate(
+            ["ab"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(?:a{1000}){500}"))
+        )
+    assert e.value.param == "structured_outputs.regex"
+
+
+@pytest.mark.skipif(shipped_model_dir() is None, reason="the shipped model is not in this install")
+def test_shipped_model_fills_a_schema():
+    llm = LLM(str(shipped_model_dir()), device="cpu")
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer"}, "unit": {"enum": ["cm", "m"]}},
+        "required": ["answer", "unit"],
+    }
+    spec = StructuredOutputsParams(json=schema)
+    (out,) = llm.chat(
+        [{"role": "user", "content": "What is 12 + 30?"}],
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec),
+        use_tqdm=False,
+    )
+    c = out.outputs[0]
+    assert c.finish_reason == "stop"
+    jsonschema.validate(json.loads(c.text), schema)

@@ -1,0 +1,110 @@
+"""A grammar's token masks against a brute-force walk of each token's bytes, on the shipped model's BPE vocabulary
+and the byte tokenizer; EOS only where the output is a match; generation by the masks alone yields matches."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import numpy as np
+import pytest
+
+from kestrel.grammar.regex import Automaton
+from kestrel.grammar.tokens import Grammar, GrammarCache, Vocabulary
+from kestrel.presets import shipped_model_dir
+from kestrel.tokenizer import ByteTokenizer, load_tokenizer
+
+PATTERNS = [
+    r'\{"name":"[a-z ]{1,12}","age":(?:0|[1-9]\d{0,2})\}',
+    r"(?:yes|no|maybe)",
+    r"[0-9]{3}-[0-9]{4}",
+    r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])*"',
+    r"(?:é|日本)+!",
+]
+
+
+@pytest.fixture(scope="module", params=["demo", "bytes"])
+def vocab(request):
+    if request.param == "demo" and shipped_model_dir() is None:
+        pytest.skip("the shipped model is not in this install")
+    tok = load_tokenizer(str(shipped_model_dir())) if request.param == "demo" else ByteTokenizer()
+    return Vocabulary.of(
+        tok, tok.vocab_size + 7, tok.eos_token_ids
+    )  # 7 ids past the tokenizer's, as models pad
+
+
+def _brute(automaton: Automaton, state: int, vocab: Vocabulary) -> np.ndarray:
+    ok = np.zeros(vocab.size, dtype=bool)
+    for i, data in enumerate(vocab.token_bytes):
+        s = state
+        for b in data:
+            s = automaton.next(s, b)
+        ok[i] = bool(data) and s != 0
+    if automaton.accepting(state) or not ok.any():
+        ok[list(vocab.eos_ids)] = True
+    return ok
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_masks_equal_the_brute_force_walk(pattern, vocab):
+    """Along random walks of allowed tokens: each visited state's mask is the brute force's."""
+    grammar = Grammar(pattern, vocab)
+    reference = Automaton(pattern)  # walked byte by byte, apart from the grammar's own
+    rng = random.Random(0)
+    for _walk in range(4):
+        state, ref_state, text = grammar.start, reference.start, b""
+        for _ in range(30):
+            mask = grammar.allowed(state)
+            assert np.array_equal(mask, _brute(reference, ref_state, vocab)), (pattern, text)
+            ids = np.flatnonzero(mask).tolist()
+            token = rng.choice(ids)
+            if token in vocab.eos_ids:
+                assert re.fullmatch(pattern, text.decode("utf-8")), text
+                break
+            text += vocab.token_bytes[token]
+            state = grammar.advance(state, token)
+            for b in vocab.token_bytes[token]:
+                ref_state = reference.next(ref_state, b)
+            assert state != 0
+
+
+def test_special_and_padding_ids_are_never_allowed(vocab):
+    grammar = Grammar(r"[\x00-\x7f]*", vocab)  # any ASCII: every byte token goes
+    mask = grammar.allowed(grammar.start)
+    assert not mask[vocab.size - 7 :].any()  # past the tokenizer
+    empty = [i for i, b in enumerate(vocab.token_bytes) if not b and i not in vocab.eos_ids]
+    assert empty and not mask[empty].any()
+    assert mask[list(vocab.eos_ids)].all()  # the empty output is a match
+
+
+def test_complete_state_allows_eos_alone(vocab):
+    grammar = Grammar("ok", vocab)
+    state = grammar.start
+    for b in b"ok":
+        state = grammar.automaton.next(state, b)
+    assert grammar.is_complete(state)
+    assert set(np.flatnonzero(grammar.allowed(state)).tolist()) == set(vocab.eos_ids)
+    assert not grammar.is_complete(grammar.start)
+
+
+def test_a_dead_end_allows_eos_so_the_output_ends():
+    """A pattern needing bytes no token writes: EOS rather than nothing (the sampler would pick garbage)."""
+    vocab = Vocabulary([b"a", b"b", b""], eos_ids=(2,))
+    grammar = Grammar("ac", vocab)
+    state = grammar.advance(grammar.start, 0)
+    assert grammar.allowed(state).tolist() == [False, False, True]
+
+
+def test_cache_compiles_once_and_builds_the_vocabulary_lazily():
+    made = []
+
+    def vocabulary():
+        made.append(1)
+        return Vocabulary([b"a", b""], eos_ids=(1,))
+
+    cache = GrammarCache(vocabulary, size=2)
+    assert not made
+    g = cache.get("a+")
+    assert cache.get("a+") is g and len(made) == 1
+    cache.get("b"), cache.get("c")
+    assert cache.get("a+") is not g  # evicted, compiled again
