@@ -427,7 +427,7 @@ def job_ab(arg: str | None, call: Call) -> list[Run]:
     return runs
 
 
-SAMPLING_MODES = ("greedy", "logprobs", "penalties", "steer")  # bench decode's --sampling
+SAMPLING_MODES = ("greedy", "logprobs", "penalties", "steer", "grammar")  # bench decode's --sampling
 
 
 def job_sampling(arg: str | None, call: Call) -> list[Run]:
@@ -487,7 +487,7 @@ JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {
     ),
     "ab": ("ab:VAR=A/B[:N]: bench decode at 4K, batch 1/4/16/256, VAR=A then VAR=B, N rounds (2)", job_ab),
     "sampling": (
-        "sampling[:MODES]: bench decode at 4K, batch 1/256, --sampling greedy, logprobs, penalties, steer",
+        "sampling[:MODES]: bench decode at 4K, batch 1/256, --sampling greedy, logprobs, penalties, steer, grammar",
         job_sampling,
     ),
     "pdl": (

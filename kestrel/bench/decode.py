@@ -10,7 +10,9 @@ the batch hits, the LM head) + KDA state read and written + the MLA/DSA cache re
 position, latent rows of the selected ones).
 With --sampling logprobs / penalties / steer the requests also ask for top-5 logprobs, frequency and presence
 penalties, or a logit_bias and allowed_token_ids: the sampler's extra work a step, which the overlap schedule
-still hides behind the device (session 41).
+still hides behind the device (session 41). With --sampling grammar each request follows a grammar (structured
+outputs: an open JSON string, so that it never completes): its mask is the host's, so its steps run the plain
+schedule; the cost of structured outputs a step.
 With --profile, each point's replayed step is also broken down by kernel (torch.profiler over a few replays):
 the kernels' summed time against the replay's, their count, and the kernels that took the most time, each
 with its share of the step and a category (KDA, MoE, MLA, DSA, matmul, ...): where the step's time goes; and the
@@ -89,7 +91,11 @@ SAMPLING = {
     "penalties": {"frequency_penalty": 0.5, "presence_penalty": 0.5},
     # a logit_bias on 64 tokens and 256 tokens allowed (the vocabulary's first ids; tiny has 261): the steering
     "steer": {"logit_bias": {t: -1.0 for t in range(64)}, "allowed_token_ids": list(range(256))},
+    "grammar": {},  # (the grammar is set on the request: GRAMMAR)
 }
+# --sampling grammar's language: an open JSON string, which nearly every token continues and none completes
+# (SamplingParams refuses a grammar with ignore_eos, which the benchmark's requests need to run their steps)
+GRAMMAR = r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])*'
 
 
 def place_in_decode(
@@ -118,6 +124,9 @@ def place_in_decode(
         req.pages = engine.kv_pool.alloc(need)
         if req.slot is None or req.pages is None:
             raise RuntimeError(f"the pools cannot hold {batch} requests of {context} tokens")
+        if sampling == "grammar":
+            req.grammar = engine.grammars.get(GRAMMAR)
+            req.grammar_state = req.grammar.start
         req.output_ids = [int(prompt[-1])]
         req.num_computed = context
         req.status = Status.RUNNING

@@ -330,10 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--sampling",
-        choices=["greedy", "logprobs", "penalties", "steer"],
+        choices=["greedy", "logprobs", "penalties", "steer", "grammar"],
         default="greedy",
-        help="what the requests ask beside greedy tokens: top-5 logprobs, frequency and presence penalties, or a "
-        "logit_bias (64 tokens) and allowed_token_ids (256)",
+        help="what the requests ask beside greedy tokens: top-5 logprobs, frequency and presence penalties, a "
+        "logit_bias (64 tokens) and allowed_token_ids (256), or a grammar (structured outputs)",
     )
     d.add_argument("--out", type=arg_types.path, default=None, help="write the results as JSON here")
     d.set_defaults(func=_bench("decode"))

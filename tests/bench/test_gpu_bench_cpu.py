@@ -62,10 +62,10 @@ def test_launch_floor_share():
         assert measure_launch_floor("cpu") is None
 
 
-@pytest.mark.parametrize("sampling", ["logprobs", "penalties", "steer"])
+@pytest.mark.parametrize("sampling", ["logprobs", "penalties", "steer", "grammar"])
 def test_decode_bench_requests_ask_for_what_sampling_names(sampling):
     """`bench decode --sampling`: the placed requests ask for top-5 logprobs, penalties or a logit_bias and
-    allowed_token_ids, and the step is timed with the overlap schedule and without it (on the CPU at tiny sizes:
+    allowed_token_ids, or follow a grammar, and the step is timed with the overlap schedule and without it (on the CPU at tiny sizes:
     the code runs, the figures mean nothing)."""
     from kestrel.bench.decode import SAMPLING, decode_bench, place_in_decode
     from kestrel.config import EngineConfig
@@ -74,6 +74,7 @@ def test_decode_bench_requests_ask_for_what_sampling_names(sampling):
     placed = place_in_decode(Engine(EngineConfig(model="tiny", device="cpu")), 2, 16, 3, sampling=sampling)
     for request in placed:
         assert all(getattr(request.params, k) == v for k, v in SAMPLING[sampling].items()), request.params
+        assert (request.grammar is not None) == (sampling == "grammar")
     result = decode_bench(
         "tiny", batches=(2,), contexts=(16,), steps=3, dense_contrast=False, device="cpu", sampling=sampling
     )

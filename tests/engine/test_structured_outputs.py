@@ -10,6 +10,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from kestrel.engine.engine import RequestError
 from kestrel.engine.llm import LLM
@@ -152,3 +153,24 @@ def test_shipped_model_fills_a_schema():
     c = out.outputs[0]
     assert c.finish_reason == "stop"
     jsonschema.validate(json.loads(c.text), schema)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_with_graphs_both_schedules():
+    """On the GPU (decode graphs, masks uploaded through pinned memory): outputs follow the grammar, beside free
+    rows, and the overlap schedule gives the plain one's tokens."""
+    spec = StructuredOutputsParams(json=PERSON)
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.8, seed=3, n=3, structured_outputs=spec),
+        SamplingParams(max_tokens=40, temperature=0),
+    ]
+    got = []
+    for plain in (False, True):
+        llm = LLM("tiny", device="cuda", max_model_len=256, disable_overlap_schedule=plain)
+        outs = llm.generate(["ab", "q"], params, use_tqdm=False)
+        for c in outs[0].outputs:
+            assert _is_prefix(spec.pattern, c.text), c.text
+            if c.finish_reason == "stop":
+                jsonschema.validate(json.loads(c.text), PERSON)
+        got.append([c.token_ids for o in outs for c in o.outputs])
+    assert got[0] == got[1]
