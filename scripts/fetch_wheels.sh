@@ -16,6 +16,8 @@ WHEELS=(
     fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-doc==0.0.7
     typing-inspection==0.4.5 annotated-types==0.8.0 openai==3.57.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1
     opentelemetry-api==1.45.2  # fastapi 0.165 imports it (fastapi.telemetry); the image lacks it
+    # the structured-output tests' independent schema validator
+    jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0
 )
 # the demo model's data generators (kestrel train on the GPU machine); sympy, pyyaml, matplotlib are there
 TRAIN_WHEELS=(
