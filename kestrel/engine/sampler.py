@@ -13,12 +13,14 @@ logprobs of the tokens on the device; `logprobs()` reads them on the host.
 
 from __future__ import annotations
 
-import numpy as np
+from collections import OrderedDict
+
 import torch
 
 from kestrel.engine.outputs import TokenLogprob
 from kestrel.engine.request import Request
 from kestrel.engine.scheduler import PrefillChunk
+from kestrel.grammar.tokens import Grammar
 from kestrel.ops.sampling import argmax as rows_argmax
 from kestrel.ops.sampling import token_logprobs
 from kestrel.ops.sampling.naive import apply_penalties, apply_penalties_at, greedy, process_logits, sample
@@ -32,6 +34,8 @@ from kestrel.utils.device import to_device_async
 # 7.81 ms (the penalties alone at 64 / 256 rows, graph replays: 96 / 288 against 272 / 1041 us; at one row 53
 # against 30).
 PENALTIES_DENSE_MAX_ROWS = 16
+# Grammar masks kept on the device (V bytes each: 256 of K3's 163,840-token vocabulary are 42 MB)
+GRAMMAR_MASKS_KEPT = 256
 
 
 # SamplingParams' penalty fields, in `apply_penalties`' order
@@ -56,6 +60,8 @@ class Sampler:
         # id(request) -> (the request, its logit_bias ids, values and allowed ids on the device), the same way
         self._steering: dict[int, tuple[Request, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._steer_batch: tuple | None = None  # (the steered rows' key, what they need), while they stay
+        # (id(grammar), state) -> (the grammar, its mask [V] bool on the device), the last GRAMMAR_MASKS_KEPT used
+        self._grammar_masks: OrderedDict[tuple[int, int], tuple[Grammar, torch.Tensor]] = OrderedDict()
 
     def __call__(
         self, logits: torch.Tensor, reqs: list[Request], argmax: torch.Tensor | None = None
@@ -206,21 +212,33 @@ class Sampler:
 
     def _constrain(self, x: torch.Tensor, reqs: list[Request], ahead: int) -> torch.Tensor:
         """Structured outputs: the tokens a request's grammar does not allow next get -inf, last of all (the
-        grammar's word is final). The masks come from the host (each grammar state's made once there) without a
-        sync."""
+        grammar's word is final). Each grammar state's mask is made once on the host (`Grammar.allowed`) and
+        uploaded once without a sync, then kept on the device while used (rows in the same state share it): a
+        step stacks the rows' masks and fills."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
             return x
         assert ahead == 0, (
             "a grammar needs its request's last token on the host (schedule_ahead leaves it out)"
         )
-        masks = np.stack([reqs[i].grammar.allowed(reqs[i].grammar_state) for i in rows])  # [R, V] bool
-        assert masks.shape[1] == x.shape[1], (masks.shape, x.shape)
-        dev = x.device
-        allowed = to_device_async(torch.from_numpy(masks), dev)
-        idx = to_device_async(torch.tensor(rows, dtype=torch.int64), dev)
-        sub = x.index_select(0, idx).to(torch.float32).masked_fill(~allowed, float("-inf"))  # [R, V]
+        masks = torch.stack([self._mask_of(reqs[i].grammar, reqs[i].grammar_state, x.device) for i in rows])
+        assert masks.shape[1] == x.shape[1], (masks.shape, x.shape)  # [R, V] bool
+        idx = to_device_async(torch.tensor(rows, dtype=torch.int64), x.device)
+        sub = x.index_select(0, idx).to(torch.float32).masked_fill(~masks, float("-inf"))  # [R, V]
         return x.to(torch.float32).index_copy(0, idx, sub)
+
+    def _mask_of(self, grammar: Grammar, state: int, dev: torch.device) -> torch.Tensor:
+        """[V] bool on the device: the tokens `grammar` allows in `state`."""
+        key = (id(grammar), state)
+        kept = self._grammar_masks.get(key)
+        if kept is not None and kept[0] is grammar:
+            self._grammar_masks.move_to_end(key)
+            return kept[1]
+        mask = to_device_async(torch.from_numpy(grammar.allowed(state)), dev)
+        self._grammar_masks[key] = (grammar, mask)  # (holding the grammar: its id is not reused meanwhile)
+        if len(self._grammar_masks) > GRAMMAR_MASKS_KEPT:
+            self._grammar_masks.popitem(last=False)
+        return mask
 
     def _suppress_early_stops(self, x: torch.Tensor, reqs: list[Request], ahead: int = 0) -> torch.Tensor:
         """Before min_tokens outputs, EOS and stop token ids cannot be sampled (vLLM semantics), unless the
