@@ -65,8 +65,8 @@ def test_launch_floor_share():
 @pytest.mark.parametrize("sampling", ["logprobs", "penalties", "steer", "grammar"])
 def test_decode_bench_requests_ask_for_what_sampling_names(sampling):
     """`bench decode --sampling`: the placed requests ask for top-5 logprobs, penalties or a logit_bias and
-    allowed_token_ids, or follow a grammar, and the step is timed with the overlap schedule and without it (on the CPU at tiny sizes:
-    the code runs, the figures mean nothing)."""
+    allowed_token_ids, or follow a grammar, and the step is timed with the overlap schedule and without it (on
+    the CPU at tiny sizes: the code runs, the figures mean nothing)."""
     from kestrel.bench.decode import SAMPLING, decode_bench, place_in_decode
     from kestrel.config import EngineConfig
     from kestrel.engine.engine import Engine
