@@ -242,6 +242,16 @@ class HFTokenizer(Tokenizer):
         self.eos_token_ids = tuple(dict.fromkeys(([] if eos_id is None else [eos_id]) + list(extra_eos)))
         self._path = path
         self._template = _compile_template(_pick_template(config, path), path)
+        # how a vocabulary entry spells its bytes: byte-level (GPT-2's printable stand-ins) or SentencePiece's
+        # (U+2581 for a space, <0xHH> byte-fallback pieces); None: no decoder says (the byte-level guess)
+        decoder = json.dumps(json.loads(self._tok.to_str()).get("decoder"))
+        self._spelling = (
+            "byte_level"
+            if "ByteLevel" in decoder
+            else "pieces"
+            if "Metaspace" in decoder or ("ByteFallback" in decoder)
+            else None
+        )
 
     def _special(self, config: dict, key: str, path: str) -> tuple[str | None, int | None]:
         token = config.get(key)
@@ -293,6 +303,23 @@ class HFTokenizer(Tokenizer):
 
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
+
+    def token_bytes(self, i: int) -> bytes:
+        if self._spelling != "pieces" or i in self._added_ids:
+            return super().token_bytes(i)
+        token = self.id_to_token(i)
+        if token is None:
+            return b""
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            try:
+                return bytes([int(token[3:5], 16)])
+            except ValueError:
+                pass
+        return token.replace("\u2581", " ").encode("utf-8")
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self._tok.get_added_tokens_decoder())
 
     def special_token_ids(self) -> list[int]:
         added = self._tok.get_added_tokens_decoder()

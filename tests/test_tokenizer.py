@@ -357,3 +357,35 @@ def test_a_chat_template_given_at_start_replaces_the_tokenizers_own(tok, hf_tok,
         use_chat_template(ByteTokenizer(), "{{ raise_exception('no') }}")
     with pytest.raises(CheckpointError, match="does not compile"):
         use_chat_template(ByteTokenizer(), "{% for %}")
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary(tmp_path):
+    """A Llama-style vocabulary (Metaspace, byte fallback): U+2581 is a space, <0xHH> pieces are their byte, and
+    a non-ASCII piece its UTF-8 (the byte-level reading had given b"\\xe9" for "é"); the special ids are known."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from kestrel.tokenizer import HFTokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
+    for piece in ["\u2581", "\u2581hello", "hello", "é"]:
+        vocab[piece] = len(vocab)
+    tok = RustTokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    hf = HFTokenizer(str(tmp_path))
+    got = {
+        piece: hf.token_bytes(vocab[piece]) for piece in ["\u2581hello", "\u2581", "<0x0A>", "<0xC3>", "é"]
+    }
+    assert got == {
+        "\u2581hello": b" hello",
+        "\u2581": b" ",
+        "<0x0A>": b"\n",
+        "<0xC3>": b"\xc3",
+        "é": b"\xc3\xa9",
+    }
+    assert {1, 2} <= set(hf.special_token_ids())

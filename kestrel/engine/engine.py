@@ -242,7 +242,7 @@ class Engine:
                     param="allowed_token_ids",
                 )
         if params.structured_outputs is not None:
-            self._grammar_of(params)
+            self.grammar_of(params)
         if len(prompt_ids) >= limit:
             raise RequestError(
                 f"the prompt has {len(prompt_ids)} tokens, but the context limit is {limit} (prompt + output)",
@@ -257,8 +257,9 @@ class Engine:
                 code="context_length_exceeded",
             )
 
-    def _grammar_of(self, params: SamplingParams):
-        """The compiled grammar of a request's structured outputs; RequestError where it cannot be had."""
+    def grammar_of(self, params: SamplingParams):
+        """The compiled grammar of a request's structured outputs (compiled once, then kept a while: the server
+        calls this first in a worker thread); RequestError where it cannot be had."""
         spec = params.structured_outputs
         if not self.eos_token_ids:
             raise RequestError(
@@ -267,9 +268,7 @@ class Engine:
         try:
             return self.grammars.get(spec.pattern)
         except PatternError as e:
-            raise RequestError(
-                f"structured outputs {spec.kind}: {e}", param=f"structured_outputs.{spec.kind}"
-            ) from None
+            raise RequestError(f"structured outputs {spec.kind}: {e}", param="structured_outputs") from None
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -283,7 +282,7 @@ class Engine:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(request_id, list(prompt_ids), params, seed, total)
         if params.structured_outputs is not None:
-            request.grammar = self._grammar_of(params)
+            request.grammar = self.grammar_of(params)
             request.grammar_state = request.grammar.start
         self.requests[request_id] = request
         if params.stop:
@@ -388,11 +387,11 @@ class Engine:
         outputs = []
         for req, token, lp in zip(reqs, tokens, logprobs):
             req.output_ids.append(token)
-            if req.grammar is not None:
-                req.grammar_state = req.grammar.advance(req.grammar_state, token)
             if lp is not None:
                 req.logprobs.append(lp)
             self._check_stop(req, token)
+            if req.grammar is not None and not req.is_finished:
+                self._follow_grammar(req, token)
             outputs.append(self._output(req, [token], [lp] if lp is not None else None))
         return outputs
 
@@ -420,12 +419,25 @@ class Engine:
     def _tier_stats(self) -> dict:
         return self.cache.tiers.stats() if self.cache is not None and self.cache.tiers is not None else {}
 
+    def _follow_grammar(self, req: Request, token: int) -> None:
+        """Move a structured-output request's grammar past its new token and make its next mask now (its next
+        step's sampler needs it): a pattern found too ambiguous to follow here (past the probe at its compile)
+        ends the request (`abort`), not the engine."""
+        try:
+            req.grammar_state = req.grammar.advance(req.grammar_state, token)
+            req.grammar.allowed(req.grammar_state)
+        except PatternError as e:
+            log.warning("request %s: its structured output cannot go on: %s", req.request_id, e)
+            self._finish(req, "abort", None)
+
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params
-        armed = len(req.output_ids) >= p.min_tokens  # stops count from the min_tokens-th output on
+        # stops count from the min_tokens-th output on; a grammar's EOS at once (the sampler allows it before
+        # min_tokens only where the grammar is complete: nothing else could follow)
+        armed = len(req.output_ids) >= p.min_tokens
         if armed and token in p.stop_token_ids:
             return self._finish(req, "stop", token)
-        if armed and not p.ignore_eos and token in self.eos_token_ids:
+        if (armed or req.grammar is not None) and not p.ignore_eos and token in self.eos_token_ids:
             return self._finish(req, "stop", None)
         if p.stop:
             hit = self._stop_string(req, token, armed)

@@ -246,8 +246,8 @@ class Sampler:
         rows: list[int] = []
         cols: list[int] = []
         for i, r in enumerate(reqs):
-            complete = r.grammar is not None and r.grammar.is_complete(r.grammar_state)
-            if len(r.output_ids) + ahead < r.params.min_tokens and not complete:
+            early = len(r.output_ids) + ahead < r.params.min_tokens
+            if early and not (r.grammar is not None and r.grammar.is_complete(r.grammar_state)):
                 eos = () if r.params.ignore_eos else self.eos_token_ids
                 banned = [*r.params.stop_token_ids, *eos]
                 rows += [i] * len(banned)

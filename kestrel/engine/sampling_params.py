@@ -45,7 +45,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
 
     def __post_init__(self):
-        given = [name for name in _STRUCTURED if getattr(self, name) not in (None, False)]
+        given = [name for name in _STRUCTURED if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(
                 f"structured outputs take exactly one of {', '.join(_STRUCTURED)}, not {given or 'none'}"
@@ -54,7 +54,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(name for name in _STRUCTURED if getattr(self, name) not in (None, False))
+        return next(name for name in _STRUCTURED if getattr(self, name) is not None)
 
     @property
     def pattern(self) -> str:
@@ -71,7 +71,8 @@ class StructuredOutputsParams:
                 raise ValueError(
                     f"structured outputs json: a schema is an object, not {type(value).__name__}"
                 )
-            return _pattern_of("json", json.dumps(value, sort_keys=True))
+            # (the text as given: json.dumps keeps the properties' order, which the output follows)
+            return _pattern_of("json", json.dumps(value))
         if kind == "regex":
             if not isinstance(value, str):
                 raise ValueError(f"structured outputs regex must be a string, not {value!r}")
@@ -234,6 +235,10 @@ class SamplingParams:
                 self.structured_outputs is None
                 or isinstance(self.structured_outputs, StructuredOutputsParams),
                 "structured_outputs must be a StructuredOutputsParams",
+            ),
+            (
+                self.structured_outputs is None or self.allowed_token_ids is None,
+                "allowed_token_ids cannot be combined with structured outputs (the grammar says which tokens go)",
             ),
             (
                 self.structured_outputs is None or not self.ignore_eos,

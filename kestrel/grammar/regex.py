@@ -22,6 +22,9 @@ from dataclasses import dataclass
 MAX_NFA_STATES = 400_000
 # A class range over non-ASCII characters is spelled out up to this many characters.
 MAX_CLASS_RANGE = 1024
+# A DFA state may stand for at most this many NFA states: each of its transitions costs a walk over them, and a
+# pattern whose repeats overlap (`(?:[a-z]{1,200}){1,200}`) grows sets of tens of thousands, seconds a token.
+MAX_STATE_SET = 4096
 
 _ALL_ASCII = frozenset(range(128))
 _DIGITS = frozenset(range(ord("0"), ord("9") + 1))
@@ -128,8 +131,9 @@ class _Parser:
     def _quantifier_ahead(self, at: int) -> bool:
         close = self.p.find("}", at)
         body = self.p[at + 1 : close] if close > 0 else ""
-        lo, _, hi = body.partition(",")
-        return close > 0 and lo.isdigit() and (hi == "" or hi.isdigit())
+        lo, comma, hi = body.partition(",")
+        # (Python's: `{,n}` is `{0,n}` and `{,}` is `*`; a brace with anything else in it is a literal)
+        return close > 0 and (lo.isdigit() or (comma and lo == "")) and (hi == "" or hi.isdigit())
 
     def quantified(self, node):
         while True:
@@ -144,7 +148,7 @@ class _Parser:
                 close = self.p.find("}", at)
                 body = self.p[at + 1 : close]
                 lo_s, comma, hi_s = body.partition(",")
-                lo = int(lo_s)
+                lo = int(lo_s or 0)
                 hi = lo if not comma else (int(hi_s) if hi_s else None)
                 if hi is not None and hi < lo:
                     self.fail(f"repeat {{{body}}} has its maximum below its minimum", at)
@@ -242,7 +246,14 @@ def check_pattern(pattern: str) -> None:
     """PatternError where `pattern` does not parse (what `Automaton` would refuse, short of its size)."""
     if not isinstance(pattern, str):
         raise PatternError("a pattern must be a string")
-    _Parser(pattern).parse()
+    _parse(pattern)
+
+
+def _parse(pattern: str):
+    try:
+        return _Parser(pattern).parse()
+    except RecursionError:
+        raise PatternError("the pattern nests its groups too deeply") from None
 
 
 def _escaped(p: str, i: int) -> bool:
@@ -361,7 +372,10 @@ class Automaton:
         if not isinstance(pattern, str):
             raise PatternError("a pattern must be a string")
         nfa = _NFA()
-        entry, self._accept = nfa.build(_Parser(pattern).parse())
+        try:
+            entry, self._accept = nfa.build(_parse(pattern))
+        except RecursionError:
+            raise PatternError("the pattern nests its groups too deeply") from None
         self._nfa = nfa
         self._live = self._coreachable()
         self._sets: list[frozenset] = [frozenset()]
@@ -419,7 +433,14 @@ class Automaton:
                 if t not in seen:
                     seen.add(t)
                     todo.append(t)
-        return frozenset(s for s in seen if live[s] and (nfa.edge_mask[s] or s == self._accept))
+        kept = frozenset(s for s in seen if live[s] and (nfa.edge_mask[s] or s == self._accept))
+        if len(kept) > MAX_STATE_SET:
+            raise PatternError(
+                f"the pattern is too ambiguous to follow (one of its states holds {len(kept)} positions of the "
+                f"pattern, past {MAX_STATE_SET}): repeats inside repeats that can split a text many ways, such as "
+                "(?:[a-z]{1,200}){1,200}"
+            )
+        return kept
 
     def _coreachable(self) -> list[bool]:
         nfa = self._nfa

@@ -20,8 +20,12 @@ import numpy as np
 
 from kestrel.grammar.regex import Automaton
 
-# Masks kept a grammar: V bytes each, at most this many bytes in all (and at least 64 masks).
-MASK_CACHE_BYTES = 256 << 20
+# Masks kept a grammar: V bytes each, at most this many bytes (and at least 64 masks); with GrammarCache's 64
+# grammars, at most 1 GiB of host memory for K3's 163,840-token vocabulary.
+MASK_CACHE_BYTES = 16 << 20
+# Bytes a new grammar's probe tries first at each step of its walk (`Grammar._probe`)
+_PROBE_BYTES = b'a0 "{[,:.-_Az9}]\n'
+_PROBE_DEPTH = 128
 
 
 class Vocabulary:
@@ -68,6 +72,19 @@ class Grammar:
         self._table[0] = 0  # dead stays dead
         self._masks: OrderedDict[int, np.ndarray] = OrderedDict()
         self._max_masks = max(64, MASK_CACHE_BYTES // max(vocab.size, 1))
+        self._complete: dict[int, bool] = {}
+        self._probe()
+
+    def _probe(self) -> None:
+        """Walk a path of the pattern's automaton, so that a pattern too ambiguous to follow (PatternError from
+        `Automaton.next`) is found when it is compiled, as a request's error, not tokens into its output: at
+        each step the first byte of _PROBE_BYTES (then of all bytes) that keeps a match possible."""
+        a, state = self.automaton, self.automaton.start
+        for _ in range(_PROBE_DEPTH):
+            live = next((t for b in _PROBE_BYTES if (t := a.next(state, b)) != 0), 0)
+            if live == 0:
+                return
+            state = live
 
     def allowed(self, state: int) -> np.ndarray:
         """[V] bool: the tokens that keep the output a prefix of a match (EOS where it is a match). A state from
@@ -103,8 +120,13 @@ class Grammar:
 
     def is_complete(self, state: int) -> bool:
         """A match that no token can extend: only EOS can follow."""
-        mask = self.allowed(state)
-        return self.automaton.accepting(state) and int(mask.sum()) == len(set(self.vocab.eos_ids))
+        found = self._complete.get(state)
+        if found is None:
+            eos = len(set(self.vocab.eos_ids))
+            found = self._complete[state] = (
+                self.automaton.accepting(state) and int(self.allowed(state).sum()) == eos
+            )
+        return found
 
     def _lookup(self, states: np.ndarray, col: np.ndarray) -> np.ndarray:
         """[n] next states of (states[k], col[k]), made by the automaton where not found yet."""

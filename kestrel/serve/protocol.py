@@ -226,6 +226,20 @@ class _SamplingFields(_Strict):
             return _structured(name, **{legacy[name]: getattr(self, name)})
         return getattr(self, name).structured(name)
 
+    @property
+    def constraint_field(self) -> str | None:
+        """The field that constrains the output, as the request spells it (for the engine's errors)."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format" + (
+                ".json_schema.schema" if self.response_format.type == "json_schema" else ""
+            )
+        if self.structured_outputs is not None:
+            return "structured_outputs"
+        return next(
+            (f for f in ("guided_json", "guided_regex", "guided_choice") if getattr(self, f) is not None),
+            None,
+        )
+
     def check_common(self) -> None:
         _refuse_unsupported(self, _NEUTRAL_COMMON)
         if self.stream_options is not None and not self.stream:
@@ -453,6 +467,12 @@ class GenerateRequest(_Strict):
     def batched(self) -> bool:
         return isinstance(self.text, list) or bool(self.input_ids and isinstance(self.input_ids[0], list))
 
+    @property
+    def constraint_field(self) -> str | None:
+        sp = self.sampling_params
+        given = [] if sp is None else [f for f in ("json_schema", "regex") if getattr(sp, f) is not None]
+        return f"sampling_params.{given[0]}" if given else None
+
     def to_sampling_params(self) -> SamplingParams:
         sp = self.sampling_params or NativeSamplingParams()
         given = sp.model_dump(
@@ -491,6 +511,11 @@ class ResponseTextFormat(_Strict):
     def structured(self) -> StructuredOutputsParams | None:
         if self.type == "json_schema" and self.schema_ is None:
             raise bad_request("a json_schema format needs its schema", param="text.format.schema")
+        if self.type != "json_schema" and (self.schema_, self.name, self.strict) != (None, None, None):
+            raise bad_request(
+                f"name, schema and strict are only taken with type json_schema, not {self.type}",
+                param="text.format",
+            )
         if self.type == "text":
             return None
         if self.type == "json_object":
@@ -570,6 +595,13 @@ class ResponsesRequest(_Strict):
         # (the parts' texts joined with newlines, as the tokenizer joins a chat message's text parts)
         text = lambda m: m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)  # noqa: E731
         return system + [_template_message(m.role, text(m)) for m in self.input]
+
+    @property
+    def constraint_field(self) -> str | None:
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return None
+        return "text.format.schema" if fmt.type == "json_schema" else "text.format"
 
     def text_format(self) -> dict:
         """`text.format` as the response echoes it."""

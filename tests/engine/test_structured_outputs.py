@@ -133,7 +133,37 @@ def test_bad_specs_are_clear_errors(llm):
         llm.generate(
             ["ab"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(?:a{1000}){500}"))
         )
-    assert e.value.param == "structured_outputs.regex"
+    assert e.value.param == "structured_outputs"
+    with pytest.raises(RequestError, match="too ambiguous") as e:
+        llm.generate(
+            ["ab"],
+            SamplingParams(structured_outputs=StructuredOutputsParams(regex="(?:[a-z]{1,200}){1,200}")),
+        )
+    with pytest.raises(ValueError, match="allowed_token_ids cannot be combined"):
+        SamplingParams(allowed_token_ids=[1], structured_outputs=StructuredOutputsParams(regex="a"))
+    with pytest.raises(ValueError, match="json_object must be true"):
+        StructuredOutputsParams(json_object=False)
+    with pytest.raises(ValueError, match="false"):
+        StructuredOutputsParams(json=False)
+
+
+def test_properties_come_in_the_schemas_order():
+    """`reasoning` before `answer`, as written (a sorted copy of the schema had put `answer` first)."""
+    schema = {
+        "type": "object",
+        "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}},
+    }
+    pattern = StructuredOutputsParams(json=schema).pattern
+    assert re.fullmatch(pattern, '{"reasoning":"x","answer":1}')
+    assert not re.fullmatch(pattern, '{"answer":1,"reasoning":"x"}')
+    assert StructuredOutputsParams(json=json.dumps(schema)).pattern == pattern
+
+
+def test_a_grammar_stopped_by_eos_before_min_tokens_ends_there(llm):
+    """EOS, which the sampler allows before min_tokens only where the grammar is complete, ends the output
+    (it had been taken as a token and the output padded with EOS up to min_tokens)."""
+    (c,) = _run(llm, StructuredOutputsParams(regex="(?:y|n)"), prompts=["ab"], min_tokens=10, temperature=0)
+    assert c.text in ("y", "n") and len(c.token_ids) == 2 and c.finish_reason == "stop"
 
 
 @pytest.mark.skipif(shipped_model_dir() is None, reason="the shipped model is not in this install")

@@ -38,6 +38,8 @@ PATTERNS = [
     r"\u65e5|\x61",
     r"[\u00e0-\u00ff]+",
     r"\{\"[a-z]+\":\d\}",
+    r"a{,3}",
+    r"b{,}c",
 ]
 
 
@@ -103,6 +105,23 @@ def test_refused_patterns_say_why(pattern, says):
         check_pattern(pattern)
     with pytest.raises(PatternError, match="position"):
         Automaton(pattern)
+
+
+def test_deep_nesting_is_a_pattern_error_not_a_recursion_error():
+    with pytest.raises(PatternError, match="too deeply"):
+        check_pattern("(" * 400 + "a" + ")" * 400)
+    with pytest.raises(PatternError, match="too deeply"):
+        Automaton("(" * 400 + "a" + ")" * 400)
+
+
+def test_a_pattern_too_ambiguous_to_follow_is_refused_when_reached():
+    """Overlapping repeats inside repeats make states of tens of thousands of NFA states (seconds a token):
+    past MAX_STATE_SET a state is refused."""
+    a = Automaton("(?:[a-z]{1,200}){1,200}")
+    state = a.start
+    with pytest.raises(PatternError, match="too ambiguous"):
+        for _ in range(200):
+            state = a.next(state, ord("a"))
 
 
 def test_a_pattern_too_large_is_refused():

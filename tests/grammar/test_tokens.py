@@ -95,6 +95,14 @@ def test_a_dead_end_allows_eos_so_the_output_ends():
     assert grammar.allowed(state).tolist() == [False, False, True]
 
 
+def test_a_grammar_too_ambiguous_is_refused_at_compile():
+    """The probe walks the pattern on its compile: the error comes before any token, not in the middle."""
+    from kestrel.grammar.regex import PatternError
+
+    with pytest.raises(PatternError, match="too ambiguous"):
+        Grammar("(?:[a-z]{1,100}){1,100}", Vocabulary([b"a", b""], eos_ids=(1,)))
+
+
 def test_cache_compiles_once_and_builds_the_vocabulary_lazily():
     made = []
 

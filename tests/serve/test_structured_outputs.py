@@ -179,6 +179,20 @@ def test_responses_text_format(client):
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_json": "{not json"}, "guided_json"),
         ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+        ({"guided_choice": ["a"], "allowed_token_ids": [65]}, "allowed_token_ids"),
+        # the engine's errors (a pattern too large or too ambiguous) name the field the client sent
+        ({"guided_regex": "x{99999999}"}, "guided_regex"),
+        ({"structured_outputs": {"regex": "(?:[a-z]{1,200}){1,200}"}}, "structured_outputs"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "string", "maxLength": 10**6}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "json_object", "json_schema": {"schema": {}}}}, "response_format"),
     ],
 )
 def test_bad_constraints_are_400s_naming_the_field(server, body, param):
@@ -201,3 +215,16 @@ def test_native_and_responses_errors(server):
         timeout=30,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema", r.text
+    r = httpx.post(
+        f"{server.url}/v1/responses",
+        json={"model": MODEL, "input": "a", "text": {"format": {"type": "json_object", "schema": {}}}},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+    r = httpx.post(
+        f"{server.url}/generate",
+        json={"text": "a", "sampling_params": {"regex": "(?:[0-9]{1,100}){1,100}"}},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.regex", r.text
+    assert "too ambiguous" in r.json()["error"]["message"]
