@@ -1082,6 +1082,7 @@ _CUDA_TESTS_ELSEWHERE = (
     "tests/models/test_training_path.py",
     "tests/engine/test_prompt_logprobs.py",
     "tests/engine/test_overlap.py",
+    "tests/engine/test_structured_outputs.py",
 )
 
 
@@ -1095,6 +1096,7 @@ _ENGINE_TEST_FILES = (
     "tests/engine/test_sampler.py",
     "tests/engine/test_prompt_logprobs.py",
     "tests/engine/test_overlap.py",
+    "tests/engine/test_structured_outputs.py",
 )
 
 

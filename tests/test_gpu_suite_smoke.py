@@ -165,7 +165,7 @@ def test_gpu_tests_parts_split_the_rest_whole(gpu_suite):
     default parts are the whole section; a malformed part is refused before any GPU time goes."""
     (whole,) = gpu_suite.gpu_test_targets(["rest"])
     files = [t for t in whole if not t.startswith("--")]
-    assert "tests/ops/test_mla_triton.py" in files and files[-1] == "tests/engine/test_overlap.py"
+    assert "tests/ops/test_mla_triton.py" in files and files[-1] == "tests/engine/test_structured_outputs.py"
     runs = gpu_suite.gpu_test_targets(["rest:1/3", "rest:2/3", "rest:3/3"])
     assert [t for run in runs for t in run if not t.startswith("--")] == files
     assert all(run[-2:] == [f"--deselect={t}" for t in gpu_suite._SWITCH_TESTS] for run in runs)
