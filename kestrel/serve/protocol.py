@@ -134,7 +134,7 @@ class StructuredOutputs(_Strict):
             raise bad_request(
                 "structured_outputs takes exactly one of json, regex, choice and json_object", param=param
             )
-        ((kind, value),) = given.items()
+        (kind,) = given
         return _structured(f"{param}.{kind}", **given)
 
 
@@ -144,6 +144,10 @@ def _structured(param: str, **spec) -> StructuredOutputsParams:
         return StructuredOutputsParams(**spec)
     except ValueError as e:
         raise bad_request(str(e), param=param) from None
+
+
+# vLLM's older constraint fields and what each one is of StructuredOutputsParams
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
 
 
 class _SamplingFields(_Strict):
@@ -208,37 +212,33 @@ class _SamplingFields(_Strict):
 
     def structured(self) -> StructuredOutputsParams | None:
         """The output's constraint, from whichever one field gives it (400 where two do)."""
-        legacy = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}
-        given = [
-            name
-            for name in ("response_format", "structured_outputs", *legacy)
-            if getattr(self, name) is not None
-        ]
-        if self.response_format is not None and self.response_format.type == "text":
-            given.remove("response_format")
-            self.response_format.structured("response_format")  # (its own checks)
+        if self.response_format is not None:
+            self.response_format.structured("response_format")  # (its own checks, type text included)
+        given = self._constraint_fields()
         if len(given) > 1:
             raise bad_request(f"give one of {' and '.join(given)}", param=given[1])
         if not given:
             return None
         name = given[0]
-        if name in legacy:
-            return _structured(name, **{legacy[name]: getattr(self, name)})
+        if name in _GUIDED:
+            return _structured(name, **{_GUIDED[name]: getattr(self, name)})
         return getattr(self, name).structured(name)
 
     @property
     def constraint_field(self) -> str | None:
         """The field that constrains the output, as the request spells it (for the engine's errors)."""
-        if self.response_format is not None and self.response_format.type != "text":
-            return "response_format" + (
-                ".json_schema.schema" if self.response_format.type == "json_schema" else ""
-            )
-        if self.structured_outputs is not None:
-            return "structured_outputs"
-        return next(
-            (f for f in ("guided_json", "guided_regex", "guided_choice") if getattr(self, f) is not None),
-            None,
-        )
+        name = next(iter(self._constraint_fields()), None)
+        if name == "response_format" and self.response_format.type == "json_schema":
+            return "response_format.json_schema.schema"
+        return name
+
+    def _constraint_fields(self) -> list[str]:
+        """The fields given that constrain the output (a text response_format constrains nothing)."""
+        fields = ("response_format", "structured_outputs", *_GUIDED)
+        given = [name for name in fields if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            given.remove("response_format")
+        return given
 
     def check_common(self) -> None:
         _refuse_unsupported(self, _NEUTRAL_COMMON)
