@@ -242,16 +242,21 @@ def _time_decode(
     bare CUDA-graph replay (GPU-timed)."""
     reqs = place_in_decode(engine, b, context, 2 * steps + 8, sampling=sampling)
     step_ms, configured = {}, engine.overlap
+    # --sampling grammar: the grammar states met for the first time inside each timed pass, each a walk over the
+    # vocabulary and an upload (session 73's two runs at batch 1 differed by 1 ms a step, unexplained)
+    grammar, new_states = reqs[0].grammar, {}
     for overlap in (True, False):
         engine.overlap = overlap
         for _ in range(3):
             engine.step()
         synchronize(engine.device)
+        known = grammar.num_masks_made if grammar is not None else 0
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
         synchronize(engine.device)
         step_ms[overlap] = 1000 * (time.perf_counter() - start) / steps
+        new_states[overlap] = grammar.num_masks_made - known if grammar is not None else None
     engine.overlap = configured
     step_ms, plain_ms = step_ms[True], step_ms[False]
     runner, replay_ms, width = engine.runner, None, None
@@ -279,6 +284,8 @@ def _time_decode(
         "mbu": parts["total"] / (step_ms * 1e-3) / copy,
         "mbu_graph_replay": parts["total"] / (replay_ms * 1e-3) / copy if replay_ms else None,
     }
+    if grammar is not None:
+        run["grammar_new_states"] = {"overlap": new_states[True], "no_overlap": new_states[False]}
     if engine.device.type == "cuda":
         from kestrel.ops.moe.triton_decode import barrier_gave_up
 

@@ -73,6 +73,9 @@ class Grammar:
         self._masks: OrderedDict[int, np.ndarray] = OrderedDict()
         self._max_masks = max(64, MASK_CACHE_BYTES // max(vocab.size, 1))
         self._complete: dict[int, bool] = {}
+        self.num_masks_made = (
+            0  # (walks over the vocabulary so far: `bench decode --sampling grammar` reports them)
+        )
         self._probe()
 
     def _probe(self) -> None:
@@ -108,6 +111,7 @@ class Grammar:
         if complete or not ok.any():
             ok[list(v.eos_ids)] = True
         self._masks[state] = ok
+        self.num_masks_made += 1
         if len(self._masks) > self._max_masks:
             self._masks.popitem(last=False)
         return ok

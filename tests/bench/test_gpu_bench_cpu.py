@@ -81,6 +81,9 @@ def test_decode_bench_requests_ask_for_what_sampling_names(sampling):
     (run,) = result["runs"]
     assert run["sampling"] == sampling
     assert run["step_ms"] > 0 and run["step_ms_no_overlap"] > 0
+    if sampling == "grammar":
+        assert set(run["grammar_new_states"]) == {"overlap", "no_overlap"}
+        assert all(n >= 0 for n in run["grammar_new_states"].values())
 
 
 def test_decode_bench_on_an_engine_with_a_longer_limit():
