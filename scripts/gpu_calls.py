@@ -115,7 +115,8 @@ def show_decode(d: dict) -> list[str]:
             line += f", launches {r['launch_floor']['launches_ms']:.3f} ms"
         if "grammar_new_states" in r:
             new = r["grammar_new_states"]
-            line += f", no overlap {r['step_ms_no_overlap']:.3f} ms; new grammar states {new['overlap']}/{new['no_overlap']}"
+            line += f", no overlap {r['step_ms_no_overlap']:.3f} ms"
+            line += f"; new grammar states {new['overlap']}/{new['no_overlap']}"
         if r.get("moe_barrier_gave_up"):
             line += ", MoE BARRIER GAVE UP"
         lines.append(line)
