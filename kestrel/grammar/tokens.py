@@ -36,18 +36,35 @@ class Vocabulary:
         self.size = len(token_bytes)  # V
         self.eos_ids = tuple(i for i in eos_ids if 0 <= i < self.size)
         self.token_bytes = token_bytes
-        lengths = np.fromiter((len(b) for b in token_bytes), dtype=np.int64, count=self.size)
-        self.order = np.argsort(-lengths, kind="stable")  # [V] token ids, longest first
-        longest = int(lengths.max(initial=0))
-        matrix = np.zeros((self.size, max(longest, 1)), dtype=np.uint8)  # [V, L] in `order`
-        for row, i in enumerate(self.order):
-            b = token_bytes[i]
-            matrix[row, : len(b)] = np.frombuffer(b, dtype=np.uint8)
-        self.matrix = matrix
-        # tokens at least j + 1 bytes long, for each byte column j: the rows a walk still moves at column j
-        sorted_lengths = lengths[self.order]
-        self.walking = [int((sorted_lengths > j).sum()) for j in range(longest)]
-        self.nonempty = sorted_lengths > 0  # [V] in `order`
+        # The tokens' byte prefixes as a trie, level by level: a walk moves each distinct prefix once (depth 0:
+        # at most 256 nodes, where the tokens are V), and only below a prefix still alive.
+        index: list[dict[bytes, int]] = []
+        byte: list[list[int]] = []
+        parent: list[list[int]] = []
+        ends: list[
+            tuple[list[int], list[int]]
+        ] = []  # per depth: (token ids, their node) of tokens ending there
+        for i, b in enumerate(token_bytes):
+            for j in range(len(b)):
+                if j == len(index):
+                    index.append({})
+                    byte.append([])
+                    parent.append([])
+                    ends.append(([], []))
+                key = b[: j + 1]
+                node = index[j].get(key)
+                if node is None:
+                    node = index[j][key] = len(byte[j])
+                    byte[j].append(b[j])
+                    parent[j].append(index[j - 1][b[:j]] if j else 0)
+            if b:
+                ends[len(b) - 1][0].append(i)
+                ends[len(b) - 1][1].append(index[len(b) - 1][b])
+        self.levels = [
+            (np.array(parent[j], dtype=np.int64), np.array(byte[j], dtype=np.int64),
+             np.array(ends[j][0], dtype=np.int64), np.array(ends[j][1], dtype=np.int64))
+            for j in range(len(byte))
+        ]  # fmt: skip
 
     @classmethod
     def of(cls, tokenizer, size: int, eos_ids: tuple[int, ...]) -> Vocabulary:
@@ -97,19 +114,18 @@ class Grammar:
         if mask is not None:
             self._masks.move_to_end(state)
             return mask
-        v = self.vocab
-        cur = np.full(
-            v.size, state, dtype=np.int64
-        )  # [V] in `order`: each token's state after its bytes so far
-        for j, n in enumerate(v.walking):
-            col = v.matrix[:n, j].astype(np.int64)  # [n]
-            nxt = self._lookup(cur[:n], col)
-            cur[:n] = nxt
-        ok = np.zeros(v.size, dtype=bool)
-        ok[v.order] = (cur != 0) & v.nonempty
+        ok = np.zeros(self.vocab.size, dtype=bool)
+        states = np.array([state], dtype=np.int64)  # the root: the state before any byte
+        for parent, byte, ends, end_nodes in self.vocab.levels:
+            from_states = states[parent]  # [nodes] the state each prefix's parent reached (0: dead)
+            states = np.zeros(len(byte), dtype=np.int64)
+            live = np.flatnonzero(from_states)
+            if len(live):
+                states[live] = self._lookup(from_states[live], byte[live])
+            ok[ends] = states[end_nodes] != 0
         complete = self.automaton.accepting(state)
         if complete or not ok.any():
-            ok[list(v.eos_ids)] = True
+            ok[list(self.vocab.eos_ids)] = True
         self._masks[state] = ok
         self.num_masks_made += 1
         if len(self._masks) > self._max_masks:
@@ -133,24 +149,26 @@ class Grammar:
         return found
 
     def _lookup(self, states: np.ndarray, col: np.ndarray) -> np.ndarray:
-        """[n] next states of (states[k], col[k]), made by the automaton where not found yet."""
+        """[n] next states of (states[k], col[k]); a state not in the table yet comes in whole (the automaton
+        makes all its transitions at once)."""
+        if int(states.max()) >= self._table.shape[0]:
+            self._grow(int(states.max()))
         nxt = self._table[states, col]
         missing = nxt < 0
         if missing.any():
-            pairs = np.unique(states[missing] * 256 + col[missing])
-            for pair in pairs.tolist():
-                s, b = divmod(pair, 256)
-                self._set(s, b, self.automaton.next(s, b))
+            for state in np.unique(states[missing]).tolist():
+                row = self.automaton.full_row(state)
+                self._grow(max(row))
+                self._table[state] = row
             nxt = self._table[states, col]
         return nxt
 
-    def _set(self, state: int, byte: int, target: int) -> None:
+    def _grow(self, state: int) -> None:
         rows = self._table.shape[0]
-        if max(state, target) >= rows:
-            grown = np.full((max(rows * 2, max(state, target) + 1), 256), -1, dtype=np.int64)
+        if state >= rows:
+            grown = np.full((max(rows * 2, state + 1), 256), -1, dtype=np.int64)
             grown[:rows] = self._table
             self._table = grown
-        self._table[state, byte] = target
 
 
 class GrammarCache:

@@ -68,7 +68,8 @@ def test_states_are_made_when_reached():
     before = automaton.num_states
     assert before < 10
     assert automaton.matches("key17:abc")
-    assert automaton.num_states < before + 20
+    # (a state's transitions are made together, so its neighbours too; the whole DFA has over 8,000 states)
+    assert automaton.num_states < before + 60
 
 
 def test_dead_state_is_zero_and_stays():
