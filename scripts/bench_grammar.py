@@ -52,7 +52,10 @@ ORDER = {  # a pydantic-style schema: nested models through $defs
     "$defs": {
         "Item": {
             "type": "object",
-            "properties": {"sku": {"type": "string", "pattern": "[A-Z]{3}-[0-9]{4}"}, "qty": {"type": "integer"}},
+            "properties": {
+                "sku": {"type": "string", "pattern": "[A-Z]{3}-[0-9]{4}"},
+                "qty": {"type": "integer"},
+            },
             "required": ["sku", "qty"],
         }
     },
@@ -131,12 +134,17 @@ def xgrammar_side(vocab: Vocabulary, spec: dict, tokens: list[int], ours: list[n
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo(
-        vocab.token_bytes, vocab_type=xgr.VocabType.RAW, vocab_size=vocab.size, stop_token_ids=list(vocab.eos_ids)
+        vocab.token_bytes,
+        vocab_type=xgr.VocabType.RAW,
+        vocab_size=vocab.size,
+        stop_token_ids=list(vocab.eos_ids),
     )
     compiler = xgr.GrammarCompiler(info, cache_enabled=False)
     start = time.perf_counter()
     if "json" in spec:
-        compiled = compiler.compile_json_schema(json.dumps(spec["json"]), any_whitespace=False, separators=(",", ":"))
+        compiled = compiler.compile_json_schema(
+            json.dumps(spec["json"]), any_whitespace=False, separators=(",", ":")
+        )
     elif "regex" in spec:
         compiled = compiler.compile_regex(spec["regex"])
     else:
@@ -175,7 +183,9 @@ def _unpack(words, size: int) -> np.ndarray:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="write the result JSON here")
-    ap.add_argument("--quick", action="store_true", help="a 20,000-token synthetic vocabulary, short sequences")
+    ap.add_argument(
+        "--quick", action="store_true", help="a 20,000-token synthetic vocabulary, short sequences"
+    )
     ap.add_argument("--tokens", type=int, default=300, help="the longest token sequence a case draws")
     args = ap.parse_args()
     try:
@@ -198,7 +208,9 @@ def main() -> None:
             start = time.perf_counter()
             grammar = Grammar(pattern, vocab)
             compile_ms = (time.perf_counter() - start) * 1e3
-            tokens = draw(Grammar(pattern, vocab), seed=1, limit=limit)  # (a grammar of its own: `grammar` stays cold)
+            tokens = draw(
+                Grammar(pattern, vocab), seed=1, limit=limit
+            )  # (a grammar of its own: `grammar` stays cold)
             cold, masks = replay_kestrel(grammar, tokens)
             warm, _ = replay_kestrel(grammar, tokens)
             text = b"".join(vocab.token_bytes[t] for t in tokens).decode("utf-8", errors="replace")
