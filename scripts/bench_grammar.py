@@ -162,7 +162,10 @@ def xgrammar_side(vocab: Vocabulary, spec: dict, tokens: list[int], ours: list[n
             times.append(time.perf_counter() - start)
             if run == "cold":
                 theirs = _unpack(bitmask[0], vocab.size)
-                agree += bool(np.array_equal(theirs, ours[step]))
+                same = bool(np.array_equal(theirs, ours[step]))
+                agree += same
+                if not same and "first_difference" not in out:
+                    out["first_difference"] = _difference(vocab, tokens[:step], ours[step], theirs)
             if not accepted:
                 rejected = step
                 break
@@ -172,6 +175,20 @@ def xgrammar_side(vocab: Vocabulary, spec: dict, tokens: list[int], ours: list[n
             out["rejected_kestrels_token_at"] = rejected
     del torch
     return out
+
+
+def _difference(vocab: Vocabulary, before: list[int], ours: np.ndarray, theirs: np.ndarray) -> dict:
+    """Where the two first disagree: the text so far, and a few tokens only one of them allows."""
+    show = lambda ids: [vocab.token_bytes[i].decode("utf-8", "backslashreplace") for i in ids[:6]]  # noqa: E731
+    only_ours, only_theirs = np.flatnonzero(ours & ~theirs), np.flatnonzero(theirs & ~ours)
+    return {
+        "step": len(before),
+        "text_before": b"".join(vocab.token_bytes[t] for t in before)[-40:].decode(
+            "utf-8", "backslashreplace"
+        ),
+        "only_kestrel": {"count": len(only_ours), "some": show(only_ours)},
+        "only_xgrammar": {"count": len(only_theirs), "some": show(only_theirs)},
+    }
 
 
 def _unpack(words, size: int) -> np.ndarray:
