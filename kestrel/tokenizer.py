@@ -42,7 +42,9 @@ class Tokenizer(ABC):
         """The vocabulary entry for id `i` (byte-level tokens are printable stand-ins), None if unknown."""
 
     @abstractmethod
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str: ...
+    def _render_chat(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None
+    ) -> str: ...
 
     def special_token_ids(self) -> list[int]:
         """Ids of control tokens (BOS, EOS, chat markers), which never stand for text (a grammar allows none)."""
@@ -61,10 +63,12 @@ class Tokenizer(ABC):
         """The `bos_token` and `eos_token` a Jinja chat template reads."""
         return {"bos_token": "", "eos_token": ""}
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None) -> str:
         if self._custom_template is None:
-            return self._render_chat(messages, add_generation_prompt)
-        return _render_template(self._custom_template, messages, add_generation_prompt, self._special_texts())
+            return self._render_chat(messages, add_generation_prompt, tools)
+        return _render_template(
+            self._custom_template, messages, add_generation_prompt, self._special_texts(), tools
+        )
 
     def token_bytes(self, i: int) -> bytes:
         """The bytes id `i` stands for: byte-level entries mapped back to raw bytes (a token may hold part of
@@ -82,14 +86,16 @@ class Tokenizer(ABC):
         messages: list[dict],
         add_generation_prompt: bool | None = None,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> str:
         """Render OpenAI-style messages; list content has its text parts joined with newlines.
         `add_generation_prompt`: the assistant's turn opened after them (None: unless continuing).
         `continue_final_message` (vLLM's): the text ends with the last message's content, left open (no end of
-        turn after it), for the model to go on with it: a reply's start given by the client."""
+        turn after it), for the model to go on with it: a reply's start given by the client. `tools`: OpenAI's
+        tool definitions, for templates that show them (a Jinja template's `tools`, as Hugging Face's)."""
         messages = [_normalize_message(m) for m in messages]
         if not continue_final_message:
-            return self._render(messages, add_generation_prompt is not False)
+            return self._render(messages, add_generation_prompt is not False, tools)
         if add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if not messages:
@@ -98,10 +104,10 @@ class Tokenizer(ABC):
         # no template adds or changes and no message holds); the text is cut where it stands, and must be how
         # the template renders the whole conversation up to the end of the final content
         mark = f"\ue000{secrets.token_hex(8)}\ue001"
-        text = self._render([*messages[:-1], {**messages[-1], "content": mark}], False)
+        text = self._render([*messages[:-1], {**messages[-1], "content": mark}], False, tools)
         content = messages[-1]["content"]
         opened = text[: text.index(mark)] + content if text.count(mark) == 1 else None
-        if opened is None or not self._render(messages, False).startswith(opened):
+        if opened is None or not self._render(messages, False, tools).startswith(opened):
             raise ChatTemplateError(
                 "the chat template does not render the final message's content as given, so it cannot be continued"
             )
@@ -191,7 +197,9 @@ class ByteTokenizer(Tokenizer):
             return self._alphabet[i]
         return BYTE_SPECIAL_TOKENS[i - 256] if 256 <= i < self.vocab_size else None
 
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _render_chat(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None
+    ) -> str:
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
@@ -328,19 +336,25 @@ class HFTokenizer(Tokenizer):
     def _special_texts(self) -> dict:
         return {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
 
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _render_chat(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None
+    ) -> str:
         if self._template is None:
             raise CheckpointError(
                 f"the tokenizer in {self._path} has no chat template (serve --chat-template gives one)"
             )
-        return _render_template(self._template, messages, add_generation_prompt, self._special_texts())
+        return _render_template(self._template, messages, add_generation_prompt, self._special_texts(), tools)
 
 
-def _render_template(template, messages: list[dict], add_generation_prompt: bool, specials: dict) -> str:
+def _render_template(
+    template, messages: list[dict], add_generation_prompt: bool, specials: dict, tools: list | None = None
+) -> str:
     from jinja2 import TemplateError
 
     try:
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+        return template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **specials
+        )
     except TemplateError as e:
         raise ChatTemplateError(f"chat template error: {e}") from None
 

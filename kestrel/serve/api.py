@@ -65,6 +65,8 @@ from kestrel.serve.streams import (
     responses_stream,
     sse,
 )
+from kestrel.serve.tools import finish_reason as tool_finish_reason
+from kestrel.serve.tools import read_tool_calls
 from kestrel.utils.errors import KestrelError
 from kestrel.version import KESTREL_VERSION
 
@@ -124,18 +126,23 @@ def build_app(
             return sse(chat_stream(server, job, req))
         if not await _finish_unless_disconnected(request, job):
             return Response(status_code=499)
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": {"content": chat_logprobs(server.tokenizer, c.logprobs)}
-                if req.logprobs
-                else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for i, c in enumerate(job.choices)
-        ]
+        choices = []
+        for i, c in enumerate(job.choices):
+            calls = read_tool_calls(req, c.text) if req.tool_calls_asked else None
+            message = {"role": "assistant", "content": c.text if calls is None else None}
+            if calls is not None:
+                message["tool_calls"] = calls
+            logprobs = {"content": chat_logprobs(server.tokenizer, c.logprobs)} if req.logprobs else None
+            reason = tool_finish_reason(c.finish_reason, calls)
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return JSONResponse(
             {
                 **body_head(server, job, "chatcmpl", "chat.completion"),

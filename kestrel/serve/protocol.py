@@ -18,6 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from kestrel.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.serve.errors import bad_request, from_validation_error
+from kestrel.serve.tools import check_tools, tool_calls_asked, tool_calls_schema
 
 MAX_N = 128
 
@@ -64,13 +65,48 @@ class TextPart(_Strict):
     text: str
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI's
+
+
+class ToolCall(_Strict):
+    """A tool call of an earlier assistant turn, sent back with the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     # "developer" is OpenAI's newer name for "system" and is rendered as one.
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     # OpenAI's participant name: accepted, not rendered (the chat template has no place for it)
     name: str | None = None
-    tool_calls: list[Any] | None = None  # accepted empty, as SDKs send it; tools are not implemented
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls (SDKs send [] for none)
+    tool_call_id: str | None = None  # a tool turn's: the call it answers
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (None: no arguments)
+    strict: bool | None = None  # taken either way: the arguments always follow the schema
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Strict):
@@ -220,6 +256,8 @@ class _SamplingFields(_Strict):
         if not given:
             return None
         name = given[0]
+        if name == "tool_choice":
+            return _structured("tools", json=tool_calls_schema(self))
         if name in _GUIDED:
             return _structured(name, **{_GUIDED[name]: getattr(self, name)})
         return getattr(self, name).structured(name)
@@ -230,14 +268,17 @@ class _SamplingFields(_Strict):
         name = next(iter(self._constraint_fields()), None)
         if name == "response_format" and self.response_format.type == "json_schema":
             return "response_format.json_schema.schema"
-        return name
+        return "tools" if name == "tool_choice" else name
 
     def _constraint_fields(self) -> list[str]:
-        """The fields given that constrain the output (a text response_format constrains nothing)."""
+        """The fields given that constrain the output (a text response_format constrains nothing; tools do where
+        `tool_choice` asks for calls)."""
         fields = ("response_format", "structured_outputs", *_GUIDED)
         given = [name for name in fields if getattr(self, name) is not None]
         if self.response_format is not None and self.response_format.type == "text":
             given.remove("response_format")
+        if getattr(self, "tool_calls_asked", None) is not None:
+            given.insert(0, "tool_choice")
         return given
 
     def check_common(self) -> None:
@@ -282,16 +323,21 @@ class _ChatTemplateFields(_Strict):
 
 
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
+    """Tools (`kestrel.serve.tools`): `tool_choice` "required" or a named function makes the reply tool calls, its
+    arguments held to each function's parameters schema by structured outputs (vLLM's way); "none" a reply in
+    text, the tools shown to the chat template; "auto" (the default with tools) needs a model's tool-call parser,
+    which this server lacks, and is refused."""
+
     messages: list[ChatMessage]
     max_tokens: Int | None = None  # None: up to the context limit
     max_completion_tokens: Int | None = None
     logprobs: bool | None = None
     top_logprobs: Int | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -306,8 +352,14 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             raise bad_request("messages must not be empty", param="messages")
         _check_contents(self.messages)
         for i, m in enumerate(self.messages):
-            if m.tool_calls:
-                raise bad_request("tool calls are not supported", param=f"messages[{i}].tool_calls")
+            if m.tool_calls and m.role != "assistant":
+                raise bad_request(
+                    "only an assistant message makes tool calls", param=f"messages.{i}.tool_calls"
+                )
+            if (m.tool_call_id is None) == (m.role == "tool"):
+                what = "a tool message needs" if m.role == "tool" else "only a tool message takes"
+                raise bad_request(f"{what} tool_call_id", param=f"messages.{i}.tool_call_id")
+        check_tools(self)
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
         if (
@@ -329,6 +381,17 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
                 {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_field}
             ) from None
 
+    def template_options(self) -> dict:
+        """apply_chat_template's keyword arguments: the tools too, for templates that show them."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        return {**super().template_options(), "tools": tools}
+
+    @property
+    def tool_calls_asked(self) -> list[str] | None:
+        """The functions the reply calls ("required": any of the tools; named: that one), None for a reply in
+        text."""
+        return tool_calls_asked(self)
+
     @property
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
@@ -349,13 +412,19 @@ def _check_contents(messages: list[ChatMessage]) -> None:
 
 
 def _template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """The messages as the chat template takes them."""
-    return [
-        _template_message(
+    """The messages as the chat template takes them (an assistant turn's `tool_calls` and a tool turn's
+    `tool_call_id` with them, for templates that render tools)."""
+    out = []
+    for m in messages:
+        message = _template_message(
             m.role, m.content if not isinstance(m.content, list) else [p.model_dump() for p in m.content]
         )
-        for m in messages
-    ]
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
 
 
 def _template_message(role: str, content) -> dict:
@@ -689,11 +758,8 @@ _NEUTRAL_COMMON: dict[str, tuple] = {
     "store": (None, False),
 }
 _NEUTRAL_CHAT: dict[str, tuple] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),

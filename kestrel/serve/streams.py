@@ -17,6 +17,8 @@ from kestrel.serve.choice import ChoiceState, chat_logprobs, completion_logprobs
 from kestrel.serve.errors import error_body
 from kestrel.serve.jobs import Job, Server
 from kestrel.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, ResponsesRequest
+from kestrel.serve.tools import call_id, read_tool_calls
+from kestrel.serve.tools import finish_reason as tool_finish_reason
 
 log = logging.getLogger("kestrel.serve")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -64,11 +66,24 @@ def _failure(e: Exception) -> dict:
 
 
 async def chat_stream(server: Server, job: Job, req: ChatCompletionRequest) -> AsyncIterator[str]:
+    """OpenAI's chunks. Where the reply is tool calls (`kestrel.serve.tools`): a named call's arguments stream as
+    `tool_calls` deltas after a first one with its id and name; "required" calls come whole in the choice's last
+    chunk (their JSON read once it has ended)."""
     head = body_head(server, job, "chatcmpl", "chat.completion.chunk")
+    calls_asked = req.tool_calls_asked
+    named = calls_asked is not None and req.tool_choice != "required"
+    ids = [call_id() for _ in job.choices]
 
     async def events():
         for i in range(len(job.choices)):
-            delta = {"role": "assistant", "content": ""}
+            delta = {"role": "assistant", "content": "" if calls_asked is None else None}
+            if named:
+                call = {
+                    "id": ids[i],
+                    "type": "function",
+                    "function": {"name": calls_asked[0], "arguments": ""},
+                }
+                delta["tool_calls"] = [{"index": 0, **call}]
             yield _event({**head, "choices": [_chunk_choice(i, delta, None)], **_chunk_usage(job, req)})
         async for index, piece, out, choice in job.events():
             logprobs = None
@@ -76,8 +91,12 @@ async def chat_stream(server: Server, job: Job, req: ChatCompletionRequest) -> A
                 logprobs = {"content": chat_logprobs(server.tokenizer, out.new_logprobs)}
             if not (piece or logprobs or choice.finished):
                 continue  # text held back (a partial character or a possible stop string)
-            delta = {"content": piece} if piece else {}
-            choices = [_chunk_choice(index, delta, logprobs, choice)]
+            delta, reasons = ({"content": piece} if piece else {}), _reasons(choice)
+            if calls_asked is not None:
+                delta, calls = _tool_call_delta(req, piece, choice, ids[index], named)
+                if choice.finished:
+                    reasons["finish_reason"] = tool_finish_reason(choice.finish_reason, calls)
+            choices = [{"index": index, "delta": delta, "logprobs": logprobs, **reasons}]
             yield _event({**head, "choices": choices, **_chunk_usage(job, req)})
         if req.include_usage:
             yield _event({**head, "choices": [], "usage": job.usage()})
@@ -85,6 +104,21 @@ async def chat_stream(server: Server, job: Job, req: ChatCompletionRequest) -> A
 
     async for e in _stream_errors(events()):
         yield e
+
+
+def _tool_call_delta(
+    req, piece: str, choice: ChoiceState, call: str, named: bool
+) -> tuple[dict, list | None]:
+    """A chunk's delta where the reply is tool calls, and the calls read (None: not, or not yet)."""
+    if named:
+        calls = [{}] if choice.finished else None  # (a named reply is its call, whatever it holds)
+        return ({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]} if piece else {}), calls
+    if not choice.finished:
+        return {}, None
+    calls = read_tool_calls(req, choice.text, [call])
+    if calls is None:
+        return {"content": choice.text}, None
+    return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, calls
 
 
 def _chunk_usage(job: Job, req: ChatCompletionRequest | CompletionRequest) -> dict:

@@ -60,7 +60,11 @@ CHAT_CASES = {
         "messages.0.content.0.type",
         None,
     ),
-    "tool role": (_chat(messages=[{"role": "tool", "content": "x"}]), "messages.0.role", None),
+    "tool turn without its call's id": (
+        _chat(messages=[{"role": "tool", "content": "x"}]),
+        "messages.0.tool_call_id",
+        None,
+    ),
     "a user turn without content": (
         _chat(messages=[{"role": "system", "content": "s"}, {"role": "user", "content": None}]),
         "messages.1.content",
@@ -90,17 +94,17 @@ CHAT_CASES = {
         "messages",
         "context_length_exceeded",
     ),
-    "tools": (
+    "tools with tool_choice auto (the default)": (
         _chat(tools=[{"type": "function", "function": {"name": "f"}}]),
-        "tools",
-        "unsupported_parameter",
+        "tool_choice",
+        "unsupported_value",
     ),
-    "an assistant turn's tool calls": (
+    "an assistant turn's tool call without its function": (
         _chat(
             messages=[*USER, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}, *USER]
         ),
-        "messages[1].tool_calls",
-        None,
+        "messages.1.tool_calls.0.function",
+        "missing_parameter",
     ),
     "response_format without its schema": (
         _chat(response_format={"type": "json_schema"}),
@@ -167,12 +171,12 @@ def test_bad_chat_requests_are_400(server, case):
             "content.0.type",
             "image_url",
         ),
-        ({"role": "tool", "content": "x"}, "role", "tool"),
+        ({"role": "function", "content": "x"}, "role", "function"),
     ],
 )
 def test_unsupported_parts_and_roles_are_named(server, message, param, given):
-    """An image part or a tool message is refused naming what was sent (it read "Input should be 'text'", which
-    does not say that images are what this server lacks)."""
+    """An image part or a (deprecated) function message is refused naming what was sent (it read "Input should
+    be 'text'", which does not say that images are what this server lacks)."""
     r = httpx.post(f"{server.url}/v1/chat/completions", json=_chat(messages=[message]), timeout=30)
     err = assert_error(r, 400, f"messages.0.{param}", "unsupported_value")
     assert f"'{given}' is not supported" in err["message"]

@@ -1,0 +1,116 @@
+"""Tool calls on the chat route, through structured outputs (vLLM's way for `tool_choice` "required" and a named
+function): the reply is held to a JSON form and read back as OpenAI's `tool_calls`.
+
+- A named function: the reply is that function's arguments, a JSON object following its `parameters` schema.
+- "required": the reply is a JSON array of `{"name": ..., "parameters": {...}}`, each item one of the tools
+  with its own arguments' schema (one item at most with `parallel_tool_calls: false`).
+- "none": a reply in text (the tools still go to the chat template, for templates that show them).
+- "auto", the default where tools are given, needs the model's own tool-call format and a parser for it (vLLM's
+  --tool-call-parser); the shipped model has none, so it is refused with a 400 that says what works.
+
+A reply cut by max_tokens keeps what was written: a named call's partial arguments (as OpenAI's), or, for
+"required", the text (its JSON incomplete, no calls read from it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from kestrel.serve.errors import bad_request
+
+# OpenAI's rule for a function's name
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_ANY_ARGUMENTS = {"type": "object"}  # a function that declares no parameters: any object
+
+
+def check_tools(req) -> None:
+    """400s for what the tools and tool_choice of a chat request cannot mean."""
+    tools, choice = req.tools or [], req.tool_choice
+    names = [t.function.name for t in tools]
+    for i, name in enumerate(names):
+        if not _NAME.fullmatch(name):
+            raise bad_request(
+                f"a function name is 1-64 letters, digits, '_' or '-', not {name!r}",
+                param=f"tools.{i}.function.name",
+            )
+        if name in names[:i]:
+            raise bad_request(f"two tools are named {name!r}", param=f"tools.{i}.function.name")
+    if choice is None and tools:
+        choice = "auto"
+    if choice == "auto" and tools:
+        raise bad_request(
+            'tool_choice "auto" needs the model\'s own tool-call format, which this server cannot read; give '
+            'tool_choice "required" or {"type": "function", "function": {"name": ...}} (the reply is then tool '
+            'calls, their arguments held to each schema), or "none"',
+            param="tool_choice",
+            code="unsupported_value",
+        )
+    if choice not in (None, "none", "auto") and not tools:
+        raise bad_request("tool_choice asks for a tool call, but no tools are given", param="tool_choice")
+    if not isinstance(choice, str) and choice is not None and choice.function.name not in names:
+        raise bad_request(
+            f"tool_choice names {choice.function.name!r}, which is not among the tools", param="tool_choice"
+        )
+
+
+def tool_calls_asked(req) -> list[str] | None:
+    """The functions a chat request's reply calls: all the tools ("required"), the named one, or None (text)."""
+    choice = req.tool_choice
+    if not req.tools or choice in (None, "none", "auto"):
+        return None
+    return [t.function.name for t in req.tools] if choice == "required" else [choice.function.name]
+
+
+def tool_calls_schema(req) -> dict:
+    """The JSON schema the reply follows where tool calls are asked for."""
+    params = {t.function.name: t.function.parameters or _ANY_ARGUMENTS for t in req.tools}
+    if req.tool_choice != "required":
+        return params[req.tool_choice.function.name]
+    items = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "parameters": schema},
+            "required": ["name", "parameters"],
+        }
+        for name, schema in params.items()
+    ]
+    one = {"anyOf": items} if len(items) > 1 else items[0]
+    calls = {"type": "array", "items": one, "minItems": 1}
+    if req.parallel_tool_calls is False:
+        calls["maxItems"] = 1
+    return calls
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def read_tool_calls(req, text: str, ids: list[str] | None = None) -> list[dict] | None:
+    """The reply's tool calls as OpenAI's message holds them, or None where none can be read (a "required" reply
+    cut before its JSON ended). `ids`: the calls' ids where a stream already gave them."""
+    if req.tool_choice != "required":
+        name = req.tool_choice.function.name
+        return [_call(ids[0] if ids else call_id(), name, text)]
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    return [
+        _call(ids[i] if ids and i < len(ids) else call_id(), item["name"], _compact(item["parameters"]))
+        for i, item in enumerate(items)
+    ]
+
+
+def _call(id_: str, name: str, arguments: str) -> dict:
+    return {"id": id_, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _compact(value) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def finish_reason(reason: str | None, calls: list[dict] | None) -> str | None:
+    """A choice's finish_reason where its reply is tool calls: "tool_calls" where it ended by itself."""
+    return "tool_calls" if calls is not None and reason == "stop" else reason
