@@ -355,7 +355,11 @@ def _render_template(
         return template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **specials
         )
-    except TemplateError as e:
+    except (
+        TemplateError,
+        TypeError,
+        ValueError,
+    ) as e:  # (a filter given what it cannot take: tojson of Undefined)
         raise ChatTemplateError(f"chat template error: {e}") from None
 
 

@@ -389,3 +389,13 @@ def test_token_bytes_of_a_sentencepiece_vocabulary(tmp_path):
         "é": b"\xc3\xa9",
     }
     assert {1, 2} <= set(hf.special_token_ids())
+
+
+def test_a_template_filter_given_what_it_cannot_take_is_a_template_error():
+    """`tojson` of an undefined field raises TypeError inside Jinja: a ChatTemplateError (a 400), not a 500."""
+    tok = ByteTokenizer()
+    tok.set_chat_template("{{ tools[0].function.parameters | tojson }}")
+    with pytest.raises(ChatTemplateError, match="chat template error"):
+        tok.apply_chat_template(
+            [{"role": "user", "content": "x"}], tools=[{"type": "function", "function": {}}]
+        )

@@ -133,7 +133,7 @@ def build_app(
             if calls is not None:
                 message["tool_calls"] = calls
             logprobs = {"content": chat_logprobs(server.tokenizer, c.logprobs)} if req.logprobs else None
-            reason = tool_finish_reason(c.finish_reason, calls)
+            reason = tool_finish_reason(c.finish_reason, c.stop_reason, calls)
             choices.append(
                 {
                     "index": i,

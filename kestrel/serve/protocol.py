@@ -12,6 +12,7 @@ fields accept null as "not given".
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -68,14 +69,17 @@ class TextPart(_Strict):
 class ToolCallFunction(_Strict):
     name: str
     arguments: str  # JSON text, as OpenAI's
+    parsed_arguments: Any = None  # what the openai client's parse() adds: taken, not used
 
 
 class ToolCall(_Strict):
-    """A tool call of an earlier assistant turn, sent back with the conversation."""
+    """A tool call of an earlier assistant turn, sent back with the conversation (as the openai client dumps it:
+    a streamed message's calls keep their `index`)."""
 
     id: str | None = None
     type: Literal["function"] = "function"
     function: ToolCallFunction
+    index: Int | None = None
 
 
 class ChatMessage(_Strict):
@@ -86,6 +90,13 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls (SDKs send [] for none)
     tool_call_id: str | None = None  # a tool turn's: the call it answers
+    # what an assistant message the openai client returned holds beside its content, when sent back as it
+    # dumps it (`message.model_dump()`): taken, not rendered
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
+    parsed: Any = None
 
 
 class FunctionDefinition(_Strict):
@@ -382,8 +393,13 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             ) from None
 
     def template_options(self) -> dict:
-        """apply_chat_template's keyword arguments: the tools too, for templates that show them."""
-        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        """apply_chat_template's keyword arguments: the tools too, for templates that show them (a function
+        without parameters shown with an empty object's schema: templates read `parameters`)."""
+        tools = None
+        if self.tools:
+            tools = [t.model_dump(exclude_none=True) for t in self.tools]
+            for t in tools:
+                t["function"].setdefault("parameters", {"type": "object", "properties": {}})
         return {**super().template_options(), "tools": tools}
 
     @property
@@ -415,15 +431,34 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
     """The messages as the chat template takes them (an assistant turn's `tool_calls` and a tool turn's
     `tool_call_id` with them, for templates that render tools)."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         message = _template_message(
             m.role, m.content if not isinstance(m.content, list) else [p.model_dump() for p in m.content]
         )
         if m.tool_calls:
-            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            # the arguments as an object, as Hugging Face's templates render them (`arguments | tojson`)
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": args}}
+                for c, args in zip(m.tool_calls, _call_arguments(m.tool_calls, i))
+            ]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         out.append(message)
+    return out
+
+
+def _call_arguments(calls: list[ToolCall], i: int) -> list:
+    """Each earlier call's arguments as the object their JSON text holds (empty text: {}); 400 where it is not
+    JSON."""
+    out = []
+    for j, c in enumerate(calls):
+        try:
+            out.append(json.loads(c.function.arguments) if c.function.arguments.strip() else {})
+        except ValueError:
+            raise bad_request(
+                "a tool call's arguments must be JSON text",
+                param=f"messages.{i}.tool_calls.{j}.function.arguments",
+            ) from None
     return out
 
 

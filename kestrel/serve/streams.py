@@ -94,8 +94,17 @@ async def chat_stream(server: Server, job: Job, req: ChatCompletionRequest) -> A
             delta, reasons = ({"content": piece} if piece else {}), _reasons(choice)
             if calls_asked is not None:
                 delta, calls = _tool_call_delta(req, piece, choice, ids[index], named)
+                if not (delta or logprobs or choice.finished):
+                    continue  # ("required" calls are held until their JSON has ended)
                 if choice.finished:
-                    reasons["finish_reason"] = tool_finish_reason(choice.finish_reason, calls)
+                    reasons["finish_reason"] = tool_finish_reason(
+                        choice.finish_reason, choice.stop_reason, calls
+                    )
+                    if delta:  # the calls in a chunk of their own, then the finish, as OpenAI's stream
+                        unfinished = {"finish_reason": None, "stop_reason": None}
+                        body = {"index": index, "delta": delta, "logprobs": logprobs, **unfinished}
+                        yield _event({**head, "choices": [body], **_chunk_usage(job, req)})
+                        delta, logprobs = {}, None
             choices = [{"index": index, "delta": delta, "logprobs": logprobs, **reasons}]
             yield _event({**head, "choices": choices, **_chunk_usage(job, req)})
         if req.include_usage:

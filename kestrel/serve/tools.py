@@ -18,6 +18,7 @@ import json
 import re
 import uuid
 
+from kestrel.engine.sampling_params import StructuredOutputsParams
 from kestrel.serve.errors import bad_request
 
 # OpenAI's rule for a function's name
@@ -53,6 +54,24 @@ def check_tools(req) -> None:
         raise bad_request(
             f"tool_choice names {choice.function.name!r}, which is not among the tools", param="tool_choice"
         )
+    if tool_calls_asked(req) is not None:
+        for i, t in enumerate(tools):
+            _check_parameters(t.function.parameters, f"tools.{i}.function.parameters")
+
+
+def _check_parameters(schema: dict | None, param: str) -> None:
+    """A function's arguments are a JSON object its schema can hold to: 400s naming the tool's field."""
+    if schema is None:
+        return
+    if schema.get("type", "object") != "object":
+        raise bad_request(f"a function's parameters are an object, not {schema.get('type')!r}", param=param)
+    text = json.dumps(schema)
+    if '"$ref": "#"' in text or '"$ref": "#/"' in text:
+        raise bad_request("a function's parameters cannot refer to their own root ($ref '#')", param=param)
+    try:
+        StructuredOutputsParams(json=schema)
+    except ValueError as e:
+        raise bad_request(str(e), param=param) from None
 
 
 def tool_calls_asked(req) -> list[str] | None:
@@ -64,20 +83,33 @@ def tool_calls_asked(req) -> list[str] | None:
 
 
 def tool_calls_schema(req) -> dict:
-    """The JSON schema the reply follows where tool calls are asked for."""
+    """The JSON schema the reply follows where tool calls are asked for. For "required" each tool's definitions
+    (`$defs`, `definitions`, which pydantic's nested models use) move to the array schema's root, where its
+    `#/$defs/...` references resolve; two tools defining one name differently are a 400."""
     params = {t.function.name: t.function.parameters or _ANY_ARGUMENTS for t in req.tools}
     if req.tool_choice != "required":
         return params[req.tool_choice.function.name]
-    items = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": name}, "parameters": schema},
-            "required": ["name", "parameters"],
-        }
-        for name, schema in params.items()
-    ]
+    defs: dict[str, dict] = {}
+    items = []
+    for i, (name, schema) in enumerate(params.items()):
+        schema = dict(schema)
+        for key in ("$defs", "definitions"):
+            for def_name, definition in (schema.pop(key, None) or {}).items():
+                found = defs.setdefault(key, {}).setdefault(def_name, definition)
+                if found != definition:
+                    raise bad_request(
+                        f"two tools define {def_name!r} differently in their {key}",
+                        param=f"tools.{i}.function.parameters.{key}",
+                    )
+        items.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": schema},
+                "required": ["name", "parameters"],
+            }
+        )
     one = {"anyOf": items} if len(items) > 1 else items[0]
-    calls = {"type": "array", "items": one, "minItems": 1}
+    calls = {"type": "array", "items": one, "minItems": 1, **defs}
     if req.parallel_tool_calls is False:
         calls["maxItems"] = 1
     return calls
@@ -111,6 +143,7 @@ def _compact(value) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-def finish_reason(reason: str | None, calls: list[dict] | None) -> str | None:
-    """A choice's finish_reason where its reply is tool calls: "tool_calls" where it ended by itself."""
-    return "tool_calls" if calls is not None and reason == "stop" else reason
+def finish_reason(reason: str | None, stop_reason, calls: list[dict] | None) -> str | None:
+    """A choice's finish_reason where its reply is tool calls: "tool_calls" where the grammar ended it (EOS, no
+    stop string or stop token: those can cut the arguments short)."""
+    return "tool_calls" if calls is not None and reason == "stop" and stop_reason is None else reason

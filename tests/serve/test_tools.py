@@ -147,8 +147,35 @@ def test_none_gives_text_and_history_with_calls_is_taken(client):
                 ],
                 "tool_choice": "required",
             },
-            "tools",
+            "tools.0.function.parameters",
             "not",
+        ),  # fmt: skip
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+            "tools.0.function.parameters",
+            "an object",
+        ),  # fmt: skip
+        (
+            {
+                "messages": [
+                    *CHAT,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{not json"},
+                            }
+                        ],
+                    },
+                ]
+            },
+            "messages.1.tool_calls.0.function.arguments",
+            "JSON",
         ),  # fmt: skip
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id", "needs"),
         (
@@ -166,3 +193,62 @@ def test_bad_tool_requests_are_400s(server, body, param, says):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and says in error["message"], error
+
+
+def test_the_clients_own_message_goes_back_as_it_dumps_it(client):
+    """An agent loop appends the returned message (`model_dump()`: refusal, annotations, audio, function_call as
+    None; a streamed one's calls with their index) and the tool's answer, and asks again."""
+    kw = dict(model=MODEL, tools=TOOLS, temperature=0, max_tokens=60)
+    first = client.chat.completions.create(messages=CHAT, tool_choice="required", **kw).choices[0].message
+    dumped = first.model_dump()
+    assert "refusal" in dumped and "annotations" in dumped
+    dumped["tool_calls"][0]["index"] = 0
+    answer = {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "12 C"}
+    again = client.chat.completions.create(messages=[*CHAT, dumped, answer], tool_choice="none", **kw)
+    assert isinstance(again.choices[0].message.content, str)
+
+
+def test_required_with_pydantic_defs(client):
+    """Nested pydantic models refer to `#/$defs/...`: under "required" the definitions move to the root, where
+    those references resolve (they had been a 400)."""
+    address = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"]}
+    person = {
+        "$defs": {"Address": address},
+        "type": "object",
+        "properties": {"home": {"$ref": "#/$defs/Address"}},
+        "required": ["home"],
+    }
+    tools = [{"type": "function", "function": {"name": "save", "parameters": person}}, TOOLS[1]]
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, tools=tools, tool_choice="required", temperature=0, max_tokens=80,
+        parallel_tool_calls=False,
+    )  # fmt: skip
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    call = c.message.tool_calls[0]
+    jsonschema.validate(json.loads(call.function.arguments), person if call.function.name == "save" else TIME)
+
+
+def test_a_call_cut_by_a_stop_string_is_not_reported_whole(client):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=60, stop=[","]
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.stop_reason == "," and c.message.tool_calls
+
+
+def test_required_calls_stream_before_their_finish(client):
+    """The calls come in a chunk of their own, the finish in the next (openai-python's stream helpers close a
+    call's arguments only so)."""
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=120,
+            parallel_tool_calls=False, stream=True,
+        )
+    )  # fmt: skip
+    with_calls = [i for i, ch in enumerate(chunks) if ch.choices and ch.choices[0].delta.tool_calls]
+    finish = [i for i, ch in enumerate(chunks) if ch.choices and ch.choices[0].finish_reason]
+    assert len(with_calls) == 1 and finish == [with_calls[0] + 1]
+    assert chunks[finish[0]].choices[0].finish_reason == "tool_calls"
+    assert not any(ch.choices and ch.choices[0].delta.content for ch in chunks)
