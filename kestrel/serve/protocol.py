@@ -362,14 +362,6 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         if not self.messages:
             raise bad_request("messages must not be empty", param="messages")
         _check_contents(self.messages)
-        for i, m in enumerate(self.messages):
-            if m.tool_calls and m.role != "assistant":
-                raise bad_request(
-                    "only an assistant message makes tool calls", param=f"messages.{i}.tool_calls"
-                )
-            if (m.tool_call_id is None) == (m.role == "tool"):
-                what = "a tool message needs" if m.role == "tool" else "only a tool message takes"
-                raise bad_request(f"{what} tool_call_id", param=f"messages.{i}.tool_call_id")
         check_tools(self)
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
@@ -393,14 +385,8 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             ) from None
 
     def template_options(self) -> dict:
-        """apply_chat_template's keyword arguments: the tools too, for templates that show them (a function
-        without parameters shown with an empty object's schema: templates read `parameters`)."""
-        tools = None
-        if self.tools:
-            tools = [t.model_dump(exclude_none=True) for t in self.tools]
-            for t in tools:
-                t["function"].setdefault("parameters", {"type": "object", "properties": {}})
-        return {**super().template_options(), "tools": tools}
+        """apply_chat_template's keyword arguments: the tools too, for templates that show them."""
+        return {**super().template_options(), "tools": _template_tools(self.tools)}
 
     @property
     def tool_calls_asked(self) -> list[str] | None:
@@ -417,8 +403,14 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
 
 
 def _check_contents(messages: list[ChatMessage]) -> None:
-    """OpenAI's rule: only an assistant turn may come without content (a user turn's null was rendered empty)."""
+    """OpenAI's rules: only an assistant turn may come without content (a user turn's null was rendered empty)
+    and make tool calls; a tool turn, and it alone, names the call it answers."""
     for i, m in enumerate(messages):
+        if m.tool_calls and m.role != "assistant":
+            raise bad_request("only an assistant message makes tool calls", param=f"messages.{i}.tool_calls")
+        if (m.tool_call_id is None) == (m.role == "tool"):
+            what = "a tool message needs" if m.role == "tool" else "only a tool message takes"
+            raise bad_request(f"{what} tool_call_id", param=f"messages.{i}.tool_call_id")
         if m.content is None and m.role != "assistant":
             raise bad_request(
                 f"a {m.role} message needs its content",
@@ -444,6 +436,17 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         out.append(message)
+    return out
+
+
+def _template_tools(tools: list[ChatTool] | None) -> list[dict] | None:
+    """The tools as a chat template takes them (a function without parameters shown with an empty object's schema:
+    templates read `parameters`)."""
+    if not tools:
+        return None
+    out = [t.model_dump(exclude_none=True) for t in tools]
+    for t in out:
+        t["function"].setdefault("parameters", {"type": "object", "properties": {}})
     return out
 
 
@@ -732,12 +735,13 @@ class TokenizeRequest(_ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None  # shown to the chat template, as the chat route shows them
 
     def check(self) -> None:
         self.check_template_options()
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("give one of prompt and messages", param="prompt")
-        for name in ("add_generation_prompt", "continue_final_message"):
+        for name in ("add_generation_prompt", "continue_final_message", "tools"):
             if self.prompt is not None and getattr(self, name) is not None:
                 raise bad_request(f"{name} applies to messages, not to a prompt", param=name)
         if self.messages is not None and not self.messages:
@@ -747,6 +751,9 @@ class TokenizeRequest(_ChatTemplateFields):
 
     def chat_messages(self) -> list[dict]:
         return _template_messages(self.messages)
+
+    def template_options(self) -> dict:
+        return {**super().template_options(), "tools": _template_tools(self.tools)}
 
 
 class DetokenizeRequest(_Strict):

@@ -252,3 +252,32 @@ def test_required_calls_stream_before_their_finish(client):
     assert len(with_calls) == 1 and finish == [with_calls[0] + 1]
     assert chunks[finish[0]].choices[0].finish_reason == "tool_calls"
     assert not any(ch.choices and ch.choices[0].delta.content for ch in chunks)
+
+
+def test_a_template_that_shows_tools_gets_them_everywhere(make_server):
+    """A chat template that renders the tools and earlier calls: the chat route's prompt and /tokenize's are the
+    same text, the calls' arguments rendered as objects."""
+    template = (
+        "{% for t in tools or [] %}[{{ t.function.name }}:{{ t.function.parameters | tojson }}]{% endfor %}"
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+        "{% for c in m.tool_calls or [] %}({{ c.function.name }}{{ c.function.arguments | tojson }}){% endfor %}"
+        "{% endfor %}<assistant>"
+    )
+    s = make_server(chat_template=template)
+    messages = [
+        *CHAT,
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+    ]  # fmt: skip
+    tools = [TOOLS[1], {"type": "function", "function": {"name": "ping"}}]
+    body = {"model": MODEL, "messages": messages, "tools": tools}
+    tok = httpx.post(f"{s.url}/tokenize", json=body, timeout=30).json()
+    text = s.engine.tokenizer.decode(tok["tokens"])
+    assert text.startswith('[get_time:{"type": "object", "properties": {"zone"')
+    assert '[ping:{"type": "object", "properties": {}}]' in text
+    assert '(get_time{"zone": "UTC"})' in text and text.endswith("<tool>noon<assistant>")
+    chat = httpx.post(
+        f"{s.url}/v1/chat/completions", json={**body, "tool_choice": "none", "max_tokens": 2}, timeout=30
+    ).json()
+    assert chat["usage"]["prompt_tokens"] == tok["count"]
