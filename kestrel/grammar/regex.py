@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 # The NFA may not grow past this many states (a `{m,n}` copies its body n times).
 MAX_NFA_STATES = 400_000
 # A class range over non-ASCII characters is spelled out up to this many characters.
@@ -380,7 +382,10 @@ class Automaton:
         self._live = self._coreachable()
         self._sets: list[frozenset] = [frozenset()]
         self._ids: dict[frozenset, int] = {frozenset(): 0}
-        self._rows: list[list[int]] = [[0] * 256]
+        # [states, 256] the transitions made so far (-1: not yet; a state's row is made whole), read by
+        # `kestrel.grammar.tokens` in vectorized walks; the dead state's row leads to itself
+        self.table = np.full((64, 256), -1, dtype=np.int64)
+        self.table[0] = 0
         self.start = self._intern(self._closure({entry}))
         if self.start == 0:
             raise PatternError("the pattern matches nothing")
@@ -393,17 +398,18 @@ class Automaton:
         return self._accept in self._sets[state]
 
     def next(self, state: int, byte: int) -> int:
-        nxt = self._rows[state][byte]
+        nxt = int(self.table[state, byte])
         if nxt < 0:
-            self._fill(state)
-            nxt = self._rows[state][byte]
+            self.fill(state)
+            nxt = int(self.table[state, byte])
         return nxt
 
-    def _fill(self, state: int) -> None:
+    def fill(self, state: int) -> None:
         """All 256 transitions of a state at once: its bytes split into classes that every byte edge of its NFA
         states treats alike (a handful: a JSON string's state has about three), one closure a class. Made a
-        byte at a time, a state inside a string took a closure for each of ~250 bytes."""
-        nfa, row = self._nfa, self._rows[state]
+        byte at a time, a state inside a string took a closure for each of ~250 bytes. The row is written whole
+        or not at all (a closure past MAX_STATE_SET raises first)."""
+        nfa, row = self._nfa, [0] * 256
         targets: dict[int, list[int]] = {}  # byte mask -> the NFA states its edges lead to
         for s in self._sets[state]:
             if nfa.edge_mask[s]:
@@ -419,6 +425,7 @@ class Automaton:
                 low = c & -c
                 row[low.bit_length() - 1] = nxt
                 c ^= low
+        self.table[state] = row
 
     def matches(self, data: bytes | str) -> bool:
         """Whole-string match (tests and checks; the sampler walks tokens through `next`)."""
@@ -429,18 +436,15 @@ class Automaton:
                 return False
         return self.accepting(state)
 
-    def full_row(self, state: int) -> list[int]:
-        """The state's 256 transitions, indexed by byte (made now where they were not yet)."""
-        if self._rows[state][0] < 0:
-            self._fill(state)
-        return self._rows[state]
-
     def _intern(self, states: frozenset) -> int:
         found = self._ids.get(states)
         if found is None:
             found = self._ids[states] = len(self._sets)
             self._sets.append(states)
-            self._rows.append([-1] * 256)
+            if found >= len(self.table):
+                grown = np.full((2 * len(self.table), 256), -1, dtype=np.int64)
+                grown[: len(self.table)] = self.table
+                self.table = grown
         return found
 
     def _closure(self, states: set[int]) -> frozenset:

@@ -85,8 +85,6 @@ class Grammar:
         self.automaton = Automaton(pattern)
         self.vocab = vocab
         self.start = self.automaton.start
-        self._table = np.full((64, 256), -1, dtype=np.int64)  # the automaton's transitions as found so far
-        self._table[0] = 0  # dead stays dead
         self._masks: OrderedDict[int, np.ndarray] = OrderedDict()
         self._max_masks = max(64, MASK_CACHE_BYTES // max(vocab.size, 1))
         self._complete: dict[int, bool] = {}
@@ -149,26 +147,15 @@ class Grammar:
         return found
 
     def _lookup(self, states: np.ndarray, col: np.ndarray) -> np.ndarray:
-        """[n] next states of (states[k], col[k]); a state not in the table yet comes in whole (the automaton
-        makes all its transitions at once)."""
-        if int(states.max()) >= self._table.shape[0]:
-            self._grow(int(states.max()))
-        nxt = self._table[states, col]
+        """[n] next states of (states[k], col[k]) from the automaton's table, its missing rows made first."""
+        a = self.automaton
+        nxt = a.table[states, col]
         missing = nxt < 0
         if missing.any():
             for state in np.unique(states[missing]).tolist():
-                row = self.automaton.full_row(state)
-                self._grow(max(row))
-                self._table[state] = row
-            nxt = self._table[states, col]
+                a.fill(state)
+            nxt = a.table[states, col]
         return nxt
-
-    def _grow(self, state: int) -> None:
-        rows = self._table.shape[0]
-        if state >= rows:
-            grown = np.full((max(rows * 2, state + 1), 256), -1, dtype=np.int64)
-            grown[:rows] = self._table
-            self._table = grown
 
 
 class GrammarCache:
