@@ -56,9 +56,10 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(name for name in _STRUCTURED if getattr(self, name) is not None)
 
-    @property
+    @functools.cached_property
     def pattern(self) -> str:
-        """The regular expression the output must match whole (`kestrel.grammar.regex`'s dialect)."""
+        """The regular expression the output must match whole (`kestrel.grammar.regex`'s dialect); made once,
+        on construction (the engine reads it at each check: a schema's JSON text was dumped again each time)."""
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json":

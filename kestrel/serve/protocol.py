@@ -152,11 +152,8 @@ class ResponseFormat(_Strict):
             raise bad_request(
                 f"json_schema is only taken with type json_schema, not {self.type}", param=param
             )
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return _structured(param, json_object=True)
-        return _structured(f"{param}.json_schema.schema", json=self.json_schema.schema_)
+        schema = self.json_schema.schema_ if self.json_schema is not None else None
+        return _format_constraint(self.type, schema, param, f"{param}.json_schema.schema")
 
 
 class StructuredOutputs(_Strict):
@@ -170,19 +167,22 @@ class StructuredOutputs(_Strict):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
     def structured(self, param: str) -> StructuredOutputsParams:
-        given = {
-            "json": self.json_,
-            "regex": self.regex,
-            "choice": self.choice,
-            "json_object": self.json_object,
-        }
-        given = {k: v for k, v in given.items() if v is not None}
+        given = self.model_dump(by_alias=True, exclude_none=True)
         if len(given) != 1:
             raise bad_request(
                 "structured_outputs takes exactly one of json, regex, choice and json_object", param=param
             )
         (kind,) = given
         return _structured(f"{param}.{kind}", **given)
+
+
+def _format_constraint(kind: str, schema, param: str, schema_param: str) -> StructuredOutputsParams | None:
+    """What an OpenAI output format of this type asks: nothing (text), any JSON object, or `schema`."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _structured(param, json_object=True)
+    return _structured(schema_param, json=schema)
 
 
 def _structured(param: str, **spec) -> StructuredOutputsParams:
@@ -623,11 +623,7 @@ class ResponseTextFormat(_Strict):
                 f"name, schema and strict are only taken with type json_schema, not {self.type}",
                 param="text.format",
             )
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return _structured("text.format", json_object=True)
-        return _structured("text.format.schema", json=self.schema_)
+        return _format_constraint(self.type, self.schema_, "text.format", "text.format.schema")
 
 
 class ResponseTextConfig(_Strict):
