@@ -116,9 +116,8 @@ def build_app(
     async def chat_completions(request: Request):
         req = parse(ChatCompletionRequest, await server.read_body(request))
         server.check_model(req.model)
-        params = await server.sampling_params(req)
         names = {"prompt": "messages", "max_tokens": req.max_tokens_field}
-        await server.compile_grammar(params, req.constraint_field, names)
+        params = await server.sampling_params(req, names)
         job = Job(
             server, await chat_prompt(req.chat_messages(), req.template_options()), params, field_names=names
         )
@@ -155,10 +154,9 @@ def build_app(
     async def responses(request: Request):
         req = parse(ResponsesRequest, await server.read_body(request))
         server.check_model(req.model)
-        params = await server.sampling_params(req)
-        created = int(time.time())
         names = {"prompt": "input", "max_tokens": "max_output_tokens"}
-        await server.compile_grammar(params, req.constraint_field, names)
+        params = await server.sampling_params(req, names)
+        created = int(time.time())
         prompt = await chat_prompt(req.chat_messages(), {"add_generation_prompt": True}, "input")
         job = Job(server, prompt, params, field_names=names)
         if req.stream:
@@ -171,9 +169,8 @@ def build_app(
     async def completions(request: Request):
         req = parse(CompletionRequest, await server.read_body(request))
         server.check_model(req.model)
-        params = await server.sampling_params(req)
         names: dict[str, str] = {}
-        await server.compile_grammar(params, req.constraint_field, names)
+        params = await server.sampling_params(req, names)
         prompts = await server.encode_off_loop(req.prompts(), "prompt")
         prefixes = await server.decode_off_loop(req.prompts()) if req.echo else None
         job = Job(server, prompts, params, prefixes, echo_only=req.echo_only, field_names=names)
@@ -224,13 +221,12 @@ def build_app(
     @app.post("/generate", dependencies=auth)
     async def generate(request: Request):
         req = parse(GenerateRequest, await server.read_body(request))
-        params = await server.sampling_params(req)
         param = "text" if req.text is not None else "input_ids"
         names = {"prompt": param, "max_tokens": "sampling_params.max_new_tokens"}
         names |= {
             k: f"sampling_params.{k}" for k in ("n", "stop_token_ids", "logit_bias", "allowed_token_ids")
         }
-        await server.compile_grammar(params, req.constraint_field, names)
+        params = await server.sampling_params(req, names)
         prompts = await server.encode_off_loop(req.prompts(), param)
         job = Job(server, prompts, params, field_names=names)
         if req.stream:

@@ -208,22 +208,24 @@ class Server:
         message = f"the request body is larger than this server takes ({self.max_request_mb:g} MiB; --max-request-mb)"
         return APIError(413, message, code="request_too_large")
 
-    async def sampling_params(self, req) -> SamplingParams:
-        """A request's SamplingParams, made in a worker thread: a large JSON schema's pattern takes a second
-        (a 300-branch anyOf: 1.4 s), which on the event loop held up every other stream."""
-        return await asyncio.to_thread(req.to_sampling_params)
+    async def sampling_params(self, req, field_names: dict[str, str]) -> SamplingParams:
+        """A request's SamplingParams. Where it constrains the output they are made, and its grammar compiled (the
+        engine keeps it), in a worker thread: a large JSON schema takes a second (a 300-branch anyOf: 1.4 s),
+        which on the event loop held up every other stream. The grammar's errors are 400s naming the request's
+        own field, as `field_names` will for the engine's later errors."""
+        field = req.constraint_field
+        if field is None:
+            return req.to_sampling_params()
+        field_names["structured_outputs"] = field
 
-    async def compile_grammar(
-        self, params: SamplingParams, field: str | None, field_names: dict[str, str]
-    ) -> None:
-        """A request's structured-output grammar compiled (and kept by the engine) in a worker thread, for the
-        same reason; its errors are 400s naming `field`, the request's own field, as `field_names` will for the
-        engine's later errors."""
-        if params.structured_outputs is None:
-            return
-        field_names["structured_outputs"] = field or "structured_outputs"
+        def made() -> SamplingParams:
+            params = req.to_sampling_params()
+            if params.structured_outputs is not None:
+                self.engine.engine.grammar_of(params)
+            return params
+
         try:
-            await asyncio.to_thread(self.engine.engine.grammar_of, params)
+            return await asyncio.to_thread(made)
         except RequestError as e:
             raise _as_bad_request(e, field_names) from None
 
