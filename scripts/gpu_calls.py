@@ -120,6 +120,14 @@ def show_decode(d: dict) -> list[str]:
         if r.get("moe_barrier_gave_up"):
             line += ", MoE BARRIER GAVE UP"
         lines.append(line)
+        if "host_profile" in r:  # Engine.step() under cProfile: the host's five costliest functions a step
+            host = r["host_profile"]
+            lines.append(
+                f"  host {host['wall_ms_per_step']:.3f} ms a step (cProfile): "
+                + "; ".join(
+                    f"{f['function'][:48]} {f['own_ms_per_step']:.3f}" for f in host["by_own_time"][:5]
+                )
+            )
     step = {
         (r["batch"], r["context"], r["attention"], r.get("max_model_len")): r["step_ms"] for r in d["runs"]
     }
@@ -436,13 +444,15 @@ SAMPLING_MODES = ("greedy", "logprobs", "penalties", "steer", "grammar")  # benc
 
 def job_sampling(arg: str | None, call: Call) -> list[Run]:
     """`sampling[:MODES]`: bench decode at 4K, batch 1 and 256, DSA only, with each --sampling mode in turn
-    (greedy first, named or not: the others' peer in the same call); MODES comma-separated, all four without it."""
+    (greedy first, named or not: the others' peer in the same call); MODES comma-separated, all four without it.
+    Profiled (--profile): the replay's kernels, and Engine.step()'s host time by function, where a mode's extra
+    time a step goes."""
     modes = arg.split(",") if arg else list(SAMPLING_MODES)
     if not set(modes) <= set(SAMPLING_MODES):
         raise ValueError(f"sampling:{arg}: modes are {', '.join(SAMPLING_MODES)}")
     modes = ["greedy", *(m for m in dict.fromkeys(modes) if m != "greedy")]
-    options = ["--batches", "1,256", "--contexts", "4096", "--no-dense"]
-    return [_decode(call, f"sampling_{mode}", 60, *options, "--sampling", mode) for mode in modes]
+    options = ["--batches", "1,256", "--contexts", "4096", "--no-dense", "--profile"]
+    return [_decode(call, f"sampling_{mode}", 75, *options, "--sampling", mode) for mode in modes]
 
 
 JOBS: dict[str, tuple[str, Callable[[str | None, Call], list[Run]]]] = {

@@ -17,7 +17,9 @@ With --profile, each point's replayed step is also broken down by kernel (torch.
 the kernels' summed time against the replay's, their count, and the kernels that took the most time, each
 with its share of the step and a category (KDA, MoE, MLA, DSA, matmul, ...): where the step's time goes; and the
 step's launches against its bytes: the kernel count times the cost of one dependent launch measured in the same
-run (`roofline.measure_launch_floor`), beside the bytes' time at the copy rate.
+run (`roofline.measure_launch_floor`), beside the bytes' time at the copy rate; and `Engine.step()` under
+cProfile (`profile_host`): where the host's time a step goes (the sampler's, the grammar's, the wait for the
+device), which the replay's kernels do not show.
 """
 
 from __future__ import annotations
@@ -204,6 +206,39 @@ def profile_replay(replay, reps: int = 5, top: int = 20) -> dict:
     }
 
 
+def profile_host(step, steps: int, top: int = 15) -> dict:
+    """`steps` calls of `step` (Engine.step) under cProfile: per step, the host's wall time and the functions that
+    took the most of it, by their own time (`tottime`: a device wait is counted in the function that waits, such
+    as `Event.synchronize` or `Tensor.tolist`) and by the time under them (`cumtime`). cProfile's own cost
+    inflates Python-heavy functions (a few us a call): compare these shares, not their sum, with the timed step."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    wall_ms = 1000 * (time.perf_counter() - start) / steps
+    # (file, line, name) -> (calls, primitive calls, tottime, cumtime, callers)
+    stats = pstats.Stats(prof).stats
+
+    def rows(col: int) -> list[dict]:
+        ranked = sorted(stats.items(), key=lambda kv: -kv[1][col])[:top]
+        return [
+            {
+                "function": f"{Path(f).name}:{line}({name})" if line else name,
+                "calls_per_step": calls / steps,
+                "own_ms_per_step": 1000 * tt / steps,
+                "under_ms_per_step": 1000 * ct / steps,
+            }
+            for (f, line, name), (_, calls, tt, ct, _) in ranked
+        ]
+
+    return {"steps": steps, "wall_ms_per_step": wall_ms, "by_own_time": rows(2), "by_time_under": rows(3)}
+
+
 def _print_profile(prof: dict, floor: dict | None = None) -> None:
     busy = prof["busy_share"]
     print(
@@ -258,6 +293,9 @@ def _time_decode(
         step_ms[overlap] = 1000 * (time.perf_counter() - start) / steps
         new_states[overlap] = grammar.num_masks_made - known if grammar is not None else None
     engine.overlap = configured
+    # (the requests were placed with 2 * steps + 8 outputs to go, 2 * steps + 6 of them timed above)
+    host = profile_host(engine.step, min(steps, 8)) if profile else None
+    synchronize(engine.device)
     step_ms, plain_ms = step_ms[True], step_ms[False]
     runner, replay_ms, width = engine.runner, None, None
     if runner.use_cuda_graph and b <= runner.graph_sizes[-1]:
@@ -291,6 +329,8 @@ def _time_decode(
 
         # the one-launch MoE's grid barrier gave up during this point: its tokens are wrong
         run["moe_barrier_gave_up"] = barrier_gave_up(engine.device)
+    if host is not None:
+        run["host_profile"] = host
     if profile and replay_ms:
         run["profile"] = profile_replay(runner.graphs[key].replay)
         if ceilings.get("launch_floor_us"):
@@ -313,6 +353,10 @@ def _time_decode(
         )
     if "profile" in run:
         _print_profile(run["profile"], run.get("launch_floor"))
+    if host is not None:
+        print(f"  host (cProfile, {host['wall_ms_per_step']:.2f} ms a step with its cost), own time a step:")
+        for f in host["by_own_time"][:8]:
+            print(f"    {f['own_ms_per_step']:6.3f} ms x{f['calls_per_step']:5.1f}  {f['function'][:90]}")
     for r in reqs:
         engine.abort(r.request_id)
     engine.step()

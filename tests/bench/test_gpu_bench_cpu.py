@@ -86,6 +86,25 @@ def test_decode_bench_requests_ask_for_what_sampling_names(sampling):
         assert all(n >= 0 for n in run["grammar_new_states"].values())
 
 
+def test_decode_bench_profile_times_the_host_step():
+    """--profile also runs Engine.step() under cProfile: per step, the functions that took the host's time (on
+    the CPU the replay's kernel profile is skipped: no graphs), the engine's step among them with the time under
+    it at most the profiled wall time."""
+    from kestrel.bench.decode import decode_bench
+
+    result = decode_bench(
+        "tiny", batches=(1,), contexts=(16,), steps=3, dense_contrast=False, device="cpu", profile=True
+    )
+    (run,) = result["runs"]
+    host = run["host_profile"]
+    assert host["steps"] == 3 and host["wall_ms_per_step"] > 0
+    steps = [f for f in host["by_time_under"] if f["function"].endswith("(step)")]
+    assert steps and steps[0]["calls_per_step"] == 1
+    assert 0 < steps[0]["under_ms_per_step"] <= host["wall_ms_per_step"]
+    assert all(f["own_ms_per_step"] <= f["under_ms_per_step"] + 1e-9 for f in host["by_own_time"])
+    assert "profile" not in run
+
+
 def test_decode_bench_on_an_engine_with_a_longer_limit():
     """`bench decode --max-model-len`: every point runs on an engine of that context limit (a server's default
     is the model's own); a limit too short for a point's requests is refused, naming the least it needs."""
