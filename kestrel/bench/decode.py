@@ -11,8 +11,9 @@ position, latent rows of the selected ones).
 With --sampling logprobs / penalties / steer the requests also ask for top-5 logprobs, frequency and presence
 penalties, or a logit_bias and allowed_token_ids: the sampler's extra work a step, which the overlap schedule
 still hides behind the device (session 41). With --sampling grammar each request follows a grammar (structured
-outputs: an open JSON string, so that it never completes): its mask is the host's, so its steps run the plain
-schedule; the cost of structured outputs a step.
+outputs: an open JSON string, so that it never completes): its mask needs the token in flight, so under the
+overlap schedule the next forward is launched before that token lands and the sampler after it; the cost of
+structured outputs a step.
 With --profile, each point's replayed step is also broken down by kernel (torch.profiler over a few replays):
 the kernels' summed time against the replay's, their count, and the kernels that took the most time, each
 with its share of the step and a category (KDA, MoE, MLA, DSA, matmul, ...): where the step's time goes; and the

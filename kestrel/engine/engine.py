@@ -8,9 +8,11 @@ only then waits for the step in flight and post-processes it. The host's schedul
 post-processing hide behind the device's step instead of adding to it. It runs where the next step is the same
 decode batch one position further (penalties count the token still in flight on the device; logprobs are
 computed on the device and come up with the tokens); elsewhere a step runs, samples and lands before the next
-is scheduled. A request that stops on a sampled token (EOS, a stop token or string) has computed one more
-step by the time the host sees it: the token it sampled is dropped, while its KV row and state (the stop token's
-own, correct) may go into the prefix cache with the rest.
+is scheduled. A structured-output request's mask needs the token in flight: a batch with grammars launches the
+next step's forward, lands the step in flight, then samples (`_land_then_sample`). A request that stops on a
+sampled token (EOS, a stop token or string) has computed one more step by the time the host sees it: the token it
+sampled is dropped, while its KV row and state (the stop token's own, correct) may go into the prefix cache with
+the rest.
 The next step is planned before the step in flight lands: a slot that a stop frees is taken one step later than
 without the overlap (one that a length limit frees is known ahead, and the plain schedule takes it at once).
 """
@@ -323,10 +325,7 @@ class Engine:
                 self.checkpoints.before_step(batch)
             logits = self.runner.forward(batch)
             self.sampler.record_prompt_logprobs(self.runner.prompt_logits)
-            # a grammar's batch is never run ahead (`schedule_ahead`), so its step takes the plain path (session 73's
-            # H100 runs at batch 1: 2.40 ms through the overlap's launch-and-land, 2.66 on this path; see HISTORY)
-            grammar = any(r.grammar is not None for r in batch.decode)
-            ahead = self.overlap and not batch.prefill and not grammar
+            ahead = self.overlap and not batch.prefill
             if not ahead:
                 tokens, logprobs = self.sampler(logits, batch.sampled, argmax=self.runner.argmax)
                 self._advance(batch)
@@ -340,8 +339,24 @@ class Engine:
                 keep = set(nxt.decode)
                 rows = [i for i, r in enumerate(landing.batch.decode) if r in keep]
                 ids = ids.index_select(0, to_device_async(torch.tensor(rows), ids.device))
-            self.in_flight = self._launch(nxt, self.runner.forward(nxt, decode_ids=ids), ahead=1, pending=ids)
+            logits = self.runner.forward(nxt, decode_ids=ids)
+            if any(r.grammar is not None for r in nxt.decode):
+                return self._land_then_sample(landing, nxt, logits)
+            self.in_flight = self._launch(nxt, logits, ahead=1, pending=ids)
         return self._land(landing)
+
+    def _land_then_sample(self, landing: InFlight, nxt: Batch, logits: torch.Tensor) -> list[StepOutput]:
+        """Structured outputs under the overlap schedule: a grammar's mask for the next step needs the token in
+        flight, but the next step's forward does not. With that forward already launched, land the step in flight
+        (its tokens' copy was queued before the forward, so the wait ends while the forward runs), move each
+        grammar past its token and make its next mask, then sample the next step as the plain schedule would
+        (every output on the host: ahead 0). The host's landing and the grammars' work hide behind the forward;
+        only the sampler waits for them."""
+        outputs = self._land(landing)
+        self.in_flight = self._launch(nxt, logits, ahead=0)
+        if all(r.status is not Status.RUNNING for r in nxt.decode):
+            self.in_flight = None  # every request of it finished on the tokens just landed: nothing to read
+        return outputs
 
     def _launch(
         self, batch: Batch, logits: torch.Tensor, ahead: int, pending: torch.Tensor | None = None

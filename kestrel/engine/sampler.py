@@ -219,7 +219,7 @@ class Sampler:
         if not rows:
             return x
         assert ahead == 0, (
-            "a grammar needs its request's last token on the host (schedule_ahead leaves it out)"
+            "a grammar needs its request's last token on the host (the engine lands it before sampling)"
         )
         masks = torch.stack([self._mask_of(reqs[i].grammar, reqs[i].grammar_state, x.device) for i in rows])
         assert masks.shape[1] == x.shape[1], (masks.shape, x.shape)  # [R, V] bool

@@ -129,8 +129,6 @@ class Scheduler:
         when the step lands, and its token from this batch is dropped. None where the plain schedule should
         decide the next step."""
         live = [r for r in in_flight if r.status is Status.RUNNING]
-        if any(r.grammar is not None for r in live):
-            return None  # a grammar's next mask needs the token in flight: the plain schedule samples it
         last = {r for r in live if r.num_computed + 1 >= r.max_total_tokens}  # the step in flight ends them
         if self.waiting:
             admissible = len(self.running) < self.max_running and self.state_pool.num_free_slots > 0

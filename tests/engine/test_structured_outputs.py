@@ -110,6 +110,50 @@ def test_overlap_and_plain_schedules_agree():
     assert got[0] == got[1]
 
 
+def test_grammar_rows_run_ahead_with_the_plain_schedules_tokens(monkeypatch):
+    """Under the overlap schedule a grammar's batch launches its next forward before the step in flight lands,
+    then samples with the landed token's mask (`Engine._land_then_sample`): the steps run ahead, and every
+    sampling option beside the grammar (penalties, min_tokens, logprobs, a stop string, rows that stop early
+    and rows without a grammar) gives the plain schedule's tokens."""
+    from kestrel.engine.engine import Engine
+
+    ahead = []
+    land_then_sample = Engine._land_then_sample
+
+    def spy(self, landing, nxt, logits):
+        ahead.append(len(nxt.decode))
+        return land_then_sample(self, landing, nxt, logits)
+
+    monkeypatch.setattr(Engine, "_land_then_sample", spy)
+    spec = StructuredOutputsParams(json=PERSON)
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.9, seed=5, n=2, structured_outputs=spec, min_tokens=6),
+        SamplingParams(
+            max_tokens=30,
+            temperature=0,
+            frequency_penalty=0.7,
+            presence_penalty=0.3,
+            logprobs=2,
+            structured_outputs=spec,
+        ),
+        SamplingParams(max_tokens=24, temperature=0.7, seed=2, stop=[","], structured_outputs=spec),
+        SamplingParams(max_tokens=20, temperature=0),
+    ]
+    got = {}
+    for plain in (False, True):
+        ahead.clear()
+        llm = LLM("tiny", device="cpu", max_model_len=256, disable_overlap_schedule=plain)
+        outs = llm.generate(["ab", "q", "xyz", "hello"], params, use_tqdm=False)
+        got[plain] = [
+            (c.token_ids, c.finish_reason, [sorted(lp) for lp in c.logprobs or []])
+            for o in outs
+            for c in o.outputs
+        ]
+        assert bool(ahead) is not plain  # the overlap schedule took the grammar's path; the plain one never
+    assert got[False] == got[True]
+    assert any(reason == "stop" for _, reason, _ in got[False])  # a row stopped while others went on
+
+
 def test_min_tokens_stops_at_a_complete_output(llm):
     """Past the grammar's end only EOS is allowed: min_tokens cannot ban it (the row would have no token)."""
     (c,) = _run(llm, StructuredOutputsParams(choice=["ok"]), prompts=["ab"], min_tokens=10, temperature=0)
