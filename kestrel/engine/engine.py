@@ -261,16 +261,24 @@ class Engine:
 
     def grammar_of(self, params: SamplingParams):
         """The compiled grammar of a request's structured outputs (compiled once, then kept a while: the server
-        calls this first in a worker thread); RequestError where it cannot be had."""
+        calls this first in a worker thread); RequestError where it cannot be had. The spec holds on to what it
+        compiled to here, so that `add_request` finds it even where the cache has let it go meanwhile (64 other
+        patterns compiled in between: it was compiled again on the engine's thread, which stalled every stream)."""
         spec = params.structured_outputs
         if not self.eos_token_ids:
             raise RequestError(
                 "structured outputs need an EOS token, and this model has none", param="structured_outputs"
             )
+        cache, grammar = spec.__dict__.get("_compiled", (None, None))
+        if cache is self.grammars:
+            return grammar
         try:
-            return self.grammars.get(spec.pattern)
+            grammar = self.grammars.get(spec.pattern)
         except PatternError as e:
             raise RequestError(f"structured outputs {spec.kind}: {e}", param="structured_outputs") from None
+        # (a frozen dataclass: its __dict__ as `pattern`'s cached_property does; the cache names the vocabulary)
+        spec.__dict__["_compiled"] = (self.grammars, grammar)
+        return grammar
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None

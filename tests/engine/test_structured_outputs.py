@@ -154,6 +154,26 @@ def test_grammar_rows_run_ahead_with_the_plain_schedules_tokens(monkeypatch):
     assert any(reason == "stop" for _, reason, _ in got[False])  # a row stopped while others went on
 
 
+def test_a_grammar_checked_then_evicted_is_not_compiled_again(llm, monkeypatch):
+    """The server compiles a request's grammar when it checks it, in a worker thread; the engine adds the request
+    later, on its own thread. A grammar the cache let go in between (other patterns compiled) is the one the
+    check compiled, not a second compile on the engine's thread."""
+    from kestrel.grammar import tokens
+
+    engine = llm.engine
+    monkeypatch.setattr(engine.grammars, "_size", 1)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[ab]{3}x"))
+    checked = engine.grammar_of(params)
+    other = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[cd]{3}y"))
+    engine.grammar_of(other)  # evicts it
+    compiled = []
+    monkeypatch.setattr(tokens.Grammar, "__init__", lambda *a: compiled.append(a) or pytest.fail("compiled"))
+    rid = engine.add_request([1, 2], params)
+    assert engine.requests[rid].grammar is checked and not compiled
+    engine.abort(rid)
+    engine.step()
+
+
 def test_min_tokens_stops_at_a_complete_output(llm):
     """Past the grammar's end only EOS is allowed: min_tokens cannot ban it (the row would have no token)."""
     (c,) = _run(llm, StructuredOutputsParams(choice=["ok"]), prompts=["ab"], min_tokens=10, temperature=0)
