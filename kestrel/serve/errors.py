@@ -23,6 +23,7 @@ _UNION_SHAPES = {
     "input": "a string or a list of messages",
 }
 _ITEMS_FIRST = {"input"}  # fields of a string or a list of objects: an item's own flaw is named first
+_OBJECT_FIRST = {"tool_choice"}  # fields of a string or an object: a sent object's own flaw is named
 
 
 class APIError(Exception):
@@ -71,6 +72,12 @@ def from_validation_error(e: ValidationError) -> APIError:
     # reported as itself, not as the string branch's "should be a valid string".
     if _field_path(first["loc"]) and _field_path(first["loc"])[0] in _ITEMS_FIRST:
         first = next((err for err in errors if len(_field_path(err["loc"])) > 1), first)
+    # A string or an object (`tool_choice`): where an object was sent, what it lacks, not the strings allowed
+    # ({"type": "function"} had been "expected 'none', 'auto' or 'required'").
+    top = _field_path(first["loc"])
+    if top and top[0] in _OBJECT_FIRST and isinstance(first.get("input"), dict):
+        errors = [err for err in errors if len(_field_path(err["loc"])) > 1] or errors
+        first = errors[0]
     # A content part of another type (image_url, ...) is clearer reported as itself than as a type mismatch.
     first = next((err for err in errors if err["type"] == "literal_error"), first)
     path = _field_path(first["loc"])

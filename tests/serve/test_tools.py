@@ -184,6 +184,15 @@ def test_none_gives_text_and_history_with_calls_is_taken(client):
             "only",
         ),
         ({"functions": [{"name": "f"}]}, "functions", "not supported"),
+        # an object tool_choice's own flaw, not the strings a tool_choice may also be
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice.function", "missing"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}},
+            "tool_choice.function.name",
+            "missing",
+        ),
+        ({"tools": TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice.type", "expected 'function'"),
+        ({"tools": TOOLS, "tool_choice": "bogus"}, "tool_choice", "expected 'none', 'auto' or 'required'"),
     ],
 )
 def test_bad_tool_requests_are_400s(server, body, param, says):
