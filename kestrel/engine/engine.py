@@ -24,6 +24,7 @@ import logging
 import random
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -270,14 +271,16 @@ class Engine:
                 "structured outputs need an EOS token, and this model has none", param="structured_outputs"
             )
         cache, grammar = spec.__dict__.get("_compiled", (None, None))
-        if cache is self.grammars:
+        if cache is not None and cache() is self.grammars:
             return grammar
         try:
             grammar = self.grammars.get(spec.pattern)
         except PatternError as e:
             raise RequestError(f"structured outputs {spec.kind}: {e}", param="structured_outputs") from None
-        # (a frozen dataclass: its __dict__ as `pattern`'s cached_property does; the cache names the vocabulary)
-        spec.__dict__["_compiled"] = (self.grammars, grammar)
+        # (a frozen dataclass: into its __dict__, as `pattern`'s cached_property does. The cache names the
+        # vocabulary, and is held weakly: it refers to this engine, which a client's params must not keep alive;
+        # the spec's copies and pickles leave the pin out)
+        spec.__dict__["_compiled"] = (weakref.ref(self.grammars), grammar)
         return grammar
 
     def add_request(
@@ -339,6 +342,7 @@ class Engine:
                 self._advance(batch)
                 return self._finish_outputs(self._record(batch.sampled, tokens, logprobs))
             self.in_flight = self._launch(batch, logits, ahead=0)
+            self._advance(batch)
         landing, self.in_flight = self.in_flight, None
         nxt = self.scheduler.schedule_ahead(landing.batch.decode) if self.overlap else None
         if nxt is not None:
@@ -351,6 +355,7 @@ class Engine:
             if any(r.grammar is not None for r in nxt.decode):
                 return self._land_then_sample(landing, nxt, logits)
             self.in_flight = self._launch(nxt, logits, ahead=1, pending=ids)
+            self._advance(nxt)
         return self._land(landing)
 
     def _land_then_sample(self, landing: InFlight, nxt: Batch, logits: torch.Tensor) -> list[StepOutput]:
@@ -359,18 +364,20 @@ class Engine:
         (its tokens' copy was queued before the forward, so the wait ends while the forward runs), move each
         grammar past its token and make its next mask, then sample the next step as the plain schedule would
         (every output on the host: ahead 0). The host's landing and the grammars' work hide behind the forward;
-        only the sampler waits for them."""
+        only the sampler waits for them. The step's positions and checkpoints are moved on first, as on the
+        other paths, while every row still holds its slot (a request the landing finishes gives it back)."""
+        self._advance(nxt)
         outputs = self._land(landing)
-        self.in_flight = self._launch(nxt, logits, ahead=0)
-        if all(r.status is not Status.RUNNING for r in nxt.decode):
-            self.in_flight = None  # every request of it finished on the tokens just landed: nothing to read
+        # (where every request of it finished on the tokens just landed, nothing of it is anyone's: not sampled)
+        if any(r.status is Status.RUNNING for r in nxt.decode):
+            self.in_flight = self._launch(nxt, logits, ahead=0)
         return outputs
 
     def _launch(
         self, batch: Batch, logits: torch.Tensor, ahead: int, pending: torch.Tensor | None = None
     ) -> InFlight:
-        """Sample a decode step on the device and start its tokens' copy to the host; the step's bookkeeping
-        that needs no token (positions, KDA checkpoints) is done now, ahead of the next step on the stream.
+        """Sample a decode step on the device and start its tokens' copy to the host (the caller then does the
+        step's bookkeeping that needs no token, `_advance`, ahead of the next step on the stream).
         pending: with ahead = 1, the tokens of the step in flight (its requests' outputs not on the host yet)."""
         tokens = self.sampler.tokens(logits, batch.decode, ahead, argmax=self.runner.argmax, pending=pending)
         found = self.sampler.logprob_rows(logits, tokens, batch.decode)
@@ -379,7 +386,6 @@ class Engine:
             rows, *parts = found
             found = (rows, *(to_host_async(t)[0] for t in parts))
         host, copied = to_host_async(tokens)
-        self._advance(batch)
         return InFlight(batch, tokens, host, copied, found)
 
     def _land(self, step: InFlight) -> list[StepOutput]:
@@ -450,8 +456,9 @@ class Engine:
         step's sampler needs it): a pattern found too ambiguous to follow here (past the probe at its compile)
         ends the request (`abort`), not the engine."""
         try:
-            req.grammar_state = req.grammar.advance(req.grammar_state, token)
-            req.grammar.allowed(req.grammar_state)
+            state = req.grammar.advance(req.grammar_state, token)
+            req.grammar.allowed(state)
+            req.grammar_state = state  # (only a state whose mask could be made)
         except PatternError as e:
             log.warning("request %s: its structured output cannot go on: %s", req.request_id, e)
             self._finish(req, "abort", None)

@@ -60,7 +60,8 @@ class Sampler:
         # id(request) -> (the request, its logit_bias ids, values and allowed ids on the device), the same way
         self._steering: dict[int, tuple[Request, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._steer_batch: tuple | None = None  # (the steered rows' key, what they need), while they stay
-        # (id(grammar), state) -> (the grammar, its mask [V] bool on the device), the last GRAMMAR_MASKS_KEPT used
+        # (id(grammar), state, V) -> (the grammar, its banned tokens [V] bool on the device), the last
+        # GRAMMAR_MASKS_KEPT used; (None, V, device) -> (None, no token banned), for the rows without a grammar
         self._grammar_masks: OrderedDict[tuple[int, int], tuple[Grammar, torch.Tensor]] = OrderedDict()
 
     def __call__(
@@ -91,7 +92,7 @@ class Sampler:
         if any(_needs_penalties(r) for r in reqs):
             x = self._penalize(x, reqs, pending)  # fp32 out
         x = self._suppress_early_stops(x, reqs, ahead)
-        x = self._constrain(x, reqs, ahead)
+        x = self._constrain(x, reqs, ahead, owned=x is not logits)
         if argmax is not None and x is logits:
             tokens = argmax  # [B]; sampled rows overwritten below
         else:
@@ -210,35 +211,45 @@ class Sampler:
             up(r.params.allowed_token_ids or [], torch.int64),
         )
 
-    def _constrain(self, x: torch.Tensor, reqs: list[Request], ahead: int) -> torch.Tensor:
+    def _constrain(self, x: torch.Tensor, reqs: list[Request], ahead: int, owned: bool) -> torch.Tensor:
         """Structured outputs: the tokens a request's grammar does not allow next get -inf, last of all (the
-        grammar's word is final). Each grammar state's mask is made once on the host (`Grammar.allowed`) and
-        uploaded once without a sync, then kept on the device while used (rows in the same state share it): a
-        step stacks the rows' masks and fills."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        if not rows:
+        grammar's word is final). Each grammar state's banned tokens are found once on the host
+        (`Grammar.allowed`) and uploaded once without a sync, then kept on the device while used (rows in the
+        same state share them): a step stacks the rows' [V] masks (an empty one for a row without a grammar) and
+        fills in one pass, in place where x is already this sampler's own fp32 copy (`owned`: the steering or the
+        penalties made it). It had taken the constrained rows out and put them back, five passes over [B, V]."""
+        if not any(r.grammar is not None for r in reqs):
             return x
-        assert ahead == 0, (
-            "a grammar needs its request's last token on the host (the engine lands it before sampling)"
-        )
-        masks = torch.stack([self._mask_of(reqs[i].grammar, reqs[i].grammar_state, x.device) for i in rows])
-        assert masks.shape[1] == x.shape[1], (masks.shape, x.shape)  # [R, V] bool
-        idx = to_device_async(torch.tensor(rows, dtype=torch.int64), x.device)
-        sub = x.index_select(0, idx).to(torch.float32).masked_fill(~masks, float("-inf"))  # [R, V]
-        return x.to(torch.float32).index_copy(0, idx, sub)
+        assert ahead == 0, "a grammar needs its request's last token on the host (the engine lands it first)"
+        V, dev = x.shape[1], x.device
+        # (a request finished by the step just landed is still sampled under the overlap schedule, its token
+        # dropped: its row is left free)
+        ban = torch.stack(
+            [self._ban_of(r.grammar if not r.is_finished else None, r.grammar_state, V, dev) for r in reqs]
+        )  # [B, V] bool
+        if x.dtype != torch.float32:
+            x = x.to(torch.float32)  # (a copy)
+        elif not owned:
+            x = x.clone()  # the model's logits: the logprobs read them as they are
+        return x.masked_fill_(ban, float("-inf"))
 
-    def _mask_of(self, grammar: Grammar, state: int, dev: torch.device) -> torch.Tensor:
-        """[V] bool on the device: the tokens `grammar` allows in `state`."""
-        key = (id(grammar), state)
+    def _ban_of(self, grammar: Grammar | None, state: int, V: int, dev: torch.device) -> torch.Tensor:
+        """[V] bool on the device: the tokens `grammar` does not allow in `state` (none without a grammar)."""
+        key = (id(grammar), state, V) if grammar is not None else (None, V, dev)
         kept = self._grammar_masks.get(key)
         if kept is not None and kept[0] is grammar:
             self._grammar_masks.move_to_end(key)
             return kept[1]
-        mask = to_device_async(torch.from_numpy(grammar.allowed(state)), dev)
-        self._grammar_masks[key] = (grammar, mask)  # (holding the grammar: its id is not reused meanwhile)
+        if grammar is None:
+            ban = torch.zeros(V, dtype=torch.bool, device=dev)
+        else:
+            allowed = grammar.allowed(state)
+            assert allowed.shape == (V,), (allowed.shape, V)
+            ban = to_device_async(torch.from_numpy(~allowed), dev)
+        self._grammar_masks[key] = (grammar, ban)  # (holding the grammar: its id is not reused meanwhile)
         if len(self._grammar_masks) > GRAMMAR_MASKS_KEPT:
             self._grammar_masks.popitem(last=False)
-        return mask
+        return ban
 
     def _suppress_early_stops(self, x: torch.Tensor, reqs: list[Request], ahead: int = 0) -> torch.Tensor:
         """Before min_tokens outputs, EOS and stop token ids cannot be sampled (vLLM semantics), unless the

@@ -56,6 +56,10 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(name for name in _STRUCTURED if getattr(self, name) is not None)
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave out the grammar an engine pinned here (`Engine.grammar_of`)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_compiled"}
+
     @functools.cached_property
     def pattern(self) -> str:
         """The regular expression the output must match whole (`kestrel.grammar.regex`'s dialect); made once,

@@ -154,6 +154,40 @@ def test_grammar_rows_run_ahead_with_the_plain_schedules_tokens(monkeypatch):
     assert any(reason == "stop" for _, reason, _ in got[False])  # a row stopped while others went on
 
 
+@pytest.mark.parametrize("plain", [False, True])
+def test_a_stop_on_a_page_boundary_under_the_overlap(plain):
+    """A grammar's row that stops (EOS after "ok") as its tokens fill a page: the next step's positions and
+    checkpoint were taken after the landing had freed its slot (a crash, a checkpoint slot leaked). Both
+    schedules: its tokens, and no checkpoint slot left held once the cache is flushed."""
+    llm = LLM("tiny", device="cpu", max_model_len=256, disable_overlap_schedule=plain)
+    params = SamplingParams(
+        max_tokens=8, temperature=0, structured_outputs=StructuredOutputsParams(choice=["ok"])
+    )
+    page = llm.engine.kv_pool.page_size
+    for n in (page - 4, page - 3):  # the prompt, "o", "k" and EOS end on the boundary with page - 3
+        (out,) = llm.generate([[7] * n], params, use_tqdm=False)
+        assert out.outputs[0].text == "ok" and out.outputs[0].finish_reason == "stop"
+    llm.engine.flush_cache()
+    assert llm.engine.cache_stats()["num_checkpoints_used"] == 0
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_a_pattern_too_ambiguous_mid_output_ends_its_request_only(plain):
+    """A pattern whose automaton grows too ambiguous past its compile-time probe (the bias steers into it):
+    that request ends (abort), the free row beside it runs to its length, on both schedules (under the overlap
+    the finished row, still sampled once, had made its mask again outside any handler)."""
+    llm = LLM("tiny", device="cpu", max_model_len=256, disable_overlap_schedule=plain)
+    spec = StructuredOutputsParams(regex="a|(?:[c-z]{1,200}){1,200}")
+    c = llm.engine.tokenizer.encode("c")[-1]
+    params = [
+        SamplingParams(max_tokens=200, temperature=0, logit_bias={c: 100.0}, structured_outputs=spec),
+        SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+    ]
+    constrained, free = (o.outputs[0] for o in llm.generate(["ab", "cd"], params, use_tqdm=False))
+    assert constrained.finish_reason == "abort" and len(constrained.token_ids) < 200
+    assert free.finish_reason == "length" and len(free.token_ids) == 200
+
+
 def test_a_grammar_checked_then_evicted_is_not_compiled_again(llm, monkeypatch):
     """The server compiles a request's grammar when it checks it, in a worker thread; the engine adds the request
     later, on its own thread. A grammar the cache let go in between (other patterns compiled) is the one the
@@ -172,6 +206,29 @@ def test_a_grammar_checked_then_evicted_is_not_compiled_again(llm, monkeypatch):
     assert engine.requests[rid].grammar is checked and not compiled
     engine.abort(rid)
     engine.step()
+
+
+def test_a_pinned_grammar_neither_keeps_its_engine_nor_stops_copies():
+    """The grammar an engine pins on a spec (above) holds the engine weakly (a client's params kept the whole
+    engine, its weights and pools, alive), and copies and pickles of the params leave it out (they failed on the
+    cache's lock)."""
+    import copy
+    import gc
+    import pickle
+    import weakref
+
+    llm = LLM("tiny", device="cpu", max_model_len=256)
+    params = SamplingParams(
+        max_tokens=4, temperature=0, structured_outputs=StructuredOutputsParams(choice=["ok"])
+    )
+    assert llm.generate(["ab"], params, use_tqdm=False)[0].outputs[0].text == "ok"
+    for again in (copy.deepcopy(params), pickle.loads(pickle.dumps(params))):
+        assert again == params and "_compiled" not in again.structured_outputs.__dict__
+        assert llm.generate(["ab"], again, use_tqdm=False)[0].outputs[0].text == "ok"
+    engine = weakref.ref(llm.engine)
+    del llm
+    gc.collect()
+    assert engine() is None
 
 
 def test_min_tokens_stops_at_a_complete_output(llm):
