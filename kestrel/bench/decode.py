@@ -294,7 +294,7 @@ def _time_decode(
         step_ms[overlap] = 1000 * (time.perf_counter() - start) / steps
         new_states[overlap] = grammar.num_masks_made - known if grammar is not None else None
     engine.overlap = configured
-    # (the requests were placed with 2 * steps + 8 outputs to go, 2 * steps + 6 of them timed above)
+    # (the requests' max_tokens is 2 * steps + 16 and 2 * steps + 6 steps ran above: 8 more fit)
     host = profile_host(engine.step, min(steps, 8)) if profile else None
     synchronize(engine.device)
     step_ms, plain_ms = step_ms[True], step_ms[False]
