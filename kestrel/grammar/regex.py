@@ -409,7 +409,7 @@ class Automaton:
         states treats alike (a handful: a JSON string's state has about three), one closure a class. Made a
         byte at a time, a state inside a string took a closure for each of ~250 bytes. The row is written whole
         or not at all (a closure past MAX_STATE_SET raises first)."""
-        nfa, row = self._nfa, [0] * 256
+        nfa, row = self._nfa, np.zeros(256, dtype=np.int64)
         targets: dict[int, list[int]] = {}  # byte mask -> the NFA states its edges lead to
         for s in self._sets[state]:
             if nfa.edge_mask[s]:
@@ -420,11 +420,11 @@ class Automaton:
         for c in classes:
             byte = (c & -c).bit_length() - 1  # the class's lowest byte stands for it
             moved = {t for m, ts in targets.items() if m >> byte & 1 for t in ts}
-            nxt = self._intern(self._closure(moved)) if moved else 0
-            while c:
-                low = c & -c
-                row[low.bit_length() - 1] = nxt
-                c ^= low
+            if moved:  # (the dead state 0 is the row's default)
+                # the class's bytes from its 256-bit mask, unpacked by numpy (a Python loop over its bits took
+                # most of a new state's time)
+                bits = np.unpackbits(np.frombuffer(c.to_bytes(32, "little"), np.uint8), bitorder="little")
+                row[bits == 1] = self._intern(self._closure(moved))
         self.table[state] = row
 
     def matches(self, data: bytes | str) -> bool:

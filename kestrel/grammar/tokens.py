@@ -1,13 +1,14 @@
 """Which tokens a grammar allows next: a pattern's automaton (`kestrel.grammar.regex`) walked over the whole
 vocabulary at once.
 
-Legend: V the vocabulary (the model's logits width), L the longest token in bytes.
+Legend: V the vocabulary (the model's logits width).
 
-`Vocabulary` holds every token's bytes as a [V, L] byte matrix, longest tokens first, so that the tokens still
-being walked at byte j are a prefix of the rows. `Grammar.allowed(state)` walks all of them from an automaton
-state one byte column at a time (numpy gathers from the transitions computed so far; the automaton makes the
-missing ones), and keeps each state's mask: a generation revisits few states (inside a JSON string, one). EOS is
-allowed where the pattern is complete; special tokens never are.
+`Vocabulary` holds the tokens' bytes as a trie, level by level (a level: the distinct prefixes of one length,
+grouped by parent). `Grammar.allowed(state)` walks it from an automaton state one level at a time, only below
+the prefixes still alive (numpy gathers from the transitions computed so far; the automaton makes the missing
+ones): by masks over the whole level where most of it lives (inside a JSON string), by runs of the live nodes'
+children where few do (a schema's keys and punctuation). It keeps each state's mask: a generation revisits few
+states. EOS is allowed where the pattern is complete; special tokens never are.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,6 +30,29 @@ _PROBE_BYTES = b'a0 "{[,:.-_Az9}]\n'
 _PROBE_DEPTH = 128
 
 
+@dataclass
+class _Level:
+    """One depth of the vocabulary's byte trie: its nodes' last bytes, the tokens ending at each (a run of
+    token_ids), and each node's children (a run of the next level's nodes)."""
+
+    byte: np.ndarray  # [nodes] int64
+    parent: np.ndarray  # [nodes] int64: each node's parent in the level above (sorted)
+    token_ids: np.ndarray  # [tokens ending at this depth] int64, by node
+    token_node: np.ndarray  # [tokens ending at this depth] int64: the node each ends at (sorted)
+    first_token: np.ndarray  # [nodes] int64
+    num_tokens: np.ndarray  # [nodes] int64
+    first_child: np.ndarray  # [nodes] int64, into the next level
+    num_children: np.ndarray  # [nodes] int64
+
+
+def _runs(first: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The indices of the runs [first[k], first[k] + count[k]) back to back, and for each the run's k."""
+    total = int(count.sum())
+    which = np.repeat(np.arange(len(count)), count)
+    starts = np.cumsum(count) - count
+    return first[which] + np.arange(total) - starts[which], which
+
+
 class Vocabulary:
     """The tokens as bytes. token_bytes[i]: what id i writes (b"" for ids a grammar never allows: special tokens
     and ids past the tokenizer's); eos_ids: the ids that end a complete output."""
@@ -36,14 +61,12 @@ class Vocabulary:
         self.size = len(token_bytes)  # V
         self.eos_ids = tuple(i for i in eos_ids if 0 <= i < self.size)
         self.token_bytes = token_bytes
-        # The tokens' byte prefixes as a trie, level by level: a walk moves each distinct prefix once (depth 0:
-        # at most 256 nodes, where the tokens are V), and only below a prefix still alive.
+        # The tokens' byte prefixes as a trie, level by level (depth 0: at most 256 nodes, where the tokens are V).
         index: list[dict[bytes, int]] = []
         byte: list[list[int]] = []
         parent: list[list[int]] = []
-        ends: list[
-            tuple[list[int], list[int]]
-        ] = []  # per depth: (token ids, their node) of tokens ending there
+        # per depth: (token ids, their node) of the tokens ending there
+        ends: list[tuple[list[int], list[int]]] = []
         for i, b in enumerate(token_bytes):
             for j in range(len(b)):
                 if j == len(index):
@@ -60,11 +83,38 @@ class Vocabulary:
             if b:
                 ends[len(b) - 1][0].append(i)
                 ends[len(b) - 1][1].append(index[len(b) - 1][b])
-        self.levels = [
-            (np.array(parent[j], dtype=np.int64), np.array(byte[j], dtype=np.int64),
-             np.array(ends[j][0], dtype=np.int64), np.array(ends[j][1], dtype=np.int64))
-            for j in range(len(byte))
-        ]  # fmt: skip
+        # Each level's nodes renumbered by parent, so that a node's children are one run of the level below
+        # (`first_child`, `num_children`; the root's are all of level 0) and the tokens ending at it one run of
+        # `token_ids` (`first_token`, `num_tokens`): a walk visits only the children of the prefixes still alive.
+        # (It had visited every node of every level: a JSON schema's state lets few through, and on a 150,000-token
+        # vocabulary such a walk took 3 ms.)
+        self.levels: list[_Level] = []
+        renumber = np.zeros(1, dtype=np.int64)  # the level above's first-seen node ids -> their new ids
+        for j in range(len(byte)):
+            par = renumber[np.array(parent[j], dtype=np.int64)]
+            order = np.argsort(par, kind="stable")
+            renumber = np.empty(len(order), dtype=np.int64)
+            renumber[order] = np.arange(len(order))
+            par = par[order]
+            tok_node = renumber[np.array(ends[j][1], dtype=np.int64)]
+            by_node = np.argsort(tok_node, kind="stable")
+            num_tokens = np.bincount(tok_node, minlength=len(order))
+            if self.levels:  # the level above's children: this level's runs by parent
+                above = self.levels[-1]
+                above.num_children = np.bincount(par, minlength=len(above.byte))
+                above.first_child = np.cumsum(above.num_children) - above.num_children
+            self.levels.append(
+                _Level(
+                    byte=np.array(byte[j], dtype=np.int64)[order],
+                    parent=par,
+                    token_ids=np.array(ends[j][0], dtype=np.int64)[by_node],
+                    token_node=tok_node[by_node],
+                    first_token=np.cumsum(num_tokens) - num_tokens,
+                    num_tokens=num_tokens,
+                    first_child=np.zeros(len(order), dtype=np.int64),  # (none below the last level)
+                    num_children=np.zeros(len(order), dtype=np.int64),
+                )
+            )
 
     @classmethod
     def of(cls, tokenizer, size: int, eos_ids: tuple[int, ...]) -> Vocabulary:
@@ -113,14 +163,33 @@ class Grammar:
             self._masks.move_to_end(state)
             return mask
         ok = np.zeros(self.vocab.size, dtype=bool)
-        states = np.array([state], dtype=np.int64)  # the root: the state before any byte
-        for parent, byte, ends, end_nodes in self.vocab.levels:
-            from_states = states[parent]  # [nodes] the state each prefix's parent reached (0: dead)
-            states = np.zeros(len(byte), dtype=np.int64)
-            live = np.flatnonzero(from_states)
-            if len(live):
-                states[live] = self._lookup(from_states[live], byte[live])
-            ok[ends] = states[end_nodes] != 0
+        levels = self.vocab.levels
+        # the nodes to try at the current depth, each with the state its parent reached (the root's children are
+        # all of level 0; the dead state 0 has none)
+        nodes = np.arange(len(levels[0].byte) if levels and state != 0 else 0)
+        states = np.full(len(nodes), state, dtype=np.int64)
+        for depth, level in enumerate(levels):
+            if not len(nodes):
+                break
+            states = self._lookup(states, level.byte[nodes])  # the state after each node's byte (0: dead)
+            live = states != 0
+            nodes, states = nodes[live], states[live]
+            below = levels[depth + 1] if depth + 1 < len(levels) else None
+            if 8 * len(nodes) >= len(level.byte):
+                # most of the level alive (inside a JSON string, nearly all): by masks over the whole level
+                state_of = np.zeros(len(level.byte), dtype=np.int64)
+                state_of[nodes] = states
+                ok[level.token_ids] = state_of[level.token_node] != 0
+                if below is not None:
+                    states = state_of[below.parent]
+                    nodes = np.flatnonzero(states)
+                    states = states[nodes]
+            else:  # a few alive (a schema's keys and punctuation): by runs below the live nodes alone
+                ends, _ = _runs(level.first_token[nodes], level.num_tokens[nodes])
+                ok[level.token_ids[ends]] = True
+                if below is not None:
+                    nodes, parent = _runs(level.first_child[nodes], level.num_children[nodes])
+                    states = states[parent]
         complete = self.automaton.accepting(state)
         if complete or not ok.any():
             ok[list(self.vocab.eos_ids)] = True

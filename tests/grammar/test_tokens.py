@@ -1,5 +1,6 @@
-"""A grammar's token masks against a brute-force walk of each token's bytes, on the shipped model's BPE vocabulary
-and the byte tokenizer; EOS only where the output is a match; generation by the masks alone yields matches."""
+"""A grammar's token masks against a brute-force walk of each token's bytes, on the shipped model's BPE vocabulary,
+the byte tokenizer and a synthetic one; EOS only where the output is a match; generation by the masks alone
+yields matches."""
 
 from __future__ import annotations
 
@@ -23,8 +24,21 @@ PATTERNS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["demo", "bytes"])
+def _synthetic() -> Vocabulary:
+    """The 256 bytes and 3,000 seeded strings of 2-9 bytes (a deep trie whose walks go both ways: most of a
+    level alive inside a string, a few below a schema's literal) and some ids the same bytes as others."""
+    rng = random.Random(1)
+    alphabet = 'abcxyz019 {}:,"-é'
+    tokens = [bytes([i]) for i in range(256)]
+    tokens += ["".join(rng.choice(alphabet) for _ in range(rng.randint(2, 9))).encode() for _ in range(3000)]
+    tokens += [tokens[300], tokens[301], b""]  # twins of two tokens; EOS
+    return Vocabulary(tokens + [b""] * 7, eos_ids=(len(tokens) - 1,))  # 7 ids past the tokens, as models pad
+
+
+@pytest.fixture(scope="module", params=["demo", "bytes", "synthetic"])
 def vocab(request):
+    if request.param == "synthetic":
+        return _synthetic()
     if request.param == "demo" and shipped_model_dir() is None:
         pytest.skip("the shipped model is not in this install")
     tok = load_tokenizer(str(shipped_model_dir())) if request.param == "demo" else ByteTokenizer()
