@@ -34,7 +34,8 @@ Supported:
   matches: `"` and `\\` are written escaped, classes and `.` lose the characters JSON must escape, `\\d` and
   `\\w` are ASCII (as in JSON Schema's ECMA-262 regexes), groups become non-capturing and lazy quantifiers
   greedy. Anchors inside it, lookaround, backreferences, inline flags and word boundaries are refused.
-- integer, number, boolean, null.
+- integer, with `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (numbers, as pydantic's `ge`, `le`,
+  `gt`, `lt` write them; canonical decimals only, so `-0` is not written); number, boolean, null.
 - Annotations are ignored: title, description, default, examples, $schema, $id, $comment, deprecated,
   readOnly, writeOnly, discriminator (an OpenAPI hint pydantic emits), `$defs`/`definitions` (read only
   through `$ref`), and `format` on a type other than string.
@@ -45,7 +46,7 @@ about 13 KB at depth 3, 53 KB at depth 4; `json_object_regex()` (depth 5, the ob
 Objects stay linear in their number of properties, optional ones included.
 
 Refused with `SchemaError`, whose message starts with the JSON pointer of the part at fault: the schema
-`false`, numeric bounds (`minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf`), any other
+`false`, bounds on a number that may be fractional, `multipleOf`, draft 4's boolean exclusive bounds, any other
 keyword (`not`, `if`, `patternProperties`, `uniqueItems`, `minProperties`, `contains`...), other formats,
 other `$ref`s, `allOf` of several subschemas, a combinator (`$ref`, `anyOf`, `oneOf`, `allOf`) beside
 constraint keywords, `pattern` or `format` beside a length bound, and malformed schemas.
@@ -55,11 +56,19 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from typing import NoReturn
 from urllib.parse import unquote
 
-__all__ = ["SchemaError", "choice_regex", "escape", "json_object_regex", "schema_to_regex"]
+__all__ = [
+    "SchemaError",
+    "choice_regex",
+    "escape",
+    "integer_range_regex",
+    "json_object_regex",
+    "schema_to_regex",
+]
 
 DEFAULT_MAX_DEPTH = 4
 
@@ -113,10 +122,63 @@ _KEYWORDS = _ANNOTATIONS | {
     *_ARRAY_KEYWORDS,
     *_STRING_KEYWORDS,
 }
-_NUMERIC_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
+_INTEGER_BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
 _TYPES = ("string", "integer", "number", "boolean", "null", "object", "array")
 
 _META = frozenset("\\.^$*+?()[]{}|")
+
+
+def _integers_only(types) -> bool:
+    """A schema's `type` admits integers and no other numbers (its bounds can be honoured)."""
+    names = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    return "integer" in names and "number" not in names
+
+
+def integer_range_regex(lo: int | None, hi: int | None) -> str:
+    """The canonical decimals (no leading zeros, no `-0`) of the integers in [lo, hi]; None: unbounded."""
+    parts = []
+    if lo is None or lo < 0:  # the negatives: "-" and a magnitude in [max(1, -hi), -lo]
+        top = None if lo is None else -lo
+        low = 1 if hi is None or hi >= 0 else -hi
+        parts.append("-" + _magnitudes(low, top))
+    if hi is None or hi >= 0:
+        parts.append(_magnitudes(0 if lo is None else max(lo, 0), hi))
+    return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
+
+
+def _magnitudes(lo: int, hi: int | None) -> str:
+    """The canonical decimals of the integers in [lo, hi], 0 <= lo <= hi (None: unbounded)."""
+    if hi is None:  # [lo, the last of its length], then any longer number
+        n = len(str(lo))
+        return "(?:" + _magnitudes(lo, 10**n - 1) + r"|[1-9]\d{" + str(n) + ",})"
+    alts = []
+    for n in range(len(str(lo)), len(str(hi)) + 1):  # by length: each a same-length range
+        first = max(lo, 10 ** (n - 1) if n > 1 else 0)
+        alts.append(_same_length(str(first), str(min(hi, 10**n - 1))))
+    return alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+
+
+def _same_length(x: str, y: str) -> str:
+    """The digit strings of x's length from x to y (x <= y)."""
+    if x == y:
+        return x
+    i = next(k for k in range(len(x)) if x[k] != y[k])
+    prefix, x, y = x[:i], x[i:], y[i:]
+    rest = len(x) - 1
+    tail = r"\d" * rest if rest <= 2 else r"\d{" + str(rest) + "}"
+    full_low, full_high = x[1:] == "0" * rest, y[1:] == "9" * rest
+    a, b = int(x[0]), int(y[0])
+    alts = []
+    if not full_low:
+        alts.append(x[0] + _same_length(x[1:], "9" * rest))
+        a += 1
+    if not full_high:
+        b -= 1
+    if a <= b:
+        alts.append((str(a) if a == b else f"[{a}-{b}]") + tail)
+    if not full_high:
+        alts.append(y[0] + _same_length("0" * rest, y[1:]))
+    return prefix + (alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")")
 
 
 class SchemaError(ValueError):
@@ -560,9 +622,14 @@ class _Converter:
 
     def _check_keywords(self, schema: dict, path: str) -> None:
         for key in schema:
-            if key in _NUMERIC_BOUNDS:
-                raise SchemaError(f"{path}: unsupported keyword {key!r} (numeric bounds are not supported)")
-            if key not in _KEYWORDS:
+            if key == "multipleOf":
+                raise SchemaError(f"{path}: unsupported keyword {key!r} (multipleOf is not supported)")
+            if key in _INTEGER_BOUNDS and not _integers_only(schema.get("type")):
+                raise SchemaError(
+                    f"{path}: unsupported keyword {key!r} (bounds are supported on type integer only, not on a "
+                    "number that may be fractional)"
+                )
+            if key not in _KEYWORDS and key not in _INTEGER_BOUNDS:
                 raise SchemaError(f"{path}: unsupported keyword {key!r}")
         combinators = [k for k in _COMBINATORS if k in schema]
         if combinators and "enum" not in schema and "const" not in schema:
@@ -670,7 +737,32 @@ class _Converter:
         return '"' + _repeat(_CHAR, lo, hi) + '"'
 
     def _integer(self, schema: dict, path: str) -> str:
-        return _INTEGER
+        if not any(k in schema for k in _INTEGER_BOUNDS):
+            return _INTEGER
+        lo = hi = None  # the least and the greatest integer allowed (None: unbounded)
+        for key in _INTEGER_BOUNDS:
+            if key not in schema:
+                continue
+            value = schema[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise SchemaError(f"{_pointer(path, key)}: must be a number, got {value!r}")
+            if abs(value) == float("inf"):
+                continue  # (no bound)
+            if key == "minimum":
+                bound, lower = math.ceil(value), True
+            elif key == "exclusiveMinimum":
+                bound, lower = math.floor(value) + 1, True
+            elif key == "maximum":
+                bound, lower = math.floor(value), False
+            else:
+                bound, lower = math.ceil(value) - 1, False
+            if lower:
+                lo = bound if lo is None else max(lo, bound)
+            else:
+                hi = bound if hi is None else min(hi, bound)
+        if lo is not None and hi is not None and lo > hi:
+            raise SchemaError(f"{path}: no integer lies within its bounds")
+        return integer_range_regex(lo, hi)
 
     def _number(self, schema: dict, path: str) -> str:
         return _NUMBER

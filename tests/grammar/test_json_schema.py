@@ -15,7 +15,14 @@ from typing import Any, Literal
 import pytest
 from pydantic import BaseModel, Field
 
-from kestrel.grammar.json_schema import SchemaError, choice_regex, escape, json_object_regex, schema_to_regex
+from kestrel.grammar.json_schema import (
+    SchemaError,
+    choice_regex,
+    escape,
+    integer_range_regex,
+    json_object_regex,
+    schema_to_regex,
+)
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -782,10 +789,6 @@ REFUSED_KEYWORDS = [
     ("unevaluatedProperties", False),
     ("additionalItems", False),
     ("nullable", True),
-    ("minimum", 0),
-    ("maximum", 9),
-    ("exclusiveMinimum", 0),
-    ("exclusiveMaximum", 9),
     ("multipleOf", 2),
 ]
 
@@ -846,7 +849,7 @@ BAD = [
     ({"$ref": "#/properties/a"}, "#/\\$ref: unsupported reference"),
     ({"$ref": "#/$defs/A/$defs/B", "$defs": {}}, "#/\\$ref: unsupported reference"),
     (
-        {"$ref": "#/$defs/A", "$defs": {"A": {"type": "integer", "minimum": 0}}},
+        {"$ref": "#/$defs/A", "$defs": {"A": {"type": "integer", "multipleOf": 3}}},
         "#/\\$defs/A: unsupported keyword",
     ),
 ]
@@ -888,3 +891,60 @@ def test_any_value_sizes():
     assert len(json_object_regex()) < 150_000
     assert len(regex({})) < 80_000
     assert len(regex({}, max_depth=2)) < 5_000
+
+
+INTEGER_RANGES = [(0, 0), (0, 9), (1, 10), (-5, 5), (None, None), (None, 0), (0, None), (-1, None), (None, -1),
+                  (7, 7), (-7, -7), (13, 457), (99, 1000), (-1000, -99), (1, None), (100, None), (-100, None),
+                  (-3, 1_000_000)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("lo", "hi"), INTEGER_RANGES)
+def test_integer_ranges_are_exact(lo, hi):
+    """integer_range_regex(lo, hi) matches the canonical decimals of [lo, hi] and nothing else: every integer
+    near the bounds and across a seeded sample, and no leading zero or -0."""
+    pattern = re.compile(integer_range_regex(lo, hi))
+    rng = random.Random(lo or 0)
+    near = [b + d for b in (lo, hi, 0, 10, 100, 1000) if b is not None for d in range(-12, 13)]
+    for v in near + [rng.randint(-(10**7), 10**7) for _ in range(2000)]:
+        want = (lo is None or v >= lo) and (hi is None or v <= hi)
+        assert bool(pattern.fullmatch(str(v))) == want, (lo, hi, v, pattern.pattern)
+    for bad in ("-0", "01", "00", "-01", "", "-", "1.0", "+1"):
+        assert not pattern.fullmatch(bad), (lo, hi, bad)
+
+
+def test_integer_bounds_as_pydantic_writes_them():
+    """ge / gt / le / lt (minimum, exclusiveMinimum, maximum, exclusiveMaximum), fractional bounds rounded
+    inwards, on `integer` and on an integer-or-null: each instance's match agrees with jsonschema."""
+    schemas = [
+        {"type": "integer", "minimum": 1, "maximum": 12},
+        {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 100},
+        {"type": "integer", "minimum": -2.5, "exclusiveMaximum": 3.5},
+        {"type": ["integer", "null"], "maximum": -10},
+        {"type": "integer", "minimum": 18},
+    ]
+    for schema in schemas:
+        pattern = re.compile(schema_to_regex(schema))
+        for v in [*range(-40, 140), None, 2.5]:
+            text = json.dumps(v)
+            want = jsonschema.Draft202012Validator(schema).is_valid(v) and not isinstance(v, float)
+            assert bool(pattern.fullmatch(text)) == want, (schema, text)
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        (
+            {"type": "number", "minimum": 0},
+            "#: unsupported keyword 'minimum' \\(bounds are supported on type integer",
+        ),
+        ({"type": ["integer", "number"], "maximum": 3}, "#: unsupported keyword 'maximum'"),
+        ({"minimum": 3}, "#: unsupported keyword 'minimum'"),
+        ({"type": "integer", "minimum": 5, "maximum": 4}, "#: no integer lies within its bounds"),
+        ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "#: no integer"),
+        ({"type": "integer", "minimum": 0, "exclusiveMinimum": True}, "#/exclusiveMinimum: must be a number"),
+        ({"type": "integer", "maximum": "9"}, "#/maximum: must be a number"),
+    ],
+)
+def test_bounds_that_cannot_be_honoured_are_refused(schema, message):
+    with pytest.raises(SchemaError, match="^" + message):
+        schema_to_regex(schema)

@@ -22,7 +22,7 @@ CHAT = [{"role": "user", "content": "Give me a record"}]
 
 class Pet(pydantic.BaseModel):
     kind: str = pydantic.Field(max_length=6)
-    legs: int
+    legs: int = pydantic.Field(ge=0, le=8)  # integer bounds (minimum, maximum)
 
 
 class Owner(pydantic.BaseModel):
@@ -65,7 +65,8 @@ def test_response_format_json_schema_from_pydantic(client):
     parsed = client.chat.completions.parse(
         model=MODEL, messages=CHAT, max_tokens=200, temperature=0, response_format=Pet
     )
-    assert isinstance(parsed.choices[0].message.parsed, Pet)
+    pet = parsed.choices[0].message.parsed
+    assert isinstance(pet, Pet) and 0 <= pet.legs <= 8
 
 
 def test_json_object_streamed_and_not(client):
