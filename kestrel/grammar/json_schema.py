@@ -34,8 +34,10 @@ Supported:
   matches: `"` and `\\` are written escaped, classes and `.` lose the characters JSON must escape, `\\d` and
   `\\w` are ASCII (as in JSON Schema's ECMA-262 regexes), groups become non-capturing and lazy quantifiers
   greedy. Anchors inside it, lookaround, backreferences, inline flags and word boundaries are refused.
-- integer, with `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (numbers, as pydantic's `ge`, `le`,
-  `gt`, `lt` write them; canonical decimals only, so `-0` is not written); number, boolean, null.
+- integer and number, with `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (as pydantic's `ge`, `le`,
+  `gt`, `lt` write them): an integer's canonical decimals in its range (`-0` is not written); a bounded number
+  is written without an exponent (`0.5`, never `5e-1`), and its bounds must be whole numbers (`ge=0, le=1`).
+- boolean, null.
 - Annotations are ignored: title, description, default, examples, $schema, $id, $comment, deprecated,
   readOnly, writeOnly, discriminator (an OpenAPI hint pydantic emits), `$defs`/`definitions` (read only
   through `$ref`), and `format` on a type other than string.
@@ -46,7 +48,8 @@ about 13 KB at depth 3, 53 KB at depth 4; `json_object_regex()` (depth 5, the ob
 Objects stay linear in their number of properties, optional ones included.
 
 Refused with `SchemaError`, whose message starts with the JSON pointer of the part at fault: the schema
-`false`, bounds on a number that may be fractional, `multipleOf`, draft 4's boolean exclusive bounds, any other
+`false`, a number's fractional bounds, bounds without a numeric type, `multipleOf`, draft 4's boolean exclusive
+bounds, any other
 keyword (`not`, `if`, `patternProperties`, `uniqueItems`, `minProperties`, `contains`...), other formats,
 other `$ref`s, `allOf` of several subschemas, a combinator (`$ref`, `anyOf`, `oneOf`, `allOf`) beside
 constraint keywords, `pattern` or `format` beside a length bound, and malformed schemas.
@@ -122,16 +125,36 @@ _KEYWORDS = _ANNOTATIONS | {
     *_ARRAY_KEYWORDS,
     *_STRING_KEYWORDS,
 }
-_INTEGER_BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+_BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
 _TYPES = ("string", "integer", "number", "boolean", "null", "object", "array")
 
 _META = frozenset("\\.^$*+?()[]{}|")
 
 
-def _integers_only(types) -> bool:
-    """A schema's `type` admits integers and no other numbers (its bounds can be honoured)."""
+def _numeric(types) -> bool:
+    """A schema's `type` admits numbers (where its bounds apply)."""
     names = [types] if isinstance(types, str) else types if isinstance(types, list) else []
-    return "integer" in names and "number" not in names
+    return "integer" in names or "number" in names
+
+
+_NOTHING = "(?!)"  # (a marker: the range is empty; never put in a pattern)
+
+
+def _decimals(low: tuple[int, bool], high: tuple[int, bool] | None) -> str:
+    """Non-negative decimals without an exponent (canonical integer part, any fraction) whose value m lies within
+    low = (a, exclusive) and high = (b, exclusive) or None; `_NOTHING` where none does."""
+    (a, a_open), b = low, high
+    alts = []
+    first, last = a + a_open, None if b is None else b[0] - 1  # integer parts that take any fraction
+    if last is None or first <= last:
+        alts.append(_magnitudes(first, last) + r"(?:\.\d+)?")
+    if a_open and (b is None or a < b[0]):  # a itself, above it by a fraction
+        alts.append(str(a) + r"\.\d*[1-9]\d*")
+    if b is not None and not b[1] and (b[0] > a or (b[0] == a and not a_open)):  # b itself, its fraction zero
+        alts.append(str(b[0]) + r"(?:\.0+)?")
+    if not alts:
+        return _NOTHING
+    return alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
 
 
 def integer_range_regex(lo: int | None, hi: int | None) -> str:
@@ -624,12 +647,9 @@ class _Converter:
         for key in schema:
             if key == "multipleOf":
                 raise SchemaError(f"{path}: unsupported keyword {key!r} (multipleOf is not supported)")
-            if key in _INTEGER_BOUNDS and not _integers_only(schema.get("type")):
-                raise SchemaError(
-                    f"{path}: unsupported keyword {key!r} (bounds are supported on type integer only, not on a "
-                    "number that may be fractional)"
-                )
-            if key not in _KEYWORDS and key not in _INTEGER_BOUNDS:
+            if key in _BOUNDS and not _numeric(schema.get("type")):
+                raise SchemaError(f"{path}: {key!r} needs a type integer or number beside it")
+            if key not in _KEYWORDS and key not in _BOUNDS:
                 raise SchemaError(f"{path}: unsupported keyword {key!r}")
         combinators = [k for k in _COMBINATORS if k in schema]
         if combinators and "enum" not in schema and "const" not in schema:
@@ -736,18 +756,24 @@ class _Converter:
             return '"' + _FORMATS[fmt] + '"'
         return '"' + _repeat(_CHAR, lo, hi) + '"'
 
+    def _bounds(self, schema: dict, path: str) -> dict:
+        """The schema's numeric bounds by keyword (finite numbers; an infinite one is no bound)."""
+        found = {}
+        for key in _BOUNDS:
+            if key in schema:
+                value = schema[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                    raise SchemaError(f"{_pointer(path, key)}: must be a number, got {value!r}")
+                if abs(value) != float("inf"):
+                    found[key] = value
+        return found
+
     def _integer(self, schema: dict, path: str) -> str:
-        if not any(k in schema for k in _INTEGER_BOUNDS):
+        bounds = self._bounds(schema, path)
+        if not bounds:
             return _INTEGER
         lo = hi = None  # the least and the greatest integer allowed (None: unbounded)
-        for key in _INTEGER_BOUNDS:
-            if key not in schema:
-                continue
-            value = schema[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-                raise SchemaError(f"{_pointer(path, key)}: must be a number, got {value!r}")
-            if abs(value) == float("inf"):
-                continue  # (no bound)
+        for key, value in bounds.items():
             if key == "minimum":
                 bound, lower = math.ceil(value), True
             elif key == "exclusiveMinimum":
@@ -765,7 +791,35 @@ class _Converter:
         return integer_range_regex(lo, hi)
 
     def _number(self, schema: dict, path: str) -> str:
-        return _NUMBER
+        bounds = self._bounds(schema, path)
+        if not bounds:
+            return _NUMBER
+        for key, value in bounds.items():
+            if value != int(value):
+                raise SchemaError(
+                    f"{_pointer(path, key)}: a number's bound must be a whole number here, got {value!r}"
+                )
+        lower = upper = None  # (bound, exclusive): the tightest of each side
+        for key, value in bounds.items():
+            bound = (int(value), key.startswith("exclusive"))
+            if key.endswith("inimum"):
+                lower = bound if lower is None or (bound[0], bound[1]) > lower else lower
+            else:
+                upper = bound if upper is None or (-bound[0], bound[1]) > (-upper[0], upper[1]) else upper
+        parts = []
+        # x >= 0: its magnitude within [max(lower, 0), upper]
+        if upper is None or upper[0] > 0 or (upper[0] == 0 and not upper[1]):
+            low = lower if lower is not None and lower[0] >= 0 else (0, False)
+            parts.append(_decimals(low, upper))
+        # x < 0: "-" and a magnitude m > 0 with lower <= -m <= upper
+        if lower is None or lower[0] < 0:
+            low = (-upper[0], upper[1]) if upper is not None and upper[0] < 0 else (0, True)
+            high = None if lower is None else (-lower[0], lower[1])
+            parts.append("-" + _decimals(low, high))
+        parts = [p for p in parts if p != "-" + _NOTHING and p != _NOTHING]
+        if not parts:
+            raise SchemaError(f"{path}: no number lies within its bounds")
+        return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
 
     def _boolean(self, schema: dict, path: str) -> str:
         return _BOOLEAN

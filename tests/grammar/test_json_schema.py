@@ -930,19 +930,47 @@ def test_integer_bounds_as_pydantic_writes_them():
             assert bool(pattern.fullmatch(text)) == want, (schema, text)
 
 
+NUMBER_BOUND_VALUES = [None, -3, -1, 0, 1, 2, 5]
+
+
+@pytest.mark.parametrize("lower", ["minimum", "exclusiveMinimum"])
+@pytest.mark.parametrize("upper", ["maximum", "exclusiveMaximum"])
+def test_number_bounds_agree_with_jsonschema(lower, upper):
+    """A number between whole bounds (pydantic's `confloat(ge=0, le=1)`), every pair of bounds from a grid and
+    either kind: each exponent-free decimal on a grid of eighths matches where jsonschema takes it, and the
+    pattern never writes an exponent, -0 or a leading zero. A pair with no number between is refused."""
+    texts = {json.dumps(i / 8) for i in range(-320, 321)} | {str(i) for i in range(-40, 41)}
+    texts |= {"1.000", "2.50", "0.0", "0.001", "-0.001", "2.0001", "-0", "-0.0", "01.5", "1e2", "3.", ".5"}
+    exact = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?")
+    for lo, hi in itertools.product(NUMBER_BOUND_VALUES, NUMBER_BOUND_VALUES):
+        if lo is None and hi is None:
+            continue
+        schema = {"type": "number"}
+        schema.update({lower: lo} if lo is not None else {})
+        schema.update({upper: hi} if hi is not None else {})
+        validator = jsonschema.Draft202012Validator(schema)
+        takes = {t for t in texts if exact.fullmatch(t) and validator.is_valid(json.loads(t))}
+        takes -= {t for t in takes if re.fullmatch(r"-0(?:\.0+)?", t)}  # (-0 is written as 0)
+        if not takes:
+            with pytest.raises(SchemaError, match="^#: no number lies within its bounds"):
+                schema_to_regex(schema)
+            continue
+        pattern = re.compile(schema_to_regex(schema))
+        for t in texts:
+            assert bool(pattern.fullmatch(t)) == (t in takes), (schema, t, pattern.pattern)
+
+
 @pytest.mark.parametrize(
     ("schema", "message"),
     [
-        (
-            {"type": "number", "minimum": 0},
-            "#: unsupported keyword 'minimum' \\(bounds are supported on type integer",
-        ),
-        ({"type": ["integer", "number"], "maximum": 3}, "#: unsupported keyword 'maximum'"),
-        ({"minimum": 3}, "#: unsupported keyword 'minimum'"),
+        ({"type": "number", "minimum": 0.5}, "#/minimum: a number's bound must be a whole number"),
+        ({"minimum": 3}, "#: 'minimum' needs a type integer or number beside it"),
+        ({"type": "string", "maximum": 3}, "#: 'maximum' needs a type integer or number"),
         ({"type": "integer", "minimum": 5, "maximum": 4}, "#: no integer lies within its bounds"),
         ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "#: no integer"),
         ({"type": "integer", "minimum": 0, "exclusiveMinimum": True}, "#/exclusiveMinimum: must be a number"),
         ({"type": "integer", "maximum": "9"}, "#/maximum: must be a number"),
+        ({"type": "number", "multipleOf": 0.5}, "#: unsupported keyword 'multipleOf'"),
     ],
 )
 def test_bounds_that_cannot_be_honoured_are_refused(schema, message):
