@@ -5,8 +5,8 @@ Endpoints
   or not; `n` choices, `stop`, `seed`, `logprobs`, `usage` (in a stream: a last chunk with `choices: []`
   when `stream_options.include_usage`; the usage so far in every chunk too with vLLM's
   `stream_options.continuous_usage_stats`).
-- POST /v1/responses: OpenAI's Responses API, stateless and text only (`input`, `instructions`,
-  `max_output_tokens`; a stream of typed events); nothing is stored.
+- POST /v1/responses: OpenAI's Responses API, stateless (`input`, `instructions`, `max_output_tokens`, function
+  tools; a stream of typed events); nothing is stored.
 - POST /generate: native, SGLang-style (`text` or `input_ids`, a `sampling_params` dict with
   `max_new_tokens`); a stream sends each choice's whole text so far in every event (SGLang's default).
 - GET /v1/models, GET /health (503 once the engine thread has failed; /ping the same, GET or POST, as vLLM's),
@@ -157,7 +157,7 @@ def build_app(
         names = {"prompt": "input", "max_tokens": "max_output_tokens"}
         params = await server.sampling_params(req, names)
         created = int(time.time())
-        prompt = await chat_prompt(req.chat_messages(), {"add_generation_prompt": True}, "input")
+        prompt = await chat_prompt(req.chat_messages(), req.template_options(), "input")
         job = Job(server, prompt, params, field_names=names)
         if req.stream:
             return sse(responses_stream(server, job, req, created))

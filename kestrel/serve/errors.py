@@ -84,6 +84,13 @@ def from_validation_error(e: ValidationError) -> APIError:
     param = ".".join(map(str, path)) or None
     if first["type"] == "extra_forbidden":
         return bad_request(f"unknown field {param!r}", param=param, code="unknown_parameter")
+    if (
+        first["type"] == "union_tag_invalid"
+    ):  # an item of a kind this server lacks (the Responses API's input)
+        ctx = first.get("ctx", {})
+        param = f"{param}.type" if param else "type"
+        message = f"{param}: {ctx.get('tag')!r} is not supported by this server; expected {ctx.get('expected_tags')}"
+        return bad_request(message, param=param, code="unsupported_value")
     if first["type"] == "missing":
         return bad_request(f"missing required field {param!r}", param=param, code="missing_parameter")
     # An image part, a tool message: name what was sent, not only what is allowed.
@@ -108,4 +115,6 @@ def _field_path(loc: tuple) -> tuple:
     )
 
 
+# (and the Responses API's input item kinds, its union's tags)
 _BRANCH_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "literal", "function-after"}
+_BRANCH_TAGS |= {"message", "function_call", "function_call_output"}

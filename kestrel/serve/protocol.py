@@ -15,11 +15,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from kestrel.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.serve.errors import bad_request, from_validation_error
-from kestrel.serve.tools import check_tools, tool_calls_asked, tool_calls_schema
+from kestrel.serve.tools import ToolView, check_tools, tool_calls_asked, tool_calls_schema
 
 MAX_N = 128
 
@@ -431,7 +431,13 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
             # the arguments as an object, as Hugging Face's templates render them (`arguments | tojson`)
             message["tool_calls"] = [
                 {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": args}}
-                for c, args in zip(m.tool_calls, _call_arguments(m.tool_calls, i))
+                for c, args in zip(
+                    m.tool_calls,
+                    _call_arguments(
+                        [c.function.arguments for c in m.tool_calls],
+                        lambda j, i=i: f"messages.{i}.tool_calls.{j}.function.arguments",
+                    ),
+                )
             ]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
@@ -450,18 +456,15 @@ def _template_tools(tools: list[ChatTool] | None) -> list[dict] | None:
     return out
 
 
-def _call_arguments(calls: list[ToolCall], i: int) -> list:
-    """Each earlier call's arguments as the object their JSON text holds (empty text: {}); 400 where it is not
-    JSON."""
+def _call_arguments(arguments: list[str], param) -> list:
+    """Each earlier call's arguments as the object their JSON text holds (empty text: {}); a 400 naming
+    `param(j)` where the j-th is not JSON."""
     out = []
-    for j, c in enumerate(calls):
+    for j, text in enumerate(arguments):
         try:
-            out.append(json.loads(c.function.arguments) if c.function.arguments.strip() else {})
+            out.append(json.loads(text) if text.strip() else {})
         except ValueError:
-            raise bad_request(
-                "a tool call's arguments must be JSON text",
-                param=f"messages.{i}.tool_calls.{j}.function.arguments",
-            ) from None
+            raise bad_request("a tool call's arguments must be JSON text", param=param(j)) from None
     return out
 
 
@@ -651,14 +654,71 @@ class ResponseInputMessage(_Strict):
     phase: Literal["commentary", "final_answer"] | None = None
 
 
+class ResponseFunctionTool(_Strict):
+    """A Responses API function tool: its fields beside `type` (the chat route nests them under `function`)."""
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # taken either way: the arguments always follow the schema
+
+    def as_chat(self) -> ChatTool:
+        fields = self.model_dump(exclude={"type"})
+        return ChatTool(type="function", function=FunctionDefinition(**fields))
+
+
+class ResponseNamedToolChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class ResponseFunctionCall(_Strict):
+    """An input item: a call an earlier reply made (as the API returned it)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponseFunctionCallOutput(_Strict):
+    """An input item: a call's result."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+def _item_kind(item) -> str:
+    """A Responses input item's kind: its `type` (a message may leave it out)."""
+    kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
+    return kind or "message"
+
+
+# an input item, told apart by its type (so that a flaw is reported against its own kind's fields)
+ResponseInputItem = Annotated[
+    Annotated[ResponseInputMessage, Tag("message")]
+    | Annotated[ResponseFunctionCall, Tag("function_call")]
+    | Annotated[ResponseFunctionCallOutput, Tag("function_call_output")],
+    Discriminator(_item_kind),
+]
+
+
 class ResponsesRequest(_Strict):
-    """OpenAI's Responses API (`POST /v1/responses`), its stateless text part: `input` (a string, or messages),
-    `instructions` (a system message first), `max_output_tokens`, `temperature`, `top_p`, `stream`, and
-    structured output (`text.format`). Nothing is stored (`store` is taken and the response cannot be fetched
-    later); tools, reasoning and `previous_response_id` are refused unless given their neutral value."""
+    """OpenAI's Responses API (`POST /v1/responses`), stateless: `input` (a string, or messages, earlier function
+    calls and their outputs), `instructions` (a system message first), `max_output_tokens`, `temperature`,
+    `top_p`, `stream`, structured output (`text.format`) and function tools (`tools`, `tool_choice` "required" or
+    a named function: the reply is `function_call` items, as on the chat route, `kestrel.serve.tools`). Nothing
+    is stored (`store` is taken and the response cannot be fetched later); other tool types, reasoning and
+    `previous_response_id` are refused unless given their neutral value."""
 
     model: str | None = None
-    input: str | list[ResponseInputMessage]
+    input: str | list[ResponseInputItem]
     instructions: str | None = None
     max_output_tokens: Int | None = None
     temperature: float | None = None
@@ -671,9 +731,9 @@ class ResponsesRequest(_Strict):
     # a routing hint for OpenAI's cache: taken (this server's cache needs none)
     prompt_cache_key: str | None = None
     stream_options: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    tools: list[ResponseFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseNamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     previous_response_id: Any = None
     reasoning: Any = None
     text: ResponseTextConfig | None = None
@@ -689,22 +749,69 @@ class ResponsesRequest(_Strict):
         _refuse_unsupported(self, _NEUTRAL_RESPONSES)
         if isinstance(self.input, list) and not self.input:
             raise bad_request("input must not be empty", param="input")
+        check_tools(self.tool_view)
+        if self.tool_calls_asked is not None and self._text_constraint() is not None:
+            raise bad_request(
+                "give one of tools (tool_choice asks for calls) and text.format", param="text.format"
+            )
+
+    @property
+    def tool_view(self) -> ToolView:
+        """The tools and tool_choice as `kestrel.serve.tools` reads the chat route's."""
+        choice = self.tool_choice
+        if isinstance(choice, ResponseNamedToolChoice):
+            choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+        tools = [t.as_chat() for t in self.tools] if self.tools else None
+        return ToolView(tools, choice, self.parallel_tool_calls)
+
+    @property
+    def tool_calls_asked(self) -> list[str] | None:
+        return tool_calls_asked(self.tool_view)
+
+    def template_options(self) -> dict:
+        """apply_chat_template's keyword arguments: the tools too, for templates that show them."""
+        return {"add_generation_prompt": True, "tools": _template_tools(self.tool_view.tools)}
 
     def chat_messages(self) -> list[dict]:
-        """The conversation the chat template renders: the instructions as a system message, then the input."""
+        """The conversation the chat template renders: the instructions as a system message, then the input (an
+        earlier reply's function calls as an assistant turn's tool_calls, their outputs as tool turns)."""
         system = [_template_message("system", self.instructions)] if self.instructions is not None else []
         if isinstance(self.input, str):
             return [*system, _template_message("user", self.input)]
-        # (the parts' texts joined with newlines, as the tokenizer joins a chat message's text parts)
-        text = lambda m: m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)  # noqa: E731
-        return system + [_template_message(m.role, text(m)) for m in self.input]
+        out = system
+        for i, item in enumerate(self.input):
+            if isinstance(item, ResponseFunctionCall):
+                (args,) = _call_arguments([item.arguments], lambda _, i=i: f"input.{i}.arguments")
+                function = {"name": item.name, "arguments": args}
+                message = {"id": item.call_id, "type": "function", "function": function}
+                if (
+                    out
+                    and out[-1]["role"] == "assistant"
+                    and out[-1].get("tool_calls")
+                    and not out[-1]["content"]
+                ):
+                    out[-1]["tool_calls"].append(message)  # calls made together: one assistant turn
+                else:
+                    out.append({**_template_message("assistant", None), "tool_calls": [message]})
+            elif isinstance(item, ResponseFunctionCallOutput):
+                out.append({**_template_message("tool", item.output), "tool_call_id": item.call_id})
+            else:
+                # (the parts' texts joined with newlines, as the tokenizer joins a chat message's text parts)
+                text = (
+                    item.content if isinstance(item.content, str) else "\n".join(p.text for p in item.content)
+                )
+                out.append(_template_message(item.role, text))
+        return out
 
-    @property
-    def constraint_field(self) -> str | None:
+    def _text_constraint(self) -> str | None:
         fmt = self.text.format if self.text is not None else None
         if fmt is None or fmt.type == "text":
             return None
         return "text.format.schema" if fmt.type == "json_schema" else "text.format"
+
+    @property
+    def constraint_field(self) -> str | None:
+        return "tools" if self.tool_calls_asked is not None else self._text_constraint()
 
     def text_format(self) -> dict:
         """`text.format` as the response echoes it."""
@@ -714,6 +821,8 @@ class ResponsesRequest(_Strict):
     def to_sampling_params(self) -> SamplingParams:
         fmt = self.text.format if self.text is not None else None
         structured = fmt.structured() if fmt is not None else None
+        if self.tool_calls_asked is not None:
+            structured = _structured("tools", json=tool_calls_schema(self.tool_view))
         given = {"temperature": self.temperature, "top_p": self.top_p, "structured_outputs": structured}
         try:
             return make_sampling_params(
@@ -808,9 +917,6 @@ _NEUTRAL_COMPLETION: dict[str, tuple] = {"suffix": (None, "")}
 
 
 _NEUTRAL_RESPONSES: dict[str, tuple] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False),
     "previous_response_id": (None,),
     "reasoning": (None,),
     "stream_options": (None, {}, {"include_obfuscation": False}),  # no obfuscation padding is sent

@@ -231,9 +231,10 @@ def response_body(
     done: bool = True,
     error: dict | None = None,
 ) -> dict:
-    """A Responses API response object: its one output message (once `done`; an empty output before), its
-    status (`incomplete` with reason max_output_tokens where the reply ran out of tokens; `failed` with `error`)
-    and usage; the request's settings as they took effect."""
+    """A Responses API response object: its output (once `done`; empty before): one message, or where tools are
+    called a `function_call` item a call (`response_output`); its status (`incomplete` with reason
+    max_output_tokens where the reply ran out of tokens; `failed` with `error`) and usage; the request's settings
+    as they took effect."""
     choice = job.choices[0]
     incomplete = done and choice.finish_reason == "length"
     status = "failed" if error else "in_progress" if not done else "incomplete" if incomplete else "completed"
@@ -248,12 +249,12 @@ def response_body(
         "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens,
         "model": server.model_name,
-        "output": [_response_message(job, status, choice.text)] if done and not error else [],
+        "output": response_output(job, req, status) if done and not error else [],
         "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
         "temperature": params.temperature,
         "top_p": params.top_p,
-        "tool_choice": req.tool_choice or "auto",
-        "tools": [],
+        "tool_choice": _dumped(req.tool_choice) or "auto",
+        "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
         "text": {"format": req.text_format()},
         "metadata": req.metadata or {},
         "store": False,  # nothing is kept: the response cannot be fetched later
@@ -269,6 +270,33 @@ def response_body(
             "total_tokens": usage["total_tokens"],
         }
     return body
+
+
+def _dumped(value):
+    return value.model_dump(exclude_none=True) if hasattr(value, "model_dump") else value
+
+
+def response_output(job: Job, req: ResponsesRequest, status: str, call_ids: list[str] | None = None) -> list:
+    """The response's output items: the reply's message, or its tool calls as `function_call` items (a
+    "required" reply cut before its JSON ended stays a message: no call can be read from it). `call_ids`: the
+    calls' ids where a stream already gave them."""
+    text = job.choices[0].text
+    calls = read_tool_calls(req.tool_view, text, call_ids) if req.tool_calls_asked is not None else None
+    if calls is None:
+        return [_response_message(job, status, text)]
+    return [_function_call(c["id"], c["function"]["name"], c["function"]["arguments"], status) for c in calls]
+
+
+def _function_call(call: str, name: str, arguments: str, status: str) -> dict:
+    """A `function_call` output item (its id derived from the call's)."""
+    return {
+        "type": "function_call",
+        "id": "fc_" + call.removeprefix("call_"),
+        "call_id": call,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def _response_message(job: Job, status: str, text: str | None) -> dict:
@@ -293,31 +321,96 @@ async def responses_stream(
     """The Responses API's typed events (`event: <type>` and its JSON, each with a sequence number): the
     response created and in progress, its message item and text part added, the text's deltas, then each closed
     and the response completed (or incomplete); where the engine fails, an `error` event and the response
-    failed. No `[DONE]`."""
-    item = {"item_id": f"msg_{job.id}", "output_index": 0}
+    failed. No `[DONE]`. Where the reply is tool calls: a named call's item is added first and its arguments
+    stream as `function_call_arguments` deltas; "required" calls come once their JSON has ended, each item added,
+    its arguments in one delta, and closed (a reply cut before that, a message)."""
     numbered = itertools.count()
 
     def event(kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": next(numbered), **fields}
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
+    calls_asked = req.tool_calls_asked
+    named = calls_asked is not None and req.tool_choice != "required"
     try:
         yield event("response.created", response=response_body(server, job, req, created, done=False))
         yield event("response.in_progress", response=response_body(server, job, req, created, done=False))
-        yield event(
-            "response.output_item.added", output_index=0, item=_response_message(job, "in_progress", None)
-        )
-        yield event("response.content_part.added", **item, content_index=0, part=_output_text(""))
-        async for _, piece, _, _ in job.events():
-            if piece:
-                yield event("response.output_text.delta", **item, content_index=0, delta=piece, logprobs=[])
-        final = response_body(server, job, req, created)
-        text = job.choices[0].text
-        yield event("response.output_text.done", **item, content_index=0, text=text, logprobs=[])
-        yield event("response.content_part.done", **item, content_index=0, part=_output_text(text))
-        yield event("response.output_item.done", output_index=0, item=final["output"][0])
+        if named:
+            call = call_id()
+            item = _function_call(call, calls_asked[0], "", "in_progress")
+            yield event("response.output_item.added", output_index=0, item=item)
+            async for _, piece, _, _ in job.events():
+                if piece:
+                    yield event(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=0,
+                        delta=piece,
+                    )
+            final = response_body(server, job, req, created)
+            (done,) = final["output"] = response_output(job, req, final["status"], [call])
+            yield event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=0,
+                name=done["name"],
+                arguments=done["arguments"],
+            )
+            yield event("response.output_item.done", output_index=0, item=done)
+        elif calls_asked is not None:
+            async for _ in job.events():
+                pass  # (the calls are read once their JSON has ended)
+            final = response_body(server, job, req, created)
+            for k, out in enumerate(final["output"]):
+                for e in _whole_item_events(event, k, out):
+                    yield e
+        else:
+            async for e in _message_events(event, server, job, req, created):
+                yield e
+            final = response_body(server, job, req, created)
+            yield event("response.output_item.done", output_index=0, item=final["output"][0])
         yield event(f"response.{final['status']}", response=final)
     except Exception as e:  # the stream ends with the error and the response failed, not a cut connection
         error = _failure(e)
         yield event("error", **error, param=None)
         yield event("response.failed", response=response_body(server, job, req, created, error=error))
+
+
+async def _message_events(event, server: Server, job: Job, req: ResponsesRequest, created: int):
+    """The message item added, its text part added, the text's deltas, the text and the part done."""
+    item = {"item_id": f"msg_{job.id}", "output_index": 0}
+    yield event(
+        "response.output_item.added", output_index=0, item=_response_message(job, "in_progress", None)
+    )
+    yield event("response.content_part.added", **item, content_index=0, part=_output_text(""))
+    async for _, piece, _, _ in job.events():
+        if piece:
+            yield event("response.output_text.delta", **item, content_index=0, delta=piece, logprobs=[])
+    text = job.choices[0].text
+    yield event("response.output_text.done", **item, content_index=0, text=text, logprobs=[])
+    yield event("response.content_part.done", **item, content_index=0, part=_output_text(text))
+
+
+def _whole_item_events(event, index: int, out: dict) -> list[str]:
+    """An output item that is known whole: added, its content in one delta, done."""
+    start = {**out, "status": "in_progress"}
+    if out["type"] == "function_call":
+        ids = {"item_id": out["id"], "output_index": index}
+        return [
+            event("response.output_item.added", output_index=index, item={**start, "arguments": ""}),
+            event("response.function_call_arguments.delta", **ids, delta=out["arguments"]),
+            event(
+                "response.function_call_arguments.done", **ids, name=out["name"], arguments=out["arguments"]
+            ),
+            event("response.output_item.done", output_index=index, item=out),
+        ]
+    text = out["content"][0]["text"]
+    ids = {"item_id": out["id"], "output_index": index, "content_index": 0}
+    return [
+        event("response.output_item.added", output_index=index, item={**start, "content": []}),
+        event("response.content_part.added", **ids, part=_output_text("")),
+        event("response.output_text.delta", **ids, delta=text, logprobs=[]),
+        event("response.output_text.done", **ids, text=text, logprobs=[]),
+        event("response.content_part.done", **ids, part=_output_text(text)),
+        event("response.output_item.done", output_index=index, item=out),
+    ]

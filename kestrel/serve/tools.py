@@ -1,5 +1,6 @@
-"""Tool calls on the chat route, through structured outputs (vLLM's way for `tool_choice` "required" and a named
-function): the reply is held to a JSON form and read back as OpenAI's `tool_calls`.
+"""Tool calls on the chat route and the Responses API, through structured outputs (vLLM's way for `tool_choice`
+"required" and a named function): the reply is held to a JSON form and read back as OpenAI's `tool_calls` (chat)
+or `function_call` output items (Responses: its flat tools are read through `ToolView`).
 
 - A named function: the reply is that function's arguments, a JSON object following its `parameters` schema.
 - "required": the reply is a JSON array of `{"name": ..., "parameters": {...}}`, each item one of the tools
@@ -17,6 +18,8 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
 from kestrel.engine.sampling_params import StructuredOutputsParams
 from kestrel.serve.errors import bad_request
@@ -26,25 +29,46 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _ANY_ARGUMENTS = {"type": "object"}  # a function that declares no parameters: any object
 
 
+@dataclass
+class ToolView:
+    """The Responses API's tools as the chat route's: `tools` ChatTool-shaped (`.function.name`,
+    `.function.parameters`), `tool_choice` a string or NamedToolChoice-shaped; `flat`: the request spells a
+    function's fields beside its type (`tools.0.name`, `{"type": "function", "name": ...}`), for the errors."""
+
+    tools: list[Any] | None
+    tool_choice: Any
+    parallel_tool_calls: bool | None
+    flat: bool = True
+
+
+def _field(req, i: int, name: str) -> str:
+    return f"tools.{i}.{name}" if getattr(req, "flat", False) else f"tools.{i}.function.{name}"
+
+
 def check_tools(req) -> None:
-    """400s for what the tools and tool_choice of a chat request cannot mean."""
+    """400s for what the tools and tool_choice of a request cannot mean."""
     tools, choice = req.tools or [], req.tool_choice
     names = [t.function.name for t in tools]
     for i, name in enumerate(names):
         if not _NAME.fullmatch(name):
             raise bad_request(
                 f"a function name is 1-64 letters, digits, '_' or '-', not {name!r}",
-                param=f"tools.{i}.function.name",
+                param=_field(req, i, "name"),
             )
         if name in names[:i]:
-            raise bad_request(f"two tools are named {name!r}", param=f"tools.{i}.function.name")
+            raise bad_request(f"two tools are named {name!r}", param=_field(req, i, "name"))
     if choice is None and tools:
         choice = "auto"
     if choice == "auto" and tools:
+        named = (
+            '{"type": "function", "name": ...}'
+            if getattr(req, "flat", False)
+            else ('{"type": "function", "function": {"name": ...}}')
+        )
         raise bad_request(
             'tool_choice "auto" needs the model\'s own tool-call format, which this server cannot read; give '
-            'tool_choice "required" or {"type": "function", "function": {"name": ...}} (the reply is then tool '
-            'calls, their arguments held to each schema), or "none"',
+            f'tool_choice "required" or {named} (the reply is then tool calls, their arguments held to each '
+            'schema), or "none"',
             param="tool_choice",
             code="unsupported_value",
         )
@@ -56,7 +80,7 @@ def check_tools(req) -> None:
         )
     if tool_calls_asked(req) is not None:
         for i, t in enumerate(tools):
-            _check_parameters(t.function.parameters, f"tools.{i}.function.parameters")
+            _check_parameters(t.function.parameters, _field(req, i, "parameters"))
 
 
 def _check_parameters(schema: dict | None, param: str) -> None:
@@ -99,7 +123,7 @@ def tool_calls_schema(req) -> dict:
                 if found != definition:
                     raise bad_request(
                         f"two tools define {def_name!r} differently in their {key}",
-                        param=f"tools.{i}.function.parameters.{key}",
+                        param=_field(req, i, f"parameters.{key}"),
                     )
         items.append(
             {

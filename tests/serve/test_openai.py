@@ -632,7 +632,8 @@ def test_responses_api_through_the_openai_client(server, client):
     )
     assert again.status in ("completed", "incomplete") and again.usage.input_tokens > r.usage.input_tokens
     for bad, param in (
-        ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
+        ({"tools": [{"type": "function", "name": "f"}]}, "tool_choice"),  # "auto": no tool-call parser here
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"previous_response_id": "resp_x"}, "previous_response_id"),
         ({"input": []}, "input"),
         ({"max_output_tokens": 0}, "max_output_tokens"),

@@ -290,3 +290,114 @@ def test_a_template_that_shows_tools_gets_them_everywhere(make_server):
         f"{s.url}/v1/chat/completions", json={**body, "tool_choice": "none", "max_tokens": 2}, timeout=30
     ).json()
     assert chat["usage"]["prompt_tokens"] == tok["count"]
+
+
+# the Responses API's function tools: flat (name and parameters beside type)
+FLAT = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def _check_items(output, status, names=None):
+    assert output and all(item.type == "function_call" for item in output)
+    for item in output:
+        assert item.call_id.startswith("call_") and item.id.startswith("fc_") and item.status == status
+        assert item.name in (names or SCHEMAS)
+        if status == "completed":
+            jsonschema.validate(json.loads(item.arguments), SCHEMAS[item.name])
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "names"), [({"type": "function", "name": "get_time"}, ["get_time"]), ("required", None)]
+)
+def test_responses_function_calls(client, tool_choice, names):
+    """The Responses API: tool_choice named or "required" gives `function_call` output items, their arguments
+    held to each function's schema; streamed, the events give the same items (a named call's arguments in
+    deltas that add up to them)."""
+    kw = dict(
+        model=MODEL, input="Weather in Oslo?", tools=FLAT, tool_choice=tool_choice, temperature=0,
+        max_output_tokens=80,
+    )  # fmt: skip
+    r = client.responses.create(**kw)
+    _check_items(r.output, r.status, names)
+    assert r.tools[0].name == "get_weather" and r.status == "completed"
+    if names:
+        assert len(r.output) == 1
+    events = list(client.responses.create(stream=True, **kw))
+    final = events[-1].response
+    assert events[-1].type == "response.completed"
+    assert [(o.name, o.arguments) for o in final.output] == [(o.name, o.arguments) for o in r.output]
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [o.model_dump() for o in done] == [o.model_dump() for o in final.output]
+    for item in final.output:
+        deltas = [
+            e.delta
+            for e in events
+            if e.type == "response.function_call_arguments.delta" and e.item_id == item.id
+        ]
+        assert "".join(deltas) == item.arguments
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [e.item.call_id for e in added] == [o.call_id for o in final.output]
+
+
+def test_responses_conversation_with_calls_and_their_outputs(client, server):
+    """The calls a reply made and their outputs, sent back as input items (as the client dumps them), reach the
+    chat template as an assistant turn's tool_calls and tool turns; tool_choice "none" gives text."""
+    kw = dict(model=MODEL, tools=FLAT, temperature=0, max_output_tokens=80)
+    first = client.responses.create(input="Weather in Oslo?", tool_choice="required", **kw)
+    assert first.status == "completed" and first.output[0].type == "function_call"
+    turns = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        *[o.model_dump(mode="json", exclude_none=True) for o in first.output],
+        *[{"type": "function_call_output", "call_id": o.call_id, "output": "sunny"} for o in first.output],
+    ]
+    again = client.responses.create(input=turns, tool_choice="none", **kw)
+    assert again.output[0].type == "message" and again.usage.input_tokens > first.usage.input_tokens
+    # the route's rendering is chat's for the same conversation: the prompts' token counts agree
+    chat = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": o.call_id, "type": "function", "function": {"name": o.name, "arguments": o.arguments}}
+                for o in first.output
+            ],
+        },
+        *[{"role": "tool", "tool_call_id": o.call_id, "content": "sunny"} for o in first.output],
+    ]
+    tokens = httpx.post(
+        f"{server.url}/tokenize", json={"model": MODEL, "messages": chat, "tools": TOOLS}
+    ).json()
+    assert again.usage.input_tokens == tokens["count"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"tools": FLAT}, "tool_choice", "auto"),  # the default with tools
+        ({"tools": FLAT, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "not among"),
+        (
+            {"tools": [{"type": "function", "name": "bad name!"}], "tool_choice": "required"},
+            "tools.0.name",
+            "1-64",
+        ),
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type", "expected 'function'"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools.0.name", "missing"),
+        (
+            {"tools": FLAT, "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
+            "text.format",
+            "give one of",
+        ),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{no"}]},
+            "input.0.arguments",
+            "JSON",
+        ),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id", "missing"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type", "'reasoning' is not supported"),
+    ],
+)
+def test_bad_responses_tool_requests_are_400s(server, body, param, says):
+    r = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "hi", **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and says in error["message"], error
