@@ -35,8 +35,10 @@ Supported:
   `\\w` are ASCII (as in JSON Schema's ECMA-262 regexes), groups become non-capturing and lazy quantifiers
   greedy. Anchors inside it, lookaround, backreferences, inline flags and word boundaries are refused.
 - integer and number, with `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (as pydantic's `ge`, `le`,
-  `gt`, `lt` write them): an integer's canonical decimals in its range (`-0` is not written); a bounded number
-  is written without an exponent (`0.5`, never `5e-1`), and its bounds must be whole numbers (`ge=0, le=1`).
+  `gt`, `lt` write them): an integer's canonical decimals in its range (`-0` is not written; at most 30 digits,
+  a wider range narrowed to them); a bounded number is written without an exponent (`0.5`, never `5e-1`), its
+  bounds whole numbers (`ge=0, le=1`), its integer part at most 30 digits. A type whose bounds no number meets
+  leaves the schema's other types (`["integer", "null"]`).
 - boolean, null.
 - Annotations are ignored: title, description, default, examples, $schema, $id, $comment, deprecated,
   readOnly, writeOnly, discriminator (an OpenAPI hint pydantic emits), `$defs`/`definitions` (read only
@@ -137,6 +139,20 @@ def _numeric(types) -> bool:
     return "integer" in names or "number" in names
 
 
+# Integers are written with at most this many digits: a bound past them narrows the range to them (a bound of
+# 1e300 had nested a group a digit, which the automaton refuses, and past ~1,000 digits overflowed the stack)
+MAX_DIGITS = 30
+
+
+def _narrowed(lo: int | None, hi: int | None, path: str) -> tuple[int | None, int | None]:
+    """Integer bounds narrowed to the integers of at most MAX_DIGITS digits (a SchemaError where none is left):
+    a lower bound only rises, an upper one only falls."""
+    top = 10**MAX_DIGITS - 1
+    if (lo is not None and lo > top) or (hi is not None and hi < -top):
+        raise SchemaError(f"{path}: its numbers all have more than {MAX_DIGITS} digits before the point")
+    return (None if lo is None else max(lo, -top)), (None if hi is None else min(hi, top))
+
+
 _NOTHING = "(?!)"  # (a marker: the range is empty; never put in a pattern)
 
 
@@ -206,7 +222,11 @@ def _same_length(x: str, y: str) -> str:
 
 class SchemaError(ValueError):
     """A schema the converter cannot honour; the message names the JSON pointer of the part at fault, e.g.
-    "#/properties/age: unsupported keyword 'minimum'"."""
+    "#/properties/age: unsupported keyword 'multipleOf'"."""
+
+
+class _NoNumber(SchemaError):
+    """Numeric bounds that no number of the type meets."""
 
 
 def schema_to_regex(schema: dict | bool, max_depth: int = DEFAULT_MAX_DEPTH) -> str:
@@ -641,7 +661,15 @@ class _Converter:
         types = self._types(schema, path)
         if types is None:
             return _any_value(self.max_depth)
-        return _alt(getattr(self, "_" + t)(schema, path) for t in types)
+        found, empty = [], None
+        for t in types:
+            try:
+                found.append(getattr(self, "_" + t)(schema, path))
+            except _NoNumber as e:  # bounds no number meets: the other types may still have values
+                empty = e
+        if not found:
+            raise empty
+        return _alt(found)
 
     def _check_keywords(self, schema: dict, path: str) -> None:
         for key in schema:
@@ -787,8 +815,8 @@ class _Converter:
             else:
                 hi = bound if hi is None else min(hi, bound)
         if lo is not None and hi is not None and lo > hi:
-            raise SchemaError(f"{path}: no integer lies within its bounds")
-        return integer_range_regex(lo, hi)
+            raise _NoNumber(f"{path}: no integer lies within its bounds")
+        return integer_range_regex(*_narrowed(lo, hi, path))
 
     def _number(self, schema: dict, path: str) -> str:
         bounds = self._bounds(schema, path)
@@ -806,6 +834,11 @@ class _Converter:
                 lower = bound if lower is None or (bound[0], bound[1]) > lower else lower
             else:
                 upper = bound if upper is None or (-bound[0], bound[1]) > (-upper[0], upper[1]) else upper
+        lo, hi = _narrowed(lower and lower[0], upper and upper[0], path)
+        if lower is not None and lo != lower[0]:
+            lower = (lo, False)
+        if upper is not None and hi != upper[0]:
+            upper = (hi, False)
         parts = []
         # x >= 0: its magnitude within [max(lower, 0), upper]
         if upper is None or upper[0] > 0 or (upper[0] == 0 and not upper[1]):
@@ -818,7 +851,7 @@ class _Converter:
             parts.append("-" + _decimals(low, high))
         parts = [p for p in parts if p != "-" + _NOTHING and p != _NOTHING]
         if not parts:
-            raise SchemaError(f"{path}: no number lies within its bounds")
+            raise _NoNumber(f"{path}: no number lies within its bounds")
         return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
 
     def _boolean(self, schema: dict, path: str) -> str:

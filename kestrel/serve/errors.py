@@ -109,12 +109,15 @@ def from_validation_error(e: ValidationError) -> APIError:
 
 
 def _field_path(loc: tuple) -> tuple:
-    """Drop pydantic's union-branch tags ('str', 'list[int]', 'TextPart', ...) from an error location."""
+    """Drop pydantic's union-branch tags ('str', 'list[int]', 'TextPart', ...) from an error location, and the
+    Responses API's item kinds where they tag an item of its `input` (`input.3.function_call.arguments`)."""
+    path = [p for p in loc if not (isinstance(p, str) and ("[" in p or p[:1].isupper() or p in _BRANCH_TAGS))]
     return tuple(
-        p for p in loc if not (isinstance(p, str) and ("[" in p or p[:1].isupper() or p in _BRANCH_TAGS))
+        p
+        for k, p in enumerate(path)
+        if not (p in _ITEM_KINDS and k >= 2 and isinstance(path[k - 1], int) and path[k - 2] == "input")
     )
 
 
-# (and the Responses API's input item kinds, its union's tags)
 _BRANCH_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "literal", "function-after"}
-_BRANCH_TAGS |= {"message", "function_call", "function_call_output"}
+_ITEM_KINDS = {"message", "function_call", "function_call_output"}

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from kestrel.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from kestrel.serve.errors import bad_request, from_validation_error
+from kestrel.serve.errors import APIError, bad_request, from_validation_error
 from kestrel.serve.tools import ToolView, check_tools, tool_calls_asked, tool_calls_schema
 
 MAX_N = 128
@@ -674,14 +674,19 @@ class ResponseNamedToolChoice(_Strict):
 
 
 class ResponseFunctionCall(_Strict):
-    """An input item: a call an earlier reply made (as the API returned it)."""
+    """An input item: a call an earlier reply made (as the API returned it, and as the openai client dumps it:
+    its `async`, `caller` and `namespace` are taken, not used)."""
 
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
     id: str | None = None
     status: str | None = None
+    async_: bool | None = Field(None, alias="async")
+    caller: dict[str, Any] | None = None
+    namespace: str | None = None
 
 
 class ResponseFunctionCallOutput(_Strict):
@@ -781,7 +786,14 @@ class ResponsesRequest(_Strict):
         out = system
         for i, item in enumerate(self.input):
             if isinstance(item, ResponseFunctionCall):
-                (args,) = _call_arguments([item.arguments], lambda _, i=i: f"input.{i}.arguments")
+                try:
+                    (args,) = _call_arguments([item.arguments], lambda _, i=i: f"input.{i}.arguments")
+                except APIError:
+                    if item.status != "incomplete":
+                        raise
+                    args = (
+                        item.arguments
+                    )  # a call max_output_tokens cut, sent back as it came: its text as is
                 function = {"name": item.name, "arguments": args}
                 message = {"id": item.call_id, "type": "function", "function": function}
                 if (

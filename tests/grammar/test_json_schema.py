@@ -960,6 +960,26 @@ def test_number_bounds_agree_with_jsonschema(lower, upper):
             assert bool(pattern.fullmatch(t)) == (t in takes), (schema, t, pattern.pattern)
 
 
+def test_bounds_past_thirty_digits_narrow_the_range():
+    """A bound past 30 digits (1e300) narrows the range to the integers of 30 digits (it had nested a group a
+    digit: refused by the automaton, past ~1,000 digits a RecursionError); a range of only longer numbers is
+    refused; a type whose bounds leave nothing leaves the other types."""
+    pattern = re.compile(schema_to_regex({"type": "integer", "minimum": -(10**1400), "maximum": 1e300}))
+    for text, ok in (("0", True), ("-" + "9" * 30, True), ("9" * 30, True), ("1" + "0" * 30, False)):
+        assert bool(pattern.fullmatch(text)) == ok, text
+    number = re.compile(schema_to_regex({"type": "number", "exclusiveMinimum": 0, "maximum": 1e300}))
+    assert (
+        number.fullmatch("9" * 29 + ".5")
+        and not number.fullmatch("1" + "0" * 30)
+        and not number.fullmatch("0")
+    )
+    for schema in ({"type": "integer", "minimum": 10**40}, {"type": "number", "maximum": -(10**40)}):
+        with pytest.raises(SchemaError, match="more than 30 digits"):
+            schema_to_regex(schema)
+    either = re.compile(schema_to_regex({"type": ["integer", "null"], "minimum": 5, "maximum": 4}))
+    assert either.fullmatch("null") and not either.fullmatch("5")
+
+
 @pytest.mark.parametrize(
     ("schema", "message"),
     [

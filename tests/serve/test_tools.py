@@ -346,7 +346,7 @@ def test_responses_conversation_with_calls_and_their_outputs(client, server):
     assert first.status == "completed" and first.output[0].type == "function_call"
     turns = [
         {"role": "user", "content": "Weather in Oslo?"},
-        *[o.model_dump(mode="json", exclude_none=True) for o in first.output],
+        *[o.model_dump(mode="json") for o in first.output],  # as the client dumps them (async_, caller: None)
         *[{"type": "function_call_output", "call_id": o.call_id, "output": "sunny"} for o in first.output],
     ]
     again = client.responses.create(input=turns, tool_choice="none", **kw)
@@ -368,6 +368,26 @@ def test_responses_conversation_with_calls_and_their_outputs(client, server):
         f"{server.url}/tokenize", json={"model": MODEL, "messages": chat, "tools": TOOLS}
     ).json()
     assert again.usage.input_tokens == tokens["count"]
+
+
+def test_responses_a_cut_call_sent_back_is_taken(client):
+    """A named call cut by max_output_tokens (its arguments not JSON yet, status incomplete) goes back into the
+    input as the client holds it: taken as its text, not refused."""
+    kw = dict(model=MODEL, tools=FLAT, temperature=0)
+    cut = client.responses.create(
+        input="Weather?", tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=3, **kw
+    )
+    assert cut.status == "incomplete" and cut.output[0].status == "incomplete"
+    with pytest.raises(ValueError):
+        json.loads(cut.output[0].arguments)
+    turns = ["Weather?", *cut.output]
+    again = client.responses.create(
+        input=[{"role": "user", "content": turns[0]}, *[o.model_dump(mode="json") for o in turns[1:]]],
+        tool_choice="none",
+        max_output_tokens=4,
+        **kw,
+    )
+    assert again.output[0].type == "message"
 
 
 @pytest.mark.parametrize(
@@ -394,6 +414,8 @@ def test_responses_conversation_with_calls_and_their_outputs(client, server):
         ),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id", "missing"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type", "'reasoning' is not supported"),
+        ({"message": "x"}, "message", "unknown field"),  # (an item kind's name, outside the input's items)
+        ({"input": [{"role": "user", "content": "x", "message": 1}]}, "input.0.message", "unknown field"),
     ],
 )
 def test_bad_responses_tool_requests_are_400s(server, body, param, says):
