@@ -62,7 +62,7 @@ class Sampler:
         self._steer_batch: tuple | None = None  # (the steered rows' key, what they need), while they stay
         # (id(grammar), state, V) -> (the grammar, its banned tokens [V] bool on the device), the last
         # GRAMMAR_MASKS_KEPT used; (None, V, device) -> (None, no token banned), for the rows without a grammar
-        self._grammar_masks: OrderedDict[tuple[int, int], tuple[Grammar, torch.Tensor]] = OrderedDict()
+        self._grammar_masks: OrderedDict[tuple, tuple[Grammar | None, torch.Tensor]] = OrderedDict()
 
     def __call__(
         self, logits: torch.Tensor, reqs: list[Request], argmax: torch.Tensor | None = None

@@ -365,7 +365,7 @@ async def responses_stream(
                 for e in _whole_item_events(event, k, out):
                     yield e
         else:
-            async for e in _message_events(event, server, job, req, created):
+            async for e in _message_events(event, job):
                 yield e
             final = response_body(server, job, req, created)
             yield event("response.output_item.done", output_index=0, item=final["output"][0])
@@ -376,7 +376,7 @@ async def responses_stream(
         yield event("response.failed", response=response_body(server, job, req, created, error=error))
 
 
-async def _message_events(event, server: Server, job: Job, req: ResponsesRequest, created: int):
+async def _message_events(event, job: Job):
     """The message item added, its text part added, the text's deltas, the text and the part done."""
     item = {"item_id": f"msg_{job.id}", "output_index": 0}
     yield event(
