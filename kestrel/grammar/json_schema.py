@@ -37,8 +37,8 @@ Supported:
 - integer and number, with `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (as pydantic's `ge`, `le`,
   `gt`, `lt` write them): an integer's canonical decimals in its range (`-0` is not written; at most 30 digits,
   a wider range narrowed to them); a bounded number is written without an exponent (`0.5`, never `5e-1`), its
-  bounds whole numbers (`ge=0, le=1`), its integer part at most 30 digits. A type whose bounds no number meets
-  leaves the schema's other types (`["integer", "null"]`).
+  bounds whole numbers (`ge=0, le=1`), its integer part at most 30 digits. A type (or an anyOf branch) whose
+  bounds no number meets leaves the others (`["integer", "null"]`).
 - boolean, null.
 - Annotations are ignored: title, description, default, examples, $schema, $id, $comment, deprecated,
   readOnly, writeOnly, discriminator (an OpenAPI hint pydantic emits), `$defs`/`definitions` (read only
@@ -736,7 +736,15 @@ class _Converter:
             raise SchemaError(f"{path}/{key}: must be a non-empty list of schemas")
         if key == "allOf" and len(arg) != 1:
             raise SchemaError(f"{path}/allOf: only an allOf of exactly one subschema is supported")
-        return _alt([self.value(sub, _pointer(path, key, i)) for i, sub in enumerate(arg)])
+        found, empty = [], None
+        for i, sub in enumerate(arg):
+            try:
+                found.append(self.value(sub, _pointer(path, key, i)))
+            except _NoNumber as e:  # a branch whose bounds no number meets: the others may still match
+                empty = e
+        if not found:
+            raise empty
+        return _alt(found)
 
     def _ref(self, ref, path: str) -> str | None:
         if not isinstance(ref, str):

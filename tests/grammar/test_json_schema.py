@@ -978,6 +978,12 @@ def test_bounds_past_thirty_digits_narrow_the_range():
             schema_to_regex(schema)
     either = re.compile(schema_to_regex({"type": ["integer", "null"], "minimum": 5, "maximum": 4}))
     assert either.fullmatch("null") and not either.fullmatch("5")
+    branches = {"anyOf": [{"type": "integer", "minimum": 5, "maximum": 4}, {"type": "null"}]}
+    assert re.fullmatch(schema_to_regex(branches), "null") and not re.fullmatch(
+        schema_to_regex(branches), "4"
+    )
+    with pytest.raises(SchemaError, match="^#/anyOf/1: no integer"):
+        schema_to_regex({"anyOf": [{"type": "integer", "minimum": 5, "maximum": 4}] * 2})
 
 
 @pytest.mark.parametrize(
