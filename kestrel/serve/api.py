@@ -51,10 +51,10 @@ from kestrel.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     GenerateRequest,
-    ResponsesRequest,
     TokenizeRequest,
     parse,
 )
+from kestrel.serve.responses_protocol import ResponsesRequest
 from kestrel.serve.streams import (
     body_head,
     chat_stream,

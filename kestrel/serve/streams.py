@@ -16,7 +16,8 @@ from kestrel.engine.async_engine import EngineDead
 from kestrel.serve.choice import ChoiceState, chat_logprobs, completion_logprobs, echo_logprobs
 from kestrel.serve.errors import error_body
 from kestrel.serve.jobs import Job, Server
-from kestrel.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, ResponsesRequest
+from kestrel.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from kestrel.serve.responses_protocol import ResponsesRequest
 from kestrel.serve.tools import call_id, read_tool_calls
 from kestrel.serve.tools import finish_reason as tool_finish_reason
 
