@@ -355,11 +355,8 @@ def _render_template(
         return template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **specials
         )
-    except (
-        TemplateError,
-        TypeError,
-        ValueError,
-    ) as e:  # (a filter given what it cannot take: tojson of Undefined)
+    # (TypeError, ValueError: a filter given what it cannot take, such as tojson of an undefined value)
+    except (TemplateError, TypeError, ValueError) as e:
         raise ChatTemplateError(f"chat template error: {e}") from None
 
 

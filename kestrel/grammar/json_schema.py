@@ -153,12 +153,9 @@ def _narrowed(lo: int | None, hi: int | None, path: str) -> tuple[int | None, in
     return (None if lo is None else max(lo, -top)), (None if hi is None else min(hi, top))
 
 
-_NOTHING = "(?!)"  # (a marker: the range is empty; never put in a pattern)
-
-
-def _decimals(low: tuple[int, bool], high: tuple[int, bool] | None) -> str:
+def _decimals(low: tuple[int, bool], high: tuple[int, bool] | None) -> str | None:
     """Non-negative decimals without an exponent (canonical integer part, any fraction) whose value m lies within
-    low = (a, exclusive) and high = (b, exclusive) or None; `_NOTHING` where none does."""
+    low = (a, exclusive) and high = (b, exclusive) or None; None where none does."""
     (a, a_open), b = low, high
     alts = []
     first, last = a + a_open, None if b is None else b[0] - 1  # integer parts that take any fraction
@@ -169,7 +166,7 @@ def _decimals(low: tuple[int, bool], high: tuple[int, bool] | None) -> str:
     if b is not None and not b[1] and (b[0] > a or (b[0] == a and not a_open)):  # b itself, its fraction zero
         alts.append(str(b[0]) + r"(?:\.0+)?")
     if not alts:
-        return _NOTHING
+        return None
     return alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
 
 
@@ -227,6 +224,20 @@ class SchemaError(ValueError):
 
 class _NoNumber(SchemaError):
     """Numeric bounds that no number of the type meets."""
+
+
+def _alt_of(makers) -> str | None:
+    """`_alt` of the options the makers make, leaving out those whose bounds no number meets (a type of several,
+    an anyOf branch: the others may still have values); the last such error where every one is left out."""
+    found, empty = [], None
+    for make in makers:
+        try:
+            found.append(make())
+        except _NoNumber as e:
+            empty = e
+    if not found:
+        raise empty
+    return _alt(found)
 
 
 def schema_to_regex(schema: dict | bool, max_depth: int = DEFAULT_MAX_DEPTH) -> str:
@@ -661,15 +672,7 @@ class _Converter:
         types = self._types(schema, path)
         if types is None:
             return _any_value(self.max_depth)
-        found, empty = [], None
-        for t in types:
-            try:
-                found.append(getattr(self, "_" + t)(schema, path))
-            except _NoNumber as e:  # bounds no number meets: the other types may still have values
-                empty = e
-        if not found:
-            raise empty
-        return _alt(found)
+        return _alt_of(lambda t=t: getattr(self, "_" + t)(schema, path) for t in types)
 
     def _check_keywords(self, schema: dict, path: str) -> None:
         for key in schema:
@@ -736,15 +739,9 @@ class _Converter:
             raise SchemaError(f"{path}/{key}: must be a non-empty list of schemas")
         if key == "allOf" and len(arg) != 1:
             raise SchemaError(f"{path}/allOf: only an allOf of exactly one subschema is supported")
-        found, empty = [], None
-        for i, sub in enumerate(arg):
-            try:
-                found.append(self.value(sub, _pointer(path, key, i)))
-            except _NoNumber as e:  # a branch whose bounds no number meets: the others may still match
-                empty = e
-        if not found:
-            raise empty
-        return _alt(found)
+        return _alt_of(
+            lambda i=i, sub=sub: self.value(sub, _pointer(path, key, i)) for i, sub in enumerate(arg)
+        )
 
     def _ref(self, ref, path: str) -> str | None:
         if not isinstance(ref, str):
@@ -804,24 +801,26 @@ class _Converter:
                     found[key] = value
         return found
 
+    def _tightest(self, bounds: dict) -> tuple[tuple | None, tuple | None]:
+        """The tightest lower and upper bound, each (value, exclusive) or None: the greater lower one, the smaller
+        upper one, an exclusive one where they tie."""
+        lower = upper = None
+        for key, value in bounds.items():
+            bound = (value, key.startswith("exclusive"))
+            if key.endswith("inimum"):
+                lower = bound if lower is None or bound > lower else lower
+            elif upper is None or (-bound[0], bound[1]) > (-upper[0], upper[1]):
+                upper = bound
+        return lower, upper
+
     def _integer(self, schema: dict, path: str) -> str:
         bounds = self._bounds(schema, path)
         if not bounds:
             return _INTEGER
-        lo = hi = None  # the least and the greatest integer allowed (None: unbounded)
-        for key, value in bounds.items():
-            if key == "minimum":
-                bound, lower = math.ceil(value), True
-            elif key == "exclusiveMinimum":
-                bound, lower = math.floor(value) + 1, True
-            elif key == "maximum":
-                bound, lower = math.floor(value), False
-            else:
-                bound, lower = math.ceil(value) - 1, False
-            if lower:
-                lo = bound if lo is None else max(lo, bound)
-            else:
-                hi = bound if hi is None else min(hi, bound)
+        lower, upper = self._tightest(bounds)
+        # the least and the greatest integer allowed (None: unbounded)
+        lo = None if lower is None else math.floor(lower[0]) + 1 if lower[1] else math.ceil(lower[0])
+        hi = None if upper is None else math.ceil(upper[0]) - 1 if upper[1] else math.floor(upper[0])
         if lo is not None and hi is not None and lo > hi:
             raise _NoNumber(f"{path}: no integer lies within its bounds")
         return integer_range_regex(*_narrowed(lo, hi, path))
@@ -835,13 +834,7 @@ class _Converter:
                 raise SchemaError(
                     f"{_pointer(path, key)}: a number's bound must be a whole number here, got {value!r}"
                 )
-        lower = upper = None  # (bound, exclusive): the tightest of each side
-        for key, value in bounds.items():
-            bound = (int(value), key.startswith("exclusive"))
-            if key.endswith("inimum"):
-                lower = bound if lower is None or (bound[0], bound[1]) > lower else lower
-            else:
-                upper = bound if upper is None or (-bound[0], bound[1]) > (-upper[0], upper[1]) else upper
+        lower, upper = self._tightest({key: int(value) for key, value in bounds.items()})
         lo, hi = _narrowed(lower and lower[0], upper and upper[0], path)
         if lower is not None and lo != lower[0]:
             lower = (lo, False)
@@ -856,8 +849,9 @@ class _Converter:
         if lower is None or lower[0] < 0:
             low = (-upper[0], upper[1]) if upper is not None and upper[0] < 0 else (0, True)
             high = None if lower is None else (-lower[0], lower[1])
-            parts.append("-" + _decimals(low, high))
-        parts = [p for p in parts if p != "-" + _NOTHING and p != _NOTHING]
+            magnitude = _decimals(low, high)
+            parts.append(None if magnitude is None else "-" + magnitude)
+        parts = [p for p in parts if p is not None]
         if not parts:
             raise _NoNumber(f"{path}: no number lies within its bounds")
         return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"

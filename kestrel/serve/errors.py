@@ -22,8 +22,10 @@ _UNION_SHAPES = {
     "input_ids": "a list of token ids or a list of token-id lists",
     "input": "a string or a list of messages",
 }
-_ITEMS_FIRST = {"input"}  # fields of a string or a list of objects: an item's own flaw is named first
-_OBJECT_FIRST = {"tool_choice"}  # fields of a string or an object: a sent object's own flaw is named
+# Fields of a string or a structure (the Responses API's `input`, a list of items; `tool_choice`, an object): where
+# a structure was sent, its own flaw is named, not the string branch's ("should be a valid string", "expected
+# 'none', 'auto' or 'required'")
+_STRUCTURE_FIRST = {"input", "tool_choice"}
 
 
 class APIError(Exception):
@@ -68,14 +70,8 @@ def from_validation_error(e: ValidationError) -> APIError:
         return bad_request(f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
     if first["type"] == "model_type" and not first["loc"]:
         return bad_request("the request body must be a JSON object", code="invalid_json")
-    # A list of objects where a string would also do (the Responses API's `input`): a flaw inside an item is
-    # reported as itself, not as the string branch's "should be a valid string".
-    if _field_path(first["loc"]) and _field_path(first["loc"])[0] in _ITEMS_FIRST:
-        first = next((err for err in errors if len(_field_path(err["loc"])) > 1), first)
-    # A string or an object (`tool_choice`): where an object was sent, what it lacks, not the strings allowed
-    # ({"type": "function"} had been "expected 'none', 'auto' or 'required'").
     top = _field_path(first["loc"])
-    if top and top[0] in _OBJECT_FIRST and isinstance(first.get("input"), dict):
+    if top and top[0] in _STRUCTURE_FIRST:
         errors = [err for err in errors if len(_field_path(err["loc"])) > 1] or errors
         first = errors[0]
     # A content part of another type (image_url, ...) is clearer reported as itself than as a type mismatch.

@@ -430,14 +430,17 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
         if m.tool_calls:
             # the arguments as an object, as Hugging Face's templates render them (`arguments | tojson`)
             message["tool_calls"] = [
-                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": args}}
-                for c, args in zip(
-                    m.tool_calls,
-                    _call_arguments(
-                        [c.function.arguments for c in m.tool_calls],
-                        lambda j, i=i: f"messages.{i}.tool_calls.{j}.function.arguments",
-                    ),
-                )
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": _arguments(
+                            c.function.arguments, f"messages.{i}.tool_calls.{k}.function.arguments"
+                        ),
+                    },
+                }
+                for k, c in enumerate(m.tool_calls)
             ]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
@@ -456,16 +459,15 @@ def _template_tools(tools: list[ChatTool] | None) -> list[dict] | None:
     return out
 
 
-def _call_arguments(arguments: list[str], param) -> list:
-    """Each earlier call's arguments as the object their JSON text holds (empty text: {}); a 400 naming
-    `param(j)` where the j-th is not JSON."""
-    out = []
-    for j, text in enumerate(arguments):
-        try:
-            out.append(json.loads(text) if text.strip() else {})
-        except ValueError:
-            raise bad_request("a tool call's arguments must be JSON text", param=param(j)) from None
-    return out
+def _arguments(text: str, param: str, cut: bool = False):
+    """An earlier call's arguments as the object their JSON text holds (empty text: {}); a 400 naming `param` where
+    it is not JSON, unless the call was `cut` short (by max_output_tokens): then its text as it is."""
+    try:
+        return json.loads(text) if text.strip() else {}
+    except ValueError:
+        if cut:
+            return text
+        raise bad_request("a tool call's arguments must be JSON text", param=param) from None
 
 
 def _template_message(role: str, content) -> dict:

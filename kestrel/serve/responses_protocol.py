@@ -5,19 +5,20 @@ calls and their outputs), its flat function tools, `text.format`; parsed as stri
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Tag
 
 from kestrel.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from kestrel.serve.errors import APIError, bad_request
+from kestrel.serve.errors import bad_request
 from kestrel.serve.protocol import (
     ChatTool,
     FunctionDefinition,
     Int,
     NamedFunction,
     NamedToolChoice,
-    _call_arguments,
+    _arguments,
     _FieldError,
     _format_constraint,
     _refuse_unsupported,
@@ -183,7 +184,7 @@ class ResponsesRequest(_Strict):
                 "give one of tools (tool_choice asks for calls) and text.format", param="text.format"
             )
 
-    @property
+    @functools.cached_property
     def tool_view(self) -> ToolView:
         """The tools and tool_choice as `kestrel.serve.tools` reads the chat route's."""
         choice = self.tool_choice
@@ -209,25 +210,16 @@ class ResponsesRequest(_Strict):
         out = system
         for i, item in enumerate(self.input):
             if isinstance(item, ResponseFunctionCall):
-                try:
-                    (args,) = _call_arguments([item.arguments], lambda _, i=i: f"input.{i}.arguments")
-                except APIError:
-                    if item.status != "incomplete":
-                        raise
-                    args = (
-                        item.arguments
-                    )  # a call max_output_tokens cut, sent back as it came: its text as is
-                function = {"name": item.name, "arguments": args}
-                message = {"id": item.call_id, "type": "function", "function": function}
-                if (
-                    out
-                    and out[-1]["role"] == "assistant"
-                    and out[-1].get("tool_calls")
-                    and not out[-1]["content"]
-                ):
-                    out[-1]["tool_calls"].append(message)  # calls made together: one assistant turn
+                args = _arguments(item.arguments, f"input.{i}.arguments", cut=item.status == "incomplete")
+                call = {
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": args},
+                }
+                if out and out[-1].get("tool_calls"):  # calls made together: one assistant turn
+                    out[-1]["tool_calls"].append(call)
                 else:
-                    out.append({**_template_message("assistant", None), "tool_calls": [message]})
+                    out.append({**_template_message("assistant", None), "tool_calls": [call]})
             elif isinstance(item, ResponseFunctionCallOutput):
                 out.append({**_template_message("tool", item.output), "tool_call_id": item.call_id})
             else:
@@ -238,8 +230,12 @@ class ResponsesRequest(_Strict):
                 out.append(_template_message(item.role, text))
         return out
 
+    @property
+    def _format(self) -> ResponseTextFormat | None:
+        return self.text.format if self.text is not None else None
+
     def _text_constraint(self) -> str | None:
-        fmt = self.text.format if self.text is not None else None
+        fmt = self._format
         if fmt is None or fmt.type == "text":
             return None
         return "text.format.schema" if fmt.type == "json_schema" else "text.format"
@@ -250,12 +246,11 @@ class ResponsesRequest(_Strict):
 
     def text_format(self) -> dict:
         """`text.format` as the response echoes it."""
-        fmt = self.text.format if self.text is not None else None
+        fmt = self._format
         return {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)
 
     def to_sampling_params(self) -> SamplingParams:
-        fmt = self.text.format if self.text is not None else None
-        structured = fmt.structured() if fmt is not None else None
+        structured = self._format.structured() if self._format is not None else None
         if self.tool_calls_asked is not None:
             structured = _structured("tools", json=tool_calls_schema(self.tool_view))
         given = {"temperature": self.temperature, "top_p": self.top_p, "structured_outputs": structured}

@@ -32,17 +32,16 @@ _ANY_ARGUMENTS = {"type": "object"}  # a function that declares no parameters: a
 @dataclass
 class ToolView:
     """The Responses API's tools as the chat route's: `tools` ChatTool-shaped (`.function.name`,
-    `.function.parameters`), `tool_choice` a string or NamedToolChoice-shaped; `flat`: the request spells a
-    function's fields beside its type (`tools.0.name`, `{"type": "function", "name": ...}`), for the errors."""
+    `.function.parameters`), `tool_choice` a string or NamedToolChoice-shaped. Its request spells a function's
+    fields beside its type (`tools.0.name`, `{"type": "function", "name": ...}`): the errors say so."""
 
     tools: list[Any] | None
     tool_choice: Any
     parallel_tool_calls: bool | None
-    flat: bool = True
 
 
 def _field(req, i: int, name: str) -> str:
-    return f"tools.{i}.{name}" if getattr(req, "flat", False) else f"tools.{i}.function.{name}"
+    return f"tools.{i}.{name}" if isinstance(req, ToolView) else f"tools.{i}.function.{name}"
 
 
 def check_tools(req) -> None:
@@ -60,10 +59,9 @@ def check_tools(req) -> None:
     if choice is None and tools:
         choice = "auto"
     if choice == "auto" and tools:
+        flat = isinstance(req, ToolView)
         named = (
-            '{"type": "function", "name": ...}'
-            if getattr(req, "flat", False)
-            else ('{"type": "function", "function": {"name": ...}}')
+            '{"type": "function", "name": ...}' if flat else '{"type": "function", "function": {"name": ...}}'
         )
         raise bad_request(
             'tool_choice "auto" needs the model\'s own tool-call format, which this server cannot read; give '
