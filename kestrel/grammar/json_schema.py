@@ -66,6 +66,8 @@ import re
 from typing import NoReturn
 from urllib.parse import unquote
 
+from kestrel.grammar.numbers import MAX_DIGITS, decimal_range_regex, integer_range_regex
+
 __all__ = [
     "SchemaError",
     "choice_regex",
@@ -139,11 +141,6 @@ def _numeric(types) -> bool:
     return "integer" in names or "number" in names
 
 
-# Integers are written with at most this many digits: a bound past them narrows the range to them (a bound of
-# 1e300 had nested a group a digit, which the automaton refuses, and past ~1,000 digits overflowed the stack)
-MAX_DIGITS = 30
-
-
 def _narrowed(lo: int | None, hi: int | None, path: str) -> tuple[int | None, int | None]:
     """Integer bounds narrowed to the integers of at most MAX_DIGITS digits (a SchemaError where none is left):
     a lower bound only rises, an upper one only falls."""
@@ -151,70 +148,6 @@ def _narrowed(lo: int | None, hi: int | None, path: str) -> tuple[int | None, in
     if (lo is not None and lo > top) or (hi is not None and hi < -top):
         raise SchemaError(f"{path}: its numbers all have more than {MAX_DIGITS} digits before the point")
     return (None if lo is None else max(lo, -top)), (None if hi is None else min(hi, top))
-
-
-def _decimals(low: tuple[int, bool], high: tuple[int, bool] | None) -> str | None:
-    """Non-negative decimals without an exponent (canonical integer part, any fraction) whose value m lies within
-    low = (a, exclusive) and high = (b, exclusive) or None; None where none does."""
-    (a, a_open), b = low, high
-    alts = []
-    first, last = a + a_open, None if b is None else b[0] - 1  # integer parts that take any fraction
-    if last is None or first <= last:
-        alts.append(_magnitudes(first, last) + r"(?:\.\d+)?")
-    if a_open and (b is None or a < b[0]):  # a itself, above it by a fraction
-        alts.append(str(a) + r"\.\d*[1-9]\d*")
-    if b is not None and not b[1] and (b[0] > a or (b[0] == a and not a_open)):  # b itself, its fraction zero
-        alts.append(str(b[0]) + r"(?:\.0+)?")
-    if not alts:
-        return None
-    return alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
-
-
-def integer_range_regex(lo: int | None, hi: int | None) -> str:
-    """The canonical decimals (no leading zeros, no `-0`) of the integers in [lo, hi]; None: unbounded."""
-    parts = []
-    if lo is None or lo < 0:  # the negatives: "-" and a magnitude in [max(1, -hi), -lo]
-        top = None if lo is None else -lo
-        low = 1 if hi is None or hi >= 0 else -hi
-        parts.append("-" + _magnitudes(low, top))
-    if hi is None or hi >= 0:
-        parts.append(_magnitudes(0 if lo is None else max(lo, 0), hi))
-    return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
-
-
-def _magnitudes(lo: int, hi: int | None) -> str:
-    """The canonical decimals of the integers in [lo, hi], 0 <= lo <= hi (None: unbounded)."""
-    if hi is None:  # [lo, the last of its length], then any longer number
-        n = len(str(lo))
-        return "(?:" + _magnitudes(lo, 10**n - 1) + r"|[1-9]\d{" + str(n) + ",})"
-    alts = []
-    for n in range(len(str(lo)), len(str(hi)) + 1):  # by length: each a same-length range
-        first = max(lo, 10 ** (n - 1) if n > 1 else 0)
-        alts.append(_same_length(str(first), str(min(hi, 10**n - 1))))
-    return alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
-
-
-def _same_length(x: str, y: str) -> str:
-    """The digit strings of x's length from x to y (x <= y)."""
-    if x == y:
-        return x
-    i = next(k for k in range(len(x)) if x[k] != y[k])
-    prefix, x, y = x[:i], x[i:], y[i:]
-    rest = len(x) - 1
-    tail = r"\d" * rest if rest <= 2 else r"\d{" + str(rest) + "}"
-    full_low, full_high = x[1:] == "0" * rest, y[1:] == "9" * rest
-    a, b = int(x[0]), int(y[0])
-    alts = []
-    if not full_low:
-        alts.append(x[0] + _same_length(x[1:], "9" * rest))
-        a += 1
-    if not full_high:
-        b -= 1
-    if a <= b:
-        alts.append((str(a) if a == b else f"[{a}-{b}]") + tail)
-    if not full_high:
-        alts.append(y[0] + _same_length("0" * rest, y[1:]))
-    return prefix + (alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")")
 
 
 class SchemaError(ValueError):
@@ -844,12 +777,12 @@ class _Converter:
         # x >= 0: its magnitude within [max(lower, 0), upper]
         if upper is None or upper[0] > 0 or (upper[0] == 0 and not upper[1]):
             low = lower if lower is not None and lower[0] >= 0 else (0, False)
-            parts.append(_decimals(low, upper))
+            parts.append(decimal_range_regex(low, upper))
         # x < 0: "-" and a magnitude m > 0 with lower <= -m <= upper
         if lower is None or lower[0] < 0:
             low = (-upper[0], upper[1]) if upper is not None and upper[0] < 0 else (0, True)
             high = None if lower is None else (-lower[0], lower[1])
-            magnitude = _decimals(low, high)
+            magnitude = decimal_range_regex(low, high)
             parts.append(None if magnitude is None else "-" + magnitude)
         parts = [p for p in parts if p is not None]
         if not parts:
