@@ -65,8 +65,8 @@ from kestrel.serve.streams import (
     responses_stream,
     sse,
 )
+from kestrel.serve.tools import auto_parser, read_tool_calls
 from kestrel.serve.tools import finish_reason as tool_finish_reason
-from kestrel.serve.tools import read_tool_calls
 from kestrel.utils.errors import KestrelError
 from kestrel.version import KESTREL_VERSION
 
@@ -79,8 +79,11 @@ def build_app(
     api_key: str | None = None,
     max_request_mb: float = MAX_REQUEST_MB,
     allowed_origins: list[str] | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
-    server = Server(async_engine, served_model_name, api_key, max_request_mb)
+    """`tool_call_parser`: the model's tool-call format (`kestrel.serve.tool_parsers`), read where tool_choice is
+    "auto"; None: such requests are refused."""
+    server = Server(async_engine, served_model_name, api_key, max_request_mb, tool_call_parser)
     app = FastAPI(title="Kestrel", version=KESTREL_VERSION)
     app.state.server = server
     auth = [Depends(server.check_key)]
@@ -116,19 +119,26 @@ def build_app(
     async def chat_completions(request: Request):
         req = parse(ChatCompletionRequest, await server.read_body(request))
         server.check_model(req.model)
+        parser = auto_parser(req, server.tool_parser)
         names = {"prompt": "messages", "max_tokens": req.max_tokens_field}
-        params = await server.sampling_params(req, names)
+        params = await server.sampling_params(req, names, parser)
         job = Job(
             server, await chat_prompt(req.chat_messages(), req.template_options()), params, field_names=names
         )
         if req.stream:
-            return sse(chat_stream(server, job, req))
+            return sse(chat_stream(server, job, req, parser))
         if not await _finish_unless_disconnected(request, job):
             return Response(status_code=499)
         choices = []
         for i, c in enumerate(job.choices):
-            calls = read_tool_calls(req, c.text) if req.tool_calls_asked else None
-            message = {"role": "assistant", "content": c.text if calls is None else None}
+            content, calls = c.text, None
+            if req.tool_calls_asked:
+                calls = read_tool_calls(req, c.text)
+                content = c.text if calls is None else None
+            elif parser is not None:
+                parsed = parser.parse(c.text)
+                content, calls = parsed.content, parsed.calls or None
+            message = {"role": "assistant", "content": content}
             if calls is not None:
                 message["tool_calls"] = calls
             logprobs = {"content": chat_logprobs(server.tokenizer, c.logprobs)} if req.logprobs else None
@@ -154,16 +164,17 @@ def build_app(
     async def responses(request: Request):
         req = parse(ResponsesRequest, await server.read_body(request))
         server.check_model(req.model)
+        parser = auto_parser(req.tool_view, server.tool_parser)
         names = {"prompt": "input", "max_tokens": "max_output_tokens"}
-        params = await server.sampling_params(req, names)
+        params = await server.sampling_params(req, names, parser)
         created = int(time.time())
         prompt = await chat_prompt(req.chat_messages(), req.template_options(), "input")
         job = Job(server, prompt, params, field_names=names)
         if req.stream:
-            return sse(responses_stream(server, job, req, created))
+            return sse(responses_stream(server, job, req, created, parser))
         if not await _finish_unless_disconnected(request, job):
             return Response(status_code=499)
-        return JSONResponse(response_body(server, job, req, created))
+        return JSONResponse(response_body(server, job, req, created, parser=parser))
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):

@@ -20,6 +20,8 @@ from kestrel.engine.sampling_params import SamplingParams
 from kestrel.serve.choice import ChoiceState
 from kestrel.serve.errors import APIError, bad_request
 from kestrel.serve.metrics import ServerMetrics
+from kestrel.serve.tool_parsers import ToolCallParser
+from kestrel.serve.tool_parsers import tool_call_parser as tool_parser_named
 
 RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait
 
@@ -149,8 +151,10 @@ class Server:
         served_model_name: str,
         api_key: str | None,
         max_request_mb: float = MAX_REQUEST_MB,
+        tool_call_parser: str | None = None,
     ):
         self.engine, self.model_name, self.api_key = engine, served_model_name, api_key
+        self.tool_parser = tool_parser_named(tool_call_parser)
         self.max_request_mb = max_request_mb
         self.tokenizer = engine.engine.tokenizer
         self.metrics = ServerMetrics(engine.stats, served_model_name)
@@ -208,11 +212,20 @@ class Server:
         message = f"the request body is larger than this server takes ({self.max_request_mb:g} MiB; --max-request-mb)"
         return APIError(413, message, code="request_too_large")
 
-    async def sampling_params(self, req, field_names: dict[str, str]) -> SamplingParams:
+    async def sampling_params(
+        self, req, field_names: dict[str, str], parser: ToolCallParser | None = None
+    ) -> SamplingParams:
         """A request's SamplingParams. Where it constrains the output they are made, and its grammar compiled (the
         engine keeps it), in a worker thread: a large JSON schema takes a second (a 300-branch anyOf: 1.4 s),
         which on the event loop held up every other stream. The grammar's errors are 400s naming the request's
-        own field, as `field_names` will for the engine's later errors."""
+        own field, as `field_names` will for the engine's later errors. `parser`: the tool-call parser that will
+        read the reply, whose markers may be special tokens (kept in the text then, as vLLM does)."""
+        params = await self._sampling_params(req, field_names)
+        if parser is not None and parser.keeps_special_tokens:
+            params.skip_special_tokens = False
+        return params
+
+    async def _sampling_params(self, req, field_names: dict[str, str]) -> SamplingParams:
         field = req.constraint_field
         if field is None:
             return req.to_sampling_params()

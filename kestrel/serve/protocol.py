@@ -336,8 +336,8 @@ class _ChatTemplateFields(_Strict):
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     """Tools (`kestrel.serve.tools`): `tool_choice` "required" or a named function makes the reply tool calls, its
     arguments held to each function's parameters schema by structured outputs (vLLM's way); "none" a reply in
-    text, the tools shown to the chat template; "auto" (the default with tools) needs a model's tool-call parser,
-    which this server lacks, and is refused."""
+    text, the tools shown to the chat template; "auto" (the default with tools) lets the model decide, in its own
+    format, which the server's tool-call parser reads (refused where it has none)."""
 
     messages: list[ChatMessage]
     max_tokens: Int | None = None  # None: up to the context limit

@@ -18,6 +18,7 @@ from kestrel.serve.errors import error_body
 from kestrel.serve.jobs import Job, Server
 from kestrel.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from kestrel.serve.responses_protocol import ResponsesRequest
+from kestrel.serve.tool_parsers import CallArguments, CallBegun, CallEnded, Event, Prose, ToolCallParser
 from kestrel.serve.tools import call_id, read_tool_calls
 from kestrel.serve.tools import finish_reason as tool_finish_reason
 
@@ -66,14 +67,19 @@ def _failure(e: Exception) -> dict:
     return {"code": "internal_error", "message": "internal server error"}
 
 
-async def chat_stream(server: Server, job: Job, req: ChatCompletionRequest) -> AsyncIterator[str]:
+async def chat_stream(
+    server: Server, job: Job, req: ChatCompletionRequest, parser: ToolCallParser | None = None
+) -> AsyncIterator[str]:
     """OpenAI's chunks. Where the reply is tool calls (`kestrel.serve.tools`): a named call's arguments stream as
     `tool_calls` deltas after a first one with its id and name; "required" calls come whole in the choice's last
-    chunk (their JSON read once it has ended)."""
+    chunk (their JSON read once it has ended). Where `parser` reads the model's own calls (tool_choice "auto"),
+    prose streams as content and each call as it is read: its id and name, then its arguments."""
     head = body_head(server, job, "chatcmpl", "chat.completion.chunk")
     calls_asked = req.tool_calls_asked
     named = calls_asked is not None and req.tool_choice != "required"
     ids = [call_id() for _ in job.choices]
+    readers = [parser.stream() for _ in job.choices] if parser is not None else None
+    called = [False] * len(job.choices)  # (a reader's calls so far)
 
     async def events():
         for i in range(len(job.choices)):
@@ -92,11 +98,16 @@ async def chat_stream(server: Server, job: Job, req: ChatCompletionRequest) -> A
                 logprobs = {"content": chat_logprobs(server.tokenizer, out.new_logprobs)}
             if not (piece or logprobs or choice.finished):
                 continue  # text held back (a partial character or a possible stop string)
-            delta, reasons = ({"content": piece} if piece else {}), _reasons(choice)
+            delta, reasons, calls = ({"content": piece} if piece else {}), _reasons(choice), None
             if calls_asked is not None:
                 delta, calls = _tool_call_delta(req, piece, choice, ids[index], named)
+            elif readers is not None:
+                read = readers[index].feed(piece) + (readers[index].finish() if choice.finished else [])
+                called[index] = called[index] or any(isinstance(e, CallBegun) for e in read)
+                delta, calls = _read_delta(read), ([{}] if called[index] else None)
+            if calls_asked is not None or readers is not None:
                 if not (delta or logprobs or choice.finished):
-                    continue  # ("required" calls are held until their JSON has ended)
+                    continue  # ("required" calls are held until their JSON has ended; a marker until read)
                 if choice.finished:
                     reasons["finish_reason"] = tool_finish_reason(
                         choice.finish_reason, choice.stop_reason, calls
@@ -114,6 +125,25 @@ async def chat_stream(server: Server, job: Job, req: ChatCompletionRequest) -> A
 
     async for e in _stream_errors(events()):
         yield e
+
+
+def _read_delta(read: list[Event]) -> dict:
+    """A chunk's delta from what a tool-call parser read of its piece: prose as content, each call begun with its
+    id and name, arguments as they come (one entry a call)."""
+    content, calls = "", {}
+    for e in read:
+        if isinstance(e, Prose):
+            content += e.text
+        elif isinstance(e, CallBegun):
+            calls[e.index] = {"index": e.index, "id": e.id, "type": "function", "function": {"name": e.name}}
+            calls[e.index]["function"]["arguments"] = ""
+        elif isinstance(e, CallArguments):
+            entry = calls.setdefault(e.index, {"index": e.index, "function": {"arguments": ""}})
+            entry["function"]["arguments"] += e.text
+    delta = {"content": content} if content else {}
+    if calls:
+        delta["tool_calls"] = list(calls.values())
+    return delta
 
 
 def _tool_call_delta(
@@ -231,11 +261,12 @@ def response_body(
     created: int,
     done: bool = True,
     error: dict | None = None,
+    parser: ToolCallParser | None = None,
 ) -> dict:
     """A Responses API response object: its output (once `done`; empty before): one message, or where tools are
     called a `function_call` item a call (`response_output`); its status (`incomplete` with reason
     max_output_tokens where the reply ran out of tokens; `failed` with `error`) and usage; the request's settings
-    as they took effect."""
+    as they took effect. `parser`: the tool-call parser that reads the reply (tool_choice "auto")."""
     choice = job.choices[0]
     incomplete = done and choice.finish_reason == "length"
     status = "failed" if error else "in_progress" if not done else "incomplete" if incomplete else "completed"
@@ -250,7 +281,7 @@ def response_body(
         "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens,
         "model": server.model_name,
-        "output": response_output(job, req, status) if done and not error else [],
+        "output": response_output(job, req, status, parser=parser) if done and not error else [],
         "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -277,11 +308,25 @@ def _dumped(value):
     return value.model_dump(exclude_none=True) if hasattr(value, "model_dump") else value
 
 
-def response_output(job: Job, req: ResponsesRequest, status: str, call_ids: list[str] | None = None) -> list:
+def response_output(
+    job: Job,
+    req: ResponsesRequest,
+    status: str,
+    call_ids: list[str] | None = None,
+    parser: ToolCallParser | None = None,
+) -> list:
     """The response's output items: the reply's message, or its tool calls as `function_call` items (a
     "required" reply cut before its JSON ended stays a message: no call can be read from it). `call_ids`: the
-    calls' ids where a stream already gave them."""
+    calls' ids where a stream already gave them. Where `parser` reads the model's own calls, its prose (if any)
+    and then its calls."""
     text = job.choices[0].text
+    if parser is not None:
+        parsed = parser.parse(text)
+        message = [_response_message(job, status, parsed.content)] if parsed.content is not None else []
+        return message + [
+            _function_call(c["id"], c["function"]["name"], c["function"]["arguments"], status)
+            for c in parsed.calls
+        ]
     calls = read_tool_calls(req.tool_view, text, call_ids) if req.tool_calls_asked is not None else None
     if calls is None:
         return [_response_message(job, status, text)]
@@ -317,14 +362,16 @@ def _output_text(text: str) -> dict:
 
 
 async def responses_stream(
-    server: Server, job: Job, req: ResponsesRequest, created: int
+    server: Server, job: Job, req: ResponsesRequest, created: int, parser: ToolCallParser | None = None
 ) -> AsyncIterator[str]:
     """The Responses API's typed events (`event: <type>` and its JSON, each with a sequence number): the
     response created and in progress, its message item and text part added, the text's deltas, then each closed
     and the response completed (or incomplete); where the engine fails, an `error` event and the response
     failed. No `[DONE]`. Where the reply is tool calls: a named call's item is added first and its arguments
     stream as `function_call_arguments` deltas; "required" calls come once their JSON has ended, each item added,
-    its arguments in one delta, and closed (a reply cut before that, a message)."""
+    its arguments in one delta, and closed (a reply cut before that, a message). Where `parser` reads the model's
+    own calls, each item as it is read: the message at its first prose, a call at its start, its arguments as they
+    come; the message is closed at the end."""
     numbered = itertools.count()
 
     def event(kind: str, **fields) -> str:
@@ -358,6 +405,12 @@ async def responses_stream(
                 arguments=done["arguments"],
             )
             yield event("response.output_item.done", output_index=0, item=done)
+        elif parser is not None:
+            items: list[dict] = []
+            async for e in _parsed_events(event, job, parser, items):
+                yield e
+            final = response_body(server, job, req, created)
+            final["output"] = [{**item, "status": final["status"]} for item in items]
         elif calls_asked is not None:
             async for _ in job.events():
                 pass  # (the calls are read once their JSON has ended)
@@ -390,6 +443,73 @@ async def _message_events(event, job: Job):
     text = job.choices[0].text
     yield event("response.output_text.done", **item, content_index=0, text=text, logprobs=[])
     yield event("response.content_part.done", **item, content_index=0, part=_output_text(text))
+
+
+async def _parsed_events(event, job: Job, parser: ToolCallParser, items: list[dict]):
+    """A reply read by a tool-call parser as output items, each added when it begins (the message at its first
+    prose, which later prose goes on), a call's arguments streamed and the call done at its end, the message done
+    last; `items` ends holding them all, by output index."""
+    reader, message, calls = parser.stream(), None, {}  # calls: the parser's index -> the item's
+    ended, ids, status = False, {}, "completed"
+
+    def open_message():
+        items.append(_response_message(job, "in_progress", ""))
+        ids.update(item_id=items[-1]["id"], output_index=len(items) - 1, content_index=0)
+        added = event(
+            "response.output_item.added", output_index=len(items) - 1, item={**items[-1], "content": []}
+        )
+        return len(items) - 1, [added, event("response.content_part.added", **ids, part=_output_text(""))]
+
+    async for _, piece, _, choice in job.events():
+        read = reader.feed(piece)
+        if choice.finished and not ended:
+            read, ended = read + reader.finish(), True
+            status = "incomplete" if choice.finish_reason == "length" else "completed"
+        for e in read:
+            if isinstance(e, Prose):
+                if message is None:
+                    message, opened = open_message()
+                    for o in opened:
+                        yield o
+                items[message]["content"][0]["text"] += e.text
+                yield event("response.output_text.delta", **ids, delta=e.text, logprobs=[])
+            elif isinstance(e, CallBegun):
+                calls[e.index] = len(items)
+                items.append(_function_call(e.id, e.name, "", "in_progress"))
+                yield event("response.output_item.added", output_index=calls[e.index], item=items[-1])
+            elif isinstance(e, CallArguments):
+                item = items[calls[e.index]]
+                item["arguments"] += e.text
+                yield event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=calls[e.index],
+                    delta=e.text,
+                )
+            elif isinstance(e, CallEnded):
+                k = calls[e.index]
+                items[k]["status"] = (
+                    status if ended else "completed"
+                )  # (a call the reply's end cut: incomplete)
+                item = items[k]
+                yield event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=k,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+                yield event("response.output_item.done", output_index=k, item=item)
+    if message is None and not calls:  # an empty reply: an empty message, as the whole response has
+        message, opened = open_message()
+        for o in opened:
+            yield o
+    if message is not None:
+        text = items[message]["content"][0]["text"]
+        items[message]["status"] = status
+        yield event("response.output_text.done", **ids, text=text, logprobs=[])
+        yield event("response.content_part.done", **ids, part=_output_text(text))
+        yield event("response.output_item.done", output_index=message, item=items[message])
 
 
 def _whole_item_events(event, index: int, out: dict) -> list[str]:

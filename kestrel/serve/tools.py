@@ -6,8 +6,9 @@ or `function_call` output items (Responses: its flat tools are read through `Too
 - "required": the reply is a JSON array of `{"name": ..., "parameters": {...}}`, each item one of the tools
   with its own arguments' schema (one item at most with `parallel_tool_calls: false`).
 - "none": a reply in text (the tools still go to the chat template, for templates that show them).
-- "auto", the default where tools are given, needs the model's own tool-call format and a parser for it (vLLM's
-  --tool-call-parser); the shipped model has none, so it is refused with a 400 that says what works.
+- "auto", the default where tools are given: the model decides, in its own tool-call format, which the server's
+  `--tool-call-parser` reads (`kestrel.serve.tool_parsers`); a server without one refuses it with a 400 that says
+  what works (the shipped model has no such format).
 
 A reply cut by max_tokens keeps what was written: a named call's partial arguments (as OpenAI's), or, for
 "required", the text (its JSON incomplete, no calls read from it).
@@ -23,6 +24,7 @@ from typing import Any
 
 from kestrel.engine.sampling_params import StructuredOutputsParams
 from kestrel.serve.errors import bad_request
+from kestrel.serve.tool_parsers import ToolCallParser
 
 # OpenAI's rule for a function's name
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -56,20 +58,6 @@ def check_tools(req) -> None:
             )
         if name in names[:i]:
             raise bad_request(f"two tools are named {name!r}", param=_field(req, i, "name"))
-    if choice is None and tools:
-        choice = "auto"
-    if choice == "auto" and tools:
-        flat = isinstance(req, ToolView)
-        named = (
-            '{"type": "function", "name": ...}' if flat else '{"type": "function", "function": {"name": ...}}'
-        )
-        raise bad_request(
-            'tool_choice "auto" needs the model\'s own tool-call format, which this server cannot read; give '
-            f'tool_choice "required" or {named} (the reply is then tool calls, their arguments held to each '
-            'schema), or "none"',
-            param="tool_choice",
-            code="unsupported_value",
-        )
     if choice not in (None, "none", "auto") and not tools:
         raise bad_request("tool_choice asks for a tool call, but no tools are given", param="tool_choice")
     if not isinstance(choice, str) and choice is not None and choice.function.name not in names:
@@ -79,6 +67,26 @@ def check_tools(req) -> None:
     if tool_calls_asked(req) is not None:
         for i, t in enumerate(tools):
             _check_parameters(t.function.parameters, _field(req, i, "parameters"))
+
+
+def auto_parser(req, parser: ToolCallParser | None) -> ToolCallParser | None:
+    """The parser that reads the reply's calls where the model decides (tool_choice "auto", the default where tools
+    are given), None where it does not; a 400 where it would, but the server has no parser."""
+    if not req.tools or req.tool_choice not in (None, "auto"):
+        return None
+    if parser is None:
+        flat = isinstance(req, ToolView)
+        named = (
+            '{"type": "function", "name": ...}' if flat else '{"type": "function", "function": {"name": ...}}'
+        )
+        raise bad_request(
+            'tool_choice "auto" needs the model\'s own tool-call format, and this server reads none (start it with '
+            f'--tool-call-parser); give tool_choice "required" or {named} (the reply is then tool calls, their '
+            'arguments held to each schema), or "none"',
+            param="tool_choice",
+            code="unsupported_value",
+        )
+    return parser
 
 
 def _check_parameters(schema: dict | None, param: str) -> None:

@@ -1,0 +1,304 @@
+"""Tool-call parsers: the calls a model writes in its own format, read out of its text (vLLM's and SGLang's
+`--tool-call-parser`), which is what `tool_choice: "auto"` needs: the model decides whether to call, and the
+server tells its calls from its prose.
+
+- `kimi_k2` (Kimi K2 and its successors): `<|tool_calls_section_begin|>` then, for each call,
+  `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>`, then
+  `<|tool_calls_section_end|>`. The markers are special tokens of Kimi's tokenizer, so a request read by this
+  parser keeps special tokens in its text. The call's id is the model's own `functions.NAME:IDX`, which Kimi's
+  chat template writes back beside the call's result.
+- `hermes` (also `qwen25`: Hermes, Qwen 2.5 and Qwen 3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+  one block a call; the ids are made here.
+
+A parser reads a reply piece by piece (`ToolCallStream.feed`, as the stream's text arrives) and says what each
+piece adds: prose, a call begun (its id and name), a call's argument text, a call ended. The whole reply is read
+the same way (`parse`), so a stream's pieces add up to the whole reply's message. Prose is held back only where
+it may be the start of a marker, and whitespace only where a call may follow it: the blank lines a model writes
+before a call, and after its last, are not content.
+
+Arguments are the model's text as written: its JSON is not held to the function's schema (tool_choice "required"
+or a named function does that, through structured outputs). A Kimi call cut before its arguments began is
+dropped; a Hermes block that is not a call's JSON, or that the reply's end cut, is prose, unless it parses.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass
+class Prose:
+    text: str
+
+
+@dataclass
+class CallBegun:
+    index: int  # the call's place among the reply's calls
+    id: str
+    name: str
+
+
+@dataclass
+class CallArguments:
+    index: int
+    text: str  # more of the call's arguments
+
+
+@dataclass
+class CallEnded:
+    index: int
+
+
+Event = Prose | CallBegun | CallArguments | CallEnded
+
+
+@dataclass
+class ParsedReply:
+    """A whole reply: its prose (None where it made calls and wrote nothing else) and its calls, as OpenAI's
+    message holds them (`{"id", "type": "function", "function": {"name", "arguments"}}`)."""
+
+    content: str | None
+    calls: list[dict]
+
+
+class ToolCallStream(ABC):
+    """One reply's reader: `feed` each piece of text as it arrives, `finish` once it has ended."""
+
+    def __init__(self):
+        self._buffer = ""  # text not yet read (a marker's possible start, a Hermes block)
+        self._space = ""  # whitespace held back: shown only if prose follows it
+        self._calls = 0
+        self._finished = False
+
+    def feed(self, piece: str) -> list[Event]:
+        assert not self._finished, "feed after finish"
+        self._buffer += piece
+        events: list[Event] = []
+        self._read(events, final=False)
+        return events
+
+    def finish(self) -> list[Event]:
+        """What the held-back text adds once the reply has ended."""
+        self._finished = True
+        events: list[Event] = []
+        self._read(events, final=True)
+        if self._space and not self._calls:  # no call: the reply's prose exactly as written
+            events.append(Prose(self._space))
+        self._space = ""
+        return events
+
+    @abstractmethod
+    def _read(self, events: list[Event], final: bool) -> None:
+        """Read as much of the buffer as can be read now (all of it where `final`)."""
+
+    def _prose(self, events: list[Event], text: str) -> None:
+        """Prose, its trailing whitespace held back until something other than a call follows it."""
+        text = self._space + text
+        shown = text.rstrip()
+        self._space = text[len(shown) :]
+        if shown:
+            events.append(Prose(shown))
+
+    def _begin_call(self, events: list[Event], call_id: str, name: str) -> int:
+        self._space = ""  # the blank before a call is not prose
+        index, self._calls = self._calls, self._calls + 1
+        events.append(CallBegun(index, call_id, name))
+        return index
+
+    def _until(self, marker: str, final: bool) -> tuple[str, bool]:
+        """The buffer's text before `marker` and whether the marker was found (then consumed); where it was not,
+        all of the buffer but a tail that may be the marker's start (all of it where `final`)."""
+        at = self._buffer.find(marker)
+        if at >= 0:
+            text, self._buffer = self._buffer[:at], self._buffer[at + len(marker) :]
+            return text, True
+        keep = 0 if final else _partial_tail(self._buffer, marker)
+        cut = len(self._buffer) - keep
+        text, self._buffer = self._buffer[:cut], self._buffer[cut:]
+        return text, False
+
+
+def _partial_tail(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker` (a marker still arriving)."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolCallParser(ABC):
+    """A model's tool-call format."""
+
+    name: ClassVar[str]
+    keeps_special_tokens: ClassVar[bool] = False  # its markers are special tokens, which the text must keep
+
+    @abstractmethod
+    def stream(self) -> ToolCallStream: ...
+
+    def parse(self, text: str) -> ParsedReply:
+        """A whole reply, read as a stream of one piece."""
+        return read_events(self._events(text))
+
+    def _events(self, text: str) -> list[Event]:
+        s = self.stream()
+        return [*s.feed(text), *s.finish()]
+
+
+def read_events(events: list[Event]) -> ParsedReply:
+    """The message a reply's events add up to."""
+    prose, calls = [], []
+    for e in events:
+        if isinstance(e, Prose):
+            prose.append(e.text)
+        elif isinstance(e, CallBegun):
+            calls.append({"id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}})
+        elif isinstance(e, CallArguments):
+            calls[e.index]["function"]["arguments"] += e.text
+    content = "".join(prose)
+    return ParsedReply(content or (None if calls else ""), calls)
+
+
+class _KimiStream(ToolCallStream):
+    SECTION_BEGIN = (
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_section_begin|>",
+    )  # (some write it singular)
+    SECTION_END = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
+    CALL_BEGIN, ARGUMENTS_BEGIN, CALL_END = (
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+    )
+
+    def __init__(self):
+        super().__init__()
+        self._state = "prose"  # prose | section | header | arguments
+        self._index = -1  # the call whose arguments are being read
+
+    def _read(self, events: list[Event], final: bool) -> None:
+        while True:
+            if self._state == "prose":
+                text, marker = self._until_any(self.SECTION_BEGIN, final)
+                self._prose(events, text)
+                if marker is None:
+                    return
+                self._state = "section"
+            elif self._state == "section":  # between calls: only whitespace is expected, and dropped
+                text, marker = self._until_any((self.CALL_BEGIN, *self.SECTION_END), final)
+                if marker is None:
+                    return
+                self._state = "header" if marker == self.CALL_BEGIN else "prose"
+            elif self._state == "header":
+                header, found = self._until(self.ARGUMENTS_BEGIN, final)
+                if (
+                    not found
+                ):  # the header not ended yet (or never: a call cut before its arguments is dropped)
+                    self._buffer = "" if final else header + self._buffer
+                    return
+                call_id = header.strip()
+                name = call_id.rpartition(":")[0] if ":" in call_id else call_id
+                self._index = self._begin_call(events, call_id, name.removeprefix("functions."))
+                self._state = "arguments"
+            else:
+                text, found = self._until(self.CALL_END, final)
+                if text:
+                    events.append(CallArguments(self._index, text))
+                if not found:
+                    if final:
+                        events.append(CallEnded(self._index))
+                    return
+                events.append(CallEnded(self._index))
+                self._state = "section"
+
+    def _until_any(self, markers: tuple[str, ...], final: bool) -> tuple[str, str | None]:
+        """As `_until`, for whichever of `markers` comes first."""
+        found = [(at, m) for m in markers if (at := self._buffer.find(m)) >= 0]
+        if found:
+            at, marker = min(found)
+            text, self._buffer = self._buffer[:at], self._buffer[at + len(marker) :]
+            return text, marker
+        keep = 0 if final else max(_partial_tail(self._buffer, m) for m in markers)
+        cut = len(self._buffer) - keep
+        text, self._buffer = self._buffer[:cut], self._buffer[cut:]
+        return text, None
+
+
+class KimiK2Parser(ToolCallParser):
+    name = "kimi_k2"
+    keeps_special_tokens = True
+
+    def stream(self) -> ToolCallStream:
+        return _KimiStream()
+
+
+class _HermesStream(ToolCallStream):
+    BEGIN, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self):
+        super().__init__()
+        self._in_call = False
+
+    def _read(self, events: list[Event], final: bool) -> None:
+        while True:
+            if not self._in_call:
+                text, found = self._until(self.BEGIN, final)
+                self._prose(events, text)
+                if not found:
+                    return
+                self._in_call = True
+            # a block is read whole: its JSON names the function before its arguments
+            at = self._buffer.find(self.END)
+            if at < 0 and not final:
+                return
+            block = self._buffer if at < 0 else self._buffer[:at]
+            self._buffer = "" if at < 0 else self._buffer[at + len(self.END) :]
+            self._in_call = False
+            call = _hermes_call(block)
+            if call is None:  # not a call's JSON: the block is prose, as written
+                self._prose(events, self.BEGIN + block + (self.END if at >= 0 else ""))
+            else:
+                index = self._begin_call(events, f"call_{uuid.uuid4().hex[:24]}", call[0])
+                events += [CallArguments(index, call[1]), CallEnded(index)]
+            if at < 0:
+                return
+
+
+def _hermes_call(block: str) -> tuple[str, str] | None:
+    """A block's function name and arguments (compact JSON), or None where it is not `{"name": ..., "arguments":
+    {...}}` (some models write `parameters`)."""
+    try:
+        call = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if isinstance(arguments, str):  # arguments already as a JSON string
+        return call["name"], arguments
+    return call["name"], json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
+
+
+class HermesParser(ToolCallParser):
+    name = "hermes"
+
+    def stream(self) -> ToolCallStream:
+        return _HermesStream()
+
+
+TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
+    "kimi_k2": KimiK2Parser,
+    "hermes": HermesParser,
+    "qwen25": HermesParser,  # SGLang's name for the same format
+}
+
+
+def tool_call_parser(name: str | None) -> ToolCallParser | None:
+    if name is None:
+        return None
+    if name not in TOOL_CALL_PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(TOOL_CALL_PARSERS)}")
+    return TOOL_CALL_PARSERS[name]()

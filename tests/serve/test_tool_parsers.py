@@ -1,0 +1,160 @@
+"""The tool-call parsers (`kestrel.serve.tool_parsers`) on their own: a reply's prose and calls read whole, and the
+same read from the reply in pieces of every size (a stream's text arrives cut anywhere, markers included)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from kestrel.serve.tool_parsers import (
+    TOOL_CALL_PARSERS,
+    CallArguments,
+    CallBegun,
+    CallEnded,
+    HermesParser,
+    KimiK2Parser,
+    Prose,
+    read_events,
+    tool_call_parser,
+)
+
+KIMI_TWO = (
+    "I will look both up."
+    "<|tool_calls_section_begin|>"
+    '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|>'
+    '<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{"zone": "CET"}<|tool_call_end|>'
+    "<|tool_calls_section_end|>"
+)
+HERMES_TWO = (
+    "I will look both up.\n\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "note": "é"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>\n'
+)
+
+
+def _pieces(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 30))))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def _streamed(parser, pieces: list[str]) -> list:
+    reader = parser.stream()
+    events = []
+    for piece in pieces:
+        events += reader.feed(piece)
+    return events + reader.finish()
+
+
+def test_kimi_calls_and_prose():
+    reply = KimiK2Parser().parse(KIMI_TWO)
+    assert reply.content == "I will look both up."
+    assert [
+        (c["id"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.calls
+    ] == [
+        ("functions.get_weather:0", "get_weather", {"city": "Oslo"}),
+        ("functions.get_time:1", "get_time", {"zone": "CET"}),
+    ]
+    assert all(c["type"] == "function" for c in reply.calls)
+
+
+def test_hermes_calls_and_prose():
+    reply = HermesParser().parse(HERMES_TWO)
+    assert reply.content == "I will look both up."  # the blank lines around the calls are not content
+    assert [c["function"]["name"] for c in reply.calls] == ["get_weather", "get_time"]
+    assert reply.calls[0]["function"]["arguments"] == '{"city":"Oslo","note":"é"}'
+    assert all(c["id"].startswith("call_") for c in reply.calls)
+    assert len({c["id"] for c in reply.calls}) == 2
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_CALL_PARSERS))
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Plain prose, no calls.\n\n",
+        "  indented, a < sign, <|tool and <tool",  # marker starts that never finish
+        "",
+        "\n",
+    ],
+)
+def test_a_reply_without_calls_is_its_text_exactly(name, text):
+    parser = tool_call_parser(name)
+    reply = parser.parse(text)
+    assert reply.content == text and reply.calls == []
+    for seed in range(5):
+        if len(text) > 1:
+            assert read_events(_streamed(parser, _pieces(text, random.Random(seed)))) == reply
+
+
+@pytest.mark.parametrize(("parser", "text"), [(KimiK2Parser(), KIMI_TWO), (HermesParser(), HERMES_TWO)])
+def test_pieces_of_any_size_read_as_the_whole(parser, text):
+    whole = parser.parse(text)
+    for seed in range(200):
+        events = _streamed(parser, _pieces(text, random.Random(seed)))
+        streamed = read_events(events)
+        assert streamed.content == whole.content
+        assert [c["function"] for c in streamed.calls] == [c["function"] for c in whole.calls]
+        assert not any(isinstance(e, Prose) and ("<|" in e.text or "<tool" in e.text) for e in events)
+        begun = [e.index for e in events if isinstance(e, CallBegun)]
+        ended = [e.index for e in events if isinstance(e, CallEnded)]
+        assert begun == ended == [0, 1]
+    one_char = _streamed(parser, list(text))
+    assert read_events(one_char).content == whole.content
+
+
+def test_kimi_arguments_stream_as_they_come():
+    reader = KimiK2Parser().stream()
+    head = "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+    assert reader.feed(head[:-3]) == []  # the header is not ended: nothing to say yet
+    assert reader.feed(head[-3:] + '{"a"') == [CallBegun(0, "functions.f:0", "f"), CallArguments(0, '{"a"')]
+    assert reader.feed(": 1}<|tool_call") == [CallArguments(0, ": 1}")]  # a marker's start held back
+    assert reader.feed("_end|>") == [CallEnded(0)]
+    assert reader.finish() == []
+
+
+def test_a_cut_reply():
+    """The reply's end cuts a call: a Kimi call's arguments so far (the call ended at the end), a Kimi call
+    before its arguments dropped; a Hermes block kept as prose unless it parses."""
+    kimi = KimiK2Parser()
+    cut = kimi.parse(
+        'Hi<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": '
+    )
+    assert cut.content == "Hi" and cut.calls[0]["function"] == {"name": "f", "arguments": '{"a": '}
+    assert kimi.parse("Hi<|tool_calls_section_begin|><|tool_call_begin|>functions.f").calls == []
+    hermes = HermesParser()
+    assert hermes.parse('<tool_call>{"name": "f", "arguments": {"a": 1}}').calls[0]["function"]["name"] == "f"
+    open_block = 'Hi <tool_call>{"name": "f", "argu'
+    assert hermes.parse(open_block) == read_events([Prose(open_block)])
+
+
+@pytest.mark.parametrize(
+    ("block", "call"),
+    [
+        ('{"name": "f", "parameters": {"a": 1}}', ("f", '{"a":1}')),  # some models say parameters
+        ('{"name": "f", "arguments": "{\\"a\\": 1}"}', ("f", '{"a": 1}')),  # arguments already a JSON string
+        ('{"name": "f"}', ("f", "{}")),
+        ('{"arguments": {}}', None),  # no name: not a call
+        ("not json", None),
+    ],
+)
+def test_hermes_blocks(block, call):
+    reply = HermesParser().parse(f"<tool_call>{block}</tool_call>")
+    if call is None:
+        assert reply.calls == [] and reply.content == f"<tool_call>{block}</tool_call>"
+    else:
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in reply.calls] == [call]
+        assert reply.content is None
+
+
+def test_prose_after_the_calls_and_an_unknown_parser():
+    reply = HermesParser().parse('A\n<tool_call>{"name": "f"}</tool_call>\nB\n')
+    assert reply.content == "A\nB" and len(reply.calls) == 1
+    reply = KimiK2Parser().parse(
+        "<|tool_calls_section_begin|><|tool_call_begin|>g<|tool_call_argument_begin|>{}<|tool_call_end|>"
+        "<|tool_calls_section_end|>Done."
+    )
+    assert reply.content == "Done." and reply.calls[0]["function"]["name"] == "g"
+    assert tool_call_parser(None) is None
+    with pytest.raises(ValueError, match="unknown tool-call parser 'nope'; choose one of kimi_k2, hermes"):
+        tool_call_parser("nope")
