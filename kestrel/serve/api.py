@@ -54,6 +54,7 @@ from kestrel.serve.protocol import (
     TokenizeRequest,
     parse,
 )
+from kestrel.serve.reply import read_reply
 from kestrel.serve.responses_protocol import ResponsesRequest
 from kestrel.serve.streams import (
     body_head,
@@ -65,8 +66,8 @@ from kestrel.serve.streams import (
     responses_stream,
     sse,
 )
-from kestrel.serve.tools import auto_parser, read_tool_calls
 from kestrel.serve.tools import finish_reason as tool_finish_reason
+from kestrel.serve.tools import read_tool_calls
 from kestrel.utils.errors import KestrelError
 from kestrel.version import KESTREL_VERSION
 
@@ -80,10 +81,14 @@ def build_app(
     max_request_mb: float = MAX_REQUEST_MB,
     allowed_origins: list[str] | None = None,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """`tool_call_parser`: the model's tool-call format (`kestrel.serve.tool_parsers`), read where tool_choice is
-    "auto"; None: such requests are refused."""
-    server = Server(async_engine, served_model_name, api_key, max_request_mb, tool_call_parser)
+    "auto"; None: such requests are refused. `reasoning_parser`: the model's thinking format
+    (`kestrel.serve.reasoning_parsers`); None: a reply is all answer."""
+    server = Server(
+        async_engine, served_model_name, api_key, max_request_mb, tool_call_parser, reasoning_parser
+    )
     app = FastAPI(title="Kestrel", version=KESTREL_VERSION)
     app.state.server = server
     auth = [Depends(server.check_key)]
@@ -119,26 +124,28 @@ def build_app(
     async def chat_completions(request: Request):
         req = parse(ChatCompletionRequest, await server.read_body(request))
         server.check_model(req.model)
-        parser = auto_parser(req, server.tool_parser)
+        parsers = server.parsers(req, req)
         names = {"prompt": "messages", "max_tokens": req.max_tokens_field}
-        params = await server.sampling_params(req, names, parser)
+        params = await server.sampling_params(req, names, parsers)
         job = Job(
             server, await chat_prompt(req.chat_messages(), req.template_options()), params, field_names=names
         )
         if req.stream:
-            return sse(chat_stream(server, job, req, parser))
+            return sse(chat_stream(server, job, req, parsers))
         if not await _finish_unless_disconnected(request, job):
             return Response(status_code=499)
         choices = []
         for i, c in enumerate(job.choices):
-            content, calls = c.text, None
+            content, calls, reasoning = c.text, None, None
             if req.tool_calls_asked:
                 calls = read_tool_calls(req, c.text)
                 content = c.text if calls is None else None
-            elif parser is not None:
-                parsed = parser.parse(c.text)
-                content, calls = parsed.content, parsed.calls or None
+            elif parsers:
+                reply = read_reply(parsers, c.text)
+                content, calls, reasoning = reply.content, reply.calls or None, reply.reasoning
             message = {"role": "assistant", "content": content}
+            if reasoning is not None:  # SGLang's name and vLLM's
+                message["reasoning_content"] = message["reasoning"] = reasoning
             if calls is not None:
                 message["tool_calls"] = calls
             logprobs = {"content": chat_logprobs(server.tokenizer, c.logprobs)} if req.logprobs else None
@@ -164,17 +171,17 @@ def build_app(
     async def responses(request: Request):
         req = parse(ResponsesRequest, await server.read_body(request))
         server.check_model(req.model)
-        parser = auto_parser(req.tool_view, server.tool_parser)
+        parsers = server.parsers(req, req.tool_view)
         names = {"prompt": "input", "max_tokens": "max_output_tokens"}
-        params = await server.sampling_params(req, names, parser)
+        params = await server.sampling_params(req, names, parsers)
         created = int(time.time())
         prompt = await chat_prompt(req.chat_messages(), req.template_options(), "input")
         job = Job(server, prompt, params, field_names=names)
         if req.stream:
-            return sse(responses_stream(server, job, req, created, parser))
+            return sse(responses_stream(server, job, req, created, parsers))
         if not await _finish_unless_disconnected(request, job):
             return Response(status_code=499)
-        return JSONResponse(response_body(server, job, req, created, parser=parser))
+        return JSONResponse(response_body(server, job, req, created, parsers=parsers))
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):

@@ -19,6 +19,7 @@ from kestrel.env import check_env
 from kestrel.presets import INIT_SCHEMES
 from kestrel.serve import arg_types
 from kestrel.serve.commands import cmd_chat, cmd_generate, cmd_init_random, cmd_serve, engine_config
+from kestrel.serve.reasoning_parsers import REASONING_PARSERS
 from kestrel.serve.tool_parsers import TOOL_CALL_PARSERS
 from kestrel.serve.train_commands import add_train_parsers
 from kestrel.utils.errors import KestrelError
@@ -240,6 +241,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help='the model\'s own tool-call format, read where tool_choice is "auto" (the default where a request '
         'gives tools): kimi_k2, hermes (Hermes, Qwen 2.5/3; qwen25 the same); default: none, and "auto" is a 400',
+    )
+    s.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="the model's thinking format: its <think>...</think> returned as reasoning_content (and reasoning) "
+        "beside the answer: deepseek_r1 (the reply starts thinking), qwen3 or kimi_k2 (where it opens with "
+        "<think>); default: none, the reply is all answer",
     )
     s.add_argument(
         "--max-request-mb",

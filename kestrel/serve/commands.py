@@ -220,6 +220,7 @@ def cmd_serve(args) -> int:
         max_request_mb=args.max_request_mb,
         allowed_origins=args.allowed_origins,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"[kestrel] {engine.plan.describe()}", file=sys.stderr)

@@ -116,4 +116,4 @@ def _field_path(loc: tuple) -> tuple:
 
 
 _BRANCH_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "literal", "function-after"}
-_ITEM_KINDS = {"message", "function_call", "function_call_output"}
+_ITEM_KINDS = {"message", "function_call", "function_call_output", "reasoning"}

@@ -20,8 +20,10 @@ from kestrel.engine.sampling_params import SamplingParams
 from kestrel.serve.choice import ChoiceState
 from kestrel.serve.errors import APIError, bad_request
 from kestrel.serve.metrics import ServerMetrics
-from kestrel.serve.tool_parsers import ToolCallParser
+from kestrel.serve.reasoning_parsers import reasoning_parser as reasoning_parser_named
+from kestrel.serve.reply import Parsers
 from kestrel.serve.tool_parsers import tool_call_parser as tool_parser_named
+from kestrel.serve.tools import auto_parser
 
 RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait
 
@@ -152,9 +154,11 @@ class Server:
         api_key: str | None,
         max_request_mb: float = MAX_REQUEST_MB,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ):
         self.engine, self.model_name, self.api_key = engine, served_model_name, api_key
         self.tool_parser = tool_parser_named(tool_call_parser)
+        self.reasoning_parser = reasoning_parser_named(reasoning_parser)
         self.max_request_mb = max_request_mb
         self.tokenizer = engine.engine.tokenizer
         self.metrics = ServerMetrics(engine.stats, served_model_name)
@@ -212,16 +216,24 @@ class Server:
         message = f"the request body is larger than this server takes ({self.max_request_mb:g} MiB; --max-request-mb)"
         return APIError(413, message, code="request_too_large")
 
+    def parsers(self, req, tools) -> Parsers:
+        """The parsers that read a request's reply: the reasoning where the server has a reasoning parser and no
+        constraint holds the reply (a constrained reply is the constraint's whole: JSON has no `<think>`), the
+        calls where the model decides on them (`tools`: the request's tools as the chat route's; a 400 where the
+        server has no tool-call parser)."""
+        reasoning = self.reasoning_parser if req.constraint_field is None else None
+        return Parsers(reasoning, auto_parser(tools, self.tool_parser))
+
     async def sampling_params(
-        self, req, field_names: dict[str, str], parser: ToolCallParser | None = None
+        self, req, field_names: dict[str, str], parsers: Parsers | None = None
     ) -> SamplingParams:
         """A request's SamplingParams. Where it constrains the output they are made, and its grammar compiled (the
         engine keeps it), in a worker thread: a large JSON schema takes a second (a 300-branch anyOf: 1.4 s),
         which on the event loop held up every other stream. The grammar's errors are 400s naming the request's
-        own field, as `field_names` will for the engine's later errors. `parser`: the tool-call parser that will
-        read the reply, whose markers may be special tokens (kept in the text then, as vLLM does)."""
+        own field, as `field_names` will for the engine's later errors. `parsers`: those that will read the reply,
+        whose markers may be special tokens (kept in the text then, as vLLM does)."""
         params = await self._sampling_params(req, field_names)
-        if parser is not None and parser.keeps_special_tokens:
+        if parsers is not None and parsers.keeps_special_tokens:
             params.skip_special_tokens = False
         return params
 

@@ -90,6 +90,10 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls (SDKs send [] for none)
     tool_call_id: str | None = None  # a tool turn's: the call it answers
+    # an assistant turn's reasoning, as a reasoning parser returned it (SGLang's name and vLLM's): given to the
+    # chat template as `reasoning_content`, which thinking models' templates read
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     # what an assistant message the openai client returned holds beside its content, when sent back as it
     # dumps it (`message.model_dump()`): taken, not rendered
     refusal: str | None = None
@@ -444,6 +448,9 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
             ]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None and m.role == "assistant":
+            message["reasoning_content"] = reasoning
         out.append(message)
     return out
 

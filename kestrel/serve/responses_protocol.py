@@ -123,6 +123,23 @@ class ResponseFunctionCallOutput(_Strict):
     status: str | None = None
 
 
+class ReasoningText(_Strict):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ResponseReasoning(_Strict):
+    """An input item: an earlier reply's reasoning (as the API returned it; OpenAI asks clients to send it back),
+    given to the chat template as the next assistant turn's `reasoning_content`."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningText] | None = None
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None  # (none is made here: taken, not used)
+    status: str | None = None
+
+
 def _item_kind(item) -> str:
     """A Responses input item's kind: its `type` (a message may leave it out)."""
     kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
@@ -133,17 +150,19 @@ def _item_kind(item) -> str:
 ResponseInputItem = Annotated[
     Annotated[ResponseInputMessage, Tag("message")]
     | Annotated[ResponseFunctionCall, Tag("function_call")]
-    | Annotated[ResponseFunctionCallOutput, Tag("function_call_output")],
+    | Annotated[ResponseFunctionCallOutput, Tag("function_call_output")]
+    | Annotated[ResponseReasoning, Tag("reasoning")],
     Discriminator(_item_kind),
 ]
 
 
 class ResponsesRequest(_Strict):
     """OpenAI's Responses API (`POST /v1/responses`), stateless: `input` (a string, or messages, earlier function
-    calls and their outputs), `instructions` (a system message first), `max_output_tokens`, `temperature`,
-    `top_p`, `stream`, structured output (`text.format`) and function tools (`tools`, `tool_choice` "required" or
-    a named function: the reply is `function_call` items, as on the chat route, `kestrel.serve.tools`). Nothing
-    is stored (`store` is taken and the response cannot be fetched later); other tool types, reasoning and
+    calls and their outputs, earlier reasoning), `instructions` (a system message first), `max_output_tokens`,
+    `temperature`, `top_p`, `stream`, structured output (`text.format`) and function tools (`tools`, `tool_choice`
+    "required" or a named function: the reply is `function_call` items, as on the chat route,
+    `kestrel.serve.tools`; "auto" where the server has a tool-call parser). Nothing is stored (`store` is taken
+    and the response cannot be fetched later); other tool types, the `reasoning` settings and
     `previous_response_id` are refused unless given their neutral value."""
 
     model: str | None = None
@@ -208,7 +227,11 @@ class ResponsesRequest(_Strict):
         if isinstance(self.input, str):
             return [*system, _template_message("user", self.input)]
         out = system
+        reasoning = None  # a reasoning item's text, for the assistant turn after it
         for i, item in enumerate(self.input):
+            if isinstance(item, ResponseReasoning):
+                reasoning = "".join(part.text for part in item.content or item.summary or [])
+                continue
             if isinstance(item, ResponseFunctionCall):
                 args = _arguments(item.arguments, f"input.{i}.arguments", cut=item.status == "incomplete")
                 call = {
@@ -228,6 +251,8 @@ class ResponsesRequest(_Strict):
                     item.content if isinstance(item.content, str) else "\n".join(p.text for p in item.content)
                 )
                 out.append(_template_message(item.role, text))
+            if reasoning is not None and out[-1]["role"] == "assistant":
+                out[-1]["reasoning_content"], reasoning = reasoning, None
         return out
 
     @property

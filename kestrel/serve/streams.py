@@ -17,8 +17,9 @@ from kestrel.serve.choice import ChoiceState, chat_logprobs, completion_logprobs
 from kestrel.serve.errors import error_body
 from kestrel.serve.jobs import Job, Server
 from kestrel.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from kestrel.serve.reply import Parsers, Reasoning, ReplyEvent, ReplyReader, read_reply
 from kestrel.serve.responses_protocol import ResponsesRequest
-from kestrel.serve.tool_parsers import CallArguments, CallBegun, CallEnded, Event, Prose, ToolCallParser
+from kestrel.serve.tool_parsers import CallArguments, CallBegun, CallEnded, Prose
 from kestrel.serve.tools import call_id, read_tool_calls
 from kestrel.serve.tools import finish_reason as tool_finish_reason
 
@@ -68,18 +69,18 @@ def _failure(e: Exception) -> dict:
 
 
 async def chat_stream(
-    server: Server, job: Job, req: ChatCompletionRequest, parser: ToolCallParser | None = None
+    server: Server, job: Job, req: ChatCompletionRequest, parsers: Parsers | None = None
 ) -> AsyncIterator[str]:
     """OpenAI's chunks. Where the reply is tool calls (`kestrel.serve.tools`): a named call's arguments stream as
     `tool_calls` deltas after a first one with its id and name; "required" calls come whole in the choice's last
-    chunk (their JSON read once it has ended). Where `parser` reads the model's own calls (tool_choice "auto"),
-    prose streams as content and each call as it is read: its id and name, then its arguments."""
+    chunk (their JSON read once it has ended). Where `parsers` read the reply, its reasoning streams as
+    `reasoning_content` (and `reasoning`), then its prose as content and each of the model's own calls
+    (tool_choice "auto") as it is read: its id and name, then its arguments."""
     head = body_head(server, job, "chatcmpl", "chat.completion.chunk")
     calls_asked = req.tool_calls_asked
     named = calls_asked is not None and req.tool_choice != "required"
     ids = [call_id() for _ in job.choices]
-    readers = [parser.stream() for _ in job.choices] if parser is not None else None
-    called = [False] * len(job.choices)  # (a reader's calls so far)
+    readers = [ReplyReader(parsers) for _ in job.choices] if parsers else None
 
     async def events():
         for i in range(len(job.choices)):
@@ -102,9 +103,8 @@ async def chat_stream(
             if calls_asked is not None:
                 delta, calls = _tool_call_delta(req, piece, choice, ids[index], named)
             elif readers is not None:
-                read = readers[index].feed(piece) + (readers[index].finish() if choice.finished else [])
-                called[index] = called[index] or any(isinstance(e, CallBegun) for e in read)
-                delta, calls = _read_delta(read), ([{}] if called[index] else None)
+                delta = _read_delta(readers[index].read(piece, choice.finished))
+                calls = [{}] if readers[index].called else None
             if calls_asked is not None or readers is not None:
                 if not (delta or logprobs or choice.finished):
                     continue  # ("required" calls are held until their JSON has ended; a marker until read)
@@ -127,12 +127,14 @@ async def chat_stream(
         yield e
 
 
-def _read_delta(read: list[Event]) -> dict:
-    """A chunk's delta from what a tool-call parser read of its piece: prose as content, each call begun with its
-    id and name, arguments as they come (one entry a call)."""
-    content, calls = "", {}
+def _read_delta(read: list[ReplyEvent]) -> dict:
+    """A chunk's delta from what the parsers read of its piece: reasoning, prose as content, each call begun with
+    its id and name, arguments as they come (one entry a call)."""
+    reasoning, content, calls = "", "", {}
     for e in read:
-        if isinstance(e, Prose):
+        if isinstance(e, Reasoning):
+            reasoning += e.text
+        elif isinstance(e, Prose):
             content += e.text
         elif isinstance(e, CallBegun):
             calls[e.index] = {"index": e.index, "id": e.id, "type": "function", "function": {"name": e.name}}
@@ -140,7 +142,9 @@ def _read_delta(read: list[Event]) -> dict:
         elif isinstance(e, CallArguments):
             entry = calls.setdefault(e.index, {"index": e.index, "function": {"arguments": ""}})
             entry["function"]["arguments"] += e.text
-    delta = {"content": content} if content else {}
+    delta = {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
+    if content:
+        delta["content"] = content
     if calls:
         delta["tool_calls"] = list(calls.values())
     return delta
@@ -261,12 +265,12 @@ def response_body(
     created: int,
     done: bool = True,
     error: dict | None = None,
-    parser: ToolCallParser | None = None,
+    parsers: Parsers | None = None,
 ) -> dict:
     """A Responses API response object: its output (once `done`; empty before): one message, or where tools are
     called a `function_call` item a call (`response_output`); its status (`incomplete` with reason
     max_output_tokens where the reply ran out of tokens; `failed` with `error`) and usage; the request's settings
-    as they took effect. `parser`: the tool-call parser that reads the reply (tool_choice "auto")."""
+    as they took effect. `parsers`: those that read the reply (its reasoning, the model's own calls)."""
     choice = job.choices[0]
     incomplete = done and choice.finish_reason == "length"
     status = "failed" if error else "in_progress" if not done else "incomplete" if incomplete else "completed"
@@ -281,7 +285,7 @@ def response_body(
         "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens,
         "model": server.model_name,
-        "output": response_output(job, req, status, parser=parser) if done and not error else [],
+        "output": response_output(job, req, status, parsers=parsers) if done and not error else [],
         "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -298,10 +302,18 @@ def response_body(
             "input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
             "output_tokens": usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": _reasoning_tokens(choice, parsers)},
             "total_tokens": usage["total_tokens"],
         }
     return body
+
+
+def _reasoning_tokens(choice: ChoiceState, parsers: Parsers | None) -> int:
+    """The reply's tokens that begin inside its reasoning (its closing marker's included)."""
+    if not parsers or parsers.reasoning is None:
+        return 0
+    end = read_reply(parsers, choice.text).reasoning_end
+    return sum(1 for offset in choice.text_offsets if offset < end)
 
 
 def _dumped(value):
@@ -313,24 +325,35 @@ def response_output(
     req: ResponsesRequest,
     status: str,
     call_ids: list[str] | None = None,
-    parser: ToolCallParser | None = None,
+    parsers: Parsers | None = None,
 ) -> list:
     """The response's output items: the reply's message, or its tool calls as `function_call` items (a
     "required" reply cut before its JSON ended stays a message: no call can be read from it). `call_ids`: the
-    calls' ids where a stream already gave them. Where `parser` reads the model's own calls, its prose (if any)
-    and then its calls."""
+    calls' ids where a stream already gave them. Where `parsers` read the reply: its reasoning, its prose and its
+    calls, each where the reply has it."""
     text = job.choices[0].text
-    if parser is not None:
-        parsed = parser.parse(text)
-        message = [_response_message(job, status, parsed.content)] if parsed.content is not None else []
-        return message + [
+    if parsers:
+        reply = read_reply(parsers, text)
+        items = [_reasoning_item(job, status, reply.reasoning)] if reply.reasoning is not None else []
+        items += [_response_message(job, status, reply.content)] if reply.content is not None else []
+        return items + [
             _function_call(c["id"], c["function"]["name"], c["function"]["arguments"], status)
-            for c in parsed.calls
+            for c in reply.calls
         ]
     calls = read_tool_calls(req.tool_view, text, call_ids) if req.tool_calls_asked is not None else None
     if calls is None:
         return [_response_message(job, status, text)]
     return [_function_call(c["id"], c["function"]["name"], c["function"]["arguments"], status) for c in calls]
+
+
+def _reasoning_item(job: Job, status: str, text: str) -> dict:
+    return {
+        "type": "reasoning",
+        "id": f"rs_{job.id}",
+        "summary": [],
+        "content": [_reasoning_text(text)],
+        "status": status,
+    }
 
 
 def _function_call(call: str, name: str, arguments: str, status: str) -> dict:
@@ -362,16 +385,16 @@ def _output_text(text: str) -> dict:
 
 
 async def responses_stream(
-    server: Server, job: Job, req: ResponsesRequest, created: int, parser: ToolCallParser | None = None
+    server: Server, job: Job, req: ResponsesRequest, created: int, parsers: Parsers | None = None
 ) -> AsyncIterator[str]:
     """The Responses API's typed events (`event: <type>` and its JSON, each with a sequence number): the
     response created and in progress, its message item and text part added, the text's deltas, then each closed
     and the response completed (or incomplete); where the engine fails, an `error` event and the response
     failed. No `[DONE]`. Where the reply is tool calls: a named call's item is added first and its arguments
     stream as `function_call_arguments` deltas; "required" calls come once their JSON has ended, each item added,
-    its arguments in one delta, and closed (a reply cut before that, a message). Where `parser` reads the model's
-    own calls, each item as it is read: the message at its first prose, a call at its start, its arguments as they
-    come; the message is closed at the end."""
+    its arguments in one delta, and closed (a reply cut before that, a message). Where `parsers` read the reply,
+    each item as it is read: the reasoning first, the message at its first prose, a call at its start, its
+    arguments as they come; the message is closed at the end."""
     numbered = itertools.count()
 
     def event(kind: str, **fields) -> str:
@@ -405,11 +428,11 @@ async def responses_stream(
                 arguments=done["arguments"],
             )
             yield event("response.output_item.done", output_index=0, item=done)
-        elif parser is not None:
+        elif parsers:
             items: list[dict] = []
-            async for e in _parsed_events(event, job, parser, items):
+            async for e in _parsed_events(event, job, parsers, items):
                 yield e
-            final = response_body(server, job, req, created)
+            final = response_body(server, job, req, created, parsers=parsers)
             final["output"] = [{**item, "status": final["status"]} for item in items]
         elif calls_asked is not None:
             async for _ in job.events():
@@ -445,45 +468,70 @@ async def _message_events(event, job: Job):
     yield event("response.content_part.done", **item, content_index=0, part=_output_text(text))
 
 
-async def _parsed_events(event, job: Job, parser: ToolCallParser, items: list[dict]):
-    """A reply read by a tool-call parser as output items, each added when it begins (the message at its first
-    prose, which later prose goes on), a call's arguments streamed and the call done at its end, the message done
-    last; `items` ends holding them all, by output index."""
-    reader, message, calls = parser.stream(), None, {}  # calls: the parser's index -> the item's
-    ended, ids, status = False, {}, "completed"
+async def _parsed_events(event, job: Job, parsers: Parsers, items: list[dict]):
+    """A reply read by the parsers as output items, each added when it begins: the reasoning (done when the
+    answer begins), the message at its first prose (which later prose goes on), a call (its arguments streamed,
+    done at its end); the message done last. `items` ends holding them all, by output index."""
+    reader, calls = ReplyReader(parsers), {}  # calls: the parser's index -> the item's
+    message = reasoning = None  # their output indices
+    ended, status = False, "completed"
+    ids: dict[int, dict] = {}  # an item's index -> its content's ids
 
-    def open_message():
-        items.append(_response_message(job, "in_progress", ""))
-        ids.update(item_id=items[-1]["id"], output_index=len(items) - 1, content_index=0)
-        added = event(
-            "response.output_item.added", output_index=len(items) - 1, item={**items[-1], "content": []}
-        )
-        return len(items) - 1, [added, event("response.content_part.added", **ids, part=_output_text(""))]
+    def open_item(item: dict, part: dict) -> list[str]:
+        index = len(items)
+        items.append(item)
+        ids[index] = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        return [
+            event("response.output_item.added", output_index=index, item={**item, "content": []}),
+            event("response.content_part.added", **ids[index], part=part),
+        ]
+
+    def close_item(index: int, kind: str, part) -> list[str]:
+        text = items[index]["content"][0]["text"]
+        items[index]["status"] = status if ended else "completed"
+        return [
+            event(
+                f"response.{kind}.done",
+                **ids[index],
+                text=text,
+                **({"logprobs": []} if kind == "output_text" else {}),
+            ),
+            event("response.content_part.done", **ids[index], part=part(text)),
+            event("response.output_item.done", output_index=index, item=items[index]),
+        ]
 
     async for _, piece, _, choice in job.events():
-        read = reader.feed(piece)
         if choice.finished and not ended:
-            read, ended = read + reader.finish(), True
-            status = "incomplete" if choice.finish_reason == "length" else "completed"
-        for e in read:
-            if isinstance(e, Prose):
+            ended, status = True, "incomplete" if choice.finish_reason == "length" else "completed"
+        for e in reader.read(piece, choice.finished):
+            if reasoning is not None and reasoning == len(items) - 1 and not isinstance(e, Reasoning):
+                for o in close_item(reasoning, "reasoning_text", _reasoning_text):
+                    yield o
+            if isinstance(e, Reasoning):
+                if reasoning is None:
+                    reasoning = len(items)
+                    for o in open_item(_reasoning_item(job, "in_progress", ""), _reasoning_text("")):
+                        yield o
+                items[reasoning]["content"][0]["text"] += e.text
+                yield event("response.reasoning_text.delta", **ids[reasoning], delta=e.text)
+            elif isinstance(e, Prose):
                 if message is None:
-                    message, opened = open_message()
-                    for o in opened:
+                    message = len(items)
+                    for o in open_item(_response_message(job, "in_progress", ""), _output_text("")):
                         yield o
                 items[message]["content"][0]["text"] += e.text
-                yield event("response.output_text.delta", **ids, delta=e.text, logprobs=[])
+                yield event("response.output_text.delta", **ids[message], delta=e.text, logprobs=[])
             elif isinstance(e, CallBegun):
                 calls[e.index] = len(items)
                 items.append(_function_call(e.id, e.name, "", "in_progress"))
                 yield event("response.output_item.added", output_index=calls[e.index], item=items[-1])
             elif isinstance(e, CallArguments):
-                item = items[calls[e.index]]
-                item["arguments"] += e.text
+                k = calls[e.index]
+                items[k]["arguments"] += e.text
                 yield event(
                     "response.function_call_arguments.delta",
-                    item_id=item["id"],
-                    output_index=calls[e.index],
+                    item_id=items[k]["id"],
+                    output_index=k,
                     delta=e.text,
                 )
             elif isinstance(e, CallEnded):
@@ -500,16 +548,24 @@ async def _parsed_events(event, job: Job, parser: ToolCallParser, items: list[di
                     arguments=item["arguments"],
                 )
                 yield event("response.output_item.done", output_index=k, item=item)
-    if message is None and not calls:  # an empty reply: an empty message, as the whole response has
-        message, opened = open_message()
-        for o in opened:
+    if (
+        reasoning is not None and items[reasoning]["status"] == "in_progress"
+    ):  # a reply that is reasoning alone
+        for o in close_item(reasoning, "reasoning_text", _reasoning_text):
+            yield o
+    if (
+        message is None and not calls and reasoning is None
+    ):  # an empty reply: an empty message, as the whole's
+        message = len(items)
+        for o in open_item(_response_message(job, "in_progress", ""), _output_text("")):
             yield o
     if message is not None:
-        text = items[message]["content"][0]["text"]
-        items[message]["status"] = status
-        yield event("response.output_text.done", **ids, text=text, logprobs=[])
-        yield event("response.content_part.done", **ids, part=_output_text(text))
-        yield event("response.output_item.done", output_index=message, item=items[message])
+        for o in close_item(message, "output_text", _output_text):
+            yield o
+
+
+def _reasoning_text(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
 
 
 def _whole_item_events(event, index: int, out: dict) -> list[str]:

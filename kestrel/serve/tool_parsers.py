@@ -116,13 +116,13 @@ class ToolCallStream(ABC):
         if at >= 0:
             text, self._buffer = self._buffer[:at], self._buffer[at + len(marker) :]
             return text, True
-        keep = 0 if final else _partial_tail(self._buffer, marker)
+        keep = 0 if final else partial_tail(self._buffer, marker)
         cut = len(self._buffer) - keep
         text, self._buffer = self._buffer[:cut], self._buffer[cut:]
         return text, False
 
 
-def _partial_tail(text: str, marker: str) -> int:
+def partial_tail(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker` (a marker still arriving)."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):
@@ -221,7 +221,7 @@ class _KimiStream(ToolCallStream):
             at, marker = min(found)
             text, self._buffer = self._buffer[:at], self._buffer[at + len(marker) :]
             return text, marker
-        keep = 0 if final else max(_partial_tail(self._buffer, m) for m in markers)
+        keep = 0 if final else max(partial_tail(self._buffer, m) for m in markers)
         cut = len(self._buffer) - keep
         text, self._buffer = self._buffer[:cut], self._buffer[cut:]
         return text, None

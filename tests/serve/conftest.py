@@ -40,6 +40,7 @@ class RunningServer:
         max_request_mb: float = 64,
         allowed_origins: list[str] | None = None,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
         **engine_kw,
     ):
         engine_kw.setdefault("page_size", 16)
@@ -53,6 +54,7 @@ class RunningServer:
             max_request_mb=max_request_mb,
             allowed_origins=allowed_origins,
             tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
         )
         self.app = app
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

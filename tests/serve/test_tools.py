@@ -413,7 +413,11 @@ def test_responses_a_cut_call_sent_back_is_taken(client):
             "JSON",
         ),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id", "missing"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type", "'reasoning' is not supported"),
+        (
+            {"input": [{"type": "item_reference", "id": "x"}]},
+            "input.0.type",
+            "'item_reference' is not supported",
+        ),
         ({"message": "x"}, "message", "unknown field"),  # (an item kind's name, outside the input's items)
         ({"input": [{"role": "user", "content": "x", "message": 1}]}, "input.0.message", "unknown field"),
     ],

@@ -1,0 +1,126 @@
+"""Reasoning parsers: a thinking model's reasoning told apart from its answer (vLLM's and SGLang's
+`--reasoning-parser`). The reasoning is what the model writes between `<think>` and `</think>`; the answer is the
+rest, which the chat route returns as `content` (and reads for tool calls) and the reasoning as
+`reasoning_content` (SGLang's and DeepSeek's name, vLLM's before 0.11) and `reasoning` (vLLM's now).
+
+- `deepseek_r1`: the reply starts inside its reasoning (DeepSeek R1's template opens `<think>` in the prompt;
+  a `<think>` the model writes itself is dropped too) and the answer starts after `</think>`. A reply that never
+  closes its reasoning is all reasoning.
+- `qwen3`, `kimi_k2` (Kimi K2 Thinking, K3): reasoning only where the reply opens with `<think>` (thinking may be
+  off: then the whole reply is the answer). Kimi's think markers may be special tokens, which such a reply's text
+  keeps.
+
+Whitespace between `</think>` and the answer is not part of the answer. A stream's pieces are read as the whole
+(a marker may arrive cut anywhere); a marker's possible start is held back until it is told apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kestrel.serve.tool_parsers import partial_tail
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+@dataclass
+class ParsedReasoning:
+    reasoning: str | None  # None: the reply has no reasoning
+    answer: str
+    reasoning_end: int  # where the reasoning ends in the reply's text, its closing marker included (0: none)
+
+
+class ReasoningStream:
+    """One reply's reader: `feed` each piece as it arrives, `finish` once it has ended; each returns the
+    (reasoning, answer) text it adds."""
+
+    def __init__(self, opens_inside: bool):
+        self._state = "start"  # start | reasoning | gap (after </think>, before the answer) | answer
+        self._opens_inside = opens_inside
+        self._buffer = ""
+        self.seen = 0  # the reply's text read so far
+        self.reasoning_end = 0
+        self.has_reasoning = False
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        self._buffer += piece
+        self.seen += len(piece)
+        return self._read(final=False)
+
+    def finish(self) -> tuple[str, str]:
+        return self._read(final=True)
+
+    def _read(self, final: bool) -> tuple[str, str]:
+        reasoning = answer = ""
+        while self._buffer:
+            if self._state == "start":
+                head = self._buffer.lstrip()
+                if head.startswith(OPEN):
+                    self._buffer, self._state = head[len(OPEN) :], "reasoning"
+                elif OPEN.startswith(head) and not final:
+                    break  # `<think>` may be arriving
+                else:
+                    self._state = "reasoning" if self._opens_inside else "answer"
+                self.has_reasoning = self._state == "reasoning"
+            elif self._state == "reasoning":
+                at = self._buffer.find(CLOSE)
+                if at >= 0:
+                    reasoning += self._buffer[:at]
+                    self._buffer, self._state = self._buffer[at + len(CLOSE) :], "gap"
+                    self.reasoning_end = self.seen - len(self._buffer)
+                    continue
+                keep = 0 if final else partial_tail(self._buffer, CLOSE)
+                reasoning += self._buffer[: len(self._buffer) - keep]
+                self._buffer = self._buffer[len(self._buffer) - keep :]
+                if final or keep:
+                    break
+            elif self._state == "gap":
+                self._buffer = self._buffer.lstrip()
+                if self._buffer:
+                    self._state = "answer"
+            else:
+                answer, self._buffer = answer + self._buffer, ""
+        if final and self._state == "reasoning":
+            self.reasoning_end = self.seen
+        return reasoning, answer
+
+
+class ReasoningParser:
+    opens_inside: ClassVar[bool] = False
+    keeps_special_tokens: ClassVar[bool] = False
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self.opens_inside)
+
+    def parse(self, text: str) -> ParsedReasoning:
+        s = self.stream()
+        (r1, a1), (r2, a2) = s.feed(text), s.finish()
+        return ParsedReasoning((r1 + r2) if s.has_reasoning else None, a1 + a2, s.reasoning_end)
+
+
+class DeepSeekR1Parser(ReasoningParser):
+    opens_inside = True
+
+
+class Qwen3Parser(ReasoningParser):
+    pass
+
+
+class KimiK2ReasoningParser(ReasoningParser):
+    keeps_special_tokens = True
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    "deepseek_r1": DeepSeekR1Parser,
+    "qwen3": Qwen3Parser,
+    "kimi_k2": KimiK2ReasoningParser,
+}
+
+
+def reasoning_parser(name: str | None) -> ReasoningParser | None:
+    if name is None:
+        return None
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r}; choose one of {', '.join(REASONING_PARSERS)}")
+    return REASONING_PARSERS[name]()

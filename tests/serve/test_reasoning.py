@@ -1,0 +1,161 @@
+"""A server started with a reasoning parser (`--reasoning-parser`): a thinking model's reasoning returned beside
+its answer, whole and streamed, on the chat route and the Responses API, with the model's own tool calls after
+it; reasoning sent back reaches the chat template. The tiny model does not think, so each reply is made to by a
+regex; the regex is hidden from the rule that a constrained reply is not read for reasoning (a JSON schema's
+reply has no `<think>`), which `test_a_constrained_reply_is_all_answer` checks."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+from kestrel.engine.sampling_params import StructuredOutputsParams
+from kestrel.serve.protocol import ChatCompletionRequest
+from kestrel.serve.responses_protocol import ResponsesRequest
+from tests.serve.conftest import MODEL, RunningServer
+from tests.serve.test_tools import TOOLS
+
+REASONING = "The user wants Oslo's weather: call the tool."
+REPLY = (
+    f"<think>{REASONING}</think>\n"
+    "Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+    '<|tool_call_argument_begin|>{"city":"Oslo"}<|tool_call_end|><|tool_calls_section_end|>'
+)
+CHAT = [{"role": "user", "content": "Weather in Oslo?"}]
+FLAT = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = RunningServer(reasoning_parser="qwen3", tool_call_parser="kimi_k2")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def client(server, monkeypatch):
+    """Requests whose regex the parsers do not see as a constraint (the Responses API's given one here)."""
+    monkeypatch.setattr(ChatCompletionRequest, "constraint_field", property(lambda self: None))
+    made = ResponsesRequest.to_sampling_params
+
+    def forced(self):
+        params = made(self)
+        params.structured_outputs = StructuredOutputsParams(regex=re.escape(REPLY))
+        return params
+
+    monkeypatch.setattr(ResponsesRequest, "to_sampling_params", forced)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+FORCED = {"structured_outputs": {"regex": re.escape(REPLY)}}
+
+
+def test_chat_reasoning_answer_and_calls(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, tools=TOOLS, max_tokens=400, extra_body=FORCED
+    )
+    message = r.choices[0].message
+    assert message.model_extra["reasoning_content"] == message.model_extra["reasoning"] == REASONING
+    assert message.content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_chat_stream_adds_up_to_the_same(client):
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, tools=TOOLS, max_tokens=400, stream=True, extra_body=FORCED
+        )
+    )
+    reasoning = content = arguments = ""
+    seen = []  # the kinds of delta, in order
+    for ch in chunks:
+        delta = ch.choices[0].delta
+        extra = delta.model_extra or {}
+        if extra.get("reasoning_content"):
+            assert extra["reasoning"] == extra["reasoning_content"]
+            reasoning += extra["reasoning_content"]
+            seen.append("reasoning")
+        if delta.content:
+            content += delta.content
+            seen.append("content")
+        for t in delta.tool_calls or []:
+            arguments += t.function.arguments or ""
+            seen.append("call")
+    assert (reasoning, content, json.loads(arguments)) == (REASONING, "Let me check.", {"city": "Oslo"})
+    assert seen.index("content") > max(k for k, kind in enumerate(seen) if kind == "reasoning")
+    assert seen.count("reasoning") > 1  # streamed as it is written
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_responses_items_and_reasoning_tokens(client):
+    kw = {"model": MODEL, "input": "Weather in Oslo?", "tools": FLAT, "max_output_tokens": 400}
+    r = client.responses.create(**kw)
+    assert [item.type for item in r.output] == ["reasoning", "message", "function_call"]
+    assert r.output[0].content[0].text == REASONING and r.output[0].id.startswith("rs_")
+    assert r.output[1].content[0].text == "Let me check."
+    # the byte tokenizer: a token a character, up to and with </think>
+    assert r.usage.output_tokens_details.reasoning_tokens == len(f"<think>{REASONING}</think>")
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == REASONING
+    done = [e.item.type for e in events if e.type == "response.output_item.done"]
+    assert done == ["reasoning", "function_call", "message"]  # the message closes last
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
+    assert (
+        final.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens_details.reasoning_tokens
+    )
+    # the client sends the output back as the next turn's input: taken, the reasoning item included
+    turns = [{"role": "user", "content": "Weather in Oslo?"}, *[o.model_dump(mode="json") for o in r.output]]
+    turns.append({"type": "function_call_output", "call_id": r.output[2].call_id, "output": "sunny"})
+    again = client.responses.create(**{**kw, "input": turns})
+    assert again.status == "completed"
+
+
+def test_reasoning_sent_back_reaches_the_template(make_server):
+    template = (
+        "{% for m in messages %}<{{ m['role'] }}>"
+        "{% if m.reasoning_content %}[thought:{{ m.reasoning_content }}]{% endif %}{{ m['content'] or '' }}"
+        "{% endfor %}<assistant>"
+    )
+    s = make_server(chat_template=template, reasoning_parser="qwen3")
+    for key in ("reasoning_content", "reasoning"):
+        messages = [*CHAT, {"role": "assistant", "content": "Sunny.", key: "look it up"}, *CHAT]
+        tok = httpx.post(f"{s.url}/tokenize", json={"model": MODEL, "messages": messages}, timeout=30).json()
+        assert "<assistant>[thought:look it up]Sunny." in s.engine.tokenizer.decode(tok["tokens"])
+    item = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "hm"}],
+    }
+    turns = [*CHAT, item, {"role": "assistant", "content": "Sunny."}, *CHAT]
+    body = {"model": MODEL, "input": turns, "max_output_tokens": 1}
+    with_item = httpx.post(f"{s.url}/v1/responses", json=body, timeout=30).json()
+    without = httpx.post(f"{s.url}/v1/responses", json={**body, "input": turns[:1] + turns[2:]}, timeout=30)
+    added = with_item["usage"]["input_tokens"] - without.json()["usage"]["input_tokens"]
+    assert added == len("[thought:hm]")
+    bad = {**body, "input": [*CHAT, {"type": "reasoning", "content": [{"type": "oops", "text": "x"}]}]}
+    e = httpx.post(f"{s.url}/v1/responses", json=bad, timeout=30)
+    assert e.status_code == 400 and e.json()["error"]["param"].startswith("input.1.content.0.type")
+
+
+def test_a_constrained_reply_is_all_answer(make_server):
+    """deepseek_r1 reads a reply as thinking until </think>: a JSON reply (response_format) is not read so."""
+    s = make_server(reasoning_parser="deepseek_r1")
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 40}
+    free = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+    assert "reasoning_content" in free  # the tiny model never closes a thought: all reasoning
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    r = httpx.post(f"{s.url}/v1/chat/completions", json={**body, "response_format": fmt}, timeout=60).json()
+    message = r["choices"][0]["message"]
+    assert "reasoning_content" not in message and json.loads(message["content"])["a"] in (1, 2)

@@ -1,0 +1,99 @@
+"""The reasoning parsers (`kestrel.serve.reasoning_parsers`) and a reply read by both kinds of parser
+(`kestrel.serve.reply`): reasoning told from the answer, whole and in pieces of every size."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from kestrel.serve.reasoning_parsers import (
+    REASONING_PARSERS,
+    DeepSeekR1Parser,
+    KimiK2ReasoningParser,
+    Qwen3Parser,
+    reasoning_parser,
+)
+from kestrel.serve.reply import Parsers, Reasoning, ReplyReader, read_reply
+from kestrel.serve.tool_parsers import HermesParser, KimiK2Parser, Prose
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "reasoning", "answer"),
+    [
+        (Qwen3Parser(), "<think>\nAdd them.\n</think>\n\n42", "\nAdd them.\n", "42"),
+        (Qwen3Parser(), "  <think>x</think>y", "x", "y"),
+        (Qwen3Parser(), "42, no thinking", None, "42, no thinking"),  # thinking off: all answer
+        (Qwen3Parser(), "a </think> b", None, "a </think> b"),
+        (Qwen3Parser(), "<think>cut short", "cut short", ""),
+        (Qwen3Parser(), "<thi", None, "<thi"),
+        (DeepSeekR1Parser(), "Add them.</think>42", "Add them.", "42"),  # the template opened <think>
+        (DeepSeekR1Parser(), "<think>Add them.</think>\n42", "Add them.", "42"),
+        (DeepSeekR1Parser(), "never closed", "never closed", ""),
+        (DeepSeekR1Parser(), "", None, ""),
+        (KimiK2ReasoningParser(), "<think>k</think>ok", "k", "ok"),
+    ],
+)
+def test_reasoning_and_answer(parser, text, reasoning, answer):
+    parsed = parser.parse(text)
+    assert (parsed.reasoning, parsed.answer) == (reasoning, answer)
+    if reasoning is not None and "</think>" in text:
+        assert text[: parsed.reasoning_end].endswith("</think>")
+    for seed in range(100):
+        rng = random.Random(seed)
+        s = parser.stream()
+        got_r = got_a = ""
+        i = 0
+        while i < len(text):
+            n = rng.randint(1, 4)
+            r, a = s.feed(text[i : i + n])
+            got_r, got_a, i = got_r + r, got_a + a, i + n
+        r, a = s.finish()
+        assert (got_r + r, got_a + a) == ((reasoning or ""), answer)
+        assert s.has_reasoning == (reasoning is not None)
+
+
+def test_an_unknown_parser():
+    assert reasoning_parser(None) is None and isinstance(reasoning_parser("qwen3"), Qwen3Parser)
+    with pytest.raises(ValueError, match="unknown reasoning parser 'r2'; choose one of deepseek_r1"):
+        reasoning_parser("r2")
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "kimi_k2"}
+
+
+THINK_THEN_CALL = (
+    "<think>The user wants the weather; call the tool.</think>\n"
+    "Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+    '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>'
+)
+
+
+def test_reasoning_then_calls_whole_and_streamed():
+    parsers = Parsers(KimiK2ReasoningParser(), KimiK2Parser())
+    assert parsers.keeps_special_tokens and not Parsers(Qwen3Parser(), HermesParser()).keeps_special_tokens
+    reply = read_reply(parsers, THINK_THEN_CALL)
+    assert reply.reasoning == "The user wants the weather; call the tool."
+    assert reply.content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    assert THINK_THEN_CALL[: reply.reasoning_end].endswith("</think>")
+    for seed in range(100):
+        rng = random.Random(seed)
+        reader, events, i = ReplyReader(parsers), [], 0
+        while i < len(THINK_THEN_CALL):
+            n = rng.randint(1, 6)
+            events += reader.read(THINK_THEN_CALL[i : i + n], finished=i + n >= len(THINK_THEN_CALL))
+            i += n
+        assert "".join(e.text for e in events if isinstance(e, Reasoning)) == reply.reasoning
+        assert "".join(e.text for e in events if isinstance(e, Prose)) == reply.content
+        assert reader.called
+        kinds = [type(e).__name__ for e in events]
+        assert kinds.index("Prose") > max(k for k, name in enumerate(kinds) if name == "Reasoning")
+
+
+def test_a_reply_of_reasoning_alone_has_no_content():
+    reply = read_reply(Parsers(Qwen3Parser()), "<think>still thinking")
+    assert (reply.reasoning, reply.content, reply.calls) == ("still thinking", None, [])
+    reply = read_reply(Parsers(Qwen3Parser()), "plain")
+    assert (reply.reasoning, reply.content, reply.reasoning_end) == (None, "plain", 0)
