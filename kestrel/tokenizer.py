@@ -43,7 +43,11 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def _render_chat(
-        self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        tools: list | None = None,
+        template_kwargs: dict | None = None,
     ) -> str: ...
 
     def special_token_ids(self) -> list[int]:
@@ -63,11 +67,22 @@ class Tokenizer(ABC):
         """The `bos_token` and `eos_token` a Jinja chat template reads."""
         return {"bos_token": "", "eos_token": ""}
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None) -> str:
+    def _render(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        tools: list | None = None,
+        template_kwargs: dict | None = None,
+    ) -> str:
         if self._custom_template is None:
-            return self._render_chat(messages, add_generation_prompt, tools)
+            return self._render_chat(messages, add_generation_prompt, tools, template_kwargs)
         return _render_template(
-            self._custom_template, messages, add_generation_prompt, self._special_texts(), tools
+            self._custom_template,
+            messages,
+            add_generation_prompt,
+            self._special_texts(),
+            tools,
+            template_kwargs,
         )
 
     def token_bytes(self, i: int) -> bytes:
@@ -87,15 +102,20 @@ class Tokenizer(ABC):
         add_generation_prompt: bool | None = None,
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> str:
         """Render OpenAI-style messages; list content has its text parts joined with newlines.
         `add_generation_prompt`: the assistant's turn opened after them (None: unless continuing).
         `continue_final_message` (vLLM's): the text ends with the last message's content, left open (no end of
         turn after it), for the model to go on with it: a reply's start given by the client. `tools`: OpenAI's
-        tool definitions, for templates that show them (a Jinja template's `tools`, as Hugging Face's)."""
+        tool definitions, for templates that show them (a Jinja template's `tools`, as Hugging Face's).
+        `chat_template_kwargs` (vLLM's): more variables for a Jinja template, such as `enable_thinking`; the names
+        the template is given here (`messages`, `tools`, ...) are refused."""
         messages = [_normalize_message(m) for m in messages]
+        kwargs = chat_template_kwargs
+        check_template_kwargs(kwargs)
         if not continue_final_message:
-            return self._render(messages, add_generation_prompt is not False, tools)
+            return self._render(messages, add_generation_prompt is not False, tools, kwargs)
         if add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if not messages:
@@ -104,14 +124,29 @@ class Tokenizer(ABC):
         # no template adds or changes and no message holds); the text is cut where it stands, and must be how
         # the template renders the whole conversation up to the end of the final content
         mark = f"\ue000{secrets.token_hex(8)}\ue001"
-        text = self._render([*messages[:-1], {**messages[-1], "content": mark}], False, tools)
+        text = self._render([*messages[:-1], {**messages[-1], "content": mark}], False, tools, kwargs)
         content = messages[-1]["content"]
         opened = text[: text.index(mark)] + content if text.count(mark) == 1 else None
-        if opened is None or not self._render(messages, False, tools).startswith(opened):
+        if opened is None or not self._render(messages, False, tools, kwargs).startswith(opened):
             raise ChatTemplateError(
                 "the chat template does not render the final message's content as given, so it cannot be continued"
             )
         return opened
+
+
+TEMPLATE_NAMES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception")
+
+
+def check_template_kwargs(kwargs: dict | None) -> None:
+    """ValueError (naming the key) for chat_template_kwargs that are not a dict of names the template is free to
+    take: those given by the renderer itself are refused."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError("chat_template_kwargs must be an object of template variables")
+    for key in kwargs:
+        if key in TEMPLATE_NAMES:
+            raise ValueError(f"chat_template_kwargs.{key} cannot be given: the server sets {key!r} itself")
 
 
 def _normalize_message(message: dict) -> dict:
@@ -198,7 +233,11 @@ class ByteTokenizer(Tokenizer):
         return BYTE_SPECIAL_TOKENS[i - 256] if 256 <= i < self.vocab_size else None
 
     def _render_chat(
-        self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        tools: list | None = None,
+        template_kwargs: dict | None = None,
     ) -> str:
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
@@ -337,23 +376,38 @@ class HFTokenizer(Tokenizer):
         return {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
 
     def _render_chat(
-        self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        tools: list | None = None,
+        template_kwargs: dict | None = None,
     ) -> str:
         if self._template is None:
             raise CheckpointError(
                 f"the tokenizer in {self._path} has no chat template (serve --chat-template gives one)"
             )
-        return _render_template(self._template, messages, add_generation_prompt, self._special_texts(), tools)
+        return _render_template(
+            self._template, messages, add_generation_prompt, self._special_texts(), tools, template_kwargs
+        )
 
 
 def _render_template(
-    template, messages: list[dict], add_generation_prompt: bool, specials: dict, tools: list | None = None
+    template,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    specials: dict,
+    tools: list | None = None,
+    template_kwargs: dict | None = None,
 ) -> str:
     from jinja2 import TemplateError
 
     try:
         return template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **specials
+            **(template_kwargs or {}),
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            **specials,
         )
     # (TypeError, ValueError: a filter given what it cannot take, such as tojson of an undefined value)
     except (TemplateError, TypeError, ValueError) as e:

@@ -399,3 +399,27 @@ def test_a_template_filter_given_what_it_cannot_take_is_a_template_error():
         tok.apply_chat_template(
             [{"role": "user", "content": "x"}], tools=[{"type": "function", "function": {}}]
         )
+
+
+def test_chat_template_kwargs_reach_the_template(hf_tok):
+    """vLLM's chat_template_kwargs: more variables for the template (`enable_thinking`, as Qwen 3's reads), on
+    the tokenizer's own template and on one given at start; those the renderer sets itself are refused."""
+    template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if enable_thinking %}<think>{% endif %}"
+    )
+    for tok in (ByteTokenizer(), hf_tok):
+        tok.set_chat_template(template)
+        try:
+            chat = [{"role": "user", "content": "Hi"}]
+            assert tok.apply_chat_template(chat) == "Hi"
+            assert (
+                tok.apply_chat_template(chat, chat_template_kwargs={"enable_thinking": True}) == "Hi<think>"
+            )
+            go_on = [*chat, {"role": "assistant", "content": "So"}]
+            kw = {"continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}}
+            assert tok.apply_chat_template(go_on, False, **kw) == "HiSo"
+            for key in ("messages", "add_generation_prompt", "bos_token"):
+                with pytest.raises(ValueError, match=f"chat_template_kwargs.{key} cannot be given"):
+                    tok.apply_chat_template(chat, chat_template_kwargs={key: 1})
+        finally:
+            tok._custom_template = None

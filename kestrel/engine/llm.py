@@ -118,10 +118,12 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool | None = None,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them. As vLLM's:
         `continue_final_message` leaves the last message open for the model to go on with;
-        `add_generation_prompt` (true unless given, or continuing) opens the assistant's turn."""
+        `add_generation_prompt` (true unless given, or continuing) opens the assistant's turn;
+        `chat_template_kwargs` are more variables for the chat template (such as `enable_thinking`)."""
         sequence = (list, tuple)
         if isinstance(messages, sequence) and messages and isinstance(messages[0], dict):
             convs = [messages]
@@ -133,7 +135,9 @@ class LLM:
                 f"conversations, not {_preview(messages)} (a plain prompt goes to generate())"
             )
         options = dict(
-            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
         )
         prompts = [self.tokenizer.apply_chat_template(list(c), **options) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)

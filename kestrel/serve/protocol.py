@@ -20,6 +20,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from kestrel.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.serve.errors import bad_request, from_validation_error
 from kestrel.serve.tools import check_tools, tool_calls_asked, tool_calls_schema
+from kestrel.tokenizer import check_template_kwargs
 
 MAX_N = 128
 
@@ -314,13 +315,15 @@ class _SamplingFields(_Strict):
 
 
 class _ChatTemplateFields(_Strict):
-    """vLLM's chat-template options: `add_generation_prompt` (the assistant's turn opened; true unless given) and
-    `continue_final_message` (the last message left open for the model to go on with). Given the second alone,
-    the first is false: in vLLM its default stays true and the pair is refused; here only an explicit
-    `add_generation_prompt: true` with it is."""
+    """vLLM's chat-template options: `add_generation_prompt` (the assistant's turn opened; true unless given),
+    `continue_final_message` (the last message left open for the model to go on with) and `chat_template_kwargs`
+    (more variables for the template, such as `enable_thinking`). Given the second alone, the first is false: in
+    vLLM its default stays true and the pair is refused; here only an explicit `add_generation_prompt: true` with
+    it is."""
 
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_template_options(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:
@@ -328,12 +331,17 @@ class _ChatTemplateFields(_Strict):
                 "continue_final_message and add_generation_prompt cannot both be true",
                 param="continue_final_message",
             )
+        try:
+            check_template_kwargs(self.chat_template_kwargs)
+        except ValueError as e:
+            raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None
 
     def template_options(self) -> dict:
         """apply_chat_template's keyword arguments."""
         return {
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": bool(self.continue_final_message),
+            "chat_template_kwargs": self.chat_template_kwargs,
         }
 
 
@@ -630,7 +638,7 @@ class TokenizeRequest(_ChatTemplateFields):
         self.check_template_options()
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("give one of prompt and messages", param="prompt")
-        for name in ("add_generation_prompt", "continue_final_message", "tools"):
+        for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools"):
             if self.prompt is not None and getattr(self, name) is not None:
                 raise bad_request(f"{name} applies to messages, not to a prompt", param=name)
         if self.messages is not None and not self.messages:

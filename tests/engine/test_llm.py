@@ -30,6 +30,23 @@ def test_chat_takes_one_conversation_or_several(llm):
     assert llm.chat(tuple(conv), GREEDY, use_tqdm=False)[0].prompt_token_ids == one.prompt_token_ids
 
 
+def test_chat_template_kwargs_offline():
+    """LLM.chat's chat_template_kwargs reach the template (vLLM's), the prompt being what it renders."""
+    template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if enable_thinking %}<think>{% endif %}"
+    )
+    llm = LLM("tiny", device="cpu", max_model_len=128, chat_template=template)
+    conv = [{"role": "user", "content": "hi"}]
+    (on,) = llm.chat(conv, GREEDY, use_tqdm=False, chat_template_kwargs={"enable_thinking": True})
+    (off,) = llm.chat(conv, GREEDY, use_tqdm=False)
+    assert (
+        llm.tokenizer.decode(on.prompt_token_ids) == "hi<think>"
+        and llm.tokenizer.decode(off.prompt_token_ids) == "hi"
+    )
+    with pytest.raises(ValueError, match="chat_template_kwargs.tools cannot be given"):
+        llm.chat(conv, GREEDY, use_tqdm=False, chat_template_kwargs={"tools": []})
+
+
 @pytest.mark.parametrize(
     "messages",
     [

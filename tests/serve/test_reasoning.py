@@ -159,3 +159,36 @@ def test_a_constrained_reply_is_all_answer(make_server):
     r = httpx.post(f"{s.url}/v1/chat/completions", json={**body, "response_format": fmt}, timeout=60).json()
     message = r["choices"][0]["message"]
     assert "reasoning_content" not in message and json.loads(message["content"])["a"] in (1, 2)
+
+
+def test_chat_template_kwargs(make_server):
+    """vLLM's chat_template_kwargs reach the template on the chat route and /tokenize alike (thinking switched
+    on and off per request, as Qwen 3's template reads `enable_thinking`); names the server sets, a non-object
+    and a prompt's are 400s."""
+    template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if enable_thinking %}<think>{% endif %}"
+    )
+    s = make_server(chat_template=template)
+    body = {"model": MODEL, "messages": CHAT}
+
+    def tokens(**extra) -> list[int]:
+        r = httpx.post(f"{s.url}/tokenize", json={**body, **extra}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    on = tokens(chat_template_kwargs={"enable_thinking": True})
+    assert s.engine.tokenizer.decode(on).endswith("Oslo?<think>") and len(on) == len(tokens()) + len(
+        "<think>"
+    )
+    chat = {**body, "max_tokens": 1, "chat_template_kwargs": {"enable_thinking": True}}
+    r = httpx.post(f"{s.url}/v1/chat/completions", json=chat, timeout=60).json()
+    assert r["usage"]["prompt_tokens"] == len(on)
+    for bad, param in (
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
+        ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+    ):
+        e = httpx.post(f"{s.url}/v1/chat/completions", json={**body, **bad}, timeout=30)
+        assert e.status_code == 400 and e.json()["error"]["param"] == param, e.text
+    e = httpx.post(f"{s.url}/tokenize", json={"prompt": "x", "chat_template_kwargs": {"a": 1}}, timeout=30)
+    assert e.status_code == 400 and e.json()["error"]["param"] == "chat_template_kwargs"
