@@ -243,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
         'gives tools): kimi_k2, hermes (Hermes, Qwen 2.5/3; qwen25 the same); default: none, and "auto" is a 400',
     )
     s.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's switch for tool_choice \"auto\", taken for its commands' sake: --tool-call-parser alone "
+        "enables it here, and this needs it",
+    )
+    s.add_argument(
         "--reasoning-parser",
         choices=sorted(REASONING_PARSERS),
         default=None,

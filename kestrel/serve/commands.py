@@ -191,6 +191,8 @@ def cmd_serve(args) -> int:
     from kestrel.serve.api import build_app
     from kestrel.utils.collector import freeze_startup_objects
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")
     config = engine_config(args)
     sock = listen(args.host, args.port)  # before the model loads: a port in use is one line, at once
     try:

@@ -125,6 +125,12 @@ def test_serve_bad_arguments_are_one_line_errors(capsys, tmp_path):
     assert_one_line_error(code, err, 2, "--max-running-requests")
     code, _, err = run(capsys, "serve", "--kv-cache-gb", "0")
     assert_one_line_error(code, err, 1, "--kv-cache-gb")
+    code, _, err = run(capsys, "serve", "--tool-call-parser", "llama3_json")
+    assert_one_line_error(code, err, 2, "--tool-call-parser", "kimi_k2")
+    code, _, err = run(capsys, "serve", "--enable-auto-tool-choice")
+    assert_one_line_error(code, err, 1, "needs --tool-call-parser")
+    code, _, err = run(capsys, "serve", "--reasoning-parser", "o1")
+    assert_one_line_error(code, err, 2, "--reasoning-parser", "qwen3")
     # -64 is a multiple of the page size: the engine's "must be a multiple of page_size" was no help
     code, _, err = run(capsys, "serve", "--checkpoint-interval", "-64")
     assert_one_line_error(code, err, 2, "--checkpoint-interval", "an integer >= 0")
