@@ -127,9 +127,9 @@ def build_app(
         parsers = server.parsers(req, req)
         names = {"prompt": "messages", "max_tokens": req.max_tokens_field}
         params = await server.sampling_params(req, names, parsers)
-        job = Job(
-            server, await chat_prompt(req.chat_messages(), req.template_options()), params, field_names=names
-        )
+        prompt = await chat_prompt(req.chat_messages(), req.template_options())
+        server.see_prompt(parsers, prompt[0])
+        job = Job(server, prompt, params, field_names=names)
         if req.stream:
             return sse(chat_stream(server, job, req, parsers))
         if not await _finish_unless_disconnected(request, job):
@@ -176,6 +176,7 @@ def build_app(
         params = await server.sampling_params(req, names, parsers)
         created = int(time.time())
         prompt = await chat_prompt(req.chat_messages(), req.template_options(), "input")
+        server.see_prompt(parsers, prompt[0])
         job = Job(server, prompt, params, field_names=names)
         if req.stream:
             return sse(responses_stream(server, job, req, created, parsers))

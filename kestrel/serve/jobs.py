@@ -20,6 +20,7 @@ from kestrel.engine.sampling_params import SamplingParams
 from kestrel.serve.choice import ChoiceState
 from kestrel.serve.errors import APIError, bad_request
 from kestrel.serve.metrics import ServerMetrics
+from kestrel.serve.reasoning_parsers import OPEN as THINK_OPEN
 from kestrel.serve.reasoning_parsers import reasoning_parser as reasoning_parser_named
 from kestrel.serve.reply import Parsers
 from kestrel.serve.tool_parsers import tool_call_parser as tool_parser_named
@@ -222,7 +223,14 @@ class Server:
         calls where the model decides on them (`tools`: the request's tools as the chat route's; a 400 where the
         server has no tool-call parser)."""
         reasoning = self.reasoning_parser if req.constraint_field is None else None
-        return Parsers(reasoning, auto_parser(tools, self.tool_parser))
+        max_calls = 1 if tools.parallel_tool_calls is False else None
+        return Parsers(reasoning, auto_parser(tools, self.tool_parser), max_calls=max_calls)
+
+    def see_prompt(self, parsers: Parsers, prompt: list[int]) -> None:
+        """Whether the prompt opened the reasoning: it ends with `<think>` (the chat template's thinking mode)."""
+        if parsers.reasoning is not None:
+            end = self.tokenizer.decode(prompt[-16:], skip_special_tokens=False)
+            parsers.opened = end.rstrip().endswith(THINK_OPEN)
 
     async def sampling_params(
         self, req, field_names: dict[str, str], parsers: Parsers | None = None

@@ -435,7 +435,7 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
     """The messages as the chat template takes them (an assistant turn's `tool_calls` and a tool turn's
     `tool_call_id` with them, for templates that render tools)."""
     out = []
-    for i, m in enumerate(messages):
+    for m in messages:
         message = _template_message(
             m.role, m.content if not isinstance(m.content, list) else [p.model_dump() for p in m.content]
         )
@@ -447,12 +447,10 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
                     "type": c.type,
                     "function": {
                         "name": c.function.name,
-                        "arguments": _arguments(
-                            c.function.arguments, f"messages.{i}.tool_calls.{k}.function.arguments"
-                        ),
+                        "arguments": _arguments(c.function.arguments),
                     },
                 }
-                for k, c in enumerate(m.tool_calls)
+                for c in m.tool_calls
             ]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
@@ -474,15 +472,14 @@ def _template_tools(tools: list[ChatTool] | None) -> list[dict] | None:
     return out
 
 
-def _arguments(text: str, param: str, cut: bool = False):
-    """An earlier call's arguments as the object their JSON text holds (empty text: {}); a 400 naming `param` where
-    it is not JSON, unless the call was `cut` short (by max_output_tokens): then its text as it is."""
+def _arguments(text: str):
+    """An earlier call's arguments as the object their JSON text holds (empty text: {}), or the text as it is
+    where it is not JSON: a call cut short, or a model's own call written wrong (tool_choice "auto"), goes back
+    as the server returned it."""
     try:
         return json.loads(text) if text.strip() else {}
     except ValueError:
-        if cut:
-            return text
-        raise bad_request("a tool call's arguments must be JSON text", param=param) from None
+        return text
 
 
 def _template_message(role: str, content) -> dict:

@@ -6,12 +6,14 @@ rest, which the chat route returns as `content` (and reads for tool calls) and t
 - `deepseek_r1`: the reply starts inside its reasoning (DeepSeek R1's template opens `<think>` in the prompt;
   a `<think>` the model writes itself is dropped too) and the answer starts after `</think>`. A reply that never
   closes its reasoning is all reasoning.
-- `qwen3`, `kimi_k2` (Kimi K2 Thinking, K3): reasoning only where the reply opens with `<think>` (thinking may be
-  off: then the whole reply is the answer). Kimi's think markers may be special tokens, which such a reply's text
-  keeps.
+- `qwen3`, `kimi_k2` (Kimi K2 Thinking, K3): reasoning where the reply opens with `<think>`, or where the prompt
+  ends with it (the template opened it); otherwise thinking is off and the whole reply is the answer. Kimi's
+  think markers may be special tokens, which such a reply's text keeps.
 
-Whitespace between `</think>` and the answer is not part of the answer. A stream's pieces are read as the whole
-(a marker may arrive cut anywhere); a marker's possible start is held back until it is told apart.
+A tool call's opening (the server's tool-call parser's) inside the reasoning ends it: thinking models call tools
+from an unclosed thought. Whitespace between `</think>` and the answer is not part of the answer. A stream's
+pieces are read as the whole (a marker may arrive cut anywhere); a marker's possible start is held back until it
+is told apart.
 """
 
 from __future__ import annotations
@@ -35,9 +37,13 @@ class ReasoningStream:
     """One reply's reader: `feed` each piece as it arrives, `finish` once it has ended; each returns the
     (reasoning, answer) text it adds."""
 
-    def __init__(self, opens_inside: bool):
+    def __init__(self, opens_inside: bool, stops: tuple[str, ...] = ()):
+        """`opens_inside`: the reply starts inside its reasoning; `stops`: markers that end the reasoning without
+        its `</think>` and begin the answer (a tool call's opening: thinking models call tools from inside an
+        unclosed thought)."""
         self._state = "start"  # start | reasoning | gap (after </think>, before the answer) | answer
         self._opens_inside = opens_inside
+        self._stops = stops
         self._buffer = ""
         self.seen = 0  # the reply's text read so far
         self.reasoning_end = 0
@@ -64,13 +70,17 @@ class ReasoningStream:
                     self._state = "reasoning" if self._opens_inside else "answer"
                 self.has_reasoning = self._state == "reasoning"
             elif self._state == "reasoning":
-                at = self._buffer.find(CLOSE)
-                if at >= 0:
+                found = [(at, m) for m in (CLOSE, *self._stops) if (at := self._buffer.find(m)) >= 0]
+                if found:
+                    at, marker = min(found)
                     reasoning += self._buffer[:at]
-                    self._buffer, self._state = self._buffer[at + len(CLOSE) :], "gap"
+                    if marker == CLOSE:
+                        self._buffer, self._state = self._buffer[at + len(CLOSE) :], "gap"
+                    else:  # (the marker stays: the answer starts with it)
+                        self._buffer, self._state = self._buffer[at:], "answer"
                     self.reasoning_end = self.seen - len(self._buffer)
                     continue
-                keep = 0 if final else partial_tail(self._buffer, CLOSE)
+                keep = 0 if final else max(partial_tail(self._buffer, m) for m in (CLOSE, *self._stops))
                 reasoning += self._buffer[: len(self._buffer) - keep]
                 self._buffer = self._buffer[len(self._buffer) - keep :]
                 if final or keep:
@@ -87,14 +97,16 @@ class ReasoningStream:
 
 
 class ReasoningParser:
-    opens_inside: ClassVar[bool] = False
+    opens_inside: ClassVar[bool] = False  # the reply starts inside its reasoning, whatever the prompt
     keeps_special_tokens: ClassVar[bool] = False
 
-    def stream(self) -> ReasoningStream:
-        return ReasoningStream(self.opens_inside)
+    def stream(self, opened: bool = False, stops: tuple[str, ...] = ()) -> ReasoningStream:
+        """`opened`: the prompt ends with `<think>` (the template opened the reasoning, as Qwen 3's thinking
+        templates and Kimi's do): the reply starts inside it."""
+        return ReasoningStream(self.opens_inside or opened, stops)
 
-    def parse(self, text: str) -> ParsedReasoning:
-        s = self.stream()
+    def parse(self, text: str, opened: bool = False) -> ParsedReasoning:
+        s = self.stream(opened)
         (r1, a1), (r2, a2) = s.feed(text), s.finish()
         return ParsedReasoning((r1 + r2) if s.has_reasoning else None, a1 + a2, s.reasoning_end)
 

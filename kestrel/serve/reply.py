@@ -24,6 +24,8 @@ class Parsers:
 
     reasoning: ReasoningParser | None = None
     tools: ToolCallParser | None = None
+    opened: bool = False  # the prompt opened the reasoning (ends with `<think>`)
+    max_calls: int | None = None  # calls past this many are dropped (parallel_tool_calls false: 1)
 
     def __bool__(self) -> bool:
         return self.reasoning is not None or self.tools is not None
@@ -35,8 +37,11 @@ class Parsers:
 
 class ReplyReader:
     def __init__(self, parsers: Parsers):
-        self._reasoning = parsers.reasoning.stream() if parsers.reasoning is not None else None
+        stops = parsers.tools.openers if parsers.tools is not None else ()
+        reasoning = parsers.reasoning
+        self._reasoning = reasoning.stream(parsers.opened, stops) if reasoning is not None else None
         self._tools = parsers.tools.stream() if parsers.tools is not None else None
+        self._max_calls = parsers.max_calls
         self.called = False  # a call begun so far
         self._finished = False
 
@@ -44,10 +49,6 @@ class ReplyReader:
     def reasoning_end(self) -> int:
         """Where the reasoning ends in the reply's text so far (0: none)."""
         return self._reasoning.reasoning_end if self._reasoning is not None else 0
-
-    @property
-    def has_reasoning(self) -> bool:
-        return self._reasoning is not None and self._reasoning.has_reasoning
 
     def read(self, piece: str, finished: bool = False) -> list[ReplyEvent]:
         """The events a piece of the reply adds; `finished`: it is the reply's last."""
@@ -63,10 +64,12 @@ class ReplyReader:
         events: list[ReplyEvent] = [Reasoning(reasoning)] if reasoning else []
         if self._tools is None:
             return events + ([Prose(answer)] if answer else [])
-        events += self._tools.feed(answer) if answer else []
-        events += self._tools.finish() if finished else []
-        self.called = self.called or any(isinstance(e, CallBegun) for e in events)
-        return events
+        read = self._tools.feed(answer) if answer else []
+        read += self._tools.finish() if finished else []
+        if self._max_calls is not None:
+            read = [e for e in read if isinstance(e, Prose) or e.index < self._max_calls]
+        self.called = self.called or any(isinstance(e, CallBegun) for e in read)
+        return events + read
 
 
 @dataclass
@@ -81,7 +84,8 @@ def read_reply(parsers: Parsers, text: str) -> Reply:
     reader = ReplyReader(parsers)
     events = reader.read(text, finished=True)
     answer = read_events([e for e in events if not isinstance(e, Reasoning)])
-    reasoning = "".join(e.text for e in events if isinstance(e, Reasoning)) if reader.has_reasoning else None
+    # (an empty reasoning is none: a stream has nothing of it to send)
+    reasoning = "".join(e.text for e in events if isinstance(e, Reasoning)) or None
     content = answer.content
     if reasoning is not None and not content:
         content = None

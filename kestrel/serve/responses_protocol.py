@@ -78,6 +78,15 @@ class ResponseInputMessage(_Strict):
     phase: Literal["commentary", "final_answer"] | None = None
 
 
+class ReasoningSettings(_Strict):
+    """The request's `reasoning` (what the Codex CLI and the Agents SDK send to thinking models): taken, not
+    used; how much a model thinks is its own (or its template's: chat_template_kwargs on the chat route)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponseFunctionTool(_Strict):
     """A Responses API function tool: its fields beside `type` (the chat route nests them under `function`)."""
 
@@ -162,7 +171,7 @@ class ResponsesRequest(_Strict):
     `temperature`, `top_p`, `stream`, structured output (`text.format`) and function tools (`tools`, `tool_choice`
     "required" or a named function: the reply is `function_call` items, as on the chat route,
     `kestrel.serve.tools`; "auto" where the server has a tool-call parser). Nothing is stored (`store` is taken
-    and the response cannot be fetched later); other tool types, the `reasoning` settings and
+    and the response cannot be fetched later; `reasoning` settings are taken, not used); other tool types and
     `previous_response_id` are refused unless given their neutral value."""
 
     model: str | None = None
@@ -183,7 +192,7 @@ class ResponsesRequest(_Strict):
     tool_choice: Literal["none", "auto", "required"] | ResponseNamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     previous_response_id: Any = None
-    reasoning: Any = None
+    reasoning: ReasoningSettings | None = None
     text: ResponseTextConfig | None = None
     include: Any = None
     truncation: Any = None
@@ -228,12 +237,12 @@ class ResponsesRequest(_Strict):
             return [*system, _template_message("user", self.input)]
         out = system
         reasoning = None  # a reasoning item's text, for the assistant turn after it
-        for i, item in enumerate(self.input):
+        for item in self.input:
             if isinstance(item, ResponseReasoning):
                 reasoning = "".join(part.text for part in item.content or item.summary or [])
                 continue
             if isinstance(item, ResponseFunctionCall):
-                args = _arguments(item.arguments, f"input.{i}.arguments", cut=item.status == "incomplete")
+                args = _arguments(item.arguments)
                 call = {
                     "id": item.call_id,
                     "type": "function",
@@ -289,9 +298,9 @@ class ResponsesRequest(_Strict):
 
 _NEUTRAL_RESPONSES: dict[str, tuple] = {
     "previous_response_id": (None,),
-    "reasoning": (None,),
     "stream_options": (None, {}, {"include_obfuscation": False}),  # no obfuscation padding is sent
-    "include": (None, []),
+    # (a reasoning item's encrypted_content, which clients that keep no state ask for: none is made, it stays null)
+    "include": (None, [], ["reasoning.encrypted_content"]),
     "truncation": (None, "disabled"),
     "background": (None, False),
     "service_tier": (None, "auto", "default"),

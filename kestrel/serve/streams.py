@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
@@ -332,14 +333,11 @@ def response_output(
     calls' ids where a stream already gave them. Where `parsers` read the reply: its reasoning, its prose and its
     calls, each where the reply has it."""
     text = job.choices[0].text
-    if parsers:
-        reply = read_reply(parsers, text)
-        items = [_reasoning_item(job, status, reply.reasoning)] if reply.reasoning is not None else []
-        items += [_response_message(job, status, reply.content)] if reply.content is not None else []
-        return items + [
-            _function_call(c["id"], c["function"]["name"], c["function"]["arguments"], status)
-            for c in reply.calls
-        ]
+    if parsers:  # walked as a stream walks it, so that the two agree (order and statuses)
+        walk = _ItemWalk(job)
+        walk.take(ReplyReader(parsers).read(text, finished=True), status)
+        walk.close(status)
+        return walk.items
     calls = read_tool_calls(req.tool_view, text, call_ids) if req.tool_calls_asked is not None else None
     if calls is None:
         return [_response_message(job, status, text)]
@@ -360,7 +358,8 @@ def _function_call(call: str, name: str, arguments: str, status: str) -> dict:
     """A `function_call` output item (its id derived from the call's)."""
     return {
         "type": "function_call",
-        "id": "fc_" + call.removeprefix("call_"),
+        # (a model's own call ids, as Kimi's `functions.NAME:IDX`, repeat across replies: the item's is made)
+        "id": "fc_" + (call.removeprefix("call_") if call.startswith("call_") else uuid.uuid4().hex[:24]),
         "call_id": call,
         "name": name,
         "arguments": arguments,
@@ -429,11 +428,11 @@ async def responses_stream(
             )
             yield event("response.output_item.done", output_index=0, item=done)
         elif parsers:
-            items: list[dict] = []
-            async for e in _parsed_events(event, job, parsers, items):
+            walk = _ItemWalk(job)
+            async for e in _parsed_events(event, job, parsers, walk):
                 yield e
             final = response_body(server, job, req, created, parsers=parsers)
-            final["output"] = [{**item, "status": final["status"]} for item in items]
+            final["output"] = walk.items  # (the calls' ids as streamed)
         elif calls_asked is not None:
             async for _ in job.events():
                 pass  # (the calls are read once their JSON has ended)
@@ -468,100 +467,104 @@ async def _message_events(event, job: Job):
     yield event("response.content_part.done", **item, content_index=0, part=_output_text(text))
 
 
-async def _parsed_events(event, job: Job, parsers: Parsers, items: list[dict]):
-    """A reply read by the parsers as output items, each added when it begins: the reasoning (done when the
-    answer begins), the message at its first prose (which later prose goes on), a call (its arguments streamed,
-    done at its end); the message done last. `items` ends holding them all, by output index."""
-    reader, calls = ReplyReader(parsers), {}  # calls: the parser's index -> the item's
-    message = reasoning = None  # their output indices
-    ended, status = False, "completed"
-    ids: dict[int, dict] = {}  # an item's index -> its content's ids
+class _ItemWalk:
+    """A reply read by the parsers as Responses output items, in the order they begin: the reasoning (closed
+    when the answer begins), the message at its first prose (which later prose goes on), each call (closed at
+    its end); the message is closed last. `take` gives the events (kind, fields) of each step; an item is
+    "completed" unless the reply's end cut it (then the response's status)."""
 
-    def open_item(item: dict, part: dict) -> list[str]:
-        index = len(items)
-        items.append(item)
-        ids[index] = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        return [
-            event("response.output_item.added", output_index=index, item={**item, "content": []}),
-            event("response.content_part.added", **ids[index], part=part),
-        ]
+    def __init__(self, job: Job):
+        self.job, self.items = job, []
+        self._ids: dict[int, dict] = {}  # an item's index -> its content's ids
+        self._calls: dict[int, int] = {}  # a call's index -> its item's
+        self._message = self._reasoning = self._last = None  # item indices (_last: the last event's)
 
-    def close_item(index: int, kind: str, part) -> list[str]:
-        text = items[index]["content"][0]["text"]
-        items[index]["status"] = status if ended else "completed"
-        return [
-            event(
-                f"response.{kind}.done",
-                **ids[index],
-                text=text,
-                **({"logprobs": []} if kind == "output_text" else {}),
-            ),
-            event("response.content_part.done", **ids[index], part=part(text)),
-            event("response.output_item.done", output_index=index, item=items[index]),
-        ]
-
-    async for _, piece, _, choice in job.events():
-        if choice.finished and not ended:
-            ended, status = True, "incomplete" if choice.finish_reason == "length" else "completed"
-        for e in reader.read(piece, choice.finished):
-            if reasoning is not None and reasoning == len(items) - 1 and not isinstance(e, Reasoning):
-                for o in close_item(reasoning, "reasoning_text", _reasoning_text):
-                    yield o
+    def take(self, read: list[ReplyEvent], status: str = "completed") -> list[tuple[str, dict]]:
+        """The events of a step's reply events; `status`: the response's, where the reply ended with them."""
+        out = []
+        for e in read:
+            if self._reasoning is not None and self._last == self._reasoning and not isinstance(e, Reasoning):
+                out += self._close(self._reasoning, "completed")
             if isinstance(e, Reasoning):
-                if reasoning is None:
-                    reasoning = len(items)
-                    for o in open_item(_reasoning_item(job, "in_progress", ""), _reasoning_text("")):
-                        yield o
-                items[reasoning]["content"][0]["text"] += e.text
-                yield event("response.reasoning_text.delta", **ids[reasoning], delta=e.text)
+                if self._reasoning is None:
+                    self._reasoning = len(self.items)
+                    out += self._open(_reasoning_item(self.job, "in_progress", ""), _reasoning_text(""))
+                out += self._add(self._reasoning, "reasoning_text", e.text, {})
             elif isinstance(e, Prose):
-                if message is None:
-                    message = len(items)
-                    for o in open_item(_response_message(job, "in_progress", ""), _output_text("")):
-                        yield o
-                items[message]["content"][0]["text"] += e.text
-                yield event("response.output_text.delta", **ids[message], delta=e.text, logprobs=[])
+                if self._message is None:
+                    self._message = len(self.items)
+                    out += self._open(_response_message(self.job, "in_progress", ""), _output_text(""))
+                out += self._add(self._message, "output_text", e.text, {"logprobs": []})
             elif isinstance(e, CallBegun):
-                calls[e.index] = len(items)
-                items.append(_function_call(e.id, e.name, "", "in_progress"))
-                yield event("response.output_item.added", output_index=calls[e.index], item=items[-1])
+                self._last = self._calls[e.index] = len(self.items)
+                self.items.append(_function_call(e.id, e.name, "", "in_progress"))
+                out.append(
+                    ("response.output_item.added", {"output_index": self._last, "item": dict(self.items[-1])})
+                )
             elif isinstance(e, CallArguments):
-                k = calls[e.index]
-                items[k]["arguments"] += e.text
-                yield event(
-                    "response.function_call_arguments.delta",
-                    item_id=items[k]["id"],
-                    output_index=k,
-                    delta=e.text,
-                )
+                k = self._calls[e.index]
+                self.items[k]["arguments"] += e.text
+                ids = {"item_id": self.items[k]["id"], "output_index": k}
+                out.append(("response.function_call_arguments.delta", {**ids, "delta": e.text}))
             elif isinstance(e, CallEnded):
-                k = calls[e.index]
-                items[k]["status"] = (
-                    status if ended else "completed"
-                )  # (a call the reply's end cut: incomplete)
-                item = items[k]
-                yield event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=k,
-                    name=item["name"],
-                    arguments=item["arguments"],
-                )
-                yield event("response.output_item.done", output_index=k, item=item)
-    if (
-        reasoning is not None and items[reasoning]["status"] == "in_progress"
-    ):  # a reply that is reasoning alone
-        for o in close_item(reasoning, "reasoning_text", _reasoning_text):
-            yield o
-    if (
-        message is None and not calls and reasoning is None
-    ):  # an empty reply: an empty message, as the whole's
-        message = len(items)
-        for o in open_item(_response_message(job, "in_progress", ""), _output_text("")):
-            yield o
-    if message is not None:
-        for o in close_item(message, "output_text", _output_text):
-            yield o
+                k = self._calls[e.index]
+                item = self.items[k]
+                item["status"] = status if e.cut else "completed"
+                ids = {"item_id": item["id"], "output_index": k}
+                done = {**ids, "name": item["name"], "arguments": item["arguments"]}
+                out.append(("response.function_call_arguments.done", done))
+                out.append(("response.output_item.done", {"output_index": k, "item": dict(item)}))
+        return out
+
+    def close(self, status: str) -> list[tuple[str, dict]]:
+        """The events that end the walk: an item still open closed (cut where the reply's end is its: `status`),
+        an empty reply an empty message, as the whole response has it."""
+        if not self.items:
+            self._message = 0
+            out = self._open(_response_message(self.job, "in_progress", ""), _output_text(""))
+            return out + self._close(0, status)
+        out = []
+        for k in (self._reasoning, self._message):
+            if k is not None and self.items[k]["status"] == "in_progress":
+                out += self._close(k, status if k == self._last else "completed")
+        return out
+
+    def _open(self, item: dict, part: dict) -> list[tuple[str, dict]]:
+        self._last = index = len(self.items)
+        self.items.append(item)
+        self._ids[index] = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        return [
+            ("response.output_item.added", {"output_index": index, "item": {**item, "content": []}}),
+            ("response.content_part.added", {**self._ids[index], "part": part}),
+        ]
+
+    def _add(self, index: int, kind: str, text: str, extra: dict) -> list[tuple[str, dict]]:
+        self._last = index
+        self.items[index]["content"][0]["text"] += text
+        return [(f"response.{kind}.delta", {**self._ids[index], "delta": text, **extra})]
+
+    def _close(self, index: int, status: str) -> list[tuple[str, dict]]:
+        item = self.items[index]
+        item["status"] = status
+        part = item["content"][0]
+        kind, extra = part["type"], ({"logprobs": []} if part["type"] == "output_text" else {})
+        return [
+            (f"response.{kind}.done", {**self._ids[index], "text": part["text"], **extra}),
+            ("response.content_part.done", {**self._ids[index], "part": dict(part)}),
+            ("response.output_item.done", {"output_index": index, "item": {**item, "content": [dict(part)]}}),
+        ]
+
+
+async def _parsed_events(event, job: Job, parsers: Parsers, walk: _ItemWalk):
+    """A reply read by the parsers as the Responses API's events, item by item (`_ItemWalk`)."""
+    reader, status = ReplyReader(parsers), "completed"
+    async for _, piece, _, choice in job.events():
+        if choice.finished:
+            status = "incomplete" if choice.finish_reason == "length" else "completed"
+        for kind, fields in walk.take(reader.read(piece, choice.finished), status):
+            yield event(kind, **fields)
+    for kind, fields in walk.close(status):
+        yield event(kind, **fields)
 
 
 def _reasoning_text(text: str) -> dict:

@@ -51,6 +51,7 @@ class CallArguments:
 @dataclass
 class CallEnded:
     index: int
+    cut: bool = False  # ended by the reply's end, not by its own closing
 
 
 Event = Prose | CallBegun | CallArguments | CallEnded
@@ -73,6 +74,7 @@ class ToolCallStream(ABC):
         self._space = ""  # whitespace held back: shown only if prose follows it
         self._calls = 0
         self._finished = False
+        self._searched = 0  # (`_find`'s)
 
     def feed(self, piece: str) -> list[Event]:
         assert not self._finished, "feed after finish"
@@ -109,17 +111,26 @@ class ToolCallStream(ABC):
         events.append(CallBegun(index, call_id, name))
         return index
 
-    def _until(self, marker: str, final: bool) -> tuple[str, bool]:
-        """The buffer's text before `marker` and whether the marker was found (then consumed); where it was not,
-        all of the buffer but a tail that may be the marker's start (all of it where `final`)."""
-        at = self._buffer.find(marker)
-        if at >= 0:
+    def _until(self, markers: tuple[str, ...], final: bool) -> tuple[str, str | None]:
+        """The buffer's text before the first of `markers` and that marker (then consumed); where none is found,
+        all of the buffer but a tail that may be a marker's start (all of it where `final`), and None."""
+        found = [(at, m) for m in markers if (at := self._buffer.find(m)) >= 0]
+        if found:
+            at, marker = min(found)
             text, self._buffer = self._buffer[:at], self._buffer[at + len(marker) :]
-            return text, True
-        keep = 0 if final else partial_tail(self._buffer, marker)
+            return text, marker
+        keep = 0 if final else max(partial_tail(self._buffer, m) for m in markers)
         cut = len(self._buffer) - keep
         text, self._buffer = self._buffer[:cut], self._buffer[cut:]
-        return text, False
+        return text, None
+
+    def _find(self, marker: str) -> int:
+        """Where `marker` starts in a buffer that is read whole once it ends (a Hermes block, a Kimi header), or
+        -1; a buffer searched before is searched again only past what was searched (a long block arriving in
+        small pieces was searched from its start at each)."""
+        at = self._buffer.find(marker, max(0, self._searched - len(marker) + 1))
+        self._searched = len(self._buffer) if at < 0 else 0
+        return at
 
 
 def partial_tail(text: str, marker: str) -> int:
@@ -135,6 +146,7 @@ class ToolCallParser(ABC):
 
     name: ClassVar[str]
     keeps_special_tokens: ClassVar[bool] = False  # its markers are special tokens, which the text must keep
+    openers: ClassVar[tuple[str, ...]]  # the markers a call (or calls) begins with
 
     @abstractmethod
     def stream(self) -> ToolCallStream: ...
@@ -168,11 +180,9 @@ class _KimiStream(ToolCallStream):
         "<|tool_call_section_begin|>",
     )  # (some write it singular)
     SECTION_END = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
-    CALL_BEGIN, ARGUMENTS_BEGIN, CALL_END = (
-        "<|tool_call_begin|>",
-        "<|tool_call_argument_begin|>",
-        "<|tool_call_end|>",
-    )
+    CALL_BEGIN = "<|tool_call_begin|>"
+    ARGUMENTS_BEGIN = "<|tool_call_argument_begin|>"
+    CALL_END = "<|tool_call_end|>"
 
     def __init__(self):
         super().__init__()
@@ -181,55 +191,43 @@ class _KimiStream(ToolCallStream):
 
     def _read(self, events: list[Event], final: bool) -> None:
         while True:
-            if self._state == "prose":
-                text, marker = self._until_any(self.SECTION_BEGIN, final)
+            if self._state == "prose":  # a call without its section's opening is a call too
+                text, marker = self._until((*self.SECTION_BEGIN, self.CALL_BEGIN), final)
                 self._prose(events, text)
                 if marker is None:
                     return
-                self._state = "section"
+                self._state = "header" if marker == self.CALL_BEGIN else "section"
             elif self._state == "section":  # between calls: only whitespace is expected, and dropped
-                text, marker = self._until_any((self.CALL_BEGIN, *self.SECTION_END), final)
+                _, marker = self._until((self.CALL_BEGIN, *self.SECTION_END), final)
                 if marker is None:
                     return
                 self._state = "header" if marker == self.CALL_BEGIN else "prose"
-            elif self._state == "header":
-                header, found = self._until(self.ARGUMENTS_BEGIN, final)
-                if (
-                    not found
-                ):  # the header not ended yet (or never: a call cut before its arguments is dropped)
-                    self._buffer = "" if final else header + self._buffer
+            elif self._state == "header":  # read whole: the call's id and name
+                at = self._find(self.ARGUMENTS_BEGIN)
+                if at < 0:  # not ended yet (or never: a call cut before its arguments is dropped)
+                    self._buffer = "" if final else self._buffer
                     return
-                call_id = header.strip()
+                call_id = self._buffer[:at].strip()
+                self._buffer = self._buffer[at + len(self.ARGUMENTS_BEGIN) :]
                 name = call_id.rpartition(":")[0] if ":" in call_id else call_id
                 self._index = self._begin_call(events, call_id, name.removeprefix("functions."))
                 self._state = "arguments"
-            else:
-                text, found = self._until(self.CALL_END, final)
+            else:  # a call the section's end closes (its own end left out) ends there too
+                text, marker = self._until((self.CALL_END, *self.SECTION_END), final)
                 if text:
                     events.append(CallArguments(self._index, text))
-                if not found:
+                if marker is None:
                     if final:
-                        events.append(CallEnded(self._index))
+                        events.append(CallEnded(self._index, cut=True))
                     return
                 events.append(CallEnded(self._index))
-                self._state = "section"
-
-    def _until_any(self, markers: tuple[str, ...], final: bool) -> tuple[str, str | None]:
-        """As `_until`, for whichever of `markers` comes first."""
-        found = [(at, m) for m in markers if (at := self._buffer.find(m)) >= 0]
-        if found:
-            at, marker = min(found)
-            text, self._buffer = self._buffer[:at], self._buffer[at + len(marker) :]
-            return text, marker
-        keep = 0 if final else max(partial_tail(self._buffer, m) for m in markers)
-        cut = len(self._buffer) - keep
-        text, self._buffer = self._buffer[:cut], self._buffer[cut:]
-        return text, None
+                self._state = "section" if marker == self.CALL_END else "prose"
 
 
 class KimiK2Parser(ToolCallParser):
     name = "kimi_k2"
     keeps_special_tokens = True
+    openers = (*_KimiStream.SECTION_BEGIN, _KimiStream.CALL_BEGIN)
 
     def stream(self) -> ToolCallStream:
         return _KimiStream()
@@ -245,13 +243,13 @@ class _HermesStream(ToolCallStream):
     def _read(self, events: list[Event], final: bool) -> None:
         while True:
             if not self._in_call:
-                text, found = self._until(self.BEGIN, final)
+                text, marker = self._until((self.BEGIN,), final)
                 self._prose(events, text)
-                if not found:
+                if marker is None:
                     return
                 self._in_call = True
             # a block is read whole: its JSON names the function before its arguments
-            at = self._buffer.find(self.END)
+            at = self._find(self.END)
             if at < 0 and not final:
                 return
             block = self._buffer if at < 0 else self._buffer[:at]
@@ -262,7 +260,7 @@ class _HermesStream(ToolCallStream):
                 self._prose(events, self.BEGIN + block + (self.END if at >= 0 else ""))
             else:
                 index = self._begin_call(events, f"call_{uuid.uuid4().hex[:24]}", call[0])
-                events += [CallArguments(index, call[1]), CallEnded(index)]
+                events += [CallArguments(index, call[1]), CallEnded(index, cut=at < 0)]
             if at < 0:
                 return
 
@@ -284,6 +282,7 @@ def _hermes_call(block: str) -> tuple[str, str] | None:
 
 class HermesParser(ToolCallParser):
     name = "hermes"
+    openers = (_HermesStream.BEGIN,)
 
     def stream(self) -> ToolCallStream:
         return _HermesStream()

@@ -192,3 +192,36 @@ def test_chat_template_kwargs(make_server):
         assert e.status_code == 400 and e.json()["error"]["param"] == param, e.text
     e = httpx.post(f"{s.url}/tokenize", json={"prompt": "x", "chat_template_kwargs": {"a": 1}}, timeout=30)
     assert e.status_code == 400 and e.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_a_template_that_opens_the_thought(make_server, monkeypatch):
+    """A template whose generation prompt ends with <think> (thinking on): the reply starts inside the thought,
+    which qwen3 reads as such (it has no <think> of its own)."""
+    monkeypatch.setattr(ChatCompletionRequest, "constraint_field", property(lambda self: None))
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<think>\n{% endif %}"
+    s = make_server(chat_template=template, reasoning_parser="qwen3")
+    reply = "Easy.</think>\n\n4"
+    body = {
+        "model": MODEL,
+        "messages": CHAT,
+        "max_tokens": 100,
+        **{"structured_outputs": {"regex": re.escape(reply)}},
+    }
+    message = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0][
+        "message"
+    ]
+    assert (message["reasoning_content"], message["content"]) == ("Easy.", "4")
+
+
+def test_responses_reasoning_settings_are_taken(server):
+    body = {
+        "model": MODEL,
+        "input": "hi",
+        "max_output_tokens": 2,
+        "reasoning": {"effort": "low", "summary": "auto"},
+        "include": ["reasoning.encrypted_content"],
+    }
+    r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    bad = httpx.post(f"{server.url}/v1/responses", json={**body, "reasoning": {"effort": "max"}}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning.effort"

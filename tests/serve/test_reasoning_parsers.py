@@ -97,3 +97,66 @@ def test_a_reply_of_reasoning_alone_has_no_content():
     assert (reply.reasoning, reply.content, reply.calls) == ("still thinking", None, [])
     reply = read_reply(Parsers(Qwen3Parser()), "plain")
     assert (reply.reasoning, reply.content, reply.reasoning_end) == (None, "plain", 0)
+
+
+@pytest.mark.parametrize(
+    ("parsers", "text"),
+    [
+        (
+            Parsers(KimiK2ReasoningParser(), KimiK2Parser()),
+            "<think>I'll check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+            '<|tool_call_argument_begin|>{"city":"Oslo"}<|tool_call_end|><|tool_calls_section_end|>',
+        ),
+        (
+            Parsers(Qwen3Parser(), HermesParser()),
+            '<think>I\'ll check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+        ),
+        (
+            Parsers(DeepSeekR1Parser(), HermesParser()),
+            'I\'ll check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+        ),
+    ],
+)
+def test_a_call_from_inside_an_unclosed_thought_ends_it(parsers, text):
+    """Thinking models call tools without closing their thought: the call's opening ends the reasoning."""
+    reply = read_reply(parsers, text)
+    assert reply.reasoning.strip() == "I'll check." and reply.content is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    for seed in range(50):
+        rng = random.Random(seed)
+        reader, events, i = ReplyReader(parsers), [], 0
+        while i < len(text):
+            n = rng.randint(1, 5)
+            events += reader.read(text[i : i + n], finished=i + n >= len(text))
+            i += n
+        assert "".join(e.text for e in events if isinstance(e, Reasoning)) == reply.reasoning
+        assert reader.called
+
+
+def test_a_prompt_that_opened_the_thought():
+    """qwen3 and kimi_k2: a template that opens <think> in the prompt (thinking on) leaves the reply inside it."""
+    text = "2+2 is basic.\n</think>\n\n4"
+    assert read_reply(Parsers(Qwen3Parser()), text).reasoning is None  # thinking off: all answer
+    reply = read_reply(Parsers(Qwen3Parser(), opened=True), text)
+    assert (reply.reasoning, reply.content) == ("2+2 is basic.\n", "4")
+    assert Qwen3Parser().parse(text, opened=True).answer == "4"
+
+
+def test_an_empty_thought_is_no_reasoning():
+    """Streamed, an empty thought sends nothing: whole, it is no reasoning either."""
+    for parsers, text in (
+        (Parsers(Qwen3Parser()), "<think></think>4"),
+        (Parsers(DeepSeekR1Parser()), "</think>4"),
+    ):
+        reply = read_reply(parsers, text)
+        assert (reply.reasoning, reply.content) == (None, "4")
+        assert not [e for e in ReplyReader(parsers).read(text, finished=True) if isinstance(e, Reasoning)]
+
+
+def test_parallel_tool_calls_false_keeps_the_first():
+    text = '<tool_call>{"name": "a"}</tool_call><tool_call>{"name": "b"}</tool_call>'
+    assert len(read_reply(Parsers(tools=HermesParser()), text).calls) == 2
+    (only,) = read_reply(Parsers(tools=HermesParser(), max_calls=1), text).calls
+    assert only["function"]["name"] == "a"

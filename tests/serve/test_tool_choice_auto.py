@@ -193,3 +193,79 @@ def test_kimis_markers_are_special_tokens_kept_in_the_text(make_server):
             assert (parser is not None) == reads
             params = asyncio.run(server.sampling_params(req, {}, parser))
             assert params.skip_special_tokens == (not (kept and reads))
+
+
+def test_responses_whole_and_streamed_agree_on_order_and_status(parsed, monkeypatch):
+    """Prose after a call: the call item first, then the message, streamed or not; a reply cut in that prose
+    leaves the call completed and the message incomplete (the item the cut hit)."""
+    name, client = parsed
+    if name != "hermes":
+        pytest.skip("prose after the calls: Hermes' format")
+    text = 'Hm.\n<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>\nDone, now more.'
+    made = ResponsesRequest.to_sampling_params
+
+    def forced(self):
+        params = made(self)
+        params.structured_outputs = StructuredOutputsParams(regex=re.escape(text))
+        return params
+
+    monkeypatch.setattr(ResponsesRequest, "to_sampling_params", forced)
+    for max_tokens, status in ((300, "completed"), (len(text) - 4, "incomplete")):
+        kw = {"model": MODEL, "input": "Time?", "tools": FLAT, "max_output_tokens": max_tokens}
+        whole = client.responses.create(**kw)
+        streamed = list(client.responses.create(**kw, stream=True))[-1].response
+        for r in (whole, streamed):
+            assert r.status == status
+            assert [(i.type, i.status) for i in r.output] == [
+                ("message", status),
+                ("function_call", "completed"),
+            ]
+            assert r.output[0].content[0].text.startswith("Hm.\nDone")
+
+
+def test_the_servers_own_calls_go_back(parsed):
+    """A call as the model wrote it (auto: its arguments not held to JSON, or cut) sent back in the next turn."""
+    _, client = parsed
+    call = {
+        "id": "functions.get_weather:0",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city":"Os'},
+    }
+    messages = [
+        *CHAT,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "cold"},
+    ]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=2
+    )
+    assert r.choices[0].finish_reason == "length"
+    item = {
+        "type": "function_call",
+        "call_id": "c1",
+        "name": "get_weather",
+        "arguments": "{no",
+        "status": "completed",
+    }
+    out = {"type": "function_call_output", "call_id": "c1", "output": "cold"}
+    r = client.responses.create(
+        model=MODEL,
+        input=[{"role": "user", "content": "Weather?"}, item, out],
+        tools=FLAT,
+        tool_choice="none",
+        max_output_tokens=2,
+    )
+    assert r.status == "incomplete"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(parsed):
+    name, client = parsed
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        tools=TOOLS,
+        max_tokens=300,
+        parallel_tool_calls=False,
+        extra_body=_forced(REPLIES[name]),
+    )
+    assert _calls(r.choices[0].message.tool_calls) == EXPECTED[name][:1]

@@ -158,3 +158,29 @@ def test_prose_after_the_calls_and_an_unknown_parser():
     assert tool_call_parser(None) is None
     with pytest.raises(ValueError, match="unknown tool-call parser 'nope'; choose one of kimi_k2, hermes"):
         tool_call_parser("nope")
+
+
+def test_kimi_calls_that_skip_a_marker():
+    """A call the section's end closes (its own end left out) ends there, the marker not in its arguments; a call
+    without its section's opening is a call."""
+    reply = KimiK2Parser().parse(
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}"
+        "<|tool_calls_section_end|>after"
+    )
+    assert reply.calls[0]["function"] == {"name": "f", "arguments": "{}"} and reply.content == "after"
+    bare = KimiK2Parser().parse(
+        "Hi<|tool_call_begin|>functions.g:3<|tool_call_argument_begin|>{}<|tool_call_end|>"
+    )
+    assert bare.content == "Hi" and bare.calls[0]["id"] == "functions.g:3"
+
+
+def test_a_cut_call_says_so():
+    """CallEnded.cut: the reply's end, not the call's own closing, ended it (a Responses item's status)."""
+    kimi = KimiK2Parser().stream()
+    head = "<|tool_calls_section_begin|><|tool_call_begin|>f:0<|tool_call_argument_begin|>{}"
+    assert kimi.feed(head + "<|tool_call_end|>")[-1] == CallEnded(0, cut=False)
+    cut = KimiK2Parser().stream()
+    assert [*cut.feed(head), *cut.finish()][-1] == CallEnded(0, cut=True)
+    hermes = HermesParser().stream()
+    assert [*hermes.feed('<tool_call>{"name": "f"}'), *hermes.finish()][-1] == CallEnded(0, cut=True)
+
