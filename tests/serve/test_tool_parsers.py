@@ -183,4 +183,3 @@ def test_a_cut_call_says_so():
     assert [*cut.feed(head), *cut.finish()][-1] == CallEnded(0, cut=True)
     hermes = HermesParser().stream()
     assert [*hermes.feed('<tool_call>{"name": "f"}'), *hermes.finish()][-1] == CallEnded(0, cut=True)
-
