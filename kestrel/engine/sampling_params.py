@@ -37,18 +37,27 @@ class StructuredOutputsParams:
     """Constrain the output to a language (vLLM's structured outputs; one of the fields): `json` a JSON schema (a
     dict, or its JSON text), `regex` a regular expression (whole-output match), `choice` one of these strings,
     `json_object` any JSON object (OpenAI's JSON mode). JSON comes out compact, properties in the schema's order
-    (`kestrel.grammar.json_schema` says what a schema may use). Checked on construction (ValueError)."""
+    (`kestrel.grammar.json_schema` says what a schema may use). Checked on construction (ValueError).
+
+    `thought`: a thinking model's reasoning comes first, free, and the constraint holds from after its
+    `</think>` (vLLM's structured outputs with a reasoning parser): "optional" where the output may open with
+    `<think>` (thinking may be off), "opened" where it starts inside the thought (the prompt opened it)."""
 
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     json_object: bool | None = None
+    thought: str | None = None
 
     def __post_init__(self):
         given = [name for name in _STRUCTURED if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(
                 f"structured outputs take exactly one of {', '.join(_STRUCTURED)}, not {given or 'none'}"
+            )
+        if self.thought not in (None, "optional", "opened"):
+            raise ValueError(
+                f"structured outputs thought is 'optional', 'opened' or None, not {self.thought!r}"
             )
         self.pattern  # noqa: B018 (made now: a bad schema is an error here)
 
@@ -64,6 +73,10 @@ class StructuredOutputsParams:
     def pattern(self) -> str:
         """The regular expression the output must match whole (`kestrel.grammar.regex`'s dialect); made once,
         on construction (the engine reads it at each check: a schema's JSON text was dumped again each time)."""
+        body = self._body()
+        return body if self.thought is None else _after_thought(body, self.thought)
+
+    def _body(self) -> str:
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json":
@@ -99,6 +112,27 @@ class StructuredOutputsParams:
 
 
 _STRUCTURED = ("json", "regex", "choice", "json_object")
+
+# Any text up to and with the first `</think>`: a walk of the automaton that finds that word (its letters differ,
+# so a mismatch falls back to the start, or to `<`): from `<`, any of `/`, `/t`, ..., `/think` then `<` again
+# returns to `<` (_BACK), and a letter other than the next one's (or `<`) to the start (_AWAY).
+_BACK = "(?:/(?:t(?:h(?:i(?:n(?:k)?)?)?)?)?)?<"
+_AWAY = "(?:[^</]|/(?:[^<t]|t(?:[^<h]|h(?:[^<i]|i(?:[^<n]|n(?:[^<k]|k[^<>]))))))"
+THOUGHT_PATTERN = f"(?:[^<]|<(?:{_BACK})*{_AWAY})*<(?:{_BACK})*/think>"
+
+
+def _after_thought(body: str, thought: str) -> str:
+    """`body` (its anchors dropped: they hold anyway) after a thought: an optional one, or one the output starts
+    inside (its `<think>` may be written again); whitespace between the thought and the body is free."""
+    body = body.removeprefix("^")
+    if body.endswith("$") and not body.endswith("\\$"):
+        body = body[:-1]
+    head = (
+        f"(?:\\s*<think>{THOUGHT_PATTERN}\\s*)?"
+        if thought == "optional"
+        else f"(?:<think>)?{THOUGHT_PATTERN}\\s*"
+    )
+    return f"{head}(?:{body})"
 
 
 @functools.lru_cache(maxsize=256)

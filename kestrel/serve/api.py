@@ -126,9 +126,9 @@ def build_app(
         server.check_model(req.model)
         parsers = server.parsers(req, req)
         names = {"prompt": "messages", "max_tokens": req.max_tokens_field}
-        params = await server.sampling_params(req, names, parsers)
         prompt = await chat_prompt(req.chat_messages(), req.template_options())
         server.see_prompt(parsers, prompt[0])
+        params = await server.sampling_params(req, names, parsers)
         job = Job(server, prompt, params, field_names=names)
         if req.stream:
             return sse(chat_stream(server, job, req, parsers))
@@ -173,10 +173,10 @@ def build_app(
         server.check_model(req.model)
         parsers = server.parsers(req, req.tool_view)
         names = {"prompt": "input", "max_tokens": "max_output_tokens"}
-        params = await server.sampling_params(req, names, parsers)
         created = int(time.time())
         prompt = await chat_prompt(req.chat_messages(), req.template_options(), "input")
         server.see_prompt(parsers, prompt[0])
+        params = await server.sampling_params(req, names, parsers)
         job = Job(server, prompt, params, field_names=names)
         if req.stream:
             return sse(responses_stream(server, job, req, created, parsers))

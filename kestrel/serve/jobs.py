@@ -5,6 +5,7 @@ engine requests behind one HTTP request and their choices as they stream)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import re
 import time
@@ -218,11 +219,12 @@ class Server:
         return APIError(413, message, code="request_too_large")
 
     def parsers(self, req, tools) -> Parsers:
-        """The parsers that read a request's reply: the reasoning where the server has a reasoning parser and no
-        constraint holds the reply (a constrained reply is the constraint's whole: JSON has no `<think>`), the
-        calls where the model decides on them (`tools`: the request's tools as the chat route's; a 400 where the
-        server has no tool-call parser)."""
-        reasoning = self.reasoning_parser if req.constraint_field is None else None
+        """The parsers that read a request's reply: the reasoning where the server has a reasoning parser (a
+        constraint then holds from after the thought: `sampling_params`), unless the reply is tool calls held to
+        their schemas (tool_choice "required" or named: no thought before them); the calls where the model decides
+        on them (`tools`: the request's tools as the chat route's; a 400 where the server has no tool-call
+        parser)."""
+        reasoning = self.reasoning_parser if req.tool_calls_asked is None else None
         max_calls = 1 if tools.parallel_tool_calls is False else None
         return Parsers(reasoning, auto_parser(tools, self.tool_parser), max_calls=max_calls)
 
@@ -238,14 +240,18 @@ class Server:
         """A request's SamplingParams. Where it constrains the output they are made, and its grammar compiled (the
         engine keeps it), in a worker thread: a large JSON schema takes a second (a 300-branch anyOf: 1.4 s),
         which on the event loop held up every other stream. The grammar's errors are 400s naming the request's
-        own field, as `field_names` will for the engine's later errors. `parsers`: those that will read the reply,
-        whose markers may be special tokens (kept in the text then, as vLLM does)."""
-        params = await self._sampling_params(req, field_names)
+        own field, as `field_names` will for the engine's later errors. `parsers`: those that will read the reply
+        (`see_prompt` has seen its prompt), whose markers may be special tokens (kept in the text then, as vLLM
+        does); where they read a thought, a constraint holds from after it."""
+        thought = None
+        if parsers is not None and parsers.reasoning is not None:
+            thought = "opened" if parsers.opened or parsers.reasoning.opens_inside else "optional"
+        params = await self._sampling_params(req, field_names, thought)
         if parsers is not None and parsers.keeps_special_tokens:
             params.skip_special_tokens = False
         return params
 
-    async def _sampling_params(self, req, field_names: dict[str, str]) -> SamplingParams:
+    async def _sampling_params(self, req, field_names: dict[str, str], thought: str | None) -> SamplingParams:
         field = req.constraint_field
         if field is None:
             return req.to_sampling_params()
@@ -254,6 +260,10 @@ class Server:
         def made() -> SamplingParams:
             params = req.to_sampling_params()
             if params.structured_outputs is not None:
+                if thought is not None:
+                    params.structured_outputs = dataclasses.replace(
+                        params.structured_outputs, thought=thought
+                    )
                 self.engine.engine.grammar_of(params)
             return params
 

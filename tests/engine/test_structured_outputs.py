@@ -325,3 +325,58 @@ def test_on_cuda_with_graphs_both_schedules():
                 jsonschema.validate(json.loads(c.text), PERSON)
         got.append([c.token_ids for o in outs for c in o.outputs])
     assert got[0] == got[1]
+
+
+def test_a_thought_before_the_constraint():
+    """`thought`: the output's reasoning is free up to its first </think>, and the constraint holds from there
+    (whitespace between free); the thought's pattern is checked against Python's re on random texts, and the
+    engine's grammar over the tiny model's vocabulary allows what the pattern does."""
+    import random
+
+    from kestrel.engine.sampling_params import THOUGHT_PATTERN
+
+    rng, thought = random.Random(0), _automaton(THOUGHT_PATTERN)
+    for _ in range(3000):
+        text = "".join(rng.choice("</thinkx>é\n") for _ in range(rng.randint(0, 16)))
+        text += "</think>" * (rng.random() < 0.4)
+        first_close_at_end = text.endswith("</think>") and text.find("</think>") == len(text) - len(
+            "</think>"
+        )
+        assert (re.fullmatch(THOUGHT_PATTERN, text) is not None) == first_close_at_end
+        assert thought.matches(text) == first_close_at_end
+    optional = StructuredOutputsParams(regex="^[0-9]+$", thought="optional")
+    opened = StructuredOutputsParams(regex="[0-9]+", thought="opened")
+    cases = {
+        "42": (True, False),
+        "<think>a </think> b</think>\n 7": (False, False),  # the first </think> ends the thought
+        "<think>a <b> c</think>\n 7": (True, True),
+        "  <think>z</think>1": (True, True),
+        "z</think>1": (False, True),
+        "<think>z</think>": (False, False),
+    }
+    for text, (want_optional, want_opened) in cases.items():
+        assert _automaton(optional.pattern).matches(text) == want_optional, text
+        assert _automaton(opened.pattern).matches(text) == want_opened, text
+    with pytest.raises(ValueError, match="thought is 'optional', 'opened' or None"):
+        StructuredOutputsParams(regex="x", thought="maybe")
+
+
+def test_a_thought_then_a_schema_in_the_engine(llm):
+    """The engine's grammar: any token inside the thought, then the schema's; EOS only once the schema's output
+    is whole. The tiny model's free thought, sampled, is cut by max_tokens, never forced to JSON."""
+    spec = StructuredOutputsParams(
+        json={"type": "object", "properties": {"a": {"enum": [1]}}, "required": ["a"]}, thought="opened"
+    )
+    grammar = llm.engine.grammar_of(SamplingParams(structured_outputs=spec))
+    tok, eos = llm.tokenizer, llm.engine.eos_token_ids[0]
+    state = grammar.start
+    for token in tok.encode("Hm, <b>?</think>\n"):
+        assert grammar.allowed(state)[token]
+        state = grammar.advance(state, token)
+    assert not grammar.allowed(state)[tok.encode("x")[0]] and not grammar.allowed(state)[eos]
+    for token in tok.encode('{"a":1}'):
+        assert grammar.allowed(state)[token]
+        state = grammar.advance(state, token)
+    assert grammar.allowed(state)[eos]
+    (out,) = _run(llm, spec, prompts=("ab",), max_tokens=24, temperature=1.0)
+    assert out.finish_reason == "length" and not out.text.lstrip().startswith("{")

@@ -1,8 +1,8 @@
 """A server started with a reasoning parser (`--reasoning-parser`): a thinking model's reasoning returned beside
 its answer, whole and streamed, on the chat route and the Responses API, with the model's own tool calls after
-it; reasoning sent back reaches the chat template. The tiny model does not think, so each reply is made to by a
-regex; the regex is hidden from the rule that a constrained reply is not read for reasoning (a JSON schema's
-reply has no `<think>`), which `test_a_constrained_reply_is_all_answer` checks."""
+it; reasoning sent back reaches the chat template; a constraint holds from after the thought. The tiny model
+does not think, so each reply is made to by a regex given as the whole reply (the requests' constraint hidden
+from the server, which would let the thought go free and hold the regex after it)."""
 
 from __future__ import annotations
 
@@ -148,17 +148,44 @@ def test_reasoning_sent_back_reaches_the_template(make_server):
     assert e.status_code == 400 and e.json()["error"]["param"].startswith("input.1.content.0.type")
 
 
-def test_a_constrained_reply_is_all_answer(make_server):
-    """deepseek_r1 reads a reply as thinking until </think>: a JSON reply (response_format) is not read so."""
-    s = make_server(reasoning_parser="deepseek_r1")
-    body = {"model": MODEL, "messages": CHAT, "max_tokens": 40}
-    free = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
-    assert "reasoning_content" in free  # the tiny model never closes a thought: all reasoning
+def test_a_constraint_holds_after_the_thought(make_server):
+    """With a reasoning parser a constraint holds from after the thought (vLLM's way): deepseek_r1's reply starts
+    in it ("opened"), qwen3's may open one ("optional", or "opened" where the prompt did); tool calls held to
+    their schemas ("required", named) have no thought before them."""
+    import asyncio
+
+    from kestrel.serve.protocol import parse
+
     schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
-    r = httpx.post(f"{s.url}/v1/chat/completions", json={**body, "response_format": fmt}, timeout=60).json()
+    opening = "{% for m in messages %}{{ m['content'] }}{% endfor %}<think>"
+    for name, template, want in (
+        ("deepseek_r1", None, "opened"),
+        ("qwen3", None, "optional"),
+        ("qwen3", opening, "opened"),
+    ):
+        s = make_server(reasoning_parser=name, **({"chat_template": template} if template else {}))
+        server = s.app.state.server
+        for extra, thought in (
+            ({"response_format": fmt}, want),
+            ({"tools": TOOLS, "tool_choice": "required"}, None),
+        ):
+            req = parse(ChatCompletionRequest, json.dumps({"messages": CHAT, **extra}).encode())
+            parsers = server.parsers(req, req)
+            prompt = server.engine.engine.tokenizer.encode(server.tokenizer.apply_chat_template(CHAT))
+            server.see_prompt(parsers, prompt)
+            params = asyncio.run(server.sampling_params(req, {}, parsers))
+            assert params.structured_outputs.thought == thought, (name, extra)
+    # the tiny model thinks on past max_tokens: its reply is reasoning, not JSON forced from the first token
+    s = make_server(reasoning_parser="deepseek_r1")
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 30, "response_format": fmt, "seed": 1}
+    r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60).json()
     message = r["choices"][0]["message"]
-    assert "reasoning_content" not in message and json.loads(message["content"])["a"] in (1, 2)
+    assert (
+        message["reasoning_content"]
+        and message["content"] is None
+        and r["choices"][0]["finish_reason"] == "length"
+    )
 
 
 def test_chat_template_kwargs(make_server):
