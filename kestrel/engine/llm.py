@@ -119,11 +119,14 @@ class LLM:
         add_generation_prompt: bool | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them. As vLLM's:
         `continue_final_message` leaves the last message open for the model to go on with;
         `add_generation_prompt` (true unless given, or continuing) opens the assistant's turn;
-        `chat_template_kwargs` are more variables for the chat template (such as `enable_thinking`)."""
+        `chat_template_kwargs` are more variables for the chat template (such as `enable_thinking`); `tools`
+        (OpenAI's function definitions) go to templates that show them. The reply is the model's text: calls in
+        its own format are read by the server's tool-call parser, not here."""
         sequence = (list, tuple)
         if isinstance(messages, sequence) and messages and isinstance(messages[0], dict):
             convs = [messages]
@@ -138,6 +141,7 @@ class LLM:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
         prompts = [self.tokenizer.apply_chat_template(list(c), **options) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -45,6 +45,12 @@ def test_chat_template_kwargs_offline():
     )
     with pytest.raises(ValueError, match="chat_template_kwargs.tools cannot be given"):
         llm.chat(conv, GREEDY, use_tqdm=False, chat_template_kwargs={"tools": []})
+    shown = "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+    shown += "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    llm.tokenizer.set_chat_template(shown)
+    tools = [{"type": "function", "function": {"name": "get_time"}}]
+    (with_tools,) = llm.chat(conv, GREEDY, use_tqdm=False, tools=tools)
+    assert llm.tokenizer.decode(with_tools.prompt_token_ids) == "[get_time]hi"
 
 
 @pytest.mark.parametrize(
