@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kestrel.serve.tool_parsers import partial_tail
+from kestrel.serve.tool_parsers import named_parser, partial_tail
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -131,8 +131,4 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 
 
 def reasoning_parser(name: str | None) -> ReasoningParser | None:
-    if name is None:
-        return None
-    if name not in REASONING_PARSERS:
-        raise ValueError(f"unknown reasoning parser {name!r}; choose one of {', '.join(REASONING_PARSERS)}")
-    return REASONING_PARSERS[name]()
+    return named_parser(REASONING_PARSERS, "reasoning", name)

@@ -296,8 +296,13 @@ TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
 
 
 def tool_call_parser(name: str | None) -> ToolCallParser | None:
+    return named_parser(TOOL_CALL_PARSERS, "tool-call", name)
+
+
+def named_parser(registry: dict[str, type], kind: str, name: str | None):
+    """The parser of that name from a registry (None for None); a ValueError that lists the names otherwise."""
     if name is None:
         return None
-    if name not in TOOL_CALL_PARSERS:
-        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(TOOL_CALL_PARSERS)}")
-    return TOOL_CALL_PARSERS[name]()
+    if name not in registry:
+        raise ValueError(f"unknown {kind} parser {name!r}; choose one of {', '.join(registry)}")
+    return registry[name]()

@@ -113,3 +113,21 @@ def make_server():
     yield make
     for s in started:
         s.close()
+
+
+def force_responses_reply(monkeypatch, text: str) -> None:
+    """The Responses API takes no regex: make its requests' reply `text` (a regex of it, as the chat route's
+    structured_outputs gives one), for tests of formats the tiny model does not write by itself."""
+    import re
+
+    from kestrel.engine.sampling_params import StructuredOutputsParams
+    from kestrel.serve.responses_protocol import ResponsesRequest
+
+    made = ResponsesRequest.to_sampling_params
+
+    def forced(self):
+        params = made(self)
+        params.structured_outputs = StructuredOutputsParams(regex=re.escape(text))
+        return params
+
+    monkeypatch.setattr(ResponsesRequest, "to_sampling_params", forced)

@@ -13,10 +13,8 @@ import httpx
 import openai
 import pytest
 
-from kestrel.engine.sampling_params import StructuredOutputsParams
 from kestrel.serve.protocol import ChatCompletionRequest
-from kestrel.serve.responses_protocol import ResponsesRequest
-from tests.serve.conftest import MODEL, RunningServer
+from tests.serve.conftest import MODEL, RunningServer, force_responses_reply
 from tests.serve.test_tools import TOOLS
 
 REASONING = "The user wants Oslo's weather: call the tool."
@@ -40,14 +38,7 @@ def server():
 def client(server, monkeypatch):
     """Requests whose regex the parsers do not see as a constraint (the Responses API's given one here)."""
     monkeypatch.setattr(ChatCompletionRequest, "constraint_field", property(lambda self: None))
-    made = ResponsesRequest.to_sampling_params
-
-    def forced(self):
-        params = made(self)
-        params.structured_outputs = StructuredOutputsParams(regex=re.escape(REPLY))
-        return params
-
-    monkeypatch.setattr(ResponsesRequest, "to_sampling_params", forced)
+    force_responses_reply(monkeypatch, REPLY)
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 

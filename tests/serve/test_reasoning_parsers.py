@@ -68,6 +68,16 @@ THINK_THEN_CALL = (
 )
 
 
+def _in_pieces(parsers: Parsers, text: str, seed: int) -> tuple[ReplyReader, list]:
+    """A reply read in seeded random pieces of 1-6 characters: its reader and the events."""
+    rng, reader, events, i = random.Random(seed), ReplyReader(parsers), [], 0
+    while i < len(text):
+        n = rng.randint(1, 6)
+        events += reader.read(text[i : i + n], finished=i + n >= len(text))
+        i += n
+    return reader, events
+
+
 def test_reasoning_then_calls_whole_and_streamed():
     parsers = Parsers(KimiK2ReasoningParser(), KimiK2Parser())
     assert parsers.keeps_special_tokens and not Parsers(Qwen3Parser(), HermesParser()).keeps_special_tokens
@@ -79,12 +89,7 @@ def test_reasoning_then_calls_whole_and_streamed():
     ]
     assert THINK_THEN_CALL[: reply.reasoning_end].endswith("</think>")
     for seed in range(100):
-        rng = random.Random(seed)
-        reader, events, i = ReplyReader(parsers), [], 0
-        while i < len(THINK_THEN_CALL):
-            n = rng.randint(1, 6)
-            events += reader.read(THINK_THEN_CALL[i : i + n], finished=i + n >= len(THINK_THEN_CALL))
-            i += n
+        reader, events = _in_pieces(parsers, THINK_THEN_CALL, seed)
         assert "".join(e.text for e in events if isinstance(e, Reasoning)) == reply.reasoning
         assert "".join(e.text for e in events if isinstance(e, Prose)) == reply.content
         assert reader.called
@@ -125,12 +130,7 @@ def test_a_call_from_inside_an_unclosed_thought_ends_it(parsers, text):
         ("get_weather", {"city": "Oslo"})
     ]
     for seed in range(50):
-        rng = random.Random(seed)
-        reader, events, i = ReplyReader(parsers), [], 0
-        while i < len(text):
-            n = rng.randint(1, 5)
-            events += reader.read(text[i : i + n], finished=i + n >= len(text))
-            i += n
+        reader, events = _in_pieces(parsers, text, seed)
         assert "".join(e.text for e in events if isinstance(e, Reasoning)) == reply.reasoning
         assert reader.called
 

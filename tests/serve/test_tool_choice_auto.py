@@ -11,9 +11,7 @@ import re
 import openai
 import pytest
 
-from kestrel.engine.sampling_params import StructuredOutputsParams
-from kestrel.serve.responses_protocol import ResponsesRequest
-from tests.serve.conftest import MODEL, RunningServer
+from tests.serve.conftest import MODEL, RunningServer, force_responses_reply
 from tests.serve.test_tools import TOOLS
 
 KIMI = (
@@ -125,14 +123,7 @@ def test_responses_items(parsed, monkeypatch):
     """The Responses API takes no regex: its requests' sampling params are given one here, as the chat route's
     structured_outputs gives them."""
     name, client = parsed
-    made = ResponsesRequest.to_sampling_params
-
-    def forced(self):
-        params = made(self)
-        params.structured_outputs = StructuredOutputsParams(regex=re.escape(REPLIES[name]))
-        return params
-
-    monkeypatch.setattr(ResponsesRequest, "to_sampling_params", forced)
+    force_responses_reply(monkeypatch, REPLIES[name])
     kw = {"model": MODEL, "input": "Weather?", "tools": FLAT, "max_output_tokens": 300}
     r = client.responses.create(**kw)
     assert r.status == "completed"
@@ -201,14 +192,7 @@ def test_responses_whole_and_streamed_agree_on_order_and_status(parsed, monkeypa
     if name != "hermes":
         pytest.skip("prose after the calls: Hermes' format")
     text = 'Hm.\n<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>\nDone, now more.'
-    made = ResponsesRequest.to_sampling_params
-
-    def forced(self):
-        params = made(self)
-        params.structured_outputs = StructuredOutputsParams(regex=re.escape(text))
-        return params
-
-    monkeypatch.setattr(ResponsesRequest, "to_sampling_params", forced)
+    force_responses_reply(monkeypatch, text)
     for max_tokens, status in ((300, "completed"), (len(text) - 4, "incomplete")):
         kw = {"model": MODEL, "input": "Time?", "tools": FLAT, "max_output_tokens": max_tokens}
         whole = client.responses.create(**kw)
