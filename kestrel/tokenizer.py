@@ -112,6 +112,7 @@ class Tokenizer(ABC):
         `chat_template_kwargs` (vLLM's): more variables for a Jinja template, such as `enable_thinking`; the names
         the template is given here (`messages`, `tools`, ...) are refused."""
         messages = [_normalize_message(m) for m in messages]
+        tools = _template_tools(tools)
         kwargs = chat_template_kwargs
         check_template_kwargs(kwargs)
         if not continue_final_message:
@@ -132,6 +133,20 @@ class Tokenizer(ABC):
                 "the chat template does not render the final message's content as given, so it cannot be continued"
             )
         return opened
+
+
+def _template_tools(tools: list | None) -> list | None:
+    """The tools as a template takes them: none for an empty list, a function without parameters given an empty
+    object's schema (templates read `parameters`)."""
+    if not tools:
+        return None
+    out = []
+    for t in tools:
+        function = t.get("function") if isinstance(t, dict) else None
+        if isinstance(function, dict) and "parameters" not in function:
+            t = {**t, "function": {**function, "parameters": {"type": "object", "properties": {}}}}
+        out.append(t)
+    return out
 
 
 TEMPLATE_NAMES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception")
@@ -402,13 +417,9 @@ def _render_template(
     from jinja2 import TemplateError
 
     try:
-        return template.render(
-            **(template_kwargs or {}),
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            **specials,
-        )
+        # (one dict: a key such as `self` would clash with render's own arguments)
+        variables = {**(template_kwargs or {}), "messages": messages, "tools": tools, **specials}
+        return template.render({**variables, "add_generation_prompt": add_generation_prompt})
     # (TypeError, ValueError: a filter given what it cannot take, such as tojson of an undefined value)
     except (TemplateError, TypeError, ValueError) as e:
         raise ChatTemplateError(f"chat template error: {e}") from None

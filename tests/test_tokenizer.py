@@ -394,7 +394,7 @@ def test_token_bytes_of_a_sentencepiece_vocabulary(tmp_path):
 def test_a_template_filter_given_what_it_cannot_take_is_a_template_error():
     """`tojson` of an undefined field raises TypeError inside Jinja: a ChatTemplateError (a 400), not a 500."""
     tok = ByteTokenizer()
-    tok.set_chat_template("{{ tools[0].function.parameters | tojson }}")
+    tok.set_chat_template("{{ tools[0].function.description | tojson }}")
     with pytest.raises(ChatTemplateError, match="chat template error"):
         tok.apply_chat_template(
             [{"role": "user", "content": "x"}], tools=[{"type": "function", "function": {}}]
@@ -418,6 +418,11 @@ def test_chat_template_kwargs_reach_the_template(hf_tok):
             go_on = [*chat, {"role": "assistant", "content": "So"}]
             kw = {"continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}}
             assert tok.apply_chat_template(go_on, False, **kw) == "HiSo"
+            # a name of Jinja's render() itself is a variable like any other
+            assert (
+                tok.apply_chat_template(chat, chat_template_kwargs={"self": 1, "enable_thinking": 1})
+                == "Hi<think>"
+            )
             for key in ("messages", "add_generation_prompt", "bos_token"):
                 with pytest.raises(ValueError, match=f"chat_template_kwargs.{key} cannot be given"):
                     tok.apply_chat_template(chat, chat_template_kwargs={key: 1})

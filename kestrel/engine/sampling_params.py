@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from kestrel.grammar.json_schema import SchemaError, choice_regex, json_object_regex, schema_to_regex
-from kestrel.grammar.regex import PatternError, check_pattern
+from kestrel.grammar.regex import PatternError, check_pattern, unanchored
 
 # Temperatures below this sample greedily (vLLM's rule): the logits divided by 1e-40 overflow to inf, and the
 # softmax of infs is NaN.
@@ -124,9 +124,7 @@ THOUGHT_PATTERN = f"(?:[^<]|<(?:{_BACK})*{_AWAY})*<(?:{_BACK})*/think>"
 def _after_thought(body: str, thought: str) -> str:
     """`body` (its anchors dropped: they hold anyway) after a thought: an optional one, or one the output starts
     inside (its `<think>` may be written again); whitespace between the thought and the body is free."""
-    body = body.removeprefix("^")
-    if body.endswith("$") and not body.endswith("\\$"):
-        body = body[:-1]
+    body = unanchored(body)
     head = (
         f"(?:\\s*<think>{THOUGHT_PATTERN}\\s*)?"
         if thought == "optional"

@@ -69,11 +69,8 @@ class _Parser:
         return c
 
     def parse(self):
-        p = self.p
-        start, end = (1 if p.startswith("^") else 0), len(p)
-        if end > start and p.endswith("$") and not _escaped(p, end - 1):
-            end -= 1
-        self.p, self.i = p[:end], start
+        start, end = _anchor_span(self.p)
+        self.p, self.i = self.p[:end], start
         node = self.alternation()
         if self.i < len(self.p):
             self.fail("unbalanced ')'")
@@ -256,6 +253,21 @@ def _parse(pattern: str):
         return _Parser(pattern).parse()
     except RecursionError:
         raise PatternError("the pattern nests its groups too deeply") from None
+
+
+def _anchor_span(p: str) -> tuple[int, int]:
+    """Where a pattern's body lies: after a leading `^`, before a trailing `$` that is not escaped."""
+    start, end = (1 if p.startswith("^") else 0), len(p)
+    if end > start and p.endswith("$") and not _escaped(p, end - 1):
+        end -= 1
+    return start, end
+
+
+def unanchored(pattern: str) -> str:
+    """The pattern without its leading `^` and trailing `$` (a whole-output match holds them anyway), to be put
+    inside a larger one."""
+    start, end = _anchor_span(pattern)
+    return pattern[start:end]
 
 
 def _escaped(p: str, i: int) -> bool:

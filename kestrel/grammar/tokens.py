@@ -119,11 +119,22 @@ class Vocabulary:
     @classmethod
     def of(cls, tokenizer, size: int, eos_ids: tuple[int, ...]) -> Vocabulary:
         """A tokenizer's vocabulary as the model's logits see it (`size` wide: ids past the tokenizer's are never
-        allowed). The tokenizer's special ids (`special_token_ids`) and the EOS ids write nothing."""
-        special = {*tokenizer.special_token_ids(), *eos_ids}
+        allowed). The tokenizer's special ids (`special_token_ids`) and the EOS ids write nothing, but for a
+        thinking model's `<think>` and `</think>` (special tokens in some tokenizers): a constraint's thought
+        (`StructuredOutputsParams.thought`) ends with the model's own `</think>`."""
+        special = set(tokenizer.special_token_ids()) - _thought_marker_ids(tokenizer)
+        special |= set(eos_ids)
         known = min(size, tokenizer.vocab_size)
         data = [b"" if i in special else tokenizer.token_bytes(i) for i in range(known)]
         return cls(data + [b""] * (size - known), eos_ids)
+
+
+THOUGHT_MARKERS = (b"<think>", b"</think>")
+
+
+def _thought_marker_ids(tokenizer) -> set[int]:
+    """The special ids that write a thought's marker."""
+    return {i for i in tokenizer.special_token_ids() if tokenizer.token_bytes(i) in THOUGHT_MARKERS}
 
 
 class Grammar:

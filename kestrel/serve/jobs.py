@@ -21,6 +21,7 @@ from kestrel.engine.sampling_params import SamplingParams
 from kestrel.serve.choice import ChoiceState
 from kestrel.serve.errors import APIError, bad_request
 from kestrel.serve.metrics import ServerMetrics
+from kestrel.serve.reasoning_parsers import CLOSE as THINK_CLOSE
 from kestrel.serve.reasoning_parsers import OPEN as THINK_OPEN
 from kestrel.serve.reasoning_parsers import reasoning_parser as reasoning_parser_named
 from kestrel.serve.reply import Parsers
@@ -28,6 +29,7 @@ from kestrel.serve.tool_parsers import tool_call_parser as tool_parser_named
 from kestrel.serve.tools import auto_parser
 
 RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait
+_PROMPT_TAIL = 512  # the prompt's last tokens read for a thought it opened or closed
 
 
 class Job:
@@ -226,13 +228,23 @@ class Server:
         parser)."""
         reasoning = self.reasoning_parser if req.tool_calls_asked is None else None
         max_calls = 1 if tools.parallel_tool_calls is False else None
-        return Parsers(reasoning, auto_parser(tools, self.tool_parser), max_calls=max_calls)
+        # (under a constraint a call's opening inside the thought is the thought's text: the constraint's answer
+        # comes after its </think>)
+        calls_end_thought = req.constraint_field is None
+        return Parsers(reasoning, auto_parser(tools, self.tool_parser), max_calls, calls_end_thought)
 
     def see_prompt(self, parsers: Parsers, prompt: list[int]) -> None:
-        """Whether the prompt opened the reasoning: it ends with `<think>` (the chat template's thinking mode)."""
-        if parsers.reasoning is not None:
-            end = self.tokenizer.decode(prompt[-16:], skip_special_tokens=False)
-            parsers.opened = end.rstrip().endswith(THINK_OPEN)
+        """What the prompt's end says of the reply's thought: a `<think>` left open (the template's thinking mode,
+        or an assistant turn continued inside its thought) opens it; a `</think>` the prompt ends with (thinking
+        switched off, as Qwen 3's template writes an empty thought) leaves no thought to read."""
+        if parsers.reasoning is None:
+            return
+        end = self.tokenizer.decode(prompt[-_PROMPT_TAIL:], skip_special_tokens=False)
+        opened, closed = end.rfind(THINK_OPEN), end.rfind(THINK_CLOSE)
+        if opened > closed:
+            parsers.opened = True
+        elif closed >= 0 and not end[closed + len(THINK_CLOSE) :].strip():
+            parsers.reasoning = None
 
     async def sampling_params(
         self, req, field_names: dict[str, str], parsers: Parsers | None = None

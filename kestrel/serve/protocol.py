@@ -462,14 +462,9 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
 
 
 def _template_tools(tools: list[ChatTool] | None) -> list[dict] | None:
-    """The tools as a chat template takes them (a function without parameters shown with an empty object's schema:
-    templates read `parameters`)."""
-    if not tools:
-        return None
-    out = [t.model_dump(exclude_none=True) for t in tools]
-    for t in out:
-        t["function"].setdefault("parameters", {"type": "object", "properties": {}})
-    return out
+    """The tools as dicts, for the chat template (the tokenizer gives a function without parameters an empty
+    object's schema)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
 
 def _arguments(text: str):

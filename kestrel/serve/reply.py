@@ -24,8 +24,9 @@ class Parsers:
 
     reasoning: ReasoningParser | None = None
     tools: ToolCallParser | None = None
-    opened: bool = False  # the prompt opened the reasoning (ends with `<think>`)
     max_calls: int | None = None  # calls past this many are dropped (parallel_tool_calls false: 1)
+    calls_end_thought: bool = True  # a call's opening ends a thought left open
+    opened: bool = False  # the prompt opened the reasoning (`Server.see_prompt`)
 
     def __bool__(self) -> bool:
         return self.reasoning is not None or self.tools is not None
@@ -37,7 +38,7 @@ class Parsers:
 
 class ReplyReader:
     def __init__(self, parsers: Parsers):
-        stops = parsers.tools.openers if parsers.tools is not None else ()
+        stops = parsers.tools.openers if parsers.tools is not None and parsers.calls_end_thought else ()
         reasoning = parsers.reasoning
         self._reasoning = reasoning.stream(parsers.opened, stops) if reasoning is not None else None
         self._tools = parsers.tools.stream() if parsers.tools is not None else None

@@ -51,6 +51,12 @@ def test_chat_template_kwargs_offline():
     tools = [{"type": "function", "function": {"name": "get_time"}}]
     (with_tools,) = llm.chat(conv, GREEDY, use_tqdm=False, tools=tools)
     assert llm.tokenizer.decode(with_tools.prompt_token_ids) == "[get_time]hi"
+    # as the server renders them: a function without parameters given an empty object's schema, [] as none
+    llm.tokenizer.set_chat_template("{{ tools[0].function.parameters | tojson if tools else 'none' }}")
+    (shown,) = llm.chat(conv, GREEDY, use_tqdm=False, tools=tools)
+    assert llm.tokenizer.decode(shown.prompt_token_ids) == '{"type": "object", "properties": {}}'
+    (empty,) = llm.chat(conv, GREEDY, use_tqdm=False, tools=[])
+    assert llm.tokenizer.decode(empty.prompt_token_ids) == "none"
 
 
 @pytest.mark.parametrize(

@@ -357,6 +357,12 @@ def test_a_thought_before_the_constraint():
     for text, (want_optional, want_opened) in cases.items():
         assert _automaton(optional.pattern).matches(text) == want_optional, text
         assert _automaton(opened.pattern).matches(text) == want_opened, text
+    # a body's own anchors dropped inside the larger pattern, an escaped `$` (after an escaped backslash too) kept
+    for regex, text in (("^a$", "a"), (r"a\$", "a$"), ("a\\\\$", "a\\"), (r"a\\\$", "a\\$")):
+        assert re.fullmatch(regex, text), regex
+        assert _automaton(StructuredOutputsParams(regex=regex, thought="opened").pattern).matches(
+            "hm</think>" + text
+        )
     with pytest.raises(ValueError, match="thought is 'optional', 'opened' or None"):
         StructuredOutputsParams(regex="x", thought="maybe")
 

@@ -130,3 +130,31 @@ def test_cache_compiles_once_and_builds_the_vocabulary_lazily():
     assert cache.get("a+") is g and len(made) == 1
     cache.get("b"), cache.get("c")
     assert cache.get("a+") is not g  # evicted, compiled again
+
+
+def test_a_thinking_models_special_think_markers_write_their_text(tmp_path):
+    """Where `<think>` and `</think>` are special tokens, a grammar still allows them (a constraint's thought ends
+    with the model's own `</think>`); the other special tokens stay out."""
+    import json
+
+    from kestrel.engine.sampling_params import StructuredOutputsParams
+    from kestrel.tokenizer import HFTokenizer, save_byte_tokenizer
+
+    save_byte_tokenizer(str(tmp_path))
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    added = {"261": {"content": "<think>", "special": True}, "262": {"content": "</think>", "special": True}}
+    config.setdefault("added_tokens_decoder", {}).update(added)
+    config_path.write_text(json.dumps(config))
+    tok = HFTokenizer(str(tmp_path))
+    assert tok.encode("</think>") == [262] and 262 in tok.special_token_ids()
+    vocab = Vocabulary.of(tok, tok.vocab_size, tok.eos_token_ids)
+    assert vocab.token_bytes[261] == b"<think>" and vocab.token_bytes[262] == b"</think>"
+    assert all(vocab.token_bytes[i] == b"" for i in tok.special_token_ids() if i not in (261, 262))
+    grammar = Grammar(StructuredOutputsParams(regex="yes|no", thought="opened").pattern, vocab)
+    state = grammar.start
+    for token in tok.encode("hmm"):
+        state = grammar.advance(state, token)
+    assert grammar.allowed(state)[262]
+    state = grammar.advance(state, 262)
+    assert grammar.allowed(state)[ord("y")] and not grammar.allowed(state)[262]

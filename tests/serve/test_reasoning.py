@@ -243,3 +243,32 @@ def test_responses_reasoning_settings_are_taken(server):
     assert r.status_code == 200, r.text
     bad = httpx.post(f"{server.url}/v1/responses", json={**body, "reasoning": {"effort": "max"}}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning.effort"
+
+
+def test_what_the_prompt_says_of_the_thought(make_server):
+    """The prompt's end: an empty thought closed (thinking off: Qwen 3's template, enable_thinking false) leaves no
+    reasoning to read, even for deepseek_r1; an assistant turn continued inside its thought starts the reply
+    there; a thought closed earlier in the conversation changes nothing."""
+    template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% if not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+        "{% endif %}"
+    )
+    for name in ("qwen3", "deepseek_r1"):
+        s = make_server(chat_template=template, reasoning_parser=name)
+        server = s.app.state.server
+        cases = (
+            ({"messages": CHAT}, None, False),
+            ({"messages": CHAT, "chat_template_kwargs": {"enable_thinking": True}}, name, False),
+            ({"messages": [*CHAT, {"role": "assistant", "content": "<think>So far"}],
+              "continue_final_message": True}, name, True),
+            ({"messages": [*CHAT, {"role": "assistant", "content": "<think>a</think>b"}, *CHAT],
+              "chat_template_kwargs": {"enable_thinking": True}}, name, False),
+        )  # fmt: skip
+        for body, reads, opened in cases:
+            req = ChatCompletionRequest.model_validate(body)
+            parsers = server.parsers(req, req)
+            text = server.tokenizer.apply_chat_template(req.chat_messages(), **req.template_options())
+            server.see_prompt(parsers, server.tokenizer.encode(text))
+            assert (parsers.reasoning is not None) == (reads is not None), (name, body)
+            assert parsers.opened == opened, (name, body)

@@ -160,3 +160,12 @@ def test_parallel_tool_calls_false_keeps_the_first():
     assert len(read_reply(Parsers(tools=HermesParser()), text).calls) == 2
     (only,) = read_reply(Parsers(tools=HermesParser(), max_calls=1), text).calls
     assert only["function"]["name"] == "a"
+
+
+def test_under_a_constraint_a_call_inside_the_thought_is_thought():
+    """A constraint holds after the thought: a call's opening inside it is the thought's text, not a call."""
+    text = 'I could <tool_call>{"name": "f"}</tool_call> maybe</think>{"a":1}'
+    reply = read_reply(Parsers(DeepSeekR1Parser(), HermesParser(), calls_end_thought=False), text)
+    assert (
+        reply.reasoning.startswith("I could <tool_call>") and reply.content == '{"a":1}' and not reply.calls
+    )
