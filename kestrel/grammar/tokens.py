@@ -8,7 +8,8 @@ grouped by parent). `Grammar.allowed(state)` walks it from an automaton state on
 the prefixes still alive (numpy gathers from the transitions computed so far; the automaton makes the missing
 ones): by masks over the whole level where most of it lives (inside a JSON string), by runs of the live nodes'
 children where few do (a schema's keys and punctuation). It keeps each state's mask: a generation revisits few
-states. EOS is allowed where the pattern is complete; special tokens never are.
+states. EOS is allowed where the pattern is complete; special tokens never are, but for a thinking model's
+`<think>` and `</think>` (a constraint's thought ends with the model's own).
 """
 
 from __future__ import annotations
