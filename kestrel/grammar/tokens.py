@@ -123,19 +123,12 @@ class Vocabulary:
         allowed). The tokenizer's special ids (`special_token_ids`) and the EOS ids write nothing, but for a
         thinking model's `<think>` and `</think>` (special tokens in some tokenizers): a constraint's thought
         (`StructuredOutputsParams.thought`) ends with the model's own `</think>`."""
-        special = set(tokenizer.special_token_ids()) - _thought_marker_ids(tokenizer)
+        markers = (b"<think>", b"</think>")
+        special = {i for i in tokenizer.special_token_ids() if tokenizer.token_bytes(i) not in markers}
         special |= set(eos_ids)
         known = min(size, tokenizer.vocab_size)
         data = [b"" if i in special else tokenizer.token_bytes(i) for i in range(known)]
         return cls(data + [b""] * (size - known), eos_ids)
-
-
-THOUGHT_MARKERS = (b"<think>", b"</think>")
-
-
-def _thought_marker_ids(tokenizer) -> set[int]:
-    """The special ids that write a thought's marker."""
-    return {i for i in tokenizer.special_token_ids() if tokenizer.token_bytes(i) in THOUGHT_MARKERS}
 
 
 class Grammar:

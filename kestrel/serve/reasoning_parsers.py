@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kestrel.serve.tool_parsers import named_parser, partial_tail
+from kestrel.serve.tool_parsers import first_marker, named_parser
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -70,21 +70,15 @@ class ReasoningStream:
                     self._state = "reasoning" if self._opens_inside else "answer"
                 self.has_reasoning = self._state == "reasoning"
             elif self._state == "reasoning":
-                found = [(at, m) for m in (CLOSE, *self._stops) if (at := self._buffer.find(m)) >= 0]
-                if found:
-                    at, marker = min(found)
-                    reasoning += self._buffer[:at]
-                    if marker == CLOSE:
-                        self._buffer, self._state = self._buffer[at + len(CLOSE) :], "gap"
-                    else:  # (the marker stays: the answer starts with it)
-                        self._buffer, self._state = self._buffer[at:], "answer"
-                    self.reasoning_end = self.seen - len(self._buffer)
-                    continue
-                keep = 0 if final else max(partial_tail(self._buffer, m) for m in (CLOSE, *self._stops))
-                reasoning += self._buffer[: len(self._buffer) - keep]
-                self._buffer = self._buffer[len(self._buffer) - keep :]
-                if final or keep:
-                    break
+                at, marker = first_marker(self._buffer, (CLOSE, *self._stops), final)
+                reasoning, self._buffer = reasoning + self._buffer[:at], self._buffer[at:]
+                if marker is None:
+                    break  # (what is left may be a marker's start)
+                if marker == CLOSE:
+                    self._buffer, self._state = self._buffer[len(CLOSE) :], "gap"
+                else:  # (the marker stays: the answer starts with it)
+                    self._state = "answer"
+                self.reasoning_end = self.seen - len(self._buffer)
             elif self._state == "gap":
                 self._buffer = self._buffer.lstrip()
                 if self._buffer:

@@ -18,7 +18,7 @@ from kestrel.serve.choice import ChoiceState, chat_logprobs, completion_logprobs
 from kestrel.serve.errors import error_body
 from kestrel.serve.jobs import Job, Server
 from kestrel.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from kestrel.serve.reply import Parsers, Reasoning, ReplyEvent, ReplyReader, read_reply
+from kestrel.serve.reply import Parsers, Reasoning, ReplyEvent, ReplyReader
 from kestrel.serve.responses_protocol import ResponsesRequest
 from kestrel.serve.tool_parsers import CallArguments, CallBegun, CallEnded, Prose
 from kestrel.serve.tools import call_id, read_tool_calls
@@ -267,14 +267,21 @@ def response_body(
     done: bool = True,
     error: dict | None = None,
     parsers: Parsers | None = None,
+    walk: _ItemWalk | None = None,
 ) -> dict:
     """A Responses API response object: its output (once `done`; empty before): one message, or where tools are
     called a `function_call` item a call (`response_output`); its status (`incomplete` with reason
     max_output_tokens where the reply ran out of tokens; `failed` with `error`) and usage; the request's settings
-    as they took effect. `parsers`: those that read the reply (its reasoning, the model's own calls)."""
+    as they took effect. `parsers`: those that read the reply (its reasoning, the model's own calls), whose
+    items a stream has walked already (`walk`) or the whole reply is walked here, as a stream walks it (so that
+    the two agree: order, statuses, the calls' ids)."""
     choice = job.choices[0]
     incomplete = done and choice.finish_reason == "length"
     status = "failed" if error else "in_progress" if not done else "incomplete" if incomplete else "completed"
+    if done and not error and parsers and walk is None:
+        walk = _ItemWalk(job, parsers)
+        walk.read(choice.text, True, status)
+        walk.close(status)
     params = job.params  # as they took effect (defaults filled in)
     body = {
         "id": f"resp_{job.id}",
@@ -286,7 +293,9 @@ def response_body(
         "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens,
         "model": server.model_name,
-        "output": response_output(job, req, status, parsers=parsers) if done and not error else [],
+        "output": (walk.items if walk is not None else response_output(job, req, status))
+        if done and not error
+        else [],
         "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -303,17 +312,15 @@ def response_body(
             "input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
             "output_tokens": usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": _reasoning_tokens(choice, parsers)},
+            "output_tokens_details": {"reasoning_tokens": _reasoning_tokens(choice, walk)},
             "total_tokens": usage["total_tokens"],
         }
     return body
 
 
-def _reasoning_tokens(choice: ChoiceState, parsers: Parsers | None) -> int:
+def _reasoning_tokens(choice: ChoiceState, walk: _ItemWalk | None) -> int:
     """The reply's tokens that begin inside its reasoning (its closing marker's included)."""
-    if not parsers or parsers.reasoning is None:
-        return 0
-    end = read_reply(parsers, choice.text).reasoning_end
+    end = walk.reader.reasoning_end if walk is not None else 0
     return sum(1 for offset in choice.text_offsets if offset < end)
 
 
@@ -326,18 +333,11 @@ def response_output(
     req: ResponsesRequest,
     status: str,
     call_ids: list[str] | None = None,
-    parsers: Parsers | None = None,
 ) -> list:
-    """The response's output items: the reply's message, or its tool calls as `function_call` items (a
-    "required" reply cut before its JSON ended stays a message: no call can be read from it). `call_ids`: the
-    calls' ids where a stream already gave them. Where `parsers` read the reply: its reasoning, its prose and its
-    calls, each where the reply has it."""
+    """The response's output items where no parser reads the reply: its message, or its tool calls as
+    `function_call` items (a "required" reply cut before its JSON ended stays a message: no call can be read from
+    it). `call_ids`: the calls' ids where a stream already gave them."""
     text = job.choices[0].text
-    if parsers:  # walked as a stream walks it, so that the two agree (order and statuses)
-        walk = _ItemWalk(job)
-        walk.take(ReplyReader(parsers).read(text, finished=True), status)
-        walk.close(status)
-        return walk.items
     calls = read_tool_calls(req.tool_view, text, call_ids) if req.tool_calls_asked is not None else None
     if calls is None:
         return [_response_message(job, status, text)]
@@ -428,11 +428,10 @@ async def responses_stream(
             )
             yield event("response.output_item.done", output_index=0, item=done)
         elif parsers:
-            walk = _ItemWalk(job)
-            async for e in _parsed_events(event, job, parsers, walk):
+            walk = _ItemWalk(job, parsers)
+            async for e in _parsed_events(event, job, walk):
                 yield e
-            final = response_body(server, job, req, created, parsers=parsers)
-            final["output"] = walk.items  # (the calls' ids as streamed)
+            final = response_body(server, job, req, created, parsers=parsers, walk=walk)
         elif calls_asked is not None:
             async for _ in job.events():
                 pass  # (the calls are read once their JSON has ended)
@@ -470,19 +469,20 @@ async def _message_events(event, job: Job):
 class _ItemWalk:
     """A reply read by the parsers as Responses output items, in the order they begin: the reasoning (closed
     when the answer begins), the message at its first prose (which later prose goes on), each call (closed at
-    its end); the message is closed last. `take` gives the events (kind, fields) of each step; an item is
+    its end); the message is closed last. `read` gives the events (kind, fields) of each piece; an item is
     "completed" unless the reply's end cut it (then the response's status)."""
 
-    def __init__(self, job: Job):
+    def __init__(self, job: Job, parsers: Parsers):
         self.job, self.items = job, []
+        self.reader = ReplyReader(parsers)
         self._ids: dict[int, dict] = {}  # an item's index -> its content's ids
         self._calls: dict[int, int] = {}  # a call's index -> its item's
         self._message = self._reasoning = self._last = None  # item indices (_last: the last event's)
 
-    def take(self, read: list[ReplyEvent], status: str = "completed") -> list[tuple[str, dict]]:
-        """The events of a step's reply events; `status`: the response's, where the reply ended with them."""
+    def read(self, piece: str, finished: bool, status: str = "completed") -> list[tuple[str, dict]]:
+        """The events of a piece of the reply; `status`: the response's, where the reply ended with it."""
         out = []
-        for e in read:
+        for e in self.reader.read(piece, finished):
             if self._reasoning is not None and self._last == self._reasoning and not isinstance(e, Reasoning):
                 out += self._close(self._reasoning, "completed")
             if isinstance(e, Reasoning):
@@ -555,13 +555,13 @@ class _ItemWalk:
         ]
 
 
-async def _parsed_events(event, job: Job, parsers: Parsers, walk: _ItemWalk):
+async def _parsed_events(event, job: Job, walk: _ItemWalk):
     """A reply read by the parsers as the Responses API's events, item by item (`_ItemWalk`)."""
-    reader, status = ReplyReader(parsers), "completed"
+    status = "completed"
     async for _, piece, _, choice in job.events():
         if choice.finished:
             status = "incomplete" if choice.finish_reason == "length" else "completed"
-        for kind, fields in walk.take(reader.read(piece, choice.finished), status):
+        for kind, fields in walk.read(piece, choice.finished, status):
             yield event(kind, **fields)
     for kind, fields in walk.close(status):
         yield event(kind, **fields)

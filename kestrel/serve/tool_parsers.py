@@ -114,15 +114,9 @@ class ToolCallStream(ABC):
     def _until(self, markers: tuple[str, ...], final: bool) -> tuple[str, str | None]:
         """The buffer's text before the first of `markers` and that marker (then consumed); where none is found,
         all of the buffer but a tail that may be a marker's start (all of it where `final`), and None."""
-        found = [(at, m) for m in markers if (at := self._buffer.find(m)) >= 0]
-        if found:
-            at, marker = min(found)
-            text, self._buffer = self._buffer[:at], self._buffer[at + len(marker) :]
-            return text, marker
-        keep = 0 if final else max(partial_tail(self._buffer, m) for m in markers)
-        cut = len(self._buffer) - keep
-        text, self._buffer = self._buffer[:cut], self._buffer[cut:]
-        return text, None
+        at, marker = first_marker(self._buffer, markers, final)
+        text, self._buffer = self._buffer[:at], self._buffer[at + len(marker or "") :]
+        return text, marker
 
     def _find(self, marker: str) -> int:
         """Where `marker` starts in a buffer that is read whole once it ends (a Hermes block, a Kimi header), or
@@ -131,6 +125,15 @@ class ToolCallStream(ABC):
         at = self._buffer.find(marker, max(0, self._searched - len(marker) + 1))
         self._searched = len(self._buffer) if at < 0 else 0
         return at
+
+
+def first_marker(text: str, markers: tuple[str, ...], final: bool) -> tuple[int, str | None]:
+    """Where the first of `markers` starts in `text`, and which; where none is found, how much of the text can be
+    read (all but a tail that may be a marker's start, all where `final`) and None."""
+    found = [(at, m) for m in markers if (at := text.find(m)) >= 0]
+    if found:
+        return min(found)
+    return len(text) - (0 if final else max(partial_tail(text, m) for m in markers)), None
 
 
 def partial_tail(text: str, marker: str) -> int:
@@ -153,11 +156,8 @@ class ToolCallParser(ABC):
 
     def parse(self, text: str) -> ParsedReply:
         """A whole reply, read as a stream of one piece."""
-        return read_events(self._events(text))
-
-    def _events(self, text: str) -> list[Event]:
         s = self.stream()
-        return [*s.feed(text), *s.finish()]
+        return read_events([*s.feed(text), *s.finish()])
 
 
 def read_events(events: list[Event]) -> ParsedReply:
@@ -175,10 +175,8 @@ def read_events(events: list[Event]) -> ParsedReply:
 
 
 class _KimiStream(ToolCallStream):
-    SECTION_BEGIN = (
-        "<|tool_calls_section_begin|>",
-        "<|tool_call_section_begin|>",
-    )  # (some write it singular)
+    # (some write the section's markers singular)
+    SECTION_BEGIN = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
     SECTION_END = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
     CALL_BEGIN = "<|tool_call_begin|>"
     ARGUMENTS_BEGIN = "<|tool_call_argument_begin|>"
@@ -205,7 +203,8 @@ class _KimiStream(ToolCallStream):
             elif self._state == "header":  # read whole: the call's id and name
                 at = self._find(self.ARGUMENTS_BEGIN)
                 if at < 0:  # not ended yet (or never: a call cut before its arguments is dropped)
-                    self._buffer = "" if final else self._buffer
+                    if final:
+                        self._buffer = ""
                     return
                 call_id = self._buffer[:at].strip()
                 self._buffer = self._buffer[at + len(self.ARGUMENTS_BEGIN) :]
