@@ -25,7 +25,8 @@ load balancers and Prometheus scrape those without credentials, and none reveals
 Error statuses are described in `kestrel.serve.errors`. Detokenization and stop-string truncation run here,
 on the event loop, so the engine thread only steps the model. A client that disconnects (mid-stream, or while
 waiting for a non-streamed answer) has its requests aborted, which frees their KV pages and state slots.
-Per-request state: `kestrel.serve.jobs`; the response bodies and streams: `kestrel.serve.streams`.
+Per-request state: `kestrel.serve.jobs`; the response bodies and streams: `kestrel.serve.streams`
+(the Responses API's: `kestrel.serve.responses_streams`).
 """
 
 from __future__ import annotations
@@ -56,14 +57,13 @@ from kestrel.serve.protocol import (
 )
 from kestrel.serve.reply import read_reply
 from kestrel.serve.responses_protocol import ResponsesRequest
+from kestrel.serve.responses_streams import response_body, responses_stream
 from kestrel.serve.streams import (
     body_head,
     chat_stream,
     completion_stream,
     generate_stream,
     native_result,
-    response_body,
-    responses_stream,
     sse,
 )
 from kestrel.serve.tools import finish_reason as tool_finish_reason
