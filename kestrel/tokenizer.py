@@ -1,5 +1,5 @@
 """Tokenizers: the `Tokenizer` interface, a checkpoint's HF tokenizer, a built-in byte tokenizer for tests.
-Streaming generated ids as text is `kestrel.detokenize`'s."""
+Streaming generated ids as text is `kestrel.detokenize`'s; rendering chats, `kestrel.chat_template`'s."""
 
 from __future__ import annotations
 
@@ -7,10 +7,18 @@ import functools
 import json
 import os
 import re
-import secrets
 from abc import ABC, abstractmethod
 
-from kestrel.utils.errors import ChatTemplateError, CheckpointError, ConfigError
+from kestrel.chat_template import (
+    check_template_kwargs,
+    compile_template,
+    continue_final,
+    normalize_message,
+    pick_template,
+    render_template,
+    template_tools,
+)
+from kestrel.utils.errors import CheckpointError, ConfigError
 
 BYTE_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")  # ids 256..260
 BYTE_CHAT_TEMPLATE = (
@@ -61,7 +69,7 @@ class Tokenizer(ABC):
     def set_chat_template(self, source: str, origin: str = "chat_template") -> None:
         """Render chats with `source` (a Jinja chat template, as Hugging Face's; `serve --chat-template`) instead
         of the tokenizer's own; `origin` names it in errors."""
-        self._custom_template = _compile_template(source, origin)
+        self._custom_template = compile_template(source, origin)
 
     def _special_texts(self) -> dict:
         """The `bos_token` and `eos_token` a Jinja chat template reads."""
@@ -76,7 +84,7 @@ class Tokenizer(ABC):
     ) -> str:
         if self._custom_template is None:
             return self._render_chat(messages, add_generation_prompt, tools, template_kwargs)
-        return _render_template(
+        return render_template(
             self._custom_template,
             messages,
             add_generation_prompt,
@@ -111,78 +119,15 @@ class Tokenizer(ABC):
         tool definitions, for templates that show them (a Jinja template's `tools`, as Hugging Face's).
         `chat_template_kwargs` (vLLM's): more variables for a Jinja template, such as `enable_thinking`; the names
         the template is given here (`messages`, `tools`, ...) are refused."""
-        messages = [_normalize_message(m) for m in messages]
-        tools = _template_tools(tools)
+        messages = [normalize_message(m) for m in messages]
+        tools = template_tools(tools)
         kwargs = chat_template_kwargs
         check_template_kwargs(kwargs)
         if not continue_final_message:
             return self._render(messages, add_generation_prompt is not False, tools, kwargs)
         if add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        if not messages:
-            raise ValueError("continue_final_message needs a message to continue")
-        # the template renders a mark in the final message's place (private-use characters and a nonce, which
-        # no template adds or changes and no message holds); the text is cut where it stands, and must be how
-        # the template renders the whole conversation up to the end of the final content
-        mark = f"\ue000{secrets.token_hex(8)}\ue001"
-        text = self._render([*messages[:-1], {**messages[-1], "content": mark}], False, tools, kwargs)
-        content = messages[-1]["content"]
-        opened = text[: text.index(mark)] + content if text.count(mark) == 1 else None
-        if opened is None or not self._render(messages, False, tools, kwargs).startswith(opened):
-            raise ChatTemplateError(
-                "the chat template does not render the final message's content as given, so it cannot be continued"
-            )
-        return opened
-
-
-def _template_tools(tools: list | None) -> list | None:
-    """The tools as a template takes them: none for an empty list, a function without parameters given an empty
-    object's schema (templates read `parameters`)."""
-    if not tools:
-        return None
-    out = []
-    for t in tools:
-        function = t.get("function") if isinstance(t, dict) else None
-        if isinstance(function, dict) and "parameters" not in function:
-            t = {**t, "function": {**function, "parameters": {"type": "object", "properties": {}}}}
-        out.append(t)
-    return out
-
-
-TEMPLATE_NAMES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception")
-
-
-def check_template_kwargs(kwargs: dict | None) -> None:
-    """ValueError (naming the key) for chat_template_kwargs that are not a dict of names the template is free to
-    take: those given by the renderer itself are refused."""
-    if kwargs is None:
-        return
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise ValueError("chat_template_kwargs must be an object of template variables")
-    for key in kwargs:
-        if key in TEMPLATE_NAMES:
-            raise ValueError(f"chat_template_kwargs.{key} cannot be given: the server sets {key!r} itself")
-
-
-def _normalize_message(message: dict) -> dict:
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise ValueError(f"each message must be a dict with a string 'role', got {message!r}")
-    content = message.get("content")
-    if content is None:
-        content = ""
-    elif isinstance(content, list):
-        texts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind != "text":
-                raise ValueError(f"unsupported message content part type {kind!r}; only 'text' is supported")
-            if not isinstance(part.get("text"), str):
-                raise ValueError(f"a 'text' content part needs a string 'text', got {part!r}")
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    elif not isinstance(content, str):
-        raise ValueError(f"message content must be a string or a list of parts, got {type(content).__name__}")
-    return {**message, "content": content}
+        return continue_final(lambda m: self._render(m, False, tools, kwargs), messages)
 
 
 def _byte_level_alphabet() -> list[str]:
@@ -303,7 +248,7 @@ class HFTokenizer(Tokenizer):
             )
         self.eos_token_ids = tuple(dict.fromkeys(([] if eos_id is None else [eos_id]) + list(extra_eos)))
         self._path = path
-        self._template = _compile_template(_pick_template(config, path), path)
+        self._template = compile_template(pick_template(config, path), path)
         # how a vocabulary entry spells its bytes: byte-level (GPT-2's printable stand-ins) or SentencePiece's
         # (U+2581 for a space, <0xHH> byte-fallback pieces); None: no decoder says (the byte-level guess)
         decoder = json.dumps(json.loads(self._tok.to_str()).get("decoder"))
@@ -401,42 +346,9 @@ class HFTokenizer(Tokenizer):
             raise CheckpointError(
                 f"the tokenizer in {self._path} has no chat template (serve --chat-template gives one)"
             )
-        return _render_template(
+        return render_template(
             self._template, messages, add_generation_prompt, self._special_texts(), tools, template_kwargs
         )
-
-
-def _render_template(
-    template,
-    messages: list[dict],
-    add_generation_prompt: bool,
-    specials: dict,
-    tools: list | None = None,
-    template_kwargs: dict | None = None,
-) -> str:
-    from jinja2 import TemplateError
-
-    try:
-        # (one dict: a key such as `self` would clash with render's own arguments)
-        variables = {**(template_kwargs or {}), "messages": messages, "tools": tools, **specials}
-        return template.render({**variables, "add_generation_prompt": add_generation_prompt})
-    # (TypeError, ValueError: a filter given what it cannot take, such as tojson of an undefined value)
-    except (TemplateError, TypeError, ValueError) as e:
-        raise ChatTemplateError(f"chat template error: {e}") from None
-
-
-def read_chat_template(value: str) -> str:
-    """A --chat-template value: the text of the file it names, or (holding a `{`) the template itself, as vLLM's
-    takes it."""
-    if "{" in value and not os.path.isfile(value):
-        return value
-    try:
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(
-            f"chat template {value!r}: not a readable file ({e}) nor a template (no '{{')"
-        ) from None
 
 
 def _read_json(file: str) -> dict:
@@ -451,45 +363,6 @@ def _read_json(file: str) -> dict:
     if not isinstance(data, dict):
         raise CheckpointError(f"malformed JSON in {file}: expected an object")
     return data
-
-
-def _pick_template(config: dict, path: str) -> str | None:
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        if not all(isinstance(t, dict) for t in template):
-            raise CheckpointError(f"{path}: chat_template: expected a string or a list of {{name, template}}")
-        named = {t.get("name"): t.get("template") for t in template}
-        if "default" not in named:
-            raise CheckpointError(f"{path}: no chat template named 'default' among {sorted(map(str, named))}")
-        template = named["default"]
-    elif template is None and os.path.isfile(os.path.join(path, "chat_template.jinja")):
-        with open(os.path.join(path, "chat_template.jinja"), encoding="utf-8") as f:
-            return f.read()
-    if template is not None and not isinstance(template, str):  # (jinja's "Can't compile non template nodes")
-        raise CheckpointError(f"{path}: chat_template: expected a string, got {type(template).__name__}")
-    return template
-
-
-def _compile_template(source: str | None, path: str):
-    if source is None:
-        return None
-    from jinja2 import TemplateError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    def tojson(value, indent=None):  # jinja's own tojson escapes HTML, which a prompt must not
-        return json.dumps(value, ensure_ascii=False, indent=indent)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = tojson
-    try:
-        return env.from_string(source)
-    except TemplateError as e:
-        raise CheckpointError(f"{path}: chat template does not compile: {e}") from None
 
 
 def save_byte_tokenizer(directory: str) -> None:
@@ -599,13 +472,3 @@ def check_tokenizer_fits(tokenizer: Tokenizer, vocab_size: int) -> None:
             f"the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary only {vocab_size}: "
             "a tokenizer of another model? (--tokenizer)"
         )
-
-
-def use_chat_template(tokenizer: Tokenizer, value: str) -> None:
-    """Give `tokenizer` the chat template of a --chat-template value (`read_chat_template`), checked on a
-    one-turn chat now, so that a template that cannot render fails at start, not on the first request."""
-    tokenizer.set_chat_template(read_chat_template(value), "--chat-template")
-    try:
-        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
-    except ChatTemplateError as e:
-        raise ConfigError(f"--chat-template does not render a one-turn chat: {e}") from None

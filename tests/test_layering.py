@@ -15,6 +15,7 @@ LEVEL = {
     "presets": 0,
     "utils": 0,
     "tokenizer": 0,
+    "chat_template": 0,
     "grammar": 0,
     "detokenize": 0,
     "ops": 1,

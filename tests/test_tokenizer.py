@@ -333,7 +333,7 @@ def test_a_chat_template_given_at_start_replaces_the_tokenizers_own(tok, hf_tok,
     """vLLM's --chat-template: a Jinja template (inline, or a file) used instead of the tokenizer's own, with its
     bos/eos texts; a value that is neither a file nor a template, and a template that cannot render, are clear
     errors at start."""
-    from kestrel.tokenizer import read_chat_template, use_chat_template
+    from kestrel.chat_template import read_chat_template, use_chat_template
     from kestrel.utils.errors import ConfigError
 
     tok = hf_tok if tok == "hf" else ByteTokenizer()  # a fresh byte tokenizer: the template is set on it

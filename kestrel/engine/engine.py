@@ -33,6 +33,7 @@ from kestrel.cache.hicache import HiCache
 from kestrel.cache.kv_pool import KVPool
 from kestrel.cache.radix import RadixCache
 from kestrel.cache.state_pool import StatePool
+from kestrel.chat_template import use_chat_template
 from kestrel.config import EngineConfig
 from kestrel.detokenize import IncrementalDetokenizer, StopStringMatcher
 from kestrel.engine.checkpoints import Checkpoints
@@ -49,7 +50,7 @@ from kestrel.grammar.tokens import GrammarCache, Vocabulary
 from kestrel.layers.mla import dsa_topks, set_dense_attention
 from kestrel.models.kimi import KimiForCausalLM
 from kestrel.models.loader import build_model, model_config
-from kestrel.tokenizer import Tokenizer, check_tokenizer_fits, tokenizer_for, use_chat_template
+from kestrel.tokenizer import Tokenizer, check_tokenizer_fits, tokenizer_for
 from kestrel.utils.device import resolve_device, resolve_dtype, to_device_async, to_host_async
 from kestrel.utils.errors import ConfigError, KestrelError
 

@@ -17,10 +17,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from kestrel.chat_template import check_template_kwargs
 from kestrel.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.serve.errors import bad_request, from_validation_error
 from kestrel.serve.tools import check_tools, tool_calls_asked, tool_calls_schema
-from kestrel.tokenizer import check_template_kwargs
 
 MAX_N = 128
 
