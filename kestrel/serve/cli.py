@@ -240,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(TOOL_CALL_PARSERS),
         default=None,
         help='the model\'s own tool-call format, read where tool_choice is "auto" (the default where a request '
-        'gives tools): kimi_k2, hermes (Hermes, Qwen 2.5/3; qwen25 the same); default: none, and "auto" is a 400',
+        "gives tools): kimi_k2, hermes (Hermes, Qwen 2.5/3; qwen25 the same), deepseek_v3 (also R1), deepseek_v31; "
+        'default: none, and "auto" is a 400',
     )
     s.add_argument(
         "--enable-auto-tool-choice",

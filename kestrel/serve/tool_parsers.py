@@ -9,6 +9,10 @@ server tells its calls from its prose.
   chat template writes back beside the call's result.
 - `hermes` (also `qwen25`: Hermes, Qwen 2.5 and Qwen 3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
   one block a call; the ids are made here.
+- `deepseek_v3` (DeepSeek V3 and R1): `<｜tool▁calls▁begin｜>` then, for each call,
+  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and its arguments in a fenced JSON block (```json ... ```),
+  `<｜tool▁call▁end｜>`; then `<｜tool▁calls▁end｜>`. `deepseek_v31` (V3.1): the same section, each call
+  `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`. Special tokens kept, as Kimi's; ids made here.
 
 A parser reads a reply piece by piece (`ToolCallStream.feed`, as the stream's text arrives) and says what each
 piece adds: prose, a call begun (its id and name), a call's argument text, a call ended. The whole reply is read
@@ -174,45 +178,57 @@ def read_events(events: list[Event]) -> ParsedReply:
     return ParsedReply(content or (None if calls else ""), calls)
 
 
-class _KimiStream(ToolCallStream):
-    # (some write the section's markers singular)
-    SECTION_BEGIN = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
-    SECTION_END = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
-    CALL_BEGIN = "<|tool_call_begin|>"
-    ARGUMENTS_BEGIN = "<|tool_call_argument_begin|>"
-    CALL_END = "<|tool_call_end|>"
+class _SectionStream(ToolCallStream):
+    """Calls in a section of marker tokens (Kimi's, DeepSeek's): the section's opening, then for each call its
+    opening, a header (the call's id or name) up to `ARGUMENTS_BEGIN`, its arguments up to one of
+    `ARGUMENTS_END`, and its closing; then the section's closing. A call without the section's opening is a call
+    too; a call the section's end closes (its own end left out) ends there too; between calls, anything is
+    dropped."""
+
+    SECTION_BEGIN: ClassVar[tuple[str, ...]]
+    SECTION_END: ClassVar[tuple[str, ...]]
+    CALL_BEGIN: ClassVar[str]
+    ARGUMENTS_BEGIN: ClassVar[str]
+    ARGUMENTS_END: ClassVar[tuple[str, ...]]  # (the first: the call's own closing)
 
     def __init__(self):
         super().__init__()
         self._state = "prose"  # prose | section | header | arguments
         self._index = -1  # the call whose arguments are being read
+        self._begun = False  # (its arguments' first text: leading whitespace dropped)
+
+    @abstractmethod
+    def _header(self, header: str) -> tuple[str, str]:
+        """A call's id and function name from the text between its opening and its arguments."""
 
     def _read(self, events: list[Event], final: bool) -> None:
         while True:
-            if self._state == "prose":  # a call without its section's opening is a call too
+            if self._state == "prose":
                 text, marker = self._until((*self.SECTION_BEGIN, self.CALL_BEGIN), final)
                 self._prose(events, text)
                 if marker is None:
                     return
                 self._state = "header" if marker == self.CALL_BEGIN else "section"
-            elif self._state == "section":  # between calls: only whitespace is expected, and dropped
+            elif self._state == "section":
                 _, marker = self._until((self.CALL_BEGIN, *self.SECTION_END), final)
                 if marker is None:
                     return
                 self._state = "header" if marker == self.CALL_BEGIN else "prose"
-            elif self._state == "header":  # read whole: the call's id and name
+            elif self._state == "header":  # read whole
                 at = self._find(self.ARGUMENTS_BEGIN)
                 if at < 0:  # not ended yet (or never: a call cut before its arguments is dropped)
                     if final:
                         self._buffer = ""
                     return
-                call_id = self._buffer[:at].strip()
+                call_id, name = self._header(self._buffer[:at].strip())
                 self._buffer = self._buffer[at + len(self.ARGUMENTS_BEGIN) :]
-                name = call_id.rpartition(":")[0] if ":" in call_id else call_id
-                self._index = self._begin_call(events, call_id, name.removeprefix("functions."))
-                self._state = "arguments"
-            else:  # a call the section's end closes (its own end left out) ends there too
-                text, marker = self._until((self.CALL_END, *self.SECTION_END), final)
+                self._index = self._begin_call(events, call_id, name)
+                self._state, self._begun = "arguments", False
+            else:
+                text, marker = self._until((*self.ARGUMENTS_END, *self.SECTION_END), final)
+                if not self._begun:
+                    text = text.lstrip()
+                    self._begun = bool(text)
                 if text:
                     events.append(CallArguments(self._index, text))
                 if marker is None:
@@ -220,7 +236,20 @@ class _KimiStream(ToolCallStream):
                         events.append(CallEnded(self._index, cut=True))
                     return
                 events.append(CallEnded(self._index))
-                self._state = "section" if marker == self.CALL_END else "prose"
+                self._state = "prose" if marker in self.SECTION_END else "section"
+
+
+class _KimiStream(_SectionStream):
+    # (some write the section's markers singular)
+    SECTION_BEGIN = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
+    SECTION_END = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
+    CALL_BEGIN = "<|tool_call_begin|>"
+    ARGUMENTS_BEGIN = "<|tool_call_argument_begin|>"
+    ARGUMENTS_END = ("<|tool_call_end|>",)
+
+    def _header(self, header: str) -> tuple[str, str]:
+        name = header.rpartition(":")[0] if ":" in header else header  # functions.NAME:IDX
+        return header, name.removeprefix("functions.")
 
 
 class KimiK2Parser(ToolCallParser):
@@ -230,6 +259,46 @@ class KimiK2Parser(ToolCallParser):
 
     def stream(self) -> ToolCallStream:
         return _KimiStream()
+
+
+class _DeepSeekV3Stream(_SectionStream):
+    # DeepSeek V3 and R1: <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>
+    SECTION_BEGIN = ("<\uff5ctool\u2581calls\u2581begin\uff5c>",)
+    SECTION_END = ("<\uff5ctool\u2581calls\u2581end\uff5c>",)
+    CALL_BEGIN = "<\uff5ctool\u2581call\u2581begin\uff5c>"
+    SEPARATOR = "<\uff5ctool\u2581sep\uff5c>"
+    CALL_END = "<\uff5ctool\u2581call\u2581end\uff5c>"
+    ARGUMENTS_BEGIN = "```json"
+    # (a JSON value holds no raw newline but as whitespace, which a fence cannot follow: the fence's end is found)
+    ARGUMENTS_END = (CALL_END, "\n```")
+
+    def _header(self, header: str) -> tuple[str, str]:
+        return f"call_{uuid.uuid4().hex[:24]}", header.rpartition(self.SEPARATOR)[2].strip()
+
+
+class _DeepSeekV31Stream(_DeepSeekV3Stream):
+    # DeepSeek V3.1: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>
+    ARGUMENTS_BEGIN = _DeepSeekV3Stream.SEPARATOR
+    ARGUMENTS_END = (_DeepSeekV3Stream.CALL_END,)
+
+    def _header(self, header: str) -> tuple[str, str]:
+        return f"call_{uuid.uuid4().hex[:24]}", header
+
+
+class DeepSeekV3Parser(ToolCallParser):
+    name = "deepseek_v3"
+    keeps_special_tokens = True
+    openers = (*_DeepSeekV3Stream.SECTION_BEGIN, _DeepSeekV3Stream.CALL_BEGIN)
+
+    def stream(self) -> ToolCallStream:
+        return _DeepSeekV3Stream()
+
+
+class DeepSeekV31Parser(DeepSeekV3Parser):
+    name = "deepseek_v31"
+
+    def stream(self) -> ToolCallStream:
+        return _DeepSeekV31Stream()
 
 
 class _HermesStream(ToolCallStream):
@@ -291,6 +360,8 @@ TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
     "kimi_k2": KimiK2Parser,
     "hermes": HermesParser,
     "qwen25": HermesParser,  # SGLang's name for the same format
+    "deepseek_v3": DeepSeekV3Parser,  # (also R1)
+    "deepseek_v31": DeepSeekV31Parser,
 }
 
 

@@ -22,10 +22,17 @@ KIMI = (
     "<|tool_calls_section_end|>"
 )
 HERMES = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-REPLIES = {"kimi_k2": KIMI, "hermes": HERMES}
+# (DeepSeek V3.1's markers: not ASCII, so a stream's pieces may cut a marker's character)
+DEEPSEEK_V31 = (
+    "Checking.<\uff5ctool\u2581calls\u2581begin\uff5c><\uff5ctool\u2581call\u2581begin\uff5c>get_time"
+    '<\uff5ctool\u2581sep\uff5c>{"zone":"CET"}<\uff5ctool\u2581call\u2581end\uff5c>'
+    "<\uff5ctool\u2581calls\u2581end\uff5c>"
+)
+REPLIES = {"kimi_k2": KIMI, "hermes": HERMES, "deepseek_v31": DEEPSEEK_V31}
 EXPECTED = {
     "kimi_k2": [("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "CET"})],
     "hermes": [("get_weather", {"city": "Oslo"})],
+    "deepseek_v31": [("get_time", {"zone": "CET"})],
 }
 CHAT = [{"role": "user", "content": "Weather and time in Oslo?"}]
 FLAT = [{"type": "function", **t["function"]} for t in TOOLS]
@@ -104,10 +111,12 @@ def test_a_reply_without_calls_is_text(parsed):
 
 
 def test_a_call_cut_by_max_tokens(parsed):
-    """The reply's end cuts a call: finish_reason "length"; Kimi's call keeps its arguments so far."""
+    """The reply's end cuts a call: finish_reason "length"; Kimi's and DeepSeek's call keeps its arguments so
+    far."""
     name, client = parsed
     text = REPLIES[name]
-    cut = text.index("Oslo") + 2  # inside the first call's arguments
+    # inside the first call's arguments (the test model's tokens are bytes)
+    cut = len(text[: text.index("Oslo" if "Oslo" in text else "CET") + 2].encode())
     r = client.chat.completions.create(
         model=MODEL, messages=CHAT, tools=TOOLS, max_tokens=cut, extra_body=_forced(text)
     )
@@ -115,6 +124,8 @@ def test_a_call_cut_by_max_tokens(parsed):
     assert choice.finish_reason == "length"
     if name == "kimi_k2":
         assert choice.message.tool_calls[0].function.arguments == '{"city":"Os'
+    elif name == "deepseek_v31":
+        assert choice.message.tool_calls[0].function.arguments == '{"zone":"CE'
     else:  # an open Hermes block is prose
         assert choice.message.tool_calls is None and choice.message.content == text[:cut]
 

@@ -13,6 +13,8 @@ from kestrel.serve.tool_parsers import (
     CallArguments,
     CallBegun,
     CallEnded,
+    DeepSeekV3Parser,
+    DeepSeekV31Parser,
     HermesParser,
     KimiK2Parser,
     Prose,
@@ -31,6 +33,21 @@ HERMES_TWO = (
     "I will look both up.\n\n"
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "note": "é"}}\n</tool_call>\n'
     '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>\n'
+)
+
+# DeepSeek's markers: full-width bars and U+2581 in their names
+CALLS_BEGIN, CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
+CALL_BEGIN, CALL_END = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>"
+SEP = "<\uff5ctool\u2581sep\uff5c>"
+DEEPSEEK_V3_TWO = (
+    f"I will look both up.{CALLS_BEGIN}"
+    f'{CALL_BEGIN}function{SEP}get_weather\n```json\n{{"city": "Oslo"}}\n```{CALL_END}\n'
+    f'{CALL_BEGIN}function{SEP}get_time\n```json\n{{"zone": "CET"}}\n```{CALL_END}{CALLS_END}'
+)
+DEEPSEEK_V31_TWO = (
+    f"I will look both up.{CALLS_BEGIN}"
+    f'{CALL_BEGIN}get_weather{SEP}{{"city": "Oslo"}}{CALL_END}'
+    f'{CALL_BEGIN}get_time{SEP}{{"zone": "CET"}}{CALL_END}{CALLS_END}'
 )
 
 
@@ -87,7 +104,15 @@ def test_a_reply_without_calls_is_its_text_exactly(name, text):
             assert read_events(_streamed(parser, _pieces(text, random.Random(seed)))) == reply
 
 
-@pytest.mark.parametrize(("parser", "text"), [(KimiK2Parser(), KIMI_TWO), (HermesParser(), HERMES_TWO)])
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        (KimiK2Parser(), KIMI_TWO),
+        (HermesParser(), HERMES_TWO),
+        (DeepSeekV3Parser(), DEEPSEEK_V3_TWO),
+        (DeepSeekV31Parser(), DEEPSEEK_V31_TWO),
+    ],
+)
 def test_pieces_of_any_size_read_as_the_whole(parser, text):
     whole = parser.parse(text)
     for seed in range(200):
@@ -95,7 +120,8 @@ def test_pieces_of_any_size_read_as_the_whole(parser, text):
         streamed = read_events(events)
         assert streamed.content == whole.content
         assert [c["function"] for c in streamed.calls] == [c["function"] for c in whole.calls]
-        assert not any(isinstance(e, Prose) and ("<|" in e.text or "<tool" in e.text) for e in events)
+        markers = ("<|", "<tool", "<\uff5c")
+        assert not any(isinstance(e, Prose) and any(m in e.text for m in markers) for e in events)
         begun = [e.index for e in events if isinstance(e, CallBegun)]
         ended = [e.index for e in events if isinstance(e, CallEnded)]
         assert begun == ended == [0, 1]
@@ -183,3 +209,35 @@ def test_a_cut_call_says_so():
     assert [*cut.feed(head), *cut.finish()][-1] == CallEnded(0, cut=True)
     hermes = HermesParser().stream()
     assert [*hermes.feed('<tool_call>{"name": "f"}'), *hermes.finish()][-1] == CallEnded(0, cut=True)
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"), [(DeepSeekV3Parser(), DEEPSEEK_V3_TWO), (DeepSeekV31Parser(), DEEPSEEK_V31_TWO)]
+)
+def test_deepseek_calls_and_prose(parser, text):
+    """DeepSeek V3 / R1 (`function<sep>NAME` and a fenced JSON block) and V3.1 (`NAME<sep>JSON`): the calls'
+    names and arguments as written (the fence not in them), ids made here, the section's markers not prose."""
+    reply = parser.parse(text + "\nDone.")
+    assert reply.content == "I will look both up.\nDone."
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in reply.calls] == [
+        ("get_weather", '{"city": "Oslo"}'),
+        ("get_time", '{"zone": "CET"}'),
+    ]
+    assert all(c["id"].startswith("call_") for c in reply.calls) and len({c["id"] for c in reply.calls}) == 2
+    assert parser.keeps_special_tokens
+
+
+def test_deepseek_cut_and_unfenced_calls():
+    """A V3 call whose arguments the reply's end cuts keeps what came (cut); one cut in its header is dropped; one
+    written without the fence ends at its closing marker; JSON holding backticks keeps them."""
+    v3 = DeepSeekV3Parser()
+    head = f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}f\n```json\n"
+    cut = v3.stream()
+    events = [*cut.feed(head + '{"a": '), *cut.finish()]
+    assert read_events(events).calls[0]["function"] == {"name": "f", "arguments": '{"a": '}
+    assert events[-1] == CallEnded(0, cut=True)
+    assert v3.parse(f"Hi{CALLS_BEGIN}{CALL_BEGIN}function{SEP}f").calls == []
+    bare = v3.parse(f"{CALL_BEGIN}function{SEP}f\n```json\n{{}}{CALL_END}")
+    assert bare.calls[0]["function"] == {"name": "f", "arguments": "{}"} and bare.content is None
+    code = '{"code": "```py\\nx = 1\\n```"}'  # (newlines escaped, as JSON has them)
+    assert v3.parse(f"{head}{code}\n```{CALL_END}{CALLS_END}").calls[0]["function"]["arguments"] == code
