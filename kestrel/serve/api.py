@@ -7,6 +7,8 @@ Endpoints
   `stream_options.continuous_usage_stats`).
 - POST /v1/responses: OpenAI's Responses API, stateless (`input`, `instructions`, `max_output_tokens`, function
   tools; a stream of typed events); nothing is stored.
+- POST /v1/messages, POST /v1/messages/count_tokens: Anthropic's Messages API (`kestrel.serve.messages_protocol`),
+  its errors in Anthropic's shape.
 - POST /generate: native, SGLang-style (`text` or `input_ids`, a `sampling_params` dict with
   `max_new_tokens`); a stream sends each choice's whole text so far in every event (SGLang's default).
 - GET /v1/models, GET /health (503 once the engine thread has failed; /ping the same, GET or POST, as vLLM's),
@@ -20,13 +22,14 @@ Endpoints
 
 With `allowed_origins` (`serve --allowed-origins`), web pages from those origins may call the API from a browser
 (CORS, preflights answered; vLLM allows every origin by default, Kestrel none unless asked). With an API key,
-every endpoint but /health, /ping and /metrics needs `Authorization: Bearer <key>` (401 otherwise):
+every endpoint but /health, /ping and /metrics needs `Authorization: Bearer <key>` or `x-api-key: <key>` (401
+otherwise):
 load balancers and Prometheus scrape those without credentials, and none reveals request data.
 Error statuses are described in `kestrel.serve.errors`. Detokenization and stop-string truncation run here,
 on the event loop, so the engine thread only steps the model. A client that disconnects (mid-stream, or while
 waiting for a non-streamed answer) has its requests aborted, which frees their KV pages and state slots.
 Per-request state: `kestrel.serve.jobs`; the response bodies and streams: `kestrel.serve.streams`
-(the Responses API's: `kestrel.serve.responses_streams`).
+(the Responses API's: `kestrel.serve.responses_streams`; the Messages API's: `kestrel.serve.messages_streams`).
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ from starlette.requests import ClientDisconnect
 
 from kestrel.engine.async_engine import AsyncEngine, EngineDead
 from kestrel.serve.choice import chat_logprobs, choice_logprobs
-from kestrel.serve.errors import CODE_BY_STATUS, APIError, bad_request, error_body
+from kestrel.serve.errors import CODE_BY_STATUS, APIError, anthropic_error_body, bad_request, error_body
 from kestrel.serve.jobs import MAX_REQUEST_MB, Job, Server
+from kestrel.serve.messages_protocol import CountTokensRequest, MessagesRequest
+from kestrel.serve.messages_streams import message_body, message_stream
 from kestrel.serve.metrics import CONTENT_TYPE, CountResponses
 from kestrel.serve.protocol import (
     ChatCompletionRequest,
@@ -183,6 +188,29 @@ def build_app(
         if not await _finish_unless_disconnected(request, job):
             return Response(status_code=499)
         return JSONResponse(response_body(server, job, req, created, parsers=parsers))
+
+    @app.post("/v1/messages", dependencies=auth)
+    async def messages(request: Request):
+        req = parse(MessagesRequest, await server.read_body(request))
+        server.check_model(req.model)
+        parsers = server.parsers(req, req.tool_view)
+        names = {"prompt": "messages", "stop": "stop_sequences"}
+        prompt = await chat_prompt(req.chat_messages(), req.template_options())
+        server.see_prompt(parsers, prompt[0])
+        params = await server.sampling_params(req, names, parsers)
+        job = Job(server, prompt, params, field_names=names)
+        if req.stream:
+            return sse(message_stream(server, job, req, parsers))
+        if not await _finish_unless_disconnected(request, job):
+            return Response(status_code=499)
+        return JSONResponse(message_body(server, job, req, parsers))
+
+    @app.post("/v1/messages/count_tokens", dependencies=auth)
+    async def count_message_tokens(request: Request):
+        req = parse(CountTokensRequest, await server.read_body(request))
+        server.check_model(req.model)
+        prompt = await chat_prompt(req.chat_messages(), req.template_options())
+        return {"input_tokens": len(prompt[0])}
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
@@ -362,15 +390,21 @@ async def _disconnect(request: Request) -> None:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
+    def body(request: Request, e: APIError) -> dict:
+        """OpenAI's error body, or Anthropic's on its Messages API's routes."""
+        return anthropic_error_body(e) if request.url.path.startswith("/v1/messages") else e.body()
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return JSONResponse(body(request, e), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         message = f"{request.method} {request.url.path}: {e.detail}"
         err = APIError(e.status_code, message, code=CODE_BY_STATUS.get(e.status_code))
-        return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+        return JSONResponse(
+            body(request, err), status_code=e.status_code, headers=getattr(e, "headers", None)
+        )
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(request: Request, e: ClientDisconnect):
@@ -384,6 +418,5 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
         log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse(
-            error_body("internal server error", "server_error", code="internal_error"), status_code=500
-        )
+        err = APIError(500, "internal server error", code="internal_error")
+        return JSONResponse(body(request, err), status_code=500)

@@ -56,6 +56,26 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# Anthropic's error types by status (its Messages API's routes answer in its shape)
+_ANTHROPIC_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_body(e: APIError) -> dict:
+    """`e` as Anthropic's error body: {"type": "error", "error": {"type", "message"}}; it has no `param`, so the
+    message names the field where it does not already."""
+    kind = _ANTHROPIC_TYPE.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
+    message = e.message if e.param is None or e.param in e.message else f"{e.param}: {e.message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """A 400; `code` says what kind of wrong (None: invalid_value, a value out of its range or fields that
     contradict each other), so that a client can tell the kinds apart without reading the message."""

@@ -40,10 +40,15 @@ class ToolView:
     tools: list[Any] | None
     tool_choice: Any
     parallel_tool_calls: bool | None
+    api: str = "responses"  # or "messages" (Anthropic's: `tools.0.input_schema`, tool_choice {"type": "any"})
 
 
 def _field(req, i: int, name: str) -> str:
-    return f"tools.{i}.{name}" if isinstance(req, ToolView) else f"tools.{i}.function.{name}"
+    if not isinstance(req, ToolView):
+        return f"tools.{i}.function.{name}"
+    if req.api == "messages" and name == "parameters":
+        return f"tools.{i}.input_schema"
+    return f"tools.{i}.{name}"
 
 
 def check_tools(req) -> None:
@@ -75,14 +80,21 @@ def auto_parser(req, parser: ToolCallParser | None) -> ToolCallParser | None:
     if not req.tools or req.tool_choice not in (None, "auto"):
         return None
     if parser is None:
-        flat = isinstance(req, ToolView)
-        named = (
-            '{"type": "function", "name": ...}' if flat else '{"type": "function", "function": {"name": ...}}'
+        api = req.api if isinstance(req, ToolView) else "chat"
+        auto, required, none = (
+            ('{"type": "auto"}', '{"type": "any"}', '{"type": "none"}')
+            if api == "messages"
+            else ('"auto"', '"required"', '"none"')
         )
+        named = {
+            "chat": '{"type": "function", "function": {"name": ...}}',
+            "responses": '{"type": "function", "name": ...}',
+            "messages": '{"type": "tool", "name": ...}',
+        }[api]
         raise bad_request(
-            'tool_choice "auto" needs the model\'s own tool-call format, and this server reads none (start it with '
-            f'--tool-call-parser); give tool_choice "required" or {named} (the reply is then tool calls, their '
-            'arguments held to each schema), or "none"',
+            f"tool_choice {auto} needs the model's own tool-call format, and this server reads none (start it with "
+            f"--tool-call-parser); give tool_choice {required} or {named} (the reply is then tool calls, their "
+            f"arguments held to each schema), or {none}",
             param="tool_choice",
             code="unsupported_value",
         )

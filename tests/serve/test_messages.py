@@ -1,0 +1,305 @@
+"""Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`) through the `anthropic` client, as Claude
+Code and the SDK use it: a reply whole and streamed agree (blocks, stop_reason, usage); a conversation of blocks
+renders the prompt its chat twin renders; tool_choice any / tool give `tool_use` blocks held to their schemas;
+"auto" reads the model's own calls and thinking through the server's parsers; stop sequences; errors in
+Anthropic's shape; the key taken as x-api-key."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from tests.serve.conftest import MODEL, RunningServer
+from tests.serve.test_tools import SCHEMAS, TOOLS
+
+KEY = "sk-kestrel-test"
+ANTHROPIC_TOOLS = [
+    {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+    | ({"description": t["function"]["description"]} if "description" in t["function"] else {})
+    for t in TOOLS
+]
+ASK = [{"role": "user", "content": "Weather and time in Oslo?"}]
+
+
+@pytest.fixture(scope="module")
+def served():
+    s = RunningServer(api_key=KEY, tool_call_parser="kimi_k2", reasoning_parser="qwen3")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return anthropic.Anthropic(base_url=served.url, api_key=KEY, max_retries=0, timeout=120)
+
+
+def _force(monkeypatch, text: str) -> None:
+    """The Messages API takes no regex: make its requests' reply `text` (the tiny model writes no tool-call or
+    thinking format by itself)."""
+    from kestrel.engine.sampling_params import StructuredOutputsParams
+    from kestrel.serve.messages_protocol import MessagesRequest
+
+    made = MessagesRequest.to_sampling_params
+
+    def forced(self):
+        params = made(self)
+        params.structured_outputs = StructuredOutputsParams(regex=re.escape(text))
+        return params
+
+    monkeypatch.setattr(MessagesRequest, "to_sampling_params", forced)
+
+
+def _blocks(message) -> list[dict]:
+    return [b.model_dump(exclude_none=True) for b in message.content]
+
+
+def _events(served, body: dict) -> list[tuple[str, dict]]:
+    """The raw SSE events of a streamed request: (event name, its JSON)."""
+    with httpx.stream(
+        "POST",
+        f"{served.url}/v1/messages",
+        json={**body, "stream": True},
+        headers={"x-api-key": KEY},
+        timeout=120,
+    ) as r:
+        assert r.status_code == 200
+        text = r.read().decode()
+    out = []
+    for chunk in text.strip().split("\n\n"):
+        name, data = chunk.split("\n", 1)
+        out.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out
+
+
+def test_a_text_reply_whole_and_streamed(served, client):
+    kw = {"model": MODEL, "max_tokens": 12, "system": "Be brief.", "messages": ASK}
+    greedy = {
+        "extra_body": {"temperature": 0}
+    }  # (the SDK's newest versions dropped the field; the API takes it)
+    whole = client.messages.create(**kw, **greedy)
+    assert whole.type == "message" and whole.role == "assistant" and whole.model == MODEL
+    assert whole.stop_reason == "max_tokens" and whole.usage.output_tokens == 12
+    assert [b.type for b in whole.content] == ["text"]
+    with client.messages.stream(**kw, **greedy) as stream:
+        streamed = stream.get_final_message()
+    assert _blocks(streamed) == _blocks(whole) and streamed.stop_reason == "max_tokens"
+    # the prompt counted as count_tokens counts it: the cache's part as cache_read_input_tokens
+    counted = client.messages.count_tokens(model=MODEL, system="Be brief.", messages=ASK).input_tokens
+    for m in (whole, streamed):
+        assert m.usage.input_tokens + m.usage.cache_read_input_tokens == counted
+    assert streamed.usage.cache_read_input_tokens > 0  # (the second time: the prompt's pages were cached)
+    events = _events(served, {**kw, "temperature": 0})
+    names = [name for name, _ in events]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
+    assert names[-4:] == ["content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    assert all(data["type"] == name for name, data in events)
+    text = "".join(d["delta"]["text"] for name, d in events if name == "content_block_delta")
+    assert text == whole.content[0].text
+
+
+def test_a_conversation_of_blocks_renders_as_its_chat_twin(served, client):
+    """System blocks, an assistant turn's thinking, text and tool_use, the user's tool_result and text: the
+    prompt the chat route renders for the same conversation (the thinking as reasoning_content)."""
+    messages = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "Two tools.", "signature": ""},
+                {"type": "text", "text": "Checking."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {"zone": "CET"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_1",
+                    "content": [{"type": "text", "text": "12:00"}],
+                },
+                {"type": "text", "text": "And the weather?", "cache_control": {"type": "ephemeral"}},
+            ],
+        },
+    ]
+    system = [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Use tools."}]
+    counted = client.messages.count_tokens(
+        model=MODEL, system=system, messages=messages, tools=ANTHROPIC_TOOLS
+    )
+    chat = [
+        {"role": "system", "content": "Be brief.\nUse tools."},
+        *ASK,
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "reasoning_content": "Two tools.",
+            "tool_calls": [
+                {
+                    "id": "toolu_1",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"zone":"CET"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "12:00"},
+        {"role": "user", "content": "And the weather?"},
+    ]
+    twin = httpx.post(
+        f"{served.url}/tokenize",
+        json={"model": MODEL, "messages": chat, "tools": TOOLS},
+        headers={"Authorization": f"Bearer {KEY}"},
+    ).json()
+    assert counted.input_tokens == twin["count"]
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_time"}])
+def test_tool_choice_any_and_a_named_tool_give_tool_use_blocks(client, choice):
+    """The calls held to their schemas, whole and streamed alike (the same seed); an "any" reply cut before its
+    JSON ended is its text (no call can be read from it)."""
+    kw = {"model": MODEL, "max_tokens": 160, "messages": ASK, "tools": ANTHROPIC_TOOLS, "tool_choice": choice}
+    seeded = {"extra_body": {"seed": 3, "temperature": 1.0}}
+    whole = client.messages.create(**kw, **seeded)
+    with client.messages.stream(**kw, **seeded) as stream:
+        streamed = stream.get_final_message()
+    without_ids = [{k: v for k, v in b.items() if k != "id"} for b in _blocks(whole)]
+    assert [{k: v for k, v in b.items() if k != "id"} for b in _blocks(streamed)] == without_ids
+    for m in (whole, streamed):
+        if m.stop_reason == "max_tokens" and choice["type"] == "any":
+            assert [b.type for b in m.content] == ["text"]
+            continue
+        assert m.stop_reason == "tool_use" and m.content
+        for block in m.content:
+            assert block.type == "tool_use" and block.id.startswith("call_")
+            jsonschema.validate(block.input, SCHEMAS[block.name])
+        if choice["type"] == "tool":
+            assert [b.name for b in m.content] == ["get_time"]
+    single = client.messages.create(
+        **{**kw, "tool_choice": {**choice, "disable_parallel_tool_use": True}}, **seeded
+    )
+    assert single.stop_reason == "tool_use" and len(single.content) == 1
+
+
+KIMI_REPLY = (
+    "<think>Both tools.</think>Checking."
+    "<|tool_calls_section_begin|>"
+    '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city":"Oslo"}<|tool_call_end|>'
+    '<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{"zone":"CET"}<|tool_call_end|>'
+    "<|tool_calls_section_end|>"
+)
+
+
+def test_auto_reads_the_models_thinking_and_calls(served, client, monkeypatch):
+    """tool_choice auto (the default with tools): the model's own thinking, prose and calls as thinking, text and
+    tool_use blocks in the order written, whole and streamed alike; its ids the model's own."""
+    _force(monkeypatch, KIMI_REPLY)
+    kw = {"model": MODEL, "max_tokens": 300, "messages": ASK, "tools": ANTHROPIC_TOOLS}
+    whole = client.messages.create(**kw)
+    expected = [
+        {"type": "thinking", "thinking": "Both tools.", "signature": ""},
+        {"type": "text", "text": "Checking."},
+        {
+            "type": "tool_use",
+            "id": "functions.get_weather:0",
+            "name": "get_weather",
+            "input": {"city": "Oslo"},
+        },
+        {"type": "tool_use", "id": "functions.get_time:1", "name": "get_time", "input": {"zone": "CET"}},
+    ]
+    assert _blocks(whole) == expected and whole.stop_reason == "tool_use"
+    with client.messages.stream(**kw) as stream:
+        streamed = stream.get_final_message()
+    assert _blocks(streamed) == expected and streamed.stop_reason == "tool_use"
+    events = _events(served, kw)
+    starts = [d["content_block"]["type"] for name, d in events if name == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use", "tool_use"]
+    deltas = [d["delta"]["type"] for name, d in events if name == "content_block_delta"]
+    assert set(deltas) == {"thinking_delta", "text_delta", "input_json_delta"}
+    stops = [d["index"] for name, d in events if name == "content_block_stop"]
+    assert stops == [0, 1, 2, 3]
+
+
+def test_a_call_cut_by_max_tokens_and_a_stop_sequence(client, monkeypatch):
+    _force(monkeypatch, KIMI_REPLY)
+    kw = {"model": MODEL, "messages": ASK, "tools": ANTHROPIC_TOOLS}
+    cut = client.messages.create(**kw, max_tokens=len(KIMI_REPLY[: KIMI_REPLY.index("Oslo") + 2].encode()))
+    assert cut.stop_reason == "max_tokens"
+    assert (
+        cut.content[-1].type == "tool_use" and cut.content[-1].input == '{"city":"Os'
+    )  # (the text: no object)
+    _force(monkeypatch, "Sunny in Oslo today.")
+    stopped = client.messages.create(**kw, max_tokens=50, stop_sequences=["Oslo"])
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "Oslo"
+    assert _blocks(stopped) == [{"type": "text", "text": "Sunny in "}]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "kind", "said"),
+    [
+        ({"messages": ASK}, 400, "invalid_request_error", "missing required field 'max_tokens'"),
+        (
+            {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            400,
+            "invalid_request_error",
+            "messages.0.content.0.type: 'image' is not supported",
+        ),
+        (
+            {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            400,
+            "invalid_request_error",
+            "missing required field 'messages.0.content.0.text'",
+        ),
+        (
+            {
+                "max_tokens": 5,
+                "messages": ASK,
+                "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+            },
+            400,
+            "invalid_request_error",
+            "tools.0.type: 'web_search_20250305'",
+        ),
+        (
+            {
+                "max_tokens": 5,
+                "messages": ASK,
+                "tools": [{"name": "f", "input_schema": {"type": "string"}}],
+                "tool_choice": {"type": "any"},
+            },
+            400,
+            "invalid_request_error",
+            "tools.0.input_schema",
+        ),
+        (
+            {"max_tokens": 5, "messages": ASK, "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool"}},
+            400,
+            "invalid_request_error",
+            "needs the tool's name",
+        ),
+        ({"max_tokens": 5, "messages": ASK, "container": "c1"}, 400, "invalid_request_error", "container"),
+        ({"model": "claude-x", "max_tokens": 5, "messages": ASK}, 404, "not_found_error", "'claude-x'"),
+    ],
+)
+def test_errors_in_anthropics_shape(served, body, status, kind, said):
+    r = httpx.post(f"{served.url}/v1/messages", json={"model": MODEL, **body}, headers={"x-api-key": KEY})
+    assert r.status_code == status
+    error = r.json()
+    assert error["type"] == "error" and error["error"]["type"] == kind and said in error["error"]["message"]
+
+
+def test_the_key_as_x_api_key_and_auto_without_a_parser(served, make_server):
+    wrong = httpx.post(
+        f"{served.url}/v1/messages", json={"max_tokens": 5, "messages": ASK}, headers={"x-api-key": "no"}
+    )
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+    models = httpx.get(f"{served.url}/v1/models", headers={"x-api-key": KEY})
+    assert models.status_code == 200  # (every route takes it)
+    plain = make_server()
+    r = httpx.post(
+        f"{plain.url}/v1/messages", json={"max_tokens": 5, "messages": ASK, "tools": ANTHROPIC_TOOLS}
+    )
+    assert r.status_code == 400 and '{"type": "any"}' in r.json()["error"]["message"]
