@@ -258,7 +258,14 @@ class MessagesRequest(_Strict):
         return "output_config.format.schema" if self._format is not None else None
 
     def template_options(self) -> dict:
-        return {"add_generation_prompt": True, "tools": _template_tools(self.tool_view.tools)}
+        """apply_chat_template's keyword arguments: the tools too; a last turn of the assistant's is continued (its
+        text the reply's start, Anthropic's prefill: the reply is what follows it)."""
+        prefill = self.messages[-1].role == "assistant"
+        return {
+            "add_generation_prompt": not prefill,
+            "continue_final_message": prefill,
+            "tools": _template_tools(self.tool_view.tools),
+        }
 
     def system_text(self) -> str | None:
         if self.system is None or isinstance(self.system, str):

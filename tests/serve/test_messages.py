@@ -303,3 +303,23 @@ def test_the_key_as_x_api_key_and_auto_without_a_parser(served, make_server):
         f"{plain.url}/v1/messages", json={"max_tokens": 5, "messages": ASK, "tools": ANTHROPIC_TOOLS}
     )
     assert r.status_code == 400 and '{"type": "any"}' in r.json()["error"]["message"]
+
+
+def test_a_last_assistant_turn_is_the_replys_start(served, client, monkeypatch):
+    """Anthropic's prefill: the prompt ends inside the assistant's turn, with its text (as the chat route's
+    continue_final_message renders it), and the reply is what follows."""
+    messages = [*ASK, {"role": "assistant", "content": "Sunny in"}]
+    counted = client.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+    twin = httpx.post(
+        f"{served.url}/tokenize",
+        json={"model": MODEL, "messages": messages, "continue_final_message": True},
+        headers={"Authorization": f"Bearer {KEY}"},
+    ).json()
+    assert counted == twin["count"]
+    new_turn = httpx.post(  # (not the turn closed and another opened after it)
+        f"{served.url}/tokenize", json={"model": MODEL, "messages": messages}, headers={"x-api-key": KEY}
+    ).json()
+    assert counted < new_turn["count"]
+    _force(monkeypatch, " Oslo.")
+    reply = client.messages.create(model=MODEL, max_tokens=20, messages=messages)
+    assert _blocks(reply) == [{"type": "text", "text": " Oslo."}] and reply.stop_reason == "end_turn"
