@@ -118,16 +118,22 @@ def make_server():
 def force_responses_reply(monkeypatch, text: str) -> None:
     """The Responses API takes no regex: make its requests' reply `text` (a regex of it, as the chat route's
     structured_outputs gives one), for tests of formats the tiny model does not write by itself."""
+    from kestrel.serve.responses_protocol import ResponsesRequest
+
+    force_reply(monkeypatch, ResponsesRequest, text)
+
+
+def force_reply(monkeypatch, request_class: type, text: str) -> None:
+    """Make the reply of every request of `request_class` (a route's request body) `text`, by a regex of it."""
     import re
 
     from kestrel.engine.sampling_params import StructuredOutputsParams
-    from kestrel.serve.responses_protocol import ResponsesRequest
 
-    made = ResponsesRequest.to_sampling_params
+    made = request_class.to_sampling_params
 
     def forced(self):
         params = made(self)
         params.structured_outputs = StructuredOutputsParams(regex=re.escape(text))
         return params
 
-    monkeypatch.setattr(ResponsesRequest, "to_sampling_params", forced)
+    monkeypatch.setattr(request_class, "to_sampling_params", forced)

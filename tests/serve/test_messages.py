@@ -7,14 +7,14 @@ Anthropic's shape; the key taken as x-api-key."""
 from __future__ import annotations
 
 import json
-import re
 
 import anthropic
 import httpx
 import jsonschema
 import pytest
 
-from tests.serve.conftest import MODEL, RunningServer
+from kestrel.serve.messages_protocol import MessagesRequest
+from tests.serve.conftest import MODEL, RunningServer, force_reply
 from tests.serve.test_tools import SCHEMAS, TOOLS
 
 KEY = "sk-kestrel-test"
@@ -41,17 +41,7 @@ def client(served):
 def _force(monkeypatch, text: str) -> None:
     """The Messages API takes no regex: make its requests' reply `text` (the tiny model writes no tool-call or
     thinking format by itself)."""
-    from kestrel.engine.sampling_params import StructuredOutputsParams
-    from kestrel.serve.messages_protocol import MessagesRequest
-
-    made = MessagesRequest.to_sampling_params
-
-    def forced(self):
-        params = made(self)
-        params.structured_outputs = StructuredOutputsParams(regex=re.escape(text))
-        return params
-
-    monkeypatch.setattr(MessagesRequest, "to_sampling_params", forced)
+    force_reply(monkeypatch, MessagesRequest, text)
 
 
 def _blocks(message) -> list[dict]:
