@@ -28,7 +28,8 @@ Supported:
   object), `prefixItems`, `minItems`, `maxItems`.
 - string: `minLength`, `maxLength` (in characters, an escape counting as one: a surrogate pair written as two
   `\\uXXXX` escapes counts as two), `pattern`, `format` date, time, date-time (RFC 3339, upper-case `T` and
-  `Z`, time with its offset), uuid, email (a simple local@domain.tld form).
+  `Z`, time with its offset), uuid, email (a simple local@domain.tld form), uri (a scheme, then RFC 3986's
+  characters).
   A `pattern` is anchored (one leading `^` and trailing `$` are stripped; JSON Schema would search, and a
   full match is one of the strings a search accepts) and translated to the JSON text of the strings it
   matches: `"` and `\\` are written escaped, classes and `.` lose the characters JSON must escape, `\\d` and
@@ -97,6 +98,8 @@ _FORMATS = {
     "uuid": f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}",
     "email": r"[A-Za-z0-9_%+\-]+(?:\.[A-Za-z0-9_%+\-]+)*@(?:[A-Za-z0-9](?:[A-Za-z0-9\-]*[A-Za-z0-9])?\.)+"
     r"[A-Za-z]{2,}",
+    # RFC 3986: a scheme, then the characters a URI may hold (a tool's `url` argument, as Claude Code's are)
+    "uri": r"[A-Za-z][A-Za-z0-9+.\-]*:[A-Za-z0-9\-._~:/?#\x5b\]@!$&'()*+,;=%]*",
 }
 
 _ANNOTATIONS = frozenset(
