@@ -13,10 +13,12 @@ prefix itself. `thinking` settings are taken, not used: whether a model thinks i
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kestrel.chat_template import check_template_kwargs
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.serve.errors import APIError, bad_request, from_validation_error
 from kestrel.serve.protocol import (
@@ -146,10 +148,11 @@ class MessagesRequest(_Strict):
     """Anthropic's Messages API: `max_tokens` (required), `system`, `messages`, `stop_sequences`, `temperature`,
     `top_p`, `top_k`, `stream`, `tools` and `tool_choice` ("any" and a named tool make the reply calls held to
     their schemas, as the chat route's "required" and named function; "auto", the default where tools are given,
-    needs the server's tool-call parser), `output_config.format` (JSON following a schema) and, beyond
-    Anthropic's fields, `seed`. `metadata`,
-    `thinking`, `service_tier` and `cache_control` are taken, not used; fields for Anthropic's own platform
-    (containers, MCP servers, context management) are refused unless given their neutral value."""
+    needs the server's tool-call parser), `output_config.format` (JSON following a schema; `output_format`, its
+    beta name) and, beyond Anthropic's fields, `seed` and `chat_template_kwargs` (vLLM's: such as
+    `enable_thinking`). `metadata`, `thinking`, `service_tier` and `cache_control` are taken, not used; fields
+    for Anthropic's own platform (containers, MCP servers, context management) are refused unless given their
+    neutral value."""
 
     model: str | None = None
     messages: list[AnthropicMessage]
@@ -161,10 +164,12 @@ class MessagesRequest(_Strict):
     top_p: float | None = None
     top_k: Int | None = None
     seed: Int | None = None  # (an extension, as vLLM's routes take it: a sampled reply made again)
+    chat_template_kwargs: dict[str, Any] | None = None  # (an extension, vLLM's)
     tools: list[dict[str, Any]] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
+    output_format: JsonOutputFormat | None = None  # (its name in Anthropic's structured-outputs beta)
     metadata: dict[str, Any] | None = None
     cache_control: Any = None
     service_tier: Any = None
@@ -176,13 +181,19 @@ class MessagesRequest(_Strict):
 
     def check(self) -> None:
         _refuse_unsupported(self, _NEUTRAL_MESSAGES)
+        try:
+            check_template_kwargs(self.chat_template_kwargs)
+        except ValueError as e:
+            raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None
         if not self.messages:
             raise bad_request("messages must not be empty", param="messages")
         check_tools(self.tool_view)
+        if self.output_format is not None and self.output_config is not None and self.output_config.format:
+            raise bad_request("give one of output_config.format and output_format", param="output_format")
         if self.tool_calls_asked is not None and self._format is not None:
             raise bad_request(
-                "give one of tools (tool_choice asks for calls) and output_config.format",
-                param="output_config.format",
+                f"give one of tools (tool_choice asks for calls) and {self._format_field}",
+                param=self._format_field,
             )
 
     @functools.cached_property
@@ -199,7 +210,7 @@ class MessagesRequest(_Strict):
                 kind, path = block.get("type"), f"messages.{i}.content.{j}"
                 if kind not in allowed:
                     raise bad_request(
-                        f"{path}.type: {kind!r} is not supported in a {m.role} turn by this server; expected one "
+                        f"{path}.type: {kind!r} is not supported in {m.role!r} turns by this server; expected one "
                         f"of {', '.join(map(repr, allowed))}",
                         param=f"{path}.type",
                         code="unsupported_value",
@@ -249,13 +260,17 @@ class MessagesRequest(_Strict):
 
     @property
     def _format(self) -> JsonOutputFormat | None:
-        return self.output_config.format if self.output_config is not None else None
+        return self.output_config.format if self.output_config is not None else self.output_format
+
+    @property
+    def _format_field(self) -> str:
+        return "output_format" if self.output_format is not None else "output_config.format"
 
     @property
     def constraint_field(self) -> str | None:
         if self.tool_calls_asked is not None:
             return "tools"
-        return "output_config.format.schema" if self._format is not None else None
+        return f"{self._format_field}.schema" if self._format is not None else None
 
     def template_options(self) -> dict:
         """apply_chat_template's keyword arguments: the tools too; a last turn of the assistant's is continued (its
@@ -265,6 +280,7 @@ class MessagesRequest(_Strict):
             "add_generation_prompt": not prefill,
             "continue_final_message": prefill,
             "tools": _template_tools(self.tool_view.tools),
+            "chat_template_kwargs": self.chat_template_kwargs,
         }
 
     def system_text(self) -> str | None:
@@ -274,14 +290,16 @@ class MessagesRequest(_Strict):
         return "\n".join(p.text for p in parts)
 
     def chat_messages(self) -> list[dict]:
-        """The conversation the chat template renders: the system prompt first; an assistant turn's text, its
-        thinking as `reasoning_content` and its `tool_use` blocks as tool_calls; a user turn's `tool_result`
-        blocks as tool turns (before its text, as a client sends them first)."""
+        """The conversation the chat template renders: the system prompt first; consecutive turns of one role as
+        one (as Anthropic combines them); an assistant turn's text, its thinking as `reasoning_content` and its
+        `tool_use` blocks as tool_calls; a user turn's `tool_result` blocks as tool turns (before its text, as
+        Anthropic has them first; `is_error` kept beside the result, for templates that read it)."""
         system = self.system_text()
         out = [_template_message("system", system)] if system is not None else []
-        for m, blocks in zip(self.messages, self.blocks):
+        for role, turns in itertools.groupby(zip(self.messages, self.blocks), key=lambda turn: turn[0].role):
+            blocks = [b for _, turn in turns for b in turn]
             texts = [b.text for b in blocks if isinstance(b, TextBlock)]
-            if m.role == "assistant":
+            if role == "assistant":
                 message = _template_message("assistant", "".join(texts))
                 thinking = [b.thinking for b in blocks if isinstance(b, ThinkingBlock)]
                 if thinking:
@@ -291,13 +309,15 @@ class MessagesRequest(_Strict):
                     message["tool_calls"] = calls
                 out.append(message)
                 continue
-            for b in blocks:
-                if isinstance(b, ToolResultBlock):
-                    content = (
-                        b.content if not isinstance(b.content, list) else "\n".join(p.text for p in b.content)
-                    )
-                    out.append({**_template_message("tool", content or ""), "tool_call_id": b.tool_use_id})
-            if texts or not any(isinstance(b, ToolResultBlock) for b in blocks):
+            results = [b for b in blocks if isinstance(b, ToolResultBlock)]
+            for b in results:
+                content = (
+                    b.content if not isinstance(b.content, list) else "\n".join(p.text for p in b.content)
+                )
+                out.append({**_template_message("tool", content or ""), "tool_call_id": b.tool_use_id})
+                if b.is_error:
+                    out[-1]["is_error"] = True
+            if texts or not results:
                 out.append(_template_message("user", "\n".join(texts)))
         return out
 
@@ -307,7 +327,7 @@ class MessagesRequest(_Strict):
             structured = _structured("tools", json=tool_calls_schema(self.tool_view))
         elif self._format is not None:
             structured = _format_constraint(
-                "json_schema", self._format.schema_, "output_config.format", "output_config.format.schema"
+                "json_schema", self._format.schema_, self._format_field, f"{self._format_field}.schema"
             )
         given = {
             "temperature": self.temperature,

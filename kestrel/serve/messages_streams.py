@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
+from pydantic_core import from_json
+
 from kestrel.serve.choice import ChoiceState
 from kestrel.serve.jobs import Job, Server
 from kestrel.serve.messages_protocol import MessagesRequest
 from kestrel.serve.reply import Parsers, Reasoning, ReplyReader
 from kestrel.serve.streams import failure
 from kestrel.serve.tool_parsers import CallArguments, CallBegun, CallEnded, Prose
-from kestrel.serve.tools import call_id, read_tool_calls
+from kestrel.serve.tools import call_id
 from kestrel.serve.tools import finish_reason as tool_finish_reason
 
 
@@ -86,15 +88,15 @@ class _Blocks:
         self.events.append(("content_block_start", {"index": self._open, "content_block": start}))
 
 
-def _input(text: str):
-    """A call's input: the object its JSON text holds (empty text: {}), or the text itself where it is not one."""
-    if not text.strip():
-        return {}
+def _input(text: str) -> dict:
+    """A call's input: the object its JSON text holds, so far where the reply's end cut it (as the SDK reads a
+    stream's partial JSON: a string cut short left out); {} where the text is not an object's (the SDK's stream
+    refuses such a call's deltas: Anthropic's `input` is always an object)."""
     try:
-        value = json.loads(text)
+        value = from_json(text, allow_partial=True)
     except ValueError:
-        return text
-    return value if isinstance(value, dict) else text
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 class _Reader:
@@ -117,11 +119,8 @@ class _Reader:
             b.arguments(self._named_block, piece)
         elif self._any:
             if choice.finished:
-                calls = read_tool_calls(self.req.tool_view, choice.text)
-                if calls is None:  # cut before its JSON ended: no call can be read from it
-                    b.text("text", choice.text)
-                for c in calls or []:
-                    b.arguments(b.call(c["id"], c["function"]["name"]), c["function"]["arguments"])
+                for name, arguments in _any_calls(choice.text):
+                    b.arguments(b.call(call_id(), name), arguments)
         elif self._reader is not None:
             for e in self._reader.read(piece, choice.finished):
                 if isinstance(e, Reasoning):
@@ -138,6 +137,22 @@ class _Reader:
             b.text("text", piece)
         if choice.finished:
             b.close()
+
+
+def _any_calls(text: str) -> list[tuple[str, str]]:
+    """The calls of a reply held to tool_choice any's form (`[{"name": ..., "parameters": {...}}, ...]`): each
+    call's name and its input's JSON; where the reply's end cut the array, the calls begun so far whose name is
+    whole, their input as far as it came (a stream's partial JSON, read as the SDK reads it)."""
+    try:
+        items = from_json(text, allow_partial=True)
+    except ValueError:
+        return []
+    calls = []
+    for item in items if isinstance(items, list) else []:
+        if isinstance(item, dict) and isinstance(item.get("name"), str):
+            arguments = item.get("parameters", {})
+            calls.append((item["name"], json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))))
+    return calls
 
 
 def stop_reason(choice: ChoiceState, calls: int) -> tuple[str | None, str | None]:
@@ -191,25 +206,33 @@ def message_body(server: Server, job: Job, req: MessagesRequest, parsers: Parser
 async def message_stream(
     server: Server, job: Job, req: MessagesRequest, parsers: Parsers | None
 ) -> AsyncIterator[str]:
-    """The reply as Anthropic's events (`event: <type>` and its JSON), each block as it is read."""
+    """The reply as Anthropic's events (`event: <type>` and its JSON), each block as it is read. `message_start`
+    comes with the first output, once the prompt's cached part is known (its usage counted as the last event's)."""
 
     def event(kind: str, data: dict) -> str:
         body = json.dumps({"type": kind, **data}, ensure_ascii=False, separators=(",", ":"))
         return f"event: {kind}\ndata: {body}\n\n"
 
+    def start() -> list[str]:
+        usage = {**message_usage(job), "output_tokens": 0}
+        message = _message(server, job, [], (None, None), usage)
+        return [event("message_start", {"message": message}), event("ping", {})]
+
     try:
-        usage = {"input_tokens": sum(map(len, job.prompts)), "output_tokens": 0}
-        yield event("message_start", {"message": _message(server, job, [], (None, None), usage)})
-        yield event("ping", {})
-        reader = _Reader(req, parsers)
-        for kind, data in reader.blocks.take():
-            yield event(kind, data)
+        reader, started = _Reader(req, parsers), False
         choice = job.choices[0]
         async for _, piece, _, choice in job.events():
+            if not started:
+                started = True
+                for e in start():
+                    yield e
             reader.read(piece, choice)
             for kind, data in reader.blocks.take():
                 yield event(kind, data)
-        reader.blocks.close()  # (a block the last output left open: none, where the engine ended the reply)
+        if not started:  # (no output: the engine ended the reply before its first token)
+            for e in start():
+                yield e
+        reader.blocks.close()  # (a block the last output left open)
         for kind, data in reader.blocks.take():
             yield event(kind, data)
         stop = stop_reason(choice, reader.blocks.calls)

@@ -225,7 +225,10 @@ class _SectionStream(ToolCallStream):
                 self._index = self._begin_call(events, call_id, name)
                 self._state, self._begun = "arguments", False
             else:
-                text, marker = self._until((*self.ARGUMENTS_END, *self.SECTION_END), final)
+                ends = (*self.ARGUMENTS_END, *self.SECTION_END)
+                text, marker = self._until(ends, final)
+                if marker is None and final:  # cut inside a closing marker (its start not the arguments')
+                    text = text[: len(text) - max(partial_tail(text, m) for m in ends)]
                 if not self._begun:
                     text = text.lstrip()
                     self._begun = bool(text)

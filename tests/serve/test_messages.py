@@ -44,8 +44,10 @@ def _force(monkeypatch, text: str) -> None:
     force_reply(monkeypatch, MessagesRequest, text)
 
 
-def _blocks(message) -> list[dict]:
-    return [b.model_dump(exclude_none=True) for b in message.content]
+def _blocks(message, ids: bool = True) -> list[dict]:
+    """The message's content blocks as dicts (`ids` False: a tool_use block's id left out, as ids made here
+    differ between two replies)."""
+    return [b.model_dump(exclude_none=True, exclude=None if ids else {"id"}) for b in message.content]
 
 
 def _events(served, body: dict) -> list[tuple[str, dict]]:
@@ -84,6 +86,11 @@ def test_a_text_reply_whole_and_streamed(served, client):
         assert m.usage.input_tokens + m.usage.cache_read_input_tokens == counted
     assert streamed.usage.cache_read_input_tokens > 0  # (the second time: the prompt's pages were cached)
     events = _events(served, {**kw, "temperature": 0})
+    start = events[0][1]["message"]["usage"]  # (sent with the first output: the cached part known)
+    assert (
+        start["input_tokens"] + start["cache_read_input_tokens"] == counted
+        and start["cache_read_input_tokens"] > 0
+    )
     names = [name for name, _ in events]
     assert names[:3] == ["message_start", "ping", "content_block_start"]
     assert names[-4:] == ["content_block_delta", "content_block_stop", "message_delta", "message_stop"]
@@ -156,8 +163,7 @@ def test_tool_choice_any_and_a_named_tool_give_tool_use_blocks(client, choice):
     whole = client.messages.create(**kw, **seeded)
     with client.messages.stream(**kw, **seeded) as stream:
         streamed = stream.get_final_message()
-    without_ids = [{k: v for k, v in b.items() if k != "id"} for b in _blocks(whole)]
-    assert [{k: v for k, v in b.items() if k != "id"} for b in _blocks(streamed)] == without_ids
+    assert _blocks(streamed, ids=False) == _blocks(whole, ids=False)
     for m in (whole, streamed):
         if m.stop_reason == "max_tokens" and choice["type"] == "any":
             assert [b.type for b in m.content] == ["text"]
@@ -213,18 +219,97 @@ def test_auto_reads_the_models_thinking_and_calls(served, client, monkeypatch):
     assert stops == [0, 1, 2, 3]
 
 
-def test_a_call_cut_by_max_tokens_and_a_stop_sequence(client, monkeypatch):
-    _force(monkeypatch, KIMI_REPLY)
+def test_calls_cut_by_max_tokens_written_wrong_and_a_stop_sequence(client, monkeypatch):
+    """A call the reply's end cut keeps its input as far as it came (an object, as the SDK reads a stream's
+    partial JSON), whole and streamed alike; "any" calls cut too; a call whose arguments are not an object's JSON
+    has input {} (Anthropic's input is always an object); a stop sequence ends the reply and is named."""
     kw = {"model": MODEL, "messages": ASK, "tools": ANTHROPIC_TOOLS}
-    cut = client.messages.create(**kw, max_tokens=len(KIMI_REPLY[: KIMI_REPLY.index("Oslo") + 2].encode()))
-    assert cut.stop_reason == "max_tokens"
-    assert (
-        cut.content[-1].type == "tool_use" and cut.content[-1].input == '{"city":"Os'
-    )  # (the text: no object)
+
+    def both(**more):
+        whole = client.messages.create(**kw, **more)
+        with client.messages.stream(**kw, **more) as stream:
+            streamed = stream.get_final_message()
+        assert _blocks(streamed, ids=False) == _blocks(whole, ids=False)
+        assert streamed.stop_reason == whole.stop_reason
+        return whole
+
+    _force(monkeypatch, KIMI_REPLY)
+    for at, expected in (("Oslo", {}), ('"}', {"city": "Oslo"})):
+        cut = both(
+            max_tokens=len(KIMI_REPLY[: KIMI_REPLY.index(at) + 2].encode())
+        )  # (the tiny model's tokens: bytes)
+        assert cut.stop_reason == "max_tokens"
+        assert cut.content[-1].type == "tool_use" and cut.content[-1].input == expected
+    cut_calls = '[{"name":"get_weather","parameters":{"city":"Rome"}},{"name":"get_time","parameters":{"zo'
+    _force(monkeypatch, cut_calls)
+    calls = both(max_tokens=len(cut_calls), tool_choice={"type": "any"})
+    assert calls.stop_reason == "max_tokens"
+    assert [(b.name, b.input) for b in calls.content] == [("get_weather", {"city": "Rome"}), ("get_time", {})]
+    _force(
+        monkeypatch,
+        "<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{zone: CET}<|tool_call_end|>",
+    )
+    wrong = client.messages.create(**kw, max_tokens=100)
+    assert [(b.type, b.name, b.input) for b in wrong.content] == [("tool_use", "get_time", {})]
     _force(monkeypatch, "Sunny in Oslo today.")
-    stopped = client.messages.create(**kw, max_tokens=50, stop_sequences=["Oslo"])
+    stopped = both(max_tokens=50, stop_sequences=["Oslo"])
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "Oslo"
     assert _blocks(stopped) == [{"type": "text", "text": "Sunny in "}]
+
+
+def test_turns_of_one_role_are_one_and_a_failed_results_flag(served, client):
+    """Consecutive turns of one role render as one (Anthropic combines them); a tool_result's is_error goes to
+    the template beside it."""
+    split = [
+        {"role": "user", "content": "Weather"},
+        {"role": "user", "content": [{"type": "text", "text": "now?"}]},
+    ]
+    counted = client.messages.count_tokens(model=MODEL, messages=split).input_tokens
+    twin = httpx.post(
+        f"{served.url}/tokenize",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Weather\nnow?"}]},
+        headers={"x-api-key": KEY},
+    ).json()
+    assert counted == twin["count"]
+    request = MessagesRequest.model_validate(
+        {
+            "max_tokens": 5,
+            "messages": [
+                *ASK,
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "t", "content": "boom", "is_error": True}
+                    ],
+                },
+            ],
+        }
+    )
+    assert request.chat_messages()[-1] == {
+        "role": "tool",
+        "content": "boom",
+        "tool_call_id": "t",
+        "is_error": True,
+    }
+
+
+def test_output_format_and_chat_template_kwargs(client, make_server):
+    """The reply held to a JSON schema (on a server without a reasoning parser: with one, a thought may come
+    first); chat_template_kwargs taken, the names the renderer sets refused."""
+    plain = anthropic.Anthropic(base_url=make_server().url, api_key="unused", max_retries=0, timeout=120)
+    schema = {"type": "object", "properties": {"sky": {"enum": ["clear", "cloudy"]}}, "required": ["sky"]}
+    for key, value in (("output_config", {"format": {"type": "json_schema", "schema": schema}}),
+                       ("output_format", {"type": "json_schema", "schema": schema})):  # fmt: skip
+        reply = plain.messages.create(model=MODEL, max_tokens=60, messages=ASK, extra_body={key: value})
+        assert reply.stop_reason == "end_turn"
+        jsonschema.validate(json.loads(reply.content[0].text), schema)
+    r = client.messages.count_tokens(model=MODEL, messages=ASK, extra_body={"chat_template_kwargs": {"x": 1}})
+    assert r.input_tokens > 0
+    with pytest.raises(anthropic.BadRequestError, match="chat_template_kwargs.messages"):
+        client.messages.count_tokens(
+            model=MODEL, messages=ASK, extra_body={"chat_template_kwargs": {"messages": 1}}
+        )
 
 
 @pytest.mark.parametrize(

@@ -241,3 +241,12 @@ def test_deepseek_cut_and_unfenced_calls():
     assert bare.calls[0]["function"] == {"name": "f", "arguments": "{}"} and bare.content is None
     code = '{"code": "```py\\nx = 1\\n```"}'  # (newlines escaped, as JSON has them)
     assert v3.parse(f"{head}{code}\n```{CALL_END}{CALLS_END}").calls[0]["function"]["arguments"] == code
+
+
+def test_a_call_cut_inside_its_closing_marker_keeps_no_part_of_it():
+    """(Where a marker is not one token, the reply's end may cut it: its start is not the arguments'.)"""
+    head = "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+    for tail in ("<|tool_call_e", "<|tool_calls_sec", "<"):
+        assert KimiK2Parser().parse(head + '{"a": 1}' + tail).calls[0]["function"]["arguments"] == '{"a": 1}'
+    v3 = DeepSeekV3Parser().parse(f"{CALL_BEGIN}function{SEP}f\n```json\n{{}}\n`")
+    assert v3.calls[0]["function"]["arguments"] == "{}"
