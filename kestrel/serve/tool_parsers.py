@@ -22,7 +22,8 @@ before a call, and after its last, are not content.
 
 Arguments are the model's text as written: its JSON is not held to the function's schema (tool_choice "required"
 or a named function does that, through structured outputs). A Kimi call cut before its arguments began is
-dropped; a Hermes block that is not a call's JSON, or that the reply's end cut, is prose, unless it parses.
+dropped; a Hermes block that is not a call's JSON is prose, and one the reply's end cut is a call with its
+arguments as far as they came where its name is whole (prose otherwise).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
+
+from pydantic_core import from_json
 
 
 @dataclass
@@ -326,7 +329,7 @@ class _HermesStream(ToolCallStream):
             block = self._buffer if at < 0 else self._buffer[:at]
             self._buffer = "" if at < 0 else self._buffer[at + len(self.END) :]
             self._in_call = False
-            call = _hermes_call(block)
+            call = _hermes_call(block, cut=at < 0)
             if call is None:  # not a call's JSON: the block is prose, as written
                 self._prose(events, self.BEGIN + block + (self.END if at >= 0 else ""))
             else:
@@ -336,11 +339,12 @@ class _HermesStream(ToolCallStream):
                 return
 
 
-def _hermes_call(block: str) -> tuple[str, str] | None:
+def _hermes_call(block: str, cut: bool = False) -> tuple[str, str] | None:
     """A block's function name and arguments (compact JSON), or None where it is not `{"name": ..., "arguments":
-    {...}}` (some models write `parameters`)."""
+    {...}}` (some models write `parameters`). `cut`: the reply's end cut the block: its JSON as far as it came
+    (a string cut short left out), a call where its name is whole."""
     try:
-        call = json.loads(block)
+        call = from_json(block, allow_partial=cut)
     except ValueError:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):

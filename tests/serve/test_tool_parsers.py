@@ -141,7 +141,8 @@ def test_kimi_arguments_stream_as_they_come():
 
 def test_a_cut_reply():
     """The reply's end cuts a call: a Kimi call's arguments so far (the call ended at the end), a Kimi call
-    before its arguments dropped; a Hermes block kept as prose unless it parses."""
+    before its arguments dropped; a Hermes block's JSON as far as it came (a string cut short left out), prose
+    where its name is not whole."""
     kimi = KimiK2Parser()
     cut = kimi.parse(
         'Hi<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": '
@@ -150,7 +151,13 @@ def test_a_cut_reply():
     assert kimi.parse("Hi<|tool_calls_section_begin|><|tool_call_begin|>functions.f").calls == []
     hermes = HermesParser()
     assert hermes.parse('<tool_call>{"name": "f", "arguments": {"a": 1}}').calls[0]["function"]["name"] == "f"
-    open_block = 'Hi <tool_call>{"name": "f", "argu'
+    cut = hermes.parse('Hi <tool_call>{"name": "f", "arguments": {"a": [1, 2], "b": "unfini')
+    assert cut.content == "Hi" and cut.calls[0]["function"] == {"name": "f", "arguments": '{"a":[1,2]}'}
+    assert hermes.parse('Hi <tool_call>{"name": "f", "argu').calls[0]["function"] == {
+        "name": "f",
+        "arguments": "{}",
+    }
+    open_block = 'Hi <tool_call>{"name": "get_wea'  # (its name not whole: no call)
     assert hermes.parse(open_block) == read_events([Prose(open_block)])
 
 
