@@ -24,10 +24,10 @@ from kestrel.serve.tools import finish_reason as tool_finish_reason
 
 
 class _Blocks:
-    """A reply's content blocks as they are read: `add` the text or a call's start (a new block where the kind
-    changes, the block before it closed), `close` at the end. `events` collects the stream's events (kind,
-    data) since last taken; `content` the blocks, each call's input its JSON parsed (the model's text where it is
-    not an object's)."""
+    """A reply's content blocks as they are read: `text` (more of a text or thinking block: a new one where the
+    kind changes, the block before it closed), `call` (a tool_use block begun) and its `arguments`, `close` the
+    open block. `take` gives the stream's events (kind, data) since last taken; `content` holds the blocks, each
+    call's input its JSON read at its close (`_input`)."""
 
     def __init__(self):
         self.content: list[dict] = []
