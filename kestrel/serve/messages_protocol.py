@@ -260,7 +260,8 @@ class MessagesRequest(_Strict):
 
     @property
     def _format(self) -> JsonOutputFormat | None:
-        return self.output_config.format if self.output_config is not None else self.output_format
+        given = self.output_config.format if self.output_config is not None else None
+        return given if given is not None else self.output_format
 
     @property
     def _format_field(self) -> str:
