@@ -7,7 +7,8 @@ and the tools the chat route's, so that the tool calls and their parsers are the
 
 Blocks are told apart by their `type` and each is checked against its own kind's fields, so that an image or a
 server tool is refused by name. `cache_control` marks are taken and not needed: the prefix cache finds the shared
-prefix itself. `thinking` settings are taken, not used: whether a model thinks is its own (or its template's).
+prefix itself. `thinking` enabled or disabled reaches the chat template as the switches thinking models' templates
+read (`enable_thinking`, `thinking`); its budget is not held to.
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ class MessagesRequest(_Strict):
     their schemas, as the chat route's "required" and named function; "auto", the default where tools are given,
     needs the server's tool-call parser), `output_config.format` (JSON following a schema; `output_format`, its
     beta name) and, beyond Anthropic's fields, `seed` and `chat_template_kwargs` (vLLM's: such as
-    `enable_thinking`). `metadata`, `thinking`, `service_tier` and `cache_control` are taken, not used; fields
+    `enable_thinking`). `thinking` enabled or disabled is given to the template (`_template_kwargs`); `metadata`,
+    `service_tier` and `cache_control` are taken, not used; fields
     for Anthropic's own platform (containers, MCP servers, context management) are refused unless given their
     neutral value."""
 
@@ -281,8 +283,17 @@ class MessagesRequest(_Strict):
             "add_generation_prompt": not prefill,
             "continue_final_message": prefill,
             "tools": _template_tools(self.tool_view.tools),
-            "chat_template_kwargs": self.chat_template_kwargs,
+            "chat_template_kwargs": self._template_kwargs(),
         }
+
+    def _template_kwargs(self) -> dict | None:
+        """chat_template_kwargs, with `thinking` enabled or disabled given to the templates that switch it
+        (Qwen 3's `enable_thinking`, DeepSeek V3.1's `thinking`; others ignore both) unless the request's own
+        chat_template_kwargs set them."""
+        if self.thinking is None or self.thinking.type == "adaptive":
+            return self.chat_template_kwargs
+        on = self.thinking.type == "enabled"
+        return {"enable_thinking": on, "thinking": on, **(self.chat_template_kwargs or {})}
 
     def system_text(self) -> str | None:
         if self.system is None or isinstance(self.system, str):

@@ -294,10 +294,12 @@ def test_turns_of_one_role_are_one_and_a_failed_results_flag(served, client):
     }
 
 
-def test_output_format_and_chat_template_kwargs(client, make_server):
+def test_output_format_thinking_and_chat_template_kwargs(client, make_server):
     """The reply held to a JSON schema (on a server without a reasoning parser: with one, a thought may come
-    first); chat_template_kwargs taken, the names the renderer sets refused."""
-    plain = anthropic.Anthropic(base_url=make_server().url, api_key="unused", max_retries=0, timeout=120)
+    first); `thinking` enabled or disabled reaches a template that switches on it, unless chat_template_kwargs
+    says otherwise; chat_template_kwargs taken, the names the renderer sets refused."""
+    server = make_server()
+    plain = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
     schema = {"type": "object", "properties": {"sky": {"enum": ["clear", "cloudy"]}}, "required": ["sky"]}
     for key, value in (("output_config", {"format": {"type": "json_schema", "schema": schema}}),
                        ("output_format", {"type": "json_schema", "schema": schema})):  # fmt: skip
@@ -310,6 +312,24 @@ def test_output_format_and_chat_template_kwargs(client, make_server):
         client.messages.count_tokens(
             model=MODEL, messages=ASK, extra_body={"chat_template_kwargs": {"messages": 1}}
         )
+    server.app.state.server.tokenizer.set_chat_template(
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% if enable_thinking is defined %}{{ '<think>' if enable_thinking else '<think></think>' }}{% endif %}"
+    )
+
+    def counted(**body) -> int:
+        return plain.messages.count_tokens(model=MODEL, messages=ASK, **body).input_tokens
+
+    off, on, unsaid = (
+        counted(thinking={"type": "disabled"}),
+        counted(thinking={"type": "enabled", "budget_tokens": 2048}),
+        counted(),
+    )
+    assert unsaid < on < off
+    assert (
+        counted(thinking={"type": "disabled"}, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+        == on
+    )
 
 
 @pytest.mark.parametrize(
