@@ -13,8 +13,10 @@ read (`enable_thinking`, `thinking`); its budget is not held to.
 
 from __future__ import annotations
 
+import base64
 import functools
 import itertools
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -326,7 +328,9 @@ class MessagesRequest(_Strict):
                 content = (
                     b.content if not isinstance(b.content, list) else "\n".join(p.text for p in b.content)
                 )
-                out.append({**_template_message("tool", content or ""), "tool_call_id": b.tool_use_id})
+                out.append(
+                    {**_template_message("tool", content or ""), "tool_call_id": model_id(b.tool_use_id)}
+                )
                 if b.is_error:
                     out[-1]["is_error"] = True
             if texts or not results:
@@ -358,8 +362,37 @@ class MessagesRequest(_Strict):
 
 
 def _call(block: ToolUseBlock) -> dict:
-    """A `tool_use` block as the chat template's tool call (its input as the object it is)."""
-    return {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}}
+    """A `tool_use` block as the chat template's tool call (its input as the object it is; its id the model's
+    own again)."""
+    return {
+        "id": model_id(block.id),
+        "type": "function",
+        "function": {"name": block.name, "arguments": block.input},
+    }
+
+
+# Anthropic's tool_use ids are letters, digits, `_` and `-`; a model's own (Kimi's `functions.NAME:IDX`) is sent
+# as this prefix and its base64url form, and read back as it was (its template writes it beside the result)
+_ANTHROPIC_ID = re.compile(r"[A-Za-z0-9_-]+")
+_ENCODED_ID = "toolu_enc_"
+
+
+def anthropic_id(call_id: str) -> str:
+    """A call's id as Anthropic's pattern allows it: as it is where it fits, else encoded (`model_id` decodes)."""
+    if _ANTHROPIC_ID.fullmatch(call_id) and not call_id.startswith(_ENCODED_ID):
+        return call_id
+    return _ENCODED_ID + base64.urlsafe_b64encode(call_id.encode()).decode().rstrip("=")
+
+
+def model_id(sent: str) -> str:
+    """An id a client sent back (`tool_use.id`, `tool_result.tool_use_id`) as the model wrote it."""
+    if not sent.startswith(_ENCODED_ID):
+        return sent
+    data = sent[len(_ENCODED_ID) :]
+    try:
+        return base64.urlsafe_b64decode(data + "=" * (-len(data) % 4)).decode()
+    except (ValueError, UnicodeDecodeError):
+        return sent
 
 
 def _parse_block(model: type[BaseModel], block, path: str):

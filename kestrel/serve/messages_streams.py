@@ -15,7 +15,7 @@ from pydantic_core import from_json
 
 from kestrel.serve.choice import ChoiceState
 from kestrel.serve.jobs import Job, Server
-from kestrel.serve.messages_protocol import MessagesRequest
+from kestrel.serve.messages_protocol import MessagesRequest, anthropic_id
 from kestrel.serve.reply import Parsers, Reasoning, ReplyReader
 from kestrel.serve.streams import failure
 from kestrel.serve.tool_parsers import CallArguments, CallBegun, CallEnded, Prose
@@ -128,7 +128,7 @@ class _Reader:
                 elif isinstance(e, Prose):
                     b.text("text", e.text)
                 elif isinstance(e, CallBegun):
-                    self._calls[e.index] = b.call(e.id, e.name)
+                    self._calls[e.index] = b.call(anthropic_id(e.id), e.name)
                 elif isinstance(e, CallArguments):
                     b.arguments(self._calls[e.index], e.text)
                 elif isinstance(e, CallEnded):

@@ -24,6 +24,8 @@ ANTHROPIC_TOOLS = [
     for t in TOOLS
 ]
 ASK = [{"role": "user", "content": "Weather and time in Oslo?"}]
+# Kimi's ids (`functions.NAME:IDX`) as the Messages API sends them: Anthropic's ids are letters, digits, _ and -
+KIMI_IDS = ["toolu_enc_ZnVuY3Rpb25zLmdldF93ZWF0aGVyOjA", "toolu_enc_ZnVuY3Rpb25zLmdldF90aW1lOjE"]
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +102,9 @@ def test_a_text_reply_whole_and_streamed(served, client):
 
 
 def test_a_conversation_of_blocks_renders_as_its_chat_twin(served, client):
-    """System blocks, an assistant turn's thinking, text and tool_use, the user's tool_result and text: the
-    prompt the chat route renders for the same conversation (the thinking as reasoning_content)."""
+    """System blocks, an assistant turn's thinking, text and tool_use (its id as the Messages API sent it), the
+    user's tool_result and text: the prompt the chat route renders for the same conversation (the thinking as
+    reasoning_content, the id the model's own)."""
     messages = [
         *ASK,
         {
@@ -109,7 +112,7 @@ def test_a_conversation_of_blocks_renders_as_its_chat_twin(served, client):
             "content": [
                 {"type": "thinking", "thinking": "Two tools.", "signature": ""},
                 {"type": "text", "text": "Checking."},
-                {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {"zone": "CET"}},
+                {"type": "tool_use", "id": KIMI_IDS[1], "name": "get_time", "input": {"zone": "CET"}},
             ],
         },
         {
@@ -117,7 +120,7 @@ def test_a_conversation_of_blocks_renders_as_its_chat_twin(served, client):
             "content": [
                 {
                     "type": "tool_result",
-                    "tool_use_id": "toolu_1",
+                    "tool_use_id": KIMI_IDS[1],
                     "content": [{"type": "text", "text": "12:00"}],
                 },
                 {"type": "text", "text": "And the weather?", "cache_control": {"type": "ephemeral"}},
@@ -137,13 +140,13 @@ def test_a_conversation_of_blocks_renders_as_its_chat_twin(served, client):
             "reasoning_content": "Two tools.",
             "tool_calls": [
                 {
-                    "id": "toolu_1",
+                    "id": "functions.get_time:1",
                     "type": "function",
                     "function": {"name": "get_time", "arguments": '{"zone":"CET"}'},
                 }
             ],
         },
-        {"role": "tool", "tool_call_id": "toolu_1", "content": "12:00"},
+        {"role": "tool", "tool_call_id": "functions.get_time:1", "content": "12:00"},
         {"role": "user", "content": "And the weather?"},
     ]
     twin = httpx.post(
@@ -191,7 +194,8 @@ KIMI_REPLY = (
 
 def test_auto_reads_the_models_thinking_and_calls(served, client, monkeypatch):
     """tool_choice auto (the default with tools): the model's own thinking, prose and calls as thinking, text and
-    tool_use blocks in the order written, whole and streamed alike; its ids the model's own."""
+    tool_use blocks in the order written, whole and streamed alike; its ids the model's own, in the form
+    Anthropic's pattern allows (Kimi's `functions.NAME:IDX` encoded; read back as written: the test above)."""
     _force(monkeypatch, KIMI_REPLY)
     kw = {"model": MODEL, "max_tokens": 300, "messages": ASK, "tools": ANTHROPIC_TOOLS}
     whole = client.messages.create(**kw)
@@ -200,11 +204,11 @@ def test_auto_reads_the_models_thinking_and_calls(served, client, monkeypatch):
         {"type": "text", "text": "Checking."},
         {
             "type": "tool_use",
-            "id": "functions.get_weather:0",
+            "id": KIMI_IDS[0],
             "name": "get_weather",
             "input": {"city": "Oslo"},
         },
-        {"type": "tool_use", "id": "functions.get_time:1", "name": "get_time", "input": {"zone": "CET"}},
+        {"type": "tool_use", "id": KIMI_IDS[1], "name": "get_time", "input": {"zone": "CET"}},
     ]
     assert _blocks(whole) == expected and whole.stop_reason == "tool_use"
     with client.messages.stream(**kw) as stream:
