@@ -38,6 +38,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -81,7 +82,7 @@ log = logging.getLogger("kestrel.serve")
 
 def build_app(
     async_engine: AsyncEngine,
-    served_model_name: str,
+    served_model_name: str | Sequence[str],
     api_key: str | None = None,
     max_request_mb: float = MAX_REQUEST_MB,
     allowed_origins: list[str] | None = None,
@@ -283,9 +284,9 @@ def build_app(
         results = [native_result(server, job, i, req) for i in range(len(job.choices))]
         return JSONResponse(results if req.batched or params.n > 1 else results[0])
 
-    def model_card() -> dict:
+    def model_card(name: str) -> dict:
         return {
-            "id": server.model_name,
+            "id": name,
             "object": "model",
             "created": server.created,
             "owned_by": "kestrel",
@@ -295,12 +296,12 @@ def build_app(
 
     @get("/v1/models", dependencies=auth)
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in server.model_names]}
 
     @get("/v1/models/{model:path}", dependencies=auth)
     async def model(model: str):  # the openai client's models.retrieve(name)
         server.check_model(model)
-        return model_card()
+        return model_card(model)
 
     @get("/health")
     async def health():
@@ -325,6 +326,7 @@ def build_app(
         return {
             "version": KESTREL_VERSION,
             "served_model_name": server.model_name,
+            "served_model_names": list(server.model_names),
             "healthy": async_engine.healthy,
             "device": str(engine.device),
             "dtype": str(engine.model.lm_head.weight.dtype).removeprefix("torch."),

@@ -220,7 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)"
     )
     s.add_argument("--port", type=arg_types.port, default=8000, help="TCP port to listen on")
-    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model names clients may send (vLLM's: one or more, such as the names a client such as Claude "
+        "Code asks for); the first is the one replies report (default: --model)",
+    )
     s.add_argument(
         "--api-key",
         type=arg_types.api_key,

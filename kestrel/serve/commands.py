@@ -203,7 +203,7 @@ def cmd_serve(args) -> int:
     log_level = args.log_level or env_field("log_level")
     # Configured after the engine is built, whose memory plan is printed below rather than logged twice.
     logging.basicConfig(level=log_level.upper(), format="[kestrel] %(levelname)s %(name)s: %(message)s")
-    name = args.served_model_name or args.model
+    names = args.served_model_name or [args.model]
     if args.warmup == "on" or (args.warmup == "auto" and engine.device.type == "cuda"):
         print("[kestrel] warming up (kernels compile on first use) ...", file=sys.stderr, flush=True)
         try:
@@ -217,7 +217,7 @@ def cmd_serve(args) -> int:
     async_engine = AsyncEngine(engine)
     app = build_app(
         async_engine,
-        name,
+        names,
         api_key=args.api_key,
         max_request_mb=args.max_request_mb,
         allowed_origins=args.allowed_origins,
@@ -227,7 +227,8 @@ def cmd_serve(args) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"[kestrel] {engine.plan.describe()}", file=sys.stderr)
     print(
-        f"[kestrel] serving {name!r} (layers {engine.model.config.layer_pattern}, device {engine.device}) "
+        f"[kestrel] serving {' / '.join(map(repr, names))} (layers {engine.model.config.layer_pattern}, "
+        f"device {engine.device}) "
         f"at http://{host}:{args.port}/v1{' (API key required)' if args.api_key else ''}",
         file=sys.stderr,
     )

@@ -10,7 +10,7 @@ import hmac
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request
 
@@ -154,25 +154,28 @@ class Server:
     def __init__(
         self,
         engine: AsyncEngine,
-        served_model_name: str,
+        served_model_name: str | Sequence[str],
         api_key: str | None,
         max_request_mb: float = MAX_REQUEST_MB,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
     ):
-        self.engine, self.model_name, self.api_key = engine, served_model_name, api_key
+        # the names a request may give (vLLM's several served names); the first is the one replies report
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+        self.model_names, self.model_name = tuple(names), names[0]
+        self.engine, self.api_key = engine, api_key
         self.tool_parser = tool_parser_named(tool_call_parser)
         self.reasoning_parser = reasoning_parser_named(reasoning_parser)
         self.max_request_mb = max_request_mb
         self.tokenizer = engine.engine.tokenizer
-        self.metrics = ServerMetrics(engine.stats, served_model_name)
+        self.metrics = ServerMetrics(engine.stats, self.model_name)
         self.created = int(time.time())
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name not in self.model_names:
             raise APIError(
                 404,
-                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                f"the model {name!r} does not exist; this server serves {' or '.join(map(repr, self.model_names))}",
                 param="model",
                 code="model_not_found",
             )

@@ -41,6 +41,7 @@ class RunningServer:
         allowed_origins: list[str] | None = None,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        served_model_names: list[str] | None = None,
         **engine_kw,
     ):
         engine_kw.setdefault("page_size", 16)
@@ -49,7 +50,7 @@ class RunningServer:
         self.async_engine = AsyncEngine(self.engine)
         app = build_app(
             self.async_engine,
-            MODEL,
+            served_model_names or MODEL,
             api_key=api_key,
             max_request_mb=max_request_mb,
             allowed_origins=allowed_origins,

@@ -390,18 +390,29 @@ def test_errors_in_anthropics_shape(served, body, status, kind, said):
     assert error["type"] == "error" and error["error"]["type"] == kind and said in error["error"]["message"]
 
 
-def test_the_key_as_x_api_key_and_auto_without_a_parser(served, make_server):
+def test_the_key_as_x_api_key_auto_without_a_parser_and_more_names(served, make_server):
     wrong = httpx.post(
         f"{served.url}/v1/messages", json={"max_tokens": 5, "messages": ASK}, headers={"x-api-key": "no"}
     )
     assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
     models = httpx.get(f"{served.url}/v1/models", headers={"x-api-key": KEY})
     assert models.status_code == 200  # (every route takes it)
-    plain = make_server()
+    plain = make_server(
+        served_model_names=[MODEL, "claude-haiku-4-5"]
+    )  # (the name Claude Code's side tasks ask)
     r = httpx.post(
         f"{plain.url}/v1/messages", json={"max_tokens": 5, "messages": ASK, "tools": ANTHROPIC_TOOLS}
     )
     assert r.status_code == 400 and '{"type": "any"}' in r.json()["error"]["message"]
+    ask = {"model": "claude-haiku-4-5", "max_tokens": 3, "messages": ASK}
+    reply = httpx.post(f"{plain.url}/v1/messages", json=ask).json()
+    assert reply["type"] == "message" and reply["model"] == MODEL  # (replies name the first)
+    assert [m["id"] for m in httpx.get(f"{plain.url}/v1/models").json()["data"]] == [
+        MODEL,
+        "claude-haiku-4-5",
+    ]
+    missing = httpx.post(f"{plain.url}/v1/messages", json={**ask, "model": "claude-opus"})
+    assert missing.status_code == 404 and "'tiny' or 'claude-haiku-4-5'" in missing.json()["error"]["message"]
 
 
 def test_a_last_assistant_turn_is_the_replys_start(served, client, monkeypatch):
