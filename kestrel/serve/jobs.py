@@ -304,7 +304,7 @@ class Server:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
-            scheme, token = "bearer", request.headers.get("x-api-key", "")
+            token = request.headers.get("x-api-key", "")
         if not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise APIError(
                 401,
