@@ -21,7 +21,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kestrel.chat_template import check_template_kwargs
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.serve.errors import APIError, bad_request, from_validation_error
 from kestrel.serve.protocol import (
@@ -30,6 +29,7 @@ from kestrel.serve.protocol import (
     Int,
     NamedFunction,
     NamedToolChoice,
+    _check_template_kwargs,
     _FieldError,
     _format_constraint,
     _refuse_unsupported,
@@ -185,10 +185,7 @@ class MessagesRequest(_Strict):
 
     def check(self) -> None:
         _refuse_unsupported(self, _NEUTRAL_MESSAGES)
-        try:
-            check_template_kwargs(self.chat_template_kwargs)
-        except ValueError as e:
-            raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None
+        _check_template_kwargs(self.chat_template_kwargs)
         if not self.messages:
             raise bad_request("messages must not be empty", param="messages")
         check_tools(self.tool_view)

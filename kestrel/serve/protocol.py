@@ -314,6 +314,14 @@ class _SamplingFields(_Strict):
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
+def _check_template_kwargs(kwargs: dict | None) -> None:
+    """chat_template_kwargs' flaws as 400s naming the key."""
+    try:
+        check_template_kwargs(kwargs)
+    except ValueError as e:
+        raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None
+
+
 class _ChatTemplateFields(_Strict):
     """vLLM's chat-template options: `add_generation_prompt` (the assistant's turn opened; true unless given),
     `continue_final_message` (the last message left open for the model to go on with) and `chat_template_kwargs`
@@ -331,10 +339,7 @@ class _ChatTemplateFields(_Strict):
                 "continue_final_message and add_generation_prompt cannot both be true",
                 param="continue_final_message",
             )
-        try:
-            check_template_kwargs(self.chat_template_kwargs)
-        except ValueError as e:
-            raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None
+        _check_template_kwargs(self.chat_template_kwargs)
 
     def template_options(self) -> dict:
         """apply_chat_template's keyword arguments."""
