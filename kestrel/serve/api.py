@@ -61,7 +61,7 @@ from kestrel.serve.protocol import (
     TokenizeRequest,
     parse,
 )
-from kestrel.serve.reply import read_reply
+from kestrel.serve.reply import Parsers, read_reply
 from kestrel.serve.responses_protocol import ResponsesRequest
 from kestrel.serve.responses_streams import response_body, responses_stream
 from kestrel.serve.streams import (
@@ -126,16 +126,22 @@ def build_app(
             raise bad_request(str(e), param=param) from None
         return await server.encode_off_loop([text], param)
 
+    async def chat_job(req, tools, names: dict[str, str], param: str = "messages") -> tuple[Job, Parsers]:
+        """A conversation's request (chat, Responses, Messages) as its job, and the parsers that read its reply
+        (`tools`: the request's tools as the chat route's): its prompt rendered and seen, its sampling params
+        made; `names`: the request's names for the engine's fields, `param` the one that holds the messages."""
+        parsers = server.parsers(req, tools)
+        prompt = await chat_prompt(req.chat_messages(), req.template_options(), param)
+        server.see_prompt(parsers, prompt[0])
+        params = await server.sampling_params(req, names, parsers)
+        return Job(server, prompt, params, field_names=names), parsers
+
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):
         req = parse(ChatCompletionRequest, await server.read_body(request))
         server.check_model(req.model)
-        parsers = server.parsers(req, req)
         names = {"prompt": "messages", "max_tokens": req.max_tokens_field}
-        prompt = await chat_prompt(req.chat_messages(), req.template_options())
-        server.see_prompt(parsers, prompt[0])
-        params = await server.sampling_params(req, names, parsers)
-        job = Job(server, prompt, params, field_names=names)
+        job, parsers = await chat_job(req, req, names)
         if req.stream:
             return sse(chat_stream(server, job, req, parsers))
         if not await _finish_unless_disconnected(request, job):
@@ -177,13 +183,9 @@ def build_app(
     async def responses(request: Request):
         req = parse(ResponsesRequest, await server.read_body(request))
         server.check_model(req.model)
-        parsers = server.parsers(req, req.tool_view)
-        names = {"prompt": "input", "max_tokens": "max_output_tokens"}
         created = int(time.time())
-        prompt = await chat_prompt(req.chat_messages(), req.template_options(), "input")
-        server.see_prompt(parsers, prompt[0])
-        params = await server.sampling_params(req, names, parsers)
-        job = Job(server, prompt, params, field_names=names)
+        names = {"prompt": "input", "max_tokens": "max_output_tokens"}
+        job, parsers = await chat_job(req, req.tool_view, names, "input")
         if req.stream:
             return sse(responses_stream(server, job, req, created, parsers))
         if not await _finish_unless_disconnected(request, job):
@@ -194,12 +196,7 @@ def build_app(
     async def messages(request: Request):
         req = parse(MessagesRequest, await server.read_body(request))
         server.check_model(req.model)
-        parsers = server.parsers(req, req.tool_view)
-        names = {"prompt": "messages", "stop": "stop_sequences"}
-        prompt = await chat_prompt(req.chat_messages(), req.template_options())
-        server.see_prompt(parsers, prompt[0])
-        params = await server.sampling_params(req, names, parsers)
-        job = Job(server, prompt, params, field_names=names)
+        job, parsers = await chat_job(req, req.tool_view, {"prompt": "messages", "stop": "stop_sequences"})
         if req.stream:
             return sse(message_stream(server, job, req, parsers))
         if not await _finish_unless_disconnected(request, job):

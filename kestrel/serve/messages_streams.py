@@ -18,9 +18,9 @@ from kestrel.serve.jobs import Job, Server
 from kestrel.serve.messages_protocol import MessagesRequest, anthropic_id
 from kestrel.serve.reply import Parsers, Reasoning, ReplyReader
 from kestrel.serve.streams import failure
-from kestrel.serve.tool_parsers import CallArguments, CallBegun, CallEnded, Prose
-from kestrel.serve.tools import call_id
+from kestrel.serve.tool_parsers import CallArguments, CallBegun, CallEnded, Prose, call_id
 from kestrel.serve.tools import finish_reason as tool_finish_reason
+from kestrel.serve.tools import read_tool_calls
 
 
 class _Blocks:
@@ -119,8 +119,9 @@ class _Reader:
             b.arguments(self._named_block, piece)
         elif self._any:
             if choice.finished:
-                for name, arguments in _any_calls(choice.text):
-                    b.arguments(b.call(call_id(), name), arguments)
+                # (cut before its JSON ended: the calls begun, as far as they came)
+                for c in read_tool_calls(self.req.tool_view, choice.text, partial=True):
+                    b.arguments(b.call(c["id"], c["function"]["name"]), c["function"]["arguments"])
         elif self._reader is not None:
             for e in self._reader.read(piece, choice.finished):
                 if isinstance(e, Reasoning):
@@ -137,22 +138,6 @@ class _Reader:
             b.text("text", piece)
         if choice.finished:
             b.close()
-
-
-def _any_calls(text: str) -> list[tuple[str, str]]:
-    """The calls of a reply held to tool_choice any's form (`[{"name": ..., "parameters": {...}}, ...]`): each
-    call's name and its input's JSON; where the reply's end cut the array, the calls begun so far whose name is
-    whole, their input as far as it came (a stream's partial JSON, read as the SDK reads it)."""
-    try:
-        items = from_json(text, allow_partial=True)
-    except ValueError:
-        return []
-    calls = []
-    for item in items if isinstance(items, list) else []:
-        if isinstance(item, dict) and isinstance(item.get("name"), str):
-            arguments = item.get("parameters", {})
-            calls.append((item["name"], json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))))
-    return calls
 
 
 def stop_reason(choice: ChoiceState, calls: int) -> tuple[str | None, str | None]:

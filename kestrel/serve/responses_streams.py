@@ -14,8 +14,8 @@ from kestrel.serve.jobs import Job, Server
 from kestrel.serve.reply import Parsers, Reasoning, ReplyReader
 from kestrel.serve.responses_protocol import ResponsesRequest
 from kestrel.serve.streams import failure
-from kestrel.serve.tool_parsers import CallArguments, CallBegun, CallEnded, Prose
-from kestrel.serve.tools import call_id, read_tool_calls
+from kestrel.serve.tool_parsers import CallArguments, CallBegun, CallEnded, Prose, call_id
+from kestrel.serve.tools import read_tool_calls
 
 
 def response_body(

@@ -17,9 +17,9 @@ from kestrel.serve.errors import error_body
 from kestrel.serve.jobs import Job, Server
 from kestrel.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from kestrel.serve.reply import Parsers, Reasoning, ReplyEvent, ReplyReader
-from kestrel.serve.tool_parsers import CallArguments, CallBegun, Prose
-from kestrel.serve.tools import call_id, read_tool_calls
+from kestrel.serve.tool_parsers import CallArguments, CallBegun, Prose, call_id
 from kestrel.serve.tools import finish_reason as tool_finish_reason
+from kestrel.serve.tools import read_tool_calls
 
 log = logging.getLogger("kestrel.serve")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -134,6 +134,11 @@ class ToolCallStream(ABC):
         return at
 
 
+def call_id() -> str:
+    """A call id made here (OpenAI's form), for formats whose calls carry none."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def first_marker(text: str, markers: tuple[str, ...], final: bool) -> tuple[int, str | None]:
     """Where the first of `markers` starts in `text`, and which; where none is found, how much of the text can be
     read (all but a tail that may be a marker's start, all where `final`) and None."""
@@ -279,7 +284,7 @@ class _DeepSeekV3Stream(_SectionStream):
     ARGUMENTS_END = (CALL_END, "\n```")
 
     def _header(self, header: str) -> tuple[str, str]:
-        return f"call_{uuid.uuid4().hex[:24]}", header.rpartition(self.SEPARATOR)[2].strip()
+        return call_id(), header.rpartition(self.SEPARATOR)[2].strip()
 
 
 class _DeepSeekV31Stream(_DeepSeekV3Stream):
@@ -288,7 +293,7 @@ class _DeepSeekV31Stream(_DeepSeekV3Stream):
     ARGUMENTS_END = (_DeepSeekV3Stream.CALL_END,)
 
     def _header(self, header: str) -> tuple[str, str]:
-        return f"call_{uuid.uuid4().hex[:24]}", header
+        return call_id(), header
 
 
 class DeepSeekV3Parser(ToolCallParser):
@@ -333,7 +338,7 @@ class _HermesStream(ToolCallStream):
             if call is None:  # not a call's JSON: the block is prose, as written
                 self._prose(events, self.BEGIN + block + (self.END if at >= 0 else ""))
             else:
-                index = self._begin_call(events, f"call_{uuid.uuid4().hex[:24]}", call[0])
+                index = self._begin_call(events, call_id(), call[0])
                 events += [CallArguments(index, call[1]), CallEnded(index, cut=at < 0)]
             if at < 0:
                 return

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic_core import from_json
+
 from kestrel.engine.sampling_params import StructuredOutputsParams
 from kestrel.serve.errors import bad_request
-from kestrel.serve.tool_parsers import ToolCallParser
+from kestrel.serve.tool_parsers import ToolCallParser, call_id
 
 # OpenAI's rule for a function's name
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -157,22 +158,28 @@ def tool_calls_schema(req) -> dict:
     return calls
 
 
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def read_tool_calls(req, text: str, ids: list[str] | None = None) -> list[dict] | None:
+def read_tool_calls(req, text: str, ids: list[str] | None = None, partial: bool = False) -> list[dict] | None:
     """The reply's tool calls as OpenAI's message holds them, or None where none can be read (a "required" reply
-    cut before its JSON ended). `ids`: the calls' ids where a stream already gave them."""
+    cut before its JSON ended). `ids`: the calls' ids where a stream already gave them. `partial`: such a cut
+    reply gives the calls begun whose name is whole, their arguments as far as they came (as the SDKs read a
+    stream's partial JSON), not None."""
     if req.tool_choice != "required":
         name = req.tool_choice.function.name
         return [_call(ids[0] if ids else call_id(), name, text)]
     try:
-        items = json.loads(text)
+        items = from_json(text, allow_partial=True) if partial else json.loads(text)
     except ValueError:
-        return None
+        return [] if partial else None
+    if partial:
+        items = (
+            [i for i in items if isinstance(i, dict) and isinstance(i.get("name"), str)]
+            if isinstance(items, list)
+            else []
+        )
     return [
-        _call(ids[i] if ids and i < len(ids) else call_id(), item["name"], _compact(item["parameters"]))
+        _call(
+            ids[i] if ids and i < len(ids) else call_id(), item["name"], _compact(item.get("parameters", {}))
+        )
         for i, item in enumerate(items)
     ]
 
